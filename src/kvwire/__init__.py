@@ -1,0 +1,1 @@
+"""kvwire: KV-cache connectors for LLM inference engines, built through dependency injection."""

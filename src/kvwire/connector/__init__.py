@@ -1,0 +1,1 @@
+"""The connector interface and the records the engine exchanges with connectors."""

@@ -1,0 +1,1 @@
+"""The connectors kvwire ships. Each is imported only when it is resolved."""

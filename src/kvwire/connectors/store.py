@@ -1,0 +1,51 @@
+"""Where a store-backed connector keeps its encoded blocks.
+
+A :class:`BlockStore` is a key-value store of whole entries (header plus
+payload, see :mod:`kvwire.connectors.block_format`): a directory shared by
+engines, a Redis/Valkey server. The connector owns the staging buffers and
+the threads; a store only moves bytes between those buffers and its medium,
+in batches, and reports failures per key instead of raising, so that one bad
+entry or a dead server never reaches the engine as an exception.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+
+class BlockStore(abc.ABC):
+    """A medium for encoded KV blocks, addressed by string keys.
+
+    Implementations must be safe to call from several threads at once and
+    from several processes sharing the medium.
+    """
+
+    #: Short name of the medium, used in stats and events ("disk", "redis").
+    medium: str = "store"
+
+    @abc.abstractmethod
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are present consecutively.
+
+        An unreachable medium counts as 0 (a miss), never as an error.
+        """
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        """Store each entry under its key; True where it is now stored whole.
+
+        A reader must see a whole entry or none, even if the writer dies
+        mid-way.
+        """
+
+    @abc.abstractmethod
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Read each key's entry into its buffer; the bytes read, or None on a miss/failure.
+
+        A buffer is at least one entry long; an entry longer than its buffer
+        is a failure (None), never a partial read.
+        """
+
+    def close(self) -> None:
+        """Release connections and file handles."""
