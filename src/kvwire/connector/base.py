@@ -50,6 +50,14 @@ class KVConnectorMetadata:
 HMAResolver = Callable[["KVTransferConfig"], bool]
 """Answers "does the connector this config names support HMA?" through the registry."""
 
+ConnectorBuilder = Callable[["EngineConfig", "KVConnectorRole", "KVCacheConfig"], "KVConnectorBase"]
+"""Builds the connector a (child) engine config names, through the same registry.
+
+A composite connector declares a keyword-only ``connector_builder`` constructor
+parameter; whoever builds it (the container, ``KVConnectorFactory``) passes one,
+so the children honour provider overrides, module paths and entry points.
+"""
+
 
 class KVConnectorBase(abc.ABC):
     """The base every KV connector derives from.

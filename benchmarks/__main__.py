@@ -1,0 +1,38 @@
+"""Run every benchmark: ``python -m benchmarks [--quick] [--only NAME ...]``.
+
+Each benchmark module exposes ``run(output_dir, quick) -> dict`` and writes its
+own JSON (and plot) into ``output_dir``; this collects them in one summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import sys
+
+BENCHMARKS = ("engine", "connectors", "redis")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    parser.add_argument(
+        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    )
+    args = parser.parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for name in args.only:
+        module = importlib.import_module(f"benchmarks.{name}")
+        print(f"== {name}", flush=True)
+        summary[name] = module.run(args.output_dir, args.quick)
+    (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
