@@ -1,0 +1,224 @@
+"""Settings of the Redis/Valkey block store, read from ``kv_connector_extra_config``.
+
+Every key is validated up front, and every problem is reported at once, by
+its dotted name (``kv_connector_extra_config.ttl_seconds``) with what would
+be accepted. Passwords are never echoed: they are kept out of reprs, and
+:meth:`RedisStoreSettings.redact` blanks them in any text meant for a person.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import attrs
+
+import redis
+
+EXTRA_CONFIG = "kv_connector_extra_config"
+_SCHEMES = ("redis", "rediss", "unix")
+_URL_QUERY_KEYS = ("db", "username", "password")
+_REDACTED = "***"
+
+
+class RedisSettingsError(ValueError):
+    """Bad Redis settings; the message names every key at fault and what is accepted."""
+
+
+@attrs.frozen(kw_only=True)
+class RedisStoreSettings:
+    """Where the Redis/Valkey server is and how the store talks to it.
+
+    Built from ``kv_connector_extra_config`` by :meth:`from_extra_config`,
+    which validates every key. ``password`` is kept out of the repr; use
+    ``display_url`` and :meth:`redact` for anything shown to a person. All
+    attributes are read-only.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: str | None = attrs.field(default=None, repr=False)
+    db: int | None = None
+    key_prefix: str = "kvwire:"
+    ttl_seconds: int | None = None
+    pool_size: int = 8
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    batch_size: int = 16
+    batch_bytes: int = 64 * 1024 * 1024
+    lookup_batch_size: int = 64
+    retry_interval_s: float = 1.0
+    warning_interval_s: float = 30.0
+    tls_ca_certs: str | None = None
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    tls_verify: bool = True
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The ``kv_connector_extra_config`` keys these settings read."""
+        return (*(field.name for field in attrs.fields(cls)), "password_env")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> RedisStoreSettings:
+        """Validate the Redis keys of ``extra`` (others are left to the caller).
+
+        Raises :class:`RedisSettingsError` listing every bad key.
+        """
+        problems: list[str] = []
+        values: dict[str, Any] = {}
+        for field in attrs.fields(cls):
+            if field.name not in extra:
+                continue
+            value = extra[field.name]
+            problem = _check_value(field.name, value, field.default)
+            if problem:
+                problems.append(
+                    f"{EXTRA_CONFIG}.{field.name}: {problem}, got {_shown(field.name, value)}"
+                )
+            else:
+                values[field.name] = float(value) if field.name.endswith("_s") else value
+        password_env = extra.get("password_env")
+        if password_env is not None:
+            if not isinstance(password_env, str) or not password_env:
+                problems.append(
+                    f"{EXTRA_CONFIG}.password_env: expected the name of an environment "
+                    f"variable holding the password, got {password_env!r}"
+                )
+            elif "password" in extra:
+                problems.append(
+                    f"{EXTRA_CONFIG}.password_env: give either password or password_env, not both"
+                )
+            elif password_env not in os.environ:
+                problems.append(
+                    f"{EXTRA_CONFIG}.password_env: environment variable {password_env!r} is not set"
+                )
+            else:
+                values["password"] = os.environ[password_env]
+        if "url" in values:
+            problems.extend(_url_problems(values["url"], explicit_db="db" in values))
+        if problems:
+            raise RedisSettingsError("invalid Redis settings:\n  " + "\n  ".join(problems))
+        return cls(**values)
+
+    @property
+    def display_url(self) -> str:
+        """The URL with any password replaced by ``***``: safe to log."""
+        return self.redact(self.url)
+
+    def secrets(self) -> list[str]:
+        parsed = urlparse(self.url)
+        found = [self.password, parsed.password]
+        found.extend(parse_qs(parsed.query).get("password", []))
+        return [secret for secret in found if secret]
+
+    def redact(self, text: str) -> str:
+        """``text`` with every password these settings know of replaced by ``***``."""
+        for secret in sorted(self.secrets(), key=len, reverse=True):
+            text = text.replace(secret, _REDACTED)
+        return text
+
+    def connection_pool_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``redis.BlockingConnectionPool``: URL first, explicit keys win."""
+        kwargs: dict[str, Any] = redis.connection.parse_url(self.url)  # type: ignore[no-untyped-call]
+        kwargs.update(
+            max_connections=self.pool_size,
+            # How long a thread waits for a free pooled connection.
+            timeout=self.socket_timeout_s,
+            socket_timeout=self.socket_timeout_s,
+            socket_connect_timeout=self.connect_timeout_s,
+        )
+        for name in ("username", "password", "db"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.url.startswith("rediss://"):
+            kwargs.update(
+                ssl_ca_certs=self.tls_ca_certs,
+                ssl_certfile=self.tls_certfile,
+                ssl_keyfile=self.tls_keyfile,
+                ssl_cert_reqs="required" if self.tls_verify else "none",
+                ssl_check_hostname=self.tls_verify,
+            )
+        return kwargs
+
+
+_EXPECTED: dict[str, str] = {
+    "url": "a redis://, rediss:// or unix:// URL",
+    "username": "an ACL user name (string) or null",
+    "password": "a string or null",
+    "db": "a database number >= 0 or null",
+    "key_prefix": "a string",
+    "ttl_seconds": "a whole number of seconds > 0, or null for no expiry",
+    "pool_size": "a whole number of connections > 0",
+    "socket_timeout_s": "a number of seconds > 0",
+    "connect_timeout_s": "a number of seconds > 0",
+    "batch_size": "a whole number of blocks per pipeline > 0",
+    "batch_bytes": "a whole number of bytes per pipeline > 0",
+    "lookup_batch_size": "a whole number of keys per lookup pipeline > 0",
+    "retry_interval_s": "a number of seconds > 0",
+    "warning_interval_s": "a number of seconds >= 0",
+    "tls_ca_certs": "a file path or null",
+    "tls_certfile": "a file path or null",
+    "tls_keyfile": "a file path or null",
+    "tls_verify": "true or false",
+}
+
+
+def _check_value(name: str, value: Any, default: Any) -> str | None:
+    """None when ``value`` is acceptable for ``name``, else what would be."""
+    expected = f"expected {_EXPECTED[name]}"
+    if value is None:
+        return None if default is None and name != "url" else expected
+    if name == "tls_verify":
+        return None if isinstance(value, bool) else expected
+    if isinstance(value, bool):
+        return expected
+    if name.endswith("_s"):
+        if not isinstance(value, (int, float)):
+            return expected
+        return None if (value >= 0 if name == "warning_interval_s" else value > 0) else expected
+    if isinstance(default, int) or name in ("db", "ttl_seconds"):
+        if not isinstance(value, int):
+            return expected
+        return None if (value >= 0 if name == "db" else value > 0) else expected
+    return None if isinstance(value, str) else expected
+
+
+def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
+    where = f"{EXTRA_CONFIG}.url"
+    parsed = urlparse(url)
+    if parsed.scheme not in _SCHEMES:
+        return [
+            f"{where}: scheme must be one of redis://, rediss://, unix://, got {parsed.scheme!r}"
+        ]
+    problems = []
+    query = parse_qs(parsed.query)
+    unknown = sorted(set(query) - set(_URL_QUERY_KEYS))
+    if unknown:
+        problems.append(
+            f"{where}: query option(s) {', '.join(unknown)} are not accepted "
+            f"(only {', '.join(_URL_QUERY_KEYS)}; the rest are kv_connector_extra_config keys)"
+        )
+    if parsed.scheme == "unix" and not parsed.path:
+        problems.append(
+            f"{where}: a unix:// URL needs the socket path, e.g. unix:///run/redis.sock"
+        )
+    if parsed.scheme != "unix":
+        if not parsed.hostname:
+            problems.append(f"{where}: no host, e.g. redis://cache.internal:6379/0")
+        try:
+            parsed.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError:
+            problems.append(f"{where}: the port must be a number between 0 and 65535")
+        url_db = parsed.path.strip("/")
+        if url_db and not url_db.isdigit():
+            problems.append(f"{where}: the path must be a database number, got {url_db!r}")
+        if explicit_db and (url_db or "db" in query):
+            problems.append(f"{where}: names a database and so does {EXTRA_CONFIG}.db; keep one")
+    return problems
+
+
+def _shown(name: str, value: Any) -> str:
+    return _REDACTED if name == "password" else repr(value)

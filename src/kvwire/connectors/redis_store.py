@@ -1,0 +1,380 @@
+"""A :class:`~kvwire.connectors.store.BlockStore` on a Redis or Valkey server.
+
+One key per block: ``key_prefix`` + the store key the connector hands over
+(layout fingerprint / block hash); the value is the whole encoded entry
+(header plus payload, see :mod:`kvwire.connectors.block_format`). Redis
+``SET`` is atomic, so a reader sees a whole entry or none.
+
+Every call is pipelined in batches. Values go out zero-copy: a small RESP
+packer hands the staging buffers' memoryviews straight to ``sendall``
+(redis-py's hiredis packer would copy each value twice). Replies are parsed by
+hiredis and copied once into the caller's buffer.
+
+An unreachable or dying server is an *outage*, not an error: lookups count as
+misses, saves are dropped and counted, loads return None (the connector
+reports them as load errors). After a failure the store stays quiet for
+``retry_interval_s`` (so a dead host never stalls the scheduler on connect
+timeouts), then tries again; the connection pool reconnects by itself.
+Warnings are rate-limited. The password never appears in a log line, an
+error or a repr.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+import redis
+from kvwire.connectors.redis_settings import RedisStoreSettings
+from kvwire.connectors.store import BlockStore
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the server cannot be reached right now" (refused, reset,
+# timed out, still loading its data set, authentication lost on reconnect).
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    OSError,
+)
+
+_CRLF = b"\r\n"
+
+
+class _ZeroCopyCommandPacker:
+    """Encodes commands in RESP without copying large values.
+
+    redis-py calls ``pack(*args)`` and ``sendall``s each returned piece in
+    order; a memoryview of a staging buffer is passed through untouched.
+    """
+
+    # Smaller arguments are joined into one piece: fewer syscalls.
+    _INLINE_LIMIT = 16 * 1024
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        # redis-py sends multi-word command names ("CONFIG GET") as one string.
+        first = args[0]
+        words = first.split() if isinstance(first, (str, bytes)) else [first]
+        arguments = (*words, *args[1:])
+        pieces: list[bytes | memoryview] = []
+        head = bytearray(b"*%d\r\n" % len(arguments))
+        for argument in arguments:
+            value: bytes | memoryview
+            if isinstance(argument, memoryview):
+                view = argument if argument.format == "B" else argument.cast("B")
+                value, length = view, view.nbytes
+            else:
+                value = _encode_small(argument)
+                length = len(value)
+            head += b"$%d\r\n" % length
+            if length > self._INLINE_LIMIT:
+                pieces.append(bytes(head))
+                pieces.append(value)
+                head = bytearray(_CRLF)
+            else:
+                head += value
+                head += _CRLF
+        pieces.append(bytes(head))
+        return pieces
+
+
+def _encode_small(argument: Any) -> bytes:
+    if isinstance(argument, bytes):
+        return argument
+    if isinstance(argument, str):
+        return argument.encode()
+    if isinstance(argument, bytearray):
+        return bytes(argument)
+    if isinstance(argument, bool):
+        raise redis.exceptions.DataError("a bool is not a valid Redis argument")
+    if isinstance(argument, (int, float)):
+        return repr(argument).encode()
+    raise redis.exceptions.DataError(f"cannot send a {type(argument).__name__} to Redis")
+
+
+class _OutageTracker:
+    """Knows whether the server is considered down, and rate-limits the warnings."""
+
+    def __init__(self, server: str, retry_interval_s: float, warning_interval_s: float) -> None:
+        self._server = server
+        self._retry_interval_s = retry_interval_s
+        self._warning_interval_s = warning_interval_s
+        self._lock = threading.Lock()
+        self._down = False
+        self._retry_at = 0.0
+        self._next_warning_at = 0.0
+        self._suppressed_warnings = 0
+
+    @property
+    def is_down(self) -> bool:
+        return self._down
+
+    def may_try(self) -> bool:
+        """False while a recent failure says the server is down and it is too early to retry."""
+        return not self._down or time.monotonic() >= self._retry_at
+
+    def failed(self, what: str, error: str) -> None:
+        """The server could not be reached: consider it down until the retry interval passed."""
+        with self._lock:
+            newly_down = not self._down
+            self._down = True
+            self._retry_at = time.monotonic() + self._retry_interval_s
+        self.warn(
+            f"Redis at {self._server} is unavailable ({what}: {error}): lookups miss, saves are "
+            f"dropped and loads fail until it is back; retrying every "
+            f"{self._retry_interval_s:.1f}s",
+            force=newly_down,
+        )
+
+    def warn(self, message: str, *, force: bool = False) -> None:
+        """Log ``message`` unless another warning went out less than the interval ago."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now < self._next_warning_at:
+                self._suppressed_warnings += 1
+                return
+            suppressed, self._suppressed_warnings = self._suppressed_warnings, 0
+            self._next_warning_at = now + self._warning_interval_s
+        if suppressed:
+            message += f" ({suppressed} similar warnings suppressed)"
+        logger.warning(message)
+
+    def succeeded(self) -> None:
+        if not self._down:
+            return
+        with self._lock:
+            if not self._down:
+                return
+            self._down = False
+            self._suppressed_warnings = 0
+        logger.warning("Redis at %s is reachable again; reconnected", self._server)
+
+
+class RedisBlockStore(BlockStore):
+    """Encoded KV blocks in a Redis/Valkey server, one key per block.
+
+    Safe to share between threads (a blocking connection pool of
+    ``settings.pool_size`` connections) and between processes and hosts (the
+    server is the only shared state). ``counters()`` reports what was
+    dropped or failed during outages; ``settings`` is read-only.
+    """
+
+    medium = "redis"
+
+    def __init__(self, settings: RedisStoreSettings) -> None:
+        self._settings = settings
+        self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+            **settings.connection_pool_kwargs(),
+            command_packer=_ZeroCopyCommandPacker(),
+            # One immediate retry on a fresh connection: after a server restart
+            # every pooled connection is stale, and the first use of each fails.
+            retry=Retry(NoBackoff(), 1),
+        )
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._outage = _OutageTracker(
+            settings.display_url, settings.retry_interval_s, settings.warning_interval_s
+        )
+        self._counter_lock = threading.Lock()
+        self._counters: dict[str, int] = {
+            "lookup_failures": 0,
+            "saves_dropped": 0,
+            "saves_rejected": 0,
+            "load_failures": 0,
+            "loads_oversized": 0,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"RedisBlockStore(url={self._settings.display_url!r}, "
+            f"key_prefix={self._settings.key_prefix!r})"
+        )
+
+    @property
+    def settings(self) -> RedisStoreSettings:
+        return self._settings
+
+    @property
+    def is_available(self) -> bool:
+        """False while the last attempt failed (the store is in an outage)."""
+        return not self._outage.is_down
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative failure counters: lookups, dropped/rejected saves, failed loads."""
+        with self._counter_lock:
+            return dict(self._counters)
+
+    def redis_key(self, key: str) -> str:
+        """The server-side name of a store key."""
+        return self._settings.key_prefix + key
+
+    # ------------------------------------------------------------ BlockStore
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        if not keys or not self._outage.may_try():
+            return 0
+        present = 0
+        try:
+            for batch in _batches(len(keys), self._settings.lookup_batch_size):
+                pipeline = self._client.pipeline(transaction=False)
+                for index in batch:
+                    pipeline.exists(self.redis_key(keys[index]))
+                for found in pipeline.execute(raise_on_error=False):
+                    if found != 1:
+                        self._outage.succeeded()
+                        return present
+                    present += 1
+        except _OUTAGE_ERRORS as error:
+            self._on_outage("lookup", error, "lookup_failures", 1)
+            return 0
+        self._outage.succeeded()
+        return present
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(entries):
+            raise ValueError(f"put: {len(keys)} keys but {len(entries)} entries")
+        stored = [False] * len(keys)
+        if not keys:
+            return stored
+        if not self._outage.may_try():
+            self._count("saves_dropped", len(keys))
+            return stored
+        ttl = self._settings.ttl_seconds
+        sizes = [entry.nbytes for entry in entries]
+        for batch in _batches_by_bytes(
+            sizes, self._settings.batch_size, self._settings.batch_bytes
+        ):
+            pipeline = self._client.pipeline(transaction=False)
+            for index in batch:
+                pipeline.set(self.redis_key(keys[index]), entries[index], ex=ttl)
+            try:
+                replies = pipeline.execute(raise_on_error=False)
+            except _OUTAGE_ERRORS as error:
+                unsaved = len(keys) - batch.start
+                self._on_outage("save", error, "saves_dropped", unsaved)
+                return stored
+            rejected: BaseException | None = None
+            for index, reply in zip(batch, replies, strict=True):
+                if isinstance(reply, Exception):
+                    # e.g. OOM under maxmemory with noeviction: this value, not the server.
+                    rejected = reply
+                    self._count("saves_rejected", 1)
+                else:
+                    stored[index] = bool(reply)
+            if rejected is not None:
+                self._outage.warn(
+                    f"Redis at {self._settings.display_url} rejected a save "
+                    f"({_scrub(rejected, self._settings)}); the block is not stored"
+                )
+        self._outage.succeeded()
+        return stored
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
+        sizes_read: list[int | None] = [None] * len(keys)
+        if not keys:
+            return sizes_read
+        if not self._outage.may_try():
+            self._count("load_failures", len(keys))
+            return sizes_read
+        capacities = [buffer.nbytes for buffer in buffers]
+        for batch in _batches_by_bytes(
+            capacities, self._settings.batch_size, self._settings.batch_bytes
+        ):
+            pipeline = self._client.pipeline(transaction=False)
+            for index in batch:
+                pipeline.get(self.redis_key(keys[index]))
+            try:
+                replies = pipeline.execute(raise_on_error=False)
+            except _OUTAGE_ERRORS as error:
+                self._on_outage("load", error, "load_failures", len(keys) - batch.start)
+                return sizes_read
+            for index, value in zip(batch, replies, strict=True):
+                if not isinstance(value, bytes):
+                    continue  # a miss (None) or a per-key error: the caller reports it
+                if len(value) > capacities[index]:
+                    self._count("loads_oversized", 1)
+                    continue
+                buffers[index][: len(value)] = value
+                sizes_read[index] = len(value)
+        self._outage.succeeded()
+        return sizes_read
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys``; how many existed. An outage counts as 0 removed."""
+        if not keys or not self._outage.may_try():
+            return 0
+        try:
+            removed = int(self._client.unlink(*(self.redis_key(key) for key in keys)))
+        except _OUTAGE_ERRORS as error:
+            self._on_outage("delete", error, "lookup_failures", 0)
+            return 0
+        self._outage.succeeded()
+        return removed
+
+    def clear(self) -> int:
+        """Remove every key under this store's prefix; how many. False-free: outages give 0."""
+        if not self._outage.may_try():
+            return 0
+        removed = 0
+        pattern = _glob_escape(self._settings.key_prefix) + "*"
+        try:
+            batch: list[bytes] = []
+            for name in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) == 1000:
+                    removed += int(self._client.unlink(*batch))
+                    batch.clear()
+            if batch:
+                removed += int(self._client.unlink(*batch))
+        except _OUTAGE_ERRORS as error:
+            self._on_outage("clear", error, "lookup_failures", 0)
+            return removed
+        self._outage.succeeded()
+        return removed
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+    # -------------------------------------------------------------- helpers
+
+    def _on_outage(self, what: str, error: BaseException, counter: str, amount: int) -> None:
+        self._count(counter, amount)
+        self._outage.failed(what, _scrub(error, self._settings))
+
+    def _count(self, counter: str, amount: int) -> None:
+        with self._counter_lock:
+            self._counters[counter] += amount
+
+
+def _batches(count: int, batch_size: int) -> Iterator[range]:
+    for start in range(0, count, batch_size):
+        yield range(start, min(start + batch_size, count))
+
+
+def _batches_by_bytes(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[range]:
+    """Consecutive ranges of at most ``max_items`` items and (but for one item) ``max_bytes``."""
+    start = 0
+    while start < len(sizes):
+        end = start + 1
+        total = sizes[start]
+        while end < len(sizes) and end - start < max_items and total + sizes[end] <= max_bytes:
+            total += sizes[end]
+            end += 1
+        yield range(start, end)
+        start = end
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
+
+
+def _scrub(error: BaseException, settings: RedisStoreSettings) -> str:
+    """The error's text, with the password blanked should a server or library echo it."""
+    return settings.redact(f"{type(error).__name__}: {error}")

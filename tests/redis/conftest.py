@@ -1,0 +1,109 @@
+"""Real redis-server processes for the Redis tests, started by pytest-redis.
+
+Two servers run on loopback, each on a free port: ``redis_server`` is shared
+by the tests that only store and load (each test gets its own key prefix and
+a flushed database), ``fault_server`` is the one tests may kill, restart or
+squeeze with ``maxmemory``; its fixture puts it back in order afterwards.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from pytest_redis import factories
+from pytest_redis.executor import RedisExecutor
+
+import redis
+from kvwire.connectors.redis_settings import RedisStoreSettings
+from kvwire.connectors.redis_store import RedisBlockStore
+
+redis_server_process = factories.redis_proc(port=None)
+fault_server_process = factories.redis_proc(port=None)
+
+
+class RedisServer:
+    """Controls one redis-server process started by pytest-redis."""
+
+    def __init__(self, executor: RedisExecutor) -> None:
+        self.executor = executor
+        self._quiet_persistence()
+
+    @property
+    def host(self) -> str:
+        return str(self.executor.host)
+
+    @property
+    def port(self) -> int:
+        return int(self.executor.port)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def unix_socket(self) -> str:
+        return str(self.executor.unixsocket)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, db=0, socket_timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no snapshot, every connection reset."""
+        self.executor.kill()
+
+    def restart(self) -> None:
+        """Start the server again, empty, on the same port."""
+        self.executor.start()
+        self._quiet_persistence()
+
+    def ensure_running(self) -> None:
+        if not self.executor.running():
+            self.restart()
+
+    def set_maxmemory(self, max_bytes: int, policy: str) -> None:
+        client = self.client()
+        client.config_set("maxmemory-policy", policy)
+        client.config_set("maxmemory", max_bytes)
+
+    def reset(self) -> None:
+        client = self.client()
+        client.config_set("maxmemory", 0)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.flushall()
+
+    def _quiet_persistence(self) -> None:
+        # No snapshots: a killed server must come back empty, and disk writes
+        # would only slow the tests down.
+        self.client().config_set("save", "")
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_server_process: RedisExecutor) -> RedisServer:
+    return RedisServer(redis_server_process)
+
+
+@pytest.fixture
+def fault_server(fault_server_process: RedisExecutor) -> Iterator[RedisServer]:
+    """A server the test may kill, restart or limit; restored and emptied afterwards."""
+    server = RedisServer(fault_server_process)
+    server.ensure_running()
+    server.reset()
+    yield server
+    server.ensure_running()
+    server.reset()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A prefix of its own per test, so tests sharing a server never see each other's keys."""
+    return f"kvwire-test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def redis_store(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisBlockStore]:
+    store = RedisBlockStore(RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix))
+    yield store
+    store.clear()
+    store.close()

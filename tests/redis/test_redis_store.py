@@ -1,0 +1,237 @@
+"""RedisBlockStore against a real redis-server: storing, loading, lookups and bad entries."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verify_entry
+from kvwire.connectors.redis_settings import RedisStoreSettings
+from kvwire.connectors.redis_store import RedisBlockStore, _ZeroCopyCommandPacker
+from tests.redis.conftest import RedisServer
+from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
+
+LAYOUT = SMALL_LAYOUT
+
+
+def _buffers(count: int, size: int = LAYOUT.entry_bytes) -> list[memoryview]:
+    return [memoryview(bytearray(size)) for _ in range(count)]
+
+
+def _save(store: RedisBlockStore, indices: list[int]) -> list[bytearray]:
+    entries = [encoded_entry(LAYOUT, index) for index in indices]
+    keys = [LAYOUT.key(block_hash(index)) for index in indices]
+    assert store.put(keys, [memoryview(entry) for entry in entries]) == [True] * len(indices)
+    return entries
+
+
+def test_saved_entries_load_back_bit_exact_into_the_callers_buffers(
+    redis_store: RedisBlockStore,
+) -> None:
+    entries = _save(redis_store, [0, 1, 2])
+    buffers = _buffers(3)
+
+    sizes = redis_store.get_into(store_keys(LAYOUT, 3), buffers)
+
+    assert sizes == [LAYOUT.entry_bytes] * 3
+    for index, (entry, buffer) in enumerate(zip(entries, buffers, strict=True)):
+        assert buffer.tobytes() == bytes(entry)
+        verify_entry(buffer, LAYOUT, block_hash(index))
+
+
+def test_saves_and_loads_larger_than_one_pipeline_batch_round_trip(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    settings = RedisStoreSettings(
+        url=redis_server.url, key_prefix=key_prefix, batch_size=2, batch_bytes=LAYOUT.entry_bytes
+    )
+    store = RedisBlockStore(settings)
+    try:
+        entries = _save(store, list(range(7)))
+        buffers = _buffers(7)
+        assert store.get_into(store_keys(LAYOUT, 7), buffers) == [LAYOUT.entry_bytes] * 7
+        assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_a_missing_key_loads_as_none_and_leaves_its_buffer_untouched(
+    redis_store: RedisBlockStore,
+) -> None:
+    _save(redis_store, [0])
+    buffers = _buffers(2)
+
+    sizes = redis_store.get_into(store_keys(LAYOUT, 2), buffers)
+
+    assert sizes == [LAYOUT.entry_bytes, None]
+    assert buffers[1].tobytes() == bytes(LAYOUT.entry_bytes)
+
+
+def test_an_entry_longer_than_its_buffer_is_a_failure_not_a_partial_read(
+    redis_store: RedisBlockStore,
+) -> None:
+    _save(redis_store, [0])
+    small = _buffers(1, size=LAYOUT.entry_bytes - 1)
+
+    assert redis_store.get_into(store_keys(LAYOUT, 1), small) == [None]
+    assert small[0].tobytes() == bytes(LAYOUT.entry_bytes - 1)
+    assert redis_store.counters()["loads_oversized"] == 1
+
+
+def test_a_short_value_in_the_server_is_caught_by_verify_entry(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    key = LAYOUT.key(block_hash(0))
+    truncated = bytes(encoded_entry(LAYOUT, 0))[: HEADER_SIZE + 10]
+    redis_server.client().set(redis_store.redis_key(key), truncated)
+    buffer = _buffers(1)[0]
+
+    size = redis_store.get_into([key], [buffer])[0]
+
+    assert size == len(truncated)
+    with pytest.raises(CorruptBlockError, match="payload is 10 bytes"):
+        verify_entry(buffer[:size], LAYOUT, block_hash(0))
+
+
+def test_a_byte_flipped_in_the_server_is_caught_by_the_checksum(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    _save(redis_store, [0])
+    key = redis_store.redis_key(LAYOUT.key(block_hash(0)))
+    client = redis_server.client()
+    flipped = bytes([client.getrange(key, HEADER_SIZE + 5, HEADER_SIZE + 5)[0] ^ 0xFF])
+    client.setrange(key, HEADER_SIZE + 5, flipped)
+    buffer = _buffers(1)[0]
+
+    assert redis_store.get_into([LAYOUT.key(block_hash(0))], [buffer]) == [LAYOUT.entry_bytes]
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        verify_entry(buffer, LAYOUT, block_hash(0))
+
+
+def test_a_foreign_value_under_a_block_key_is_caught_by_the_header_check(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    key = LAYOUT.key(block_hash(0))
+    redis_server.client().set(redis_store.redis_key(key), b"not a kvwire block" * 10)
+    buffer = _buffers(1)[0]
+
+    size = redis_store.get_into([key], [buffer])[0]
+
+    assert size is not None
+    with pytest.raises(CorruptBlockError, match="bad magic"):
+        verify_entry(buffer[:size], LAYOUT, block_hash(0))
+
+
+def test_count_prefix_stops_at_the_first_missing_block(redis_store: RedisBlockStore) -> None:
+    _save(redis_store, [0, 1, 3])
+
+    assert redis_store.count_prefix(store_keys(LAYOUT, 4)) == 2
+
+
+def test_count_prefix_spans_several_lookup_batches(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    settings = RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, lookup_batch_size=2)
+    store = RedisBlockStore(settings)
+    try:
+        _save(store, [0, 1, 2, 3, 4, 6])
+        assert store.count_prefix(store_keys(LAYOUT, 7)) == 5
+        assert store.count_prefix(store_keys(LAYOUT, 4)) == 4
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_keys_in_the_server_are_the_prefix_then_fingerprint_then_block_hash(
+    redis_server: RedisServer, redis_store: RedisBlockStore, key_prefix: str
+) -> None:
+    _save(redis_store, [0])
+
+    expected = f"{key_prefix}{LAYOUT.fingerprint_hex}/{block_hash(0).hex()}"
+    assert redis_server.client().exists(expected) == 1
+
+
+def test_entries_expire_after_the_configured_ttl(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    store = RedisBlockStore(
+        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, ttl_seconds=120)
+    )
+    try:
+        _save(store, [0])
+        remaining_ms = redis_server.client().pttl(store.redis_key(LAYOUT.key(block_hash(0))))
+        assert 0 < remaining_ms <= 120_000
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_entries_never_expire_without_a_ttl(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    _save(redis_store, [0])
+
+    assert redis_server.client().ttl(redis_store.redis_key(LAYOUT.key(block_hash(0)))) == -1
+
+
+def test_a_unix_socket_url_reaches_the_same_server(
+    redis_server: RedisServer, redis_store: RedisBlockStore, key_prefix: str
+) -> None:
+    entries = _save(redis_store, [0])
+    over_socket = RedisBlockStore(
+        RedisStoreSettings(url=f"unix://{redis_server.unix_socket}", key_prefix=key_prefix)
+    )
+    try:
+        buffer = _buffers(1)[0]
+        assert over_socket.get_into(store_keys(LAYOUT, 1), [buffer]) == [LAYOUT.entry_bytes]
+        assert buffer.tobytes() == bytes(entries[0])
+    finally:
+        over_socket.close()
+
+
+def test_an_acl_user_with_a_password_can_store_and_load(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    admin = redis_server.client()
+    user = f"kvwire-{key_prefix.split(':')[1]}"
+    admin.acl_setuser(
+        user, enabled=True, passwords=["+acl-secret-1"], keys=["*"], commands=["+@all"]
+    )
+    store = RedisBlockStore(
+        RedisStoreSettings(
+            url=redis_server.url, username=user, password="acl-secret-1", key_prefix=key_prefix
+        )
+    )
+    try:
+        entries = _save(store, [0])
+        buffer = _buffers(1)[0]
+        assert store.get_into(store_keys(LAYOUT, 1), [buffer]) == [LAYOUT.entry_bytes]
+        assert buffer.tobytes() == bytes(entries[0])
+    finally:
+        store.clear()
+        store.close()
+        admin.acl_deluser(user)
+
+
+def test_clear_removes_only_this_prefixs_keys(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    _save(redis_store, [0, 1])
+    redis_server.client().set("someone-else:key", b"kept")
+
+    assert redis_store.clear() == 2
+    assert redis_store.count_prefix(store_keys(LAYOUT, 1)) == 0
+    assert redis_server.client().get("someone-else:key") == b"kept"
+    redis_server.client().delete("someone-else:key")
+
+
+def test_large_values_are_handed_to_the_socket_without_a_copy() -> None:
+    staging = bytearray(1024 * 1024)
+    view = memoryview(staging)
+
+    pieces = _ZeroCopyCommandPacker().pack("SET", "key", view, "EX", 60)
+
+    assert any(isinstance(piece, memoryview) and piece.obj is staging for piece in pieces)
+    wire = b"".join(bytes(piece) for piece in pieces)
+    assert wire.startswith(b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$1048576\r\n")
+    assert wire.endswith(b"\r\n$2\r\nEX\r\n$2\r\n60\r\n")
