@@ -37,7 +37,7 @@ class RedisStoreSettings:
     attributes are read-only.
     """
 
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str = attrs.field(default="redis://127.0.0.1:6379/0", repr=lambda url: repr(_blank(url)))
     username: str | None = None
     password: str | None = attrs.field(default=None, repr=False)
     db: int | None = None
@@ -108,17 +108,12 @@ class RedisStoreSettings:
         """The URL with any password replaced by ``***``: safe to log."""
         return self.redact(self.url)
 
-    def secrets(self) -> list[str]:
-        parsed = urlparse(self.url)
-        found = [self.password, parsed.password]
-        found.extend(parse_qs(parsed.query).get("password", []))
-        return [secret for secret in found if secret]
-
     def redact(self, text: str) -> str:
         """``text`` with every password these settings know of replaced by ``***``."""
-        for secret in sorted(self.secrets(), key=len, reverse=True):
-            text = text.replace(secret, _REDACTED)
-        return text
+        secrets = _url_secrets(self.url)
+        if self.password:
+            secrets.append(self.password)
+        return _blank(text, secrets)
 
     def connection_pool_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``redis.BlockingConnectionPool``: URL first, explicit keys win."""
@@ -218,6 +213,19 @@ def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
         if explicit_db and (url_db or "db" in query):
             problems.append(f"{where}: names a database and so does {EXTRA_CONFIG}.db; keep one")
     return problems
+
+
+def _url_secrets(url: str) -> list[str]:
+    parsed = urlparse(url)
+    found = [parsed.password, *parse_qs(parsed.query).get("password", [])]
+    return [secret for secret in found if secret]
+
+
+def _blank(text: str, secrets: list[str] | None = None) -> str:
+    """``text`` with the URL's passwords (or ``secrets``) replaced by ``***``."""
+    for secret in sorted(_url_secrets(text) if secrets is None else secrets, key=len, reverse=True):
+        text = text.replace(secret, _REDACTED)
+    return text
 
 
 def _shown(name: str, value: Any) -> str:

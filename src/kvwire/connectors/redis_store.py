@@ -128,7 +128,7 @@ class _OutageTracker:
         self.warn(
             f"Redis at {self._server} is unavailable ({what}: {error}): lookups miss, saves are "
             f"dropped and loads fail until it is back; retrying every "
-            f"{self._retry_interval_s:.1f}s",
+            f"{self._retry_interval_s:g}s",
             force=newly_down,
         )
 

@@ -1,0 +1,148 @@
+"""Redis settings from kv_connector_extra_config: defaults, validation, and secrets kept secret."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
+from kvwire.connectors.redis_store import RedisBlockStore
+from tests.redis.conftest import RedisServer
+from tests.redis.entries import SMALL_LAYOUT, store_keys
+
+
+def test_an_empty_extra_config_gives_the_local_server_defaults() -> None:
+    settings = RedisStoreSettings.from_extra_config({})
+
+    assert settings == RedisStoreSettings()
+    assert settings.url == "redis://127.0.0.1:6379/0"
+    assert settings.ttl_seconds is None
+
+
+def test_every_known_key_is_read() -> None:
+    settings = RedisStoreSettings.from_extra_config(
+        {
+            "url": "redis://cache.internal:6380/2",
+            "username": "kv",
+            "password": "pw",
+            "key_prefix": "prod:",
+            "ttl_seconds": 3600,
+            "pool_size": 4,
+            "socket_timeout_s": 1,
+            "connect_timeout_s": 0.5,
+            "batch_size": 8,
+            "batch_bytes": 1 << 20,
+            "lookup_batch_size": 32,
+            "retry_interval_s": 2,
+            "warning_interval_s": 0,
+            "tls_verify": False,
+        }
+    )
+
+    assert settings.ttl_seconds == 3600
+    assert settings.socket_timeout_s == 1.0
+    assert isinstance(settings.socket_timeout_s, float)
+    assert settings.connection_pool_kwargs()["db"] == 2
+    assert settings.connection_pool_kwargs()["host"] == "cache.internal"
+
+
+def test_a_negative_ttl_names_the_key_and_what_is_accepted() -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({"ttl_seconds": -1})
+
+    assert (
+        "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0, "
+        "or null for no expiry, got -1" in str(raised.value)
+    )
+
+
+def test_every_bad_key_is_reported_at_once() -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config(
+            {"pool_size": 0, "socket_timeout_s": "fast", "db": -2, "tls_verify": "yes"}
+        )
+
+    message = str(raised.value)
+    assert "kv_connector_extra_config.pool_size: expected a whole number of connections" in message
+    assert "kv_connector_extra_config.socket_timeout_s: expected a number of seconds > 0" in message
+    assert "kv_connector_extra_config.db: expected a database number >= 0 or null" in message
+    assert "kv_connector_extra_config.tls_verify: expected true or false, got 'yes'" in message
+
+
+def test_a_url_with_another_scheme_is_refused_with_the_accepted_ones() -> None:
+    with pytest.raises(
+        RedisSettingsError, match=r"scheme must be one of redis://, rediss://, unix://"
+    ):
+        RedisStoreSettings.from_extra_config({"url": "http://cache:6379"})
+
+
+def test_a_unix_url_without_a_path_is_refused() -> None:
+    with pytest.raises(RedisSettingsError, match="a unix:// URL needs the socket path"):
+        RedisStoreSettings.from_extra_config({"url": "unix://"})
+
+
+def test_a_database_named_in_both_the_url_and_db_is_refused() -> None:
+    with pytest.raises(RedisSettingsError, match=r"names a database and so does .*\.db; keep one"):
+        RedisStoreSettings.from_extra_config({"url": "redis://h:6379/1", "db": 2})
+
+
+def test_url_query_options_other_than_db_and_credentials_are_refused() -> None:
+    with pytest.raises(RedisSettingsError, match=r"query option\(s\) socket_timeout are not"):
+        RedisStoreSettings.from_extra_config({"url": "redis://h:6379/0?socket_timeout=1"})
+
+
+def test_the_password_can_come_from_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVWIRE_TEST_REDIS_PASSWORD", "from-env")
+
+    settings = RedisStoreSettings.from_extra_config({"password_env": "KVWIRE_TEST_REDIS_PASSWORD"})
+
+    assert settings.password == "from-env"
+
+
+def test_an_unset_password_variable_is_named_in_the_error() -> None:
+    with pytest.raises(
+        RedisSettingsError,
+        match="password_env: environment variable 'KVWIRE_NO_SUCH_VARIABLE' is not set",
+    ):
+        RedisStoreSettings.from_extra_config({"password_env": "KVWIRE_NO_SUCH_VARIABLE"})
+
+
+def test_a_bad_password_value_is_reported_without_echoing_it() -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({"password": 12345678})
+
+    assert "kv_connector_extra_config.password: expected a string or null, got ***" in str(
+        raised.value
+    )
+    assert "12345678" not in str(raised.value)
+
+
+def test_passwords_never_appear_in_the_repr_or_the_display_url() -> None:
+    settings = RedisStoreSettings(url="redis://kv:url-secret@cache:6379/0", password="key-secret")
+
+    shown = repr(settings) + settings.display_url + repr(RedisBlockStore(settings))
+
+    assert "url-secret" not in shown
+    assert "key-secret" not in shown
+    assert settings.display_url == "redis://kv:***@cache:6379/0"
+
+
+def test_a_wrong_password_is_an_outage_whose_warning_does_not_contain_it(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = RedisStoreSettings(
+        url=f"redis://nobody:wrong-secret@{redis_server.host}:{redis_server.port}/0",
+        retry_interval_s=0.001,
+    )
+    store = RedisBlockStore(settings)
+
+    with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_store"):
+        assert store.count_prefix(store_keys(SMALL_LAYOUT, 1)) == 0
+
+    assert not store.is_available
+    assert "is unavailable" in caplog.text
+    assert "wrong-secret" not in caplog.text
+    store.close()

@@ -1,0 +1,175 @@
+"""RedisBlockStore when the server dies, comes back, runs out of memory or evicts keys."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvwire.connectors.block_format import verify_entry
+from kvwire.connectors.redis_settings import RedisStoreSettings
+from kvwire.connectors.redis_store import RedisBlockStore
+from tests.redis.conftest import RedisServer
+from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
+
+LAYOUT = SMALL_LAYOUT
+
+
+def _store(server: RedisServer, **overrides: object) -> RedisBlockStore:
+    settings = RedisStoreSettings(url=server.url, key_prefix="faults:", **overrides)  # type: ignore[arg-type]
+    return RedisBlockStore(settings)
+
+
+def _entries(indices: range) -> list[memoryview]:
+    return [memoryview(encoded_entry(LAYOUT, index)) for index in indices]
+
+
+def _buffers(count: int) -> list[memoryview]:
+    return [memoryview(bytearray(LAYOUT.entry_bytes)) for _ in range(count)]
+
+
+def test_a_dead_server_gives_misses_dropped_saves_and_failed_loads_without_raising(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server, retry_interval_s=0.001)
+    assert store.put(store_keys(LAYOUT, 2), _entries(range(2))) == [True, True]
+    fault_server.kill()
+
+    assert store.count_prefix(store_keys(LAYOUT, 2)) == 0
+    assert store.put(store_keys(LAYOUT, 3), _entries(range(3))) == [False] * 3
+    assert store.get_into(store_keys(LAYOUT, 2), _buffers(2)) == [None, None]
+    assert not store.is_available
+    counters = store.counters()
+    assert counters["saves_dropped"] == 3
+    assert counters["load_failures"] == 2
+    store.close()
+
+
+def test_the_store_reconnects_by_itself_when_the_server_comes_back(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server, retry_interval_s=0.001)
+    assert store.put(store_keys(LAYOUT, 1), _entries(range(1))) == [True]
+    fault_server.kill()
+    assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+
+    fault_server.restart()  # empty: a killed server keeps nothing
+
+    assert store.put(store_keys(LAYOUT, 2), _entries(range(2))) == [True, True]
+    assert store.is_available
+    buffers = _buffers(2)
+    assert store.get_into(store_keys(LAYOUT, 2), buffers) == [LAYOUT.entry_bytes] * 2
+    verify_entry(buffers[1], LAYOUT, block_hash(1))
+    store.close()
+
+
+def test_during_an_outage_the_store_does_not_touch_the_network_until_the_retry_interval(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server, retry_interval_s=3600)
+    fault_server.kill()
+    assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+    fault_server.restart()
+    fault_server.client().set(store.redis_key(store_keys(LAYOUT, 1)[0]), b"present")
+
+    # The server is back, but the store keeps answering "miss" from memory:
+    # a dead remote host must not cost every lookup a connect timeout.
+    assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+    assert store.put(store_keys(LAYOUT, 1), _entries(range(1))) == [False]
+    store.close()
+
+
+def test_outage_warnings_are_rate_limited(
+    fault_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = _store(fault_server, retry_interval_s=0.001, warning_interval_s=3600)
+    fault_server.kill()
+
+    with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_store"):
+        for _ in range(20):
+            store.put(store_keys(LAYOUT, 1), _entries(range(1)))
+            store.count_prefix(store_keys(LAYOUT, 1))
+
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "is unavailable" in warnings[0].getMessage()
+    store.close()
+
+
+def test_the_server_coming_back_is_logged_once(
+    fault_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = _store(fault_server, retry_interval_s=0.001)
+    fault_server.kill()
+    store.count_prefix(store_keys(LAYOUT, 1))
+    fault_server.restart()
+    caplog.clear()
+
+    with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_store"):
+        store.count_prefix(store_keys(LAYOUT, 1))
+        store.count_prefix(store_keys(LAYOUT, 1))
+
+    assert [record.getMessage() for record in caplog.records] == [
+        f"Redis at {fault_server.url} is reachable again; reconnected"
+    ]
+    store.close()
+
+
+def test_a_full_server_without_eviction_rejects_saves_without_raising(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server)
+    used = int(fault_server.client().info("memory")["used_memory"])
+    fault_server.set_maxmemory(used + 64 * 1024, "noeviction")
+    big = LAYOUT.entry_bytes
+    count = (256 * 1024) // big
+
+    stored = store.put(store_keys(LAYOUT, count), _entries(range(count)))
+
+    assert stored[0] is True
+    assert stored[-1] is False
+    assert store.counters()["saves_rejected"] == stored.count(False)
+    assert store.is_available  # a full server is not an outage
+    # Every block the store said it saved loads back whole.
+    saved = stored.index(False)
+    buffers = _buffers(saved)
+    assert store.get_into(store_keys(LAYOUT, saved), buffers) == [big] * saved
+    for index, buffer in enumerate(buffers):
+        verify_entry(buffer, LAYOUT, block_hash(index))
+    store.close()
+
+
+def test_under_an_lru_memory_limit_evicted_blocks_are_misses_and_survivors_load_whole(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server)
+    used = int(fault_server.client().info("memory")["used_memory"])
+    fault_server.set_maxmemory(used + 128 * 1024, "allkeys-lru")
+    count = (512 * 1024) // LAYOUT.entry_bytes
+
+    assert store.put(store_keys(LAYOUT, count), _entries(range(count))) == [True] * count
+
+    buffers = _buffers(count)
+    sizes = store.get_into(store_keys(LAYOUT, count), buffers)
+    assert None in sizes  # the limit forced evictions
+    assert store.count_prefix(store_keys(LAYOUT, count)) == sizes.index(None)
+    for index, (size, buffer) in enumerate(zip(sizes, buffers, strict=True)):
+        if size is not None:
+            verify_entry(buffer, LAYOUT, block_hash(index))
+    store.close()
+
+
+def test_a_key_evicted_between_lookup_and_load_is_a_failed_load(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server)
+    keys = store_keys(LAYOUT, 3)
+    store.put(keys, _entries(range(3)))
+    assert store.count_prefix(keys) == 3
+
+    fault_server.client().delete(store.redis_key(keys[1]))
+    buffers = _buffers(3)
+
+    assert store.get_into(keys, buffers) == [LAYOUT.entry_bytes, None, LAYOUT.entry_bytes]
+    assert buffers[1].tobytes() == bytes(LAYOUT.entry_bytes)
+    store.close()
