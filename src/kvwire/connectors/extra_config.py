@@ -1,0 +1,155 @@
+"""Validation of a connector's ``kv_connector_extra_config``.
+
+Each connector declares the keys it understands as :class:`ExtraConfigKey`
+records; :func:`read_extra_config` checks a user's mapping against them and
+returns the values with defaults filled in. Every error names
+``kv_connector_extra_config.<key>`` and says what would be accepted, and an
+unknown key is an error (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ExtraConfigError(ValueError):
+    """A ``kv_connector_extra_config`` value or key that a connector does not accept."""
+
+
+def parse_size(value: object) -> int | None:
+    """Bytes from an int or a string such as ``"512MiB"`` or ``"2GB"``; None if unreadable."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, str):
+        return None
+    match = _SIZE_PATTERN.match(value)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@attrs.frozen
+class ExtraConfigKey:
+    """One key a connector accepts: its default and how a value is checked.
+
+    ``convert`` returns the accepted value, or None when the value is not
+    acceptable; ``accepted`` describes acceptable values for the error text.
+    """
+
+    name: str
+    default: Any
+    convert: Callable[[Any], Any]
+    accepted: str
+
+
+def size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
+    """A byte count: an int, or a string with a unit ("64MiB", "2GB")."""
+
+    def convert(value: Any) -> int | None:
+        size = parse_size(value)
+        return size if size is not None and size >= minimum else None
+
+    return ExtraConfigKey(
+        name,
+        default,
+        convert,
+        f'a byte count >= {minimum}, as an int or a string such as "512MiB"',
+    )
+
+
+def int_key(name: str, default: int, minimum: int, maximum: int | None = None) -> ExtraConfigKey:
+    def convert(value: Any) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        if value < minimum or (maximum is not None and value > maximum):
+            return None
+        return value
+
+    bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+    return ExtraConfigKey(name, default, convert, f"an integer {bound}")
+
+
+def bool_key(name: str, default: bool) -> ExtraConfigKey:
+    return ExtraConfigKey(
+        name, default, lambda value: value if isinstance(value, bool) else None, "true or false"
+    )
+
+
+def str_key(name: str, default: str | None, required: bool = False) -> ExtraConfigKey:
+    def convert(value: Any) -> str | None:
+        return value if isinstance(value, str) and value else None
+
+    accepted = "a non-empty string" + (" (required)" if required else "")
+    return ExtraConfigKey(name, _REQUIRED if required else default, convert, accepted)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED: Any = _Required()
+
+
+def read_extra_config(
+    connector_name: str, extra_config: Mapping[str, Any], keys: Sequence[ExtraConfigKey]
+) -> dict[str, Any]:
+    """Every declared key's value (checked) or default; raise on any unknown or bad key.
+
+    All problems are collected and reported together, one per line.
+    """
+    known = {key.name: key for key in keys}
+    problems: list[str] = []
+    unknown = sorted(set(extra_config) - set(known))
+    for name in unknown:
+        problems.append(
+            f"kv_connector_extra_config.{name} is not an option of {connector_name}; "
+            f"accepted keys are: {', '.join(sorted(known)) or '(none)'}"
+        )
+    values: dict[str, Any] = {}
+    for key in keys:
+        if key.name not in extra_config:
+            if key.default is _REQUIRED:
+                problems.append(
+                    f"kv_connector_extra_config.{key.name} is required by {connector_name}: "
+                    f"{key.accepted}"
+                )
+            values[key.name] = key.default
+            continue
+        raw = extra_config[key.name]
+        converted = key.convert(raw)
+        if converted is None:
+            problems.append(
+                f"kv_connector_extra_config.{key.name}: {raw!r} is not accepted by "
+                f"{connector_name}; expected {key.accepted}"
+            )
+        values[key.name] = converted
+    if problems:
+        raise ExtraConfigError("\n".join(problems))
+    return values

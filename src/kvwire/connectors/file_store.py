@@ -1,0 +1,251 @@
+"""A :class:`BlockStore` in a directory that several engines share.
+
+One file per entry, named by its key in sharded sub-folders
+(``<root>/<layout fingerprint>/<2 hex digits>/<block hash>``). A writer
+writes a hidden temporary file and renames it into place, so a reader (in any
+process) sees a whole entry or none, even if the writer is killed mid-way.
+Disk full, permission denied or a vanished directory fail the save with a
+rate-limited warning and a counter, never an exception. An optional size cap
+evicts the least recently used entries (reads refresh an entry's mtime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.rate_limited import RateLimitedWarning
+from kvwire.connectors.store import BlockStore
+
+logger = logging.getLogger(__name__)
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
+_TMP_SUFFIX = ".tmp"
+# A temporary file this old belongs to a writer that died; eviction removes it.
+_STALE_TMP_S = 600.0
+# Eviction brings the directory down to this share of the cap, so that it
+# does not run again on the very next write.
+_EVICT_TO = 0.9
+
+_ERROR_KINDS: dict[int, str] = {
+    errno.ENOSPC: "disk_full",
+    errno.EDQUOT: "disk_full",
+    errno.EFBIG: "disk_full",
+    errno.EACCES: "permission_denied",
+    errno.EPERM: "permission_denied",
+    errno.EROFS: "permission_denied",
+    errno.ENOENT: "directory_missing",
+}
+
+
+class DirectoryBlockStore(BlockStore):
+    """Entries as files under ``root``; safe for many threads and processes at once.
+
+    ``fsync`` makes each entry durable before it becomes visible;
+    ``max_bytes`` (0: no cap) bounds the bytes this store keeps under ``root``.
+    """
+
+    medium = "disk"
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False, max_bytes: int = 0):
+        self.root = os.fspath(root)
+        self._fsync = fsync
+        self._max_bytes = max_bytes
+        self._counters = Counters()
+        self._warn = RateLimitedWarning(logger)
+        self._size_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._approx_bytes: int | None = None
+
+    def path_of(self, key: str) -> str:
+        """The file that holds ``key``'s entry."""
+        parts = key.split("/")
+        if not parts or not all(_KEY_PART.match(part) for part in parts):
+            raise ValueError(
+                f"store key {key!r} is not a '/'-separated list of [A-Za-z0-9_-] names"
+            )
+        *folders, name = parts
+        return os.path.join(self.root, *folders, name[:2], name)
+
+    def take_counters(self) -> dict[str, float]:
+        """Failure and eviction counts since the last call."""
+        return self._counters.take()
+
+    # -------------------------------------------------------------- lookups
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        count = 0
+        for key in keys:
+            try:
+                if not os.path.isfile(self.path_of(key)):
+                    break
+            except (OSError, ValueError):
+                break
+            count += 1
+        return count
+
+    # ---------------------------------------------------------------- reads
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        return [self._read(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
+
+    def _read(self, key: str, buffer: memoryview) -> int | None:
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            self._fail("read", key, error)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > len(buffer):
+                return None
+            read = 0
+            while read < size:
+                got = os.readv(fd, [buffer[read:size]])
+                if got == 0:
+                    break
+                read += got
+            if self._max_bytes:
+                # Reads refresh the entry, so eviction is least-recently-used.
+                os.utime(fd)
+            return read
+        except OSError as error:
+            self._fail("read", key, error)
+            return None
+        finally:
+            os.close(fd)
+
+    # --------------------------------------------------------------- writes
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        results = [self._write(key, entry) for key, entry in zip(keys, entries, strict=True)]
+        if self._max_bytes:
+            self._account(sum(len(e) for e, ok in zip(entries, results, strict=True) if ok))
+        return results
+
+    def _write(self, key: str, entry: memoryview) -> bool:
+        try:
+            path = self.path_of(key)
+        except ValueError as error:
+            self._fail("write", key, error)
+            return False
+        folder, name = os.path.split(path)
+        temporary = os.path.join(
+            folder, f".{name}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        )
+        try:
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except FileNotFoundError:
+                # The shard folder is new; the root itself must exist (a vanished
+                # root is an error, not something to recreate silently).
+                if not os.path.isdir(self.root):
+                    raise
+                os.makedirs(folder, exist_ok=True)
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                written = 0
+                while written < len(entry):
+                    written += os.write(fd, entry[written:])
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, path)
+            if self._fsync:
+                self._fsync_folder(folder)
+            return True
+        except OSError as error:
+            # Nothing half-written may remain: the temporary file goes.
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            self._fail("write", key, error)
+            return False
+
+    def _fsync_folder(self, folder: str) -> None:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fail(self, action: str, key: str, error: Exception) -> None:
+        kind = "io_errors"
+        if isinstance(error, OSError) and error.errno is not None:
+            kind = _ERROR_KINDS.get(error.errno, "io_errors")
+            if kind == "directory_missing" and os.path.isdir(self.root):
+                kind = "io_errors"
+        self._counters.add(f"{action}_{kind}")
+        self._warn.warn(
+            f"{action}:{kind}",
+            "shared storage %s: %s of %s failed (%s): %s",
+            self.root,
+            action,
+            key,
+            kind,
+            error,
+        )
+
+    # ------------------------------------------------------------- eviction
+
+    def _account(self, added_bytes: int) -> None:
+        with self._size_lock:
+            if self._approx_bytes is not None:
+                self._approx_bytes += added_bytes
+            over = self._approx_bytes is None or self._approx_bytes > self._max_bytes
+        if over and self._evict_lock.acquire(blocking=False):
+            try:
+                self.evict()
+            finally:
+                self._evict_lock.release()
+
+    def evict(self) -> int:
+        """Bring the directory under its cap, oldest entries first; the bytes it holds.
+
+        The scan also counts what other processes wrote, and removes the
+        temporary files of writers that died.
+        """
+        entries: list[tuple[float, int, str]] = []
+        now = time.time()
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    info = os.stat(path)
+                except OSError:
+                    continue
+                if name.endswith(_TMP_SUFFIX):
+                    if now - info.st_mtime > _STALE_TMP_S:
+                        _unlink_quietly(path)
+                    continue
+                entries.append((info.st_mtime, info.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        if self._max_bytes and total > self._max_bytes:
+            target = int(self._max_bytes * _EVICT_TO)
+            entries.sort()
+            for _, size, path in entries:
+                if total <= target:
+                    break
+                if _unlink_quietly(path):
+                    total -= size
+                    self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": size})
+        with self._size_lock:
+            self._approx_bytes = total
+        return total
+
+
+def _unlink_quietly(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,91 @@
+"""The engine's paged KV caches as a connector's worker side sees them.
+
+The engine registers one tensor per layer, ``[2, num_blocks, block_size,
+num_kv_heads, head_size]``. Stored blocks use the cross-layer layout
+``[num_layers, 2, block_size, num_kv_heads, head_size]`` (see
+:mod:`kvwire.connectors.block_format`). :class:`PagedKVCaches` checks the
+registered tensors against the connector's :class:`BlockLayout` once, and
+then copies whole blocks between the caches and cross-layer tensors without
+allocating anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvwire.connectors.block_format import BlockLayout
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+class PagedKVCaches:
+    """Every layer's paged cache, in layer order, checked against a block layout.
+
+    ``layer_order`` fixes which cache is layer 0, 1, ... in the cross-layer
+    layout (the engine's own order, from its ``KVCacheConfig``); layers not in
+    it follow in registration order.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layout: BlockLayout,
+        layer_order: Sequence[str] = (),
+    ) -> None:
+        ordered = [name for name in layer_order if name in kv_caches]
+        ordered += [name for name in kv_caches if name not in ordered]
+        if len(ordered) != layout.num_layers:
+            raise ValueError(
+                f"register_kv_caches: got {len(ordered)} layers, the model config says "
+                f"num_layers={layout.num_layers}"
+            )
+        expected_dtype = TORCH_DTYPES[layout.dtype]
+        first = kv_caches[ordered[0]]
+        expected_shape = (
+            (2, first.shape[1], layout.block_size, layout.num_kv_heads, layout.head_size)
+            if first.dim() == 5
+            else None
+        )
+        for name in ordered:
+            cache = kv_caches[name]
+            if expected_shape is None or tuple(cache.shape) != expected_shape:
+                raise ValueError(
+                    f"register_kv_caches: layer {name!r} has shape {tuple(cache.shape)}, expected "
+                    f"[2, num_blocks, block_size={layout.block_size}, "
+                    f"num_kv_heads={layout.num_kv_heads}, head_size={layout.head_size}]"
+                )
+            if cache.dtype != expected_dtype:
+                raise ValueError(
+                    f"register_kv_caches: layer {name!r} has dtype {cache.dtype}, the model "
+                    f"config says {layout.dtype}"
+                )
+        self.layer_names: tuple[str, ...] = tuple(ordered)
+        self.layer_index: dict[str, int] = {name: i for i, name in enumerate(ordered)}
+        self.num_blocks: int = int(first.shape[1])
+        self._caches: tuple[torch.Tensor, ...] = tuple(kv_caches[name] for name in ordered)
+
+    def check_block_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} is outside the cache (0..{self.num_blocks - 1})")
+
+    def gather(self, block_id: int, out: torch.Tensor) -> None:
+        """Copy block ``block_id`` of every layer into ``out`` (cross-layer shape)."""
+        for layer, cache in enumerate(self._caches):
+            out[layer].copy_(cache[:, block_id])
+
+    def gather_layer(self, layer: int, block_id: int, out: torch.Tensor) -> None:
+        """Copy one layer's block into ``out[layer]``."""
+        out[layer].copy_(self._caches[layer][:, block_id])
+
+    def scatter(self, block: torch.Tensor, block_id: int) -> None:
+        """Copy a cross-layer ``block`` into block ``block_id`` of every layer."""
+        for layer, cache in enumerate(self._caches):
+            cache[:, block_id].copy_(block[layer])

@@ -1,0 +1,69 @@
+"""Preallocated, reused staging buffers: one slot per stored entry.
+
+A slot holds one whole entry (the 128-byte header, then the cross-layer
+payload), so a background thread can hand it to a store as one
+``memoryview`` while the payload is also a typed tensor for copies to and
+from the paged cache. The buffers are allocated once, when the worker side
+registers the caches; the hot path only takes and returns slot numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
+from kvwire.connectors.paged_cache import TORCH_DTYPES
+
+
+class StagingBuffers:
+    """``num_slots`` entry-sized buffers and a free list that callers wait on.
+
+    Only the thread that drives the forward pass takes slots (``acquire``);
+    background threads only give them back (``release``). A background job
+    therefore never waits for a slot, which rules out deadlocks between jobs.
+    """
+
+    def __init__(self, layout: BlockLayout, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"staging buffers need at least one slot, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        entry_bytes = layout.entry_bytes
+        self._raw = torch.zeros((num_slots, entry_bytes), dtype=torch.uint8)
+        # One memoryview per slot, made once: stores read and write through these.
+        whole = self._raw.numpy().data.cast("B")
+        self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]
+        payload = self._raw[:, HEADER_SIZE:].view(TORCH_DTYPES[layout.dtype])
+        self._payloads = payload.view(num_slots, *layout.shape)
+        self._free: deque[int] = deque(range(num_slots))
+        self._available = threading.Condition()
+
+    def entry(self, slot: int) -> memoryview:
+        """The whole entry (header and payload) of ``slot``."""
+        return self._views[slot]
+
+    def payload(self, slot: int) -> torch.Tensor:
+        """The payload of ``slot`` as a cross-layer tensor."""
+        return self._payloads[slot]
+
+    def acquire(self, count: int) -> list[int]:
+        """Take up to ``count`` slots (at least one), waiting while none is free."""
+        with self._available:
+            while not self._free:
+                self._available.wait()
+            taken = min(count, len(self._free))
+            return [self._free.popleft() for _ in range(taken)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        with self._available:
+            self._free.extend(slots)
+            self._available.notify_all()
+
+    @property
+    def num_free(self) -> int:
+        with self._available:
+            return len(self._free)

@@ -1,0 +1,387 @@
+"""A reusable connector over any :class:`~kvwire.connectors.store.BlockStore`.
+
+The scheduler side decides, the worker side moves bytes:
+
+- scheduler side: looks up the request's ``block_hashes`` beyond what the
+  engine has locally (``BlockStore.count_prefix``: only a consecutive prefix
+  that is really present counts), plans loads and saves, and ships them in a
+  picklable :class:`StoreConnectorMetadata` each step;
+- worker side (:class:`~kvwire.connectors.store_worker.StoreWorker`): copies
+  blocks between the paged caches and preallocated staging slots in the
+  cross-layer layout behind the ``block_format`` header, and runs the store
+  I/O on background threads. Every loaded entry is verified before it is
+  copied into the cache; failed block ids come back through
+  ``get_block_ids_with_load_errors``.
+
+How a subclass supplies its store
+---------------------------------
+Subclass :class:`StoreConnector` and implement :meth:`StoreConnector.create_store`;
+declare your own ``kv_connector_extra_config`` keys by extending
+:meth:`StoreConnector.extra_config_keys`. Both roles call ``create_store`` (the
+scheduler side for lookups, the worker side for reads and writes), each with
+the validated options::
+
+    class MyConnector(StoreConnector):
+        medium = "mystore"
+
+        @classmethod
+        def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+            return (*super().extra_config_keys(), str_key("url", None, required=True))
+
+        def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+            return MyStore(options["url"])
+
+Optionally override :meth:`StoreConnector.store_key` (the default is
+``layout.key(block_hash)``: layout fingerprint + block hash) and
+:meth:`StoreConnector.store_counters` (extra stats from your store). The
+store must never raise into the engine: misses and failures are results.
+
+Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (memory of
+the staging slots), ``io_threads`` (per direction), ``batch_blocks`` (blocks
+per store call), ``async_load`` (loads reported through ``get_finished``).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.types import (
+    BlockHash,
+    ForwardContext,
+    KVCacheBlocks,
+    KVConnectorStats,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.extra_config import (
+    ExtraConfigKey,
+    bool_key,
+    int_key,
+    read_extra_config,
+    size_key,
+)
+from kvwire.connectors.store_worker import BlockTransfer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig
+    from kvwire.connectors.store import BlockStore
+    from kvwire.connectors.store_worker import StoreWorker
+    from kvwire.kv_cache_config import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockTransfer", "StoreConnector", "StoreConnectorMetadata"]
+
+
+@attrs.frozen
+class StoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan: blocks to load (now or in the background) and to save.
+
+    ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
+    lookup counts to the worker side, which reports all stats.
+    """
+
+    loads: tuple[BlockTransfer, ...] = ()
+    async_loads: tuple[BlockTransfer, ...] = ()
+    saves: tuple[BlockTransfer, ...] = ()
+    lookup_hit_blocks: int = 0
+    lookup_miss_blocks: int = 0
+
+
+@attrs.define
+class _Lookup:
+    first_block: int
+    hit_blocks: int
+    candidate_blocks: int
+
+
+@attrs.define
+class _RequestState:
+    request: Request
+    next_block_to_save: int
+
+
+class StoreConnector(KVConnectorBase):
+    """A connector that keeps encoded KV blocks in a :class:`BlockStore`.
+
+    Abstract: a subclass supplies the store through :meth:`create_store`.
+    Loads happen only for ``kv_consumer``/``kv_both`` engines, saves only for
+    ``kv_producer``/``kv_both`` ones.
+    """
+
+    medium: str = "store"
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._layout = BlockLayout.from_engine_config(config)
+        _check_cache_layout(self._layout, kv_cache_config)
+        self._options = read_extra_config(
+            type(self).__name__,
+            self.kv_transfer_config.kv_connector_extra_config,
+            self.extra_config_keys(),
+        )
+        self._store = self.create_store(self._options)
+        self._async_load: bool = self._options["async_load"]
+        # Scheduler side.
+        self._lookups: dict[str, _Lookup] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._step_loads: list[BlockTransfer] = []
+        self._step_async_loads: list[BlockTransfer] = []
+        self._step_hits = 0
+        self._step_misses = 0
+        # Worker side.
+        self._counters = Counters()
+        self._worker: StoreWorker | None = None
+
+    # ------------------------------------------------------- subclass hooks
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The ``kv_connector_extra_config`` keys this connector accepts."""
+        return (
+            size_key("staging_buffer_bytes", 64 * 1024**2),
+            int_key("io_threads", 4, minimum=1, maximum=64),
+            int_key("batch_blocks", 8, minimum=1, maximum=4096),
+            bool_key("async_load", False),
+        )
+
+    @abc.abstractmethod
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        """The store this connector uses, from its validated extra-config ``options``."""
+
+    def store_key(self, block_hash: BlockHash) -> str:
+        """The store key of a block: the layout fingerprint, then the block hash."""
+        return self._layout.key(block_hash)
+
+    def store_counters(self) -> Mapping[str, float]:
+        """Extra counters from the store, reported with the stats (then reset)."""
+        return {}
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    @property
+    def store(self) -> BlockStore:
+        return self._store
+
+    # -------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        block_size = self._layout.block_size
+        first_block = num_computed_tokens // block_size
+        # At least one prompt token is always left to compute: the engine needs
+        # logits for it.
+        last_block = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
+        if not self.kv_transfer_config.is_kv_consumer or last_block <= first_block:
+            self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
+            return 0, False
+        keys = [self.store_key(h) for h in request.block_hashes[first_block:last_block]]
+        hits = self._store.count_prefix(keys)
+        self._lookups[request.request_id] = _Lookup(first_block, hits, len(keys))
+        return hits * block_size, self._async_load and hits > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_size = self._layout.block_size
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is None:
+            lookup = _Lookup(request.num_computed_tokens // block_size, 0, 0)
+        self._step_hits += lookup.hit_blocks
+        self._step_misses += lookup.candidate_blocks - lookup.hit_blocks
+        # Blocks the store already holds are not written again.
+        self._requests[request.request_id] = _RequestState(
+            request, next_block_to_save=lookup.first_block + lookup.hit_blocks
+        )
+        num_blocks = num_external_tokens // block_size
+        if num_blocks <= 0:
+            return
+        if num_blocks > lookup.hit_blocks:
+            raise ValueError(
+                f"update_state_after_alloc: request {request.request_id!r} asks for "
+                f"{num_external_tokens} external tokens, the lookup found "
+                f"{lookup.hit_blocks * block_size}"
+            )
+        start = lookup.first_block
+        transfer = BlockTransfer(
+            request_id=request.request_id,
+            block_ids=tuple(blocks.get_block_ids()[0][start : start + num_blocks]),
+            block_hashes=tuple(request.block_hashes[start : start + num_blocks]),
+        )
+        (self._step_async_loads if self._async_load else self._step_loads).append(transfer)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
+        saves: list[BlockTransfer] = []
+        if self.kv_transfer_config.is_kv_producer:
+            for item in scheduler_output.scheduled:
+                transfer = self._plan_save(
+                    item.request_id,
+                    item.block_ids[0],
+                    item.num_computed_tokens + item.num_scheduled_tokens,
+                )
+                if transfer is not None:
+                    saves.append(transfer)
+        for request_id in scheduler_output.finished_req_ids:
+            self._requests.pop(request_id, None)
+        metadata = StoreConnectorMetadata(
+            loads=tuple(self._step_loads),
+            async_loads=tuple(self._step_async_loads),
+            saves=tuple(saves),
+            lookup_hit_blocks=self._step_hits,
+            lookup_miss_blocks=self._step_misses,
+        )
+        self._step_loads = []
+        self._step_async_loads = []
+        self._step_hits = self._step_misses = 0
+        return metadata
+
+    def _plan_save(
+        self, request_id: str, block_ids: list[int], tokens_after_step: int
+    ) -> BlockTransfer | None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        # Only full blocks whose hash is known and whose KV exists after this step.
+        end = min(
+            tokens_after_step // self._layout.block_size,
+            len(state.request.block_hashes),
+            len(block_ids),
+        )
+        start = state.next_block_to_save
+        if end <= start:
+            return None
+        state.next_block_to_save = end
+        return BlockTransfer(
+            request_id=request_id,
+            block_ids=tuple(block_ids[start:end]),
+            block_hashes=tuple(state.request.block_hashes[start:end]),
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy the blocks out of the cache in wait_for_save, so the
+        # engine may free them at once.
+        self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ----------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvwire.connectors.paged_cache import PagedKVCaches
+        from kvwire.connectors.staging import StagingBuffers
+        from kvwire.connectors.store_worker import StoreWorker
+
+        caches = PagedKVCaches(kv_caches, self._layout, self.kv_cache_config.layer_names)
+        num_slots = max(1, self._options["staging_buffer_bytes"] // self._layout.entry_bytes)
+        self._worker = StoreWorker(
+            store=self._store,
+            layout=self._layout,
+            caches=caches,
+            staging=StagingBuffers(self._layout, num_slots),
+            io_threads=self._options["io_threads"],
+            batch_blocks=min(self._options["batch_blocks"], num_slots),
+            counters=self._counters,
+            key_of=self.store_key,
+        )
+
+    def _require_worker(self) -> StoreWorker:
+        if self._worker is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: register_kv_caches() must be called before the first step"
+            )
+        return self._worker
+
+    def _metadata(self) -> StoreConnectorMetadata:
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, StoreConnectorMetadata):
+            raise TypeError(
+                f"{type(self).__name__} got {type(metadata).__name__}, "
+                "expected StoreConnectorMetadata"
+            )
+        return metadata
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._metadata()
+        self._counters.add_many(
+            {
+                "lookup_hit_blocks": metadata.lookup_hit_blocks,
+                "lookup_miss_blocks": metadata.lookup_miss_blocks,
+            }
+        )
+        if metadata.loads or metadata.async_loads:
+            self._require_worker().start_loads(metadata.loads, metadata.async_loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Synchronous loads write every layer at once; the first layer waits.
+        if self._worker is not None:
+            self._worker.wait_for_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # The blocks are copied out in wait_for_save, all layers at once, so
+        # each block is copied once into one contiguous staging slot.
+        return None
+
+    def wait_for_save(self) -> None:
+        metadata = self._metadata()
+        worker = self._require_worker()
+        worker.wait_for_loads()
+        if metadata.saves:
+            worker.save(metadata.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        received = self._worker.take_finished_loads()
+        return None, (received or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        self._counters.add_many(self.store_counters())
+        values = {name: value for name, value in self._counters.take().items() if value}
+        return KVConnectorStats(data=dict(values)) if values else None
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every save submitted so far is in the store (tests, benchmarks)."""
+        return self._worker.wait_for_saves(timeout_s) if self._worker is not None else True
+
+    def shutdown(self) -> None:
+        try:
+            if self._worker is not None:
+                self._worker.close()
+        finally:
+            self._store.close()
+
+
+def _check_cache_layout(layout: BlockLayout, kv_cache_config: KVCacheConfig) -> None:
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        found = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+        expected = (layout.block_size, layout.num_kv_heads, layout.head_size, layout.dtype)
+        if found != expected:
+            raise ValueError(
+                "kv_cache_config: a group has (block_size, num_kv_heads, head_size, dtype) = "
+                f"{found}, the engine config says {expected}"
+            )

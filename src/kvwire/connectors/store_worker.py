@@ -1,0 +1,272 @@
+"""The worker side of a store-backed connector: it moves bytes, nothing else.
+
+:class:`StoreWorker` copies blocks between the paged caches and preallocated
+staging slots on the forward pass's thread (plain memory copies), and hands
+the slots to background threads that talk to the :class:`BlockStore`. Loads
+and saves have separate thread pools, so a backlog of saves never delays a
+load the forward pass is waiting for. Every loaded entry is checked with
+:func:`verify_entry` before one byte of it is copied into the cache; a block
+that fails is reported by id, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import attrs
+
+from kvwire.connector.types import BlockHash
+from kvwire.connectors.block_format import (
+    BlockLayout,
+    CorruptBlockError,
+    verify_entry,
+    write_header,
+)
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.rate_limited import RateLimitedWarning
+from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store import BlockStore
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class BlockTransfer:
+    """Blocks of one request to move: cache block ids and the block hashes they hold."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+
+
+@attrs.define
+class _AsyncLoad:
+    remaining_jobs: int
+    failed_block_ids: set[int] = attrs.field(factory=set)
+
+
+class StoreWorker:
+    """Saves and loads blocks of the registered caches through a store, off the forward pass.
+
+    ``key_of`` turns a block hash into the store key (the connector's choice).
+    Slots are taken only on the caller's thread; background jobs only give
+    them back, so jobs never wait on each other.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: BlockStore,
+        layout: BlockLayout,
+        caches: PagedKVCaches,
+        staging: StagingBuffers,
+        io_threads: int,
+        batch_blocks: int,
+        counters: Counters,
+        key_of: Callable[[BlockHash], str],
+    ) -> None:
+        self._store = store
+        self._layout = layout
+        self._caches = caches
+        self._staging = staging
+        self._batch_blocks = batch_blocks
+        self._counters = counters
+        self._key_of = key_of
+        self._load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-load")
+        self._save_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-save")
+        self._warn = RateLimitedWarning(logger)
+        self._lock = threading.Lock()
+        self._sync_loads: list[Future[list[int]]] = []
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._finished_async: dict[str, set[int]] = {}
+        self._load_errors: set[int] = set()
+        self._saves_in_flight: set[Future[None]] = set()
+
+    # ----------------------------------------------------------------- loads
+
+    def start_loads(
+        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`."""
+        for transfer in sync_loads:
+            for ids, hashes, slots in self._chunks(transfer):
+                self._sync_loads.append(self._load_pool.submit(self._load, ids, hashes, slots))
+        for transfer in async_loads:
+            # One extra "job" stands for the submission itself, so the request
+            # cannot be reported finished before its last batch is submitted.
+            with self._lock:
+                self._async_loads[transfer.request_id] = _AsyncLoad(remaining_jobs=1)
+            for ids, hashes, slots in self._chunks(transfer):
+                with self._lock:
+                    self._async_loads[transfer.request_id].remaining_jobs += 1
+                self._load_pool.submit(self._load_async, transfer.request_id, ids, hashes, slots)
+            self._complete_async(transfer.request_id, [])
+
+    def wait_for_loads(self) -> None:
+        """Block until this step's synchronous loads are in the cache (or failed)."""
+        pending, self._sync_loads = self._sync_loads, []
+        for future in pending:
+            failed = future.result()
+            if failed:
+                self._load_errors.update(failed)
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads completed; their failures join the load errors."""
+        with self._lock:
+            finished, self._finished_async = self._finished_async, {}
+        for failed in finished.values():
+            self._load_errors.update(failed)
+        return set(finished)
+
+    def take_load_errors(self) -> set[int]:
+        self.wait_for_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _chunks(
+        self, transfer: BlockTransfer
+    ) -> Iterator[tuple[tuple[int, ...], tuple[BlockHash, ...], list[int]]]:
+        # Slots are taken here, on the caller's thread, one batch at a time and
+        # only after the previous batch was submitted: a transfer larger than
+        # the staging buffers waits for earlier batches to finish, never hangs.
+        start = 0
+        while start < len(transfer.block_ids):
+            slots = self._staging.acquire(min(self._batch_blocks, len(transfer.block_ids) - start))
+            end = start + len(slots)
+            yield transfer.block_ids[start:end], transfer.block_hashes[start:end], slots
+            start = end
+
+    def _load_async(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        hashes: tuple[BlockHash, ...],
+        slots: list[int],
+    ) -> None:
+        self._complete_async(request_id, self._load(block_ids, hashes, slots))
+
+    def _complete_async(self, request_id: str, failed: list[int]) -> None:
+        with self._lock:
+            state = self._async_loads[request_id]
+            state.failed_block_ids.update(failed)
+            state.remaining_jobs -= 1
+            if state.remaining_jobs <= 0:
+                del self._async_loads[request_id]
+                self._finished_async[request_id] = state.failed_block_ids
+
+    def _load(
+        self, block_ids: tuple[int, ...], hashes: tuple[BlockHash, ...], slots: list[int]
+    ) -> list[int]:
+        """Read, verify and scatter one batch; the block ids that failed."""
+        started = time.perf_counter()
+        failed: list[int] = []
+        loaded_bytes = 0
+        try:
+            keys = [self._key_of(block_hash) for block_hash in hashes]
+            entries = [self._staging.entry(slot) for slot in slots]
+            sizes = self._store.get_into(keys, entries)
+            for block_id, block_hash, slot, entry, size in zip(
+                block_ids, hashes, slots, entries, sizes, strict=True
+            ):
+                if size is None:
+                    failed.append(block_id)
+                    continue
+                try:
+                    verify_entry(entry[:size], self._layout, block_hash)
+                    self._caches.check_block_id(block_id)
+                except (CorruptBlockError, IndexError) as error:
+                    self._warn.warn(
+                        "corrupt", "not loading block %s: %s", block_hash.hex()[:16], error
+                    )
+                    self._counters.add("corrupt_entries")
+                    failed.append(block_id)
+                    continue
+                self._caches.scatter(self._staging.payload(slot), block_id)
+                loaded_bytes += self._layout.payload_bytes
+        except Exception:
+            # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
+            logger.exception("load of %d blocks failed", len(block_ids))
+            failed = list(block_ids)
+            loaded_bytes = 0
+        finally:
+            self._staging.release(slots)
+        self._counters.add_many(
+            {
+                "blocks_loaded": len(block_ids) - len(failed),
+                "bytes_loaded": loaded_bytes,
+                "load_errors": len(failed),
+                "load_seconds": time.perf_counter() - started,
+            }
+        )
+        return failed
+
+    # ----------------------------------------------------------------- saves
+
+    def save(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Copy the blocks into staging slots, then write them in the background.
+
+        Returns once every block is copied out of the cache: from then on the
+        engine may overwrite the cache blocks.
+        """
+        for transfer in transfers:
+            for ids, hashes, slots in self._chunks(transfer):
+                for block_id, slot in zip(ids, slots, strict=True):
+                    self._caches.gather(block_id, self._staging.payload(slot))
+                future = self._save_pool.submit(self._save, hashes, slots)
+                with self._lock:
+                    self._saves_in_flight.add(future)
+                future.add_done_callback(self._forget_save)
+
+    def _forget_save(self, future: Future[None]) -> None:
+        with self._lock:
+            self._saves_in_flight.discard(future)
+
+    def _save(self, hashes: tuple[BlockHash, ...], slots: list[int]) -> None:
+        started = time.perf_counter()
+        stored = 0
+        try:
+            entries = [self._staging.entry(slot) for slot in slots]
+            for block_hash, entry in zip(hashes, entries, strict=True):
+                write_header(entry, self._layout, block_hash)
+            results = self._store.put([self._key_of(h) for h in hashes], entries)
+            stored = sum(1 for ok in results if ok)
+        except Exception:
+            logger.exception("save of %d blocks failed", len(hashes))
+        finally:
+            self._staging.release(slots)
+        self._counters.add_many(
+            {
+                "blocks_saved": stored,
+                "bytes_saved": stored * self._layout.payload_bytes,
+                "save_errors": len(hashes) - stored,
+                "save_seconds": time.perf_counter() - started,
+            }
+        )
+
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted save is written; False if ``timeout_s`` ran out."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = list(self._saves_in_flight)
+            if not pending:
+                return True
+            for future in pending:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    future.result(timeout=remaining)
+                except TimeoutError:
+                    return False
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the writes in flight (up to ``timeout_s``), then stop the threads."""
+        self.wait_for_loads()
+        if not self.wait_for_saves(timeout_s):
+            logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)
+        self._load_pool.shutdown(wait=True, cancel_futures=True)
+        self._save_pool.shutdown(wait=False, cancel_futures=True)
