@@ -1,0 +1,208 @@
+"""The ``KVConnectorContainer``: the one place that knows how connectors are built.
+
+Connector code never imports this module; engines and applications do::
+
+    container = KVConnectorContainer()
+    container.config.from_dict(profile)               # or engine_config.override(...)
+    container.kv_cache_config.override(kv_cache_config)  # once memory is sized
+    scheduler_side = container.scheduler_connector()
+    ...
+    container.shutdown_resources()                     # each built connector's shutdown()
+
+Each role-scoped provider builds at most one connector per container and hands
+it ``(config, role, kv_cache_config)``; a process that serves one role declares
+it once (:func:`declare_role`) and asks ``container.connector()``. Every part a
+test may want to swap (``engine_config``, ``kv_cache_config``, ``registry``,
+``connector_class``, ``hma_gate``, a connector) is a provider, so
+dependency-injector's ``override`` does it and undoes it when its ``with``
+block ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dependency_injector import containers, providers, resources
+
+from kvwire.config import EngineConfig, KVTransferConfig
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.exceptions import ContainerSetupError
+from kvwire.hma import HMADecision, decide_hma, with_hma_decision
+from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.profile import load_profile
+from kvwire.registry import ConnectorRegistry, default_registry
+
+
+def _engine_config_from(profile: Mapping[str, Any] | None) -> EngineConfig:
+    return load_profile(profile or {})
+
+
+def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig:
+    if engine_config.kv_transfer_config is None:
+        raise ValueError("kv_transfer_config must be set to create a connector")
+    return engine_config.kv_transfer_config
+
+
+def _resolve_connector_class(
+    registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
+) -> type[KVConnectorBase]:
+    return registry.resolve(kv_transfer_config)
+
+
+def _apply_hma_gate(
+    engine_config: EngineConfig,
+    connector_class: type[KVConnectorBase],
+    registry: ConnectorRegistry,
+) -> HMADecision:
+    kv_transfer_config = _require_kv_transfer_config(engine_config)
+
+    def is_supported() -> bool:
+        # Asked of the class the container resolved (an override included);
+        # a composite's hook asks about each child through the registry.
+        return connector_class.supports_hma_for_config(
+            kv_transfer_config, registry.supports_hma_config
+        )
+
+    return decide_hma(engine_config.scheduler_config, connector_class.__name__, is_supported)
+
+
+def _required(dependency: providers.Dependency[Any], what: str, how: str) -> Any:
+    # Asked here rather than injected: dependency-injector's own error only
+    # says 'Dependency "..." is not defined', which does not tell what to do.
+    if not dependency.overridden and dependency.default is None:
+        raise ContainerSetupError(f"{what} is not set: {how}")
+    return dependency()
+
+
+class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
+    """Builds one role's connector; ``shutdown_resources()`` calls its ``shutdown()``.
+
+    A class-based resource rather than a generator: a container that is
+    garbage-collected must not shut down a connector its owner still uses.
+    """
+
+    def init(
+        self,
+        registry: ConnectorRegistry,
+        connector_class: type[KVConnectorBase],
+        engine_config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: providers.Dependency[KVCacheConfig],
+    ) -> KVConnectorBase:
+        sized_cache = _required(
+            kv_cache_config,
+            "kv_cache_config",
+            "call container.kv_cache_config.override(kv_cache_config) once the engine "
+            "has sized its KV cache",
+        )
+        return registry.instantiate(connector_class, engine_config, role, sized_cache)
+
+    def shutdown(self, connector: KVConnectorBase | None) -> None:
+        if connector is not None:
+            connector.shutdown()
+
+
+def _role_key(process_role: providers.Dependency[KVConnectorRole]) -> str:
+    role: KVConnectorRole = _required(
+        process_role,
+        "This process's connector role",
+        "declare it once with kvwire.container.declare_role(container, KVConnectorRole.WORKER) "
+        "(or SCHEDULER)",
+    )
+    return role.name.lower()
+
+
+class KVConnectorContainer(containers.DeclarativeContainer):
+    """Builds an engine's KV connectors: one per role, from a profile or an ``EngineConfig``.
+
+    Providers, in the order a connector is built:
+
+    - ``config``: the profile as a mapping (``config.from_dict(profile)``);
+    - ``engine_config``: the validated ``EngineConfig`` (override it with a
+      ready one: ``engine_config.override(providers.Object(config))``);
+    - ``kv_cache_config``: a ``Dependency``, known once the engine sized its memory;
+    - ``registry``: the lazy connector registry (the process-wide one);
+    - ``kv_transfer_config`` and ``connector_class``: what the config names;
+    - ``hma_gate``: the :class:`~kvwire.hma.HMADecision` (raises for HMA
+      demanded from a connector that cannot serve it);
+    - ``connector_engine_config``: the engine config with the gate's decision;
+    - ``scheduler_connector`` / ``worker_connector``: one connector per role,
+      shut down by ``shutdown_resources()``;
+    - ``process_role`` and ``connector``: the connector of the role this
+      process declared.
+    """
+
+    config = providers.Configuration()
+    engine_config = providers.Singleton(_engine_config_from, config)
+    kv_cache_config = providers.Dependency(instance_of=KVCacheConfig)
+    registry = providers.Singleton(default_registry)
+
+    kv_transfer_config = providers.Callable(_require_kv_transfer_config, engine_config)
+    connector_class = providers.Callable(_resolve_connector_class, registry, kv_transfer_config)
+    hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
+    connector_engine_config = providers.Callable(with_hma_decision, engine_config, hma_gate)
+
+    scheduler_connector = providers.Resource(
+        _ConnectorLifetime,
+        registry,
+        connector_class,
+        connector_engine_config,
+        KVConnectorRole.SCHEDULER,
+        kv_cache_config.provider,
+    )
+    worker_connector = providers.Resource(
+        _ConnectorLifetime,
+        registry,
+        connector_class,
+        connector_engine_config,
+        KVConnectorRole.WORKER,
+        kv_cache_config.provider,
+    )
+
+    process_role = providers.Dependency(instance_of=KVConnectorRole)
+    connector = providers.Selector(
+        providers.Callable(_role_key, process_role.provider),
+        scheduler=scheduler_connector,
+        worker=worker_connector,
+    )
+
+
+def declare_role(container: containers.Container, role: KVConnectorRole) -> None:
+    """Declare, once, which role this process serves; ``container.connector()`` follows it."""
+    if not isinstance(role, KVConnectorRole):
+        raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
+    container.process_role.override(providers.Object(role))
+
+
+def role_connector_provider(
+    container: containers.Container, role: KVConnectorRole
+) -> providers.Provider[KVConnectorBase]:
+    """The role-scoped provider of ``role``: ``scheduler_connector`` or ``worker_connector``."""
+    if role is KVConnectorRole.SCHEDULER:
+        return container.scheduler_connector
+    if role is KVConnectorRole.WORKER:
+        return container.worker_connector
+    raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
+
+
+def container_for_profile(
+    profile: str | os.PathLike[str] | Mapping[str, Any] | EngineConfig,
+    *,
+    role: KVConnectorRole | None = None,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> KVConnectorContainer:
+    """A container for ``profile`` (a YAML path, a mapping or a built ``EngineConfig``).
+
+    The profile is validated here, so a bad one fails before anything else;
+    ``role`` and ``kv_cache_config`` are declared when given.
+    """
+    engine_config = profile if isinstance(profile, EngineConfig) else load_profile(profile)
+    container = KVConnectorContainer()
+    container.engine_config.override(providers.Object(engine_config))
+    if kv_cache_config is not None:
+        container.kv_cache_config.override(providers.Object(kv_cache_config))
+    if role is not None:
+        declare_role(container, role)
+    return container

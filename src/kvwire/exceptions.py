@@ -1,0 +1,57 @@
+"""Every error kvwire raises on its own account, in one place.
+
+The errors kept from the reference (an unknown connector name, a deprecated
+constructor, HMA enabled for a connector that cannot serve it) stay plain
+``ValueError``/``AttributeError`` with the reference's exact texts, so code
+written against it keeps catching them. The classes here cover what kvwire
+adds; each also derives from the builtin a caller would naturally catch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class KVWireError(Exception):
+    """Base of the errors kvwire defines."""
+
+
+class ProfileError(KVWireError, ValueError):
+    """A profile (YAML file or mapping) that does not describe a valid ``EngineConfig``.
+
+    ``problems`` lists every problem found, each starting with the dotted path
+    of the field at fault (``kv_transfer_config.kv_role: ...``); ``origin``
+    names the file, or ``<mapping>`` for a profile given as a dict. Both are
+    read-only.
+    """
+
+    def __init__(self, origin: str, problems: Sequence[str]) -> None:
+        self.origin = origin
+        self.problems: tuple[str, ...] = tuple(problems)
+        count = len(self.problems)
+        heading = f"invalid profile {origin} ({count} problem{'s' if count != 1 else ''}):"
+        super().__init__("\n  ".join([heading, *self.problems]))
+
+
+class ConnectorImportError(KVWireError, ImportError):
+    """A registered connector (built in or registered at run time) whose class cannot be loaded."""
+
+
+class ConnectorEntryPointError(KVWireError, ImportError):
+    """An entry point of the ``kvwire.connectors`` group that is malformed or cannot be loaded.
+
+    The message names the distribution that declares it and the entry point
+    itself (``Name = package.module:Class``).
+    """
+
+
+class NotAConnectorError(KVWireError, TypeError):
+    """A name that resolves to something other than a ``KVConnectorBase`` subclass."""
+
+
+class ContainerSetupError(KVWireError, RuntimeError):
+    """A ``KVConnectorContainer`` asked for a connector before it was told what it needs.
+
+    For example the process's role was never declared, or ``kv_cache_config``
+    was never provided.
+    """

@@ -1,0 +1,279 @@
+"""Profiles: an ``EngineConfig`` written as YAML or as a plain mapping.
+
+A profile mirrors :class:`~kvwire.config.EngineConfig`: its top-level keys are
+the engine config's sections (``model_config``, ``cache_config``,
+``parallel_config``, ``scheduler_config``, ``kv_transfer_config``), each a
+mapping of that record's fields; everything is optional.
+
+Values are structured with cattrs under strict rules (``"false"`` is not a
+boolean, ``3.5`` is not an integer), then checked by the records' own
+validators. Nothing stops at the first problem: :class:`ProfileError` lists
+every one, each with its dotted path and what would be accepted. Unknown keys
+are problems too, so a typo is never silently ignored. YAML is read with
+PyYAML's safe loader only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import pathlib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import cattrs
+import yaml
+
+from kvwire.config import EngineConfig
+from kvwire.exceptions import ProfileError
+
+MAPPING_ORIGIN = "<mapping>"
+
+ProfileSource = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def load_profile(source: ProfileSource) -> EngineConfig:
+    """Build the :class:`EngineConfig` a profile describes.
+
+    ``source`` is a path to a YAML file (``str`` or path-like) or an already
+    parsed mapping. Raises :class:`ProfileError` listing every problem.
+    """
+    if not isinstance(source, str | os.PathLike):
+        # A mapping, or something that is neither: the structuring says which.
+        return structure_engine_config(source, origin=MAPPING_ORIGIN)
+    path = pathlib.Path(source)
+    return structure_engine_config(read_profile_file(path), origin=str(path))
+
+
+def read_profile_file(path: pathlib.Path) -> Any:
+    """The parsed YAML document at ``path`` (an empty file is an empty mapping)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ProfileError(str(path), [f"cannot read the profile: {error.strerror}"]) from None
+    except UnicodeDecodeError as error:
+        raise ProfileError(str(path), [f"the profile is not UTF-8 text: {error.reason}"]) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        problem = " ".join(str(error).split())
+        raise ProfileError(str(path), [f"not valid YAML: {problem}"]) from None
+    return {} if document is None else document
+
+
+def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> EngineConfig:
+    """Structure a parsed profile; ``origin`` names it in the error."""
+    problems: list[str] = []
+    sections = _section_types()
+    if not isinstance(data, Mapping):
+        raise ProfileError(
+            origin,
+            [f"the profile must be a mapping whose keys are {_join(sections)}, got {_kind(data)}"],
+        )
+    records: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in sections:
+            problems.append(_unknown_key(str(key), key, sections))
+            continue
+        record_type = sections[key]
+        if value is None and _is_optional(attrs.fields_dict(EngineConfig)[key].type):
+            records[key] = None
+            continue
+        record = _structure_record(record_type, value, key, problems)
+        if record is not None:
+            records[key] = record
+    if problems:
+        raise ProfileError(origin, problems)
+    return EngineConfig(**records)
+
+
+def unstructure_engine_config(engine_config: EngineConfig) -> dict[str, Any]:
+    """The profile mapping of ``engine_config``: what :func:`load_profile` turns back into it.
+
+    Useful to hand an engine's exact configuration (``engine_id`` included)
+    to another process.
+    """
+    unstructured: dict[str, Any] = _converter.unstructure(engine_config)
+    return unstructured
+
+
+# ----------------------------------------------------------------- internals
+
+
+class _Rejected(Exception):
+    """A value of the wrong kind; the message is built from the field's type."""
+
+
+def _strict(kind: type, accepts: Callable[[Any], bool]) -> Callable[[Any, type], Any]:
+    def structure(value: Any, _: type) -> Any:
+        if not accepts(value):
+            raise _Rejected
+        return kind(value)
+
+    return structure
+
+
+def _structure_str_mapping(value: Any, _: type) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise _Rejected
+    return dict(value)
+
+
+def _structure_literal(value: Any, literal: Any) -> Any:
+    if value not in typing.get_args(literal):
+        raise _Rejected
+    return value
+
+
+def _is_dict_type(kind: Any) -> bool:
+    return typing.get_origin(kind) is dict
+
+
+def _is_literal_type(kind: Any) -> bool:
+    return typing.get_origin(kind) is Literal
+
+
+def _make_converter() -> cattrs.Converter:
+    # cattrs calls the target type on the value by default, so "false" would
+    # become True and 3.9 would become 3. A profile is user input: demand the
+    # kind the field declares.
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(bool, _strict(bool, lambda value: isinstance(value, bool)))
+    converter.register_structure_hook(
+        int, _strict(int, lambda value: isinstance(value, int) and not isinstance(value, bool))
+    )
+    converter.register_structure_hook(
+        float,
+        _strict(
+            float, lambda value: isinstance(value, int | float) and not isinstance(value, bool)
+        ),
+    )
+    converter.register_structure_hook(str, _strict(str, lambda value: isinstance(value, str)))
+    converter.register_structure_hook_func(_is_dict_type, _structure_str_mapping)
+    converter.register_structure_hook_func(_is_literal_type, _structure_literal)
+    return converter
+
+
+_converter = _make_converter()
+
+
+def _section_types() -> dict[str, type]:
+    attrs.resolve_types(EngineConfig)
+    sections: dict[str, type] = {}
+    for field in attrs.fields(EngineConfig):
+        record_type = next(
+            arg for arg in (*typing.get_args(field.type), field.type) if attrs.has(arg)
+        )
+        sections[field.name] = record_type
+    return sections
+
+
+def _structure_record(record_type: type, data: Any, path: str, problems: list[str]) -> Any:
+    """One section's record, or None after appending its problems to ``problems``."""
+    if not isinstance(data, Mapping):
+        problems.append(
+            f"{path}: expected a mapping of {record_type.__name__} fields, got {_kind(data)}"
+        )
+        return None
+    attrs.resolve_types(record_type)
+    fields = attrs.fields_dict(record_type)
+    found_before = len(problems)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        field_path = f"{path}.{key}"
+        if key not in fields:
+            problems.append(_unknown_key(field_path, key, fields))
+            continue
+        try:
+            values[key] = _converter.structure(value, fields[key].type)  # type: ignore[arg-type]
+        except Exception:  # cattrs raises several kinds; each means "not this type"
+            problems.append(f"{field_path}: {value!r} is not {_describe(fields[key].type)}")
+    rejected = {key for key in data if key in fields and key not in values}
+    _validate_fields(record_type, values, rejected, path, problems)
+    if len(problems) > found_before:
+        return None
+    try:
+        return record_type(**values)
+    except (ValueError, TypeError) as error:
+        # Only checks across fields are left (e.g. rank < world_size).
+        problems.append(f"{path}: {error}")
+        return None
+
+
+def _validate_fields(
+    record_type: type,
+    values: dict[str, Any],
+    data_keys_rejected: set[str],
+    path: str,
+    problems: list[str],
+) -> None:
+    # attrs stops at the first failing validator; run each field's on its own
+    # so that every bad value is reported. Fields left out are checked with
+    # their defaults (a connector without a kv_role is a kv_role problem);
+    # fields of the wrong type were reported already and are skipped.
+    # Validators that look at other fields see them through a stand-in.
+    fields = attrs.fields(record_type)
+    converted = {field.name: _converted(field, values) for field in fields}
+    stand_in = types.SimpleNamespace(**converted)
+    for field in fields:
+        if field.validator is None or field.name in data_keys_rejected:
+            continue
+        try:
+            field.validator(stand_in, field, converted[field.name])
+        except (ValueError, TypeError) as error:
+            problems.append(f"{path}.{field.name}: {error}")
+
+
+def _converted(field: attrs.Attribute[Any], values: dict[str, Any]) -> Any:
+    # attrs runs converters on defaults too (engine_id: None -> a fresh uuid).
+    value = values[field.name] if field.name in values else _default(field)
+    return value if field.converter is None else field.converter(value)  # type: ignore[operator]
+
+
+def _default(field: attrs.Attribute[Any]) -> Any:
+    default: Any = field.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return default.factory()
+    return default
+
+
+def _is_optional(kind: Any) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _describe(kind: Any) -> str:
+    """What a value of type ``kind`` looks like, in a user's words."""
+    if kind is bool:
+        return "true or false"
+    if kind is int:
+        return "an integer"
+    if kind is float:
+        return "a number"
+    if kind is str:
+        return "a string"
+    origin = typing.get_origin(kind)
+    if origin is dict:
+        return "a mapping with string keys"
+    if origin is Literal:
+        return "one of " + ", ".join(str(choice) for choice in typing.get_args(kind))
+    if origin in (typing.Union, types.UnionType):
+        choices = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return " or ".join(_describe(choice) for choice in choices)
+    return getattr(kind, "__name__", str(kind))
+
+
+def _unknown_key(path: str, key: object, accepted: Mapping[str, Any]) -> str:
+    message = f"{path}: unknown key; accepted keys are {_join(accepted)}"
+    close = difflib.get_close_matches(str(key), list(accepted), n=1)
+    return f"{message} (did you mean {close[0]!r}?)" if close else message
+
+
+def _join(names: Mapping[str, Any]) -> str:
+    return ", ".join(names)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"

@@ -1,0 +1,355 @@
+"""The registry of connectors: one lazy provider per connector name.
+
+Every known connector is a ``providers.Singleton`` in a dependency-injector
+container (:attr:`ConnectorRegistry.providers`): calling it imports the
+connector's module and returns its class, once; registering imports nothing.
+Names come from three places, listed by :class:`ConnectorSource`: the
+connectors kvwire ships, the ``kvwire.connectors`` entry-point group of
+installed distributions (``Name = package.module:Class``), and
+:meth:`ConnectorRegistry.register_connector` at run time.
+
+:meth:`ConnectorRegistry.resolve` turns a ``KVTransferConfig`` into a class in
+the reference factory's order and with its messages; unlike the reference it
+checks the constructor of every class it hands out, so a plugin with the old
+2-argument signature fails here, clearly, rather than with a TypeError later.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from dependency_injector import containers, providers
+
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole, supports_kw
+from kvwire.exceptions import ConnectorEntryPointError, ConnectorImportError, NotAConnectorError
+
+if TYPE_CHECKING:
+    from kvwire.config import EngineConfig, KVTransferConfig
+    from kvwire.kv_cache_config import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "kvwire.connectors"
+
+BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
+    "CPUOffloadConnector": ("kvwire.connectors.cpu_offload", "CPUOffloadConnector"),
+    "SharedStorageConnector": ("kvwire.connectors.shared_storage", "SharedStorageConnector"),
+    "MultiConnector": ("kvwire.connectors.multi", "MultiConnector"),
+    "RedisConnector": ("kvwire.connectors.redis", "RedisConnector"),
+}
+"""The connectors kvwire ships: name -> (module path, class name)."""
+
+
+class ConnectorSource(enum.Enum):
+    """Where a registered connector name comes from."""
+
+    BUILT_IN = "built in"
+    ENTRY_POINT = "entry point"
+    RUNTIME = "registered at run time"
+
+
+@attrs.frozen
+class RegisteredConnector:
+    """What the registry knows about a name without importing anything (read-only).
+
+    ``distribution`` is ``"name version"`` of the distribution that declares
+    an entry point, else None.
+    """
+
+    name: str
+    module_path: str
+    class_name: str
+    source: ConnectorSource
+    distribution: str | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{self.module_path}:{self.class_name}"
+
+
+def accepts_connector_builder(connector_cls: type) -> bool:
+    """Whether ``connector_cls`` is a composite: it takes a keyword-only ``connector_builder``."""
+    try:
+        parameters = inspect.signature(connector_cls).parameters
+    except (TypeError, ValueError):
+        return False
+    parameter = parameters.get("connector_builder")
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def check_connector_class(connector_cls: Any, name: str, origin: str) -> type[KVConnectorBase]:
+    """``connector_cls`` if it is a usable connector class, else the error saying why.
+
+    ``origin`` says where the name led (``module path kvwire_echo``,
+    ``entry point ...``) for the message.
+    """
+    if not (isinstance(connector_cls, type) and issubclass(connector_cls, KVConnectorBase)):
+        raise NotAConnectorError(
+            f"Connector {name} ({origin}) is {connector_cls!r}, "
+            "not a class deriving from kvwire.KVConnectorBase"
+        )
+    if not supports_kw(connector_cls, "kv_cache_config"):
+        message = (
+            f"Connector {connector_cls.__name__} uses deprecated "
+            "2-argument constructor signature. External v1 KV "
+            "connectors must accept kv_cache_config as the third "
+            "constructor argument and pass it to super().__init__()."
+        )
+        logger.error(message)
+        raise ValueError(message)
+    return connector_cls
+
+
+class ConnectorRegistry:
+    """Connector names mapped to lazy class providers.
+
+    ``providers`` is the dependency-injector container of those providers, one
+    per name (``registry.provider("CPUOffloadConnector").override(...)``
+    swaps one entry for a test). Entry points are read from the installed
+    distributions' metadata the first time a name is looked up; nothing is
+    imported before a name is resolved.
+    """
+
+    def __init__(
+        self,
+        *,
+        built_ins: dict[str, tuple[str, str]] | None = None,
+        entry_point_group: str | None = ENTRY_POINT_GROUP,
+    ) -> None:
+        self.providers = containers.DynamicContainer()
+        self._entries: dict[str, RegisteredConnector] = {}
+        self._entry_point_group = entry_point_group
+        self._entry_points_read = entry_point_group is None
+        self._lock = threading.RLock()
+        # Classes found through a module path, so that a by-name lookup (e.g.
+        # rebuilding a composite child's stats) finds them too.
+        self._module_path_classes: dict[str, type[KVConnectorBase]] = {}
+        for name, (module_path, class_name) in (built_ins or BUILT_IN_CONNECTORS).items():
+            self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.BUILT_IN))
+
+    # ----------------------------------------------------------- registering
+
+    def register_connector(self, name: str, module_path: str, class_name: str) -> None:
+        """Register ``name`` lazily: ``module_path`` is imported only when it is resolved."""
+        with self._lock:
+            self._read_entry_points()
+            if name in self._entries:
+                raise ValueError(f"Connector '{name}' is already registered.")
+            self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.RUNTIME))
+
+    def _add(self, entry: RegisteredConnector) -> None:
+        self._entries[entry.name] = entry
+        self.providers.set_provider(entry.name, providers.Singleton(self._load, entry))
+
+    def _read_entry_points(self) -> None:
+        with self._lock:
+            if self._entry_points_read:
+                return
+            self._entry_points_read = True
+            assert self._entry_point_group is not None
+            for entry_point in metadata.entry_points(group=self._entry_point_group):
+                self._add_entry_point(entry_point)
+
+    def _add_entry_point(self, entry_point: metadata.EntryPoint) -> None:
+        distribution = _distribution_label(entry_point)
+        existing = self._entries.get(entry_point.name)
+        if existing is not None:
+            logger.warning(
+                "Ignoring entry point '%s = %s' of distribution %s: connector '%s' is "
+                "already registered (%s, %s)",
+                entry_point.name,
+                entry_point.value,
+                distribution,
+                entry_point.name,
+                existing.source.value,
+                existing.target,
+            )
+            return
+        module_path, _, class_name = entry_point.value.partition(":")
+        self._add(
+            RegisteredConnector(
+                entry_point.name,
+                module_path.strip(),
+                class_name.strip(),
+                ConnectorSource.ENTRY_POINT,
+                distribution,
+            )
+        )
+
+    # -------------------------------------------------------------- looking up
+
+    def entries(self) -> list[RegisteredConnector]:
+        """Every registered name, built-ins first; imports nothing."""
+        self._read_entry_points()
+        return list(self._entries.values())
+
+    def entry(self, name: str) -> RegisteredConnector:
+        self._read_entry_points()
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ValueError(f"Connector '{name}' is not registered.") from None
+
+    def __contains__(self, name: object) -> bool:
+        self._read_entry_points()
+        return name in self._entries
+
+    def provider(self, name: str) -> providers.Provider[type[KVConnectorBase]]:
+        """The lazy provider of ``name``'s class (override it to swap the class)."""
+        self.entry(name)
+        provider: providers.Provider[type[KVConnectorBase]] = self.providers.providers[name]
+        return provider
+
+    def get_class(self, name: str) -> type[KVConnectorBase]:
+        """The class registered as ``name`` (imported on first use), checked.
+
+        A class found earlier through a module path is found by its name too,
+        when no registered connector has that name.
+        """
+        self._read_entry_points()
+        if name not in self._entries and name in self._module_path_classes:
+            return self._module_path_classes[name]
+        connector_cls = self.provider(name)()
+        return check_connector_class(connector_cls, name, self._describe_origin(name))
+
+    def _describe_origin(self, name: str) -> str:
+        entry = self._entries[name]
+        if entry.source is ConnectorSource.ENTRY_POINT:
+            return f"entry point '{name} = {entry.target}' of distribution {entry.distribution}"
+        return f"{entry.source.value} as {entry.target}"
+
+    def _load(self, entry: RegisteredConnector) -> Any:
+        if entry.source is ConnectorSource.ENTRY_POINT:
+            return self._load_entry_point(entry)
+        try:
+            module = importlib.import_module(entry.module_path)
+        except ImportError as error:
+            raise ConnectorImportError(
+                f"Connector '{entry.name}' is {entry.source.value} as {entry.target}, "
+                f"but its module cannot be imported: {error}"
+            ) from error
+        try:
+            return getattr(module, entry.class_name)
+        except AttributeError as error:
+            message = f"Class {entry.class_name} not found in {entry.module_path}"
+            raise AttributeError(message) from error
+
+    def _load_entry_point(self, entry: RegisteredConnector) -> Any:
+        where = (
+            f"entry point '{entry.name} = {entry.target}' (group '{self._entry_point_group}') "
+            f"of distribution {entry.distribution}"
+        )
+        if not entry.module_path or not entry.class_name:
+            raise ConnectorEntryPointError(
+                f"The {where} must name a class as 'package.module:Class'"
+            )
+        try:
+            module = importlib.import_module(entry.module_path)
+            return getattr(module, entry.class_name)
+        except Exception as error:
+            raise ConnectorEntryPointError(
+                f"The {where} cannot be loaded: {type(error).__name__}: {error}"
+            ) from error
+
+    # ------------------------------------------------------------- resolving
+
+    def resolve(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
+        """The connector class ``kv_transfer_config`` names, in the reference's order.
+
+        Name unset; empty module path; a module path wins over the registry
+        (import errors propagate unchanged); then the registry; else unknown.
+        """
+        connector_name = kv_transfer_config.kv_connector
+        if connector_name is None:
+            raise ValueError("Connector name is not set in KVTransferConfig")
+        module_path = kv_transfer_config.kv_connector_module_path
+        if module_path is not None and not module_path:
+            raise ValueError("kv_connector_module_path cannot be an empty string.")
+        if module_path:
+            module = importlib.import_module(module_path)
+            try:
+                found = getattr(module, connector_name)
+            except AttributeError as error:
+                message = f"Class {connector_name} not found in {module_path}"
+                raise AttributeError(message) from error
+            connector_cls = check_connector_class(
+                found, connector_name, f"module path {module_path}"
+            )
+            self._module_path_classes[connector_name] = connector_cls
+            return connector_cls
+        if connector_name in self:
+            return self.get_class(connector_name)
+        raise ValueError(f"Unsupported connector type: {connector_name}")
+
+    def supports_hma_config(self, kv_transfer_config: KVTransferConfig) -> bool:
+        """Whether the connector ``kv_transfer_config`` names supports HMA as configured.
+
+        The class answers through its ``supports_hma_for_config`` hook, so a
+        composite (and any subclass of one) asks about each child through
+        this same registry.
+        """
+        connector_cls = self.resolve(kv_transfer_config)
+        return connector_cls.supports_hma_for_config(kv_transfer_config, self.supports_hma_config)
+
+    # -------------------------------------------------------------- building
+
+    def build_connector(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> KVConnectorBase:
+        """Build the connector ``config.kv_transfer_config`` names (no HMA gate).
+
+        This is the ``connector_builder`` composites receive for their children.
+        """
+        if config.kv_transfer_config is None:
+            raise ValueError("kv_transfer_config must be set to create a connector")
+        connector_cls = self.resolve(config.kv_transfer_config)
+        return self.instantiate(connector_cls, config, role, kv_cache_config)
+
+    def instantiate(
+        self,
+        connector_cls: type[KVConnectorBase],
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> KVConnectorBase:
+        """Call ``connector_cls`` as the reference does, handing a composite its builder."""
+        engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
+        logger.info(
+            "Creating v1 connector with name: %s and engine_id: %s",
+            connector_cls.__name__,
+            engine_id,
+        )
+        if accepts_connector_builder(connector_cls):
+            builder: Callable[..., KVConnectorBase] = self.build_connector
+            return connector_cls(  # type: ignore[call-arg]
+                config, role, kv_cache_config, connector_builder=builder
+            )
+        return connector_cls(config, role, kv_cache_config)
+
+
+def _distribution_label(entry_point: metadata.EntryPoint) -> str:
+    distribution = getattr(entry_point, "dist", None)
+    if distribution is None:
+        return "'<unknown distribution>'"
+    return f"'{distribution.name} {distribution.version}'"
+
+
+_default_registry: ConnectorRegistry | None = None
+_default_registry_lock = threading.Lock()
+
+
+def default_registry() -> ConnectorRegistry:
+    """The process-wide registry that ``KVConnectorFactory`` and new containers share."""
+    global _default_registry
+    with _default_registry_lock:
+        if _default_registry is None:
+            _default_registry = ConnectorRegistry()
+        return _default_registry
