@@ -42,7 +42,7 @@ def test_saves_and_loads_larger_than_one_pipeline_batch_round_trip(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
     settings = RedisStoreSettings(
-        url=redis_server.url, key_prefix=key_prefix, batch_size=2, batch_bytes=LAYOUT.entry_bytes
+        url=redis_server.url, key_prefix=key_prefix, pipeline_bytes=2 * LAYOUT.entry_bytes
     )
     store = RedisBlockStore(settings)
     try:

@@ -46,8 +46,7 @@ class RedisStoreSettings:
     pool_size: int = 8
     socket_timeout_s: float = 5.0
     connect_timeout_s: float = 2.0
-    batch_size: int = 16
-    batch_bytes: int = 64 * 1024 * 1024
+    pipeline_bytes: int = 64 * 1024 * 1024
     lookup_batch_size: int = 64
     retry_interval_s: float = 1.0
     warning_interval_s: float = 30.0
@@ -57,7 +56,7 @@ class RedisStoreSettings:
     tls_verify: bool = True
 
     @classmethod
-    def keys(cls) -> tuple[str, ...]:
+    def extra_config_keys(cls) -> tuple[str, ...]:
         """The ``kv_connector_extra_config`` keys these settings read."""
         return (*(field.name for field in attrs.fields(cls)), "password_env")
 
@@ -149,8 +148,7 @@ _EXPECTED: dict[str, str] = {
     "pool_size": "a whole number of connections > 0",
     "socket_timeout_s": "a number of seconds > 0",
     "connect_timeout_s": "a number of seconds > 0",
-    "batch_size": "a whole number of blocks per pipeline > 0",
-    "batch_bytes": "a whole number of bytes per pipeline > 0",
+    "pipeline_bytes": "a whole number of bytes per save/load pipeline > 0",
     "lookup_batch_size": "a whole number of keys per lookup pipeline > 0",
     "retry_interval_s": "a number of seconds > 0",
     "warning_interval_s": "a number of seconds >= 0",

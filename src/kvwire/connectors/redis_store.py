@@ -188,6 +188,7 @@ class RedisBlockStore(BlockStore):
             "load_failures": 0,
             "loads_oversized": 0,
         }
+        self._taken: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -208,6 +209,18 @@ class RedisBlockStore(BlockStore):
         """Cumulative failure counters: lookups, dropped/rejected saves, failed loads."""
         with self._counter_lock:
             return dict(self._counters)
+
+    def take_counters(self) -> dict[str, int]:
+        """The non-zero counters since the last call (for stats, which report increments)."""
+        with self._counter_lock:
+            current = dict(self._counters)
+            increments = {
+                f"redis_{name}": value - self._taken.get(name, 0)
+                for name, value in current.items()
+                if value != self._taken.get(name, 0)
+            }
+            self._taken = current
+        return increments
 
     def redis_key(self, key: str) -> str:
         """The server-side name of a store key."""
@@ -246,9 +259,7 @@ class RedisBlockStore(BlockStore):
             return stored
         ttl = self._settings.ttl_seconds
         sizes = [entry.nbytes for entry in entries]
-        for batch in _batches_by_bytes(
-            sizes, self._settings.batch_size, self._settings.batch_bytes
-        ):
+        for batch in _batches_by_bytes(sizes, self._settings.pipeline_bytes):
             pipeline = self._client.pipeline(transaction=False)
             for index in batch:
                 pipeline.set(self.redis_key(keys[index]), entries[index], ex=ttl)
@@ -284,9 +295,7 @@ class RedisBlockStore(BlockStore):
             self._count("load_failures", len(keys))
             return sizes_read
         capacities = [buffer.nbytes for buffer in buffers]
-        for batch in _batches_by_bytes(
-            capacities, self._settings.batch_size, self._settings.batch_bytes
-        ):
+        for batch in _batches_by_bytes(capacities, self._settings.pipeline_bytes):
             pipeline = self._client.pipeline(transaction=False)
             for index in batch:
                 pipeline.get(self.redis_key(keys[index]))
@@ -318,12 +327,12 @@ class RedisBlockStore(BlockStore):
         self._outage.succeeded()
         return removed
 
-    def clear(self) -> int:
-        """Remove every key under this store's prefix; how many. False-free: outages give 0."""
+    def clear(self, under: str = "") -> int:
+        """Remove every key under this store's prefix (+ ``under``); how many. Outages give 0."""
         if not self._outage.may_try():
             return 0
         removed = 0
-        pattern = _glob_escape(self._settings.key_prefix) + "*"
+        pattern = _glob_escape(self._settings.key_prefix + under) + "*"
         try:
             batch: list[bytes] = []
             for name in self._client.scan_iter(match=pattern, count=1000):
@@ -358,13 +367,17 @@ def _batches(count: int, batch_size: int) -> Iterator[range]:
         yield range(start, min(start + batch_size, count))
 
 
-def _batches_by_bytes(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[range]:
-    """Consecutive ranges of at most ``max_items`` items and (but for one item) ``max_bytes``."""
+def _batches_by_bytes(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
+    """Consecutive ranges of at most ``max_bytes`` (a larger single item is a range alone).
+
+    Bounds what one pipeline holds in flight: the replies of a load pipeline
+    are all in memory before the first is copied out.
+    """
     start = 0
     while start < len(sizes):
         end = start + 1
         total = sizes[start]
-        while end < len(sizes) and end - start < max_items and total + sizes[end] <= max_bytes:
+        while end < len(sizes) and total + sizes[end] <= max_bytes:
             total += sizes[end]
             end += 1
         yield range(start, end)

@@ -1,0 +1,91 @@
+"""The Redis/Valkey connector: KV blocks shared by engines on many machines.
+
+Engines on different hosts share blocks through a Redis (or Valkey) server
+they already run. The data path is the store-backed connector's
+(:mod:`kvwire.connectors.store_connector`: staging buffers, background I/O
+threads, every entry verified before it reaches the cache); the medium is
+:class:`~kvwire.connectors.redis_store.RedisBlockStore`.
+
+``kv_connector_extra_config`` keys, beside the common ones of
+:class:`~kvwire.connectors.store_connector.StoreConnector`
+(see :class:`~kvwire.connectors.redis_settings.RedisStoreSettings`):
+
+- ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path``;
+- ``username``, ``password`` or ``password_env`` (the name of an environment
+  variable holding it: keeps the secret out of profiles), ``db``;
+- ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry);
+- ``pool_size``, ``socket_timeout_s``, ``connect_timeout_s``,
+  ``pipeline_bytes``, ``lookup_batch_size``;
+- ``retry_interval_s`` (how long an outage is assumed before trying again),
+  ``warning_interval_s`` (at most one outage warning per interval);
+- ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
+
+When the server is down, lookups miss, saves are dropped (counted in the
+stats as ``redis_saves_dropped``) and loads are reported as load errors; the
+engine's outputs stay those of an engine without a connector, and the store
+reconnects by itself when the server is back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvwire.connectors.extra_config import ExtraConfigError, ExtraConfigKey
+from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
+from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store_connector import StoreConnector
+
+
+@attrs.frozen
+class _Given:
+    """A Redis key's raw value, passed through to :class:`RedisStoreSettings` to validate."""
+
+    value: Any = attrs.field(repr=False)
+
+
+_NOT_GIVEN: Any = None
+
+
+def _redis_key(name: str) -> ExtraConfigKey:
+    # The store's settings validate these keys together (a URL and a db may
+    # conflict) and without echoing a password, so here every value is only
+    # wrapped; the generic reader would reject a legitimate null.
+    return ExtraConfigKey(name, _NOT_GIVEN, _Given, "see RedisStoreSettings")
+
+
+class RedisConnector(StoreConnector):
+    """Saves and loads KV blocks in a Redis/Valkey server, one key per block."""
+
+    medium = "redis"
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        return (
+            *super().extra_config_keys(),
+            *(_redis_key(name) for name in RedisStoreSettings.extra_config_keys()),
+        )
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        given = {name: value.value for name, value in options.items() if isinstance(value, _Given)}
+        try:
+            settings = RedisStoreSettings.from_extra_config(given)
+        except RedisSettingsError as error:
+            raise ExtraConfigError(f"{type(self).__name__}: {error}") from None
+        self._redis_store = RedisBlockStore(settings)
+        return self._redis_store
+
+    @property
+    def redis_store(self) -> RedisBlockStore:
+        return self._redis_store
+
+    def store_counters(self) -> Mapping[str, float]:
+        return self._redis_store.take_counters()
+
+    def reset_cache(self) -> bool | None:
+        """Forget this engine layout's blocks under the key prefix (other layouts' stay)."""
+        self._redis_store.clear(under=self.layout.fingerprint_hex)
+        return self._redis_store.is_available
