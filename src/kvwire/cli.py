@@ -1,0 +1,221 @@
+"""The ``kvwire`` command: ``check``, ``connectors`` and ``run``.
+
+``kvwire check PROFILE`` validates a profile, resolves its connector (with the
+constructor check), applies the HMA gate and says what it decided and why;
+any failure is printed as its error text and the exit status is 1.
+``kvwire connectors`` lists every known connector without importing any;
+``--resolve`` imports each one to say whether it supports HMA. ``kvwire run``
+belongs to the engine (:mod:`kvwire.engine.run`), imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TextIO
+
+from kvwire.config import EngineConfig, KVTransferConfig
+from kvwire.connector.base import KVConnectorBase, supports_hma
+from kvwire.exceptions import KVWireError
+from kvwire.hma import decide_hma
+from kvwire.profile import load_profile
+from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
+
+ENGINE_RUN_MODULE = "kvwire.engine.run"
+
+# What a user can get wrong in a profile or a plugin; anything else is a bug
+# and keeps its traceback.
+_USER_ERRORS = (KVWireError, ValueError, TypeError, AttributeError, ImportError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvwire`` console script; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(wants_run=_first_command(arguments) == "run")
+    args = parser.parse_args(arguments)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    command: Callable[[argparse.Namespace], int] = args.command
+    return command(args)
+
+
+def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; the engine's ``run`` options are added only when ``wants_run``."""
+    parser = argparse.ArgumentParser(
+        prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging threshold (default: WARNING)",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    check = commands.add_parser(
+        "check", help="validate a profile, resolve its connector and apply the HMA gate"
+    )
+    check.add_argument("profile", help="path to a YAML profile (see containers/)")
+    check.set_defaults(command=_check_command)
+
+    connectors = commands.add_parser("connectors", help="list every known connector")
+    connectors.add_argument(
+        "--resolve",
+        action="store_true",
+        help="import each connector to say whether it supports HMA",
+    )
+    connectors.set_defaults(command=_connectors_command)
+
+    run = commands.add_parser("run", help="run a workload through the engine with a connector")
+    if wants_run:
+        _engine_run_module().configure_parser(run)
+        run.set_defaults(command=_run_command)
+    return parser
+
+
+def _first_command(arguments: Sequence[str]) -> str | None:
+    skip_next = False
+    for argument in arguments:
+        if skip_next:
+            skip_next = False
+        elif argument == "--log-level":
+            skip_next = True
+        elif not argument.startswith("-"):
+            return argument
+    return None
+
+
+def _engine_run_module() -> ModuleType:
+    return importlib.import_module(ENGINE_RUN_MODULE)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    status: int = _engine_run_module().run(args)
+    return status
+
+
+# --------------------------------------------------------------------- check
+
+
+def _check_command(args: argparse.Namespace) -> int:
+    return check_profile(args.profile, out=sys.stdout, err=sys.stderr)
+
+
+def check_profile(
+    profile: str,
+    *,
+    registry: ConnectorRegistry | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """What ``kvwire check`` does: 0 when the profile is usable, else 1 with the error."""
+    registry = registry or default_registry()
+    try:
+        engine_config = load_profile(profile)
+        for line in _check_lines(profile, engine_config, registry):
+            print(line, file=out)
+    except _USER_ERRORS as error:
+        print(f"kvwire check: {profile}: error: {error}", file=err)
+        return 1
+    return 0
+
+
+def _check_lines(
+    profile: str, engine_config: EngineConfig, registry: ConnectorRegistry
+) -> list[str]:
+    lines = [f"profile {profile}: valid"]
+    transfer = engine_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector is None:
+        lines.append("connector: none (kv_transfer_config names no connector); nothing to resolve")
+        return lines
+    connector_cls = registry.resolve(transfer)
+    lines.append(
+        f"connector: {transfer.kv_connector} -> {_origin(transfer, connector_cls, registry)}"
+    )
+    constructor = "constructor: accepts (config, role, kv_cache_config)"
+    if accepts_connector_builder(connector_cls):
+        constructor += "; a composite, it receives a connector_builder for its children"
+    lines.append(constructor)
+    lines.append(
+        f"kv_role: {transfer.kv_role} (producer: {_yes(transfer.is_kv_producer)}, "
+        f"consumer: {_yes(transfer.is_kv_consumer)}); "
+        f"load failure policy: {transfer.kv_load_failure_policy}"
+    )
+
+    def is_supported() -> bool:
+        return connector_cls.supports_hma_for_config(transfer, registry.supports_hma_config)
+
+    decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
+    lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")
+    lines.append("ok")
+    return lines
+
+
+def _origin(
+    transfer: KVTransferConfig, connector_cls: type[KVConnectorBase], registry: ConnectorRegistry
+) -> str:
+    qualified = f"{connector_cls.__module__}:{connector_cls.__qualname__}"
+    if transfer.kv_connector_module_path:
+        return (
+            f"{qualified} (module path {transfer.kv_connector_module_path}, "
+            "which wins over the registry)"
+        )
+    entry = registry.entry(str(transfer.kv_connector))
+    if entry.distribution:
+        return f"{qualified} ({entry.source.value} of distribution {entry.distribution})"
+    return f"{qualified} ({entry.source.value})"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+# ---------------------------------------------------------------- connectors
+
+
+def _connectors_command(args: argparse.Namespace) -> int:
+    return list_connectors(resolve=args.resolve, out=sys.stdout)
+
+
+def list_connectors(
+    *, resolve: bool, registry: ConnectorRegistry | None = None, out: TextIO = sys.stdout
+) -> int:
+    """What ``kvwire connectors`` does; imports connector modules only when ``resolve``."""
+    registry = registry or default_registry()
+    header = ["NAME", "SOURCE", "MODULE"] + (["HMA"] if resolve else [])
+    rows = [header]
+    failed = False
+    for entry in registry.entries():
+        source = entry.source.value
+        if entry.distribution:
+            source = f"{source} ({entry.distribution})"
+        row = [entry.name, source, entry.target]
+        if resolve:
+            try:
+                row.append(_hma_column(registry.get_class(entry.name)))
+            except _USER_ERRORS as error:
+                failed = True
+                row.append(f"error: {error}")
+        rows.append(row)
+    # Pad every column but the last, which may hold a long error text.
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip(), file=out)
+    return 1 if failed else 0
+
+
+def _hma_column(connector_cls: type[KVConnectorBase]) -> str:
+    own_hook = connector_cls.supports_hma_for_config.__func__  # type: ignore[attr-defined]
+    if own_hook is not KVConnectorBase.supports_hma_for_config.__func__:  # type: ignore[attr-defined]
+        return "depends on its configuration" + (
+            " (marked SupportsHMA)" if supports_hma(connector_cls) else ""
+        )
+    return _yes(supports_hma(connector_cls))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
