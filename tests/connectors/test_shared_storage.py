@@ -1,0 +1,268 @@
+"""The shared-storage connector, driven directly over real paged caches."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import shutil
+
+import pytest
+
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
+from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from tests.connectors.conftest import PairFactory
+from tests.connectors.harness import (
+    blocks_equal,
+    cache_config_for,
+    engine_config,
+    make_request,
+)
+
+BLOCK = 4
+PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, one token left to compute
+PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
+CONSUMER_BLOCKS = [20, 21, 22, 23, 24]
+
+
+def entry_files(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def produce(build: PairFactory) -> None:
+    producer = build(seed=1)
+    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    assert producer.worker.wait_for_pending_saves(30)  # type: ignore[attr-defined]
+    return producer
+
+
+def test_a_consumer_loads_bit_exact_what_a_producer_saved(shared_storage_pair: PairFactory):
+    producer = produce(shared_storage_pair)
+    consumer = shared_storage_pair()
+    matched, is_async = consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert (matched, is_async) == (16, False)
+    assert consumer.load_errors == set()
+    assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+
+
+def test_one_file_per_block_in_sharded_folders(shared_storage_pair: PairFactory, storage_dir):
+    produce(shared_storage_pair)
+    files = entry_files(storage_dir)
+    assert len(files) == 4
+    for path in files:
+        assert path.parent.name == path.name[:2]
+
+
+def test_lookup_counts_only_the_consecutive_prefix(shared_storage_pair: PairFactory, storage_dir):
+    produce(shared_storage_pair)
+    hashes = make_request("c", PROMPT, BLOCK).block_hashes
+    second = next(p for p in entry_files(storage_dir) if p.name == hashes[1].hex())
+    second.unlink()
+    consumer = shared_storage_pair()
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (BLOCK, False)
+
+
+def test_lookup_counts_only_blocks_beyond_the_local_prefix(shared_storage_pair: PairFactory):
+    produce(shared_storage_pair)
+    consumer = shared_storage_pair()
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK), 2 * BLOCK) == (2 * BLOCK, False)
+
+
+def test_lookup_leaves_the_last_token_to_compute(shared_storage_pair: PairFactory):
+    produce(shared_storage_pair)
+    consumer = shared_storage_pair()
+    assert consumer.lookup(make_request("c", PROMPT[:16], BLOCK)) == (3 * BLOCK, False)
+
+
+def test_a_flipped_byte_is_reported_and_never_copied(shared_storage_pair: PairFactory, storage_dir):
+    produce(shared_storage_pair)
+    hashes = make_request("c", PROMPT, BLOCK).block_hashes
+    victim = next(p for p in entry_files(storage_dir) if p.name == hashes[2].hex())
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0x40
+    victim.write_bytes(bytes(data))
+    consumer = shared_storage_pair()
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert consumer.load_errors == {CONSUMER_BLOCKS[2]}
+    assert all(not cache[:, CONSUMER_BLOCKS[2]].any() for cache in consumer.caches.values())
+    assert consumer.stats["corrupt_entries"] == 1
+
+
+def test_a_truncated_entry_is_a_load_error(shared_storage_pair: PairFactory, storage_dir):
+    produce(shared_storage_pair)
+    victim = entry_files(storage_dir)[0]
+    victim.write_bytes(victim.read_bytes()[:300])
+    consumer = shared_storage_pair()
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert len(consumer.load_errors) == 1
+
+
+def test_an_entry_vanishing_between_lookup_and_load_is_a_load_error(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    produce(shared_storage_pair)
+    consumer = shared_storage_pair()
+    request = make_request("c", PROMPT, BLOCK)
+    matched, _ = consumer.lookup(request)
+    for path in entry_files(storage_dir):
+        path.unlink()
+    consumer.scheduler.update_state_after_alloc(request, KVCacheBlocks((CONSUMER_BLOCKS,)), matched)
+    consumer.step(SchedulerOutput())
+    assert consumer.load_errors == set(CONSUMER_BLOCKS[:4])
+
+
+def test_engines_with_other_layouts_never_see_each_others_blocks(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    produce(shared_storage_pair)
+    config = engine_config(
+        "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}, head_size=8
+    )
+    other = SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    assert other.get_num_new_matched_tokens(make_request("o", PROMPT, BLOCK), 0) == (0, False)
+
+
+def test_async_loads_are_reported_through_get_finished(shared_storage_pair: PairFactory):
+    producer = produce(shared_storage_pair)
+    consumer = shared_storage_pair(async_load=True)
+    assert consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS) == (16, True)
+    consumer.step_until(lambda: "c" in consumer.finished_recving)
+    assert consumer.finished_recving == {"c"}
+    assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+
+
+def test_transfers_larger_than_the_staging_buffers_complete(shared_storage_pair: PairFactory):
+    # One staging slot: every block goes through it in turn.
+    producer = shared_storage_pair(seed=3, staging_buffer_bytes=1, batch_blocks=1)
+    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    assert producer.worker.wait_for_pending_saves(30)
+    consumer = shared_storage_pair(staging_buffer_bytes=1)
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+
+
+def test_stats_count_blocks_bytes_and_lookups(shared_storage_pair: PairFactory):
+    producer = produce(shared_storage_pair)
+    producer.step(SchedulerOutput())
+    assert producer.stats["blocks_saved"] == 4
+    assert producer.stats["lookup_miss_blocks"] == 4
+    consumer = shared_storage_pair()
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert consumer.stats["blocks_loaded"] == 4
+    assert consumer.stats["lookup_hit_blocks"] == 4
+    assert consumer.stats["bytes_loaded"] == 4 * consumer.worker.layout.payload_bytes
+
+
+def test_a_consumer_only_engine_saves_nothing(shared_storage_pair: PairFactory, storage_dir):
+    consumer = shared_storage_pair(seed=1, kv_role="kv_consumer")
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    consumer.worker.wait_for_pending_saves(30)
+    assert entry_files(storage_dir) == []
+
+
+def test_a_producer_only_engine_never_loads(shared_storage_pair: PairFactory):
+    produce(shared_storage_pair)
+    producer = shared_storage_pair(kv_role="kv_producer")
+    assert producer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
+
+
+def test_a_vanished_directory_fails_saves_with_a_warning_and_a_count(
+    shared_storage_pair: PairFactory, storage_dir, caplog
+):
+    producer = shared_storage_pair(seed=1)
+    shutil.rmtree(storage_dir)
+    with caplog.at_level(logging.WARNING):
+        producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+        assert producer.worker.wait_for_pending_saves(30)
+        producer.step(SchedulerOutput())
+    assert producer.stats["save_errors"] == 4
+    assert producer.stats["write_directory_missing"] == 4
+    assert "directory_missing" in caplog.text
+    assert not storage_dir.exists()
+
+
+def test_the_size_cap_evicts_the_oldest_entries(shared_storage_pair: PairFactory, storage_dir):
+    probe = shared_storage_pair()
+    entry_bytes = probe.worker.layout.entry_bytes
+    producer = shared_storage_pair(seed=1, max_bytes=3 * entry_bytes, batch_blocks=1)
+    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    assert producer.worker.wait_for_pending_saves(30)
+    producer.step(SchedulerOutput())
+    assert sum(p.stat().st_size for p in entry_files(storage_dir)) <= 3 * entry_bytes
+    assert producer.stats["evicted_blocks"] >= 1
+
+
+def test_a_writers_leftover_temporary_file_is_never_loaded(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    producer = produce(shared_storage_pair)
+    for path in entry_files(storage_dir):
+        # What a writer killed before its rename leaves behind.
+        os.rename(path, path.parent / f".{path.name}.123.456.tmp")
+    consumer = shared_storage_pair()
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
+    del producer
+
+
+def test_fsync_mode_round_trips(shared_storage_pair: PairFactory):
+    producer = shared_storage_pair(seed=5, fsync=True)
+    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    assert producer.worker.wait_for_pending_saves(30)
+    consumer = shared_storage_pair()
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (16, False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "kv_connector_extra_config.shared_storage_path is required"),
+        ({"shared_storage_path": ""}, "kv_connector_extra_config.shared_storage_path: ''"),
+        ({"shared_storage_path": "/tmp/x", "fsync": "yes"}, "kv_connector_extra_config.fsync"),
+        (
+            {"shared_storage_path": "/tmp/x", "max_bytes": "lots"},
+            'expected a byte count >= 0, as an int or a string such as "512MiB"',
+        ),
+        (
+            {"shared_storage_path": "/tmp/x", "io_threads": 0},
+            "kv_connector_extra_config.io_threads: 0 is not accepted by SharedStorageConnector; "
+            "expected an integer between 1 and 64",
+        ),
+        (
+            {"shared_storage_path": "/tmp/x", "shared_path": "/tmp/y"},
+            "kv_connector_extra_config.shared_path is not an option of SharedStorageConnector",
+        ),
+    ],
+)
+def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
+    config = engine_config("SharedStorageConnector", extra)
+    with pytest.raises(ExtraConfigError) as raised:
+        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    assert message in str(raised.value)
+
+
+def test_a_path_that_cannot_be_created_is_a_clear_error(tmp_path: pathlib.Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(blocker / "d")})
+    with pytest.raises(ExtraConfigError, match="shared_storage_path: cannot create"):
+        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+
+
+def test_sizes_accept_units(tmp_path: pathlib.Path):
+    config = engine_config(
+        "SharedStorageConnector",
+        {"shared_storage_path": str(tmp_path), "max_bytes": "2GiB", "staging_buffer_bytes": "1MB"},
+    )
+    SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+
+
+def test_registering_caches_of_another_shape_is_a_clear_error(tmp_path: pathlib.Path):
+    import torch
+
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
+    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    caches = {f"layers.{i}.attn": torch.zeros(2, 8, 4, 2, 8) for i in range(2)}
+    with pytest.raises(ValueError, match=r"layer 'layers.0.attn' has shape \(2, 8, 4, 2, 8\)"):
+        worker.register_kv_caches(caches)
