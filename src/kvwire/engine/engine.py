@@ -1,0 +1,267 @@
+"""The engine: a scheduler and a worker, stepped until every request is done.
+
+Both get their connector (one per role) from a
+:class:`~kvwire.engine.connector_source.ConnectorSource`; with
+``worker_mode="process"`` the worker and its connector live in another
+process and each step's instructions cross by pickling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Protocol
+
+import attrs
+import torch
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.connector.types import KVConnectorStats, Request, RequestStatus
+from kvwire.engine.block_hash import root_hash
+from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
+from kvwire.engine.model import torch_dtype
+from kvwire.engine.scheduler import Scheduler
+from kvwire.engine.step import StepResult, WorkerStep
+from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+
+WorkerMode = Literal["inline", "process"]
+
+
+class _WorkerHandle(Protocol):
+    def execute(self, step: WorkerStep) -> StepResult: ...
+
+    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor: ...
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One prompt to complete: ``max_tokens`` greedy tokens after ``prompt_token_ids``."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@attrs.frozen
+class RequestOutput:
+    """A finished request: its tokens, where its prefix came from, and its timings.
+
+    ``error`` is set (and ``status`` is FINISHED_ERROR) when the request
+    failed, e.g. a load error under ``kv_load_failure_policy="fail"``.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    status: RequestStatus
+    error: str | None
+    local_cached_tokens: int
+    external_tokens: int
+    time_to_first_token_s: float | None
+    latency_s: float
+    num_preemptions: int
+    num_load_failures: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+@attrs.define
+class EngineCounters:
+    """Where the engine's time went, and how often it preempted (for benchmarks)."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    worker_s: float = 0.0
+    update_s: float = 0.0
+    preemptions: int = 0
+
+
+def build_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+    """The engine's cache layout: every layer full attention, ``layers.{i}.attn``."""
+    model = config.model_config
+    return build_full_attention_kv_cache_config(
+        num_layers=model.num_layers,
+        num_blocks=config.cache_config.num_gpu_blocks,
+        block_size=config.cache_config.block_size,
+        num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
+        dtype=model.dtype,
+    )
+
+
+class LLMEngine:
+    """A paged-KV inference engine on CPU that drives a connector like a server would.
+
+    ``connector_hook`` sees each connector once it is built (the conformance
+    kit instruments them this way); ``load_failure_injection`` makes loads
+    fail on purpose; ``capture_kv`` keeps each finished request's prompt KV
+    in :attr:`captured_kv`. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        worker_mode: WorkerMode = "inline",
+        connector_hook: ConnectorHook | None = None,
+        load_failure_injection: LoadFailureInjection | None = None,
+        capture_kv: bool = False,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        if worker_mode not in ("inline", "process"):
+            raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
+        torch_dtype(config.model_config.dtype)  # reject an unsupported dtype up front
+        self.config = config
+        self.kv_cache_config = build_kv_cache_config(config)
+        self.capture_kv = capture_kv
+        self.captured_kv: dict[str, torch.Tensor] = {}
+        self.idle_timeout_s = idle_timeout_s
+        self.counters = EngineCounters()
+        self.connector_stats = KVConnectorStats()
+        self._source = ConnectorSource(config, self.kv_cache_config, connector_hook)
+        self._closed = False
+        self._worker_process: Any = None
+        try:
+            self.scheduler_connector = self._source.connector(KVConnectorRole.SCHEDULER)
+            self.scheduler = Scheduler(
+                config, self.scheduler_connector, root_hash(config.model_config)
+            )
+            self.worker: _WorkerHandle
+            if worker_mode == "inline":
+                self.worker = Worker(
+                    config,
+                    self.kv_cache_config,
+                    self._source,
+                    load_failure_injection=load_failure_injection,
+                )
+            else:
+                from kvwire.engine.worker_process import WorkerProcess
+
+                self._worker_process = WorkerProcess(
+                    config,
+                    self.kv_cache_config,
+                    connector_hook=connector_hook,
+                    load_failure_injection=load_failure_injection,
+                )
+                self.worker = self._worker_process
+        except BaseException:
+            self._source.shutdown()
+            raise
+
+    @property
+    def worker_connector(self) -> KVConnectorBase | None:
+        """The worker-role connector, when the worker runs in this process."""
+        return self.worker.connector if isinstance(self.worker, Worker) else None
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                max_tokens=request.max_tokens,
+            )
+        )
+
+    def step(self) -> tuple[int, list[Request]]:
+        """One schedule-execute-update round; tokens scheduled and requests finished."""
+        started = time.perf_counter()
+        output, step = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        result = self.worker.execute(step)
+        executed_at = time.perf_counter()
+        finished = self.scheduler.update_from_output(output, result)
+        if result.connector_output is not None and result.connector_output.kv_connector_stats:
+            self.connector_stats.aggregate(result.connector_output.kv_connector_stats)
+        if self.capture_kv:
+            for request in finished:
+                block_ids = self.scheduler.block_ids_at_finish.get(request.request_id, [])
+                num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
+                self.captured_kv[request.request_id] = self.worker.gather_kv(block_ids, num_tokens)
+        self.scheduler.block_ids_at_finish.clear()
+        counters = self.counters
+        counters.steps += 1
+        counters.schedule_s += scheduled_at - started
+        counters.worker_s += executed_at - scheduled_at
+        counters.update_s += time.perf_counter() - executed_at
+        counters.preemptions = self.scheduler.num_preemptions
+        return output.total_num_scheduled_tokens, finished
+
+    def run_until_done(self, on_finished: Callable[[Request], None] | None = None) -> None:
+        """Step until no request and no connector transfer is outstanding."""
+        idle_since: float | None = None
+        while self.scheduler.has_unfinished_work():
+            num_scheduled, finished = self.step()
+            if on_finished is not None:
+                for request in finished:
+                    on_finished(request)
+            if num_scheduled:
+                idle_since = None
+                continue
+            # Nothing to compute: only the connector's transfers are pending.
+            now = time.perf_counter()
+            if idle_since is None:
+                idle_since = now
+            elif now - idle_since > self.idle_timeout_s:
+                raise RuntimeError(
+                    f"no progress for {self.idle_timeout_s:.0f} s: "
+                    f"{self.scheduler.describe_stuck_requests()}; the connector "
+                    f"({type(self.scheduler_connector).__name__}) never reported them done"
+                )
+            time.sleep(0.0005)
+
+    def generate(
+        self,
+        requests: Iterable[GenerationRequest],
+        on_finished: Callable[[Request], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``requests`` to completion; their outputs, in the order given."""
+        request_ids = []
+        for request in requests:
+            self.add_request(request)
+            request_ids.append(request.request_id)
+        self.run_until_done(on_finished)
+        return [self.output_of(request_id) for request_id in request_ids]
+
+    def output_of(self, request_id: str) -> RequestOutput:
+        request = self.scheduler.requests[request_id]
+        metrics = self.scheduler.metrics[request_id]
+        first_token = metrics.first_token_time
+        finish = metrics.finish_time if metrics.finish_time is not None else time.perf_counter()
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            status=request.status,
+            error=request.error,
+            local_cached_tokens=metrics.local_cached_tokens or 0,
+            external_tokens=metrics.external_tokens or 0,
+            time_to_first_token_s=(
+                None if first_token is None else first_token - metrics.arrival_time
+            ),
+            latency_s=finish - metrics.arrival_time,
+            num_preemptions=metrics.num_preemptions,
+            num_load_failures=metrics.num_load_failures,
+            kv_transfer_params=request.kv_transfer_params,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the local prefix cache (so the next prompts must come from the connector)."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the worker and shut down both connectors, once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._worker_process is not None:
+                self._worker_process.shutdown()
+        finally:
+            self._source.shutdown()

@@ -1,0 +1,452 @@
+"""The scheduler: queues, a token budget per step, and the scheduler-side connector calls.
+
+Per step: running requests first (decode and prefill chunks), preempting
+the newest running request when the pool runs dry; then waiting requests,
+each asking the local prefix cache and then the connector
+(``get_num_new_matched_tokens``) what is already known, allocating blocks,
+telling the connector (``update_state_after_alloc``), and parking those whose
+load is asynchronous. The step ends with ``build_connector_meta``. After the
+worker's step: load errors first (roll back or fail), then the sampled
+tokens, finished receives and sends, and ``update_connector_output``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import attrs
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, supports_hma
+from kvwire.connector.types import (
+    BlockHash,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvwire.engine.block_hash import extend_block_hashes
+from kvwire.engine.block_manager import BlockManager
+from kvwire.engine.step import ExternalLoad, ScheduledChunk, StepResult, WorkerStep
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define
+class RequestMetrics:
+    """What happened to one request, for reports: cache hits and timings (seconds)."""
+
+    arrival_time: float
+    local_cached_tokens: int | None = None
+    external_tokens: int | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_load_failures: int = 0
+
+
+class Scheduler:
+    """Decides each step's work and keeps every request's state.
+
+    ``connector`` is the SCHEDULER-role connector, or None to run without one.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnectorBase | None,
+        root_hash: BlockHash,
+    ) -> None:
+        cache = config.cache_config
+        self.config = config
+        self.block_size = cache.block_size
+        self.connector = connector
+        self.root_hash = root_hash
+        self.block_manager = BlockManager(
+            cache.num_gpu_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        transfer = config.kv_transfer_config
+        self.load_failure_policy = transfer.kv_load_failure_policy if transfer else "recompute"
+        self.requests: dict[str, Request] = {}
+        self.metrics: dict[str, RequestMetrics] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_since_last_step: set[str] = set()
+        self._delayed_free: set[str] = set()
+        # Parked requests: the number of computed tokens once their load lands.
+        self._async_load_targets: dict[str, int] = {}
+        self._failed_async_blocks: set[int] = set()
+        self._loaded_and_ready: set[str] = set()
+        self._ever_scheduled: set[str] = set()
+        # The blocks each request held when it finished (read by the engine's KV capture).
+        self.block_ids_at_finish: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; its length must fit the model and the cache."""
+        model = self.config.model_config
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} are outside "
+                f"[0, model_config.vocab_size={model.vocab_size})"
+            )
+        if request.max_tokens < 1:
+            raise ValueError(
+                f"request {request.request_id!r}: max_tokens must be >= 1, got {request.max_tokens}"
+            )
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > model.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
+                f"max_tokens ({request.max_tokens}) exceeds model_config.max_model_len "
+                f"({model.max_model_len})"
+            )
+        needed_blocks = -(-total // self.block_size)
+        if needed_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {needed_blocks} blocks but "
+                f"cache_config.num_gpu_blocks is {self.block_manager.num_blocks}"
+            )
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
+        )
+        self.requests[request.request_id] = request
+        self.metrics[request.request_id] = RequestMetrics(arrival_time=time.perf_counter())
+        self.waiting.append(request)
+
+    def has_unfinished_work(self) -> bool:
+        return bool(self.waiting or self.running or self._delayed_free)
+
+    def is_idle_waiting(self) -> bool:
+        """Nothing runs; only connector work (loads, sends) is outstanding."""
+        return not self.running and all(
+            request.status is RequestStatus.WAITING_FOR_REMOTE_KVS for request in self.waiting
+        )
+
+    # ------------------------------------------------------------ schedule
+
+    def schedule(self) -> tuple[SchedulerOutput, WorkerStep]:
+        """Decide this step's work; the worker's instructions come with it."""
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        chunks: list[ScheduledChunk] = []
+        loads: list[ExternalLoad] = []
+        preempted: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_running(request, num_new, preempted):
+                break
+            self._schedule_chunk(request, num_new, scheduled, chunks)
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            budget = self._schedule_waiting(budget, scheduled, chunks, loads)
+
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            finished_req_ids=set(self._finished_since_last_step),
+            preempted_req_ids=preempted,
+        )
+        self._finished_since_last_step.clear()
+        metadata: KVConnectorMetadata | None = None
+        if self.connector is not None:
+            metadata = self.connector.build_connector_meta(output)
+        step = WorkerStep(
+            chunks=tuple(chunks),
+            finished_req_ids=frozenset(output.finished_req_ids),
+            connector_metadata=metadata,
+            external_loads=tuple(loads),
+        )
+        return output, step
+
+    def _allocate_running(self, request: Request, num_new: int, preempted: set[str]) -> bool:
+        total = request.num_computed_tokens + num_new
+        while self.block_manager.allocate(request, [], total) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        chunks: list[ScheduledChunk],
+        loads: list[ExternalLoad],
+    ) -> int:
+        max_running = self.config.scheduler_config.max_num_seqs
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < max_running:
+            request = self.waiting.popleft()
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)
+                continue
+            outcome = self._admit(request, budget, loads)
+            if outcome is None:
+                skipped.append(request)
+                continue
+            if outcome < 0:
+                self.waiting.appendleft(request)
+                break
+            self._schedule_chunk(request, outcome, scheduled, chunks)
+            self.running.append(request)
+            budget -= outcome
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _admit(self, request: Request, budget: int, loads: list[ExternalLoad]) -> int | None:
+        """Allocate for a waiting request; tokens to compute now, None to skip, -1 when full."""
+        request_id = request.request_id
+        cached_blocks: list[int] = []
+        num_local = request.num_computed_tokens
+        num_external, load_async = 0, False
+        if request_id not in self._loaded_and_ready:
+            cached_blocks, num_local = self.block_manager.find_cached_prefix(request)
+            if self.connector is not None:
+                answer, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                if answer is None:
+                    return None  # the connector is still looking: ask again next step
+                num_external = self._checked_external(request, answer, load_async)
+        computed_after_load = min(num_local + num_external, request.num_tokens - 1)
+        num_new = 0 if load_async else min(request.num_tokens - computed_after_load, budget)
+        blocks = self.block_manager.allocate(
+            request, cached_blocks, max(num_local + num_external, computed_after_load + num_new)
+        )
+        if blocks is None:
+            return -1
+        self._loaded_and_ready.discard(request_id)
+        metrics = self.metrics[request_id]
+        if metrics.local_cached_tokens is None:
+            metrics.local_cached_tokens = num_local
+            metrics.external_tokens = computed_after_load - num_local
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, blocks, num_external)
+        if num_external > 0:
+            first = num_local // self.block_size
+            last = -(-(num_local + num_external) // self.block_size)
+            loaded_blocks = tuple(blocks.block_ids[0][first:last])
+            loads.append(ExternalLoad(request_id, loaded_blocks, load_async))
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = num_local
+            self._async_load_targets[request_id] = computed_after_load
+            return None
+        request.num_computed_tokens = computed_after_load
+        return num_new
+
+    def _checked_external(self, request: Request, answer: object, load_async: bool) -> int:
+        name = type(self.connector).__name__
+        if not isinstance(answer, int) or isinstance(answer, bool) or answer < 0:
+            raise RuntimeError(
+                f"{name}.get_num_new_matched_tokens returned {answer!r} for request "
+                f"{request.request_id!r}; expected None or an int >= 0"
+            )
+        if answer == 0 and load_async:
+            raise RuntimeError(
+                f"{name}.get_num_new_matched_tokens returned (0, True) for request "
+                f"{request.request_id!r}; an asynchronous load needs tokens to load"
+            )
+        return answer
+
+    def _schedule_chunk(
+        self,
+        request: Request,
+        num_new: int,
+        scheduled: list[ScheduledRequest],
+        chunks: list[ScheduledChunk],
+    ) -> None:
+        start = request.num_computed_tokens
+        is_new = request.request_id not in self._ever_scheduled
+        resumed = request.status is RequestStatus.PREEMPTED
+        self._ever_scheduled.add(request.request_id)
+        request.status = RequestStatus.RUNNING
+        block_ids = self.block_manager.blocks_of(request.request_id)
+        scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                block_ids=(list(block_ids),),
+                num_computed_tokens=start,
+                num_scheduled_tokens=num_new,
+                is_new=is_new,
+                resumed_from_preemption=resumed,
+            )
+        )
+        chunks.append(
+            ScheduledChunk(
+                request_id=request.request_id,
+                token_ids=tuple(request.all_token_ids[start : start + num_new]),
+                start_position=start,
+                block_ids=tuple(block_ids),
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        self.metrics[request.request_id].num_preemptions += 1
+
+    # ------------------------------------------------------------ results
+
+    def update_from_output(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Apply the worker's step; the requests that finished in it."""
+        connector_output = result.connector_output
+        finished: list[Request] = []
+        invalid = connector_output.invalid_block_ids if connector_output else set()
+        # Failed blocks that no load of this step explains belong to a parked
+        # request: remembered until it is reported finished receiving.
+        self._failed_async_blocks |= invalid
+        rolled_back = (
+            self._recover_sync_load_errors(output, invalid, finished) if invalid else set()
+        )
+        now = time.perf_counter()
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            if request.is_finished or item.request_id in rolled_back:
+                continue
+            request.num_computed_tokens += item.num_scheduled_tokens
+            token = result.sampled_token_ids.get(item.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+                metrics = self.metrics[item.request_id]
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                extend_block_hashes(
+                    request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
+                )
+            self.block_manager.cache_full_blocks(request)
+            if len(request.output_token_ids) >= request.max_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, finished)
+        if connector_output is not None:
+            for request_id in connector_output.finished_recving or ():
+                self._finish_async_load(request_id, finished)
+            for request_id in connector_output.finished_sending or ():
+                if request_id in self._delayed_free:
+                    self._delayed_free.discard(request_id)
+                    self.block_manager.free(request_id)
+            if self.connector is not None:
+                self.connector.update_connector_output(connector_output)
+        if self._failed_async_blocks:
+            parked_blocks = {
+                block
+                for request_id in self._async_load_targets
+                for block in self.block_manager.blocks_of(request_id)
+            }
+            self._failed_async_blocks &= parked_blocks
+        return finished
+
+    def _recover_sync_load_errors(
+        self, output: SchedulerOutput, invalid: set[int], finished: list[Request]
+    ) -> set[str]:
+        affected: set[str] = set()
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            computed_blocks = -(-item.num_computed_tokens // self.block_size)
+            blocks = item.block_ids[0][:computed_blocks]
+            bad = [block for block in blocks if block in invalid]
+            if bad:
+                affected.add(item.request_id)
+                self._recover(request, blocks.index(bad[0]), bad, finished)
+        return affected
+
+    def _finish_async_load(self, request_id: str, finished: list[Request]) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request_id not in self._async_load_targets:
+            logger.warning(
+                "the connector reported unknown request %r finished receiving", request_id
+            )
+            return
+        target = self._async_load_targets.pop(request_id)
+        blocks = self.block_manager.blocks_of(request_id)[: -(-target // self.block_size)]
+        bad = [block for block in blocks if block in self._failed_async_blocks]
+        request.status = RequestStatus.WAITING
+        self._loaded_and_ready.add(request_id)
+        if bad:
+            request.num_computed_tokens = target
+            self._recover(request, blocks.index(bad[0]), bad, finished)
+        else:
+            request.num_computed_tokens = target
+            self.block_manager.cache_full_blocks(request)
+
+    def _recover(
+        self, request: Request, first_bad_index: int, bad: list[int], finished: list[Request]
+    ) -> None:
+        """A load into ``bad`` failed: roll back to the valid prefix, or fail the request."""
+        self.block_manager.invalidate(bad)
+        self._failed_async_blocks.difference_update(bad)
+        metrics = self.metrics[request.request_id]
+        metrics.num_load_failures += 1
+        # Only the tokens before the failed block were really served by the connector.
+        valid_tokens = first_bad_index * self.block_size
+        if metrics.external_tokens is not None and metrics.local_cached_tokens is not None:
+            metrics.external_tokens = max(
+                0, min(metrics.external_tokens, valid_tokens - metrics.local_cached_tokens)
+            )
+        if self.load_failure_policy == "fail":
+            request.error = (
+                f"request {request.request_id!r}: the connector failed to load KV blocks "
+                f"{sorted(bad)}, and kv_transfer_config.kv_load_failure_policy is 'fail' "
+                "(set it to 'recompute' to recompute those tokens instead)"
+            )
+            self._finish(request, RequestStatus.FINISHED_ERROR, finished)
+            return
+        logger.info(
+            "request %r: load of blocks %s failed; recomputing from token %d",
+            request.request_id,
+            sorted(bad),
+            valid_tokens,
+        )
+        request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
+        self.block_manager.uncache_from(request.request_id, first_bad_index)
+
+    def _finish(self, request: Request, status: RequestStatus, finished: list[Request]) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._async_load_targets.pop(request.request_id, None)
+        self._loaded_and_ready.discard(request.request_id)
+        self.metrics[request.request_id].finish_time = time.perf_counter()
+        keep_blocks = False
+        block_ids = list(self.block_manager.blocks_of(request.request_id))
+        self.block_ids_at_finish[request.request_id] = block_ids
+        connector = self.connector
+        if connector is not None:
+            if supports_hma(connector):
+                keep_blocks, params = connector.request_finished_all_groups(  # type: ignore[attr-defined]
+                    request, (block_ids,)
+                )
+            else:
+                keep_blocks, params = connector.request_finished(request, block_ids)
+            request.kv_transfer_params = params
+        if keep_blocks:
+            self._delayed_free.add(request.request_id)
+        else:
+            self.block_manager.free(request.request_id)
+        self._finished_since_last_step.add(request.request_id)
+        finished.append(request)
+
+    def describe_stuck_requests(self) -> str:
+        """What outstanding work waits for, for an error when the connector never reports."""
+        parts = [f"{rid!r} waits to finish receiving" for rid in self._async_load_targets]
+        parts += [f"{rid!r} waits to finish sending" for rid in sorted(self._delayed_free)]
+        return "; ".join(parts) or "nothing"

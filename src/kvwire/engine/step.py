@@ -1,0 +1,55 @@
+"""What crosses between the engine's scheduler and its worker, once per step.
+
+Plain picklable records: in process mode they travel through a pipe, so the
+worker shares nothing with the scheduler but these bytes.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvwire.connector.base import KVConnectorMetadata
+from kvwire.connector.types import KVConnectorOutput
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """One request's tokens to compute in a step.
+
+    ``token_ids`` are the tokens at positions ``[start_position,
+    start_position + len(token_ids))``; ``sample`` is True when the chunk
+    ends the known tokens, so its last row's logits give the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+
+@attrs.frozen
+class ExternalLoad:
+    """Blocks the connector was asked to fill for a request this step (asynchronously or not)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    is_async: bool
+
+
+@attrs.frozen
+class WorkerStep:
+    """Everything the worker needs for one step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    finished_req_ids: frozenset[str]
+    connector_metadata: KVConnectorMetadata | None
+    external_loads: tuple[ExternalLoad, ...] = ()
+
+
+@attrs.frozen
+class StepResult:
+    """What the worker reports back: the sampled tokens and the connector's output."""
+
+    sampled_token_ids: dict[str, int]
+    connector_output: KVConnectorOutput | None

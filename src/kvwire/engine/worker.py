@@ -1,0 +1,215 @@
+"""The worker: the paged KV cache, the model, and the worker-side connector calls.
+
+Per step, in the reference order: bind the step's metadata, ``start_load_kv``
+before the forward pass, ``wait_for_layer_load`` before and ``save_kv_layer``
+after each layer's attention, ``wait_for_save`` when the pass ends, then
+``get_finished``, the load errors and the stats, and finally
+``clear_connector_metadata``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.connector.types import ForwardContext, KVConnectorOutput
+from kvwire.engine.connector_source import ConnectorSource
+from kvwire.engine.model import AttentionMetadata, SequenceSlice, TinyTransformer, torch_dtype
+from kvwire.engine.step import ExternalLoad, StepResult, WorkerStep
+from kvwire.kv_cache_config import KVCacheConfig
+
+
+@attrs.frozen
+class LoadFailureInjection:
+    """Make connector loads fail on purpose, to exercise the engine's recovery.
+
+    For each request in ``request_ids`` (every request when None), the first
+    load the connector performs for it leaves garbage (NaN) in one of the
+    loaded blocks, the one at ``block_index`` of the loaded range, and that
+    block is reported as a load error, as a failing connector would.
+    """
+
+    request_ids: frozenset[str] | None = None
+    block_index: int = -1
+
+    def applies_to(self, request_id: str) -> bool:
+        return self.request_ids is None or request_id in self.request_ids
+
+    def pick(self, block_ids: tuple[int, ...]) -> int:
+        return block_ids[max(-len(block_ids), min(self.block_index, len(block_ids) - 1))]
+
+
+class Worker:
+    """Owns the KV cache tensors and the model, and drives the worker-side connector.
+
+    The worker-side connector comes from ``connector_source``; in process
+    mode that source lives in the worker's process.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        connector_source: ConnectorSource,
+        *,
+        load_failure_injection: LoadFailureInjection | None = None,
+    ) -> None:
+        model_config = config.model_config
+        self.layer_names = tuple(kv_cache_config.layer_names)
+        self.block_size = config.cache_config.block_size
+        dtype = torch_dtype(model_config.dtype)
+        shape = (
+            2,
+            kv_cache_config.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_size,
+        )
+        self.kv_caches = {name: torch.zeros(shape, dtype=dtype) for name in self.layer_names}
+        self._kv_cache_list = [self.kv_caches[name] for name in self.layer_names]
+        self.model = TinyTransformer(model_config, self.layer_names)
+        self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_caches)
+        self._injection = load_failure_injection
+        self._injected_requests: set[str] = set()
+        self._pending_async_loads: dict[str, ExternalLoad] = {}
+        self._blocks_to_corrupt: list[int] = []
+        self._injected_block_ids: set[int] = set()
+        self._attn_metadata: AttentionMetadata | None = None
+
+    def execute(self, step: WorkerStep) -> StepResult:
+        """Run one step: connector calls around the forward pass, then greedy sampling."""
+        connector = self.connector
+        metadata = self._attention_metadata(step) if step.chunks else None
+        self._attn_metadata = metadata
+        self._plan_injected_failures(step)
+        if connector is not None:
+            assert step.connector_metadata is not None
+            connector.bind_connector_metadata(step.connector_metadata)
+            connector.start_load_kv(ForwardContext(self.layer_names, metadata))
+        logits = None
+        if metadata is not None:
+            token_ids = torch.tensor([t for chunk in step.chunks for t in chunk.token_ids])
+            sample_rows = torch.tensor(self._sample_rows(step), dtype=torch.long)
+            logits = self.model.forward(
+                token_ids,
+                metadata,
+                self._kv_cache_list,
+                sample_rows,
+                before_attention=self._before_attention,
+                after_attention=self._after_attention,
+            )
+        connector_output = None
+        if connector is not None:
+            connector.wait_for_save()
+            sending, receiving = connector.get_finished(set(step.finished_req_ids))
+            invalid = set(connector.get_block_ids_with_load_errors())
+            invalid |= self._inject_async_failures(receiving)
+            invalid |= self._injected_block_ids
+            self._injected_block_ids = set()
+            connector_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=receiving,
+                kv_connector_stats=connector.get_kv_connector_stats(),
+                invalid_block_ids=invalid,
+            )
+            connector.clear_connector_metadata()
+        sampled: dict[str, int] = {}
+        if logits is not None:
+            sampling = [chunk.request_id for chunk in step.chunks if chunk.sample]
+            next_tokens = torch.argmax(logits, dim=-1).tolist()
+            sampled = dict(zip(sampling, next_tokens, strict=True))
+        return StepResult(sampled_token_ids=sampled, connector_output=connector_output)
+
+    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        per_layer = [
+            cache[:, index].flatten(1, 2)[:, :num_tokens].clone() for cache in self._kv_cache_list
+        ]
+        return torch.stack(per_layer)
+
+    # ------------------------------------------------------------ internals
+
+    def _attention_metadata(self, step: WorkerStep) -> AttentionMetadata:
+        slots: list[int] = []
+        positions: list[int] = []
+        sequences = []
+        query_start = 0
+        for chunk in step.chunks:
+            count = len(chunk.token_ids)
+            for position in range(chunk.start_position, chunk.start_position + count):
+                block = chunk.block_ids[position // self.block_size]
+                slots.append(block * self.block_size + position % self.block_size)
+                positions.append(position)
+            context_len = chunk.start_position + count
+            num_context_blocks = -(-context_len // self.block_size)
+            block_table = torch.tensor(chunk.block_ids[:num_context_blocks], dtype=torch.long)
+            sequences.append(SequenceSlice(query_start, count, context_len, block_table))
+            query_start += count
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            sequences=tuple(sequences),
+        )
+
+    @staticmethod
+    def _sample_rows(step: WorkerStep) -> list[int]:
+        rows = []
+        end = 0
+        for chunk in step.chunks:
+            end += len(chunk.token_ids)
+            if chunk.sample:
+                rows.append(end - 1)
+        return rows
+
+    def _before_attention(self, layer_name: str) -> None:
+        assert self.connector is not None or not self._blocks_to_corrupt
+        if self.connector is not None:
+            self.connector.wait_for_layer_load(layer_name)
+        # A failed synchronous load: garbage where the connector should have written.
+        for block in self._blocks_to_corrupt:
+            self.kv_caches[layer_name][:, block] = float("nan")
+
+    def _after_attention(self, layer_name: str) -> None:
+        if self.connector is not None:
+            self.connector.save_kv_layer(
+                layer_name, self.kv_caches[layer_name], self._attn_metadata
+            )
+
+    def _plan_injected_failures(self, step: WorkerStep) -> None:
+        self._blocks_to_corrupt = []
+        for load in step.external_loads:
+            if load.is_async:
+                self._pending_async_loads[load.request_id] = load
+                continue
+            block = self._injected_block(load)
+            if block is not None:
+                self._blocks_to_corrupt.append(block)
+                self._injected_block_ids.add(block)
+
+    def _inject_async_failures(self, receiving: set[str] | None) -> set[int]:
+        failed: set[int] = set()
+        for request_id in receiving or ():
+            load = self._pending_async_loads.pop(request_id, None)
+            block = self._injected_block(load) if load is not None else None
+            if block is not None:
+                for cache in self._kv_cache_list:
+                    cache[:, block] = float("nan")
+                failed.add(block)
+        return failed
+
+    def _injected_block(self, load: ExternalLoad) -> int | None:
+        injection = self._injection
+        if (
+            injection is None
+            or not load.block_ids
+            or load.request_id in self._injected_requests
+            or not injection.applies_to(load.request_id)
+        ):
+            return None
+        self._injected_requests.add(load.request_id)
+        return injection.pick(load.block_ids)

@@ -1,0 +1,132 @@
+"""Run the worker in its own process, with each step's instructions pickled across.
+
+The worker process builds its own connector (WORKER role) from its own
+connector source; the only thing it shares with the scheduler is the bytes
+of each :class:`~kvwire.engine.step.WorkerStep` and
+:class:`~kvwire.engine.step.StepResult`. That proves the connector metadata
+is picklable and that the two roles keep no common state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvwire.config import EngineConfig
+from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
+from kvwire.engine.step import StepResult, WorkerStep
+from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.kv_cache_config import KVCacheConfig
+
+
+class WorkerProcessError(RuntimeError):
+    """The worker process failed; the message carries its traceback."""
+
+
+def _serve(
+    connection: Connection,
+    config: EngineConfig,
+    kv_cache_config: KVCacheConfig,
+    hook: ConnectorHook | None,
+    injection: LoadFailureInjection | None,
+) -> None:
+    source = ConnectorSource(config, kv_cache_config, hook)
+    try:
+        worker = Worker(config, kv_cache_config, source, load_failure_injection=injection)
+    except BaseException:
+        connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        return
+    connection.send_bytes(pickle.dumps(("ok", None)))
+    while True:
+        command, payload = pickle.loads(connection.recv_bytes())
+        try:
+            if command == "execute":
+                reply: Any = worker.execute(payload)
+            elif command == "gather_kv":
+                reply = worker.gather_kv(*payload)
+            else:
+                source.shutdown()
+                connection.send_bytes(pickle.dumps(("ok", None)))
+                return
+        except BaseException:
+            connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            continue
+        connection.send_bytes(pickle.dumps(("ok", reply)))
+
+
+class WorkerProcess:
+    """A :class:`Worker` in a spawned process, driven over a pipe.
+
+    Same calls as the in-process worker: :meth:`execute`, :meth:`gather_kv`,
+    :meth:`shutdown`. Each message is pickled explicitly.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        connector_hook: ConnectorHook | None = None,
+        load_failure_injection: LoadFailureInjection | None = None,
+    ) -> None:
+        # spawn, not fork: the child must build everything itself, sharing
+        # no memory (and no torch thread pools) with the scheduler.
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_connection = context.Pipe()
+        self._process = context.Process(
+            target=_serve,
+            args=(
+                child_connection,
+                config,
+                kv_cache_config,
+                connector_hook,
+                load_failure_injection,
+            ),
+            name="kvwire-worker",
+            daemon=True,
+        )
+        self._process.start()
+        child_connection.close()
+        self._closed = False
+        self._receive()
+
+    def execute(self, step: WorkerStep) -> StepResult:
+        result: StepResult = self._call("execute", step)
+        return result
+
+    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        kv: torch.Tensor = self._call("gather_kv", (block_ids, num_tokens))
+        return kv
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._process.is_alive():
+                self._call("shutdown", None)
+        finally:
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.kill()
+            self._connection.close()
+
+    def _call(self, command: str, payload: Any) -> Any:
+        self._connection.send_bytes(pickle.dumps((command, payload)))
+        return self._receive()
+
+    def _receive(self) -> Any:
+        try:
+            status, reply = pickle.loads(self._connection.recv_bytes())
+        except EOFError:
+            raise WorkerProcessError(
+                f"the worker process exited (exit code {self._process.exitcode})"
+            ) from None
+        if status == "error":
+            raise WorkerProcessError(f"the worker process failed:\n{reply}")
+        return reply
