@@ -20,6 +20,7 @@ block ends.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -35,8 +36,17 @@ from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry, default_registry
 
 
-def _engine_config_from(profile: Mapping[str, Any] | None) -> EngineConfig:
-    return load_profile(profile or {})
+def _engine_config_from(
+    profile: Mapping[str, Any] | None, structured: dict[str, EngineConfig]
+) -> EngineConfig:
+    # One EngineConfig per distinct profile and container: both roles then
+    # share one engine_id (a fresh uuid when the profile has none), and an
+    # override of ``config`` is undone when its ``with`` block ends, which a
+    # Singleton caching the first answer would not do.
+    key = json.dumps(profile or {}, sort_keys=True, default=repr)
+    if key not in structured:
+        structured[key] = load_profile(profile or {})
+    return structured[key]
 
 
 def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig:
@@ -135,7 +145,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     """
 
     config = providers.Configuration()
-    engine_config = providers.Singleton(_engine_config_from, config)
+    _structured_profiles = providers.Singleton(dict)
+    engine_config = providers.Callable(_engine_config_from, config, _structured_profiles)
     kv_cache_config = providers.Dependency(instance_of=KVCacheConfig)
     registry = providers.Singleton(default_registry)
 

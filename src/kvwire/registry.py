@@ -132,7 +132,8 @@ class ConnectorRegistry:
         # Classes found through a module path, so that a by-name lookup (e.g.
         # rebuilding a composite child's stats) finds them too.
         self._module_path_classes: dict[str, type[KVConnectorBase]] = {}
-        for name, (module_path, class_name) in (built_ins or BUILT_IN_CONNECTORS).items():
+        chosen = BUILT_IN_CONNECTORS if built_ins is None else built_ins
+        for name, (module_path, class_name) in chosen.items():
             self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.BUILT_IN))
 
     # ----------------------------------------------------------- registering

@@ -1,0 +1,99 @@
+"""The configuration records: the reference's fields, defaults and errors."""
+
+from __future__ import annotations
+
+import uuid
+
+import attrs
+import pytest
+
+from kvwire.config import KVTransferConfig, SchedulerConfig
+from kvwire.kv_cache_config import FullAttentionSpec, SlidingWindowSpec
+
+ROLES = "('kv_producer', 'kv_consumer', 'kv_both')"
+
+
+def test_kv_transfer_config_has_the_reference_defaults() -> None:
+    config = KVTransferConfig()
+
+    assert config.kv_connector is None
+    assert config.kv_buffer_size == 1e9
+    assert config.kv_role is None
+    assert config.kv_rank is None
+    assert config.kv_parallel_size == 1
+    assert config.kv_ip == "127.0.0.1"
+    assert config.kv_port == 14579
+    assert config.kv_connector_extra_config == {}
+    assert config.kv_connector_module_path is None
+    assert config.kv_load_failure_policy == "recompute"
+    uuid.UUID(config.engine_id)
+
+
+def test_an_engine_id_given_is_kept() -> None:
+    assert KVTransferConfig(engine_id="engine-a").engine_id == "engine-a"
+
+
+def test_an_unsupported_role_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_role="producer")  # type: ignore[arg-type]
+
+    assert str(caught.value) == f"Unsupported kv_role: producer. Supported roles are {ROLES}"
+
+
+def test_a_connector_needs_a_role() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_connector="X")
+
+    assert str(caught.value) == (
+        f"Please specify kv_role when kv_connector is set, supported roles are {ROLES}"
+    )
+
+
+def test_an_unsupported_load_failure_policy_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_load_failure_policy="retry")  # type: ignore[arg-type]
+
+    assert str(caught.value) == (
+        "Unsupported kv_load_failure_policy: 'retry'. Supported policies are ('recompute', 'fail')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("role", "producer", "consumer"),
+    [("kv_producer", True, False), ("kv_consumer", False, True), ("kv_both", True, True)],
+)
+def test_producer_and_consumer_follow_the_role(role: str, producer: bool, consumer: bool) -> None:
+    config = KVTransferConfig(kv_connector="X", kv_role=role)  # type: ignore[arg-type]
+
+    assert (config.is_kv_producer, config.is_kv_consumer) == (producer, consumer)
+
+
+def test_get_from_extra_config_falls_back_to_the_default() -> None:
+    config = KVTransferConfig(kv_connector_extra_config={"present": 1})
+
+    assert config.get_from_extra_config("present", 0) == 1
+    assert config.get_from_extra_config("absent", 7) == 7
+
+
+def test_configs_are_frozen_and_edited_by_evolve() -> None:
+    config = SchedulerConfig()
+
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        config.max_num_seqs = 3  # type: ignore[misc]
+    assert attrs.evolve(
+        config, disable_hybrid_kv_cache_manager=True
+    ).disable_hybrid_kv_cache_manager
+
+
+def test_page_size_counts_keys_and_values_of_one_block() -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="bfloat16")
+
+    assert spec.page_size_bytes == 2 * 16 * 2 * 64 * 2
+
+
+def test_a_sliding_window_spec_has_the_same_page_size_arithmetic() -> None:
+    spec = SlidingWindowSpec(
+        block_size=8, num_kv_heads=1, head_size=4, dtype="float32", sliding_window=128
+    )
+
+    assert spec.page_size_bytes == 2 * 8 * 1 * 4 * 4

@@ -1,0 +1,262 @@
+"""Profiles: YAML or mappings structured into an EngineConfig, every problem reported."""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
+from kvwire.exceptions import ProfileError
+from kvwire.profile import load_profile, unstructure_engine_config
+
+KV_TRANSFER_KEYS = (
+    "kv_connector, engine_id, kv_buffer_device, kv_buffer_size, kv_role, kv_rank, "
+    "kv_parallel_size, kv_ip, kv_port, kv_connector_extra_config, kv_connector_module_path, "
+    "kv_load_failure_policy"
+)
+
+
+def problems_of(profile: object) -> tuple[str, ...]:
+    with pytest.raises(ProfileError) as caught:
+        load_profile(profile)  # type: ignore[arg-type]
+    return caught.value.problems
+
+
+def test_an_empty_profile_is_the_default_engine_config() -> None:
+    config = load_profile({})
+
+    assert config.kv_transfer_config is None
+    assert config.cache_config == EngineConfig().cache_config
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is None
+
+
+def test_a_yaml_profile_fills_every_section(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "profile.yaml"
+    path.write_text(
+        "model_config: {num_layers: 4, dtype: bfloat16}\n"
+        "cache_config: {block_size: 32}\n"
+        "parallel_config: {rank: 1, world_size: 2}\n"
+        "scheduler_config: {disable_hybrid_kv_cache_manager: true}\n"
+        "kv_transfer_config:\n"
+        "  kv_connector: CPUOffloadConnector\n"
+        "  kv_role: kv_producer\n"
+        "  kv_buffer_size: 2000\n"
+        "  kv_connector_extra_config: {cpu_bytes: 1024}\n"
+    )
+
+    config = load_profile(path)
+
+    assert config.model_config.num_layers == 4
+    assert config.model_config.dtype == "bfloat16"
+    assert config.cache_config.block_size == 32
+    assert config.parallel_config.rank == 1
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    transfer = config.kv_transfer_config
+    assert transfer is not None
+    assert transfer.kv_connector == "CPUOffloadConnector"
+    assert transfer.kv_buffer_size == 2000.0
+    assert transfer.get_from_extra_config("cpu_bytes", 0) == 1024
+    assert transfer.is_kv_producer and not transfer.is_kv_consumer
+
+
+def test_a_path_given_as_str_is_read_as_yaml(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "profile.yaml"
+    path.write_text("cache_config: {block_size: 8}\n")
+
+    assert load_profile(str(path)).cache_config.block_size == 8
+
+
+def test_an_empty_yaml_file_is_the_default_engine_config(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+
+    assert load_profile(path) == attrs.evolve(EngineConfig())
+
+
+def test_every_problem_is_listed_with_its_dotted_path() -> None:
+    with pytest.raises(ProfileError) as caught:
+        load_profile(
+            {
+                "kv_transfer_config": {
+                    "kv_connector": "X",
+                    "kv_role": "producer",
+                    "kv_port": 0,
+                    "kv_rank": "a",
+                },
+                "cache_config": {"block_size": 0, "enable_prefix_caching": "false"},
+                "scheduler_config": [1],
+            }
+        )
+
+    assert str(caught.value) == (
+        "invalid profile <mapping> (6 problems):\n"
+        "  kv_transfer_config.kv_role: 'producer' is not one of kv_producer, kv_consumer, "
+        "kv_both\n"
+        "  kv_transfer_config.kv_rank: 'a' is not an integer\n"
+        "  kv_transfer_config.kv_port: kv_port must be between 1 and 65535, got 0\n"
+        "  cache_config.enable_prefix_caching: 'false' is not true or false\n"
+        "  cache_config.block_size: block_size must be > 0, got 0\n"
+        "  scheduler_config: expected a mapping of SchedulerConfig fields, got list [1]"
+    )
+
+
+def test_a_profile_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="invalid profile"):
+        load_profile({"cache_config": {"block_size": -1}})
+
+
+def test_an_unknown_field_is_an_error_with_a_suggestion() -> None:
+    assert problems_of({"kv_transfer_config": {"kv_conector": "X"}}) == (
+        f"kv_transfer_config.kv_conector: unknown key; accepted keys are {KV_TRANSFER_KEYS} "
+        "(did you mean 'kv_connector'?)",
+    )
+
+
+def test_an_unknown_section_is_an_error_with_a_suggestion() -> None:
+    assert problems_of({"paralel_config": {}}) == (
+        "paralel_config: unknown key; accepted keys are model_config, cache_config, "
+        "parallel_config, scheduler_config, kv_transfer_config (did you mean 'parallel_config'?)",
+    )
+
+
+def test_an_unknown_key_with_nothing_close_has_no_suggestion() -> None:
+    assert problems_of({"cache_config": {"zzz": 1}}) == (
+        "cache_config.zzz: unknown key; accepted keys are block_size, num_gpu_blocks, "
+        "enable_prefix_caching",
+    )
+
+
+def test_a_profile_that_is_not_a_mapping_is_an_error() -> None:
+    assert problems_of([1]) == (
+        "the profile must be a mapping whose keys are model_config, cache_config, "
+        "parallel_config, scheduler_config, kv_transfer_config, got list [1]",
+    )
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value", "expected"),
+    [
+        ("scheduler_config", "disable_hybrid_kv_cache_manager", "false", "true or false"),
+        ("cache_config", "block_size", 3.5, "an integer"),
+        ("cache_config", "block_size", True, "an integer"),
+        ("kv_transfer_config", "kv_buffer_size", "1e9", "a number"),
+        ("kv_transfer_config", "kv_ip", 127, "a string"),
+        ("kv_transfer_config", "kv_connector_extra_config", [1], "a mapping with string keys"),
+        ("kv_transfer_config", "kv_load_failure_policy", "retry", "one of recompute, fail"),
+        ("model_config", "num_layers", None, "an integer"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_never_coerced(
+    section: str, field: str, value: object, expected: str
+) -> None:
+    assert problems_of({section: {field: value}}) == (
+        f"{section}.{field}: {value!r} is not {expected}",
+    )
+
+
+def test_a_connector_without_a_role_is_reported_at_kv_role() -> None:
+    assert problems_of({"kv_transfer_config": {"kv_connector": "X"}}) == (
+        "kv_transfer_config.kv_role: Please specify kv_role when kv_connector is set, "
+        "supported roles are ('kv_producer', 'kv_consumer', 'kv_both')",
+    )
+
+
+def test_a_check_across_fields_is_reported_at_its_section() -> None:
+    assert problems_of({"parallel_config": {"rank": 2}}) == (
+        "parallel_config: rank (2) must be < world_size (1)",
+    )
+
+
+def test_an_unreadable_file_is_a_profile_error(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "missing.yaml"
+
+    with pytest.raises(ProfileError) as caught:
+        load_profile(missing)
+
+    assert str(caught.value) == (
+        f"invalid profile {missing} (1 problem):\n"
+        "  cannot read the profile: No such file or directory"
+    )
+
+
+def test_malformed_yaml_is_a_profile_error_with_its_position(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("cache_config: [1,\n")
+
+    (problem,) = problems_of(path)
+
+    assert problem.startswith("not valid YAML: while parsing a flow node")
+    assert "line 2, column 1" in problem
+
+
+def test_yaml_is_read_with_the_safe_loader(tmp_path: pathlib.Path) -> None:
+    marker = tmp_path / "executed"
+    path = tmp_path / "evil.yaml"
+    path.write_text(f"!!python/object/apply:os.system ['touch {marker}']\n")
+
+    (problem,) = problems_of(path)
+
+    assert "could not determine a constructor for the tag" in problem
+    assert not marker.exists()
+
+
+def test_a_null_kv_transfer_config_means_no_connector() -> None:
+    assert load_profile({"kv_transfer_config": None}).kv_transfer_config is None
+
+
+def test_engine_id_defaults_to_a_fresh_uuid_per_config() -> None:
+    profile = {"kv_transfer_config": {"kv_connector": "X", "kv_role": "kv_both"}}
+
+    first = load_profile(profile).kv_transfer_config
+    second = load_profile(profile).kv_transfer_config
+
+    assert first is not None and second is not None
+    assert len(first.engine_id) == 36
+    assert first.engine_id != second.engine_id
+
+
+def test_unstructuring_then_loading_gives_the_same_config() -> None:
+    config = load_profile(
+        {
+            "scheduler_config": {"disable_hybrid_kv_cache_manager": False},
+            "kv_transfer_config": {
+                "kv_connector": "X",
+                "kv_role": "kv_consumer",
+                "kv_connector_extra_config": {"nested": {"a": [1, 2]}},
+            },
+        }
+    )
+
+    assert load_profile(unstructure_engine_config(config)) == config
+
+
+@given(
+    disable=st.sampled_from([True, False, None]),
+    role=st.sampled_from(["kv_producer", "kv_consumer", "kv_both"]),
+    policy=st.sampled_from(["recompute", "fail"]),
+    block_size=st.integers(min_value=1, max_value=1024),
+    port=st.integers(min_value=1, max_value=65535),
+    buffer_size=st.floats(min_value=1.0, max_value=1e12),
+)
+def test_any_valid_config_survives_the_round_trip(
+    disable: bool | None, role: str, policy: str, block_size: int, port: int, buffer_size: float
+) -> None:
+    config = EngineConfig(
+        scheduler_config=SchedulerConfig(disable_hybrid_kv_cache_manager=disable),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="X",
+            kv_role=role,  # type: ignore[arg-type]
+            kv_load_failure_policy=policy,  # type: ignore[arg-type]
+            kv_port=port,
+            kv_buffer_size=buffer_size,
+        ),
+    )
+    config = attrs.evolve(
+        config, cache_config=attrs.evolve(config.cache_config, block_size=block_size)
+    )
+
+    assert load_profile(unstructure_engine_config(config)) == config

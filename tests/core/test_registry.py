@@ -1,0 +1,255 @@
+"""The registry: lazy class providers by name, and resolution in the reference's order."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from dependency_injector import providers
+
+from kvwire.config import KVTransferConfig
+from kvwire.exceptions import ConnectorImportError, NotAConnectorError
+from kvwire.registry import (
+    BUILT_IN_CONNECTORS,
+    ConnectorRegistry,
+    ConnectorSource,
+    accepts_connector_builder,
+)
+from tests.core import sample_connectors
+from tests.core.sample_connectors import HMAConnector, RecordingConnector
+
+DEPRECATED = (
+    "Connector {} uses deprecated 2-argument constructor signature. External v1 KV "
+    "connectors must accept kv_cache_config as the third constructor argument and pass it "
+    "to super().__init__()."
+)
+
+
+def transfer(name: str | None, **fields: object) -> KVTransferConfig:
+    role = "kv_both" if name is not None else None
+    return KVTransferConfig(kv_connector=name, kv_role=role, **fields)  # type: ignore[arg-type]
+
+
+def test_registering_imports_nothing(plugin_module: str) -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+
+    registry.register_connector("Plugin", plugin_module, "PluginConnector")
+
+    assert plugin_module not in sys.modules
+    assert registry.entry("Plugin").target == f"{plugin_module}:PluginConnector"
+
+
+def test_resolving_a_name_imports_its_module(plugin_module: str) -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector("Plugin", plugin_module, "PluginConnector")
+
+    connector_cls = registry.resolve(transfer("Plugin"))
+
+    assert plugin_module in sys.modules
+    assert connector_cls is sys.modules[plugin_module].PluginConnector
+
+
+def test_a_resolved_class_is_cached_and_never_imported_again(plugin_module: str) -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector("Plugin", plugin_module, "PluginConnector")
+    first = registry.get_class("Plugin")
+    del sys.modules[plugin_module]
+
+    assert registry.get_class("Plugin") is first
+    assert plugin_module not in sys.modules
+
+
+def test_resolving_one_name_imports_no_other(
+    plugin_module: str, registry: ConnectorRegistry
+) -> None:
+    registry.register_connector("Plugin", plugin_module, "PluginConnector")
+
+    registry.resolve(transfer("RecordingConnector"))
+
+    assert plugin_module not in sys.modules
+
+
+def test_a_new_registry_knows_the_built_ins_without_importing_them() -> None:
+    registry = ConnectorRegistry(entry_point_group=None)
+
+    assert [entry.name for entry in registry.entries()] == list(BUILT_IN_CONNECTORS)
+    assert {entry.source for entry in registry.entries()} == {ConnectorSource.BUILT_IN}
+    assert registry.entry("CPUOffloadConnector").target == (
+        "kvwire.connectors.cpu_offload:CPUOffloadConnector"
+    )
+
+
+def test_registering_a_taken_name_is_an_error(registry: ConnectorRegistry) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.register_connector("RecordingConnector", "anywhere", "Anything")
+
+    assert str(caught.value) == "Connector 'RecordingConnector' is already registered."
+
+
+def test_registering_a_built_in_name_is_an_error() -> None:
+    registry = ConnectorRegistry(entry_point_group=None)
+
+    with pytest.raises(ValueError, match=r"^Connector 'MultiConnector' is already registered\.$"):
+        registry.register_connector("MultiConnector", "anywhere", "Anything")
+
+
+def test_looking_up_an_unknown_name_is_an_error(registry: ConnectorRegistry) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.get_class("Nope")
+
+    assert str(caught.value) == "Connector 'Nope' is not registered."
+
+
+def test_a_config_without_a_name_is_an_error(registry: ConnectorRegistry) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.resolve(transfer(None))
+
+    assert str(caught.value) == "Connector name is not set in KVTransferConfig"
+
+
+def test_an_empty_module_path_is_an_error(registry: ConnectorRegistry) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.resolve(transfer("RecordingConnector", kv_connector_module_path=""))
+
+    assert str(caught.value) == "kv_connector_module_path cannot be an empty string."
+
+
+def test_a_module_path_wins_over_the_registry(
+    registry: ConnectorRegistry, plugin_module: str
+) -> None:
+    registry.register_connector("PluginConnector", "tests.core.sample_connectors", "HMAConnector")
+
+    resolved = registry.resolve(transfer("PluginConnector", kv_connector_module_path=plugin_module))
+
+    assert resolved is sys.modules[plugin_module].PluginConnector
+
+
+def test_a_module_path_that_cannot_be_imported_raises_the_import_error_unchanged(
+    registry: ConnectorRegistry,
+) -> None:
+    with pytest.raises(ModuleNotFoundError, match="No module named 'no_such_module_here'"):
+        registry.resolve(transfer("X", kv_connector_module_path="no_such_module_here"))
+
+
+def test_a_class_missing_from_its_module_path_is_an_attribute_error_chained(
+    registry: ConnectorRegistry,
+) -> None:
+    with pytest.raises(AttributeError) as caught:
+        registry.resolve(
+            transfer("Missing", kv_connector_module_path="tests.core.sample_connectors")
+        )
+
+    assert str(caught.value) == "Class Missing not found in tests.core.sample_connectors"
+    assert isinstance(caught.value.__cause__, AttributeError)
+
+
+def test_a_two_argument_constructor_by_module_path_is_logged_then_refused(
+    registry: ConnectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = transfer(
+        "TwoArgumentConnector", kv_connector_module_path="tests.core.sample_connectors"
+    )
+
+    with (
+        caplog.at_level(logging.ERROR, logger="kvwire.registry"),
+        pytest.raises(ValueError) as caught,
+    ):
+        registry.resolve(config)
+
+    assert str(caught.value) == DEPRECATED.format("TwoArgumentConnector")
+    assert [record.getMessage() for record in caplog.records] == [str(caught.value)]
+
+
+def test_a_two_argument_constructor_registered_at_run_time_is_refused_too(
+    registry: ConnectorRegistry,
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.resolve(transfer("TwoArgumentConnector"))
+
+    assert str(caught.value) == DEPRECATED.format("TwoArgumentConnector")
+
+
+def test_a_constructor_taking_kwargs_passes_the_signature_check(
+    registry: ConnectorRegistry,
+) -> None:
+    assert (
+        registry.resolve(transfer("VarKeywordConnector")) is sample_connectors.VarKeywordConnector
+    )
+
+
+def test_an_unknown_name_is_unsupported(registry: ConnectorRegistry) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.resolve(transfer("Nope"))
+
+    assert str(caught.value) == "Unsupported connector type: Nope"
+
+
+def test_a_name_that_is_not_a_connector_class_is_refused(registry: ConnectorRegistry) -> None:
+    with pytest.raises(NotAConnectorError) as caught:
+        registry.resolve(
+            transfer("NOT_A_CLASS", kv_connector_module_path="tests.core.sample_connectors")
+        )
+
+    assert str(caught.value) == (
+        "Connector NOT_A_CLASS (module path tests.core.sample_connectors) is 42, "
+        "not a class deriving from kvwire.KVConnectorBase"
+    )
+
+
+def test_a_registered_module_that_cannot_be_imported_names_the_connector() -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector("Ghost", "no_such_module_here", "Ghost")
+
+    with pytest.raises(ConnectorImportError) as caught:
+        registry.resolve(transfer("Ghost"))
+
+    assert str(caught.value) == (
+        "Connector 'Ghost' is registered at run time as no_such_module_here:Ghost, "
+        "but its module cannot be imported: No module named 'no_such_module_here'"
+    )
+    assert isinstance(caught.value.__cause__, ModuleNotFoundError)
+
+
+def test_a_registered_class_missing_from_its_module_is_an_attribute_error() -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector("Gone", "tests.core.sample_connectors", "Gone")
+
+    with pytest.raises(AttributeError) as caught:
+        registry.resolve(transfer("Gone"))
+
+    assert str(caught.value) == "Class Gone not found in tests.core.sample_connectors"
+
+
+def test_overriding_one_entry_swaps_its_class_until_the_block_ends(
+    registry: ConnectorRegistry,
+) -> None:
+    with registry.provider("RecordingConnector").override(providers.Object(HMAConnector)):
+        assert registry.resolve(transfer("RecordingConnector")) is HMAConnector
+        assert registry.resolve(transfer("HMAConnector")) is HMAConnector
+
+    assert registry.resolve(transfer("RecordingConnector")) is RecordingConnector
+
+
+def test_an_overriding_class_is_signature_checked_too(registry: ConnectorRegistry) -> None:
+    old = sample_connectors.TwoArgumentConnector
+
+    with (
+        registry.provider("RecordingConnector").override(providers.Object(old)),
+        pytest.raises(ValueError, match="uses deprecated 2-argument constructor signature"),
+    ):
+        registry.resolve(transfer("RecordingConnector"))
+
+
+def test_a_class_found_by_module_path_is_found_by_name_afterwards(
+    registry: ConnectorRegistry, plugin_module: str
+) -> None:
+    found = registry.resolve(transfer("PluginConnector", kv_connector_module_path=plugin_module))
+
+    assert registry.get_class("PluginConnector") is found
+
+
+def test_a_composite_is_recognised_by_its_keyword_only_connector_builder() -> None:
+    assert accepts_connector_builder(sample_connectors.CompositeConnector)
+    assert accepts_connector_builder(sample_connectors.CompositeSubclass)
+    assert not accepts_connector_builder(RecordingConnector)
