@@ -145,7 +145,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     """
 
     config = providers.Configuration()
-    _structured_profiles = providers.Singleton(dict)
+    _structured_profiles: providers.Singleton[dict[str, EngineConfig]] = providers.Singleton(dict)
     engine_config = providers.Callable(_engine_config_from, config, _structured_profiles)
     kv_cache_config = providers.Dependency(instance_of=KVCacheConfig)
     registry = providers.Singleton(default_registry)

@@ -122,7 +122,7 @@ def test_a_plugin_with_a_two_argument_constructor_fails_at_resolution(
     install_distribution(site, monkeypatch, {"Old": f"{plugin_module}:OldPluginConnector"})
     registry = ConnectorRegistry(built_ins={})
 
-    with pytest.raises(ValueError, match="^Connector OldPluginConnector uses deprecated"):
+    with pytest.raises(ValueError, match=r"^Connector OldPluginConnector uses deprecated"):
         registry.resolve(transfer("Old"))
 
 
