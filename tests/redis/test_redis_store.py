@@ -6,7 +6,8 @@ import pytest
 
 from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verify_entry
 from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import RedisBlockStore, _ZeroCopyCommandPacker
+from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.connectors.redis_wire import ZeroCopyCommandPacker
 from tests.redis.conftest import RedisServer
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
@@ -229,9 +230,41 @@ def test_large_values_are_handed_to_the_socket_without_a_copy() -> None:
     staging = bytearray(1024 * 1024)
     view = memoryview(staging)
 
-    pieces = _ZeroCopyCommandPacker().pack("SET", "key", view, "EX", 60)
+    pieces = ZeroCopyCommandPacker().pack("SET", "key", view, "EX", 60)
 
     assert any(isinstance(piece, memoryview) and piece.obj is staging for piece in pieces)
     wire = b"".join(bytes(piece) for piece in pieces)
     assert wire.startswith(b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n$1048576\r\n")
     assert wire.endswith(b"\r\n$2\r\nEX\r\n$2\r\n60\r\n")
+
+
+def test_one_pipeline_of_misses_oversized_and_large_values_stays_in_step(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    client = redis_server.client()
+    large = bytes(range(256)) * (3 * 4096 + 7)  # larger than the reader's scratch buffer
+    client.set(redis_store.redis_key("large-1"), large)
+    client.set(redis_store.redis_key("too-big"), b"x" * 100)
+    client.set(redis_store.redis_key("large-2"), large[::-1])
+    client.set(redis_store.redis_key("empty"), b"")
+    names = ["too-big", "large-1", "missing", "large-2", "empty"]
+    buffers = [memoryview(bytearray(50)), *_buffers(4, len(large))]
+
+    sizes = redis_store.get_into(names, buffers)
+
+    assert sizes == [None, len(large), None, len(large), 0]
+    assert buffers[1].tobytes() == large
+    assert buffers[3].tobytes() == large[::-1]
+    # The connection is still in step: the next load reads the right value.
+    again = _buffers(1, len(large))
+    assert redis_store.get_into(["large-1"], again) == [len(large)]
+    assert again[0].tobytes() == large
+
+
+def test_a_key_of_another_type_is_a_failed_load_not_an_error(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    redis_server.client().rpush(redis_store.redis_key("a-list"), b"item")
+
+    assert redis_store.get_into(["a-list"], _buffers(1)) == [None]
+    assert redis_store.is_available

@@ -123,6 +123,8 @@ class RedisStoreSettings:
             timeout=self.socket_timeout_s,
             socket_timeout=self.socket_timeout_s,
             socket_connect_timeout=self.connect_timeout_s,
+            # RESP2: the store reads GET replies itself (see redis_wire).
+            protocol=2,
         )
         for name in ("username", "password", "db"):
             if getattr(self, name) is not None:

@@ -25,16 +25,19 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import redis
 from kvwire.connectors.redis_settings import RedisStoreSettings
+from kvwire.connectors.redis_wire import BulkReplyReader, ZeroCopyCommandPacker
 from kvwire.connectors.store import BlockStore
 
 logger = logging.getLogger(__name__)
+
+# Per-thread buffer for reply headers and the bytes that arrive with them.
+_SCRATCH_BYTES = 256 * 1024
 
 # Errors that mean "the server cannot be reached right now" (refused, reset,
 # timed out, still loading its data set, authentication lost on reconnect).
@@ -43,59 +46,6 @@ _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.TimeoutError,
     OSError,
 )
-
-_CRLF = b"\r\n"
-
-
-class _ZeroCopyCommandPacker:
-    """Encodes commands in RESP without copying large values.
-
-    redis-py calls ``pack(*args)`` and ``sendall``s each returned piece in
-    order; a memoryview of a staging buffer is passed through untouched.
-    """
-
-    # Smaller arguments are joined into one piece: fewer syscalls.
-    _INLINE_LIMIT = 16 * 1024
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        # redis-py sends multi-word command names ("CONFIG GET") as one string.
-        first = args[0]
-        words = first.split() if isinstance(first, (str, bytes)) else [first]
-        arguments = (*words, *args[1:])
-        pieces: list[bytes | memoryview] = []
-        head = bytearray(b"*%d\r\n" % len(arguments))
-        for argument in arguments:
-            value: bytes | memoryview
-            if isinstance(argument, memoryview):
-                view = argument if argument.format == "B" else argument.cast("B")
-                value, length = view, view.nbytes
-            else:
-                value = _encode_small(argument)
-                length = len(value)
-            head += b"$%d\r\n" % length
-            if length > self._INLINE_LIMIT:
-                pieces.append(bytes(head))
-                pieces.append(value)
-                head = bytearray(_CRLF)
-            else:
-                head += value
-                head += _CRLF
-        pieces.append(bytes(head))
-        return pieces
-
-
-def _encode_small(argument: Any) -> bytes:
-    if isinstance(argument, bytes):
-        return argument
-    if isinstance(argument, str):
-        return argument.encode()
-    if isinstance(argument, bytearray):
-        return bytes(argument)
-    if isinstance(argument, bool):
-        raise redis.exceptions.DataError("a bool is not a valid Redis argument")
-    if isinstance(argument, (int, float)):
-        return repr(argument).encode()
-    raise redis.exceptions.DataError(f"cannot send a {type(argument).__name__} to Redis")
 
 
 class _OutageTracker:
@@ -171,7 +121,7 @@ class RedisBlockStore(BlockStore):
         self._settings = settings
         self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             **settings.connection_pool_kwargs(),
-            command_packer=_ZeroCopyCommandPacker(),
+            command_packer=ZeroCopyCommandPacker(),
             # One immediate retry on a fresh connection: after a server restart
             # every pooled connection is stale, and the first use of each fails.
             retry=Retry(NoBackoff(), 1),
@@ -189,6 +139,7 @@ class RedisBlockStore(BlockStore):
             "loads_oversized": 0,
         }
         self._taken: dict[str, int] = {}
+        self._thread_local = threading.local()
 
     def __repr__(self) -> str:
         return (
@@ -296,24 +247,54 @@ class RedisBlockStore(BlockStore):
             return sizes_read
         capacities = [buffer.nbytes for buffer in buffers]
         for batch in _batches_by_bytes(capacities, self._settings.pipeline_bytes):
-            pipeline = self._client.pipeline(transaction=False)
-            for index in batch:
-                pipeline.get(self.redis_key(keys[index]))
+            names = [self.redis_key(keys[index]) for index in batch]
             try:
-                replies = pipeline.execute(raise_on_error=False)
+                replies = self._get_batch(names, [buffers[index] for index in batch])
             except _OUTAGE_ERRORS as error:
                 self._on_outage("load", error, "load_failures", len(keys) - batch.start)
                 return sizes_read
-            for index, value in zip(batch, replies, strict=True):
-                if not isinstance(value, bytes):
-                    continue  # a miss (None) or a per-key error: the caller reports it
-                if len(value) > capacities[index]:
+            for index, reply in zip(batch, replies, strict=True):
+                if reply == BulkReplyReader.OVERSIZED:
                     self._count("loads_oversized", 1)
-                    continue
-                buffers[index][: len(value)] = value
-                sizes_read[index] = len(value)
+                elif isinstance(reply, int):
+                    sizes_read[index] = reply
+                # else a miss (None) or a per-key error: the caller reports it
         self._outage.succeeded()
         return sizes_read
+
+    def _get_batch(
+        self, names: list[str], buffers: list[memoryview]
+    ) -> list[int | redis.exceptions.ResponseError | None]:
+        """One pipeline of GETs, each reply read from the socket straight into its buffer."""
+        connection = self._pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            packed = connection.pack_commands([("GET", name) for name in names])
+            # GET is idempotent: one retry on a fresh connection covers a
+            # pooled connection that went stale when the server restarted.
+            for attempt in (1, 2):
+                try:
+                    connection.send_packed_command(packed)
+                    # redis-py keeps the socket private; reading it directly is
+                    # what saves the copies (see redis_wire).
+                    reader = BulkReplyReader(connection._sock, self._scratch())
+                    return [reader.read_into(buffer) for buffer in buffers]
+                except _OUTAGE_ERRORS:
+                    connection.disconnect()
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        except BaseException:
+            # Whatever went wrong, the stream may be out of step: never reuse it.
+            connection.disconnect()
+            raise
+        finally:
+            self._pool.release(connection)  # type: ignore[no-untyped-call]
+
+    def _scratch(self) -> bytearray:
+        scratch: bytearray | None = getattr(self._thread_local, "scratch", None)
+        if scratch is None:
+            scratch = self._thread_local.scratch = bytearray(_SCRATCH_BYTES)
+        return scratch
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove ``keys``; how many existed. An outage counts as 0 removed."""
