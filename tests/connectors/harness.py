@@ -20,6 +20,7 @@ from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import (
     ForwardContext,
     KVCacheBlocks,
+    KVConnectorOutput,
     Request,
     ScheduledRequest,
     SchedulerOutput,
@@ -165,13 +166,30 @@ class ConnectorPair:
         sending, recving = worker.get_finished(finished or set())
         self.finished_sending |= sending or set()
         self.finished_recving |= recving or set()
-        self.load_errors |= worker.get_block_ids_with_load_errors()
+        errors = worker.get_block_ids_with_load_errors()
+        self.load_errors |= errors
         stats = worker.get_kv_connector_stats()
         if stats is not None:
             for key, value in stats.data.items():
                 if isinstance(value, (int, float)):
                     self.stats[key] = self.stats.get(key, 0) + value
         worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(
+            KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                kv_connector_stats=stats,
+                invalid_block_ids=errors,
+            )
+        )
+
+    def finish(self, request: Request, block_ids: list[int]) -> bool:
+        """End ``request``; step until the connector releases its blocks if it kept them."""
+        keep, _ = self.scheduler.request_finished(request, list(block_ids))
+        self.step(SchedulerOutput(finished_req_ids={request.request_id}), {request.request_id})
+        if keep:
+            self.step_until(lambda: request.request_id in self.finished_sending)
+        return keep
 
     def step_until(self, done: Callable[[], bool], limit_s: float = 60.0) -> None:
         """Run empty steps until ``done()``: background work is awaited, never timed."""

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.kv_cache_config import KVCacheConfig
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -89,3 +90,16 @@ class PagedKVCaches:
         """Copy a cross-layer ``block`` into block ``block_id`` of every layer."""
         for layer, cache in enumerate(self._caches):
             cache[:, block_id].copy_(block[layer])
+
+
+def check_cache_layout(layout: BlockLayout, kv_cache_config: KVCacheConfig) -> None:
+    """Raise unless every cache group has the block layout the engine config describes."""
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        found = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+        expected = (layout.block_size, layout.num_kv_heads, layout.head_size, layout.dtype)
+        if found != expected:
+            raise ValueError(
+                "kv_cache_config: a group has (block_size, num_kv_heads, head_size, dtype) = "
+                f"{found}, the engine config says {expected}"
+            )

@@ -55,6 +55,7 @@ from kvwire.connector.types import (
     BlockHash,
     ForwardContext,
     KVCacheBlocks,
+    KVConnectorOutput,
     KVConnectorStats,
     Request,
     SchedulerOutput,
@@ -68,6 +69,7 @@ from kvwire.connectors.extra_config import (
     read_extra_config,
     size_key,
 )
+from kvwire.connectors.paged_cache import check_cache_layout
 from kvwire.connectors.store_worker import BlockTransfer
 
 if TYPE_CHECKING:
@@ -87,13 +89,16 @@ __all__ = ["BlockTransfer", "StoreConnector", "StoreConnectorMetadata"]
 class StoreConnectorMetadata(KVConnectorMetadata):
     """One step's plan: blocks to load (now or in the background) and to save.
 
-    ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
+    ``release_req_ids``: requests that finished during an asynchronous load;
+    the worker reports them finished sending once the load no longer writes
+    into their blocks. ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
     lookup counts to the worker side, which reports all stats.
     """
 
     loads: tuple[BlockTransfer, ...] = ()
     async_loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
+    release_req_ids: tuple[str, ...] = ()
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
 
@@ -126,7 +131,7 @@ class StoreConnector(KVConnectorBase):
     ) -> None:
         super().__init__(config, role, kv_cache_config)
         self._layout = BlockLayout.from_engine_config(config)
-        _check_cache_layout(self._layout, kv_cache_config)
+        check_cache_layout(self._layout, kv_cache_config)
         self._options = read_extra_config(
             type(self).__name__,
             self.kv_transfer_config.kv_connector_extra_config,
@@ -141,7 +146,10 @@ class StoreConnector(KVConnectorBase):
         self._step_async_loads: list[BlockTransfer] = []
         self._step_hits = 0
         self._step_misses = 0
+        self._async_loading: set[str] = set()
+        self._release_req_ids: list[str] = []
         # Worker side.
+        self._awaiting_release: set[str] = set()
         self._counters = Counters()
         self._worker: StoreWorker | None = None
 
@@ -223,7 +231,11 @@ class StoreConnector(KVConnectorBase):
             block_ids=tuple(blocks.get_block_ids()[0][start : start + num_blocks]),
             block_hashes=tuple(request.block_hashes[start : start + num_blocks]),
         )
-        (self._step_async_loads if self._async_load else self._step_loads).append(transfer)
+        if self._async_load:
+            self._async_loading.add(request.request_id)
+            self._step_async_loads.append(transfer)
+        else:
+            self._step_loads.append(transfer)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
         saves: list[BlockTransfer] = []
@@ -242,11 +254,13 @@ class StoreConnector(KVConnectorBase):
             loads=tuple(self._step_loads),
             async_loads=tuple(self._step_async_loads),
             saves=tuple(saves),
+            release_req_ids=tuple(self._release_req_ids),
             lookup_hit_blocks=self._step_hits,
             lookup_miss_blocks=self._step_misses,
         )
         self._step_loads = []
         self._step_async_loads = []
+        self._release_req_ids = []
         self._step_hits = self._step_misses = 0
         return metadata
 
@@ -276,10 +290,17 @@ class StoreConnector(KVConnectorBase):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy the blocks out of the cache in wait_for_save, so the
-        # engine may free them at once.
+        # engine may free them at once, unless a background load still writes
+        # into them (a request aborted while loading).
         self._requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        if request.request_id in self._async_loading:
+            self._release_req_ids.append(request.request_id)
+            return True, None
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._async_loading -= connector_output.finished_recving or set()
 
     # ----------------------------------------------------------- worker side
 
@@ -325,6 +346,7 @@ class StoreConnector(KVConnectorBase):
                 "lookup_miss_blocks": metadata.lookup_miss_blocks,
             }
         )
+        self._awaiting_release.update(metadata.release_req_ids)
         if metadata.loads or metadata.async_loads:
             self._require_worker().start_loads(metadata.loads, metadata.async_loads)
 
@@ -351,7 +373,9 @@ class StoreConnector(KVConnectorBase):
         if self._worker is None:
             return None, None
         received = self._worker.take_finished_loads()
-        return None, (received or None)
+        sent = {rid for rid in self._awaiting_release if not self._worker.is_loading(rid)}
+        self._awaiting_release -= sent
+        return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
@@ -373,15 +397,3 @@ class StoreConnector(KVConnectorBase):
                 self._worker.close()
         finally:
             self._store.close()
-
-
-def _check_cache_layout(layout: BlockLayout, kv_cache_config: KVCacheConfig) -> None:
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        found = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
-        expected = (layout.block_size, layout.num_kv_heads, layout.head_size, layout.dtype)
-        if found != expected:
-            raise ValueError(
-                "kv_cache_config: a group has (block_size, num_kv_heads, head_size, dtype) = "
-                f"{found}, the engine config says {expected}"
-            )

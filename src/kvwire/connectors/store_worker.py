@@ -123,6 +123,11 @@ class StoreWorker:
             self._load_errors.update(failed)
         return set(finished)
 
+    def is_loading(self, request_id: str) -> bool:
+        """Whether an asynchronous load still writes into ``request_id``'s blocks."""
+        with self._lock:
+            return request_id in self._async_loads
+
     def take_load_errors(self) -> set[int]:
         self.wait_for_loads()
         errors, self._load_errors = self._load_errors, set()

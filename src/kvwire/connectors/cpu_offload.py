@@ -1,0 +1,379 @@
+"""The CPU-offload connector, kvwire's default: KV blocks kept in a CPU memory pool.
+
+The scheduler side owns the pool's index (an LRU keyed by block hash, see
+:mod:`kvwire.connectors.cpu_pool_index`) and decides every slot; the worker
+side owns the pool memory (:mod:`kvwire.connectors.cpu_pool_worker`) and
+copies. Stores complete asynchronously: a finished request whose stores are
+still running keeps its blocks (``request_finished`` returns True) until the
+worker reports it finished sending, and only then do its blocks become
+visible to lookups.
+
+``kv_connector_extra_config`` keys:
+
+- ``cpu_pool_bytes`` (default ``"256MiB"``): pool size; one slot holds one
+  block of every layer plus a 128-byte header;
+- ``io_threads`` (default 2): copy threads per direction;
+- ``async_load`` (default false): loads reported through ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.types import (
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVConnectorOutput,
+    KVConnectorStats,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.cpu_pool_index import CPUPoolIndex
+from kvwire.connectors.cpu_pool_worker import PoolTransfer
+from kvwire.connectors.extra_config import (
+    ExtraConfigError,
+    bool_key,
+    int_key,
+    read_extra_config,
+    size_key,
+)
+from kvwire.connectors.paged_cache import check_cache_layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig
+    from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
+    from kvwire.kv_cache_config import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+MEDIUM = "cpu"
+
+
+@attrs.frozen
+class CPUOffloadMetadata(KVConnectorMetadata):
+    """One step's plan for the worker side.
+
+    ``preempted_req_ids``: requests whose blocks were freed; their running
+    stores must end before the forward pass reuses the blocks.
+    ``release_req_ids``: finished requests that keep their blocks until their
+    transfers end; the worker reports them as finished sending then.
+    ``counters``: the scheduler side's counts, reported by the worker.
+    """
+
+    loads: tuple[PoolTransfer, ...] = ()
+    async_loads: tuple[PoolTransfer, ...] = ()
+    stores: tuple[PoolTransfer, ...] = ()
+    preempted_req_ids: tuple[str, ...] = ()
+    release_req_ids: tuple[str, ...] = ()
+    counters: tuple[tuple[str, int], ...] = ()
+
+
+@attrs.define
+class _Lookup:
+    first_block: int
+    hit_blocks: int
+    candidate_blocks: int
+
+
+@attrs.define
+class _RequestState:
+    request: Request
+    next_block_to_store: int
+    unconfirmed_stores: list[BlockHash] = attrs.field(factory=list)
+    async_load: list[BlockHash] | None = None
+
+
+class CPUOffloadConnector(KVConnectorBase):
+    """Offloads full KV blocks to a preallocated CPU pool and loads them back."""
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._layout = BlockLayout.from_engine_config(config)
+        check_cache_layout(self._layout, kv_cache_config)
+        self._options = read_extra_config(
+            type(self).__name__,
+            self.kv_transfer_config.kv_connector_extra_config,
+            (
+                size_key("cpu_pool_bytes", 256 * 1024**2),
+                int_key("io_threads", 2, minimum=1, maximum=64),
+                bool_key("async_load", False),
+            ),
+        )
+        self.num_slots = self._options["cpu_pool_bytes"] // self._layout.entry_bytes
+        if self.num_slots < 1:
+            raise ExtraConfigError(
+                f"kv_connector_extra_config.cpu_pool_bytes: {self._options['cpu_pool_bytes']} "
+                f"bytes hold no block; expected at least {self._layout.entry_bytes} (one block "
+                "of every layer plus its header)"
+            )
+        self._async_load: bool = self._options["async_load"]
+        # Scheduler side.
+        self._index = CPUPoolIndex(self.num_slots)
+        self._lookups: dict[str, _Lookup] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._finished: dict[str, _RequestState] = {}
+        self._step_loads: list[PoolTransfer] = []
+        self._step_async_loads: list[PoolTransfer] = []
+        self._sync_loads_in_flight: list[tuple[BlockHash, ...]] = []
+        self._release_req_ids: list[str] = []
+        self._step_counters: dict[str, int] = {}
+        self._events: list[KVCacheEvent] = []
+        # Worker side.
+        self._counters = Counters()
+        self._worker: CPUPoolWorker | None = None
+        self._awaiting_release: set[str] = set()
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    def _count(self, name: str, amount: int) -> None:
+        if amount:
+            self._step_counters[name] = self._step_counters.get(name, 0) + amount
+
+    # -------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        block_size = self._layout.block_size
+        first_block = num_computed_tokens // block_size
+        last_block = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
+        if not self.kv_transfer_config.is_kv_consumer or last_block <= first_block:
+            self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
+            return 0, False
+        hits = self._index.count_ready_prefix(request.block_hashes[first_block:last_block])
+        self._lookups[request.request_id] = _Lookup(first_block, hits, last_block - first_block)
+        return hits * block_size, self._async_load and hits > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_size = self._layout.block_size
+        lookup = self._lookups.pop(request.request_id, None) or _Lookup(
+            request.num_computed_tokens // block_size, 0, 0
+        )
+        self._count("lookup_hit_blocks", lookup.hit_blocks)
+        self._count("lookup_miss_blocks", lookup.candidate_blocks - lookup.hit_blocks)
+        previous = self._requests.get(request.request_id)
+        state = _RequestState(request, next_block_to_store=lookup.first_block + lookup.hit_blocks)
+        if previous is not None:  # resumed after preemption: its stores still count
+            state.unconfirmed_stores = previous.unconfirmed_stores
+        self._requests[request.request_id] = state
+        num_blocks = num_external_tokens // block_size
+        if num_blocks <= 0:
+            return
+        start = lookup.first_block
+        hashes = tuple(request.block_hashes[start : start + num_blocks])
+        if num_blocks > lookup.hit_blocks or self._index.count_ready_prefix(hashes) < num_blocks:
+            raise ValueError(
+                f"update_state_after_alloc: request {request.request_id!r} asks for "
+                f"{num_external_tokens} external tokens, the CPU pool holds "
+                f"{lookup.hit_blocks * block_size}"
+            )
+        transfer = PoolTransfer(
+            request_id=request.request_id,
+            block_ids=tuple(blocks.get_block_ids()[0][start : start + num_blocks]),
+            slots=tuple(self._index.start_load(hashes)),
+            block_hashes=hashes,
+        )
+        if self._async_load:
+            state.async_load = list(hashes)
+            self._step_async_loads.append(transfer)
+        else:
+            self._step_loads.append(transfer)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
+        stores: list[PoolTransfer] = []
+        if self.kv_transfer_config.is_kv_producer:
+            for item in scheduler_output.scheduled:
+                transfer = self._plan_store(
+                    item.request_id,
+                    item.block_ids[0],
+                    item.num_computed_tokens + item.num_scheduled_tokens,
+                )
+                if transfer is not None:
+                    stores.append(transfer)
+        self._count("evicted_blocks", self._record_evictions())
+        metadata = CPUOffloadMetadata(
+            loads=tuple(self._step_loads),
+            async_loads=tuple(self._step_async_loads),
+            stores=tuple(stores),
+            preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
+            release_req_ids=tuple(self._release_req_ids),
+            counters=tuple(sorted(self._step_counters.items())),
+        )
+        self._sync_loads_in_flight.extend(load.block_hashes for load in self._step_loads)
+        self._step_loads = []
+        self._step_async_loads = []
+        self._release_req_ids = []
+        self._step_counters = {}
+        return metadata
+
+    def _plan_store(
+        self, request_id: str, block_ids: list[int], tokens_after_step: int
+    ) -> PoolTransfer | None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        end = min(
+            tokens_after_step // self._layout.block_size,
+            len(state.request.block_hashes),
+            len(block_ids),
+        )
+        start = state.next_block_to_store
+        if end <= start:
+            return None
+        state.next_block_to_store = end
+        wanted = state.request.block_hashes[start:end]
+        placed = dict(self._index.prepare_store(wanted))
+        # Blocks neither placed nor already in the pool found every slot pinned.
+        skipped = sum(1 for h in wanted if h not in placed and h not in self._index)
+        self._count("stores_skipped_pool_full", skipped)
+        if not placed:
+            return None
+        positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
+        state.unconfirmed_stores.extend(placed)
+        return PoolTransfer(
+            request_id=request_id,
+            block_ids=tuple(block_ids[start + i] for i in positions),
+            slots=tuple(placed[wanted[i]] for i in positions),
+            block_hashes=tuple(wanted[i] for i in positions),
+        )
+
+    def _record_evictions(self) -> int:
+        evicted = self._index.take_evicted()
+        if evicted:
+            self._events.append(BlockRemoved(block_hashes=tuple(evicted), medium=MEDIUM))
+        return len(evicted)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._lookups.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not (state.unconfirmed_stores or state.async_load):
+            return False, None
+        # Its stores (or a load) may still read or write its blocks: keep them
+        # until the worker reports the request finished sending.
+        self._finished[request.request_id] = state
+        self._release_req_ids.append(request.request_id)
+        return True, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # Synchronous loads end within their step: their slots are free to evict again.
+        for hashes in self._sync_loads_in_flight:
+            self._index.finish_load(hashes)
+        self._sync_loads_in_flight = []
+        for request_id in connector_output.finished_recving or ():
+            state = self._requests.get(request_id) or self._finished.get(request_id)
+            if state is not None and state.async_load is not None:
+                self._index.finish_load(state.async_load)
+                state.async_load = None
+        for request_id in connector_output.finished_sending or ():
+            state = self._finished.pop(request_id, None)
+            if state is None:
+                continue
+            if state.async_load is not None:
+                self._index.finish_load(state.async_load)
+            completed = self._index.complete_store(state.unconfirmed_stores)
+            if completed:
+                self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> bool | None:
+        emptied = self._index.clear()
+        self._record_evictions()
+        return emptied
+
+    # ----------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
+        from kvwire.connectors.paged_cache import PagedKVCaches
+
+        self._worker = CPUPoolWorker(
+            layout=self._layout,
+            caches=PagedKVCaches(kv_caches, self._layout, self.kv_cache_config.layer_names),
+            num_slots=self.num_slots,
+            io_threads=self._options["io_threads"],
+            counters=self._counters,
+        )
+
+    def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
+        if self._worker is None:
+            raise RuntimeError(
+                "CPUOffloadConnector: register_kv_caches() must be called before the first step"
+            )
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, CPUOffloadMetadata):
+            raise TypeError(
+                f"CPUOffloadConnector got {type(metadata).__name__}, expected CPUOffloadMetadata"
+            )
+        return self._worker, metadata
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        worker, metadata = self._worker_and_metadata()
+        self._counters.add_many(dict(metadata.counters))
+        self._awaiting_release.update(metadata.release_req_ids)
+        if metadata.preempted_req_ids:
+            worker.wait_for_requests(metadata.preempted_req_ids)
+        worker.start_loads(metadata.loads, metadata.async_loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Stores copy every layer of a block at once, after the forward pass.
+        return None
+
+    def wait_for_save(self) -> None:
+        worker, metadata = self._worker_and_metadata()
+        worker.wait_for_loads()
+        # The copies run in the background: blocks being stored belong to
+        # running requests (or finished ones whose blocks are kept), so the
+        # forward pass never overwrites them meanwhile.
+        worker.store(metadata.stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        received = self._worker.take_finished_loads()
+        sent = {rid for rid in self._awaiting_release if not self._worker.is_busy(rid)}
+        self._awaiting_release -= sent
+        return (sent or None), (received or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        values = {name: value for name, value in self._counters.take().items() if value}
+        return KVConnectorStats(data=values) if values else None
+
+    def wait_for_pending_stores(self, timeout_s: float | None = None) -> bool:
+        """Block until every store started so far is complete (tests, benchmarks)."""
+        return self._worker.wait_for_all(timeout_s) if self._worker is not None else True
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,146 @@
+"""The CPU-offload connector, driven directly over real paged caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import BlockRemoved, BlockStored, SchedulerOutput
+from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.extra_config import ExtraConfigError
+from tests.connectors.harness import (
+    ConnectorPair,
+    blocks_equal,
+    cache_config_for,
+    engine_config,
+    make_caches,
+    make_request,
+)
+
+BLOCK = 4
+PROMPT = list(range(100, 117))  # 4 full blocks and one token to compute
+FIRST = [3, 7, 1, 9, 12]
+SECOND = [20, 21, 22, 23, 24]
+
+
+@pytest.fixture
+def make_pair() -> Iterator:
+    pairs: list[ConnectorPair] = []
+
+    def build(kv_role: str = "kv_both", **extra: object) -> ConnectorPair:
+        config = engine_config("CPUOffloadConnector", dict(extra), kv_role=kv_role)
+        pair = ConnectorPair(config, CPUOffloadConnector, make_caches(cache_config_for(config), 1))
+        pairs.append(pair)
+        return pair
+
+    yield build
+    for pair in pairs:
+        pair.shutdown()
+
+
+def offload(pair: ConnectorPair, request_id: str = "a", prompt: list[int] = PROMPT) -> None:
+    request = make_request(request_id, prompt, BLOCK)
+    pair.prefill(request, FIRST)
+    pair.finish(request, FIRST)
+
+
+def test_a_later_request_loads_bit_exact_what_an_earlier_one_offloaded(make_pair):
+    pair = make_pair()
+    offload(pair)
+    for block in SECOND:  # the second request's blocks hold other data
+        for cache in pair.caches.values():
+            cache[:, block] = 0
+    assert pair.prefill(make_request("b", PROMPT, BLOCK), SECOND) == (16, False)
+    assert pair.load_errors == set()
+    assert blocks_equal(pair.caches, FIRST[:4], pair.caches, SECOND[:4])
+
+
+def test_stores_complete_asynchronously_and_keep_the_blocks_until_then(make_pair):
+    pair = make_pair()
+    request = make_request("a", PROMPT, BLOCK)
+    pair.prefill(request, FIRST)
+    # Not visible before the request finished and the worker reported its stores.
+    assert pair.lookup(make_request("b", PROMPT, BLOCK)) == (0, False)
+    assert pair.finish(request, FIRST) is True
+    assert pair.finished_sending == {"a"}
+    assert pair.lookup(make_request("b", PROMPT, BLOCK)) == (16, False)
+
+
+def test_a_request_that_stored_nothing_frees_its_blocks_at_once(make_pair):
+    pair = make_pair(kv_role="kv_consumer")
+    request = make_request("a", PROMPT, BLOCK)
+    pair.prefill(request, FIRST)
+    assert pair.finish(request, FIRST) is False
+
+
+def test_async_loads_are_reported_through_get_finished(make_pair):
+    pair = make_pair(async_load=True)
+    offload(pair)
+    assert pair.prefill(make_request("b", PROMPT, BLOCK), SECOND) == (16, True)
+    pair.step_until(lambda: "b" in pair.finished_recving)
+    assert blocks_equal(pair.caches, FIRST[:4], pair.caches, SECOND[:4])
+
+
+def test_the_pool_evicts_the_least_recently_used_blocks(make_pair):
+    probe = make_pair()
+    pair = make_pair(cpu_pool_bytes=4 * probe.worker.layout.entry_bytes)
+    offload(pair, "a", PROMPT)
+    offload(pair, "b", [t + 1000 for t in PROMPT])
+    events = list(pair.scheduler.take_events())
+    assert pair.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
+    assert pair.lookup(make_request("d", [t + 1000 for t in PROMPT], BLOCK)) == (16, False)
+    assert [type(event) for event in events] == [BlockStored, BlockRemoved, BlockStored]
+    assert len(events[1].block_hashes) == 4
+
+
+def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
+    pair = make_pair()
+    offload(pair)
+    pool = pair.worker._worker.pool
+    pool.payload(0).view(-1)[5] += 1.0  # one value of the first stored block
+    for block in SECOND:
+        for cache in pair.caches.values():
+            cache[:, block] = 0
+    pair.prefill(make_request("b", PROMPT, BLOCK), SECOND)
+    assert pair.load_errors == {SECOND[0]}
+    assert all(not cache[:, SECOND[0]].any() for cache in pair.caches.values())
+
+
+def test_stats_count_saves_loads_and_lookups(make_pair):
+    pair = make_pair()
+    offload(pair)
+    pair.prefill(make_request("b", PROMPT, BLOCK), SECOND)
+    pair.step(SchedulerOutput())
+    assert pair.stats["blocks_saved"] == 4
+    assert pair.stats["blocks_loaded"] == 4
+    assert pair.stats["lookup_hit_blocks"] == 4
+    assert pair.stats["lookup_miss_blocks"] == 4
+    assert pair.stats["bytes_loaded"] == 4 * pair.worker.layout.payload_bytes
+
+
+def test_reset_cache_forgets_the_pool(make_pair):
+    pair = make_pair()
+    offload(pair)
+    assert pair.scheduler.reset_cache() is True
+    assert pair.lookup(make_request("b", PROMPT, BLOCK)) == (0, False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"cpu_pool_bytes": 100},
+            "kv_connector_extra_config.cpu_pool_bytes: 100 bytes hold no block; expected at least",
+        ),
+        ({"cpu_pool_bytes": "big"}, "kv_connector_extra_config.cpu_pool_bytes: 'big'"),
+        ({"async_load": 1}, "kv_connector_extra_config.async_load: 1 is not accepted"),
+        ({"pool_size": 5}, "kv_connector_extra_config.pool_size is not an option"),
+    ],
+)
+def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
+    config = engine_config("CPUOffloadConnector", extra)
+    with pytest.raises(ExtraConfigError) as raised:
+        CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    assert message in str(raised.value)
