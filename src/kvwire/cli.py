@@ -71,8 +71,16 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a workload through the engine with a connector")
     if wants_run:
-        _engine_run_module().configure_parser(run)
-        run.set_defaults(command=_run_command)
+        try:
+            engine_run = _engine_run_module()
+        except ModuleNotFoundError as error:
+            if error.name != ENGINE_RUN_MODULE:
+                raise
+            run.add_argument("engine_arguments", nargs=argparse.REMAINDER)
+            run.set_defaults(command=_engine_missing)
+        else:
+            engine_run.configure_parser(run)
+            run.set_defaults(command=_run_command)
     return parser
 
 
@@ -90,6 +98,14 @@ def _first_command(arguments: Sequence[str]) -> str | None:
 
 def _engine_run_module() -> ModuleType:
     return importlib.import_module(ENGINE_RUN_MODULE)
+
+
+def _engine_missing(args: argparse.Namespace) -> int:
+    print(
+        f"kvwire run: error: the engine is not installed ({ENGINE_RUN_MODULE} is missing)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _run_command(args: argparse.Namespace) -> int:

@@ -1,0 +1,255 @@
+"""``kvwire check`` and ``kvwire connectors``: what they print and their exit status."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kvwire.cli import check_profile, list_connectors, main
+from kvwire.registry import ConnectorRegistry
+from tests.core.conftest import SAMPLES
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SHIPPED_PROFILES = sorted((REPO / "containers").glob("*.yaml"))
+
+
+def run_check(
+    tmp_path: pathlib.Path, text: str, registry: ConnectorRegistry | None = None
+) -> tuple[int, str, str]:
+    path = tmp_path / "profile.yaml"
+    path.write_text(text)
+    out, err = io.StringIO(), io.StringIO()
+    status = check_profile(str(path), registry=registry, out=out, err=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_check_explains_what_it_decided_and_why(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, out, err = run_check(
+        tmp_path,
+        "kv_transfer_config: {kv_connector: HMAConnector, kv_role: kv_producer}\n",
+        registry,
+    )
+
+    assert (status, err) == (0, "")
+    assert out.splitlines() == [
+        f"profile {tmp_path / 'profile.yaml'}: valid",
+        f"connector: HMAConnector -> {SAMPLES}:HMAConnector (registered at run time)",
+        "constructor: accepts (config, role, kv_cache_config)",
+        "kv_role: kv_producer (producer: yes, consumer: no); load failure policy: recompute",
+        "HMA: enabled (disable_hybrid_kv_cache_manager is unset and HMAConnector supports HMA: "
+        "HMA stays on)",
+        "ok",
+    ]
+
+
+def test_check_names_a_module_path_and_a_composite(tmp_path: pathlib.Path) -> None:
+    status, out, _ = run_check(
+        tmp_path,
+        "scheduler_config: {disable_hybrid_kv_cache_manager: true}\n"
+        "kv_transfer_config:\n"
+        "  kv_connector: CompositeConnector\n"
+        f"  kv_connector_module_path: {SAMPLES}\n"
+        "  kv_role: kv_both\n",
+    )
+
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[1] == (
+        f"connector: CompositeConnector -> {SAMPLES}:CompositeConnector "
+        f"(module path {SAMPLES}, which wins over the registry)"
+    )
+    assert lines[2] == (
+        "constructor: accepts (config, role, kv_cache_config); a composite, it receives a "
+        "connector_builder for its children"
+    )
+    assert lines[4] == "HMA: disabled (disable_hybrid_kv_cache_manager is true: HMA is off)"
+
+
+def test_check_of_a_profile_without_a_connector_succeeds(tmp_path: pathlib.Path) -> None:
+    status, out, _ = run_check(tmp_path, "cache_config: {block_size: 8}\n")
+
+    assert status == 0
+    assert out.splitlines()[1] == (
+        "connector: none (kv_transfer_config names no connector); nothing to resolve"
+    )
+
+
+def test_check_of_an_invalid_profile_prints_every_problem_and_fails(
+    tmp_path: pathlib.Path,
+) -> None:
+    status, out, err = run_check(
+        tmp_path, "kv_transfer_config: {kv_connector: X, kv_role: producer, kv_port: 0}\n"
+    )
+
+    assert (status, out) == (1, "")
+    assert err == (
+        f"kvwire check: {tmp_path / 'profile.yaml'}: error: invalid profile "
+        f"{tmp_path / 'profile.yaml'} (2 problems):\n"
+        "  kv_transfer_config.kv_role: 'producer' is not one of kv_producer, kv_consumer, "
+        "kv_both\n"
+        "  kv_transfer_config.kv_port: kv_port must be between 1 and 65535, got 0\n"
+    )
+
+
+def test_check_of_an_unknown_connector_fails_with_the_reference_message(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(
+        tmp_path, "kv_transfer_config: {kv_connector: Nope, kv_role: kv_both}\n", registry
+    )
+
+    assert status == 1
+    assert err.endswith("error: Unsupported connector type: Nope\n")
+
+
+def test_check_of_a_deprecated_constructor_fails(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(
+        tmp_path,
+        "kv_transfer_config: {kv_connector: TwoArgumentConnector, kv_role: kv_both}\n",
+        registry,
+    )
+
+    assert status == 1
+    assert "error: Connector TwoArgumentConnector uses deprecated 2-argument constructor" in err
+
+
+def test_check_of_hma_demanded_from_a_connector_without_it_fails(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(
+        tmp_path,
+        "scheduler_config: {disable_hybrid_kv_cache_manager: false}\n"
+        "kv_transfer_config: {kv_connector: RecordingConnector, kv_role: kv_both}\n",
+        registry,
+    )
+
+    assert status == 1
+    assert err.endswith(
+        "error: Connector RecordingConnector does not support HMA but HMA is enabled. "
+        "Please set `--disable-hybrid-kv-cache-manager`.\n"
+    )
+
+
+@pytest.mark.parametrize("profile", SHIPPED_PROFILES, ids=lambda path: path.name)
+def test_every_shipped_profile_passes_check(
+    profile: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["check", str(profile)])
+
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert captured.out.splitlines()[-1] == "ok"
+
+
+def test_at_least_two_profiles_are_shipped() -> None:
+    assert len(SHIPPED_PROFILES) >= 2
+
+
+def test_connectors_lists_name_source_and_module(registry: ConnectorRegistry) -> None:
+    out = io.StringIO()
+
+    assert list_connectors(resolve=False, registry=registry, out=out) == 0
+
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "NAME".ljust(20) + "  " + "SOURCE".ljust(22) + "  MODULE"
+    assert lines[1] == (
+        "RecordingConnector".ljust(20)
+        + "  registered at run time  "
+        + f"{SAMPLES}:RecordingConnector"
+    )
+
+
+def test_connectors_with_resolve_says_whether_each_supports_hma(
+    registry: ConnectorRegistry,
+) -> None:
+    out = io.StringIO()
+
+    status = list_connectors(resolve=True, registry=registry, out=out)
+
+    rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
+    assert rows["RecordingConnector"].endswith("  no")
+    assert rows["HMAConnector"].endswith("  yes")
+    assert rows["CompositeConnector"].endswith(
+        "  depends on its configuration (marked SupportsHMA)"
+    )
+    assert "error: Connector TwoArgumentConnector uses deprecated" in rows["TwoArgumentConnector"]
+    assert status == 1
+
+
+def test_the_plain_listing_imports_no_connector_and_no_torch() -> None:
+    probe = (
+        "import sys\n"
+        "from kvwire.cli import main\n"
+        "status = main(['connectors'])\n"
+        "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('kvwire.connectors')"
+        " or m.startswith('kvwire.engine')]\n"
+        "print('LOADED', loaded, status)\n"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    )
+
+    assert "CPUOffloadConnector" in result.stdout
+    assert result.stdout.splitlines()[-1] == "LOADED [] 0"
+
+
+def test_importing_kvwire_imports_no_connector_and_no_torch() -> None:
+    probe = (
+        "import sys, kvwire\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvwire.')))\n"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    )
+
+    loaded = eval(result.stdout)
+    assert "torch" not in loaded
+    assert not [name for name in loaded if name.startswith(("kvwire.connectors", "kvwire.engine"))]
+
+
+def test_the_public_names_are_importable_from_kvwire() -> None:
+    import kvwire
+
+    for name in (
+        "KVConnectorContainer",
+        "KVConnectorFactory",
+        "KVConnectorBase",
+        "KVConnectorRole",
+        "KVConnectorMetadata",
+        "SupportsHMA",
+        "supports_hma",
+        "EngineConfig",
+        "KVTransferConfig",
+        "SchedulerConfig",
+        "KVCacheConfig",
+    ):
+        assert name in kvwire.__all__
+        assert getattr(kvwire, name) is not None
+
+
+def test_a_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main([])
+
+    assert caught.value.code == 2
+    assert "the following arguments are required: COMMAND" in capsys.readouterr().err
+
+
+def test_run_is_dispatched_to_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["run", "--help"])
+
+    assert caught.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: kvwire run")
+    # The options came from the engine's configure_parser, not a placeholder.
+    assert "kvwire.engine.run" in sys.modules
