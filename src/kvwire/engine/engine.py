@@ -18,6 +18,7 @@ import torch
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import KVConnectorStats, Request, RequestStatus
+from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.model import torch_dtype
@@ -96,7 +97,11 @@ class LLMEngine:
     ``connector_hook`` sees each connector once it is built (the conformance
     kit instruments them this way); ``load_failure_injection`` makes loads
     fail on purpose; ``capture_kv`` keeps each finished request's prompt KV
-    in :attr:`captured_kv`. Use as a context manager, or call :meth:`close`.
+    in :attr:`captured_kv`. ``container`` is a
+    :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
+    has overridden (the worker process, if any, builds its own from
+    ``config``). ``torch_threads`` sets the worker process's torch threads
+    (None leaves them alone). Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -108,6 +113,8 @@ class LLMEngine:
         load_failure_injection: LoadFailureInjection | None = None,
         capture_kv: bool = False,
         idle_timeout_s: float = 60.0,
+        container: KVConnectorContainer | None = None,
+        torch_threads: int | None = 1,
     ) -> None:
         if worker_mode not in ("inline", "process"):
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
@@ -119,7 +126,7 @@ class LLMEngine:
         self.idle_timeout_s = idle_timeout_s
         self.counters = EngineCounters()
         self.connector_stats = KVConnectorStats()
-        self._source = ConnectorSource(config, self.kv_cache_config, connector_hook)
+        self._source = ConnectorSource(config, self.kv_cache_config, connector_hook, container)
         self._closed = False
         self._worker_process: Any = None
         try:
@@ -134,6 +141,7 @@ class LLMEngine:
                     self.kv_cache_config,
                     self._source,
                     load_failure_injection=load_failure_injection,
+                    torch_threads=torch_threads,
                 )
             else:
                 from kvwire.engine.worker_process import WorkerProcess
@@ -143,6 +151,7 @@ class LLMEngine:
                     self.kv_cache_config,
                     connector_hook=connector_hook,
                     load_failure_injection=load_failure_injection,
+                    torch_threads=torch_threads,
                 )
                 self.worker = self._worker_process
         except BaseException:

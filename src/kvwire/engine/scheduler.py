@@ -22,6 +22,7 @@ from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, supports_hma
 from kvwire.connector.types import (
     BlockHash,
+    KVCacheEvent,
     Request,
     RequestStatus,
     ScheduledRequest,
@@ -83,6 +84,7 @@ class Scheduler:
         self._ever_scheduled: set[str] = set()
         # The blocks each request held when it finished (read by the engine's KV capture).
         self.block_ids_at_finish: dict[str, list[int]] = {}
+        self.kv_events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------ requests
 
@@ -344,6 +346,8 @@ class Scheduler:
                     self.block_manager.free(request_id)
             if self.connector is not None:
                 self.connector.update_connector_output(connector_output)
+        if self.connector is not None:
+            self.kv_events.extend(self.connector.take_events())
         if self._failed_async_blocks:
             parked_blocks = {
                 block

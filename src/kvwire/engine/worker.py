@@ -55,7 +55,12 @@ class Worker:
         connector_source: ConnectorSource,
         *,
         load_failure_injection: LoadFailureInjection | None = None,
+        torch_threads: int | None = 1,
     ) -> None:
+        if torch_threads is not None:
+            # Process-wide: the worker owns this process's compute. One thread
+            # suits small models, whose ops are too short to split.
+            torch.set_num_threads(torch_threads)
         model_config = config.model_config
         self.layer_names = tuple(kv_cache_config.layer_names)
         self.block_size = config.cache_config.block_size

@@ -34,10 +34,17 @@ def _serve(
     kv_cache_config: KVCacheConfig,
     hook: ConnectorHook | None,
     injection: LoadFailureInjection | None,
+    torch_threads: int | None,
 ) -> None:
     source = ConnectorSource(config, kv_cache_config, hook)
     try:
-        worker = Worker(config, kv_cache_config, source, load_failure_injection=injection)
+        worker = Worker(
+            config,
+            kv_cache_config,
+            source,
+            load_failure_injection=injection,
+            torch_threads=torch_threads,
+        )
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -73,6 +80,7 @@ class WorkerProcess:
         *,
         connector_hook: ConnectorHook | None = None,
         load_failure_injection: LoadFailureInjection | None = None,
+        torch_threads: int | None = 1,
     ) -> None:
         # spawn, not fork: the child must build everything itself, sharing
         # no memory (and no torch thread pools) with the scheduler.
@@ -86,6 +94,7 @@ class WorkerProcess:
                 kv_cache_config,
                 connector_hook,
                 load_failure_injection,
+                torch_threads,
             ),
             name="kvwire-worker",
             daemon=True,

@@ -1,0 +1,147 @@
+"""Instruments the conformance kit attaches to a connector: a call log and strict roles.
+
+Both work by shadowing the connector's interface methods on the instance, so
+they see calls from the engine *and* calls a connector makes on itself: a
+scheduler-role instance that calls its own ``start_load_kv`` is caught too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+
+WORKER_SIDE_METHODS: tuple[str, ...] = (
+    "register_kv_caches",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_handshake_metadata",
+)
+SCHEDULER_SIDE_METHODS: tuple[str, ...] = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_finished_count",
+    "reset_cache",
+)
+_BOTH_SIDES: tuple[str, ...] = ("shutdown",)
+
+
+class RoleViolationError(RuntimeError):
+    """A connector instance was asked (or asked itself) a question of the other role."""
+
+
+@attrs.frozen
+class CallRecord:
+    """One call into a connector: its role, the method, a detail and the result.
+
+    ``detail`` is the request id for per-request calls, the layer name for
+    per-layer calls, and the scheduled request ids for ``build_connector_meta``.
+    """
+
+    role: KVConnectorRole
+    method: str
+    detail: Any
+    result: Any
+
+
+class CallLog:
+    """Every recorded call, in order, across both roles of one engine."""
+
+    def __init__(self) -> None:
+        self.records: list[CallRecord] = []
+
+    def of_role(self, role: KVConnectorRole) -> list[CallRecord]:
+        return [record for record in self.records if record.role is role]
+
+    def methods(self, role: KVConnectorRole) -> list[str]:
+        return [record.method for record in self.of_role(role)]
+
+
+def _detail(method: str, args: tuple[Any, ...]) -> Any:
+    if not args:
+        return None
+    first = args[0]
+    if method in ("wait_for_layer_load", "save_kv_layer"):
+        return first
+    if method == "build_connector_meta":
+        return tuple(item.request_id for item in first.scheduled)
+    if method == "get_finished":
+        return frozenset(first)
+    request_id = getattr(first, "request_id", None)
+    return request_id
+
+
+def record_calls(connector: KVConnectorBase, log: CallLog) -> None:
+    """Append every interface call on ``connector`` (and its result) to ``log``."""
+    role = connector.role
+    for name in (*WORKER_SIDE_METHODS, *SCHEDULER_SIDE_METHODS, *_BOTH_SIDES):
+        original = getattr(connector, name, None)
+        if original is None:
+            continue
+        setattr(connector, name, _recording(original, name, role, log))
+
+
+def _recording(
+    original: Callable[..., Any], name: str, role: KVConnectorRole, log: CallLog
+) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        record_index = len(log.records)
+        log.records.append(CallRecord(role, name, _detail(name, args), None))
+        result = original(*args, **kwargs)
+        log.records[record_index] = attrs.evolve(log.records[record_index], result=result)
+        return result
+
+    return call
+
+
+def enforce_roles(connector: KVConnectorBase) -> None:
+    """Make every call of the other role's side raise :class:`RoleViolationError`."""
+    role = connector.role
+    forbidden = SCHEDULER_SIDE_METHODS if role is KVConnectorRole.WORKER else WORKER_SIDE_METHODS
+    side = "scheduler" if role is KVConnectorRole.WORKER else "worker"
+    class_name = type(connector).__name__
+    for name in forbidden:
+        if getattr(connector, name, None) is None:
+            continue
+
+        def refuse(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            raise RoleViolationError(
+                f"{class_name}.{_name} is a {side}-side call, but this instance has the "
+                f"{role.name} role: a connector must not mix the two (strict-roles mode)"
+            )
+
+        setattr(connector, name, refuse)
+
+
+@attrs.frozen
+class Instruments:
+    """The engine's connector hook for the kit: strict roles and/or a call log.
+
+    Picklable when ``log`` is None, so it can go to a worker process.
+    """
+
+    strict_roles: bool = True
+    log: CallLog | None = attrs.field(default=None, eq=False)
+
+    def __call__(self, connector: KVConnectorBase) -> None:
+        if self.strict_roles:
+            enforce_roles(connector)
+        if self.log is not None:
+            record_calls(connector, self.log)

@@ -1,0 +1,41 @@
+"""Connectors that break the interface's rules, to test that the engine says so clearly."""
+
+from __future__ import annotations
+
+from kvwire.connector.types import ForwardContext, Request
+from tests.engine.directory_connector import DirectoryConnector
+
+
+class NegativeCountConnector(DirectoryConnector):
+    """Answers a negative number of matched tokens."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return -4, False
+
+
+class AsyncZeroConnector(DirectoryConnector):
+    """Claims an asynchronous load of zero tokens."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, True
+
+
+class NeverReceivesConnector(DirectoryConnector):
+    """Starts asynchronous loads and never reports them finished."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+
+class RoleMixingConnector(DirectoryConnector):
+    """Its scheduler side peeks at worker-side state by calling a worker-side method."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self.start_load_kv(ForwardContext(layer_names=()))
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)

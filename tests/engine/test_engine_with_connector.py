@@ -1,0 +1,189 @@
+"""The engine drives a connector with the reference's semantics, and outputs never change.
+
+Every test compares the tokens generated with a connector to the tokens the
+same model generates without one: that equality is the engine's invariant.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+import pytest
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import RequestStatus
+from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.testing.instruments import CallLog, Instruments
+from tests.engine.conftest import tiny_config, with_directory_connector
+from tests.engine.helpers import generate, served_from_connector, tokens
+
+Workload = list[GenerationRequest]
+
+
+def _cold_then_warm(config: EngineConfig, workload: Workload, **options: object) -> tuple:
+    cold = generate(config, workload, **options)
+    warm = generate(config, workload, **options)
+    return cold, warm
+
+
+@pytest.mark.parametrize(
+    "behaviour",
+    [{}, {"load_async": True}, {"answer_none_first": True}, {"keep_blocks_until_sent": True}],
+    ids=["sync", "async-load", "none-then-answer", "delayed-free"],
+)
+def test_outputs_equal_no_connector_cold_and_warm(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path, behaviour: dict[str, bool]
+) -> None:
+    reference = tokens(generate(config, workload))
+    cold, warm = _cold_then_warm(with_directory_connector(config, tmp_path, **behaviour), workload)
+    assert tokens(cold) == reference
+    assert tokens(warm) == reference
+    assert served_from_connector(cold) == 0
+    assert served_from_connector(warm) > 0
+
+
+def test_the_same_engine_reuses_its_local_prefix_cache(
+    config: EngineConfig, workload: Workload
+) -> None:
+    with LLMEngine(config) as engine:
+        first = engine.generate(workload)
+        again = engine.generate(
+            [attrs.evolve(r, request_id=r.request_id + "-again") for r in workload]
+        )
+    assert tokens(again) == tokens(first)
+    assert sum(output.local_cached_tokens for output in again) > 0
+
+
+def test_a_request_answered_none_is_asked_again_next_step(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    connector_config = with_directory_connector(config, tmp_path, answer_none_first=True)
+    log = CallLog()
+    generate(connector_config, workload[:1], connector_hook=Instruments(log=log))
+    scheduler_calls = [
+        (record.method, record.detail)
+        for record in log.of_role(KVConnectorRole.SCHEDULER)
+        if record.method in ("get_num_new_matched_tokens", "build_connector_meta")
+    ][:3]
+    assert scheduler_calls == [
+        ("get_num_new_matched_tokens", "req-0"),
+        ("build_connector_meta", ()),
+        ("get_num_new_matched_tokens", "req-0"),
+    ]
+
+
+def test_an_async_load_parks_the_request_until_the_worker_reports_it_received(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    connector_config = with_directory_connector(config, tmp_path, load_async=True)
+    generate(connector_config, workload[:1])
+    log = CallLog()
+    generate(connector_config, workload[:1], connector_hook=Instruments(log=log))
+    received_at = next(
+        index
+        for index, record in enumerate(log.records)
+        if record.method == "get_finished" and record.result[1]
+    )
+    first_scheduled_at = next(
+        index
+        for index, record in enumerate(log.records)
+        if record.method == "build_connector_meta" and "req-0" in record.detail
+    )
+    assert received_at < first_scheduled_at
+
+
+def test_blocks_kept_by_request_finished_are_freed_once_reported_sent(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    connector_config = with_directory_connector(config, tmp_path, keep_blocks_until_sent=True)
+    with LLMEngine(connector_config) as engine:
+        engine.add_request(workload[0])
+        while not engine.scheduler.requests["req-0"].is_finished:
+            engine.step()
+        held_after_finish = engine.scheduler.block_manager.num_free_blocks
+        engine.run_until_done()
+        output = engine.output_of("req-0")
+        assert held_after_finish < config.cache_config.num_gpu_blocks
+        assert engine.scheduler.block_manager.num_free_blocks == config.cache_config.num_gpu_blocks
+    assert output.kv_transfer_params == {"stored_in": str(tmp_path)}
+
+
+def test_failed_loads_are_recomputed_and_outputs_stay_equal(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path, fail_loads=True)
+    _cold, warm = _cold_then_warm(connector_config, workload)
+    assert tokens(warm) == reference
+    assert all(output.num_load_failures == 1 for output in warm)
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_garbage_left_by_a_failed_load_never_reaches_the_outputs(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path, load_async: bool
+) -> None:
+    from kvwire.engine.worker import LoadFailureInjection
+
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path, load_async=load_async)
+    generate(connector_config, workload)
+    warm = generate(
+        connector_config, workload, load_failure_injection=LoadFailureInjection(block_index=1)
+    )
+    assert tokens(warm) == reference
+    assert sum(output.num_load_failures for output in warm) == len(workload)
+
+
+def test_a_failed_load_under_the_fail_policy_ends_the_request_with_a_clear_error(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    connector_config = with_directory_connector(config, tmp_path, policy="fail", fail_loads=True)
+    generate(connector_config, workload[:1])
+    (failed,) = generate(connector_config, workload[:1])
+    assert failed.status is RequestStatus.FINISHED_ERROR
+    assert failed.error is not None
+    assert failed.error.startswith("request 'req-0': the connector failed to load KV blocks [")
+    assert "kv_transfer_config.kv_load_failure_policy is 'fail'" in failed.error
+
+
+def test_preemption_under_a_small_cache_keeps_outputs_equal(
+    workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    reference = tokens(generate(tiny_config(), workload))
+    small = tiny_config(num_gpu_blocks=24)
+    connector_config = with_directory_connector(small, tmp_path)
+    with LLMEngine(small) as engine:
+        assert tokens(engine.generate(workload)) == reference
+        assert engine.counters.preemptions > 0
+    cold, warm = _cold_then_warm(connector_config, workload)
+    assert tokens(cold) == reference and tokens(warm) == reference
+
+
+def test_a_worker_in_its_own_process_gives_equal_outputs(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path)
+    cold, warm = _cold_then_warm(connector_config, workload, worker_mode="process")
+    assert tokens(cold) == reference and tokens(warm) == reference
+    assert served_from_connector(warm) > 0
+
+
+def test_loaded_kv_is_bit_identical_to_the_kv_computed_without_a_connector(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    import torch
+
+    with LLMEngine(config, capture_kv=True) as engine:
+        engine.generate(workload)
+        computed = engine.captured_kv
+    connector_config = with_directory_connector(config, tmp_path)
+    generate(connector_config, workload)
+    with LLMEngine(connector_config, capture_kv=True) as engine:
+        warm = engine.generate(workload)
+        loaded = engine.captured_kv
+    for output in warm:
+        assert output.external_tokens > 0
+        assert torch.equal(loaded[output.request_id], computed[output.request_id])
