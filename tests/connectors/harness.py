@@ -125,6 +125,7 @@ class ConnectorPair:
         self.finished_sending: set[str] = set()
         self.load_errors: set[int] = set()
         self.stats: dict[str, Any] = {}
+        self.nested_stats: dict[str, dict[str, Any]] = {}
 
     def lookup(self, request: Request, num_local_tokens: int = 0) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_local_tokens)
@@ -173,6 +174,10 @@ class ConnectorPair:
             for key, value in stats.data.items():
                 if isinstance(value, (int, float)):
                     self.stats[key] = self.stats.get(key, 0) + value
+                else:  # a composite's child
+                    child = self.nested_stats.setdefault(key, {})
+                    for name, count in value.items():
+                        child[name] = child.get(name, 0) + count
         worker.clear_connector_metadata()
         self.scheduler.update_connector_output(
             KVConnectorOutput(
@@ -190,6 +195,9 @@ class ConnectorPair:
         if keep:
             self.step_until(lambda: request.request_id in self.finished_sending)
         return keep
+
+    def worker_stats_of(self, child: str) -> dict[str, Any]:
+        return self.nested_stats.get(child, {})
 
     def step_until(self, done: Callable[[], bool], limit_s: float = 60.0) -> None:
         """Run empty steps until ``done()``: background work is awaited, never timed."""

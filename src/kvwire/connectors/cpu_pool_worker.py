@@ -108,28 +108,29 @@ class CPUPoolWorker:
 
     def _store(self, transfer: PoolTransfer) -> None:
         started = time.perf_counter()
+        stored = 0
         try:
             for block_id, slot, block_hash in zip(
                 transfer.block_ids, transfer.slots, transfer.block_hashes, strict=True
             ):
                 self._caches.gather(block_id, self.pool.payload(slot))
                 write_header(self.pool.entry(slot), self._layout, block_hash)
-            stored = len(transfer.block_ids)
+                stored += 1
         except Exception:
             # The slots keep whatever they had; their headers no longer match,
             # so a later load reports them instead of copying them.
             logger.exception("CPU offload: store of request %r failed", transfer.request_id)
-            stored = 0
         finally:
+            # Counted before the job is marked done, so whoever waits for it sees them.
+            self._counters.add_many(
+                {
+                    "blocks_saved": stored,
+                    "bytes_saved": stored * self._layout.payload_bytes,
+                    "save_errors": len(transfer.block_ids) - stored,
+                    "save_seconds": time.perf_counter() - started,
+                }
+            )
             self._job_done(transfer.request_id)
-        self._counters.add_many(
-            {
-                "blocks_saved": stored,
-                "bytes_saved": stored * self._layout.payload_bytes,
-                "save_errors": len(transfer.block_ids) - stored,
-                "save_seconds": time.perf_counter() - started,
-            }
-        )
 
     # --------------------------------------------------------------- loads
 

@@ -1,0 +1,325 @@
+"""MultiConnector: several connectors behind one, e.g. CPU offload in front of shared storage.
+
+Children come from ``kv_connector_extra_config["connectors"]``, a list of
+``KVTransferConfig`` keyword mappings (``engine_id`` and ``kv_role`` default
+to the parent's). Each child gets its own copy of the engine config and is
+built by the ``connector_builder`` the container (or the factory) hands in,
+so it resolves through the same registry: provider overrides, module paths
+and entry points all apply.
+
+Semantics (the reference's): lookups ask children in order (any None means
+"ask again"); the first child with a hit loads, the others get 0; saves go to
+every child; worker calls go to every child; a request is finished sending
+once every child that kept its blocks reported it; load errors are united,
+events chained, stats nested per child, ``kv_transfer_params`` merged (a key
+clash is an error); HMA only when every child supports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.config import KVTransferConfig
+from kvwire.connector.base import (
+    ConnectorBuilder,
+    HMAResolver,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+    supports_hma,
+)
+from kvwire.connector.types import (
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVConnectorOutput,
+    KVConnectorStats,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.connectors.extra_config import ExtraConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig
+    from kvwire.kv_cache_config import KVCacheConfig
+
+
+@attrs.frozen
+class MultiKVConnectorMetadata(KVConnectorMetadata):
+    """Each child's metadata, in child order, and the extra saves to wait for.
+
+    ``extra_async_saves`` maps a finished request to how many more children
+    than one must report it finished sending before the engine may free it.
+    """
+
+    children: tuple[KVConnectorMetadata, ...]
+    extra_async_saves: tuple[tuple[str, int], ...] = ()
+
+
+def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
+    """The children's transfer configs; errors name ``kv_connector_extra_config.connectors[i]``."""
+    extra = parent.kv_connector_extra_config
+    unknown = sorted(set(extra) - {"connectors"})
+    if unknown:
+        raise ExtraConfigError(
+            f"kv_connector_extra_config.{unknown[0]} is not an option of MultiConnector; "
+            "accepted keys are: connectors"
+        )
+    children = extra.get("connectors")
+    if not isinstance(children, list) or not children:
+        raise ExtraConfigError(
+            f"kv_connector_extra_config.connectors: {children!r} is not accepted by "
+            "MultiConnector; expected a non-empty list of kv_transfer_config mappings"
+        )
+    configs = []
+    for index, child in enumerate(children):
+        where = f"kv_connector_extra_config.connectors[{index}]"
+        if not isinstance(child, Mapping):
+            raise ExtraConfigError(
+                f"{where}: {child!r} is not accepted; expected a mapping of kv_transfer_config "
+                "fields"
+            )
+        if not isinstance(child.get("kv_connector"), str):
+            raise ExtraConfigError(f"{where}.kv_connector: expected a connector name")
+        fields = {"engine_id": parent.engine_id, "kv_role": parent.kv_role, **child}
+        try:
+            configs.append(KVTransferConfig(**fields))
+        except (TypeError, ValueError) as error:
+            raise ExtraConfigError(f"{where}: {error}") from error
+    return configs
+
+
+class MultiConnector(KVConnectorBase, SupportsHMA):
+    """Drives every child connector as one; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        connector_builder: ConnectorBuilder,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._children: list[KVConnectorBase] = []
+        self._child_names: list[str] = []
+        try:
+            for child_config in child_transfer_configs(self.kv_transfer_config):
+                child_engine_config = attrs.evolve(config, kv_transfer_config=child_config)
+                self._children.append(connector_builder(child_engine_config, role, kv_cache_config))
+                name = str(child_config.kv_connector)
+                self._child_names.append(
+                    name if name not in self._child_names else f"{name}#{len(self._child_names)}"
+                )
+        except BaseException:
+            self._shutdown_children()
+            raise
+        # Scheduler side.
+        self._loading_child: dict[str, int] = {}
+        self._extra_async_saves: dict[str, int] = {}
+        # Worker side.
+        self._pending_extra_saves: dict[str, int] = {}
+
+    @property
+    def children(self) -> tuple[KVConnectorBase, ...]:
+        return tuple(self._children)
+
+    @classmethod
+    def supports_hma_for_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
+    ) -> bool:
+        children = kv_transfer_config.kv_connector_extra_config.get("connectors")
+        if not isinstance(children, list) or not children:
+            return False
+        return all(resolve_child(config) for config in child_transfer_configs(kv_transfer_config))
+
+    # -------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        answer: tuple[int | None, bool] = (0, False)
+        chosen = None
+        for index, child in enumerate(self._children):
+            tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if tokens is None:
+                self._loading_child.pop(request.request_id, None)
+                return None, False
+            if chosen is None and tokens > 0:
+                chosen = index
+                answer = (tokens, load_async)
+        if chosen is None:
+            self._loading_child.pop(request.request_id, None)
+        else:
+            self._loading_child[request.request_id] = chosen
+        return answer
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        chosen = self._loading_child.pop(request.request_id, None)
+        for index, child in enumerate(self._children):
+            tokens = num_external_tokens if index == chosen else 0
+            child.update_state_after_alloc(request, blocks, tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiKVConnectorMetadata:
+        metadata = MultiKVConnectorMetadata(
+            children=tuple(c.build_connector_meta(scheduler_output) for c in self._children),
+            extra_async_saves=tuple(sorted(self._extra_async_saves.items())),
+        )
+        self._extra_async_saves = {}
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stats = connector_output.kv_connector_stats
+        nested = stats.data if stats is not None else {}
+        for name, child in zip(self._child_names, self._children, strict=True):
+            child_stats = nested.get(name)
+            child.update_connector_output(
+                attrs.evolve(
+                    connector_output,
+                    kv_connector_stats=KVConnectorStats(data=dict(child_stats))
+                    if isinstance(child_stats, Mapping)
+                    else None,
+                )
+            )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        answers = [child.request_finished(request, block_ids) for child in self._children]
+        return self._merge_finished(request.request_id, answers)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        answers = []
+        for child in self._children:
+            if not supports_hma(child):
+                raise TypeError(
+                    f"MultiConnector: child {type(child).__name__} does not support HMA"
+                )
+            answers.append(child.request_finished_all_groups(request, block_ids))  # type: ignore[attr-defined]
+        return self._merge_finished(request.request_id, answers)
+
+    def _merge_finished(
+        self, request_id: str, answers: list[tuple[bool, dict[str, Any] | None]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        keeping = sum(1 for keep, _ in answers if keep)
+        if keeping > 1:
+            self._extra_async_saves[request_id] = keeping - 1
+        merged: dict[str, Any] | None = None
+        for _, params in answers:
+            if not params:
+                continue
+            if merged is None:
+                merged = {}
+            clash = merged.keys() & params.keys()
+            if clash:
+                raise RuntimeError(
+                    f"Key clash in kv_transfer_params from multiple connectors: {clash}"
+                )
+            merged.update(params)
+        return keeping > 0, merged
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
+        for child in self._children:
+            events.extend(child.take_events())
+        return events
+
+    def reset_cache(self) -> bool | None:
+        results = [child.reset_cache() for child in self._children]
+        return all(result is not False for result in results)
+
+    # ----------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for child in self._children:
+            child.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, MultiKVConnectorMetadata):
+            raise TypeError(
+                f"MultiConnector got {type(connector_metadata).__name__}, "
+                "expected MultiKVConnectorMetadata"
+            )
+        for child, child_metadata in zip(self._children, connector_metadata.children, strict=True):
+            child.bind_connector_metadata(child_metadata)
+        self._pending_extra_saves.update(connector_metadata.extra_async_saves)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self._children:
+            child.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        for child in self._children:
+            child.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for child in self._children:
+            child.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        for child in self._children:
+            child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        for child in self._children:
+            child.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending: set[str] = set()
+        receiving: set[str] = set()
+        for child in self._children:
+            child_sending, child_receiving = child.get_finished(finished_req_ids)
+            receiving |= child_receiving or set()
+            for request_id in child_sending or ():
+                extra = self._pending_extra_saves.get(request_id)
+                if extra is None:
+                    sending.add(request_id)
+                elif extra == 1:
+                    del self._pending_extra_saves[request_id]
+                else:
+                    self._pending_extra_saves[request_id] = extra - 1
+        return (sending or None), (receiving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set()
+        for child in self._children:
+            errors |= child.get_block_ids_with_load_errors()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        nested = {}
+        for name, child in zip(self._child_names, self._children, strict=True):
+            stats = child.get_kv_connector_stats()
+            if stats is not None and not stats.is_empty():
+                nested[name] = stats.reduce()
+        return KVConnectorStats(data=nested) if nested else None
+
+    def get_handshake_metadata(self) -> Any:
+        return [child.get_handshake_metadata() for child in self._children]
+
+    def shutdown(self) -> None:
+        self._shutdown_children()
+
+    def _shutdown_children(self) -> None:
+        errors: list[BaseException] = []
+        for child in self._children:
+            try:
+                child.shutdown()
+            except Exception as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
