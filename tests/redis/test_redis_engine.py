@@ -1,0 +1,200 @@
+"""The Redis connector inside the reference engine, against a real server.
+
+The invariant throughout: whatever happens to the server (killed, restarted,
+corrupted values, evicted keys, out of memory), every request finishes and
+its tokens are those of the same engine without a connector.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from kvwire.config import ModelConfig, SchedulerConfig
+from kvwire.engine.engine import GenerationRequest, LLMEngine
+from tests.redis.conftest import RedisServer
+from tests.redis.engines import (
+    generate,
+    shared_prefix_workload,
+    tiny_config,
+    tokens,
+    with_redis,
+)
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[GenerationRequest]:
+    return shared_prefix_workload()
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
+    """The tokens of the engine without a connector: what every run must reproduce."""
+    return tokens(generate(tiny_config(), workload))
+
+
+def test_a_second_engine_loads_the_prefix_from_redis_and_generates_the_same_tokens(
+    redis_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    config = with_redis(tiny_config(), redis_server.url, key_prefix)
+    assert tokens(generate(config, workload)) == expected_tokens
+
+    with LLMEngine(config) as warm:
+        outputs = warm.generate(workload)
+        stats = warm.connector_stats.data
+
+    assert tokens(outputs) == expected_tokens
+    # A fresh engine has no local cache: every full prompt block but the
+    # last token's came from Redis.
+    assert all(output.external_tokens == 28 for output in outputs)
+    assert stats["blocks_loaded"] == 7 * len(workload)
+    assert stats.get("load_errors", 0) == 0
+
+
+def test_outputs_stay_identical_when_the_server_dies_mid_run(
+    fault_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    # Two requests at a time, so most are looked up after the server died.
+    two_at_a_time = attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))
+    config = with_redis(two_at_a_time, fault_server.url, key_prefix)
+    assert tokens(generate(config, workload)) == expected_tokens  # fills the server
+
+    with LLMEngine(config) as engine:
+        for request in workload:
+            engine.add_request(request)
+        engine.step()  # the first two requests load from the live server
+        fault_server.kill()
+        engine.run_until_done()
+        outputs = [engine.output_of(request.request_id) for request in workload]
+        stats = engine.connector_stats.data
+
+    assert tokens(outputs) == expected_tokens
+    assert stats["blocks_loaded"] > 0
+    assert any(output.external_tokens == 0 for output in outputs)
+
+
+def test_the_connector_reconnects_when_the_server_comes_back(
+    fault_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    # Prompts that share nothing with the workload: after the restart they
+    # can only be saved, and later loaded, through the re-established connections.
+    later = [
+        attrs.evolve(request, request_id=f"later-{request.request_id}")
+        for request in shared_prefix_workload(seed=11, num_requests=3)
+    ]
+    expected_later = tokens(generate(tiny_config(), later))
+    config = with_redis(tiny_config(), fault_server.url, key_prefix)
+    with LLMEngine(config) as engine:
+        fault_server.kill()
+        assert tokens(engine.generate(workload)) == expected_tokens
+        down_stats = dict(engine.connector_stats.data)
+        fault_server.restart()
+        assert tokens(engine.generate(later)) == expected_later
+
+    assert down_stats["redis_saves_dropped"] > 0
+    assert down_stats.get("blocks_saved", 0) == 0
+    with LLMEngine(config) as warm:
+        assert tokens(warm.generate(later)) == expected_later
+        assert warm.connector_stats.data["blocks_loaded"] == 7 * len(later)
+
+
+def test_values_corrupted_in_the_server_are_never_loaded(
+    redis_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    config = with_redis(tiny_config(), redis_server.url, key_prefix)
+    generate(config, workload)
+    client = redis_server.client()
+    corrupted = 0
+    for name in client.scan_iter(match=f"{key_prefix}*"):
+        offset = int(client.strlen(name)) - 1
+        last = client.getrange(name, offset, offset)[0]
+        client.setrange(name, offset, bytes([last ^ 0x01]))
+        corrupted += 1
+    assert corrupted > 0
+
+    with LLMEngine(config) as warm:
+        outputs = warm.generate(workload)
+        stats = warm.connector_stats.data
+
+    assert tokens(outputs) == expected_tokens
+    assert stats["corrupt_entries"] > 0
+    assert stats.get("blocks_loaded", 0) == 0
+
+
+def test_a_key_evicted_between_lookup_and_load_is_recomputed(
+    redis_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    generate(with_redis(tiny_config(), redis_server.url, key_prefix), workload)
+    evicting = with_redis(
+        tiny_config(),
+        redis_server.url,
+        key_prefix,
+        connector="EvictingRedisConnector",
+        module_path="tests.redis.evicting_connector",
+    )
+
+    with LLMEngine(evicting) as engine:
+        outputs = engine.generate(workload[:1])
+        stats = engine.connector_stats.data
+
+    assert tokens(outputs) == expected_tokens[:1]
+    assert stats["load_errors"] == 1
+    assert outputs[0].num_load_failures == 1
+
+
+def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
+    fault_server: RedisServer, key_prefix: str
+) -> None:
+    # 16 KiB blocks of unrelated prompts: about 2.6 MiB for a 1 MiB allowance
+    # (which also has to hold the connections' buffers).
+    wide = attrs.evolve(
+        tiny_config(),
+        model_config=ModelConfig(num_layers=4, head_size=64, vocab_size=300, max_model_len=512),
+    )
+    many = shared_prefix_workload(seed=5, num_requests=24, shared_prefix_ratio=0.0)
+    expected = tokens(generate(wide, many))
+    used = int(fault_server.client().info("memory")["used_memory"])
+    fault_server.set_maxmemory(used + 1024 * 1024, "allkeys-lru")
+    config = with_redis(wide, fault_server.url, key_prefix, staging_buffer_bytes="4MiB")
+
+    assert tokens(generate(config, many)) == expected
+    assert int(fault_server.client().info("stats")["evicted_keys"]) > 0
+    # A consumer only: its own saves would evict the survivors it is about to load.
+    consumer = with_redis(wide, fault_server.url, key_prefix, kv_role="kv_consumer")
+    with LLMEngine(consumer) as warm:
+        assert tokens(warm.generate(many)) == expected
+        stats = warm.connector_stats.data
+    assert stats["blocks_loaded"] > 0  # the survivors were used
+
+
+def test_outputs_stay_identical_when_a_full_server_rejects_saves(
+    fault_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    used = int(fault_server.client().info("memory")["used_memory"])
+    fault_server.set_maxmemory(used + 16 * 1024, "noeviction")
+    config = with_redis(tiny_config(), fault_server.url, key_prefix)
+
+    with LLMEngine(config) as engine:
+        assert tokens(engine.generate(workload)) == expected_tokens
+        stats = engine.connector_stats.data
+    assert stats["redis_saves_rejected"] > 0
+    with LLMEngine(config) as warm:
+        assert tokens(warm.generate(workload)) == expected_tokens
