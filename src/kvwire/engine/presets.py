@@ -1,0 +1,38 @@
+"""Model sizes for the engine: tiny for tests, larger ones for benchmarks.
+
+A preset replaces a profile's ``model_config`` (``kvwire run --preset``);
+the seed and dtype of the profile are kept.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvwire.config import EngineConfig, ModelConfig
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Fast enough that a whole test workload runs in a fraction of a second.
+    "tiny": ModelConfig(
+        num_layers=2, num_attention_heads=4, num_kv_heads=2, head_size=16, intermediate_size=128
+    ),
+    # A real-shaped small model: attention dominates long prompts, as it does on a GPU.
+    "bench": ModelConfig(
+        num_layers=4,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        intermediate_size=1024,
+        vocab_size=2048,
+        max_model_len=4096,
+    ),
+}
+
+
+def apply_preset(config: EngineConfig, preset: str) -> EngineConfig:
+    """``config`` with the preset's model shape (keeping its seed and dtype)."""
+    try:
+        shape = MODEL_PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"preset: {preset!r} is not one of {', '.join(MODEL_PRESETS)}") from None
+    model = attrs.evolve(shape, seed=config.model_config.seed, dtype=config.model_config.dtype)
+    return attrs.evolve(config, model_config=model)

@@ -1,0 +1,72 @@
+"""The table ``kvwire run`` prints: one column per pass, one row per figure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvwire.engine.passes import PASSES
+
+
+def _count(value: Any) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def _times(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+_ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("requests", "requests", _count),
+    ("prompt tokens", "prompt_tokens", _count),
+    ("tokens from connector", "tokens_from_connector", _count),
+    ("hit rate", "hit_rate", lambda value: f"{value:.1%}"),
+    ("TTFT p50", "ttft_p50_ms", _ms),
+    ("TTFT p95", "ttft_p95_ms", _ms),
+    ("total time", "total_s", lambda value: f"{value:.3f} s"),
+    ("bytes saved", "bytes_saved", _bytes),
+    ("bytes loaded", "bytes_loaded", _bytes),
+    ("effective GB/s", "effective_gb_per_s", lambda value: f"{value:.3f}"),
+    ("speed-up (total)", "speedup", _times),
+    ("speed-up (TTFT p50)", "ttft_p50_speedup", _times),
+    ("failed requests", "failed_requests", _count),
+    ("outputs identical", "outputs_identical", lambda value: "yes" if value else "NO"),
+)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as an aligned text table, with a one-line verdict under it."""
+    passes = report["passes"]
+    header = ["", *PASSES]
+    rows = [header] + [
+        [label, *(render(passes[name][key]) for name in PASSES)] for label, key, render in _ROWS
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(width) if column == 0 else cell.rjust(width)
+            for column, (cell, width) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    title = f"kvwire run: {report['connector']} ({report['worker_mode']} worker)"
+    verdict = (
+        "outputs identical with and without the connector"
+        if report["ok"]
+        else "FAILED: outputs differ from the no-connector pass, or requests failed"
+    )
+    return "\n".join([title, "", *lines, "", verdict])

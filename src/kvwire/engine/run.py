@@ -1,0 +1,186 @@
+"""``kvwire run [PROFILE]``: what a connector buys on a workload, measured three ways.
+
+The workload runs without a connector, then with it cold (filling it), then
+warm (the engine's local prefix cache emptied, so shared prefixes must come
+back from the connector). A table compares the passes; ``--json`` prints the
+same figures for machines. The exit status is 1 when any pass's outputs
+differ from the no-connector pass or a request failed.
+
+No torch at import time: ``kvwire --help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from kvwire.config import EngineConfig
+    from kvwire.engine.engine import GenerationRequest
+
+DEFAULT_PROFILE = "profiles/default.yaml"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvwire run``'s arguments to ``parser``."""
+    parser.add_argument(
+        "profile",
+        nargs="?",
+        help="a profile (YAML) naming the connector; default: the embedded CPU-offload profile",
+    )
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--requests", type=_positive_int, default=16, help="number of requests")
+    workload.add_argument("--prompt-len", type=_positive_int, default=256, help="tokens per prompt")
+    workload.add_argument(
+        "--output-len", type=_positive_int, default=16, help="tokens to generate per request"
+    )
+    workload.add_argument(
+        "--shared-prefix-ratio",
+        type=_ratio,
+        default=0.75,
+        help="share of each prompt that all prompts have in common (0..1)",
+    )
+    workload.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    workload.add_argument(
+        "--prompts",
+        type=pathlib.Path,
+        metavar="FILE.jsonl",
+        help='prompts, one JSON object a line: {"prompt": "text"} or {"prompt_token_ids": [...]}',
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--preset", help="replace the profile's model shape with a preset (tiny, bench)"
+    )
+    engine.add_argument(
+        "--worker-process",
+        action="store_true",
+        help="run the worker in its own process (metadata pickled every step)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print the figures as JSON")
+    output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``kvwire run``; the process exit status."""
+    from kvwire.engine.passes import compare_passes
+    from kvwire.engine.report import format_table
+
+    try:
+        config = _load_config(args.profile, args.preset)
+        workload = _build_workload(args, config)
+    except (ValueError, OSError) as error:
+        print(f"kvwire run: error: {error}", file=sys.stderr)
+        return 2
+    progress = None if args.no_progress else _ProgressBar(sys.stderr, 3 * len(workload))
+    report = compare_passes(
+        config,
+        workload,
+        worker_mode="process" if args.worker_process else "inline",
+        on_request_done=None if progress is None else progress.advance,
+    )
+    if progress is not None:
+        progress.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(report))
+    return 0 if report["ok"] else 1
+
+
+def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
+    from kvwire.engine.presets import apply_preset
+    from kvwire.profile import load_profile
+
+    if profile is None:
+        default = resources.files("kvwire").joinpath(DEFAULT_PROFILE)
+        if not default.is_file():
+            raise ValueError(
+                f"no PROFILE given and the embedded default (kvwire/{DEFAULT_PROFILE}) is "
+                "missing; pass a profile, e.g. kvwire run containers/cpu-offload.yaml"
+            )
+        with resources.as_file(default) as path:
+            config = load_profile(path)
+    else:
+        config = load_profile(profile)
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.kv_connector is None:
+        raise ValueError(
+            f"profile {profile or DEFAULT_PROFILE}: kv_transfer_config.kv_connector is not set; "
+            "kvwire run compares a connector against none, so the profile must name one"
+        )
+    return config if preset is None else apply_preset(config, preset)
+
+
+def _build_workload(args: argparse.Namespace, config: EngineConfig) -> list[GenerationRequest]:
+    from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
+
+    vocab_size = config.model_config.vocab_size
+    if args.prompts is not None:
+        return load_prompts_jsonl(os.fspath(args.prompts), args.output_len, vocab_size)
+    spec = WorkloadSpec(
+        num_requests=args.requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        shared_prefix_ratio=args.shared_prefix_ratio,
+        vocab_size=vocab_size,
+        seed=args.seed,
+    )
+    return synthetic_workload(spec)
+
+
+class _ProgressBar:
+    """A one-line progress bar, redrawn in place on a terminal."""
+
+    def __init__(self, stream: TextIO, total: int, width: int = 30) -> None:
+        self._stream = stream
+        self._total = max(total, 1)
+        self._done = 0
+        self._width = width
+        self._is_terminal = stream.isatty()
+
+    def advance(self, label: str) -> None:
+        self._done += 1
+        if not self._is_terminal and self._done not in (self._total, self._total // 3):
+            return
+        filled = self._width * self._done // self._total
+        bar = "#" * filled + "." * (self._width - filled)
+        end = "\r" if self._is_terminal else "\n"
+        self._stream.write(f"[{bar}] {self._done}/{self._total} requests ({label}){end}")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._is_terminal:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvwire.engine.run``: the same as ``kvwire run``."""
+    parser = argparse.ArgumentParser(prog="kvwire run")
+    configure_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
