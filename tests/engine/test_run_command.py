@@ -1,0 +1,102 @@
+"""``kvwire run``: three passes, a table or JSON, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from kvwire import cli
+from kvwire.engine import run as run_module
+
+SMALL_WORKLOAD = ["--requests", "4", "--prompt-len", "24", "--output-len", "3", "--no-progress"]
+
+
+def _directory_profile(tmp_path: pathlib.Path) -> pathlib.Path:
+    profile = {
+        "model_config": {"num_layers": 2, "vocab_size": 300},
+        "cache_config": {"block_size": 4, "num_gpu_blocks": 64},
+        "kv_transfer_config": {
+            "kv_connector": "DirectoryConnector",
+            "kv_connector_module_path": "tests.engine.directory_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"store_dir": str(tmp_path / "store")},
+        },
+    }
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
+
+
+def test_json_report_has_three_passes_with_warm_hits_and_identical_outputs(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] is True
+    passes = report["passes"]
+    assert passes["no connector"]["tokens_from_connector"] == 0
+    assert passes["cold"]["tokens_from_connector"] == 0
+    assert passes["warm"]["tokens_from_connector"] > 0
+    assert all(row["outputs_identical"] for row in passes.values())
+
+
+def test_the_table_names_every_figure(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD])
+    table = capsys.readouterr().out
+    for label in ("hit rate", "TTFT p50", "TTFT p95", "bytes loaded", "effective GB/s"):
+        assert label in table
+    assert "outputs identical with and without the connector" in table
+
+
+def test_the_cpu_offload_profile_serves_the_warm_pass_from_the_connector(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    profile = pathlib.Path(__file__).parents[2] / "containers" / "cpu-offload.yaml"
+    status = cli.main(["run", str(profile), *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert report["passes"]["warm"]["hit_rate"] > 0.5
+
+
+def test_prompts_come_from_a_jsonl_file(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the same long system prompt, then a question"}\n' * 3)
+    profile = _directory_profile(tmp_path)
+    status = cli.main(["run", str(profile), "--prompts", str(prompts), "--no-progress", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["passes"]["warm"]["requests"] == 3
+
+
+def test_a_profile_without_a_connector_is_refused(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "plain.yaml"
+    profile.write_text("cache_config:\n  block_size: 4\n")
+    assert cli.main(["run", str(profile), "--no-progress"]) == 2
+    assert "kv_transfer_config.kv_connector is not set" in capsys.readouterr().err
+
+
+def test_a_missing_embedded_default_says_to_pass_a_profile(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(run_module, "DEFAULT_PROFILE", "profiles/absent.yaml")
+    assert cli.main(["run", "--no-progress"]) == 2
+    assert "pass a profile, e.g. kvwire run containers/cpu-offload.yaml" in capsys.readouterr().err
+
+
+def test_importing_the_run_module_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvwire.engine.run; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
