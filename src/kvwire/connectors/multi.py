@@ -201,11 +201,16 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         answers = []
         for child in self._children:
-            if not supports_hma(child):
+            if supports_hma(child):
+                answers.append(child.request_finished_all_groups(request, block_ids))  # type: ignore[attr-defined]
+            elif len(block_ids) == 1:
+                # One KV cache group (HMA off): the plain call says the same.
+                answers.append(child.request_finished(request, block_ids[0]))
+            else:
                 raise TypeError(
-                    f"MultiConnector: child {type(child).__name__} does not support HMA"
+                    f"MultiConnector: child {type(child).__name__} does not support HMA, "
+                    f"but the request has {len(block_ids)} KV cache groups"
                 )
-            answers.append(child.request_finished_all_groups(request, block_ids))  # type: ignore[attr-defined]
         return self._merge_finished(request.request_id, answers)
 
     def _merge_finished(

@@ -1,0 +1,78 @@
+"""Engine configurations and workloads for the connectors' engine-level tests."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+
+
+def tiny_engine_config(**cache: Any) -> EngineConfig:
+    """A model small enough that a workload runs in well under a second."""
+    return EngineConfig(
+        model_config=ModelConfig(num_layers=2, vocab_size=300, max_model_len=512),
+        cache_config=CacheConfig(block_size=4, num_gpu_blocks=128, **cache),
+    )
+
+
+def with_connector(
+    config: EngineConfig,
+    connector: str,
+    extra: dict[str, Any],
+    *,
+    kv_role: str = "kv_both",
+    policy: str = "recompute",
+) -> EngineConfig:
+    return attrs.evolve(
+        config,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector,
+            kv_role=kv_role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=extra,
+        ),
+    )
+
+
+def shared_storage(config: EngineConfig, directory: pathlib.Path, **extra: Any) -> EngineConfig:
+    return with_connector(
+        config, "SharedStorageConnector", {"shared_storage_path": str(directory), **extra}
+    )
+
+
+def workload(seed: int = 3, num_requests: int = 8, prompt_len: int = 30) -> list[GenerationRequest]:
+    """Requests that mostly share a long prefix, with block-unaligned lengths."""
+    spec = WorkloadSpec(
+        num_requests=num_requests,
+        prompt_len=prompt_len,
+        output_len=6,
+        shared_prefix_ratio=0.6,
+        vocab_size=300,
+        seed=seed,
+    )
+    return synthetic_workload(spec)
+
+
+def renamed(requests: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:
+    return [attrs.evolve(r, request_id=r.request_id + suffix) for r in requests]
+
+
+def generate(
+    config: EngineConfig, requests: Sequence[GenerationRequest], **options: Any
+) -> list[RequestOutput]:
+    with LLMEngine(config, **options) as engine:
+        return engine.generate(requests)
+
+
+def tokens(outputs: Sequence[RequestOutput]) -> list[tuple[int, ...]]:
+    return [output.output_token_ids for output in outputs]
+
+
+def served(outputs: Sequence[RequestOutput]) -> int:
+    return sum(output.external_tokens for output in outputs)
