@@ -16,12 +16,13 @@ checks the constructor of every class it hands out, so a plugin with the old
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvwire.connectors"
+MAX_COMPOSITE_DEPTH = 16
 
 BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
     "CPUOffloadConnector": ("kvwire.connectors.cpu_offload", "CPUOffloadConnector"),
@@ -129,6 +131,7 @@ class ConnectorRegistry:
         self._entry_point_group = entry_point_group
         self._entry_points_read = entry_point_group is None
         self._lock = threading.RLock()
+        self._nesting = threading.local()
         # Classes found through a module path, so that a by-name lookup (e.g.
         # rebuilding a composite child's stats) finds them too.
         self._module_path_classes: dict[str, type[KVConnectorBase]] = {}
@@ -298,7 +301,10 @@ class ConnectorRegistry:
         this same registry.
         """
         connector_cls = self.resolve(kv_transfer_config)
-        return connector_cls.supports_hma_for_config(kv_transfer_config, self.supports_hma_config)
+        with self._nested(connector_cls):
+            return connector_cls.supports_hma_for_config(
+                kv_transfer_config, self.supports_hma_config
+            )
 
     # -------------------------------------------------------------- building
 
@@ -330,10 +336,28 @@ class ConnectorRegistry:
         )
         if accepts_connector_builder(connector_cls):
             builder: Callable[..., KVConnectorBase] = self.build_connector
-            return connector_cls(  # type: ignore[call-arg]
-                config, role, kv_cache_config, connector_builder=builder
-            )
+            with self._nested(connector_cls):
+                return connector_cls(  # type: ignore[call-arg]
+                    config, role, kv_cache_config, connector_builder=builder
+                )
         return connector_cls(config, role, kv_cache_config)
+
+    @contextlib.contextmanager
+    def _nested(self, connector_cls: type[KVConnectorBase]) -> Iterator[None]:
+        # A composite whose children name the composite again would recurse
+        # until Python's stack runs out; stop early and say why.
+        depth = getattr(self._nesting, "depth", 0)
+        if depth >= MAX_COMPOSITE_DEPTH:
+            raise ValueError(
+                f"Connector {connector_cls.__name__}: composite connectors nest more than "
+                f"{MAX_COMPOSITE_DEPTH} levels deep; does a child in "
+                "kv_connector_extra_config name its own parent?"
+            )
+        self._nesting.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._nesting.depth = depth
 
 
 def _distribution_label(entry_point: metadata.EntryPoint) -> str:

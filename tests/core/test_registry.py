@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import pytest
 from dependency_injector import providers
@@ -253,3 +254,33 @@ def test_a_composite_is_recognised_by_its_keyword_only_connector_builder() -> No
     assert accepts_connector_builder(sample_connectors.CompositeConnector)
     assert accepts_connector_builder(sample_connectors.CompositeSubclass)
     assert not accepts_connector_builder(RecordingConnector)
+
+
+def test_a_composite_that_contains_itself_is_stopped_with_a_clear_error(
+    registry: ConnectorRegistry,
+) -> None:
+    looping = KVTransferConfig(
+        kv_connector="CompositeConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [{"kv_connector": "CompositeSubclass"}]},
+    )
+    with (
+        registry.provider("CompositeSubclass").override(providers.Object(_SelfNesting)),
+        pytest.raises(ValueError) as caught,
+    ):
+        registry.supports_hma_config(looping)
+
+    assert str(caught.value) == (
+        "Connector _SelfNesting: composite connectors nest more than 16 levels deep; does a "
+        "child in kv_connector_extra_config name its own parent?"
+    )
+
+
+class _SelfNesting(sample_connectors.CompositeConnector):
+    """A composite whose HMA answer asks about a config naming itself again."""
+
+    @classmethod
+    def supports_hma_for_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: Any
+    ) -> bool:
+        return bool(resolve_child(kv_transfer_config))
