@@ -30,7 +30,7 @@ def test_equal_specs_give_equal_workloads() -> None:
 
 
 def test_a_shared_prefix_ratio_above_one_is_rejected() -> None:
-    with pytest.raises(ValueError, match="shared_prefix_ratio must be between 0 and 1, got 1.5"):
+    with pytest.raises(ValueError, match=r"shared_prefix_ratio must be between 0 and 1, got 1\.5"):
         WorkloadSpec(shared_prefix_ratio=1.5)
 
 
