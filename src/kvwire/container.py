@@ -142,6 +142,10 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       shut down by ``shutdown_resources()``;
     - ``process_role`` and ``connector``: the connector of the role this
       process declared.
+
+    Connectors are built when first asked for; do not call
+    ``init_resources()``, which would build both roles' connectors in one
+    process.
     """
 
     config = providers.Configuration()

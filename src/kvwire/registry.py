@@ -143,6 +143,7 @@ class ConnectorRegistry:
 
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:
         """Register ``name`` lazily: ``module_path`` is imported only when it is resolved."""
+        _check_registration(name, module_path, class_name)
         with self._lock:
             self._read_entry_points()
             if name in self._entries:
@@ -358,6 +359,22 @@ class ConnectorRegistry:
             yield
         finally:
             self._nesting.depth = depth
+
+
+def _check_registration(name: object, module_path: object, class_name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_connector: name must be a non-empty string, got {name!r}")
+    if not isinstance(module_path, str) or not all(
+        part.isidentifier() for part in module_path.split(".")
+    ):
+        raise ValueError(
+            "register_connector: module_path must be a dotted module name such as "
+            f"'package.module', got {module_path!r}"
+        )
+    if not isinstance(class_name, str) or not class_name.isidentifier():
+        raise ValueError(
+            f"register_connector: class_name must be a Python identifier, got {class_name!r}"
+        )
 
 
 def _distribution_label(entry_point: metadata.EntryPoint) -> str:

@@ -284,3 +284,32 @@ class _SelfNesting(sample_connectors.CompositeConnector):
         cls, kv_transfer_config: KVTransferConfig, resolve_child: Any
     ) -> bool:
         return bool(resolve_child(kv_transfer_config))
+
+
+@pytest.mark.parametrize(
+    ("name", "module_path", "class_name", "message"),
+    [
+        ("", "pkg.mod", "Cls", "register_connector: name must be a non-empty string, got ''"),
+        (
+            "X",
+            "pkg/mod.py",
+            "Cls",
+            "register_connector: module_path must be a dotted module name such as "
+            "'package.module', got 'pkg/mod.py'",
+        ),
+        (
+            "X",
+            "pkg.mod",
+            "pkg.mod:Cls",
+            "register_connector: class_name must be a Python identifier, got 'pkg.mod:Cls'",
+        ),
+    ],
+)
+def test_a_malformed_registration_is_refused_before_anything_is_stored(
+    registry: ConnectorRegistry, name: str, module_path: str, class_name: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.register_connector(name, module_path, class_name)
+
+    assert str(caught.value) == message
+    assert "X" not in registry
