@@ -1,0 +1,92 @@
+"""The Redis profiles in containers/, pointed at the test server and run in the engine."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import attrs
+import pytest
+
+from kvwire.config import EngineConfig
+from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from kvwire.profile import load_profile
+from tests.redis.conftest import RedisServer
+from tests.redis.engines import generate, tokens
+
+CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
+REDIS_PROFILES = ("redis.yaml", "tiered-redis.yaml", "disagg-prefill.yaml", "disagg-decode.yaml")
+
+
+def _pointed_at(config: EngineConfig, url: str, key_prefix: str) -> EngineConfig:
+    """The profile's config with every Redis connector (a child too) using the test server."""
+    transfer = config.kv_transfer_config
+    assert transfer is not None
+
+    def redirect(extra: dict[str, Any], connector: str | None) -> dict[str, Any]:
+        if connector == "RedisConnector":
+            return {**extra, "url": url, "key_prefix": key_prefix}
+        if "connectors" in extra:
+            children = [
+                {
+                    **child,
+                    "kv_connector_extra_config": redirect(
+                        child.get("kv_connector_extra_config", {}), child["kv_connector"]
+                    ),
+                }
+                for child in extra["connectors"]
+            ]
+            return {**extra, "connectors": children}
+        return extra
+
+    extra = redirect(transfer.kv_connector_extra_config, transfer.kv_connector)
+    return attrs.evolve(
+        config, kv_transfer_config=attrs.evolve(transfer, kv_connector_extra_config=extra)
+    )
+
+
+def _workload(config: EngineConfig) -> list[GenerationRequest]:
+    block_size = config.cache_config.block_size
+    spec = WorkloadSpec(
+        num_requests=3,
+        prompt_len=4 * block_size + 3,
+        output_len=4,
+        shared_prefix_ratio=0.5,
+        vocab_size=config.model_config.vocab_size,
+        seed=8,
+    )
+    return synthetic_workload(spec)
+
+
+@pytest.mark.parametrize("name", REDIS_PROFILES)
+def test_the_profile_loads_and_names_the_redis_connector(name: str) -> None:
+    config = load_profile(CONTAINERS / name)
+
+    transfer = config.kv_transfer_config
+    assert transfer is not None
+    children = transfer.kv_connector_extra_config.get("connectors", [])
+    named = [transfer.kv_connector, *(child["kv_connector"] for child in children)]
+    assert "RedisConnector" in named
+    assert "password" not in str(transfer.kv_connector_extra_config)
+
+
+@pytest.mark.parametrize("name", ["redis.yaml", "tiered-redis.yaml"])
+def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
+    name: str, redis_server: RedisServer, key_prefix: str
+) -> None:
+    config = _pointed_at(load_profile(CONTAINERS / name), redis_server.url, key_prefix)
+    workload = _workload(config)
+    expected = tokens(generate(attrs.evolve(config, kv_transfer_config=None), workload))
+
+    assert tokens(generate(config, workload)) == expected
+    # A new engine: empty local cache and (tiered) an empty CPU pool, so its
+    # hits can only come from Redis.
+    with LLMEngine(config) as warm:
+        outputs = warm.generate(workload)
+        stats = warm.connector_stats.data
+
+    assert tokens(outputs) == expected
+    assert all(output.external_tokens >= 4 * config.cache_config.block_size for output in outputs)
+    redis_stats = stats.get("RedisConnector", stats)
+    assert redis_stats["blocks_loaded"] == 4 * len(workload)
