@@ -162,7 +162,7 @@ def _check_lines(
     )
 
     def is_supported() -> bool:
-        return connector_cls.supports_hma_for_config(transfer, registry.supports_hma_config)
+        return registry.class_supports_hma(connector_cls, transfer)
 
     decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
     lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")

@@ -71,9 +71,7 @@ def _apply_hma_gate(
     def is_supported() -> bool:
         # Asked of the class the container resolved (an override included);
         # a composite's hook asks about each child through the registry.
-        return connector_class.supports_hma_for_config(
-            kv_transfer_config, registry.supports_hma_config
-        )
+        return registry.class_supports_hma(connector_class, kv_transfer_config)
 
     return decide_hma(engine_config.scheduler_config, connector_class.__name__, is_supported)
 

@@ -301,7 +301,12 @@ class ConnectorRegistry:
         composite (and any subclass of one) asks about each child through
         this same registry.
         """
-        connector_cls = self.resolve(kv_transfer_config)
+        return self.class_supports_hma(self.resolve(kv_transfer_config), kv_transfer_config)
+
+    def class_supports_hma(
+        self, connector_cls: type[KVConnectorBase], kv_transfer_config: KVTransferConfig
+    ) -> bool:
+        """Whether ``connector_cls`` (resolved already, perhaps an override) supports HMA here."""
         with self._nested(connector_cls):
             return connector_cls.supports_hma_for_config(
                 kv_transfer_config, self.supports_hma_config
