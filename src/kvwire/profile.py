@@ -187,6 +187,10 @@ def _structure_record(record_type: type, data: Any, path: str, problems: list[st
         if key not in fields:
             problems.append(_unknown_key(field_path, key, fields))
             continue
+        if value is None and fields[key].default is None:
+            # null where the default is None means "the default" (engine_id: null -> a uuid).
+            values[key] = None
+            continue
         try:
             values[key] = _converter.structure(value, fields[key].type)  # type: ignore[arg-type]
         except Exception:  # cattrs raises several kinds; each means "not this type"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import uuid
 
 import attrs
 import pytest
@@ -260,3 +261,12 @@ def test_any_valid_config_survives_the_round_trip(
     )
 
     assert load_profile(unstructure_engine_config(config)) == config
+
+
+def test_null_where_the_default_is_none_means_the_default() -> None:
+    config = load_profile(
+        {"kv_transfer_config": {"kv_connector": "X", "kv_role": "kv_both", "engine_id": None}}
+    )
+
+    assert config.kv_transfer_config is not None
+    uuid.UUID(config.kv_transfer_config.engine_id)
