@@ -58,7 +58,9 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check", help="validate a profile, resolve its connector and apply the HMA gate"
     )
-    check.add_argument("profile", help="path to a YAML profile (see containers/)")
+    check.add_argument(
+        "profiles", nargs="+", metavar="PROFILE", help="path to a YAML profile (see containers/)"
+    )
     check.set_defaults(command=_check_command)
 
     connectors = commands.add_parser("connectors", help="list every known connector")
@@ -117,7 +119,9 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    return check_profile(args.profile, out=sys.stdout, err=sys.stderr)
+    # Every profile is checked, so one run reports every broken one.
+    statuses = [check_profile(profile, out=sys.stdout, err=sys.stderr) for profile in args.profiles]
+    return max(statuses)
 
 
 def check_profile(

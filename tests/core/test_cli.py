@@ -253,3 +253,17 @@ def test_run_is_dispatched_to_the_engine(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().out.startswith("usage: kvwire run")
     # The options came from the engine's configure_parser, not a placeholder.
     assert "kvwire.engine.run" in sys.modules
+
+
+def test_check_of_several_profiles_fails_if_any_fails(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cache_config: {block_size: 0}\n")
+
+    status = main(["check", str(SHIPPED_PROFILES[0]), str(broken)])
+
+    captured = capsys.readouterr()
+    assert status == 1
+    assert captured.out.splitlines()[-1] == "ok"
+    assert captured.err.endswith("  cache_config.block_size: block_size must be > 0, got 0\n")
