@@ -1,1 +1,41 @@
-"""kvwire's conformance kit for KV connectors: a pytest plugin and a reusable suite."""
+"""kvwire's conformance kit for KV connectors: a pytest plugin and a reusable suite.
+
+``from kvwire.testing import ConnectorConformanceSuite`` imports the engine
+(and torch); the pytest plugin itself (:mod:`kvwire.testing.plugin`) does not.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvwire.testing.configs import conformance_engine_config, with_load_failure_policy
+    from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
+    from kvwire.testing.suite import ConnectorConformanceSuite
+
+__all__ = [
+    "CallLog",
+    "ConnectorConformanceSuite",
+    "Instruments",
+    "RoleViolationError",
+    "conformance_engine_config",
+    "with_load_failure_policy",
+]
+
+_WHERE = {
+    "CallLog": "kvwire.testing.instruments",
+    "Instruments": "kvwire.testing.instruments",
+    "RoleViolationError": "kvwire.testing.instruments",
+    "ConnectorConformanceSuite": "kvwire.testing.suite",
+    "conformance_engine_config": "kvwire.testing.configs",
+    "with_load_failure_policy": "kvwire.testing.configs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the suite pulls in the engine and torch, the instruments do not.
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvwire.testing' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_WHERE[name]), name)
