@@ -14,7 +14,7 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import TextIO
 
@@ -158,7 +158,10 @@ def _check_lines(
     constructor = "constructor: accepts (config, role, kv_cache_config)"
     if accepts_connector_builder(connector_cls):
         constructor += "; a composite, it receives a connector_builder for its children"
-    lines.append(constructor)
+        lines.append(constructor)
+        lines.extend(_child_lines(transfer, registry))
+    else:
+        lines.append(constructor)
     lines.append(
         f"kv_role: {transfer.kv_role} (producer: {_yes(transfer.is_kv_producer)}, "
         f"consumer: {_yes(transfer.is_kv_consumer)}); "
@@ -171,6 +174,35 @@ def _check_lines(
     decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
     lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")
     lines.append("ok")
+    return lines
+
+
+def _child_lines(transfer: KVTransferConfig, registry: ConnectorRegistry) -> list[str]:
+    """One line per child a composite lists the reference's way (``connectors`` in extra config).
+
+    Each child is resolved as its composite will resolve it, so a child that
+    cannot be built fails the check here, with its index.
+    """
+    children = transfer.kv_connector_extra_config.get("connectors")
+    if not isinstance(children, list):
+        return []
+    lines = []
+    for index, child in enumerate(children):
+        where = f"kv_transfer_config.kv_connector_extra_config.connectors[{index}]"
+        try:
+            if not isinstance(child, Mapping):
+                raise ValueError(f"expected a mapping of KVTransferConfig fields, got {child!r}")
+            # engine_id and kv_role default to the parent's, as the reference's composite does.
+            inherited = {"engine_id": transfer.engine_id, "kv_role": transfer.kv_role}
+            child_config = KVTransferConfig(**{**inherited, **child})
+            child_cls = registry.resolve(child_config)
+            supported = registry.class_supports_hma(child_cls, child_config)
+        except _USER_ERRORS as error:
+            raise ValueError(f"{where}: {error}") from error
+        lines.append(
+            f"  child {index}: {child_config.kv_connector} -> "
+            f"{_origin(child_config, child_cls, registry)}; supports HMA: {_yes(supported)}"
+        )
     return lines
 
 

@@ -267,3 +267,50 @@ def test_check_of_several_profiles_fails_if_any_fails(
     assert status == 1
     assert captured.out.splitlines()[-1] == "ok"
     assert captured.err.endswith("  cache_config.block_size: block_size must be > 0, got 0\n")
+
+
+def test_check_resolves_each_child_of_a_composite(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, out, _ = run_check(
+        tmp_path,
+        "kv_transfer_config:\n"
+        "  kv_connector: CompositeConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    connectors: [{kv_connector: HMAConnector}, {kv_connector: RecordingConnector}]\n",
+        registry,
+    )
+
+    assert status == 0
+    assert out.splitlines()[3:5] == [
+        f"  child 0: HMAConnector -> {SAMPLES}:HMAConnector (registered at run time); "
+        "supports HMA: yes",
+        f"  child 1: RecordingConnector -> {SAMPLES}:RecordingConnector (registered at run "
+        "time); supports HMA: no",
+    ]
+    assert out.splitlines()[-2] == (
+        "HMA: disabled (disable_hybrid_kv_cache_manager is unset and CompositeConnector does "
+        "not support HMA: HMA is turned off)"
+    )
+
+
+def test_check_names_the_child_that_cannot_be_resolved(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(
+        tmp_path,
+        "scheduler_config: {disable_hybrid_kv_cache_manager: true}\n"
+        "kv_transfer_config:\n"
+        "  kv_connector: CompositeConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    connectors: [{kv_connector: HMAConnector}, {kv_connector: Nope}]\n",
+        registry,
+    )
+
+    assert status == 1
+    assert err.endswith(
+        "error: kv_transfer_config.kv_connector_extra_config.connectors[1]: "
+        "Unsupported connector type: Nope\n"
+    )
