@@ -8,6 +8,8 @@ squeeze with ``maxmemory``; its fixture puts it back in order afterwards.
 
 from __future__ import annotations
 
+import pathlib
+import socket
 import uuid
 from collections.abc import Iterator
 
@@ -18,6 +20,8 @@ from pytest_redis.executor import RedisExecutor
 import redis
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
+
+TLS_DIR = pathlib.Path(__file__).parent / "tls"
 
 redis_server_process = factories.redis_proc(port=None)
 fault_server_process = factories.redis_proc(port=None)
@@ -82,6 +86,21 @@ class RedisServer:
 @pytest.fixture(scope="session")
 def redis_server(redis_server_process: RedisExecutor) -> RedisServer:
     return RedisServer(redis_server_process)
+
+
+@pytest.fixture(scope="session")
+def tls_url(redis_server: RedisServer) -> str:
+    """A ``rediss://`` URL: the shared server also listens with TLS (test certificates)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = redis_server.client()
+    client.config_set("tls-cert-file", str(TLS_DIR / "server.crt"))
+    client.config_set("tls-key-file", str(TLS_DIR / "server.key"))
+    client.config_set("tls-ca-cert-file", str(TLS_DIR / "ca.crt"))
+    client.config_set("tls-auth-clients", "no")
+    client.config_set("tls-port", port)
+    return f"rediss://127.0.0.1:{port}/0"
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verif
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.connectors.redis_wire import ZeroCopyCommandPacker
-from tests.redis.conftest import RedisServer
+from tests.redis.conftest import TLS_DIR, RedisServer
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
 LAYOUT = SMALL_LAYOUT
@@ -268,3 +268,29 @@ def test_a_key_of_another_type_is_a_failed_load_not_an_error(
 
     assert redis_store.get_into(["a-list"], _buffers(1)) == [None]
     assert redis_store.is_available
+
+
+def test_a_rediss_url_stores_and_loads_over_tls(tls_url: str, key_prefix: str) -> None:
+    ca_certs = str(TLS_DIR / "ca.crt")
+    store = RedisBlockStore(
+        RedisStoreSettings(url=tls_url, key_prefix=key_prefix, tls_ca_certs=ca_certs)
+    )
+    try:
+        entries = _save(store, [0, 1])
+        buffers = _buffers(2)
+        assert store.get_into(store_keys(LAYOUT, 2), buffers) == [LAYOUT.entry_bytes] * 2
+        assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+    finally:
+        store.clear()
+        store.close()
+
+
+def test_a_tls_server_whose_certificate_cannot_be_verified_is_unreachable(
+    tls_url: str, key_prefix: str
+) -> None:
+    # Without the test CA the server's certificate is not trusted: an outage, not a connection.
+    store = RedisBlockStore(RedisStoreSettings(url=tls_url, key_prefix=key_prefix))
+
+    assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+    assert not store.is_available
+    store.close()
