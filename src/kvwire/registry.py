@@ -178,12 +178,12 @@ class ConnectorRegistry:
                 existing.target,
             )
             return
-        module_path, _, class_name = entry_point.value.partition(":")
+        # .module and .attr parse the value as importlib does ("pkg.mod:Cls [extra]").
         self._add(
             RegisteredConnector(
                 entry_point.name,
-                module_path.strip(),
-                class_name.strip(),
+                entry_point.module,
+                entry_point.attr or "",
                 ConnectorSource.ENTRY_POINT,
                 distribution,
             )
