@@ -198,3 +198,25 @@ def test_outputs_stay_identical_when_a_full_server_rejects_saves(
     assert stats["redis_saves_rejected"] > 0
     with LLMEngine(config) as warm:
         assert tokens(warm.generate(workload)) == expected_tokens
+
+
+def test_asynchronous_loads_cut_off_by_a_dying_server_end_in_identical_outputs(
+    fault_server: RedisServer,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    two_at_a_time = attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))
+    config = with_redis(two_at_a_time, fault_server.url, key_prefix, async_load=True)
+    generate(config, workload)
+
+    with LLMEngine(config) as engine:
+        for request in workload:
+            engine.add_request(request)
+        engine.step()  # the first loads are on their way in the background
+        fault_server.kill()
+        engine.run_until_done()
+        outputs = [engine.output_of(request.request_id) for request in workload]
+
+    assert tokens(outputs) == expected_tokens
+    assert all(output.error is None for output in outputs)
