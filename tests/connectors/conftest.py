@@ -26,7 +26,7 @@ def shared_storage_pair(storage_dir: pathlib.Path) -> Iterator[PairFactory]:
 
     def build(seed: int | None = None, **options: object) -> ConnectorPair:
         kv_role = str(options.pop("kv_role", "kv_both"))
-        extra = {"shared_storage_path": str(storage_dir), **options}
+        extra = {"shared_storage_path": str(storage_dir), "staging_buffer_bytes": "1MiB", **options}
         config: EngineConfig = engine_config("SharedStorageConnector", extra, kv_role=kv_role)
         pair = ConnectorPair(
             config, SharedStorageConnector, make_caches(cache_config_for(config), seed)

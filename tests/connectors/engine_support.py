@@ -42,7 +42,9 @@ def with_connector(
 
 def shared_storage(config: EngineConfig, directory: pathlib.Path, **extra: Any) -> EngineConfig:
     return with_connector(
-        config, "SharedStorageConnector", {"shared_storage_path": str(directory), **extra}
+        config,
+        "SharedStorageConnector",
+        {"shared_storage_path": str(directory), "staging_buffer_bytes": "4MiB", **extra},
     )
 
 

@@ -30,6 +30,7 @@ def make_pair() -> Iterator:
     pairs: list[ConnectorPair] = []
 
     def build(kv_role: str = "kv_both", **extra: object) -> ConnectorPair:
+        extra.setdefault("cpu_pool_bytes", "4MiB")  # small: tests need a few blocks
         config = engine_config("CPUOffloadConnector", dict(extra), kv_role=kv_role)
         pair = ConnectorPair(config, CPUOffloadConnector, make_caches(cache_config_for(config), 1))
         pairs.append(pair)

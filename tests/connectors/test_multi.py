@@ -50,9 +50,13 @@ class HMACPUOffload(CPUOffloadConnector, SupportsHMA):
         return self.request_finished(request, block_ids[0])
 
 
-def tiered(storage: pathlib.Path, **cpu: Any) -> list[dict[str, Any]]:
+SMALL_POOL = {"kv_connector_extra_config": {"cpu_pool_bytes": "4MiB"}}
+CPU_CHILD = {"kv_connector": "CPUOffloadConnector", **SMALL_POOL}
+
+
+def tiered(storage: pathlib.Path) -> list[dict[str, Any]]:
     return [
-        {"kv_connector": "CPUOffloadConnector", "kv_connector_extra_config": dict(cpu)},
+        CPU_CHILD,
         {
             "kv_connector": "SharedStorageConnector",
             "kv_connector_extra_config": {"shared_storage_path": str(storage)},
@@ -139,8 +143,8 @@ def test_stats_are_nested_per_child(make_pair):
 def test_a_request_is_finished_sending_once_every_keeping_child_reported_it(make_pair):
     pair = make_pair(
         [
-            {"kv_connector": "CPUOffloadConnector"},
-            {"kv_connector": "CPUOffloadConnector"},
+            CPU_CHILD,
+            CPU_CHILD,
         ]
     )
     request = make_request("a", PROMPT, BLOCK)
@@ -153,7 +157,7 @@ def test_a_request_is_finished_sending_once_every_keeping_child_reported_it(make
 
 
 def test_a_child_loaded_by_module_path_works_and_clashing_params_are_an_error(make_pair):
-    child = {"kv_connector": "ParamsCPUOffload", "kv_connector_module_path": __name__}
+    child = {"kv_connector": "ParamsCPUOffload", "kv_connector_module_path": __name__, **SMALL_POOL}
     pair = make_pair([child, dict(child)])
     request = make_request("a", PROMPT, BLOCK)
     pair.prefill(request, FIRST)
@@ -165,8 +169,8 @@ def test_a_child_loaded_by_module_path_works_and_clashing_params_are_an_error(ma
 
 
 def test_distinct_params_are_merged(make_pair):
-    child = {"kv_connector": "ParamsCPUOffload", "kv_connector_module_path": __name__}
-    pair = make_pair([child, {"kv_connector": "CPUOffloadConnector"}])
+    child = {"kv_connector": "ParamsCPUOffload", "kv_connector_module_path": __name__, **SMALL_POOL}
+    pair = make_pair([child, CPU_CHILD])
     request = make_request("a", PROMPT, BLOCK)
     pair.prefill(request, FIRST)
     assert pair.scheduler.request_finished(request, FIRST) == (
@@ -185,7 +189,7 @@ def hma_of(children: list[dict[str, Any]]) -> bool:
     return registry.supports_hma_config(config)
 
 
-HMA_CHILD = {"kv_connector": "HMACPUOffload", "kv_connector_module_path": __name__}
+HMA_CHILD = {"kv_connector": "HMACPUOffload", "kv_connector_module_path": __name__, **SMALL_POOL}
 
 
 def test_hma_is_supported_when_every_child_supports_it():
@@ -193,7 +197,7 @@ def test_hma_is_supported_when_every_child_supports_it():
 
 
 def test_hma_is_not_supported_when_one_child_lacks_it():
-    assert hma_of([HMA_CHILD, {"kv_connector": "CPUOffloadConnector"}]) is False
+    assert hma_of([HMA_CHILD, CPU_CHILD]) is False
 
 
 def test_hma_is_not_supported_without_children():
@@ -212,7 +216,7 @@ def test_hma_is_not_supported_without_children():
             "kv_connector_extra_config.connectors[0]: kv_port must be between 1 and 65535",
         ),
         (
-            {"connectors": [{"kv_connector": "CPUOffloadConnector"}], "mode": "all"},
+            {"connectors": [CPU_CHILD], "mode": "all"},
             "kv_connector_extra_config.mode is not an option of MultiConnector",
         ),
     ],

@@ -33,10 +33,9 @@ class StagingBuffers:
         self.layout = layout
         self.num_slots = num_slots
         entry_bytes = layout.entry_bytes
-        # Reserved, not touched: pages are committed as slots are first used,
-        # so a large pool costs nothing until it fills (a garbage header is
-        # never trusted: entries are verified before use).
-        self._raw = torch.empty((num_slots, entry_bytes), dtype=torch.uint8)
+        # Zeroed now, so every page is committed here and not on the hot path
+        # the first time a slot is used.
+        self._raw = torch.zeros((num_slots, entry_bytes), dtype=torch.uint8)
         # One memoryview per slot, made once: stores read and write through these.
         whole = self._raw.numpy().data.cast("B")
         self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]

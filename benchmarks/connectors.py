@@ -1,0 +1,442 @@
+"""Throughput of the built-in connectors against the machine's bound for the same bytes.
+
+Three measurements, each in one run:
+
+1. Save and load GB/s of the CPU-offload and shared-storage connectors'
+   worker sides for block sizes from 64 KiB to 4 MiB (the size of one stored
+   block: every layer's keys and values), driven through their real worker
+   calls over real paged caches. Bounds, measured here on the same bytes: a
+   torch copy into a preallocated buffer (CPU pool); a plain write and read of
+   one file per block in the same filesystem (shared storage).
+2. The reference's example-connector strategy (one safetensors file per layer
+   per request, synchronous) on the same requests as the shared-storage
+   connector: the ratio of their throughputs.
+3. Time to first token on long shared prompts through the engine, warm CPU
+   offload against no connector.
+
+Each throughput is the best of a few repeats. ``python -m benchmarks.connectors
+[--quick]`` or ``python -m benchmarks --only connectors``; writes
+``connectors.json`` and ``connectors.png`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.types import ForwardContext
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
+from kvwire.connectors.cpu_pool_worker import PoolTransfer
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.store_connector import StoreConnectorMetadata
+from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+
+KIB = 1024
+MIB = 1024 * KIB
+BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+# One token of every layer is 32 KiB: 4 layers x (keys + values) x 8 heads x 128 x fp32.
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 4, 8, 128
+TOKEN_BYTES = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * 4
+REPEATS = 3
+
+
+def engine_config(
+    connector: str, extra: dict[str, Any], block_tokens: int, blocks: int
+) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(
+            num_layers=NUM_LAYERS,
+            num_attention_heads=NUM_KV_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+        ),
+        cache_config=CacheConfig(block_size=block_tokens, num_gpu_blocks=blocks),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+    )
+
+
+def worker_connector(
+    cls: type[KVConnectorBase], config: EngineConfig
+) -> tuple[KVConnectorBase, dict[str, torch.Tensor]]:
+    model = config.model_config
+    kv_cache_config = build_full_attention_kv_cache_config(
+        num_layers=model.num_layers,
+        num_blocks=config.cache_config.num_gpu_blocks,
+        block_size=config.cache_config.block_size,
+        num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
+        dtype=model.dtype,
+    )
+    shape = (2, kv_cache_config.num_blocks, config.cache_config.block_size, NUM_KV_HEADS, HEAD_SIZE)
+    caches = {name: torch.randn(shape) for name in kv_cache_config.layer_names}
+    connector = cls(config, KVConnectorRole.WORKER, kv_cache_config)
+    connector.register_kv_caches(caches)
+    return connector, caches
+
+
+def hashes(count: int, salt: str) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(f"{salt}:{i}".encode()).digest() for i in range(count))
+
+
+def run_step(
+    connector: KVConnectorBase, metadata: KVConnectorMetadata, layers: tuple[str, ...]
+) -> None:
+    """One worker step as the engine drives it, without the model."""
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(ForwardContext(layer_names=layers))
+    for layer in layers:
+        connector.wait_for_layer_load(layer)
+    connector.wait_for_save()
+    errors = connector.get_block_ids_with_load_errors()
+    connector.clear_connector_metadata()
+    if errors:
+        raise RuntimeError(f"{len(errors)} blocks failed to load in the benchmark")
+
+
+def best_gbps(nbytes: int, action: Callable[[], None], repeats: int = REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+# ------------------------------------------------------------------ CPU pool
+
+
+def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
+    block_tokens = block_bytes // TOKEN_BYTES
+    count = max(4, total_bytes // block_bytes)
+    layout_bytes = BlockLayout(
+        NUM_LAYERS, block_tokens, NUM_KV_HEADS, HEAD_SIZE, "float32"
+    ).entry_bytes
+    config = engine_config(
+        "CPUOffloadConnector",
+        {"cpu_pool_bytes": layout_bytes * count, "io_threads": 1},
+        block_tokens,
+        count,
+    )
+    connector, caches = worker_connector(CPUOffloadConnector, config)
+    assert isinstance(connector, CPUOffloadConnector)
+    layers = tuple(caches)
+    transfer = PoolTransfer("bench", tuple(range(count)), tuple(range(count)), hashes(count, "cpu"))
+    nbytes = count * block_bytes
+
+    def save() -> None:
+        run_step(connector, CPUOffloadMetadata(stores=(transfer,)), layers)
+        connector.wait_for_pending_stores()
+
+    def load() -> None:
+        run_step(connector, CPUOffloadMetadata(loads=(transfer,)), layers)
+
+    save_gbps = best_gbps(nbytes, save)
+    load_gbps = best_gbps(nbytes, load)
+    connector.shutdown()
+    source = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    target = torch.empty(nbytes, dtype=torch.uint8)
+    bound = best_gbps(nbytes, lambda: target.copy_(source))
+    return {"save_gbps": save_gbps, "load_gbps": load_gbps, "bound_gbps": bound}
+
+
+# ------------------------------------------------------------ shared storage
+
+
+def plain_file_bound(directory: pathlib.Path, count: int, entry_bytes: int) -> tuple[float, float]:
+    """GB/s of a plain write and a plain read of one file per block, same sizes."""
+    payload = os.urandom(entry_bytes)
+    buffer = bytearray(entry_bytes)
+    paths = [directory / f"plain-{i}" for i in range(count)]
+
+    def write() -> None:
+        for path in paths:
+            with open(path, "wb") as file:
+                file.write(payload)
+
+    def read() -> None:
+        for path in paths:
+            with open(path, "rb", buffering=0) as file:
+                file.readinto(buffer)
+
+    return best_gbps(count * entry_bytes, write), best_gbps(count * entry_bytes, read)
+
+
+def bench_shared_storage(
+    block_bytes: int, total_bytes: int, scratch: pathlib.Path
+) -> dict[str, float]:
+    block_tokens = block_bytes // TOKEN_BYTES
+    count = max(4, total_bytes // block_bytes)
+    store = scratch / f"store-{block_bytes}"
+    config = engine_config(
+        "SharedStorageConnector", {"shared_storage_path": str(store)}, block_tokens, count
+    )
+    connector, caches = worker_connector(SharedStorageConnector, config)
+    assert isinstance(connector, SharedStorageConnector)
+    layers = tuple(caches)
+    transfer = BlockTransfer("bench", tuple(range(count)), hashes(count, "disk"))
+    nbytes = count * block_bytes
+
+    def save() -> None:
+        run_step(connector, StoreConnectorMetadata(saves=(transfer,)), layers)
+        connector.wait_for_pending_saves()
+
+    def load() -> None:
+        run_step(connector, StoreConnectorMetadata(loads=(transfer,)), layers)
+
+    save_gbps = best_gbps(nbytes, save)
+    load_gbps = best_gbps(nbytes, load)
+    connector.shutdown()
+    plain = scratch / f"plain-{block_bytes}"
+    plain.mkdir()
+    write_bound, read_bound = plain_file_bound(plain, count, connector.layout.entry_bytes)
+    shutil.rmtree(plain)
+    shutil.rmtree(store)
+    return {
+        "save_gbps": save_gbps,
+        "load_gbps": load_gbps,
+        "write_bound_gbps": write_bound,
+        "read_bound_gbps": read_bound,
+    }
+
+
+# ------------------------------------------------- the example connector's way
+
+
+def bench_example_strategy(
+    requests: int, blocks_per_request: int, block_bytes: int, scratch: pathlib.Path
+) -> dict[str, float]:
+    """One safetensors file per layer per request, synchronous, against shared storage."""
+    from safetensors.torch import load_file, save_file
+
+    block_tokens = block_bytes // TOKEN_BYTES
+    count = requests * blocks_per_request
+    config = engine_config(
+        "SharedStorageConnector",
+        {"shared_storage_path": str(scratch / "kvwire")},
+        block_tokens,
+        count,
+    )
+    connector, caches = worker_connector(SharedStorageConnector, config)
+    assert isinstance(connector, SharedStorageConnector)
+    layers = tuple(caches)
+    per_request = [
+        list(range(r * blocks_per_request, (r + 1) * blocks_per_request)) for r in range(requests)
+    ]
+    transfers = tuple(
+        BlockTransfer(f"r{r}", tuple(ids), hashes(len(ids), f"example-{r}"))
+        for r, ids in enumerate(per_request)
+    )
+    nbytes = count * block_bytes
+    folder = scratch / "example"
+
+    def example_save() -> None:
+        for r, ids in enumerate(per_request):
+            index = torch.tensor(ids)
+            request_folder = folder / f"request-{r}"
+            request_folder.mkdir(parents=True, exist_ok=True)
+            for layer, cache in caches.items():
+                save_file(
+                    {"kv_cache": cache[:, index].contiguous()},
+                    str(request_folder / f"{layer}.safetensors"),
+                )
+
+    def example_load() -> None:
+        for r, ids in enumerate(per_request):
+            index = torch.tensor(ids)
+            for layer, cache in caches.items():
+                tensor = load_file(str(folder / f"request-{r}" / f"{layer}.safetensors"))[
+                    "kv_cache"
+                ]
+                cache[:, index] = tensor
+
+    def kvwire_save() -> None:
+        run_step(connector, StoreConnectorMetadata(saves=transfers), layers)
+        connector.wait_for_pending_saves()
+
+    def kvwire_load() -> None:
+        run_step(connector, StoreConnectorMetadata(loads=transfers), layers)
+
+    figures = {
+        "example_save_gbps": best_gbps(nbytes, example_save),
+        "example_load_gbps": best_gbps(nbytes, example_load),
+        "shared_storage_save_gbps": best_gbps(nbytes, kvwire_save),
+        "shared_storage_load_gbps": best_gbps(nbytes, kvwire_load),
+    }
+    connector.shutdown()
+    figures["save_ratio"] = figures["shared_storage_save_gbps"] / figures["example_save_gbps"]
+    figures["load_ratio"] = figures["shared_storage_load_gbps"] / figures["example_load_gbps"]
+    return figures
+
+
+# ------------------------------------------------------------------- TTFT
+
+
+def bench_time_to_first_token(quick: bool) -> dict[str, float]:
+    """Warm CPU offload against no connector on long shared prompts (``bench`` model)."""
+    from kvwire.engine.engine import LLMEngine
+    from kvwire.engine.presets import apply_preset
+    from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+
+    base = apply_preset(
+        EngineConfig(cache_config=CacheConfig(block_size=16, num_gpu_blocks=1024)), "bench"
+    )
+    spec = WorkloadSpec(
+        num_requests=4 if quick else 8,
+        prompt_len=512 if quick else 1536,
+        output_len=4,
+        shared_prefix_ratio=0.9,
+        vocab_size=base.model_config.vocab_size,
+        seed=11,
+    )
+    requests = synthetic_workload(spec)
+    with LLMEngine(base) as engine:
+        plain = engine.generate(requests)
+    offload = attrs.evolve(
+        base,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_pool_bytes": "512MiB"},
+        ),
+    )
+    with LLMEngine(offload) as engine:
+        engine.generate(requests)  # cold: fills the pool
+        engine.reset_prefix_cache()
+        warm = engine.generate(
+            [attrs.evolve(r, request_id=r.request_id + "-warm") for r in requests]
+        )
+    if [o.output_token_ids for o in plain] != [o.output_token_ids for o in warm]:
+        raise RuntimeError("warm outputs differ from outputs without a connector")
+
+    def p50(outputs: list[Any]) -> float:
+        return statistics.median(o.time_to_first_token_s for o in outputs)
+
+    return {
+        "no_connector_ttft_p50_s": p50(plain),
+        "warm_cpu_offload_ttft_p50_s": p50(warm),
+        "ttft_speedup": p50(plain) / p50(warm),
+        "prompt_tokens": spec.prompt_len,
+        "served_from_connector_tokens": sum(o.external_tokens for o in warm),
+    }
+
+
+# --------------------------------------------------------------------- run
+
+
+def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [row["block_kib"] for row in results["cpu_offload"]]
+    figure, (cpu, disk) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, key, series in (
+        (
+            cpu,
+            "cpu_offload",
+            (("save_gbps", "save"), ("load_gbps", "load"), ("bound_gbps", "torch copy (bound)")),
+        ),
+        (
+            disk,
+            "shared_storage",
+            (
+                ("save_gbps", "save"),
+                ("load_gbps", "load"),
+                ("write_bound_gbps", "plain write (bound)"),
+                ("read_bound_gbps", "plain read (bound)"),
+            ),
+        ),
+    ):
+        for field, label in series:
+            style = "--" if "bound" in field else "-"
+            axis.plot(sizes, [row[field] for row in results[key]], style, marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [f"{s} KiB" if s < 1024 else f"{s // 1024} MiB" for s in sizes])
+        axis.set_xlabel("block size")
+        axis.set_ylabel("GB/s")
+        axis.set_title(key.replace("_", " "))
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    total = 32 * MIB if quick else 128 * MIB
+    results: dict[str, Any] = {"quick": quick, "cpu_offload": [], "shared_storage": []}
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvwire-bench-connectors-", dir=output_dir))
+    try:
+        for block_bytes in BLOCK_SIZES:
+            row = {"block_kib": block_bytes // KIB}
+            cpu = bench_cpu_offload(block_bytes, total)
+            results["cpu_offload"].append({**row, **cpu})
+            disk = bench_shared_storage(block_bytes, total, scratch)
+            results["shared_storage"].append({**row, **disk})
+            print(f"  {block_bytes // KIB:>5} KiB  cpu {cpu}  disk {disk}", flush=True)
+        results["example_strategy"] = bench_example_strategy(
+            requests=4 if quick else 8, blocks_per_request=8, block_bytes=1 * MIB, scratch=scratch
+        )
+        print(f"  example strategy {results['example_strategy']}", flush=True)
+        results["time_to_first_token"] = bench_time_to_first_token(quick)
+        print(f"  time to first token {results['time_to_first_token']}", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    (output_dir / "connectors.json").write_text(json.dumps(results, indent=2))
+    plot(results, output_dir / "connectors.png")
+    large = [i for i, size in enumerate(BLOCK_SIZES) if size >= MIB]
+    cpu_rows, disk_rows = results["cpu_offload"], results["shared_storage"]
+    return {
+        "cpu_offload_save_vs_copy_min_at_1MiB_up": min(
+            cpu_rows[i]["save_gbps"] / cpu_rows[i]["bound_gbps"] for i in large
+        ),
+        "cpu_offload_load_vs_copy_min_at_1MiB_up": min(
+            cpu_rows[i]["load_gbps"] / cpu_rows[i]["bound_gbps"] for i in large
+        ),
+        "shared_storage_save_vs_plain_write_min_at_1MiB_up": min(
+            disk_rows[i]["save_gbps"] / disk_rows[i]["write_bound_gbps"] for i in large
+        ),
+        "shared_storage_load_vs_plain_read_min_at_1MiB_up": min(
+            disk_rows[i]["load_gbps"] / disk_rows[i]["read_bound_gbps"] for i in large
+        ),
+        "shared_storage_vs_example_connector_save": results["example_strategy"]["save_ratio"],
+        "shared_storage_vs_example_connector_load": results["example_strategy"]["load_ratio"],
+        "warm_cpu_offload_ttft_speedup": results["time_to_first_token"]["ttft_speedup"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.connectors")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    )
+    args = parser.parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(run(args.output_dir, args.quick), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
