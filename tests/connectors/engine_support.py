@@ -17,7 +17,7 @@ def tiny_engine_config(**cache: Any) -> EngineConfig:
     """A model small enough that a workload runs in well under a second."""
     return EngineConfig(
         model_config=ModelConfig(num_layers=2, vocab_size=300, max_model_len=512),
-        cache_config=CacheConfig(block_size=4, num_gpu_blocks=128, **cache),
+        cache_config=CacheConfig(**{"block_size": 4, "num_gpu_blocks": 128, **cache}),
     )
 
 

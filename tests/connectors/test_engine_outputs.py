@@ -135,3 +135,44 @@ def test_a_vanished_directory_never_reaches_the_engine(reference, tmp_path: path
         stats = engine.connector_stats.reduce()
     assert tokens(outputs) == reference
     assert stats["save_errors"] > 0
+
+
+def test_a_producer_engine_and_a_consumer_engine_share_a_directory(
+    reference, tmp_path: pathlib.Path
+):
+    extra = {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "4MiB"}
+    producer = with_connector(
+        tiny_engine_config(), "SharedStorageConnector", extra, kv_role="kv_producer"
+    )
+    consumer = with_connector(
+        tiny_engine_config(), "SharedStorageConnector", extra, kv_role="kv_consumer"
+    )
+    produced = generate(producer, workload())
+    consumed = generate(consumer, workload())
+    assert served(produced) == 0
+    assert tokens(consumed) == reference
+    assert served(consumed) > 0
+    before = entry_files(tmp_path)
+    generate(consumer, workload(seed=9))
+    assert entry_files(tmp_path) == before  # a consumer never writes
+
+
+@pytest.mark.parametrize("connector", ["CPUOffloadConnector", "SharedStorageConnector"])
+def test_outputs_stay_identical_when_the_engine_preempts(connector, tmp_path: pathlib.Path):
+    # So few blocks that running requests are preempted and resumed.
+    small = tiny_engine_config(num_gpu_blocks=24)
+    requests = workload(num_requests=8, prompt_len=30)
+    expected = tokens(generate(small, requests))
+    extra = (
+        {"cpu_pool_bytes": "8MiB"}
+        if connector == "CPUOffloadConnector"
+        else {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "4MiB"}
+    )
+    config = with_connector(small, connector, extra)
+    with LLMEngine(config) as engine:
+        cold = engine.generate(requests)
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed(requests, "-warm"))
+    assert sum(output.num_preemptions for output in cold + warm) > 0
+    assert tokens(cold) == expected
+    assert tokens(warm) == expected
