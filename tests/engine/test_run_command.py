@@ -100,3 +100,11 @@ def test_importing_the_run_module_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_with_no_profile_it_runs_the_embedded_default(capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(["run", *SMALL_WORKLOAD, "--prompt-len", "48", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert report["connector"] == "CPUOffloadConnector"
+    assert report["passes"]["warm"]["tokens_from_connector"] > 0

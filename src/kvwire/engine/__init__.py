@@ -1,1 +1,41 @@
-"""A small paged-KV inference engine that drives connectors through their real lifecycle."""
+"""A small paged-KV inference engine that drives connectors through their real lifecycle.
+
+``from kvwire.engine import LLMEngine`` imports torch; importing the package
+alone does not (``kvwire run``'s argument parsing must stay light).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+    from kvwire.engine.worker import LoadFailureInjection
+    from kvwire.engine.workload import ByteTokenizer, WorkloadSpec, synthetic_workload
+
+__all__ = [
+    "ByteTokenizer",
+    "GenerationRequest",
+    "LLMEngine",
+    "LoadFailureInjection",
+    "RequestOutput",
+    "WorkloadSpec",
+    "synthetic_workload",
+]
+
+_WHERE = {
+    "GenerationRequest": "kvwire.engine.engine",
+    "LLMEngine": "kvwire.engine.engine",
+    "RequestOutput": "kvwire.engine.engine",
+    "LoadFailureInjection": "kvwire.engine.worker",
+    "ByteTokenizer": "kvwire.engine.workload",
+    "WorkloadSpec": "kvwire.engine.workload",
+    "synthetic_workload": "kvwire.engine.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvwire.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
