@@ -270,3 +270,61 @@ def test_null_where_the_default_is_none_means_the_default() -> None:
 
     assert config.kv_transfer_config is not None
     uuid.UUID(config.kv_transfer_config.engine_id)
+
+
+# (section, field, bad value, the problem reported for it)
+BAD_FIELDS = [
+    ("model_config", "num_layers", 0, "model_config.num_layers: num_layers must be > 0, got 0"),
+    (
+        "model_config",
+        "dtype",
+        "fp64",
+        "model_config.dtype: dtype: 'fp64' is not one of "
+        "float32, float16, bfloat16, float8_e4m3fn, float8_e5m2",
+    ),
+    ("cache_config", "block_size", "16", "cache_config.block_size: '16' is not an integer"),
+    (
+        "parallel_config",
+        "world_size",
+        -1,
+        "parallel_config.world_size: world_size must be > 0, got -1",
+    ),
+    (
+        "scheduler_config",
+        "max_num_seqs",
+        1.5,
+        "scheduler_config.max_num_seqs: 1.5 is not an integer",
+    ),
+    (
+        "kv_transfer_config",
+        "kv_port",
+        70000,
+        "kv_transfer_config.kv_port: kv_port must be between 1 and 65535, got 70000",
+    ),
+    (
+        "kv_transfer_config",
+        "kv_rank",
+        -2,
+        "kv_transfer_config.kv_rank: kv_rank must be >= 0, got -2",
+    ),
+    (
+        "kv_transfer_config",
+        "zzz",
+        1,
+        f"kv_transfer_config.zzz: unknown key; accepted keys are {KV_TRANSFER_KEYS}",
+    ),
+]
+
+
+@given(st.sets(st.sampled_from(range(len(BAD_FIELDS))), min_size=1))
+def test_every_bad_field_of_any_combination_is_reported(chosen: set[int]) -> None:
+    profile: dict[str, dict[str, object]] = {}
+    expected = set()
+    for index in chosen:
+        section, field, value, problem = BAD_FIELDS[index]
+        profile.setdefault(section, {})[field] = value
+        expected.add(
+            problem or f"{section}.{field}: unknown key; accepted keys are {KV_TRANSFER_KEYS}"
+        )
+
+    assert set(problems_of(profile)) == expected
