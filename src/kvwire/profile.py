@@ -228,7 +228,10 @@ def _validate_fields(
         try:
             field.validator(stand_in, field, converted[field.name])
         except (ValueError, TypeError) as error:
-            problems.append(f"{path}.{field.name}: {error}")
+            message = str(error)
+            # Some validators start with the field's name; the path already says it.
+            message = message.removeprefix(f"{field.name}: ")
+            problems.append(f"{path}.{field.name}: {message}")
 
 
 def _converted(field: attrs.Attribute[Any], values: dict[str, Any]) -> Any:

@@ -279,7 +279,7 @@ BAD_FIELDS = [
         "model_config",
         "dtype",
         "fp64",
-        "model_config.dtype: dtype: 'fp64' is not one of "
+        "model_config.dtype: 'fp64' is not one of "
         "float32, float16, bfloat16, float8_e4m3fn, float8_e5m2",
     ),
     ("cache_config", "block_size", "16", "cache_config.block_size: '16' is not an integer"),
