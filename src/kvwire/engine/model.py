@@ -121,6 +121,7 @@ class TinyTransformer:
             for _ in self.layer_names
         ]
         self.lm_head = weight(hidden, config.vocab_size)
+        self._attention_buffer: torch.Tensor | None = None
         half = config.head_size // 2
         self._inverse_frequencies = 1.0 / (
             _ROPE_BASE ** (torch.arange(half, dtype=_COMPUTE_DTYPE) / max(half, 1))
@@ -157,6 +158,15 @@ class TinyTransformer:
         final = _rms_norm(hidden_states[sample_rows])
         return final @ self.lm_head
 
+    def _attention_output(self, num_tokens: int) -> torch.Tensor:
+        # One buffer for every layer and step, grown to the largest batch seen:
+        # each layer's attention output is consumed before the next layer runs.
+        buffer = self._attention_buffer
+        if buffer is None or buffer.shape[0] < num_tokens:
+            buffer = torch.empty(num_tokens, self.config.hidden_size, dtype=_COMPUTE_DTYPE)
+            self._attention_buffer = buffer
+        return buffer[:num_tokens]
+
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(_COMPUTE_DTYPE)[:, None] * self._inverse_frequencies[None, :]
         return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
@@ -187,7 +197,7 @@ class TinyTransformer:
         flat_keys[metadata.slot_mapping] = key.to(kv_cache.dtype)
         flat_values[metadata.slot_mapping] = value.to(kv_cache.dtype)
 
-        output = torch.empty(num_tokens, heads * head_size, dtype=_COMPUTE_DTYPE)
+        output = self._attention_output(num_tokens)
         group = heads // kv_heads
         scale = head_size**-0.5
         for sequence in metadata.sequences:

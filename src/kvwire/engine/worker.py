@@ -76,8 +76,11 @@ class Worker:
         self._kv_cache_list = [self.kv_caches[name] for name in self.layer_names]
         self.model = TinyTransformer(model_config, self.layer_names)
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
+        # What peers need to reach this worker (disaggregated connectors).
+        self.handshake_metadata: object = None
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
+            self.handshake_metadata = self.connector.get_handshake_metadata()
         self._injection = load_failure_injection
         self._injected_requests: set[str] = set()
         self._pending_async_loads: dict[str, ExternalLoad] = {}

@@ -40,6 +40,7 @@ from kvwire.testing.instruments import CallLog, Instruments
 
 _WORKER_CODES = {
     "register_kv_caches": "R",
+    "get_handshake_metadata": "H",
     "bind_connector_metadata": "B",
     "start_load_kv": "S",
     "wait_for_layer_load": "W",
@@ -51,9 +52,9 @@ _WORKER_CODES = {
     "clear_connector_metadata": "C",
     "shutdown": "X",
 }
-# Register once; per step: bind, start loading, per layer (wait, save), wait for
-# saves, then the reports and clear; shutdown last.
-_WORKER_LIFECYCLE = re.compile(r"R(?:BS(?:WV)*FGEKC)+X")
+# Register once, then the handshake metadata; per step: bind, start loading,
+# per layer (wait, save), wait for saves, the reports and clear; shutdown last.
+_WORKER_LIFECYCLE = re.compile(r"RH(?:BS(?:WV)*FGEKC)+X")
 
 
 @attrs.frozen
