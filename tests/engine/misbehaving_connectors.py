@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvwire.connector.types import ForwardContext, Request
-from tests.engine.directory_connector import DirectoryConnector
+from tests.engine.directory_connector import BlockTransfer, DirectoryConnector
 
 
 class NegativeCountConnector(DirectoryConnector):
@@ -39,3 +39,14 @@ class RoleMixingConnector(DirectoryConnector):
     ) -> tuple[int | None, bool]:
         self.start_load_kv(ForwardContext(layer_names=()))
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+class SilentlyCorruptingConnector(DirectoryConnector):
+    """Loads every block, then perturbs it and reports nothing: garbage in the cache."""
+
+    def _load(self, transfers: list[BlockTransfer]) -> list[int]:
+        failed = super()._load(transfers)
+        for transfer in transfers:
+            for cache in self._kv_caches:
+                cache[:, transfer.block_id] += 0.5
+        return failed
