@@ -1,4 +1,4 @@
-"""The conformance kit fails connectors that break the rules: a kit that cannot fail proves nothing."""
+"""The conformance kit fails rule-breaking connectors (a kit that cannot fail proves nothing)."""
 
 from __future__ import annotations
 
