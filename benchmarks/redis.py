@@ -7,7 +7,8 @@ bound), once through :class:`~kvwire.connectors.redis_store.RedisBlockStore`
 (``put`` from memoryviews of one staging buffer, ``get_into`` preallocated
 buffers). Both run one pipeline of ``batch_blocks`` blocks at a time on one
 thread, so the figure is the store's overhead, not a difference in
-concurrency. Each figure is the best of a few repeats.
+concurrency. Each figure is the best of a few repeats, the two clients taking
+turns so that noise from other processes hits both alike.
 
 ``python -m benchmarks.redis [--quick]`` or ``python -m benchmarks --only redis``.
 """
@@ -88,13 +89,17 @@ def redis_server() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _best_seconds(action: Callable[[], None], repeats: int, reset: Callable[[], None]) -> float:
-    best = float("inf")
+def _best_seconds(
+    actions: dict[str, Callable[[], None]], repeats: int, reset: Callable[[], None]
+) -> dict[str, float]:
+    """The best time of each action; the actions take turns, so noise hits them alike."""
+    best = dict.fromkeys(actions, float("inf"))
     for _ in range(repeats):
-        reset()
-        started = time.perf_counter()
-        action()
-        best = min(best, time.perf_counter() - started)
+        for name, action in actions.items():
+            reset()
+            started = time.perf_counter()
+            action()
+            best[name] = min(best[name], time.perf_counter() - started)
     return best
 
 
@@ -150,13 +155,10 @@ def measure_block_size(
         return None
 
     moved = count * block_bytes
-    seconds = {
-        "plain_save": _best_seconds(plain_save, repeats, flush),
-        "store_save": _best_seconds(store_save, repeats, flush),
-    }
+    seconds = _best_seconds({"plain_save": plain_save, "store_save": store_save}, repeats, flush)
     plain_save()
-    seconds["plain_load"] = _best_seconds(plain_load, repeats, nothing)
-    seconds["store_load"] = _best_seconds(store_load, repeats, nothing)
+    loads = {"plain_load": plain_load, "store_load": store_load}
+    seconds.update(_best_seconds(loads, repeats, nothing))
     assert all(buffer.tobytes() == pattern for buffer in load_buffers[:2])
     flush()
     plain.close()
