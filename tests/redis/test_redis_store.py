@@ -267,6 +267,7 @@ def test_a_key_of_another_type_is_a_failed_load_not_an_error(
     redis_server.client().rpush(redis_store.redis_key("a-list"), b"item")
 
     assert redis_store.get_into(["a-list"], _buffers(1)) == [None]
+    assert redis_store.counters()["loads_refused"] == 1
     assert redis_store.is_available
 
 
@@ -294,3 +295,29 @@ def test_a_tls_server_whose_certificate_cannot_be_verified_is_unreachable(
     assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
     assert not store.is_available
     store.close()
+
+
+def test_an_acl_user_denied_the_keys_gets_failures_not_exceptions(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    admin = redis_server.client()
+    user = f"kvwire-denied-{key_prefix.split(':')[1]}"
+    admin.acl_setuser(
+        user, enabled=True, passwords=["+acl-secret-2"], keys=["elsewhere:*"], commands=["+@all"]
+    )
+    store = RedisBlockStore(
+        RedisStoreSettings(
+            url=redis_server.url, username=user, password="acl-secret-2", key_prefix=key_prefix
+        )
+    )
+    try:
+        entries = [memoryview(encoded_entry(LAYOUT, 0))]
+        assert store.put(store_keys(LAYOUT, 1), entries) == [False]
+        assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+        assert store.get_into(store_keys(LAYOUT, 1), _buffers(1)) == [None]
+        counters = store.counters()
+        assert counters["saves_rejected"] == 1
+        assert counters["loads_refused"] == 1
+    finally:
+        store.close()
+        admin.acl_deluser(user)

@@ -39,13 +39,11 @@ logger = logging.getLogger(__name__)
 # Per-thread buffer for reply headers and the bytes that arrive with them.
 _SCRATCH_BYTES = 256 * 1024
 
-# Errors that mean "the server cannot be reached right now" (refused, reset,
-# timed out, still loading its data set, authentication lost on reconnect).
-_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    OSError,
-)
+# Errors that fail a whole call: the server cannot be reached right now
+# (refused, reset, timed out, still loading, authentication refused), or the
+# conversation with it broke (a reply that makes no sense). Either way the
+# call's keys are misses or failures, and the engine never sees an exception.
+_OUTAGE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
 
 
 class _OutageTracker:
@@ -137,6 +135,7 @@ class RedisBlockStore(BlockStore):
             "saves_rejected": 0,
             "load_failures": 0,
             "loads_oversized": 0,
+            "loads_refused": 0,
         }
         self._taken: dict[str, int] = {}
         self._thread_local = threading.local()
@@ -254,11 +253,18 @@ class RedisBlockStore(BlockStore):
                 self._on_outage("load", error, "load_failures", len(keys) - batch.start)
                 return sizes_read
             for index, reply in zip(batch, replies, strict=True):
-                if reply == BulkReplyReader.OVERSIZED:
+                if isinstance(reply, redis.exceptions.ResponseError):
+                    # e.g. WRONGTYPE, or NOPERM from an ACL: a failure the operator must see.
+                    self._count("loads_refused", 1)
+                    self._outage.warn(
+                        f"Redis at {self._settings.display_url} refused a load "
+                        f"({_scrub(reply, self._settings)}); the block is treated as missing"
+                    )
+                elif reply == BulkReplyReader.OVERSIZED:
                     self._count("loads_oversized", 1)
-                elif isinstance(reply, int):
+                elif reply is not None:
                     sizes_read[index] = reply
-                # else a miss (None) or a per-key error: the caller reports it
+                # None is a miss: the caller reports it
         self._outage.succeeded()
         return sizes_read
 
