@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import pytest
 
+from kvwire import cli
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
@@ -90,3 +91,23 @@ def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
     assert all(output.external_tokens >= 4 * config.cache_config.block_size for output in outputs)
     redis_stats = stats.get("RedisConnector", stats)
     assert redis_stats["blocks_loaded"] == 4 * len(workload)
+
+
+def test_kvwire_check_never_prints_the_password(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "with-password.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: RedisConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    url: redis://kv:url-secret-1@cache.internal:6379/0\n"
+        "    password: key-secret-2\n"
+    )
+
+    assert cli.main(["check", str(profile)]) == 0
+
+    shown = capsys.readouterr()
+    assert "RedisConnector" in shown.out
+    assert "secret" not in shown.out + shown.err
