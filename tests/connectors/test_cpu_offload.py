@@ -109,6 +109,16 @@ def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
     assert all(not cache[:, SECOND[0]].any() for cache in pair.caches.values())
 
 
+def test_a_corrupted_pool_slot_is_forgotten_after_its_failed_load(make_pair):
+    pair = make_pair()
+    offload(pair)
+    pair.worker._worker.pool.payload(1).view(-1)[0] += 1.0  # the second stored block
+    pair.prefill(make_request("b", PROMPT, BLOCK), SECOND)
+    assert pair.load_errors == {SECOND[1]}
+    assert pair.lookup(make_request("c", PROMPT, BLOCK)) == (BLOCK, False)
+    assert any(isinstance(event, BlockRemoved) for event in pair.scheduler.take_events())
+
+
 def test_stats_count_saves_loads_and_lookups(make_pair):
     pair = make_pair()
     offload(pair)

@@ -90,6 +90,20 @@ def test_a_flipped_byte_is_reported_and_never_copied(shared_storage_pair: PairFa
     assert consumer.stats["corrupt_entries"] == 1
 
 
+def test_a_corrupt_entry_is_discarded_so_that_it_stops_being_a_hit(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    produce(shared_storage_pair)
+    hashes = make_request("c", PROMPT, BLOCK).block_hashes
+    victim = next(p for p in entry_files(storage_dir) if p.name == hashes[1].hex())
+    victim.write_bytes(victim.read_bytes()[:-1] + b"?")
+    consumer = shared_storage_pair()
+    consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert consumer.load_errors == {CONSUMER_BLOCKS[1]}
+    assert not victim.exists()
+    assert consumer.lookup(make_request("d", PROMPT, BLOCK)) == (BLOCK, False)
+
+
 def test_a_truncated_entry_is_a_load_error(shared_storage_pair: PairFactory, storage_dir):
     produce(shared_storage_pair)
     victim = entry_files(storage_dir)[0]

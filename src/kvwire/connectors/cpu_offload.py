@@ -92,7 +92,7 @@ class _RequestState:
     request: Request
     next_block_to_store: int
     unconfirmed_stores: list[BlockHash] = attrs.field(factory=list)
-    async_load: list[BlockHash] | None = None
+    async_load: PoolTransfer | None = None
 
 
 class CPUOffloadConnector(KVConnectorBase):
@@ -128,7 +128,7 @@ class CPUOffloadConnector(KVConnectorBase):
         self._finished: dict[str, _RequestState] = {}
         self._step_loads: list[PoolTransfer] = []
         self._step_async_loads: list[PoolTransfer] = []
-        self._sync_loads_in_flight: list[tuple[BlockHash, ...]] = []
+        self._sync_loads_in_flight: list[PoolTransfer] = []
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
@@ -192,7 +192,7 @@ class CPUOffloadConnector(KVConnectorBase):
             block_hashes=hashes,
         )
         if self._async_load:
-            state.async_load = list(hashes)
+            state.async_load = transfer
             self._step_async_loads.append(transfer)
         else:
             self._step_loads.append(transfer)
@@ -217,7 +217,7 @@ class CPUOffloadConnector(KVConnectorBase):
             release_req_ids=tuple(self._release_req_ids),
             counters=tuple(sorted(self._step_counters.items())),
         )
-        self._sync_loads_in_flight.extend(load.block_hashes for load in self._step_loads)
+        self._sync_loads_in_flight.extend(self._step_loads)
         self._step_loads = []
         self._step_async_loads = []
         self._release_req_ids = []
@@ -275,24 +275,37 @@ class CPUOffloadConnector(KVConnectorBase):
         return True, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
         # Synchronous loads end within their step: their slots are free to evict again.
-        for hashes in self._sync_loads_in_flight:
-            self._index.finish_load(hashes)
+        for transfer in self._sync_loads_in_flight:
+            self._end_load(transfer, invalid)
         self._sync_loads_in_flight = []
         for request_id in connector_output.finished_recving or ():
             state = self._requests.get(request_id) or self._finished.get(request_id)
             if state is not None and state.async_load is not None:
-                self._index.finish_load(state.async_load)
+                self._end_load(state.async_load, invalid)
                 state.async_load = None
         for request_id in connector_output.finished_sending or ():
             state = self._finished.pop(request_id, None)
             if state is None:
                 continue
             if state.async_load is not None:
-                self._index.finish_load(state.async_load)
+                self._end_load(state.async_load, invalid)
             completed = self._index.complete_store(state.unconfirmed_stores)
             if completed:
                 self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
+
+    def _end_load(self, transfer: PoolTransfer, invalid_block_ids: set[int]) -> None:
+        self._index.finish_load(transfer.block_hashes)
+        # A slot that failed verification would fail every later load: forget it.
+        corrupt = [
+            block_hash
+            for block_id, block_hash in zip(transfer.block_ids, transfer.block_hashes, strict=True)
+            if block_id in invalid_block_ids
+        ]
+        if corrupt:
+            self._index.discard(corrupt)
+            self._record_evictions()
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

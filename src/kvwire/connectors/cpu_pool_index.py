@@ -108,6 +108,15 @@ class CPUPoolIndex:
                 del self._blocks[block_hash]
                 self._free_slots.append(entry.slot)
 
+    def discard(self, hashes: Sequence[BlockHash]) -> None:
+        """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
+        for block_hash in hashes:
+            entry = self._blocks.get(block_hash)
+            if entry is not None and entry.ready and entry.load_refs == 0:
+                del self._blocks[block_hash]
+                self._free_slots.append(entry.slot)
+                self.evicted.append(block_hash)
+
     def take_evicted(self) -> list[BlockHash]:
         evicted, self.evicted = self.evicted, []
         return evicted

@@ -195,6 +195,14 @@ class DirectoryBlockStore(BlockStore):
             error,
         )
 
+    def discard(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            try:
+                _unlink_quietly(self.path_of(key))
+            except ValueError:
+                continue
+        self._counters.add("discarded_entries", len(keys))
+
     # ------------------------------------------------------------- eviction
 
     def _account(self, added_bytes: int) -> None:

@@ -47,5 +47,8 @@ class BlockStore(abc.ABC):
         is a failure (None), never a partial read.
         """
 
+    def discard(self, keys: Sequence[str]) -> None:
+        """Remove entries a reader found corrupt, so they stop being hits; optional."""
+
     def close(self) -> None:
         """Release connections and file handles."""

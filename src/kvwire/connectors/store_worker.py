@@ -170,13 +170,14 @@ class StoreWorker:
         """Read, verify and scatter one batch; the block ids that failed."""
         started = time.perf_counter()
         failed: list[int] = []
+        corrupt_keys: list[str] = []
         loaded_bytes = 0
         try:
             keys = [self._key_of(block_hash) for block_hash in hashes]
             entries = [self._staging.entry(slot) for slot in slots]
             sizes = self._store.get_into(keys, entries)
-            for block_id, block_hash, slot, entry, size in zip(
-                block_ids, hashes, slots, entries, sizes, strict=True
+            for block_id, key, block_hash, slot, entry, size in zip(
+                block_ids, keys, hashes, slots, entries, sizes, strict=True
             ):
                 if size is None:
                     failed.append(block_id)
@@ -189,6 +190,7 @@ class StoreWorker:
                         "corrupt", "not loading block %s: %s", block_hash.hex()[:16], error
                     )
                     self._counters.add("corrupt_entries")
+                    corrupt_keys.append(key)
                     failed.append(block_id)
                     continue
                 self._caches.scatter(self._staging.payload(slot), block_id)
@@ -200,6 +202,10 @@ class StoreWorker:
             loaded_bytes = 0
         finally:
             self._staging.release(slots)
+        if corrupt_keys:
+            # A corrupt entry would be a hit (and a failed load) for every later
+            # request: drop it, so the next request that computes it saves it again.
+            self._discard(corrupt_keys)
         self._counters.add_many(
             {
                 "blocks_loaded": len(block_ids) - len(failed),
@@ -209,6 +215,12 @@ class StoreWorker:
             }
         )
         return failed
+
+    def _discard(self, keys: list[str]) -> None:
+        try:
+            self._store.discard(keys)
+        except Exception:
+            logger.exception("discarding %d corrupt entries failed", len(keys))
 
     # ----------------------------------------------------------------- saves
 
