@@ -1,14 +1,17 @@
-"""Real redis-server processes for the Redis tests, started by pytest-redis.
+"""Real redis-server (or valkey-server) processes for the Redis tests, started by pytest-redis.
 
-Two servers run on loopback, each on a free port: ``redis_server`` is shared
-by the tests that only store and load (each test gets its own key prefix and
-a flushed database), ``fault_server`` is the one tests may kill, restart or
-squeeze with ``maxmemory``; its fixture puts it back in order afterwards.
+Two servers run on loopback, each on a free port; ``make redis-server``
+installs one where none is found, and no test skips for want of it.
+``redis_server`` is shared by the tests that only store and load: each test
+works under a key prefix of its own. ``fault_server`` is the one tests may
+kill, restart or squeeze with ``maxmemory``; its fixture puts it back in
+order (running, no limit, empty) before and after each test.
 """
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -23,8 +26,11 @@ from kvwire.connectors.redis_store import RedisBlockStore
 
 TLS_DIR = pathlib.Path(__file__).parent / "tls"
 
-redis_server_process = factories.redis_proc(port=None)
-fault_server_process = factories.redis_proc(port=None)
+# Valkey is Redis's protocol-compatible fork: either server will do.
+SERVER_EXECUTABLE = shutil.which("redis-server") or shutil.which("valkey-server")
+
+redis_server_process = factories.redis_proc(executable=SERVER_EXECUTABLE, port=None)
+fault_server_process = factories.redis_proc(executable=SERVER_EXECUTABLE, port=None)
 
 
 class RedisServer:
