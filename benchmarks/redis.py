@@ -1,21 +1,29 @@
-"""Redis store throughput against plain redis-py pipelines of the same bytes.
+"""Redis throughput against plain redis-py pipelines of the same bytes, in one run.
 
 For each block size (256 KiB to 8 MiB) the same payloads are written and read
-back twice against one redis-server started here on loopback: once with the
-plain ``redis`` client (hiredis, ``SET``/``GET`` pipelines of ``bytes``: the
-bound), once through :class:`~kvwire.connectors.redis_store.RedisBlockStore`
-(``put`` from memoryviews of one staging buffer, ``get_into`` preallocated
-buffers). Both run one pipeline of ``batch_blocks`` blocks at a time on one
-thread, so the figure is the store's overhead, not a difference in
-concurrency. Each figure is the best of a few repeats, the two clients taking
-turns so that noise from other processes hits both alike.
+back against one redis-server started here on loopback:
 
-``python -m benchmarks.redis [--quick]`` or ``python -m benchmarks --only redis``.
+- the bound: the plain ``redis`` client (hiredis), ``SET``/``GET`` pipelines
+  of ``bytes``;
+- the store: :class:`~kvwire.connectors.redis_store.RedisBlockStore`, ``put``
+  from memoryviews of one staging buffer, ``get_into`` preallocated buffers;
+- the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
+  side over real paged caches (gather into staging, header and checksum,
+  put; get, verify, scatter into the caches), one I/O thread.
+
+All run pipelines of ``BATCH_BLOCKS`` blocks on one thread, so the ratios
+measure what kvwire adds or saves, not a difference in concurrency. Each
+figure is the best of a few repeats, the three taking turns so that noise
+from other processes hits them alike.
+
+``python -m benchmarks.redis [--quick]`` or ``python -m benchmarks --only redis``;
+writes ``redis.json`` and ``redis.png`` into the output directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -30,14 +38,25 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
+from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import ForwardContext
+from kvwire.connectors.redis import RedisConnector
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.connectors.store_connector import StoreConnectorMetadata
+from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
 KIB = 1024
 MIB = 1024 * KIB
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)
 BATCH_BLOCKS = 8
+# The connector's model: one token of every layer is 32 KiB
+# (4 layers x keys and values x 8 KV heads x 128 x float32).
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 4, 8, 128
+TOKEN_BYTES = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * 4
 
 
 @contextmanager
@@ -103,6 +122,78 @@ def _best_seconds(
     return best
 
 
+class _ConnectorPath:
+    """RedisConnector's worker side over real paged caches: gather, header, checksum, I/O.
+
+    One I/O thread, pipelines of ``BATCH_BLOCKS`` blocks: the same shape of
+    work as the plain client's loop, plus everything the connector adds.
+    """
+
+    def __init__(self, url: str, block_bytes: int, count: int) -> None:
+        import torch
+
+        config = EngineConfig(
+            model_config=ModelConfig(
+                num_layers=NUM_LAYERS,
+                num_attention_heads=NUM_KV_HEADS,
+                num_kv_heads=NUM_KV_HEADS,
+                head_size=HEAD_SIZE,
+            ),
+            cache_config=CacheConfig(block_size=block_bytes // TOKEN_BYTES, num_gpu_blocks=count),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="RedisConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={
+                    "url": url,
+                    "key_prefix": "bench-connector:",
+                    "io_threads": 1,
+                    "batch_blocks": BATCH_BLOCKS,
+                    "staging_buffer_bytes": 2 * BATCH_BLOCKS * (block_bytes + 4096),
+                },
+            ),
+        )
+        kv_cache_config = build_full_attention_kv_cache_config(
+            num_layers=NUM_LAYERS,
+            num_blocks=count,
+            block_size=config.cache_config.block_size,
+            num_kv_heads=NUM_KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype="float32",
+        )
+        shape = (2, count, config.cache_config.block_size, NUM_KV_HEADS, HEAD_SIZE)
+        self.caches = {name: torch.randn(shape) for name in kv_cache_config.layer_names}
+        self.connector = RedisConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        self.connector.register_kv_caches(self.caches)
+        self.layers = tuple(self.caches)
+        block_hashes = tuple(
+            hashlib.sha256(f"bench:{block_bytes}:{index}".encode()).digest()
+            for index in range(count)
+        )
+        self.transfer = BlockTransfer("bench", tuple(range(count)), block_hashes)
+
+    def _step(self, metadata: StoreConnectorMetadata) -> None:
+        connector = self.connector
+        connector.bind_connector_metadata(metadata)
+        connector.start_load_kv(ForwardContext(layer_names=self.layers))
+        for layer in self.layers:
+            connector.wait_for_layer_load(layer)
+        connector.wait_for_save()
+        failed = connector.get_block_ids_with_load_errors()
+        connector.clear_connector_metadata()
+        if failed:
+            raise RuntimeError(f"{len(failed)} blocks failed to load in the benchmark")
+
+    def save(self) -> None:
+        self._step(StoreConnectorMetadata(saves=(self.transfer,)))
+        self.connector.wait_for_pending_saves()
+
+    def load(self) -> None:
+        self._step(StoreConnectorMetadata(loads=(self.transfer,)))
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
 def measure_block_size(
     url: str, block_bytes: int, total_bytes: int, repeats: int
 ) -> dict[str, Any]:
@@ -123,6 +214,7 @@ def measure_block_size(
 
     plain = redis.Redis.from_url(url)
     store = RedisBlockStore(RedisStoreSettings(url=url, key_prefix="", pool_size=2))
+    connector = _ConnectorPath(url, block_bytes, count)
 
     def flush() -> None:
         plain.flushdb()
@@ -155,14 +247,17 @@ def measure_block_size(
         return None
 
     moved = count * block_bytes
-    seconds = _best_seconds({"plain_save": plain_save, "store_save": store_save}, repeats, flush)
+    saves = {"plain_save": plain_save, "store_save": store_save, "connector_save": connector.save}
+    seconds = _best_seconds(saves, repeats, flush)
     plain_save()
-    loads = {"plain_load": plain_load, "store_load": store_load}
+    connector.save()
+    loads = {"plain_load": plain_load, "store_load": store_load, "connector_load": connector.load}
     seconds.update(_best_seconds(loads, repeats, nothing))
     assert all(buffer.tobytes() == pattern for buffer in load_buffers[:2])
     flush()
     plain.close()
     store.close()
+    connector.close()
     gbps = {name: moved / value / 1e9 for name, value in seconds.items()}
     return {
         "block_bytes": block_bytes,
@@ -171,6 +266,8 @@ def measure_block_size(
         "gb_per_s": gbps,
         "save_ratio": gbps["store_save"] / gbps["plain_save"],
         "load_ratio": gbps["store_load"] / gbps["plain_load"],
+        "connector_save_ratio": gbps["connector_save"] / gbps["plain_save"],
+        "connector_load_ratio": gbps["connector_load"] / gbps["plain_load"],
     }
 
 
@@ -190,8 +287,10 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         label = f"{row['block_bytes'] // KIB}KiB"
         summary[f"save_ratio_{label}"] = round(row["save_ratio"], 3)
         summary[f"load_ratio_{label}"] = round(row["load_ratio"], 3)
-    summary["min_save_ratio"] = round(min(row["save_ratio"] for row in rows), 3)
-    summary["min_load_ratio"] = round(min(row["load_ratio"] for row in rows), 3)
+        summary[f"connector_save_ratio_{label}"] = round(row["connector_save_ratio"], 3)
+        summary[f"connector_load_ratio_{label}"] = round(row["connector_load_ratio"], 3)
+    for figure in ("save_ratio", "load_ratio", "connector_save_ratio", "connector_load_ratio"):
+        summary[f"min_{figure}"] = round(min(row[figure] for row in rows), 3)
     return summary
 
 
@@ -208,6 +307,8 @@ def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
         "store_save": ("kvwire RedisBlockStore.put", "C0", "-"),
         "plain_load": ("redis-py GET pipeline (bound)", "C1", "--"),
         "store_load": ("kvwire RedisBlockStore.get_into", "C1", "-"),
+        "connector_save": ("RedisConnector save (gather, header, checksum, put)", "C0", ":"),
+        "connector_load": ("RedisConnector load (get, verify, scatter)", "C1", ":"),
     }
     for name, (label, color, line) in styles.items():
         axis.plot(
