@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -172,4 +173,27 @@ def test_a_key_evicted_between_lookup_and_load_is_a_failed_load(
 
     assert store.get_into(keys, buffers) == [LAYOUT.entry_bytes, None, LAYOUT.entry_bytes]
     assert buffers[1].tobytes() == bytes(LAYOUT.entry_bytes)
+    store.close()
+
+
+def test_a_load_waiting_on_the_server_when_it_dies_returns_failures(
+    fault_server: RedisServer,
+) -> None:
+    store = _store(fault_server, retry_interval_s=0.001, socket_timeout_s=60)
+    keys = store_keys(LAYOUT, 2)
+    assert store.put(keys, _entries(range(2))) == [True, True]
+    # The server holds every command from now on: the load below waits for
+    # its replies until the server is killed under it.
+    fault_server.client().execute_command("CLIENT", "PAUSE", 60_000, "ALL")
+    results: list[list[int | None]] = []
+    loader = threading.Thread(target=lambda: results.append(store.get_into(keys, _buffers(2))))
+    loader.start()
+    loader.join(timeout=0.5)
+    assert loader.is_alive()  # stuck on the paused server, as a load in flight would be
+
+    fault_server.kill()
+    loader.join(timeout=30)
+
+    assert results == [[None, None]]
+    assert store.counters()["load_failures"] == 2
     store.close()
