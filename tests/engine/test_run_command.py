@@ -108,3 +108,13 @@ def test_with_no_profile_it_runs_the_embedded_default(capsys: pytest.CaptureFixt
     assert status == 0
     assert report["connector"] == "CPUOffloadConnector"
     assert report["passes"]["warm"]["tokens_from_connector"] > 0
+
+
+def test_a_worker_process_run_gives_identical_outputs(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = str(_directory_profile(tmp_path))
+    status = cli.main(["run", profile, *SMALL_WORKLOAD, "--worker-process", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["worker_mode"] == "process"
+    assert report["passes"]["warm"]["tokens_from_connector"] > 0
