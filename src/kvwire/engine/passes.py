@@ -30,10 +30,10 @@ def compare_passes(
     """The figures of each pass, and whether all outputs equal the no-connector ones."""
     baseline_config = attrs.evolve(config, kv_transfer_config=None)
     with LLMEngine(baseline_config, worker_mode=worker_mode) as engine:
-        _warm_up(engine)
+        _warm_up(engine, workload)
         baseline = _run_pass(engine, workload, "no connector", on_request_done)
     with LLMEngine(config, worker_mode=worker_mode) as engine:
-        _warm_up(engine)
+        _warm_up(engine, workload)
         cold = _run_pass(engine, workload, "cold", on_request_done)
         engine.reset_prefix_cache()
         warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
@@ -65,14 +65,17 @@ def compare_passes(
     }
 
 
-def _warm_up(engine: LLMEngine) -> None:
-    """One short request, untimed, so no pass pays for the process's first kernels.
+def _warm_up(engine: LLMEngine, workload: Sequence[GenerationRequest]) -> None:
+    """One untimed request as long as the longest prompt, so no pass pays for first use.
 
-    Its prompt is a block of token 0 then token 1, so it shares no block hash
-    with the workload unless a prompt itself starts with a block of zeros.
+    (The first large tensors of a process cost more: allocator growth, kernel
+    set-up.) Its prompt is a block of token 0 then token 1s, so it shares no
+    block hash with the workload unless a prompt starts with a block of zeros.
     """
     block_size = engine.config.cache_config.block_size
-    prompt = (0,) * block_size + (1,)
+    longest = max(len(request.prompt_token_ids) for request in workload)
+    length = max(block_size + 1, min(longest, engine.config.model_config.max_model_len - 2))
+    prompt = (0,) * block_size + (1,) * (length - block_size)
     engine.generate([GenerationRequest("kvwire-warm-up", prompt, 2)])
     engine.reset_prefix_cache()
 
