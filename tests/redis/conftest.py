@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -87,6 +88,15 @@ class RedisServer:
         # No snapshots: a killed server must come back empty, and disk writes
         # would only slow the tests down.
         self.client().config_set("save", "")
+
+
+def wait_until_available(*stores: RedisBlockStore, timeout_s: float = 30.0) -> None:
+    """Wait for the stores' background probes to find the server back (fail after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(store.is_available for store in stores):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the store did not reconnect within {timeout_s:.0f} s")
+        time.sleep(0.005)
 
 
 @pytest.fixture(scope="session")

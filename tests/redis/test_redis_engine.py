@@ -11,8 +11,9 @@ import attrs
 import pytest
 
 from kvwire.config import ModelConfig, SchedulerConfig
+from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from tests.redis.conftest import RedisServer
+from tests.redis.conftest import RedisServer, wait_until_available
 from tests.redis.engines import (
     generate,
     shared_prefix_workload,
@@ -98,6 +99,10 @@ def test_the_connector_reconnects_when_the_server_comes_back(
         assert tokens(engine.generate(workload)) == expected_tokens
         down_stats = dict(engine.connector_stats.data)
         fault_server.restart()
+        scheduler_side, worker_side = engine.scheduler_connector, engine.worker_connector
+        assert isinstance(scheduler_side, RedisConnector)
+        assert isinstance(worker_side, RedisConnector)
+        wait_until_available(scheduler_side.redis_store, worker_side.redis_store)
         assert tokens(engine.generate(later)) == expected_later
 
     assert down_stats["redis_saves_dropped"] > 0

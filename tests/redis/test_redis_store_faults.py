@@ -10,7 +10,7 @@ import pytest
 from kvwire.connectors.block_format import verify_entry
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
-from tests.redis.conftest import RedisServer
+from tests.redis.conftest import RedisServer, wait_until_available
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
 LAYOUT = SMALL_LAYOUT
@@ -55,6 +55,7 @@ def test_the_store_reconnects_by_itself_when_the_server_comes_back(
     assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
 
     fault_server.restart()  # empty: a killed server keeps nothing
+    wait_until_available(store)
 
     assert store.put(store_keys(LAYOUT, 2), _entries(range(2))) == [True, True]
     assert store.is_available
@@ -64,7 +65,7 @@ def test_the_store_reconnects_by_itself_when_the_server_comes_back(
     store.close()
 
 
-def test_during_an_outage_the_store_does_not_touch_the_network_until_the_retry_interval(
+def test_during_an_outage_calls_answer_at_once_until_the_probe_finds_the_server(
     fault_server: RedisServer,
 ) -> None:
     store = _store(fault_server, retry_interval_s=3600)
@@ -73,8 +74,8 @@ def test_during_an_outage_the_store_does_not_touch_the_network_until_the_retry_i
     fault_server.restart()
     fault_server.client().set(store.redis_key(store_keys(LAYOUT, 1)[0]), b"present")
 
-    # The server is back, but the store keeps answering "miss" from memory:
-    # a dead remote host must not cost every lookup a connect timeout.
+    # The server is back, but until the next probe the store keeps answering
+    # from memory: a dead remote host must not cost every lookup a connect timeout.
     assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
     assert store.put(store_keys(LAYOUT, 1), _entries(range(1))) == [False]
     store.close()
@@ -103,10 +104,11 @@ def test_the_server_coming_back_is_logged_once(
     store = _store(fault_server, retry_interval_s=0.001)
     fault_server.kill()
     store.count_prefix(store_keys(LAYOUT, 1))
-    fault_server.restart()
     caplog.clear()
 
     with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_store"):
+        fault_server.restart()
+        wait_until_available(store)
         store.count_prefix(store_keys(LAYOUT, 1))
         store.count_prefix(store_keys(LAYOUT, 1))
 

@@ -16,7 +16,7 @@ threads, every entry verified before it reaches the cache); the medium is
 - ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry);
 - ``pool_size``, ``socket_timeout_s``, ``connect_timeout_s``,
   ``pipeline_bytes``, ``lookup_batch_size``;
-- ``retry_interval_s`` (how long an outage is assumed before trying again),
+- ``retry_interval_s`` (during an outage, how often a background probe asks the server),
   ``warning_interval_s`` (at most one outage warning per interval);
 - ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
 

@@ -5,31 +5,29 @@ One key per block: ``key_prefix`` + the store key the connector hands over
 (header plus payload, see :mod:`kvwire.connectors.block_format`). Redis
 ``SET`` is atomic, so a reader sees a whole entry or none.
 
-Every call is pipelined in batches. Values go out zero-copy: a small RESP
-packer hands the staging buffers' memoryviews straight to ``sendall``
-(redis-py's hiredis packer would copy each value twice). Replies are parsed by
-hiredis and copied once into the caller's buffer.
+Every call is pipelined in batches. Values go out zero-copy and replies are
+read straight into the caller's buffers (see
+:mod:`kvwire.connectors.redis_wire`).
 
 An unreachable or dying server is an *outage*, not an error: lookups count as
 misses, saves are dropped and counted, loads return None (the connector
-reports them as load errors). After a failure the store stays quiet for
-``retry_interval_s`` (so a dead host never stalls the scheduler on connect
-timeouts), then tries again; the connection pool reconnects by itself.
-Warnings are rate-limited. The password never appears in a log line, an
-error or a repr.
+reports them as load errors). While it lasts, calls answer at once and a
+background probe waits for the server to come back (see
+:mod:`kvwire.connectors.redis_outage`); the connection pool then reconnects
+by itself. The password never appears in a log line, an error or a repr.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator, Sequence
 
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import redis
+from kvwire.connectors.redis_outage import OutageTracker
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_wire import BulkReplyReader, ZeroCopyCommandPacker
 from kvwire.connectors.store import BlockStore
@@ -44,64 +42,6 @@ _SCRATCH_BYTES = 256 * 1024
 # conversation with it broke (a reply that makes no sense). Either way the
 # call's keys are misses or failures, and the engine never sees an exception.
 _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-
-
-class _OutageTracker:
-    """Knows whether the server is considered down, and rate-limits the warnings."""
-
-    def __init__(self, server: str, retry_interval_s: float, warning_interval_s: float) -> None:
-        self._server = server
-        self._retry_interval_s = retry_interval_s
-        self._warning_interval_s = warning_interval_s
-        self._lock = threading.Lock()
-        self._down = False
-        self._retry_at = 0.0
-        self._next_warning_at = 0.0
-        self._suppressed_warnings = 0
-
-    @property
-    def is_down(self) -> bool:
-        return self._down
-
-    def may_try(self) -> bool:
-        """False while a recent failure says the server is down and it is too early to retry."""
-        return not self._down or time.monotonic() >= self._retry_at
-
-    def failed(self, what: str, error: str) -> None:
-        """The server could not be reached: consider it down until the retry interval passed."""
-        with self._lock:
-            newly_down = not self._down
-            self._down = True
-            self._retry_at = time.monotonic() + self._retry_interval_s
-        self.warn(
-            f"Redis at {self._server} is unavailable ({what}: {error}): lookups miss, saves are "
-            f"dropped and loads fail until it is back; retrying every "
-            f"{self._retry_interval_s:g}s",
-            force=newly_down,
-        )
-
-    def warn(self, message: str, *, force: bool = False) -> None:
-        """Log ``message`` unless another warning went out less than the interval ago."""
-        now = time.monotonic()
-        with self._lock:
-            if not force and now < self._next_warning_at:
-                self._suppressed_warnings += 1
-                return
-            suppressed, self._suppressed_warnings = self._suppressed_warnings, 0
-            self._next_warning_at = now + self._warning_interval_s
-        if suppressed:
-            message += f" ({suppressed} similar warnings suppressed)"
-        logger.warning(message)
-
-    def succeeded(self) -> None:
-        if not self._down:
-            return
-        with self._lock:
-            if not self._down:
-                return
-            self._down = False
-            self._suppressed_warnings = 0
-        logger.warning("Redis at %s is reachable again; reconnected", self._server)
 
 
 class RedisBlockStore(BlockStore):
@@ -125,8 +65,12 @@ class RedisBlockStore(BlockStore):
             retry=Retry(NoBackoff(), 1),
         )
         self._client = redis.Redis(connection_pool=self._pool)
-        self._outage = _OutageTracker(
-            settings.display_url, settings.retry_interval_s, settings.warning_interval_s
+        self._outage = OutageTracker(
+            settings.display_url,
+            probe=self._client.ping,
+            probe_errors=_OUTAGE_ERRORS,
+            retry_interval_s=settings.retry_interval_s,
+            warning_interval_s=settings.warning_interval_s,
         )
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = {
@@ -179,7 +123,7 @@ class RedisBlockStore(BlockStore):
     # ------------------------------------------------------------ BlockStore
 
     def count_prefix(self, keys: Sequence[str]) -> int:
-        if not keys or not self._outage.may_try():
+        if not keys or self._outage.is_down:
             return 0
         present = 0
         try:
@@ -204,7 +148,7 @@ class RedisBlockStore(BlockStore):
         stored = [False] * len(keys)
         if not keys:
             return stored
-        if not self._outage.may_try():
+        if self._outage.is_down:
             self._count("saves_dropped", len(keys))
             return stored
         ttl = self._settings.ttl_seconds
@@ -241,7 +185,7 @@ class RedisBlockStore(BlockStore):
         sizes_read: list[int | None] = [None] * len(keys)
         if not keys:
             return sizes_read
-        if not self._outage.may_try():
+        if self._outage.is_down:
             self._count("load_failures", len(keys))
             return sizes_read
         capacities = [buffer.nbytes for buffer in buffers]
@@ -304,7 +248,7 @@ class RedisBlockStore(BlockStore):
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove ``keys``; how many existed. An outage counts as 0 removed."""
-        if not keys or not self._outage.may_try():
+        if not keys or self._outage.is_down:
             return 0
         try:
             removed = int(self._client.unlink(*(self.redis_key(key) for key in keys)))
@@ -316,7 +260,7 @@ class RedisBlockStore(BlockStore):
 
     def clear(self, under: str = "") -> int:
         """Remove every key under this store's prefix (+ ``under``); how many. Outages give 0."""
-        if not self._outage.may_try():
+        if self._outage.is_down:
             return 0
         removed = 0
         pattern = _glob_escape(self._settings.key_prefix + under) + "*"
@@ -336,6 +280,7 @@ class RedisBlockStore(BlockStore):
         return removed
 
     def close(self) -> None:
+        self._outage.close()
         self._pool.disconnect()
 
     # -------------------------------------------------------------- helpers
