@@ -112,13 +112,19 @@ def run_step(
         raise RuntimeError(f"{len(errors)} blocks failed to load in the benchmark")
 
 
-def best_gbps(nbytes: int, action: Callable[[], None], repeats: int = REPEATS) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best / 1e9
+def best_gbps(nbytes: int, *actions: Callable[[int], None]) -> list[float]:
+    """GB/s of the fastest of ``REPEATS`` calls of each action, in the same order.
+
+    The actions take turns, repeat by repeat, so that a machine whose load or
+    write-back state drifts during the run weighs on all of them alike.
+    """
+    best = [float("inf")] * len(actions)
+    for repeat in range(REPEATS):
+        for index, action in enumerate(actions):
+            started = time.perf_counter()
+            action(repeat)
+            best[index] = min(best[index], time.perf_counter() - started)
+    return [nbytes / seconds / 1e9 for seconds in best]
 
 
 # ------------------------------------------------------------------ CPU pool
@@ -142,42 +148,51 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
     transfer = PoolTransfer("bench", tuple(range(count)), tuple(range(count)), hashes(count, "cpu"))
     nbytes = count * block_bytes
 
-    def save() -> None:
+    def save(repeat: int) -> None:
         run_step(connector, CPUOffloadMetadata(stores=(transfer,)), layers)
         connector.wait_for_pending_stores()
 
-    def load() -> None:
+    def load(repeat: int) -> None:
         run_step(connector, CPUOffloadMetadata(loads=(transfer,)), layers)
 
-    save_gbps = best_gbps(nbytes, save)
-    load_gbps = best_gbps(nbytes, load)
+    # The bound: the same bytes (every layer's cache) copied by torch into a
+    # preallocated buffer of the same size: same memory footprint, one call per layer.
+    target = torch.empty((len(layers), *caches[layers[0]].shape))
+
+    def copy(repeat: int) -> None:
+        for index, layer in enumerate(layers):
+            target[index].copy_(caches[layer])
+
+    save_gbps, load_gbps, bound = best_gbps(nbytes, save, load, copy)
     connector.shutdown()
-    source = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
-    target = torch.empty(nbytes, dtype=torch.uint8)
-    bound = best_gbps(nbytes, lambda: target.copy_(source))
     return {"save_gbps": save_gbps, "load_gbps": load_gbps, "bound_gbps": bound}
 
 
 # ------------------------------------------------------------ shared storage
 
 
-def plain_file_bound(directory: pathlib.Path, count: int, entry_bytes: int) -> tuple[float, float]:
-    """GB/s of a plain write and a plain read of one file per block, same sizes."""
+def plain_file_actions(
+    directory: pathlib.Path, count: int, entry_bytes: int
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """A plain write of new files, and a plain read of them, one file per block."""
+    directory.mkdir()
     payload = os.urandom(entry_bytes)
     buffer = bytearray(entry_bytes)
-    paths = [directory / f"plain-{i}" for i in range(count)]
 
-    def write() -> None:
-        for path in paths:
+    def paths(repeat: int) -> list[pathlib.Path]:
+        return [directory / f"plain-{repeat}-{i}" for i in range(count)]
+
+    def write(repeat: int) -> None:
+        for path in paths(repeat):
             with open(path, "wb") as file:
                 file.write(payload)
 
-    def read() -> None:
-        for path in paths:
+    def read(repeat: int) -> None:
+        for path in paths(REPEATS - 1):
             with open(path, "rb", buffering=0) as file:
                 file.readinto(buffer)
 
-    return best_gbps(count * entry_bytes, write), best_gbps(count * entry_bytes, read)
+    return write, read
 
 
 def bench_shared_storage(
@@ -192,22 +207,25 @@ def bench_shared_storage(
     connector, caches = worker_connector(SharedStorageConnector, config)
     assert isinstance(connector, SharedStorageConnector)
     layers = tuple(caches)
-    transfer = BlockTransfer("bench", tuple(range(count)), hashes(count, "disk"))
     nbytes = count * block_bytes
 
-    def save() -> None:
-        run_step(connector, StoreConnectorMetadata(saves=(transfer,)), layers)
+    def transfer(repeat: int) -> BlockTransfer:
+        # New blocks every repeat: new files, as a store sees in service.
+        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"disk-{repeat}"))
+
+    def save(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
         connector.wait_for_pending_saves()
 
-    def load() -> None:
-        run_step(connector, StoreConnectorMetadata(loads=(transfer,)), layers)
+    def load(repeat: int) -> None:
+        last_saved = transfer(REPEATS - 1)
+        run_step(connector, StoreConnectorMetadata(loads=(last_saved,)), layers)
 
-    save_gbps = best_gbps(nbytes, save)
-    load_gbps = best_gbps(nbytes, load)
-    connector.shutdown()
     plain = scratch / f"plain-{block_bytes}"
-    plain.mkdir()
-    write_bound, read_bound = plain_file_bound(plain, count, connector.layout.entry_bytes)
+    write, read = plain_file_actions(plain, count, connector.layout.entry_bytes)
+    save_gbps, write_bound = best_gbps(nbytes, save, write)
+    load_gbps, read_bound = best_gbps(nbytes, load, read)
+    connector.shutdown()
     shutil.rmtree(plain)
     shutil.rmtree(store)
     return {
@@ -241,17 +259,21 @@ def bench_example_strategy(
     per_request = [
         list(range(r * blocks_per_request, (r + 1) * blocks_per_request)) for r in range(requests)
     ]
-    transfers = tuple(
-        BlockTransfer(f"r{r}", tuple(ids), hashes(len(ids), f"example-{r}"))
-        for r, ids in enumerate(per_request)
-    )
+
+    def transfers(repeat: int) -> tuple[BlockTransfer, ...]:
+        return tuple(
+            BlockTransfer(f"r{r}", tuple(ids), hashes(len(ids), f"example-{repeat}-{r}"))
+            for r, ids in enumerate(per_request)
+        )
+
     nbytes = count * block_bytes
     folder = scratch / "example"
 
-    def example_save() -> None:
+    # Both write new files on every repeat and read the last repeat's files.
+    def example_save(repeat: int) -> None:
         for r, ids in enumerate(per_request):
             index = torch.tensor(ids)
-            request_folder = folder / f"request-{r}"
+            request_folder = folder / f"{repeat}" / f"request-{r}"
             request_folder.mkdir(parents=True, exist_ok=True)
             for layer, cache in caches.items():
                 save_file(
@@ -259,27 +281,27 @@ def bench_example_strategy(
                     str(request_folder / f"{layer}.safetensors"),
                 )
 
-    def example_load() -> None:
+    def example_load(repeat: int) -> None:
         for r, ids in enumerate(per_request):
             index = torch.tensor(ids)
             for layer, cache in caches.items():
-                tensor = load_file(str(folder / f"request-{r}" / f"{layer}.safetensors"))[
-                    "kv_cache"
-                ]
-                cache[:, index] = tensor
+                path = folder / f"{REPEATS - 1}" / f"request-{r}" / f"{layer}.safetensors"
+                cache[:, index] = load_file(str(path))["kv_cache"]
 
-    def kvwire_save() -> None:
-        run_step(connector, StoreConnectorMetadata(saves=transfers), layers)
+    def kvwire_save(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(saves=transfers(repeat)), layers)
         connector.wait_for_pending_saves()
 
-    def kvwire_load() -> None:
-        run_step(connector, StoreConnectorMetadata(loads=transfers), layers)
+    def kvwire_load(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(loads=transfers(REPEATS - 1)), layers)
 
+    example_save_gbps, kvwire_save_gbps = best_gbps(nbytes, example_save, kvwire_save)
+    example_load_gbps, kvwire_load_gbps = best_gbps(nbytes, example_load, kvwire_load)
     figures = {
-        "example_save_gbps": best_gbps(nbytes, example_save),
-        "example_load_gbps": best_gbps(nbytes, example_load),
-        "shared_storage_save_gbps": best_gbps(nbytes, kvwire_save),
-        "shared_storage_load_gbps": best_gbps(nbytes, kvwire_load),
+        "example_save_gbps": example_save_gbps,
+        "example_load_gbps": example_load_gbps,
+        "shared_storage_save_gbps": kvwire_save_gbps,
+        "shared_storage_load_gbps": kvwire_load_gbps,
     }
     connector.shutdown()
     figures["save_ratio"] = figures["shared_storage_save_gbps"] / figures["example_save_gbps"]

@@ -155,3 +155,21 @@ def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
     with pytest.raises(ExtraConfigError) as raised:
         CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+def test_transfers_split_across_copy_threads_round_trip(make_pair, async_load):
+    pair = make_pair(io_threads=4, async_load=async_load)
+    long_prompt = list(range(500, 564))  # 16 full blocks (15 loadable): pieces of 3 or 4
+    # 32 cache blocks: two runs of 16 (consecutive ids move as strided copies).
+    first, second = list(range(16)), list(range(16, 32))
+    request = make_request("a", long_prompt, BLOCK)
+    pair.prefill(request, first)
+    pair.finish(request, first)
+    for block in second:
+        for cache in pair.caches.values():
+            cache[:, block] = 0
+    assert pair.prefill(make_request("b", long_prompt, BLOCK), second) == (60, async_load)
+    pair.step_until(lambda: not async_load or "b" in pair.finished_recving)
+    assert pair.load_errors == set()
+    assert blocks_equal(pair.caches, first[:15], pair.caches, second[:15])

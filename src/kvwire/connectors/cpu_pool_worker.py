@@ -10,6 +10,7 @@ copying it into the cache.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -31,6 +32,9 @@ from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
+
+# Smaller pieces are not worth a thread hand-off.
+_MIN_BLOCKS_PER_PIECE = 4
 
 
 @attrs.frozen
@@ -59,6 +63,7 @@ class CPUPoolWorker:
         self._caches = caches
         self.pool = StagingBuffers(layout, num_slots)
         self._counters = counters
+        self._io_threads = io_threads
         self._warn = RateLimitedWarning(logger)
         self._store_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-cpu-store")
         self._load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-cpu-load")
@@ -66,6 +71,8 @@ class CPUPoolWorker:
         self._jobs_per_request: dict[str, int] = {}
         self._sync_loads: list[Future[list[int]]] = []
         self._finished_async: dict[str, list[int]] = {}
+        self._async_failed: dict[str, list[int]] = {}
+        self._async_pieces_left: dict[str, int] = {}
         self._load_errors: set[int] = set()
 
     # --------------------------------------------------- per-request jobs
@@ -103,17 +110,31 @@ class CPUPoolWorker:
     def store(self, transfers: Sequence[PoolTransfer]) -> None:
         """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
         for transfer in transfers:
-            self._job_started(transfer.request_id)
-            self._store_pool.submit(self._store, transfer)
+            for piece in self._split(transfer):
+                self._job_started(piece.request_id)
+                self._store_pool.submit(self._store, piece)
+
+    def _split(self, transfer: PoolTransfer) -> list[PoolTransfer]:
+        """Up to one piece per thread, so a large transfer uses every copy thread."""
+        count = len(transfer.block_ids)
+        pieces = max(1, min(self._io_threads, count // _MIN_BLOCKS_PER_PIECE))
+        bounds = [count * i // pieces for i in range(pieces + 1)]
+        return [
+            PoolTransfer(
+                transfer.request_id,
+                transfer.block_ids[start:end],
+                transfer.slots[start:end],
+                transfer.block_hashes[start:end],
+            )
+            for start, end in itertools.pairwise(bounds)
+        ]
 
     def _store(self, transfer: PoolTransfer) -> None:
         started = time.perf_counter()
         stored = 0
         try:
-            for block_id, slot, block_hash in zip(
-                transfer.block_ids, transfer.slots, transfer.block_hashes, strict=True
-            ):
-                self._caches.gather(block_id, self.pool.payload(slot))
+            self._caches.gather_many(transfer.block_ids, transfer.slots, self.pool.payloads)
+            for slot, block_hash in zip(transfer.slots, transfer.block_hashes, strict=True):
                 write_header(self.pool.entry(slot), self._layout, block_hash)
                 stored += 1
         except Exception:
@@ -138,10 +159,17 @@ class CPUPoolWorker:
         self, sync_loads: Sequence[PoolTransfer], async_loads: Sequence[PoolTransfer]
     ) -> None:
         for transfer in sync_loads:
-            self._sync_loads.append(self._load_pool.submit(self._load, transfer))
+            for piece in self._split(transfer):
+                self._sync_loads.append(self._load_pool.submit(self._load, piece))
         for transfer in async_loads:
-            self._job_started(transfer.request_id)
-            self._load_pool.submit(self._load_async, transfer)
+            pieces = self._split(transfer)
+            with self._changed:
+                self._async_failed[transfer.request_id] = []
+                self._async_pieces_left[transfer.request_id] = len(pieces)
+            for piece in pieces:
+                self._job_started(piece.request_id)
+            for piece in pieces:
+                self._load_pool.submit(self._load_async, piece)
 
     def wait_for_loads(self) -> None:
         pending, self._sync_loads = self._sync_loads, []
@@ -160,27 +188,38 @@ class CPUPoolWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _load_async(self, transfer: PoolTransfer) -> None:
-        failed = self._load(transfer)
+    def _load_async(self, piece: PoolTransfer) -> None:
+        failed = self._load(piece)
+        request_id = piece.request_id
         with self._changed:
-            self._finished_async[transfer.request_id] = failed
-        self._job_done(transfer.request_id)
+            self._async_failed[request_id].extend(failed)
+            self._async_pieces_left[request_id] -= 1
+            if not self._async_pieces_left[request_id]:  # the request's last piece
+                del self._async_pieces_left[request_id]
+                self._finished_async[request_id] = self._async_failed.pop(request_id)
+        self._job_done(request_id)
 
     def _load(self, transfer: PoolTransfer) -> list[int]:
         started = time.perf_counter()
         failed: list[int] = []
         try:
+            verified_ids: list[int] = []
+            verified_slots: list[int] = []
             for block_id, slot, block_hash in zip(
                 transfer.block_ids, transfer.slots, transfer.block_hashes, strict=True
             ):
                 try:
                     verify_entry(self.pool.entry(slot), self._layout, block_hash)
                     self._caches.check_block_id(block_id)
-                    self._caches.scatter(self.pool.payload(slot), block_id)
                 except (CorruptBlockError, IndexError) as error:
                     self._warn.warn("corrupt", "CPU offload: not loading slot %d: %s", slot, error)
                     self._counters.add("corrupt_entries")
                     failed.append(block_id)
+                    continue
+                verified_ids.append(block_id)
+                verified_slots.append(slot)
+            # Only verified entries reach the cache.
+            self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
         except Exception:
             # Never an exception into the engine: the whole transfer is reported failed.
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)

@@ -77,6 +77,31 @@ class PagedKVCaches:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} is outside the cache (0..{self.num_blocks - 1})")
 
+    def gather_many(
+        self, block_ids: Sequence[int], slots: Sequence[int], entries: torch.Tensor
+    ) -> None:
+        """Copy each block into ``entries[slot]`` (a cross-layer tensor per slot).
+
+        Consecutive block ids going to consecutive slots move as one strided
+        copy per layer, so large transfers cost a few calls, not one per block
+        and layer.
+        """
+        for block_start, slot_start, count in _runs(block_ids, slots):
+            destination = entries[slot_start : slot_start + count]
+            for layer, cache in enumerate(self._caches):
+                source = cache[:, block_start : block_start + count].transpose(0, 1)
+                destination[:, layer].copy_(source)
+
+    def scatter_many(
+        self, entries: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        """Copy ``entries[slot]`` into each block: the reverse of :meth:`gather_many`."""
+        for block_start, slot_start, count in _runs(block_ids, slots):
+            source = entries[slot_start : slot_start + count]
+            for layer, cache in enumerate(self._caches):
+                destination = cache[:, block_start : block_start + count].transpose(0, 1)
+                destination.copy_(source[:, layer])
+
     def gather(self, block_id: int, out: torch.Tensor) -> None:
         """Copy block ``block_id`` of every layer into ``out`` (cross-layer shape)."""
         for layer, cache in enumerate(self._caches):
@@ -90,6 +115,19 @@ class PagedKVCaches:
         """Copy a cross-layer ``block`` into block ``block_id`` of every layer."""
         for layer, cache in enumerate(self._caches):
             cache[:, block_id].copy_(block[layer])
+
+
+def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, length) of each run where both go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for block_id, slot in zip(block_ids, slots, strict=True):
+        if runs:
+            block_start, slot_start, count = runs[-1]
+            if block_id == block_start + count and slot == slot_start + count:
+                runs[-1] = (block_start, slot_start, count + 1)
+                continue
+        runs.append((block_id, slot, 1))
+    return runs
 
 
 def check_cache_layout(layout: BlockLayout, kv_cache_config: KVCacheConfig) -> None:

@@ -48,6 +48,11 @@ class StagingBuffers:
         """The whole entry (header and payload) of ``slot``."""
         return self._views[slot]
 
+    @property
+    def payloads(self) -> torch.Tensor:
+        """Every slot's payload: ``[num_slots, num_layers, 2, block_size, heads, head_size]``."""
+        return self._payloads
+
     def payload(self, slot: int) -> torch.Tensor:
         """The payload of ``slot`` as a cross-layer tensor."""
         return self._payloads[slot]

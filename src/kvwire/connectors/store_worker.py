@@ -176,6 +176,8 @@ class StoreWorker:
             keys = [self._key_of(block_hash) for block_hash in hashes]
             entries = [self._staging.entry(slot) for slot in slots]
             sizes = self._store.get_into(keys, entries)
+            verified_ids: list[int] = []
+            verified_slots: list[int] = []
             for block_id, key, block_hash, slot, entry, size in zip(
                 block_ids, keys, hashes, slots, entries, sizes, strict=True
             ):
@@ -193,8 +195,11 @@ class StoreWorker:
                     corrupt_keys.append(key)
                     failed.append(block_id)
                     continue
-                self._caches.scatter(self._staging.payload(slot), block_id)
-                loaded_bytes += self._layout.payload_bytes
+                verified_ids.append(block_id)
+                verified_slots.append(slot)
+            # Only verified entries reach the cache.
+            self._caches.scatter_many(self._staging.payloads, verified_slots, verified_ids)
+            loaded_bytes = len(verified_ids) * self._layout.payload_bytes
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
             logger.exception("load of %d blocks failed", len(block_ids))
@@ -232,8 +237,7 @@ class StoreWorker:
         """
         for transfer in transfers:
             for ids, hashes, slots in self._chunks(transfer):
-                for block_id, slot in zip(ids, slots, strict=True):
-                    self._caches.gather(block_id, self._staging.payload(slot))
+                self._caches.gather_many(ids, slots, self._staging.payloads)
                 future = self._save_pool.submit(self._save, hashes, slots)
                 with self._lock:
                     self._saves_in_flight.add(future)
