@@ -199,3 +199,23 @@ def test_a_load_waiting_on_the_server_when_it_dies_returns_failures(
     assert results == [[None, None]]
     assert store.counters()["load_failures"] == 2
     store.close()
+
+
+def test_after_a_server_hangs_calls_stop_waiting_on_it(fault_server: RedisServer) -> None:
+    admin = fault_server.client()
+    store = _store(fault_server, retry_interval_s=3600, socket_timeout_s=0.3)
+    connections_before = int(admin.info("stats")["total_connections_received"])
+    # A hung server: it accepts connections but answers nothing for 3 s.
+    admin.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+
+    assert store.count_prefix(store_keys(LAYOUT, 1)) == 0  # waits out its socket timeout
+    assert not store.is_available
+    for _ in range(20):  # these answer from memory, without a connection attempt
+        assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
+        assert store.put(store_keys(LAYOUT, 1), _entries(range(1))) == [False]
+        assert store.get_into(store_keys(LAYOUT, 1), _buffers(1)) == [None]
+
+    admin.ping()  # held until the pause ends
+    opened = int(admin.info("stats")["total_connections_received"]) - connections_before
+    assert opened <= 2  # the first call's connection and its one retry, nothing after
+    store.close()
