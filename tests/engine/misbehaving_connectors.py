@@ -1,7 +1,10 @@
-"""Connectors that break the interface's rules, to test that the engine says so clearly."""
+"""Connectors that break the interface's rules (and one HMA variant), for the engine's tests."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from kvwire.connector.base import SupportsHMA
 from kvwire.connector.types import ForwardContext, Request
 from tests.engine.directory_connector import BlockTransfer, DirectoryConnector
 
@@ -50,3 +53,13 @@ class SilentlyCorruptingConnector(DirectoryConnector):
             for cache in self._kv_caches:
                 cache[:, transfer.block_id] += 0.5
         return failed
+
+
+class HMADirectoryConnector(DirectoryConnector, SupportsHMA):
+    """A well-behaved HMA-capable connector: finishing goes through the all-groups call."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        kept, _params = self.request_finished(request, block_ids[0])
+        return kept, {"groups": len(block_ids)}

@@ -187,3 +187,52 @@ def test_loaded_kv_is_bit_identical_to_the_kv_computed_without_a_connector(
     for output in warm:
         assert output.external_tokens > 0
         assert torch.equal(loaded[output.request_id], computed[output.request_id])
+
+
+def test_prompts_longer_than_the_token_budget_are_prefilled_in_chunks_with_equal_outputs(
+    workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    reference = tokens(generate(tiny_config(), workload))
+    chunked = attrs.evolve(
+        tiny_config(),
+        scheduler_config=attrs.evolve(tiny_config().scheduler_config, max_num_batched_tokens=12),
+    )
+    with LLMEngine(chunked) as engine:
+        engine.generate(workload[:1])
+        # 30 prompt tokens at 12 a step: 3 prefill steps give the first token, 5 decode the rest.
+        assert engine.counters.steps == 3 + 5
+    with LLMEngine(chunked) as engine:
+        assert tokens(engine.generate(workload)) == reference
+    cold, warm = _cold_then_warm(with_directory_connector(chunked, tmp_path), workload)
+    assert tokens(cold) == reference and tokens(warm) == reference
+
+
+def test_no_more_than_max_num_seqs_requests_run_at_once(workload: Workload) -> None:
+    config = attrs.evolve(
+        tiny_config(), scheduler_config=attrs.evolve(tiny_config().scheduler_config, max_num_seqs=2)
+    )
+    with LLMEngine(config) as engine:
+        for request in workload:
+            engine.add_request(request)
+        most_running = 0
+        while engine.scheduler.has_unfinished_work():
+            engine.step()
+            most_running = max(most_running, len(engine.scheduler.running))
+    assert most_running == 2
+
+
+def test_an_hma_connector_is_told_of_finished_requests_for_all_groups(
+    config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    connector_config = with_directory_connector(config, tmp_path)
+    assert connector_config.kv_transfer_config is not None
+    hma = attrs.evolve(
+        connector_config,
+        kv_transfer_config=attrs.evolve(
+            connector_config.kv_transfer_config,
+            kv_connector="HMADirectoryConnector",
+            kv_connector_module_path="tests.engine.misbehaving_connectors",
+        ),
+    )
+    outputs = generate(hma, workload[:2])
+    assert [output.kv_transfer_params for output in outputs] == [{"groups": 1}, {"groups": 1}]
