@@ -79,14 +79,13 @@ def test_a_writer_killed_mid_save_leaves_a_readable_store(tmp_path: pathlib.Path
     assert sum(output.num_load_failures for output in outputs) == 0
 
 
-def run_on_a_full_disk(directory: pathlib.Path) -> dict:
-    """Run one engine on a 600 KiB tmpfs (room for 4 entries) in a private mount namespace."""
+def run_in_private_mounts(directory: pathlib.Path, mount_commands: str) -> dict:
+    """Run one engine on ``directory`` after ``mount_commands``, in a private mount namespace."""
     if shutil.which("unshare") is None:
-        pytest.fail("the full-disk test needs util-linux's unshare to mount a private tmpfs")
-    directory.mkdir()
+        pytest.fail("this test needs util-linux's unshare to mount in a private namespace")
+    directory.mkdir(exist_ok=True)
     script = (
-        f"mount -t tmpfs -o size=600k kvwire-full {directory} && "
-        f"exec {' '.join(store_process(directory, '--rounds', '1', '--big'))}"
+        f"{mount_commands} && exec {' '.join(store_process(directory, '--rounds', '1', '--big'))}"
     )
     done = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
@@ -100,7 +99,9 @@ def run_on_a_full_disk(directory: pathlib.Path) -> dict:
 
 
 def test_a_full_disk_fails_saves_but_the_engine_carries_on(tmp_path: pathlib.Path, big_reference):
-    report = run_on_a_full_disk(tmp_path / "small-disk")
+    disk = tmp_path / "small-disk"
+    # 600 KiB: room for four entries of 128 KiB.
+    report = run_in_private_mounts(disk, f"mount -t tmpfs -o size=600k kvwire-full {disk}")
     assert report["tokens"] == [list(t) for t in big_reference[0]]
     assert report["stats"]["write_disk_full"] > 0
     assert report["stats"]["save_errors"] == report["stats"]["write_disk_full"]
@@ -118,6 +119,19 @@ def big_reference_kv() -> dict[int, dict[str, torch.Tensor]]:
             engine.generate(workload(seed, prompt_len=70))
             kv[seed] = dict(engine.captured_kv)
     return kv
+
+
+def test_a_read_only_directory_fails_saves_but_the_engine_carries_on(
+    tmp_path: pathlib.Path, big_reference
+):
+    store = tmp_path / "read-only"
+    report = run_in_private_mounts(
+        store, f"mount --bind {store} {store} && mount -o remount,bind,ro {store}"
+    )
+    assert report["tokens"] == [list(t) for t in big_reference[0]]
+    assert report["stats"]["write_permission_denied"] > 0
+    assert report["stats"]["save_errors"] == report["stats"]["write_permission_denied"]
+    assert report["leftover_tmp_files"] == []
 
 
 def test_a_consumer_loads_bit_exact_while_a_producer_writes(
