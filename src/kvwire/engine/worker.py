@@ -143,24 +143,26 @@ class Worker:
     # ------------------------------------------------------------ internals
 
     def _attention_metadata(self, step: WorkerStep) -> AttentionMetadata:
-        slots: list[int] = []
-        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        position_parts: list[torch.Tensor] = []
         sequences = []
         query_start = 0
         for chunk in step.chunks:
             count = len(chunk.token_ids)
-            for position in range(chunk.start_position, chunk.start_position + count):
-                block = chunk.block_ids[position // self.block_size]
-                slots.append(block * self.block_size + position % self.block_size)
-                positions.append(position)
             context_len = chunk.start_position + count
             num_context_blocks = -(-context_len // self.block_size)
             block_table = torch.tensor(chunk.block_ids[:num_context_blocks], dtype=torch.long)
+            positions = torch.arange(chunk.start_position, context_len)
+            slot_parts.append(
+                block_table[positions // self.block_size] * self.block_size
+                + positions % self.block_size
+            )
+            position_parts.append(positions)
             sequences.append(SequenceSlice(query_start, count, context_len, block_table))
             query_start += count
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.cat(slot_parts),
+            positions=torch.cat(position_parts),
             sequences=tuple(sequences),
         )
 
