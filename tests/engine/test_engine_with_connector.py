@@ -236,3 +236,26 @@ def test_an_hma_connector_is_told_of_finished_requests_for_all_groups(
     )
     outputs = generate(hma, workload[:2])
     assert [output.kv_transfer_params for output in outputs] == [{"groups": 1}, {"groups": 1}]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_caches_keep_outputs_equal(
+    workload: Workload, tmp_path: pathlib.Path, dtype: str
+) -> None:
+    config = tiny_config()
+    config = attrs.evolve(config, model_config=attrs.evolve(config.model_config, dtype=dtype))
+    reference = tokens(generate(config, workload))
+    cold, warm = _cold_then_warm(with_directory_connector(config, tmp_path), workload)
+    assert tokens(cold) == reference and tokens(warm) == reference
+    assert served_from_connector(warm) > 0
+
+
+def test_with_local_prefix_caching_off_the_connector_serves_every_shared_block(
+    workload: Workload, tmp_path: pathlib.Path
+) -> None:
+    config = tiny_config(enable_prefix_caching=False)
+    reference = tokens(generate(config, workload))
+    _cold, warm = _cold_then_warm(with_directory_connector(config, tmp_path), workload)
+    assert tokens(warm) == reference
+    assert all(output.local_cached_tokens == 0 for output in warm)
+    assert all(output.external_tokens >= 16 for output in warm)  # the 18-token shared prefix
