@@ -56,6 +56,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(config: EngineConfig) -> N
         engine.add_request(GenerationRequest("bad", (1, 300), 4))
 
 
+def test_an_empty_prompt_is_refused(config: EngineConfig) -> None:
+    with (
+        LLMEngine(config) as engine,
+        pytest.raises(ValueError, match=r"request 'e': the prompt is empty"),
+    ):
+        engine.add_request(GenerationRequest("e", (), 4))
+
+
+def test_max_tokens_below_one_is_refused(config: EngineConfig) -> None:
+    with (
+        LLMEngine(config) as engine,
+        pytest.raises(ValueError, match=r"request 'z': max_tokens must be >= 1, got 0"),
+    ):
+        engine.add_request(GenerationRequest("z", (1, 2), 0))
+
+
 def test_a_reused_request_id_is_refused(config: EngineConfig) -> None:
     with LLMEngine(config) as engine:
         engine.add_request(PROMPT)

@@ -118,3 +118,20 @@ def test_a_worker_process_run_gives_identical_outputs(
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["worker_mode"] == "process"
     assert report["passes"]["warm"]["tokens_from_connector"] > 0
+
+
+def test_an_unknown_preset_names_the_accepted_ones(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = str(_directory_profile(tmp_path))
+    assert cli.main(["run", profile, "--preset", "huge", "--no-progress"]) == 2
+    assert "preset: 'huge' is not one of tiny, bench" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_ratio_outside_zero_to_one_is_a_usage_error(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", str(_directory_profile(tmp_path)), "--shared-prefix-ratio", "1.5"])
+    assert exit_info.value.code == 2
+    assert "--shared-prefix-ratio: must be between 0 and 1, got 1.5" in capsys.readouterr().err
