@@ -135,3 +135,16 @@ def test_a_shared_prefix_ratio_outside_zero_to_one_is_a_usage_error(
         cli.main(["run", str(_directory_profile(tmp_path)), "--shared-prefix-ratio", "1.5"])
     assert exit_info.value.code == 2
     assert "--shared-prefix-ratio: must be between 0 and 1, got 1.5" in capsys.readouterr().err
+
+
+def test_a_connector_config_error_is_reported_without_a_traceback(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "typo.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n  kv_connector: CPUOffloadConnectr\n  kv_role: kv_both\n"
+    )
+    assert cli.main(["run", str(profile), *SMALL_WORKLOAD]) == 2
+    assert "kvwire run: error: Unsupported connector type: CPUOffloadConnectr" in (
+        capsys.readouterr().err
+    )

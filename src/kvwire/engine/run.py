@@ -93,14 +93,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvwire run: error: {error}", file=sys.stderr)
         return 2
     progress = None if args.no_progress else _ProgressBar(sys.stderr, 3 * len(workload))
-    report = compare_passes(
-        config,
-        workload,
-        worker_mode="process" if args.worker_process else "inline",
-        on_request_done=None if progress is None else progress.advance,
-    )
-    if progress is not None:
-        progress.close()
+    try:
+        report = compare_passes(
+            config,
+            workload,
+            worker_mode="process" if args.worker_process else "inline",
+            on_request_done=None if progress is None else progress.advance,
+        )
+    except ValueError as error:
+        # Configuration the profile check cannot see until the connector is built:
+        # an unknown name, the HMA gate, the connector's own extra-config checks.
+        print(f"kvwire run: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if progress is not None:
+            progress.close()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
