@@ -147,14 +147,27 @@ def test_async_loads_are_reported_through_get_finished(shared_storage_pair: Pair
     assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
 
 
-def test_transfers_larger_than_the_staging_buffers_complete(shared_storage_pair: PairFactory):
+def test_loads_larger_than_the_staging_buffers_complete(shared_storage_pair: PairFactory):
+    producer = produce(shared_storage_pair)
     # One staging slot: every block goes through it in turn.
-    producer = shared_storage_pair(seed=3, staging_buffer_bytes=1, batch_blocks=1)
-    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
-    assert producer.worker.wait_for_pending_saves(30)
-    consumer = shared_storage_pair(staging_buffer_bytes=1)
+    consumer = shared_storage_pair(staging_buffer_bytes=1, batch_blocks=1)
     consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+    assert consumer.load_errors == set()
     assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+
+
+def test_saves_that_find_every_staging_slot_busy_are_dropped_not_waited_for(
+    shared_storage_pair: PairFactory, storage_dir, caplog
+):
+    producer = shared_storage_pair(seed=1)
+    staging = producer.worker._worker._staging
+    busy = staging.try_acquire(staging.num_slots)  # as if earlier writes were still running
+    with caplog.at_level(logging.WARNING):
+        producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    staging.release(busy)
+    assert producer.stats["saves_dropped"] == 4
+    assert "staging buffers full" in caplog.text
+    assert entry_files(storage_dir) == []
 
 
 def test_stats_count_blocks_bytes_and_lookups(shared_storage_pair: PairFactory):

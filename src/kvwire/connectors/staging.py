@@ -65,6 +65,12 @@ class StagingBuffers:
             taken = min(count, len(self._free))
             return [self._free.popleft() for _ in range(taken)]
 
+    def try_acquire(self, count: int) -> list[int]:
+        """Take up to ``count`` free slots without waiting (possibly none)."""
+        with self._available:
+            taken = min(count, len(self._free))
+            return [self._free.popleft() for _ in range(taken)]
+
     def release(self, slots: Sequence[int]) -> None:
         with self._available:
             self._free.extend(slots)

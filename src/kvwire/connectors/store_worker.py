@@ -233,15 +233,38 @@ class StoreWorker:
         """Copy the blocks into staging slots, then write them in the background.
 
         Returns once every block is copied out of the cache: from then on the
-        engine may overwrite the cache blocks.
+        engine may overwrite the cache blocks. It never waits for the store:
+        when every staging slot is still busy with earlier writes, the blocks
+        that find no slot are not saved (counted as ``saves_dropped``), because
+        a slow medium must not stall the forward pass; the next request that
+        computes them saves them again.
         """
+        dropped = 0
         for transfer in transfers:
-            for ids, hashes, slots in self._chunks(transfer):
-                self._caches.gather_many(ids, slots, self._staging.payloads)
-                future = self._save_pool.submit(self._save, hashes, slots)
+            start = 0
+            while start < len(transfer.block_ids):
+                wanted = min(self._batch_blocks, len(transfer.block_ids) - start)
+                slots = self._staging.try_acquire(wanted)
+                if not slots:
+                    dropped += len(transfer.block_ids) - start
+                    break
+                end = start + len(slots)
+                self._caches.gather_many(
+                    transfer.block_ids[start:end], slots, self._staging.payloads
+                )
+                future = self._save_pool.submit(self._save, transfer.block_hashes[start:end], slots)
                 with self._lock:
                     self._saves_in_flight.add(future)
                 future.add_done_callback(self._forget_save)
+                start = end
+        if dropped:
+            self._counters.add("saves_dropped", dropped)
+            self._warn.warn(
+                "staging-full",
+                "staging buffers full: %d block saves dropped (raise "
+                "kv_connector_extra_config.staging_buffer_bytes or io_threads)",
+                dropped,
+            )
 
     def _forget_save(self, future: Future[None]) -> None:
         with self._lock:
