@@ -259,3 +259,22 @@ def test_with_local_prefix_caching_off_the_connector_serves_every_shared_block(
     assert tokens(warm) == reference
     assert all(output.local_cached_tokens == 0 for output in warm)
     assert all(output.external_tokens >= 16 for output in warm)  # the 18-token shared prefix
+
+
+def test_requests_whose_loads_fill_the_cache_do_not_deadlock(tmp_path: pathlib.Path) -> None:
+    # Two 33-token prompts each load 8 of the 16 blocks asynchronously, then each
+    # needs a 9th: one of them must give its blocks back for the other to run.
+    import random
+
+    rng = random.Random(1)
+    workload = [
+        GenerationRequest(f"r{i}", tuple(rng.randrange(300) for _ in range(33)), 3)
+        for i in range(2)
+    ]
+    config = tiny_config(num_gpu_blocks=16)
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path, load_async=True)
+    generate(connector_config, workload)
+    warm = generate(connector_config, workload)
+    assert tokens(warm) == reference
+    assert [output.num_preemptions for output in warm] == [0, 1]

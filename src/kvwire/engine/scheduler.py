@@ -204,6 +204,10 @@ class Scheduler:
                 continue
             if outcome < 0:
                 self.waiting.appendleft(request)
+                if not self.running and not scheduled:
+                    # Nothing runs, so nothing will free blocks: they are all held by
+                    # requests whose loads landed. Give one back to recompute later.
+                    self._release_loaded_request(other_than=request)
                 break
             self._schedule_chunk(request, outcome, scheduled, chunks)
             self.running.append(request)
@@ -297,6 +301,17 @@ class Scheduler:
                 sample=start + num_new == request.num_tokens,
             )
         )
+
+    def _release_loaded_request(self, other_than: Request) -> None:
+        for candidate in reversed(self.waiting):
+            if candidate is not other_than and candidate.request_id in self._loaded_and_ready:
+                self._loaded_and_ready.discard(candidate.request_id)
+                self.waiting.remove(candidate)
+                self._preempt(candidate)
+                # Behind the request it makes room for, not in front of it.
+                self.waiting.remove(candidate)
+                self.waiting.append(candidate)
+                return
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -452,5 +467,10 @@ class Scheduler:
     def describe_stuck_requests(self) -> str:
         """What outstanding work waits for, for an error when the connector never reports."""
         parts = [f"{rid!r} waits to finish receiving" for rid in self._async_load_targets]
+        parts += [
+            f"{request.request_id!r} waits for free blocks"
+            for request in self.waiting
+            if request.request_id not in self._async_load_targets
+        ]
         parts += [f"{rid!r} waits to finish sending" for rid in sorted(self._delayed_free)]
         return "; ".join(parts) or "nothing"
