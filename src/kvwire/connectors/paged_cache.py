@@ -86,6 +86,10 @@ class PagedKVCaches:
         copy per layer, so large transfers cost a few calls, not one per block
         and layer.
         """
+        for block_id in block_ids:
+            # Slices do not check bounds: an id outside the cache must not
+            # silently copy nothing.
+            self.check_block_id(block_id)
         for block_start, slot_start, count in _runs(block_ids, slots):
             destination = entries[slot_start : slot_start + count]
             for layer, cache in enumerate(self._caches):
@@ -101,20 +105,6 @@ class PagedKVCaches:
             for layer, cache in enumerate(self._caches):
                 destination = cache[:, block_start : block_start + count].transpose(0, 1)
                 destination.copy_(source[:, layer])
-
-    def gather(self, block_id: int, out: torch.Tensor) -> None:
-        """Copy block ``block_id`` of every layer into ``out`` (cross-layer shape)."""
-        for layer, cache in enumerate(self._caches):
-            out[layer].copy_(cache[:, block_id])
-
-    def gather_layer(self, layer: int, block_id: int, out: torch.Tensor) -> None:
-        """Copy one layer's block into ``out[layer]``."""
-        out[layer].copy_(self._caches[layer][:, block_id])
-
-    def scatter(self, block: torch.Tensor, block_id: int) -> None:
-        """Copy a cross-layer ``block`` into block ``block_id`` of every layer."""
-        for layer, cache in enumerate(self._caches):
-            cache[:, block_id].copy_(block[layer])
 
 
 def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
