@@ -145,3 +145,20 @@ def test_a_wrong_password_is_an_outage_whose_warning_does_not_contain_it(
     assert "is unavailable" in caplog.text
     assert "wrong-secret" not in caplog.text
     store.close()
+
+
+def test_a_missing_tls_file_is_named_before_any_connection() -> None:
+    with pytest.raises(
+        RedisSettingsError,
+        match=r"tls_ca_certs: no file at '/nonexistent/ca.pem'; expected a PEM file",
+    ):
+        RedisStoreSettings.from_extra_config(
+            {"url": "rediss://cache:6380/0", "tls_ca_certs": "/nonexistent/ca.pem"}
+        )
+
+
+def test_tls_files_without_a_rediss_url_are_refused() -> None:
+    with pytest.raises(RedisSettingsError, match=r"tls_certfile: only used with a rediss:// url"):
+        RedisStoreSettings.from_extra_config(
+            {"url": "redis://cache:6379/0", "tls_certfile": "/etc/hostname"}
+        )

@@ -98,6 +98,7 @@ class RedisStoreSettings:
                 values["password"] = os.environ[password_env]
         if "url" in values:
             problems.extend(_url_problems(values["url"], explicit_db="db" in values))
+        problems.extend(_tls_problems(values))
         if problems:
             raise RedisSettingsError("invalid Redis settings:\n  " + "\n  ".join(problems))
         return cls(**values)
@@ -226,6 +227,20 @@ def _blank(text: str, secrets: list[str] | None = None) -> str:
     for secret in sorted(_url_secrets(text) if secrets is None else secrets, key=len, reverse=True):
         text = text.replace(secret, _REDACTED)
     return text
+
+
+def _tls_problems(values: Mapping[str, Any]) -> list[str]:
+    problems = []
+    uses_tls = str(values.get("url", "")).startswith("rediss://")
+    for name in ("tls_ca_certs", "tls_certfile", "tls_keyfile"):
+        path = values.get(name)
+        if path is None:
+            continue
+        if not uses_tls:
+            problems.append(f"{EXTRA_CONFIG}.{name}: only used with a rediss:// url")
+        elif not os.path.isfile(path):
+            problems.append(f"{EXTRA_CONFIG}.{name}: no file at {path!r}; expected a PEM file")
+    return problems
 
 
 def _shown(name: str, value: Any) -> str:
