@@ -293,3 +293,16 @@ def test_registering_caches_of_another_shape_is_a_clear_error(tmp_path: pathlib.
     caches = {f"layers.{i}.attn": torch.zeros(2, 8, 4, 2, 8) for i in range(2)}
     with pytest.raises(ValueError, match=r"layer 'layers.0.attn' has shape \(2, 8, 4, 2, 8\)"):
         worker.register_kv_caches(caches)
+
+
+def test_reset_cache_forgets_this_layouts_entries_only(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    produce(shared_storage_pair)
+    foreign = storage_dir / "another-layout" / "ab" / "ab01"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_bytes(b"entry of another engine layout")
+    consumer = shared_storage_pair()
+    assert consumer.scheduler.reset_cache() is True
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
+    assert foreign.exists()
