@@ -148,7 +148,9 @@ class _ConnectorPath:
                     "key_prefix": "bench-connector:",
                     "io_threads": 1,
                     "batch_blocks": BATCH_BLOCKS,
-                    "staging_buffer_bytes": 2 * BATCH_BLOCKS * (block_bytes + 4096),
+                    # The whole transfer is one step's save: the worker copies it
+                    # out of the cache at once and drops what finds no slot.
+                    "staging_buffer_bytes": count * (block_bytes + 4096),
                 },
             ),
         )
