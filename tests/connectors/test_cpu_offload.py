@@ -173,3 +173,16 @@ def test_transfers_split_across_copy_threads_round_trip(make_pair, async_load):
     pair.step_until(lambda: not async_load or "b" in pair.finished_recving)
     assert pair.load_errors == set()
     assert blocks_equal(pair.caches, first[:15], pair.caches, second[:15])
+
+
+def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_load_ends(
+    make_pair,
+):
+    pair = make_pair(async_load=True)
+    offload(pair)
+    request = make_request("b", PROMPT, BLOCK)
+    pair.prefill(request, SECOND)
+    assert pair.finish(request, SECOND) is True
+    assert "b" in pair.finished_sending
+    # The load's pins are gone: the pool can be emptied.
+    assert pair.scheduler.reset_cache() is True

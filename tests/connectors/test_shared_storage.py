@@ -306,3 +306,15 @@ def test_reset_cache_forgets_this_layouts_entries_only(
     assert consumer.scheduler.reset_cache() is True
     assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
     assert foreign.exists()
+
+
+def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_load_ends(
+    shared_storage_pair: PairFactory,
+):
+    produce(shared_storage_pair)
+    consumer = shared_storage_pair(async_load=True)
+    request = make_request("c", PROMPT, BLOCK)
+    consumer.prefill(request, CONSUMER_BLOCKS)
+    # Aborted before the load was reported: its blocks are still being written.
+    assert consumer.finish(request, CONSUMER_BLOCKS) is True
+    assert "c" in consumer.finished_sending
