@@ -51,8 +51,8 @@ def test_a_negative_ttl_names_the_key_and_what_is_accepted() -> None:
         RedisStoreSettings.from_extra_config({"ttl_seconds": -1})
 
     assert (
-        "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0, "
-        "or null for no expiry, got -1" in str(raised.value)
+        "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 "
+        "(restarted by every load), or null for no expiry, got -1" in str(raised.value)
     )
 
 

@@ -167,6 +167,26 @@ def test_entries_expire_after_the_configured_ttl(
         store.close()
 
 
+def test_a_load_restarts_the_ttl_of_the_blocks_it_reads(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    store = RedisBlockStore(
+        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, ttl_seconds=600)
+    )
+    try:
+        _save(store, [0])
+        name = store.redis_key(LAYOUT.key(block_hash(0)))
+        client = redis_server.client()
+        client.expire(name, 30)  # as if it had been idle for most of its TTL
+
+        assert store.get_into(store_keys(LAYOUT, 1), _buffers(1)) == [LAYOUT.entry_bytes]
+
+        assert client.ttl(name) > 30
+    finally:
+        store.clear()
+        store.close()
+
+
 def test_entries_never_expire_without_a_ttl(
     redis_server: RedisServer, redis_store: RedisBlockStore
 ) -> None:

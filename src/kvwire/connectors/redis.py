@@ -13,7 +13,8 @@ threads, every entry verified before it reaches the cache); the medium is
 - ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path``;
 - ``username``, ``password`` or ``password_env`` (the name of an environment
   variable holding it: keeps the secret out of profiles), ``db``;
-- ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry);
+- ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
+  load restarts a block's TTL, so blocks in use stay and idle ones expire);
 - ``pool_size``, ``socket_timeout_s``, ``connect_timeout_s``,
   ``pipeline_bytes``, ``lookup_batch_size``;
 - ``retry_interval_s`` (during an outage, how often a background probe asks the server),

@@ -147,7 +147,7 @@ _EXPECTED: dict[str, str] = {
     "password": "a string or null",
     "db": "a database number >= 0 or null",
     "key_prefix": "a string",
-    "ttl_seconds": "a whole number of seconds > 0, or null for no expiry",
+    "ttl_seconds": "a whole number of seconds > 0 (restarted by every load), or null for no expiry",
     "pool_size": "a whole number of connections > 0",
     "socket_timeout_s": "a number of seconds > 0",
     "connect_timeout_s": "a number of seconds > 0",

@@ -218,7 +218,12 @@ class RedisBlockStore(BlockStore):
         """One pipeline of GETs, each reply read from the socket straight into its buffer."""
         connection = self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            packed = connection.pack_commands([("GET", name) for name in names])
+            ttl = self._settings.ttl_seconds
+            # With a TTL, a load restarts it (GETEX): blocks in use stay, idle ones expire.
+            commands = [
+                ("GET", name) if ttl is None else ("GETEX", name, "EX", ttl) for name in names
+            ]
+            packed = connection.pack_commands(commands)
             # GET is idempotent: one retry on a fresh connection covers a
             # pooled connection that went stale when the server restarted.
             for attempt in (1, 2):
