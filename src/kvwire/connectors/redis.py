@@ -21,10 +21,14 @@ threads, every entry verified before it reaches the cache); the medium is
   ``warning_interval_s`` (at most one outage warning per interval);
 - ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
 
-When the server is down, lookups miss, saves are dropped (counted in the
-stats as ``redis_saves_dropped``) and loads are reported as load errors; the
-engine's outputs stay those of an engine without a connector, and the store
-reconnects by itself when the server is back.
+When the server is down, lookups miss, saves are dropped and loads are
+reported as load errors; the engine's outputs stay those of an engine
+without a connector, and the store reconnects by itself when the server is
+back. Beside the store-backed connector's counters, the stats report
+``redis_lookup_failures``, ``redis_saves_dropped`` (outage),
+``redis_saves_rejected`` (e.g. out of memory under ``noeviction``),
+``redis_load_failures`` (outage), ``redis_loads_oversized`` and
+``redis_loads_refused`` (e.g. ``NOPERM``), each only when not zero.
 """
 
 from __future__ import annotations
