@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verify_entry
@@ -341,3 +343,43 @@ def test_an_acl_user_denied_the_keys_gets_failures_not_exceptions(
     finally:
         store.close()
         admin.acl_deluser(user)
+
+
+def test_threads_sharing_one_store_only_ever_load_whole_entries(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    # Fewer connections than threads: they take turns on the pooled connections.
+    store = RedisBlockStore(
+        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, pool_size=2)
+    )
+    keys = store_keys(LAYOUT, 8)
+    entries = [memoryview(encoded_entry(LAYOUT, index)) for index in range(8)]
+    problems: list[str] = []
+
+    def write() -> None:
+        for _ in range(30):
+            if not all(store.put(keys, entries)):
+                problems.append("a save failed")
+
+    def read() -> None:
+        buffers = _buffers(8)
+        for _ in range(30):
+            for index, size in enumerate(store.get_into(keys, buffers)):
+                if size is None:
+                    continue  # not written yet
+                try:
+                    verify_entry(buffers[index][:size], LAYOUT, block_hash(index))
+                except CorruptBlockError as error:
+                    problems.append(f"block {index}: {error.reason}")
+
+    threads = [threading.Thread(target=work) for work in (write, write, read, read, read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    try:
+        assert problems == []
+        assert store.count_prefix(keys) == 8
+    finally:
+        store.clear()
+        store.close()
