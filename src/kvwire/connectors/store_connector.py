@@ -33,11 +33,13 @@ the validated options::
 
 Optionally override :meth:`StoreConnector.store_key` (the default is
 ``layout.key(block_hash)``: layout fingerprint + block hash) and
-:meth:`StoreConnector.store_counters` (extra stats from your store). The
+:meth:`StoreConnector.store_counters` (extra stats from your store), and give
+your store a ``discard(keys)`` so entries found corrupt stop being hits. The
 store must never raise into the engine: misses and failures are results.
 
 Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (memory of
-the staging slots), ``io_threads`` (per direction), ``batch_blocks`` (blocks
+the staging slots; a save that finds every slot busy is dropped and counted,
+never waited for), ``io_threads`` (per direction), ``batch_blocks`` (blocks
 per store call), ``async_load`` (loads reported through ``get_finished``).
 """
 
