@@ -311,10 +311,25 @@ def test_reset_cache_forgets_this_layouts_entries_only(
 def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_load_ends(
     shared_storage_pair: PairFactory,
 ):
-    produce(shared_storage_pair)
+    producer = produce(shared_storage_pair)
     consumer = shared_storage_pair(async_load=True)
     request = make_request("c", PROMPT, BLOCK)
-    consumer.prefill(request, CONSUMER_BLOCKS)
-    # Aborted before the load was reported: its blocks are still being written.
-    assert consumer.finish(request, CONSUMER_BLOCKS) is True
-    assert "c" in consumer.finished_sending
+    matched, _ = consumer.lookup(request)
+    consumer.scheduler.update_state_after_alloc(request, KVCacheBlocks((CONSUMER_BLOCKS,)), matched)
+    # Aborted before its load ran: the load still writes into its blocks.
+    assert consumer.scheduler.request_finished(request, CONSUMER_BLOCKS) == (True, None)
+    consumer.step_until(lambda: "c" in consumer.finished_sending)
+    assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+
+
+def test_old_temporary_files_of_dead_writers_are_swept(storage_dir):
+    from kvwire.connectors.file_store import DirectoryBlockStore
+
+    shard = storage_dir / "fingerprint" / "ab"
+    shard.mkdir(parents=True)
+    stale, fresh = shard / ".ab12.4242.1.tmp", shard / ".ab34.4242.2.tmp"
+    stale.write_bytes(b"half an entry")
+    fresh.write_bytes(b"a save in progress")
+    os.utime(stale, (0, 0))
+    assert DirectoryBlockStore(storage_dir).sweep_stale_temporary_files() == 1
+    assert not stale.exists() and fresh.exists()

@@ -33,6 +33,8 @@ _STALE_TMP_S = 600.0
 # Eviction brings the directory down to this share of the cap, so that it
 # does not run again on the very next write.
 _EVICT_TO = 0.9
+# Scans per eviction at most, when other writers keep adding during a scan.
+_EVICTION_ROUNDS = 3
 
 _ERROR_KINDS: dict[int, str] = {
     errno.ENOSPC: "disk_full",
@@ -63,6 +65,7 @@ class DirectoryBlockStore(BlockStore):
         self._size_lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._approx_bytes: int | None = None
+        self._added_since_scan = 0
 
     def path_of(self, key: str) -> str:
         """The file that holds ``key``'s entry."""
@@ -205,16 +208,42 @@ class DirectoryBlockStore(BlockStore):
 
     # ------------------------------------------------------------- eviction
 
+    def _over_cap(self) -> bool:
+        with self._size_lock:
+            return self._approx_bytes is None or self._approx_bytes > self._max_bytes
+
     def _account(self, added_bytes: int) -> None:
         with self._size_lock:
             if self._approx_bytes is not None:
                 self._approx_bytes += added_bytes
-            over = self._approx_bytes is None or self._approx_bytes > self._max_bytes
-        if over and self._evict_lock.acquire(blocking=False):
-            try:
+            self._added_since_scan += added_bytes
+        if not self._over_cap():
+            return
+        # One evicting thread at a time; the others wait (an I/O thread, never
+        # the forward pass) and then find the directory under its cap.
+        with self._evict_lock:
+            for _ in range(_EVICTION_ROUNDS):
+                if not self._over_cap():
+                    return
                 self.evict()
-            finally:
-                self._evict_lock.release()
+
+    def sweep_stale_temporary_files(self) -> int:
+        """Remove the temporary files of writers that died mid-save; how many went."""
+        removed = 0
+        now = time.time()
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                if not name.endswith(_TMP_SUFFIX):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    stale = now - os.stat(path).st_mtime > _STALE_TMP_S
+                except OSError:
+                    continue
+                if stale and _unlink_quietly(path):
+                    removed += 1
+        self._counters.add("stale_temporary_files_removed", removed)
+        return removed
 
     def evict(self) -> int:
         """Bring the directory under its cap, oldest entries first; the bytes it holds.
@@ -224,6 +253,8 @@ class DirectoryBlockStore(BlockStore):
         """
         entries: list[tuple[float, int, str]] = []
         now = time.time()
+        with self._size_lock:
+            self._added_since_scan = 0
         for folder, _, names in os.walk(self.root):
             for name in names:
                 path = os.path.join(folder, name)
@@ -247,7 +278,9 @@ class DirectoryBlockStore(BlockStore):
                     total -= size
                     self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": size})
         with self._size_lock:
-            self._approx_bytes = total
+            # Writes that landed during the scan may be missing from it: count
+            # them again (an overcount only brings the next eviction sooner).
+            self._approx_bytes = total + self._added_since_scan
         return total
 
 

@@ -12,13 +12,18 @@ The data path is the store-backed connector's
 - ``shared_storage_path`` (required): the directory; created if missing;
 - ``fsync`` (default false): make every entry durable before it is visible;
 - ``max_bytes`` (default 0, no cap): evict least recently used entries above it.
+
+Temporary files that writers killed mid-save left behind are never read as
+entries; the worker side removes those older than ten minutes when it starts
+(and eviction does too).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvwire.connectors.extra_config import (
     ExtraConfigError,
@@ -30,6 +35,9 @@ from kvwire.connectors.extra_config import (
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.store_connector import StoreConnector
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SharedStorageConnector(StoreConnector):
@@ -59,6 +67,23 @@ class SharedStorageConnector(StoreConnector):
             path, fsync=options["fsync"], max_bytes=options["max_bytes"]
         )
         return self._directory_store
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        # Writers killed mid-save leave hidden temporary files (never read as
+        # entries); clear old ones off the forward pass's thread.
+        self._sweeper = threading.Thread(
+            target=self._directory_store.sweep_stale_temporary_files,
+            name="kvwire-sweep",
+            daemon=True,
+        )
+        self._sweeper.start()
+
+    def shutdown(self) -> None:
+        sweeper = getattr(self, "_sweeper", None)
+        if sweeper is not None:
+            sweeper.join()
+        super().shutdown()
 
     def store_counters(self) -> Mapping[str, float]:
         return self._directory_store.take_counters()
