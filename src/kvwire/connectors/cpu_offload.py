@@ -329,6 +329,12 @@ class CPUOffloadConnector(KVConnectorBase):
             io_threads=self._options["io_threads"],
             counters=self._counters,
         )
+        logger.info(
+            "CPUOffloadConnector: a pool of %d blocks of %d bytes (%.1f MiB)",
+            self.num_slots,
+            self._layout.payload_bytes,
+            self.num_slots * self._layout.entry_bytes / 2**20,
+        )
 
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
         if self._worker is None:

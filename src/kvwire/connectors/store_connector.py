@@ -323,6 +323,14 @@ class StoreConnector(KVConnectorBase):
             counters=self._counters,
             key_of=self.store_key,
         )
+        logger.info(
+            "%s: %s store, blocks of %d bytes, %d staging slots, %d I/O threads per direction",
+            type(self).__name__,
+            self.medium,
+            self._layout.payload_bytes,
+            num_slots,
+            self._options["io_threads"],
+        )
 
     def _require_worker(self) -> StoreWorker:
         if self._worker is None:
