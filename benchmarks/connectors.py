@@ -141,7 +141,7 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
     ).entry_bytes
     config = engine_config(
         "CPUOffloadConnector",
-        {"cpu_pool_bytes": layout_bytes * count, "io_threads": 1},
+        {"cpu_pool_bytes": layout_bytes * count},
         block_tokens,
         count,
     )
