@@ -39,12 +39,16 @@ def entry_count(directory: pathlib.Path) -> int:
     )
 
 
-def wait_for(condition, what: str, limit_s: float = 120.0) -> None:
+def temporary_count(directory: pathlib.Path) -> int:
+    return sum(1 for _, _, names in os.walk(directory) for name in names if name.endswith(".tmp"))
+
+
+def wait_for(condition, what: str, limit_s: float = 120.0, poll_s: float = 0.02) -> None:
     """Poll until ``condition()``; a deadline only turns a hang into a failure."""
     deadline = time.monotonic() + limit_s
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(poll_s)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,16 @@ def test_a_writer_killed_mid_save_leaves_a_readable_store(tmp_path: pathlib.Path
         stdout=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: entry_count(tmp_path) >= 40 or writer.poll() is not None, "entries")
+        # Kill it while a write is under way: once entries exist, at a moment
+        # when a temporary file is present.
+        wait_for(
+            lambda: (
+                (entry_count(tmp_path) >= 10 and temporary_count(tmp_path) > 0)
+                or writer.poll() is not None
+            ),
+            "a write in progress",
+            poll_s=0.0005,
+        )
         assert writer.poll() is None, "the writer died on its own"
         writer.send_signal(signal.SIGKILL)
         writer.wait()
