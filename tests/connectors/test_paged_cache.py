@@ -68,3 +68,21 @@ def test_a_missing_layer_is_refused():
     two = dict(list(caches().items())[:2])
     with pytest.raises(ValueError, match="got 2 layers, the model config says num_layers=3"):
         PagedKVCaches(two, LAYOUT)
+
+
+def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused(tmp_path):
+    from kvwire.connector.base import KVConnectorRole
+    from kvwire.connectors.cpu_offload import CPUOffloadConnector
+    from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+    from tests.connectors.harness import engine_config
+
+    config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "1MiB"}, head_size=16)
+    other = build_full_attention_kv_cache_config(
+        num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype="float32"
+    )
+    with pytest.raises(ValueError) as raised:
+        CPUOffloadConnector(config, KVConnectorRole.WORKER, other)
+    assert str(raised.value) == (
+        "kv_cache_config: a group has (block_size, num_kv_heads, head_size, dtype) = "
+        "(4, 2, 8, 'float32'), the engine config says (4, 2, 16, 'float32')"
+    )
