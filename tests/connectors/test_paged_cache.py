@@ -70,7 +70,7 @@ def test_a_missing_layer_is_refused():
         PagedKVCaches(two, LAYOUT)
 
 
-def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused(tmp_path):
+def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused():
     from kvwire.connector.base import KVConnectorRole
     from kvwire.connectors.cpu_offload import CPUOffloadConnector
     from kvwire.kv_cache_config import build_full_attention_kv_cache_config
