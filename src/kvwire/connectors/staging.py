@@ -33,11 +33,14 @@ class StagingBuffers:
         self.layout = layout
         self.num_slots = num_slots
         entry_bytes = layout.entry_bytes
-        # Zeroed now, so every page is committed here and not on the hot path
+        # One allocation that both Python (memoryviews, for stores) and torch
+        # (typed views, for cache copies) see, without numpy in between.
+        self._memory = bytearray(num_slots * entry_bytes)
+        self._raw = torch.frombuffer(self._memory, dtype=torch.uint8).view(num_slots, entry_bytes)
+        # Written now, so every page is committed here and not on the hot path
         # the first time a slot is used.
-        self._raw = torch.zeros((num_slots, entry_bytes), dtype=torch.uint8)
-        # One memoryview per slot, made once: stores read and write through these.
-        whole = self._raw.numpy().data.cast("B")
+        self._raw.zero_()
+        whole = memoryview(self._memory)
         self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]
         payload = self._raw[:, HEADER_SIZE:].view(TORCH_DTYPES[layout.dtype])
         self._payloads = payload.view(num_slots, *layout.shape)
