@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
+
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import ForwardContext

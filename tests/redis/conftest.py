@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 from pytest_redis import factories
 from pytest_redis.executor import RedisExecutor
 
-import redis
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 

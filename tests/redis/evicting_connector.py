@@ -8,6 +8,7 @@ between the scheduler's lookup and the worker's load. Loaded by module path
 from __future__ import annotations
 
 import redis
+
 from kvwire.connector.types import Request
 from kvwire.connectors.redis import RedisConnector
 

@@ -14,7 +14,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import attrs
-
 import redis
 
 EXTRA_CONFIG = "kv_connector_extra_config"

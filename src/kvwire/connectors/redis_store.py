@@ -23,10 +23,10 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 
+import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-import redis
 from kvwire.connectors.redis_outage import OutageTracker
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_wire import BulkReplyReader, ZeroCopyCommandPacker
