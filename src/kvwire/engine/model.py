@@ -67,6 +67,8 @@ class AttentionMetadata:
 
     ``slot_mapping[i]`` is the flat slot (``block_id * block_size + offset``)
     of batch row ``i``; ``sequences`` says which rows belong to which request.
+    The engine's worker refills the tensors behind it every step, so it is
+    only valid during the step it was made for.
     """
 
     slot_mapping: torch.Tensor
@@ -87,10 +89,17 @@ class TinyTransformer:
     """A deterministic decoder-only transformer over a paged KV cache.
 
     Weights are drawn once from ``config.seed``; two instances built from
-    equal configs (in any process) compute the same bits.
+    equal configs (in any process) compute the same bits. ``max_num_tokens``
+    (the most rows a forward batch holds; default ``config.max_model_len``)
+    sizes the attention buffers reused by every layer and step.
     """
 
-    def __init__(self, config: ModelConfig, layer_names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_names: Sequence[str],
+        max_num_tokens: int | None = None,
+    ) -> None:
         self.config = config
         self.layer_names = tuple(layer_names)
         self.dtype = torch_dtype(config.dtype)
@@ -121,7 +130,8 @@ class TinyTransformer:
             for _ in self.layer_names
         ]
         self.lm_head = weight(hidden, config.vocab_size)
-        self._attention_buffer: torch.Tensor | None = None
+        self.max_num_tokens = max_num_tokens or config.max_model_len
+        self._workspace: _AttentionWorkspace | None = None
         half = config.head_size // 2
         self._inverse_frequencies = 1.0 / (
             _ROPE_BASE ** (torch.arange(half, dtype=_COMPUTE_DTYPE) / max(half, 1))
@@ -158,15 +168,6 @@ class TinyTransformer:
         final = _rms_norm(hidden_states[sample_rows])
         return final @ self.lm_head
 
-    def _attention_output(self, num_tokens: int) -> torch.Tensor:
-        # One buffer for every layer and step, grown to the largest batch seen:
-        # each layer's attention output is consumed before the next layer runs.
-        buffer = self._attention_buffer
-        if buffer is None or buffer.shape[0] < num_tokens:
-            buffer = torch.empty(num_tokens, self.config.hidden_size, dtype=_COMPUTE_DTYPE)
-            self._attention_buffer = buffer
-        return buffer[:num_tokens]
-
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(_COMPUTE_DTYPE)[:, None] * self._inverse_frequencies[None, :]
         return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
@@ -194,29 +195,121 @@ class TinyTransformer:
         # are written first and read back with the loaded/cached ones.
         flat_keys = kv_cache[0].view(-1, kv_heads, head_size)
         flat_values = kv_cache[1].view(-1, kv_heads, head_size)
-        flat_keys[metadata.slot_mapping] = key.to(kv_cache.dtype)
-        flat_values[metadata.slot_mapping] = value.to(kv_cache.dtype)
+        flat_keys.index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
+        flat_values.index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
 
-        output = self._attention_output(num_tokens)
-        group = heads // kv_heads
-        scale = head_size**-0.5
+        workspace = self._workspace_for(kv_cache)
+        output = workspace.output[:num_tokens]
         for sequence in metadata.sequences:
-            rows = slice(sequence.query_start, sequence.query_start + sequence.num_query_tokens)
-            context_keys = kv_cache[0][sequence.block_table].view(-1, kv_heads, head_size)
-            context_values = kv_cache[1][sequence.block_table].view(-1, kv_heads, head_size)
-            context_keys = context_keys[: sequence.context_len].to(_COMPUTE_DTYPE)
-            context_values = context_values[: sequence.context_len].to(_COMPUTE_DTYPE)
-            context_keys = context_keys.repeat_interleave(group, dim=1)
-            context_values = context_values.repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", query[rows], context_keys) * scale
-            first_position = sequence.context_len - sequence.num_query_tokens
-            query_positions = torch.arange(first_position, sequence.context_len)[:, None]
-            key_positions = torch.arange(sequence.context_len)[None, :]
-            scores.masked_fill_(key_positions > query_positions, float("-inf"))
-            probabilities = torch.softmax(scores, dim=-1)
-            attended = torch.einsum("hqk,khd->qhd", probabilities, context_values)
-            output[rows] = attended.reshape(sequence.num_query_tokens, heads * head_size)
+            workspace.attend(query, kv_cache, sequence, output)
         return output
+
+    def _workspace_for(self, kv_cache: torch.Tensor) -> _AttentionWorkspace:
+        workspace = self._workspace
+        block_size = kv_cache.shape[2]
+        if workspace is None or workspace.block_size != block_size:
+            workspace = _AttentionWorkspace(
+                self.config, self.max_num_tokens, block_size, kv_cache.dtype
+            )
+            self._workspace = workspace
+        return workspace
+
+
+class _AttentionWorkspace:
+    """Buffers one layer's attention reuses for every sequence, layer and step.
+
+    Sized from the model's limits (``max_model_len`` tokens of context, the
+    largest batch) except the score matrix, which grows to the largest
+    query-by-context product seen: its worst case (a whole batch of queries
+    against a whole context) is rarely reached and would be large.
+    Each buffer's contents are consumed before the next sequence or layer
+    writes it.
+    """
+
+    def __init__(
+        self, config: ModelConfig, max_num_tokens: int, block_size: int, cache_dtype: torch.dtype
+    ) -> None:
+        self.block_size = block_size
+        self.kv_heads = config.num_kv_heads
+        self.group = config.num_attention_heads // config.num_kv_heads
+        self.head_size = config.head_size
+        self.scale = config.head_size**-0.5
+        max_blocks = -(-config.max_model_len // block_size)
+        max_context = max_blocks * block_size
+        kv_shape = (max_blocks, block_size, self.kv_heads, self.head_size)
+        self.gathered = torch.empty(kv_shape, dtype=cache_dtype)
+        # Keys and values of one sequence, widened, one row of tokens per KV head.
+        self.keys = torch.empty(self.kv_heads, max_context, self.head_size, dtype=_COMPUTE_DTYPE)
+        self.values = torch.empty_like(self.keys)
+        # Queries grouped by the KV head they share: [kv_heads, group, tokens, dim].
+        self.queries = torch.empty(
+            max_num_tokens * config.num_attention_heads * self.head_size, dtype=_COMPUTE_DTYPE
+        )
+        self.attended = torch.empty_like(self.queries)
+        self.output = torch.empty(max_num_tokens, config.hidden_size, dtype=_COMPUTE_DTYPE)
+        self.scores = torch.empty(0, dtype=_COMPUTE_DTYPE)
+        self.mask = torch.empty(0, dtype=torch.bool)
+        self.token_positions = torch.arange(max_context)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        sequence: SequenceSlice,
+        output: torch.Tensor,
+    ) -> None:
+        """Causal attention of ``sequence``'s query rows over its context, into ``output``."""
+        kv_heads, group, head_size = self.kv_heads, self.group, self.head_size
+        num_queries, context_len = sequence.num_query_tokens, sequence.context_len
+        rows = slice(sequence.query_start, sequence.query_start + num_queries)
+        keys = self._widened_context(kv_cache[0], sequence, self.keys)
+        values = self._widened_context(kv_cache[1], sequence, self.values)
+
+        grouped_rows = group * num_queries
+        queries = self.queries[: kv_heads * grouped_rows * head_size]
+        queries.view(kv_heads, group, num_queries, head_size).copy_(
+            query[rows].view(num_queries, kv_heads, group, head_size).permute(1, 2, 0, 3)
+        )
+        scores = self._grown("scores", kv_heads * grouped_rows * context_len)
+        scores = scores.view(kv_heads, grouped_rows, context_len)
+        torch.bmm(queries.view(kv_heads, grouped_rows, head_size), keys.transpose(1, 2), out=scores)
+        scores.mul_(self.scale)
+        if num_queries > 1:
+            # Query i (at position first + i) sees keys at positions <= first + i.
+            first = context_len - num_queries
+            mask = self._grown("mask", num_queries * context_len).view(num_queries, context_len)
+            torch.gt(
+                self.token_positions[:context_len].unsqueeze(0),
+                self.token_positions[first:context_len].unsqueeze(1),
+                out=mask,
+            )
+            scores.view(kv_heads, group, num_queries, context_len).masked_fill_(mask, float("-inf"))
+        torch._softmax(scores, -1, False, out=scores)
+        attended = self.attended[: kv_heads * grouped_rows * head_size]
+        torch.bmm(scores, values, out=attended.view(kv_heads, grouped_rows, head_size))
+        output[rows].view(num_queries, kv_heads, group, head_size).copy_(
+            attended.view(kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
+        )
+
+    def _widened_context(
+        self, cache_half: torch.Tensor, sequence: SequenceSlice, widened: torch.Tensor
+    ) -> torch.Tensor:
+        """The sequence's keys (or values) as ``[kv_heads, context_len, dim]`` in float64."""
+        num_blocks = sequence.block_table.shape[0]
+        gathered = self.gathered[:num_blocks]
+        torch.index_select(cache_half, 0, sequence.block_table, out=gathered)
+        context = widened[:, : sequence.context_len]
+        context.copy_(
+            gathered.view(-1, self.kv_heads, self.head_size)[: sequence.context_len].transpose(0, 1)
+        )
+        return context
+
+    def _grown(self, name: str, size: int) -> torch.Tensor:
+        buffer: torch.Tensor = getattr(self, name)
+        if buffer.numel() < size:
+            buffer = torch.empty(size, dtype=buffer.dtype)
+            setattr(self, name, buffer)
+        return buffer[:size]
 
 
 @attrs.frozen

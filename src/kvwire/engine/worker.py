@@ -15,8 +15,9 @@ import torch
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import ForwardContext, KVConnectorOutput
+from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
-from kvwire.engine.model import AttentionMetadata, SequenceSlice, TinyTransformer, torch_dtype
+from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
 from kvwire.engine.step import ExternalLoad, StepResult, WorkerStep
 from kvwire.kv_cache_config import KVCacheConfig
 
@@ -74,7 +75,16 @@ class Worker:
         )
         self.kv_caches = {name: torch.zeros(shape, dtype=dtype) for name in self.layer_names}
         self._kv_cache_list = [self.kv_caches[name] for name in self.layer_names]
-        self.model = TinyTransformer(model_config, self.layer_names)
+        scheduler_config = config.scheduler_config
+        self._batch = StepBatch(
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs,
+            model_config.max_model_len,
+            self.block_size,
+        )
+        self.model = TinyTransformer(
+            model_config, self.layer_names, scheduler_config.max_num_batched_tokens
+        )
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
         # What peers need to reach this worker (disaggregated connectors).
         self.handshake_metadata: object = None
@@ -91,7 +101,9 @@ class Worker:
     def execute(self, step: WorkerStep) -> StepResult:
         """Run one step: connector calls around the forward pass, then greedy sampling."""
         connector = self.connector
-        metadata = self._attention_metadata(step) if step.chunks else None
+        metadata = token_ids = sample_rows = None
+        if step.chunks:
+            metadata, token_ids, sample_rows = self._batch.fill(step.chunks)
         self._attn_metadata = metadata
         self._plan_injected_failures(step)
         if connector is not None:
@@ -100,8 +112,7 @@ class Worker:
             connector.start_load_kv(ForwardContext(self.layer_names, metadata))
         logits = None
         if metadata is not None:
-            token_ids = torch.tensor([t for chunk in step.chunks for t in chunk.token_ids])
-            sample_rows = torch.tensor(self._sample_rows(step), dtype=torch.long)
+            assert token_ids is not None and sample_rows is not None
             logits = self.model.forward(
                 token_ids,
                 metadata,
@@ -141,40 +152,6 @@ class Worker:
         return torch.stack(per_layer)
 
     # ------------------------------------------------------------ internals
-
-    def _attention_metadata(self, step: WorkerStep) -> AttentionMetadata:
-        slot_parts: list[torch.Tensor] = []
-        position_parts: list[torch.Tensor] = []
-        sequences = []
-        query_start = 0
-        for chunk in step.chunks:
-            count = len(chunk.token_ids)
-            context_len = chunk.start_position + count
-            num_context_blocks = -(-context_len // self.block_size)
-            block_table = torch.tensor(chunk.block_ids[:num_context_blocks], dtype=torch.long)
-            positions = torch.arange(chunk.start_position, context_len)
-            slot_parts.append(
-                block_table[positions // self.block_size] * self.block_size
-                + positions % self.block_size
-            )
-            position_parts.append(positions)
-            sequences.append(SequenceSlice(query_start, count, context_len, block_table))
-            query_start += count
-        return AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts),
-            positions=torch.cat(position_parts),
-            sequences=tuple(sequences),
-        )
-
-    @staticmethod
-    def _sample_rows(step: WorkerStep) -> list[int]:
-        rows = []
-        end = 0
-        for chunk in step.chunks:
-            end += len(chunk.token_ids)
-            if chunk.sample:
-                rows.append(end - 1)
-        return rows
 
     def _before_attention(self, layer_name: str) -> None:
         assert self.connector is not None or not self._blocks_to_corrupt

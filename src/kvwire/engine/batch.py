@@ -1,0 +1,119 @@
+"""The worker's per-step inputs, laid into tensors allocated once.
+
+A step's token ids, positions, slot mapping, block tables and sample rows
+live in buffers sized from the scheduler's limits (``max_num_batched_tokens``
+tokens, ``max_num_seqs`` sequences, ``max_model_len`` tokens of context), so
+filling them allocates no tensor storage. The integers arrive as Python tuples
+(the step crossed a pipe as plain records); ``struct.pack_into`` writes each
+tuple straight into the memory the tensors share, one C call per sequence.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from kvwire.engine.model import AttentionMetadata, SequenceSlice
+from kvwire.engine.step import ScheduledChunk
+
+_INT64 = 8
+
+
+class _Int64Buffer:
+    """A zeroed int64 tensor whose memory Python can write without a temporary tensor."""
+
+    def __init__(self, length: int) -> None:
+        self.memory = bytearray(length * _INT64)
+        self.tensor = torch.frombuffer(self.memory, dtype=torch.int64)
+
+    def write(self, offset: int, values: Sequence[int]) -> None:
+        struct.pack_into(f"{len(values)}q", self.memory, offset * _INT64, *values)
+
+
+class StepBatch:
+    """Preallocated tensors for one step's batch, refilled every step.
+
+    The :class:`AttentionMetadata` that :meth:`fill` returns views these
+    buffers, so it is valid until the next :meth:`fill` (the connector sees
+    it only during the step, as in the reference).
+    """
+
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self._token_ids = _Int64Buffer(max_num_tokens)
+        self._block_tables = _Int64Buffer(max_num_seqs * self.max_blocks_per_seq)
+        self._sample_rows = _Int64Buffer(max_num_seqs)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64)
+        # Per token: where its sequence's block table starts in the flat tables.
+        self._table_offsets = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self._scratch = torch.zeros(max_num_tokens, dtype=torch.int64)
+        self._block_table_rows = self._block_tables.tensor.view(
+            max_num_seqs, self.max_blocks_per_seq
+        )
+
+    def fill(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """Lay ``chunks`` into the buffers; the attention metadata, token ids and sample rows."""
+        self._check_fits(chunks)
+        block_size, width = self.block_size, self.max_blocks_per_seq
+        sequences = []
+        num_tokens = num_samples = 0
+        for index, chunk in enumerate(chunks):
+            count = len(chunk.token_ids)
+            context_len = chunk.start_position + count
+            num_context_blocks = -(-context_len // block_size)
+            if num_context_blocks > width:
+                raise ValueError(
+                    f"request {chunk.request_id!r}: a context of {context_len} tokens exceeds "
+                    f"the worker's block tables ({width} blocks of {block_size} tokens)"
+                )
+            rows = slice(num_tokens, num_tokens + count)
+            self._token_ids.write(num_tokens, chunk.token_ids)
+            self._block_tables.write(index * width, chunk.block_ids[:num_context_blocks])
+            torch.arange(chunk.start_position, context_len, out=self.positions[rows])
+            self._table_offsets[rows].fill_(index * width)
+            block_table = self._block_table_rows[index, :num_context_blocks]
+            sequences.append(SequenceSlice(num_tokens, count, context_len, block_table))
+            num_tokens += count
+            if chunk.sample:
+                self._sample_rows.write(num_samples, (num_tokens - 1,))
+                num_samples += 1
+        self._map_slots(num_tokens)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            positions=self.positions[:num_tokens],
+            sequences=tuple(sequences),
+        )
+        sample_rows = self._sample_rows.tensor[:num_samples]
+        return metadata, self._token_ids.tensor[:num_tokens], sample_rows
+
+    def _map_slots(self, num_tokens: int) -> None:
+        # slot = block_tables[sequence, position // block_size] * block_size
+        #        + position % block_size, for every token at once.
+        positions = self.positions[:num_tokens]
+        scratch = self._scratch[:num_tokens]
+        slots = self.slot_mapping[:num_tokens]
+        torch.div(positions, self.block_size, rounding_mode="floor", out=scratch)
+        scratch.add_(self._table_offsets[:num_tokens])
+        torch.index_select(self._block_tables.tensor, 0, scratch, out=slots)
+        slots.mul_(self.block_size)
+        torch.remainder(positions, self.block_size, out=scratch)
+        slots.add_(scratch)
+
+    def _check_fits(self, chunks: Sequence[ScheduledChunk]) -> None:
+        num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        if len(chunks) > self.max_num_seqs or num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"a step of {len(chunks)} sequences and {num_tokens} tokens exceeds the "
+                f"worker's buffers (scheduler_config.max_num_seqs={self.max_num_seqs}, "
+                f"scheduler_config.max_num_batched_tokens={self.max_num_tokens})"
+            )
