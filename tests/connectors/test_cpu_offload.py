@@ -188,3 +188,17 @@ def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_loa
     pair.step_until(lambda: "b" in pair.finished_sending)
     # The load's pins are gone: the pool can be emptied.
     assert pair.scheduler.reset_cache() is True
+
+
+def test_allocating_blocks_the_pool_lost_since_lookup_is_refused(make_pair):
+    pair = make_pair()
+    offload(pair)
+    request = make_request("b", PROMPT, BLOCK)
+    assert pair.lookup(request) == (16, False)
+    pair.scheduler.reset_cache()
+    with pytest.raises(
+        ValueError,
+        match=r"^update_state_after_alloc: request 'b' asks for 16 external tokens, "
+        r"the CPU pool holds 0$",
+    ):
+        pair.scheduler.update_state_after_alloc(request, KVCacheBlocks((list(SECOND),)), 16)

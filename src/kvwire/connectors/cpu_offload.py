@@ -37,6 +37,7 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_planner import BlockPlanner, BlockRange
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.cpu_pool_index import CPUPoolIndex
 from kvwire.connectors.cpu_pool_worker import PoolTransfer
@@ -81,16 +82,9 @@ class CPUOffloadMetadata(KVConnectorMetadata):
 
 
 @attrs.define
-class _Lookup:
-    first_block: int
-    hit_blocks: int
-    candidate_blocks: int
+class _PoolRequestState:
+    """A request's transfers the pool index has not settled yet."""
 
-
-@attrs.define
-class _RequestState:
-    request: Request
-    next_block_to_store: int
     unconfirmed_stores: list[BlockHash] = attrs.field(factory=list)
     async_load: PoolTransfer | None = None
 
@@ -123,9 +117,13 @@ class CPUOffloadConnector(KVConnectorBase):
         self._async_load: bool = self._options["async_load"]
         # Scheduler side.
         self._index = CPUPoolIndex(self.num_slots)
-        self._lookups: dict[str, _Lookup] = {}
-        self._requests: dict[str, _RequestState] = {}
-        self._finished: dict[str, _RequestState] = {}
+        self._planner = BlockPlanner(
+            self._layout.block_size,
+            loads=self.kv_transfer_config.is_kv_consumer,
+            saves=self.kv_transfer_config.is_kv_producer,
+        )
+        self._requests: dict[str, _PoolRequestState] = {}
+        self._finished: dict[str, _PoolRequestState] = {}
         self._step_loads: list[PoolTransfer] = []
         self._step_async_loads: list[PoolTransfer] = []
         self._sync_loads_in_flight: list[PoolTransfer] = []
@@ -150,46 +148,32 @@ class CPUOffloadConnector(KVConnectorBase):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        block_size = self._layout.block_size
-        first_block = num_computed_tokens // block_size
-        last_block = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
-        if not self.kv_transfer_config.is_kv_consumer or last_block <= first_block:
-            self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
-            return 0, False
-        hits = self._index.count_ready_prefix(request.block_hashes[first_block:last_block])
-        self._lookups[request.request_id] = _Lookup(first_block, hits, last_block - first_block)
-        return hits * block_size, self._async_load and hits > 0
+        hits = self._planner.look_up(request, num_computed_tokens, self._index.count_ready_prefix)
+        return hits * self._layout.block_size, self._async_load and hits > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_size = self._layout.block_size
-        lookup = self._lookups.pop(request.request_id, None) or _Lookup(
-            request.num_computed_tokens // block_size, 0, 0
-        )
-        self._count("lookup_hit_blocks", lookup.hit_blocks)
-        self._count("lookup_miss_blocks", lookup.candidate_blocks - lookup.hit_blocks)
         previous = self._requests.get(request.request_id)
-        state = _RequestState(request, next_block_to_store=lookup.first_block + lookup.hit_blocks)
+        state = _PoolRequestState()
         if previous is not None:  # resumed after preemption: its stores still count
             state.unconfirmed_stores = previous.unconfirmed_stores
         self._requests[request.request_id] = state
-        num_blocks = num_external_tokens // block_size
-        if num_blocks <= 0:
+        load = self._planner.allocate(request, blocks, num_external_tokens)
+        if load is None:
             return
-        start = lookup.first_block
-        hashes = tuple(request.block_hashes[start : start + num_blocks])
-        if num_blocks > lookup.hit_blocks or self._index.count_ready_prefix(hashes) < num_blocks:
+        ready = self._index.count_ready_prefix(load.block_hashes)
+        if ready < len(load.block_hashes):
             raise ValueError(
                 f"update_state_after_alloc: request {request.request_id!r} asks for "
                 f"{num_external_tokens} external tokens, the CPU pool holds "
-                f"{lookup.hit_blocks * block_size}"
+                f"{ready * self._layout.block_size}"
             )
         transfer = PoolTransfer(
-            request_id=request.request_id,
-            block_ids=tuple(blocks.get_block_ids()[0][start : start + num_blocks]),
-            slots=tuple(self._index.start_load(hashes)),
-            block_hashes=hashes,
+            request_id=load.request_id,
+            block_ids=load.block_ids,
+            slots=tuple(self._index.start_load(load.block_hashes)),
+            block_hashes=load.block_hashes,
         )
         if self._async_load:
             state.async_load = transfer
@@ -199,15 +183,13 @@ class CPUOffloadConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
         stores: list[PoolTransfer] = []
-        if self.kv_transfer_config.is_kv_producer:
-            for item in scheduler_output.scheduled:
-                transfer = self._plan_store(
-                    item.request_id,
-                    item.block_ids[0],
-                    item.num_computed_tokens + item.num_scheduled_tokens,
-                )
-                if transfer is not None:
-                    stores.append(transfer)
+        for save in self._planner.plan_saves(scheduler_output):
+            transfer = self._place_store(save)
+            if transfer is not None:
+                stores.append(transfer)
+        hit_blocks, miss_blocks = self._planner.take_lookup_counts()
+        self._count("lookup_hit_blocks", hit_blocks)
+        self._count("lookup_miss_blocks", miss_blocks)
         self._count("evicted_blocks", self._record_evictions())
         metadata = CPUOffloadMetadata(
             loads=tuple(self._step_loads),
@@ -224,22 +206,9 @@ class CPUOffloadConnector(KVConnectorBase):
         self._step_counters = {}
         return metadata
 
-    def _plan_store(
-        self, request_id: str, block_ids: list[int], tokens_after_step: int
-    ) -> PoolTransfer | None:
-        state = self._requests.get(request_id)
-        if state is None:
-            return None
-        end = min(
-            tokens_after_step // self._layout.block_size,
-            len(state.request.block_hashes),
-            len(block_ids),
-        )
-        start = state.next_block_to_store
-        if end <= start:
-            return None
-        state.next_block_to_store = end
-        wanted = state.request.block_hashes[start:end]
+    def _place_store(self, save: BlockRange) -> PoolTransfer | None:
+        """Slots for the blocks of ``save`` the pool lacks; blocks it holds are not copied again."""
+        wanted = save.block_hashes
         placed = dict(self._index.prepare_store(wanted))
         # Blocks neither placed nor already in the pool found every slot pinned.
         skipped = sum(1 for h in wanted if h not in placed and h not in self._index)
@@ -247,10 +216,10 @@ class CPUOffloadConnector(KVConnectorBase):
         if not placed:
             return None
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
-        state.unconfirmed_stores.extend(placed)
+        self._requests[save.request_id].unconfirmed_stores.extend(placed)
         return PoolTransfer(
-            request_id=request_id,
-            block_ids=tuple(block_ids[start + i] for i in positions),
+            request_id=save.request_id,
+            block_ids=tuple(save.block_ids[i] for i in positions),
             slots=tuple(placed[wanted[i]] for i in positions),
             block_hashes=tuple(wanted[i] for i in positions),
         )
@@ -264,7 +233,7 @@ class CPUOffloadConnector(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._lookups.pop(request.request_id, None)
+        self._planner.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None or not (state.unconfirmed_stores or state.async_load):
             return False, None

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -63,6 +63,7 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_planner import BlockPlanner
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import (
     ExtraConfigKey,
@@ -105,19 +106,6 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     lookup_miss_blocks: int = 0
 
 
-@attrs.define
-class _Lookup:
-    first_block: int
-    hit_blocks: int
-    candidate_blocks: int
-
-
-@attrs.define
-class _RequestState:
-    request: Request
-    next_block_to_save: int
-
-
 class StoreConnector(KVConnectorBase):
     """A connector that keeps encoded KV blocks in a :class:`BlockStore`.
 
@@ -142,12 +130,13 @@ class StoreConnector(KVConnectorBase):
         self._store = self.create_store(self._options)
         self._async_load: bool = self._options["async_load"]
         # Scheduler side.
-        self._lookups: dict[str, _Lookup] = {}
-        self._requests: dict[str, _RequestState] = {}
+        self._planner = BlockPlanner(
+            self._layout.block_size,
+            loads=self.kv_transfer_config.is_kv_consumer,
+            saves=self.kv_transfer_config.is_kv_producer,
+        )
         self._step_loads: list[BlockTransfer] = []
         self._step_async_loads: list[BlockTransfer] = []
-        self._step_hits = 0
-        self._step_misses = 0
         self._async_loading: set[str] = set()
         self._release_req_ids: list[str] = []
         # Worker side.
@@ -192,46 +181,20 @@ class StoreConnector(KVConnectorBase):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        block_size = self._layout.block_size
-        first_block = num_computed_tokens // block_size
-        # At least one prompt token is always left to compute: the engine needs
-        # logits for it.
-        last_block = min((request.num_tokens - 1) // block_size, len(request.block_hashes))
-        if not self.kv_transfer_config.is_kv_consumer or last_block <= first_block:
-            self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
-            return 0, False
-        keys = [self.store_key(h) for h in request.block_hashes[first_block:last_block]]
-        hits = self._store.count_prefix(keys)
-        self._lookups[request.request_id] = _Lookup(first_block, hits, len(keys))
-        return hits * block_size, self._async_load and hits > 0
+        hits = self._planner.look_up(request, num_computed_tokens, self._count_stored_prefix)
+        return hits * self._layout.block_size, self._async_load and hits > 0
+
+    def _count_stored_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        return self._store.count_prefix([self.store_key(h) for h in block_hashes])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        block_size = self._layout.block_size
-        lookup = self._lookups.pop(request.request_id, None)
-        if lookup is None:
-            lookup = _Lookup(request.num_computed_tokens // block_size, 0, 0)
-        self._step_hits += lookup.hit_blocks
-        self._step_misses += lookup.candidate_blocks - lookup.hit_blocks
-        # Blocks the store already holds are not written again.
-        self._requests[request.request_id] = _RequestState(
-            request, next_block_to_save=lookup.first_block + lookup.hit_blocks
-        )
-        num_blocks = num_external_tokens // block_size
-        if num_blocks <= 0:
+        load = self._planner.allocate(request, blocks, num_external_tokens)
+        if load is None:
             return
-        if num_blocks > lookup.hit_blocks:
-            raise ValueError(
-                f"update_state_after_alloc: request {request.request_id!r} asks for "
-                f"{num_external_tokens} external tokens, the lookup found "
-                f"{lookup.hit_blocks * block_size}"
-            )
-        start = lookup.first_block
         transfer = BlockTransfer(
-            request_id=request.request_id,
-            block_ids=tuple(blocks.get_block_ids()[0][start : start + num_blocks]),
-            block_hashes=tuple(request.block_hashes[start : start + num_blocks]),
+            request_id=load.request_id, block_ids=load.block_ids, block_hashes=load.block_hashes
         )
         if self._async_load:
             self._async_loading.add(request.request_id)
@@ -240,53 +203,29 @@ class StoreConnector(KVConnectorBase):
             self._step_loads.append(transfer)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        saves: list[BlockTransfer] = []
-        if self.kv_transfer_config.is_kv_producer:
-            for item in scheduler_output.scheduled:
-                transfer = self._plan_save(
-                    item.request_id,
-                    item.block_ids[0],
-                    item.num_computed_tokens + item.num_scheduled_tokens,
-                )
-                if transfer is not None:
-                    saves.append(transfer)
+        saves = tuple(
+            BlockTransfer(
+                request_id=save.request_id,
+                block_ids=save.block_ids,
+                block_hashes=save.block_hashes,
+            )
+            for save in self._planner.plan_saves(scheduler_output)
+        )
         for request_id in scheduler_output.finished_req_ids:
-            self._requests.pop(request_id, None)
+            self._planner.forget(request_id)
+        hit_blocks, miss_blocks = self._planner.take_lookup_counts()
         metadata = StoreConnectorMetadata(
             loads=tuple(self._step_loads),
             async_loads=tuple(self._step_async_loads),
-            saves=tuple(saves),
+            saves=saves,
             release_req_ids=tuple(self._release_req_ids),
-            lookup_hit_blocks=self._step_hits,
-            lookup_miss_blocks=self._step_misses,
+            lookup_hit_blocks=hit_blocks,
+            lookup_miss_blocks=miss_blocks,
         )
         self._step_loads = []
         self._step_async_loads = []
         self._release_req_ids = []
-        self._step_hits = self._step_misses = 0
         return metadata
-
-    def _plan_save(
-        self, request_id: str, block_ids: list[int], tokens_after_step: int
-    ) -> BlockTransfer | None:
-        state = self._requests.get(request_id)
-        if state is None:
-            return None
-        # Only full blocks whose hash is known and whose KV exists after this step.
-        end = min(
-            tokens_after_step // self._layout.block_size,
-            len(state.request.block_hashes),
-            len(block_ids),
-        )
-        start = state.next_block_to_save
-        if end <= start:
-            return None
-        state.next_block_to_save = end
-        return BlockTransfer(
-            request_id=request_id,
-            block_ids=tuple(block_ids[start:end]),
-            block_hashes=tuple(state.request.block_hashes[start:end]),
-        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -294,8 +233,7 @@ class StoreConnector(KVConnectorBase):
         # Saves copy the blocks out of the cache in wait_for_save, so the
         # engine may free them at once, unless a background load still writes
         # into them (a request aborted while loading).
-        self._requests.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        self._planner.forget(request.request_id)
         if request.request_id in self._async_loading:
             self._release_req_ids.append(request.request_id)
             return True, None
