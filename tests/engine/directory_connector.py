@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -98,7 +99,7 @@ class DirectoryConnector(KVConnectorBase):
         self._loading: dict[str, Future[list[int]]] = {}
         self._failed_blocks: set[int] = set()
         self._sending: set[str] = set()
-        self._stats: dict[str, int] = {}
+        self._stats: dict[str, float] = {}
 
     def _path(self, block_hash: BlockHash) -> pathlib.Path:
         return self.store_dir / block_hash.hex()
@@ -181,6 +182,7 @@ class DirectoryConnector(KVConnectorBase):
                 self._failed_blocks.update(self._load(transfers))
 
     def _load(self, transfers: list[BlockTransfer]) -> list[int]:
+        started = time.perf_counter()
         failed = []
         for position, transfer in enumerate(transfers):
             if self.flags["fail_loads"] and position == len(transfers) - 1:
@@ -191,6 +193,7 @@ class DirectoryConnector(KVConnectorBase):
                 cache[:, transfer.block_id].copy_(stored[layer])
             self._count("blocks_loaded", 1)
             self._count("bytes_loaded", stored.numel() * stored.element_size())
+        self._count("load_seconds", time.perf_counter() - started)
         return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -204,6 +207,7 @@ class DirectoryConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, DirectoryConnectorMetadata)
+        started = time.perf_counter()
         for transfer in metadata.saves:
             path = self._path(transfer.block_hash)
             if path.exists():
@@ -214,6 +218,8 @@ class DirectoryConnector(KVConnectorBase):
             partial.replace(path)
             self._count("blocks_saved", 1)
             self._count("bytes_saved", block.numel() * block.element_size())
+        if metadata.saves:
+            self._count("save_seconds", time.perf_counter() - started)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         received = {rid for rid, future in self._loading.items() if future.done()}
@@ -233,7 +239,7 @@ class DirectoryConnector(KVConnectorBase):
         stats, self._stats = KVConnectorStats(data=dict(self._stats)), {}
         return stats
 
-    def _count(self, name: str, amount: int) -> None:
+    def _count(self, name: str, amount: float) -> None:
         self._stats[name] = self._stats.get(name, 0) + amount
 
     def shutdown(self) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
+import sys
 
 import pytest
 import yaml
@@ -51,6 +53,73 @@ def test_the_table_names_every_figure(
     for label in ("hit rate", "TTFT p50", "TTFT p95", "bytes loaded", "effective GB/s"):
         assert label in table
     assert "outputs identical with and without the connector" in table
+
+
+def test_effective_throughput_is_bytes_moved_over_the_connectors_transfer_time(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
+    warm = json.loads(capsys.readouterr().out)["passes"]["warm"]
+    assert warm["bytes_loaded"] > 0 and warm["transfer_s"] > 0
+    moved = warm["bytes_loaded"] + warm["bytes_saved"]
+    assert warm["effective_gb_per_s"] == pytest.approx(moved / warm["transfer_s"] / 1e9)
+
+
+def test_the_no_connector_pass_reports_no_transfer_figures(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
+    baseline = json.loads(capsys.readouterr().out)["passes"]["no connector"]
+    for key in ("bytes_saved", "bytes_loaded", "transfer_s", "effective_gb_per_s"):
+        assert baseline[key] is None
+
+
+def test_a_counter_the_connector_reports_in_one_pass_is_zero_in_a_pass_without_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
+    passes = json.loads(capsys.readouterr().out)["passes"]
+    assert passes["cold"]["bytes_loaded"] == 0
+    assert passes["warm"]["bytes_saved"] == 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_without_a_terminal_no_progress_is_drawn_and_stdout_holds_only_the_table(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload = [arg for arg in SMALL_WORKLOAD if arg != "--no-progress"]
+    cli.main(["run", str(_directory_profile(tmp_path)), *workload])
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith("kvwire run: DirectoryConnector")
+    assert "requests (" not in captured.out
+
+
+def test_on_a_terminal_the_progress_bar_redraws_one_line_and_erases_it_at_the_end(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    workload = [arg for arg in SMALL_WORKLOAD if arg != "--no-progress"]
+    cli.main(["run", str(_directory_profile(tmp_path)), *workload])
+    drawn = terminal.getvalue()
+    assert "\n" not in drawn
+    assert "\r[" + "#" * 30 + "] 12/12 requests (warm)" in drawn
+    assert drawn.endswith("\r\x1b[K")
+    assert "requests (" not in capsys.readouterr().out
+
+
+def test_help_explains_every_row_of_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    help_text = capsys.readouterr().out
+    for row in ("tokens from connector", "transfer time", "effective GB/s", "TTFT p50 / p95"):
+        assert row in help_text
+    assert "(bytes saved + bytes loaded) / transfer time" in help_text
 
 
 def test_the_cpu_offload_profile_serves_the_warm_pass_from_the_connector(

@@ -38,9 +38,11 @@ def compare_passes(
         engine.reset_prefix_cache()
         warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
         warm = _run_pass(engine, warm_workload, "warm", on_request_done)
-    bytes_per_token = _bytes_per_token(config)
+    # A counter the connector reports in some pass counts as 0 in a pass where
+    # it moved nothing; one it never reports stays None ("not reported").
+    reported = _reported_counters(cold[2]) | _reported_counters(warm[2])
     figures = {
-        name: _figures(outputs, elapsed, stats, bytes_per_token)
+        name: _figures(outputs, elapsed, stats, reported if name != "no connector" else set())
         for name, (outputs, elapsed, stats) in zip(PASSES, (baseline, cold, warm), strict=True)
     }
     reference = [output.output_token_ids for output in baseline[0]]
@@ -95,16 +97,14 @@ def _run_pass(
     return outputs, elapsed, dict(engine.connector_stats.data)
 
 
-def _bytes_per_token(config: EngineConfig) -> int:
-    model = config.model_config
-    return model.num_layers * 2 * model.num_kv_heads * model.head_size * model.dtype_size
+_TRANSFER_COUNTERS = ("bytes_saved", "bytes_loaded", "save_seconds", "load_seconds")
 
 
 def _figures(
     outputs: Sequence[RequestOutput],
     elapsed: float,
     stats: Mapping[str, Any],
-    bytes_per_token: int,
+    reported: set[str],
 ) -> dict[str, Any]:
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     from_connector = sum(output.external_tokens for output in outputs)
@@ -113,12 +113,10 @@ def _figures(
         for output in outputs
         if output.time_to_first_token_s is not None
     )
-    saved = _sum_counter(stats, "bytes_saved")
-    loaded = _sum_counter(stats, "bytes_loaded")
-    if loaded is None:
-        # The connector does not count bytes; the engine knows what it received.
-        loaded = from_connector * bytes_per_token
-    moved = loaded + (saved or 0)
+    counters = {
+        name: (_sum_counter(stats, name) or 0.0) if name in reported else None
+        for name in _TRANSFER_COUNTERS
+    }
     return {
         "requests": len(outputs),
         "prompt_tokens": prompt_tokens,
@@ -127,25 +125,56 @@ def _figures(
         "ttft_p50_ms": _percentile(ttfts, 0.50),
         "ttft_p95_ms": _percentile(ttfts, 0.95),
         "total_s": elapsed,
-        "bytes_saved": saved,
-        "bytes_loaded": loaded,
-        "effective_gb_per_s": moved / elapsed / 1e9 if elapsed else 0.0,
+        "bytes_saved": _whole(counters["bytes_saved"]),
+        "bytes_loaded": _whole(counters["bytes_loaded"]),
+        "transfer_s": _total(counters["save_seconds"], counters["load_seconds"]),
+        "effective_gb_per_s": _throughput(counters),
         "failed_requests": sum(1 for output in outputs if output.error is not None),
         "load_failures": sum(output.num_load_failures for output in outputs),
     }
 
 
-def _sum_counter(stats: Mapping[str, Any], name: str) -> int | None:
+def _reported_counters(stats: Mapping[str, Any]) -> set[str]:
+    return {name for name in _TRANSFER_COUNTERS if _sum_counter(stats, name) is not None}
+
+
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _total(*values: float | None) -> float | None:
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
+
+
+def _throughput(counters: Mapping[str, float | None]) -> float | None:
+    """Bytes moved over the time the connector's transfers took, in GB/s.
+
+    Only directions the connector reports both bytes and seconds for count;
+    None when there are none, or when nothing moved.
+    """
+    moved = seconds = 0.0
+    for bytes_name, seconds_name in (
+        ("bytes_saved", "save_seconds"),
+        ("bytes_loaded", "load_seconds"),
+    ):
+        size, took = counters[bytes_name], counters[seconds_name]
+        if size is not None and took is not None:
+            moved, seconds = moved + size, seconds + took
+    return moved / seconds / 1e9 if moved and seconds else None
+
+
+def _sum_counter(stats: Mapping[str, Any], name: str) -> float | None:
     """``name`` summed over a stats tree (a composite nests its children's counters)."""
     found = False
-    total = 0
+    total = 0.0
     for key, value in stats.items():
         if isinstance(value, Mapping):
             nested = _sum_counter(value, name)
             if nested is not None:
                 found, total = True, total + nested
         elif key == name and isinstance(value, int | float):
-            found, total = True, total + int(value)
+            found, total = True, total + value
     return total if found else None
 
 

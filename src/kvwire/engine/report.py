@@ -18,11 +18,19 @@ def _ms(value: Any) -> str:
 
 def _bytes(value: Any) -> str:
     if value is None:
-        return "n/a"
+        return "-"
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if value >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value} B"
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _rate(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _times(value: Any) -> str:
@@ -36,10 +44,11 @@ _ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("hit rate", "hit_rate", lambda value: f"{value:.1%}"),
     ("TTFT p50", "ttft_p50_ms", _ms),
     ("TTFT p95", "ttft_p95_ms", _ms),
-    ("total time", "total_s", lambda value: f"{value:.3f} s"),
+    ("total time", "total_s", _seconds),
     ("bytes saved", "bytes_saved", _bytes),
     ("bytes loaded", "bytes_loaded", _bytes),
-    ("effective GB/s", "effective_gb_per_s", lambda value: f"{value:.3f}"),
+    ("transfer time", "transfer_s", _seconds),
+    ("effective GB/s", "effective_gb_per_s", _rate),
     ("speed-up (total)", "speedup", _times),
     ("speed-up (TTFT p50)", "ttft_p50_speedup", _times),
     ("failed requests", "failed_requests", _count),

@@ -26,9 +26,36 @@ if TYPE_CHECKING:
 
 DEFAULT_PROFILE = "profiles/default.yaml"
 
+# What each row means, for ``kvwire run --help``.
+COLUMN_HELP = """\
+table rows (one column per pass: no connector, cold = filling the connector,
+warm = local prefix cache emptied, so shared prefixes come from the connector):
+  requests / prompt tokens   the workload, identical in every pass
+  tokens from connector      prompt tokens the connector supplied instead of
+                             the model computing them
+  hit rate                   tokens from connector / prompt tokens
+  TTFT p50 / p95             time from a request's arrival (all arrive at the
+                             start of the pass) to its first generated token
+  total time                 wall time of the whole pass
+  bytes saved / loaded       KV bytes the connector reports it stored / read
+  transfer time              seconds the connector reports its saves and loads
+                             took, summed over transfers (parallel transfers
+                             each count, so this can exceed the total time)
+  effective GB/s             (bytes saved + bytes loaded) / transfer time: the
+                             connector's own throughput while it moves bytes
+  speed-up (total, TTFT p50) no-connector figure / this pass's figure
+  failed requests            requests that ended with an error
+  outputs identical          generated tokens equal the no-connector pass's
+'-' means not applicable, or not reported by the connector."""
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add ``kvwire run``'s arguments to ``parser``."""
+    """Add ``kvwire run``'s arguments to ``parser``, and what its table's rows mean."""
+    parser.description = (
+        "Run a workload without a connector, then with it cold, then warm, and compare."
+    )
+    parser.epilog = COLUMN_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "profile",
         nargs="?",
@@ -64,7 +91,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the figures as JSON")
-    output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    output.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is only drawn when stderr is a terminal)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -92,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvwire run: error: {error}", file=sys.stderr)
         return 2
-    progress = None if args.no_progress else _ProgressBar(sys.stderr, 3 * len(workload))
+    progress = None
+    if not args.no_progress and sys.stderr.isatty():
+        progress = _ProgressBar(sys.stderr, 3 * len(workload))
     try:
         report = compare_passes(
             config,
@@ -157,29 +190,29 @@ def _build_workload(args: argparse.Namespace, config: EngineConfig) -> list[Gene
 
 
 class _ProgressBar:
-    """A one-line progress bar, redrawn in place on a terminal."""
+    """A one-line progress bar redrawn in place on a terminal, erased when closed.
+
+    Only drawn on a terminal: in a log or a pipe, its lines would be noise
+    around the report.
+    """
 
     def __init__(self, stream: TextIO, total: int, width: int = 30) -> None:
         self._stream = stream
         self._total = max(total, 1)
         self._done = 0
         self._width = width
-        self._is_terminal = stream.isatty()
 
     def advance(self, label: str) -> None:
         self._done += 1
-        if not self._is_terminal and self._done not in (self._total, self._total // 3):
-            return
         filled = self._width * self._done // self._total
         bar = "#" * filled + "." * (self._width - filled)
-        end = "\r" if self._is_terminal else "\n"
-        self._stream.write(f"[{bar}] {self._done}/{self._total} requests ({label}){end}")
+        # \r back to the line's start, \x1b[K erases what a longer label left.
+        self._stream.write(f"\r[{bar}] {self._done}/{self._total} requests ({label})\x1b[K")
         self._stream.flush()
 
     def close(self) -> None:
-        if self._is_terminal:
-            self._stream.write("\n")
-            self._stream.flush()
+        self._stream.write("\r\x1b[K")
+        self._stream.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
