@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
+from kvwire.connector.types import KVConnectorStats
+
 
 class Counters:
     """Named numbers, added to from any thread, taken (and reset) by the reporter."""
@@ -27,3 +29,8 @@ class Counters:
         with self._lock:
             values, self._values = self._values, {}
         return values
+
+    def take_stats(self) -> KVConnectorStats | None:
+        """The nonzero counts since the last call as stats (None if none), then zero."""
+        values = {name: value for name, value in self.take().items() if value}
+        return KVConnectorStats(data=values) if values else None

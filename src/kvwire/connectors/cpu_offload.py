@@ -49,6 +49,7 @@ from kvwire.connectors.extra_config import (
     size_key,
 )
 from kvwire.connectors.paged_cache import check_cache_layout
+from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
 
 if TYPE_CHECKING:
     import torch
@@ -133,7 +134,7 @@ class CPUOffloadConnector(KVConnectorBase):
         # Worker side.
         self._counters = Counters()
         self._worker: CPUPoolWorker | None = None
-        self._awaiting_release: set[str] = set()
+        self._pending_release = PendingRelease()
 
     @property
     def layout(self) -> BlockLayout:
@@ -306,21 +307,14 @@ class CPUOffloadConnector(KVConnectorBase):
         )
 
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
-        if self._worker is None:
-            raise RuntimeError(
-                "CPUOffloadConnector: register_kv_caches() must be called before the first step"
-            )
-        metadata = self._get_connector_metadata()
-        if not isinstance(metadata, CPUOffloadMetadata):
-            raise TypeError(
-                f"CPUOffloadConnector got {type(metadata).__name__}, expected CPUOffloadMetadata"
-            )
-        return self._worker, metadata
+        name = type(self).__name__
+        worker = registered_worker(name, self._worker)
+        return worker, metadata_of_type(name, self._get_connector_metadata(), CPUOffloadMetadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker, metadata = self._worker_and_metadata()
         self._counters.add_many(dict(metadata.counters))
-        self._awaiting_release.update(metadata.release_req_ids)
+        self._pending_release.add(metadata.release_req_ids)
         if metadata.preempted_req_ids:
             worker.wait_for_requests(metadata.preempted_req_ids)
         worker.start_loads(metadata.loads, metadata.async_loads)
@@ -347,16 +341,14 @@ class CPUOffloadConnector(KVConnectorBase):
         if self._worker is None:
             return None, None
         received = self._worker.take_finished_loads()
-        sent = {rid for rid in self._awaiting_release if not self._worker.is_busy(rid)}
-        self._awaiting_release -= sent
+        sent = self._pending_release.take_released(self._worker.is_busy)
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        values = {name: value for name, value in self._counters.take().items() if value}
-        return KVConnectorStats(data=values) if values else None
+        return self._counters.take_stats()
 
     def wait_for_pending_stores(self, timeout_s: float | None = None) -> bool:
         """Block until every store started so far is complete (tests, benchmarks)."""

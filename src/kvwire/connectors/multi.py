@@ -42,6 +42,7 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch
@@ -251,14 +252,12 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if not isinstance(connector_metadata, MultiKVConnectorMetadata):
-            raise TypeError(
-                f"MultiConnector got {type(connector_metadata).__name__}, "
-                "expected MultiKVConnectorMetadata"
-            )
-        for child, child_metadata in zip(self._children, connector_metadata.children, strict=True):
+        metadata = metadata_of_type(
+            type(self).__name__, connector_metadata, MultiKVConnectorMetadata
+        )
+        for child, child_metadata in zip(self._children, metadata.children, strict=True):
             child.bind_connector_metadata(child_metadata)
-        self._pending_extra_saves.update(connector_metadata.extra_async_saves)
+        self._pending_extra_saves.update(metadata.extra_async_saves)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

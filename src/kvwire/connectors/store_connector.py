@@ -74,6 +74,7 @@ from kvwire.connectors.extra_config import (
 )
 from kvwire.connectors.paged_cache import check_cache_layout
 from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +141,7 @@ class StoreConnector(KVConnectorBase):
         self._async_loading: set[str] = set()
         self._release_req_ids: list[str] = []
         # Worker side.
-        self._awaiting_release: set[str] = set()
+        self._pending_release = PendingRelease()
         self._counters = Counters()
         self._worker: StoreWorker | None = None
 
@@ -271,20 +272,12 @@ class StoreConnector(KVConnectorBase):
         )
 
     def _require_worker(self) -> StoreWorker:
-        if self._worker is None:
-            raise RuntimeError(
-                f"{type(self).__name__}: register_kv_caches() must be called before the first step"
-            )
-        return self._worker
+        return registered_worker(type(self).__name__, self._worker)
 
     def _metadata(self) -> StoreConnectorMetadata:
-        metadata = self._get_connector_metadata()
-        if not isinstance(metadata, StoreConnectorMetadata):
-            raise TypeError(
-                f"{type(self).__name__} got {type(metadata).__name__}, "
-                "expected StoreConnectorMetadata"
-            )
-        return metadata
+        return metadata_of_type(
+            type(self).__name__, self._get_connector_metadata(), StoreConnectorMetadata
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._metadata()
@@ -294,7 +287,7 @@ class StoreConnector(KVConnectorBase):
                 "lookup_miss_blocks": metadata.lookup_miss_blocks,
             }
         )
-        self._awaiting_release.update(metadata.release_req_ids)
+        self._pending_release.add(metadata.release_req_ids)
         if metadata.loads or metadata.async_loads:
             self._require_worker().start_loads(metadata.loads, metadata.async_loads)
 
@@ -321,8 +314,7 @@ class StoreConnector(KVConnectorBase):
         if self._worker is None:
             return None, None
         received = self._worker.take_finished_loads()
-        sent = {rid for rid in self._awaiting_release if not self._worker.is_loading(rid)}
-        self._awaiting_release -= sent
+        sent = self._pending_release.take_released(self._worker.is_loading)
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -332,8 +324,7 @@ class StoreConnector(KVConnectorBase):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         self._counters.add_many(self.store_counters())
-        values = {name: value for name, value in self._counters.take().items() if value}
-        return KVConnectorStats(data=dict(values)) if values else None
+        return self._counters.take_stats()
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every save submitted so far is in the store (tests, benchmarks)."""

@@ -1,0 +1,57 @@
+"""What the worker sides of kvwire's connectors check and report each step.
+
+A connector's worker side needs its caches registered and this step's
+metadata of its own type before it can move anything, and reports finished
+requests once their transfers end. The helpers here serve every connector
+alike, so each refuses a misuse with the same words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from kvwire.connector.base import KVConnectorMetadata
+
+_Worker = TypeVar("_Worker")
+_Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
+
+
+def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
+    """``worker``, or a ``RuntimeError`` when ``register_kv_caches`` has not made one yet."""
+    if worker is None:
+        raise RuntimeError(
+            f"{connector_name}: register_kv_caches() must be called before the first step"
+        )
+    return worker
+
+
+def metadata_of_type(
+    connector_name: str, metadata: KVConnectorMetadata, expected: type[_Metadata]
+) -> _Metadata:
+    """``metadata``, or a ``TypeError`` when another connector's scheduler side built it."""
+    if not isinstance(metadata, expected):
+        raise TypeError(
+            f"{connector_name} got {type(metadata).__name__}, expected {expected.__name__}"
+        )
+    return metadata
+
+
+class PendingRelease:
+    """Finished requests whose blocks stay kept until their transfers end (worker side).
+
+    The scheduler side names them in a step's metadata; the worker side
+    reports each as finished sending once no transfer of it runs any more.
+    """
+
+    def __init__(self) -> None:
+        self._request_ids: set[str] = set()
+
+    def add(self, request_ids: Iterable[str]) -> None:
+        self._request_ids.update(request_ids)
+
+    def take_released(self, transfers_running: Callable[[str], bool]) -> set[str]:
+        """The requests whose transfers have ended, no longer pending."""
+        released = {rid for rid in self._request_ids if not transfers_running(rid)}
+        self._request_ids -= released
+        return released

@@ -1,0 +1,89 @@
+"""The worker-side checks and reports the connectors share."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.types import ForwardContext
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.store_connector import StoreConnectorMetadata
+from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
+from tests.connectors.harness import cache_config_for, engine_config
+
+
+def test_a_worker_is_required_once_caches_are_registered():
+    with pytest.raises(
+        RuntimeError,
+        match=r"^MyConnector: register_kv_caches\(\) must be called before the first step$",
+    ):
+        registered_worker("MyConnector", None)
+
+
+def test_a_registered_worker_is_returned_as_is():
+    worker = object()
+    assert registered_worker("MyConnector", worker) is worker
+
+
+def test_metadata_of_another_type_is_refused_naming_both_types():
+    with pytest.raises(
+        TypeError, match=r"^MyConnector got KVConnectorMetadata, expected CPUOffloadMetadata$"
+    ):
+        metadata_of_type("MyConnector", KVConnectorMetadata(), CPUOffloadMetadata)
+
+
+def test_metadata_of_the_expected_type_is_returned_as_is():
+    metadata = CPUOffloadMetadata()
+    assert metadata_of_type("MyConnector", metadata, CPUOffloadMetadata) is metadata
+
+
+def test_pending_requests_are_released_once_their_transfers_end():
+    pending = PendingRelease()
+    pending.add(["a", "b"])
+    assert pending.take_released(lambda request_id: request_id == "b") == {"a"}
+    assert pending.take_released(lambda request_id: False) == {"b"}
+    assert pending.take_released(lambda request_id: False) == set()
+
+
+def test_counter_stats_hold_only_nonzero_counts_and_reset():
+    counters = Counters()
+    counters.add_many({"loaded_blocks": 3, "saved_blocks": 0})
+    stats = counters.take_stats()
+    assert stats is not None and stats.data == {"loaded_blocks": 3}
+    assert counters.take_stats() is None
+
+
+def test_the_cpu_offload_worker_refuses_a_step_before_register_kv_caches():
+    config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "4MiB"})
+    worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker.bind_connector_metadata(CPUOffloadMetadata())
+    with pytest.raises(RuntimeError, match=r"^CPUOffloadConnector: register_kv_caches\(\)"):
+        worker.start_load_kv(ForwardContext(layer_names=()))
+
+
+def test_a_store_worker_refuses_a_step_before_register_kv_caches(tmp_path):
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
+    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker.bind_connector_metadata(StoreConnectorMetadata())
+    try:
+        with pytest.raises(RuntimeError, match=r"^SharedStorageConnector: register_kv_caches\(\)"):
+            worker.wait_for_save()
+    finally:
+        worker.shutdown()
+
+
+def test_a_store_worker_refuses_another_connectors_metadata(tmp_path):
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
+    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker.bind_connector_metadata(CPUOffloadMetadata())
+    try:
+        with pytest.raises(
+            TypeError,
+            match=r"^SharedStorageConnector got CPUOffloadMetadata, "
+            r"expected StoreConnectorMetadata$",
+        ):
+            worker.start_load_kv(ForwardContext(layer_names=()))
+    finally:
+        worker.shutdown()
