@@ -21,9 +21,7 @@ Each throughput is the best of a few repeats. ``python -m benchmarks.connectors
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import pathlib
 import shutil
@@ -32,11 +30,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import torch
 
+from benchmarks.common import KIB, MIB, best_seconds, pyplot, size_label, write_json
+from benchmarks.common import main as run_from_command_line
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvwire.connector.types import ForwardContext
@@ -48,14 +49,15 @@ from kvwire.connectors.store_connector import StoreConnectorMetadata
 from kvwire.connectors.store_worker import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
-KIB = 1024
-MIB = 1024 * KIB
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 # One token of every layer is 32 KiB: 4 layers x (keys + values) x 8 heads x 128 x fp32.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 4, 8, 128
 TOKEN_BYTES = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * 4
 # Best of this many repeats (5 in a full run): a shared machine is noisy.
 REPEATS = 3
+# The shared-storage connector's default I/O threads per direction; the plain
+# file bound runs on as many threads.
+STORAGE_IO_THREADS = 4
 
 
 def engine_config(
@@ -116,19 +118,13 @@ def run_step(
         raise RuntimeError("saves were dropped: the benchmark would overstate throughput")
 
 
-def best_gbps(nbytes: int, *actions: Callable[[int], None]) -> list[float]:
-    """GB/s of the fastest of ``REPEATS`` calls of each action, in the same order.
-
-    The actions take turns, repeat by repeat, so that a machine whose load or
-    write-back state drifts during the run weighs on all of them alike.
-    """
-    best = [float("inf")] * len(actions)
-    for repeat in range(REPEATS):
-        for index, action in enumerate(actions):
-            started = time.perf_counter()
-            action(repeat)
-            best[index] = min(best[index], time.perf_counter() - started)
-    return [nbytes / seconds / 1e9 for seconds in best]
+def best_gbps(
+    nbytes: int, *actions: Callable[[int], None], before_each: Callable[[], None] | None = None
+) -> list[float]:
+    """GB/s of the fastest of ``REPEATS`` calls of each action, taking turns (see best_seconds)."""
+    named = {str(index): action for index, action in enumerate(actions)}
+    seconds = best_seconds(named, REPEATS, before_each)
+    return [nbytes / seconds[name] / 1e9 for name in named]
 
 
 # ------------------------------------------------------------------ CPU pool
@@ -176,27 +172,54 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
 
 
 def plain_file_actions(
-    directory: pathlib.Path, count: int, entry_bytes: int
+    directory: pathlib.Path, count: int, entry_bytes: int, threads: int
 ) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """A plain write of new files, and a plain read of them, one file per block."""
-    directory.mkdir()
-    payload = os.urandom(entry_bytes)
-    buffer = bytearray(entry_bytes)
+    """A plain write of new files, and a plain read of them, one file per block.
 
-    def paths(repeat: int) -> list[pathlib.Path]:
-        return [directory / f"plain-{repeat}-{i}" for i in range(count)]
+    The same bytes as the connector moves: ``count`` distinct entries in one
+    buffer of the connector's staging size (not one small buffer that stays
+    in the CPU cache), on as many threads as the connector's I/O threads.
+    """
+    directory.mkdir()
+    source = bytearray(os.urandom(count * entry_bytes))
+    target = bytearray(count * entry_bytes)
+    sources, targets = memoryview(source), memoryview(target)
+    pool = ThreadPoolExecutor(threads)
+    shares = [range(i, count, threads) for i in range(threads)]
+
+    def write_share(repeat: int, share: range) -> None:
+        for i in share:
+            with open(directory / f"plain-{repeat}-{i}", "wb") as file:
+                file.write(sources[i * entry_bytes : (i + 1) * entry_bytes])
+
+    def read_share(repeat: int, share: range) -> None:
+        for i in share:
+            with open(directory / f"plain-{repeat}-{i}", "rb", buffering=0) as file:
+                file.readinto(targets[i * entry_bytes : (i + 1) * entry_bytes])
 
     def write(repeat: int) -> None:
-        for path in paths(repeat):
-            with open(path, "wb") as file:
-                file.write(payload)
+        list(pool.map(lambda share: write_share(repeat, share), shares))
 
     def read(repeat: int) -> None:
-        for path in paths(REPEATS - 1):
-            with open(path, "rb", buffering=0) as file:
-                file.readinto(buffer)
+        list(pool.map(lambda share: read_share(READ_REPEAT, share), shares))
 
     return write, read
+
+
+# The repeat whose files both loads read: written, untimed, after the saves.
+READ_REPEAT = -1
+
+
+def remove_files(*roots: pathlib.Path) -> None:
+    """Delete what earlier repeats wrote, untimed, so that dirty pages do not pile up.
+
+    Otherwise each repeat would write into a page cache fuller than the last,
+    and throttled write-back would weigh on whichever action runs later.
+    """
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                os.unlink(os.path.join(folder, name))
 
 
 def bench_shared_storage(
@@ -208,7 +231,11 @@ def bench_shared_storage(
     config = engine_config(
         "SharedStorageConnector",
         # Staging for every block: a save that found no free slot would be dropped.
-        {"shared_storage_path": str(store), "staging_buffer_bytes": count * block_bytes + MIB},
+        {
+            "shared_storage_path": str(store),
+            "staging_buffer_bytes": count * block_bytes + MIB,
+            "io_threads": STORAGE_IO_THREADS,
+        },
         block_tokens,
         count,
     )
@@ -226,12 +253,16 @@ def bench_shared_storage(
         connector.wait_for_pending_saves()
 
     def load(repeat: int) -> None:
-        last_saved = transfer(REPEATS - 1)
-        run_step(connector, StoreConnectorMetadata(loads=(last_saved,)), layers)
+        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
 
     plain = scratch / f"plain-{block_bytes}"
-    write, read = plain_file_actions(plain, count, connector.layout.entry_bytes)
-    save_gbps, write_bound = best_gbps(nbytes, save, write)
+    write, read = plain_file_actions(plain, count, connector.layout.entry_bytes, STORAGE_IO_THREADS)
+    save_gbps, write_bound = best_gbps(
+        nbytes, save, write, before_each=lambda: remove_files(store, plain)
+    )
+    remove_files(store, plain)
+    save(READ_REPEAT)
+    write(READ_REPEAT)
     load_gbps, read_bound = best_gbps(nbytes, load, read)
     connector.shutdown()
     shutil.rmtree(plain)
@@ -412,11 +443,7 @@ def bench_time_to_first_token(quick: bool, scratch: pathlib.Path) -> dict[str, f
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = [row["block_kib"] for row in results["cpu_offload"]]
     figure, (cpu, disk) = plt.subplots(1, 2, figsize=(11, 4.2))
     for axis, key, series in (
@@ -440,7 +467,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
             style = "--" if "bound" in field else "-"
             axis.plot(sizes, [row[field] for row in results[key]], style, marker="o", label=label)
         axis.set_xscale("log", base=2)
-        axis.set_xticks(sizes, [f"{s} KiB" if s < 1024 else f"{s // 1024} MiB" for s in sizes])
+        axis.set_xticks(sizes, [size_label(size * KIB) for size in sizes])
         axis.set_xlabel("block size")
         axis.set_ylabel("GB/s")
         axis.set_title(key.replace("_", " "))
@@ -474,7 +501,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         print(f"  time to first token {results['time_to_first_token']}", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    (output_dir / "connectors.json").write_text(json.dumps(results, indent=2))
+    write_json(output_dir, "connectors.json", results)
     plot(results, output_dir / "connectors.png")
     large = [i for i, size in enumerate(BLOCK_SIZES) if size >= MIB]
     cpu_rows, disk_rows = results["cpu_offload"], results["shared_storage"]
@@ -504,15 +531,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.connectors")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
-    )
-    args = parser.parse_args(argv)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(run(args.output_dir, args.quick), indent=2))
-    return 0
+    return run_from_command_line("python -m benchmarks.connectors", run, argv)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,14 @@ Two figures, each a ratio against a bound measured in the same run:
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 from typing import Any
 
 import attrs
 
+from benchmarks.common import main as run_from_command_line
+from benchmarks.common import pyplot, write_json
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.passes import compare_passes
@@ -91,10 +91,7 @@ def measure_warm_ttft(quick: bool) -> dict[str, Any]:
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     overhead = [measure_overhead(preset, quick) for preset in ("tiny", "bench")]
     ttft = measure_warm_ttft(quick)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "engine.json").write_text(
-        json.dumps({"overhead": overhead, "warm_ttft": ttft}, indent=2)
-    )
+    write_json(output_dir, "engine.json", {"overhead": overhead, "warm_ttft": ttft})
     _plot(overhead, ttft, output_dir / "engine.png")
     summary: dict[str, Any] = {
         f"overhead_ratio_{row['preset']}": round(row["overhead_ratio"], 3) for row in overhead
@@ -105,11 +102,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 
 
 def _plot(overhead: list[dict[str, Any]], ttft: dict[str, Any], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5))
     presets = [row["preset"] for row in overhead]
     positions = range(len(presets))
@@ -140,14 +133,7 @@ def _plot(overhead: list[dict[str, Any]], ttft: dict[str, Any], path: pathlib.Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
-    )
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.output_dir, args.quick), indent=2))
-    return 0
+    return run_from_command_line("python -m benchmarks.engine", run, argv)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ writes ``redis.json`` and ``redis.png`` into the output directory.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import pathlib
 import shutil
@@ -33,12 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import redis
 
+from benchmarks.common import KIB, MIB, best_seconds, pyplot, size_label, write_json
+from benchmarks.common import main as run_from_command_line
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import ForwardContext
@@ -49,8 +49,6 @@ from kvwire.connectors.store_connector import StoreConnectorMetadata
 from kvwire.connectors.store_worker import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
-KIB = 1024
-MIB = 1024 * KIB
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)
 BATCH_BLOCKS = 8
@@ -107,20 +105,6 @@ def redis_server() -> Iterator[str]:
         process.terminate()
         process.wait(timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _best_seconds(
-    actions: dict[str, Callable[[], None]], repeats: int, reset: Callable[[], None]
-) -> dict[str, float]:
-    """The best time of each action; the actions take turns, so noise hits them alike."""
-    best = dict.fromkeys(actions, float("inf"))
-    for _ in range(repeats):
-        for name, action in actions.items():
-            reset()
-            started = time.perf_counter()
-            action()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best
 
 
 class _ConnectorPath:
@@ -186,11 +170,11 @@ class _ConnectorPath:
         if failed:
             raise RuntimeError(f"{len(failed)} blocks failed to load in the benchmark")
 
-    def save(self) -> None:
+    def save(self, _repeat: int = 0) -> None:
         self._step(StoreConnectorMetadata(saves=(self.transfer,)))
         self.connector.wait_for_pending_saves()
 
-    def load(self) -> None:
+    def load(self, _repeat: int = 0) -> None:
         self._step(StoreConnectorMetadata(loads=(self.transfer,)))
 
     def close(self) -> None:
@@ -222,14 +206,14 @@ def measure_block_size(
     def flush() -> None:
         plain.flushdb()
 
-    def plain_save() -> None:
+    def plain_save(_repeat: int = 0) -> None:
         for batch in batches:
             pipeline = plain.pipeline(transaction=False)
             for index in batch:
                 pipeline.set(keys[index], values[index])
             pipeline.execute()
 
-    def plain_load() -> None:
+    def plain_load(_repeat: int = 0) -> None:
         for batch in batches:
             pipeline = plain.pipeline(transaction=False)
             for index in batch:
@@ -237,25 +221,22 @@ def measure_block_size(
             for value in pipeline.execute():
                 assert len(value) == block_bytes
 
-    def store_save() -> None:
+    def store_save(_repeat: int = 0) -> None:
         for batch in batches:
             assert all(store.put([keys[i] for i in batch], [views[i] for i in batch]))
 
-    def store_load() -> None:
+    def store_load(_repeat: int = 0) -> None:
         for batch in batches:
             sizes = store.get_into([keys[i] for i in batch], [load_buffers[i] for i in batch])
             assert all(size == block_bytes for size in sizes)
 
-    def nothing() -> None:
-        return None
-
     moved = count * block_bytes
     saves = {"plain_save": plain_save, "store_save": store_save, "connector_save": connector.save}
-    seconds = _best_seconds(saves, repeats, flush)
+    seconds = best_seconds(saves, repeats, before_each=flush)
     plain_save()
     connector.save()
     loads = {"plain_load": plain_load, "store_load": store_load, "connector_load": connector.load}
-    seconds.update(_best_seconds(loads, repeats, nothing))
+    seconds.update(best_seconds(loads, repeats))
     assert all(buffer.tobytes() == pattern for buffer in load_buffers[:2])
     flush()
     plain.close()
@@ -280,10 +261,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     repeats = 2 if quick else 4
     with redis_server() as url:
         rows = [measure_block_size(url, size, total_bytes, repeats) for size in sizes]
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "redis.json").write_text(
-        json.dumps({"batch_blocks": BATCH_BLOCKS, "rows": rows}, indent=2)
-    )
+    write_json(output_dir, "redis.json", {"batch_blocks": BATCH_BLOCKS, "rows": rows})
     _plot(rows, output_dir / "redis.png")
     summary: dict[str, Any] = {}
     for row in rows:
@@ -298,11 +276,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 
 
 def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes_kib = [row["block_bytes"] // KIB for row in rows]
     figure, axis = plt.subplots(figsize=(7, 4.5))
     styles = {
@@ -323,9 +297,7 @@ def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
             label=label,
         )
     axis.set_xscale("log", base=2)
-    axis.set_xticks(
-        sizes_kib, [f"{size} KiB" if size < 1024 else f"{size // 1024} MiB" for size in sizes_kib]
-    )
+    axis.set_xticks(sizes_kib, [size_label(row["block_bytes"]) for row in rows])
     axis.set_xlabel("block size")
     axis.set_ylabel("GB/s (one thread, loopback)")
     axis.set_title("Redis: kvwire store vs plain redis-py pipelines, same server, same run")
@@ -337,14 +309,7 @@ def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.redis")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument(
-        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
-    )
-    args = parser.parse_args(argv)
-    print(json.dumps(run(args.output_dir, args.quick), indent=2))
-    return 0
+    return run_from_command_line("python -m benchmarks.redis", run, argv)
 
 
 if __name__ == "__main__":

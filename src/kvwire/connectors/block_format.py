@@ -106,7 +106,14 @@ class BlockLayout:
 
 
 def payload_checksum(payload: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+    """XXH3-64 of ``payload``.
+
+    The hasher object is used rather than ``xxh3_64_intdigest`` because its
+    constructor releases the GIL while it hashes (the one-shot function does
+    not), so checksums on I/O threads overlap with the forward pass's thread.
+    The value is the same.
+    """
+    return xxhash.xxh3_64(payload).intdigest()
 
 
 def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:

@@ -27,7 +27,7 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.paged_cache import PagedKVCaches, cache_sized_chunks
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 
@@ -133,10 +133,18 @@ class CPUPoolWorker:
         started = time.perf_counter()
         stored = 0
         try:
-            self._caches.gather_many(transfer.block_ids, transfer.slots, self.pool.payloads)
-            for slot, block_hash in zip(transfer.slots, transfer.block_hashes, strict=True):
-                write_header(self.pool.entry(slot), self._layout, block_hash)
-                stored += 1
+            # Chunk by chunk, so each checksum reads entries the copy has just
+            # written while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
+                slots = transfer.slots[chunk.start : chunk.stop]
+                self._caches.gather_many(
+                    transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
+                )
+                for slot, block_hash in zip(
+                    slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
+                ):
+                    write_header(self.pool.entry(slot), self._layout, block_hash)
+                    stored += 1
         except Exception:
             # The slots keep whatever they had; their headers no longer match,
             # so a later load reports them instead of copying them.
@@ -203,23 +211,31 @@ class CPUPoolWorker:
         started = time.perf_counter()
         failed: list[int] = []
         try:
-            verified_ids: list[int] = []
-            verified_slots: list[int] = []
-            for block_id, slot, block_hash in zip(
-                transfer.block_ids, transfer.slots, transfer.block_hashes, strict=True
-            ):
-                try:
-                    verify_entry(self.pool.entry(slot), self._layout, block_hash)
-                    self._caches.check_block_id(block_id)
-                except (CorruptBlockError, IndexError) as error:
-                    self._warn.warn("corrupt", "CPU offload: not loading slot %d: %s", slot, error)
-                    self._counters.add("corrupt_entries")
-                    failed.append(block_id)
-                    continue
-                verified_ids.append(block_id)
-                verified_slots.append(slot)
-            # Only verified entries reach the cache.
-            self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
+            # Chunk by chunk, so the copy into the cache reads entries that
+            # verification has just read, while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
+                verified_ids: list[int] = []
+                verified_slots: list[int] = []
+                for block_id, slot, block_hash in zip(
+                    transfer.block_ids[chunk.start : chunk.stop],
+                    transfer.slots[chunk.start : chunk.stop],
+                    transfer.block_hashes[chunk.start : chunk.stop],
+                    strict=True,
+                ):
+                    try:
+                        verify_entry(self.pool.entry(slot), self._layout, block_hash)
+                        self._caches.check_block_id(block_id)
+                    except (CorruptBlockError, IndexError) as error:
+                        self._warn.warn(
+                            "corrupt", "CPU offload: not loading slot %d: %s", slot, error
+                        )
+                        self._counters.add("corrupt_entries")
+                        failed.append(block_id)
+                        continue
+                    verified_ids.append(block_id)
+                    verified_slots.append(slot)
+                # Only verified entries reach the cache.
+                self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
         except Exception:
             # Never an exception into the engine: the whole transfer is reported failed.
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)

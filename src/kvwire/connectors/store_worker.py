@@ -27,7 +27,7 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.paged_cache import PagedKVCaches, cache_sized_chunks
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
@@ -173,33 +173,17 @@ class StoreWorker:
         corrupt_keys: list[str] = []
         loaded_bytes = 0
         try:
-            keys = [self._key_of(block_hash) for block_hash in hashes]
-            entries = [self._staging.entry(slot) for slot in slots]
-            sizes = self._store.get_into(keys, entries)
-            verified_ids: list[int] = []
-            verified_slots: list[int] = []
-            for block_id, key, block_hash, slot, entry, size in zip(
-                block_ids, keys, hashes, slots, entries, sizes, strict=True
-            ):
-                if size is None:
-                    failed.append(block_id)
-                    continue
-                try:
-                    verify_entry(entry[:size], self._layout, block_hash)
-                    self._caches.check_block_id(block_id)
-                except (CorruptBlockError, IndexError) as error:
-                    self._warn.warn(
-                        "corrupt", "not loading block %s: %s", block_hash.hex()[:16], error
-                    )
-                    self._counters.add("corrupt_entries")
-                    corrupt_keys.append(key)
-                    failed.append(block_id)
-                    continue
-                verified_ids.append(block_id)
-                verified_slots.append(slot)
-            # Only verified entries reach the cache.
-            self._caches.scatter_many(self._staging.payloads, verified_slots, verified_ids)
-            loaded_bytes = len(verified_ids) * self._layout.payload_bytes
+            # Read, verify and scatter a cache-sized chunk at a time: verification
+            # reads entries the store has just written into staging, and the
+            # scatter reads them again, while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(slots), self._layout.entry_bytes):
+                loaded_bytes += self._load_chunk(
+                    block_ids[chunk.start : chunk.stop],
+                    hashes[chunk.start : chunk.stop],
+                    slots[chunk.start : chunk.stop],
+                    failed,
+                    corrupt_keys,
+                )
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
             logger.exception("load of %d blocks failed", len(block_ids))
@@ -220,6 +204,41 @@ class StoreWorker:
             }
         )
         return failed
+
+    def _load_chunk(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        slots: Sequence[int],
+        failed: list[int],
+        corrupt_keys: list[str],
+    ) -> int:
+        """Load one chunk; appends its failures; the payload bytes that reached the cache."""
+        keys = [self._key_of(block_hash) for block_hash in hashes]
+        entries = [self._staging.entry(slot) for slot in slots]
+        sizes = self._store.get_into(keys, entries)
+        verified_ids: list[int] = []
+        verified_slots: list[int] = []
+        for block_id, key, block_hash, slot, entry, size in zip(
+            block_ids, keys, hashes, slots, entries, sizes, strict=True
+        ):
+            if size is None:
+                failed.append(block_id)
+                continue
+            try:
+                verify_entry(entry[:size], self._layout, block_hash)
+                self._caches.check_block_id(block_id)
+            except (CorruptBlockError, IndexError) as error:
+                self._warn.warn("corrupt", "not loading block %s: %s", block_hash.hex()[:16], error)
+                self._counters.add("corrupt_entries")
+                corrupt_keys.append(key)
+                failed.append(block_id)
+                continue
+            verified_ids.append(block_id)
+            verified_slots.append(slot)
+        # Only verified entries reach the cache.
+        self._caches.scatter_many(self._staging.payloads, verified_slots, verified_ids)
+        return len(verified_ids) * self._layout.payload_bytes
 
     def _discard(self, keys: list[str]) -> None:
         try:
@@ -274,11 +293,15 @@ class StoreWorker:
         started = time.perf_counter()
         stored = 0
         try:
-            entries = [self._staging.entry(slot) for slot in slots]
-            for block_hash, entry in zip(hashes, entries, strict=True):
-                write_header(entry, self._layout, block_hash)
-            results = self._store.put([self._key_of(h) for h in hashes], entries)
-            stored = sum(1 for ok in results if ok)
+            # A cache-sized chunk at a time: the store sends or writes entries
+            # the checksum has just read, while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(slots), self._layout.entry_bytes):
+                chunk_hashes = hashes[chunk.start : chunk.stop]
+                entries = [self._staging.entry(slot) for slot in slots[chunk.start : chunk.stop]]
+                for block_hash, entry in zip(chunk_hashes, entries, strict=True):
+                    write_header(entry, self._layout, block_hash)
+                results = self._store.put([self._key_of(h) for h in chunk_hashes], entries)
+                stored += sum(1 for ok in results if ok)
         except Exception:
             logger.exception("save of %d blocks failed", len(hashes))
         finally:
