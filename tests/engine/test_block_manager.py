@@ -71,3 +71,22 @@ def test_reset_is_refused_while_blocks_are_in_use() -> None:
     assert manager.reset_prefix_cache() is False
     manager.free("a")
     assert manager.reset_prefix_cache() is True
+
+
+def test_blocks_published_before_they_are_computed_are_found_by_the_next_request() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = _request("a", list(range(12)))
+    manager.allocate(first, [], first.num_tokens)
+    manager.cache_full_blocks(first, num_tokens=8)  # scheduled, not yet computed
+    _cached, tokens = manager.find_cached_prefix(_request("b", list(range(12))))
+    assert tokens == 8
+
+
+def test_rolled_back_blocks_leave_the_prefix_cache() -> None:
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    first = _request("a", list(range(13)))
+    manager.allocate(first, [], first.num_tokens)
+    manager.cache_full_blocks(first, num_tokens=12)
+    manager.uncache_from("a", 1)
+    _cached, tokens = manager.find_cached_prefix(_request("b", list(range(13))))
+    assert tokens == 4

@@ -93,12 +93,20 @@ class BlockManager:
             held.append(block)
         return KVCacheBlocks((list(held),))
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's full, computed blocks in the local prefix cache."""
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Publish the request's full blocks of its first ``num_tokens`` tokens.
+
+        ``num_tokens`` (default: the computed tokens) may count tokens that
+        this step computes or loads synchronously: their keys and values are
+        in the cache before any attention of the step reads them, so a request
+        admitted later in the same step can share the blocks.
+        """
         held = self._request_blocks.get(request.request_id)
         if not held:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_cached_blocks.get(request.request_id, 0)
         for index in range(start, num_full):
             block = held[index]
@@ -109,8 +117,14 @@ class BlockManager:
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
     def uncache_from(self, request_id: str, block_index: int) -> None:
-        """Forget that the request's blocks from ``block_index`` on are cached (rolled back)."""
-        if self._num_cached_blocks.get(request_id, 0) > block_index:
+        """Take the request's blocks from ``block_index`` on out of the prefix cache.
+
+        For a rollback: those blocks were computed from (or are) bad data, so
+        no request may hit them until they are computed again.
+        """
+        num_cached = self._num_cached_blocks.get(request_id, 0)
+        if num_cached > block_index:
+            self.invalidate(self._request_blocks.get(request_id, [])[block_index:num_cached])
             self._num_cached_blocks[request_id] = block_index
 
     def invalidate(self, block_ids: Iterable[int]) -> None:

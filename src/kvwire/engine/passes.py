@@ -120,6 +120,7 @@ def _figures(
     return {
         "requests": len(outputs),
         "prompt_tokens": prompt_tokens,
+        "tokens_from_local_cache": sum(output.local_cached_tokens for output in outputs),
         "tokens_from_connector": from_connector,
         "hit_rate": from_connector / prompt_tokens if prompt_tokens else 0.0,
         "ttft_p50_ms": _percentile(ttfts, 0.50),

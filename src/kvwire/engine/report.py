@@ -40,6 +40,7 @@ def _times(value: Any) -> str:
 _ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("requests", "requests", _count),
     ("prompt tokens", "prompt_tokens", _count),
+    ("tokens from local cache", "tokens_from_local_cache", _count),
     ("tokens from connector", "tokens_from_connector", _count),
     ("hit rate", "hit_rate", lambda value: f"{value:.1%}"),
     ("TTFT p50", "ttft_p50_ms", _ms),

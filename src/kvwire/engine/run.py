@@ -31,6 +31,9 @@ COLUMN_HELP = """\
 table rows (one column per pass: no connector, cold = filling the connector,
 warm = local prefix cache emptied, so shared prefixes come from the connector):
   requests / prompt tokens   the workload, identical in every pass
+  tokens from local cache    prompt tokens found in the engine's own prefix
+                             cache (blocks computed or loaded by an earlier
+                             request, also one admitted in the same step)
   tokens from connector      prompt tokens the connector supplied instead of
                              the model computing them
   hit rate                   tokens from connector / prompt tokens

@@ -5,7 +5,9 @@ the newest running request when the pool runs dry; then waiting requests,
 each asking the local prefix cache and then the connector
 (``get_num_new_matched_tokens``) what is already known, allocating blocks,
 telling the connector (``update_state_after_alloc``), and parking those whose
-load is asynchronous. The step ends with ``build_connector_meta``. After the
+load is asynchronous. A scheduled chunk's full blocks enter the local prefix
+cache at once (as in vLLM), so requests admitted later in the same step share
+a common prefix instead of each loading or computing a copy. The step ends with ``build_connector_meta``. After the
 worker's step: load errors first (roll back or fail), then the sampled
 tokens, finished receives and sends, and ``update_connector_output``.
 """
@@ -281,6 +283,11 @@ class Scheduler:
         resumed = request.status is RequestStatus.PREEMPTED
         self._ever_scheduled.add(request.request_id)
         request.status = RequestStatus.RUNNING
+        # Published now, not after the step: a request admitted later in this
+        # step then shares these blocks instead of loading or computing its
+        # own copy (requests with a common prefix would otherwise each hold
+        # one, and run the pool dry).
+        self.block_manager.cache_full_blocks(request, start + num_new)
         block_ids = self.block_manager.blocks_of(request.request_id)
         scheduled.append(
             ScheduledRequest(
@@ -411,6 +418,8 @@ class Scheduler:
         """A load into ``bad`` failed: roll back to the valid prefix, or fail the request."""
         self.block_manager.invalidate(bad)
         self._failed_async_blocks.difference_update(bad)
+        # Blocks from the first bad one on hold bad data, or data computed from it.
+        self.block_manager.uncache_from(request.request_id, first_bad_index)
         metrics = self.metrics[request.request_id]
         metrics.num_load_failures += 1
         # Only the tokens before the failed block were really served by the connector.
@@ -434,7 +443,6 @@ class Scheduler:
             valid_tokens,
         )
         request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
-        self.block_manager.uncache_from(request.request_id, first_bad_index)
 
     def _finish(self, request: Request, status: RequestStatus, finished: list[Request]) -> None:
         request.status = status

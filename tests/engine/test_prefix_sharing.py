@@ -1,0 +1,71 @@
+"""Requests admitted in the same step share the blocks of their common prefix.
+
+A block is published in the local prefix cache when it is scheduled, not
+after the step that fills it (as vLLM's scheduler does): its keys and values
+are written before any attention of the step reads them. So requests with a
+common prefix hold one copy of it, loaded or computed once, and a failed load
+into a shared block rolls back every request that holds it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from kvwire.engine.engine import GenerationRequest
+from kvwire.engine.worker import LoadFailureInjection
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from tests.engine.conftest import tiny_config, with_directory_connector
+from tests.engine.helpers import generate, tokens
+
+PREFIX = tuple(range(100, 112))  # three blocks of four tokens
+
+
+def _two_requests_with_a_common_prefix() -> list[GenerationRequest]:
+    return [
+        GenerationRequest("first", (*PREFIX, 1, 2, 3), max_tokens=4),
+        GenerationRequest("second", (*PREFIX, 4, 5), max_tokens=4),
+    ]
+
+
+def test_the_second_request_of_a_step_finds_the_firsts_prefix_in_the_local_cache() -> None:
+    outputs = generate(tiny_config(), _two_requests_with_a_common_prefix())
+    assert [output.local_cached_tokens for output in outputs] == [0, len(PREFIX)]
+
+
+def test_sharing_a_prefix_within_a_step_gives_the_tokens_of_running_alone() -> None:
+    config = tiny_config()
+    together = generate(config, _two_requests_with_a_common_prefix())
+    alone = [generate(config, [request])[0] for request in _two_requests_with_a_common_prefix()]
+    assert tokens(together) == tokens(alone)
+
+
+def test_a_failed_load_into_a_shared_block_is_recomputed_by_every_request_holding_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    config = tiny_config()
+    workload = _two_requests_with_a_common_prefix()
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path)
+    generate(connector_config, workload)  # fills the store
+    injection = LoadFailureInjection(request_ids=frozenset({"first"}), block_index=0)
+    warm = generate(connector_config, workload, load_failure_injection=injection)
+    assert tokens(warm) == reference
+    assert [output.num_load_failures for output in warm] == [1, 1]
+
+
+def test_a_warm_pass_fits_where_a_copy_of_the_prefix_per_request_would_not(
+    tmp_path: pathlib.Path,
+) -> None:
+    # 8 requests of 30 + 6 tokens (9 blocks each) sharing 4 full blocks: 44
+    # blocks with one copy of the prefix, 72 with a copy each.
+    spec = WorkloadSpec(
+        num_requests=8, prompt_len=30, output_len=6, shared_prefix_ratio=0.6, vocab_size=300
+    )
+    workload = synthetic_workload(spec)
+    config = tiny_config(num_gpu_blocks=48)
+    reference = tokens(generate(config, workload))
+    connector_config = with_directory_connector(config, tmp_path)
+    generate(connector_config, workload)
+    warm = generate(connector_config, workload)
+    assert tokens(warm) == reference
+    assert sum(output.num_preemptions for output in warm) == 0
