@@ -28,11 +28,14 @@ def with_connector(
     *,
     kv_role: str = "kv_both",
     policy: str = "recompute",
+    module_path: str | None = None,
 ) -> EngineConfig:
+    """``config`` naming ``connector`` (found in ``module_path`` if given) with ``extra``."""
     return attrs.evolve(
         config,
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
+            kv_connector_module_path=module_path,
             kv_role=kv_role,
             kv_load_failure_policy=policy,
             kv_connector_extra_config=extra,

@@ -1,7 +1,8 @@
 """Drives connectors directly, both roles, over real paged-cache tensors.
 
 The scheduler side and the worker side are separate instances, and the
-metadata crosses between them pickled, as it would between processes.
+metadata crosses between them pickled, as it would between processes. The
+caches have the engine's own layout (``cache_config_for`` is the engine's).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.engine.engine import build_kv_cache_config as cache_config_for
+from kvwire.kv_cache_config import KVCacheConfig
 
 
 def engine_config(
@@ -52,18 +54,6 @@ def engine_config(
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector, kv_role=kv_role, kv_connector_extra_config=extra
         ),
-    )
-
-
-def cache_config_for(config: EngineConfig) -> KVCacheConfig:
-    model = config.model_config
-    return build_full_attention_kv_cache_config(
-        num_layers=model.num_layers,
-        num_blocks=config.cache_config.num_gpu_blocks,
-        block_size=config.cache_config.block_size,
-        num_kv_heads=model.num_kv_heads,
-        head_size=model.head_size,
-        dtype=model.dtype,
     )
 
 

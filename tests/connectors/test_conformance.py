@@ -10,41 +10,30 @@ from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
 
 SMALL_POOL = {"cpu_pool_bytes": "4MiB"}
+# Each connector runs the suite with loads in the forward pass and in the background.
+LOAD_MODES = [pytest.param(False, id="sync-loads"), pytest.param(True, id="async-loads")]
 
 
 class TestCPUOffloadConnector(ConnectorConformanceSuite):
-    @pytest.fixture
-    def engine_config(self, tmp_path: pathlib.Path) -> EngineConfig:
-        return conformance_engine_config("CPUOffloadConnector", extra_config=SMALL_POOL)
-
-
-class TestCPUOffloadConnectorAsyncLoads(ConnectorConformanceSuite):
-    @pytest.fixture
-    def engine_config(self, tmp_path: pathlib.Path) -> EngineConfig:
+    @pytest.fixture(params=LOAD_MODES)
+    def engine_config(self, request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> EngineConfig:
         return conformance_engine_config(
-            "CPUOffloadConnector", extra_config={**SMALL_POOL, "async_load": True}
+            "CPUOffloadConnector", extra_config={**SMALL_POOL, "async_load": request.param}
         )
 
 
 class TestSharedStorageConnector(ConnectorConformanceSuite):
-    @pytest.fixture
-    def engine_config(self, tmp_path: pathlib.Path) -> EngineConfig:
-        return conformance_engine_config(
-            "SharedStorageConnector",
-            extra_config={"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "1MiB"},
-        )
-
-
-class TestSharedStorageConnectorAsyncLoads(ConnectorConformanceSuite):
-    @pytest.fixture
-    def engine_config(self, tmp_path: pathlib.Path) -> EngineConfig:
+    @pytest.fixture(params=LOAD_MODES)
+    def engine_config(self, request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> EngineConfig:
+        async_load: bool = request.param
         return conformance_engine_config(
             "SharedStorageConnector",
             extra_config={
                 "shared_storage_path": str(tmp_path),
                 "staging_buffer_bytes": "1MiB",
-                "async_load": True,
-                "fsync": True,
+                "async_load": async_load,
+                # The asynchronous run also takes the fsync'd write path.
+                "fsync": async_load,
             },
         )
 

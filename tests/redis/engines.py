@@ -4,21 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
-from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+from kvwire.config import EngineConfig
+from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from tests.connectors.engine_support import generate, tiny_engine_config, tokens, with_connector
+
+__all__ = ["generate", "shared_prefix_workload", "tiny_config", "tokens", "with_redis"]
 
 BLOCK_SIZE = 4
 
 
 def tiny_config() -> EngineConfig:
     """A model and cache small enough that a whole workload runs in about a second."""
-    return EngineConfig(
-        model_config=ModelConfig(num_layers=2, vocab_size=300, max_model_len=512),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=128),
-    )
+    return tiny_engine_config(block_size=BLOCK_SIZE)
 
 
 def with_redis(
@@ -33,22 +31,16 @@ def with_redis(
     **extra: Any,
 ) -> EngineConfig:
     """``config`` with a Redis connector at ``url``; ``extra`` adds extra-config keys."""
-    return attrs.evolve(
-        config,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=connector,
-            kv_connector_module_path=module_path,
-            kv_role=kv_role,  # type: ignore[arg-type]
-            kv_load_failure_policy=policy,  # type: ignore[arg-type]
-            kv_connector_extra_config={
-                "url": url,
-                "key_prefix": key_prefix,
-                # Outage tests restart the server within milliseconds.
-                "retry_interval_s": 0.001,
-                "staging_buffer_bytes": "1MiB",
-                **extra,
-            },
-        ),
+    redis_extra = {
+        "url": url,
+        "key_prefix": key_prefix,
+        # Outage tests restart the server within milliseconds.
+        "retry_interval_s": 0.001,
+        "staging_buffer_bytes": "1MiB",
+        **extra,
+    }
+    return with_connector(
+        config, connector, redis_extra, kv_role=kv_role, policy=policy, module_path=module_path
     )
 
 
@@ -65,13 +57,3 @@ def shared_prefix_workload(
         seed=seed,
     )
     return synthetic_workload(spec)
-
-
-def generate(config: EngineConfig, requests: list[GenerationRequest]) -> list[RequestOutput]:
-    """Run ``requests`` on a fresh engine (its own empty local cache), then shut it down."""
-    with LLMEngine(config) as engine:
-        return engine.generate(requests)
-
-
-def tokens(outputs: list[RequestOutput]) -> list[tuple[int, ...]]:
-    return [output.output_token_ids for output in outputs]

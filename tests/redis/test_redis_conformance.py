@@ -1,4 +1,5 @@
-"""RedisConnector through the conformance kit, synchronous and asynchronous loads.
+"""RedisConnector through the conformance kit: over TCP with synchronous loads, and over
+a unix socket with asynchronous ones.
 
 Each test of the suite gets a key prefix of its own on the shared real server.
 """
@@ -15,31 +16,27 @@ from tests.redis.conftest import RedisServer
 
 
 class TestRedisConnector(ConnectorConformanceSuite):
-    @pytest.fixture
+    @pytest.fixture(
+        params=[
+            pytest.param(False, id="tcp-sync-loads"),
+            pytest.param(True, id="unix-socket-async-loads"),
+        ]
+    )
     def engine_config(
-        self, tmp_path: pathlib.Path, redis_server: RedisServer, key_prefix: str
+        self,
+        request: pytest.FixtureRequest,
+        tmp_path: pathlib.Path,
+        redis_server: RedisServer,
+        key_prefix: str,
     ) -> EngineConfig:
+        over_unix_socket_async: bool = request.param
+        url = f"unix://{redis_server.unix_socket}" if over_unix_socket_async else redis_server.url
         return conformance_engine_config(
             "RedisConnector",
             extra_config={
-                "url": redis_server.url,
+                "url": url,
                 "key_prefix": key_prefix,
                 "staging_buffer_bytes": "1MiB",
-            },
-        )
-
-
-class TestRedisConnectorAsyncLoads(ConnectorConformanceSuite):
-    @pytest.fixture
-    def engine_config(
-        self, tmp_path: pathlib.Path, redis_server: RedisServer, key_prefix: str
-    ) -> EngineConfig:
-        return conformance_engine_config(
-            "RedisConnector",
-            extra_config={
-                "url": f"unix://{redis_server.unix_socket}",
-                "key_prefix": key_prefix,
-                "staging_buffer_bytes": "1MiB",
-                "async_load": True,
+                "async_load": over_unix_socket_async,
             },
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,6 +27,36 @@ def _save(store: RedisBlockStore, indices: list[int]) -> list[bytearray]:
     keys = [LAYOUT.key(block_hash(index)) for index in indices]
     assert store.put(keys, [memoryview(entry) for entry in entries]) == [True] * len(indices)
     return entries
+
+
+def _assert_loads_back(store: RedisBlockStore, entries: list[bytearray]) -> None:
+    """``store`` loads ``entries``, saved as blocks 0, 1, ..., back bit-exact."""
+    buffers = _buffers(len(entries))
+    sizes = store.get_into(store_keys(LAYOUT, len(entries)), buffers)
+    assert sizes == [LAYOUT.entry_bytes] * len(entries)
+    assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+
+
+@contextlib.contextmanager
+def _store_as_acl_user(
+    redis_server: RedisServer, key_prefix: str, user_name: str, password: str, key_patterns: str
+) -> Iterator[RedisBlockStore]:
+    """A store logged in as a new ACL user allowed ``key_patterns``; the user is deleted after."""
+    admin = redis_server.client()
+    user = f"{user_name}-{key_prefix.split(':')[1]}"
+    admin.acl_setuser(
+        user, enabled=True, passwords=[f"+{password}"], keys=[key_patterns], commands=["+@all"]
+    )
+    store = RedisBlockStore(
+        RedisStoreSettings(
+            url=redis_server.url, username=user, password=password, key_prefix=key_prefix
+        )
+    )
+    try:
+        yield store
+    finally:
+        store.close()
+        admin.acl_deluser(user)
 
 
 def test_saved_entries_load_back_bit_exact_into_the_callers_buffers(
@@ -205,35 +237,17 @@ def test_a_unix_socket_url_reaches_the_same_server(
         RedisStoreSettings(url=f"unix://{redis_server.unix_socket}", key_prefix=key_prefix)
     )
     try:
-        buffer = _buffers(1)[0]
-        assert over_socket.get_into(store_keys(LAYOUT, 1), [buffer]) == [LAYOUT.entry_bytes]
-        assert buffer.tobytes() == bytes(entries[0])
+        _assert_loads_back(over_socket, entries)
     finally:
         over_socket.close()
 
 
 def test_an_acl_user_with_a_password_can_store_and_load(
-    redis_server: RedisServer, key_prefix: str
+    redis_server: RedisServer, redis_store: RedisBlockStore, key_prefix: str
 ) -> None:
-    admin = redis_server.client()
-    user = f"kvwire-{key_prefix.split(':')[1]}"
-    admin.acl_setuser(
-        user, enabled=True, passwords=["+acl-secret-1"], keys=["*"], commands=["+@all"]
-    )
-    store = RedisBlockStore(
-        RedisStoreSettings(
-            url=redis_server.url, username=user, password="acl-secret-1", key_prefix=key_prefix
-        )
-    )
-    try:
-        entries = _save(store, [0])
-        buffer = _buffers(1)[0]
-        assert store.get_into(store_keys(LAYOUT, 1), [buffer]) == [LAYOUT.entry_bytes]
-        assert buffer.tobytes() == bytes(entries[0])
-    finally:
-        store.clear()
-        store.close()
-        admin.acl_deluser(user)
+    # redis_store shares the prefix: it clears the user's entries afterwards.
+    with _store_as_acl_user(redis_server, key_prefix, "kvwire", "acl-secret-1", "*") as store:
+        _assert_loads_back(store, _save(store, [0]))
 
 
 def test_clear_removes_only_this_prefixs_keys(
@@ -299,10 +313,7 @@ def test_a_rediss_url_stores_and_loads_over_tls(tls_url: str, key_prefix: str) -
         RedisStoreSettings(url=tls_url, key_prefix=key_prefix, tls_ca_certs=ca_certs)
     )
     try:
-        entries = _save(store, [0, 1])
-        buffers = _buffers(2)
-        assert store.get_into(store_keys(LAYOUT, 2), buffers) == [LAYOUT.entry_bytes] * 2
-        assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+        _assert_loads_back(store, _save(store, [0, 1]))
     finally:
         store.clear()
         store.close()
@@ -322,17 +333,9 @@ def test_a_tls_server_whose_certificate_cannot_be_verified_is_unreachable(
 def test_an_acl_user_denied_the_keys_gets_failures_not_exceptions(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
-    admin = redis_server.client()
-    user = f"kvwire-denied-{key_prefix.split(':')[1]}"
-    admin.acl_setuser(
-        user, enabled=True, passwords=["+acl-secret-2"], keys=["elsewhere:*"], commands=["+@all"]
-    )
-    store = RedisBlockStore(
-        RedisStoreSettings(
-            url=redis_server.url, username=user, password="acl-secret-2", key_prefix=key_prefix
-        )
-    )
-    try:
+    with _store_as_acl_user(
+        redis_server, key_prefix, "kvwire-denied", "acl-secret-2", "elsewhere:*"
+    ) as store:
         entries = [memoryview(encoded_entry(LAYOUT, 0))]
         assert store.put(store_keys(LAYOUT, 1), entries) == [False]
         assert store.count_prefix(store_keys(LAYOUT, 1)) == 0
@@ -340,9 +343,6 @@ def test_an_acl_user_denied_the_keys_gets_failures_not_exceptions(
         counters = store.counters()
         assert counters["saves_rejected"] == 1
         assert counters["loads_refused"] == 1
-    finally:
-        store.close()
-        admin.acl_deluser(user)
 
 
 def test_threads_sharing_one_store_only_ever_load_whole_entries(

@@ -121,6 +121,18 @@ class ConnectorConformanceSuite:
         return PassResult(cold, cold_kv), PassResult(warm, warm_kv)
 
     @staticmethod
+    def logged_pass(
+        config: EngineConfig, workload: Sequence[GenerationRequest], strict_roles: bool
+    ) -> tuple[CallLog, LLMEngine]:
+        """Run ``workload`` once with every connector call logged; the engine comes back closed."""
+        log = CallLog()
+        with LLMEngine(
+            config, connector_hook=Instruments(strict_roles=strict_roles, log=log)
+        ) as engine:
+            engine.generate(workload)
+        return log, engine
+
+    @staticmethod
     def loads_expected(config: EngineConfig) -> bool:
         """A connector that both saves and loads must serve the warm pass."""
         transfer = config.kv_transfer_config
@@ -167,11 +179,8 @@ class ConnectorConformanceSuite:
         conformance_workload: list[GenerationRequest],
         kvwire_strict_roles: bool,
     ) -> None:
-        log = CallLog()
-        hook = Instruments(strict_roles=kvwire_strict_roles, log=log)
-        with LLMEngine(engine_config, connector_hook=hook) as engine:
-            engine.generate(conformance_workload)
-            steps = engine.counters.steps
+        log, engine = self.logged_pass(engine_config, conformance_workload, kvwire_strict_roles)
+        steps = engine.counters.steps
         calls = log.of_role(KVConnectorRole.SCHEDULER)
         methods = [call.method for call in calls]
         assert methods.count("build_connector_meta") == steps
@@ -196,11 +205,8 @@ class ConnectorConformanceSuite:
         conformance_workload: list[GenerationRequest],
         kvwire_strict_roles: bool,
     ) -> None:
-        log = CallLog()
-        hook = Instruments(strict_roles=kvwire_strict_roles, log=log)
-        with LLMEngine(engine_config, connector_hook=hook) as engine:
-            engine.generate(conformance_workload)
-            layer_names = list(engine.kv_cache_config.layer_names)
+        log, engine = self.logged_pass(engine_config, conformance_workload, kvwire_strict_roles)
+        layer_names = list(engine.kv_cache_config.layer_names)
         calls = [c for c in log.of_role(KVConnectorRole.WORKER) if c.method in _WORKER_CODES]
         sequence = "".join(_WORKER_CODES[call.method] for call in calls)
         assert _WORKER_LIFECYCLE.fullmatch(sequence), f"worker call order: {sequence}"
