@@ -1,6 +1,6 @@
-"""Requests admitted in the same step share the blocks of their common prefix.
+"""With ``share_prefix_in_step``, requests admitted in one step share their common prefix.
 
-A block is published in the local prefix cache when it is scheduled, not
+A block is then published in the local prefix cache when it is scheduled, not
 after the step that fills it (as vLLM's scheduler does): its keys and values
 are written before any attention of the step reads them. So requests with a
 common prefix hold one copy of it, loaded or computed once, and a failed load
@@ -10,14 +10,25 @@ into a shared block rolls back every request that holds it.
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
-from kvwire.engine.engine import GenerationRequest
+from kvwire.config import EngineConfig
+from kvwire.engine.engine import GenerationRequest, RequestOutput
 from kvwire.engine.worker import LoadFailureInjection
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.engine.conftest import tiny_config, with_directory_connector
-from tests.engine.helpers import generate, tokens
+from tests.engine.helpers import generate as generate_unshared
+from tests.engine.helpers import tokens
 
-PREFIX = tuple(range(100, 112))  # three blocks of four tokens
+PREFIX = tuple(range(100, 112))
+
+
+def generate(
+    config: EngineConfig, workload: list[GenerationRequest], **options: Any
+) -> list[RequestOutput]:
+    return generate_unshared(
+        config, workload, share_prefix_in_step=True, **options
+    )  # three blocks of four tokens
 
 
 def _two_requests_with_a_common_prefix() -> list[GenerationRequest]:
@@ -69,3 +80,8 @@ def test_a_warm_pass_fits_where_a_copy_of_the_prefix_per_request_would_not(
     warm = generate(connector_config, workload)
     assert tokens(warm) == reference
     assert sum(output.num_preemptions for output in warm) == 0
+
+
+def test_without_sharing_each_request_of_a_step_computes_its_own_prefix() -> None:
+    outputs = generate_unshared(tiny_config(), _two_requests_with_a_common_prefix())
+    assert [output.local_cached_tokens for output in outputs] == [0, 0]

@@ -101,7 +101,10 @@ class LLMEngine:
     :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
     ``config``). ``torch_threads`` sets the worker process's torch threads
-    (None leaves them alone). Use as a context manager, or call :meth:`close`.
+    (None leaves them alone). ``share_prefix_in_step`` lets requests admitted
+    in one step share their common prefix's blocks, as vLLM's scheduler does
+    (off: each loads or computes its own copy until a step has run). Use as a
+    context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class LLMEngine:
         idle_timeout_s: float = 60.0,
         container: KVConnectorContainer | None = None,
         torch_threads: int | None = 1,
+        share_prefix_in_step: bool = False,
     ) -> None:
         if worker_mode not in ("inline", "process"):
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
@@ -132,7 +136,10 @@ class LLMEngine:
         try:
             self.scheduler_connector = self._source.connector(KVConnectorRole.SCHEDULER)
             self.scheduler = Scheduler(
-                config, self.scheduler_connector, root_hash(config.model_config)
+                config,
+                self.scheduler_connector,
+                root_hash(config.model_config),
+                share_prefix_in_step=share_prefix_in_step,
             )
             self.worker: _WorkerHandle
             if worker_mode == "inline":

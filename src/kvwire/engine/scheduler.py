@@ -5,11 +5,13 @@ the newest running request when the pool runs dry; then waiting requests,
 each asking the local prefix cache and then the connector
 (``get_num_new_matched_tokens``) what is already known, allocating blocks,
 telling the connector (``update_state_after_alloc``), and parking those whose
-load is asynchronous. A scheduled chunk's full blocks enter the local prefix
-cache at once (as in vLLM), so requests admitted later in the same step share
-a common prefix instead of each loading or computing a copy. The step ends with ``build_connector_meta``. After the
-worker's step: load errors first (roll back or fail), then the sampled
-tokens, finished receives and sends, and ``update_connector_output``.
+load is asynchronous. With ``share_prefix_in_step`` a scheduled chunk's full
+blocks enter the local prefix cache at once (as in vLLM), so requests
+admitted later in the same step share a common prefix instead of each
+loading or computing a copy; without it they enter after the step. The
+step ends with ``build_connector_meta``. After the worker's step: load
+errors first (roll back or fail), then the sampled tokens, finished
+receives and sends, and ``update_connector_output``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Scheduler:
     """Decides each step's work and keeps every request's state.
 
     ``connector`` is the SCHEDULER-role connector, or None to run without one.
+    ``share_prefix_in_step``: publish blocks in the local prefix cache when
+    they are scheduled (vLLM's behaviour), not once the step has run.
     """
 
     def __init__(
@@ -61,12 +65,15 @@ class Scheduler:
         config: EngineConfig,
         connector: KVConnectorBase | None,
         root_hash: BlockHash,
+        *,
+        share_prefix_in_step: bool = False,
     ) -> None:
         cache = config.cache_config
         self.config = config
         self.block_size = cache.block_size
         self.connector = connector
         self.root_hash = root_hash
+        self.share_prefix_in_step = share_prefix_in_step
         self.block_manager = BlockManager(
             cache.num_gpu_blocks, cache.block_size, cache.enable_prefix_caching
         )
@@ -283,11 +290,12 @@ class Scheduler:
         resumed = request.status is RequestStatus.PREEMPTED
         self._ever_scheduled.add(request.request_id)
         request.status = RequestStatus.RUNNING
-        # Published now, not after the step: a request admitted later in this
-        # step then shares these blocks instead of loading or computing its
-        # own copy (requests with a common prefix would otherwise each hold
-        # one, and run the pool dry).
-        self.block_manager.cache_full_blocks(request, start + num_new)
+        if self.share_prefix_in_step:
+            # Published now, not after the step: a request admitted later in
+            # this step then shares these blocks instead of loading or
+            # computing its own copy (requests with a common prefix would
+            # otherwise each hold one, and can run the pool dry).
+            self.block_manager.cache_full_blocks(request, start + num_new)
         block_ids = self.block_manager.blocks_of(request.request_id)
         scheduled.append(
             ScheduledRequest(
