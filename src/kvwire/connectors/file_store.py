@@ -7,6 +7,12 @@ process) sees a whole entry or none, even if the writer is killed mid-way.
 Disk full, permission denied or a vanished directory fail the save with a
 rate-limited warning and a counter, never an exception. An optional size cap
 evicts the least recently used entries (reads refresh an entry's mtime).
+
+Large entries can also be read by mapping their file (:meth:`DirectoryBlockStore.map_entry`):
+the reader verifies the page cache's bytes in place and copies them once, into
+the KV cache, instead of first reading them into a staging buffer. That is
+safe because an entry file is never changed in place once renamed into view
+(a process that truncated one would make a reader that has it mapped fault).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import re
 import threading
@@ -121,6 +128,33 @@ class DirectoryBlockStore(BlockStore):
                 # Reads refresh the entry, so eviction is least-recently-used.
                 os.utime(fd)
             return read
+        except OSError as error:
+            self._fail("read", key, error)
+            return None
+        finally:
+            os.close(fd)
+
+    def map_entry(self, key: str) -> mmap.mmap | None:
+        """``key``'s file mapped read-only (private): None if missing, empty or unreadable.
+
+        The caller closes the mapping. Nothing is copied until the caller reads it.
+        """
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:
+            self._fail("read", key, error)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None  # cannot be mapped; get_into reports it
+            # Private: nothing written through the mapping ever reaches the file.
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            if self._max_bytes:
+                os.utime(fd)
+            return mapping
         except OSError as error:
             self._fail("read", key, error)
             return None

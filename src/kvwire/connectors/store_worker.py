@@ -12,27 +12,43 @@ that fails is reported by id, never raised.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol, runtime_checkable
 
 import attrs
+import torch
 
 from kvwire.connector.types import BlockHash
 from kvwire.connectors.block_format import (
+    HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
     verify_entry,
     write_header,
 )
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import PagedKVCaches, cache_sized_chunks
+from kvwire.connectors.paged_cache import TORCH_DTYPES, PagedKVCaches, cache_sized_chunks
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
 
 logger = logging.getLogger(__name__)
+
+# Mapping an entry costs a few system calls and page-table updates; from this
+# size on it is cheaper than reading the entry into staging first.
+_MIN_MAPPED_ENTRY_BYTES = 512 * 1024
+
+
+@runtime_checkable
+class MappingBlockStore(Protocol):
+    """A store that can also hand out an entry mapped in memory (a file, say)."""
+
+    def map_entry(self, key: str) -> mmap.mmap | None:
+        """The entry mapped (the caller closes it), or None to read it with ``get_into``."""
 
 
 @attrs.frozen
@@ -77,6 +93,14 @@ class StoreWorker:
         self._batch_blocks = batch_blocks
         self._counters = counters
         self._key_of = key_of
+        # Large entries of a store that maps them are verified where they lie
+        # and copied once, straight into the cache, instead of through staging.
+        self._mapping_store = (
+            store
+            if isinstance(store, MappingBlockStore)
+            and layout.entry_bytes >= _MIN_MAPPED_ENTRY_BYTES
+            else None
+        )
         self._load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-load")
         self._save_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-save")
         self._warn = RateLimitedWarning(logger)
@@ -173,13 +197,21 @@ class StoreWorker:
         corrupt_keys: list[str] = []
         loaded_bytes = 0
         try:
+            # Blocks to read through staging: all of them, unless the store maps them.
+            staged_ids, staged_hashes = block_ids, hashes
+            if self._mapping_store is not None:
+                loaded_bytes, unmapped = self._load_mapped(
+                    self._mapping_store, block_ids, hashes, failed, corrupt_keys
+                )
+                staged_ids = tuple(block_ids[i] for i in unmapped)
+                staged_hashes = tuple(hashes[i] for i in unmapped)
             # Read, verify and scatter a cache-sized chunk at a time: verification
             # reads entries the store has just written into staging, and the
             # scatter reads them again, while they are still in the CPU cache.
-            for chunk in cache_sized_chunks(len(slots), self._layout.entry_bytes):
+            for chunk in cache_sized_chunks(len(staged_ids), self._layout.entry_bytes):
                 loaded_bytes += self._load_chunk(
-                    block_ids[chunk.start : chunk.stop],
-                    hashes[chunk.start : chunk.stop],
+                    staged_ids[chunk.start : chunk.stop],
+                    staged_hashes[chunk.start : chunk.stop],
                     slots[chunk.start : chunk.stop],
                     failed,
                     corrupt_keys,
@@ -204,6 +236,58 @@ class StoreWorker:
             }
         )
         return failed
+
+    def _load_mapped(
+        self,
+        store: MappingBlockStore,
+        block_ids: tuple[int, ...],
+        hashes: tuple[BlockHash, ...],
+        failed: list[int],
+        corrupt_keys: list[str],
+    ) -> tuple[int, list[int]]:
+        """Verify each mapped entry in place, then copy it into the cache.
+
+        Returns the payload bytes loaded and the indices of the blocks the
+        store did not map (to read through staging instead).
+        """
+        loaded_bytes = 0
+        unmapped: list[int] = []
+        dtype = TORCH_DTYPES[self._layout.dtype]
+        payload_bytes = self._layout.payload_bytes
+        for index, (block_id, block_hash) in enumerate(zip(block_ids, hashes, strict=True)):
+            key = self._key_of(block_hash)
+            mapping = store.map_entry(key)
+            if mapping is None:
+                unmapped.append(index)
+                continue
+            entry = memoryview(mapping)
+            payload: torch.Tensor | None = None
+            try:
+                try:
+                    verify_entry(entry, self._layout, block_hash)
+                    self._caches.check_block_id(block_id)
+                except (CorruptBlockError, IndexError) as error:
+                    self._warn.warn(
+                        "corrupt", "not loading block %s: %s", block_hash.hex()[:16], error
+                    )
+                    self._counters.add("corrupt_entries")
+                    corrupt_keys.append(key)
+                    failed.append(block_id)
+                    continue
+                # Only now, verified, do the bytes reach the cache.
+                payload = torch.frombuffer(
+                    mapping, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes
+                )
+                self._caches.scatter_many(
+                    payload.view(dtype).view(1, *self._layout.shape), (0,), (block_id,)
+                )
+                loaded_bytes += payload_bytes
+            finally:
+                # The tensor holds an export of the mapping, which must go before close.
+                payload = None
+                entry.release()
+                mapping.close()
+        return loaded_bytes, unmapped
 
     def _load_chunk(
         self,
@@ -259,6 +343,7 @@ class StoreWorker:
         computes them saves them again.
         """
         dropped = 0
+        batches: list[tuple[tuple[BlockHash, ...], list[int]]] = []
         for transfer in transfers:
             start = 0
             while start < len(transfer.block_ids):
@@ -271,11 +356,16 @@ class StoreWorker:
                 self._caches.gather_many(
                     transfer.block_ids[start:end], slots, self._staging.payloads
                 )
-                future = self._save_pool.submit(self._save, transfer.block_hashes[start:end], slots)
-                with self._lock:
-                    self._saves_in_flight.add(future)
-                future.add_done_callback(self._forget_save)
+                batches.append((transfer.block_hashes[start:end], slots))
                 start = end
+        # Submitted only once every copy is done: writers running meanwhile
+        # would take the cores that torch's parallel copies wait on, and the
+        # forward pass would wait several times longer for its copies.
+        for hashes, slots in batches:
+            future = self._save_pool.submit(self._save, hashes, slots)
+            with self._lock:
+                self._saves_in_flight.add(future)
+            future.add_done_callback(self._forget_save)
         if dropped:
             self._counters.add("saves_dropped", dropped)
             self._warn.warn(

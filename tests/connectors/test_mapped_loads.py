@@ -1,0 +1,152 @@
+"""Large entries of a directory store: verified in their mapped file, then copied once.
+
+A store worker over a :class:`DirectoryBlockStore` reads entries of 512 KiB
+and more by mapping the file instead of reading it into staging first; the
+integrity rules are the same as on the staging path.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.file_store import DirectoryBlockStore
+from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store_worker import BlockTransfer, MappingBlockStore, StoreWorker
+
+# One entry: 2 layers x (keys, values) x 64 tokens x 8 heads x 128 x float32 = 1 MiB.
+LAYOUT = BlockLayout(num_layers=2, block_size=64, num_kv_heads=8, head_size=128, dtype="float32")
+NUM_BLOCKS = 4
+HASHES = (b"\x01" * 32, b"\x02" * 32)
+
+
+def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    shape = (2, NUM_BLOCKS, 64, 8, 128)
+    if seed is None:
+        return {f"layers.{i}": torch.zeros(shape) for i in range(2)}
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}": torch.randn(shape, generator=generator) for i in range(2)}
+
+
+def make_worker(store: DirectoryBlockStore, caches: dict[str, torch.Tensor]) -> StoreWorker:
+    return StoreWorker(
+        store=store,
+        layout=LAYOUT,
+        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        staging=StagingBuffers(LAYOUT, 2),
+        io_threads=1,
+        batch_blocks=2,
+        counters=Counters(),
+        key_of=LAYOUT.key,
+    )
+
+
+@pytest.fixture
+def store(tmp_path: pathlib.Path) -> Iterator[DirectoryBlockStore]:
+    directory_store = DirectoryBlockStore(tmp_path)
+    yield directory_store
+    directory_store.close()
+
+
+@pytest.fixture
+def saved(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
+    """Cache blocks 0 and 1 of a producer, saved under HASHES; the producer's caches."""
+    caches = make_caches(seed=3)
+    producer = make_worker(store, caches)
+    producer.save([BlockTransfer("p", (0, 1), HASHES)])
+    assert producer.wait_for_saves(30)
+    producer.close()
+    return caches
+
+
+def load_into_blocks_2_and_3(
+    store: DirectoryBlockStore,
+) -> tuple[dict[str, torch.Tensor], set[int]]:
+    caches = make_caches(seed=None)
+    consumer = make_worker(store, caches)
+    consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    errors = consumer.take_load_errors()
+    consumer.close()
+    return caches, errors
+
+
+def flip_payload_byte(store: DirectoryBlockStore, block_hash: bytes) -> None:
+    path = pathlib.Path(store.path_of(LAYOUT.key(block_hash)))
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 1000] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_directory_store_maps_entries():
+    assert isinstance(DirectoryBlockStore("/nonexistent"), MappingBlockStore)
+    assert LAYOUT.entry_bytes >= 512 * 1024
+
+
+def test_large_entries_load_bit_exact(store: DirectoryBlockStore, saved: dict[str, torch.Tensor]):
+    loaded, errors = load_into_blocks_2_and_3(store)
+    assert errors == set()
+    for name, cache in saved.items():
+        assert torch.equal(loaded[name][:, 2:4], cache[:, 0:2])
+
+
+def test_a_flipped_byte_in_a_large_entry_is_reported_and_never_copied(
+    store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
+):
+    flip_payload_byte(store, HASHES[1])
+    loaded, errors = load_into_blocks_2_and_3(store)
+    assert errors == {3}
+    for name, cache in saved.items():
+        assert torch.equal(loaded[name][:, 2], cache[:, 0])
+        assert not loaded[name][:, 3].any()
+
+
+def test_a_corrupt_large_entry_is_discarded(
+    store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
+):
+    flip_payload_byte(store, HASHES[0])
+    load_into_blocks_2_and_3(store)
+    assert store.count_prefix([LAYOUT.key(HASHES[0])]) == 0
+    assert store.count_prefix([LAYOUT.key(HASHES[1])]) == 1
+
+
+def test_an_empty_entry_file_is_a_load_error(
+    store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
+):
+    pathlib.Path(store.path_of(LAYOUT.key(HASHES[0]))).write_bytes(b"")
+    loaded, errors = load_into_blocks_2_and_3(store)
+    assert errors == {2}
+    assert not any(cache[:, 2].any() for cache in loaded.values())
+
+
+def test_a_missing_entry_is_a_load_error(
+    store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
+):
+    pathlib.Path(store.path_of(LAYOUT.key(HASHES[1]))).unlink()
+    _, errors = load_into_blocks_2_and_3(store)
+    assert errors == {3}
+
+
+def test_map_entry_answers_none_for_a_missing_or_empty_file(store: DirectoryBlockStore):
+    key = LAYOUT.key(HASHES[0])
+    assert store.map_entry(key) is None
+    path = pathlib.Path(store.path_of(key))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    assert store.map_entry(key) is None
+
+
+def test_map_entry_maps_the_bytes_put(store: DirectoryBlockStore):
+    entry = memoryview(bytes(range(256)) * 8)
+    assert store.put(["layout/" + "ab" * 16], [entry]) == [True]
+    mapping = store.map_entry("layout/" + "ab" * 16)
+    assert mapping is not None
+    try:
+        assert mapping[:] == entry.tobytes()
+    finally:
+        mapping.close()
