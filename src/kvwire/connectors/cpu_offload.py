@@ -19,11 +19,12 @@ visible to lookups.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
 from kvwire.connector.types import (
     BlockHash,
     BlockRemoved,
@@ -36,26 +37,23 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_planner import BlockPlanner, BlockRange
-from kvwire.connectors.counters import Counters
+from kvwire.connectors.block_connector import BlockConnector
+from kvwire.connectors.block_planner import BlockRange
 from kvwire.connectors.cpu_pool_index import CPUPoolIndex
-from kvwire.connectors.cpu_pool_worker import PoolTransfer
+from kvwire.connectors.cpu_pool_worker import CPUPoolWorker, PoolTransfer
 from kvwire.connectors.extra_config import (
     ExtraConfigError,
+    ExtraConfigKey,
     bool_key,
     int_key,
-    read_extra_config,
     size_key,
 )
-from kvwire.connectors.paged_cache import check_cache_layout
-from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
+from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch
 
     from kvwire.config import EngineConfig
-    from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
     from kvwire.kv_cache_config import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -90,24 +88,13 @@ class _PoolRequestState:
     async_load: PoolTransfer | None = None
 
 
-class CPUOffloadConnector(KVConnectorBase):
+class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     """Offloads full KV blocks to a preallocated CPU pool and loads them back."""
 
     def __init__(
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
-        self._layout = BlockLayout.from_engine_config(config)
-        check_cache_layout(self._layout, kv_cache_config)
-        self._options = read_extra_config(
-            type(self).__name__,
-            self.kv_transfer_config.kv_connector_extra_config,
-            (
-                size_key("cpu_pool_bytes", 256 * 1024**2),
-                int_key("io_threads", 2, minimum=1, maximum=64),
-                bool_key("async_load", False),
-            ),
-        )
         self.num_slots = self._options["cpu_pool_bytes"] // self._layout.entry_bytes
         if self.num_slots < 1:
             raise ExtraConfigError(
@@ -115,14 +102,8 @@ class CPUOffloadConnector(KVConnectorBase):
                 f"bytes hold no block; expected at least {self._layout.entry_bytes} (one block "
                 "of every layer plus its header)"
             )
-        self._async_load: bool = self._options["async_load"]
         # Scheduler side.
         self._index = CPUPoolIndex(self.num_slots)
-        self._planner = BlockPlanner(
-            self._layout.block_size,
-            loads=self.kv_transfer_config.is_kv_consumer,
-            saves=self.kv_transfer_config.is_kv_producer,
-        )
         self._requests: dict[str, _PoolRequestState] = {}
         self._finished: dict[str, _PoolRequestState] = {}
         self._step_loads: list[PoolTransfer] = []
@@ -131,26 +112,29 @@ class CPUOffloadConnector(KVConnectorBase):
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
-        # Worker side.
-        self._counters = Counters()
-        self._worker: CPUPoolWorker | None = None
-        self._pending_release = PendingRelease()
 
-    @property
-    def layout(self) -> BlockLayout:
-        return self._layout
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The ``kv_connector_extra_config`` keys: see the module docstring."""
+        return (
+            size_key("cpu_pool_bytes", 256 * 1024**2),
+            int_key("io_threads", 2, minimum=1, maximum=64),
+            bool_key("async_load", False),
+        )
+
+    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Blocks being stored count only once their store is confirmed."""
+        return self._index.count_ready_prefix(block_hashes)
+
+    def transfers_running(self, request_id: str) -> bool:
+        """A finished request's blocks stay kept while its stores (or a load) run."""
+        return self._worker is not None and self._worker.is_busy(request_id)
 
     def _count(self, name: str, amount: int) -> None:
         if amount:
             self._step_counters[name] = self._step_counters.get(name, 0) + amount
 
     # -------------------------------------------------------- scheduler side
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        hits = self._planner.look_up(request, num_computed_tokens, self._index.count_ready_prefix)
-        return hits * self._layout.block_size, self._async_load and hits > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -289,7 +273,6 @@ class CPUOffloadConnector(KVConnectorBase):
     # ----------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
         from kvwire.connectors.paged_cache import PagedKVCaches
 
         self._worker = CPUPoolWorker(
@@ -307,9 +290,9 @@ class CPUOffloadConnector(KVConnectorBase):
         )
 
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
-        name = type(self).__name__
-        worker = registered_worker(name, self._worker)
-        return worker, metadata_of_type(name, self._get_connector_metadata(), CPUOffloadMetadata)
+        worker = self._require_worker()
+        metadata = self._get_connector_metadata()
+        return worker, metadata_of_type(type(self).__name__, metadata, CPUOffloadMetadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker, metadata = self._worker_and_metadata()
@@ -319,16 +302,6 @@ class CPUOffloadConnector(KVConnectorBase):
             worker.wait_for_requests(metadata.preempted_req_ids)
         worker.start_loads(metadata.loads, metadata.async_loads)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is not None:
-            self._worker.wait_for_loads()
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        # Stores copy every layer of a block at once, after the forward pass.
-        return None
-
     def wait_for_save(self) -> None:
         worker, metadata = self._worker_and_metadata()
         worker.wait_for_loads()
@@ -336,16 +309,6 @@ class CPUOffloadConnector(KVConnectorBase):
         # running requests (or finished ones whose blocks are kept), so the
         # forward pass never overwrites them meanwhile.
         worker.store(metadata.stores)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        received = self._worker.take_finished_loads()
-        sent = self._pending_release.take_released(self._worker.is_busy)
-        return (sent or None), (received or None)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._counters.take_stats()

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
 from kvwire.connector.types import (
     BlockHash,
     ForwardContext,
@@ -62,26 +62,21 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_planner import BlockPlanner
-from kvwire.connectors.counters import Counters
+from kvwire.connectors.block_connector import BlockConnector
 from kvwire.connectors.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
-    read_extra_config,
     size_key,
 )
-from kvwire.connectors.paged_cache import check_cache_layout
-from kvwire.connectors.store_worker import BlockTransfer
-from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
+from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch
 
     from kvwire.config import EngineConfig
     from kvwire.connectors.store import BlockStore
-    from kvwire.connectors.store_worker import StoreWorker
     from kvwire.kv_cache_config import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -107,7 +102,7 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     lookup_miss_blocks: int = 0
 
 
-class StoreConnector(KVConnectorBase):
+class StoreConnector(BlockConnector[StoreWorker]):
     """A connector that keeps encoded KV blocks in a :class:`BlockStore`.
 
     Abstract: a subclass supplies the store through :meth:`create_store`.
@@ -121,29 +116,12 @@ class StoreConnector(KVConnectorBase):
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
-        self._layout = BlockLayout.from_engine_config(config)
-        check_cache_layout(self._layout, kv_cache_config)
-        self._options = read_extra_config(
-            type(self).__name__,
-            self.kv_transfer_config.kv_connector_extra_config,
-            self.extra_config_keys(),
-        )
         self._store = self.create_store(self._options)
-        self._async_load: bool = self._options["async_load"]
         # Scheduler side.
-        self._planner = BlockPlanner(
-            self._layout.block_size,
-            loads=self.kv_transfer_config.is_kv_consumer,
-            saves=self.kv_transfer_config.is_kv_producer,
-        )
         self._step_loads: list[BlockTransfer] = []
         self._step_async_loads: list[BlockTransfer] = []
         self._async_loading: set[str] = set()
         self._release_req_ids: list[str] = []
-        # Worker side.
-        self._pending_release = PendingRelease()
-        self._counters = Counters()
-        self._worker: StoreWorker | None = None
 
     # ------------------------------------------------------- subclass hooks
 
@@ -170,22 +148,13 @@ class StoreConnector(KVConnectorBase):
         return {}
 
     @property
-    def layout(self) -> BlockLayout:
-        return self._layout
-
-    @property
     def store(self) -> BlockStore:
         return self._store
 
     # -------------------------------------------------------- scheduler side
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        hits = self._planner.look_up(request, num_computed_tokens, self._count_stored_prefix)
-        return hits * self._layout.block_size, self._async_load and hits > 0
-
-    def _count_stored_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Only a consecutive prefix that is really in the store counts."""
         return self._store.count_prefix([self.store_key(h) for h in block_hashes])
 
     def update_state_after_alloc(
@@ -248,7 +217,6 @@ class StoreConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvwire.connectors.paged_cache import PagedKVCaches
         from kvwire.connectors.staging import StagingBuffers
-        from kvwire.connectors.store_worker import StoreWorker
 
         caches = PagedKVCaches(kv_caches, self._layout, self.kv_cache_config.layer_names)
         num_slots = max(1, self._options["staging_buffer_bytes"] // self._layout.entry_bytes)
@@ -271,9 +239,6 @@ class StoreConnector(KVConnectorBase):
             self._options["io_threads"],
         )
 
-    def _require_worker(self) -> StoreWorker:
-        return registered_worker(type(self).__name__, self._worker)
-
     def _metadata(self) -> StoreConnectorMetadata:
         return metadata_of_type(
             type(self).__name__, self._get_connector_metadata(), StoreConnectorMetadata
@@ -291,18 +256,6 @@ class StoreConnector(KVConnectorBase):
         if metadata.loads or metadata.async_loads:
             self._require_worker().start_loads(metadata.loads, metadata.async_loads)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # Synchronous loads write every layer at once; the first layer waits.
-        if self._worker is not None:
-            self._worker.wait_for_loads()
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        # The blocks are copied out in wait_for_save, all layers at once, so
-        # each block is copied once into one contiguous staging slot.
-        return None
-
     def wait_for_save(self) -> None:
         metadata = self._metadata()
         worker = self._require_worker()
@@ -310,17 +263,9 @@ class StoreConnector(KVConnectorBase):
         if metadata.saves:
             worker.save(metadata.saves)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
-        received = self._worker.take_finished_loads()
-        sent = self._pending_release.take_released(self._worker.is_loading)
-        return (sent or None), (received or None)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None:
-            return set()
-        return self._worker.take_load_errors()
+    def transfers_running(self, request_id: str) -> bool:
+        """Saves copy the blocks out at once: only a background load keeps them."""
+        return self._worker is not None and self._worker.is_loading(request_id)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         self._counters.add_many(self.store_counters())

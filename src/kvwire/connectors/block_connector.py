@@ -1,0 +1,136 @@
+"""The base of kvwire's connectors that move whole blocks, every layer at once, by hash.
+
+The CPU-offload connector and the store connectors differ in where blocks
+live (a CPU pool, a :class:`~kvwire.connectors.store.BlockStore`) and in their
+worker classes, and share everything around that:
+
+- the block layout, checked against the engine's caches, and the validated
+  ``kv_connector_extra_config`` (each subclass declares its keys; every one
+  has ``async_load``);
+- the scheduler side's planning (:class:`~kvwire.connectors.block_planner.BlockPlanner`):
+  a subclass only says how many consecutive blocks its medium holds;
+- the worker side's per-layer calls: loads write every layer at once, so the
+  first layer waits for them; saves copy every layer after the forward pass,
+  so ``save_kv_layer`` does nothing; finished requests whose blocks were kept
+  are reported once their transfers end.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.connector.types import BlockHash, Request
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_planner import BlockPlanner
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.extra_config import ExtraConfigKey, read_extra_config
+from kvwire.connectors.paged_cache import check_cache_layout
+from kvwire.connectors.worker_steps import PendingRelease, registered_worker
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig
+    from kvwire.kv_cache_config import KVCacheConfig
+
+
+class BlockWorker(Protocol):
+    """What the shared worker-side calls need of a connector's worker."""
+
+    def wait_for_loads(self) -> None: ...
+
+    def take_finished_loads(self) -> set[str]: ...
+
+    def take_load_errors(self) -> set[int]: ...
+
+
+_Worker = TypeVar("_Worker", bound=BlockWorker)
+
+
+class BlockConnector(KVConnectorBase, Generic[_Worker]):
+    """A connector that loads and saves full blocks of every layer, keyed by block hash.
+
+    Abstract: a subclass declares its :meth:`extra_config_keys`, counts the
+    blocks its medium holds (:meth:`count_held_prefix`), builds its worker in
+    ``register_kv_caches`` (``self._worker``) and says while a request's
+    transfers still run (:meth:`transfers_running`). Loads happen only for
+    ``kv_consumer``/``kv_both`` engines, saves only for ``kv_producer``/``kv_both`` ones.
+    """
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._layout = BlockLayout.from_engine_config(config)
+        check_cache_layout(self._layout, kv_cache_config)
+        self._options = read_extra_config(
+            type(self).__name__,
+            self.kv_transfer_config.kv_connector_extra_config,
+            self.extra_config_keys(),
+        )
+        self._async_load: bool = self._options["async_load"]
+        # Scheduler side.
+        self._planner = BlockPlanner(
+            self._layout.block_size,
+            loads=self.kv_transfer_config.is_kv_consumer,
+            saves=self.kv_transfer_config.is_kv_producer,
+        )
+        # Worker side.
+        self._counters = Counters()
+        self._pending_release = PendingRelease()
+        self._worker: _Worker | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The ``kv_connector_extra_config`` keys it accepts, ``async_load`` among them."""
+
+    @abc.abstractmethod
+    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of ``block_hashes``, from the first, the medium holds (scheduler side)."""
+
+    @abc.abstractmethod
+    def transfers_running(self, request_id: str) -> bool:
+        """Whether a transfer of ``request_id`` still uses its blocks (worker side)."""
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self._layout
+
+    # -------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        hits = self._planner.look_up(request, num_computed_tokens, self.count_held_prefix)
+        return hits * self._layout.block_size, self._async_load and hits > 0
+
+    # ----------------------------------------------------------- worker side
+
+    def _require_worker(self) -> _Worker:
+        return registered_worker(type(self).__name__, self._worker)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Synchronous loads write every layer at once; the first layer waits.
+        if self._worker is not None:
+            self._worker.wait_for_loads()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Blocks are copied out in wait_for_save, all layers at once, so each
+        # block is copied once, into one contiguous entry.
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        received = self._worker.take_finished_loads()
+        sent = self._pending_release.take_released(self.transfers_running)
+        return (sent or None), (received or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
