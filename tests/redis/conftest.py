@@ -15,7 +15,8 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -137,8 +138,25 @@ def key_prefix() -> str:
 
 
 @pytest.fixture
-def redis_store(redis_server: RedisServer, key_prefix: str) -> Iterator[RedisBlockStore]:
-    store = RedisBlockStore(RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix))
-    yield store
-    store.clear()
-    store.close()
+def make_redis_store(
+    redis_server: RedisServer, key_prefix: str
+) -> Iterator[Callable[..., RedisBlockStore]]:
+    """Builds stores under this test's key prefix, on the shared server unless ``url`` says
+    otherwise, with other settings as keywords; each is cleared and closed after the test."""
+    stores: list[RedisBlockStore] = []
+
+    def make(**settings: Any) -> RedisBlockStore:
+        settings.setdefault("url", redis_server.url)
+        store = RedisBlockStore(RedisStoreSettings(key_prefix=key_prefix, **settings))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.clear()
+        store.close()
+
+
+@pytest.fixture
+def redis_store(make_redis_store: Callable[..., RedisBlockStore]) -> RedisBlockStore:
+    return make_redis_store()

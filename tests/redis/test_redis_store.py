@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -16,6 +16,7 @@ from tests.redis.conftest import TLS_DIR, RedisServer
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
 LAYOUT = SMALL_LAYOUT
+MakeStore = Callable[..., RedisBlockStore]
 
 
 def _buffers(count: int, size: int = LAYOUT.entry_bytes) -> list[memoryview]:
@@ -74,20 +75,11 @@ def test_saved_entries_load_back_bit_exact_into_the_callers_buffers(
 
 
 def test_saves_and_loads_larger_than_one_pipeline_batch_round_trip(
-    redis_server: RedisServer, key_prefix: str
+    make_redis_store: MakeStore,
 ) -> None:
-    settings = RedisStoreSettings(
-        url=redis_server.url, key_prefix=key_prefix, pipeline_bytes=2 * LAYOUT.entry_bytes
-    )
-    store = RedisBlockStore(settings)
-    try:
-        entries = _save(store, list(range(7)))
-        buffers = _buffers(7)
-        assert store.get_into(store_keys(LAYOUT, 7), buffers) == [LAYOUT.entry_bytes] * 7
-        assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
-    finally:
-        store.clear()
-        store.close()
+    store = make_redis_store(pipeline_bytes=2 * LAYOUT.entry_bytes)
+
+    _assert_loads_back(store, _save(store, list(range(7))))
 
 
 def test_a_missing_key_loads_as_none_and_leaves_its_buffer_untouched(
@@ -163,18 +155,12 @@ def test_count_prefix_stops_at_the_first_missing_block(redis_store: RedisBlockSt
     assert redis_store.count_prefix(store_keys(LAYOUT, 4)) == 2
 
 
-def test_count_prefix_spans_several_lookup_batches(
-    redis_server: RedisServer, key_prefix: str
-) -> None:
-    settings = RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, lookup_batch_size=2)
-    store = RedisBlockStore(settings)
-    try:
-        _save(store, [0, 1, 2, 3, 4, 6])
-        assert store.count_prefix(store_keys(LAYOUT, 7)) == 5
-        assert store.count_prefix(store_keys(LAYOUT, 4)) == 4
-    finally:
-        store.clear()
-        store.close()
+def test_count_prefix_spans_several_lookup_batches(make_redis_store: MakeStore) -> None:
+    store = make_redis_store(lookup_batch_size=2)
+    _save(store, [0, 1, 2, 3, 4, 6])
+
+    assert store.count_prefix(store_keys(LAYOUT, 7)) == 5
+    assert store.count_prefix(store_keys(LAYOUT, 4)) == 4
 
 
 def test_keys_in_the_server_are_the_prefix_then_fingerprint_then_block_hash(
@@ -187,38 +173,27 @@ def test_keys_in_the_server_are_the_prefix_then_fingerprint_then_block_hash(
 
 
 def test_entries_expire_after_the_configured_ttl(
-    redis_server: RedisServer, key_prefix: str
+    redis_server: RedisServer, make_redis_store: MakeStore
 ) -> None:
-    store = RedisBlockStore(
-        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, ttl_seconds=120)
-    )
-    try:
-        _save(store, [0])
-        remaining_ms = redis_server.client().pttl(store.redis_key(LAYOUT.key(block_hash(0))))
-        assert 0 < remaining_ms <= 120_000
-    finally:
-        store.clear()
-        store.close()
+    store = make_redis_store(ttl_seconds=120)
+    _save(store, [0])
+
+    remaining_ms = redis_server.client().pttl(store.redis_key(LAYOUT.key(block_hash(0))))
+    assert 0 < remaining_ms <= 120_000
 
 
 def test_a_load_restarts_the_ttl_of_the_blocks_it_reads(
-    redis_server: RedisServer, key_prefix: str
+    redis_server: RedisServer, make_redis_store: MakeStore
 ) -> None:
-    store = RedisBlockStore(
-        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, ttl_seconds=600)
-    )
-    try:
-        _save(store, [0])
-        name = store.redis_key(LAYOUT.key(block_hash(0)))
-        client = redis_server.client()
-        client.expire(name, 30)  # as if it had been idle for most of its TTL
+    store = make_redis_store(ttl_seconds=600)
+    _save(store, [0])
+    name = store.redis_key(LAYOUT.key(block_hash(0)))
+    client = redis_server.client()
+    client.expire(name, 30)  # as if it had been idle for most of its TTL
 
-        assert store.get_into(store_keys(LAYOUT, 1), _buffers(1)) == [LAYOUT.entry_bytes]
+    assert store.get_into(store_keys(LAYOUT, 1), _buffers(1)) == [LAYOUT.entry_bytes]
 
-        assert client.ttl(name) > 30
-    finally:
-        store.clear()
-        store.close()
+    assert client.ttl(name) > 30
 
 
 def test_entries_never_expire_without_a_ttl(
@@ -230,16 +205,12 @@ def test_entries_never_expire_without_a_ttl(
 
 
 def test_a_unix_socket_url_reaches_the_same_server(
-    redis_server: RedisServer, redis_store: RedisBlockStore, key_prefix: str
+    redis_server: RedisServer, redis_store: RedisBlockStore, make_redis_store: MakeStore
 ) -> None:
     entries = _save(redis_store, [0])
-    over_socket = RedisBlockStore(
-        RedisStoreSettings(url=f"unix://{redis_server.unix_socket}", key_prefix=key_prefix)
-    )
-    try:
-        _assert_loads_back(over_socket, entries)
-    finally:
-        over_socket.close()
+    over_socket = make_redis_store(url=f"unix://{redis_server.unix_socket}")
+
+    _assert_loads_back(over_socket, entries)
 
 
 def test_an_acl_user_with_a_password_can_store_and_load(
@@ -307,16 +278,10 @@ def test_a_key_of_another_type_is_a_failed_load_not_an_error(
     assert redis_store.is_available
 
 
-def test_a_rediss_url_stores_and_loads_over_tls(tls_url: str, key_prefix: str) -> None:
-    ca_certs = str(TLS_DIR / "ca.crt")
-    store = RedisBlockStore(
-        RedisStoreSettings(url=tls_url, key_prefix=key_prefix, tls_ca_certs=ca_certs)
-    )
-    try:
-        _assert_loads_back(store, _save(store, [0, 1]))
-    finally:
-        store.clear()
-        store.close()
+def test_a_rediss_url_stores_and_loads_over_tls(tls_url: str, make_redis_store: MakeStore) -> None:
+    store = make_redis_store(url=tls_url, tls_ca_certs=str(TLS_DIR / "ca.crt"))
+
+    _assert_loads_back(store, _save(store, [0, 1]))
 
 
 def test_a_tls_server_whose_certificate_cannot_be_verified_is_unreachable(
@@ -346,12 +311,10 @@ def test_an_acl_user_denied_the_keys_gets_failures_not_exceptions(
 
 
 def test_threads_sharing_one_store_only_ever_load_whole_entries(
-    redis_server: RedisServer, key_prefix: str
+    make_redis_store: MakeStore,
 ) -> None:
     # Fewer connections than threads: they take turns on the pooled connections.
-    store = RedisBlockStore(
-        RedisStoreSettings(url=redis_server.url, key_prefix=key_prefix, pool_size=2)
-    )
+    store = make_redis_store(pool_size=2)
     keys = store_keys(LAYOUT, 8)
     entries = [memoryview(encoded_entry(LAYOUT, index)) for index in range(8)]
     problems: list[str] = []
@@ -377,9 +340,5 @@ def test_threads_sharing_one_store_only_ever_load_whole_entries(
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    try:
-        assert problems == []
-        assert store.count_prefix(keys) == 8
-    finally:
-        store.clear()
-        store.close()
+    assert problems == []
+    assert store.count_prefix(keys) == 8
