@@ -13,7 +13,7 @@ import pathlib
 from typing import Any
 
 from kvwire.config import EngineConfig
-from kvwire.engine.engine import GenerationRequest, RequestOutput
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.worker import LoadFailureInjection
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.engine.conftest import tiny_config, with_directory_connector
@@ -85,3 +85,38 @@ def test_a_warm_pass_fits_where_a_copy_of_the_prefix_per_request_would_not(
 def test_without_sharing_each_request_of_a_step_computes_its_own_prefix() -> None:
     outputs = generate_unshared(tiny_config(), _two_requests_with_a_common_prefix())
     assert [output.local_cached_tokens for output in outputs] == [0, 0]
+
+
+def _warm_async(
+    tmp_path: pathlib.Path, **options: Any
+) -> tuple[list[RequestOutput], list[RequestOutput], dict[str, Any]]:
+    config = tiny_config()
+    workload = _two_requests_with_a_common_prefix()
+    reference = generate(config, workload)
+    connector_config = with_directory_connector(config, tmp_path, load_async=True)
+    generate(connector_config, workload)  # fills the store
+    with LLMEngine(connector_config, share_prefix_in_step=True, **options) as engine:
+        warm = engine.generate(workload)
+        stats = dict(engine.connector_stats.data)
+    return reference, warm, stats
+
+
+def test_a_request_whose_prefix_a_parked_request_is_loading_waits_and_shares_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    reference, warm, stats = _warm_async(tmp_path)
+    assert tokens(warm) == tokens(reference)
+    # "first" loads the three prefix blocks; "second" finds them in the local
+    # cache once they land, instead of loading a copy of its own.
+    assert [output.local_cached_tokens for output in warm] == [0, len(PREFIX)]
+    assert warm[0].external_tokens == len(PREFIX)
+    assert stats["blocks_loaded"] == 3
+
+
+def test_a_failed_load_that_a_request_waited_for_is_recomputed_and_outputs_stay_equal(
+    tmp_path: pathlib.Path,
+) -> None:
+    injection = LoadFailureInjection(request_ids=frozenset({"first"}), block_index=0)
+    reference, warm, _stats = _warm_async(tmp_path, load_failure_injection=injection)
+    assert tokens(warm) == tokens(reference)
+    assert warm[0].num_load_failures == 1

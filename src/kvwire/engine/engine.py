@@ -102,7 +102,8 @@ class LLMEngine:
     has overridden (the worker process, if any, builds its own from
     ``config``). ``torch_threads`` sets the worker process's torch threads
     (None leaves them alone). ``share_prefix_in_step`` lets requests admitted
-    in one step share their common prefix's blocks, as vLLM's scheduler does
+    in one step share their common prefix's blocks, as vLLM's scheduler does,
+    and requests wait for a prefix another request is loading asynchronously
     (off: each loads or computes its own copy until a step has run). Use as a
     context manager, or call :meth:`close`.
     """

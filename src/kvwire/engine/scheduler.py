@@ -57,7 +57,9 @@ class Scheduler:
 
     ``connector`` is the SCHEDULER-role connector, or None to run without one.
     ``share_prefix_in_step``: publish blocks in the local prefix cache when
-    they are scheduled (vLLM's behaviour), not once the step has run.
+    they are scheduled (vLLM's behaviour), not once the step has run, and let
+    a request whose next block a parked request is loading wait for that
+    load instead of loading a copy.
     """
 
     def __init__(
@@ -88,6 +90,8 @@ class Scheduler:
         self._delayed_free: set[str] = set()
         # Parked requests: the number of computed tokens once their load lands.
         self._async_load_targets: dict[str, int] = {}
+        # Parked requests: the hashes of the full blocks their load fills.
+        self._loading_hashes: dict[str, tuple[BlockHash, ...]] = {}
         self._failed_async_blocks: set[int] = set()
         self._loaded_and_ready: set[str] = set()
         self._ever_scheduled: set[str] = set()
@@ -136,12 +140,6 @@ class Scheduler:
 
     def has_unfinished_work(self) -> bool:
         return bool(self.waiting or self.running or self._delayed_free)
-
-    def is_idle_waiting(self) -> bool:
-        """Nothing runs; only connector work (loads, sends) is outstanding."""
-        return not self.running and all(
-            request.status is RequestStatus.WAITING_FOR_REMOTE_KVS for request in self.waiting
-        )
 
     # ------------------------------------------------------------ schedule
 
@@ -204,7 +202,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             request = self.waiting.popleft()
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS or (
+                self.share_prefix_in_step and self._next_block_is_loading(request)
+            ):
                 skipped.append(request)
                 continue
             outcome = self._admit(request, budget, loads)
@@ -223,6 +223,22 @@ class Scheduler:
             budget -= outcome
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _next_block_is_loading(self, request: Request) -> bool:
+        """Whether the first block ``request`` lacks is being loaded for a parked request.
+
+        Such a request waits for that load and then shares its blocks, rather
+        than loading its own copy (the parked request's blocks enter the
+        prefix cache only once its load lands).
+        """
+        if not self._loading_hashes or request.request_id in self._loaded_and_ready:
+            return False
+        _blocks, num_local = self.block_manager.find_cached_prefix(request)
+        next_index = num_local // self.block_size
+        if next_index >= (request.num_tokens - 1) // self.block_size:
+            return False  # only the last, always computed, block is missing
+        wanted = request.block_hashes[next_index]
+        return any(wanted in hashes for hashes in self._loading_hashes.values())
 
     def _admit(self, request: Request, budget: int, loads: list[ExternalLoad]) -> int | None:
         """Allocate for a waiting request; tokens to compute now, None to skip, -1 when full."""
@@ -260,6 +276,10 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_local
             self._async_load_targets[request_id] = computed_after_load
+            loaded_hashes = request.block_hashes[
+                num_local // self.block_size : computed_after_load // self.block_size
+            ]
+            self._loading_hashes[request_id] = tuple(loaded_hashes)
             return None
         request.num_computed_tokens = computed_after_load
         return num_new
@@ -409,6 +429,7 @@ class Scheduler:
             )
             return
         target = self._async_load_targets.pop(request_id)
+        self._loading_hashes.pop(request_id, None)
         blocks = self.block_manager.blocks_of(request_id)[: -(-target // self.block_size)]
         bad = [block for block in blocks if block in self._failed_async_blocks]
         request.status = RequestStatus.WAITING
@@ -459,6 +480,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._async_load_targets.pop(request.request_id, None)
+        self._loading_hashes.pop(request.request_id, None)
         self._loaded_and_ready.discard(request.request_id)
         self.metrics[request.request_id].finish_time = time.perf_counter()
         keep_blocks = False
@@ -484,7 +506,12 @@ class Scheduler:
         """What outstanding work waits for, for an error when the connector never reports."""
         parts = [f"{rid!r} waits to finish receiving" for rid in self._async_load_targets]
         parts += [
-            f"{request.request_id!r} waits for free blocks"
+            f"{request.request_id!r} waits for "
+            + (
+                "a parked request's load of its prefix"
+                if self.share_prefix_in_step and self._next_block_is_loading(request)
+                else "free blocks"
+            )
             for request in self.waiting
             if request.request_id not in self._async_load_targets
         ]
