@@ -5,11 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from kvwire.config import EngineConfig
-from kvwire.engine.engine import GenerationRequest
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.connectors.engine_support import generate, tiny_engine_config, tokens, with_connector
 
-__all__ = ["generate", "shared_prefix_workload", "tiny_config", "tokens", "with_redis"]
+__all__ = [
+    "generate",
+    "generate_with_stats",
+    "shared_prefix_workload",
+    "tiny_config",
+    "tokens",
+    "with_redis",
+]
 
 BLOCK_SIZE = 4
 
@@ -57,3 +64,12 @@ def shared_prefix_workload(
         seed=seed,
     )
     return synthetic_workload(spec)
+
+
+def generate_with_stats(
+    config: EngineConfig, requests: list[GenerationRequest]
+) -> tuple[list[RequestOutput], dict[str, Any]]:
+    """Run ``requests`` on a fresh engine; its outputs and the connector's stats of the run."""
+    with LLMEngine(config) as engine:
+        outputs = engine.generate(requests)
+        return outputs, dict(engine.connector_stats.data)

@@ -16,6 +16,7 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.redis.conftest import RedisServer, wait_until_available
 from tests.redis.engines import (
     generate,
+    generate_with_stats,
     shared_prefix_workload,
     tiny_config,
     tokens,
@@ -43,9 +44,7 @@ def test_a_second_engine_loads_the_prefix_from_redis_and_generates_the_same_toke
     config = with_redis(tiny_config(), redis_server.url, key_prefix)
     assert tokens(generate(config, workload)) == expected_tokens
 
-    with LLMEngine(config) as warm:
-        outputs = warm.generate(workload)
-        stats = warm.connector_stats.data
+    outputs, stats = generate_with_stats(config, workload)
 
     assert tokens(outputs) == expected_tokens
     # A fresh engine has no local cache: every full prompt block but the
@@ -129,9 +128,7 @@ def test_values_corrupted_in_the_server_are_never_loaded(
         corrupted += 1
     assert corrupted > 0
 
-    with LLMEngine(config) as warm:
-        outputs = warm.generate(workload)
-        stats = warm.connector_stats.data
+    outputs, stats = generate_with_stats(config, workload)
 
     assert tokens(outputs) == expected_tokens
     assert stats["corrupt_entries"] > 0

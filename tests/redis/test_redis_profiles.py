@@ -10,11 +10,11 @@ import pytest
 
 from kvwire import cli
 from kvwire.config import EngineConfig
-from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.profile import load_profile
 from tests.redis.conftest import RedisServer
-from tests.redis.engines import generate, tokens
+from tests.redis.engines import generate, generate_with_stats, tokens
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
 REDIS_PROFILES = ("redis.yaml", "tiered-redis.yaml", "disagg-prefill.yaml", "disagg-decode.yaml")
@@ -83,9 +83,7 @@ def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
     assert tokens(generate(config, workload)) == expected
     # A new engine: empty local cache and (tiered) an empty CPU pool, so its
     # hits can only come from Redis.
-    with LLMEngine(config) as warm:
-        outputs = warm.generate(workload)
-        stats = warm.connector_stats.data
+    outputs, stats = generate_with_stats(config, workload)
 
     assert tokens(outputs) == expected
     assert all(output.external_tokens >= 4 * config.cache_config.block_size for output in outputs)
