@@ -34,6 +34,7 @@ from kvwire.connector.types import (
 )
 from kvwire.engine.block_hash import extend_block_hashes
 from kvwire.engine.block_manager import BlockManager
+from kvwire.engine.request_checks import check_request
 from kvwire.engine.step import ExternalLoad, ScheduledChunk, StepResult, WorkerStep
 
 logger = logging.getLogger(__name__)
@@ -103,34 +104,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; its length must fit the model and the cache."""
-        model = self.config.model_config
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < model.vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {request.request_id!r}: token ids {bad[:5]} are outside "
-                f"[0, model_config.vocab_size={model.vocab_size})"
-            )
-        if request.max_tokens < 1:
-            raise ValueError(
-                f"request {request.request_id!r}: max_tokens must be >= 1, got {request.max_tokens}"
-            )
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > model.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
-                f"max_tokens ({request.max_tokens}) exceeds model_config.max_model_len "
-                f"({model.max_model_len})"
-            )
-        needed_blocks = -(-total // self.block_size)
-        if needed_blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs {needed_blocks} blocks but "
-                f"cache_config.num_gpu_blocks is {self.block_manager.num_blocks}"
-            )
+        check_request(request, self.config)
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
         )
@@ -372,21 +348,9 @@ class Scheduler:
         now = time.perf_counter()
         for item in output.scheduled:
             request = self.requests[item.request_id]
-            if request.is_finished or item.request_id in rolled_back:
-                continue
-            request.num_computed_tokens += item.num_scheduled_tokens
-            token = result.sampled_token_ids.get(item.request_id)
-            if token is not None:
-                request.output_token_ids.append(token)
-                metrics = self.metrics[item.request_id]
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                extend_block_hashes(
-                    request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
-                )
-            self.block_manager.cache_full_blocks(request)
-            if len(request.output_token_ids) >= request.max_tokens:
-                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, finished)
+            if not (request.is_finished or item.request_id in rolled_back):
+                token = result.sampled_token_ids.get(item.request_id)
+                self._advance(request, item.num_scheduled_tokens, token, now, finished)
         if connector_output is not None:
             for request_id in connector_output.finished_recving or ():
                 self._finish_async_load(request_id, finished)
@@ -406,6 +370,28 @@ class Scheduler:
             }
             self._failed_async_blocks &= parked_blocks
         return finished
+
+    def _advance(
+        self,
+        request: Request,
+        num_computed: int,
+        token: int | None,
+        now: float,
+        finished: list[Request],
+    ) -> None:
+        """Count a step's computed tokens and its sampled token, if any, for ``request``."""
+        request.num_computed_tokens += num_computed
+        if token is not None:
+            request.output_token_ids.append(token)
+            metrics = self.metrics[request.request_id]
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
+            )
+        self.block_manager.cache_full_blocks(request)
+        if len(request.output_token_ids) >= request.max_tokens:
+            self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, finished)
 
     def _recover_sync_load_errors(
         self, output: SchedulerOutput, invalid: set[int], finished: list[Request]

@@ -123,25 +123,32 @@ class Worker:
             )
         connector_output = None
         if connector is not None:
-            connector.wait_for_save()
-            sending, receiving = connector.get_finished(set(step.finished_req_ids))
-            invalid = set(connector.get_block_ids_with_load_errors())
-            invalid |= self._inject_async_failures(receiving)
-            invalid |= self._injected_block_ids
-            self._injected_block_ids = set()
-            connector_output = KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=receiving,
-                kv_connector_stats=connector.get_kv_connector_stats(),
-                invalid_block_ids=invalid,
-            )
-            connector.clear_connector_metadata()
+            connector_output = self._end_connector_step(connector, step)
         sampled: dict[str, int] = {}
         if logits is not None:
             sampling = [chunk.request_id for chunk in step.chunks if chunk.sample]
             next_tokens = torch.argmax(logits, dim=-1).tolist()
             sampled = dict(zip(sampling, next_tokens, strict=True))
         return StepResult(sampled_token_ids=sampled, connector_output=connector_output)
+
+    def _end_connector_step(
+        self, connector: KVConnectorBase, step: WorkerStep
+    ) -> KVConnectorOutput:
+        """After the forward pass: wait for saves, collect what finished, unbind."""
+        connector.wait_for_save()
+        sending, receiving = connector.get_finished(set(step.finished_req_ids))
+        invalid = set(connector.get_block_ids_with_load_errors())
+        invalid |= self._inject_async_failures(receiving)
+        invalid |= self._injected_block_ids
+        self._injected_block_ids = set()
+        output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=receiving,
+            kv_connector_stats=connector.get_kv_connector_stats(),
+            invalid_block_ids=invalid,
+        )
+        connector.clear_connector_metadata()
+        return output
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``."""
