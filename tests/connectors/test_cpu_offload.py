@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.extra_config import ExtraConfigError
+from tests.connectors.conftest import OpenPair, PairFactory
 from tests.connectors.harness import (
     ConnectorPair,
     blocks_equal,
     cache_config_for,
     engine_config,
-    make_caches,
     make_request,
 )
 
@@ -26,19 +24,13 @@ SECOND = [20, 21, 22, 23, 24]
 
 
 @pytest.fixture
-def make_pair() -> Iterator:
-    pairs: list[ConnectorPair] = []
-
+def make_pair(open_pair: OpenPair) -> PairFactory:
     def build(kv_role: str = "kv_both", **extra: object) -> ConnectorPair:
         extra.setdefault("cpu_pool_bytes", "4MiB")  # small: tests need a few blocks
         config = engine_config("CPUOffloadConnector", dict(extra), kv_role=kv_role)
-        pair = ConnectorPair(config, CPUOffloadConnector, make_caches(cache_config_for(config), 1))
-        pairs.append(pair)
-        return pair
+        return open_pair(config, CPUOffloadConnector, 1)
 
-    yield build
-    for pair in pairs:
-        pair.shutdown()
+    return build
 
 
 def offload(pair: ConnectorPair, request_id: str = "a", prompt: list[int] = PROMPT) -> None:

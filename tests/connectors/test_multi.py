@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,12 +17,12 @@ from kvwire.connectors.multi import MultiConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import KVConnectorContainer
 from kvwire.registry import default_registry
+from tests.connectors.conftest import OpenPair, PairFactory
 from tests.connectors.harness import (
     ConnectorPair,
     blocks_equal,
     cache_config_for,
     engine_config,
-    make_caches,
     make_request,
 )
 
@@ -65,26 +64,16 @@ def tiered(storage: pathlib.Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def make_pair(tmp_path: pathlib.Path) -> Iterator:
-    pairs: list[ConnectorPair] = []
+def make_pair(tmp_path: pathlib.Path, open_pair: OpenPair) -> PairFactory:
     registry = default_registry()
 
     def build(children: list[dict[str, Any]] | None = None, seed: int = 1) -> ConnectorPair:
         config = engine_config(
             "MultiConnector", {"connectors": children or tiered(tmp_path / "store")}
         )
-        pair = ConnectorPair(
-            config,
-            MultiConnector,
-            make_caches(cache_config_for(config), seed),
-            connector_builder=registry.build_connector,
-        )
-        pairs.append(pair)
-        return pair
+        return open_pair(config, MultiConnector, seed, connector_builder=registry.build_connector)
 
-    yield build
-    for pair in pairs:
-        pair.shutdown()
+    return build
 
 
 def offload(pair: ConnectorPair, request_id: str = "a") -> None:
