@@ -27,7 +27,11 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import PagedKVCaches, cache_sized_chunks
+from kvwire.connectors.paged_cache import (
+    PagedKVCaches,
+    cache_sized_chunks,
+    copy_on_this_thread_only,
+)
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 
@@ -65,8 +69,12 @@ class CPUPoolWorker:
         self._counters = counters
         self._io_threads = io_threads
         self._warn = RateLimitedWarning(logger)
-        self._store_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-cpu-store")
-        self._load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-cpu-load")
+        self._store_pool = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="kvwire-cpu-store", initializer=copy_on_this_thread_only
+        )
+        self._load_pool = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="kvwire-cpu-load", initializer=copy_on_this_thread_only
+        )
         self._changed = threading.Condition()
         self._jobs_per_request: dict[str, int] = {}
         self._sync_loads: list[Future[list[int]]] = []

@@ -11,7 +11,10 @@ allocating anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import ctypes
+import functools
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -131,6 +134,34 @@ def cache_sized_chunks(count: int, entry_bytes: int) -> list[range]:
     """Split ``count`` entries into consecutive ranges of about :data:`CACHE_CHUNK_BYTES`."""
     per_chunk = max(1, CACHE_CHUNK_BYTES // entry_bytes)
     return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
+
+
+def copy_on_this_thread_only() -> None:
+    """Make torch copies on the calling thread run on it alone; other threads keep their setting.
+
+    For a connector's background copy threads. With OpenMP, torch splits each
+    large copy over every core and waits for the slowest part; several I/O
+    threads doing that at once, next to the forward pass, mostly wait for each
+    other, and the copies take several times longer. ``torch.set_num_threads``
+    would also change every thread started later in the process (the engine's
+    included), so only this thread's OpenMP setting is changed. Where torch
+    does not run on its bundled libgomp this does nothing.
+    """
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        torch.get_num_threads()  # torch sets this thread up first, or it would undo ours later
+        set_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    libraries = sorted((pathlib.Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    if not libraries:
+        return None
+    function: Callable[[int], None] = ctypes.CDLL(str(libraries[0])).omp_set_num_threads
+    return function
 
 
 def check_cache_layout(layout: BlockLayout, kv_cache_config: KVCacheConfig) -> None:

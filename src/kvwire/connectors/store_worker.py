@@ -31,7 +31,12 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import TORCH_DTYPES, PagedKVCaches, cache_sized_chunks
+from kvwire.connectors.paged_cache import (
+    TORCH_DTYPES,
+    PagedKVCaches,
+    cache_sized_chunks,
+    copy_on_this_thread_only,
+)
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
@@ -101,7 +106,9 @@ class StoreWorker:
             and layout.entry_bytes >= _MIN_MAPPED_ENTRY_BYTES
             else None
         )
-        self._load_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-load")
+        self._load_pool = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="kvwire-load", initializer=copy_on_this_thread_only
+        )
         self._save_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-save")
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
