@@ -154,14 +154,22 @@ def test_a_config_without_kv_transfer_config_cannot_build_a_connector(
     assert str(caught.value) == "kv_transfer_config must be set to create a connector"
 
 
-def test_the_engine_config_comes_from_the_profile_mapping(
-    registry: ConnectorRegistry, kv_cache_config: KVCacheConfig
-) -> None:
+def from_profile_mapping(
+    registry: ConnectorRegistry, kv_cache_config: KVCacheConfig, kv_transfer_config: dict[str, str]
+) -> Any:
+    """A container on the private registry whose engine config comes from a profile mapping."""
     container = KVConnectorContainer()
     container.registry.override(providers.Object(registry))
     container.kv_cache_config.override(providers.Object(kv_cache_config))
-    container.config.from_dict(
-        {"kv_transfer_config": {"kv_connector": "HMAConnector", "kv_role": "kv_consumer"}}
+    container.config.from_dict({"kv_transfer_config": kv_transfer_config})
+    return container
+
+
+def test_the_engine_config_comes_from_the_profile_mapping(
+    registry: ConnectorRegistry, kv_cache_config: KVCacheConfig
+) -> None:
+    container = from_profile_mapping(
+        registry, kv_cache_config, {"kv_connector": "HMAConnector", "kv_role": "kv_consumer"}
     )
 
     assert isinstance(container.worker_connector(), HMAConnector)
@@ -181,11 +189,8 @@ def test_a_bad_profile_in_the_config_provider_is_a_profile_error() -> None:
 def test_both_roles_share_one_engine_id(
     registry: ConnectorRegistry, kv_cache_config: KVCacheConfig
 ) -> None:
-    container = KVConnectorContainer()
-    container.registry.override(providers.Object(registry))
-    container.kv_cache_config.override(providers.Object(kv_cache_config))
-    container.config.from_dict(
-        {"kv_transfer_config": {"kv_connector": "RecordingConnector", "kv_role": "kv_both"}}
+    container = from_profile_mapping(
+        registry, kv_cache_config, {"kv_connector": "RecordingConnector", "kv_role": "kv_both"}
     )
 
     assert (
