@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -17,25 +18,33 @@ from kvwire.config import KVTransferConfig
 from kvwire.exceptions import ConnectorEntryPointError
 from kvwire.registry import ConnectorRegistry, ConnectorSource
 
-
-def install_distribution(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, entry_points: dict[str, str]
-) -> None:
-    dist_info = site / "kvwire_sample_plugin-1.2.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: kvwire-sample-plugin\nVersion: 1.2\n"
-    )
-    lines = [f"{name} = {value}" for name, value in entry_points.items()]
-    (dist_info / "entry_points.txt").write_text("[kvwire.connectors]\n" + "\n".join(lines) + "\n")
-    monkeypatch.syspath_prepend(str(site))
+PluginRegistry = Callable[..., ConnectorRegistry]
 
 
 @pytest.fixture
-def site(tmp_path: pathlib.Path) -> pathlib.Path:
-    folder = tmp_path / "site"
-    folder.mkdir()
-    return folder
+def plugin_registry(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> PluginRegistry:
+    """A registry (no built-ins unless given) in a process where a distribution is installed.
+
+    Called as ``plugin_registry(entry_points, built_ins={})``: the distribution
+    ``kvwire-sample-plugin 1.2`` declares ``entry_points`` (name -> ``module:Class``).
+    """
+
+    def registry_with(
+        entry_points: dict[str, str], built_ins: dict[str, tuple[str, str]] | None = None
+    ) -> ConnectorRegistry:
+        dist_info = tmp_path / "site" / "kvwire_sample_plugin-1.2.dist-info"
+        dist_info.mkdir(parents=True)
+        (dist_info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: kvwire-sample-plugin\nVersion: 1.2\n"
+        )
+        lines = [f"{name} = {value}" for name, value in entry_points.items()]
+        (dist_info / "entry_points.txt").write_text(
+            "[kvwire.connectors]\n" + "\n".join(lines) + "\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+        return ConnectorRegistry(built_ins=built_ins or {})
+
+    return registry_with
 
 
 def transfer(name: str) -> KVTransferConfig:
@@ -43,10 +52,9 @@ def transfer(name: str) -> KVTransferConfig:
 
 
 def test_an_entry_point_is_listed_without_importing_its_module(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, plugin_module: str
+    plugin_registry: PluginRegistry, plugin_module: str
 ) -> None:
-    install_distribution(site, monkeypatch, {"Sample": f"{plugin_module}:PluginConnector"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Sample": f"{plugin_module}:PluginConnector"})
 
     (entry,) = registry.entries()
 
@@ -57,10 +65,9 @@ def test_an_entry_point_is_listed_without_importing_its_module(
 
 
 def test_an_entry_point_resolves_to_its_class_on_first_use(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, plugin_module: str
+    plugin_registry: PluginRegistry, plugin_module: str
 ) -> None:
-    install_distribution(site, monkeypatch, {"Sample": f"{plugin_module}:PluginHMAConnector"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Sample": f"{plugin_module}:PluginHMAConnector"})
 
     connector_cls = registry.resolve(transfer("Sample"))
 
@@ -69,10 +76,9 @@ def test_an_entry_point_resolves_to_its_class_on_first_use(
 
 
 def test_a_broken_entry_point_names_its_distribution_and_itself(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    plugin_registry: PluginRegistry,
 ) -> None:
-    install_distribution(site, monkeypatch, {"Broken": "kvwire_missing_plugin_module:Thing"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Broken": "kvwire_missing_plugin_module:Thing"})
 
     with pytest.raises(ConnectorEntryPointError) as caught:
         registry.resolve(transfer("Broken"))
@@ -86,10 +92,9 @@ def test_a_broken_entry_point_names_its_distribution_and_itself(
 
 
 def test_an_entry_point_naming_a_missing_class_names_its_distribution(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, plugin_module: str
+    plugin_registry: PluginRegistry, plugin_module: str
 ) -> None:
-    install_distribution(site, monkeypatch, {"Typo": f"{plugin_module}:PluginConector"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Typo": f"{plugin_module}:PluginConector"})
 
     with pytest.raises(ConnectorEntryPointError) as caught:
         registry.resolve(transfer("Typo"))
@@ -102,10 +107,9 @@ def test_an_entry_point_naming_a_missing_class_names_its_distribution(
 
 
 def test_an_entry_point_without_a_class_is_malformed(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    plugin_registry: PluginRegistry,
 ) -> None:
-    install_distribution(site, monkeypatch, {"Bare": "some_module"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Bare": "some_module"})
 
     with pytest.raises(ConnectorEntryPointError) as caught:
         registry.resolve(transfer("Bare"))
@@ -117,24 +121,22 @@ def test_an_entry_point_without_a_class_is_malformed(
 
 
 def test_a_plugin_with_a_two_argument_constructor_fails_at_resolution(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, plugin_module: str
+    plugin_registry: PluginRegistry, plugin_module: str
 ) -> None:
-    install_distribution(site, monkeypatch, {"Old": f"{plugin_module}:OldPluginConnector"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Old": f"{plugin_module}:OldPluginConnector"})
 
     with pytest.raises(ValueError, match=r"^Connector OldPluginConnector uses deprecated"):
         registry.resolve(transfer("Old"))
 
 
 def test_an_entry_point_cannot_shadow_a_built_in(
-    site: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
+    plugin_registry: PluginRegistry,
     plugin_module: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    install_distribution(site, monkeypatch, {"Shadow": f"{plugin_module}:PluginConnector"})
-    registry = ConnectorRegistry(
-        built_ins={"Shadow": ("tests.core.sample_connectors", "HMAConnector")}
+    registry = plugin_registry(
+        {"Shadow": f"{plugin_module}:PluginConnector"},
+        built_ins={"Shadow": ("tests.core.sample_connectors", "HMAConnector")},
     )
 
     with caplog.at_level(logging.WARNING, logger="kvwire.registry"):
@@ -149,10 +151,9 @@ def test_an_entry_point_cannot_shadow_a_built_in(
 
 
 def test_registering_a_name_an_entry_point_declared_is_an_error(
-    site: pathlib.Path, monkeypatch: pytest.MonkeyPatch, plugin_module: str
+    plugin_registry: PluginRegistry, plugin_module: str
 ) -> None:
-    install_distribution(site, monkeypatch, {"Sample": f"{plugin_module}:PluginConnector"})
-    registry = ConnectorRegistry(built_ins={})
+    registry = plugin_registry({"Sample": f"{plugin_module}:PluginConnector"})
 
     with pytest.raises(ValueError, match=r"^Connector 'Sample' is already registered\.$"):
         registry.register_connector("Sample", "anywhere", "Anything")
