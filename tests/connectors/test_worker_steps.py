@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+from collections.abc import Iterator
+
 import pytest
 
 from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
@@ -63,27 +66,27 @@ def test_the_cpu_offload_worker_refuses_a_step_before_register_kv_caches():
         worker.start_load_kv(ForwardContext(layer_names=()))
 
 
-def test_a_store_worker_refuses_a_step_before_register_kv_caches(tmp_path):
+@pytest.fixture
+def unregistered_store_worker(tmp_path: pathlib.Path) -> Iterator[SharedStorageConnector]:
+    """A shared-storage worker whose caches were never registered."""
     config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
     worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
-    worker.bind_connector_metadata(StoreConnectorMetadata())
-    try:
-        with pytest.raises(RuntimeError, match=r"^SharedStorageConnector: register_kv_caches\(\)"):
-            worker.wait_for_save()
-    finally:
-        worker.shutdown()
+    yield worker
+    worker.shutdown()
 
 
-def test_a_store_worker_refuses_another_connectors_metadata(tmp_path):
-    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
-    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
-    worker.bind_connector_metadata(CPUOffloadMetadata())
-    try:
-        with pytest.raises(
-            TypeError,
-            match=r"^SharedStorageConnector got CPUOffloadMetadata, "
-            r"expected StoreConnectorMetadata$",
-        ):
-            worker.start_load_kv(ForwardContext(layer_names=()))
-    finally:
-        worker.shutdown()
+def test_a_store_worker_refuses_a_step_before_register_kv_caches(unregistered_store_worker):
+    unregistered_store_worker.bind_connector_metadata(StoreConnectorMetadata())
+
+    with pytest.raises(RuntimeError, match=r"^SharedStorageConnector: register_kv_caches\(\)"):
+        unregistered_store_worker.wait_for_save()
+
+
+def test_a_store_worker_refuses_another_connectors_metadata(unregistered_store_worker):
+    unregistered_store_worker.bind_connector_metadata(CPUOffloadMetadata())
+
+    with pytest.raises(
+        TypeError,
+        match=r"^SharedStorageConnector got CPUOffloadMetadata, expected StoreConnectorMetadata$",
+    ):
+        unregistered_store_worker.start_load_kv(ForwardContext(layer_names=()))
