@@ -24,13 +24,21 @@ import attrs
 import torch
 
 from kvwire.config import ModelConfig
+from kvwire.engine.paged_attention import (
+    COMPUTE_DTYPE,
+    AttentionMetadata,
+    PagedAttention,
+    SequenceSlice,
+)
+
+__all__ = ["AttentionMetadata", "LayerHook", "SequenceSlice", "TinyTransformer", "torch_dtype"]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_COMPUTE_DTYPE = torch.float64
+_COMPUTE_DTYPE = COMPUTE_DTYPE
 _ROPE_BASE = 10000.0
 _RMS_EPS = 1e-6
 
@@ -44,36 +52,6 @@ def torch_dtype(name: str) -> torch.dtype:
             f"model_config.dtype: {name!r} is not supported by the kvwire engine; "
             f"use one of {', '.join(_TORCH_DTYPES)}"
         ) from None
-
-
-@attrs.frozen
-class SequenceSlice:
-    """One request's tokens in a forward batch.
-
-    Rows ``[query_start, query_start + num_query_tokens)`` of the batch are
-    the request's tokens at positions ``[context_len - num_query_tokens,
-    context_len)``; its keys and values live in ``block_table``.
-    """
-
-    query_start: int
-    num_query_tokens: int
-    context_len: int
-    block_table: torch.Tensor
-
-
-@attrs.frozen
-class AttentionMetadata:
-    """Where a forward pass reads and writes the paged cache.
-
-    ``slot_mapping[i]`` is the flat slot (``block_id * block_size + offset``)
-    of batch row ``i``; ``sequences`` says which rows belong to which request.
-    The engine's worker refills the tensors behind it every step, so it is
-    only valid during the step it was made for.
-    """
-
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    sequences: tuple[SequenceSlice, ...]
 
 
 # Called around each layer's attention with the layer's name: before it reads
@@ -131,7 +109,8 @@ class TinyTransformer:
         ]
         self.lm_head = weight(hidden, config.vocab_size)
         self.max_num_tokens = max_num_tokens or config.max_model_len
-        self._workspace: _AttentionWorkspace | None = None
+        self._rows = _RowBuffers(config, self.max_num_tokens, self.dtype)
+        self._paged_attention: PagedAttention | None = None
         half = config.head_size // 2
         self._inverse_frequencies = 1.0 / (
             _ROPE_BASE ** (torch.arange(half, dtype=_COMPUTE_DTYPE) / max(half, 1))
@@ -149,28 +128,64 @@ class TinyTransformer:
         """Run the batch through every layer; the logits of ``sample_rows``.
 
         Writes this step's keys and values into ``kv_caches`` (one tensor per
-        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``).
+        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``). The
+        logits live in a buffer the next call overwrites.
         """
-        hidden_states = self.embedding[token_ids]
-        cos, sin = self._rotary(metadata.positions)
+        rows = self._rows
+        num_tokens = token_ids.shape[0]
+        hidden = rows.take("hidden", num_tokens)
+        torch.index_select(self.embedding, 0, token_ids, out=hidden)
+        self._rotary(metadata.positions)
         for name, weights, kv_cache in zip(self.layer_names, self.layers, kv_caches, strict=True):
             if before_attention is not None:
                 before_attention(name)
-            attention_out = self._attention(
-                _rms_norm(hidden_states), weights, kv_cache, metadata, cos, sin
-            )
+            attention_out = self._attention(rows.rms_norm(hidden), weights, kv_cache, metadata)
             if after_attention is not None:
                 after_attention(name)
-            hidden_states = _round(hidden_states + attention_out @ weights.output, self.dtype)
-            normed = _rms_norm(hidden_states)
-            gated = torch.nn.functional.silu(normed @ weights.gate) * (normed @ weights.up)
-            hidden_states = _round(hidden_states + gated @ weights.down, self.dtype)
-        final = _rms_norm(hidden_states[sample_rows])
-        return final @ self.lm_head
+            self._add_rounded(hidden, attention_out, weights.output)
+            normed = rows.rms_norm(hidden)
+            gate = torch.matmul(normed, weights.gate, out=rows.take("gate", num_tokens))
+            torch.nn.functional.silu(gate, inplace=True)
+            gate.mul_(torch.matmul(normed, weights.up, out=rows.take("up", num_tokens)))
+            self._add_rounded(hidden, gate, weights.down)
+        sampled = rows.take("sampled", sample_rows.shape[0])
+        torch.index_select(hidden, 0, sample_rows, out=sampled)
+        final = rows.rms_norm(sampled, "sampled_normed")
+        return torch.matmul(final, self.lm_head, out=rows.take("logits", sample_rows.shape[0]))
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(_COMPUTE_DTYPE)[:, None] * self._inverse_frequencies[None, :]
-        return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    def _add_rounded(
+        self, hidden: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor
+    ) -> None:
+        """``hidden += inputs @ weight``, then rounded to the model dtype (the residual stream)."""
+        num_tokens = hidden.shape[0]
+        hidden.add_(torch.matmul(inputs, weight, out=self._rows.take("projected", num_tokens)))
+        rounding = self._rows.take("rounding", num_tokens)
+        rounding.copy_(hidden)
+        hidden.copy_(rounding)
+
+    def _rotary(self, positions: torch.Tensor) -> None:
+        rows = self._rows
+        num_tokens = positions.shape[0]
+        angles = rows.take("angles", num_tokens)
+        torch.mul(positions.unsqueeze(1), self._inverse_frequencies.unsqueeze(0), out=angles)
+        torch.cos(angles, out=rows.take("cos", num_tokens))
+        torch.sin(angles, out=rows.take("sin", num_tokens))
+
+    def _apply_rotary(self, states: torch.Tensor) -> None:
+        """Rotate ``states`` (``[tokens, heads, head_size]``) in place by their positions."""
+        rows = self._rows
+        num_tokens, heads, _head_size = states.shape
+        half = self._inverse_frequencies.shape[0]
+        cos = rows.take("cos", num_tokens).unsqueeze(1)
+        sin = rows.take("sin", num_tokens).unsqueeze(1)
+        first, second = states[..., :half], states[..., half : 2 * half]
+        first_sin = rows.take_flat("rotary_first", num_tokens * heads * half).view(first.shape)
+        second_sin = rows.take_flat("rotary_second", num_tokens * heads * half).view(first.shape)
+        torch.mul(first, sin, out=first_sin)
+        torch.mul(second, sin, out=second_sin)
+        # first' = first cos - second sin; second' = first sin + second cos.
+        first.mul_(cos).sub_(second_sin)
+        second.mul_(cos).add_(first_sin)
 
     def _attention(
         self,
@@ -178,138 +193,98 @@ class TinyTransformer:
         weights: _LayerWeights,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
     ) -> torch.Tensor:
         config = self.config
+        rows = self._rows
         num_tokens = normed.shape[0]
         heads, kv_heads, head_size = (
             config.num_attention_heads,
             config.num_kv_heads,
             config.head_size,
         )
-        query = _apply_rotary((normed @ weights.query).view(num_tokens, heads, head_size), cos, sin)
-        key = _apply_rotary((normed @ weights.key).view(num_tokens, kv_heads, head_size), cos, sin)
-        value = (normed @ weights.value).view(num_tokens, kv_heads, head_size)
+        query = torch.matmul(normed, weights.query, out=rows.take("query", num_tokens))
+        query = query.view(num_tokens, heads, head_size)
+        self._apply_rotary(query)
         # The cache is the single source of keys and values: this step's rows
         # are written first and read back with the loaded/cached ones.
-        flat_keys = kv_cache[0].view(-1, kv_heads, head_size)
-        flat_values = kv_cache[1].view(-1, kv_heads, head_size)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key.to(kv_cache.dtype))
-        flat_values.index_copy_(0, metadata.slot_mapping, value.to(kv_cache.dtype))
+        for half, projection in enumerate((weights.key, weights.value)):
+            states = torch.matmul(normed, projection, out=rows.take("kv", num_tokens))
+            states = states.view(num_tokens, kv_heads, head_size)
+            if half == 0:
+                self._apply_rotary(states)
+            narrowed = rows.take("kv_narrow", num_tokens).view(num_tokens, kv_heads, head_size)
+            narrowed.copy_(states)
+            flat = kv_cache[half].view(-1, kv_heads, head_size)
+            flat.index_copy_(0, metadata.slot_mapping, narrowed)
 
-        workspace = self._workspace_for(kv_cache)
-        output = workspace.output[:num_tokens]
+        attention = self._attention_for(kv_cache)
+        output = attention.output[:num_tokens]
         for sequence in metadata.sequences:
-            workspace.attend(query, kv_cache, sequence, output)
+            attention.attend(query, kv_cache, sequence, output)
         return output
 
-    def _workspace_for(self, kv_cache: torch.Tensor) -> _AttentionWorkspace:
-        workspace = self._workspace
+    def _attention_for(self, kv_cache: torch.Tensor) -> PagedAttention:
+        attention = self._paged_attention
         block_size = kv_cache.shape[2]
-        if workspace is None or workspace.block_size != block_size:
-            workspace = _AttentionWorkspace(
-                self.config, self.max_num_tokens, block_size, kv_cache.dtype
-            )
-            self._workspace = workspace
-        return workspace
+        if attention is None or attention.block_size != block_size:
+            attention = PagedAttention(self.config, self.max_num_tokens, block_size, kv_cache.dtype)
+            self._paged_attention = attention
+        return attention
 
 
-class _AttentionWorkspace:
-    """Buffers one layer's attention reuses for every sequence, layer and step.
+class _RowBuffers:
+    """A forward pass's per-row activations, allocated once and reused by every layer and step.
 
-    Sized from the model's limits (``max_model_len`` tokens of context, the
-    largest batch) except the score matrix, which grows to the largest
-    query-by-context product seen: its worst case (a whole batch of queries
-    against a whole context) is rarely reached and would be large.
-    Each buffer's contents are consumed before the next sequence or layer
-    writes it.
+    Each buffer holds ``max_num_tokens`` rows; :meth:`take` gives the first
+    ``num_rows``. A buffer's contents are consumed before it is taken again.
     """
 
-    def __init__(
-        self, config: ModelConfig, max_num_tokens: int, block_size: int, cache_dtype: torch.dtype
-    ) -> None:
-        self.block_size = block_size
-        self.kv_heads = config.num_kv_heads
-        self.group = config.num_attention_heads // config.num_kv_heads
-        self.head_size = config.head_size
-        self.scale = config.head_size**-0.5
-        max_blocks = -(-config.max_model_len // block_size)
-        max_context = max_blocks * block_size
-        kv_shape = (max_blocks, block_size, self.kv_heads, self.head_size)
-        self.gathered = torch.empty(kv_shape, dtype=cache_dtype)
-        # Keys and values of one sequence, widened, one row of tokens per KV head.
-        self.keys = torch.empty(self.kv_heads, max_context, self.head_size, dtype=_COMPUTE_DTYPE)
-        self.values = torch.empty_like(self.keys)
-        # Queries grouped by the KV head they share: [kv_heads, group, tokens, dim].
-        self.queries = torch.empty(
-            max_num_tokens * config.num_attention_heads * self.head_size, dtype=_COMPUTE_DTYPE
-        )
-        self.attended = torch.empty_like(self.queries)
-        self.output = torch.empty(max_num_tokens, config.hidden_size, dtype=_COMPUTE_DTYPE)
-        self.scores = torch.empty(0, dtype=_COMPUTE_DTYPE)
-        self.mask = torch.empty(0, dtype=torch.bool)
-        self.token_positions = torch.arange(max_context)
+    def __init__(self, config: ModelConfig, max_num_tokens: int, dtype: torch.dtype) -> None:
+        hidden, kv_width = config.hidden_size, config.num_kv_heads * config.head_size
+        half = config.head_size // 2
+        widths = {
+            "hidden": hidden,
+            "normed": hidden,
+            "projected": hidden,
+            "query": config.num_attention_heads * config.head_size,
+            "kv": kv_width,
+            "gate": config.intermediate_size,
+            "up": config.intermediate_size,
+            "angles": half,
+            "cos": half,
+            "sin": half,
+            "rotary_first": config.num_attention_heads * half,
+            "rotary_second": config.num_attention_heads * half,
+            "variance": 1,
+            "sampled": hidden,
+            "sampled_normed": hidden,
+            "logits": config.vocab_size,
+        }
+        self._buffers = {
+            name: torch.empty(max_num_tokens, width, dtype=_COMPUTE_DTYPE)
+            for name, width in widths.items()
+        }
+        # The model dtype: rounding the residual stream, and keys/values for the cache.
+        self._buffers["rounding"] = torch.empty(max_num_tokens, hidden, dtype=dtype)
+        self._buffers["kv_narrow"] = torch.empty(max_num_tokens, kv_width, dtype=dtype)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        sequence: SequenceSlice,
-        output: torch.Tensor,
-    ) -> None:
-        """Causal attention of ``sequence``'s query rows over its context, into ``output``."""
-        kv_heads, group, head_size = self.kv_heads, self.group, self.head_size
-        num_queries, context_len = sequence.num_query_tokens, sequence.context_len
-        rows = slice(sequence.query_start, sequence.query_start + num_queries)
-        keys = self._widened_context(kv_cache[0], sequence, self.keys)
-        values = self._widened_context(kv_cache[1], sequence, self.values)
+    def take(self, name: str, num_rows: int) -> torch.Tensor:
+        """The first ``num_rows`` rows of buffer ``name``."""
+        return self._buffers[name][:num_rows]
 
-        grouped_rows = group * num_queries
-        queries = self.queries[: kv_heads * grouped_rows * head_size]
-        queries.view(kv_heads, group, num_queries, head_size).copy_(
-            query[rows].view(num_queries, kv_heads, group, head_size).permute(1, 2, 0, 3)
-        )
-        scores = self._grown("scores", kv_heads * grouped_rows * context_len)
-        scores = scores.view(kv_heads, grouped_rows, context_len)
-        torch.bmm(queries.view(kv_heads, grouped_rows, head_size), keys.transpose(1, 2), out=scores)
-        scores.mul_(self.scale)
-        if num_queries > 1:
-            # Query i (at position first + i) sees keys at positions <= first + i.
-            first = context_len - num_queries
-            mask = self._grown("mask", num_queries * context_len).view(num_queries, context_len)
-            torch.gt(
-                self.token_positions[:context_len].unsqueeze(0),
-                self.token_positions[first:context_len].unsqueeze(1),
-                out=mask,
-            )
-            scores.view(kv_heads, group, num_queries, context_len).masked_fill_(mask, float("-inf"))
-        torch._softmax(scores, -1, False, out=scores)
-        attended = self.attended[: kv_heads * grouped_rows * head_size]
-        torch.bmm(scores, values, out=attended.view(kv_heads, grouped_rows, head_size))
-        output[rows].view(num_queries, kv_heads, group, head_size).copy_(
-            attended.view(kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
-        )
+    def take_flat(self, name: str, num_elements: int) -> torch.Tensor:
+        """The first ``num_elements`` elements of buffer ``name``, for reshaping."""
+        return self._buffers[name].view(-1)[:num_elements]
 
-    def _widened_context(
-        self, cache_half: torch.Tensor, sequence: SequenceSlice, widened: torch.Tensor
-    ) -> torch.Tensor:
-        """The sequence's keys (or values) as ``[kv_heads, context_len, dim]`` in float64."""
-        num_blocks = sequence.block_table.shape[0]
-        gathered = self.gathered[:num_blocks]
-        torch.index_select(cache_half, 0, sequence.block_table, out=gathered)
-        context = widened[:, : sequence.context_len]
-        context.copy_(
-            gathered.view(-1, self.kv_heads, self.head_size)[: sequence.context_len].transpose(0, 1)
-        )
-        return context
-
-    def _grown(self, name: str, size: int) -> torch.Tensor:
-        buffer: torch.Tensor = getattr(self, name)
-        if buffer.numel() < size:
-            buffer = torch.empty(size, dtype=buffer.dtype)
-            setattr(self, name, buffer)
-        return buffer[:size]
+    def rms_norm(self, states: torch.Tensor, into: str = "normed") -> torch.Tensor:
+        """``states`` RMS-normalised into buffer ``into``."""
+        num_rows = states.shape[0]
+        normed = self.take(into, num_rows)
+        variance = self.take("variance", num_rows)
+        torch.mul(states, states, out=normed)
+        torch.mean(normed, dim=-1, keepdim=True, out=variance)
+        variance.add_(_RMS_EPS).rsqrt_()
+        return torch.mul(states, variance, out=normed)
 
 
 @attrs.frozen
@@ -321,17 +296,3 @@ class _LayerWeights:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
-
-
-def _rms_norm(hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(dim=-1, keepdim=True)
-    return hidden_states * torch.rsqrt(variance + _RMS_EPS)
-
-
-def _apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = cos.shape[-1]
-    first, second = states[..., :half], states[..., half : 2 * half]
-    rotated = torch.cat(
-        (first * cos - second * sin, first * sin + second * cos, states[..., 2 * half :]), dim=-1
-    )
-    return rotated
