@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from kvwire.config import ModelConfig, SchedulerConfig
+from kvwire.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.redis.conftest import RedisServer, wait_until_available
@@ -33,6 +33,11 @@ def workload() -> list[GenerationRequest]:
 def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
     """The tokens of the engine without a connector: what every run must reproduce."""
     return tokens(generate(tiny_config(), workload))
+
+
+def two_at_a_time() -> EngineConfig:
+    """The tiny engine running two requests at a time: the others wait for later steps."""
+    return attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))
 
 
 def test_a_second_engine_loads_the_prefix_from_redis_and_generates_the_same_tokens(
@@ -60,9 +65,8 @@ def test_outputs_stay_identical_when_the_server_dies_mid_run(
     workload: list[GenerationRequest],
     expected_tokens: list[tuple[int, ...]],
 ) -> None:
-    # Two requests at a time, so most are looked up after the server died.
-    two_at_a_time = attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))
-    config = with_redis(two_at_a_time, fault_server.url, key_prefix)
+    # Most requests are looked up after the server died.
+    config = with_redis(two_at_a_time(), fault_server.url, key_prefix)
     assert tokens(generate(config, workload)) == expected_tokens  # fills the server
 
     with LLMEngine(config) as engine:
@@ -208,8 +212,7 @@ def test_asynchronous_loads_cut_off_by_a_dying_server_end_in_identical_outputs(
     workload: list[GenerationRequest],
     expected_tokens: list[tuple[int, ...]],
 ) -> None:
-    two_at_a_time = attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))
-    config = with_redis(two_at_a_time, fault_server.url, key_prefix, async_load=True)
+    config = with_redis(two_at_a_time(), fault_server.url, key_prefix, async_load=True)
     generate(config, workload)
 
     with LLMEngine(config) as engine:
