@@ -74,10 +74,12 @@ class RedisServer:
         if not self.executor.running():
             self.restart()
 
-    def set_maxmemory(self, max_bytes: int, policy: str) -> None:
+    def cap_memory(self, headroom_bytes: int, policy: str) -> None:
+        """Let the server hold ``headroom_bytes`` more than it uses now, then apply ``policy``."""
         client = self.client()
+        used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory-policy", policy)
-        client.config_set("maxmemory", max_bytes)
+        client.config_set("maxmemory", used + headroom_bytes)
 
     def reset(self) -> None:
         client = self.client()

@@ -174,8 +174,7 @@ def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
     )
     many = shared_prefix_workload(seed=5, num_requests=24, shared_prefix_ratio=0.0)
     expected = tokens(generate(wide, many))
-    used = int(fault_server.client().info("memory")["used_memory"])
-    fault_server.set_maxmemory(used + 1024 * 1024, "allkeys-lru")
+    fault_server.cap_memory(1024 * 1024, "allkeys-lru")
     config = with_redis(wide, fault_server.url, key_prefix, staging_buffer_bytes="4MiB")
 
     assert tokens(generate(config, many)) == expected
@@ -194,8 +193,7 @@ def test_outputs_stay_identical_when_a_full_server_rejects_saves(
     workload: list[GenerationRequest],
     expected_tokens: list[tuple[int, ...]],
 ) -> None:
-    used = int(fault_server.client().info("memory")["used_memory"])
-    fault_server.set_maxmemory(used + 16 * 1024, "noeviction")
+    fault_server.cap_memory(16 * 1024, "noeviction")
     config = with_redis(tiny_config(), fault_server.url, key_prefix)
 
     with LLMEngine(config) as engine:

@@ -122,8 +122,7 @@ def test_a_full_server_without_eviction_rejects_saves_without_raising(
     fault_server: RedisServer,
 ) -> None:
     store = _store(fault_server)
-    used = int(fault_server.client().info("memory")["used_memory"])
-    fault_server.set_maxmemory(used + 64 * 1024, "noeviction")
+    fault_server.cap_memory(64 * 1024, "noeviction")
     big = LAYOUT.entry_bytes
     count = (256 * 1024) // big
 
@@ -146,8 +145,7 @@ def test_under_an_lru_memory_limit_evicted_blocks_are_misses_and_survivors_load_
     fault_server: RedisServer,
 ) -> None:
     store = _store(fault_server)
-    used = int(fault_server.client().info("memory")["used_memory"])
-    fault_server.set_maxmemory(used + 128 * 1024, "allkeys-lru")
+    fault_server.cap_memory(128 * 1024, "allkeys-lru")
     count = (512 * 1024) // LAYOUT.entry_bytes
 
     assert store.put(store_keys(LAYOUT, count), _entries(range(count))) == [True] * count
