@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 
 from kvwire.config import EngineConfig
@@ -38,11 +39,12 @@ CONNECTORS: dict[str, tuple[str, list[dict[str, str]] | None, bool]] = {
 }
 SWITCH = {"disable=True": True, "disable=False": False, "disable=None": None}
 
-MATRIX = [
-    pytest.param(connector, disable, id=f"{connector}-{setting}")
+CELLS: dict[str, tuple[str, bool | None]] = {
+    f"{connector}-{setting}": (connector, disable)
     for connector in CONNECTORS
     for setting, disable in SWITCH.items()
-]
+}
+MATRIX = [pytest.param(*cell, id=cell_id) for cell_id, cell in CELLS.items()]
 
 
 def config_for(
@@ -73,18 +75,34 @@ def expected_enabled(connector: str, disable: bool | None) -> bool | None:
     return supported
 
 
-@pytest.mark.parametrize(("connector", "disable"), MATRIX)
-def test_the_gate_decides_as_the_reference(
-    connector: str,
-    disable: bool | None,
+@attrs.frozen
+class GateCell:
+    """One cell of the matrix in a container: the row's connector name and the expected decision."""
+
+    connector_name: str
+    container: Any
+    expected: bool | None
+
+
+@pytest.fixture(params=list(CELLS.values()), ids=list(CELLS))
+def cell(
+    request: pytest.FixtureRequest,
     make_engine_config: Callable[..., EngineConfig],
     make_container: Callable[[EngineConfig], Any],
-) -> None:
-    container = make_container(config_for(make_engine_config, connector, disable))
-    expected = expected_enabled(connector, disable)
+) -> GateCell:
+    connector, disable = request.param
+    return GateCell(
+        connector_name=CONNECTORS[connector][0],
+        container=make_container(config_for(make_engine_config, connector, disable)),
+        expected=expected_enabled(connector, disable),
+    )
+
+
+def test_the_gate_decides_as_the_reference(cell: GateCell) -> None:
+    container, expected = cell.container, cell.expected
 
     if expected is None:
-        name = CONNECTORS[connector][0]
+        name = cell.connector_name
         with pytest.raises(ValueError) as caught:
             container.hma_gate()
         assert str(caught.value) == (
@@ -95,15 +113,8 @@ def test_the_gate_decides_as_the_reference(
         assert container.hma_gate().enabled is expected
 
 
-@pytest.mark.parametrize(("connector", "disable"), MATRIX)
-def test_building_a_connector_applies_the_gate(
-    connector: str,
-    disable: bool | None,
-    make_engine_config: Callable[..., EngineConfig],
-    make_container: Callable[[EngineConfig], Any],
-) -> None:
-    container = make_container(config_for(make_engine_config, connector, disable))
-    expected = expected_enabled(connector, disable)
+def test_building_a_connector_applies_the_gate(cell: GateCell) -> None:
+    container, expected = cell.container, cell.expected
 
     if expected is None:
         with pytest.raises(ValueError, match="does not support HMA but HMA is enabled"):
