@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata
+from kvwire.connector.types import ForwardContext
+
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -34,6 +37,24 @@ def best_seconds(
             action(repeat)
             best[name] = min(best[name], time.perf_counter() - started)
     return best
+
+
+def run_step(
+    connector: KVConnectorBase, metadata: KVConnectorMetadata, layers: tuple[str, ...]
+) -> None:
+    """One worker step as the engine drives it, without the model."""
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(ForwardContext(layer_names=layers))
+    for layer in layers:
+        connector.wait_for_layer_load(layer)
+    connector.wait_for_save()
+    errors = connector.get_block_ids_with_load_errors()
+    connector.clear_connector_metadata()
+    if errors:
+        raise RuntimeError(f"{len(errors)} blocks failed to load in the benchmark")
+    stats = connector.get_kv_connector_stats()
+    if stats is not None and stats.data.get("saves_dropped"):
+        raise RuntimeError("saves were dropped: the benchmark would overstate throughput")
 
 
 def size_label(size_bytes: int) -> str:

@@ -7,7 +7,11 @@ Three measurements, each in one run:
    block: every layer's keys and values), driven through their real worker
    calls over real paged caches. Bounds, measured here on the same bytes: a
    torch copy into a preallocated buffer (CPU pool); a plain write and read of
-   one file per block in the same filesystem (shared storage).
+   one file per block in the same filesystem (shared storage), from and into
+   a buffer as large as the connector's staging, on as many threads as the
+   connector's I/O threads. Files of earlier repeats (the connector's and the
+   bound's) are removed, untimed, before each save, so that neither writes
+   into a page cache fuller of dirty pages than the other.
 2. The reference's example-connector strategy (one safetensors file per layer
    per request, synchronous) on the same requests as the shared-storage
    connector: the ratio of their throughputs.
@@ -36,11 +40,10 @@ from typing import Any
 import attrs
 import torch
 
-from benchmarks.common import KIB, MIB, best_seconds, pyplot, size_label, write_json
+from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_label, write_json
 from benchmarks.common import main as run_from_command_line
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvwire.connector.types import ForwardContext
+from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
 from kvwire.connectors.cpu_pool_worker import PoolTransfer
@@ -98,24 +101,6 @@ def worker_connector(
 
 def hashes(count: int, salt: str) -> tuple[bytes, ...]:
     return tuple(hashlib.sha256(f"{salt}:{i}".encode()).digest() for i in range(count))
-
-
-def run_step(
-    connector: KVConnectorBase, metadata: KVConnectorMetadata, layers: tuple[str, ...]
-) -> None:
-    """One worker step as the engine drives it, without the model."""
-    connector.bind_connector_metadata(metadata)
-    connector.start_load_kv(ForwardContext(layer_names=layers))
-    for layer in layers:
-        connector.wait_for_layer_load(layer)
-    connector.wait_for_save()
-    errors = connector.get_block_ids_with_load_errors()
-    connector.clear_connector_metadata()
-    if errors:
-        raise RuntimeError(f"{len(errors)} blocks failed to load in the benchmark")
-    stats = connector.get_kv_connector_stats()
-    if stats is not None and stats.data.get("saves_dropped"):
-        raise RuntimeError("saves were dropped: the benchmark would overstate throughput")
 
 
 def best_gbps(

@@ -37,11 +37,10 @@ from typing import Any
 
 import redis
 
-from benchmarks.common import KIB, MIB, best_seconds, pyplot, size_label, write_json
+from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_label, write_json
 from benchmarks.common import main as run_from_command_line
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import ForwardContext
 from kvwire.connectors.redis import RedisConnector
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
@@ -158,24 +157,12 @@ class _ConnectorPath:
         )
         self.transfer = BlockTransfer("bench", tuple(range(count)), block_hashes)
 
-    def _step(self, metadata: StoreConnectorMetadata) -> None:
-        connector = self.connector
-        connector.bind_connector_metadata(metadata)
-        connector.start_load_kv(ForwardContext(layer_names=self.layers))
-        for layer in self.layers:
-            connector.wait_for_layer_load(layer)
-        connector.wait_for_save()
-        failed = connector.get_block_ids_with_load_errors()
-        connector.clear_connector_metadata()
-        if failed:
-            raise RuntimeError(f"{len(failed)} blocks failed to load in the benchmark")
-
     def save(self, _repeat: int = 0) -> None:
-        self._step(StoreConnectorMetadata(saves=(self.transfer,)))
+        run_step(self.connector, StoreConnectorMetadata(saves=(self.transfer,)), self.layers)
         self.connector.wait_for_pending_saves()
 
     def load(self, _repeat: int = 0) -> None:
-        self._step(StoreConnectorMetadata(loads=(self.transfer,)))
+        run_step(self.connector, StoreConnectorMetadata(loads=(self.transfer,)), self.layers)
 
     def close(self) -> None:
         self.connector.shutdown()

@@ -25,13 +25,16 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.store import BlockStore
 
 logger = logging.getLogger(__name__)
+
+_Result = TypeVar("_Result")
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
 _TMP_SUFFIX = ".tmp"
@@ -107,15 +110,7 @@ class DirectoryBlockStore(BlockStore):
         return [self._read(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
 
     def _read(self, key: str, buffer: memoryview) -> int | None:
-        try:
-            fd = os.open(self.path_of(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as error:
-            self._fail("read", key, error)
-            return None
-        try:
-            size = os.fstat(fd).st_size
+        def read_into_buffer(fd: int, size: int) -> int | None:
             if size > len(buffer):
                 return None
             read = 0
@@ -124,21 +119,28 @@ class DirectoryBlockStore(BlockStore):
                 if got == 0:
                     break
                 read += got
-            if self._max_bytes:
-                # Reads refresh the entry, so eviction is least-recently-used.
-                os.utime(fd)
             return read
-        except OSError as error:
-            self._fail("read", key, error)
-            return None
-        finally:
-            os.close(fd)
+
+        return self._with_entry_file(key, read_into_buffer)
 
     def map_entry(self, key: str) -> mmap.mmap | None:
         """``key``'s file mapped read-only (private): None if missing, empty or unreadable.
 
         The caller closes the mapping. Nothing is copied until the caller reads it.
         """
+
+        def map_file(fd: int, size: int) -> mmap.mmap | None:
+            if size == 0:
+                return None  # cannot be mapped; get_into reports it
+            # Private: nothing written through the mapping ever reaches the file.
+            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+
+        return self._with_entry_file(key, map_file)
+
+    def _with_entry_file(
+        self, key: str, use: Callable[[int, int], _Result | None]
+    ) -> _Result | None:
+        """``use(fd, size)`` on ``key``'s open file; None on a miss or a failure (counted)."""
         try:
             fd = os.open(self.path_of(key), os.O_RDONLY)
         except FileNotFoundError:
@@ -147,14 +149,11 @@ class DirectoryBlockStore(BlockStore):
             self._fail("read", key, error)
             return None
         try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                return None  # cannot be mapped; get_into reports it
-            # Private: nothing written through the mapping ever reaches the file.
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-            if self._max_bytes:
+            result = use(fd, os.fstat(fd).st_size)
+            if result is not None and self._max_bytes:
+                # Reads refresh the entry, so eviction is least-recently-used.
                 os.utime(fd)
-            return mapping
+            return result
         except OSError as error:
             self._fail("read", key, error)
             return None
