@@ -66,3 +66,23 @@ def test_different_seeds_give_different_models() -> None:
 def test_a_dtype_the_engine_cannot_compute_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match=r"model_config.dtype: 'float8_e4m3fn' is not supported"):
         TinyTransformer(ModelConfig(dtype="float8_e4m3fn"), LAYERS)
+
+
+def test_forward_passes_reuse_one_logits_buffer() -> None:
+    config = ModelConfig(num_layers=2, vocab_size=300)
+    model = TinyTransformer(config, LAYERS)
+    caches = _caches(config)
+    first = _run_chunk(model, caches, [7, 42, 13], 0)
+    first_pointer, first_values = first.data_ptr(), first.clone()
+    second = _run_chunk(model, caches, [99], 3)
+    assert second.data_ptr() == first_pointer
+    assert not torch.equal(second, first_values)
+
+
+def test_a_batch_larger_than_the_models_buffers_is_refused_naming_the_limit() -> None:
+    config = ModelConfig(num_layers=2, vocab_size=300)
+    model = TinyTransformer(config, LAYERS, max_num_tokens=2)
+    with pytest.raises(
+        ValueError, match=r"3 tokens exceeds the model's buffers \(max_num_tokens=2\)"
+    ):
+        _run_chunk(model, _caches(config), [7, 42, 13], 0)

@@ -133,6 +133,11 @@ class TinyTransformer:
         """
         rows = self._rows
         num_tokens = token_ids.shape[0]
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"a forward batch of {num_tokens} tokens exceeds the model's buffers "
+                f"(max_num_tokens={self.max_num_tokens})"
+            )
         hidden = rows.take("hidden", num_tokens)
         torch.index_select(self.embedding, 0, token_ids, out=hidden)
         self._rotary(metadata.positions)

@@ -82,6 +82,7 @@ class Worker:
             model_config.max_model_len,
             self.block_size,
         )
+        self._sampled_ids = torch.zeros(scheduler_config.max_num_seqs, dtype=torch.int64)
         self.model = TinyTransformer(
             model_config, self.layer_names, scheduler_config.max_num_batched_tokens
         )
@@ -127,7 +128,8 @@ class Worker:
         sampled: dict[str, int] = {}
         if logits is not None:
             sampling = [chunk.request_id for chunk in step.chunks if chunk.sample]
-            next_tokens = torch.argmax(logits, dim=-1).tolist()
+            chosen = self._sampled_ids[: logits.shape[0]]
+            next_tokens = torch.argmax(logits, dim=-1, out=chosen).tolist()
             sampled = dict(zip(sampling, next_tokens, strict=True))
         return StepResult(sampled_token_ids=sampled, connector_output=connector_output)
 
