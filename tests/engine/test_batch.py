@@ -30,11 +30,31 @@ def test_slots_positions_and_tokens_follow_each_sequences_block_table() -> None:
     assert metadata.positions.tolist() == [2, 3, 4, 5, 6, 8]
     assert metadata.slot_mapping.tolist() == [38, 39, 12, 13, 14, 16]
     assert sample_rows.tolist() == [4, 5]
-    assert [s.block_table.tolist() for s in metadata.sequences] == [[9, 3], [7, 1, 4]]
+    assert [s.block_table.tolist() for s in metadata.sequences] == [[9, 3]]
     assert [(s.query_start, s.num_query_tokens, s.context_len) for s in metadata.sequences] == [
-        (0, 5, 7),
-        (5, 1, 9),
+        (0, 5, 7)
     ]
+
+
+def test_single_token_sequences_form_one_decode_batch_padded_to_the_longest_context() -> None:
+    chunks = (
+        *_prefill_and_decode(),
+        # Another decode, at position 2: one block of context.
+        ScheduledChunk("c", (30,), 2, (6,), sample=True),
+    )
+    metadata, _tokens, _rows = _batch().fill(chunks)
+    decodes = metadata.decodes
+    assert decodes is not None
+    assert decodes.rows.tolist() == [5, 6]
+    assert decodes.context_lens.tolist() == [9, 3]
+    assert decodes.block_tables.shape == (2, 3)
+    assert decodes.block_tables[0].tolist() == [7, 1, 4]
+    assert decodes.block_tables[1, 0].item() == 6
+
+
+def test_a_step_without_single_token_sequences_has_no_decode_batch() -> None:
+    metadata, _tokens, _rows = _batch().fill((_prefill_and_decode()[0],))
+    assert metadata.decodes is None
 
 
 def test_refilling_reuses_the_same_memory() -> None:

@@ -86,3 +86,24 @@ def test_a_batch_larger_than_the_models_buffers_is_refused_naming_the_limit() ->
         ValueError, match=r"3 tokens exceeds the model's buffers \(max_num_tokens=2\)"
     ):
         _run_chunk(model, _caches(config), [7, 42, 13], 0)
+
+
+def test_decoding_in_the_batched_path_gives_the_logits_of_the_per_sequence_path() -> None:
+    from kvwire.engine.paged_attention import DecodeBatch
+
+    config = ModelConfig(num_layers=2, vocab_size=300)
+    model = TinyTransformer(config, LAYERS)
+    prompt = [7, 42, 13, 99, 250, 3, 18]
+    caches = _caches(config)
+    _run_chunk(model, caches, prompt, 0)
+    per_sequence = _run_chunk(model, caches, [77], len(prompt)).clone()
+    positions = torch.tensor([len(prompt)])
+    metadata = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        positions=positions,
+        sequences=(),
+        # Padded to three blocks, one past the context's two.
+        decodes=DecodeBatch(torch.tensor([0]), torch.tensor([8]), torch.tensor([[0, 1, 5]])),
+    )
+    batched = model.forward(torch.tensor([77]), metadata, caches, torch.tensor([0]))
+    assert torch.equal(batched, per_sequence)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.engine.model import AttentionMetadata, SequenceSlice
+from kvwire.engine.paged_attention import AttentionMetadata, DecodeBatch, SequenceSlice
 from kvwire.engine.step import ScheduledChunk
 
 _INT64 = 8
@@ -58,6 +58,12 @@ class StepBatch:
         self._block_table_rows = self._block_tables.tensor.view(
             max_num_seqs, self.max_blocks_per_seq
         )
+        # Single-token sequences, batched: rows, context lengths, and block
+        # tables as wide as the longest of them (padding holds stale but
+        # valid block ids, never read unmasked).
+        self._decode_rows = _Int64Buffer(max_num_seqs)
+        self._decode_context_lens = _Int64Buffer(max_num_seqs)
+        self._decode_tables = _Int64Buffer(max_num_seqs * self.max_blocks_per_seq)
 
     def fill(
         self, chunks: Sequence[ScheduledChunk]
@@ -65,24 +71,31 @@ class StepBatch:
         """Lay ``chunks`` into the buffers; the attention metadata, token ids and sample rows."""
         self._check_fits(chunks)
         block_size, width = self.block_size, self.max_blocks_per_seq
+        decode_width = max(
+            (-(-(c.start_position + 1) // block_size) for c in chunks if len(c.token_ids) == 1),
+            default=0,
+        )
         sequences = []
-        num_tokens = num_samples = 0
+        num_tokens = num_samples = num_decodes = 0
         for index, chunk in enumerate(chunks):
             count = len(chunk.token_ids)
             context_len = chunk.start_position + count
             num_context_blocks = -(-context_len // block_size)
-            if num_context_blocks > width:
-                raise ValueError(
-                    f"request {chunk.request_id!r}: a context of {context_len} tokens exceeds "
-                    f"the worker's block tables ({width} blocks of {block_size} tokens)"
-                )
             rows = slice(num_tokens, num_tokens + count)
             self._token_ids.write(num_tokens, chunk.token_ids)
             self._block_tables.write(index * width, chunk.block_ids[:num_context_blocks])
             torch.arange(chunk.start_position, context_len, out=self.positions[rows])
             self._table_offsets[rows].fill_(index * width)
-            block_table = self._block_table_rows[index, :num_context_blocks]
-            sequences.append(SequenceSlice(num_tokens, count, context_len, block_table))
+            if count == 1:
+                self._decode_rows.write(num_decodes, (num_tokens,))
+                self._decode_context_lens.write(num_decodes, (context_len,))
+                self._decode_tables.write(
+                    num_decodes * decode_width, chunk.block_ids[:num_context_blocks]
+                )
+                num_decodes += 1
+            else:
+                block_table = self._block_table_rows[index, :num_context_blocks]
+                sequences.append(SequenceSlice(num_tokens, count, context_len, block_table))
             num_tokens += count
             if chunk.sample:
                 self._sample_rows.write(num_samples, (num_tokens - 1,))
@@ -92,9 +105,20 @@ class StepBatch:
             slot_mapping=self.slot_mapping[:num_tokens],
             positions=self.positions[:num_tokens],
             sequences=tuple(sequences),
+            decodes=self._decode_batch(num_decodes, decode_width),
         )
         sample_rows = self._sample_rows.tensor[:num_samples]
         return metadata, self._token_ids.tensor[:num_tokens], sample_rows
+
+    def _decode_batch(self, num_decodes: int, decode_width: int) -> DecodeBatch | None:
+        if not num_decodes:
+            return None
+        tables = self._decode_tables.tensor[: num_decodes * decode_width]
+        return DecodeBatch(
+            rows=self._decode_rows.tensor[:num_decodes],
+            context_lens=self._decode_context_lens.tensor[:num_decodes],
+            block_tables=tables.view(num_decodes, decode_width),
+        )
 
     def _map_slots(self, num_tokens: int) -> None:
         # slot = block_tables[sequence, position // block_size] * block_size
@@ -110,6 +134,14 @@ class StepBatch:
         slots.add_(scratch)
 
     def _check_fits(self, chunks: Sequence[ScheduledChunk]) -> None:
+        width = self.max_blocks_per_seq
+        for chunk in chunks:
+            context_len = chunk.start_position + len(chunk.token_ids)
+            if -(-context_len // self.block_size) > width:
+                raise ValueError(
+                    f"request {chunk.request_id!r}: a context of {context_len} tokens exceeds "
+                    f"the worker's block tables ({width} blocks of {self.block_size} tokens)"
+                )
         num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
         if len(chunks) > self.max_num_seqs or num_tokens > self.max_num_tokens:
             raise ValueError(

@@ -226,6 +226,8 @@ class TinyTransformer:
         output = attention.output[:num_tokens]
         for sequence in metadata.sequences:
             attention.attend(query, kv_cache, sequence, output)
+        if metadata.decodes is not None:
+            attention.attend_decodes(query, kv_cache, metadata.decodes, output)
         return output
 
     def _attention_for(self, kv_cache: torch.Tensor) -> PagedAttention:

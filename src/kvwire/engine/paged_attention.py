@@ -32,11 +32,27 @@ class SequenceSlice:
 
 
 @attrs.frozen
+class DecodeBatch:
+    """The sequences with a single query token, attended to in one batched operation.
+
+    Decode sequence ``i`` is batch row ``rows[i]``, with ``context_lens[i]``
+    tokens of context in the first blocks of ``block_tables[i]``; a row's
+    blocks past its context are padding (valid block ids whose keys are
+    masked out).
+    """
+
+    rows: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@attrs.frozen
 class AttentionMetadata:
     """Where a forward pass reads and writes the paged cache.
 
     ``slot_mapping[i]`` is the flat slot (``block_id * block_size + offset``)
-    of batch row ``i``; ``sequences`` says which rows belong to which request.
+    of batch row ``i``; ``sequences`` (several query tokens each) and
+    ``decodes`` (one query token each) say which rows belong to which request.
     The engine's worker refills the tensors behind it every step, so it is
     only valid during the step it was made for.
     """
@@ -44,6 +60,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     sequences: tuple[SequenceSlice, ...]
+    decodes: DecodeBatch | None = None
 
 
 class PagedAttention:
@@ -82,6 +99,14 @@ class PagedAttention:
         self.output = torch.empty(max_num_tokens, config.hidden_size, dtype=COMPUTE_DTYPE)
         self.scores = torch.empty(0, dtype=COMPUTE_DTYPE)
         self.mask = torch.empty(0, dtype=torch.bool)
+        # The decode batch's buffers grow to the largest batch-by-context seen.
+        self.decode_gathered = torch.empty(0, dtype=cache_dtype)
+        self.decode_keys = torch.empty(0, dtype=COMPUTE_DTYPE)
+        self.decode_values = torch.empty(0, dtype=COMPUTE_DTYPE)
+        self.decode_queries = torch.empty(0, dtype=COMPUTE_DTYPE)
+        self.decode_scores = torch.empty(0, dtype=COMPUTE_DTYPE)
+        self.decode_mask = torch.empty(0, dtype=torch.bool)
+        self.decode_attended = torch.empty(0, dtype=COMPUTE_DTYPE)
         self.token_positions = torch.arange(max_context)
 
     def attend(
@@ -123,6 +148,49 @@ class PagedAttention:
         output[rows].view(num_queries, kv_heads, group, head_size).copy_(
             attended.view(kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
         )
+
+    def attend_decodes(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        decodes: DecodeBatch,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of every single-token sequence at once, padded to the longest context."""
+        kv_heads, group, head_size = self.kv_heads, self.group, self.head_size
+        num_decodes, num_blocks = decodes.block_tables.shape
+        context = num_blocks * self.block_size
+        # Keys as [decode, kv head, dim, position] and values as [decode, kv
+        # head, position, dim]: both products then run on contiguous matrices.
+        keys = self._grown("decode_keys", num_decodes * kv_heads * head_size * context)
+        keys = keys.view(num_decodes, kv_heads, head_size, context)
+        values = self._grown("decode_values", num_decodes * kv_heads * context * head_size)
+        values = values.view(num_decodes, kv_heads, context, head_size)
+        for half, widened in ((0, keys.permute(0, 3, 1, 2)), (1, values.permute(0, 2, 1, 3))):
+            gathered = self._grown("decode_gathered", num_decodes * context * kv_heads * head_size)
+            gathered = gathered.view(num_decodes * num_blocks, self.block_size, kv_heads, head_size)
+            torch.index_select(kv_cache[half], 0, decodes.block_tables.view(-1), out=gathered)
+            widened.copy_(gathered.view(num_decodes, context, kv_heads, head_size))
+
+        queries = self._grown("decode_queries", num_decodes * kv_heads * group * head_size)
+        torch.index_select(
+            query.view(query.shape[0], -1), 0, decodes.rows, out=queries.view(num_decodes, -1)
+        )
+        scores = self._grown("decode_scores", num_decodes * kv_heads * group * context)
+        scores = scores.view(num_decodes, kv_heads, group, context)
+        torch.matmul(queries.view(num_decodes, kv_heads, group, head_size), keys, out=scores)
+        scores.mul_(self.scale)
+        # Padding: positions at or past a sequence's context length.
+        mask = self._grown("decode_mask", num_decodes * context).view(num_decodes, context)
+        torch.ge(
+            self.token_positions[:context].unsqueeze(0), decodes.context_lens.unsqueeze(1), out=mask
+        )
+        scores.masked_fill_(mask.view(num_decodes, 1, 1, context), float("-inf"))
+        torch._softmax(scores, -1, False, out=scores)
+        attended = self._grown("decode_attended", num_decodes * kv_heads * group * head_size)
+        attended = attended.view(num_decodes, kv_heads, group, head_size)
+        torch.matmul(scores, values, out=attended)
+        output.index_copy_(0, decodes.rows, attended.view(num_decodes, -1))
 
     def _widened_context(
         self, cache_half: torch.Tensor, sequence: SequenceSlice, widened: torch.Tensor
