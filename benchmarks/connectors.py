@@ -411,7 +411,7 @@ def bench_time_to_first_token(quick: bool, scratch: pathlib.Path) -> dict[str, f
             raise RuntimeError("warm outputs differ from outputs without a connector")
 
     def p50(outputs: list[Any]) -> float:
-        return statistics.median(o.time_to_first_token_s for o in outputs)
+        return float(statistics.median(o.time_to_first_token_s for o in outputs))
 
     return {
         "no_connector_ttft_p50_s": p50(plain),
