@@ -1,6 +1,6 @@
-"""With ``share_prefix_in_step``, requests admitted in one step share their common prefix.
+"""Requests admitted in one step share their common prefix.
 
-A block is then published in the local prefix cache when it is scheduled, not
+A block is published in the local prefix cache when it is scheduled, not
 after the step that fills it (as vLLM's scheduler does): its keys and values
 are written before any attention of the step reads them. So requests with a
 common prefix hold one copy of it, loaded or computed once, and a failed load
@@ -12,23 +12,13 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.worker import LoadFailureInjection
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.engine.conftest import tiny_config, with_directory_connector
-from tests.engine.helpers import generate as generate_unshared
-from tests.engine.helpers import tokens
+from tests.engine.helpers import generate, tokens
 
-PREFIX = tuple(range(100, 112))
-
-
-def generate(
-    config: EngineConfig, workload: list[GenerationRequest], **options: Any
-) -> list[RequestOutput]:
-    return generate_unshared(
-        config, workload, share_prefix_in_step=True, **options
-    )  # three blocks of four tokens
+PREFIX = tuple(range(100, 112))  # three blocks of four tokens
 
 
 def _two_requests_with_a_common_prefix() -> list[GenerationRequest]:
@@ -82,11 +72,6 @@ def test_a_warm_pass_fits_where_a_copy_of_the_prefix_per_request_would_not(
     assert sum(output.num_preemptions for output in warm) == 0
 
 
-def test_without_sharing_each_request_of_a_step_computes_its_own_prefix() -> None:
-    outputs = generate_unshared(tiny_config(), _two_requests_with_a_common_prefix())
-    assert [output.local_cached_tokens for output in outputs] == [0, 0]
-
-
 def _warm_async(
     tmp_path: pathlib.Path, **options: Any
 ) -> tuple[list[RequestOutput], list[RequestOutput], dict[str, Any]]:
@@ -95,7 +80,7 @@ def _warm_async(
     reference = generate(config, workload)
     connector_config = with_directory_connector(config, tmp_path, load_async=True)
     generate(connector_config, workload)  # fills the store
-    with LLMEngine(connector_config, share_prefix_in_step=True, **options) as engine:
+    with LLMEngine(connector_config, **options) as engine:
         warm = engine.generate(workload)
         stats = dict(engine.connector_stats.data)
     return reference, warm, stats

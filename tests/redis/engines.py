@@ -10,6 +10,8 @@ from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.connectors.engine_support import generate, tiny_engine_config, tokens, with_connector
 
 __all__ = [
+    "distinct_full_blocks",
+    "distinct_prompt_blocks",
     "generate",
     "generate_with_stats",
     "shared_prefix_workload",
@@ -73,3 +75,26 @@ def generate_with_stats(
     with LLMEngine(config) as engine:
         outputs = engine.generate(requests)
         return outputs, dict(engine.connector_stats.data)
+
+
+def distinct_full_blocks(sequences: list[tuple[int, ...]], block_size: int) -> int:
+    """How many different KV blocks the full blocks of the token ``sequences`` are.
+
+    A block is identified by every token up to its end (block hashes chain),
+    so a prefix common to several sequences counts once.
+    """
+    blocks = {
+        sequence[:end]
+        for sequence in sequences
+        for end in range(block_size, len(sequence) + 1, block_size)
+    }
+    return len(blocks)
+
+
+def distinct_prompt_blocks(requests: list[GenerationRequest], block_size: int) -> int:
+    """How many different KV blocks an engine could load for the prompts of ``requests``.
+
+    A prompt's last token is always computed, never loaded, so its full
+    blocks are those before it.
+    """
+    return distinct_full_blocks([request.prompt_token_ids[:-1] for request in requests], block_size)

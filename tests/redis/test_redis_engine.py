@@ -15,6 +15,9 @@ from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.redis.conftest import RedisServer, wait_until_available
 from tests.redis.engines import (
+    BLOCK_SIZE,
+    distinct_full_blocks,
+    distinct_prompt_blocks,
     generate,
     generate_with_stats,
     shared_prefix_workload,
@@ -52,10 +55,18 @@ def test_a_second_engine_loads_the_prefix_from_redis_and_generates_the_same_toke
     outputs, stats = generate_with_stats(config, workload)
 
     assert tokens(outputs) == expected_tokens
-    # A fresh engine has no local cache: every full prompt block but the
-    # last token's came from Redis.
-    assert all(output.external_tokens == 28 for output in outputs)
-    assert stats["blocks_loaded"] == 7 * len(workload)
+    # A fresh engine has no local cache, so its first request loads all seven
+    # full prompt blocks (all but the last token's) from Redis.
+    assert (outputs[0].local_cached_tokens, outputs[0].external_tokens) == (0, 28)
+    # The others, admitted in the same step, share the common prefix it
+    # loaded through the local cache and load only the rest from Redis: no
+    # request computes a prompt token that Redis holds.
+    assert all(output.local_cached_tokens + output.external_tokens == 28 for output in outputs)
+    assert all(output.local_cached_tokens > 0 for output in outputs[1:])
+    # So Redis served each distinct block exactly once.
+    distinct_blocks = distinct_prompt_blocks(workload, BLOCK_SIZE)
+    assert stats["blocks_loaded"] == distinct_blocks
+    assert sum(output.external_tokens for output in outputs) == distinct_blocks * BLOCK_SIZE
     assert stats.get("load_errors", 0) == 0
 
 
@@ -111,8 +122,13 @@ def test_the_connector_reconnects_when_the_server_comes_back(
     assert down_stats["redis_saves_dropped"] > 0
     assert down_stats.get("blocks_saved", 0) == 0
     with LLMEngine(config) as warm:
-        assert tokens(warm.generate(later)) == expected_later
-        assert warm.connector_stats.data["blocks_loaded"] == 7 * len(later)
+        warm_outputs = warm.generate(later)
+        stats = warm.connector_stats.data
+    assert tokens(warm_outputs) == expected_later
+    # Every distinct prompt block was saved after the restart, so a fresh
+    # engine loads each of them from Redis, once.
+    assert stats["blocks_loaded"] == distinct_prompt_blocks(later, BLOCK_SIZE)
+    assert all(output.local_cached_tokens + output.external_tokens == 28 for output in warm_outputs)
 
 
 def test_values_corrupted_in_the_server_are_never_loaded(
@@ -198,10 +214,20 @@ def test_outputs_stay_identical_when_a_full_server_rejects_saves(
 
     with LLMEngine(config) as engine:
         assert tokens(engine.generate(workload)) == expected_tokens
-        stats = engine.connector_stats.data
+        stats = dict(engine.connector_stats.data)
     assert stats["redis_saves_rejected"] > 0
+    # Every block the engine computed (all tokens but the last sampled one's),
+    # a common prefix once, was offered to Redis once: stored or rejected.
+    computed = [
+        (*request.prompt_token_ids, *generated[:-1])
+        for request, generated in zip(workload, expected_tokens, strict=True)
+    ]
+    offered = stats.get("blocks_saved", 0) + stats["redis_saves_rejected"]
+    assert offered == distinct_full_blocks(computed, BLOCK_SIZE)
     with LLMEngine(config) as warm:
         assert tokens(warm.generate(workload)) == expected_tokens
+        # Only what the full server accepted can come back.
+        assert warm.connector_stats.data.get("blocks_loaded", 0) <= stats.get("blocks_saved", 0)
 
 
 def test_asynchronous_loads_cut_off_by_a_dying_server_end_in_identical_outputs(

@@ -14,7 +14,7 @@ from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.profile import load_profile
 from tests.redis.conftest import RedisServer
-from tests.redis.engines import generate, generate_with_stats, tokens
+from tests.redis.engines import distinct_prompt_blocks, generate, generate_with_stats, tokens
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
 REDIS_PROFILES = ("redis.yaml", "tiered-redis.yaml", "disagg-prefill.yaml", "disagg-decode.yaml")
@@ -86,9 +86,16 @@ def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
     outputs, stats = generate_with_stats(config, workload)
 
     assert tokens(outputs) == expected
-    assert all(output.external_tokens >= 4 * config.cache_config.block_size for output in outputs)
+    block_size = config.cache_config.block_size
+    full_prompt = 4 * block_size  # all of the prompt before its last token
+    # The first request loads its whole prompt from Redis; the others share
+    # the common prefix it loaded through the local cache and load the rest.
+    assert outputs[0].external_tokens == full_prompt
+    assert all(
+        output.local_cached_tokens + output.external_tokens == full_prompt for output in outputs
+    )
     redis_stats = stats.get("RedisConnector", stats)
-    assert redis_stats["blocks_loaded"] == 4 * len(workload)
+    assert redis_stats["blocks_loaded"] == distinct_prompt_blocks(workload, block_size)
 
 
 def test_kvwire_check_never_prints_the_password(

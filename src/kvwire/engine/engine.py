@@ -101,11 +101,10 @@ class LLMEngine:
     :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
     ``config``). ``torch_threads`` sets the worker process's torch threads
-    (None leaves them alone). ``share_prefix_in_step`` lets requests admitted
-    in one step share their common prefix's blocks, as vLLM's scheduler does,
-    and requests wait for a prefix another request is loading asynchronously
-    (off: each loads or computes its own copy until a step has run). Use as a
-    context manager, or call :meth:`close`.
+    (None leaves them alone). Requests admitted in one step share their
+    common prefix's blocks, as vLLM's scheduler does, and a request waits for
+    a prefix another request is loading asynchronously rather than loading a
+    copy. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -119,7 +118,6 @@ class LLMEngine:
         idle_timeout_s: float = 60.0,
         container: KVConnectorContainer | None = None,
         torch_threads: int | None = 1,
-        share_prefix_in_step: bool = False,
     ) -> None:
         if worker_mode not in ("inline", "process"):
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
@@ -137,10 +135,7 @@ class LLMEngine:
         try:
             self.scheduler_connector = self._source.connector(KVConnectorRole.SCHEDULER)
             self.scheduler = Scheduler(
-                config,
-                self.scheduler_connector,
-                root_hash(config.model_config),
-                share_prefix_in_step=share_prefix_in_step,
+                config, self.scheduler_connector, root_hash(config.model_config)
             )
             self.worker: _WorkerHandle
             if worker_mode == "inline":

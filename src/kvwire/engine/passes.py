@@ -29,14 +29,10 @@ def compare_passes(
 ) -> dict[str, Any]:
     """The figures of each pass, and whether all outputs equal the no-connector ones."""
     baseline_config = attrs.evolve(config, kv_transfer_config=None)
-    # Requests of one step share a common prefix (vLLM's scheduling) in every
-    # pass: without it, the warm pass loads a copy of the shared prefix per
-    # request, and on the default workload runs the pool dry.
-    options: dict[str, Any] = {"worker_mode": worker_mode, "share_prefix_in_step": True}
-    with LLMEngine(baseline_config, **options) as engine:
+    with LLMEngine(baseline_config, worker_mode=worker_mode) as engine:
         _warm_up(engine, workload)
         baseline = _run_pass(engine, workload, "no connector", on_request_done)
-    with LLMEngine(config, **options) as engine:
+    with LLMEngine(config, worker_mode=worker_mode) as engine:
         _warm_up(engine, workload)
         cold = _run_pass(engine, workload, "cold", on_request_done)
         engine.reset_prefix_cache()

@@ -5,11 +5,11 @@ the newest running request when the pool runs dry; then waiting requests,
 each asking the local prefix cache and then the connector
 (``get_num_new_matched_tokens``) what is already known, allocating blocks,
 telling the connector (``update_state_after_alloc``), and parking those whose
-load is asynchronous. With ``share_prefix_in_step`` a scheduled chunk's full
-blocks enter the local prefix cache at once (as in vLLM), so requests
-admitted later in the same step share a common prefix instead of each
-loading or computing a copy; without it they enter after the step. The
-step ends with ``build_connector_meta``. After the worker's step: load
+load is asynchronous. A scheduled chunk's full blocks enter the local
+prefix cache at once (as in vLLM), so requests admitted later in the same
+step share a common prefix instead of each loading or computing a copy,
+and a request whose prefix a parked request is loading waits for that load.
+The step ends with ``build_connector_meta``. After the worker's step: load
 errors first (roll back or fail), then the sampled tokens, finished
 receives and sends, and ``update_connector_output``.
 """
@@ -57,10 +57,6 @@ class Scheduler:
     """Decides each step's work and keeps every request's state.
 
     ``connector`` is the SCHEDULER-role connector, or None to run without one.
-    ``share_prefix_in_step``: publish blocks in the local prefix cache when
-    they are scheduled (vLLM's behaviour), not once the step has run, and let
-    a request whose next block a parked request is loading wait for that
-    load instead of loading a copy.
     """
 
     def __init__(
@@ -68,15 +64,12 @@ class Scheduler:
         config: EngineConfig,
         connector: KVConnectorBase | None,
         root_hash: BlockHash,
-        *,
-        share_prefix_in_step: bool = False,
     ) -> None:
         cache = config.cache_config
         self.config = config
         self.block_size = cache.block_size
         self.connector = connector
         self.root_hash = root_hash
-        self.share_prefix_in_step = share_prefix_in_step
         self.block_manager = BlockManager(
             cache.num_gpu_blocks, cache.block_size, cache.enable_prefix_caching
         )
@@ -178,9 +171,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < max_running:
             request = self.waiting.popleft()
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS or (
-                self.share_prefix_in_step and self._next_block_is_loading(request)
-            ):
+            parked = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+            if parked or self._next_block_is_loading(request):
                 skipped.append(request)
                 continue
             outcome = self._admit(request, budget, loads)
@@ -286,12 +278,12 @@ class Scheduler:
         resumed = request.status is RequestStatus.PREEMPTED
         self._ever_scheduled.add(request.request_id)
         request.status = RequestStatus.RUNNING
-        if self.share_prefix_in_step:
-            # Published now, not after the step: a request admitted later in
-            # this step then shares these blocks instead of loading or
-            # computing its own copy (requests with a common prefix would
-            # otherwise each hold one, and can run the pool dry).
-            self.block_manager.cache_full_blocks(request, start + num_new)
+        # Published now, not after the step: a request admitted later in this
+        # step then shares these blocks instead of loading or computing its
+        # own copy (requests with a common prefix would otherwise each hold
+        # one, and can run the pool dry). Safe because the step writes a
+        # block's keys and values before any of its attention reads them.
+        self.block_manager.cache_full_blocks(request, start + num_new)
         block_ids = self.block_manager.blocks_of(request.request_id)
         scheduled.append(
             ScheduledRequest(
@@ -495,7 +487,7 @@ class Scheduler:
             f"{request.request_id!r} waits for "
             + (
                 "a parked request's load of its prefix"
-                if self.share_prefix_in_step and self._next_block_is_loading(request)
+                if self._next_block_is_loading(request)
                 else "free blocks"
             )
             for request in self.waiting
