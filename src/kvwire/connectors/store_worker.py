@@ -12,7 +12,8 @@ Where the time goes, and what keeps it down: each block is copied out of the
 cache once (into staging) on a save, and once into the cache on a load; the
 checksum reads each entry while it is still in the CPU cache (a chunk of a
 few MiB at a time); large entries of a store that can map them are verified
-in place and copied straight into the cache, skipping staging; background
+in place and copied straight into the cache, skipping staging
+(smaller ones are cheaper to read into staging than to map); background
 threads copy single-threaded, so that they do not wait on each other's
 OpenMP teams.
 """
@@ -51,9 +52,13 @@ from kvwire.connectors.store import BlockStore
 
 logger = logging.getLogger(__name__)
 
-# Mapping an entry costs a few system calls and page-table updates; from this
-# size on it is cheaper than reading the entry into staging first.
-_MIN_MAPPED_ENTRY_BYTES = 512 * 1024
+# Mapping an entry costs a mapping, a page fault per few pages and an unmapping
+# (which interrupts every other thread of the process to flush its TLB); only
+# from a few MiB on does skipping the copy into staging outweigh that. Measured
+# (benchmarks/connectors.py on 2 cores, loads against a plain read of the same files):
+# mapped 0.2 of the bound at 1 MiB and 0.37 at 2 MiB, read into staging 0.4 and
+# 0.42; at 4 MiB mapped 0.55, staged 0.42.
+MIN_MAPPED_ENTRY_BYTES = 3 * 1024 * 1024
 
 
 @runtime_checkable
@@ -110,8 +115,7 @@ class StoreWorker:
         # and copied once, straight into the cache, instead of through staging.
         self._mapping_store = (
             store
-            if isinstance(store, MappingBlockStore)
-            and layout.entry_bytes >= _MIN_MAPPED_ENTRY_BYTES
+            if isinstance(store, MappingBlockStore) and layout.entry_bytes >= MIN_MAPPED_ENTRY_BYTES
             else None
         )
         self._load_pool = ThreadPoolExecutor(
