@@ -1,8 +1,9 @@
 """Large entries of a directory store: verified in their mapped file, then copied once.
 
-A store worker over a :class:`DirectoryBlockStore` reads entries of 512 KiB
-and more by mapping the file instead of reading it into staging first; the
-integrity rules are the same as on the staging path.
+A store worker over a :class:`DirectoryBlockStore` reads entries of
+``MIN_MAPPED_ENTRY_BYTES`` and more by mapping the file instead of reading
+it into staging first; the integrity rules are the same as on the staging
+path.
 """
 
 from __future__ import annotations
@@ -18,16 +19,24 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.staging import StagingBuffers
-from kvwire.connectors.store_worker import BlockTransfer, MappingBlockStore, StoreWorker
+from kvwire.connectors.store_worker import (
+    MIN_MAPPED_ENTRY_BYTES,
+    BlockTransfer,
+    MappingBlockStore,
+    StoreWorker,
+)
 
-# One entry: 2 layers x (keys, values) x 64 tokens x 8 heads x 128 x float32 = 1 MiB.
-LAYOUT = BlockLayout(num_layers=2, block_size=64, num_kv_heads=8, head_size=128, dtype="float32")
+# One entry: 2 layers x (keys, values) x 256 tokens x 8 heads x 128 x float32 = 4 MiB.
+BLOCK_SIZE = 256
+LAYOUT = BlockLayout(
+    num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="float32"
+)
 NUM_BLOCKS = 4
 HASHES = (b"\x01" * 32, b"\x02" * 32)
 
 
 def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
-    shape = (2, NUM_BLOCKS, 64, 8, 128)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, 8, 128)
     if seed is None:
         return {f"layers.{i}": torch.zeros(shape) for i in range(2)}
     generator = torch.Generator().manual_seed(seed)
@@ -85,7 +94,7 @@ def flip_payload_byte(store: DirectoryBlockStore, block_hash: bytes) -> None:
 
 def test_a_directory_store_maps_entries():
     assert isinstance(DirectoryBlockStore("/nonexistent"), MappingBlockStore)
-    assert LAYOUT.entry_bytes >= 512 * 1024
+    assert LAYOUT.entry_bytes >= MIN_MAPPED_ENTRY_BYTES
 
 
 def test_large_entries_load_bit_exact(store: DirectoryBlockStore, saved: dict[str, torch.Tensor]):
