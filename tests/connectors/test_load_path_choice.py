@@ -14,11 +14,9 @@ import pathlib
 import torch
 
 from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.paged_cache import PagedKVCaches
-from kvwire.connectors.staging import StagingBuffers
-from kvwire.connectors.store_worker import MIN_MAPPED_ENTRY_BYTES, BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import MIN_MAPPED_ENTRY_BYTES, BlockTransfer
+from tests.connectors.store_workers import layout_caches, store_worker
 
 # 2 layers x (keys, values) x 8 heads x 128 x float32 = 16 KiB a token: 512 KiB and 4 MiB.
 SMALL = BlockLayout(num_layers=2, block_size=32, num_kv_heads=8, head_size=128, dtype="float32")
@@ -38,34 +36,9 @@ class RecordingStore(DirectoryBlockStore):
         return super().map_entry(key)
 
 
-def make_caches(layout: BlockLayout, seed: int | None) -> dict[str, torch.Tensor]:
-    shape = (2, 4, layout.block_size, layout.num_kv_heads, layout.head_size)
-    if seed is None:
-        return {f"layers.{i}": torch.zeros(shape) for i in range(layout.num_layers)}
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        f"layers.{i}": torch.randn(shape, generator=generator) for i in range(layout.num_layers)
-    }
-
-
-def make_worker(
-    store: DirectoryBlockStore, layout: BlockLayout, caches: dict[str, torch.Tensor]
-) -> StoreWorker:
-    return StoreWorker(
-        store=store,
-        layout=layout,
-        caches=PagedKVCaches(caches, layout, sorted(caches)),
-        staging=StagingBuffers(layout, 2),
-        io_threads=1,
-        batch_blocks=2,
-        counters=Counters(),
-        key_of=layout.key,
-    )
-
-
 def save_blocks_0_and_1(store: DirectoryBlockStore, layout: BlockLayout) -> dict[str, torch.Tensor]:
-    caches = make_caches(layout, seed=5)
-    producer = make_worker(store, layout, caches)
+    caches = layout_caches(layout, seed=5)
+    producer = store_worker(store, layout, caches)
     producer.save([BlockTransfer("p", (0, 1), HASHES)])
     assert producer.wait_for_saves(30)
     producer.close()
@@ -75,8 +48,8 @@ def save_blocks_0_and_1(store: DirectoryBlockStore, layout: BlockLayout) -> dict
 def load_into_blocks_2_and_3(
     store: DirectoryBlockStore, layout: BlockLayout
 ) -> tuple[dict[str, torch.Tensor], set[int]]:
-    caches = make_caches(layout, seed=None)
-    consumer = make_worker(store, layout, caches)
+    caches = layout_caches(layout, seed=None)
+    consumer = store_worker(store, layout, caches)
     consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
     errors = consumer.take_load_errors()
     consumer.close()

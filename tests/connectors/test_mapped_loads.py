@@ -15,45 +15,20 @@ import pytest
 import torch
 
 from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
-from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.paged_cache import PagedKVCaches
-from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store_worker import (
     MIN_MAPPED_ENTRY_BYTES,
     BlockTransfer,
     MappingBlockStore,
-    StoreWorker,
 )
+from tests.connectors.store_workers import layout_caches, store_worker
 
 # One entry: 2 layers x (keys, values) x 256 tokens x 8 heads x 128 x float32 = 4 MiB.
 BLOCK_SIZE = 256
 LAYOUT = BlockLayout(
     num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="float32"
 )
-NUM_BLOCKS = 4
 HASHES = (b"\x01" * 32, b"\x02" * 32)
-
-
-def make_caches(seed: int | None) -> dict[str, torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, 8, 128)
-    if seed is None:
-        return {f"layers.{i}": torch.zeros(shape) for i in range(2)}
-    generator = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}": torch.randn(shape, generator=generator) for i in range(2)}
-
-
-def make_worker(store: DirectoryBlockStore, caches: dict[str, torch.Tensor]) -> StoreWorker:
-    return StoreWorker(
-        store=store,
-        layout=LAYOUT,
-        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
-        staging=StagingBuffers(LAYOUT, 2),
-        io_threads=1,
-        batch_blocks=2,
-        counters=Counters(),
-        key_of=LAYOUT.key,
-    )
 
 
 @pytest.fixture
@@ -66,8 +41,8 @@ def store(tmp_path: pathlib.Path) -> Iterator[DirectoryBlockStore]:
 @pytest.fixture
 def saved(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
     """Cache blocks 0 and 1 of a producer, saved under HASHES; the producer's caches."""
-    caches = make_caches(seed=3)
-    producer = make_worker(store, caches)
+    caches = layout_caches(LAYOUT, seed=3)
+    producer = store_worker(store, LAYOUT, caches)
     producer.save([BlockTransfer("p", (0, 1), HASHES)])
     assert producer.wait_for_saves(30)
     producer.close()
@@ -77,8 +52,8 @@ def saved(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
 def load_into_blocks_2_and_3(
     store: DirectoryBlockStore,
 ) -> tuple[dict[str, torch.Tensor], set[int]]:
-    caches = make_caches(seed=None)
-    consumer = make_worker(store, caches)
+    caches = layout_caches(LAYOUT, seed=None)
+    consumer = store_worker(store, LAYOUT, caches)
     consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
     errors = consumer.take_load_errors()
     consumer.close()

@@ -1,0 +1,41 @@
+"""Store workers over real paged caches, for tests of the worker-side data path."""
+
+from __future__ import annotations
+
+import torch
+
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store_worker import StoreWorker
+
+NUM_BLOCKS = 4
+
+
+def layout_caches(layout: BlockLayout, seed: int | None) -> dict[str, torch.Tensor]:
+    """Paged caches of ``NUM_BLOCKS`` blocks in ``layout``: zeros, or random from ``seed``."""
+    shape = (2, NUM_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_size)
+    if seed is None:
+        return {f"layers.{i}": torch.zeros(shape) for i in range(layout.num_layers)}
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        f"layers.{i}": torch.randn(shape, generator=generator) for i in range(layout.num_layers)
+    }
+
+
+def store_worker(
+    store: BlockStore, layout: BlockLayout, caches: dict[str, torch.Tensor]
+) -> StoreWorker:
+    """A one-thread worker with two staging slots, keyed by the layout's own keys."""
+    return StoreWorker(
+        store=store,
+        layout=layout,
+        caches=PagedKVCaches(caches, layout, sorted(caches)),
+        staging=StagingBuffers(layout, 2),
+        io_threads=1,
+        batch_blocks=2,
+        counters=Counters(),
+        key_of=layout.key,
+    )
