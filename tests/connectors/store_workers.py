@@ -9,7 +9,7 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
-from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 
 NUM_BLOCKS = 4
 
@@ -39,3 +39,31 @@ def store_worker(
         counters=Counters(),
         key_of=layout.key,
     )
+
+
+HASHES = (b"\x01" * 32, b"\x02" * 32)
+"""The block hashes blocks 0 and 1 are saved under, and blocks 2 and 3 loaded from."""
+
+
+def save_blocks_0_and_1(
+    store: BlockStore, layout: BlockLayout, seed: int
+) -> dict[str, torch.Tensor]:
+    """A producer's random caches; its blocks 0 and 1 are now in ``store`` under ``HASHES``."""
+    caches = layout_caches(layout, seed=seed)
+    producer = store_worker(store, layout, caches)
+    producer.save([BlockTransfer("p", (0, 1), HASHES)])
+    assert producer.wait_for_saves(30)
+    producer.close()
+    return caches
+
+
+def load_into_blocks_2_and_3(
+    store: BlockStore, layout: BlockLayout
+) -> tuple[dict[str, torch.Tensor], set[int]]:
+    """A consumer's caches after loading ``HASHES`` into blocks 2 and 3, and its load errors."""
+    caches = layout_caches(layout, seed=None)
+    consumer = store_worker(store, layout, caches)
+    consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    errors = consumer.take_load_errors()
+    consumer.close()
+    return caches, errors

@@ -15,13 +15,16 @@ import torch
 
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.store_worker import MIN_MAPPED_ENTRY_BYTES, BlockTransfer
-from tests.connectors.store_workers import layout_caches, store_worker
+from kvwire.connectors.store_worker import MIN_MAPPED_ENTRY_BYTES
+from tests.connectors.store_workers import (
+    HASHES,
+    load_into_blocks_2_and_3,
+    save_blocks_0_and_1,
+)
 
 # 2 layers x (keys, values) x 8 heads x 128 x float32 = 16 KiB a token: 512 KiB and 4 MiB.
 SMALL = BlockLayout(num_layers=2, block_size=32, num_kv_heads=8, head_size=128, dtype="float32")
 LARGE = BlockLayout(num_layers=2, block_size=256, num_kv_heads=8, head_size=128, dtype="float32")
-HASHES = (b"\x01" * 32, b"\x02" * 32)
 
 
 class RecordingStore(DirectoryBlockStore):
@@ -36,33 +39,13 @@ class RecordingStore(DirectoryBlockStore):
         return super().map_entry(key)
 
 
-def save_blocks_0_and_1(store: DirectoryBlockStore, layout: BlockLayout) -> dict[str, torch.Tensor]:
-    caches = layout_caches(layout, seed=5)
-    producer = store_worker(store, layout, caches)
-    producer.save([BlockTransfer("p", (0, 1), HASHES)])
-    assert producer.wait_for_saves(30)
-    producer.close()
-    return caches
-
-
-def load_into_blocks_2_and_3(
-    store: DirectoryBlockStore, layout: BlockLayout
-) -> tuple[dict[str, torch.Tensor], set[int]]:
-    caches = layout_caches(layout, seed=None)
-    consumer = store_worker(store, layout, caches)
-    consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
-    errors = consumer.take_load_errors()
-    consumer.close()
-    return caches, errors
-
-
 def test_the_two_layouts_fall_on_either_side_of_the_mapping_threshold():
     assert SMALL.entry_bytes < MIN_MAPPED_ENTRY_BYTES <= LARGE.entry_bytes
 
 
 def test_entries_below_the_threshold_are_read_through_staging_bit_exact(tmp_path: pathlib.Path):
     store = RecordingStore(tmp_path)
-    saved = save_blocks_0_and_1(store, SMALL)
+    saved = save_blocks_0_and_1(store, SMALL, seed=5)
     loaded, errors = load_into_blocks_2_and_3(store, SMALL)
     assert errors == set()
     assert store.mapped_keys == []
@@ -72,7 +55,7 @@ def test_entries_below_the_threshold_are_read_through_staging_bit_exact(tmp_path
 
 def test_entries_from_the_threshold_on_are_mapped_bit_exact(tmp_path: pathlib.Path):
     store = RecordingStore(tmp_path)
-    saved = save_blocks_0_and_1(store, LARGE)
+    saved = save_blocks_0_and_1(store, LARGE, seed=5)
     loaded, errors = load_into_blocks_2_and_3(store, LARGE)
     assert errors == set()
     assert store.mapped_keys == [LARGE.key(h) for h in HASHES]
@@ -82,7 +65,7 @@ def test_entries_from_the_threshold_on_are_mapped_bit_exact(tmp_path: pathlib.Pa
 
 def test_a_flipped_byte_in_a_mapped_entry_is_reported_and_never_copied(tmp_path: pathlib.Path):
     store = RecordingStore(tmp_path)
-    saved = save_blocks_0_and_1(store, LARGE)
+    saved = save_blocks_0_and_1(store, LARGE, seed=5)
     path = pathlib.Path(store.path_of(LARGE.key(HASHES[1])))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01  # the entry's last byte: checked before its first reaches the cache

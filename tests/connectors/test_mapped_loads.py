@@ -18,17 +18,19 @@ from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.store_worker import (
     MIN_MAPPED_ENTRY_BYTES,
-    BlockTransfer,
     MappingBlockStore,
 )
-from tests.connectors.store_workers import layout_caches, store_worker
+from tests.connectors.store_workers import (
+    HASHES,
+    load_into_blocks_2_and_3,
+    save_blocks_0_and_1,
+)
 
 # One entry: 2 layers x (keys, values) x 256 tokens x 8 heads x 128 x float32 = 4 MiB.
 BLOCK_SIZE = 256
 LAYOUT = BlockLayout(
     num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="float32"
 )
-HASHES = (b"\x01" * 32, b"\x02" * 32)
 
 
 @pytest.fixture
@@ -41,23 +43,7 @@ def store(tmp_path: pathlib.Path) -> Iterator[DirectoryBlockStore]:
 @pytest.fixture
 def saved(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
     """Cache blocks 0 and 1 of a producer, saved under HASHES; the producer's caches."""
-    caches = layout_caches(LAYOUT, seed=3)
-    producer = store_worker(store, LAYOUT, caches)
-    producer.save([BlockTransfer("p", (0, 1), HASHES)])
-    assert producer.wait_for_saves(30)
-    producer.close()
-    return caches
-
-
-def load_into_blocks_2_and_3(
-    store: DirectoryBlockStore,
-) -> tuple[dict[str, torch.Tensor], set[int]]:
-    caches = layout_caches(LAYOUT, seed=None)
-    consumer = store_worker(store, LAYOUT, caches)
-    consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
-    errors = consumer.take_load_errors()
-    consumer.close()
-    return caches, errors
+    return save_blocks_0_and_1(store, LAYOUT, seed=3)
 
 
 def flip_payload_byte(store: DirectoryBlockStore, block_hash: bytes) -> None:
@@ -73,7 +59,7 @@ def test_a_directory_store_maps_entries():
 
 
 def test_large_entries_load_bit_exact(store: DirectoryBlockStore, saved: dict[str, torch.Tensor]):
-    loaded, errors = load_into_blocks_2_and_3(store)
+    loaded, errors = load_into_blocks_2_and_3(store, LAYOUT)
     assert errors == set()
     for name, cache in saved.items():
         assert torch.equal(loaded[name][:, 2:4], cache[:, 0:2])
@@ -83,7 +69,7 @@ def test_a_flipped_byte_in_a_large_entry_is_reported_and_never_copied(
     store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
 ):
     flip_payload_byte(store, HASHES[1])
-    loaded, errors = load_into_blocks_2_and_3(store)
+    loaded, errors = load_into_blocks_2_and_3(store, LAYOUT)
     assert errors == {3}
     for name, cache in saved.items():
         assert torch.equal(loaded[name][:, 2], cache[:, 0])
@@ -94,7 +80,7 @@ def test_a_corrupt_large_entry_is_discarded(
     store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
 ):
     flip_payload_byte(store, HASHES[0])
-    load_into_blocks_2_and_3(store)
+    load_into_blocks_2_and_3(store, LAYOUT)
     assert store.count_prefix([LAYOUT.key(HASHES[0])]) == 0
     assert store.count_prefix([LAYOUT.key(HASHES[1])]) == 1
 
@@ -103,7 +89,7 @@ def test_an_empty_entry_file_is_a_load_error(
     store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
 ):
     pathlib.Path(store.path_of(LAYOUT.key(HASHES[0]))).write_bytes(b"")
-    loaded, errors = load_into_blocks_2_and_3(store)
+    loaded, errors = load_into_blocks_2_and_3(store, LAYOUT)
     assert errors == {2}
     assert not any(cache[:, 2].any() for cache in loaded.values())
 
@@ -112,7 +98,7 @@ def test_a_missing_entry_is_a_load_error(
     store: DirectoryBlockStore, saved: dict[str, torch.Tensor]
 ):
     pathlib.Path(store.path_of(LAYOUT.key(HASHES[1]))).unlink()
-    _, errors = load_into_blocks_2_and_3(store)
+    _, errors = load_into_blocks_2_and_3(store, LAYOUT)
     assert errors == {3}
 
 
