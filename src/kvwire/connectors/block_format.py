@@ -13,8 +13,10 @@ the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
+from typing import NoReturn
 
 import attrs
 import xxhash
@@ -88,7 +90,8 @@ class BlockLayout:
         """Header plus payload: the size of one stored entry."""
         return HEADER_SIZE + self.payload_bytes
 
-    @property
+    # Cached: the load path checks every entry's header against these.
+    @functools.cached_property
     def fingerprint(self) -> bytes:
         description = (
             f"kvwire-block-v{FORMAT_VERSION};layout={CACHE_LAYOUT};shape={self.shape};"
@@ -96,9 +99,23 @@ class BlockLayout:
         )
         return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
-    @property
+    @functools.cached_property
     def fingerprint_hex(self) -> str:
         return self.fingerprint.hex()
+
+    @functools.cached_property
+    def header_template(self) -> bytes:
+        """This layout's header with a zero block hash and checksum, to compare entries against."""
+        return _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            _DTYPE_CODES[self.dtype],
+            self.fingerprint,
+            bytes(32),
+            *self.shape,
+            self.payload_bytes,
+            0,
+        )
 
     def key(self, block_hash: BlockHash) -> str:
         """The store key of a block: layout fingerprint, then the block hash."""
@@ -134,14 +151,39 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
     entry[_HEADER.size : HEADER_SIZE] = bytes(HEADER_SIZE - _HEADER.size)
 
 
+# Where the block hash lies in the header, and where the checksum starts.
+_HASH_START = struct.calcsize("<4sHH16s")
+_HASH_END = _HASH_START + 32
+_CHECKSUM_START = _HEADER.size - 8
+
+
 def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
     """Raise :class:`CorruptBlockError` unless ``entry`` is this block, whole and intact."""
     if len(entry) < HEADER_SIZE:
         raise CorruptBlockError(f"entry is {len(entry)} bytes, shorter than its header")
+    template = layout.header_template
+    payload_bytes = layout.payload_bytes
+    if (
+        len(entry) >= HEADER_SIZE + payload_bytes
+        and entry[:_HASH_START] == template[:_HASH_START]
+        and entry[_HASH_START:_HASH_END] == block_hash.ljust(32, b"\0")[:32]
+        and entry[_HASH_END:_CHECKSUM_START] == template[_HASH_END:_CHECKSUM_START]
+    ):
+        # The usual case, in three comparisons; only the checksum is left.
+        (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
+        if payload_checksum(entry[HEADER_SIZE : HEADER_SIZE + payload_bytes]) != checksum:
+            raise CorruptBlockError("payload checksum mismatch")
+        return
+    _raise_header_error(entry, layout, block_hash)
+
+
+def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> NoReturn:
+    """Say which header field is wrong (or, failing that, that the checksum is)."""
     values = _HEADER.unpack_from(entry, 0)
     magic, version, dtype_code, fingerprint, stored_hash = values[:5]
     shape = tuple(values[5:10])
-    payload_bytes, checksum = values[10:]
+    payload_bytes = values[10]
+    # Field by field, so that the error names what is wrong.
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
@@ -154,7 +196,7 @@ def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
         raise CorruptBlockError("entry was stored under another block hash")
     if payload_bytes != layout.payload_bytes or len(entry) < HEADER_SIZE + payload_bytes:
         raise CorruptBlockError(
-            f"payload is {len(entry) - HEADER_SIZE} bytes, expected {layout.payload_bytes}"
+            f"payload is {len(entry) - HEADER_SIZE} bytes (header says {payload_bytes}), "
+            f"expected {layout.payload_bytes}"
         )
-    if payload_checksum(entry[HEADER_SIZE : HEADER_SIZE + payload_bytes]) != checksum:
-        raise CorruptBlockError("payload checksum mismatch")
+    raise CorruptBlockError("header does not match this block")
