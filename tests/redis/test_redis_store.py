@@ -82,6 +82,36 @@ def test_saves_and_loads_larger_than_one_pipeline_batch_round_trip(
     _assert_loads_back(store, _save(store, list(range(7))))
 
 
+def test_read_each_hands_over_each_entry_before_the_next_is_read(
+    redis_store: RedisBlockStore,
+) -> None:
+    entries = _save(redis_store, [0, 1, 2])
+    buffers = _buffers(3)
+    landed = redis_store.read_each(store_keys(LAYOUT, 3), buffers)
+
+    assert next(landed) == (0, LAYOUT.entry_bytes)
+    assert buffers[0].tobytes() == bytes(entries[0])
+    # The next reply is still on its way: the caller may check entry 0 meanwhile.
+    assert buffers[1].tobytes() == bytes(LAYOUT.entry_bytes)
+    assert list(landed) == [(1, LAYOUT.entry_bytes), (2, LAYOUT.entry_bytes)]
+    assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+
+
+def test_a_read_abandoned_mid_pipeline_leaves_the_connection_usable(
+    make_redis_store: MakeStore,
+) -> None:
+    # One connection, so the next load must reuse whatever the first left behind.
+    store = make_redis_store(pool_size=1)
+    entries = _save(store, [0, 1, 2])
+    landed = store.read_each(store_keys(LAYOUT, 3), _buffers(3))
+    assert next(landed) == (0, LAYOUT.entry_bytes)
+
+    landed.close()  # two replies unread
+
+    _assert_loads_back(store, entries)
+    assert store.is_available
+
+
 def test_a_missing_key_loads_as_none_and_leaves_its_buffer_untouched(
     redis_store: RedisBlockStore,
 ) -> None:

@@ -199,6 +199,26 @@ def test_a_load_waiting_on_the_server_when_it_dies_returns_failures(
     store.close()
 
 
+def test_a_server_dying_in_the_middle_of_a_read_fails_only_the_entries_not_yet_read(
+    fault_server: RedisServer,
+) -> None:
+    # One entry per pipeline, so the entries after the first need the server again.
+    store = _store(fault_server, retry_interval_s=3600, pipeline_bytes=LAYOUT.entry_bytes)
+    keys = store_keys(LAYOUT, 3)
+    assert store.put(keys, _entries(range(3))) == [True] * 3
+    buffers = _buffers(3)
+    landed = store.read_each(keys, buffers)
+    assert next(landed) == (0, LAYOUT.entry_bytes)
+
+    fault_server.kill()
+
+    assert list(landed) == [(1, None), (2, None)]
+    verify_entry(buffers[0], LAYOUT, block_hash(0))
+    assert store.counters()["load_failures"] == 2
+    assert not store.is_available
+    store.close()
+
+
 def test_after_a_server_hangs_calls_stop_waiting_on_it(fault_server: RedisServer) -> None:
     admin = fault_server.client()
     store = _store(fault_server, retry_interval_s=3600, socket_timeout_s=0.3)

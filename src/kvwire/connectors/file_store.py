@@ -25,7 +25,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
 from kvwire.connectors.counters import Counters
@@ -108,6 +108,13 @@ class DirectoryBlockStore(BlockStore):
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         return [self._read(key, buffer) for key, buffer in zip(keys, buffers, strict=True)]
+
+    def read_each(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> Generator[tuple[int, int | None], None, None]:
+        # One file at a time, so the caller checks each entry while it is hot.
+        for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
+            yield index, self._read(key, buffer)
 
     def _read(self, key: str, buffer: memoryview) -> int | None:
         def read_into_buffer(fd: int, size: int) -> int | None:

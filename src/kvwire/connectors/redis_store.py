@@ -19,9 +19,10 @@ by itself. The password never appears in a log line, an error or a repr.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -180,43 +181,69 @@ class RedisBlockStore(BlockStore):
         return stored
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        if len(keys) != len(buffers):
-            raise ValueError(f"get_into: {len(keys)} keys but {len(buffers)} buffers")
         sizes_read: list[int | None] = [None] * len(keys)
+        for index, size in self.read_each(keys, buffers):
+            sizes_read[index] = size
+        return sizes_read
+
+    def read_each(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Pipelined GETs; each reply is yielded as soon as it is in its buffer.
+
+        While the caller checks and copies one entry, the server goes on
+        sending the next ones into the socket, so the two overlap.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"read_each: {len(keys)} keys but {len(buffers)} buffers")
         if not keys:
-            return sizes_read
+            return
         if self._outage.is_down:
             self._count("load_failures", len(keys))
-            return sizes_read
+            yield from ((index, None) for index in range(len(keys)))
+            return
         capacities = [buffer.nbytes for buffer in buffers]
-        for batch in _batches_by_bytes(capacities, self._settings.pipeline_bytes):
-            names = [self.redis_key(keys[index]) for index in batch]
-            try:
+        next_index = 0
+        try:
+            for batch in _batches_by_bytes(capacities, self._settings.pipeline_bytes):
+                names = [self.redis_key(keys[index]) for index in batch]
                 replies = self._get_batch(names, [buffers[index] for index in batch])
-            except _OUTAGE_ERRORS as error:
-                self._on_outage("load", error, "load_failures", len(keys) - batch.start)
-                return sizes_read
-            for index, reply in zip(batch, replies, strict=True):
-                if isinstance(reply, redis.exceptions.ResponseError):
-                    # e.g. WRONGTYPE, or NOPERM from an ACL: a failure the operator must see.
-                    self._count("loads_refused", 1)
-                    self._outage.warn(
-                        f"Redis at {self._settings.display_url} refused a load "
-                        f"({_scrub(reply, self._settings)}); the block is treated as missing"
-                    )
-                elif reply == BulkReplyReader.OVERSIZED:
-                    self._count("loads_oversized", 1)
-                elif reply is not None:
-                    sizes_read[index] = reply
-                # None is a miss: the caller reports it
+                with contextlib.closing(replies):
+                    for index, reply in zip(batch, replies, strict=True):
+                        next_index = index + 1
+                        yield index, self._size_of(reply)
+        except _OUTAGE_ERRORS as error:
+            self._on_outage("load", error, "load_failures", len(keys) - next_index)
+            yield from ((index, None) for index in range(next_index, len(keys)))
+            return
         self._outage.succeeded()
-        return sizes_read
+
+    def _size_of(self, reply: int | redis.exceptions.ResponseError | None) -> int | None:
+        """The bytes a GET reply put in its buffer; None for a miss or a refusal (counted)."""
+        if isinstance(reply, redis.exceptions.ResponseError):
+            # e.g. WRONGTYPE, or NOPERM from an ACL: a failure the operator must see.
+            self._count("loads_refused", 1)
+            self._outage.warn(
+                f"Redis at {self._settings.display_url} refused a load "
+                f"({_scrub(reply, self._settings)}); the block is treated as missing"
+            )
+            return None
+        if reply == BulkReplyReader.OVERSIZED:
+            self._count("loads_oversized", 1)
+            return None
+        return reply  # None is a miss: the caller reports it
 
     def _get_batch(
         self, names: list[str], buffers: list[memoryview]
-    ) -> list[int | redis.exceptions.ResponseError | None]:
-        """One pipeline of GETs, each reply read from the socket straight into its buffer."""
+    ) -> Generator[int | redis.exceptions.ResponseError | None, None, None]:
+        """One pipeline of GETs, each reply read from the socket straight into its buffer.
+
+        Yields the replies one by one. The connection is held until the last
+        reply is read; one left unread (the caller stopped early, or an error)
+        means the stream is out of step, so the connection is dropped.
+        """
         connection = self._pool.get_connection()  # type: ignore[no-untyped-call]
+        complete = False
         try:
             ttl = self._settings.ttl_seconds
             # With a TTL, a load restarts it (GETEX): blocks in use stay, idle ones expire.
@@ -225,24 +252,28 @@ class RedisBlockStore(BlockStore):
             ]
             packed = connection.pack_commands(commands)
             # GET is idempotent: one retry on a fresh connection covers a
-            # pooled connection that went stale when the server restarted.
+            # pooled connection that went stale when the server restarted. A
+            # stale connection fails at the latest on the first reply, before
+            # anything was yielded.
             for attempt in (1, 2):
                 try:
                     connection.send_packed_command(packed)
                     # redis-py keeps the socket private; reading it directly is
                     # what saves the copies (see redis_wire).
                     reader = BulkReplyReader(connection._sock, self._scratch())
-                    return [reader.read_into(buffer) for buffer in buffers]
+                    first = reader.read_into(buffers[0])
+                    break
                 except _OUTAGE_ERRORS:
                     connection.disconnect()
                     if attempt == 2:
                         raise
-            raise AssertionError("unreachable")
-        except BaseException:
-            # Whatever went wrong, the stream may be out of step: never reuse it.
-            connection.disconnect()
-            raise
+            yield first
+            for buffer in buffers[1:]:
+                yield reader.read_into(buffer)
+            complete = True
         finally:
+            if not complete:
+                connection.disconnect()
             self._pool.release(connection)  # type: ignore[no-untyped-call]
 
     def _scratch(self) -> bytearray:
@@ -307,8 +338,8 @@ def _batches(count: int, batch_size: int) -> Iterator[range]:
 def _batches_by_bytes(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
     """Consecutive ranges of at most ``max_bytes`` (a larger single item is a range alone).
 
-    Bounds what one pipeline holds in flight: the replies of a load pipeline
-    are all in memory before the first is copied out.
+    Bounds what one pipeline holds in flight: the server queues every reply
+    of a pipeline in its memory while the client works through them.
     """
     start = 0
     while start < len(sizes):

@@ -11,7 +11,7 @@ entry or a dead server never reaches the engine as an exception.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 
 class BlockStore(abc.ABC):
@@ -46,6 +46,20 @@ class BlockStore(abc.ABC):
         A buffer is at least one entry long; an entry longer than its buffer
         is a failure (None), never a partial read.
         """
+
+    def read_each(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Read entries as :meth:`get_into` does, yielding ``(index, size or None)`` as each lands.
+
+        Every index is yielded once, in order. A caller verifies and copies
+        each entry out while it is still in the CPU cache, and, with a server,
+        while the server is still sending the next ones. A caller that stops
+        early closes the iterator; the store then leaves nothing half-read
+        behind. This default reads everything first; stores that can do
+        better override it.
+        """
+        yield from enumerate(self.get_into(keys, buffers))
 
     def discard(self, keys: Sequence[str]) -> None:
         """Remove entries a reader found corrupt, so they stop being hits; optional."""

@@ -10,9 +10,11 @@ that fails is reported by id, never raised.
 
 Where the time goes, and what keeps it down: each block is copied out of the
 cache once (into staging) on a save, and once into the cache on a load; the
-checksum reads each entry while it is still in the CPU cache (a chunk of a
-few MiB at a time); large entries of a store that can map them are verified
-in place and copied straight into the cache, skipping staging
+checksum reads each entry while it is still in the CPU cache (on saves, a
+chunk of a few MiB at a time; on loads, each entry as soon as the store has
+read it, see :meth:`BlockStore.read_each`, which also lets a server send the
+next entries meanwhile); large entries of a store that can map them are
+verified in place and copied straight into the cache, skipping staging
 (smaller ones are cheaper to read into staging than to map); background
 threads copy single-threaded, so that they do not wait on each other's
 OpenMP teams.
@@ -20,6 +22,7 @@ OpenMP teams.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -59,6 +62,11 @@ logger = logging.getLogger(__name__)
 # mapped 0.2 of the bound at 1 MiB and 0.37 at 2 MiB, read into staging 0.4 and
 # 0.42; at 4 MiB mapped 0.55, staged 0.42.
 MIN_MAPPED_ENTRY_BYTES = 3 * 1024 * 1024
+
+# Verified entries are scattered into the cache in groups of about this many
+# bytes: small enough that they are still in the CPU cache from their
+# verification, large enough that consecutive blocks move as one copy per layer.
+SCATTER_GROUP_BYTES = 1024 * 1024
 
 
 @runtime_checkable
@@ -224,16 +232,9 @@ class StoreWorker:
                 )
                 staged_ids = tuple(block_ids[i] for i in unmapped)
                 staged_hashes = tuple(hashes[i] for i in unmapped)
-            # Read, verify and scatter a cache-sized chunk at a time: verification
-            # reads entries the store has just written into staging, and the
-            # scatter reads them again, while they are still in the CPU cache.
-            for chunk in cache_sized_chunks(len(staged_ids), self._layout.entry_bytes):
-                loaded_bytes += self._load_chunk(
-                    staged_ids[chunk.start : chunk.stop],
-                    staged_hashes[chunk.start : chunk.stop],
-                    slots[chunk.start : chunk.stop],
-                    failed,
-                    corrupt_keys,
+            if staged_ids:
+                loaded_bytes += self._load_staged(
+                    staged_ids, staged_hashes, slots[: len(staged_ids)], failed, corrupt_keys
                 )
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
@@ -299,7 +300,7 @@ class StoreWorker:
                 mapping.close()
         return loaded_bytes, unmapped
 
-    def _load_chunk(
+    def _load_staged(
         self,
         block_ids: Sequence[int],
         hashes: Sequence[BlockHash],
@@ -307,25 +308,40 @@ class StoreWorker:
         failed: list[int],
         corrupt_keys: list[str],
     ) -> int:
-        """Load one chunk; appends its failures; the payload bytes that reached the cache."""
+        """Read into staging and verify entry by entry; the payload bytes that reached the cache.
+
+        Each entry is verified as soon as the store has put it in its slot,
+        while it is still in the CPU cache (and, with a server, while the
+        server sends the next), and the verified ones are scattered into the
+        cache a few at a time, before they leave the CPU cache.
+        """
         keys = [self._key_of(block_hash) for block_hash in hashes]
         entries = [self._staging.entry(slot) for slot in slots]
-        sizes = self._store.get_into(keys, entries)
-        verified_ids: list[int] = []
-        verified_slots: list[int] = []
-        for block_id, key, block_hash, slot, entry, size in zip(
-            block_ids, keys, hashes, slots, entries, sizes, strict=True
-        ):
-            if size is None:
-                failed.append(block_id)
-                continue
-            if not self._verified(entry[:size], block_id, block_hash, key, failed, corrupt_keys):
-                continue
-            verified_ids.append(block_id)
-            verified_slots.append(slot)
-        # Only verified entries reach the cache.
-        self._caches.scatter_many(self._staging.payloads, verified_slots, verified_ids)
-        return len(verified_ids) * self._layout.payload_bytes
+        group_size = max(1, SCATTER_GROUP_BYTES // self._layout.entry_bytes)
+        group_ids: list[int] = []
+        group_slots: list[int] = []
+        loaded = 0
+        with contextlib.closing(self._store.read_each(keys, entries)) as landed:
+            for index, size in landed:
+                block_id = block_ids[index]
+                if size is None:
+                    failed.append(block_id)
+                    continue
+                entry = entries[index][:size]
+                if not self._verified(
+                    entry, block_id, hashes[index], keys[index], failed, corrupt_keys
+                ):
+                    continue
+                group_ids.append(block_id)
+                group_slots.append(slots[index])
+                if len(group_ids) == group_size:
+                    # Only verified entries reach the cache.
+                    self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+                    loaded += len(group_ids)
+                    group_ids, group_slots = [], []
+        self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+        loaded += len(group_ids)
+        return loaded * self._layout.payload_bytes
 
     def _verified(
         self,
