@@ -1,8 +1,10 @@
 """The ``kvwire`` command: ``check``, ``connectors`` and ``run``.
 
 ``kvwire check PROFILE`` validates a profile, resolves its connector (with the
-constructor check), applies the HMA gate and says what it decided and why;
-any failure is printed as its error text and the exit status is 1.
+constructor check), validates its ``kv_connector_extra_config`` through the
+class's ``validate_extra_config`` (a composite's covers its children; nothing
+is built), applies the HMA gate and says what it decided and why; any failure
+is printed as its error text and the exit status is 1.
 ``kvwire connectors`` lists every known connector without importing any;
 ``--resolve`` imports each one to say whether it supports HMA. ``kvwire run``
 belongs to the engine (:mod:`kvwire.engine.run`), imported only when asked for.
@@ -19,7 +21,7 @@ from types import ModuleType
 from typing import TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorBase, supports_hma
+from kvwire.connector.base import KVConnectorBase, supports_hma, validates_extra_config
 from kvwire.exceptions import KVWireError
 from kvwire.hma import decide_hma
 from kvwire.profile import load_profile
@@ -156,12 +158,22 @@ def _check_lines(
         f"connector: {transfer.kv_connector} -> {_origin(transfer, connector_cls, registry)}"
     )
     constructor = "constructor: accepts (config, role, kv_cache_config)"
+    extra_config = f"extra config: {_extra_config_summary(connector_cls, transfer)}"
     if accepts_connector_builder(connector_cls):
         constructor += "; a composite, it receives a connector_builder for its children"
         lines.append(constructor)
-        lines.extend(_child_lines(transfer, registry))
+        # Only a composite that validates its own extra config validates its
+        # children's (through their classes), so only then do their lines say so.
+        checks_children = validates_extra_config(connector_cls)
+        lines.extend(_child_lines(transfer, registry, checks_children))
+        if checks_children:
+            extra_config += "; each child's by its own class (child lines above)"
     else:
         lines.append(constructor)
+    # After the children were resolved, so that a child that cannot be
+    # resolved is reported as _child_lines words it.
+    connector_cls.validate_extra_config(transfer, registry.resolve)
+    lines.append(extra_config)
     lines.append(
         f"kv_role: {transfer.kv_role} (producer: {_yes(transfer.is_kv_producer)}, "
         f"consumer: {_yes(transfer.is_kv_consumer)}); "
@@ -177,11 +189,14 @@ def _check_lines(
     return lines
 
 
-def _child_lines(transfer: KVTransferConfig, registry: ConnectorRegistry) -> list[str]:
+def _child_lines(
+    transfer: KVTransferConfig, registry: ConnectorRegistry, checks_children: bool
+) -> list[str]:
     """One line per child a composite lists the reference's way (``connectors`` in extra config).
 
     Each child is resolved as its composite will resolve it, so a child that
-    cannot be built fails the check here, with its index.
+    cannot be built fails the check here, with its index. ``checks_children``:
+    the composite validates each child's extra config, so each line says how.
     """
     children = transfer.kv_connector_extra_config.get("connectors")
     if not isinstance(children, list):
@@ -199,11 +214,27 @@ def _child_lines(transfer: KVTransferConfig, registry: ConnectorRegistry) -> lis
             supported = registry.class_supports_hma(child_cls, child_config)
         except _USER_ERRORS as error:
             raise ValueError(f"{where}: {error}") from error
-        lines.append(
+        line = (
             f"  child {index}: {child_config.kv_connector} -> "
             f"{_origin(child_config, child_cls, registry)}; supports HMA: {_yes(supported)}"
         )
+        if checks_children:
+            line += f"; extra config: {_extra_config_summary(child_cls, child_config)}"
+        lines.append(line)
     return lines
+
+
+def _extra_config_summary(connector_cls: type[KVConnectorBase], transfer: KVTransferConfig) -> str:
+    """What checking ``transfer``'s extra config through ``connector_cls`` established.
+
+    Key names only: values may be secrets (a Redis password).
+    """
+    if not validates_extra_config(connector_cls):
+        return f"not checked ({connector_cls.__name__} has no validate_extra_config)"
+    keys = [str(key) for key in transfer.kv_connector_extra_config]
+    if not keys:
+        return f"valid (no keys given; {connector_cls.__name__}'s defaults apply)"
+    return f"{len(keys)} key{'' if len(keys) == 1 else 's'} valid ({', '.join(keys)})"
 
 
 def _origin(

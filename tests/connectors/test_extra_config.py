@@ -1,11 +1,15 @@
-"""Validation of kv_connector_extra_config: every problem named, all at once."""
+"""kv_connector_extra_config: every problem named at once, alike by constructor and check."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
+import yaml
 
+from kvwire.cli import check_profile
+from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.extra_config import (
     ExtraConfigError,
     bool_key,
@@ -15,6 +19,8 @@ from kvwire.connectors.extra_config import (
     size_key,
     str_key,
 )
+from kvwire.registry import default_registry
+from tests.connectors.harness import cache_config_for, engine_config
 
 KEYS = (size_key("pool", 100), int_key("threads", 2, 1, 8), bool_key("fast", False))
 
@@ -59,3 +65,71 @@ def test_a_required_key_must_be_given():
         ExtraConfigError, match=re.escape("kv_connector_extra_config.path is required by X")
     ):
         read_extra_config("X", {}, (str_key("path", None, required=True),))
+
+
+UNSET_VARIABLE = "KVWIRE_TEST_UNSET_PASSWORD"
+BAD_CONFIGS = [
+    pytest.param("CPUOffloadConnector", {"cpu_pool_byte": "1GiB", "io_threads": 0}, id="cpu"),
+    pytest.param("SharedStorageConnector", {"max_bytes": "lots"}, id="shared-storage"),
+    pytest.param(
+        "RedisConnector",
+        {"url": "unix://", "pool_size": 0, "password_env": UNSET_VARIABLE},
+        id="redis",
+    ),
+    pytest.param("RedisConnector", {"password": "pw", "password_env": "PW"}, id="redis-both"),
+    pytest.param(
+        "MultiConnector",
+        {
+            "connectors": [
+                {"kv_connector": "CPUOffloadConnector"},
+                {
+                    "kv_connector": "SharedStorageConnector",
+                    "kv_connector_extra_config": {"fsync": "yes"},
+                },
+            ]
+        },
+        id="multi-child",
+    ),
+    pytest.param(
+        "MultiConnector",
+        {
+            "connectors": [
+                {"kv_connector": "RedisConnector", "kv_connector_extra_config": {"ttl_seconds": 0}}
+            ]
+        },
+        id="multi-redis-child",
+    ),
+    pytest.param("MultiConnector", {"connectors": [], "mode": "all"}, id="multi"),
+]
+
+
+@pytest.mark.parametrize(("connector", "extra"), BAD_CONFIGS)
+def test_the_constructor_and_check_reject_the_same_config_in_the_same_words(
+    connector, extra, tmp_path, monkeypatch
+):
+    monkeypatch.delenv(UNSET_VARIABLE, raising=False)
+    registry = default_registry()
+    config = engine_config(connector, extra)
+    transfer = config.kv_transfer_config
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "kv_transfer_config": {
+                    "kv_connector": connector,
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                }
+            }
+        )
+    )
+
+    with pytest.raises(ExtraConfigError) as built:
+        registry.build_connector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    with pytest.raises(ExtraConfigError) as validated:
+        registry.resolve(transfer).validate_extra_config(transfer, registry.resolve)
+    err = io.StringIO()
+    status = check_profile(str(profile), out=io.StringIO(), err=err)
+
+    assert str(validated.value) == str(built.value)
+    assert (status, err.getvalue()) == (1, f"kvwire check: {profile}: error: {built.value}\n")

@@ -208,6 +208,20 @@ def test_hma_is_not_supported_without_children():
             {"connectors": [CPU_CHILD], "mode": "all"},
             "kv_connector_extra_config.mode is not an option of MultiConnector",
         ),
+        (
+            # Only the constructor can tell (it depends on the model's block size).
+            {
+                "connectors": [
+                    CPU_CHILD,
+                    {
+                        "kv_connector": "CPUOffloadConnector",
+                        "kv_connector_extra_config": {"cpu_pool_bytes": 16},
+                    },
+                ]
+            },
+            "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_bytes: "
+            "16 bytes hold no block",
+        ),
     ],
 )
 def test_bad_children_name_the_entry_at_fault(extra, message):

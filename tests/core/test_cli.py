@@ -41,6 +41,7 @@ def test_check_explains_what_it_decided_and_why(
         f"profile {tmp_path / 'profile.yaml'}: valid",
         f"connector: HMAConnector -> {SAMPLES}:HMAConnector (registered at run time)",
         "constructor: accepts (config, role, kv_cache_config)",
+        "extra config: not checked (HMAConnector has no validate_extra_config)",
         "kv_role: kv_producer (producer: yes, consumer: no); load failure policy: recompute",
         "HMA: enabled (disable_hybrid_kv_cache_manager is unset and HMAConnector supports HMA: "
         "HMA stays on)",
@@ -68,7 +69,10 @@ def test_check_names_a_module_path_and_a_composite(tmp_path: pathlib.Path) -> No
         "constructor: accepts (config, role, kv_cache_config); a composite, it receives a "
         "connector_builder for its children"
     )
-    assert lines[4] == "HMA: disabled (disable_hybrid_kv_cache_manager is true: HMA is off)"
+    assert lines[3] == (
+        "extra config: not checked (CompositeConnector has no validate_extra_config)"
+    )
+    assert lines[5] == "HMA: disabled (disable_hybrid_kv_cache_manager is true: HMA is off)"
 
 
 def test_check_of_a_profile_without_a_connector_succeeds(tmp_path: pathlib.Path) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 import pytest
+import yaml
 
 from kvwire import cli
 from kvwire.config import EngineConfig
@@ -115,4 +116,33 @@ def test_kvwire_check_never_prints_the_password(
 
     shown = capsys.readouterr()
     assert "RedisConnector" in shown.out
+    assert "secret" not in shown.out + shown.err
+
+
+@pytest.mark.parametrize("as_child", [False, True], ids=["connector", "multi-child"])
+def test_kvwire_check_rejects_bad_settings_without_printing_the_password(
+    as_child: bool, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    redis: dict[str, Any] = {
+        "kv_connector": "RedisConnector",
+        "kv_connector_extra_config": {
+            "url": "http://kv:url-secret-1@cache.internal:6379/0",
+            "password": "key-secret-2",
+            "ttl_seconds": -1,
+        },
+    }
+    if as_child:
+        redis = {
+            "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": [redis]},
+        }
+    profile = tmp_path / "bad-settings.yaml"
+    profile.write_text(yaml.safe_dump({"kv_transfer_config": {"kv_role": "kv_both", **redis}}))
+
+    assert cli.main(["check", str(profile)]) == 1
+
+    shown = capsys.readouterr()
+    assert "kv_connector_extra_config.ttl_seconds: expected a whole number" in shown.err
+    assert "kv_connector_extra_config.url: scheme must be one of" in shown.err
+    assert ("connectors[0].kv_connector_extra_config.url" in shown.err) is as_child
     assert "secret" not in shown.out + shown.err

@@ -50,6 +50,9 @@ class KVConnectorMetadata:
 HMAResolver = Callable[["KVTransferConfig"], bool]
 """Answers "does the connector this config names support HMA?" through the registry."""
 
+ConnectorResolver = Callable[["KVTransferConfig"], "type[KVConnectorBase]"]
+"""The class a (child) transfer config names, resolved through the registry that builds it."""
+
 ConnectorBuilder = Callable[["EngineConfig", "KVConnectorRole", "KVCacheConfig"], "KVConnectorBase"]
 """Builds the connector a (child) engine config names, through the same registry.
 
@@ -107,6 +110,28 @@ class KVConnectorBase(abc.ABC):
         child config, so the answer goes through the same registry.
         """
         return supports_hma(cls)
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        """Reject a ``kv_connector_extra_config`` this class would reject, without building it.
+
+        ``kvwire check`` calls it, so that a typo in a profile fails there and
+        not at engine start. It must not allocate, open files or connect:
+        building a connector to check it would (CPU offload allocates its
+        pool). Raise a ``ValueError`` subclass (kvwire's connectors raise
+        ``ExtraConfigError``) whose message names each bad key as
+        ``kv_connector_extra_config.<key>``, one per line, and says what is
+        accepted. Validate with the code the constructor uses, so ``check``
+        and the engine never disagree. A composite validates each child's
+        config through the class ``resolve_child`` returns: the registry that
+        will build the child.
+
+        The default checks nothing, so connectors written before this hook
+        keep working; ``kvwire check`` then says their extra config was not
+        checked (:func:`validates_extra_config`).
+        """
 
     # ------------------------------------------------------------ worker side
 
@@ -237,6 +262,15 @@ def supports_hma(connector: type | object) -> bool:
     if isinstance(connector, type):
         return issubclass(connector, SupportsHMA)
     return isinstance(connector, SupportsHMA)
+
+
+def validates_extra_config(connector_cls: type[KVConnectorBase]) -> bool:
+    """Whether ``connector_cls`` has a ``validate_extra_config`` of its own (or inherits one).
+
+    False when the one it gets is :class:`KVConnectorBase`'s, which checks nothing.
+    """
+    own = inspect.getattr_static(connector_cls, "validate_extra_config")
+    return own is not inspect.getattr_static(KVConnectorBase, "validate_extra_config")
 
 
 def supports_kw(callable_: Callable[..., Any], kw_name: str) -> bool:

@@ -6,7 +6,8 @@ worker classes, and share everything around that:
 
 - the block layout, checked against the engine's caches, and the validated
   ``kv_connector_extra_config`` (each subclass declares its keys; every one
-  has ``async_load``);
+  has ``async_load``), read by the same code when ``kvwire check`` validates
+  a profile;
 - the scheduler side's planning (:class:`~kvwire.connectors.block_planner.BlockPlanner`):
   a subclass only says how many consecutive blocks its medium holds;
 - the worker side's per-layer calls: loads write every layer at once, so the
@@ -21,7 +22,7 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.connector.base import ConnectorResolver, KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import BlockHash, Request
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.block_planner import BlockPlanner
@@ -33,7 +34,7 @@ from kvwire.connectors.worker_steps import PendingRelease, registered_worker
 if TYPE_CHECKING:
     import torch
 
-    from kvwire.config import EngineConfig
+    from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.kv_cache_config import KVCacheConfig
 
 
@@ -66,11 +67,7 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         super().__init__(config, role, kv_cache_config)
         self._layout = BlockLayout.from_engine_config(config)
         check_cache_layout(self._layout, kv_cache_config)
-        self._options = read_extra_config(
-            type(self).__name__,
-            self.kv_transfer_config.kv_connector_extra_config,
-            self.extra_config_keys(),
-        )
+        self._options = self.read_options(self.kv_transfer_config)
         self._async_load: bool = self._options["async_load"]
         # Scheduler side.
         self._planner = BlockPlanner(
@@ -87,6 +84,29 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
     @abc.abstractmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
         """The ``kv_connector_extra_config`` keys it accepts, ``async_load`` among them."""
+
+    @classmethod
+    def read_options(cls, kv_transfer_config: KVTransferConfig) -> dict[str, Any]:
+        """The checked ``kv_connector_extra_config``, defaults filled in (or ``ExtraConfigError``).
+
+        The constructor and :meth:`validate_extra_config` both read through
+        it, so ``kvwire check`` and the engine reject the same values; only
+        what needs the engine itself (a CPU pool too small for one block of
+        this model, a directory that cannot be created) waits for the
+        constructor. A subclass may extend it (Redis checks its settings
+        together here) but must stay free of side effects: it runs at check
+        time too.
+        """
+        return read_extra_config(
+            cls.__name__, kv_transfer_config.kv_connector_extra_config, cls.extra_config_keys()
+        )
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        """Reads the options as the constructor does, and drops them: nothing is built."""
+        cls.read_options(kv_transfer_config)
 
     @abc.abstractmethod
     def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:

@@ -5,7 +5,9 @@ Children come from ``kv_connector_extra_config["connectors"]``, a list of
 to the parent's). Each child gets its own copy of the engine config and is
 built by the ``connector_builder`` the container (or the factory) hands in,
 so it resolves through the same registry: provider overrides, module paths
-and entry points all apply.
+and entry points all apply. A child's bad extra config is reported under the
+child's path (``kv_connector_extra_config.connectors[1].kv_connector_extra_config.<key>``),
+by the constructor and by ``kvwire check`` alike.
 
 Semantics (the reference's): lookups ask children in order (any None means
 "ask again"); the first child with a hit loads, the others get 0; saves go to
@@ -25,6 +27,7 @@ import attrs
 from kvwire.config import KVTransferConfig
 from kvwire.connector.base import (
     ConnectorBuilder,
+    ConnectorResolver,
     HMAResolver,
     KVConnectorBase,
     KVConnectorMetadata,
@@ -96,6 +99,30 @@ def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
     return configs
 
 
+def _child_error(index: int, error: ValueError) -> ExtraConfigError:
+    """``error``, raised for child ``index``'s config, with its keys named from the parent.
+
+    A line that names a key as ``kv_connector_extra_config.<key>`` (every
+    problem line of kvwire's connectors does) gets the child's path in front
+    of it, so each problem still says which child it is about; a first line
+    that names no key (a heading, or a third party's wording) gets
+    ``<path>: `` in front.
+    """
+    where = f"kv_connector_extra_config.connectors[{index}]"
+    first, *rest = str(error).split("\n")
+    head = _within(where, first)
+    if head == first:
+        head = f"{where}: {first}"
+    return ExtraConfigError("\n".join([head, *(_within(where, line) for line in rest)]))
+
+
+def _within(where: str, line: str) -> str:
+    text = line.lstrip()
+    if not text.startswith("kv_connector_extra_config."):
+        return line
+    return f"{line[: len(line) - len(text)]}{where}.{text}"
+
+
 class MultiConnector(KVConnectorBase, SupportsHMA):
     """Drives every child connector as one; see the module docstring for the rules."""
 
@@ -111,9 +138,15 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._children: list[KVConnectorBase] = []
         self._child_names: list[str] = []
         try:
-            for child_config in child_transfer_configs(self.kv_transfer_config):
+            for index, child_config in enumerate(child_transfer_configs(self.kv_transfer_config)):
                 child_engine_config = attrs.evolve(config, kv_transfer_config=child_config)
-                self._children.append(connector_builder(child_engine_config, role, kv_cache_config))
+                try:
+                    child = connector_builder(child_engine_config, role, kv_cache_config)
+                except ExtraConfigError as error:
+                    # Worded as validate_extra_config words it, so that
+                    # `kvwire check` and the engine report the same text.
+                    raise _child_error(index, error) from error
+                self._children.append(child)
                 name = str(child_config.kv_connector)
                 self._child_names.append(
                     name if name not in self._child_names else f"{name}#{len(self._child_names)}"
@@ -139,6 +172,20 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         if not isinstance(children, list) or not children:
             return False
         return all(resolve_child(config) for config in child_transfer_configs(kv_transfer_config))
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        """Its own keys, then each child's through the child's class; stops at the first bad one.
+
+        The constructor stops at the first bad child too, with the same words.
+        """
+        for index, child_config in enumerate(child_transfer_configs(kv_transfer_config)):
+            try:
+                resolve_child(child_config).validate_extra_config(child_config, resolve_child)
+            except ValueError as error:
+                raise _child_error(index, error) from error
 
     # -------------------------------------------------------- scheduler side
 

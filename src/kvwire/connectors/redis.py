@@ -34,7 +34,7 @@ back. Beside the store-backed connector's counters, the stats report
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -43,6 +43,9 @@ from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSetti
 from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.store_connector import StoreConnector
+
+if TYPE_CHECKING:
+    from kvwire.config import KVTransferConfig
 
 
 @attrs.frozen
@@ -53,6 +56,8 @@ class _Given:
 
 
 _NOT_GIVEN: Any = None
+# Not a declared key, so a user's extra config can never supply it.
+_SETTINGS = "redis_settings"
 
 
 def _redis_key(name: str) -> ExtraConfigKey:
@@ -74,13 +79,24 @@ class RedisConnector(StoreConnector):
             *(_redis_key(name) for name in RedisStoreSettings.extra_config_keys()),
         )
 
-    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+    @classmethod
+    def read_options(cls, kv_transfer_config: KVTransferConfig) -> dict[str, Any]:
+        """The common options, and the Redis ones as ``options["redis_settings"]``.
+
+        Only checks: no server is asked, so ``kvwire check`` runs it too. A
+        ``password_env`` that names an unset variable is an error here, as
+        the connector could not authenticate without it.
+        """
+        options = super().read_options(kv_transfer_config)
         given = {name: value.value for name, value in options.items() if isinstance(value, _Given)}
         try:
             settings = RedisStoreSettings.from_extra_config(given)
         except RedisSettingsError as error:
-            raise ExtraConfigError(f"{type(self).__name__}: {error}") from None
-        self._redis_store = RedisBlockStore(settings)
+            raise ExtraConfigError(f"{cls.__name__}: {error}") from None
+        return {**options, _SETTINGS: settings}
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        self._redis_store = RedisBlockStore(options[_SETTINGS])
         return self._redis_store
 
     @property
