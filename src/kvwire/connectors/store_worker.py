@@ -44,6 +44,7 @@ from kvwire.connectors.block_format import (
 )
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.paged_cache import (
+    CACHE_CHUNK_BYTES,
     TORCH_DTYPES,
     PagedKVCaches,
     cache_sized_chunks,
@@ -62,11 +63,6 @@ logger = logging.getLogger(__name__)
 # mapped 0.2 of the bound at 1 MiB and 0.37 at 2 MiB, read into staging 0.4 and
 # 0.42; at 4 MiB mapped 0.55, staged 0.42.
 MIN_MAPPED_ENTRY_BYTES = 3 * 1024 * 1024
-
-# Verified entries are scattered into the cache in groups of about this many
-# bytes: small enough that they are still in the CPU cache from their
-# verification, large enough that consecutive blocks move as one copy per layer.
-SCATTER_GROUP_BYTES = 1024 * 1024
 
 
 @runtime_checkable
@@ -313,11 +309,13 @@ class StoreWorker:
         Each entry is verified as soon as the store has put it in its slot,
         while it is still in the CPU cache (and, with a server, while the
         server sends the next), and the verified ones are scattered into the
-        cache a few at a time, before they leave the CPU cache.
+        cache a cache-sized group at a time, before they leave the CPU cache
+        (1 MiB groups were slower: loads of 1 MiB entries from files 0.3
+        against 0.42 of a plain read, same-run A/B).
         """
         keys = [self._key_of(block_hash) for block_hash in hashes]
         entries = [self._staging.entry(slot) for slot in slots]
-        group_size = max(1, SCATTER_GROUP_BYTES // self._layout.entry_bytes)
+        group_size = max(1, CACHE_CHUNK_BYTES // self._layout.entry_bytes)
         group_ids: list[int] = []
         group_slots: list[int] = []
         loaded = 0
