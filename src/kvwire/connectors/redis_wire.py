@@ -24,6 +24,13 @@ import redis
 
 _CRLF = b"\r\n"
 
+# How much a read for a reply header (or the CRLF after a value) asks for. A
+# header is at most 24 bytes; what arrives beyond it is the start of the next
+# value and must be copied out of the scratch buffer. A read as large as the
+# scratch buffer copied up to a whole 256 KiB value twice whenever the server
+# was ahead of the client.
+_HEADER_READ_BYTES = 512
+
 
 class ZeroCopyCommandPacker:
     """Encodes commands in RESP without copying large values.
@@ -112,7 +119,8 @@ class BulkReplyReader:
             return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
         raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r} to GET")
 
-    def _fill(self) -> None:
+    def _fill(self, limit: int = _HEADER_READ_BYTES) -> None:
+        """Receive up to ``limit`` more bytes into the scratch buffer."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._scratch):
@@ -120,7 +128,7 @@ class BulkReplyReader:
             pending = self._end - self._start
             self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
-        received = self._sock.recv_into(self._view[self._end :])
+        received = self._sock.recv_into(self._view[self._end : self._end + limit])
         if received == 0:
             raise redis.exceptions.ConnectionError("Connection closed by server.")
         self._end += received
@@ -150,7 +158,8 @@ class BulkReplyReader:
     def _discard(self, count: int) -> None:
         while count > 0:
             if self._start == self._end:
-                self._fill()
+                # Discarded bytes: read them in as large pieces as fit.
+                self._fill(len(self._scratch))
             skipped = min(count, self._end - self._start)
             self._start += skipped
             count -= skipped
