@@ -184,15 +184,35 @@ class KVConnectorBase(abc.ABC):
         return set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counters since the last call (then reset), or None."""
+        """Counters since the last call (then reset), or None.
+
+        The engine calls it after each step and once more after
+        :meth:`shutdown`, for the transfers that finished while shutdown
+        waited for them: it must still answer then.
+        """
         return None
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every save started so far is complete; False if ``timeout_s`` ran out.
+
+        Saves may outlive the step, and the request, that started them (a
+        background write). The engine waits on this between workloads
+        (``kvwire run`` after each pass), then reads the stats, so that they
+        count every save of the workload. The default has nothing to wait
+        for: it suits connectors whose saves end within :meth:`wait_for_save`.
+        """
+        return True
 
     def get_handshake_metadata(self) -> Any:
         """What peers need to reach this worker (disaggregated connectors)."""
         return None
 
     def shutdown(self) -> None:
-        """Release threads, files and connections. Called once at teardown."""
+        """Let the transfers in flight finish, then release threads, files and connections.
+
+        Called once at teardown. Only :meth:`get_kv_connector_stats` follows
+        it, and it reports what those last transfers did.
+        """
 
     # --------------------------------------------------------- scheduler side
 

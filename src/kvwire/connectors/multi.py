@@ -19,6 +19,7 @@ clash is an error); HMA only when every child supports it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -358,6 +359,15 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             if stats is not None and not stats.is_empty():
                 nested[name] = stats.reduce()
         return KVConnectorStats(data=nested) if nested else None
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Every child's saves, within one ``timeout_s`` for them all."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        finished = True
+        for child in self._children:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            finished = child.wait_for_pending_saves(remaining) and finished
+        return finished
 
     def get_handshake_metadata(self) -> Any:
         return [child.get_handshake_metadata() for child in self._children]

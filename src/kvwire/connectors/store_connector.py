@@ -272,7 +272,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
         return self._counters.take_stats()
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save submitted so far is in the store (tests, benchmarks)."""
+        """Block until every save submitted so far is in the store (or failed)."""
         return self._worker.wait_for_saves(timeout_s) if self._worker is not None else True
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ from dependency_injector import providers
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.connector.types import KVConnectorStats
 from kvwire.container import KVConnectorContainer, role_connector_provider
 from kvwire.kv_cache_config import KVCacheConfig
 
@@ -61,8 +62,16 @@ class ConnectorSource:
             self._built[role] = connector
         return self._built[role]
 
-    def shutdown(self) -> None:
-        """Shut down every connector built here (the container's resources), once."""
-        if self._built:
-            self._built.clear()
-            self.container.shutdown_resources()
+    def shutdown(self) -> KVConnectorStats | None:
+        """Shut down every connector built here (the container's resources), once.
+
+        Returns the worker connector's last stats, taken after its shutdown:
+        the transfers its shutdown waited for end after the last step's
+        report, and are counted only there.
+        """
+        if not self._built:
+            return None
+        worker_connector = self._built.get(KVConnectorRole.WORKER)
+        self._built.clear()
+        self.container.shutdown_resources()
+        return None if worker_connector is None else worker_connector.get_kv_connector_stats()

@@ -35,6 +35,8 @@ class _WorkerHandle(Protocol):
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor: ...
 
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]: ...
+
 
 @attrs.frozen
 class GenerationRequest:
@@ -105,6 +107,10 @@ class LLMEngine:
     common prefix's blocks, as vLLM's scheduler does, and a request waits for
     a prefix another request is loading asynchronously rather than loading a
     copy. Use as a context manager, or call :meth:`close`.
+
+    :attr:`connector_stats` sums the worker connector's stats over the steps;
+    saves still running when :meth:`generate` returns join it at
+    :meth:`wait_for_saves` or :meth:`close`.
     """
 
     def __init__(
@@ -189,8 +195,8 @@ class LLMEngine:
         result = self.worker.execute(step)
         executed_at = time.perf_counter()
         finished = self.scheduler.update_from_output(output, result)
-        if result.connector_output is not None and result.connector_output.kv_connector_stats:
-            self.connector_stats.aggregate(result.connector_output.kv_connector_stats)
+        if result.connector_output is not None:
+            self._add_connector_stats(result.connector_output.kv_connector_stats)
         if self.capture_kv:
             for request in finished:
                 block_ids = self.scheduler.block_ids_at_finish.get(request.request_id, [])
@@ -263,17 +269,42 @@ class LLMEngine:
             kv_transfer_params=request.kv_transfer_params,
         )
 
+    def wait_for_saves(self) -> None:
+        """Wait for the connector's saves still running, and add them to :attr:`connector_stats`.
+
+        A save may outlive the request that made it (store-backed connectors
+        write in the background, after the blocks were freed), so the stats
+        at the end of :meth:`generate` may miss some; after this call they
+        count every save of the requests run so far. Raises ``RuntimeError``
+        when saves are still running after ``idle_timeout_s``.
+        """
+        finished, stats = self.worker.wait_for_saves(self.idle_timeout_s)
+        self._add_connector_stats(stats)
+        if not finished:
+            raise RuntimeError(
+                f"saves still running after {self.idle_timeout_s:g} s (idle_timeout_s): the "
+                f"connector ({type(self.scheduler_connector).__name__}) did not finish them"
+            )
+
     def reset_prefix_cache(self) -> bool:
         """Forget the local prefix cache (so the next prompts must come from the connector)."""
         return self.scheduler.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the worker and shut down both connectors, once."""
+        """Stop the worker and shut down both connectors, once.
+
+        The worker connector's shutdown lets its transfers in flight finish;
+        their counts, reported after it, still go to :attr:`connector_stats`.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             if self._worker_process is not None:
-                self._worker_process.shutdown()
+                self._add_connector_stats(self._worker_process.shutdown())
         finally:
-            self._source.shutdown()
+            self._add_connector_stats(self._source.shutdown())
+
+    def _add_connector_stats(self, stats: KVConnectorStats | None) -> None:
+        if stats is not None:
+            self.connector_stats.aggregate(stats)

@@ -39,8 +39,11 @@ warm = local prefix cache emptied, so shared prefixes come from the connector):
   hit rate                   tokens from connector / prompt tokens
   TTFT p50 / p95             time from a request's arrival (all arrive at the
                              start of the pass) to its first generated token
-  total time                 wall time of the whole pass
-  bytes saved / loaded       KV bytes the connector reports it stored / read
+  total time                 wall time of the whole pass, until its last
+                             request finished
+  bytes saved / loaded       KV bytes the connector reports it stored / read,
+                             saves that end after the last request included
+                             (the run waits for them before the next pass)
   transfer time              seconds the connector reports its saves and loads
                              took, summed over transfers (parallel transfers
                              each count, so this can exceed the total time)

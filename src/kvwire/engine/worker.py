@@ -14,7 +14,7 @@ import torch
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import ForwardContext, KVConnectorOutput
+from kvwire.connector.types import ForwardContext, KVConnectorOutput, KVConnectorStats
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
 from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
@@ -151,6 +151,13 @@ class Worker:
         )
         connector.clear_connector_metadata()
         return output
+
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]:
+        """Wait for the connector's saves in flight: whether all ended, and the stats since."""
+        if self.connector is None:
+            return True, None
+        finished = self.connector.wait_for_pending_saves(timeout_s)
+        return finished, self.connector.get_kv_connector_stats()
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``."""

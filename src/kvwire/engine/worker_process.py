@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvwire.config import EngineConfig
+from kvwire.connector.types import KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
@@ -56,9 +57,10 @@ def _serve(
                 reply: Any = worker.execute(payload)
             elif command == "gather_kv":
                 reply = worker.gather_kv(*payload)
+            elif command == "wait_for_saves":
+                reply = worker.wait_for_saves(payload)
             else:
-                source.shutdown()
-                connection.send_bytes(pickle.dumps(("ok", None)))
+                connection.send_bytes(pickle.dumps(("ok", source.shutdown())))
                 return
         except BaseException:
             connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -70,7 +72,9 @@ class WorkerProcess:
     """A :class:`Worker` in a spawned process, driven over a pipe.
 
     Same calls as the in-process worker: :meth:`execute`, :meth:`gather_kv`,
-    :meth:`shutdown`. Each message is pickled explicitly.
+    :meth:`wait_for_saves`, and :meth:`shutdown` (which returns the
+    connector's last stats, taken after its shutdown). Each message is
+    pickled explicitly.
     """
 
     def __init__(
@@ -112,13 +116,19 @@ class WorkerProcess:
         kv: torch.Tensor = self._call("gather_kv", (block_ids, num_tokens))
         return kv
 
-    def shutdown(self) -> None:
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]:
+        reply: tuple[bool, KVConnectorStats | None] = self._call("wait_for_saves", timeout_s)
+        return reply
+
+    def shutdown(self) -> KVConnectorStats | None:
         if self._closed:
-            return
+            return None
         self._closed = True
         try:
-            if self._process.is_alive():
-                self._call("shutdown", None)
+            if not self._process.is_alive():
+                return None
+            stats: KVConnectorStats | None = self._call("shutdown", None)
+            return stats
         finally:
             self._process.join(timeout=30)
             if self._process.is_alive():

@@ -1,0 +1,177 @@
+"""Saves that end after the engine's last step still reach its stats.
+
+Store-backed connectors free a request's blocks once they are staged and
+write in the background, so writes can still run when ``generate`` returns.
+A store whose writes wait while a file exists
+(:mod:`tests.engine.held_store_connector`) makes that certain: every save
+then ends after the last step.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+
+import attrs
+import pytest
+
+from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
+from kvwire.engine.passes import compare_passes
+from tests.engine.helpers import generate
+from tests.redis.engines import distinct_full_blocks
+
+WORKER_MODES: tuple[WorkerMode, ...] = ("inline", "process")
+
+
+def held_storage(config: EngineConfig, tmp_path: pathlib.Path) -> EngineConfig:
+    """``config`` saving to ``tmp_path/store``; each write waits while ``tmp_path/hold`` exists."""
+    return attrs.evolve(
+        config,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HeldSharedStorageConnector",
+            kv_connector_module_path="tests.engine.held_store_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "shared_storage_path": str(tmp_path / "store"),
+                # Room for every block of the workload: a held save keeps its
+                # staging slot, and a save finding none free would be dropped.
+                "staging_buffer_bytes": "4MiB",
+                "hold_path": str(tmp_path / "hold"),
+            },
+        ),
+    )
+
+
+def blocks_computed(
+    requests: Sequence[GenerationRequest], outputs: Sequence[RequestOutput], block_size: int
+) -> int:
+    """Different full blocks the engine computed: each is saved once.
+
+    Every token but the last sampled one went through the model; a prefix
+    common to several requests counts once.
+    """
+    computed = [
+        (*request.prompt_token_ids, *output.output_token_ids[:-1])
+        for request, output in zip(requests, outputs, strict=True)
+    ]
+    return distinct_full_blocks(computed, block_size)
+
+
+def entries_stored(directory: pathlib.Path) -> int:
+    """Entries in the store (its temporary files start with a dot)."""
+    return sum(
+        1 for _, _, names in os.walk(directory) for name in names if not name.startswith(".")
+    )
+
+
+@pytest.mark.parametrize("worker_mode", WORKER_MODES)
+def test_saves_still_running_when_generate_returns_are_counted_once_the_engine_is_closed(
+    worker_mode: WorkerMode,
+    config: EngineConfig,
+    workload: list[GenerationRequest],
+    tmp_path: pathlib.Path,
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    engine = LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode)
+    with engine:
+        outputs = engine.generate(workload)
+        saved_when_generate_returned = engine.connector_stats.data.get("blocks_saved", 0)
+        hold.unlink()
+    assert saved_when_generate_returned == 0  # every save outlived the requests
+    stats = engine.connector_stats.data
+    expected = blocks_computed(workload, outputs, config.cache_config.block_size)
+    assert stats["blocks_saved"] == expected == entries_stored(tmp_path / "store")
+    assert stats["bytes_saved"] == expected * BlockLayout.from_engine_config(config).payload_bytes
+    assert "save_errors" not in stats and "saves_dropped" not in stats
+
+
+@pytest.mark.parametrize("worker_mode", WORKER_MODES)
+def test_wait_for_saves_counts_the_saves_still_running_before_the_engine_closes(
+    worker_mode: WorkerMode,
+    config: EngineConfig,
+    workload: list[GenerationRequest],
+    tmp_path: pathlib.Path,
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    with LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode) as engine:
+        outputs = engine.generate(workload)
+        saved_when_generate_returned = engine.connector_stats.data.get("blocks_saved", 0)
+        hold.unlink()
+        engine.wait_for_saves()
+        after_waiting = dict(engine.connector_stats.data)
+    assert saved_when_generate_returned == 0
+    expected = blocks_computed(workload, outputs, config.cache_config.block_size)
+    assert after_waiting["blocks_saved"] == expected == entries_stored(tmp_path / "store")
+    # Closing finds nothing left to count: no save is counted twice.
+    assert engine.connector_stats.data == after_waiting
+
+
+def test_kvwire_run_counts_saves_that_end_after_a_pass_in_that_pass(
+    config: EngineConfig, workload: list[GenerationRequest], tmp_path: pathlib.Path
+) -> None:
+    # One request at a time, and from the first one's end the writes wait
+    # until the last one has ended: every later request's saves end after
+    # the cold pass's last step.
+    one_at_a_time = attrs.evolve(config, scheduler_config=SchedulerConfig(max_num_seqs=1))
+    hold = tmp_path / "hold"
+    cold_requests_done = 0
+
+    def on_request_done(label: str) -> None:
+        nonlocal cold_requests_done
+        if label != "cold":
+            return
+        cold_requests_done += 1
+        if cold_requests_done == 1:
+            hold.touch()
+        if cold_requests_done == len(workload):
+            hold.unlink()
+
+    report = compare_passes(
+        held_storage(one_at_a_time, tmp_path), workload, on_request_done=on_request_done
+    )
+    assert cold_requests_done == len(workload) and not hold.exists()
+    assert report["ok"]
+    expected = blocks_computed(workload, generate(config, workload), config.cache_config.block_size)
+    payload_bytes = BlockLayout.from_engine_config(config).payload_bytes
+    assert report["passes"]["cold"]["bytes_saved"] == expected * payload_bytes
+
+
+def test_a_multi_connector_waits_for_every_childs_saves(
+    config: EngineConfig, workload: list[GenerationRequest], tmp_path: pathlib.Path
+) -> None:
+    held = held_storage(config, tmp_path).kv_transfer_config
+    assert held is not None
+    children = [
+        {"kv_connector": "CPUOffloadConnector"},
+        {
+            "kv_connector": held.kv_connector,
+            "kv_connector_module_path": held.kv_connector_module_path,
+            "kv_connector_extra_config": held.kv_connector_extra_config,
+        },
+    ]
+    multi = attrs.evolve(
+        config,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": children},
+        ),
+    )
+    hold = tmp_path / "hold"
+    hold.touch()
+    with LLMEngine(multi, idle_timeout_s=0.5) as engine:
+        outputs = engine.generate(workload)
+        # The held child's writes cannot end: the wait gives up and says so.
+        with pytest.raises(RuntimeError, match=r"saves still running after 0\.5 s"):
+            engine.wait_for_saves()
+        hold.unlink()
+        engine.wait_for_saves()
+        after_waiting = dict(engine.connector_stats.data)
+    expected = blocks_computed(workload, outputs, config.cache_config.block_size)
+    assert after_waiting["CPUOffloadConnector"]["blocks_saved"] == expected
+    assert after_waiting["HeldSharedStorageConnector"]["blocks_saved"] == expected
