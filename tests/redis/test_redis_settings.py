@@ -6,6 +6,8 @@ import logging
 
 import pytest
 
+from kvwire.config import KVTransferConfig
+from kvwire.connectors.redis import RedisConnector
 from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from tests.redis.conftest import RedisServer
@@ -54,6 +56,41 @@ def test_a_negative_ttl_names_the_key_and_what_is_accepted() -> None:
         "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 "
         "(restarted by every load), or null for no expiry, got -1" in str(raised.value)
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "pipeline_bytes"),
+    [("64MiB", 64 * 1024**2), ("2 MB", 2_000_000), ("1.5KiB", 1536), (4096, 4096)],
+)
+def test_pipeline_bytes_takes_a_size_with_a_unit_like_the_other_sizes(
+    given: object, pipeline_bytes: int
+) -> None:
+    settings = RedisStoreSettings.from_extra_config({"pipeline_bytes": given})
+
+    assert settings.pipeline_bytes == pipeline_bytes
+
+
+def test_the_connector_reads_a_pipeline_size_with_a_unit() -> None:
+    transfer = KVTransferConfig(
+        kv_connector="RedisConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline_bytes": "8MiB", "staging_buffer_bytes": "16MiB"},
+    )
+
+    settings = RedisConnector.read_options(transfer)["redis_settings"]
+
+    assert settings.pipeline_bytes == 8 * 1024**2
+
+
+@pytest.mark.parametrize("given", ["64 parsecs", "0MiB", 0, -1, 1.5, True, None])
+def test_a_bad_pipeline_size_says_which_forms_are_accepted(given: object) -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({"pipeline_bytes": given})
+
+    assert (
+        "kv_connector_extra_config.pipeline_bytes: expected a byte count per save/load "
+        f'pipeline > 0, as an int or a string such as "64MiB", got {given!r}'
+    ) in str(raised.value)
 
 
 def test_every_bad_key_is_reported_at_once() -> None:

@@ -16,6 +16,8 @@ from urllib.parse import parse_qs, urlparse
 import attrs
 import redis
 
+from kvwire.connectors.extra_config import parse_size
+
 EXTRA_CONFIG = "kv_connector_extra_config"
 _SCHEMES = ("redis", "rediss", "unix")
 _URL_QUERY_KEYS = ("db", "username", "password")
@@ -77,7 +79,7 @@ class RedisStoreSettings:
                     f"{EXTRA_CONFIG}.{field.name}: {problem}, got {_shown(field.name, value)}"
                 )
             else:
-                values[field.name] = float(value) if field.name.endswith("_s") else value
+                values[field.name] = _converted(field.name, value)
         password_env = extra.get("password_env")
         if password_env is not None:
             if not isinstance(password_env, str) or not password_env:
@@ -150,7 +152,9 @@ _EXPECTED: dict[str, str] = {
     "pool_size": "a whole number of connections > 0",
     "socket_timeout_s": "a number of seconds > 0",
     "connect_timeout_s": "a number of seconds > 0",
-    "pipeline_bytes": "a whole number of bytes per save/load pipeline > 0",
+    "pipeline_bytes": (
+        'a byte count per save/load pipeline > 0, as an int or a string such as "64MiB"'
+    ),
     "lookup_batch_size": "a whole number of keys per lookup pipeline > 0",
     "retry_interval_s": "a number of seconds > 0",
     "warning_interval_s": "a number of seconds >= 0",
@@ -174,11 +178,24 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
         if not isinstance(value, (int, float)):
             return expected
         return None if (value >= 0 if name == "warning_interval_s" else value > 0) else expected
+    if name == "pipeline_bytes":
+        # The same forms as the connector's other sizes (staging_buffer_bytes).
+        size = parse_size(value)
+        return None if size is not None and size > 0 else expected
     if isinstance(default, int) or name in ("db", "ttl_seconds"):
         if not isinstance(value, int):
             return expected
         return None if (value >= 0 if name == "db" else value > 0) else expected
     return None if isinstance(value, str) else expected
+
+
+def _converted(name: str, value: Any) -> Any:
+    """An accepted ``value`` as its field holds it: seconds as floats, sizes in bytes."""
+    if name.endswith("_s"):
+        return float(value)
+    if name == "pipeline_bytes":
+        return parse_size(value)
+    return value
 
 
 def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
