@@ -22,7 +22,7 @@ from typing import TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, supports_hma, validates_extra_config
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import KVWireError, kind_of
 from kvwire.hma import decide_hma
 from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
@@ -206,7 +206,10 @@ def _child_lines(
         where = f"kv_transfer_config.kv_connector_extra_config.connectors[{index}]"
         try:
             if not isinstance(child, Mapping):
-                raise ValueError(f"expected a mapping of KVTransferConfig fields, got {child!r}")
+                # Its type, never its value: a secret typed in the wrong place would be printed.
+                raise ValueError(
+                    f"expected a mapping of KVTransferConfig fields, got {kind_of(child)}"
+                )
             # engine_id and kv_role default to the parent's, as the reference's composite does.
             inherited = {"engine_id": transfer.engine_id, "kv_role": transfer.kv_role}
             child_config = KVTransferConfig(**{**inherited, **child})

@@ -55,3 +55,14 @@ class ContainerSetupError(KVWireError, RuntimeError):
     For example the process's role was never declared, or ``kv_cache_config``
     was never provided.
     """
+
+
+def kind_of(value: object) -> str:
+    """How an error names a value it must not echo, a possible secret: by its type alone.
+
+    ``"a str"``, ``"an int"``, ``"None"``.
+    """
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

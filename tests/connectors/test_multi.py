@@ -198,7 +198,16 @@ def test_hma_is_not_supported_without_children():
     [
         ({}, "kv_connector_extra_config.connectors: None is not accepted by MultiConnector"),
         ({"connectors": []}, "expected a non-empty list of kv_transfer_config mappings"),
-        ({"connectors": ["CPUOffloadConnector"]}, "kv_connector_extra_config.connectors[0]:"),
+        (
+            {"connectors": ["CPUOffloadConnector"]},
+            "kv_connector_extra_config.connectors[0]: expected a mapping of kv_transfer_config "
+            "fields, got a str",
+        ),
+        (
+            {"connectors": [CPU_CHILD, 8]},
+            "kv_connector_extra_config.connectors[1]: expected a mapping of kv_transfer_config "
+            "fields, got an int",
+        ),
         ({"connectors": [{"kv_role": "kv_both"}]}, "connectors[0].kv_connector: expected"),
         (
             {"connectors": [{"kv_connector": "CPUOffloadConnector", "kv_port": 0}]},
@@ -234,6 +243,38 @@ def test_bad_children_name_the_entry_at_fault(extra, message):
             connector_builder=default_registry().build_connector,
         )
     assert message in str(raised.value)
+
+
+SECRET_URL = "redis://:hunter2@cache.internal:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"connectors": [CPU_CHILD, SECRET_URL]},
+            "kv_connector_extra_config.connectors[1]: expected a mapping of kv_transfer_config "
+            "fields, got a str",
+        ),
+        (
+            {"connectors": SECRET_URL},
+            "kv_connector_extra_config.connectors: a str is not accepted by MultiConnector; "
+            "expected a non-empty list of kv_transfer_config mappings",
+        ),
+    ],
+)
+def test_a_misplaced_value_is_named_by_its_type_and_never_echoed(extra, message):
+    # A secret typed in the wrong place must not end up in an error, hence in a log.
+    config = engine_config("MultiConnector", extra)
+    with pytest.raises(ExtraConfigError) as raised:
+        MultiConnector(
+            config,
+            KVConnectorRole.SCHEDULER,
+            cache_config_for(config),
+            connector_builder=default_registry().build_connector,
+        )
+    assert str(raised.value) == message
+    assert "hunter2" not in str(raised.value)
 
 
 def test_the_container_builds_children_through_overridden_providers(tmp_path: pathlib.Path):

@@ -245,6 +245,26 @@ BAD_EXTRA_CONFIGS = [
         "a non-empty list of kv_transfer_config mappings",
         id="multi-missing",
     ),
+    # A misplaced value is named by its type: it may be a secret (this URL's password).
+    pytest.param(
+        "MultiConnector",
+        {"connectors": "redis://:hunter2@cache.internal:6379/0"},
+        "kv_connector_extra_config.connectors: a str is not accepted by MultiConnector; expected "
+        "a non-empty list of kv_transfer_config mappings",
+        id="multi-connectors-not-a-list",
+    ),
+    pytest.param(
+        "MultiConnector",
+        {
+            "connectors": [
+                {"kv_connector": "CPUOffloadConnector"},
+                "redis://:hunter2@cache.internal:6379/0",
+            ]
+        },
+        "kv_transfer_config.kv_connector_extra_config.connectors[1]: expected a mapping of "
+        "KVTransferConfig fields, got a str",
+        id="multi-child-not-a-mapping",
+    ),
     pytest.param(
         "MultiConnector",
         {

@@ -47,6 +47,7 @@ from kvwire.connector.types import (
 )
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.worker_steps import metadata_of_type
+from kvwire.exceptions import kind_of
 
 if TYPE_CHECKING:
     import torch
@@ -77,9 +78,12 @@ def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
             "accepted keys are: connectors"
         )
     children = extra.get("connectors")
+    # Values are named by their type, never echoed: a secret typed in the
+    # wrong place (a URL with its password) would be printed.
     if not isinstance(children, list) or not children:
+        given = "an empty list" if isinstance(children, list) else kind_of(children)
         raise ExtraConfigError(
-            f"kv_connector_extra_config.connectors: {children!r} is not accepted by "
+            f"kv_connector_extra_config.connectors: {given} is not accepted by "
             "MultiConnector; expected a non-empty list of kv_transfer_config mappings"
         )
     configs = []
@@ -87,8 +91,7 @@ def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
         where = f"kv_connector_extra_config.connectors[{index}]"
         if not isinstance(child, Mapping):
             raise ExtraConfigError(
-                f"{where}: {child!r} is not accepted; expected a mapping of kv_transfer_config "
-                "fields"
+                f"{where}: expected a mapping of kv_transfer_config fields, got {kind_of(child)}"
             )
         if not isinstance(child.get("kv_connector"), str):
             raise ExtraConfigError(f"{where}.kv_connector: expected a connector name")
