@@ -28,7 +28,7 @@ import cattrs
 import yaml
 
 from kvwire.config import EngineConfig
-from kvwire.exceptions import ProfileError
+from kvwire.exceptions import ProfileError, kind_of
 
 MAPPING_ORIGIN = "<mapping>"
 
@@ -71,7 +71,10 @@ def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> Engin
     if not isinstance(data, Mapping):
         raise ProfileError(
             origin,
-            [f"the profile must be a mapping whose keys are {_join(sections)}, got {_kind(data)}"],
+            [
+                f"the profile must be a mapping whose keys are {_join(sections)}, "
+                f"got {kind_of(data)}"
+            ],
         )
     records: dict[str, Any] = {}
     for key, value in data.items():
@@ -175,7 +178,7 @@ def _structure_record(record_type: type, data: Any, path: str, problems: list[st
     """One section's record, or None after appending its problems to ``problems``."""
     if not isinstance(data, Mapping):
         problems.append(
-            f"{path}: expected a mapping of {record_type.__name__} fields, got {_kind(data)}"
+            f"{path}: expected a mapping of {record_type.__name__} fields, got {kind_of(data)}"
         )
         return None
     attrs.resolve_types(record_type)
@@ -280,7 +283,3 @@ def _unknown_key(path: str, key: object, accepted: Mapping[str, Any]) -> str:
 
 def _join(names: Mapping[str, Any]) -> str:
     return ", ".join(names)
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else f"{type(value).__name__} {value!r}"

@@ -101,7 +101,7 @@ def test_every_problem_is_listed_with_its_dotted_path() -> None:
         "  kv_transfer_config.kv_port: kv_port must be between 1 and 65535, got 0\n"
         "  cache_config.enable_prefix_caching: 'false' is not true or false\n"
         "  cache_config.block_size: block_size must be > 0, got 0\n"
-        "  scheduler_config: expected a mapping of SchedulerConfig fields, got list [1]"
+        "  scheduler_config: expected a mapping of SchedulerConfig fields, got a list"
     )
 
 
@@ -134,7 +134,7 @@ def test_an_unknown_key_with_nothing_close_has_no_suggestion() -> None:
 def test_a_profile_that_is_not_a_mapping_is_an_error() -> None:
     assert problems_of([1]) == (
         "the profile must be a mapping whose keys are model_config, cache_config, "
-        "parallel_config, scheduler_config, kv_transfer_config, got list [1]",
+        "parallel_config, scheduler_config, kv_transfer_config, got a list",
     )
 
 
@@ -328,3 +328,11 @@ def test_every_bad_field_of_any_combination_is_reported(chosen: set[int]) -> Non
         )
 
     assert set(problems_of(profile)) == expected
+
+
+def test_a_misplaced_section_is_named_by_its_type_never_echoed() -> None:
+    # A URL with a password typed where a section belongs must not reach a log.
+    (problem,) = problems_of({"kv_transfer_config": "redis://:hunter2@cache:6379"})
+
+    assert problem == "kv_transfer_config: expected a mapping of KVTransferConfig fields, got a str"
+    assert "hunter2" not in problem
