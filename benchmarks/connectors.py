@@ -142,7 +142,7 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
 
     def save(repeat: int) -> None:
         run_step(connector, CPUOffloadMetadata(stores=(transfer,)), layers)
-        connector.wait_for_pending_stores()
+        connector.wait_for_pending_saves()
 
     def load(repeat: int) -> None:
         run_step(connector, CPUOffloadMetadata(loads=(transfer,)), layers)

@@ -317,10 +317,6 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         """Block until every store into the pool started so far is complete."""
         return self._worker.wait_for_all(timeout_s) if self._worker is not None else True
 
-    def wait_for_pending_stores(self, timeout_s: float | None = None) -> bool:
-        """:meth:`wait_for_pending_saves` in the pool's own words (the benchmarks call it)."""
-        return self.wait_for_pending_saves(timeout_s)
-
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
