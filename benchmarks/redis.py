@@ -9,12 +9,15 @@ back against one redis-server started here on loopback:
   from memoryviews of one staging buffer, ``get_into`` preallocated buffers;
 - the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
   side over real paged caches (gather into staging, header and checksum,
-  put; get, verify, scatter into the caches), one I/O thread.
+  put; get, verify, scatter into the caches).
 
-All run pipelines of ``BATCH_BLOCKS`` blocks on one thread, so the ratios
-measure what kvwire adds or saves, not a difference in concurrency. Each
-figure is the best of a few repeats, the three taking turns so that noise
-from other processes hits them alike.
+Everything runs twice: on one thread, and on the connector's default number
+of I/O threads (``THREAD_COUNTS``). At each count, all three run pipelines
+of ``BATCH_BLOCKS`` blocks on as many threads (the plain client and the store
+with a connection per thread, the connector with that many I/O threads), so
+the ratios measure what kvwire adds or saves, not a difference in
+concurrency. Each figure is the best of a few repeats, the three taking
+turns so that noise from other processes hits them alike.
 
 ``python -m benchmarks.redis [--quick]`` or ``python -m benchmarks --only redis``;
 writes ``redis.json`` and ``redis.png`` into the output directory.
@@ -31,7 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +55,8 @@ from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)
 BATCH_BLOCKS = 8
+# One thread, and the store-backed connectors' default io_threads.
+THREAD_COUNTS = (1, 4)
 # The connector's model: one token of every layer is 32 KiB
 # (4 layers x keys and values x 8 KV heads x 128 x float32).
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 4, 8, 128
@@ -109,11 +115,11 @@ def redis_server() -> Iterator[str]:
 class _ConnectorPath:
     """RedisConnector's worker side over real paged caches: gather, header, checksum, I/O.
 
-    One I/O thread, pipelines of ``BATCH_BLOCKS`` blocks: the same shape of
-    work as the plain client's loop, plus everything the connector adds.
+    ``threads`` I/O threads, pipelines of ``BATCH_BLOCKS`` blocks: the same
+    shape of work as the plain client's loop, plus everything the connector adds.
     """
 
-    def __init__(self, url: str, block_bytes: int, count: int) -> None:
+    def __init__(self, url: str, block_bytes: int, count: int, threads: int) -> None:
         import torch
 
         config = EngineConfig(
@@ -130,7 +136,7 @@ class _ConnectorPath:
                 kv_connector_extra_config={
                     "url": url,
                     "key_prefix": "bench-connector:",
-                    "io_threads": 1,
+                    "io_threads": threads,
                     "batch_blocks": BATCH_BLOCKS,
                     # The whole transfer is one step's save: the worker copies it
                     # out of the cache at once and drops what finds no slot.
@@ -169,9 +175,9 @@ class _ConnectorPath:
 
 
 def measure_block_size(
-    url: str, block_bytes: int, total_bytes: int, repeats: int
+    url: str, block_bytes: int, total_bytes: int, repeats: int, threads: int
 ) -> dict[str, Any]:
-    count = max(BATCH_BLOCKS, total_bytes // block_bytes)
+    count = max(BATCH_BLOCKS * threads, total_bytes // block_bytes)
     keys = [f"bench:{block_bytes}:{index}" for index in range(count)]
     # One staging buffer, as a connector has: the store sends slices of it.
     staging = bytearray(count * block_bytes)
@@ -185,37 +191,57 @@ def measure_block_size(
     batches = [
         range(start, min(start + BATCH_BLOCKS, count)) for start in range(0, count, BATCH_BLOCKS)
     ]
+    # Each thread takes every threads-th batch, on a connection of its own.
+    shares = [batches[first::threads] for first in range(threads)]
+    pool = ThreadPoolExecutor(threads)
 
-    plain = redis.Redis.from_url(url)
-    store = RedisBlockStore(RedisStoreSettings(url=url, key_prefix="", pool_size=2))
-    connector = _ConnectorPath(url, block_bytes, count)
+    def on_every_thread(work: Callable[[list[range]], None]) -> None:
+        list(pool.map(work, shares))
+
+    plain = redis.Redis(
+        connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=threads)
+    )
+    store = RedisBlockStore(RedisStoreSettings(url=url, key_prefix="", pool_size=threads))
+    connector = _ConnectorPath(url, block_bytes, count, threads)
 
     def flush() -> None:
         plain.flushdb()
 
-    def plain_save(_repeat: int = 0) -> None:
-        for batch in batches:
+    def plain_save_share(share: list[range]) -> None:
+        for batch in share:
             pipeline = plain.pipeline(transaction=False)
             for index in batch:
                 pipeline.set(keys[index], values[index])
             pipeline.execute()
 
-    def plain_load(_repeat: int = 0) -> None:
-        for batch in batches:
+    def plain_load_share(share: list[range]) -> None:
+        for batch in share:
             pipeline = plain.pipeline(transaction=False)
             for index in batch:
                 pipeline.get(keys[index])
             for value in pipeline.execute():
                 assert len(value) == block_bytes
 
-    def store_save(_repeat: int = 0) -> None:
-        for batch in batches:
+    def store_save_share(share: list[range]) -> None:
+        for batch in share:
             assert all(store.put([keys[i] for i in batch], [views[i] for i in batch]))
 
-    def store_load(_repeat: int = 0) -> None:
-        for batch in batches:
+    def store_load_share(share: list[range]) -> None:
+        for batch in share:
             sizes = store.get_into([keys[i] for i in batch], [load_buffers[i] for i in batch])
             assert all(size == block_bytes for size in sizes)
+
+    def plain_save(_repeat: int = 0) -> None:
+        on_every_thread(plain_save_share)
+
+    def plain_load(_repeat: int = 0) -> None:
+        on_every_thread(plain_load_share)
+
+    def store_save(_repeat: int = 0) -> None:
+        on_every_thread(store_save_share)
+
+    def store_load(_repeat: int = 0) -> None:
+        on_every_thread(store_load_share)
 
     moved = count * block_bytes
     saves = {"plain_save": plain_save, "store_save": store_save, "connector_save": connector.save}
@@ -229,8 +255,10 @@ def measure_block_size(
     plain.close()
     store.close()
     connector.close()
+    pool.shutdown()
     gbps = {name: moved / value / 1e9 for name, value in seconds.items()}
     return {
+        "threads": threads,
         "block_bytes": block_bytes,
         "blocks": count,
         "bytes_moved": moved,
@@ -245,27 +273,33 @@ def measure_block_size(
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     sizes = QUICK_BLOCK_SIZES if quick else BLOCK_SIZES
     total_bytes = (32 if quick else 128) * MIB
-    repeats = 2 if quick else 4
+    repeats = 2 if quick else 6
     with redis_server() as url:
-        rows = [measure_block_size(url, size, total_bytes, repeats) for size in sizes]
+        rows = [
+            measure_block_size(url, size, total_bytes, repeats, threads)
+            for threads in THREAD_COUNTS
+            for size in sizes
+        ]
     write_json(output_dir, "redis.json", {"batch_blocks": BATCH_BLOCKS, "rows": rows})
     _plot(rows, output_dir / "redis.png")
     summary: dict[str, Any] = {}
     for row in rows:
-        label = f"{row['block_bytes'] // KIB}KiB"
+        label = f"{row['block_bytes'] // KIB}KiB_{row['threads']}thread"
         summary[f"save_ratio_{label}"] = round(row["save_ratio"], 3)
         summary[f"load_ratio_{label}"] = round(row["load_ratio"], 3)
         summary[f"connector_save_ratio_{label}"] = round(row["connector_save_ratio"], 3)
         summary[f"connector_load_ratio_{label}"] = round(row["connector_load_ratio"], 3)
-    for figure in ("save_ratio", "load_ratio", "connector_save_ratio", "connector_load_ratio"):
-        summary[f"min_{figure}"] = round(min(row[figure] for row in rows), 3)
+    for threads in THREAD_COUNTS:
+        at_count = [row for row in rows if row["threads"] == threads]
+        for figure in ("save_ratio", "load_ratio", "connector_save_ratio", "connector_load_ratio"):
+            summary[f"min_{figure}_{threads}thread"] = round(
+                min(row[figure] for row in at_count), 3
+            )
     return summary
 
 
 def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     plt = pyplot()
-    sizes_kib = [row["block_bytes"] // KIB for row in rows]
-    figure, axis = plt.subplots(figsize=(7, 4.5))
     styles = {
         "plain_save": ("redis-py SET pipeline (bound)", "C0", "--"),
         "store_save": ("kvwire RedisBlockStore.put", "C0", "-"),
@@ -274,22 +308,27 @@ def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
         "connector_save": ("RedisConnector save (gather, header, checksum, put)", "C0", ":"),
         "connector_load": ("RedisConnector load (get, verify, scatter)", "C1", ":"),
     }
-    for name, (label, color, line) in styles.items():
-        axis.plot(
-            sizes_kib,
-            [row["gb_per_s"][name] for row in rows],
-            line,
-            color=color,
-            marker="o",
-            label=label,
-        )
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(sizes_kib, [size_label(row["block_bytes"]) for row in rows])
-    axis.set_xlabel("block size")
-    axis.set_ylabel("GB/s (one thread, loopback)")
-    axis.set_title("Redis: kvwire store vs plain redis-py pipelines, same server, same run")
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
+    figure, axes = plt.subplots(1, len(THREAD_COUNTS), figsize=(13, 4.8), sharey=True)
+    for axis, threads in zip(axes, THREAD_COUNTS, strict=True):
+        at_count = [row for row in rows if row["threads"] == threads]
+        sizes_kib = [row["block_bytes"] // KIB for row in at_count]
+        for name, (label, color, line) in styles.items():
+            axis.plot(
+                sizes_kib,
+                [row["gb_per_s"][name] for row in at_count],
+                line,
+                color=color,
+                marker="o",
+                label=label,
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes_kib, [size_label(row["block_bytes"]) for row in at_count])
+        axis.set_xlabel("block size")
+        axis.set_ylabel("GB/s (loopback)")
+        axis.set_title(f"{threads} thread{'s' if threads > 1 else ''} on each side")
+        axis.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.suptitle("Redis: kvwire vs plain redis-py pipelines, same server, same run")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
