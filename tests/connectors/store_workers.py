@@ -38,6 +38,8 @@ def store_worker(
         batch_blocks=2,
         counters=Counters(),
         key_of=layout.key,
+        hash_of=layout.block_hash_of,
+        medium="test",
     )
 
 

@@ -95,3 +95,14 @@ def test_an_entry_of_another_layout_is_refused() -> None:
 def test_short_block_hashes_are_padded_the_same_way_on_both_sides() -> None:
     short = b"\x07" * 20
     verify_entry(memoryview(encoded(block_hash=short)), LAYOUT, short)
+
+
+def test_a_store_key_maps_back_to_its_block_hash_and_no_other_key_does() -> None:
+    other = BlockLayout(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
+    key = LAYOUT.key(BLOCK_HASH)
+    assert LAYOUT.block_hash_of(key) == BLOCK_HASH
+    assert LAYOUT.block_hash_of(other.key(BLOCK_HASH)) is None
+    assert LAYOUT.block_hash_of(f"{LAYOUT.fingerprint_hex}/not-hex") is None
+    # fromhex would skip the space: only the exact key counts.
+    assert LAYOUT.block_hash_of(f"{key[:-2]} {key[-2:]}") is None
+    assert LAYOUT.block_hash_of("stray-file") is None

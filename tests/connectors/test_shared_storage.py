@@ -333,3 +333,20 @@ def test_old_temporary_files_of_dead_writers_are_swept(storage_dir):
     os.utime(stale, (0, 0))
     assert DirectoryBlockStore(storage_dir).sweep_stale_temporary_files() == 1
     assert not stale.exists() and fresh.exists()
+
+
+def test_the_directory_store_hands_over_the_keys_it_removed_once(tmp_path: pathlib.Path):
+    from kvwire.connectors.file_store import DirectoryBlockStore
+
+    store = DirectoryBlockStore(tmp_path, max_bytes=250)
+    keys = [f"layout/{i:02x}aa" for i in range(4)]
+    for key in keys:
+        assert store.put([key], [memoryview(bytes(100))]) == [True]
+        # Eviction is oldest first: make the order of the writes unambiguous.
+        os.utime(store.path_of(key), (len(keys), keys.index(key)))
+    store.discard([keys[3], "layout/never-written"])
+    # Each write over the cap evicted the oldest entry; then the discarded one
+    # (a key with no file was not removed, so it is not reported).
+    assert store.take_removed_keys() == [keys[0], keys[1], keys[3]]
+    assert store.take_removed_keys() == []
+    assert [os.path.exists(store.path_of(key)) for key in keys] == [False, False, True, False]

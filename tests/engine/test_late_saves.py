@@ -17,6 +17,7 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
+from kvwire.connector.types import BlockStored
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
 from kvwire.engine.passes import compare_passes
@@ -109,6 +110,33 @@ def test_wait_for_saves_counts_the_saves_still_running_before_the_engine_closes(
     assert after_waiting["blocks_saved"] == expected == entries_stored(tmp_path / "store")
     # Closing finds nothing left to count: no save is counted twice.
     assert engine.connector_stats.data == after_waiting
+
+
+@pytest.mark.parametrize("worker_mode", WORKER_MODES)
+def test_wait_for_saves_reports_the_blocks_the_late_saves_stored(
+    worker_mode: WorkerMode,
+    config: EngineConfig,
+    workload: list[GenerationRequest],
+    tmp_path: pathlib.Path,
+) -> None:
+    hold = tmp_path / "hold"
+    hold.touch()
+    with LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode) as engine:
+        engine.generate(workload)
+        events_when_generate_returned = list(engine.scheduler.kv_events)
+        hold.unlink()
+        engine.wait_for_saves()
+        events = list(engine.scheduler.kv_events)
+    assert events_when_generate_returned == []
+    assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
+    reported = sorted(h for e in events for h in e.block_hashes)
+    on_disk = sorted(
+        bytes.fromhex(name)
+        for _, _, names in os.walk(tmp_path / "store")
+        for name in names
+        if not name.startswith(".")
+    )
+    assert reported == on_disk and on_disk
 
 
 def test_kvwire_run_counts_saves_that_end_after_a_pass_in_that_pass(

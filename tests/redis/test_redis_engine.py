@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, ModelConfig, SchedulerConfig
+from kvwire.connector.types import BlockStored
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.redis.conftest import RedisServer, wait_until_available
@@ -70,6 +71,25 @@ def test_a_second_engine_loads_the_prefix_from_redis_and_generates_the_same_toke
     assert stats["blocks_loaded"] == distinct_blocks
     assert sum(output.external_tokens for output in outputs) == distinct_blocks * BLOCK_SIZE
     assert stats.get("load_errors", 0) == 0
+
+
+def test_the_blocks_saved_to_redis_are_reported_stored_with_medium_redis(
+    redis_server: RedisServer, key_prefix: str, workload: list[GenerationRequest]
+) -> None:
+    config = with_redis(tiny_config(), redis_server.url, key_prefix)
+    with LLMEngine(config) as engine:
+        engine.generate(workload)
+        engine.wait_for_saves()
+        events = list(engine.scheduler.kv_events)
+
+    assert events and all(isinstance(e, BlockStored) and e.medium == "redis" for e in events)
+    reported = sorted(h for e in events for h in e.block_hashes)
+    # Server names are <key prefix><layout fingerprint>/<block hash hex>.
+    held = sorted(
+        bytes.fromhex(name.decode().rsplit("/", 1)[1])
+        for name in redis_server.client().scan_iter(match=f"{key_prefix}*")
+    )
+    assert reported == held
 
 
 def test_outputs_stay_identical_when_the_server_dies_mid_run(

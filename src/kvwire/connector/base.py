@@ -192,6 +192,18 @@ class KVConnectorBase(abc.ABC):
         """
         return None
 
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        """KV cache events the worker side saw since the last call, then cleared.
+
+        Blocks its saves stored, entries it removed. The engine calls it
+        after each step (and after :meth:`wait_for_pending_saves`) and hands
+        them to the scheduler side in ``KVConnectorOutput.kv_cache_events``,
+        whose :meth:`take_events` reports them. A connector whose scheduler
+        side knows its events itself reports none here. They cross to the
+        scheduler's process: they must be picklable.
+        """
+        return []
+
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every save started so far is complete; False if ``timeout_s`` ran out.
 

@@ -121,6 +121,18 @@ class BlockLayout:
         """The store key of a block: layout fingerprint, then the block hash."""
         return f"{self.fingerprint_hex}/{block_hash.hex()}"
 
+    def block_hash_of(self, key: str) -> BlockHash | None:
+        """The block hash whose :meth:`key` is ``key``; None for another layout's key."""
+        fingerprint, _, hash_hex = key.partition("/")
+        if fingerprint != self.fingerprint_hex:
+            return None
+        try:
+            block_hash = bytes.fromhex(hash_hex)
+        except ValueError:
+            return None
+        # fromhex skips whitespace: only an exact round trip is one of our keys.
+        return block_hash if self.key(block_hash) == key else None
+
 
 def payload_checksum(payload: memoryview) -> int:
     """XXH3-64 of ``payload``.

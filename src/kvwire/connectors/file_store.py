@@ -76,6 +76,9 @@ class DirectoryBlockStore(BlockStore):
         self._evict_lock = threading.Lock()
         self._approx_bytes: int | None = None
         self._added_since_scan = 0
+        # Removals run on I/O threads: evictions on whichever write crossed the cap.
+        self._removed_lock = threading.Lock()
+        self._removed_keys: list[str] = []
 
     def path_of(self, key: str) -> str:
         """The file that holds ``key``'s entry."""
@@ -91,6 +94,16 @@ class DirectoryBlockStore(BlockStore):
         """Failure and eviction counts since the last call."""
         return self._counters.take()
 
+    def take_removed_keys(self) -> list[str]:
+        """Keys of the entries discarded or evicted since the last call, in that order."""
+        with self._removed_lock:
+            keys, self._removed_keys = self._removed_keys, []
+        return keys
+
+    def _removed(self, key: str) -> None:
+        with self._removed_lock:
+            self._removed_keys.append(key)
+
     # -------------------------------------------------------------- lookups
 
     def count_prefix(self, keys: Sequence[str]) -> int:
@@ -103,6 +116,11 @@ class DirectoryBlockStore(BlockStore):
                 break
             count += 1
         return count
+
+    def _key_of_path(self, path: str) -> str:
+        """The key whose entry is the file at ``path``: :meth:`path_of` undone (shard dropped)."""
+        parts = os.path.relpath(path, self.root).split(os.sep)
+        return "/".join([*parts[:-2], parts[-1]])
 
     # ---------------------------------------------------------------- reads
 
@@ -241,7 +259,8 @@ class DirectoryBlockStore(BlockStore):
     def discard(self, keys: Sequence[str]) -> None:
         for key in keys:
             try:
-                _unlink_quietly(self.path_of(key))
+                if _unlink_quietly(self.path_of(key)):
+                    self._removed(key)
             except ValueError:
                 continue
         self._counters.add("discarded_entries", len(keys))
@@ -317,6 +336,7 @@ class DirectoryBlockStore(BlockStore):
                 if _unlink_quietly(path):
                     total -= size
                     self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": size})
+                    self._removed(self._key_of_path(path))
         with self._size_lock:
             # Writes that landed during the scan may be missing from it: count
             # them again (an overcount only brings the next eviction sooner).

@@ -14,7 +14,10 @@ Semantics (the reference's): lookups ask children in order (any None means
 every child; worker calls go to every child; a request is finished sending
 once every child that kept its blocks reported it; load errors are united,
 events chained, stats nested per child, ``kv_transfer_params`` merged (a key
-clash is an error); HMA only when every child supports it.
+clash is an error); HMA only when every child supports it. The children's
+worker-side KV cache events are concatenated; the scheduler side keeps them
+itself (a child that got them would report them as its own, each child again)
+and reports them before its children's own events.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         # Scheduler side.
         self._loading_child: dict[str, int] = {}
         self._extra_async_saves: dict[str, int] = {}
+        self._worker_events: list[KVCacheEvent] = []
         # Worker side.
         self._pending_extra_saves: dict[str, int] = {}
 
@@ -229,6 +233,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._worker_events.extend(connector_output.kv_cache_events)
         stats = connector_output.kv_connector_stats
         nested = stats.data if stats is not None else {}
         for name, child in zip(self._child_names, self._children, strict=True):
@@ -239,6 +244,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
                     kv_connector_stats=KVConnectorStats(data=dict(child_stats))
                     if isinstance(child_stats, Mapping)
                     else None,
+                    kv_cache_events=[],
                 )
             )
 
@@ -286,7 +292,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         return keeping > 0, merged
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        events: list[KVCacheEvent] = []
+        events, self._worker_events = self._worker_events, []
         for child in self._children:
             events.extend(child.take_events())
         return events
@@ -354,6 +360,12 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         for child in self._children:
             errors |= child.get_block_ids_with_load_errors()
         return errors
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
+        for child in self._children:
+            events.extend(child.get_kv_connector_kv_cache_events())
+        return events
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         nested = {}

@@ -64,5 +64,14 @@ class BlockStore(abc.ABC):
     def discard(self, keys: Sequence[str]) -> None:
         """Remove entries a reader found corrupt, so they stop being hits; optional."""
 
+    def take_removed_keys(self) -> list[str]:
+        """Keys of the entries this store removed since the last call, then cleared.
+
+        What it discarded and what it evicted itself (a size cap). Entries a
+        medium drops on its own (a server's expiry or eviction) cannot be
+        reported; the default, for a store that removes nothing, has none.
+        """
+        return []
+
     def close(self) -> None:
         """Release connections and file handles."""

@@ -32,10 +32,17 @@ the validated options::
             return MyStore(options["url"])
 
 Optionally override :meth:`StoreConnector.store_key` (the default is
-``layout.key(block_hash)``: layout fingerprint + block hash) and
+``layout.key(block_hash)``: layout fingerprint + block hash; override
+:meth:`StoreConnector.block_hash_of`, its inverse, with it) and
 :meth:`StoreConnector.store_counters` (extra stats from your store), and give
 your store a ``discard(keys)`` so entries found corrupt stop being hits. The
 store must never raise into the engine: misses and failures are results.
+
+KV cache events (``medium`` names the store in them): the worker side
+reports ``BlockStored`` for the blocks each save really stored (not the
+dropped or failed ones) and ``BlockRemoved`` for the corrupt entries it
+discarded and for those the store's ``take_removed_keys`` reports (a size
+cap); the scheduler side's ``take_events`` returns them once.
 
 Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (memory of
 the staging slots; a save that finds every slot busy is dropped and counted,
@@ -57,6 +64,7 @@ from kvwire.connector.types import (
     BlockHash,
     ForwardContext,
     KVCacheBlocks,
+    KVCacheEvent,
     KVConnectorOutput,
     KVConnectorStats,
     Request,
@@ -122,6 +130,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
         self._step_async_loads: list[BlockTransfer] = []
         self._async_loading: set[str] = set()
         self._release_req_ids: list[str] = []
+        self._events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------- subclass hooks
 
@@ -142,6 +151,10 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def store_key(self, block_hash: BlockHash) -> str:
         """The store key of a block: the layout fingerprint, then the block hash."""
         return self._layout.key(block_hash)
+
+    def block_hash_of(self, key: str) -> BlockHash | None:
+        """The block hash :meth:`store_key` made ``key`` from; None for another layout's key."""
+        return self._layout.block_hash_of(key)
 
     def store_counters(self) -> Mapping[str, float]:
         """Extra counters from the store, reported with the stats (then reset)."""
@@ -211,6 +224,12 @@ class StoreConnector(BlockConnector[StoreWorker]):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._async_loading -= connector_output.finished_recving or set()
+        # Only the worker side sees the store change; this side hands its events on.
+        self._events.extend(connector_output.kv_cache_events)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
 
     # ----------------------------------------------------------- worker side
 
@@ -229,6 +248,8 @@ class StoreConnector(BlockConnector[StoreWorker]):
             batch_blocks=min(self._options["batch_blocks"], num_slots),
             counters=self._counters,
             key_of=self.store_key,
+            hash_of=self.block_hash_of,
+            medium=self.medium,
         )
         logger.info(
             "%s: %s store, blocks of %d bytes, %d staging slots, %d I/O threads per direction",
@@ -270,6 +291,9 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         self._counters.add_many(self.store_counters())
         return self._counters.take_stats()
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        return self._worker.take_events() if self._worker is not None else []
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every save submitted so far is in the store (or failed)."""

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 import torch
 
-from kvwire.connector.types import BlockHash
+from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.connectors.block_format import (
     HEADER_SIZE,
     BlockLayout,
@@ -91,7 +91,9 @@ class _AsyncLoad:
 class StoreWorker:
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
-    ``key_of`` turns a block hash into the store key (the connector's choice).
+    ``key_of`` turns a block hash into the store key (the connector's choice),
+    ``hash_of`` a key back into its block hash (None for another layout's),
+    and ``medium`` names the store in the KV cache events (:meth:`take_events`).
     Slots are taken only on the caller's thread; background jobs only give
     them back, so jobs never wait on each other.
     """
@@ -107,6 +109,8 @@ class StoreWorker:
         batch_blocks: int,
         counters: Counters,
         key_of: Callable[[BlockHash], str],
+        hash_of: Callable[[str], BlockHash | None],
+        medium: str,
     ) -> None:
         self._store = store
         self._layout = layout
@@ -115,6 +119,8 @@ class StoreWorker:
         self._batch_blocks = batch_blocks
         self._counters = counters
         self._key_of = key_of
+        self._hash_of = hash_of
+        self._medium = medium
         # Large entries of a store that maps them are verified where they lie
         # and copied once, straight into the cache, instead of through staging.
         self._mapping_store = (
@@ -133,6 +139,7 @@ class StoreWorker:
         self._finished_async: dict[str, set[int]] = {}
         self._load_errors: set[int] = set()
         self._saves_in_flight: set[Future[None]] = set()
+        self._events: list[KVCacheEvent] = []
 
     # ----------------------------------------------------------------- loads
 
@@ -217,20 +224,20 @@ class StoreWorker:
         """Read, verify and scatter one batch; the block ids that failed."""
         started = time.perf_counter()
         failed: list[int] = []
-        corrupt_keys: list[str] = []
+        corrupt: list[BlockHash] = []
         loaded_bytes = 0
         try:
             # Blocks to read through staging: all of them, unless the store maps them.
             staged_ids, staged_hashes = block_ids, hashes
             if self._mapping_store is not None:
                 loaded_bytes, unmapped = self._load_mapped(
-                    self._mapping_store, block_ids, hashes, failed, corrupt_keys
+                    self._mapping_store, block_ids, hashes, failed, corrupt
                 )
                 staged_ids = tuple(block_ids[i] for i in unmapped)
                 staged_hashes = tuple(hashes[i] for i in unmapped)
             if staged_ids:
                 loaded_bytes += self._load_staged(
-                    staged_ids, staged_hashes, slots[: len(staged_ids)], failed, corrupt_keys
+                    staged_ids, staged_hashes, slots[: len(staged_ids)], failed, corrupt
                 )
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
@@ -239,10 +246,10 @@ class StoreWorker:
             loaded_bytes = 0
         finally:
             self._staging.release(slots)
-        if corrupt_keys:
+        if corrupt:
             # A corrupt entry would be a hit (and a failed load) for every later
             # request: drop it, so the next request that computes it saves it again.
-            self._discard(corrupt_keys)
+            self._discard(corrupt)
         self._counters.add_many(
             {
                 "blocks_loaded": len(block_ids) - len(failed),
@@ -259,7 +266,7 @@ class StoreWorker:
         block_ids: tuple[int, ...],
         hashes: tuple[BlockHash, ...],
         failed: list[int],
-        corrupt_keys: list[str],
+        corrupt: list[BlockHash],
     ) -> tuple[int, list[int]]:
         """Verify each mapped entry in place, then copy it into the cache.
 
@@ -279,7 +286,7 @@ class StoreWorker:
             entry = memoryview(mapping)
             payload: torch.Tensor | None = None
             try:
-                if not self._verified(entry, block_id, block_hash, key, failed, corrupt_keys):
+                if not self._verified(entry, block_id, block_hash, failed, corrupt):
                     continue
                 # Only now, verified, do the bytes reach the cache.
                 payload = torch.frombuffer(
@@ -302,7 +309,7 @@ class StoreWorker:
         hashes: Sequence[BlockHash],
         slots: Sequence[int],
         failed: list[int],
-        corrupt_keys: list[str],
+        corrupt: list[BlockHash],
     ) -> int:
         """Read into staging and verify entry by entry; the payload bytes that reached the cache.
 
@@ -326,9 +333,7 @@ class StoreWorker:
                     failed.append(block_id)
                     continue
                 entry = entries[index][:size]
-                if not self._verified(
-                    entry, block_id, hashes[index], keys[index], failed, corrupt_keys
-                ):
+                if not self._verified(entry, block_id, hashes[index], failed, corrupt):
                     continue
                 group_ids.append(block_id)
                 group_slots.append(slots[index])
@@ -346,9 +351,8 @@ class StoreWorker:
         entry: memoryview,
         block_id: int,
         block_hash: BlockHash,
-        key: str,
         failed: list[int],
-        corrupt_keys: list[str],
+        corrupt: list[BlockHash],
     ) -> bool:
         """Whether ``entry`` may go into ``block_id``; if not, it is counted and noted."""
         try:
@@ -357,16 +361,42 @@ class StoreWorker:
         except (CorruptBlockError, IndexError) as error:
             self._warn.warn("corrupt", "not loading block %s: %s", block_hash.hex()[:16], error)
             self._counters.add("corrupt_entries")
-            corrupt_keys.append(key)
+            corrupt.append(block_hash)
             failed.append(block_id)
             return False
         return True
 
-    def _discard(self, keys: list[str]) -> None:
+    def _discard(self, hashes: list[BlockHash]) -> None:
         try:
-            self._store.discard(keys)
+            self._store.discard([self._key_of(block_hash) for block_hash in hashes])
         except Exception:
-            logger.exception("discarding %d corrupt entries failed", len(keys))
+            logger.exception("discarding %d corrupt entries failed", len(hashes))
+        self._record_events()
+
+    # ---------------------------------------------------------------- events
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Blocks stored and removed since the last call, in the order this worker saw them."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _record_events(self, stored: Sequence[BlockHash] = ()) -> None:
+        """Events after a store call: the blocks it stored, then the entries the store removed.
+
+        A store reports only what it really removed: one without ``discard``
+        keeps a corrupt entry, and reports nothing. Keys of another layout (a
+        shared medium) are no blocks of this engine.
+        """
+        with self._lock:
+            if stored:
+                self._events.append(BlockStored(tuple(stored), self._medium))
+            # Under the same lock, after this write's blocks: an entry evicted
+            # once written is reported removed after it was reported stored.
+            hashes = [self._hash_of(key) for key in self._store.take_removed_keys()]
+            removed = tuple(block_hash for block_hash in hashes if block_hash is not None)
+            if removed:
+                self._events.append(BlockRemoved(removed, self._medium))
 
     # ----------------------------------------------------------------- saves
 
@@ -429,7 +459,9 @@ class StoreWorker:
                 for block_hash, entry in zip(chunk_hashes, entries, strict=True):
                     write_header(entry, self._layout, block_hash)
                 results = self._store.put([self._key_of(h) for h in chunk_hashes], entries)
-                stored += sum(1 for ok in results if ok)
+                written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
+                stored += len(written)
+                self._record_events(written)
         except Exception:
             logger.exception("save of %d blocks failed", len(hashes))
         finally:

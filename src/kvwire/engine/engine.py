@@ -17,7 +17,7 @@ import torch
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import KVConnectorStats, Request, RequestStatus
+from kvwire.connector.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
@@ -35,7 +35,7 @@ class _WorkerHandle(Protocol):
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor: ...
 
-    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]: ...
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]: ...
 
 
 @attrs.frozen
@@ -275,11 +275,14 @@ class LLMEngine:
         A save may outlive the request that made it (store-backed connectors
         write in the background, after the blocks were freed), so the stats
         at the end of :meth:`generate` may miss some; after this call they
-        count every save of the requests run so far. Raises ``RuntimeError``
-        when saves are still running after ``idle_timeout_s``.
+        count every save of the requests run so far, and the KV cache events
+        those saves caused are in the scheduler's ``kv_events``. Raises
+        ``RuntimeError`` when saves are still running after ``idle_timeout_s``.
         """
-        finished, stats = self.worker.wait_for_saves(self.idle_timeout_s)
-        self._add_connector_stats(stats)
+        finished, output = self.worker.wait_for_saves(self.idle_timeout_s)
+        if output is not None:
+            self._add_connector_stats(output.kv_connector_stats)
+            self.scheduler.add_late_connector_events(output.kv_cache_events)
         if not finished:
             raise RuntimeError(
                 f"saves still running after {self.idle_timeout_s:g} s (idle_timeout_s): the "

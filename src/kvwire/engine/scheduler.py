@@ -27,6 +27,7 @@ from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, supports
 from kvwire.connector.types import (
     BlockHash,
     KVCacheEvent,
+    KVConnectorOutput,
     Request,
     RequestStatus,
     ScheduledRequest,
@@ -362,6 +363,17 @@ class Scheduler:
             }
             self._failed_async_blocks &= parked_blocks
         return finished
+
+    def add_late_connector_events(self, events: list[KVCacheEvent]) -> None:
+        """Worker-side events reported between steps (saves that ended after the last one).
+
+        They reach the connector as a step's would, in an otherwise empty
+        ``update_connector_output``, and what it then reports joins :attr:`kv_events`.
+        """
+        if self.connector is None or not events:
+            return
+        self.connector.update_connector_output(KVConnectorOutput(kv_cache_events=list(events)))
+        self.kv_events.extend(self.connector.take_events())
 
     def _advance(
         self,

@@ -3,7 +3,7 @@
 Per step, in the reference order: bind the step's metadata, ``start_load_kv``
 before the forward pass, ``wait_for_layer_load`` before and ``save_kv_layer``
 after each layer's attention, ``wait_for_save`` when the pass ends, then
-``get_finished``, the load errors and the stats, and finally
+``get_finished``, the load errors, the stats and the KV cache events, and finally
 ``clear_connector_metadata``.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import ForwardContext, KVConnectorOutput, KVConnectorStats
+from kvwire.connector.types import ForwardContext, KVConnectorOutput
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
 from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
@@ -148,16 +148,20 @@ class Worker:
             finished_recving=receiving,
             kv_connector_stats=connector.get_kv_connector_stats(),
             invalid_block_ids=invalid,
+            kv_cache_events=connector.get_kv_connector_kv_cache_events(),
         )
         connector.clear_connector_metadata()
         return output
 
-    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]:
-        """Wait for the connector's saves in flight: whether all ended, and the stats since."""
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]:
+        """Wait for the connector's saves in flight: whether all ended, their stats and events."""
         if self.connector is None:
             return True, None
         finished = self.connector.wait_for_pending_saves(timeout_s)
-        return finished, self.connector.get_kv_connector_stats()
+        return finished, KVConnectorOutput(
+            kv_connector_stats=self.connector.get_kv_connector_stats(),
+            kv_cache_events=self.connector.get_kv_connector_kv_cache_events(),
+        )
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``."""

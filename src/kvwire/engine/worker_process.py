@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.types import KVConnectorStats
+from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
@@ -116,8 +116,8 @@ class WorkerProcess:
         kv: torch.Tensor = self._call("gather_kv", (block_ids, num_tokens))
         return kv
 
-    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorStats | None]:
-        reply: tuple[bool, KVConnectorStats | None] = self._call("wait_for_saves", timeout_s)
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]:
+        reply: tuple[bool, KVConnectorOutput | None] = self._call("wait_for_saves", timeout_s)
         return reply
 
     def shutdown(self) -> KVConnectorStats | None:

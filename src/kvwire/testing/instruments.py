@@ -26,6 +26,7 @@ WORKER_SIDE_METHODS: tuple[str, ...] = (
     "get_finished",
     "get_block_ids_with_load_errors",
     "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
     "wait_for_pending_saves",
     "get_handshake_metadata",
 )

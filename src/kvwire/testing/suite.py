@@ -49,13 +49,14 @@ _WORKER_CODES = {
     "get_finished": "G",
     "get_block_ids_with_load_errors": "E",
     "get_kv_connector_stats": "K",
+    "get_kv_connector_kv_cache_events": "Q",
     "clear_connector_metadata": "C",
     "shutdown": "X",
 }
 # Register once, then the handshake metadata; per step: bind, start loading,
 # per layer (wait, save), wait for saves, the reports and clear; then shutdown,
 # and the stats of the transfers shutdown let finish.
-_WORKER_LIFECYCLE = re.compile(r"RH(?:BS(?:WV)*FGEKC)+XK")
+_WORKER_LIFECYCLE = re.compile(r"RH(?:BS(?:WV)*FGEKQC)+XK")
 
 
 @attrs.frozen
