@@ -112,6 +112,19 @@ def test_a_read_abandoned_mid_pipeline_leaves_the_connection_usable(
     assert store.is_available
 
 
+def test_discard_deletes_the_entries_and_reports_only_those_that_existed(
+    redis_store: RedisBlockStore,
+) -> None:
+    _save(redis_store, [0, 1])
+    keys = store_keys(LAYOUT, 3)  # the third was never stored
+
+    redis_store.discard(keys)
+
+    assert redis_store.get_into(keys, _buffers(3)) == [None, None, None]
+    assert redis_store.take_removed_keys() == keys[:2]
+    assert redis_store.take_removed_keys() == []
+
+
 def test_a_missing_key_loads_as_none_and_leaves_its_buffer_untouched(
     redis_store: RedisBlockStore,
 ) -> None:

@@ -31,12 +31,12 @@ back. Beside the store-backed connector's counters, the stats report
 ``redis_loads_refused`` (e.g. ``NOPERM``), each only when not zero.
 
 KV cache events (medium ``redis``): ``BlockStored`` for the blocks a save
-stored. Entries the server drops by itself (``ttl_seconds`` expiry,
-``maxmemory`` eviction under an ``allkeys-*``/``volatile-*`` policy) are
-never seen by the connector, so no ``BlockRemoved`` reports them: a router
-may think such a block is still held, and the lookup then simply misses.
-Corrupt entries are not deleted from the server (the store has no
-``discard``), so they are not reported removed either.
+stored, ``BlockRemoved`` for corrupt values a load found and deleted (so
+they stop being hits for every engine). Entries the server drops by itself
+(``ttl_seconds`` expiry, ``maxmemory`` eviction under an
+``allkeys-*``/``volatile-*`` policy) are never seen by the connector, so no
+``BlockRemoved`` reports them: a router may think such a block is still
+held, and the lookup then simply misses.
 """
 
 from __future__ import annotations

@@ -84,6 +84,8 @@ class RedisBlockStore(BlockStore):
         }
         self._taken: dict[str, int] = {}
         self._thread_local = threading.local()
+        self._removed_lock = threading.Lock()
+        self._removed_keys: list[str] = []
 
     def __repr__(self) -> str:
         return (
@@ -292,6 +294,33 @@ class RedisBlockStore(BlockStore):
             self._on_outage("delete", error, "lookup_failures", 0)
             return 0
         self._outage.succeeded()
+        return removed
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Delete entries a reader found corrupt, so they stop being hits for every engine.
+
+        One ``UNLINK`` per key in a pipeline, so each answer says whether that
+        key still existed: only those are reported by :meth:`take_removed_keys`.
+        During an outage nothing is deleted; the next reader finds them again.
+        """
+        if not keys or self._outage.is_down:
+            return
+        try:
+            pipeline = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipeline.unlink(self.redis_key(key))
+            existed = pipeline.execute()
+        except _OUTAGE_ERRORS as error:
+            self._on_outage("discard", error, "lookup_failures", 0)
+            return
+        self._outage.succeeded()
+        removed = [key for key, count in zip(keys, existed, strict=True) if count]
+        with self._removed_lock:
+            self._removed_keys.extend(removed)
+
+    def take_removed_keys(self) -> list[str]:
+        with self._removed_lock:
+            removed, self._removed_keys = self._removed_keys, []
         return removed
 
     def clear(self, under: str = "") -> int:
