@@ -51,6 +51,21 @@ def shared_storage(config: EngineConfig, directory: pathlib.Path, **extra: Any) 
     )
 
 
+def tiered_disk(config: EngineConfig, directory: pathlib.Path) -> EngineConfig:
+    """``config`` with the tiered profile: a CPU pool in front of shared storage."""
+    children = [
+        {
+            "kv_connector": "CPUOffloadConnector",
+            "kv_connector_extra_config": {"cpu_pool_bytes": "8MiB"},
+        },
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_connector_extra_config": {"shared_storage_path": str(directory)},
+        },
+    ]
+    return with_connector(config, "MultiConnector", {"connectors": children})
+
+
 def workload(seed: int = 3, num_requests: int = 8, prompt_len: int = 30) -> list[GenerationRequest]:
     """Requests that mostly share a long prefix, with block-unaligned lengths."""
     spec = WorkloadSpec(

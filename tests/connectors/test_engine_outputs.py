@@ -13,6 +13,7 @@ from tests.connectors.engine_support import (
     renamed,
     served,
     shared_storage,
+    tiered_disk,
     tiny_engine_config,
     tokens,
     with_connector,
@@ -64,17 +65,7 @@ def test_shared_storage_serves_a_second_engine_with_identical_outputs(
 
 
 def test_the_tiered_profile_serves_from_disk_then_from_memory(reference, tmp_path: pathlib.Path):
-    children = [
-        {
-            "kv_connector": "CPUOffloadConnector",
-            "kv_connector_extra_config": {"cpu_pool_bytes": "8MiB"},
-        },
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-        },
-    ]
-    config = with_connector(tiny_engine_config(), "MultiConnector", {"connectors": children})
+    config = tiered_disk(tiny_engine_config(), tmp_path)
     generate(config, workload())  # fills the disk tier
     with LLMEngine(config) as engine:
         from_disk = engine.generate(workload())

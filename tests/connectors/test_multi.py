@@ -193,6 +193,17 @@ def test_hma_is_not_supported_without_children():
     assert hma_of([]) is False
 
 
+def build_scheduler_side(extra: dict[str, Any]) -> MultiConnector:
+    """A MultiConnector's scheduler side with ``extra``, its children through the registry."""
+    config = engine_config("MultiConnector", extra)
+    return MultiConnector(
+        config,
+        KVConnectorRole.SCHEDULER,
+        cache_config_for(config),
+        connector_builder=default_registry().build_connector,
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -234,14 +245,8 @@ def test_hma_is_not_supported_without_children():
     ],
 )
 def test_bad_children_name_the_entry_at_fault(extra, message):
-    config = engine_config("MultiConnector", extra)
     with pytest.raises(ExtraConfigError) as raised:
-        MultiConnector(
-            config,
-            KVConnectorRole.SCHEDULER,
-            cache_config_for(config),
-            connector_builder=default_registry().build_connector,
-        )
+        build_scheduler_side(extra)
     assert message in str(raised.value)
 
 
@@ -265,14 +270,8 @@ SECRET_URL = "redis://:hunter2@cache.internal:6379/0"
 )
 def test_a_misplaced_value_is_named_by_its_type_and_never_echoed(extra, message):
     # A secret typed in the wrong place must not end up in an error, hence in a log.
-    config = engine_config("MultiConnector", extra)
     with pytest.raises(ExtraConfigError) as raised:
-        MultiConnector(
-            config,
-            KVConnectorRole.SCHEDULER,
-            cache_config_for(config),
-            connector_builder=default_registry().build_connector,
-        )
+        build_scheduler_side(extra)
     assert str(raised.value) == message
     assert "hunter2" not in str(raised.value)
 

@@ -18,8 +18,8 @@ from kvwire.engine.engine import LLMEngine, WorkerMode
 from tests.connectors.engine_support import (
     renamed,
     shared_storage,
+    tiered_disk,
     tiny_engine_config,
-    with_connector,
     workload,
 )
 
@@ -120,17 +120,7 @@ def test_entries_the_size_cap_evicts_are_reported_removed(tmp_path: pathlib.Path
 def test_the_tiered_profile_reports_each_event_once_with_its_medium(
     tmp_path: pathlib.Path,
 ) -> None:
-    children = [
-        {
-            "kv_connector": "CPUOffloadConnector",
-            "kv_connector_extra_config": {"cpu_pool_bytes": "8MiB"},
-        },
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-        },
-    ]
-    config = with_connector(tiny_engine_config(), "MultiConnector", {"connectors": children})
+    config = tiered_disk(tiny_engine_config(), tmp_path)
     events = run(config)
     on_disk = hashes_on_disk(tmp_path)
     assert sorted(stored(events, "disk")) == on_disk

@@ -91,7 +91,7 @@ def test_saves_still_running_when_generate_returns_are_counted_once_the_engine_i
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
-def test_wait_for_saves_counts_the_saves_still_running_before_the_engine_closes(
+def test_wait_for_saves_counts_and_reports_the_saves_still_running(
     worker_mode: WorkerMode,
     config: EngineConfig,
     workload: list[GenerationRequest],
@@ -102,32 +102,18 @@ def test_wait_for_saves_counts_the_saves_still_running_before_the_engine_closes(
     with LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode) as engine:
         outputs = engine.generate(workload)
         saved_when_generate_returned = engine.connector_stats.data.get("blocks_saved", 0)
+        events_when_generate_returned = list(engine.scheduler.kv_events)
         hold.unlink()
         engine.wait_for_saves()
         after_waiting = dict(engine.connector_stats.data)
+        events = list(engine.scheduler.kv_events)
     assert saved_when_generate_returned == 0
+    assert events_when_generate_returned == []
     expected = blocks_computed(workload, outputs, config.cache_config.block_size)
     assert after_waiting["blocks_saved"] == expected == entries_stored(tmp_path / "store")
     # Closing finds nothing left to count: no save is counted twice.
     assert engine.connector_stats.data == after_waiting
-
-
-@pytest.mark.parametrize("worker_mode", WORKER_MODES)
-def test_wait_for_saves_reports_the_blocks_the_late_saves_stored(
-    worker_mode: WorkerMode,
-    config: EngineConfig,
-    workload: list[GenerationRequest],
-    tmp_path: pathlib.Path,
-) -> None:
-    hold = tmp_path / "hold"
-    hold.touch()
-    with LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode) as engine:
-        engine.generate(workload)
-        events_when_generate_returned = list(engine.scheduler.kv_events)
-        hold.unlink()
-        engine.wait_for_saves()
-        events = list(engine.scheduler.kv_events)
-    assert events_when_generate_returned == []
+    # The stored blocks reach the scheduler's events too, each once.
     assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
     reported = sorted(h for e in events for h in e.block_hashes)
     on_disk = sorted(
