@@ -143,3 +143,30 @@ def test_a_forgotten_request_is_no_longer_saved():
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0)
     plan.forget("r")
     assert plan.plan_saves(step("r", 0, 17)) == []
+
+
+def test_blocks_whose_load_failed_are_saved_again_once_recomputed():
+    plans = planner()
+    request = request_of()
+    plans.look_up(request, 0, medium_holding(*HASHES[:3]))
+    loaded = plans.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 3 * BLOCK)
+    assert loaded is not None and loaded.block_ids == (30, 31, 32)
+    # The load step computes the rest: only the block after the loaded ones is new.
+    assert [r.block_hashes for r in plans.plan_saves(step("r", 3 * BLOCK, 5))] == [(HASHES[3],)]
+
+    plans.loads_failed({31, 99})  # block 31 holds the second block; 99 is another request's
+
+    # The engine computes again from the second block: it and the ones after are saved.
+    again = plans.plan_saves(step("r", 1 * BLOCK, 13))
+    assert [(r.block_ids, r.block_hashes) for r in again] == [((31, 32, 33), tuple(HASHES[1:]))]
+
+
+def test_failed_loads_of_other_requests_blocks_change_no_plan():
+    plans = planner()
+    request = request_of()
+    plans.look_up(request, 0, medium_holding(*HASHES[:2]))
+    plans.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
+    plans.loads_failed({40, 41})  # not this request's blocks
+
+    saved = plans.plan_saves(step("r", 2 * BLOCK, 9))
+    assert [r.block_hashes for r in saved] == [tuple(HASHES[2:])]

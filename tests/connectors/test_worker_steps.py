@@ -13,7 +13,14 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.worker_steps import PendingRelease, metadata_of_type, registered_worker
+from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.worker_steps import (
+    PendingRelease,
+    metadata_of_type,
+    registered_worker,
+    requests_with_failed_loads,
+    saves_from_good_context,
+)
 from tests.connectors.harness import cache_config_for, engine_config
 
 
@@ -90,3 +97,20 @@ def test_a_store_worker_refuses_another_connectors_metadata(unregistered_store_w
         match=r"^SharedStorageConnector got CPUOffloadMetadata, expected StoreConnectorMetadata$",
     ):
         unregistered_store_worker.start_load_kv(ForwardContext(layer_names=()))
+
+
+def test_saves_of_requests_whose_load_failed_are_left_out_and_counted():
+    loads = [BlockTransfer("a", (1, 2), (b"h1", b"h2")), BlockTransfer("b", (5,), (b"h5",))]
+    saves = [
+        BlockTransfer("a", (3, 4), (b"h3", b"h4")),
+        BlockTransfer("b", (6,), (b"h6",)),
+        BlockTransfer("c", (7,), (b"h7",)),
+    ]
+
+    failed = requests_with_failed_loads(loads, {2})
+    kept, skipped = saves_from_good_context(saves, failed)
+
+    assert failed == {"a"}
+    assert kept == saves[1:]
+    assert skipped == 2
+    assert saves_from_good_context(saves, set()) == (saves, 0)

@@ -29,7 +29,12 @@ from kvwire.connectors.block_planner import BlockPlanner
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import ExtraConfigKey, read_extra_config
 from kvwire.connectors.paged_cache import check_cache_layout
-from kvwire.connectors.worker_steps import PendingRelease, registered_worker
+from kvwire.connectors.worker_steps import (
+    PendingRelease,
+    registered_worker,
+    requests_with_failed_loads,
+    saves_from_good_context,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +52,19 @@ class BlockWorker(Protocol):
 
     def take_load_errors(self) -> set[int]: ...
 
+    def load_errors_so_far(self) -> set[int]: ...
+
+
+class _Transfer(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_ids(self) -> tuple[int, ...]: ...
+
 
 _Worker = TypeVar("_Worker", bound=BlockWorker)
+_Save = TypeVar("_Save", bound=_Transfer)
 
 
 class BlockConnector(KVConnectorBase, Generic[_Worker]):
@@ -79,6 +95,7 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         self._counters = Counters()
         self._pending_release = PendingRelease()
         self._worker: _Worker | None = None
+        self._requests_not_to_save: set[str] = set()
 
     @classmethod
     @abc.abstractmethod
@@ -151,6 +168,34 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         received = self._worker.take_finished_loads()
         sent = self._pending_release.take_released(self.transfers_running)
         return (sent or None), (received or None)
+
+    @abc.abstractmethod
+    def _bound_sync_loads(self) -> Sequence[_Transfer]:
+        """This step's synchronous loads (from the bound metadata)."""
+
+    def requests_with_failed_loads(self) -> set[str]:
+        """This step's requests whose synchronous load failed; waits for the loads to end.
+
+        A composite asks each child, and tells every child not to save those
+        requests' blocks this step (:meth:`skip_saves_of`): whichever child
+        loaded, every child saves.
+        """
+        worker = self._require_worker()
+        worker.wait_for_loads()
+        return requests_with_failed_loads(self._bound_sync_loads(), worker.load_errors_so_far())
+
+    def skip_saves_of(self, request_ids: set[str]) -> None:
+        """Save none of these requests' blocks in this step's :meth:`wait_for_save`."""
+        self._requests_not_to_save |= request_ids
+
+    def _saves_from_good_context(self, saves: Sequence[_Save]) -> list[_Save]:
+        """This step's saves, less those computed after a failed load (counted)."""
+        not_to_save = self.requests_with_failed_loads() | self._requests_not_to_save
+        self._requests_not_to_save = set()
+        kept, skipped = saves_from_good_context(saves, not_to_save)
+        if skipped:
+            self._counters.add("saves_skipped_after_failed_load", skipped)
+        return kept
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

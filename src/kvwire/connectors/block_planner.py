@@ -7,7 +7,9 @@ per request, whatever holds the blocks:
   blocks beyond the engine's local ones that the medium holds; at
   allocation, the cache block ids those blocks go to;
 - what to save: each step, the full blocks that this step computes and that
-  were neither loaded nor saved before.
+  were neither loaded nor saved before. A block whose load failed is
+  computed again by the engine, so it is saved again: the medium, which
+  dropped the bad entry, gets a good one back in the same run.
 
 :class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and turns each planned
@@ -46,6 +48,8 @@ class _Lookup:
 class _SaveCursor:
     request: Request
     next_block_to_save: int
+    # The request's cache block ids, as last seen (allocation, then each step).
+    block_ids: Sequence[int] = ()
 
 
 class BlockPlanner:
@@ -93,8 +97,11 @@ class BlockPlanner:
             lookup = _Lookup(request.num_computed_tokens // self._block_size, 0, 0)
         self.lookup_hit_blocks += lookup.hit_blocks
         self.lookup_miss_blocks += lookup.candidate_blocks - lookup.hit_blocks
+        all_block_ids = blocks.get_block_ids()[0]
         self._save_cursors[request.request_id] = _SaveCursor(
-            request, next_block_to_save=lookup.first_block + lookup.hit_blocks
+            request,
+            next_block_to_save=lookup.first_block + lookup.hit_blocks,
+            block_ids=all_block_ids,
         )
         num_blocks = num_external_tokens // self._block_size
         if num_blocks <= 0:
@@ -108,9 +115,25 @@ class BlockPlanner:
         start, end = lookup.first_block, lookup.first_block + num_blocks
         return BlockRange(
             request_id=request.request_id,
-            block_ids=tuple(blocks.get_block_ids()[0][start:end]),
+            block_ids=tuple(all_block_ids[start:end]),
             block_hashes=tuple(request.block_hashes[start:end]),
         )
+
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """Plan to save again, once recomputed, the blocks whose loads failed, and those after.
+
+        The engine computes a request again from its first failed block; the
+        medium no longer holds a good copy of it (the connector drops a
+        corrupt entry), so that block and the following ones are saved anew.
+        """
+        if not block_ids:
+            return
+        for cursor in self._save_cursors.values():
+            # By the request's block ids, not by what this planner loaded: in a
+            # composite, another connector may have made the failed load.
+            failed = [i for i, block_id in enumerate(cursor.block_ids) if block_id in block_ids]
+            if failed:
+                cursor.next_block_to_save = min(cursor.next_block_to_save, failed[0])
 
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockRange]:
         """The blocks to save this step, one range per request that has new full blocks."""
@@ -122,6 +145,7 @@ class BlockPlanner:
             if cursor is None:
                 continue
             block_ids = item.block_ids[0]
+            cursor.block_ids = block_ids
             hashes = cursor.request.block_hashes
             # Only full blocks whose hash is known and whose KV exists after this step.
             tokens_after_step = item.num_computed_tokens + item.num_scheduled_tokens

@@ -230,6 +230,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
+        self._planner.loads_failed(invalid)
         # Synchronous loads end within their step: their slots are free to evict again.
         for transfer in self._sync_loads_in_flight:
             self._end_load(transfer, invalid)
@@ -289,6 +290,9 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             self.num_slots * self._layout.entry_bytes / 2**20,
         )
 
+    def _bound_sync_loads(self) -> Sequence[PoolTransfer]:
+        return self._worker_and_metadata()[1].loads
+
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
         worker = self._require_worker()
         metadata = self._get_connector_metadata()
@@ -304,11 +308,13 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
 
     def wait_for_save(self) -> None:
         worker, metadata = self._worker_and_metadata()
-        worker.wait_for_loads()
+        # Stores left out keep their slots' old contents: a later load of one
+        # fails its header check (another block hash) and is recomputed.
+        stores = self._saves_from_good_context(metadata.stores)
         # The copies run in the background: blocks being stored belong to
         # running requests (or finished ones whose blocks are kept), so the
         # forward pass never overwrites them meanwhile.
-        worker.store(metadata.stores)
+        worker.store(stores)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._counters.take_stats()

@@ -48,6 +48,7 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
+from kvwire.connectors.block_connector import BlockConnector
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.worker_steps import metadata_of_type
 from kvwire.exceptions import kind_of
@@ -336,6 +337,14 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
+        # One child loads a request, every child saves it: blocks computed
+        # after a failed load (from stale cache contents) must reach none of them.
+        block_children = [c for c in self._children if isinstance(c, BlockConnector)]
+        failed: set[str] = set()
+        for block_child in block_children:
+            failed |= block_child.requests_with_failed_loads()
+        for block_child in block_children:
+            block_child.skip_saves_of(failed)
         for child in self._children:
             child.wait_for_save()
 

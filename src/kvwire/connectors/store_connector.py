@@ -224,6 +224,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._async_loading -= connector_output.finished_recving or set()
+        self._planner.loads_failed(connector_output.invalid_block_ids)
         # Only the worker side sees the store change; this side hands its events on.
         self._events.extend(connector_output.kv_cache_events)
 
@@ -260,6 +261,9 @@ class StoreConnector(BlockConnector[StoreWorker]):
             self._options["io_threads"],
         )
 
+    def _bound_sync_loads(self) -> Sequence[BlockTransfer]:
+        return self._metadata().loads
+
     def _metadata(self) -> StoreConnectorMetadata:
         return metadata_of_type(
             type(self).__name__, self._get_connector_metadata(), StoreConnectorMetadata
@@ -280,9 +284,9 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def wait_for_save(self) -> None:
         metadata = self._metadata()
         worker = self._require_worker()
-        worker.wait_for_loads()
-        if metadata.saves:
-            worker.save(metadata.saves)
+        saves = self._saves_from_good_context(metadata.saves)
+        if saves:
+            worker.save(saves)
 
     def transfers_running(self, request_id: str) -> bool:
         """Saves copy the blocks out at once: only a background load keeps them."""

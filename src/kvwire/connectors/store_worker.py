@@ -182,6 +182,10 @@ class StoreWorker:
         with self._lock:
             return request_id in self._async_loads
 
+    def load_errors_so_far(self) -> set[int]:
+        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
+        return set(self._load_errors)
+
     def take_load_errors(self) -> set[int]:
         self.wait_for_loads()
         errors, self._load_errors = self._load_errors, set()

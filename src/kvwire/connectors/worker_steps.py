@@ -8,13 +8,24 @@ alike, so each refuses a misuse with the same words.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 from kvwire.connector.base import KVConnectorMetadata
 
 _Worker = TypeVar("_Worker")
 _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
+
+
+class _Transfer(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_ids(self) -> tuple[int, ...]: ...
+
+
+_Save = TypeVar("_Save", bound=_Transfer)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
@@ -55,3 +66,24 @@ class PendingRelease:
         released = {rid for rid in self._request_ids if not transfers_running(rid)}
         self._request_ids -= released
         return released
+
+
+def requests_with_failed_loads(loads: Iterable[_Transfer], failed_block_ids: set[int]) -> set[str]:
+    """The requests among ``loads`` one of whose blocks failed to load."""
+    return {load.request_id for load in loads if not failed_block_ids.isdisjoint(load.block_ids)}
+
+
+def saves_from_good_context(
+    saves: Sequence[_Save], requests_not_to_save: set[str]
+) -> tuple[list[_Save], int]:
+    """This step's saves minus those of ``requests_not_to_save``; and the blocks left out.
+
+    A synchronous load and the rest of its prompt run in the same step: when
+    a block's load fails, the blocks computed after it attended to that
+    block's stale cache contents. The engine computes them again (and the
+    scheduler side plans their saves then); saved now, they would put wrong
+    KV in the store under their hashes, for any later request to load.
+    """
+    kept = [save for save in saves if save.request_id not in requests_not_to_save]
+    skipped = sum(len(save.block_ids) for save in saves if save.request_id in requests_not_to_save)
+    return kept, skipped
