@@ -119,8 +119,11 @@ def test_saves_cover_each_full_block_once_as_steps_compute_them():
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0)
     first = plan.plan_saves(step("r", 0, 10))
     second = plan.plan_saves(step("r", 10, 7))
-    assert first == [BlockRange("r", tuple(BLOCK_IDS[:2]), tuple(HASHES[:2]))]
-    assert second == [BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]))]
+    assert first == [BlockRange("r", tuple(BLOCK_IDS[:2]), tuple(HASHES[:2]), tuple(BLOCK_IDS[:2]))]
+    # A save's context: every block of the request up to its last saved one.
+    assert second == [
+        BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]), tuple(BLOCK_IDS[:4]))
+    ]
     assert plan.plan_saves(step("r", 17, 1)) == []
 
 
@@ -129,7 +132,9 @@ def test_saves_skip_the_blocks_found_at_lookup():
     plan.look_up(request_of(), 0, medium_holding(HASHES[0], HASHES[1]))
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
     saves = plan.plan_saves(step("r", 2 * BLOCK, 9))
-    assert saves == [BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]))]
+    assert saves == [
+        BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]), tuple(BLOCK_IDS[:4]))
+    ]
 
 
 def test_a_planner_that_does_not_save_plans_no_saves():

@@ -32,6 +32,8 @@ BLOCK_SIZE = 4
 PREFIX = tuple(range(10, 22))  # three full blocks
 # The prefix, then two more full blocks and a token to compute.
 EXTENDED = (*PREFIX, *range(40, 48), 99)
+# The same prefix, extended otherwise.
+OTHER = (*PREFIX, *range(60, 68), 98)
 
 
 def request(name: str, prompt: tuple[int, ...]) -> GenerationRequest:
@@ -61,10 +63,14 @@ def corrupt_pool_entry(pool: StagingBuffers, layout: BlockLayout, block: bytes) 
     raise AssertionError("no pool slot holds the block")
 
 
+def reference_tokens(prompt: tuple[int, ...]) -> tuple[int, ...]:
+    (output,) = LLMEngine(tiny_engine_config()).generate([request("reference", prompt)])
+    return output.output_token_ids
+
+
 @pytest.fixture
 def reference() -> tuple[int, ...]:
-    (output,) = LLMEngine(tiny_engine_config()).generate([request("reference", EXTENDED)])
-    return output.output_token_ids
+    return reference_tokens(EXTENDED)
 
 
 def test_shared_storage_never_keeps_blocks_computed_after_a_failed_load(
@@ -151,3 +157,31 @@ def test_the_tiered_profile_saves_nothing_computed_after_the_cpu_pool_failed_a_l
         (again,) = engine.generate([request("extended again", EXTENDED)])
     assert again.output_token_ids == reference
     assert again.external_tokens == 5 * BLOCK_SIZE  # every full block, from disk
+
+
+def test_a_request_sharing_the_failed_block_as_a_prefix_saves_none_of_it() -> None:
+    # Two requests of one step share the prefix one of them loads: when the
+    # load of its second block fails, both computed their next blocks from it.
+    config = with_connector(
+        tiny_engine_config(block_size=BLOCK_SIZE), "CPUOffloadConnector", {"cpu_pool_bytes": "4MiB"}
+    )
+    layout = BlockLayout.from_engine_config(config)
+    with LLMEngine(config) as engine:
+        engine.generate([request("prefix", PREFIX)])
+        engine.wait_for_saves()
+        engine.reset_prefix_cache()
+        pool = engine.worker.connector._worker.pool  # type: ignore[union-attr]
+        corrupt_pool_entry(pool, layout, block_hash(config, PREFIX, 1))
+        together = engine.generate([request("extended", EXTENDED), request("other", OTHER)])
+        engine.wait_for_saves()
+        stats = dict(engine.connector_stats.data)
+        engine.reset_prefix_cache()
+        (other_again,) = engine.generate([request("other again", OTHER)])
+
+    assert [output.output_token_ids for output in together] == [
+        reference_tokens(EXTENDED),
+        reference_tokens(OTHER),
+    ]
+    assert stats["saves_skipped_after_failed_load"] == 4  # two blocks of each request
+    assert other_again.output_token_ids == reference_tokens(OTHER)
+    assert other_again.external_tokens == 5 * BLOCK_SIZE  # all of it from the pool

@@ -18,7 +18,6 @@ from kvwire.connectors.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
-    requests_with_failed_loads,
     saves_from_good_context,
 )
 from tests.connectors.harness import cache_config_for, engine_config
@@ -99,18 +98,17 @@ def test_a_store_worker_refuses_another_connectors_metadata(unregistered_store_w
         unregistered_store_worker.start_load_kv(ForwardContext(layer_names=()))
 
 
-def test_saves_of_requests_whose_load_failed_are_left_out_and_counted():
-    loads = [BlockTransfer("a", (1, 2), (b"h1", b"h2")), BlockTransfer("b", (5,), (b"h5",))]
+def test_saves_computed_from_a_block_that_failed_to_load_are_left_out_and_counted():
     saves = [
-        BlockTransfer("a", (3, 4), (b"h3", b"h4")),
-        BlockTransfer("b", (6,), (b"h6",)),
-        BlockTransfer("c", (7,), (b"h7",)),
+        # Loaded blocks 1 and 2, computes 3 and 4 from them.
+        BlockTransfer("a", (3, 4), (b"h3", b"h4"), context_block_ids=(1, 2, 3, 4)),
+        # Shares block 2 as a prefix (loaded by "a"), computes 6 from it.
+        BlockTransfer("b", (6,), (b"h6",), context_block_ids=(1, 2, 6)),
+        BlockTransfer("c", (7,), (b"h7",), context_block_ids=(5, 7)),
     ]
 
-    failed = requests_with_failed_loads(loads, {2})
-    kept, skipped = saves_from_good_context(saves, failed)
+    kept, skipped = saves_from_good_context(saves, {2})
 
-    assert failed == {"a"}
-    assert kept == saves[1:]
-    assert skipped == 2
+    assert kept == saves[2:]
+    assert skipped == 3
     assert saves_from_good_context(saves, set()) == (saves, 0)

@@ -32,7 +32,6 @@ from kvwire.connectors.paged_cache import check_cache_layout
 from kvwire.connectors.worker_steps import (
     PendingRelease,
     registered_worker,
-    requests_with_failed_loads,
     saves_from_good_context,
 )
 
@@ -55,16 +54,16 @@ class BlockWorker(Protocol):
     def load_errors_so_far(self) -> set[int]: ...
 
 
-class _Transfer(Protocol):
-    @property
-    def request_id(self) -> str: ...
-
+class _Save(Protocol):
     @property
     def block_ids(self) -> tuple[int, ...]: ...
 
+    @property
+    def context_block_ids(self) -> tuple[int, ...]: ...
+
 
 _Worker = TypeVar("_Worker", bound=BlockWorker)
-_Save = TypeVar("_Save", bound=_Transfer)
+_SaveT = TypeVar("_SaveT", bound=_Save)
 
 
 class BlockConnector(KVConnectorBase, Generic[_Worker]):
@@ -95,7 +94,7 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         self._counters = Counters()
         self._pending_release = PendingRelease()
         self._worker: _Worker | None = None
-        self._requests_not_to_save: set[str] = set()
+        self._failed_elsewhere: set[int] = set()
 
     @classmethod
     @abc.abstractmethod
@@ -169,30 +168,26 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         sent = self._pending_release.take_released(self.transfers_running)
         return (sent or None), (received or None)
 
-    @abc.abstractmethod
-    def _bound_sync_loads(self) -> Sequence[_Transfer]:
-        """This step's synchronous loads (from the bound metadata)."""
+    def load_errors_this_step(self) -> set[int]:
+        """Block ids whose synchronous loads failed this step; waits for the loads to end.
 
-    def requests_with_failed_loads(self) -> set[str]:
-        """This step's requests whose synchronous load failed; waits for the loads to end.
-
-        A composite asks each child, and tells every child not to save those
-        requests' blocks this step (:meth:`skip_saves_of`): whichever child
-        loaded, every child saves.
+        A composite asks each child, and tells every child
+        (:meth:`skip_saves_computed_from`): whichever child loaded a block,
+        every child saves what was computed from it.
         """
         worker = self._require_worker()
         worker.wait_for_loads()
-        return requests_with_failed_loads(self._bound_sync_loads(), worker.load_errors_so_far())
+        return worker.load_errors_so_far()
 
-    def skip_saves_of(self, request_ids: set[str]) -> None:
-        """Save none of these requests' blocks in this step's :meth:`wait_for_save`."""
-        self._requests_not_to_save |= request_ids
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        """In this step's :meth:`wait_for_save`, save nothing computed from these blocks."""
+        self._failed_elsewhere |= block_ids
 
-    def _saves_from_good_context(self, saves: Sequence[_Save]) -> list[_Save]:
-        """This step's saves, less those computed after a failed load (counted)."""
-        not_to_save = self.requests_with_failed_loads() | self._requests_not_to_save
-        self._requests_not_to_save = set()
-        kept, skipped = saves_from_good_context(saves, not_to_save)
+    def _saves_from_good_context(self, saves: Sequence[_SaveT]) -> list[_SaveT]:
+        """This step's saves, less those computed from a block whose load failed (counted)."""
+        failed = self.load_errors_this_step() | self._failed_elsewhere
+        self._failed_elsewhere = set()
+        kept, skipped = saves_from_good_context(saves, failed)
         if skipped:
             self._counters.add("saves_skipped_after_failed_load", skipped)
         return kept

@@ -35,6 +35,9 @@ class BlockRange:
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
+    # For a save: the request's blocks up to the last one saved. Their KV was
+    # computed attending to all of these; one that failed to load spoils it.
+    context_block_ids: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -159,6 +162,7 @@ class BlockPlanner:
                     request_id=item.request_id,
                     block_ids=tuple(block_ids[start:end]),
                     block_hashes=tuple(hashes[start:end]),
+                    context_block_ids=tuple(block_ids[:end]),
                 )
             )
         return ranges

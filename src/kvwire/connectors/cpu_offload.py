@@ -48,7 +48,7 @@ from kvwire.connectors.extra_config import (
     int_key,
     size_key,
 )
-from kvwire.connectors.worker_steps import metadata_of_type
+from kvwire.connectors.worker_steps import metadata_of_type, saves_from_good_context
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +109,8 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._step_loads: list[PoolTransfer] = []
         self._step_async_loads: list[PoolTransfer] = []
         self._sync_loads_in_flight: list[PoolTransfer] = []
+        # This step's stores, until its output names any failed loads.
+        self._stores_in_step: tuple[PoolTransfer, ...] = ()
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
@@ -185,6 +187,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             counters=tuple(sorted(self._step_counters.items())),
         )
         self._sync_loads_in_flight.extend(self._step_loads)
+        self._stores_in_step = metadata.stores
         self._step_loads = []
         self._step_async_loads = []
         self._release_req_ids = []
@@ -207,6 +210,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             block_ids=tuple(save.block_ids[i] for i in positions),
             slots=tuple(placed[wanted[i]] for i in positions),
             block_hashes=tuple(wanted[i] for i in positions),
+            context_block_ids=save.context_block_ids,
         )
 
     def _record_evictions(self) -> int:
@@ -231,6 +235,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
         self._planner.loads_failed(invalid)
+        self._abandon_stores_left_out(invalid)
         # Synchronous loads end within their step: their slots are free to evict again.
         for transfer in self._sync_loads_in_flight:
             self._end_load(transfer, invalid)
@@ -249,6 +254,28 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             completed = self._index.complete_store(state.unconfirmed_stores)
             if completed:
                 self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
+
+    def _abandon_stores_left_out(self, invalid_block_ids: set[int]) -> None:
+        """Free the slots of the stores the worker left out after a failed load.
+
+        The worker did not copy blocks computed from a block whose load
+        failed (see ``saves_from_good_context``); the same rule, applied to
+        the step's failed blocks, names them here. Their slots hold nothing
+        of theirs, so they must not become hits: the blocks, computed again,
+        are stored anew.
+        """
+        stores, self._stores_in_step = self._stores_in_step, ()
+        if not invalid_block_ids:
+            return
+        kept, _ = saves_from_good_context(stores, invalid_block_ids)
+        for store in set(stores) - set(kept):
+            self._index.abandon_store(store.block_hashes)
+            state = self._requests.get(store.request_id) or self._finished.get(store.request_id)
+            if state is not None:
+                left_out = set(store.block_hashes)
+                state.unconfirmed_stores = [
+                    h for h in state.unconfirmed_stores if h not in left_out
+                ]
 
     def _end_load(self, transfer: PoolTransfer, invalid_block_ids: set[int]) -> None:
         self._index.finish_load(transfer.block_hashes)
@@ -289,9 +316,6 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             self._layout.payload_bytes,
             self.num_slots * self._layout.entry_bytes / 2**20,
         )
-
-    def _bound_sync_loads(self) -> Sequence[PoolTransfer]:
-        return self._worker_and_metadata()[1].loads
 
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:
         worker = self._require_worker()

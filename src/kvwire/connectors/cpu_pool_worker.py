@@ -49,6 +49,8 @@ class PoolTransfer:
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
+    # A store's context: see BlockRange.context_block_ids.
+    context_block_ids: tuple[int, ...] = ()
 
 
 class CPUPoolWorker:
@@ -133,6 +135,7 @@ class CPUPoolWorker:
                 transfer.block_ids[start:end],
                 transfer.slots[start:end],
                 transfer.block_hashes[start:end],
+                transfer.context_block_ids,
             )
             for start, end in itertools.pairwise(bounds)
         ]

@@ -340,11 +340,11 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         # One child loads a request, every child saves it: blocks computed
         # after a failed load (from stale cache contents) must reach none of them.
         block_children = [c for c in self._children if isinstance(c, BlockConnector)]
-        failed: set[str] = set()
+        failed: set[int] = set()
         for block_child in block_children:
-            failed |= block_child.requests_with_failed_loads()
+            failed |= block_child.load_errors_this_step()
         for block_child in block_children:
-            block_child.skip_saves_of(failed)
+            block_child.skip_saves_computed_from(failed)
         for child in self._children:
             child.wait_for_save()
 

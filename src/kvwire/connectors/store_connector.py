@@ -191,6 +191,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
                 request_id=save.request_id,
                 block_ids=save.block_ids,
                 block_hashes=save.block_hashes,
+                context_block_ids=save.context_block_ids,
             )
             for save in self._planner.plan_saves(scheduler_output)
         )
@@ -260,9 +261,6 @@ class StoreConnector(BlockConnector[StoreWorker]):
             num_slots,
             self._options["io_threads"],
         )
-
-    def _bound_sync_loads(self) -> Sequence[BlockTransfer]:
-        return self._metadata().loads
 
     def _metadata(self) -> StoreConnectorMetadata:
         return metadata_of_type(

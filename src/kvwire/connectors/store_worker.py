@@ -80,6 +80,8 @@ class BlockTransfer:
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
+    # A save's context: see BlockRange.context_block_ids.
+    context_block_ids: tuple[int, ...] = ()
 
 
 @attrs.define

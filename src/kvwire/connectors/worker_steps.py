@@ -17,15 +17,15 @@ _Worker = TypeVar("_Worker")
 _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
 
 
-class _Transfer(Protocol):
-    @property
-    def request_id(self) -> str: ...
-
+class _Save(Protocol):
     @property
     def block_ids(self) -> tuple[int, ...]: ...
 
+    @property
+    def context_block_ids(self) -> tuple[int, ...]: ...
 
-_Save = TypeVar("_Save", bound=_Transfer)
+
+_SaveT = TypeVar("_SaveT", bound=_Save)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
@@ -68,22 +68,21 @@ class PendingRelease:
         return released
 
 
-def requests_with_failed_loads(loads: Iterable[_Transfer], failed_block_ids: set[int]) -> set[str]:
-    """The requests among ``loads`` one of whose blocks failed to load."""
-    return {load.request_id for load in loads if not failed_block_ids.isdisjoint(load.block_ids)}
-
-
 def saves_from_good_context(
-    saves: Sequence[_Save], requests_not_to_save: set[str]
-) -> tuple[list[_Save], int]:
-    """This step's saves minus those of ``requests_not_to_save``; and the blocks left out.
+    saves: Sequence[_SaveT], failed_block_ids: set[int]
+) -> tuple[list[_SaveT], int]:
+    """This step's saves minus those computed from a block that failed to load; blocks left out.
 
-    A synchronous load and the rest of its prompt run in the same step: when
+    A synchronous load and the rest of the prompt run in the same step: when
     a block's load fails, the blocks computed after it attended to that
-    block's stale cache contents. The engine computes them again (and the
+    block's stale cache contents, in the request that loaded it and in any
+    request sharing it as a prefix. The engine computes them again (and the
     scheduler side plans their saves then); saved now, they would put wrong
     KV in the store under their hashes, for any later request to load.
     """
-    kept = [save for save in saves if save.request_id not in requests_not_to_save]
-    skipped = sum(len(save.block_ids) for save in saves if save.request_id in requests_not_to_save)
-    return kept, skipped
+    if not failed_block_ids:
+        return list(saves), 0
+    kept = [save for save in saves if failed_block_ids.isdisjoint(save.context_block_ids)]
+    return kept, sum(len(save.block_ids) for save in saves) - sum(
+        len(save.block_ids) for save in kept
+    )
