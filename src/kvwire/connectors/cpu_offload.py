@@ -332,8 +332,8 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
 
     def wait_for_save(self) -> None:
         worker, metadata = self._worker_and_metadata()
-        # Stores left out keep their slots' old contents: a later load of one
-        # fails its header check (another block hash) and is recomputed.
+        # The scheduler side frees the slots of the stores left out here, by
+        # the same rule, once this step's output names the failed blocks.
         stores = self._saves_from_good_context(metadata.stores)
         # The copies run in the background: blocks being stored belong to
         # running requests (or finished ones whose blocks are kept), so the
