@@ -350,3 +350,4 @@ def test_the_directory_store_hands_over_the_keys_it_removed_once(tmp_path: pathl
     assert store.take_removed_keys() == [keys[0], keys[1], keys[3]]
     assert store.take_removed_keys() == []
     assert [os.path.exists(store.path_of(key)) for key in keys] == [False, False, True, False]
+    assert store.take_counters()["discarded_entries"] == 1  # the key with a file

@@ -257,13 +257,16 @@ class DirectoryBlockStore(BlockStore):
         )
 
     def discard(self, keys: Sequence[str]) -> None:
+        discarded = 0
         for key in keys:
             try:
                 if _unlink_quietly(self.path_of(key)):
                     self._removed(key)
+                    discarded += 1
             except ValueError:
                 continue
-        self._counters.add("discarded_entries", len(keys))
+        # Only files that were there: another reader may have discarded one first.
+        self._counters.add("discarded_entries", discarded)
 
     # ------------------------------------------------------------- eviction
 
