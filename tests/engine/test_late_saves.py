@@ -61,11 +61,18 @@ def blocks_computed(
     return distinct_full_blocks(computed, block_size)
 
 
-def entries_stored(directory: pathlib.Path) -> int:
-    """Entries in the store (its temporary files start with a dot)."""
-    return sum(
-        1 for _, _, names in os.walk(directory) for name in names if not name.startswith(".")
+def hashes_stored(directory: pathlib.Path) -> list[bytes]:
+    """The block hash of every entry in the store (its temporary files start with a dot)."""
+    return sorted(
+        bytes.fromhex(name)
+        for _, _, names in os.walk(directory)
+        for name in names
+        if not name.startswith(".")
     )
+
+
+def entries_stored(directory: pathlib.Path) -> int:
+    return len(hashes_stored(directory))
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
@@ -116,12 +123,7 @@ def test_wait_for_saves_counts_and_reports_the_saves_still_running(
     # The stored blocks reach the scheduler's events too, each once.
     assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
     reported = sorted(h for e in events for h in e.block_hashes)
-    on_disk = sorted(
-        bytes.fromhex(name)
-        for _, _, names in os.walk(tmp_path / "store")
-        for name in names
-        if not name.startswith(".")
-    )
+    on_disk = hashes_stored(tmp_path / "store")
     assert reported == on_disk and on_disk
 
 

@@ -31,6 +31,7 @@ from kvwire.connectors.extra_config import ExtraConfigKey, read_extra_config
 from kvwire.connectors.paged_cache import check_cache_layout
 from kvwire.connectors.worker_steps import (
     PendingRelease,
+    SaveTransfer,
     registered_worker,
     saves_from_good_context,
 )
@@ -54,16 +55,8 @@ class BlockWorker(Protocol):
     def load_errors_so_far(self) -> set[int]: ...
 
 
-class _Save(Protocol):
-    @property
-    def block_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def context_block_ids(self) -> tuple[int, ...]: ...
-
-
 _Worker = TypeVar("_Worker", bound=BlockWorker)
-_SaveT = TypeVar("_SaveT", bound=_Save)
+_SaveT = TypeVar("_SaveT", bound=SaveTransfer)
 
 
 class BlockConnector(KVConnectorBase, Generic[_Worker]):

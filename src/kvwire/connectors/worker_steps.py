@@ -17,7 +17,9 @@ _Worker = TypeVar("_Worker")
 _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
 
 
-class _Save(Protocol):
+class SaveTransfer(Protocol):
+    """What a save must say for :func:`saves_from_good_context`."""
+
     @property
     def block_ids(self) -> tuple[int, ...]: ...
 
@@ -25,7 +27,7 @@ class _Save(Protocol):
     def context_block_ids(self) -> tuple[int, ...]: ...
 
 
-_SaveT = TypeVar("_SaveT", bound=_Save)
+_SaveT = TypeVar("_SaveT", bound=SaveTransfer)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
