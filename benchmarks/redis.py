@@ -4,20 +4,26 @@ For each block size (256 KiB to 8 MiB) the same payloads are written and read
 back against one redis-server started here on loopback:
 
 - the bound: the plain ``redis`` client (hiredis), ``SET``/``GET`` pipelines
-  of ``bytes``;
+  of ``bytes``, ``BATCH_BLOCKS`` blocks each; loads also with pipelines as
+  large as the store's groups of GETs (``READ_GROUP_BYTES``), and the bound
+  is the faster of the two, so that no ratio comes from a pipeline depth the
+  plain client was not given;
 - the store: :class:`~kvwire.connectors.redis_store.RedisBlockStore`, ``put``
-  from memoryviews of one staging buffer, ``get_into`` preallocated buffers;
+  from memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks, and one
+  ``get_into`` of each thread's share into preallocated buffers (which asks
+  for its next group of GETs while it reads the current one);
 - the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
   side over real paged caches (gather into staging, header and checksum,
-  put; get, verify, scatter into the caches).
+  put; get, verify, scatter into the caches), ``batch_blocks`` =
+  ``BATCH_BLOCKS``.
 
 Everything runs twice: on one thread, and on the connector's default number
-of I/O threads (``THREAD_COUNTS``). At each count, all three run pipelines
-of ``BATCH_BLOCKS`` blocks on as many threads (the plain client and the store
-with a connection per thread, the connector with that many I/O threads), so
-the ratios measure what kvwire adds or saves, not a difference in
-concurrency. Each figure is the best of a few repeats, the three taking
-turns so that noise from other processes hits them alike.
+of I/O threads (``THREAD_COUNTS``). At each count, all three run on as many
+threads (the plain client and the store with a connection per thread, the
+connector with that many I/O threads), so the ratios measure what kvwire
+adds or saves, not a difference in concurrency. Each figure is the best of a
+few repeats, the paths taking turns so that noise from other processes hits
+them alike.
 
 ``python -m benchmarks.redis [--quick]`` or ``python -m benchmarks --only redis``;
 writes ``redis.json`` and ``redis.png`` into the output directory.
@@ -47,7 +53,7 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.redis import RedisConnector
 from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.connectors.redis_store import READ_GROUP_BYTES, RedisBlockStore
 from kvwire.connectors.store_connector import StoreConnectorMetadata
 from kvwire.connectors.store_worker import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
@@ -193,6 +199,15 @@ def measure_block_size(
     ]
     # Each thread takes every threads-th batch, on a connection of its own.
     shares = [batches[first::threads] for first in range(threads)]
+    # Plain GET pipelines as deep as the store's groups of GETs, on the same shares.
+    group_blocks = max(1, READ_GROUP_BYTES // block_bytes)
+    wide_shares = [
+        [
+            range(start, min(start + group_blocks, count))
+            for start in range(first * group_blocks, count, threads * group_blocks)
+        ]
+        for first in range(threads)
+    ]
     pool = ThreadPoolExecutor(threads)
 
     def on_every_thread(work: Callable[[list[range]], None]) -> None:
@@ -227,15 +242,18 @@ def measure_block_size(
             assert all(store.put([keys[i] for i in batch], [views[i] for i in batch]))
 
     def store_load_share(share: list[range]) -> None:
-        for batch in share:
-            sizes = store.get_into([keys[i] for i in batch], [load_buffers[i] for i in batch])
-            assert all(size == block_bytes for size in sizes)
+        indices = [index for batch in share for index in batch]
+        sizes = store.get_into([keys[i] for i in indices], [load_buffers[i] for i in indices])
+        assert all(size == block_bytes for size in sizes)
 
     def plain_save(_repeat: int = 0) -> None:
         on_every_thread(plain_save_share)
 
     def plain_load(_repeat: int = 0) -> None:
         on_every_thread(plain_load_share)
+
+    def plain_load_wide(_repeat: int = 0) -> None:
+        list(pool.map(plain_load_share, wide_shares))
 
     def store_save(_repeat: int = 0) -> None:
         on_every_thread(store_save_share)
@@ -248,7 +266,12 @@ def measure_block_size(
     seconds = best_seconds(saves, repeats, before_each=flush)
     plain_save()
     connector.save()
-    loads = {"plain_load": plain_load, "store_load": store_load, "connector_load": connector.load}
+    loads = {
+        "plain_load": plain_load,
+        "plain_load_wide": plain_load_wide,
+        "store_load": store_load,
+        "connector_load": connector.load,
+    }
     seconds.update(best_seconds(loads, repeats))
     assert all(buffer.tobytes() == pattern for buffer in load_buffers[:2])
     flush()
@@ -257,6 +280,7 @@ def measure_block_size(
     connector.close()
     pool.shutdown()
     gbps = {name: moved / value / 1e9 for name, value in seconds.items()}
+    load_bound = max(gbps["plain_load"], gbps["plain_load_wide"])
     return {
         "threads": threads,
         "block_bytes": block_bytes,
@@ -264,9 +288,10 @@ def measure_block_size(
         "bytes_moved": moved,
         "gb_per_s": gbps,
         "save_ratio": gbps["store_save"] / gbps["plain_save"],
-        "load_ratio": gbps["store_load"] / gbps["plain_load"],
+        "load_bound_gb_per_s": load_bound,
+        "load_ratio": gbps["store_load"] / load_bound,
         "connector_save_ratio": gbps["connector_save"] / gbps["plain_save"],
-        "connector_load_ratio": gbps["connector_load"] / gbps["plain_load"],
+        "connector_load_ratio": gbps["connector_load"] / load_bound,
     }
 
 
@@ -301,9 +326,14 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 def _plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     plt = pyplot()
     styles = {
-        "plain_save": ("redis-py SET pipeline (bound)", "C0", "--"),
+        "plain_save": (f"redis-py SET pipeline, {BATCH_BLOCKS} blocks (bound)", "C0", "--"),
         "store_save": ("kvwire RedisBlockStore.put", "C0", "-"),
-        "plain_load": ("redis-py GET pipeline (bound)", "C1", "--"),
+        "plain_load": (f"redis-py GET pipeline, {BATCH_BLOCKS} blocks (bound)", "C1", "--"),
+        "plain_load_wide": (
+            f"redis-py GET pipeline, {READ_GROUP_BYTES // MIB} MiB (bound)",
+            "C1",
+            "-.",
+        ),
         "store_load": ("kvwire RedisBlockStore.get_into", "C1", "-"),
         "connector_save": ("RedisConnector save (gather, header, checksum, put)", "C0", ":"),
         "connector_load": ("RedisConnector load (get, verify, scatter)", "C1", ":"),

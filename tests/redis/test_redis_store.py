@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
 from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verify_entry
 from kvwire.connectors.redis_settings import RedisStoreSettings
@@ -94,6 +95,37 @@ def test_read_each_hands_over_each_entry_before_the_next_is_read(
     # The next reply is still on its way: the caller may check entry 0 meanwhile.
     assert buffers[1].tobytes() == bytes(LAYOUT.entry_bytes)
     assert list(landed) == [(1, LAYOUT.entry_bytes), (2, LAYOUT.entry_bytes)]
+    assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
+
+
+def test_a_load_asks_for_the_next_group_while_the_caller_checks_this_one(
+    make_redis_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Groups of one GET (half of pipeline_bytes), so each send is one group.
+    store = make_redis_store(pipeline_bytes=2 * LAYOUT.entry_bytes)
+    entries = _save(store, list(range(5)))
+    events: list[str] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def recorded_send(
+        connection: redis.connection.AbstractConnection, command: object, check_health: bool = True
+    ) -> None:
+        events.append("send")
+        send(connection, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded_send)
+    buffers = _buffers(5)
+
+    for index, size in store.read_each(store_keys(LAYOUT, 5), buffers):
+        assert size == LAYOUT.entry_bytes
+        events.append(f"entry {index}")
+
+    # Group k + 1 is asked for before entry k is handed over: the server runs
+    # it meanwhile. Never more than two groups are unanswered.
+    assert events == [
+        "send", "send", "entry 0", "send", "entry 1", "send", "entry 2", "send", "entry 3",
+        "entry 4",
+    ]  # fmt: skip
     assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
 
 

@@ -56,8 +56,10 @@ class BlockStore(abc.ABC):
         each entry out while it is still in the CPU cache, and, with a server,
         while the server is still sending the next ones. A caller that stops
         early closes the iterator; the store then leaves nothing half-read
-        behind. This default reads everything first; stores that can do
-        better override it.
+        behind. A call may cover many entries (a connector hands over a long
+        run at once), so a store that talks to a server can ask for later
+        entries while the caller works on earlier ones. This default reads
+        everything first; stores that can do better override it.
         """
         yield from enumerate(self.get_into(keys, buffers))
 

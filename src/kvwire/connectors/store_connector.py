@@ -47,7 +47,9 @@ cap); the scheduler side's ``take_events`` returns them once.
 Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (memory of
 the staging slots; a save that finds every slot busy is dropped and counted,
 never waited for), ``io_threads`` (per direction), ``batch_blocks`` (blocks
-per store call), ``async_load`` (loads reported through ``get_finished``).
+per save call, and the shortest load run: a load is shared between the I/O
+threads in runs of at least this many blocks, one store call each),
+``async_load`` (loads reported through ``get_finished``).
 """
 
 from __future__ import annotations

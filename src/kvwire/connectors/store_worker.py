@@ -13,7 +13,10 @@ cache once (into staging) on a save, and once into the cache on a load; the
 checksum reads each entry while it is still in the CPU cache (on saves, a
 chunk of a few MiB at a time; on loads, each entry as soon as the store has
 read it, see :meth:`BlockStore.read_each`, which also lets a server send the
-next entries meanwhile); large entries of a store that can map them are
+next entries meanwhile); a load is split between the I/O threads in long
+runs, one ``read_each`` each, so that a server is asked for the next entries
+across the whole run, and each staging slot goes back as soon as its entry
+is in the cache; large entries of a store that can map them are
 verified in place and copied straight into the cache, skipping staging
 (smaller ones are cheaper to read into staging than to map); background
 threads copy single-threaded, so that they do not wait on each other's
@@ -90,6 +93,23 @@ class _AsyncLoad:
     failed_block_ids: set[int] = attrs.field(factory=set)
 
 
+class _HeldSlots:
+    """A load job's staging slots: given back as it is done with each, the rest at its end."""
+
+    def __init__(self, staging: StagingBuffers, slots: Sequence[int]) -> None:
+        self._staging = staging
+        self._held = set(slots)
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        if slots:
+            self._held.difference_update(slots)
+            self._staging.release(slots)
+
+    def give_back_rest(self) -> None:
+        rest, self._held = list(self._held), set()
+        self._staging.release(rest)
+
+
 class StoreWorker:
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
@@ -119,6 +139,7 @@ class StoreWorker:
         self._caches = caches
         self._staging = staging
         self._batch_blocks = batch_blocks
+        self._io_threads = io_threads
         self._counters = counters
         self._key_of = key_of
         self._hash_of = hash_of
@@ -150,14 +171,14 @@ class StoreWorker:
     ) -> None:
         """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`."""
         for transfer in sync_loads:
-            for ids, hashes, slots in self._chunks(transfer):
+            for ids, hashes, slots in self._load_runs(transfer):
                 self._sync_loads.append(self._load_pool.submit(self._load, ids, hashes, slots))
         for transfer in async_loads:
             # One extra "job" stands for the submission itself, so the request
-            # cannot be reported finished before its last batch is submitted.
+            # cannot be reported finished before its last run is submitted.
             with self._lock:
                 self._async_loads[transfer.request_id] = _AsyncLoad(remaining_jobs=1)
-            for ids, hashes, slots in self._chunks(transfer):
+            for ids, hashes, slots in self._load_runs(transfer):
                 with self._lock:
                     self._async_loads[transfer.request_id].remaining_jobs += 1
                 self._load_pool.submit(self._load_async, transfer.request_id, ids, hashes, slots)
@@ -193,15 +214,25 @@ class StoreWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _chunks(
+    def _load_runs(
         self, transfer: BlockTransfer
     ) -> Iterator[tuple[tuple[int, ...], tuple[BlockHash, ...], list[int]]]:
-        # Slots are taken here, on the caller's thread, one batch at a time and
-        # only after the previous batch was submitted: a transfer larger than
-        # the staging buffers waits for earlier batches to finish, never hangs.
+        """The transfer in runs of consecutive blocks, each with the staging slots it reads into.
+
+        A run is one job: one ``read_each`` over all of its blocks, so a store
+        that reads ahead (a server sending the next entries while this thread
+        verifies and scatters) does so across the whole run. A transfer is
+        split between the I/O threads, in runs of at least ``batch_blocks``.
+        Slots are taken here, on the caller's thread, one run at a time and
+        only after the previous run was submitted; a job gives its slots back
+        as it scatters them. A transfer larger than the staging buffers
+        therefore waits for earlier runs to progress, and never hangs.
+        """
+        count = len(transfer.block_ids)
+        run_blocks = max(self._batch_blocks, -(-count // self._io_threads))
         start = 0
-        while start < len(transfer.block_ids):
-            slots = self._staging.acquire(min(self._batch_blocks, len(transfer.block_ids) - start))
+        while start < count:
+            slots = self._staging.acquire(min(run_blocks, count - start))
             end = start + len(slots)
             yield transfer.block_ids[start:end], transfer.block_hashes[start:end], slots
             start = end
@@ -227,11 +258,12 @@ class StoreWorker:
     def _load(
         self, block_ids: tuple[int, ...], hashes: tuple[BlockHash, ...], slots: list[int]
     ) -> list[int]:
-        """Read, verify and scatter one batch; the block ids that failed."""
+        """Read, verify and scatter one run; the block ids that failed."""
         started = time.perf_counter()
         failed: list[int] = []
         corrupt: list[BlockHash] = []
         loaded_bytes = 0
+        held = _HeldSlots(self._staging, slots)
         try:
             # Blocks to read through staging: all of them, unless the store maps them.
             staged_ids, staged_hashes = block_ids, hashes
@@ -241,17 +273,18 @@ class StoreWorker:
                 )
                 staged_ids = tuple(block_ids[i] for i in unmapped)
                 staged_hashes = tuple(hashes[i] for i in unmapped)
+                held.give_back(slots[len(staged_ids) :])
             if staged_ids:
                 loaded_bytes += self._load_staged(
-                    staged_ids, staged_hashes, slots[: len(staged_ids)], failed, corrupt
+                    staged_ids, staged_hashes, slots[: len(staged_ids)], held, failed, corrupt
                 )
         except Exception:
-            # A store that raises (a bug, an unforeseen error) fails the batch, not the engine.
+            # A store that raises (a bug, an unforeseen error) fails the run, not the engine.
             logger.exception("load of %d blocks failed", len(block_ids))
             failed = list(block_ids)
             loaded_bytes = 0
         finally:
-            self._staging.release(slots)
+            held.give_back_rest()
         if corrupt:
             # A corrupt entry would be a hit (and a failed load) for every later
             # request: drop it, so the next request that computes it saves it again.
@@ -314,6 +347,7 @@ class StoreWorker:
         block_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         slots: Sequence[int],
+        held: _HeldSlots,
         failed: list[int],
         corrupt: list[BlockHash],
     ) -> int:
@@ -324,7 +358,9 @@ class StoreWorker:
         server sends the next), and the verified ones are scattered into the
         cache a cache-sized group at a time, before they leave the CPU cache
         (1 MiB groups were slower: loads of 1 MiB entries from files 0.3
-        against 0.42 of a plain read, same-run A/B).
+        against 0.42 of a plain read, same-run A/B). A slot is given back as
+        soon as its entry is in the cache or has failed, so that the next run
+        can start while this one goes on.
         """
         keys = [self._key_of(block_hash) for block_hash in hashes]
         entries = [self._staging.entry(slot) for slot in slots]
@@ -337,18 +373,22 @@ class StoreWorker:
                 block_id = block_ids[index]
                 if size is None:
                     failed.append(block_id)
+                    held.give_back((slots[index],))
                     continue
                 entry = entries[index][:size]
                 if not self._verified(entry, block_id, hashes[index], failed, corrupt):
+                    held.give_back((slots[index],))
                     continue
                 group_ids.append(block_id)
                 group_slots.append(slots[index])
                 if len(group_ids) == group_size:
                     # Only verified entries reach the cache.
                     self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+                    held.give_back(group_slots)
                     loaded += len(group_ids)
                     group_ids, group_slots = [], []
         self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+        held.give_back(group_slots)
         loaded += len(group_ids)
         return loaded * self._layout.payload_bytes
 
