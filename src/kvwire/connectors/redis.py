@@ -16,7 +16,12 @@ threads, every entry verified before it reaches the cache); the medium is
 - ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
   load restarts a block's TTL, so blocks in use stay and idle ones expire);
 - ``pool_size``, ``socket_timeout_s``, ``connect_timeout_s``,
-  ``pipeline_bytes``, ``lookup_batch_size``;
+  ``lookup_batch_size``;
+- ``pipeline_bytes`` (default 64 MiB): the most one connection has in flight.
+  A save sends its SETs in pipelines of at most this many bytes; a load asks
+  for its GETs in groups of 4 MiB (or half of this, if smaller) and asks for
+  the next group as soon as the current one is answered, so the server runs
+  the next GETs while the worker verifies and scatters;
 - ``retry_interval_s`` (during an outage, how often a background probe asks the server),
   ``warning_interval_s`` (at most one outage warning per interval);
 - ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
