@@ -15,7 +15,9 @@ back against one redis-server started here on loopback:
 - the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
   side over real paged caches (gather into staging, header and checksum,
   put; get, verify, scatter into the caches), ``batch_blocks`` =
-  ``BATCH_BLOCKS``.
+  ``BATCH_BLOCKS``. It decides itself how to spread one transfer over its
+  I/O threads: saves in jobs of ``BATCH_BLOCKS``, loads in one run per
+  thread but no more runs than cores.
 
 Everything runs twice: on one thread, and on the connector's default number
 of I/O threads (``THREAD_COUNTS``). At each count, all three run on as many

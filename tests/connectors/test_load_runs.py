@@ -2,9 +2,10 @@
 
 A load is one ``read_each`` per run, so a store that talks to a server can
 ask for later entries while the worker verifies and scatters earlier ones. A
-transfer is shared between the I/O threads in runs of at least
-``batch_blocks``; a run gives each slot back as soon as its entry is in the
-cache, so a transfer larger than the staging buffers streams through them.
+transfer is shared between the I/O threads (no more ways than there are
+cores) in runs of at least ``batch_blocks``; a run gives each slot back as
+soon as its entry is in the cache, so a transfer larger than the staging
+buffers streams through them.
 """
 
 from __future__ import annotations
@@ -104,18 +105,25 @@ def _assert_loaded(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize(
-    ("io_threads", "batch_blocks", "read_sizes"),
+    ("io_threads", "cores", "batch_blocks", "read_sizes"),
     [
-        (1, 1, [8]),  # one thread: the whole transfer in one read
-        (2, 1, [4, 4]),  # shared between the threads
-        (4, 1, [2, 2, 2, 2]),
-        (2, 8, [8]),  # never runs shorter than batch_blocks
-        (4, 3, [3, 3, 2]),
+        (1, 8, 1, [8]),  # one thread: the whole transfer in one read
+        (2, 8, 1, [4, 4]),  # shared between the threads
+        (4, 8, 1, [2, 2, 2, 2]),
+        (4, 2, 1, [4, 4]),  # but no more ways than there are cores
+        (2, 8, 8, [8]),  # never runs shorter than batch_blocks
+        (4, 8, 3, [3, 3, 2]),
     ],
 )
 def test_a_transfer_is_shared_between_the_threads_in_runs_of_at_least_batch_blocks(
-    tmp_path: pathlib.Path, io_threads: int, batch_blocks: int, read_sizes: list[int]
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    io_threads: int,
+    cores: int,
+    batch_blocks: int,
+    read_sizes: list[int],
 ) -> None:
+    monkeypatch.setattr(store_worker_module, "usable_cores", lambda: cores)
     store = RecordingStore(tmp_path)
     saved = _saved_caches(store)
     loaded = _caches(seed=None)
@@ -153,6 +161,7 @@ def test_a_transfer_larger_than_the_staging_buffers_streams_through_them(
 def test_a_run_gives_a_slot_back_as_soon_as_its_entry_is_in_the_cache(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(store_worker_module, "usable_cores", lambda: 2)
     store = RecordingStore(tmp_path, hold_after_first=True)
     saved = _saved_caches(store)
     # Scatter one entry at a time, so each slot is free to go back at once.

@@ -10,7 +10,6 @@ registers the caches; the hot path only takes and returns slot numbers.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -44,7 +43,12 @@ class StagingBuffers:
         self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]
         payload = self._raw[:, HEADER_SIZE:].view(TORCH_DTYPES[layout.dtype])
         self._payloads = payload.view(num_slots, *layout.shape)
-        self._free: deque[int] = deque(range(num_slots))
+        # Kept sorted, and handed out lowest first: slots taken together are
+        # then mostly consecutive, and a copy between consecutive blocks and
+        # consecutive slots is one copy per layer instead of one per block.
+        # Freed in completion order instead, a 128 MiB save of 256 KiB blocks
+        # spent 25 ms in its copies out of the cache, against 15-19 ms sorted.
+        self._free: list[int] = list(range(num_slots))
         self._available = threading.Condition()
 
     def entry(self, slot: int) -> memoryview:
@@ -65,18 +69,23 @@ class StagingBuffers:
         with self._available:
             while not self._free:
                 self._available.wait()
-            taken = min(count, len(self._free))
-            return [self._free.popleft() for _ in range(taken)]
+            return self._take(count)
 
     def try_acquire(self, count: int) -> list[int]:
         """Take up to ``count`` free slots without waiting (possibly none)."""
         with self._available:
-            taken = min(count, len(self._free))
-            return [self._free.popleft() for _ in range(taken)]
+            return self._take(count)
+
+    def _take(self, count: int) -> list[int]:
+        taken = self._free[:count]
+        del self._free[:count]
+        return taken
 
     def release(self, slots: Sequence[int]) -> None:
         with self._available:
             self._free.extend(slots)
+            # Mostly two sorted runs, which a sort merges in linear time.
+            self._free.sort()
             self._available.notify_all()
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +69,14 @@ logger = logging.getLogger(__name__)
 MIN_MAPPED_ENTRY_BYTES = 3 * 1024 * 1024
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @runtime_checkable
 class MappingBlockStore(Protocol):
     """A store that can also hand out an entry mapped in memory (a file, say)."""
@@ -106,7 +115,7 @@ class _HeldSlots:
             self._staging.release(slots)
 
     def give_back_rest(self) -> None:
-        rest, self._held = list(self._held), set()
+        rest, self._held = sorted(self._held), set()
         self._staging.release(rest)
 
 
@@ -139,7 +148,11 @@ class StoreWorker:
         self._caches = caches
         self._staging = staging
         self._batch_blocks = batch_blocks
-        self._io_threads = io_threads
+        # More runs of one transfer than cores only contend for the GIL
+        # between their per-entry steps (measured on 2 cores, 256 KiB Redis
+        # loads on 4 I/O threads: 1.14-1.80 GB/s in 4 runs, 1.83 in one). The
+        # other threads still serve other transfers.
+        self._runs_per_transfer = max(1, min(io_threads, usable_cores()))
         self._counters = counters
         self._key_of = key_of
         self._hash_of = hash_of
@@ -222,14 +235,15 @@ class StoreWorker:
         A run is one job: one ``read_each`` over all of its blocks, so a store
         that reads ahead (a server sending the next entries while this thread
         verifies and scatters) does so across the whole run. A transfer is
-        split between the I/O threads, in runs of at least ``batch_blocks``.
+        split between the I/O threads (no more ways than there are cores), in
+        runs of at least ``batch_blocks``.
         Slots are taken here, on the caller's thread, one run at a time and
         only after the previous run was submitted; a job gives its slots back
         as it scatters them. A transfer larger than the staging buffers
         therefore waits for earlier runs to progress, and never hangs.
         """
         count = len(transfer.block_ids)
-        run_blocks = max(self._batch_blocks, -(-count // self._io_threads))
+        run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
         start = 0
         while start < count:
             slots = self._staging.acquire(min(run_blocks, count - start))
@@ -459,19 +473,20 @@ class StoreWorker:
         dropped = 0
         batches: list[tuple[tuple[BlockHash, ...], list[int]]] = []
         for transfer in transfers:
-            start = 0
-            while start < len(transfer.block_ids):
-                wanted = min(self._batch_blocks, len(transfer.block_ids) - start)
-                slots = self._staging.try_acquire(wanted)
-                if not slots:
-                    dropped += len(transfer.block_ids) - start
-                    break
-                end = start + len(slots)
-                self._caches.gather_many(
-                    transfer.block_ids[start:end], slots, self._staging.payloads
-                )
-                batches.append((transfer.block_hashes[start:end], slots))
-                start = end
+            # All of a transfer's slots at once (lowest first, so mostly
+            # consecutive) and one copy per layer per run of them: 128 MiB of
+            # 256 KiB blocks gathered at 14.6 GB/s, against 10.5 in batches of 8.
+            count = len(transfer.block_ids)
+            slots = self._staging.try_acquire(count)
+            dropped += count - len(slots)
+            if not slots:
+                continue
+            self._caches.gather_many(
+                transfer.block_ids[: len(slots)], slots, self._staging.payloads
+            )
+            for start in range(0, len(slots), self._batch_blocks):
+                end = start + self._batch_blocks
+                batches.append((transfer.block_hashes[start:end], slots[start:end]))
         # Submitted only once every copy is done: writers running meanwhile
         # would take the cores that torch's parallel copies wait on, and the
         # forward pass would wait several times longer for its copies.
