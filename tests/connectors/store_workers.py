@@ -14,9 +14,11 @@ from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 NUM_BLOCKS = 4
 
 
-def layout_caches(layout: BlockLayout, seed: int | None) -> dict[str, torch.Tensor]:
-    """Paged caches of ``NUM_BLOCKS`` blocks in ``layout``: zeros, or random from ``seed``."""
-    shape = (2, NUM_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_size)
+def layout_caches(
+    layout: BlockLayout, seed: int | None, num_blocks: int = NUM_BLOCKS
+) -> dict[str, torch.Tensor]:
+    """Paged caches of ``num_blocks`` blocks in ``layout``: zeros, or random from ``seed``."""
+    shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
     if seed is None:
         return {f"layers.{i}": torch.zeros(shape) for i in range(layout.num_layers)}
     generator = torch.Generator().manual_seed(seed)

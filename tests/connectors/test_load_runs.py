@@ -24,6 +24,7 @@ from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from tests.connectors.store_workers import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 NUM_BLOCKS = 16
@@ -54,13 +55,7 @@ class RecordingStore(DirectoryBlockStore):
 
 
 def _caches(seed: int | None) -> dict[str, torch.Tensor]:
-    shape = (2, NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_size)
-    if seed is None:
-        return {f"layers.{i}": torch.zeros(shape) for i in range(LAYOUT.num_layers)}
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        f"layers.{i}": torch.randn(shape, generator=generator) for i in range(LAYOUT.num_layers)
-    }
+    return layout_caches(LAYOUT, seed, NUM_BLOCKS)
 
 
 def _worker(

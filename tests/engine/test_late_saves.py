@@ -1,4 +1,4 @@
-"""Saves that end after the engine's last step still reach its stats.
+"""Saves that end after the engine's last step still reach its stats and KV events.
 
 Store-backed connectors free a request's blocks once they are staged and
 write in the background, so writes can still run when ``generate`` returns.
@@ -76,7 +76,7 @@ def entries_stored(directory: pathlib.Path) -> int:
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
-def test_saves_still_running_when_generate_returns_are_counted_once_the_engine_is_closed(
+def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_close(
     worker_mode: WorkerMode,
     config: EngineConfig,
     workload: list[GenerationRequest],
@@ -95,6 +95,11 @@ def test_saves_still_running_when_generate_returns_are_counted_once_the_engine_i
     assert stats["blocks_saved"] == expected == entries_stored(tmp_path / "store")
     assert stats["bytes_saved"] == expected * BlockLayout.from_engine_config(config).payload_bytes
     assert "save_errors" not in stats and "saves_dropped" not in stats
+    # Their KV cache events reach the scheduler too, each once.
+    events = engine.scheduler.kv_events
+    assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
+    reported = sorted(h for e in events for h in e.block_hashes)
+    assert reported == hashes_stored(tmp_path / "store")
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)

@@ -8,6 +8,7 @@ process and each step's instructions cross by pickling.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
@@ -26,6 +27,8 @@ from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
 from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+
+logger = logging.getLogger(__name__)
 
 WorkerMode = Literal["inline", "process"]
 
@@ -296,12 +299,21 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the worker and shut down both connectors, once.
 
-        The worker connector's shutdown lets its transfers in flight finish;
-        their counts, reported after it, still go to :attr:`connector_stats`.
+        Saves still running are waited for first (as :meth:`wait_for_saves`
+        does, up to ``idle_timeout_s``), so their stats go to
+        :attr:`connector_stats` and their KV cache events to the scheduler's
+        ``kv_events`` like any step's. The worker connector's shutdown then
+        lets whatever is still in flight finish; its counts, reported after
+        it, still go to :attr:`connector_stats`.
         """
         if self._closed:
             return
         self._closed = True
+        try:
+            self.wait_for_saves()
+        except Exception as error:
+            # A save that never ends or a worker that died must not stop the shutdown.
+            logger.warning("closing with saves not waited for: %s", error)
         try:
             if self._worker_process is not None:
                 self._add_connector_stats(self._worker_process.shutdown())

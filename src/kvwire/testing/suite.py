@@ -51,12 +51,16 @@ _WORKER_CODES = {
     "get_kv_connector_stats": "K",
     "get_kv_connector_kv_cache_events": "Q",
     "clear_connector_metadata": "C",
+    "wait_for_pending_saves": "P",
     "shutdown": "X",
 }
 # Register once, then the handshake metadata; per step: bind, start loading,
-# per layer (wait, save), wait for saves, the reports and clear; then shutdown,
-# and the stats of the transfers shutdown let finish.
-_WORKER_LIFECYCLE = re.compile(r"RH(?:BS(?:WV)*FGEKQC)+XK")
+# per layer (wait, save), wait for saves, the reports and clear. Between steps
+# and before shutdown (the engine waits for saves that outlive their step when
+# asked to and when it closes): wait for them, then their stats and events.
+# Last shutdown, and the stats of the transfers shutdown let finish.
+_STEP = r"BS(?:WV)*FGEKQC"
+_WORKER_LIFECYCLE = re.compile(rf"RH{_STEP}(?:{_STEP}|PKQ)*XK")
 
 
 @attrs.frozen
@@ -108,9 +112,15 @@ class ConnectorConformanceSuite:
         hook: Instruments,
         **engine_options: Any,
     ) -> tuple[PassResult, PassResult]:
-        """Run ``workload`` twice on one engine, emptying its local cache in between."""
+        """Run ``workload`` twice on one engine, emptying its local cache in between.
+
+        The cold pass's saves are waited for before the warm pass starts: a
+        save may outlive its request (written in the background), and a
+        warm pass racing it would find nothing to load.
+        """
         with LLMEngine(config, connector_hook=hook, **engine_options) as engine:
             cold = engine.generate(workload)
+            engine.wait_for_saves()
             cold_kv = dict(engine.captured_kv)
             assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
             warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
