@@ -8,7 +8,14 @@ from typing import Any
 
 import attrs
 
-from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from kvwire.config import (
+    CacheConfig,
+    EngineConfig,
+    KVRole,
+    KVTransferConfig,
+    LoadFailurePolicy,
+    ModelConfig,
+)
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 
@@ -26,8 +33,8 @@ def with_connector(
     connector: str,
     extra: dict[str, Any],
     *,
-    kv_role: str = "kv_both",
-    policy: str = "recompute",
+    kv_role: KVRole = "kv_both",
+    policy: LoadFailurePolicy = "recompute",
     module_path: str | None = None,
 ) -> EngineConfig:
     """``config`` naming ``connector`` (found in ``module_path`` if given) with ``extra``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import SupportsHMA
+from kvwire.connector.base import KVConnectorRole, SupportsHMA
 from kvwire.connector.types import ForwardContext, Request
 from tests.engine.directory_connector import BlockTransfer, DirectoryConnector
 
@@ -53,6 +53,15 @@ class SilentlyCorruptingConnector(DirectoryConnector):
             for cache in self._kv_caches:
                 cache[:, transfer.block_id] += 0.5
         return failed
+
+
+class FailingShutdownConnector(DirectoryConnector):
+    """Its worker side's shutdown raises."""
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.role is KVConnectorRole.WORKER:
+            raise RuntimeError("the connector's shutdown broke")
 
 
 class HMADirectoryConnector(DirectoryConnector, SupportsHMA):

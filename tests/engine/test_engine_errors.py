@@ -165,6 +165,26 @@ def test_closing_the_engine_shuts_down_both_connectors_once(
     assert log.methods(KVConnectorRole.SCHEDULER)[-1] == "shutdown"
 
 
+def test_a_worker_process_whose_connector_fails_to_shut_down_still_exits(
+    config: EngineConfig, tmp_path: pathlib.Path
+) -> None:
+    from kvwire.engine.worker_process import WorkerProcessError
+
+    engine = LLMEngine(
+        _misbehaving(config, tmp_path, "FailingShutdownConnector"), worker_mode="process"
+    )
+    engine.generate([PROMPT])
+    worker_process = engine._worker_process
+    assert worker_process is not None
+
+    with pytest.raises(WorkerProcessError, match="the connector's shutdown broke"):
+        engine.close()
+
+    # It returned after reporting the error, rather than waiting for another
+    # command until the parent gave up on it and killed it.
+    assert worker_process._process.exitcode == 0
+
+
 def test_an_engine_without_a_transfer_config_builds_no_connector(config: EngineConfig) -> None:
     with LLMEngine(attrs.evolve(config, kv_transfer_config=None)) as engine:
         assert engine.scheduler_connector is None and engine.worker_connector is None

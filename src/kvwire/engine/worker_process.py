@@ -60,12 +60,15 @@ def _serve(
             elif command == "wait_for_saves":
                 reply = worker.wait_for_saves(payload)
             else:
-                connection.send_bytes(pickle.dumps(("ok", source.shutdown())))
-                return
+                reply = source.shutdown()
         except BaseException:
             connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
-            continue
-        connection.send_bytes(pickle.dumps(("ok", reply)))
+        else:
+            connection.send_bytes(pickle.dumps(("ok", reply)))
+        if command == "shutdown":
+            # Even a shutdown that failed is the last command: the parent
+            # joins this process next, and must not wait for it.
+            return
 
 
 class WorkerProcess:
