@@ -129,11 +129,19 @@ def test_a_load_asks_for_the_next_group_while_the_caller_checks_this_one(
     assert [buffer.tobytes() for buffer in buffers] == [bytes(entry) for entry in entries]
 
 
+@pytest.mark.parametrize(
+    "pipeline_bytes",
+    [
+        pytest.param(64 * 1024**2, id="one-group"),
+        # Groups of one GET: two groups are unanswered when the caller stops.
+        pytest.param(2 * LAYOUT.entry_bytes, id="groups-in-flight"),
+    ],
+)
 def test_a_read_abandoned_mid_pipeline_leaves_the_connection_usable(
-    make_redis_store: MakeStore,
+    make_redis_store: MakeStore, pipeline_bytes: int
 ) -> None:
     # One connection, so the next load must reuse whatever the first left behind.
-    store = make_redis_store(pool_size=1)
+    store = make_redis_store(pool_size=1, pipeline_bytes=pipeline_bytes)
     entries = _save(store, [0, 1, 2])
     landed = store.read_each(store_keys(LAYOUT, 3), _buffers(3))
     assert next(landed) == (0, LAYOUT.entry_bytes)
