@@ -19,6 +19,12 @@ back against one redis-server started here on loopback:
   I/O threads: saves in jobs of ``BATCH_BLOCKS``, loads in one run per
   thread but no more runs than cores.
 
+The plain client's ``SET`` packs each value into a new ``bytes`` (hiredis),
+so its speed depends on the process's malloc state: 0.3-0.7 GB/s while glibc
+serves such sizes from fresh ``mmap`` s, up to the server's limit (about
+1.3 GB/s on four threads) once it serves them from its heap, as it does in a
+full run after the larger blocks.
+
 Everything runs twice: on one thread, and on the connector's default number
 of I/O threads (``THREAD_COUNTS``). At each count, all three run on as many
 threads (the plain client and the store with a connection per thread, the
