@@ -22,8 +22,8 @@ back against one redis-server started here on loopback:
 The plain client's ``SET`` packs each value into a new ``bytes`` (hiredis),
 so its speed depends on the process's malloc state: 0.3-0.7 GB/s while glibc
 serves such sizes from fresh ``mmap`` s, up to the server's limit (about
-1.3 GB/s on four threads) once it serves them from its heap, as it does in a
-full run after the larger blocks.
+1.3 GB/s on four threads) once it serves them from its heap, which it does
+after the process has freed larger blocks (glibc's adaptive mmap threshold).
 
 Everything runs twice: on one thread, and on the connector's default number
 of I/O threads (``THREAD_COUNTS``). At each count, all three run on as many
