@@ -17,7 +17,7 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.connector.types import BlockStored
+from kvwire.connector.types import BlockStored, KVCacheEvent
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
 from kvwire.engine.passes import compare_passes
@@ -75,6 +75,16 @@ def entries_stored(directory: pathlib.Path) -> int:
     return len(hashes_stored(directory))
 
 
+def assert_each_stored_block_reported_once(
+    events: Sequence[KVCacheEvent], directory: pathlib.Path
+) -> None:
+    """``events`` report each block stored in ``directory`` as stored on disk, once."""
+    assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
+    reported = sorted(h for e in events for h in e.block_hashes)
+    on_disk = hashes_stored(directory)
+    assert reported == on_disk and on_disk
+
+
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
 def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_close(
     worker_mode: WorkerMode,
@@ -96,10 +106,7 @@ def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_c
     assert stats["bytes_saved"] == expected * BlockLayout.from_engine_config(config).payload_bytes
     assert "save_errors" not in stats and "saves_dropped" not in stats
     # Their KV cache events reach the scheduler too, each once.
-    events = engine.scheduler.kv_events
-    assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
-    reported = sorted(h for e in events for h in e.block_hashes)
-    assert reported == hashes_stored(tmp_path / "store")
+    assert_each_stored_block_reported_once(engine.scheduler.kv_events, tmp_path / "store")
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
@@ -126,10 +133,7 @@ def test_wait_for_saves_counts_and_reports_the_saves_still_running(
     # Closing finds nothing left to count: no save is counted twice.
     assert engine.connector_stats.data == after_waiting
     # The stored blocks reach the scheduler's events too, each once.
-    assert all(isinstance(e, BlockStored) and e.medium == "disk" for e in events)
-    reported = sorted(h for e in events for h in e.block_hashes)
-    on_disk = hashes_stored(tmp_path / "store")
-    assert reported == on_disk and on_disk
+    assert_each_stored_block_reported_once(events, tmp_path / "store")
 
 
 def test_kvwire_run_counts_saves_that_end_after_a_pass_in_that_pass(
