@@ -211,8 +211,9 @@ class KVConnectorBase(abc.ABC):
         background write). The engine waits on this between workloads
         (``kvwire run`` after each pass) and when it closes, before
         :meth:`shutdown`, then reads the stats and the KV cache events, so
-        that they count every save of the workload. The default has nothing to wait
-        for: it suits connectors whose saves end within :meth:`wait_for_save`.
+        that they count every save of the workload. The default has nothing
+        to wait for: it suits connectors whose saves end within
+        :meth:`wait_for_save`.
         """
         return True
 

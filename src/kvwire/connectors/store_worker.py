@@ -236,11 +236,11 @@ class StoreWorker:
         that reads ahead (a server sending the next entries while this thread
         verifies and scatters) does so across the whole run. A transfer is
         split between the I/O threads (no more ways than there are cores), in
-        runs of at least ``batch_blocks``.
-        Slots are taken here, on the caller's thread, one run at a time and
-        only after the previous run was submitted; a job gives its slots back
-        as it scatters them. A transfer larger than the staging buffers
-        therefore waits for earlier runs to progress, and never hangs.
+        runs of at least ``batch_blocks``. Slots are taken here, on the
+        caller's thread, one run at a time and only after the previous run
+        was submitted; a job gives its slots back as it scatters them. A
+        transfer larger than the staging buffers therefore waits for earlier
+        runs to progress, and never hangs.
         """
         count = len(transfer.block_ids)
         run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
@@ -489,7 +489,9 @@ class StoreWorker:
                 batches.append((transfer.block_hashes[start:end], slots[start:end]))
         # Submitted only once every copy is done: writers running meanwhile
         # would take the cores that torch's parallel copies wait on, and the
-        # forward pass would wait several times longer for its copies.
+        # forward pass would wait several times longer for its copies (128 MiB
+        # of 256 KiB blocks to Redis, 2 cores: 8-12 ms, against 25-100 ms when
+        # each 8 MiB was submitted as soon as copied, at the same throughput).
         for hashes, slots in batches:
             future = self._save_pool.submit(self._save, hashes, slots)
             with self._lock:
