@@ -490,8 +490,9 @@ class StoreWorker:
         # Submitted only once every copy is done: writers running meanwhile
         # would take the cores that torch's parallel copies wait on, and the
         # forward pass would wait several times longer for its copies (128 MiB
-        # of 256 KiB blocks to Redis, 2 cores: 8-12 ms, against 25-100 ms when
-        # each 8 MiB was submitted as soon as copied, at the same throughput).
+        # of 256 KiB blocks to Redis, 2 cores: a median 10-19 ms, against
+        # 27-101 ms when each 2 or 8 MiB was submitted as soon as copied, for
+        # no more throughput).
         for hashes, slots in batches:
             future = self._save_pool.submit(self._save, hashes, slots)
             with self._lock:
