@@ -21,7 +21,10 @@ threads, every entry verified before it reaches the cache); the medium is
   A save sends its SETs in pipelines of at most this many bytes; a load asks
   for its GETs in groups of 4 MiB (or half of this, if smaller) and asks for
   the next group as soon as the current one is answered, so the server runs
-  the next GETs while the worker verifies and scatters;
+  the next GETs while the worker verifies and scatters. Replies waiting in
+  the server count toward its ``maxmemory``: on a server at its limit with
+  an eviction policy, they make it evict that much more (a block evicted
+  between lookup and load is a load error, computed again);
 - ``retry_interval_s`` (during an outage, how often a background probe asks the server),
   ``warning_interval_s`` (at most one outage warning per interval);
 - ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
