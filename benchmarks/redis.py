@@ -21,7 +21,7 @@ back against one redis-server started here on loopback:
 
 The plain client's ``SET`` packs each value into a new ``bytes`` (hiredis),
 so its speed depends on the process's malloc state: 0.3-0.7 GB/s while glibc
-serves such sizes from fresh ``mmap`` s, up to the server's limit (about
+serves such sizes from fresh mappings (``mmap``), up to the server's limit (about
 1.3 GB/s on four threads) once it serves them from its heap, which it does
 after the process has freed larger blocks (glibc's adaptive mmap threshold).
 
@@ -218,8 +218,10 @@ def measure_block_size(
     ]
     pool = ThreadPoolExecutor(threads)
 
-    def on_every_thread(work: Callable[[list[range]], None]) -> None:
-        list(pool.map(work, shares))
+    def on_every_thread(
+        work: Callable[[list[range]], None], thread_shares: list[list[range]] = shares
+    ) -> None:
+        list(pool.map(work, thread_shares))
 
     plain = redis.Redis(
         connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=threads)
@@ -261,7 +263,7 @@ def measure_block_size(
         on_every_thread(plain_load_share)
 
     def plain_load_wide(_repeat: int = 0) -> None:
-        list(pool.map(plain_load_share, wide_shares))
+        on_every_thread(plain_load_share, wide_shares)
 
     def store_save(_repeat: int = 0) -> None:
         on_every_thread(store_save_share)
