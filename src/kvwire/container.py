@@ -20,10 +20,12 @@ block ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
 
 from dependency_injector import containers, providers, resources
 
@@ -35,6 +37,8 @@ from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry, default_registry
 
+T = TypeVar("T")
+
 
 def _engine_config_from(
     profile: Mapping[str, Any] | None, structured: dict[str, EngineConfig]
@@ -43,10 +47,14 @@ def _engine_config_from(
     # share one engine_id (a fresh uuid when the profile has none), and an
     # override of ``config`` is undone when its ``with`` block ends, which a
     # Singleton caching the first answer would not do.
+    #
+    # Threads that race here may each structure the profile, but setdefault
+    # is atomic, so every one of them returns the EngineConfig stored first.
     key = json.dumps(profile or {}, sort_keys=True, default=repr)
-    if key not in structured:
-        structured[key] = load_profile(profile or {})
-    return structured[key]
+    known = structured.get(key)
+    if known is not None:
+        return known
+    return structured.setdefault(key, load_profile(profile or {}))
 
 
 def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig:
@@ -82,6 +90,57 @@ def _required(dependency: providers.Dependency[Any], what: str, how: str) -> Any
     if not dependency.overridden and dependency.default is None:
         raise ContainerSetupError(f"{what} is not set: {how}")
     return dependency()
+
+
+class ConnectorBuildTimeout(ContainerSetupError, TimeoutError):
+    """A connector's constructor, running in another thread, outlasted the wait for it."""
+
+
+class ThreadSafeResource(providers.Resource[T]):
+    """A ``providers.Resource`` that builds its resource once, whichever threads ask at once.
+
+    dependency-injector's ``Resource`` checks and sets its state without a
+    lock: threads racing on a constructor that releases the GIL (a connect,
+    an allocation) each build one, and all but the last are never shut down.
+    Here the first caller builds while the others wait for it, at most
+    ``build_wait_s`` (then :class:`ConnectorBuildTimeout`); a failed build
+    leaves nothing behind, so the next caller tries again. Overrides answer
+    before the lock is taken, and ``shutdown()`` takes it too, so a resource
+    is never shut down while it is being built.
+    """
+
+    build_wait_s: float = 600.0
+    """How long a caller waits for another thread's build; far above any sane constructor."""
+
+    def __init__(self, provides: Any = None, *args: Any, **kwargs: Any) -> None:
+        # A fresh lock also for each copy: a DeclarativeContainer deep-copies
+        # its providers per instance, through this constructor.
+        self._build_lock = threading.RLock()
+        super().__init__(provides, *args, **kwargs)
+
+    def _provide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        with self._locked():
+            # _provide is the cpdef hook Provider.__call__ calls once no
+            # override answered; the stubs do not list it.
+            provided: T = super()._provide(args, kwargs)  # type: ignore[misc]
+            return provided
+
+    def shutdown(self) -> Any:
+        with self._locked():
+            return super().shutdown()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if not self._build_lock.acquire(timeout=self.build_wait_s):
+            raise ConnectorBuildTimeout(
+                f"Another thread has been building this connector for more than "
+                f"{self.build_wait_s:g} s; its constructor is stuck (a connect or an "
+                "allocation without a deadline?)"
+            )
+        try:
+            yield
+        finally:
+            self._build_lock.release()
 
 
 class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
@@ -147,7 +206,9 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     """
 
     config = providers.Configuration()
-    _structured_profiles: providers.Singleton[dict[str, EngineConfig]] = providers.Singleton(dict)
+    _structured_profiles: providers.Singleton[dict[str, EngineConfig]] = (
+        providers.ThreadSafeSingleton(dict)
+    )
     engine_config = providers.Callable(_engine_config_from, config, _structured_profiles)
     kv_cache_config = providers.Dependency(instance_of=KVCacheConfig)
     registry = providers.Singleton(default_registry)
@@ -157,7 +218,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
     connector_engine_config = providers.Callable(with_hma_decision, engine_config, hma_gate)
 
-    scheduler_connector = providers.Resource(
+    scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
         registry,
         connector_class,
@@ -165,7 +226,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         KVConnectorRole.SCHEDULER,
         kv_cache_config.provider,
     )
-    worker_connector = providers.Resource(
+    worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
         registry,
         connector_class,
