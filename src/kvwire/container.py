@@ -266,11 +266,14 @@ def container_for_profile(
     *,
     role: KVConnectorRole | None = None,
     kv_cache_config: KVCacheConfig | None = None,
+    registry: ConnectorRegistry | None = None,
 ) -> KVConnectorContainer:
     """A container for ``profile`` (a YAML path, a mapping or a built ``EngineConfig``).
 
     The profile is validated here, so a bad one fails before anything else;
-    ``role`` and ``kv_cache_config`` are declared when given.
+    ``role`` and ``kv_cache_config`` are declared when given. ``registry``
+    replaces the process-wide one (e.g. ``default_registry().copy()``, whose
+    overrides reach no other container).
     """
     engine_config = profile if isinstance(profile, EngineConfig) else load_profile(profile)
     container = KVConnectorContainer()
@@ -279,4 +282,6 @@ def container_for_profile(
         container.kv_cache_config.override(providers.Object(kv_cache_config))
     if role is not None:
         declare_role(container, role)
+    if registry is not None:
+        container.registry.override(providers.Object(registry))
     return container

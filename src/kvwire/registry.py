@@ -141,6 +141,24 @@ class ConnectorRegistry:
 
     # ----------------------------------------------------------- registering
 
+    def copy(self) -> ConnectorRegistry:
+        """A private registry holding the names this one knows now, for one container or test.
+
+        Every name comes along (built in, entry points, registered at run
+        time), each with a fresh lazy provider: overriding an entry of the
+        copy, or registering a name in it, reaches only the containers given
+        the copy. What it drops: the overrides active on this registry at the
+        time, and names registered here afterwards.
+        """
+        with self._lock:
+            self._read_entry_points()
+            copied = ConnectorRegistry(built_ins={}, entry_point_group=self._entry_point_group)
+            copied._entry_points_read = True
+            for entry in self._entries.values():
+                copied._add(entry)
+            copied._module_path_classes = dict(self._module_path_classes)
+        return copied
+
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:
         """Register ``name`` lazily: ``module_path`` is imported only when it is resolved."""
         _check_registration(name, module_path, class_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,8 @@ from kvwire.container import KVConnectorContainer, container_for_profile, declar
 from kvwire.exceptions import ContainerSetupError, ProfileError
 from kvwire.hma import HMADecision
 from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
-from kvwire.registry import ConnectorRegistry
+from kvwire.registry import ConnectorRegistry, default_registry
+from tests.core.conftest import SAMPLES
 from tests.core.sample_connectors import (
     CompositeConnector,
     HMAConnector,
@@ -297,6 +299,57 @@ def test_overriding_a_role_connector_swaps_the_process_connector(container: Any)
         assert container.connector() is replacement
 
     assert container.connector().role is KVConnectorRole.WORKER
+
+
+@pytest.fixture
+def shared_name() -> str:
+    """A sample connector registered, under a fresh name, in the process-wide registry."""
+    name = f"Shared{uuid.uuid4().hex}"
+    default_registry().register_connector(name, SAMPLES, "RecordingConnector")
+    return name
+
+
+def test_overriding_an_entry_of_the_default_registry_reaches_every_container(
+    shared_name: str, make_engine_config: MakeEngineConfig, kv_cache_config: KVCacheConfig
+) -> None:
+    config = make_engine_config(shared_name)
+    first = container_for_profile(config, kv_cache_config=kv_cache_config)
+    second = container_for_profile(config, kv_cache_config=kv_cache_config)
+
+    with default_registry().provider(shared_name).override(providers.Object(HMAConnector)):
+        assert first.connector_class() is HMAConnector
+        assert second.connector_class() is HMAConnector
+
+
+def test_an_override_on_a_private_registry_reaches_only_its_container(
+    shared_name: str, make_engine_config: MakeEngineConfig, kv_cache_config: KVCacheConfig
+) -> None:
+    config = make_engine_config(shared_name)
+    private = default_registry().copy()
+    isolated = container_for_profile(config, kv_cache_config=kv_cache_config, registry=private)
+    shared = container_for_profile(config, kv_cache_config=kv_cache_config)
+
+    with private.provider(shared_name).override(providers.Object(HMAConnector)):
+        assert isolated.connector_class() is HMAConnector
+        assert shared.connector_class() is RecordingConnector
+
+
+def test_reset_override_also_drops_the_profile_role_and_cache_set_by_override(
+    make_engine_config: MakeEngineConfig, kv_cache_config: KVCacheConfig
+) -> None:
+    container = container_for_profile(
+        make_engine_config("RecordingConnector"),
+        role=KVConnectorRole.WORKER,
+        kv_cache_config=kv_cache_config,
+    )
+
+    container.reset_override()
+
+    assert not container.engine_config.overridden
+    assert not container.process_role.overridden
+    assert not container.kv_cache_config.overridden
+    with pytest.raises(ContainerSetupError, match="connector role is not set"):
+        container.connector()
 
 
 # ------------------------------------------------------------------- wiring

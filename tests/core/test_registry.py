@@ -16,6 +16,7 @@ from kvwire.registry import (
     ConnectorRegistry,
     ConnectorSource,
     accepts_connector_builder,
+    default_registry,
 )
 from tests.core import sample_connectors
 from tests.core.sample_connectors import HMAConnector, RecordingConnector
@@ -248,6 +249,52 @@ def test_a_class_found_by_module_path_is_found_by_name_afterwards(
     found = registry.resolve(transfer("PluginConnector", kv_connector_module_path=plugin_module))
 
     assert registry.get_class("PluginConnector") is found
+
+
+# ------------------------------------------------------- private copies
+
+
+def test_a_copy_knows_every_name_including_those_registered_at_run_time(
+    registry: ConnectorRegistry,
+) -> None:
+    copied = registry.copy()
+
+    assert [entry.name for entry in copied.entries()] == [
+        entry.name for entry in registry.entries()
+    ]
+    assert copied.resolve(transfer("HMAConnector")) is HMAConnector
+
+
+def test_overriding_an_entry_of_a_copy_leaves_the_original_alone(
+    registry: ConnectorRegistry,
+) -> None:
+    copied = registry.copy()
+
+    with copied.provider("RecordingConnector").override(providers.Object(HMAConnector)):
+        assert copied.resolve(transfer("RecordingConnector")) is HMAConnector
+        assert registry.resolve(transfer("RecordingConnector")) is RecordingConnector
+
+
+def test_a_copy_drops_the_overrides_active_on_the_original(registry: ConnectorRegistry) -> None:
+    with registry.provider("RecordingConnector").override(providers.Object(HMAConnector)):
+        copied = registry.copy()
+
+    assert copied.resolve(transfer("RecordingConnector")) is RecordingConnector
+
+
+def test_a_name_registered_in_a_copy_stays_in_the_copy(registry: ConnectorRegistry) -> None:
+    copied = registry.copy()
+
+    copied.register_connector("Private", "tests.core.sample_connectors", "HMAConnector")
+
+    assert "Private" in copied
+    assert "Private" not in registry
+
+
+def test_the_copy_of_the_default_registry_keeps_the_built_ins() -> None:
+    copied = default_registry().copy()
+
+    assert {"CPUOffloadConnector", "MultiConnector"} <= {entry.name for entry in copied.entries()}
 
 
 def test_a_composite_is_recognised_by_its_keyword_only_connector_builder() -> None:
