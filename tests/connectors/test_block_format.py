@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import pathlib
 import struct
 
 import pytest
@@ -13,9 +15,13 @@ from kvwire.connectors.block_format import (
     verify_entry,
     write_header,
 )
+from tests.connectors.conftest import PairFactory
+from tests.connectors.harness import make_request
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
 BLOCK_HASH = bytes(range(32))
+BLOCK_TOKENS = 4
+PROMPT = list(range(100, 109))  # two full blocks, one token left to compute
 
 
 def encoded(layout: BlockLayout = LAYOUT, block_hash: bytes = BLOCK_HASH) -> bytearray:
@@ -39,13 +45,14 @@ def test_a_longer_buffer_holding_the_entry_verifies() -> None:
     [
         (0, "bad magic"),
         (4, "format version"),
-        (6, "dtype/shape"),
+        (6, "dtype bfloat16, expected float16"),
         (8, "layout fingerprint differs"),
         (24, "stored under another block hash"),
-        (56, "dtype/shape"),
+        (56, r"shape \(3, 2, 4, 2, 8\), expected \(2, 2, 4, 2, 8\)"),
         (76, "header says"),
         (84, "checksum mismatch"),
-        (HEADER_SIZE - 8, "checksum mismatch"),  # the unused tail of the header
+        (92, "sealed with a MAC, and this engine has no MAC key"),  # the flags
+        (HEADER_SIZE - 8, "checksum mismatch"),  # the MAC's place, unused without a key
         (HEADER_SIZE, "checksum mismatch"),
         (HEADER_SIZE + LAYOUT.payload_bytes - 1, "checksum mismatch"),
     ],
@@ -54,7 +61,7 @@ def test_each_damaged_field_is_named(offset: int, reason: str) -> None:
     entry = encoded()
     entry[offset] ^= 0x01
     if offset == HEADER_SIZE - 8:
-        # Padding is not covered by the checksum: damage there alone is harmless.
+        # Without a key the MAC's place is not read: damage there alone is harmless.
         verify_entry(memoryview(entry), LAYOUT, BLOCK_HASH)
         entry[HEADER_SIZE] ^= 0x01
     with pytest.raises(CorruptBlockError, match=reason):
@@ -106,3 +113,36 @@ def test_a_store_key_maps_back_to_its_block_hash_and_no_other_key_does() -> None
     # fromhex would skip the space: only the exact key counts.
     assert LAYOUT.block_hash_of(f"{key[:-2]} {key[-2:]}") is None
     assert LAYOUT.block_hash_of("stray-file") is None
+
+
+def test_an_unknown_dtype_code_is_named_beside_the_expected_dtype() -> None:
+    entry = encoded()
+    struct.pack_into("<H", entry, 6, 99)
+    with pytest.raises(CorruptBlockError, match="dtype code 99, expected float16"):
+        verify_entry(memoryview(entry), LAYOUT, BLOCK_HASH)
+
+
+def test_unknown_header_flags_are_refused() -> None:
+    entry = encoded()
+    entry[92] |= 0x80
+    with pytest.raises(CorruptBlockError, match="unknown header flags 0x80"):
+        verify_entry(memoryview(entry), LAYOUT, BLOCK_HASH)
+
+
+def test_the_load_warning_names_the_found_and_the_expected_dtype(
+    shared_storage_pair: PairFactory, storage_dir: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    producer = shared_storage_pair(seed=1)
+    request = make_request("p", PROMPT, BLOCK_TOKENS)
+    producer.prefill(request, [3, 7, 1])
+    assert producer.worker.wait_for_pending_saves(30)  # type: ignore[attr-defined]
+    # The harness's engines hold float32; the entry now says float16.
+    victim = next(p for p in storage_dir.rglob(request.block_hashes[0].hex()))
+    data = bytearray(victim.read_bytes())
+    struct.pack_into("<H", data, 6, 2)
+    victim.write_bytes(bytes(data))
+    consumer = shared_storage_pair()
+    with caplog.at_level(logging.WARNING):
+        consumer.prefill(make_request("c", PROMPT, BLOCK_TOKENS), [20, 21, 22])
+    assert consumer.load_errors == {20}
+    assert "dtype float16, expected float32" in caplog.text

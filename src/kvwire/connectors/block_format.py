@@ -6,6 +6,12 @@ of its payload, so that a missing, torn, corrupted or foreign entry is
 recognised before a single byte of it reaches the KV cache. No pickle: the
 header is a fixed ``struct`` and the payload is the cache's own bytes.
 
+With a MAC key (:mod:`kvwire.connectors.entry_mac`), the header's flags say
+that the entry is sealed, its last 32 bytes hold the MAC of the rest of the
+header and the payload, and the layout fingerprint names the key's id: such
+entries and unsealed ones never share a name, and one found under the other's
+name is a load error.
+
 The payload of a block is every layer's keys and values for that block, in
 the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
 "cross-layer" layout: one entry per block, so transfers are large).
@@ -23,6 +29,7 @@ import xxhash
 
 from kvwire.config import DTYPE_SIZES, EngineConfig
 from kvwire.connector.types import BlockHash
+from kvwire.connectors.entry_mac import MAC_SIZE, EntryMac
 
 MAGIC = b"KVWB"
 FORMAT_VERSION = 1
@@ -32,9 +39,14 @@ HEADER_SIZE = 128
 CACHE_LAYOUT = "layers,2,block_size,num_kv_heads,head_size"
 
 _DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPE_SIZES, start=1)}
-# magic, version, dtype code, fingerprint, block hash, shape (5 dims), payload bytes, checksum
-_HEADER = struct.Struct("<4sHH16s32s5IQQ")
-assert _HEADER.size <= HEADER_SIZE
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+# magic, version, dtype code, fingerprint, block hash, shape (5 dims), payload bytes,
+# checksum, flags; the MAC (or zeros) fills the rest of the header.
+_HEADER = struct.Struct("<4sHH16s32s5IQQI")
+assert _HEADER.size + MAC_SIZE == HEADER_SIZE
+# Entries written before flags existed have zeros there: unsealed.
+FLAG_SEALED = 0x1
+_UNSEALED_MAC = bytes(MAC_SIZE)
 
 
 class CorruptBlockError(ValueError):
@@ -58,6 +70,8 @@ class BlockLayout:
     num_kv_heads: int
     head_size: int
     dtype: str
+    # The MAC that seals and checks this layout's entries; None: checksum only.
+    mac: EntryMac | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -97,6 +111,9 @@ class BlockLayout:
             f"kvwire-block-v{FORMAT_VERSION};layout={CACHE_LAYOUT};shape={self.shape};"
             f"dtype={self.dtype}"
         )
+        if self.mac is not None:
+            # Sealed entries (and each key's) get names of their own.
+            description += f";mac={self.mac.key_id}"
         return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
     @functools.cached_property
@@ -104,9 +121,18 @@ class BlockLayout:
         return self.fingerprint.hex()
 
     @functools.cached_property
-    def header_template(self) -> bytes:
-        """This layout's header with a zero block hash and checksum, to compare entries against."""
-        return _HEADER.pack(
+    def header_flags(self) -> int:
+        return FLAG_SEALED if self.mac is not None else 0
+
+    @functools.cached_property
+    def expected_header_fields(self) -> tuple[bytes, bytes, bytes]:
+        """What every entry's header of this layout holds around its block hash and checksum.
+
+        Three byte strings: the header up to the block hash, from the hash to
+        the checksum, and the flags; compared as they are, field by field
+        only when they differ.
+        """
+        template = _HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
             _DTYPE_CODES[self.dtype],
@@ -115,6 +141,12 @@ class BlockLayout:
             *self.shape,
             self.payload_bytes,
             0,
+            self.header_flags,
+        )
+        return (
+            template[:_HASH_START],
+            template[_HASH_END:_CHECKSUM_START],
+            template[_CHECKSUM_END:_MAC_START],
         )
 
     def key(self, block_hash: BlockHash) -> str:
@@ -146,7 +178,11 @@ def payload_checksum(payload: memoryview) -> int:
 
 
 def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
-    """Fill ``entry[:HEADER_SIZE]`` for the payload already in ``entry[HEADER_SIZE:]``."""
+    """Fill ``entry[:HEADER_SIZE]`` for the payload already in ``entry[HEADER_SIZE:]``.
+
+    With a MAC, the header (checksum included) and the payload are sealed
+    here too, read where they lie, while the payload is still in the CPU cache.
+    """
     payload = entry[HEADER_SIZE : HEADER_SIZE + layout.payload_bytes]
     _HEADER.pack_into(
         entry,
@@ -159,34 +195,53 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
         *layout.shape,
         layout.payload_bytes,
         payload_checksum(payload),
+        layout.header_flags,
     )
-    entry[_HEADER.size : HEADER_SIZE] = bytes(HEADER_SIZE - _HEADER.size)
+    if layout.mac is None:
+        entry[_MAC_START:HEADER_SIZE] = _UNSEALED_MAC
+    else:
+        entry[_MAC_START:HEADER_SIZE] = layout.mac.seal(entry[:_MAC_START], payload)
 
 
-# Where the block hash lies in the header, and where the checksum starts.
+# Where the block hash lies in the header, where the checksum and the MAC start.
 _HASH_START = struct.calcsize("<4sHH16s")
 _HASH_END = _HASH_START + 32
-_CHECKSUM_START = _HEADER.size - 8
+_CHECKSUM_START = struct.calcsize("<4sHH16s32s5IQ")
+_CHECKSUM_END = _CHECKSUM_START + 8
+_MAC_START = _HEADER.size
 
 
 def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
-    """Raise :class:`CorruptBlockError` unless ``entry`` is this block, whole and intact."""
+    """Raise :class:`CorruptBlockError` unless ``entry`` is this block, whole and intact.
+
+    With a MAC, the MAC alone decides (it covers the checksum and all the
+    rest); only an entry that fails it is checksummed, to tell damage from forgery.
+    """
     if len(entry) < HEADER_SIZE:
         raise CorruptBlockError(f"entry is {len(entry)} bytes, shorter than its header")
-    template = layout.header_template
+    before_hash, before_checksum, flags = layout.expected_header_fields
     payload_bytes = layout.payload_bytes
-    if (
+    if not (
         len(entry) >= HEADER_SIZE + payload_bytes
-        and entry[:_HASH_START] == template[:_HASH_START]
+        and entry[:_HASH_START] == before_hash
         and entry[_HASH_START:_HASH_END] == block_hash.ljust(32, b"\0")[:32]
-        and entry[_HASH_END:_CHECKSUM_START] == template[_HASH_END:_CHECKSUM_START]
+        and entry[_HASH_END:_CHECKSUM_START] == before_checksum
+        and entry[_CHECKSUM_END:_MAC_START] == flags
     ):
-        # The usual case, in three comparisons; only the checksum is left.
-        (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
-        if payload_checksum(entry[HEADER_SIZE : HEADER_SIZE + payload_bytes]) != checksum:
-            raise CorruptBlockError("payload checksum mismatch")
+        _raise_header_error(entry, layout, block_hash)
+    # The usual case, in four comparisons; only the payload's integrity is left.
+    payload = entry[HEADER_SIZE : HEADER_SIZE + payload_bytes]
+    mac = layout.mac
+    if mac is not None and mac.matches(entry[_MAC_START:HEADER_SIZE], entry[:_MAC_START], payload):
         return
-    _raise_header_error(entry, layout, block_hash)
+    (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
+    if payload_checksum(payload) != checksum:
+        raise CorruptBlockError("payload checksum mismatch")
+    if mac is not None:
+        raise CorruptBlockError(
+            "MAC mismatch with an intact checksum: the entry was not written with this "
+            f"engine's MAC key (${mac.variable}); forged, or a bug"
+        )
 
 
 def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> NoReturn:
@@ -194,16 +249,21 @@ def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: Bloc
     values = _HEADER.unpack_from(entry, 0)
     magic, version, dtype_code, fingerprint, stored_hash = values[:5]
     shape = tuple(values[5:10])
-    payload_bytes = values[10]
+    payload_bytes, flags = values[10], values[12]
     # Field by field, so that the error names what is wrong.
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+    if flags != layout.header_flags:
+        raise CorruptBlockError(_flags_error(flags, layout))
     if fingerprint != layout.fingerprint:
         raise CorruptBlockError("layout fingerprint differs from this engine's")
-    if dtype_code != _DTYPE_CODES[layout.dtype] or shape != layout.shape:
-        raise CorruptBlockError(f"dtype/shape {dtype_code}/{shape} differ from {layout.shape}")
+    if dtype_code != _DTYPE_CODES[layout.dtype]:
+        found = _DTYPE_NAMES.get(dtype_code, f"code {dtype_code}")
+        raise CorruptBlockError(f"dtype {found}, expected {layout.dtype}")
+    if shape != layout.shape:
+        raise CorruptBlockError(f"shape {shape}, expected {layout.shape}")
     if stored_hash != block_hash.ljust(32, b"\0")[:32]:
         raise CorruptBlockError("entry was stored under another block hash")
     if payload_bytes != layout.payload_bytes or len(entry) < HEADER_SIZE + payload_bytes:
@@ -212,3 +272,14 @@ def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: Bloc
             f"expected {layout.payload_bytes}"
         )
     raise CorruptBlockError("header does not match this block")
+
+
+def _flags_error(flags: int, layout: BlockLayout) -> str:
+    if flags & ~FLAG_SEALED:
+        return f"unknown header flags {flags:#x}"
+    if layout.mac is not None:
+        return (
+            "entry is not sealed with a MAC, and this engine requires one (MAC key from "
+            f"${layout.mac.variable}): forged, or written by an engine without the key"
+        )
+    return "entry is sealed with a MAC, and this engine has no MAC key (mac_key_env)"
