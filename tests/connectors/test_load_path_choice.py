@@ -31,7 +31,7 @@ class RecordingStore(DirectoryBlockStore):
     """A real directory store that also notes which keys it was asked to map."""
 
     def __init__(self, root: pathlib.Path) -> None:
-        super().__init__(root)
+        super().__init__(root, entry_bytes=LARGE.entry_bytes)
         self.mapped_keys: list[str] = []
 
     def map_entry(self, key: str) -> mmap.mmap | None:

@@ -39,7 +39,7 @@ class RecordingStore(DirectoryBlockStore):
     """
 
     def __init__(self, root: pathlib.Path, hold_after_first: bool = False) -> None:
-        super().__init__(root)
+        super().__init__(root, entry_bytes=LAYOUT.entry_bytes)
         self.read_sizes: list[int] = []
         self.hold_after_first = hold_after_first
         self.release = threading.Event()

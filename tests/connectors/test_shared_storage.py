@@ -25,6 +25,8 @@ BLOCK = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, one token left to compute
 PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
 CONSUMER_BLOCKS = [20, 21, 22, 23, 24]
+# A layout fingerprint's folder, for tests of the directory store on its own.
+LAYOUT_FOLDER = "0123456789abcdef" * 2
 
 
 def entry_files(root: pathlib.Path) -> list[pathlib.Path]:
@@ -325,26 +327,26 @@ def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_loa
 def test_old_temporary_files_of_dead_writers_are_swept(storage_dir):
     from kvwire.connectors.file_store import DirectoryBlockStore
 
-    shard = storage_dir / "fingerprint" / "ab"
+    shard = storage_dir / LAYOUT_FOLDER / "ab"
     shard.mkdir(parents=True)
     stale, fresh = shard / ".ab12.4242.1.tmp", shard / ".ab34.4242.2.tmp"
     stale.write_bytes(b"half an entry")
     fresh.write_bytes(b"a save in progress")
     os.utime(stale, (0, 0))
-    assert DirectoryBlockStore(storage_dir).sweep_stale_temporary_files() == 1
+    assert DirectoryBlockStore(storage_dir, entry_bytes=100).sweep_stale_temporary_files() == 1
     assert not stale.exists() and fresh.exists()
 
 
 def test_the_directory_store_hands_over_the_keys_it_removed_once(tmp_path: pathlib.Path):
     from kvwire.connectors.file_store import DirectoryBlockStore
 
-    store = DirectoryBlockStore(tmp_path, max_bytes=250)
-    keys = [f"layout/{i:02x}aa" for i in range(4)]
+    store = DirectoryBlockStore(tmp_path, entry_bytes=100, max_bytes=250)
+    keys = [f"{LAYOUT_FOLDER}/{i:02x}aa" for i in range(4)]
     for key in keys:
         assert store.put([key], [memoryview(bytes(100))]) == [True]
         # Eviction is oldest first: make the order of the writes unambiguous.
         os.utime(store.path_of(key), (len(keys), keys.index(key)))
-    store.discard([keys[3], "layout/never-written"])
+    store.discard([keys[3], f"{LAYOUT_FOLDER}/ffff"])
     # Each write over the cap evicted the oldest entry; then the discarded one
     # (a key with no file was not removed, so it is not reported).
     assert store.take_removed_keys() == [keys[0], keys[1], keys[3]]

@@ -1,12 +1,22 @@
 """A :class:`BlockStore` in a directory that several engines share.
 
 One file per entry, named by its key in sharded sub-folders
-(``<root>/<layout fingerprint>/<2 hex digits>/<block hash>``). A writer
-writes a hidden temporary file and renames it into place, so a reader (in any
-process) sees a whole entry or none, even if the writer is killed mid-way.
-Disk full, permission denied or a vanished directory fail the save with a
-rate-limited warning and a counter, never an exception. An optional size cap
-evicts the least recently used entries (reads refresh an entry's mtime).
+(``<root>/<layout fingerprint>/<2 hex digits>/<block hash>``, see
+:mod:`kvwire.connectors.directory_layout`). A writer writes a hidden
+temporary file (created exclusively, never through a link) and renames it
+into place, so a reader (in any process) sees a whole entry or none, even if
+the writer is killed mid-way. Disk full, permission denied or a vanished
+directory fail the save with a rate-limited warning and a counter, never an
+exception. An optional size cap evicts the least recently used entries
+(reads refresh an entry's mtime). Eviction and the sweep of dead writers'
+temporary files remove only files that are provably kvwire's: the root may
+hold the user's own files.
+
+Entries and folders get the modes of :mod:`kvwire.connectors.file_modes`
+(owner-only by default). A reader opens an entry without following a link
+and without blocking (a FIFO put in an entry's place must not hang a load),
+and reads only a regular file no larger than an entry; anything else is a
+bad entry: warned about, counted, a failed load.
 
 Large entries can also be read by mapping their file (:meth:`DirectoryBlockStore.map_entry`):
 the reader verifies the page cache's bytes in place and copies them once, into
@@ -19,16 +29,28 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import mmap
 import os
-import re
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
 from kvwire.connectors.counters import Counters
+from kvwire.connectors.directory_layout import (
+    Shard,
+    ShardContents,
+    entry_path,
+    remove_empty_folder,
+    scan_shard,
+    shards,
+    temporary_name,
+)
+from kvwire.connectors.file_modes import PRIVATE, FileModes, make_folder, process_umask
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.store import BlockStore
 
@@ -36,8 +58,14 @@ logger = logging.getLogger(__name__)
 
 _Result = TypeVar("_Result")
 
-_KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
-_TMP_SUFFIX = ".tmp"
+# Never through a link, and never blocking: a FIFO in an entry's place would
+# otherwise hang the open until some process writes to it.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+# A new file or nothing: never another writer's temporary file, never a link's target.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+# Creating a temporary file retries this often when its shard folder is missing
+# (new, or removed as empty by an eviction in another process meanwhile).
+_CREATE_ATTEMPTS = 3
 # A temporary file this old belongs to a writer that died; eviction removes it.
 _STALE_TMP_S = 600.0
 # Eviction brings the directory down to this share of the cap, so that it
@@ -60,16 +88,40 @@ _ERROR_KINDS: dict[int, str] = {
 class DirectoryBlockStore(BlockStore):
     """Entries as files under ``root``; safe for many threads and processes at once.
 
-    ``fsync`` makes each entry durable before it becomes visible;
-    ``max_bytes`` (0: no cap) bounds the bytes this store keeps under ``root``.
+    ``entry_bytes`` is the size of an entry: a larger file is a bad entry
+    and is never read (a smaller one reaches the reader, whose check reports
+    it). ``fsync`` makes each entry durable before it becomes visible;
+    ``max_bytes`` (0: no cap) bounds the bytes of kvwire's entries under
+    ``root``; ``modes`` are the permissions of the files and folders it creates.
     """
 
     medium = "disk"
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False, max_bytes: int = 0):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        entry_bytes: int,
+        fsync: bool = False,
+        max_bytes: int = 0,
+        modes: FileModes = PRIVATE,
+    ):
         self.root = os.fspath(root)
+        if "\0" in self.root:
+            raise ValueError(
+                f"directory store root {self.root!r} contains a NUL byte; "
+                "expected a directory path without one"
+            )
+        self._entry_bytes = entry_bytes
         self._fsync = fsync
         self._max_bytes = max_bytes
+        self._modes = modes
+        # Exact modes whatever the umask, at no cost per write when the umask
+        # leaves them as they are (the usual case for owner-only files).
+        self._chmod_entries = modes.entry & ~process_umask() != modes.entry
+        # Temporary names are unique across the hosts that share the directory
+        # (pids repeat between hosts); O_EXCL turns the unlikely clash into a failed save.
+        self._serials = itertools.count(secrets.randbits(48))
         self._counters = Counters()
         self._warn = RateLimitedWarning(logger)
         self._size_lock = threading.Lock()
@@ -81,14 +133,8 @@ class DirectoryBlockStore(BlockStore):
         self._removed_keys: list[str] = []
 
     def path_of(self, key: str) -> str:
-        """The file that holds ``key``'s entry."""
-        parts = key.split("/")
-        if not parts or not all(_KEY_PART.match(part) for part in parts):
-            raise ValueError(
-                f"store key {key!r} is not a '/'-separated list of [A-Za-z0-9_-] names"
-            )
-        *folders, name = parts
-        return os.path.join(self.root, *folders, name[:2], name)
+        """The file that holds ``key``'s entry (``ValueError`` for a key of another form)."""
+        return entry_path(self.root, key)
 
     def take_counters(self) -> dict[str, float]:
         """Failure and eviction counts since the last call."""
@@ -110,17 +156,13 @@ class DirectoryBlockStore(BlockStore):
         count = 0
         for key in keys:
             try:
-                if not os.path.isfile(self.path_of(key)):
+                # Not following links: a link in an entry's place is no entry.
+                if not stat.S_ISREG(os.lstat(self.path_of(key)).st_mode):
                     break
             except (OSError, ValueError):
                 break
             count += 1
         return count
-
-    def _key_of_path(self, path: str) -> str:
-        """The key whose entry is the file at ``path``: :meth:`path_of` undone (shard dropped)."""
-        parts = os.path.relpath(path, self.root).split(os.sep)
-        return "/".join([*parts[:-2], parts[-1]])
 
     # ---------------------------------------------------------------- reads
 
@@ -137,7 +179,7 @@ class DirectoryBlockStore(BlockStore):
     def _read(self, key: str, buffer: memoryview) -> int | None:
         def read_into_buffer(fd: int, size: int) -> int | None:
             if size > len(buffer):
-                return None
+                raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold an entry")
             read = 0
             while read < size:
                 got = os.readv(fd, [buffer[read:size]])
@@ -149,7 +191,7 @@ class DirectoryBlockStore(BlockStore):
         return self._with_entry_file(key, read_into_buffer)
 
     def map_entry(self, key: str) -> mmap.mmap | None:
-        """``key``'s file mapped read-only (private): None if missing, empty or unreadable.
+        """``key``'s file mapped read-only (private): None if missing, empty, unreadable or bad.
 
         The caller closes the mapping. Nothing is copied until the caller reads it.
         """
@@ -165,25 +207,68 @@ class DirectoryBlockStore(BlockStore):
     def _with_entry_file(
         self, key: str, use: Callable[[int, int], _Result | None]
     ) -> _Result | None:
-        """``use(fd, size)`` on ``key``'s open file; None on a miss or a failure (counted)."""
+        """``use(fd, size)`` on ``key``'s open entry file; None on a miss or a failure (counted).
+
+        ``size`` is at most ``entry_bytes``: a larger file is a bad entry, and
+        so is a link or anything but a regular file.
+        """
         try:
-            fd = os.open(self.path_of(key), os.O_RDONLY)
+            path = self.path_of(key)
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as error:
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                # Left in place: what it points to is not kvwire's, and a link
+                # is never a hit (count_prefix), so it costs no further load.
+                self._bad_entry(key, "is a symbolic link, which kvwire never follows")
+            else:
+                self._fail("read", key, error)
+            return None
+        except ValueError as error:
             self._fail("read", key, error)
             return None
         try:
-            result = use(fd, os.fstat(fd).st_size)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                self._bad_entry(key, "is not a regular file")
+                return None
+            if info.st_size > self._entry_bytes:
+                self._bad_entry(
+                    key, f"is {info.st_size} bytes, longer than an entry ({self._entry_bytes})"
+                )
+                # It would be a hit, and a failed load, for every later request.
+                self._discard_opened(key, path, info)
+                return None
+            result = use(fd, info.st_size)
             if result is not None and self._max_bytes:
                 # Reads refresh the entry, so eviction is least-recently-used.
-                os.utime(fd)
+                # Best effort: a reader that may not (a read-only mount,
+                # another user's entry) still loads it.
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
             return result
-        except OSError as error:
+        except (OSError, ValueError) as error:
             self._fail("read", key, error)
             return None
         finally:
             os.close(fd)
+
+    def _bad_entry(self, key: str, what: str) -> None:
+        self._counters.add("corrupt_entries")
+        self._warn.warn(
+            "bad_entry", "shared storage %s: not loading %s: it %s", self.root, key, what
+        )
+
+    def _discard_opened(self, key: str, path: str, opened: os.stat_result) -> None:
+        """Remove the entry file that was opened as ``opened``, unless another has replaced it."""
+        try:
+            now = os.lstat(path)
+        except OSError:
+            return
+        if (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino) and _unlink_quietly(path):
+            self._removed(key)
+            self._counters.add("discarded_entries")
 
     # --------------------------------------------------------------- writes
 
@@ -200,20 +285,14 @@ class DirectoryBlockStore(BlockStore):
             self._fail("write", key, error)
             return False
         folder, name = os.path.split(path)
-        temporary = os.path.join(
-            folder, f".{name}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
-        )
+        temporary = os.path.join(folder, temporary_name(name, os.getpid(), next(self._serials)))
+        created = False
         try:
+            fd = self._create_temporary(temporary, folder)
+            created = True
             try:
-                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            except FileNotFoundError:
-                # The shard folder is new; the root itself must exist (a vanished
-                # root is an error, not something to recreate silently).
-                if not os.path.isdir(self.root):
-                    raise
-                os.makedirs(folder, exist_ok=True)
-                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
+                if self._chmod_entries:
+                    os.fchmod(fd, self._modes.entry)
                 written = 0
                 while written < len(entry):
                     written += os.write(fd, entry[written:])
@@ -226,11 +305,31 @@ class DirectoryBlockStore(BlockStore):
                 self._fsync_folder(folder)
             return True
         except OSError as error:
-            # Nothing half-written may remain: the temporary file goes.
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+            # Nothing half-written may remain: the temporary file goes (only
+            # one this write created: a clash must not remove another's).
+            if created:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
             self._fail("write", key, error)
             return False
+
+    def _create_temporary(self, temporary: str, folder: str) -> int:
+        for _ in range(_CREATE_ATTEMPTS - 1):
+            try:
+                return os.open(temporary, _CREATE_FLAGS, self._modes.entry)
+            except FileNotFoundError:
+                # The root itself must exist: a vanished root is an error, not
+                # something to recreate silently.
+                if not os.path.isdir(self.root):
+                    raise
+                self._make_folders(folder)
+        return os.open(temporary, _CREATE_FLAGS, self._modes.entry)
+
+    def _make_folders(self, shard_folder: str) -> None:
+        """Create the layout and shard folders of ``shard_folder`` that are missing."""
+        for folder in (os.path.dirname(shard_folder), shard_folder):
+            with contextlib.suppress(FileExistsError):
+                make_folder(folder, self._modes)
 
     def _fsync_folder(self, folder: str) -> None:
         fd = os.open(folder, os.O_RDONLY)
@@ -260,13 +359,33 @@ class DirectoryBlockStore(BlockStore):
         discarded = 0
         for key in keys:
             try:
-                if _unlink_quietly(self.path_of(key)):
-                    self._removed(key)
-                    discarded += 1
+                path = self.path_of(key)
             except ValueError:
                 continue
+            if _unlink_regular_file(path):
+                self._removed(key)
+                discarded += 1
         # Only files that were there: another reader may have discarded one first.
         self._counters.add("discarded_entries", discarded)
+
+    def remove_layout(self, layout: str) -> bool:
+        """Remove every entry of ``layout``, and its folders once empty; whether none is left.
+
+        Files that are not kvwire's stay, and so do the folders that hold them.
+        """
+        left = 0
+        for shard in shards(self.root, layout):
+            contents = scan_shard(shard)
+            remaining = _file_count(contents)
+            for entry in contents.entries:
+                if _unlink_quietly(entry.path):
+                    remaining -= 1
+                else:
+                    left += 1
+            if remaining == 0:
+                remove_empty_folder(shard.path)
+        remove_empty_folder(os.path.join(self.root, layout))
+        return left == 0
 
     # ------------------------------------------------------------- eviction
 
@@ -290,20 +409,18 @@ class DirectoryBlockStore(BlockStore):
                 self.evict()
 
     def sweep_stale_temporary_files(self) -> int:
-        """Remove the temporary files of writers that died mid-save; how many went."""
+        """Remove the temporary files of writers that died mid-save; how many went.
+
+        Shard folders left empty go too.
+        """
         removed = 0
         now = time.time()
-        for folder, _, names in os.walk(self.root):
-            for name in names:
-                if not name.endswith(_TMP_SUFFIX):
-                    continue
-                path = os.path.join(folder, name)
-                try:
-                    stale = now - os.stat(path).st_mtime > _STALE_TMP_S
-                except OSError:
-                    continue
-                if stale and _unlink_quietly(path):
-                    removed += 1
+        for shard in shards(self.root):
+            contents = scan_shard(shard)
+            swept = self._remove_stale_temporary_files(contents, now)
+            removed += swept
+            if _file_count(contents) == swept:
+                remove_empty_folder(shard.path)
         self._counters.add("stale_temporary_files_removed", removed)
         return removed
 
@@ -311,40 +428,69 @@ class DirectoryBlockStore(BlockStore):
         """Bring the directory under its cap, oldest entries first; the bytes it holds.
 
         The scan also counts what other processes wrote, and removes the
-        temporary files of writers that died.
+        temporary files of writers that died and the shard folders left empty.
         """
-        entries: list[tuple[float, int, str]] = []
+        entries: list[tuple[float, int, str, Shard, str]] = []
+        files_left: dict[Shard, int] = {}
         now = time.time()
         with self._size_lock:
             self._added_since_scan = 0
-        for folder, _, names in os.walk(self.root):
-            for name in names:
-                path = os.path.join(folder, name)
+        for shard in shards(self.root):
+            contents = scan_shard(shard)
+            files_left[shard] = _file_count(contents)
+            files_left[shard] -= self._remove_stale_temporary_files(contents, now)
+            for entry in contents.entries:
                 try:
-                    info = os.stat(path)
+                    info = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if name.endswith(_TMP_SUFFIX):
-                    if now - info.st_mtime > _STALE_TMP_S:
-                        _unlink_quietly(path)
-                    continue
-                entries.append((info.st_mtime, info.st_size, path))
-        total = sum(size for _, size, _ in entries)
+                entries.append((info.st_mtime, info.st_size, entry.path, shard, entry.name))
+        total = sum(size for _, size, _, _, _ in entries)
         if self._max_bytes and total > self._max_bytes:
             target = int(self._max_bytes * _EVICT_TO)
-            entries.sort()
-            for _, size, path in entries:
+            entries.sort(key=lambda found: (found[0], found[2]))
+            for _, size, path, shard, name in entries:
                 if total <= target:
                     break
                 if _unlink_quietly(path):
                     total -= size
+                    files_left[shard] -= 1
                     self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": size})
-                    self._removed(self._key_of_path(path))
+                    self._removed(shard.key_of(name))
+        for shard, count in files_left.items():
+            if count == 0:
+                remove_empty_folder(shard.path)
         with self._size_lock:
             # Writes that landed during the scan may be missing from it: count
             # them again (an overcount only brings the next eviction sooner).
             self._approx_bytes = total + self._added_since_scan
         return total
+
+    def _remove_stale_temporary_files(self, contents: ShardContents, now: float) -> int:
+        removed = 0
+        for temporary in contents.temporary_files:
+            try:
+                stale = now - temporary.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S
+            except OSError:
+                continue
+            if stale and _unlink_quietly(temporary.path):
+                removed += 1
+        return removed
+
+
+def _file_count(contents: ShardContents) -> int:
+    """How many files the scanned shard folder held, kvwire's or not."""
+    return len(contents.entries) + len(contents.temporary_files) + contents.others
+
+
+def _unlink_regular_file(path: str) -> bool:
+    """Remove ``path`` if it is a regular file (a link or a FIFO is not kvwire's)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    return _unlink_quietly(path)
 
 
 def _unlink_quietly(path: str) -> bool:
