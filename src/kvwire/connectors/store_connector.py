@@ -49,7 +49,11 @@ the staging slots; a save that finds every slot busy is dropped and counted,
 never waited for), ``io_threads`` (per direction), ``batch_blocks`` (blocks
 per save call, and the shortest load run: a load is shared between the I/O
 threads in runs of at least this many blocks, one store call each),
-``async_load`` (loads reported through ``get_finished``).
+``async_load`` (loads reported through ``get_finished``), ``mac_key_env``
+(the name of an environment variable holding a MAC key: every entry is then
+sealed with HMAC-SHA256 and one whose MAC does not match is a load error, see
+:mod:`kvwire.connectors.entry_mac`; the key itself is never accepted in a
+profile).
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_connector import BlockConnector
+from kvwire.connectors.entry_mac import EntryMac, MacKeyError
 from kvwire.connectors.extra_config import (
+    ExtraConfigError,
     ExtraConfigKey,
     bool_key,
     int_key,
@@ -85,13 +91,27 @@ from kvwire.connectors.worker_steps import metadata_of_type
 if TYPE_CHECKING:
     import torch
 
-    from kvwire.config import EngineConfig
+    from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.connectors.store import BlockStore
     from kvwire.kv_cache_config import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BlockTransfer", "StoreConnector", "StoreConnectorMetadata"]
+
+# Not a declared key, so a user's extra config can never supply it.
+_ENTRY_MAC = "entry_mac"
+
+
+@attrs.frozen
+class _Unchecked:
+    """``mac_key_env`` as given: checked by :meth:`StoreConnector.read_options`, never echoed.
+
+    The generic reader would print a bad value, and a bad value here may be
+    the key itself.
+    """
+
+    value: object = attrs.field(repr=False)
 
 
 @attrs.frozen
@@ -126,6 +146,8 @@ class StoreConnector(BlockConnector[StoreWorker]):
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
+        # Both sides: sealed entries are named apart (the key's id is in the fingerprint).
+        self._layout = attrs.evolve(self._layout, mac=self._options[_ENTRY_MAC])
         self._store = self.create_store(self._options)
         # Scheduler side.
         self._step_loads: list[BlockTransfer] = []
@@ -144,7 +166,28 @@ class StoreConnector(BlockConnector[StoreWorker]):
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             bool_key("async_load", False),
+            ExtraConfigKey(
+                "mac_key_env",
+                None,
+                _Unchecked,
+                "the name of an environment variable holding a MAC key",
+            ),
         )
+
+    @classmethod
+    def read_options(cls, kv_transfer_config: KVTransferConfig) -> dict[str, Any]:
+        """The common options, and the MAC keyed from ``mac_key_env`` as ``options["entry_mac"]``.
+
+        An unset, empty or too short variable is an error here, so ``kvwire
+        check`` (run in the engine's environment) finds it before the engine.
+        """
+        options = super().read_options(kv_transfer_config)
+        given = options["mac_key_env"]
+        try:
+            entry_mac = None if given is None else EntryMac.from_environment(given.value)
+        except MacKeyError as error:
+            raise ExtraConfigError(f"kv_connector_extra_config.mac_key_env: {error}") from None
+        return {**options, _ENTRY_MAC: entry_mac}
 
     @abc.abstractmethod
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
