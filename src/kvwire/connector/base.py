@@ -5,22 +5,31 @@ The SCHEDULER instance decides what to load and save (pure bookkeeping); the
 WORKER instance moves bytes between the paged KV cache and the connector's
 store. The two never share state: everything the worker needs crosses in the
 :class:`KVConnectorMetadata` the scheduler side builds each step.
+
+The interface is vLLM's ``KVConnectorBase_V1``: the constructor's keywords,
+the ``_vllm_config`` / ``_kv_transfer_config`` / ``_kv_cache_config``
+attributes and every optional hook with vLLM's default, so a connector
+written for vLLM runs here once its imports name kvwire
+(``KVConnectorBase_V1`` is an alias of :class:`KVConnectorBase`).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvwire.connector.types import (
+    CacheHitSource,
     ForwardContext,
     KVCacheBlocks,
     KVCacheEvent,
     KVConnectorOutput,
     KVConnectorStats,
+    KVConnectorTransferResults,
     Request,
     SchedulerOutput,
 )
@@ -47,6 +56,36 @@ class KVConnectorMetadata:
     """
 
 
+class KVConnectorWorkerMetadata(abc.ABC):
+    """What one worker tells the scheduler side for one step (the reverse of the metadata).
+
+    The engine merges every worker's with :meth:`aggregate` and hands the
+    result to ``update_connector_output`` in
+    ``KVConnectorOutput.kv_connector_worker_meta``. It must be picklable.
+    """
+
+    @abc.abstractmethod
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """This worker's metadata merged with ``other``'s."""
+
+
+class KVConnectorHandshakeMetadata:
+    """What peers exchange out of band to reach a worker (disaggregated connectors); picklable."""
+
+
+CopyBlocksOp = Callable[
+    [
+        dict[str, "torch.Tensor"],
+        dict[str, "torch.Tensor"],
+        list[int],
+        list[int],
+        Literal["h2d", "d2h"],
+    ],
+    None,
+]
+"""Copies blocks between device and host tensors: (sources, destinations, source
+block ids, destination block ids, direction)."""
+
 HMAResolver = Callable[["KVTransferConfig"], bool]
 """Answers "does the connector this config names support HMA?" through the registry."""
 
@@ -66,19 +105,27 @@ class KVConnectorBase(abc.ABC):
     """The base every KV connector derives from.
 
     Subclasses implement the abstract scheduler-side and worker-side calls;
-    the rest have defaults that do nothing. The constructor takes the engine
-    config, the role and the sized ``kv_cache_config`` (keep the 3-argument
-    signature and call ``super().__init__``).
+    the rest have vLLM's defaults (most do nothing). The constructor takes the
+    engine config, the role and the sized ``kv_cache_config``, positionally
+    or as vLLM's keywords ``vllm_config=``, ``role=``, ``kv_cache_config=``
+    (keep the 3-argument signature and call ``super().__init__``). It keeps
+    them as vLLM's base does: ``_vllm_config``, ``_kv_transfer_config``,
+    ``_kv_cache_config``, ``_role``; the properties below read them.
     """
 
+    _cache_hit_source: CacheHitSource = CacheHitSource.EXTERNAL_UNSPECIFIED
+    """Where this connector's hits come from (HOST, DISK, P2P), for hit-source metrics."""
+
     def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+        self, vllm_config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        if config.kv_transfer_config is None:
+        if vllm_config.kv_transfer_config is None:
             raise ValueError("kv_transfer_config must be set to create a connector")
-        self._config = config
+        self._vllm_config = vllm_config
+        self._kv_transfer_config: KVTransferConfig = vllm_config.kv_transfer_config
         self._role = role
         self._kv_cache_config = kv_cache_config
+        self._kv_cache_manager: Any = None
         self._connector_metadata: KVConnectorMetadata | None = None
 
     @property
@@ -87,17 +134,35 @@ class KVConnectorBase(abc.ABC):
 
     @property
     def engine_config(self) -> EngineConfig:
-        return self._config
+        return self._vllm_config
 
     @property
     def kv_transfer_config(self) -> KVTransferConfig:
-        transfer_config = self._config.kv_transfer_config
-        assert transfer_config is not None  # checked in __init__
-        return transfer_config
+        return self._kv_transfer_config
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         return self._kv_cache_config
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Whether KV handed off must reach its peer (a request preempted meanwhile is recomputed).
+
+        Defaults to the producer roles: only a producer hands KV off when a
+        request ends. A best-effort cache returns False: a dropped save is a
+        later miss.
+        """
+        return self._kv_transfer_config.is_kv_producer
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Whether this connector prefers one KV tensor holding every layer's blocks."""
+        return False
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Whether its hits can complete a hybrid model's lagging groups; defaults to False."""
+        return False
 
     @classmethod
     def supports_hma_for_config(
@@ -137,6 +202,28 @@ class KVConnectorBase(abc.ABC):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once with every layer's KV cache tensor, before the first step."""
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        """Called instead of :meth:`register_kv_caches` with one tensor for every layer.
+
+        Only when :attr:`prefer_cross_layer_blocks` is true and the layers are uniform.
+        """
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
+        """A context to allocate the KV cache in (a custom memory pool), or None for the default."""
+        return None
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        """The device-specific copy between device and host buffers, for host-staged transfers."""
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Deal with preempted requests before their blocks are overwritten (async savers)."""
+
+    def finish_forward(self) -> None:
+        """The model no longer reads this step's KV."""
+
+    def reset_capture_state(self) -> None:
+        """Undo worker state changed while CUDA graphs were captured."""
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Set this step's metadata; called before the forward pass."""
@@ -179,9 +266,37 @@ class KVConnectorBase(abc.ABC):
         """Requests whose asynchronous (sending, receiving) finished since the last call."""
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished sends and receives (and failed receives) in one snapshot.
+
+        The default reads :meth:`get_finished` and knows of no failed receive.
+        """
+        sending, receiving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(receiving or ())
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed; their content must not be trusted."""
         return set()
+
+    def load_errors_this_step(self) -> set[int]:
+        """Block ids whose loads failed this step, known by the end of the forward pass.
+
+        A composite asks each child before their :meth:`wait_for_save` and
+        tells every child (:meth:`skip_saves_computed_from`), so that no
+        child saves KV computed from a block whose load failed, whichever
+        child loaded it. Unlike :meth:`get_block_ids_with_load_errors` it
+        reports without clearing. The default knows of none.
+        """
+        return set()
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        """In this step's :meth:`wait_for_save`, save nothing computed from these blocks.
+
+        The default saves as planned: a connector that saves the blocks of a
+        request whose load failed elsewhere must override it.
+        """
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters since the last call (then reset), or None.
@@ -221,6 +336,10 @@ class KVConnectorBase(abc.ABC):
         """What peers need to reach this worker (disaggregated connectors)."""
         return None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's report for the scheduler side (see :class:`KVConnectorWorkerMetadata`)."""
+        return None
+
     def shutdown(self) -> None:
         """Let the transfers in flight finish, then release threads, files and connections.
 
@@ -229,6 +348,21 @@ class KVConnectorBase(abc.ABC):
         """
 
     # --------------------------------------------------------- scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """The scheduler's KV cache manager, once built; binds its block pool too."""
+        self._kv_cache_manager = kv_cache_manager
+        self.bind_gpu_block_pool(kv_cache_manager.block_pool)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """The engine's block pool, for connectors that track blocks (ref counts, prefix cache)."""
+
+    def on_new_request(self, request: Request) -> None:
+        """The scheduler took in ``request``; a place for per-request bookkeeping."""
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The KV cache groups a load for ``request`` restores: every group, by default."""
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(
@@ -250,6 +384,14 @@ class KVConnectorBase(abc.ABC):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's metadata for the worker side; resets per-step state."""
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """``num_external_tokens`` split by the tier that holds them (non-zero counts only)."""
+        if num_external_tokens == 0:
+            return {}
+        return {self._cache_hit_source: num_external_tokens}
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' merged report for the last step."""
 
@@ -259,9 +401,40 @@ class KVConnectorBase(abc.ABC):
         """``request`` finished; True keeps its blocks until it is reported finished sending."""
         return False, None
 
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        """Take charge of a finished request's partial last block; True keeps its blocks."""
+        return False
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """KV cache events since the last call."""
         return ()
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether transfers in flight will free blocks (so the scheduler need not preempt)."""
+        return False
+
+    def has_pending_push_work(self) -> bool:
+        """Whether KV still waits to be pushed to a peer, so the engine must keep stepping."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
+        """The KV cache layout this connector needs ("NHD", "HND"), or None for any."""
+        if cls is KVConnectorBase:
+            raise TypeError(
+                "get_required_kvcache_layout should not be called on the abstract base class"
+            )
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Whether its layer-by-layer calls need piecewise CUDA graphs with ``extra_config``."""
+        return False
 
     def get_finished_count(self) -> int | None:
         """How many workers must report a request finished; None means all of them."""
@@ -272,9 +445,47 @@ class KVConnectorBase(abc.ABC):
         return None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        """Rebuild this connector's stats from their serialized ``data``."""
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild this connector's stats from their serialized ``data``.
+
+        kvwire's default keeps the counters as they are (vLLM's returns None);
+        a connector with its own stats class returns one here.
+        """
         return KVConnectorStats(data=dict(data or {}))
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Every worker's handshake metadata, by tensor-parallel rank."""
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Handshake metadata by (pipeline rank, tensor rank); only rank 0 unless overridden."""
+        if any(pp_rank != 0 for pp_rank, _ in metadata):
+            raise ValueError(
+                f"{type(self).__name__} got handshake metadata for a pipeline rank > 0 but "
+                "serves pipeline rank 0 only; a connector for pipeline-parallel KV transfer "
+                "overrides set_xfer_handshake_metadata_pp_aware"
+            )
+        self.set_xfer_handshake_metadata({tp_rank: meta for (_, tp_rank), meta in metadata.items()})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: EngineConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Prometheus metrics for this connector's stats, or None."""
+        return None
+
+
+KVConnectorBase_V1 = KVConnectorBase
+"""vLLM's name for the base class, so that vLLM connectors need only their imports changed."""
 
 
 class SupportsHMA(abc.ABC):

@@ -189,13 +189,18 @@ KVCacheEvent = BlockStored | BlockRemoved
 
 @attrs.define
 class KVConnectorOutput:
-    """The worker side's report for one step, merged over workers."""
+    """The worker side's report for one step, merged over workers.
+
+    ``kv_connector_worker_meta`` is what the workers' ``build_connector_worker_meta``
+    returned, merged with its ``aggregate`` (None when no worker returned any).
+    """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     kv_connector_stats: KVConnectorStats | None = None
     invalid_block_ids: set[int] = attrs.field(factory=set)
     kv_cache_events: list[KVCacheEvent] = attrs.field(factory=list)
+    kv_connector_worker_meta: Any = None
 
     def is_empty(self) -> bool:
         return not (
@@ -204,4 +209,28 @@ class KVConnectorOutput:
             or (self.kv_connector_stats and not self.kv_connector_stats.is_empty())
             or self.invalid_block_ids
             or self.kv_cache_events
+            or self.kv_connector_worker_meta is not None
         )
+
+
+@attrs.define
+class KVConnectorTransferResults:
+    """One worker's finished transfers, in one snapshot.
+
+    A failed receive is in ``failed_recving`` and in ``finished_recving``
+    too, so that the scheduler stops waiting for the request.
+    """
+
+    finished_sending: set[str] = attrs.field(factory=set)
+    finished_recving: set[str] = attrs.field(factory=set)
+    failed_recving: set[str] = attrs.field(factory=set)
+
+
+class CacheHitSource(enum.Enum):
+    """Where tokens found outside the engine's own cache came from (for hit metrics)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    P2P = "p2p"
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"

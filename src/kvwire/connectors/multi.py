@@ -18,10 +18,20 @@ clash is an error); HMA only when every child supports it. The children's
 worker-side KV cache events are concatenated; the scheduler side keeps them
 itself (a child that got them would report them as its own, each child again)
 and reports them before its children's own events.
+
+Every optional hook of the base class reaches the children: preemptions and
+worker metadata (one entry per child), new requests, handshakes, the block
+pool. The rule that no child saves KV computed from a block whose load failed
+in another child goes through the base-class hooks
+(:meth:`~kvwire.connector.base.KVConnectorBase.load_errors_this_step`), so it
+holds for any child. Shutdown reaches every child even when one fails; each
+failure is logged and the first is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,10 +42,13 @@ from kvwire.config import KVTransferConfig
 from kvwire.connector.base import (
     ConnectorBuilder,
     ConnectorResolver,
+    CopyBlocksOp,
     HMAResolver,
     KVConnectorBase,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
     supports_hma,
 )
@@ -45,19 +58,22 @@ from kvwire.connector.types import (
     KVCacheEvent,
     KVConnectorOutput,
     KVConnectorStats,
+    KVConnectorTransferResults,
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.block_connector import BlockConnector
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.worker_steps import metadata_of_type
 from kvwire.exceptions import kind_of
+from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
     import torch
 
     from kvwire.config import EngineConfig
     from kvwire.kv_cache_config import KVCacheConfig
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -70,6 +86,56 @@ class MultiKVConnectorMetadata(KVConnectorMetadata):
 
     children: tuple[KVConnectorMetadata, ...]
     extra_async_saves: tuple[tuple[str, int], ...] = ()
+
+
+@attrs.frozen
+class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
+    """Each child's worker metadata, in child order (None for a child that had none)."""
+
+    children: tuple[KVConnectorWorkerMetadata | None, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, MultiKVConnectorWorkerMetadata) or len(other.children) != len(
+            self.children
+        ):
+            raise TypeError(
+                f"MultiKVConnectorWorkerMetadata of {len(self.children)} children cannot be "
+                f"merged with {type(other).__name__}; every worker runs the same children"
+            )
+        return MultiKVConnectorWorkerMetadata(
+            tuple(
+                theirs if mine is None else mine if theirs is None else mine.aggregate(theirs)
+                for mine, theirs in zip(self.children, other.children, strict=True)
+            )
+        )
+
+
+@attrs.define
+class MultiKVConnectorStats(KVConnectorStats):
+    """Each child's stats by child name, each rebuilt by the child's own class.
+
+    ``data`` maps a child's name to its :class:`KVConnectorStats` (or the
+    subclass its connector builds); merging merges child by child.
+    """
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, theirs in other.data.items():
+            child = theirs if isinstance(theirs, KVConnectorStats) else None
+            if child is None:
+                child = KVConnectorStats(data=dict(theirs))
+            mine = self.data.get(name)
+            self.data[name] = child if mine is None else mine.aggregate(child)
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        return {name: stats.reduce() for name, stats in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return all(stats.is_empty() for stats in self.data.values())
+
+    def reset(self) -> None:
+        for stats in self.data.values():
+            stats.reset()
 
 
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
@@ -160,6 +226,8 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
                     name if name not in self._child_names else f"{name}#{len(self._child_names)}"
                 )
         except BaseException:
+            # The children built so far are released; their own shutdown
+            # errors are logged, and the error that stopped the build is raised.
             self._shutdown_children()
             raise
         # Scheduler side.
@@ -172,6 +240,21 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     @property
     def children(self) -> tuple[KVConnectorBase, ...]:
         return tuple(self._children)
+
+    @property
+    def sub_connectors(self) -> list[KVConnectorBase]:
+        """The children, as vLLM's MultiConnector names them."""
+        return list(self._children)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(child.requires_kv_delivery for child in self._children)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return bool(self._children) and all(
+            child.supports_divergent_local_hybrid_hits for child in self._children
+        )
 
     @classmethod
     def supports_hma_for_config(
@@ -196,7 +279,78 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             except ValueError as error:
                 raise _child_error(index, error) from error
 
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> MultiKVConnectorStats | None:
+        """Each child's stats rebuilt by its class, found by name in the process-wide registry.
+
+        A child is named as in :meth:`get_kv_connector_stats` (its
+        ``kv_connector``, with ``#<index>`` after a repeated one); an unknown
+        name raises ``Connector '<name>' is not registered.``.
+        """
+        rebuilt: dict[str, Any] = {}
+        for name, child_data in (data or {}).items():
+            if isinstance(child_data, KVConnectorStats):
+                rebuilt[name] = child_data
+                continue
+            child_cls = default_registry().get_class(name.partition("#")[0])
+            child_stats = child_cls.build_kv_connector_stats(data=child_data)
+            if child_stats is not None:
+                rebuilt[name] = child_stats
+        return MultiKVConnectorStats(data=rebuilt)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
+        """The layout the children need, or None; children needing different ones are an error."""
+        assert vllm_config.kv_transfer_config is not None
+        layouts = set()
+        for child_config in child_transfer_configs(vllm_config.kv_transfer_config):
+            child_cls = default_registry().resolve(child_config)
+            layout = child_cls.get_required_kvcache_layout(
+                attrs.evolve(vllm_config, kv_transfer_config=child_config)
+            )
+            if layout is not None:
+                layouts.add(layout)
+        if len(layouts) > 1:
+            raise ValueError(
+                f"MultiConnector: children need different KV cache layouts "
+                f"({', '.join(sorted(layouts))}); every child must accept the same one"
+            )
+        return next(iter(layouts), None)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        parent = KVTransferConfig(
+            kv_connector=cls.__name__, kv_role="kv_both", kv_connector_extra_config=extra_config
+        )
+        return any(
+            default_registry()
+            .resolve(child)
+            .requires_piecewise_for_cudagraph(child.kv_connector_extra_config)
+            for child in child_transfer_configs(parent)
+        )
+
     # -------------------------------------------------------- scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        for child in self._children:
+            child.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        for child in self._children:
+            child.bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        for child in self._children:
+            child.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        chosen = self._loading_child.get(request.request_id)
+        if chosen is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return self._children[chosen].get_loaded_kv_cache_group_ids(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -237,7 +391,10 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._worker_events.extend(connector_output.kv_cache_events)
         stats = connector_output.kv_connector_stats
         nested = stats.data if stats is not None else {}
-        for name, child in zip(self._child_names, self._children, strict=True):
+        children_meta = self._children_worker_meta(connector_output.kv_connector_worker_meta)
+        for name, child, child_meta in zip(
+            self._child_names, self._children, children_meta, strict=True
+        ):
             child_stats = nested.get(name)
             child.update_connector_output(
                 attrs.evolve(
@@ -246,8 +403,23 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
                     if isinstance(child_stats, Mapping)
                     else None,
                     kv_cache_events=[],
+                    kv_connector_worker_meta=child_meta,
                 )
             )
+
+    def _children_worker_meta(
+        self, worker_meta: Any
+    ) -> tuple[KVConnectorWorkerMetadata | None, ...]:
+        if worker_meta is None:
+            return (None,) * len(self._children)
+        if not isinstance(worker_meta, MultiKVConnectorWorkerMetadata) or len(
+            worker_meta.children
+        ) != len(self._children):
+            raise TypeError(
+                f"{type(self).__name__} expected the MultiKVConnectorWorkerMetadata its "
+                f"{len(self._children)} children built, got {type(worker_meta).__name__}"
+            )
+        return worker_meta.children
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -292,11 +464,53 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             merged.update(params)
         return keeping > 0, merged
 
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        accepted = [
+            child.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+            for child in self._children
+        ]
+        return any(accepted)
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._worker_events = self._worker_events, []
         for child in self._children:
             events.extend(child.take_events())
         return events
+
+    def has_pending_block_frees(self) -> bool:
+        return any(child.has_pending_block_frees() for child in self._children)
+
+    def has_pending_push_work(self) -> bool:
+        return any(child.has_pending_push_work() for child in self._children)
+
+    def get_finished_count(self) -> int | None:
+        counts = [child.get_finished_count() for child in self._children]
+        if any(count is None for count in counts):
+            return None
+        distinct = sorted({count for count in counts if count is not None})
+        if len(distinct) > 1:
+            raise ValueError(
+                f"MultiConnector: children expect different numbers of finished reports "
+                f"{distinct}; every child's get_finished_count() must agree"
+            )
+        return distinct[0] if distinct else None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        for child in self._children:
+            child.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        for child in self._children:
+            child.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def reset_cache(self) -> bool | None:
         results = [child.reset_cache() for child in self._children]
@@ -307,6 +521,39 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for child in self._children:
             child.register_kv_caches(kv_caches)
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
+        """The one child's memory pool context: the KV cache lives in one pool only."""
+        found = [
+            (name, context)
+            for name, child in zip(self._child_names, self._children, strict=True)
+            if (context := child.get_mem_pool_context()) is not None
+        ]
+        if len(found) > 1:
+            raise ValueError(
+                f"MultiConnector: children {[name for name, _ in found]} each provide a KV cache "
+                "memory pool; the KV cache is allocated once, in one pool: configure at most one"
+            )
+        return found[0][1] if found else None
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        for child in self._children:
+            child.set_host_xfer_buffer_ops(copy_operation)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        metadata = metadata_of_type(
+            type(self).__name__, kv_connector_metadata, MultiKVConnectorMetadata
+        )
+        for child, child_metadata in zip(self._children, metadata.children, strict=True):
+            child.handle_preemptions(child_metadata)
+
+    def finish_forward(self) -> None:
+        for child in self._children:
+            child.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        for child in self._children:
+            child.reset_capture_state()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -339,30 +586,39 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def wait_for_save(self) -> None:
         # One child loads a request, every child saves it: blocks computed
         # after a failed load (from stale cache contents) must reach none of them.
-        block_children = [c for c in self._children if isinstance(c, BlockConnector)]
-        failed: set[int] = set()
-        for block_child in block_children:
-            failed |= block_child.load_errors_this_step()
-        for block_child in block_children:
-            block_child.skip_saves_computed_from(failed)
+        self.skip_saves_computed_from(self.load_errors_this_step())
         for child in self._children:
             child.wait_for_save()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending: set[str] = set()
-        receiving: set[str] = set()
+    def load_errors_this_step(self) -> set[int]:
+        failed: set[int] = set()
         for child in self._children:
-            child_sending, child_receiving = child.get_finished(finished_req_ids)
-            receiving |= child_receiving or set()
-            for request_id in child_sending or ():
+            failed |= child.load_errors_this_step()
+        return failed
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        for child in self._children:
+            child.skip_saves_computed_from(block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        for child in self._children:
+            child_results = child.get_transfer_results(finished_req_ids)
+            results.finished_recving |= child_results.finished_recving
+            results.failed_recving |= child_results.failed_recving
+            for request_id in child_results.finished_sending:
                 extra = self._pending_extra_saves.get(request_id)
                 if extra is None:
-                    sending.add(request_id)
+                    results.finished_sending.add(request_id)
                 elif extra == 1:
                     del self._pending_extra_saves[request_id]
                 else:
                     self._pending_extra_saves[request_id] = extra - 1
-        return (sending or None), (receiving or None)
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors: set[int] = set()
@@ -396,15 +652,26 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def get_handshake_metadata(self) -> Any:
         return [child.get_handshake_metadata() for child in self._children]
 
-    def shutdown(self) -> None:
-        self._shutdown_children()
+    def build_connector_worker_meta(self) -> MultiKVConnectorWorkerMetadata | None:
+        children = tuple(child.build_connector_worker_meta() for child in self._children)
+        if all(child_meta is None for child_meta in children):
+            return None
+        return MultiKVConnectorWorkerMetadata(children)
 
-    def _shutdown_children(self) -> None:
-        errors: list[BaseException] = []
-        for child in self._children:
+    def shutdown(self) -> None:
+        first_error = self._shutdown_children()
+        if first_error is not None:
+            raise first_error
+
+    def _shutdown_children(self) -> Exception | None:
+        """Shut every child down, logging each failure; the first failure, or None."""
+        first_error: Exception | None = None
+        for name, child in zip(self._child_names, self._children, strict=False):
             try:
                 child.shutdown()
             except Exception as error:
-                errors.append(error)
-        if errors:
-            raise errors[0]
+                logger.exception(
+                    "MultiConnector: child %s failed to shut down; shutting down the others", name
+                )
+                first_error = first_error or error
+        return first_error
