@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import pathlib
-import struct
 
 import pytest
-import torch
 
-from kvwire.connectors.block_format import HEADER_SIZE, payload_checksum
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.engine_support import (
     generate,
@@ -19,11 +16,10 @@ from tests.connectors.engine_support import (
     with_connector,
     workload,
 )
+from tests.connectors.forged_entries import forge
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 KEY = "0123456789abcdef" * 4
-CHECKSUM_AT = struct.calcsize("<4sHH16s32s5IQ")
-FLAGS_AT = CHECKSUM_AT + 8
 
 
 @pytest.fixture(scope="module")
@@ -39,23 +35,6 @@ def mac_key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def entry_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
-def forge(entry: bytes, unseal: bool = False) -> bytes:
-    """``entry`` with KV of the forger's choice and a checksum that matches it.
-
-    The tiny model's cache holds float32: large finite values, so attention
-    really changes. ``unseal`` also clears the flags and the MAC, as a writer
-    without the key would write it.
-    """
-    forged = bytearray(entry)
-    count = (len(forged) - HEADER_SIZE) // 4
-    values = torch.randn(count, generator=torch.Generator().manual_seed(len(entry))) * 50
-    forged[HEADER_SIZE:] = values.numpy().tobytes()
-    struct.pack_into("<Q", forged, CHECKSUM_AT, payload_checksum(memoryview(forged)[HEADER_SIZE:]))
-    if unseal:
-        forged[FLAGS_AT:HEADER_SIZE] = bytes(HEADER_SIZE - FLAGS_AT)
-    return bytes(forged)
 
 
 def forge_every_entry(root: pathlib.Path, unseal: bool = False) -> int:
