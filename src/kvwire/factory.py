@@ -31,6 +31,14 @@ class KVConnectorFactory:
         default_registry().register_connector(name, module_path, class_name)
 
     @classmethod
+    def get_connector_class_by_name(cls, connector_name: str) -> type[KVConnectorBase]:
+        """The class registered as ``connector_name`` (or found by module path earlier).
+
+        An unknown name raises ``Connector '<name>' is not registered.``.
+        """
+        return default_registry().get_class(connector_name)
+
+    @classmethod
     def get_connector_class(cls, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
         """The class ``kv_transfer_config`` names (module path first, then the registry)."""
         return default_registry().resolve(kv_transfer_config)

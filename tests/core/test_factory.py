@@ -116,3 +116,25 @@ def test_create_connector_hands_a_composite_its_builder(kv_cache_config: KVCache
 
     assert isinstance(composite, CompositeConnector)
     assert [type(child) for child in composite.children] == [HMAConnector]
+
+
+def test_get_connector_class_by_name_finds_a_registered_connector(plugin_module: str) -> None:
+    name = f"Plugin{uuid.uuid4().hex}"
+    KVConnectorFactory.register_connector(name, plugin_module, "PluginConnector")
+
+    found = KVConnectorFactory.get_connector_class_by_name(name)
+
+    assert found is sys.modules[plugin_module].PluginConnector
+
+
+def test_get_connector_class_by_name_of_an_unknown_name_keeps_the_reference_error() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVConnectorFactory.get_connector_class_by_name("NoSuchConnector")
+
+    assert str(caught.value) == "Connector 'NoSuchConnector' is not registered."
+
+
+def test_get_connector_class_by_name_finds_a_class_found_by_module_path_before() -> None:
+    resolved = KVConnectorFactory.get_connector_class(sample("VarKeywordConnector"))
+
+    assert KVConnectorFactory.get_connector_class_by_name("VarKeywordConnector") is resolved
