@@ -101,6 +101,17 @@ def bool_key(name: str, default: bool) -> ExtraConfigKey:
     )
 
 
+def seconds_key(name: str, default: float, maximum: float) -> ExtraConfigKey:
+    """A duration in seconds: a number > 0 and <= ``maximum`` (a deadline must be finite)."""
+
+    def convert(value: Any) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value) if 0 < value <= maximum else None
+
+    return ExtraConfigKey(name, default, convert, f"a number of seconds > 0 and <= {maximum:g}")
+
+
 def str_key(name: str, default: str | None, required: bool = False) -> ExtraConfigKey:
     def convert(value: Any) -> str | None:
         return value if isinstance(value, str) and value else None

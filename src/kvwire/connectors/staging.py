@@ -64,11 +64,14 @@ class StagingBuffers:
         """The payload of ``slot`` as a cross-layer tensor."""
         return self._payloads[slot]
 
-    def acquire(self, count: int) -> list[int]:
-        """Take up to ``count`` slots (at least one), waiting while none is free."""
+    def acquire(self, count: int, timeout_s: float) -> list[int]:
+        """Take up to ``count`` slots, waiting up to ``timeout_s`` while none is free.
+
+        At least one slot, or none once ``timeout_s`` ran out: slots held by a
+        background job that never ends must not hang the caller.
+        """
         with self._available:
-            while not self._free:
-                self._available.wait()
+            self._available.wait_for(lambda: self._free, max(0.0, timeout_s))
             return self._take(count)
 
     def try_acquire(self, count: int) -> list[int]:

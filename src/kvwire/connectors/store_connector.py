@@ -49,7 +49,11 @@ the staging slots; a save that finds every slot busy is dropped and counted,
 never waited for), ``io_threads`` (per direction), ``batch_blocks`` (blocks
 per save call, and the shortest load run: a load is shared between the I/O
 threads in runs of at least this many blocks, one store call each),
-``async_load`` (loads reported through ``get_finished``), ``mac_key_env``
+``async_load`` (loads reported through ``get_finished``), ``transfer_timeout_s``
+(default 30: the deadline of each load and save, from its start; a load
+still running then is abandoned and its blocks are load errors, which the
+engine computes again, and never writes into the cache afterwards; a save
+still running then counts failed), ``mac_key_env``
 (the name of an environment variable holding a MAC key: every entry is then
 sealed with HMAC-SHA256 and one whose MAC does not match is a load error, see
 :mod:`kvwire.connectors.entry_mac`; the key itself is never accepted in a
@@ -83,6 +87,7 @@ from kvwire.connectors.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
+    seconds_key,
     size_key,
 )
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
@@ -166,6 +171,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             bool_key("async_load", False),
+            seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
             ExtraConfigKey(
                 "mac_key_env",
                 None,
@@ -297,6 +303,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             key_of=self.store_key,
             hash_of=self.block_hash_of,
             medium=self.medium,
+            transfer_timeout_s=self._options["transfer_timeout_s"],
         )
         logger.info(
             "%s: %s store, blocks of %d bytes, %d staging slots, %d I/O threads per direction",
@@ -336,6 +343,8 @@ class StoreConnector(BlockConnector[StoreWorker]):
         return self._worker is not None and self._worker.is_loading(request_id)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            self._worker.expire_overdue_saves()  # so this step's stats count them
         self._counters.add_many(self.store_counters())
         return self._counters.take_stats()
 

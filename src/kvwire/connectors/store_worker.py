@@ -21,17 +21,27 @@ verified in place and copied straight into the cache, skipping staging
 (smaller ones are cheaper to read into staging than to map); background
 threads copy single-threaded, so that they do not wait on each other's
 OpenMP teams.
+
+Every transfer has a deadline (``transfer_timeout_s`` from its start): a
+load still running past it is abandoned and its blocks are reported as load
+errors, so the engine computes them again; a save still running past it is
+abandoned and counted failed. An abandoned job may still be blocked in the
+store, but it writes nothing more into the cache: it scatters only under its
+run's lock, after checking it was not abandoned, so a late result never lands
+in blocks the engine has taken back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, runtime_checkable
 
@@ -96,9 +106,77 @@ class BlockTransfer:
     context_block_ids: tuple[int, ...] = ()
 
 
-@attrs.define
+class _RunAbandoned(Exception):
+    """Raised in a load job whose caller gave up on it: it must write nothing more."""
+
+
+class _Job:
+    """One background job and whether its caller still waits for it.
+
+    The job ends itself (:meth:`end`) and the caller may give up on it
+    (:meth:`abandon`), under one lock, so exactly one of them wins; a job
+    that lost writes nothing more where its caller could see it.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.ended = False
+        self.future: Future[None] | None = None
+
+    def abandon(self) -> bool:
+        """Give up on the job unless it has ended; whether it was given up on now."""
+        with self.lock:
+            if self.ended or self.abandoned:
+                return False
+            self.abandoned = True
+        # A job still queued never runs; one already running notices the flag.
+        if self.future is not None:
+            self.future.cancel()
+        return True
+
+    def end(self) -> bool:
+        """Mark the job ended; False if its caller gave up on it first."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.ended = True
+            return True
+
+
+class _LoadRun(_Job):
+    """A load job: consecutive blocks read with one ``read_each``, into ``slots``."""
+
+    def __init__(
+        self,
+        block_ids: tuple[int, ...],
+        hashes: tuple[BlockHash, ...],
+        slots: list[int],
+        deadline: float,
+    ) -> None:
+        super().__init__(deadline)
+        self.block_ids = block_ids
+        self.hashes = hashes
+        self.slots = slots
+        self.failed: list[int] = []
+
+
+class _SaveJob(_Job):
+    """A save job: entries of ``hashes`` in staging ``slots``, written to the store."""
+
+    def __init__(self, hashes: tuple[BlockHash, ...], slots: list[int], deadline: float) -> None:
+        super().__init__(deadline)
+        self.hashes = hashes
+        self.slots = slots
+
+
+@attrs.define(eq=False)
 class _AsyncLoad:
-    remaining_jobs: int
+    request_id: str
+    deadline: float
+    remaining_jobs: int = 1
+    runs: list[_LoadRun] = attrs.field(factory=list)
     failed_block_ids: set[int] = attrs.field(factory=set)
 
 
@@ -126,7 +204,8 @@ class StoreWorker:
     ``hash_of`` a key back into its block hash (None for another layout's),
     and ``medium`` names the store in the KV cache events (:meth:`take_events`).
     Slots are taken only on the caller's thread; background jobs only give
-    them back, so jobs never wait on each other.
+    them back, so jobs never wait on each other. A transfer still running
+    ``transfer_timeout_s`` after it started is given up on (see the module).
     """
 
     def __init__(
@@ -142,8 +221,10 @@ class StoreWorker:
         key_of: Callable[[BlockHash], str],
         hash_of: Callable[[str], BlockHash | None],
         medium: str,
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self._store = store
+        self._transfer_timeout_s = transfer_timeout_s
         self._layout = layout
         self._caches = caches
         self._staging = staging
@@ -170,11 +251,11 @@ class StoreWorker:
         self._save_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-save")
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
-        self._sync_loads: list[Future[list[int]]] = []
+        self._sync_loads: list[_LoadRun] = []
         self._async_loads: dict[str, _AsyncLoad] = {}
         self._finished_async: dict[str, set[int]] = {}
         self._load_errors: set[int] = set()
-        self._saves_in_flight: set[Future[None]] = set()
+        self._saves_in_flight: set[_SaveJob] = set()
         self._events: list[KVCacheEvent] = []
 
     # ----------------------------------------------------------------- loads
@@ -183,35 +264,131 @@ class StoreWorker:
         self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
         """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`."""
+        deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in sync_loads:
-            for ids, hashes, slots in self._load_runs(transfer):
-                self._sync_loads.append(self._load_pool.submit(self._load, ids, hashes, slots))
+            self._load_errors.update(self._submit_runs(transfer, deadline, None))
         for transfer in async_loads:
-            # One extra "job" stands for the submission itself, so the request
-            # cannot be reported finished before its last run is submitted.
+            # The state's one initial "job" stands for the submission itself,
+            # so the request cannot be reported finished before its last run
+            # is submitted.
+            state = _AsyncLoad(transfer.request_id, deadline)
             with self._lock:
-                self._async_loads[transfer.request_id] = _AsyncLoad(remaining_jobs=1)
-            for ids, hashes, slots in self._load_runs(transfer):
+                self._async_loads[transfer.request_id] = state
+            self._complete_async(state, self._submit_runs(transfer, deadline, state))
+
+    def _submit_runs(
+        self, transfer: BlockTransfer, deadline: float, state: _AsyncLoad | None
+    ) -> tuple[int, ...]:
+        """Submit the transfer's runs; the blocks that found no staging slot by ``deadline``.
+
+        A run is one job: one ``read_each`` over all of its blocks, so a store
+        that reads ahead (a server sending the next entries while this thread
+        verifies and scatters) does so across the whole run. A transfer is
+        split between the I/O threads (no more ways than there are cores), in
+        runs of at least ``batch_blocks``. Slots are taken here, on the
+        caller's thread, one run at a time and only after the previous run
+        was submitted; a job gives its slots back as it scatters them. A
+        transfer larger than the staging buffers therefore waits for earlier
+        runs to progress, up to its deadline; the blocks left then are load
+        errors (counted here).
+        """
+        count = len(transfer.block_ids)
+        run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
+        start = 0
+        while start < count:
+            wanted = min(run_blocks, count - start)
+            slots = self._staging.acquire(wanted, deadline - time.monotonic())
+            if not slots:
+                break
+            end = start + len(slots)
+            run = _LoadRun(
+                transfer.block_ids[start:end], transfer.block_hashes[start:end], slots, deadline
+            )
+            if state is None:
+                self._sync_loads.append(run)
+            else:
                 with self._lock:
-                    self._async_loads[transfer.request_id].remaining_jobs += 1
-                self._load_pool.submit(self._load_async, transfer.request_id, ids, hashes, slots)
-            self._complete_async(transfer.request_id, [])
+                    state.runs.append(run)
+                    state.remaining_jobs += 1
+            self._submit_load(run, state)
+            start = end
+        starved = transfer.block_ids[start:]
+        self._fail_overdue(starved)
+        return starved
+
+    def _submit_load(self, run: _LoadRun, state: _AsyncLoad | None) -> None:
+        run.future = self._load_pool.submit(self._load, run, state)
 
     def wait_for_loads(self) -> None:
-        """Block until this step's synchronous loads are in the cache (or failed)."""
+        """Block until this step's synchronous loads are in the cache, failed, or overdue.
+
+        A run still going at its deadline is abandoned: its blocks are load
+        errors, and it writes nothing more into the cache.
+        """
         pending, self._sync_loads = self._sync_loads, []
-        for future in pending:
-            failed = future.result()
-            if failed:
-                self._load_errors.update(failed)
+        if not pending:
+            return
+        deadline = max(run.deadline for run in pending)
+        concurrent.futures.wait(
+            [run.future for run in pending if run.future is not None],
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+        for run in pending:
+            if self._abandon_load(run):
+                self._load_errors.update(run.block_ids)
+            else:
+                self._load_errors.update(run.failed)
+
+    def _abandon_load(self, run: _LoadRun) -> bool:
+        """Give up on ``run`` unless it has ended; whether it was given up on (and counted)."""
+        if not run.abandon():
+            return False
+        if run.future is not None and run.future.cancelled():
+            # It never ran: its slots are the caller's to give back.
+            self._staging.release(run.slots)
+        self._fail_overdue(run.block_ids)
+        return True
+
+    def _fail_overdue(self, block_ids: Sequence[int]) -> None:
+        """Count blocks whose load was given up on at its deadline."""
+        if not block_ids:
+            return
+        self._counters.add_many({"load_errors": len(block_ids), "load_timeouts": len(block_ids)})
+        self._warn.warn(
+            "load-timeout",
+            "loads of %d blocks still running after %g s (transfer_timeout_s): "
+            "reported as load errors, to be computed again",
+            len(block_ids),
+            self._transfer_timeout_s,
+        )
 
     def take_finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads completed; their failures join the load errors."""
+        """Requests whose asynchronous loads completed (or ran past their deadline).
+
+        Their failures join the load errors; every block of an overdue load is one.
+        """
+        now = time.monotonic()
+        with self._lock:
+            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
+        for state in overdue:
+            self._give_up_async(state)
         with self._lock:
             finished, self._finished_async = self._finished_async, {}
         for failed in finished.values():
             self._load_errors.update(failed)
         return set(finished)
+
+    def _give_up_async(self, state: _AsyncLoad) -> None:
+        """Report ``state``'s request finished now, every block of an abandoned run failed."""
+        abandoned = [run for run in state.runs if self._abandon_load(run)]
+        with self._lock:
+            if self._async_loads.get(state.request_id) is not state:
+                return  # its last run ended meanwhile
+            del self._async_loads[state.request_id]
+            failed = state.failed_block_ids
+            for run in state.runs:
+                failed.update(run.block_ids if run in abandoned else run.failed)
+            self._finished_async[state.request_id] = failed
 
     def is_loading(self, request_id: str) -> bool:
         """Whether an asynchronous load still writes into ``request_id``'s blocks."""
@@ -227,53 +404,23 @@ class StoreWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _load_runs(
-        self, transfer: BlockTransfer
-    ) -> Iterator[tuple[tuple[int, ...], tuple[BlockHash, ...], list[int]]]:
-        """The transfer in runs of consecutive blocks, each with the staging slots it reads into.
-
-        A run is one job: one ``read_each`` over all of its blocks, so a store
-        that reads ahead (a server sending the next entries while this thread
-        verifies and scatters) does so across the whole run. A transfer is
-        split between the I/O threads (no more ways than there are cores), in
-        runs of at least ``batch_blocks``. Slots are taken here, on the
-        caller's thread, one run at a time and only after the previous run
-        was submitted; a job gives its slots back as it scatters them. A
-        transfer larger than the staging buffers therefore waits for earlier
-        runs to progress, and never hangs.
-        """
-        count = len(transfer.block_ids)
-        run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
-        start = 0
-        while start < count:
-            slots = self._staging.acquire(min(run_blocks, count - start))
-            end = start + len(slots)
-            yield transfer.block_ids[start:end], transfer.block_hashes[start:end], slots
-            start = end
-
-    def _load_async(
-        self,
-        request_id: str,
-        block_ids: tuple[int, ...],
-        hashes: tuple[BlockHash, ...],
-        slots: list[int],
-    ) -> None:
-        self._complete_async(request_id, self._load(block_ids, hashes, slots))
-
-    def _complete_async(self, request_id: str, failed: list[int]) -> None:
+    def _complete_async(self, state: _AsyncLoad, failed: Iterable[int]) -> None:
         with self._lock:
-            state = self._async_loads[request_id]
+            if self._async_loads.get(state.request_id) is not state:
+                return  # given up on at its deadline, and reported then
             state.failed_block_ids.update(failed)
             state.remaining_jobs -= 1
             if state.remaining_jobs <= 0:
-                del self._async_loads[request_id]
-                self._finished_async[request_id] = state.failed_block_ids
+                del self._async_loads[state.request_id]
+                self._finished_async[state.request_id] = state.failed_block_ids
 
-    def _load(
-        self, block_ids: tuple[int, ...], hashes: tuple[BlockHash, ...], slots: list[int]
-    ) -> list[int]:
-        """Read, verify and scatter one run; the block ids that failed."""
+    def _load(self, run: _LoadRun, state: _AsyncLoad | None) -> None:
+        """Read, verify and scatter one run; its failed block ids go to ``run.failed``.
+
+        An asynchronous run then counts towards its request's ``state``.
+        """
         started = time.perf_counter()
+        block_ids, hashes, slots = run.block_ids, run.hashes, run.slots
         failed: list[int] = []
         corrupt: list[BlockHash] = []
         loaded_bytes = 0
@@ -283,15 +430,17 @@ class StoreWorker:
             staged_ids, staged_hashes = block_ids, hashes
             if self._mapping_store is not None:
                 loaded_bytes, unmapped = self._load_mapped(
-                    self._mapping_store, block_ids, hashes, failed, corrupt
+                    self._mapping_store, run, failed, corrupt
                 )
                 staged_ids = tuple(block_ids[i] for i in unmapped)
                 staged_hashes = tuple(hashes[i] for i in unmapped)
                 held.give_back(slots[len(staged_ids) :])
             if staged_ids:
                 loaded_bytes += self._load_staged(
-                    staged_ids, staged_hashes, slots[: len(staged_ids)], held, failed, corrupt
+                    run, staged_ids, staged_hashes, slots[: len(staged_ids)], held, failed, corrupt
                 )
+        except _RunAbandoned:
+            pass  # its caller has reported every block of it failed
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the run, not the engine.
             logger.exception("load of %d blocks failed", len(block_ids))
@@ -303,6 +452,9 @@ class StoreWorker:
             # A corrupt entry would be a hit (and a failed load) for every later
             # request: drop it, so the next request that computes it saves it again.
             self._discard(corrupt)
+        run.failed = failed
+        if not run.end():
+            return  # abandoned at its deadline: counted and reported then
         self._counters.add_many(
             {
                 "blocks_loaded": len(block_ids) - len(failed),
@@ -311,13 +463,31 @@ class StoreWorker:
                 "load_seconds": time.perf_counter() - started,
             }
         )
-        return failed
+        if state is not None:
+            self._complete_async(state, failed)
+
+    def _scatter(
+        self,
+        run: _LoadRun,
+        sources: torch.Tensor,
+        source_indices: Sequence[int],
+        block_ids: Sequence[int],
+    ) -> None:
+        """Copy verified entries into the cache, unless the run's caller gave up on it.
+
+        Under the run's lock: the caller abandons a run under it too, so once
+        it has, no copy is under way and none starts (it waits at most for
+        one group's copy, never for I/O).
+        """
+        with run.lock:
+            if run.abandoned:
+                raise _RunAbandoned
+            self._caches.scatter_many(sources, source_indices, block_ids)
 
     def _load_mapped(
         self,
         store: MappingBlockStore,
-        block_ids: tuple[int, ...],
-        hashes: tuple[BlockHash, ...],
+        run: _LoadRun,
         failed: list[int],
         corrupt: list[BlockHash],
     ) -> tuple[int, list[int]]:
@@ -330,7 +500,7 @@ class StoreWorker:
         unmapped: list[int] = []
         dtype = TORCH_DTYPES[self._layout.dtype]
         payload_bytes = self._layout.payload_bytes
-        for index, (block_id, block_hash) in enumerate(zip(block_ids, hashes, strict=True)):
+        for index, (block_id, block_hash) in enumerate(zip(run.block_ids, run.hashes, strict=True)):
             key = self._key_of(block_hash)
             mapping = store.map_entry(key)
             if mapping is None:
@@ -345,8 +515,8 @@ class StoreWorker:
                 payload = torch.frombuffer(
                     mapping, dtype=torch.uint8, offset=HEADER_SIZE, count=payload_bytes
                 )
-                self._caches.scatter_many(
-                    payload.view(dtype).view(1, *self._layout.shape), (0,), (block_id,)
+                self._scatter(
+                    run, payload.view(dtype).view(1, *self._layout.shape), (0,), (block_id,)
                 )
                 loaded_bytes += payload_bytes
             finally:
@@ -358,6 +528,7 @@ class StoreWorker:
 
     def _load_staged(
         self,
+        run: _LoadRun,
         block_ids: Sequence[int],
         hashes: Sequence[BlockHash],
         slots: Sequence[int],
@@ -397,11 +568,11 @@ class StoreWorker:
                 group_slots.append(slots[index])
                 if len(group_ids) == group_size:
                     # Only verified entries reach the cache.
-                    self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+                    self._scatter(run, self._staging.payloads, group_slots, group_ids)
                     held.give_back(group_slots)
                     loaded += len(group_ids)
                     group_ids, group_slots = [], []
-        self._caches.scatter_many(self._staging.payloads, group_slots, group_ids)
+        self._scatter(run, self._staging.payloads, group_slots, group_ids)
         held.give_back(group_slots)
         loaded += len(group_ids)
         return loaded * self._layout.payload_bytes
@@ -468,8 +639,11 @@ class StoreWorker:
         when every staging slot is still busy with earlier writes, the blocks
         that find no slot are not saved (counted as ``saves_dropped``), because
         a slow medium must not stall the forward pass; the next request that
-        computes them saves them again.
+        computes them saves them again. A save still running
+        ``transfer_timeout_s`` after it was submitted is counted failed
+        (``save_timeouts``) and writes no more of its entries.
         """
+        self.expire_overdue_saves()
         dropped = 0
         batches: list[tuple[tuple[BlockHash, ...], list[int]]] = []
         for transfer in transfers:
@@ -493,11 +667,13 @@ class StoreWorker:
         # of 256 KiB blocks to Redis, 2 cores: a median 10-19 ms, against
         # 27-101 ms when each 2 or 8 MiB was submitted as soon as copied, for
         # no more throughput).
+        deadline = time.monotonic() + self._transfer_timeout_s
         for hashes, slots in batches:
-            future = self._save_pool.submit(self._save, hashes, slots)
+            job = _SaveJob(hashes, slots, deadline)
             with self._lock:
-                self._saves_in_flight.add(future)
-            future.add_done_callback(self._forget_save)
+                self._saves_in_flight.add(job)
+            job.future = self._save_pool.submit(self._save, job)
+            job.future.add_done_callback(functools.partial(self._save_ended, job))
         if dropped:
             self._counters.add("saves_dropped", dropped)
             self._warn.warn(
@@ -507,17 +683,23 @@ class StoreWorker:
                 dropped,
             )
 
-    def _forget_save(self, future: Future[None]) -> None:
-        with self._lock:
-            self._saves_in_flight.discard(future)
+    def _save_ended(self, job: _SaveJob, future: Future[None]) -> None:
+        self._forget_save(job)
 
-    def _save(self, hashes: tuple[BlockHash, ...], slots: list[int]) -> None:
+    def _forget_save(self, job: _SaveJob) -> None:
+        with self._lock:
+            self._saves_in_flight.discard(job)
+
+    def _save(self, job: _SaveJob) -> None:
+        hashes, slots = job.hashes, job.slots
         started = time.perf_counter()
         stored = 0
         try:
             # A cache-sized chunk at a time: the store sends or writes entries
             # the checksum has just read, while they are still in the CPU cache.
             for chunk in cache_sized_chunks(len(slots), self._layout.entry_bytes):
+                if job.abandoned:
+                    break  # past its deadline: the rest is counted failed already
                 chunk_hashes = hashes[chunk.start : chunk.stop]
                 entries = [self._staging.entry(slot) for slot in slots[chunk.start : chunk.stop]]
                 for block_hash, entry in zip(chunk_hashes, entries, strict=True):
@@ -525,11 +707,14 @@ class StoreWorker:
                 results = self._store.put([self._key_of(h) for h in chunk_hashes], entries)
                 written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
                 stored += len(written)
+                # Reported even when late: the events say what the store holds.
                 self._record_events(written)
         except Exception:
             logger.exception("save of %d blocks failed", len(hashes))
         finally:
             self._staging.release(slots)
+        if not job.end():
+            return  # counted failed at its deadline
         self._counters.add_many(
             {
                 "blocks_saved": stored,
@@ -539,25 +724,103 @@ class StoreWorker:
             }
         )
 
+    def expire_overdue_saves(self) -> None:
+        """Count the saves still running past their deadline as failed, and stop waiting for them.
+
+        Each such save writes none of its entries it has not started yet; a
+        write already in the store's hands may still land (and is then
+        reported in the KV cache events), but the save counts failed.
+        """
+        now = time.monotonic()
+        with self._lock:
+            overdue = [job for job in self._saves_in_flight if job.deadline <= now]
+        for job in overdue:
+            if job.abandon():
+                if job.future is not None and job.future.cancelled():
+                    self._staging.release(job.slots)  # it never ran
+                self._counters.add_many(
+                    {"save_errors": len(job.hashes), "save_timeouts": len(job.hashes)}
+                )
+                self._warn.warn(
+                    "save-timeout",
+                    "a save of %d blocks still running after %g s (transfer_timeout_s) "
+                    "is counted failed",
+                    len(job.hashes),
+                    self._transfer_timeout_s,
+                )
+            self._forget_save(job)
+
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every submitted save is written; False if ``timeout_s`` ran out."""
+        """Block until every submitted save is written or overdue; False if ``timeout_s`` ran out.
+
+        Without ``timeout_s`` it still ends: at the latest when the last
+        save's own deadline passes.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            self.expire_overdue_saves()
             with self._lock:
                 pending = list(self._saves_in_flight)
             if not pending:
                 return True
-            for future in pending:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    future.result(timeout=remaining)
-                except TimeoutError:
-                    return False
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(job.deadline for job in pending)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            # No exception to catch: wait() reports what ended, timed out or not.
+            concurrent.futures.wait(
+                [job.future for job in pending if job.future is not None],
+                timeout=max(0.0, wake - now),
+            )
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the writes in flight (up to ``timeout_s``), then stop the threads."""
-        self.wait_for_loads()
+        """Finish the transfers in flight (up to ``timeout_s``), then stop the threads.
+
+        Every step runs even when one fails (logged): a stuck save or load
+        must not keep the thread pools from shutting down.
+        """
+        deadline = time.monotonic() + timeout_s
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("waiting for loads", self.wait_for_loads),
+            ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
+            ("ending loads", lambda: self._end_loads(deadline)),
+            ("stopping the load threads", self._stop_load_threads),
+            ("stopping the save threads", self._stop_save_threads),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("shutdown: %s failed", what)
+
+    def _wait_for_saves_at_close(self, deadline: float) -> None:
+        timeout_s = max(0.0, deadline - time.monotonic())
         if not self.wait_for_saves(timeout_s):
             logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)
-        self._load_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _end_loads(self, deadline: float) -> None:
+        """Wait for the asynchronous loads up to their deadlines (or ``deadline``), then give up.
+
+        The synchronous ones ended or were given up on in :meth:`wait_for_loads`.
+        """
+        with self._lock:
+            states = list(self._async_loads.values())
+        if not states:
+            return
+        until = min(deadline, max(state.deadline for state in states))
+        concurrent.futures.wait(
+            [run.future for state in states for run in state.runs if run.future is not None],
+            timeout=max(0.0, until - time.monotonic()),
+        )
+        for state in states:
+            self._give_up_async(state)
+
+    def _stop_load_threads(self) -> None:
+        # Not waiting: a job still blocked in the store was given up on, and
+        # writes nothing more into the cache.
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_save_threads(self) -> None:
         self._save_pool.shutdown(wait=False, cancel_futures=True)

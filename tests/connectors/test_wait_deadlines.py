@@ -1,0 +1,370 @@
+"""Every wait on a store worker's background jobs has a deadline.
+
+A store that never answers (a hung server, a blocked file) must turn into
+errors, never into a hung engine: a load still running at its deadline
+(``transfer_timeout_s``) is a load error, which the engine computes again,
+and a save still running then counts failed. A job given up on may still be
+blocked in the store; when it finally returns it must write nothing into the
+cache, whose blocks the engine has taken back by then.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pathlib
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.engine.engine import LLMEngine
+from tests.connectors.engine_support import (
+    shared_storage,
+    tiny_engine_config,
+    tokens,
+    with_connector,
+    workload,
+)
+from tests.connectors.store_workers import HASHES, layout_caches, save_blocks_0_and_1
+
+LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+NUM_SLOTS = 4
+# Long enough for a healthy load on a busy machine, short enough for a fast test.
+DEADLINE_S = 0.2
+# What a test waits for at most before it fails instead of hanging.
+TEST_LIMIT_S = 30.0
+
+STORE_ANSWERS = threading.Event()
+"""While clear, every :class:`StuckStore` read (and, if asked, write) waits for it."""
+
+
+@pytest.fixture
+def store_answers() -> Iterator[threading.Event]:
+    """Stores hang until the test sets this (teardown sets it, so no thread outlives the test)."""
+    STORE_ANSWERS.clear()
+    try:
+        yield STORE_ANSWERS
+    finally:
+        STORE_ANSWERS.set()
+
+
+class MemoryStore(BlockStore):
+    """Entries in a dict: a store that always answers at once."""
+
+    medium = "memory"
+
+    def __init__(self) -> None:
+        self._entries: dict[str, bytes] = {}
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        count = 0
+        while count < len(keys) and keys[count] in self._entries:
+            count += 1
+        return count
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        for key, entry in zip(keys, entries, strict=True):
+            self._entries[key] = bytes(entry)
+        return [True] * len(keys)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        sizes: list[int | None] = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            entry = self._entries.get(key)
+            if entry is not None:
+                buffer[: len(entry)] = entry
+            sizes.append(None if entry is None else len(entry))
+        return sizes
+
+
+class StuckStore(BlockStore):
+    """``store``, whose reads (and writes, with ``stuck_writes``) wait for :data:`STORE_ANSWERS`."""
+
+    def __init__(self, store: BlockStore, stuck_writes: bool = False) -> None:
+        self._store = store
+        self._stuck_writes = stuck_writes
+        self.medium = store.medium
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        return self._store.count_prefix(keys)
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        if self._stuck_writes:
+            STORE_ANSWERS.wait(TEST_LIMIT_S)
+        return self._store.put(keys, entries)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        STORE_ANSWERS.wait(TEST_LIMIT_S)
+        return self._store.get_into(keys, buffers)
+
+    def read_each(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> Generator[tuple[int, int | None], None, None]:
+        STORE_ANSWERS.wait(TEST_LIMIT_S)
+        yield from self._store.read_each(keys, buffers)
+
+    def discard(self, keys: Sequence[str]) -> None:
+        self._store.discard(keys)
+
+    def take_removed_keys(self) -> list[str]:
+        return self._store.take_removed_keys()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class StuckReadsConnector(SharedStorageConnector):
+    """Shared storage whose reads hang until the test lets them go."""
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return StuckStore(super().create_store(options))
+
+
+def _worker(
+    store: BlockStore, caches: dict[str, torch.Tensor], counters: Counters, timeout_s: float
+) -> StoreWorker:
+    return StoreWorker(
+        store=store,
+        layout=LAYOUT,
+        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        staging=StagingBuffers(LAYOUT, NUM_SLOTS),
+        io_threads=1,
+        batch_blocks=2,
+        counters=counters,
+        key_of=LAYOUT.key,
+        hash_of=LAYOUT.block_hash_of,
+        medium="test",
+        transfer_timeout_s=timeout_s,
+    )
+
+
+def _saved_store() -> MemoryStore:
+    """A store holding ``HASHES``, saved from random blocks."""
+    store = MemoryStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    return store
+
+
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TEST_LIMIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.005)
+
+
+# ------------------------------------------------------------------- loads
+
+
+def test_a_load_stuck_in_the_store_is_a_load_error_at_its_deadline(
+    store_answers: threading.Event,
+) -> None:
+    counters = Counters()
+    worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
+    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+
+    started = time.monotonic()
+    errors = worker.take_load_errors()
+
+    assert errors == {2, 3}
+    assert time.monotonic() - started < 5
+    taken = counters.take()
+    assert taken["load_timeouts"] == 2
+    assert taken["load_errors"] == 2
+    worker.close(timeout_s=0)
+
+
+def test_a_stuck_load_that_returns_late_writes_nothing_into_the_cache(
+    store_answers: threading.Event,
+) -> None:
+    caches = layout_caches(LAYOUT, None)
+    worker = _worker(StuckStore(_saved_store()), caches, Counters(), DEADLINE_S)
+    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    assert worker.take_load_errors() == {2, 3}
+    # The engine computes the blocks again into the same cache blocks.
+    for cache in caches.values():
+        cache[:, 2:4] = 7.0
+
+    store_answers.set()  # the store answers at last, with good entries
+    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+
+    for cache in caches.values():
+        assert bool((cache[:, 2:4] == 7.0).all())
+    worker.close()
+
+
+def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_block_failed(
+    store_answers: threading.Event,
+) -> None:
+    caches = layout_caches(LAYOUT, None)
+    worker = _worker(StuckStore(_saved_store()), caches, Counters(), DEADLINE_S)
+    worker.start_loads([], [BlockTransfer("c", (2, 3), HASHES)])
+    assert worker.is_loading("c")
+
+    finished: set[str] = set()
+    _wait_until(lambda: bool(finished.update(worker.take_finished_loads()) or finished), "c")
+
+    assert finished == {"c"}
+    assert not worker.is_loading("c")  # its blocks may be freed
+    assert worker.take_load_errors() == {2, 3}
+    store_answers.set()
+    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+    assert not any(bool(cache[:, 2:4].any()) for cache in caches.values())
+    assert worker.take_finished_loads() == set()  # reported once
+    worker.close()
+
+
+def test_a_load_that_finds_no_staging_slot_by_its_deadline_fails_instead_of_waiting(
+    store_answers: threading.Event,
+) -> None:
+    counters = Counters()
+    worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
+    # Two stuck loads hold all four slots past their deadline.
+    worker.start_loads([BlockTransfer("a", (0, 1), HASHES), BlockTransfer("b", (2, 3), HASHES)], [])
+    assert worker.take_load_errors() == {0, 1, 2, 3}
+
+    started = time.monotonic()
+    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+
+    assert time.monotonic() - started < 5
+    assert worker.take_load_errors() == {2, 3}
+    assert counters.take()["load_timeouts"] == 6
+    worker.close(timeout_s=0)
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+def test_loads_through_the_engine_past_their_deadline_are_computed_again(
+    tmp_path: pathlib.Path, store_answers: threading.Event, async_load: bool
+) -> None:
+    config = tiny_engine_config()
+    requests = workload(seed=4)
+    with LLMEngine(config) as engine:
+        reference = tokens(engine.generate(requests))
+    with LLMEngine(shared_storage(config, tmp_path)) as producer:
+        producer.generate(requests)
+    stuck = with_connector(
+        config,
+        "StuckReadsConnector",
+        {
+            "shared_storage_path": str(tmp_path),
+            "transfer_timeout_s": DEADLINE_S,
+            "async_load": async_load,
+        },
+        kv_role="kv_consumer",
+        module_path=__name__,
+    )
+
+    started = time.monotonic()
+    with LLMEngine(stuck) as consumer:
+        outputs = consumer.generate(requests)
+        stats = consumer.connector_stats.data
+
+    assert tokens(outputs) == reference
+    assert stats["load_timeouts"] > 0
+    assert sum(output.num_load_failures for output in outputs) > 0
+    assert time.monotonic() - started < 10
+
+
+# ------------------------------------------------------------------- saves
+
+
+def test_a_save_stuck_past_its_deadline_counts_failed_and_is_no_longer_waited_for(
+    store_answers: threading.Event,
+) -> None:
+    counters = Counters()
+    store = StuckStore(MemoryStore(), stuck_writes=True)
+    worker = _worker(store, layout_caches(LAYOUT, seed=1), counters, DEADLINE_S)
+    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+
+    started = time.monotonic()
+    assert worker.wait_for_saves() is True
+
+    assert time.monotonic() - started < 5
+    taken = counters.take()
+    assert taken["save_timeouts"] == 2
+    assert taken["save_errors"] == 2
+    store_answers.set()
+    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck save to end")
+    assert "blocks_saved" not in counters.take()  # counted once, as failed
+    worker.close()
+
+
+def test_a_save_waited_for_briefly_reports_it_is_still_running(
+    store_answers: threading.Event,
+) -> None:
+    store = StuckStore(MemoryStore(), stuck_writes=True)
+    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
+    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+
+    assert worker.wait_for_saves(0.05) is False
+    store_answers.set()
+    assert worker.wait_for_saves(TEST_LIMIT_S) is True
+    worker.close()
+
+
+class _FuturesTimeoutOfPython310(concurrent.futures._base.Error):
+    """``concurrent.futures.TimeoutError`` as Python 3.10 has it: no builtin ``TimeoutError``."""
+
+
+def test_the_futures_timeout_of_python_3_10_does_not_escape_a_wait_for_saves(
+    store_answers: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before 3.11, Future.result(timeout=...) raised a class of its own, which
+    # ``except TimeoutError`` did not catch: the wait raised, and close() then
+    # skipped shutting its thread pools down.
+    monkeypatch.setattr(concurrent.futures._base, "TimeoutError", _FuturesTimeoutOfPython310)
+    monkeypatch.setattr(concurrent.futures, "TimeoutError", _FuturesTimeoutOfPython310)
+    store = StuckStore(MemoryStore(), stuck_writes=True)
+    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
+    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+
+    assert worker.wait_for_saves(0.05) is False
+    worker.close(timeout_s=0.05)
+
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+
+
+# ------------------------------------------------------------------- close
+
+
+def test_close_stops_the_threads_when_a_save_outlives_its_wait(
+    store_answers: threading.Event,
+) -> None:
+    store = StuckStore(MemoryStore(), stuck_writes=True)
+    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
+    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+
+    started = time.monotonic()
+    worker.close(timeout_s=0.05)
+
+    assert time.monotonic() - started < 5
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.save([BlockTransfer("p", (2, 3), HASHES)])
+
+
+def test_close_logs_a_failed_step_and_still_stops_the_threads(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = _worker(MemoryStore(), layout_caches(LAYOUT, None), Counters(), 30)
+
+    def broken_wait(timeout_s: float | None = None) -> bool:
+        raise OSError("the store vanished")
+
+    monkeypatch.setattr(worker, "wait_for_saves", broken_wait)
+    with caplog.at_level(logging.ERROR):
+        worker.close()
+
+    assert "shutdown: waiting for saves failed" in caplog.text
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.save([BlockTransfer("p", (0, 1), HASHES)])
