@@ -12,7 +12,7 @@ import json
 import pathlib
 import sys
 
-BENCHMARKS = ("engine", "connectors", "redis")
+BENCHMARKS = ("engine", "connectors", "redis", "mac")
 
 
 def main(argv: list[str] | None = None) -> int:

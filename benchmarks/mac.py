@@ -1,0 +1,222 @@
+"""What the optional MAC key costs: the same work with the xxh3 checksum only and with the MAC.
+
+Two measurements, each a ratio of two figures taken in the same run, on the
+same bytes, the two variants taking turns repeat by repeat:
+
+1. Bare: sealing (``write_header``) and verifying (``verify_entry``) entries of
+   64 KiB to 4 MiB, one thread, over a buffer of many entries (so that they
+   come from memory, as a store's do, not from the CPU cache).
+2. Through the shared-storage connector's worker side (staging, background
+   I/O threads, files): save and load GB/s of 1 MiB and 256 KiB blocks, with
+   and without ``mac_key_env``.
+
+``python -m benchmarks.mac [--quick]`` or ``python -m benchmarks --only mac``;
+writes ``mac.json`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from benchmarks.common import KIB, MIB, best_seconds, run_step, write_json
+from benchmarks.common import main as run_from_command_line
+from benchmarks.connectors import (
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    READ_REPEAT,
+    STORAGE_IO_THREADS,
+    TOKEN_BYTES,
+    engine_config,
+    hashes,
+    remove_files,
+    worker_connector,
+)
+from kvwire.connectors.block_format import BlockLayout, verify_entry, write_header
+from kvwire.connectors.entry_mac import EntryMac
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.store_connector import StoreConnectorMetadata
+from kvwire.connectors.store_worker import BlockTransfer
+
+BARE_BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
+STORE_BLOCK_SIZES = (256 * KIB, 1 * MIB)
+KEY_VARIABLE = "KVWIRE_BENCH_MAC_KEY"
+
+
+def layouts(block_bytes: int) -> tuple[BlockLayout, BlockLayout]:
+    """The layout of ``block_bytes`` blocks, with the checksum only and sealed with a MAC."""
+    plain = BlockLayout(NUM_LAYERS, block_bytes // TOKEN_BYTES, NUM_KV_HEADS, HEAD_SIZE, "float32")
+    return plain, attrs.evolve(plain, mac=EntryMac(secrets.token_bytes(32), KEY_VARIABLE))
+
+
+def bench_bare(block_bytes: int, total_bytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of payload sealed and verified, one thread, without and with the MAC."""
+    count = max(4, total_bytes // block_bytes)
+    block_hashes = hashes(count, "bare")
+    plain, sealed = layouts(block_bytes)
+    # Each variant its own entries (written in its own format), from memory.
+    entries = {
+        name: entry_views(layout, count) for name, layout in (("plain", plain), ("mac", sealed))
+    }
+    layout_of = {"plain": plain, "mac": sealed}
+
+    def seal(name: str) -> Callable[[int], None]:
+        def run(repeat: int) -> None:
+            for entry, block_hash in zip(entries[name], block_hashes, strict=True):
+                write_header(entry, layout_of[name], block_hash)
+
+        return run
+
+    def verify(name: str) -> Callable[[int], None]:
+        def run(repeat: int) -> None:
+            for entry, block_hash in zip(entries[name], block_hashes, strict=True):
+                verify_entry(entry, layout_of[name], block_hash)
+
+        return run
+
+    seal_seconds = best_seconds({name: seal(name) for name in entries}, repeats)
+    verify_seconds = best_seconds({name: verify(name) for name in entries}, repeats)
+    nbytes = count * plain.payload_bytes
+    return {
+        "seal_checksum_gbps": nbytes / seal_seconds["plain"] / 1e9,
+        "seal_mac_gbps": nbytes / seal_seconds["mac"] / 1e9,
+        "verify_checksum_gbps": nbytes / verify_seconds["plain"] / 1e9,
+        "verify_mac_gbps": nbytes / verify_seconds["mac"] / 1e9,
+        "seal_mac_vs_checksum": seal_seconds["plain"] / seal_seconds["mac"],
+        "verify_mac_vs_checksum": verify_seconds["plain"] / verify_seconds["mac"],
+    }
+
+
+def entry_views(layout: BlockLayout, count: int) -> list[memoryview]:
+    """``count`` entries of random payload in one buffer (headers written by the first seal)."""
+    size = layout.entry_bytes
+    buffer = memoryview(bytearray(os.urandom(count * size)))
+    return [buffer[i * size : (i + 1) * size] for i in range(count)]
+
+
+@contextmanager
+def mac_key_in_environment() -> Iterator[str]:
+    """A fresh random key in ``KEY_VARIABLE`` for the connector to read; removed afterwards."""
+    os.environ[KEY_VARIABLE] = secrets.token_hex(32)
+    try:
+        yield KEY_VARIABLE
+    finally:
+        del os.environ[KEY_VARIABLE]
+
+
+def bench_store(
+    block_bytes: int, total_bytes: int, repeats: int, scratch: pathlib.Path
+) -> dict[str, float]:
+    """Save and load GB/s of the shared-storage connector, without and with ``mac_key_env``."""
+    block_tokens = block_bytes // TOKEN_BYTES
+    count = max(4, total_bytes // block_bytes)
+    nbytes = count * block_bytes
+    actions: dict[str, dict[str, Callable[[int], None]]] = {"save": {}, "load": {}}
+    connectors: list[SharedStorageConnector] = []
+    stores: list[pathlib.Path] = []
+    with mac_key_in_environment() as variable:
+        for name, mac in (("plain", {}), ("mac", {"mac_key_env": variable})):
+            store = scratch / f"{name}-{block_bytes}"
+            extra = {
+                "shared_storage_path": str(store),
+                # Staging for every block: a save that found no free slot would be dropped.
+                "staging_buffer_bytes": count * block_bytes + MIB,
+                "io_threads": STORAGE_IO_THREADS,
+                **mac,
+            }
+            config = engine_config("SharedStorageConnector", extra, block_tokens, count)
+            connector, caches = worker_connector(SharedStorageConnector, config)
+            assert isinstance(connector, SharedStorageConnector)
+            actions["save"][name], actions["load"][name] = store_actions(
+                connector, tuple(caches), count
+            )
+            connectors.append(connector)
+            stores.append(store)
+    try:
+        save = best_seconds(actions["save"], repeats, before_each=lambda: remove_files(*stores))
+        remove_files(*stores)
+        for save_action in actions["save"].values():
+            save_action(READ_REPEAT)
+        load = best_seconds(actions["load"], repeats)
+    finally:
+        for connector in connectors:
+            connector.shutdown()
+    return {
+        "save_checksum_gbps": nbytes / save["plain"] / 1e9,
+        "save_mac_gbps": nbytes / save["mac"] / 1e9,
+        "load_checksum_gbps": nbytes / load["plain"] / 1e9,
+        "load_mac_gbps": nbytes / load["mac"] / 1e9,
+        "save_mac_vs_checksum": save["plain"] / save["mac"],
+        "load_mac_vs_checksum": load["plain"] / load["mac"],
+    }
+
+
+def store_actions(
+    connector: SharedStorageConnector, layers: tuple[str, ...], count: int
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """A save of ``count`` new blocks (new files each repeat), and a load of the same blocks."""
+
+    def transfer(repeat: int) -> BlockTransfer:
+        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"mac-{repeat}"))
+
+    def save(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
+        connector.wait_for_pending_saves()
+
+    def load(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
+
+    return save, load
+
+
+def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    repeats = 3 if quick else 5
+    torch.manual_seed(0)
+    total = 32 * MIB if quick else 128 * MIB
+    results: dict[str, Any] = {"quick": quick, "bare": [], "shared_storage": []}
+    for block_bytes in BARE_BLOCK_SIZES:
+        row = {"block_kib": block_bytes // KIB, **bench_bare(block_bytes, total, repeats)}
+        results["bare"].append(row)
+        print(f"  bare {row}", flush=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvwire-bench-mac-", dir=output_dir))
+    try:
+        for block_bytes in STORE_BLOCK_SIZES:
+            row = {
+                "block_kib": block_bytes // KIB,
+                **bench_store(block_bytes, total, repeats, scratch),
+            }
+            results["shared_storage"].append(row)
+            print(f"  shared storage {row}", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    write_json(output_dir, "mac.json", results)
+    bare, store = results["bare"], results["shared_storage"]
+    return {
+        "bare_seal_mac_vs_checksum_min": min(row["seal_mac_vs_checksum"] for row in bare),
+        "bare_verify_mac_vs_checksum_min": min(row["verify_mac_vs_checksum"] for row in bare),
+        "shared_storage_save_mac_vs_checksum_min": min(
+            row["save_mac_vs_checksum"] for row in store
+        ),
+        "shared_storage_load_mac_vs_checksum_min": min(
+            row["load_mac_vs_checksum"] for row in store
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_command_line("python -m benchmarks.mac", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
