@@ -4,7 +4,10 @@
 constructor check), validates its ``kv_connector_extra_config`` through the
 class's ``validate_extra_config`` (a composite's covers its children; nothing
 is built), applies the HMA gate and says what it decided and why; any failure
-is printed as its error text and the exit status is 1.
+is printed as its error text and the exit status is 1. Checking imports the
+connector's module (and each child's): that runs the plugin's code, so check
+only profiles and plugins you trust. Nothing it prints shows a secret
+(:mod:`kvwire.redaction`).
 ``kvwire connectors`` lists every known connector without importing any;
 ``--resolve`` imports each one to say whether it supports HMA. ``kvwire run``
 belongs to the engine (:mod:`kvwire.engine.run`), imported only when asked for.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import pathlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
@@ -24,7 +28,8 @@ from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, supports_hma, validates_extra_config
 from kvwire.exceptions import KVWireError, kind_of
 from kvwire.hma import decide_hma
-from kvwire.profile import load_profile
+from kvwire.profile import profile_origin, read_profile_file, structure_engine_config
+from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
 
 ENGINE_RUN_MODULE = "kvwire.engine.run"
@@ -38,8 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvwire`` console script; returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(wants_run=_first_command(arguments) == "run")
+    with_nul = _argument_with_nul(arguments)
+    if with_nul is not None:
+        # open() would only say "embedded null byte", naming nothing.
+        parser.error(f"{with_nul} contains a NUL byte (\\x00), which no path or name can hold")
     args = parser.parse_args(arguments)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     command: Callable[[argparse.Namespace], int] = args.command
     return command(args)
 
@@ -58,7 +69,10 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     check = commands.add_parser(
-        "check", help="validate a profile, resolve its connector and apply the HMA gate"
+        "check",
+        help="validate a profile, resolve its connector and apply the HMA gate "
+        "(imports the connector's module: runs its code)",
+        description=CHECK_DESCRIPTION,
     )
     check.add_argument(
         "profiles", nargs="+", metavar="PROFILE", help="path to a YAML profile (see containers/)"
@@ -86,6 +100,30 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
             engine_run.configure_parser(run)
             run.set_defaults(command=_run_command)
     return parser
+
+
+CHECK_DESCRIPTION = (
+    "Validate each PROFILE, resolve its connector (and a composite's children), check "
+    "their kv_connector_extra_config and apply the HMA gate; nothing is allocated or "
+    "connected. Resolving a connector imports its module (a kv_connector_module_path, an "
+    "installed plugin's entry point), which runs that module's code with your rights: "
+    "check only profiles and plugins you trust. Secrets (passwords, tokens, URL "
+    "credentials) are never printed."
+)
+
+
+def _argument_with_nul(arguments: Sequence[str]) -> str | None:
+    """How to name the first argument holding a NUL byte (its option, or its position)."""
+    for index, argument in enumerate(arguments):
+        if "\x00" not in argument:
+            continue
+        option, equals, _ = argument.partition("=")
+        if argument.startswith("--") and equals:
+            return f"the value of {option}"
+        if index and arguments[index - 1].startswith("-") and not argument.startswith("-"):
+            return f"the value of {arguments[index - 1]}"
+        return f"argument {index + 1}"
+    return None
 
 
 def _first_command(arguments: Sequence[str]) -> str | None:
@@ -133,15 +171,24 @@ def check_profile(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
 ) -> int:
-    """What ``kvwire check`` does: 0 when the profile is usable, else 1 with the error."""
+    """What ``kvwire check`` does: 0 when the profile is usable, else 1 with the error.
+
+    Every line printed has the profile's secrets blanked, even where a
+    plugin's error quotes one by value.
+    """
     registry = registry or default_registry()
+    origin = profile_origin(profile)
+    secrets: set[str] = set()
     try:
-        engine_config = load_profile(profile)
-        for line in _check_lines(profile, engine_config, registry):
-            print(line, file=out)
+        document = read_profile_file(pathlib.Path(profile))
+        secrets = secret_values(document)
+        engine_config = structure_engine_config(document, origin=origin)
+        lines = _check_lines(origin, engine_config, registry)
     except _USER_ERRORS as error:
-        print(f"kvwire check: {profile}: error: {error}", file=err)
+        print(scrub(f"kvwire check: {origin}: error: {error}", secrets), file=err)
         return 1
+    for line in lines:
+        print(scrub(line, secrets), file=out)
     return 0
 
 

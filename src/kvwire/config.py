@@ -1,23 +1,43 @@
 """The engine's configuration, as a connector sees it.
 
 Every class here is a frozen attrs record with validators on its fields: an
-invalid value never makes it into a running engine. Use ``attrs.evolve`` to
-get an edited copy. Structuring from a dict or a YAML profile (with every bad
-field reported by its dotted path) lives in :mod:`kvwire.profile`.
+invalid value never makes it into a running engine. Counts have upper bounds
+no real model reaches, and an :class:`EngineConfig` whose KV cache and
+weights could not fit in this machine's memory is refused when it is built
+(:mod:`kvwire.memory_limits`), so an absurd profile fails ``kvwire check``
+rather than the engine. Errors and reprs show values through
+:mod:`kvwire.redaction`: bounded, and never a secret of
+``kv_connector_extra_config``. Use ``attrs.evolve`` to get an edited copy.
+Structuring from a dict or a YAML profile (with every bad field reported by
+its dotted path) lives in :mod:`kvwire.profile`.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
 from attrs import validators
 
+from kvwire.exceptions import kind_of
+from kvwire.memory_limits import describe_bytes, memory_shortfall
+from kvwire.redaction import shown, shown_key
+
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
 KV_PRODUCER_ROLES: tuple[str, ...] = ("kv_producer", "kv_both")
 KV_CONSUMER_ROLES: tuple[str, ...] = ("kv_consumer", "kv_both")
+
+# The paged cache layouts a connector can move blocks of, one tensor per layer:
+# "kvwire" is kvwire's engine's [2, num_blocks, block_size, num_kv_heads, head_size];
+# "vllm_cpu" is vLLM's CPU backend's [num_blocks, num_kv_heads, block_size,
+# 2 * head_size], whose packing inside a block depends on the CPU's instruction
+# path, so its blocks are moved as whole byte ranges and shared only with an
+# engine of the same layout.
+KV_CACHE_LAYOUTS: tuple[str, ...] = ("kvwire", "vllm_cpu")
 
 LoadFailurePolicy = Literal["recompute", "fail"]
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
@@ -33,14 +53,54 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+# Upper bounds on counts, far above any real model (the deepest have about
+# 130 layers, the widest vocabularies about 260k tokens) and far below what
+# would make one allocation absurd: a typo of a few extra digits is caught
+# here, by name, instead of as a MemoryError deep in the engine.
+COUNT_LIMITS: dict[str, int] = {
+    "num_layers": 1024,
+    "num_attention_heads": 4096,
+    "num_kv_heads": 4096,
+    "head_size": 4096,
+    "intermediate_size": 2**20,
+    "vocab_size": 2**24,
+    "max_model_len": 2**24,
+    "block_size": 2**16,
+    "num_gpu_blocks": 2**32,
+    "max_num_seqs": 2**20,
+    "max_num_batched_tokens": 2**24,
+    "world_size": 2**16,
+    "rank": 2**16,
+    "kv_parallel_size": 2**16,
+    "kv_rank": 2**16,
+}
+# torch.Generator.manual_seed accepts this range.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _engine_id_or_fresh(value: str | None) -> str:
     # A fresh uuid4 per config: two engines never share an id by accident.
     return str(uuid.uuid4()) if value is None else value
 
 
+def _buffer_size_as_float(value: Any) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        # float() of a 400-digit integer; OverflowError would name nothing.
+        raise ValueError(f"kv_buffer_size is too large, got {shown(value)}") from None
+
+
+def _shown_plain(value: object) -> str:
+    # As str() would show it (the reference's texts), but bounded.
+    return value if isinstance(value, str) and len(value) <= 80 else shown(value)
+
+
 def _check_kv_role(instance: KVTransferConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and value not in KV_ROLES:
-        raise ValueError(f"Unsupported kv_role: {value}. Supported roles are {KV_ROLES}")
+        raise ValueError(
+            f"Unsupported kv_role: {_shown_plain(value)}. Supported roles are {KV_ROLES}"
+        )
     if instance.kv_connector is not None and value is None:
         raise ValueError(
             f"Please specify kv_role when kv_connector is set, supported roles are {KV_ROLES}"
@@ -52,29 +112,108 @@ def _check_load_failure_policy(
 ) -> None:
     if value not in LOAD_FAILURE_POLICIES:
         raise ValueError(
-            f"Unsupported kv_load_failure_policy: {value!r}. "
+            f"Unsupported kv_load_failure_policy: {shown(value)}. "
             f"Supported policies are {LOAD_FAILURE_POLICIES}"
         )
 
 
 def _check_port(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if not 0 < value < 65536:
-        raise ValueError(f"{attribute.name} must be between 1 and 65535, got {value}")
+        raise ValueError(f"{attribute.name} must be between 1 and 65535, got {shown(value)}")
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+        raise ValueError(f"{attribute.name} must be > 0, got {shown(value)}")
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+        raise ValueError(f"{attribute.name} must be >= 0, got {shown(value)}")
+
+
+def _finite(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, got {value}")
+
+
+def _at_most_count_limit(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    limit = COUNT_LIMITS[attribute.name]
+    if value > limit:
+        raise ValueError(
+            f"{attribute.name} must be <= {limit} (far more than any real model uses), "
+            f"got {shown(value)}"
+        )
+
+
+def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise ValueError(f"{attribute.name} must be between {low} and {high}, got {shown(value)}")
 
 
 def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value not in DTYPE_SIZES:
-        raise ValueError(f"{attribute.name}: {value!r} is not one of {', '.join(DTYPE_SIZES)}")
+        raise ValueError(f"{attribute.name}: {shown(value)} is not one of {', '.join(DTYPE_SIZES)}")
+
+
+def _of_kind(kind: type, description: str) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    """Like ``validators.instance_of``, but the error shows the value's type, never the value.
+
+    attrs' own error carries the value and the whole attribute in its
+    arguments: unbounded, and a secret typed into the wrong field.
+    """
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"{attribute.name} must be {description}, got {kind_of(value)}")
+
+    return check
+
+
+def _text(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """A string without NUL bytes: names and paths reach open() and import machinery."""
+    _of_kind(str, "a string")(instance, attribute, value)
+    if "\x00" in value:
+        raise ValueError(f"{attribute.name} contains a NUL byte (\\x00), which no name may hold")
+
+
+def _count(*more: Callable[[object, attrs.Attribute[Any], Any], None]) -> list[Any]:
+    """The validators of a positive count with an upper bound (:data:`COUNT_LIMITS`)."""
+    return [_of_kind(int, "an integer"), _positive, _at_most_count_limit, *more]
+
+
+def _check_extra_config(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _of_kind(dict, "a mapping")(instance, attribute, value)
+    for path in _paths_with_nul(value, attribute.name):
+        raise ValueError(f"{path} contains a NUL byte (\\x00), which no name or path may hold")
+
+
+def _paths_with_nul(value: Any, path: str, depth: int = 0) -> Iterator[str]:
+    """Dotted paths of the strings (keys and values) in ``value`` that hold a NUL byte."""
+    if depth > 64:  # deeper than any extra config; a structure that contains itself
+        return
+    if isinstance(value, str):
+        if "\x00" in value:
+            yield path
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            item_path = f"{path}.{shown_key(key)}"
+            if isinstance(key, str) and "\x00" in key:
+                yield item_path
+            yield from _paths_with_nul(item, item_path, depth + 1)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _paths_with_nul(item, f"{path}[{index}]", depth + 1)
+
+
+def _extra_config_repr(value: dict[str, Any]) -> str:
+    # Secrets blanked by key name and in URLs; long enough to read, bounded.
+    return shown(value, limit=400)
+
+
+def _bounded_repr(value: object) -> str:
+    return shown(value, limit=200)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,30 +225,33 @@ class KVTransferConfig:
     """
 
     kv_connector: str | None = attrs.field(
-        default=None, validator=validators.optional(validators.instance_of(str))
+        default=None, validator=validators.optional(_text), repr=_bounded_repr
     )
     engine_id: str = attrs.field(
-        default=None, converter=_engine_id_or_fresh, validator=validators.instance_of(str)
+        default=None, converter=_engine_id_or_fresh, validator=_text, repr=_bounded_repr
     )
-    kv_buffer_device: str = attrs.field(default="cpu", validator=validators.instance_of(str))
-    kv_buffer_size: float = attrs.field(default=1e9, converter=float, validator=_positive)
-    kv_role: KVRole | None = attrs.field(default=None, validator=_check_kv_role)
+    kv_buffer_device: str = attrs.field(default="cpu", validator=_text, repr=_bounded_repr)
+    kv_buffer_size: float = attrs.field(
+        default=1e9, converter=_buffer_size_as_float, validator=[_positive, _finite]
+    )
+    kv_role: KVRole | None = attrs.field(default=None, validator=_check_kv_role, repr=_bounded_repr)
     kv_rank: int | None = attrs.field(
-        default=None, validator=validators.optional([validators.instance_of(int), _non_negative])
+        default=None,
+        validator=validators.optional(
+            [_of_kind(int, "an integer"), _non_negative, _at_most_count_limit]
+        ),
     )
-    kv_parallel_size: int = attrs.field(
-        default=1, validator=[validators.instance_of(int), _positive]
-    )
-    kv_ip: str = attrs.field(default="127.0.0.1", validator=validators.instance_of(str))
-    kv_port: int = attrs.field(default=14579, validator=[validators.instance_of(int), _check_port])
+    kv_parallel_size: int = attrs.field(default=1, validator=_count())
+    kv_ip: str = attrs.field(default="127.0.0.1", validator=_text, repr=_bounded_repr)
+    kv_port: int = attrs.field(default=14579, validator=[_of_kind(int, "an integer"), _check_port])
     kv_connector_extra_config: dict[str, Any] = attrs.field(
-        factory=dict, validator=validators.instance_of(dict)
+        factory=dict, validator=_check_extra_config, repr=_extra_config_repr
     )
     kv_connector_module_path: str | None = attrs.field(
-        default=None, validator=validators.optional(validators.instance_of(str))
+        default=None, validator=validators.optional(_text), repr=_bounded_repr
     )
     kv_load_failure_policy: LoadFailurePolicy = attrs.field(
-        default="recompute", validator=_check_load_failure_policy
+        default="recompute", validator=_check_load_failure_policy, repr=_bounded_repr
     )
 
     @property
@@ -138,23 +280,24 @@ class SchedulerConfig:
     """
 
     disable_hybrid_kv_cache_manager: bool | None = attrs.field(
-        default=None, validator=validators.optional(validators.instance_of(bool))
+        default=None, validator=validators.optional(_of_kind(bool, "true or false"))
     )
-    max_num_seqs: int = attrs.field(default=16, validator=[validators.instance_of(int), _positive])
-    max_num_batched_tokens: int = attrs.field(
-        default=512, validator=[validators.instance_of(int), _positive]
-    )
+    max_num_seqs: int = attrs.field(default=16, validator=_count())
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_count())
 
 
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     """How the paged KV cache is cut: tokens per block and how many blocks."""
 
-    block_size: int = attrs.field(default=16, validator=[validators.instance_of(int), _positive])
-    num_gpu_blocks: int = attrs.field(
-        default=256, validator=[validators.instance_of(int), _positive]
+    block_size: int = attrs.field(default=16, validator=_count())
+    num_gpu_blocks: int = attrs.field(default=256, validator=_count())
+    enable_prefix_caching: bool = attrs.field(
+        default=True, validator=_of_kind(bool, "true or false")
     )
-    enable_prefix_caching: bool = attrs.field(default=True, validator=validators.instance_of(bool))
+    # How the engine lays out one layer's paged cache (see KV_CACHE_LAYOUTS); it
+    # is part of every stored block's layout fingerprint.
+    kv_cache_layout: str = attrs.field(default="kvwire", validator=validators.in_(KV_CACHE_LAYOUTS))
 
 
 @attrs.frozen(kw_only=True)
@@ -165,21 +308,19 @@ class ModelConfig:
     query heads must be a multiple of the KV heads (grouped-query attention).
     """
 
-    num_layers: int = attrs.field(default=2, validator=[validators.instance_of(int), _positive])
-    num_attention_heads: int = attrs.field(
-        default=4, validator=[validators.instance_of(int), _positive]
-    )
-    num_kv_heads: int = attrs.field(default=2, validator=[validators.instance_of(int), _positive])
-    head_size: int = attrs.field(default=16, validator=[validators.instance_of(int), _positive])
-    intermediate_size: int = attrs.field(
-        default=128, validator=[validators.instance_of(int), _positive]
-    )
-    vocab_size: int = attrs.field(default=512, validator=[validators.instance_of(int), _positive])
-    max_model_len: int = attrs.field(
-        default=2048, validator=[validators.instance_of(int), _positive]
-    )
-    dtype: str = attrs.field(default="float32", validator=_check_dtype)
-    seed: int = attrs.field(default=0, validator=validators.instance_of(int))
+    num_layers: int = attrs.field(default=2, validator=_count())
+    num_attention_heads: int = attrs.field(default=4, validator=_count())
+    num_kv_heads: int = attrs.field(default=2, validator=_count())
+    head_size: int = attrs.field(default=16, validator=_count())
+    intermediate_size: int = attrs.field(default=128, validator=_count())
+    vocab_size: int = attrs.field(default=512, validator=_count())
+    max_model_len: int = attrs.field(default=2048, validator=_count())
+    dtype: str = attrs.field(default="float32", validator=_check_dtype, repr=_bounded_repr)
+    seed: int = attrs.field(default=0, validator=[_of_kind(int, "an integer"), _check_seed])
+    # Which weights produced the KV (e.g. a model path or hub id and revision).
+    # Part of the layout fingerprint when set: two models of one shape never
+    # load each other's blocks.
+    identity: str = attrs.field(default="", validator=validators.instance_of(str))
 
     def __attrs_post_init__(self) -> None:
         if self.num_attention_heads % self.num_kv_heads:
@@ -196,13 +337,31 @@ class ModelConfig:
     def dtype_size(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's keys (or values) in one layer."""
+        return self.num_kv_heads * self.head_size * self.dtype_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights at ``dtype``: embedding, LM head and each layer's projections."""
+        hidden = self.hidden_size
+        kv_width = self.num_kv_heads * self.head_size
+        per_layer = (
+            2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * self.intermediate_size
+        )
+        parameters = 2 * self.vocab_size * hidden + self.num_layers * per_layer
+        return parameters * self.dtype_size
+
 
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
     """Where this engine process sits among its peers."""
 
-    rank: int = attrs.field(default=0, validator=[validators.instance_of(int), _non_negative])
-    world_size: int = attrs.field(default=1, validator=[validators.instance_of(int), _positive])
+    rank: int = attrs.field(
+        default=0, validator=[_of_kind(int, "an integer"), _non_negative, _at_most_count_limit]
+    )
+    world_size: int = attrs.field(default=1, validator=_count())
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -218,3 +377,26 @@ class EngineConfig:
     parallel_config: ParallelConfig = attrs.field(factory=ParallelConfig)
     scheduler_config: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     kv_transfer_config: KVTransferConfig | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        # The engine allocates its KV cache and the model's weights up front:
+        # refuse, by name, what this machine could never hold.
+        kv_cache = self.kv_cache_bytes
+        weights = self.model_config.weight_bytes
+        shortfall = memory_shortfall(kv_cache + weights)
+        if shortfall:
+            model, cache = self.model_config, self.cache_config
+            raise ValueError(
+                "model_config, cache_config: the KV cache (2 x num_layers "
+                f"{model.num_layers} x cache_config.num_gpu_blocks {cache.num_gpu_blocks} x "
+                f"block_size {cache.block_size} x num_kv_heads {model.num_kv_heads} x head_size "
+                f"{model.head_size} x {model.dtype_size} bytes of {model.dtype}) needs "
+                f"{describe_bytes(kv_cache)} and the weights at least "
+                f"{describe_bytes(weights)}: {describe_bytes(kv_cache + weights)}, {shortfall}"
+            )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the engine's KV cache: every layer's blocks, keys and values."""
+        block_bytes = 2 * self.cache_config.block_size * self.model_config.kv_bytes_per_token
+        return self.model_config.num_layers * self.cache_config.num_gpu_blocks * block_bytes

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# How many of a profile's problems its error message lists.
+MAX_LISTED_PROBLEMS = 50
+
 
 class KVWireError(Exception):
     """Base of the errors kvwire defines."""
@@ -30,7 +33,11 @@ class ProfileError(KVWireError, ValueError):
         self.problems: tuple[str, ...] = tuple(problems)
         count = len(self.problems)
         heading = f"invalid profile {origin} ({count} problem{'s' if count != 1 else ''}):"
-        super().__init__("\n  ".join([heading, *self.problems]))
+        # The message stays readable, and bounded, however many there are.
+        listed = list(self.problems[:MAX_LISTED_PROBLEMS])
+        if count > MAX_LISTED_PROBLEMS:
+            listed.append(f"... and {count - MAX_LISTED_PROBLEMS} more (see .problems)")
+        super().__init__("\n  ".join([heading, *listed]))
 
 
 class ConnectorImportError(KVWireError, ImportError):

@@ -14,16 +14,17 @@ import attrs
 from attrs import validators
 
 from kvwire.config import DTYPE_SIZES
+from kvwire.redaction import shown
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+        raise ValueError(f"{attribute.name} must be > 0, got {shown(value)}")
 
 
 def _known_dtype(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value not in DTYPE_SIZES:
-        raise ValueError(f"{attribute.name}: {value!r} is not one of {', '.join(DTYPE_SIZES)}")
+        raise ValueError(f"{attribute.name}: {shown(value)} is not one of {', '.join(DTYPE_SIZES)}")
 
 
 @attrs.frozen(kw_only=True)

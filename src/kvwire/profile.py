@@ -10,7 +10,9 @@ boolean, ``3.5`` is not an integer), then checked by the records' own
 validators. Nothing stops at the first problem: :class:`ProfileError` lists
 every one, each with its dotted path and what would be accepted. Unknown keys
 are problems too, so a typo is never silently ignored. YAML is read with
-PyYAML's safe loader only.
+PyYAML's safe loader only, bounded against alias bombs
+(:mod:`kvwire.profile_yaml`). Values are shown in errors through
+:func:`kvwire.redaction.shown`: bounded, secrets blanked.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any, Literal
 
 import attrs
 import cattrs
-import yaml
 
 from kvwire.config import EngineConfig
 from kvwire.exceptions import ProfileError, kind_of
+from kvwire.profile_yaml import ProfileYAMLError, parse_profile_text
+from kvwire.redaction import SHOWN_LENGTH, scrub, secrets_in_text, shown, shown_key
 
 MAPPING_ORIGIN = "<mapping>"
 
@@ -45,22 +48,36 @@ def load_profile(source: ProfileSource) -> EngineConfig:
         # A mapping, or something that is neither: the structuring says which.
         return structure_engine_config(source, origin=MAPPING_ORIGIN)
     path = pathlib.Path(source)
-    return structure_engine_config(read_profile_file(path), origin=str(path))
+    return structure_engine_config(read_profile_file(path), origin=profile_origin(path))
+
+
+def profile_origin(path: str | os.PathLike[str]) -> str:
+    """How errors name the profile at ``path``: as given, or escaped and cut when unprintable."""
+    text = os.fspath(path)
+    return text if text.isprintable() and len(text) <= 4096 else shown(text, limit=200)
 
 
 def read_profile_file(path: pathlib.Path) -> Any:
     """The parsed YAML document at ``path`` (an empty file is an empty mapping)."""
+    origin = profile_origin(path)
+    if "\x00" in os.fspath(path):
+        # open() would only say "embedded null byte", naming nothing.
+        raise ProfileError(
+            origin, ["the profile path contains a NUL byte (\\x00), which no file name can hold"]
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
-        raise ProfileError(str(path), [f"cannot read the profile: {error.strerror}"]) from None
+        raise ProfileError(origin, [f"cannot read the profile: {error.strerror}"]) from None
     except UnicodeDecodeError as error:
-        raise ProfileError(str(path), [f"the profile is not UTF-8 text: {error.reason}"]) from None
+        raise ProfileError(origin, [f"the profile is not UTF-8 text: {error.reason}"]) from None
     try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        problem = " ".join(str(error).split())
-        raise ProfileError(str(path), [f"not valid YAML: {problem}"]) from None
+        document = parse_profile_text(text)
+    except ProfileYAMLError as error:
+        # The message quotes no source line, but a token (an alias name)
+        # could still be a secret typed in the wrong place.
+        problem = scrub(str(error), secrets_in_text(text))
+        raise ProfileError(origin, [f"not valid YAML: {problem}"]) from None
     return {} if document is None else document
 
 
@@ -79,7 +96,7 @@ def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> Engin
     records: dict[str, Any] = {}
     for key, value in data.items():
         if key not in sections:
-            problems.append(_unknown_key(str(key), key, sections))
+            problems.append(_unknown_key(shown_key(key), key, sections))
             continue
         record_type = sections[key]
         if value is None and _is_optional(attrs.fields_dict(EngineConfig)[key].type):
@@ -90,7 +107,11 @@ def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> Engin
             records[key] = record
     if problems:
         raise ProfileError(origin, problems)
-    return EngineConfig(**records)
+    try:
+        return EngineConfig(**records)
+    except ValueError as error:
+        # Checks across sections: what the KV cache and weights need in memory.
+        raise ProfileError(origin, [str(error)]) from None
 
 
 def unstructure_engine_config(engine_config: EngineConfig) -> dict[str, Any]:
@@ -186,7 +207,7 @@ def _structure_record(record_type: type, data: Any, path: str, problems: list[st
     found_before = len(problems)
     values: dict[str, Any] = {}
     for key, value in data.items():
-        field_path = f"{path}.{key}"
+        field_path = f"{path}.{shown_key(key)}"
         if key not in fields:
             problems.append(_unknown_key(field_path, key, fields))
             continue
@@ -197,7 +218,8 @@ def _structure_record(record_type: type, data: Any, path: str, problems: list[st
         try:
             values[key] = _converter.structure(value, fields[key].type)  # type: ignore[arg-type]
         except Exception:  # cattrs raises several kinds; each means "not this type"
-            problems.append(f"{field_path}: {value!r} is not {_describe(fields[key].type)}")
+            shown_value = shown(value, key=key)
+            problems.append(f"{field_path}: {shown_value} is not {_describe(fields[key].type)}")
     rejected = {key for key in data if key in fields and key not in values}
     _validate_fields(record_type, values, rejected, path, problems)
     if len(problems) > found_before:
@@ -277,7 +299,9 @@ def _describe(kind: Any) -> str:
 
 def _unknown_key(path: str, key: object, accepted: Mapping[str, Any]) -> str:
     message = f"{path}: unknown key; accepted keys are {_join(accepted)}"
-    close = difflib.get_close_matches(str(key), list(accepted), n=1)
+    if not isinstance(key, str) or len(key) > SHOWN_LENGTH:
+        return message
+    close = difflib.get_close_matches(key, list(accepted), n=1)
     return f"{message} (did you mean {close[0]!r}?)" if close else message
 
 

@@ -368,7 +368,7 @@ def test_check_builds_nothing(
     children = [
         {
             "kv_connector": "CPUOffloadConnector",
-            "kv_connector_extra_config": {"cpu_pool_bytes": "64GiB"},
+            "kv_connector_extra_config": {"cpu_pool_bytes": "1GiB"},
         },
         {
             "kv_connector": "SharedStorageConnector",

@@ -46,7 +46,7 @@ from kvwire.connectors.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
-    size_key,
+    memory_size_key,
 )
 from kvwire.connectors.worker_steps import metadata_of_type, saves_from_good_context
 
@@ -119,7 +119,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
         """The ``kv_connector_extra_config`` keys: see the module docstring."""
         return (
-            size_key("cpu_pool_bytes", 256 * 1024**2),
+            memory_size_key("cpu_pool_bytes", 256 * 1024**2),
             int_key("io_threads", 2, minimum=1, maximum=64),
             bool_key("async_load", False),
         )

@@ -5,15 +5,22 @@ records; :func:`read_extra_config` checks a user's mapping against them and
 returns the values with defaults filled in. Every error names
 ``kv_connector_extra_config.<key>`` and says what would be accepted, and an
 unknown key is an error (a typo must not silently fall back to a default).
+Values are shown bounded and with secrets blanked (:mod:`kvwire.redaction`);
+a size that is allocated in memory (:func:`memory_size_key`) is checked
+against what this machine holds.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 import attrs
+
+from kvwire.memory_limits import describe_bytes, memory_shortfall
+from kvwire.redaction import shown, shown_key
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -31,11 +38,23 @@ _SIZE_UNITS: dict[str, int] = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Digits are bounded: no byte count needs more, and converting thousands of
+# digits is slow (and refused past 4300 on recent Pythons).
+_SIZE_PATTERN = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]{0,3})\s*$")
+# 8 EiB: the largest byte count an OS call or a C size_t-based library takes.
+LARGEST_SIZE = 2**63 - 1
 
 
 class ExtraConfigError(ValueError):
     """A ``kv_connector_extra_config`` value or key that a connector does not accept."""
+
+
+class ValueRefused(Exception):
+    """Raised by an :class:`ExtraConfigKey`'s ``convert`` to refuse a value with its own reason.
+
+    The reason replaces the key's generic "expected ..." text, for a value
+    of the right form that still cannot work (more memory than the machine has).
+    """
 
 
 def parse_size(value: object) -> int | None:
@@ -44,14 +63,15 @@ def parse_size(value: object) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None  # inf and nan are not integers
     if not isinstance(value, str):
         return None
     match = _SIZE_PATTERN.match(value)
     if match is None or match.group(2).lower() not in _SIZE_UNITS:
         return None
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    # Exact arithmetic: a float would turn a long count into inf, or round it.
+    return int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 @attrs.frozen
@@ -69,11 +89,11 @@ class ExtraConfigKey:
 
 
 def size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
-    """A byte count: an int, or a string with a unit ("64MiB", "2GB")."""
+    """A byte count: an int, or a string with a unit ("64MiB", "2GB"), up to 8 EiB."""
 
     def convert(value: Any) -> int | None:
         size = parse_size(value)
-        return size if size is not None and size >= minimum else None
+        return size if size is not None and minimum <= size <= LARGEST_SIZE else None
 
     return ExtraConfigKey(
         name,
@@ -81,6 +101,28 @@ def size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
         convert,
         f'a byte count >= {minimum}, as an int or a string such as "512MiB"',
     )
+
+
+def memory_size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
+    """A byte count the connector allocates in memory: also no more than this machine holds.
+
+    Checked when the extra config is read, so ``kvwire check`` and the
+    connector's constructor both refuse it, by name, before anything is
+    allocated.
+    """
+    size = size_key(name, default, minimum)
+
+    def convert(value: Any) -> int | None:
+        converted: int | None = size.convert(value)
+        if converted is not None:
+            shortfall = memory_shortfall(converted)
+            if shortfall:
+                raise ValueRefused(
+                    f"{describe_bytes(converted)} would be allocated in memory, {shortfall}"
+                )
+        return converted
+
+    return ExtraConfigKey(name, default, convert, size.accepted)
 
 
 def int_key(name: str, default: int, minimum: int, maximum: int | None = None) -> ExtraConfigKey:
@@ -137,10 +179,11 @@ def read_extra_config(
     """
     known = {key.name: key for key in keys}
     problems: list[str] = []
-    unknown = sorted(set(extra_config) - set(known))
+    # Sorted by their text: keys of mixed types (from a Python mapping) do not compare.
+    unknown = sorted((key for key in extra_config if key not in known), key=shown_key)
     for name in unknown:
         problems.append(
-            f"kv_connector_extra_config.{name} is not an option of {connector_name}; "
+            f"kv_connector_extra_config.{shown_key(name)} is not an option of {connector_name}; "
             f"accepted keys are: {', '.join(sorted(known)) or '(none)'}"
         )
     values: dict[str, Any] = {}
@@ -154,12 +197,17 @@ def read_extra_config(
             values[key.name] = key.default
             continue
         raw = extra_config[key.name]
-        converted = key.convert(raw)
-        if converted is None:
-            problems.append(
-                f"kv_connector_extra_config.{key.name}: {raw!r} is not accepted by "
-                f"{connector_name}; expected {key.accepted}"
-            )
+        try:
+            converted = key.convert(raw)
+        except ValueRefused as refused:
+            problems.append(f"kv_connector_extra_config.{key.name}: {refused}")
+            converted = None
+        else:
+            if converted is None:
+                problems.append(
+                    f"kv_connector_extra_config.{key.name}: {shown(raw, key=key.name)} is not "
+                    f"accepted by {connector_name}; expected {key.accepted}"
+                )
         values[key.name] = converted
     if problems:
         raise ExtraConfigError("\n".join(problems))

@@ -17,6 +17,8 @@ import attrs
 import redis
 
 from kvwire.connectors.extra_config import parse_size
+from kvwire.memory_limits import describe_bytes, memory_shortfall
+from kvwire.redaction import redact_text, shown
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 _SCHEMES = ("redis", "rediss", "unix")
@@ -88,7 +90,7 @@ class RedisStoreSettings:
             if not isinstance(password_env, str) or not password_env:
                 problems.append(
                     f"{EXTRA_CONFIG}.password_env: expected the name of an environment "
-                    f"variable holding the password, got {password_env!r}"
+                    f"variable holding the password, got {shown(password_env)}"
                 )
             elif "password" in extra:
                 problems.append(
@@ -96,7 +98,8 @@ class RedisStoreSettings:
                 )
             elif password_env not in os.environ:
                 problems.append(
-                    f"{EXTRA_CONFIG}.password_env: environment variable {password_env!r} is not set"
+                    f"{EXTRA_CONFIG}.password_env: environment variable {shown(password_env)} "
+                    "is not set"
                 )
             else:
                 values["password"] = os.environ[password_env]
@@ -189,7 +192,11 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
     if name == "pipeline_bytes":
         # The same forms as the connector's other sizes (staging_buffer_bytes).
         size = parse_size(value)
-        return None if size is not None and size > 0 else expected
+        if size is None or size <= 0:
+            return expected
+        # A pipeline's values are held in memory until they are sent or read.
+        shortfall = memory_shortfall(size)
+        return f"{describe_bytes(size)} would be held in memory, {shortfall}" if shortfall else None
     if isinstance(default, int) or name in ("db", "ttl_seconds"):
         if not isinstance(value, int):
             return expected
@@ -211,7 +218,16 @@ def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
     parsed = urlparse(url)
     if parsed.scheme not in _SCHEMES:
         return [
-            f"{where}: scheme must be one of redis://, rediss://, unix://, got {parsed.scheme!r}"
+            f"{where}: scheme must be one of redis://, rediss://, unix://, "
+            f"got {shown(parsed.scheme)}"
+        ]
+    if "@" in url.partition("://")[2] and "@" not in parsed.netloc:
+        # An '@' past the host: a password holding '/', '?' or '#' ends the
+        # host part early, and the rest of the password reads as a path.
+        # Nothing of the URL is quoted: it holds the password.
+        return [
+            f"{where}: the user name or password holds '/', '?' or '#'; percent-encode them "
+            "(%2F, %3F, %23), or give the password as password_env"
         ]
     problems = []
     query = parse_qs(parsed.query)
@@ -234,7 +250,7 @@ def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
             problems.append(f"{where}: the port must be a number between 0 and 65535")
         url_db = parsed.path.strip("/")
         if url_db and not url_db.isdigit():
-            problems.append(f"{where}: the path must be a database number, got {url_db!r}")
+            problems.append(f"{where}: the path must be a database number, got {shown(url_db)}")
         if explicit_db and (url_db or "db" in query):
             problems.append(f"{where}: names a database and so does {EXTRA_CONFIG}.db; keep one")
     return problems
@@ -247,10 +263,10 @@ def _url_secrets(url: str) -> list[str]:
 
 
 def _blank(text: str, secrets: list[str] | None = None) -> str:
-    """``text`` with the URL's passwords (or ``secrets``) replaced by ``***``."""
-    for secret in sorted(_url_secrets(text) if secrets is None else secrets, key=len, reverse=True):
+    """``text`` with URL credentials (and ``secrets``, wherever they appear) replaced by ``***``."""
+    for secret in sorted(secrets or [], key=len, reverse=True):
         text = text.replace(secret, _REDACTED)
-    return text
+    return redact_text(text)
 
 
 def _tls_problems(values: Mapping[str, Any]) -> list[str]:
@@ -263,9 +279,9 @@ def _tls_problems(values: Mapping[str, Any]) -> list[str]:
         if not uses_tls:
             problems.append(f"{EXTRA_CONFIG}.{name}: only used with a rediss:// url")
         elif not os.path.isfile(path):
-            problems.append(f"{EXTRA_CONFIG}.{name}: no file at {path!r}; expected a PEM file")
+            problems.append(f"{EXTRA_CONFIG}.{name}: no file at {shown(path)}; expected a PEM file")
     return problems
 
 
 def _shown(name: str, value: Any) -> str:
-    return _REDACTED if name == "password" else repr(value)
+    return shown(value, key=name)

@@ -87,8 +87,8 @@ from kvwire.connectors.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
+    memory_size_key,
     seconds_key,
-    size_key,
 )
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.connectors.worker_steps import metadata_of_type
@@ -167,7 +167,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
         """The ``kv_connector_extra_config`` keys this connector accepts."""
         return (
-            size_key("staging_buffer_bytes", 64 * 1024**2),
+            memory_size_key("staging_buffer_bytes", 64 * 1024**2),
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             bool_key("async_load", False),

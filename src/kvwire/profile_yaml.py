@@ -1,0 +1,145 @@
+"""Reading a profile's YAML text, bounded against hostile documents.
+
+PyYAML's safe loader builds only plain values, but it still lets a small
+document describe a huge one: aliases (``*name``) reuse a node, so nine
+levels of nine aliases each expand to 387 million values in a few hundred
+bytes (an "alias bomb"), and a recursive alias builds a structure that
+contains itself. Anything that walks such a value (a check, an error
+message, ``json.dumps``) then takes minutes and gigabytes, or never ends.
+This loader refuses a document whose expansion holds more than
+:data:`MAX_EXPANDED_NODES` values, a recursive alias, an integer with more
+than :data:`MAX_INTEGER_DIGITS` digits and nesting deeper than
+:data:`MAX_DEPTH`, each with the line and column at fault.
+
+Error texts never quote the document: PyYAML's own messages include the
+offending source line, which may hold a password.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+# A real profile holds a few hundred values; ten thousand leaves room for
+# long lists of composite children while keeping any walk instant.
+MAX_EXPANDED_NODES = 10_000
+# No setting needs more: 2**64 has 20 digits, a byte count in EiB 19.
+MAX_INTEGER_DIGITS = 40
+# PyYAML composes recursively: deeper nesting would end in a RecursionError.
+MAX_DEPTH = 100
+
+
+class ProfileYAMLError(ValueError):
+    """A profile's text that is not valid YAML, or that this loader refuses; no source quoted."""
+
+
+def parse_profile_text(text: str) -> Any:
+    """The document in ``text`` (None when empty); raises :class:`ProfileYAMLError`."""
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except yaml.MarkedYAMLError as error:
+        raise ProfileYAMLError(_describe(error)) from None
+    except yaml.YAMLError as error:
+        raise ProfileYAMLError(" ".join(str(error).split())[:200]) from None
+    except RecursionError:
+        raise ProfileYAMLError(f"nested more than {MAX_DEPTH} levels deep") from None
+    finally:
+        loader.dispose()
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing integers too long to be any setting."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = sum(character.isdigit() for character in str(node.value))
+        if digits > MAX_INTEGER_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"an integer of {digits} digits; no setting takes more than {MAX_INTEGER_DIGITS}",
+                node.start_mark,
+            )
+        value: int = super().construct_yaml_int(node)
+        return value
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand too far, refer to themselves, or nest too deep.
+
+    Counts each node as often as aliases repeat it, without expanding
+    anything: a node's expanded size is computed once and reused.
+    """
+    expanded: dict[int, int] = {}
+    # Iterative depth-first walk: (node, depth, children done).
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    on_path: set[int] = set()
+    while stack:
+        node, depth, children_done = stack.pop()
+        if children_done:
+            on_path.discard(id(node))
+            expanded[id(node)] = 1 + sum(expanded[id(child)] for child in _children(node))
+            if expanded[id(node)] > MAX_EXPANDED_NODES:
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"this node expands to more than {MAX_EXPANDED_NODES} values through its "
+                    "aliases (*name); write the values out, or use fewer aliases",
+                    node.start_mark,
+                )
+            continue
+        if id(node) in expanded:
+            continue
+        if id(node) in on_path:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "an alias (*name) refers to a node that contains it; a profile cannot be recursive",
+                node.start_mark,
+            )
+        if depth > MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_DEPTH} levels deep", node.start_mark
+            )
+        on_path.add(id(node))
+        stack.append((node, depth, True))
+        for child in _children(node):
+            stack.append((child, depth + 1, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _describe(error: yaml.MarkedYAMLError) -> str:
+    """PyYAML's error as a line and column with what was wrong, without the source line."""
+    parts = []
+    if error.problem_mark is not None:
+        parts.append(f"line {error.problem_mark.line + 1}, column {error.problem_mark.column + 1}:")
+    parts.append(_bounded(error.problem or "invalid document"))
+    if error.context:
+        where = ""
+        if error.context_mark is not None:
+            where = (
+                f" at line {error.context_mark.line + 1}, column {error.context_mark.column + 1}"
+            )
+        parts.append(f"({_bounded(error.context)}{where})")
+    return " ".join(parts)
+
+
+def _bounded(text: str) -> str:
+    # PyYAML's problem texts quote at most a token; keep them that short.
+    text = " ".join(text.split())
+    return text if len(text) <= 120 else f"{text[:120]}..."
