@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import uuid
 from typing import Any
 
+import attrs
 import pytest
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorRole, SupportsHMA
-from kvwire.connector.types import Request, SchedulerOutput
+from kvwire.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from kvwire.connector.types import (
+    ForwardContext,
+    KVCacheBlocks,
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVConnectorTransferResults,
+    Request,
+    SchedulerOutput,
+)
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.extra_config import ExtraConfigError
-from kvwire.connectors.multi import MultiConnector
+from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import KVConnectorContainer
 from kvwire.registry import default_registry
@@ -289,3 +306,306 @@ def test_the_container_builds_children_through_overridden_providers(tmp_path: pa
     assert isinstance(multi, MultiConnector)
     assert [type(c) for c in multi.children] == [ParamsCPUOffload, SharedStorageConnector]
     container.shutdown_resources()
+
+
+# ------------------------------------------------- any child, through base hooks
+
+
+class ProbeConnector(KVConnectorBase):
+    """A child that is no block connector; its extra config says how it behaves.
+
+    ``load_errors``: block ids whose loads failed this step; ``fail_build`` /
+    ``fail_shutdown``: raise there; ``finished_count``, ``layout``,
+    ``worker_meta``: what those hooks answer. ``calls`` records the hooks it got.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = self._kv_transfer_config.kv_connector_extra_config
+        if self.options.get("fail_build"):
+            raise ValueError("the probe could not be built")
+        self.calls: list[tuple[str, Any]] = []
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
+        assert vllm_config.kv_transfer_config is not None
+        layout: str | None = vllm_config.kv_transfer_config.kv_connector_extra_config.get("layout")
+        return layout
+
+    def load_errors_this_step(self) -> set[int]:
+        return set(self.options.get("load_errors", ()))
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        self.calls.append(("skip_saves_computed_from", block_ids))
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.calls.append(("handle_preemptions", kv_connector_metadata))
+
+    def on_new_request(self, request: Request) -> None:
+        self.calls.append(("on_new_request", request.request_id))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        count = self.options.get("worker_meta")
+        return None if count is None else CountMeta(count)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.calls.append(("worker_meta", connector_output.kv_connector_worker_meta))
+
+    def get_finished_count(self) -> int | None:
+        count: int | None = self.options.get("finished_count")
+        return count
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        failed = set(self.options.get("failed_recving", ()))
+        return KVConnectorTransferResults(finished_recving=set(failed), failed_recving=failed)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        self.calls.append(("wait_for_save", None))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return ProbeMetadata(self.options.get("name", ""))
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown", None))
+        if self.options.get("fail_shutdown"):
+            raise RuntimeError("the probe could not shut down")
+
+
+@attrs.frozen
+class ProbeMetadata(KVConnectorMetadata):
+    name: str
+
+
+@attrs.frozen
+class CountMeta(KVConnectorWorkerMetadata):
+    count: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, CountMeta)
+        return CountMeta(self.count + other.count)
+
+
+class ProbeStats(KVConnectorStats):
+    """The stats class ProbeConnector rebuilds its counters into."""
+
+
+class StatsProbe(ProbeConnector):
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return ProbeStats(data=dict(data or {}))
+
+
+def probe(**options: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "ProbeConnector",
+        "kv_connector_module_path": __name__,
+        "kv_connector_extra_config": options,
+    }
+
+
+def probes(*children: dict[str, Any]) -> MultiConnector:
+    config = engine_config("MultiConnector", {"connectors": list(children)})
+    return MultiConnector(
+        config,
+        KVConnectorRole.WORKER,
+        cache_config_for(config),
+        connector_builder=default_registry().build_connector,
+    )
+
+
+def calls_named(connector: KVConnectorBase, name: str) -> list[Any]:
+    assert isinstance(connector, ProbeConnector)
+    return [argument for called, argument in connector.calls if called == name]
+
+
+def test_a_failed_load_in_any_child_stops_every_child_saving_what_was_computed_from_it() -> None:
+    multi = probes(probe(load_errors=[5, 9]), probe())
+
+    multi.wait_for_save()
+
+    assert [calls_named(child, "skip_saves_computed_from") for child in multi.children] == [
+        [{5, 9}],
+        [{5, 9}],
+    ]
+    assert [calls_named(child, "wait_for_save") for child in multi.children] == [[None], [None]]
+
+
+def test_a_nested_multi_connector_passes_load_errors_up_and_skipped_saves_down() -> None:
+    nested = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {"connectors": [probe(load_errors=[3])]},
+    }
+    multi = probes(nested, probe())
+    inner, outer_probe = multi.children
+    assert isinstance(inner, MultiConnector)
+
+    multi.wait_for_save()
+
+    assert {3} in calls_named(outer_probe, "skip_saves_computed_from")
+    assert {3} in calls_named(inner.children[0], "skip_saves_computed_from")
+
+
+def test_a_failing_child_shutdown_is_logged_and_the_others_still_shut_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    multi = probes(probe(fail_shutdown=True), probe())
+
+    with (
+        caplog.at_level(logging.ERROR, logger="kvwire.connectors.multi"),
+        pytest.raises(RuntimeError, match="the probe could not shut down"),
+    ):
+        multi.shutdown()
+
+    assert calls_named(multi.children[1], "shutdown") == [None]
+    assert [record.getMessage() for record in caplog.records] == [
+        "MultiConnector: child ProbeConnector failed to shut down; shutting down the others"
+    ]
+
+
+def test_a_child_that_cannot_be_built_is_the_error_even_when_cleanup_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR, logger="kvwire.connectors.multi"),
+        pytest.raises(ValueError, match="the probe could not be built"),
+    ):
+        probes(probe(fail_shutdown=True), probe(fail_build=True))
+
+    assert "failed to shut down" in caplog.text
+
+
+def test_preemptions_reach_each_child_with_its_own_metadata() -> None:
+    multi = probes(probe(name="first"), probe(name="second"))
+    metadata = MultiKVConnectorMetadata(children=(ProbeMetadata("first"), ProbeMetadata("second")))
+
+    multi.handle_preemptions(metadata)
+
+    assert [calls_named(child, "handle_preemptions") for child in multi.children] == [
+        [ProbeMetadata("first")],
+        [ProbeMetadata("second")],
+    ]
+
+
+def test_failed_receives_of_any_child_are_reported() -> None:
+    multi = probes(probe(failed_recving=["a"]), probe(failed_recving=["b"]))
+
+    results = multi.get_transfer_results(set())
+
+    assert results.failed_recving == {"a", "b"}
+    assert multi.get_finished(set()) == (None, {"a", "b"})
+
+
+def test_new_requests_reach_every_child() -> None:
+    multi = probes(probe(), probe())
+
+    multi.on_new_request(make_request("n", PROMPT, BLOCK))
+
+    assert [calls_named(child, "on_new_request") for child in multi.children] == [["n"], ["n"]]
+
+
+def test_worker_metadata_is_built_per_child_merged_and_handed_back_to_each() -> None:
+    multi = probes(probe(worker_meta=2), probe())
+    one_worker = multi.build_connector_worker_meta()
+    assert one_worker is not None
+
+    merged = one_worker.aggregate(one_worker)
+    multi.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=merged))
+
+    assert [calls_named(child, "worker_meta") for child in multi.children] == [
+        [CountMeta(4)],
+        [None],
+    ]
+
+
+def test_no_worker_metadata_when_no_child_has_any() -> None:
+    assert probes(probe(), probe()).build_connector_worker_meta() is None
+
+
+def test_children_expecting_different_finished_counts_is_an_error() -> None:
+    multi = probes(probe(finished_count=2), probe(finished_count=4))
+
+    with pytest.raises(ValueError, match=r"different numbers of finished reports \[2, 4\]"):
+        multi.get_finished_count()
+
+
+def test_the_finished_count_is_the_children_s_when_they_agree() -> None:
+    assert probes(probe(finished_count=2), probe(finished_count=2)).get_finished_count() == 2
+    assert probes(probe(finished_count=2), probe()).get_finished_count() is None
+
+
+def test_children_needing_different_kv_cache_layouts_is_an_error() -> None:
+    config = engine_config(
+        "MultiConnector", {"connectors": [probe(layout="HND"), probe(layout="NHD")]}
+    )
+
+    with pytest.raises(ValueError, match=r"different KV cache layouts \(HND, NHD\)"):
+        MultiConnector.get_required_kvcache_layout(config)
+
+
+def test_kv_delivery_is_required_when_a_child_requires_it() -> None:
+    consumer = {**probe(), "kv_role": "kv_consumer"}
+    producer = {**probe(), "kv_role": "kv_producer"}
+
+    assert probes(consumer, producer).requires_kv_delivery is True
+    assert probes(consumer, consumer).requires_kv_delivery is False
+
+
+# --------------------------------------------------------------- child stats
+
+
+@pytest.fixture
+def stats_probe_name() -> str:
+    name = f"StatsProbe{uuid.uuid4().hex}"
+    default_registry().register_connector(name, __name__, "StatsProbe")
+    return name
+
+
+def test_each_child_s_stats_are_rebuilt_by_the_class_registered_under_its_name(
+    stats_probe_name: str,
+) -> None:
+    rebuilt = MultiConnector.build_kv_connector_stats(
+        {stats_probe_name: {"loads": 2}, f"{stats_probe_name}#1": {"loads": 3}}
+    )
+
+    assert rebuilt is not None
+    assert [type(stats) for stats in rebuilt.data.values()] == [ProbeStats, ProbeStats]
+    assert rebuilt.reduce() == {
+        stats_probe_name: {"loads": 2},
+        f"{stats_probe_name}#1": {"loads": 3},
+    }
+
+
+def test_rebuilt_child_stats_merge_child_by_child(stats_probe_name: str) -> None:
+    first = MultiConnector.build_kv_connector_stats({stats_probe_name: {"loads": 2}})
+    second = MultiConnector.build_kv_connector_stats({stats_probe_name: {"loads": 5}})
+    assert first is not None and second is not None
+
+    assert first.aggregate(second).reduce() == {stats_probe_name: {"loads": 7}}
+
+
+def test_rebuilding_the_stats_of_an_unknown_child_is_the_reference_error() -> None:
+    with pytest.raises(ValueError) as caught:
+        MultiConnector.build_kv_connector_stats({"NoSuchConnector": {"loads": 1}})
+
+    assert str(caught.value) == "Connector 'NoSuchConnector' is not registered."
