@@ -36,9 +36,19 @@ _SECRET_NAMES = frozenset(
         "secret_key",
         "access_key",
         "auth_token",
+        # Refused in a profile (the MAC key comes from mac_key_env), but never shown.
+        "mac_key",
     }
 )
-_SECRET_SUFFIXES = ("_password", "_passwd", "_token", "_secret", "_api_key", "_private_key")
+_SECRET_SUFFIXES = (
+    "_password",
+    "_passwd",
+    "_token",
+    "_secret",
+    "_api_key",
+    "_private_key",
+    "_mac_key",
+)
 
 # A secret shorter than this is not searched for in text: blanking every "ab"
 # of a message would hide what it says. Key names and URLs still blank it.

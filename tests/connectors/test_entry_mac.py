@@ -230,3 +230,10 @@ def test_check_fails_a_bad_key_setting_without_printing_the_key(
     assert status == 1
     assert message in output
     assert KEY[:20] not in output
+
+
+def test_a_key_put_in_a_profile_by_mistake_never_shows_in_a_repr(tmp_path: pathlib.Path) -> None:
+    config = engine_config("SharedStorageConnector", shared_storage_extra(tmp_path, mac_key=KEY))
+    for text in (repr(config), repr(config.kv_transfer_config), str(config)):
+        assert "mac_key" in text
+        assert KEY not in text
