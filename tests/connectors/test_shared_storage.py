@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pathlib
 import shutil
+import threading
 
 import pytest
+import yaml
 
+from kvwire.cli import check_profile
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.extra_config import ExtraConfigError, read_extra_config
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.connectors.conftest import PairFactory
 from tests.connectors.harness import (
@@ -271,6 +275,50 @@ def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
     assert message in str(raised.value)
 
 
+def test_a_nul_byte_in_the_path_is_an_error_that_names_the_key():
+    # The profile's own checks may catch it before the connector's do: either names the key.
+    with pytest.raises(ValueError) as raised:
+        config = engine_config("SharedStorageConnector", {"shared_storage_path": "/tmp/kv\0store"})
+        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    assert "kv_connector_extra_config.shared_storage_path" in str(raised.value)
+    assert "NUL byte" in str(raised.value)
+
+
+def test_the_connector_accepts_no_path_with_a_nul_byte():
+    with pytest.raises(ExtraConfigError) as raised:
+        read_extra_config(
+            "SharedStorageConnector",
+            {"shared_storage_path": "/tmp/kv\0store"},
+            SharedStorageConnector.extra_config_keys(),
+        )
+    assert str(raised.value) == (
+        "kv_connector_extra_config.shared_storage_path: '/tmp/kv\\x00store' is not accepted "
+        "by SharedStorageConnector; expected a non-empty directory path without NUL bytes "
+        "(required)"
+    )
+
+
+def test_kvwire_check_names_the_path_with_a_nul_byte(tmp_path: pathlib.Path):
+    profile = tmp_path / "profile.yaml"
+    transfer = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv\0store"},
+    }
+    profile.write_text(yaml.safe_dump({"kv_transfer_config": transfer}))
+    out, err = io.StringIO(), io.StringIO()
+    assert check_profile(str(profile), out=out, err=err) == 1
+    assert "kv_connector_extra_config.shared_storage_path" in err.getvalue()
+    assert "NUL byte" in err.getvalue()
+
+
+def test_a_directory_store_refuses_a_root_with_a_nul_byte():
+    from kvwire.connectors.file_store import DirectoryBlockStore
+
+    with pytest.raises(ValueError, match="root '/tmp/kv\\\\x00store' contains a NUL byte"):
+        DirectoryBlockStore("/tmp/kv\0store", entry_bytes=100)
+
+
 def test_a_path_that_cannot_be_created_is_a_clear_error(tmp_path: pathlib.Path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -301,13 +349,53 @@ def test_reset_cache_forgets_this_layouts_entries_only(
     shared_storage_pair: PairFactory, storage_dir
 ):
     produce(shared_storage_pair)
-    foreign = storage_dir / "another-layout" / "ab" / "ab01"
+    foreign = storage_dir / LAYOUT_FOLDER / "ab" / "ab01"
     foreign.parent.mkdir(parents=True)
     foreign.write_bytes(b"entry of another engine layout")
     consumer = shared_storage_pair()
     assert consumer.scheduler.reset_cache() is True
     assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
     assert foreign.exists()
+
+
+def test_reset_cache_keeps_the_users_files_in_the_layouts_folder(
+    shared_storage_pair: PairFactory, storage_dir
+):
+    produce(shared_storage_pair)
+    (layout_folder,) = storage_dir.iterdir()
+    users = [layout_folder / "notes.txt", entry_files(storage_dir)[0].parent / "notes.txt"]
+    for path in users:
+        path.write_text("the user's")
+    consumer = shared_storage_pair()
+    assert consumer.scheduler.reset_cache() is True
+    assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (0, False)
+    assert [path.read_text() for path in users] == ["the user's", "the user's"]
+
+
+@pytest.mark.timeout(20)
+def test_shutdown_waits_for_a_stuck_start_up_sweep_only_so_long(
+    shared_storage_pair: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog
+):
+    from kvwire.connectors import shared_storage
+    from kvwire.connectors.file_store import DirectoryBlockStore
+
+    stuck = threading.Event()
+
+    def sweep_on_a_hung_filesystem(store: DirectoryBlockStore) -> int:
+        stuck.wait(30)
+        return 0
+
+    monkeypatch.setattr(
+        DirectoryBlockStore, "sweep_stale_temporary_files", sweep_on_a_hung_filesystem
+    )
+    monkeypatch.setattr(shared_storage, "SWEEP_JOIN_S", 0.05)
+    pair = shared_storage_pair()
+    try:
+        with caplog.at_level(logging.WARNING):
+            pair.worker.shutdown()
+        assert "shutting down without waiting for it" in caplog.text
+    finally:
+        stuck.set()
 
 
 def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_load_ends(
