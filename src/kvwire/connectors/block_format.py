@@ -37,6 +37,13 @@ FORMAT_VERSION = 1
 # buffer stays aligned for any dtype view.
 HEADER_SIZE = 128
 CACHE_LAYOUT = "layers,2,block_size,num_kv_heads,head_size"
+# What a payload's bytes mean, by the engine's paged cache layout
+# (``CacheConfig.kv_cache_layout``). vLLM's CPU blocks are copied whole, packing
+# and all: the payload is each layer's block as vLLM holds it.
+PAYLOAD_LAYOUTS: dict[str, str] = {
+    "kvwire": CACHE_LAYOUT,
+    "vllm_cpu": "layers,vllm_cpu_block[num_kv_heads,block_size,2*head_size]",
+}
 
 _DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPE_SIZES, start=1)}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
@@ -72,6 +79,11 @@ class BlockLayout:
     dtype: str
     # The MAC that seals and checks this layout's entries; None: checksum only.
     mac: EntryMac | None = attrs.field(default=None, kw_only=True)
+    # The engine's paged cache layout (a key of PAYLOAD_LAYOUTS) and the model's
+    # identity: both name the entries, so engines share them only when the
+    # bytes mean the same thing.
+    cache_layout: str = attrs.field(default="kvwire", kw_only=True)
+    model_identity: str = attrs.field(default="", kw_only=True)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -82,6 +94,8 @@ class BlockLayout:
             num_kv_heads=model.num_kv_heads,
             head_size=model.head_size,
             dtype=model.dtype,
+            cache_layout=config.cache_config.kv_cache_layout,
+            model_identity=model.identity,
         )
 
     @property
@@ -108,9 +122,11 @@ class BlockLayout:
     @functools.cached_property
     def fingerprint(self) -> bytes:
         description = (
-            f"kvwire-block-v{FORMAT_VERSION};layout={CACHE_LAYOUT};shape={self.shape};"
-            f"dtype={self.dtype}"
+            f"kvwire-block-v{FORMAT_VERSION};layout={PAYLOAD_LAYOUTS[self.cache_layout]};"
+            f"shape={self.shape};dtype={self.dtype}"
         )
+        if self.model_identity:
+            description += f";model={self.model_identity}"
         if self.mac is not None:
             # Sealed entries (and each key's) get names of their own.
             description += f";mac={self.mac.key_id}"

@@ -322,12 +322,21 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         metadata = self._get_connector_metadata()
         return worker, metadata_of_type(type(self).__name__, metadata, CPUOffloadMetadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Let the stores of preempted requests end: the forward pass may reuse their blocks.
+
+        vLLM calls it before the forward pass and starts loads after it; an
+        engine that never calls it gets the same wait from :meth:`start_load_kv`.
+        """
+        metadata = metadata_of_type(type(self).__name__, kv_connector_metadata, CPUOffloadMetadata)
+        if metadata.preempted_req_ids:
+            self._require_worker().wait_for_requests(metadata.preempted_req_ids)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker, metadata = self._worker_and_metadata()
         self._counters.add_many(dict(metadata.counters))
         self._pending_release.add(metadata.release_req_ids)
-        if metadata.preempted_req_ids:
-            worker.wait_for_requests(metadata.preempted_req_ids)
+        self.handle_preemptions(metadata)
         worker.start_loads(metadata.loads, metadata.async_loads)
 
     def wait_for_save(self) -> None:

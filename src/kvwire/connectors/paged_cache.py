@@ -1,12 +1,15 @@
 """The engine's paged KV caches as a connector's worker side sees them.
 
 The engine registers one tensor per layer, ``[2, num_blocks, block_size,
-num_kv_heads, head_size]``. Stored blocks use the cross-layer layout
+num_kv_heads, head_size]`` (kvwire's layout) or vLLM's CPU layout
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (the block layout's
+``cache_layout`` says which). Stored blocks use the cross-layer layout
 ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (see
-:mod:`kvwire.connectors.block_format`). :class:`PagedKVCaches` checks the
-registered tensors against the connector's :class:`BlockLayout` once, and
-then copies whole blocks between the caches and cross-layer tensors without
-allocating anything.
+:mod:`kvwire.connectors.block_format`); a vLLM CPU block is copied into its
+layer's share of an entry as a whole byte range, whatever its packing.
+:class:`PagedKVCaches` checks the registered tensors against the connector's
+:class:`BlockLayout` once, and then copies whole blocks between the caches and
+cross-layer tensors without allocating anything.
 """
 
 from __future__ import annotations
@@ -60,18 +63,15 @@ class PagedKVCaches:
             )
         expected_dtype = TORCH_DTYPES[layout.dtype]
         first = kv_caches[ordered[0]]
-        expected_shape = (
-            (2, first.shape[1], layout.block_size, layout.num_kv_heads, layout.head_size)
-            if first.dim() == 5
-            else None
-        )
+        blocks_dim = 0 if layout.cache_layout == "vllm_cpu" else 1
+        num_blocks = int(first.shape[blocks_dim]) if first.dim() > blocks_dim else 0
+        expected_shape, described = _expected_shape(layout, num_blocks)
         for name in ordered:
             cache = kv_caches[name]
-            if expected_shape is None or tuple(cache.shape) != expected_shape:
+            if tuple(cache.shape) != expected_shape:
                 raise ValueError(
-                    f"register_kv_caches: layer {name!r} has shape {tuple(cache.shape)}, expected "
-                    f"[2, num_blocks, block_size={layout.block_size}, "
-                    f"num_kv_heads={layout.num_kv_heads}, head_size={layout.head_size}]"
+                    f"register_kv_caches: layer {name!r} has shape {tuple(cache.shape)}, "
+                    f"expected {described}"
                 )
             if cache.dtype != expected_dtype:
                 raise ValueError(
@@ -80,8 +80,15 @@ class PagedKVCaches:
                 )
         self.layer_names: tuple[str, ...] = tuple(ordered)
         self.layer_index: dict[str, int] = {name: i for i, name in enumerate(ordered)}
-        self.num_blocks: int = int(first.shape[1])
-        self._caches: tuple[torch.Tensor, ...] = tuple(kv_caches[name] for name in ordered)
+        self.num_blocks: int = num_blocks
+        # Each layer as [num_blocks, 2, block_size, num_kv_heads, head_size],
+        # indexed by block first, so a run of blocks is one slice. kvwire's
+        # layout gets a strided view; a vLLM CPU block's bytes are viewed in
+        # place as one entry's share (a reinterpretation: the copy moves them
+        # as they are, contiguous).
+        self._caches: tuple[torch.Tensor, ...] = tuple(
+            _block_major(kv_caches[name], layout) for name in ordered
+        )
 
     def check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -103,8 +110,7 @@ class PagedKVCaches:
         for block_start, slot_start, count in _runs(block_ids, slots):
             destination = entries[slot_start : slot_start + count]
             for layer, cache in enumerate(self._caches):
-                source = cache[:, block_start : block_start + count].transpose(0, 1)
-                destination[:, layer].copy_(source)
+                destination[:, layer].copy_(cache[block_start : block_start + count])
 
     def scatter_many(
         self, entries: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]
@@ -113,8 +119,29 @@ class PagedKVCaches:
         for block_start, slot_start, count in _runs(block_ids, slots):
             source = entries[slot_start : slot_start + count]
             for layer, cache in enumerate(self._caches):
-                destination = cache[:, block_start : block_start + count].transpose(0, 1)
-                destination.copy_(source[:, layer])
+                cache[block_start : block_start + count].copy_(source[:, layer])
+
+
+def _expected_shape(layout: BlockLayout, num_blocks: int) -> tuple[tuple[int, ...], str]:
+    """The shape a layer's cache must have, and how to say it in an error."""
+    if layout.cache_layout == "vllm_cpu":
+        return (
+            (num_blocks, layout.num_kv_heads, layout.block_size, 2 * layout.head_size),
+            f"vLLM's CPU layout [num_blocks, num_kv_heads={layout.num_kv_heads}, "
+            f"block_size={layout.block_size}, 2 * head_size={2 * layout.head_size}]",
+        )
+    return (
+        (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size),
+        f"[2, num_blocks, block_size={layout.block_size}, "
+        f"num_kv_heads={layout.num_kv_heads}, head_size={layout.head_size}]",
+    )
+
+
+def _block_major(cache: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    entry_share = (2, layout.block_size, layout.num_kv_heads, layout.head_size)
+    if layout.cache_layout == "vllm_cpu":
+        return cache.view(cache.shape[0], *entry_share)
+    return cache.transpose(0, 1)
 
 
 def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:

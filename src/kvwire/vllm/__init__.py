@@ -1,0 +1,24 @@
+"""kvwire inside vLLM: ``KVWireConnector`` serves a vLLM engine with any kvwire connector.
+
+Importing this package imports vLLM; ``import kvwire`` never does. In vLLM's
+``kv_transfer_config``::
+
+    {"kv_connector": "KVWireConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"kvwire_profile": "containers/cpu-offload.yaml"}}
+
+(``"kv_connector_module_path": "kvwire.vllm"`` is optional once kvwire is
+installed: its ``vllm.general_plugins`` entry point registers the name.)
+"""
+
+from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata, KVWireHMAConnector
+from kvwire.vllm.engine_calls import kvwire_stats, wait_for_saves
+from kvwire.vllm.stats import KVWireStats
+
+__all__ = [
+    "KVWireConnector",
+    "KVWireConnectorMetadata",
+    "KVWireHMAConnector",
+    "KVWireStats",
+    "kvwire_stats",
+    "wait_for_saves",
+]

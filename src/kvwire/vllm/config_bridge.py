@@ -1,0 +1,267 @@
+"""kvwire's configuration from vLLM's: the profile, the ``EngineConfig``, the ``KVCacheConfig``.
+
+vLLM's ``kv_connector_extra_config`` names the kvwire profile, as a path
+(``"kvwire_profile"``) or inline (``"kvwire"``, a profile mapping), plus
+optionally ``"kvwire_container_hook"``. Any other key is an error naming it.
+The profile says which kvwire connector to wrap and its settings; what vLLM
+already knows (the model's shape and identity, the KV dtype, the block size,
+the kv_role, engine_id and load-failure policy) comes from vLLM. The
+profile's ``model_config``, ``cache_config`` and ``parallel_config`` describe
+kvwire's own engine (the shipped profiles have them) and are replaced; a
+``kv_role`` or ``kv_load_failure_policy`` in the profile that differs from
+vLLM's is logged as a warning naming both values, since vLLM's applies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.config import (
+    DTYPE_SIZES,
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvwire.exceptions import KVWireError
+from kvwire.kv_cache_config import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from kvwire.profile import load_profile
+
+if TYPE_CHECKING:
+    from dependency_injector import containers
+
+logger = logging.getLogger(__name__)
+
+PROFILE_PATH_KEY = "kvwire_profile"
+INLINE_PROFILE_KEY = "kvwire"
+CONTAINER_HOOK_KEY = "kvwire_container_hook"
+EXTRA_CONFIG_KEYS = (PROFILE_PATH_KEY, INLINE_PROFILE_KEY, CONTAINER_HOOK_KEY)
+
+ContainerHook = Callable[["containers.Container"], None]
+
+
+class VLLMConfigError(KVWireError, ValueError):
+    """vLLM's configuration asks for something kvwire cannot serve; the message says what."""
+
+
+def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
+    """The kvwire profile vLLM's ``kv_connector_extra_config`` names, validated."""
+    unknown = sorted(set(extra_config) - set(EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise VLLMConfigError(
+            "kv_transfer_config.kv_connector_extra_config: unknown key(s) "
+            f"{', '.join(map(repr, unknown))}; KVWireConnector accepts "
+            f"{', '.join(map(repr, EXTRA_CONFIG_KEYS))}"
+        )
+    has_path = PROFILE_PATH_KEY in extra_config
+    has_inline = INLINE_PROFILE_KEY in extra_config
+    if has_path == has_inline:
+        raise VLLMConfigError(
+            "kv_transfer_config.kv_connector_extra_config: give the kvwire profile either as "
+            f"{PROFILE_PATH_KEY!r} (a YAML path) or as {INLINE_PROFILE_KEY!r} (a mapping), "
+            f"{'not both' if has_path else 'got neither'}"
+        )
+    if has_path:
+        path = extra_config[PROFILE_PATH_KEY]
+        if not isinstance(path, str):
+            raise VLLMConfigError(
+                f"kv_transfer_config.kv_connector_extra_config.{PROFILE_PATH_KEY}: expected a "
+                f"path (str), got {type(path).__name__}"
+            )
+        return load_profile(path)
+    inline = extra_config[INLINE_PROFILE_KEY]
+    if not isinstance(inline, Mapping):
+        raise VLLMConfigError(
+            f"kv_transfer_config.kv_connector_extra_config.{INLINE_PROFILE_KEY}: expected a "
+            f"profile mapping, got {type(inline).__name__}"
+        )
+    return load_profile(inline)
+
+
+def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
+    """The ``"module:function"`` named by ``kvwire_container_hook``, imported; None if unset.
+
+    It is called with the container before the connector is built, so a
+    deployment (or a test) overrides providers there, in whichever process
+    vLLM builds the connector.
+    """
+    spec = extra_config.get(CONTAINER_HOOK_KEY)
+    if spec is None:
+        return None
+    field = f"kv_transfer_config.kv_connector_extra_config.{CONTAINER_HOOK_KEY}"
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise VLLMConfigError(f"{field}: expected 'package.module:function', got {spec!r}")
+    module_name, function_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise VLLMConfigError(f"{field}: cannot import {module_name!r}: {error}") from error
+    hook = getattr(module, function_name, None)
+    if not callable(hook):
+        raise VLLMConfigError(f"{field}: {module_name!r} has no function {function_name!r}")
+    return hook  # type: ignore[no-any-return]
+
+
+def kv_dtype_name(dtype: Any) -> str:
+    """kvwire's name of a torch dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise VLLMConfigError(
+            f"the KV cache dtype {name} is not one kvwire moves; accepted: {', '.join(DTYPE_SIZES)}"
+        )
+    return name
+
+
+def engine_config_from_vllm(vllm_config: Any, profile: EngineConfig) -> EngineConfig:
+    """``profile`` with the engine's facts taken from vLLM's ``VllmConfig``.
+
+    ``kv_connector`` and its extra config stay the profile's: they name the
+    kvwire connector to wrap. Raises :class:`VLLMConfigError` for what kvwire
+    cannot serve inside vLLM (tensor or pipeline parallelism, where each
+    worker holds a shard of every block); profile fields that contradict
+    vLLM's are logged.
+    """
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise VLLMConfigError(
+            "KVWireConnector serves one worker per engine for now: tensor_parallel_size and "
+            f"pipeline_parallel_size must be 1, got {parallel.tensor_parallel_size} and "
+            f"{parallel.pipeline_parallel_size}"
+        )
+    transfer = _transfer_config_from_vllm(vllm_config.kv_transfer_config, profile)
+    hf_text_config = model_config.hf_text_config
+    model = ModelConfig(
+        num_layers=model_config.get_num_layers(parallel),
+        num_attention_heads=model_config.get_num_attention_heads(parallel),
+        num_kv_heads=model_config.get_num_kv_heads(parallel),
+        head_size=model_config.get_head_size(),
+        intermediate_size=int(getattr(hf_text_config, "intermediate_size", 1) or 1),
+        vocab_size=model_config.get_vocab_size(),
+        max_model_len=model_config.max_model_len,
+        dtype=_cache_dtype(vllm_config),
+        seed=int(model_config.seed or 0),
+        identity=model_identity(model_config),
+    )
+    cache = CacheConfig(
+        block_size=vllm_config.cache_config.block_size,
+        num_gpu_blocks=max(1, int(vllm_config.cache_config.num_gpu_blocks or 1)),
+        enable_prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        kv_cache_layout="vllm_cpu",
+    )
+    scheduler = vllm_config.scheduler_config
+    return attrs.evolve(
+        profile,
+        model_config=model,
+        cache_config=cache,
+        parallel_config=ParallelConfig(),
+        scheduler_config=SchedulerConfig(
+            disable_hybrid_kv_cache_manager=scheduler.disable_hybrid_kv_cache_manager,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        ),
+        kv_transfer_config=transfer,
+    )
+
+
+def model_identity(model_config: Any) -> str:
+    """Which weights produce the KV: the model (hub id or path) and its revision."""
+    revision = model_config.revision or ""
+    return f"{model_config.model}@{revision}" if revision else str(model_config.model)
+
+
+def _cache_dtype(vllm_config: Any) -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype in (None, "auto"):
+        return kv_dtype_name(vllm_config.model_config.dtype)
+    # vLLM names fp8 caches "fp8"/"fp8_e4m3"/"fp8_e5m2"; the bytes are torch's float8 types.
+    fp8_names = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+    if cache_dtype in fp8_names:
+        return fp8_names[cache_dtype]
+    return kv_dtype_name(cache_dtype)
+
+
+def _transfer_config_from_vllm(vllm_transfer: Any, profile: EngineConfig) -> KVTransferConfig:
+    """The profile's kvwire connector, with vLLM's role, engine id and failure policy."""
+    wrapped = profile.kv_transfer_config
+    if wrapped is None or wrapped.kv_connector is None:
+        raise VLLMConfigError(
+            "the kvwire profile must name the connector to wrap in "
+            "kv_transfer_config.kv_connector (e.g. CPUOffloadConnector)"
+        )
+    from_vllm = {
+        "kv_role": vllm_transfer.kv_role,
+        "kv_load_failure_policy": vllm_transfer.kv_load_failure_policy,
+    }
+    for name, vllm_value in from_vllm.items():
+        profile_value = getattr(wrapped, name)
+        if profile_value != vllm_value and _set_in_profile(wrapped, name):
+            logger.warning(
+                "kv_transfer_config.%s: the kvwire profile says %r, vLLM's kv_transfer_config "
+                "says %r; vLLM's applies",
+                name,
+                profile_value,
+                vllm_value,
+            )
+    return attrs.evolve(wrapped, engine_id=vllm_transfer.engine_id, **from_vllm)
+
+
+def _set_in_profile(transfer: KVTransferConfig, name: str) -> bool:
+    # A field left at its default was not set by the profile: vLLM's value applies quietly.
+    default = attrs.fields_dict(KVTransferConfig)[name].default
+    return bool(getattr(transfer, name) != default)
+
+
+def kv_cache_config_from_vllm(vllm_kv_cache_config: Any) -> KVCacheConfig:
+    """kvwire's ``KVCacheConfig`` from vLLM's (``KVCacheTensor.size``/``layers`` included)."""
+    groups = [
+        KVCacheGroupSpec(
+            layer_names=list(group.layer_names), kv_cache_spec=_attention_spec(group.kv_cache_spec)
+        )
+        for group in vllm_kv_cache_config.kv_cache_groups
+    ]
+    tensors = [
+        KVCacheTensor(size_bytes=int(tensor.size), shared_by=list(tensor.layers))
+        for tensor in vllm_kv_cache_config.kv_cache_tensors
+    ]
+    return KVCacheConfig(
+        num_blocks=int(vllm_kv_cache_config.num_blocks),
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+    )
+
+
+def _attention_spec(spec: Any) -> AttentionSpec:
+    block_size, num_kv_heads = int(spec.block_size), int(spec.num_kv_heads)
+    head_size, dtype = int(spec.head_size), kv_dtype_name(spec.dtype)
+    kind = type(spec).__name__
+    if kind == "SlidingWindowSpec":
+        return SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            sliding_window=int(spec.sliding_window),
+        )
+    if kind == "FullAttentionSpec":
+        return FullAttentionSpec(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+        )
+    raise VLLMConfigError(
+        f"kv_cache_config: a KV cache group has a {kind}; kvwire moves FullAttentionSpec and "
+        "SlidingWindowSpec groups"
+    )

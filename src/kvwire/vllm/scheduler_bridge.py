@@ -1,0 +1,184 @@
+"""vLLM's scheduler-side objects as kvwire's connectors expect them.
+
+- :class:`RequestView`: a vLLM request read live, so that kvwire's planner,
+  which keeps the request and re-reads ``block_hashes`` and ``num_tokens``
+  each step, sees the hashes vLLM appends as blocks fill up. vLLM's block
+  hashes (32-byte sha256 values, the same in every process) are the keys
+  as they are; the layout fingerprint namespaces them in the store.
+- :class:`BlockTables`: vLLM sends each request's block ids once and then
+  only the new ones (a resumed request gets its whole list again); kvwire's
+  connectors want every step's full lists. It also turns vLLM's
+  ``SchedulerOutput`` into kvwire's.
+- :class:`AllocationFilter`: vLLM calls ``update_state_after_alloc`` twice
+  for an asynchronous load (the load's blocks, then, once the load is done,
+  all blocks with 0 external tokens); kvwire's connectors plan once per
+  allocation, so the second call is not passed on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from kvwire.connector.types import (
+    BlockHash,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+_STATUSES = {status.name: status for status in RequestStatus}
+
+
+class RequestView:
+    """kvwire's :class:`~kvwire.connector.types.Request`, read from a vLLM request when asked.
+
+    Only what kvwire's connectors read is offered; every attribute reflects
+    the vLLM request at the moment it is read.
+    """
+
+    __slots__ = ("_request",)
+
+    def __init__(self, vllm_request: Any) -> None:
+        self._request = vllm_request
+
+    @property
+    def request_id(self) -> str:
+        return str(self._request.request_id)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self._request.prompt_token_ids or ())
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        # vLLM appends to this very list as blocks fill up.
+        hashes: list[BlockHash] = self._request.block_hashes
+        return hashes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._request.num_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self._request.num_prompt_tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return int(self._request.num_computed_tokens)
+
+    @property
+    def status(self) -> RequestStatus:
+        return _STATUSES.get(self._request.status.name, RequestStatus.WAITING)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        params: dict[str, Any] | None = self._request.kv_transfer_params
+        return params
+
+    def as_request(self) -> Request:
+        """This view, typed as kvwire's ``Request`` (it offers what connectors read of one)."""
+        return cast(Request, self)
+
+
+class BlockTables:
+    """Every scheduled request's full block id lists, kept from vLLM's deltas."""
+
+    def __init__(self) -> None:
+        self._block_ids: dict[str, tuple[list[int], ...]] = {}
+
+    def to_kvwire(self, scheduler_output: Any) -> SchedulerOutput:
+        """kvwire's ``SchedulerOutput`` for vLLM's, with full block lists."""
+        scheduled: list[ScheduledRequest] = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            block_ids = tuple(list(group) for group in new.block_ids)
+            self._block_ids[new.req_id] = block_ids
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=new.req_id,
+                    block_ids=block_ids,
+                    num_computed_tokens=new.num_computed_tokens,
+                    num_scheduled_tokens=num_scheduled[new.req_id],
+                    is_new=True,
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            resumed = request_id in cached.resumed_req_ids
+            block_ids = self._apply(request_id, cached.new_block_ids[index], resumed)
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=request_id,
+                    block_ids=block_ids,
+                    num_computed_tokens=cached.num_computed_tokens[index],
+                    num_scheduled_tokens=num_scheduled[request_id],
+                    is_new=False,
+                    resumed_from_preemption=resumed,
+                )
+            )
+        finished = set(scheduler_output.finished_req_ids)
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        # A preempted request comes back as resumed, with all its blocks (in
+        # the same step when vLLM preempts everything to reset its cache).
+        for request_id in (finished | preempted) - {item.request_id for item in scheduled}:
+            self._block_ids.pop(request_id, None)
+        return SchedulerOutput(
+            scheduled=scheduled, finished_req_ids=finished, preempted_req_ids=preempted
+        )
+
+    def _apply(
+        self, request_id: str, new_block_ids: tuple[list[int], ...] | None, resumed: bool
+    ) -> tuple[list[int], ...]:
+        known = self._block_ids.get(request_id)
+        if resumed or known is None:
+            if new_block_ids is None:
+                raise ValueError(
+                    f"SchedulerOutput: request {request_id!r} is scheduled again without its "
+                    "block ids, and they were never sent"
+                )
+            block_ids = tuple(list(group) for group in new_block_ids)
+        elif new_block_ids is None:
+            block_ids = known
+        else:
+            block_ids = tuple([*old, *new] for old, new in zip(known, new_block_ids, strict=True))
+        self._block_ids[request_id] = block_ids
+        return block_ids
+
+    def __len__(self) -> int:
+        return len(self._block_ids)
+
+
+class AllocationFilter:
+    """Which of vLLM's ``update_state_after_alloc`` calls to pass on to a kvwire connector."""
+
+    def __init__(self) -> None:
+        self._async_lookups: set[str] = set()
+        self._loading_async: set[str] = set()
+
+    def looked_up(self, request_id: str, load_async: bool) -> None:
+        """Note what ``get_num_new_matched_tokens`` answered for the request."""
+        if load_async:
+            self._async_lookups.add(request_id)
+        else:
+            self._async_lookups.discard(request_id)
+
+    def should_forward(self, request_id: str, num_external_tokens: int) -> bool:
+        """False for the second call vLLM makes once an asynchronous load has finished."""
+        if request_id in self._loading_async:
+            self._loading_async.discard(request_id)
+            if num_external_tokens == 0:
+                return False
+        if request_id in self._async_lookups and num_external_tokens > 0:
+            self._loading_async.add(request_id)
+        self._async_lookups.discard(request_id)
+        return True
+
+    def forget(self, request_id: str) -> None:
+        self._async_lookups.discard(request_id)
+        self._loading_async.discard(request_id)

@@ -1,0 +1,122 @@
+"""Building the tiny model, starting and stopping vLLM engines, and the prompts the tests send."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import pathlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PROFILES = REPO / "containers"
+BLOCK_SIZE = 32
+MAX_TOKENS = 8
+
+
+def build_tiny_llama(directory: pathlib.Path) -> str:
+    """Save a random-weight Llama (head_size 32: vLLM's CPU attention needs it) and a tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(1024)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
+    ).save_pretrained(directory)
+    return str(directory)
+
+
+def shared_prompts(count: int = 3, length: int = 300) -> list[dict[str, list[int]]]:
+    """Prompts of ``length`` tokens, each its own: 9 full blocks of 32 are loadable per prompt."""
+    return [
+        {"prompt_token_ids": [(index * 7 + position) % 1000 + 3 for position in range(length)]}
+        for index in range(count)
+    ]
+
+
+def kvwire_transfer_config(
+    profile: str | Mapping[str, Any], kv_role: str = "kv_both", **extra: Any
+) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for KVWireConnector: a profile path, or a mapping given inline."""
+    key = "kvwire_profile" if isinstance(profile, str) else "kvwire"
+    return {
+        "kv_connector": "KVWireConnector",
+        "kv_connector_module_path": "kvwire.vllm",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {key: profile, **extra},
+    }
+
+
+def profile_with_directory(name: str, directory: pathlib.Path) -> dict[str, Any]:
+    """A shipped profile, its storage directories moved under ``directory``."""
+    profile: dict[str, Any] = yaml.safe_load((PROFILES / name).read_text())
+    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
+    configs = [child["kv_connector_extra_config"] for child in extra.get("connectors", [])]
+    for index, config in enumerate([extra, *configs]):
+        if "shared_storage_path" in config:
+            config["shared_storage_path"] = str(directory / f"store-{index}")
+    return profile
+
+
+def start_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        seed=0,
+        kv_transfer_config=dict(kv_transfer_config) if kv_transfer_config else None,
+    )
+
+
+def stop_llm(llm: Any) -> None:
+    """Shut the engine down (the connector's shutdown included) so the next one starts clean."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+@contextlib.contextmanager
+def running_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    llm = start_llm(model, kv_transfer_config)
+    try:
+        yield llm
+    finally:
+        stop_llm(llm)
+
+
+def generate(llm: Any, prompts: Sequence[Mapping[str, Any]]) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of each prompt, and how many prompt tokens vLLM did not compute."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(
+        list(prompts), SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False
+    )
+    return (
+        [list(output.outputs[0].token_ids) for output in outputs],
+        [output.num_cached_tokens for output in outputs],
+    )

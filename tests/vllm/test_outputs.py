@@ -1,0 +1,57 @@
+"""KVWireConnector in a vLLM engine: outputs as without it, and a warm pass served by kvwire."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+import kvwire.vllm
+from tests.vllm.engines import (
+    BLOCK_SIZE,
+    generate,
+    kvwire_transfer_config,
+    profile_with_directory,
+    running_llm,
+    shared_prompts,
+)
+
+PROMPTS = shared_prompts()
+LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
+
+
+@pytest.fixture(scope="module")
+def tokens_without_connector(tiny_model: str) -> list[list[int]]:
+    with running_llm(tiny_model) as llm:
+        tokens, _ = generate(llm, PROMPTS)
+    return tokens
+
+
+def cold_then_warm(llm: Any) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Generate, settle the saves, empty vLLM's prefix cache, generate again."""
+    cold, _ = generate(llm, PROMPTS)
+    kvwire.vllm.wait_for_saves(llm)
+    assert llm.reset_prefix_cache()
+    warm, cached = generate(llm, PROMPTS)
+    return cold, warm, cached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", ["cpu-offload.yaml", "shared-storage.yaml", "tiered-disk.yaml"])
+def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
+    profile: str,
+    tiny_model: str,
+    tokens_without_connector: list[list[int]],
+    tmp_path: pathlib.Path,
+) -> None:
+    config = kvwire_transfer_config(profile_with_directory(profile, tmp_path))
+    with running_llm(tiny_model, config) as llm:
+        cold, warm, cached = cold_then_warm(llm)
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert cold == tokens_without_connector
+    assert warm == tokens_without_connector
+    assert cached == [LOADABLE_TOKENS] * len(PROMPTS)
+    loaded = sum(value for name, value in stats.items() if name.endswith("blocks_loaded"))
+    assert loaded == len(PROMPTS) * LOADABLE_TOKENS // BLOCK_SIZE
+    assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
