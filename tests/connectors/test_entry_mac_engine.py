@@ -104,3 +104,15 @@ def test_the_tiered_profile_recomputes_forged_disk_entries_with_a_mac_key(
         stats = engine.connector_stats.reduce()
     assert tokens(warm) == reference
     assert stats["SharedStorageConnector"]["corrupt_entries"] > 0
+
+
+@pytest.mark.slow
+def test_a_worker_in_another_process_reads_the_key_from_its_environment(
+    reference, tmp_path: pathlib.Path, mac_key: str
+):
+    config = shared_storage(tiny_engine_config(), tmp_path, mac_key_env=mac_key)
+    generate(config, workload())
+    warm = generate(config, workload(), worker_mode="process")
+    assert tokens(warm) == reference
+    assert served(warm) > 0
+    assert sum(output.num_load_failures for output in warm) == 0
