@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
-import redis
 
 from kvwire.connectors.block_format import HEADER_SIZE, CorruptBlockError, verify_entry
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
-from kvwire.connectors.redis_wire import ZeroCopyCommandPacker
+from kvwire.connectors.redis_wire import RespStream, ZeroCopyCommandPacker
 from tests.redis.conftest import TLS_DIR, RedisServer
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
@@ -105,15 +104,13 @@ def test_a_load_asks_for_the_next_group_while_the_caller_checks_this_one(
     store = make_redis_store(pipeline_bytes=2 * LAYOUT.entry_bytes)
     entries = _save(store, list(range(5)))
     events: list[str] = []
-    send = redis.connection.AbstractConnection.send_packed_command
+    send = RespStream.send
 
-    def recorded_send(
-        connection: redis.connection.AbstractConnection, command: object, check_health: bool = True
-    ) -> None:
+    def recorded_send(stream: RespStream, pieces: Sequence[bytes | memoryview]) -> None:
         events.append("send")
-        send(connection, command, check_health)
+        send(stream, pieces)
 
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", recorded_send)
+    monkeypatch.setattr(RespStream, "send", recorded_send)
     buffers = _buffers(5)
 
     for index, size in store.read_each(store_keys(LAYOUT, 5), buffers):

@@ -1,4 +1,4 @@
-"""BulkReplyReader on a local socket pair: replies land in their buffers, copied once."""
+"""RespStream on a local socket pair: replies land in their buffers, copied once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvwire.connectors.redis_wire import BulkReplyReader
+from kvwire.connectors.redis_wire import Deadline, RespStream
 
 VALUE_BYTES = 300 * 1024
 
@@ -22,6 +22,9 @@ class _CountingSocket:
         self._sock = sock
         self._scratch = scratch
         self.into_scratch = 0
+
+    def settimeout(self, timeout: float) -> None:
+        self._sock.settimeout(timeout)
 
     def recv_into(self, buffer: memoryview) -> int:
         received = self._sock.recv_into(buffer)
@@ -44,6 +47,10 @@ def _send_in_background(sock: socket.socket, payload: bytes) -> threading.Thread
     return sender
 
 
+def _deadline(seconds: float = 30.0) -> Deadline:
+    return Deadline(seconds, "load_timeout_s", socket_timeout_s=10.0)
+
+
 def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
@@ -62,13 +69,13 @@ def test_values_nils_errors_and_oversized_replies_come_back_in_step(
         + _bulk(values[2])
     )
     sender = _send_in_background(server, stream)
-    reader = BulkReplyReader(client, bytearray(64 * 1024))
+    reader = RespStream(client, bytearray(64 * 1024), _deadline())
     targets = [memoryview(bytearray(VALUE_BYTES)) for _ in range(6)]
 
     replies = [reader.read_into(target) for target in targets]
     sender.join()
 
-    assert replies[:3] == [VALUE_BYTES, None, BulkReplyReader.OVERSIZED]
+    assert replies[:3] == [VALUE_BYTES, None, RespStream.OVERSIZED]
     assert isinstance(replies[3], redis.exceptions.ResponseError)
     assert replies[4:] == [VALUE_BYTES, VALUE_BYTES]
     assert [targets[i].tobytes() for i in (0, 4, 5)] == values
@@ -85,7 +92,7 @@ def test_values_are_received_into_their_buffers_not_through_the_scratch_buffer(
     sender = _send_in_background(server, b"".join(_bulk(value) for value in values))
     scratch = bytearray(256 * 1024)
     counting = _CountingSocket(client, scratch)
-    reader = BulkReplyReader(counting, scratch)  # type: ignore[arg-type]
+    reader = RespStream(counting, scratch, _deadline())  # type: ignore[arg-type]
     targets = [memoryview(bytearray(VALUE_BYTES)) for _ in values]
 
     assert [reader.read_into(target) for target in targets] == [VALUE_BYTES] * len(values)

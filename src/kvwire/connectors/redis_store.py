@@ -9,6 +9,16 @@ Every call is pipelined in batches. Values go out zero-copy and replies are
 read straight into the caller's buffers (see
 :mod:`kvwire.connectors.redis_wire`).
 
+Every call has an overall deadline (``load_timeout_s``, ``save_timeout_s``,
+``lookup_timeout_s``): the socket timeout bounds each read, not a reply, so a
+server that sends a byte every few seconds would otherwise hold a load, and
+the engine waiting for it, forever. Past its deadline a call fails as in an
+outage, and its connection, left mid-reply, is dropped, never reused.
+
+A value longer than the entry it should hold is refused from its length
+before its bytes are read: it is drained, never held in memory, warned
+about and deleted like any other corrupt entry.
+
 An unreachable or dying server is an *outage*, not an error: lookups count as
 misses, saves are dropped and counted, loads return None (the connector
 reports them as load errors). While it lasts, calls answer at once and a
@@ -23,6 +33,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Generator, Iterator, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -30,7 +41,13 @@ from redis.retry import Retry
 
 from kvwire.connectors.redis_outage import OutageTracker
 from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_wire import BulkReplyReader, ZeroCopyCommandPacker
+from kvwire.connectors.redis_wire import (
+    Deadline,
+    DeadlineExceeded,
+    Reply,
+    RespStream,
+    ZeroCopyCommandPacker,
+)
 from kvwire.connectors.store import BlockStore
 
 logger = logging.getLogger(__name__)
@@ -68,14 +85,13 @@ class RedisBlockStore(BlockStore):
         self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             **settings.connection_pool_kwargs(),
             command_packer=ZeroCopyCommandPacker(),
-            # One immediate retry on a fresh connection: after a server restart
-            # every pooled connection is stale, and the first use of each fails.
-            retry=Retry(NoBackoff(), 1),
+            # A failed connect is an outage at once (the probe tries again);
+            # the store retries a stale pooled connection itself (_execute).
+            retry=Retry(NoBackoff(), 0),
         )
-        self._client = redis.Redis(connection_pool=self._pool)
         self._outage = OutageTracker(
             settings.display_url,
-            probe=self._client.ping,
+            probe=self._ping,
             probe_errors=_OUTAGE_ERRORS,
             retry_interval_s=settings.retry_interval_s,
             warning_interval_s=settings.warning_interval_s,
@@ -138,12 +154,11 @@ class RedisBlockStore(BlockStore):
         if not keys or self._outage.is_down:
             return 0
         present = 0
+        deadline = self._lookup_deadline()
         try:
             for batch in _batches(len(keys), self._settings.lookup_batch_size):
-                pipeline = self._client.pipeline(transaction=False)
-                for index in batch:
-                    pipeline.exists(self.redis_key(keys[index]))
-                for found in pipeline.execute(raise_on_error=False):
+                commands = [("EXISTS", self.redis_key(keys[index])) for index in batch]
+                for found in self._execute(commands, deadline):
                     if found != 1:
                         self._outage.succeeded()
                         return present
@@ -163,26 +178,25 @@ class RedisBlockStore(BlockStore):
         if self._outage.is_down:
             self._count("saves_dropped", len(keys))
             return stored
-        ttl = self._settings.ttl_seconds
+        expiry = () if self._settings.ttl_seconds is None else ("EX", self._settings.ttl_seconds)
+        deadline = self._deadline(self._settings.save_timeout_s, "save_timeout_s")
         sizes = [entry.nbytes for entry in entries]
         for batch in _batches_by_bytes(sizes, self._settings.pipeline_bytes):
-            pipeline = self._client.pipeline(transaction=False)
-            for index in batch:
-                pipeline.set(self.redis_key(keys[index]), entries[index], ex=ttl)
+            commands = [("SET", self.redis_key(keys[i]), entries[i], *expiry) for i in batch]
             try:
-                replies = pipeline.execute(raise_on_error=False)
+                replies = self._execute(commands, deadline)
             except _OUTAGE_ERRORS as error:
                 unsaved = len(keys) - batch.start
                 self._on_outage("save", error, "saves_dropped", unsaved)
                 return stored
             rejected: BaseException | None = None
             for index, reply in zip(batch, replies, strict=True):
-                if isinstance(reply, Exception):
+                if isinstance(reply, redis.exceptions.ResponseError):
                     # e.g. OOM under maxmemory with noeviction: this value, not the server.
                     rejected = reply
                     self._count("saves_rejected", 1)
                 else:
-                    stored[index] = bool(reply)
+                    stored[index] = reply == b"OK"
             if rejected is not None:
                 self._outage.warn(
                     f"Redis at {self._settings.display_url} rejected a save "
@@ -217,17 +231,32 @@ class RedisBlockStore(BlockStore):
             yield from ((index, None) for index in range(len(keys)))
             return
         next_index = 0
+        deadline = self._deadline(self._settings.load_timeout_s, "load_timeout_s")
+        too_long: list[str] = []
         try:
-            replies = self._get_stream([self.redis_key(key) for key in keys], buffers)
+            replies = self._get_stream([self.redis_key(key) for key in keys], buffers, deadline)
             with contextlib.closing(replies):
                 for index, reply in enumerate(replies):
                     next_index = index + 1
+                    if reply == RespStream.OVERSIZED:
+                        too_long.append(keys[index])
                     yield index, self._size_of(reply)
         except _OUTAGE_ERRORS as error:
             self._on_outage("load", error, "load_failures", len(keys) - next_index)
             yield from ((index, None) for index in range(next_index, len(keys)))
             return
+        finally:
+            if too_long:
+                self._discard_too_long(too_long)
         self._outage.succeeded()
+
+    def _discard_too_long(self, keys: list[str]) -> None:
+        """Warn about values longer than their entries, and delete them as corrupt entries are."""
+        self._outage.warn(
+            f"Redis at {self._settings.display_url} held {len(keys)} value(s) longer than "
+            f"the entry they should hold; not loaded, and deleted"
+        )
+        self.discard(keys)
 
     def _size_of(self, reply: int | redis.exceptions.ResponseError | None) -> int | None:
         """The bytes a GET reply put in its buffer; None for a miss or a refusal (counted)."""
@@ -239,63 +268,122 @@ class RedisBlockStore(BlockStore):
                 f"({_scrub(reply, self._settings)}); the block is treated as missing"
             )
             return None
-        if reply == BulkReplyReader.OVERSIZED:
+        if reply == RespStream.OVERSIZED:
             self._count("loads_oversized", 1)
             return None
         return reply  # None is a miss: the caller reports it
 
     def _get_stream(
-        self, names: list[str], buffers: Sequence[memoryview]
+        self, names: list[str], buffers: Sequence[memoryview], deadline: Deadline
     ) -> Generator[int | redis.exceptions.ResponseError | None, None, None]:
         """GETs of ``names`` on one connection, each reply read from the socket into its buffer.
 
         Yields the replies one by one. At most two groups of GETs are
         unanswered at a time, so the replies waiting in the server stay under
         ``pipeline_bytes``. The connection is held until the last reply is
-        read; one left unread (the caller stopped early, or an error) means
-        the stream is out of step, so the connection is dropped.
+        read; one left unread (the caller stopped early, an error, the
+        deadline) means the stream is out of step, so the connection is dropped.
         """
         sizes = [buffer.nbytes for buffer in buffers]
         groups = list(_batches_by_bytes(sizes, self._read_group_bytes))
         ttl = self._settings.ttl_seconds
-        connection = self._pool.get_connection()  # type: ignore[no-untyped-call]
 
-        def send(group: range) -> None:
+        def commands(group: range) -> list[tuple[Any, ...]]:
             # With a TTL, a load restarts it (GETEX): blocks in use stay, idle ones expire.
-            commands = [
+            return [
                 ("GET", names[i]) if ttl is None else ("GETEX", names[i], "EX", ttl) for i in group
             ]
-            connection.send_packed_command(connection.pack_commands(commands))
 
-        complete = False
-        try:
+        with self._connection() as connection:
             # GET is idempotent: one retry on a fresh connection covers a
             # pooled connection that went stale when the server restarted. A
             # stale connection fails at the latest on the first reply, before
             # anything was yielded.
             for attempt in (1, 2):
                 try:
-                    send(groups[0])
-                    # redis-py keeps the socket private; reading it directly is
-                    # what saves the copies (see redis_wire).
-                    reader = BulkReplyReader(connection._sock, self._scratch())
-                    first = reader.read_into(buffers[0])
+                    stream = self._stream(connection, deadline)
+                    stream.send(connection.pack_commands(commands(groups[0])))
+                    first = stream.read_into(buffers[0])
                     break
+                except DeadlineExceeded:
+                    raise
                 except _OUTAGE_ERRORS:
                     connection.disconnect()
                     if attempt == 2:
                         raise
             for number, group in enumerate(groups):
                 for index in group:
-                    reply = first if index == 0 else reader.read_into(buffers[index])
+                    reply = first if index == 0 else stream.read_into(buffers[index])
                     if index == group.start and number + 1 < len(groups):
-                        send(groups[number + 1])
+                        stream.send(connection.pack_commands(commands(groups[number + 1])))
                     yield reply
-            complete = True
+
+    def _execute(self, commands: Sequence[tuple[Any, ...]], deadline: Deadline) -> list[Reply]:
+        """Send ``commands`` in one pipeline and read their short replies (errors as values).
+
+        Every command sent here is idempotent, so a failure before the first
+        reply (a pooled connection gone stale when the server restarted) is
+        retried once on a fresh connection, within the same deadline.
+        """
+        replies: list[Reply] = []
+
+        def exchange(connection: Any) -> None:
+            stream = self._stream(connection, deadline)
+            stream.send(connection.pack_commands(commands))
+            for _ in commands:
+                replies.append(stream.read_reply())
+
+        with self._connection() as connection:
+            try:
+                exchange(connection)
+            except DeadlineExceeded:
+                raise
+            except _OUTAGE_ERRORS:
+                if replies:
+                    raise
+                connection.disconnect()
+                exchange(connection)
+        return replies
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """A pooled connection for one call; dropped unless the call read every reply it asked for.
+
+        A connection left mid-reply (an error, the deadline, a caller that
+        stopped early) would hand the rest of that reply to the next call.
+        """
+        connection = self._pool.get_connection()  # type: ignore[no-untyped-call]
+        in_step = False
+        try:
+            yield connection
+            in_step = True
         finally:
-            if not complete:
+            if not in_step:
                 connection.disconnect()
             self._pool.release(connection)  # type: ignore[no-untyped-call]
+
+    def _stream(self, connection: Any, deadline: Deadline) -> RespStream:
+        """The connection's socket (connected again if a retry dropped it) as a RespStream.
+
+        ``connection`` is a redis-py connection (untyped there).
+        """
+        deadline.check()
+        connection.connect()
+        # redis-py keeps the socket private; reading it directly is what
+        # saves the copies (see redis_wire).
+        return RespStream(connection._sock, self._scratch(), deadline)
+
+    def _deadline(self, seconds: float, setting: str) -> Deadline:
+        return Deadline(seconds, setting, socket_timeout_s=self._settings.socket_timeout_s)
+
+    def _lookup_deadline(self) -> Deadline:
+        return self._deadline(self._settings.lookup_timeout_s, "lookup_timeout_s")
+
+    def _ping(self) -> None:
+        """The reconnect probe: raises unless the server answers ``PING``."""
+        reply = self._execute([("PING",)], self._lookup_deadline())[0]
+        if isinstance(reply, redis.exceptions.ResponseError):
+            raise reply
 
     def _scratch(self) -> bytearray:
         scratch: bytearray | None = getattr(self._thread_local, "scratch", None)
@@ -308,7 +396,7 @@ class RedisBlockStore(BlockStore):
         if not keys or self._outage.is_down:
             return 0
         try:
-            removed = int(self._client.unlink(*(self.redis_key(key) for key in keys)))
+            removed = self._unlink([self.redis_key(key) for key in keys], self._lookup_deadline())
         except _OUTAGE_ERRORS as error:
             self._on_outage("delete", error, "lookup_failures", 0)
             return 0
@@ -325,10 +413,10 @@ class RedisBlockStore(BlockStore):
         if not keys or self._outage.is_down:
             return
         try:
-            pipeline = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipeline.unlink(self.redis_key(key))
-            existed = pipeline.execute()
+            commands = [("UNLINK", self.redis_key(key)) for key in keys]
+            existed = [
+                _count_of(reply) for reply in self._execute(commands, self._lookup_deadline())
+            ]
         except _OUTAGE_ERRORS as error:
             self._on_outage("discard", error, "lookup_failures", 0)
             return
@@ -349,14 +437,16 @@ class RedisBlockStore(BlockStore):
         removed = 0
         pattern = _glob_escape(self._settings.key_prefix + under) + "*"
         try:
-            batch: list[bytes] = []
-            for name in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) == 1000:
-                    removed += int(self._client.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(self._client.unlink(*batch))
+            # Each round trip has a deadline of its own: a large key space
+            # takes as many as it needs, a stalled server fails one of them.
+            cursor = b"0"
+            while True:
+                scan = ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000)
+                cursor, names = _scan_page(self._execute([scan], self._lookup_deadline())[0])
+                if names:
+                    removed += self._unlink(names, self._lookup_deadline())
+                if cursor == b"0":
+                    break
         except _OUTAGE_ERRORS as error:
             self._on_outage("clear", error, "lookup_failures", 0)
             return removed
@@ -366,6 +456,10 @@ class RedisBlockStore(BlockStore):
     def close(self) -> None:
         self._outage.close()
         self._pool.disconnect()
+
+    def _unlink(self, names: Sequence[str | bytes], deadline: Deadline) -> int:
+        """Delete ``names`` in one command; how many existed."""
+        return _count_of(self._execute([("UNLINK", *names)], deadline)[0])
 
     # -------------------------------------------------------------- helpers
 
@@ -398,6 +492,30 @@ def _batches_by_bytes(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
             end += 1
         yield range(start, end)
         start = end
+
+
+def _count_of(reply: Reply) -> int:
+    """An integer reply (a count), or the error the server answered instead, raised."""
+    if isinstance(reply, redis.exceptions.ResponseError):
+        raise reply
+    if not isinstance(reply, int):
+        raise redis.exceptions.InvalidResponse(f"expected a count, got a {type(reply).__name__}")
+    return reply
+
+
+def _scan_page(reply: Reply) -> tuple[bytes, list[bytes]]:
+    """SCAN's reply as (next cursor, names), or the error the server answered instead, raised."""
+    if isinstance(reply, redis.exceptions.ResponseError):
+        raise reply
+    if isinstance(reply, list) and len(reply) == 2:
+        cursor, names = reply
+        if (
+            isinstance(cursor, bytes)
+            and isinstance(names, list)
+            and all(isinstance(name, bytes) for name in names)
+        ):
+            return cursor, [name for name in names if isinstance(name, bytes)]
+    raise redis.exceptions.InvalidResponse("SCAN's reply is not [cursor, [names]]")
 
 
 def _glob_escape(text: str) -> str:

@@ -8,17 +8,22 @@ megabytes that is most of the cost. Here:
 - :class:`ZeroCopyCommandPacker` is given to redis-py's connections as their
   ``command_packer``: a memoryview argument (a staging slot) goes to
   ``sendall`` untouched;
-- :class:`BulkReplyReader` reads the replies of a pipeline of ``GET``
-  straight from the connection's socket into the caller's buffers: each byte
-  is copied once, from the kernel into the buffer that keeps it.
+- :class:`RespStream` sends those pieces and reads the replies of a
+  pipeline of ``GET`` straight from the connection's socket into the
+  caller's buffers: each byte is copied once, from the kernel into the
+  buffer that keeps it. It reads the short replies of the other commands too.
 
+Every socket wait of a call is bounded by the call's :class:`Deadline`, so a
+server that answers a byte at a time cannot hold a call longer than that.
 Only RESP2 (the default protocol) replies are read here.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import redis
 
@@ -30,6 +35,17 @@ _CRLF = b"\r\n"
 # scratch buffer copied up to a whole 256 KiB value twice whenever the server
 # was ahead of the client.
 _HEADER_READ_BYTES = 512
+
+#: The most a short reply (to EXISTS, SET, UNLINK, SCAN, PING) may hold in all.
+SHORT_REPLY_BYTES = 1024 * 1024
+
+# SCAN's reply, [cursor, [names]], is the deepest the store asks for.
+_MAX_ARRAY_DEPTH = 2
+# A 64-bit integer, sign aside.
+_MAX_INTEGER_DIGITS = 19
+
+#: What :meth:`RespStream.read_reply` returns.
+Reply: TypeAlias = "bytes | int | redis.exceptions.ResponseError | list[Reply] | None"
 
 
 class ZeroCopyCommandPacker:
@@ -83,30 +99,93 @@ def _encode_small(argument: Any) -> bytes:
     raise redis.exceptions.DataError(f"cannot send a {type(argument).__name__} to Redis")
 
 
-class BulkReplyReader:
-    """Reads RESP2 bulk-string replies (``GET``'s) from a socket into caller buffers.
+class DeadlineExceeded(redis.exceptions.TimeoutError):
+    """A call to the server ran past its overall deadline (its connection is mid-reply)."""
 
-    ``scratch`` holds reply headers and the bytes that arrive with them; it
-    is reused across calls (one per thread). A reply that does not fit its
-    buffer is read and discarded, so the stream stays in step.
+
+class Deadline:
+    """When one call to the server must be over; each socket wait gets what is left of it.
+
+    A socket timeout bounds one read or write, not a reply: a server that
+    sends a byte just before each timeout would hold a call forever. Arming
+    the socket with the shorter of the socket timeout and the time left
+    bounds the whole call.
+    """
+
+    def __init__(self, seconds: float, setting: str, *, socket_timeout_s: float) -> None:
+        self._seconds = seconds
+        self._setting = setting
+        self._socket_timeout_s = socket_timeout_s
+        self._expires_at = time.monotonic() + seconds
+
+    def arm(self, sock: socket.socket) -> None:
+        """Let ``sock``'s next wait last no longer than the socket timeout and the time left."""
+        left = self._expires_at - time.monotonic()
+        if left <= 0:
+            raise self.exceeded()
+        sock.settimeout(min(self._socket_timeout_s, left))
+
+    def check(self) -> None:
+        """Raise :class:`DeadlineExceeded` if no time is left."""
+        if self.expired:
+            raise self.exceeded()
+
+    def exceeded(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"no complete reply within {self._setting}={self._seconds:g}s")
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self._expires_at
+
+
+class RespStream:
+    """Commands out of, and RESP2 replies into, caller buffers, on one socket, under a deadline.
+
+    ``scratch`` holds reply headers, short replies and the bytes that arrive
+    with them; it is reused across calls (one per thread). Every socket wait
+    is bounded by ``deadline`` (see :class:`Deadline`); past it the stream
+    raises :class:`DeadlineExceeded` and is out of step: the caller must drop
+    the connection. Malformed replies raise ``InvalidResponse``, never a
+    bare ``ValueError``.
     """
 
     #: :meth:`read_into`'s answer for a value longer than its buffer.
     OVERSIZED = -1
 
-    def __init__(self, sock: socket.socket, scratch: bytearray) -> None:
+    def __init__(self, sock: socket.socket, scratch: bytearray, deadline: Deadline) -> None:
         self._sock = sock
         self._scratch = scratch
         self._view = memoryview(scratch)
+        self._deadline = deadline
         self._start = 0
         self._end = 0
 
+    def send(self, pieces: Sequence[bytes | memoryview]) -> None:
+        """Send packed commands; large values go to the socket untouched."""
+        for piece in pieces:
+            view = memoryview(piece)
+            sent = 0
+            # send, not sendall: sendall's timeout covers one call, and a TLS
+            # socket's restarts with each record, so only a loop can keep
+            # every wait within the deadline.
+            while sent < view.nbytes:
+                self._deadline.arm(self._sock)
+                try:
+                    sent += self._sock.send(view[sent:])
+                except TimeoutError:
+                    raise self._timed_out("writing to") from None
+
     def read_into(self, target: memoryview) -> int | redis.exceptions.ResponseError | None:
-        """The next reply: its length (now in ``target``), None for nil, or the server's error."""
+        """The next ``GET`` reply: its length (now in ``target``), None for nil, or an error.
+
+        A value longer than ``target`` is refused from its length, before a
+        byte of it is read: it is drained through the scratch buffer (never
+        held in memory) and :attr:`OVERSIZED` is returned.
+        """
         line = self._read_line()
         kind = line[:1]
         if kind == b"$":
-            length = int(line[1:])
+            length = _integer(line[1:])
             if length < 0:
                 return None
             if length > target.nbytes:
@@ -119,6 +198,66 @@ class BulkReplyReader:
             return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
         raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r} to GET")
 
+    def read_reply(self) -> Reply:
+        """The next short reply: a status, an integer, a short string, nil, an error or an array.
+
+        For the answers to ``EXISTS``, ``SET``, ``UNLINK``, ``SCAN`` and
+        ``PING``; a reply larger than :data:`SHORT_REPLY_BYTES` in all is
+        refused rather than held in memory.
+        """
+        self._short_reply_left = SHORT_REPLY_BYTES
+        return self._read_short(depth=0)
+
+    def _read_short(self, depth: int) -> Reply:
+        line = self._read_line()
+        kind, rest = line[:1], line[1:]
+        self._take_short_reply_bytes(len(line))
+        if kind == b"+":
+            return rest
+        if kind == b":":
+            return _integer(rest)
+        if kind == b"-":
+            return redis.exceptions.ResponseError(rest.decode(errors="replace"))
+        if kind == b"$":
+            length = _integer(rest)
+            if length < 0:
+                return None
+            self._take_short_reply_bytes(length)
+            value = bytearray(length)
+            self._read_exact(memoryview(value))
+            self._expect_crlf()
+            return bytes(value)
+        if kind == b"*" and depth < _MAX_ARRAY_DEPTH:
+            count = _integer(rest)
+            if count < 0:
+                return None
+            # Each element takes at least 4 bytes (":0\r\n").
+            self._take_short_reply_bytes(4 * count)
+            return [self._read_short(depth + 1) for _ in range(count)]
+        raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r}")
+
+    def _take_short_reply_bytes(self, count: int) -> None:
+        self._short_reply_left -= count
+        if self._short_reply_left < 0:
+            raise redis.exceptions.InvalidResponse(
+                f"reply longer than the {SHORT_REPLY_BYTES} bytes expected of a short reply"
+            )
+
+    def _recv_into(self, target: memoryview) -> int:
+        self._deadline.arm(self._sock)
+        try:
+            received = self._sock.recv_into(target)
+        except TimeoutError:
+            raise self._timed_out("reading from") from None
+        if received == 0:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return received
+
+    def _timed_out(self, doing: str) -> redis.exceptions.TimeoutError:
+        if self._deadline.expired:
+            return self._deadline.exceeded()
+        return redis.exceptions.TimeoutError(f"Timeout {doing} socket")
+
     def _fill(self, limit: int = _HEADER_READ_BYTES) -> None:
         """Receive up to ``limit`` more bytes into the scratch buffer."""
         if self._start == self._end:
@@ -128,10 +267,7 @@ class BulkReplyReader:
             pending = self._end - self._start
             self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
-        received = self._sock.recv_into(self._view[self._end : self._end + limit])
-        if received == 0:
-            raise redis.exceptions.ConnectionError("Connection closed by server.")
-        self._end += received
+        self._end += self._recv_into(self._view[self._end : self._end + limit])
 
     def _read_line(self) -> bytes:
         while True:
@@ -150,10 +286,7 @@ class BulkReplyReader:
         self._start += buffered
         position = buffered
         while position < target.nbytes:
-            received = self._sock.recv_into(target[position:])
-            if received == 0:
-                raise redis.exceptions.ConnectionError("Connection closed by server.")
-            position += received
+            position += self._recv_into(target[position:])
 
     def _discard(self, count: int) -> None:
         while count > 0:
@@ -170,3 +303,13 @@ class BulkReplyReader:
         if self._view[self._start : self._start + 2] != _CRLF:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
         self._start += 2
+
+
+def _integer(text: bytes) -> int:
+    """A RESP integer or length; anything else is an invalid reply, not a ``ValueError``."""
+    digits = text[1:] if text[:1] == b"-" else text
+    if not digits.isdigit() or len(digits) > _MAX_INTEGER_DIGITS:
+        raise redis.exceptions.InvalidResponse(
+            f"expected an integer in the reply, got {text[: _MAX_INTEGER_DIGITS + 1]!r}"
+        )
+    return int(text)
