@@ -13,7 +13,10 @@ visible to lookups.
 - ``cpu_pool_bytes`` (default ``"256MiB"``): pool size; one slot holds one
   block of every layer plus a 128-byte header;
 - ``io_threads`` (default 2): copy threads per direction;
-- ``async_load`` (default false): loads reported through ``get_finished``.
+- ``async_load`` (default false): loads reported through ``get_finished``;
+- ``transfer_timeout_s`` (default 30): the deadline of each copy; a load
+  still running then is a load error (computed again), a store still
+  running then counts failed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from kvwire.connectors.extra_config import (
     bool_key,
     int_key,
     memory_size_key,
+    seconds_key,
 )
 from kvwire.connectors.worker_steps import metadata_of_type, saves_from_good_context
 
@@ -122,6 +126,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             memory_size_key("cpu_pool_bytes", 256 * 1024**2),
             int_key("io_threads", 2, minimum=1, maximum=64),
             bool_key("async_load", False),
+            seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
         )
 
     def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -309,6 +314,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             num_slots=self.num_slots,
             io_threads=self._options["io_threads"],
             counters=self._counters,
+            transfer_timeout_s=self._options["transfer_timeout_s"],
         )
         logger.info(
             "CPUOffloadConnector: a pool of %d blocks of %d bytes (%.1f MiB)",

@@ -6,16 +6,25 @@ holds what is decided by the scheduler side (:mod:`kvwire.connectors.cpu_pool_in
 this side only copies. Stores run on a background thread and complete
 asynchronously; loads verify each slot's header and checksum before
 copying it into the cache.
+
+Every copy job has a deadline (``transfer_timeout_s`` from its start), so
+that no wait of the forward pass's thread is unbounded: a load still running
+then is abandoned and its blocks are load errors; a store still running then
+is abandoned and counts failed. An abandoned job copies nothing more: each
+chunk is copied under the job's lock after checking it was not abandoned. A
+store abandoned mid-way leaves slots whose headers do not match their
+blocks, which a later load reports instead of copying.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
@@ -34,6 +43,7 @@ from kvwire.connectors.paged_cache import (
 )
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,35 @@ class PoolTransfer:
     context_block_ids: tuple[int, ...] = ()
 
 
+class _PoolJob(TransferJob):
+    """One piece of a transfer, copied by one thread; ``async_load`` is its request's load."""
+
+    def __init__(
+        self,
+        piece: PoolTransfer,
+        deadline: float,
+        *,
+        is_store: bool,
+        async_load: _AsyncPoolLoad | None = None,
+    ) -> None:
+        super().__init__(deadline)
+        self.piece = piece
+        self.is_store = is_store
+        self.async_load = async_load
+        self.failed: list[int] = []
+
+
+@attrs.define(eq=False)
+class _AsyncPoolLoad:
+    """A request's asynchronous load: its pieces, and the blocks that failed so far."""
+
+    request_id: str
+    deadline: float
+    jobs: list[_PoolJob] = attrs.field(factory=list)
+    pieces_left: int = 0
+    failed: list[int] = attrs.field(factory=list)
+
+
 class CPUPoolWorker:
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass."""
 
@@ -64,12 +103,14 @@ class CPUPoolWorker:
         num_slots: int,
         io_threads: int,
         counters: Counters,
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self._layout = layout
         self._caches = caches
         self.pool = StagingBuffers(layout, num_slots)
         self._counters = counters
         self._io_threads = io_threads
+        self._transfer_timeout_s = transfer_timeout_s
         self._warn = RateLimitedWarning(logger)
         self._store_pool = ThreadPoolExecutor(
             io_threads, thread_name_prefix="kvwire-cpu-store", initializer=copy_on_this_thread_only
@@ -78,51 +119,118 @@ class CPUPoolWorker:
             io_threads, thread_name_prefix="kvwire-cpu-load", initializer=copy_on_this_thread_only
         )
         self._changed = threading.Condition()
-        self._jobs_per_request: dict[str, int] = {}
-        self._sync_loads: list[Future[list[int]]] = []
+        # Stores and asynchronous loads still using each request's blocks.
+        self._jobs_per_request: dict[str, set[_PoolJob]] = {}
+        self._sync_loads: list[_PoolJob] = []
+        self._async_loads: dict[str, _AsyncPoolLoad] = {}
         self._finished_async: dict[str, list[int]] = {}
-        self._async_failed: dict[str, list[int]] = {}
-        self._async_pieces_left: dict[str, int] = {}
         self._load_errors: set[int] = set()
 
     # --------------------------------------------------- per-request jobs
 
-    def _job_started(self, request_id: str) -> None:
+    def _job_started(self, job: _PoolJob) -> None:
         with self._changed:
-            self._jobs_per_request[request_id] = self._jobs_per_request.get(request_id, 0) + 1
+            self._jobs_per_request.setdefault(job.piece.request_id, set()).add(job)
 
-    def _job_done(self, request_id: str) -> None:
+    def _forget_job(self, job: _PoolJob) -> None:
         with self._changed:
-            left = self._jobs_per_request[request_id] - 1
-            if left:
-                self._jobs_per_request[request_id] = left
-            else:
-                del self._jobs_per_request[request_id]
+            request_id = job.piece.request_id
+            jobs = self._jobs_per_request.get(request_id)
+            if jobs is not None:
+                jobs.discard(job)
+                if not jobs:
+                    del self._jobs_per_request[request_id]
             self._changed.notify_all()
 
     def is_busy(self, request_id: str) -> bool:
-        """Whether a store or asynchronous load of ``request_id`` is still running."""
+        """Whether a store or asynchronous load of ``request_id`` is still running.
+
+        Its stores past their deadline are given up on first.
+        """
+        with self._changed:
+            jobs = list(self._jobs_per_request.get(request_id, ()))
+        now = time.monotonic()
+        self._give_up([job for job in jobs if job.is_store and job.deadline <= now])
         with self._changed:
             return request_id in self._jobs_per_request
 
     def wait_for_requests(self, request_ids: Iterable[str]) -> None:
-        """Block until no transfer of these requests runs (their blocks are about to be reused)."""
+        """Block until no transfer of these requests runs (their blocks are about to be reused).
+
+        At most until their deadlines: a transfer still running then is given
+        up on, and copies nothing more to or from the blocks.
+        """
         wanted = set(request_ids)
+
+        def running() -> list[_PoolJob]:
+            with self._changed:
+                return [job for rid in wanted for job in self._jobs_per_request.get(rid, ())]
+
+        jobs = running()
+        if not jobs:
+            return
+        until = max(job.deadline for job in jobs)
         with self._changed:
-            self._changed.wait_for(lambda: not wanted & self._jobs_per_request.keys())
+            self._changed.wait_for(
+                lambda: not wanted & self._jobs_per_request.keys(),
+                max(0.0, until - time.monotonic()),
+            )
+        self._give_up(running())
 
     def wait_for_all(self, timeout_s: float | None = None) -> bool:
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._jobs_per_request, timeout_s)
+        """Block until every store and asynchronous load ended or ran past its deadline.
+
+        False if ``timeout_s`` ran out first; without it, it still ends, at
+        the latest when the last job's own deadline passes.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._changed:
+                jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
+            now = time.monotonic()
+            overdue = [job for job in jobs if job.deadline <= now]
+            if overdue:
+                self._give_up(overdue)
+                continue
+            if not jobs:
+                return True
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(job.deadline for job in jobs)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: not self._jobs_per_request, max(0.0, wake - time.monotonic())
+                )
+
+    def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
+        """Stop waiting for ``jobs``: stores count failed, asynchronous loads finish failed."""
+        for job in jobs:
+            if job.async_load is not None:
+                self._give_up_async(job.async_load)
+            elif job.abandon():
+                blocks = len(job.piece.block_ids)
+                self._counters.add_many({"save_errors": blocks, "save_timeouts": blocks})
+                self._warn.warn(
+                    "store-timeout",
+                    "CPU offload: a store of %d blocks still running after %g s "
+                    "(transfer_timeout_s) is counted failed",
+                    blocks,
+                    self._transfer_timeout_s,
+                )
+                self._forget_job(job)
 
     # -------------------------------------------------------------- stores
 
     def store(self, transfers: Sequence[PoolTransfer]) -> None:
         """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
+        deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in transfers:
             for piece in self._split(transfer):
-                self._job_started(piece.request_id)
-                self._store_pool.submit(self._store, piece)
+                job = _PoolJob(piece, deadline, is_store=True)
+                self._job_started(job)
+                job.future = self._store_pool.submit(self._store, job)
 
     def _split(self, transfer: PoolTransfer) -> list[PoolTransfer]:
         """Up to one piece per thread, so a large transfer uses every copy thread."""
@@ -140,67 +248,127 @@ class CPUPoolWorker:
             for start, end in itertools.pairwise(bounds)
         ]
 
-    def _store(self, transfer: PoolTransfer) -> None:
+    def _store(self, job: _PoolJob) -> None:
+        transfer = job.piece
         started = time.perf_counter()
         stored = 0
         try:
             # Chunk by chunk, so each checksum reads entries the copy has just
-            # written while they are still in the CPU cache.
+            # written while they are still in the CPU cache; under the job's
+            # lock, so that once abandoned it reads no block the engine reuses.
             for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
                 slots = transfer.slots[chunk.start : chunk.stop]
-                self._caches.gather_many(
-                    transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
-                )
-                for slot, block_hash in zip(
-                    slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
-                ):
-                    write_header(self.pool.entry(slot), self._layout, block_hash)
-                    stored += 1
+                with job.lock:
+                    job.check()
+                    self._caches.gather_many(
+                        transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
+                    )
+                    for slot, block_hash in zip(
+                        slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
+                    ):
+                        write_header(self.pool.entry(slot), self._layout, block_hash)
+                        stored += 1
+        except JobAbandoned:
+            pass  # counted failed when it was given up on
         except Exception:
             # The slots keep whatever they had; their headers no longer match,
             # so a later load reports them instead of copying them.
             logger.exception("CPU offload: store of request %r failed", transfer.request_id)
-        finally:
-            # Counted before the job is marked done, so whoever waits for it sees them.
-            self._counters.add_many(
-                {
-                    "blocks_saved": stored,
-                    "bytes_saved": stored * self._layout.payload_bytes,
-                    "save_errors": len(transfer.block_ids) - stored,
-                    "save_seconds": time.perf_counter() - started,
-                }
-            )
-            self._job_done(transfer.request_id)
+        if not job.end():
+            return
+        # Counted before the job is forgotten, so whoever waits for it sees them.
+        self._counters.add_many(
+            {
+                "blocks_saved": stored,
+                "bytes_saved": stored * self._layout.payload_bytes,
+                "save_errors": len(transfer.block_ids) - stored,
+                "save_seconds": time.perf_counter() - started,
+            }
+        )
+        self._forget_job(job)
 
     # --------------------------------------------------------------- loads
 
     def start_loads(
         self, sync_loads: Sequence[PoolTransfer], async_loads: Sequence[PoolTransfer]
     ) -> None:
+        deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in sync_loads:
             for piece in self._split(transfer):
-                self._sync_loads.append(self._load_pool.submit(self._load, piece))
+                job = _PoolJob(piece, deadline, is_store=False)
+                self._sync_loads.append(job)
+                job.future = self._load_pool.submit(self._load, job)
         for transfer in async_loads:
-            pieces = self._split(transfer)
+            state = _AsyncPoolLoad(transfer.request_id, deadline)
+            state.jobs = [
+                _PoolJob(piece, deadline, is_store=False, async_load=state)
+                for piece in self._split(transfer)
+            ]
+            state.pieces_left = len(state.jobs)
             with self._changed:
-                self._async_failed[transfer.request_id] = []
-                self._async_pieces_left[transfer.request_id] = len(pieces)
-            for piece in pieces:
-                self._job_started(piece.request_id)
-            for piece in pieces:
-                self._load_pool.submit(self._load_async, piece)
+                self._async_loads[transfer.request_id] = state
+            for job in state.jobs:
+                self._job_started(job)
+            for job in state.jobs:
+                job.future = self._load_pool.submit(self._load_async, job)
 
     def wait_for_loads(self) -> None:
+        """Block until this step's synchronous loads are in the cache, failed, or overdue."""
         pending, self._sync_loads = self._sync_loads, []
-        for future in pending:
-            self._load_errors.update(future.result())
+        if not pending:
+            return
+        concurrent.futures.wait(
+            [job.future for job in pending if job.future is not None],
+            timeout=max(0.0, max(job.deadline for job in pending) - time.monotonic()),
+        )
+        for job in pending:
+            if job.abandon():
+                self._load_errors.update(job.piece.block_ids)
+                self._count_overdue_load(len(job.piece.block_ids))
+            else:
+                self._load_errors.update(job.failed)
+
+    def _count_overdue_load(self, blocks: int) -> None:
+        self._counters.add_many({"load_errors": blocks, "load_timeouts": blocks})
+        self._warn.warn(
+            "load-timeout",
+            "CPU offload: loads of %d blocks still running after %g s (transfer_timeout_s): "
+            "reported as load errors, to be computed again",
+            blocks,
+            self._transfer_timeout_s,
+        )
 
     def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads completed (or ran past their deadline)."""
+        now = time.monotonic()
+        with self._changed:
+            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
+        for state in overdue:
+            self._give_up_async(state)
         with self._changed:
             finished, self._finished_async = self._finished_async, {}
         for failed in finished.values():
             self._load_errors.update(failed)
         return set(finished)
+
+    def _give_up_async(self, state: _AsyncPoolLoad) -> None:
+        """Report ``state``'s request finished now, every block of an abandoned piece failed."""
+        abandoned = [job for job in state.jobs if job.abandon()]
+        with self._changed:
+            if self._async_loads.get(state.request_id) is not state:
+                return  # its last piece ended meanwhile
+            del self._async_loads[state.request_id]
+            failed = list(state.failed)
+            for job in state.jobs:
+                if job in abandoned:
+                    failed.extend(job.piece.block_ids)
+                elif job.ended:
+                    failed.extend(job.failed)
+            self._finished_async[state.request_id] = failed
+        if abandoned:
+            self._count_overdue_load(sum(len(job.piece.block_ids) for job in abandoned))
+        for job in state.jobs:
+            self._forget_job(job)
 
     def load_errors_so_far(self) -> set[int]:
         """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
@@ -211,18 +379,23 @@ class CPUPoolWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _load_async(self, piece: PoolTransfer) -> None:
-        failed = self._load(piece)
-        request_id = piece.request_id
+    def _load_async(self, job: _PoolJob) -> None:
+        self._load(job)
+        state = job.async_load
+        assert state is not None
         with self._changed:
-            self._async_failed[request_id].extend(failed)
-            self._async_pieces_left[request_id] -= 1
-            if not self._async_pieces_left[request_id]:  # the request's last piece
-                del self._async_pieces_left[request_id]
-                self._finished_async[request_id] = self._async_failed.pop(request_id)
-        self._job_done(request_id)
+            if not job.ended or self._async_loads.get(state.request_id) is not state:
+                return  # given up on at its deadline, and reported then
+            state.failed.extend(job.failed)
+            state.pieces_left -= 1
+            if not state.pieces_left:  # the request's last piece
+                del self._async_loads[state.request_id]
+                self._finished_async[state.request_id] = state.failed
+        self._forget_job(job)
 
-    def _load(self, transfer: PoolTransfer) -> list[int]:
+    def _load(self, job: _PoolJob) -> None:
+        """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
+        transfer = job.piece
         started = time.perf_counter()
         failed: list[int] = []
         try:
@@ -249,12 +422,20 @@ class CPUPoolWorker:
                         continue
                     verified_ids.append(block_id)
                     verified_slots.append(slot)
-                # Only verified entries reach the cache.
-                self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
+                # Only verified entries reach the cache, and only while the
+                # caller still waits for them.
+                with job.lock:
+                    job.check()
+                    self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
+        except JobAbandoned:
+            return  # its caller has reported every block of it failed
         except Exception:
             # Never an exception into the engine: the whole transfer is reported failed.
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)
             failed = list(transfer.block_ids)
+        job.failed = failed
+        if not job.end():
+            return
         loaded = len(transfer.block_ids) - len(failed)
         self._counters.add_many(
             {
@@ -264,13 +445,35 @@ class CPUPoolWorker:
                 "load_seconds": time.perf_counter() - started,
             }
         )
-        return failed
 
     def close(self, timeout_s: float = 30.0) -> None:
-        self.wait_for_loads()
+        """Finish the copies in flight (up to ``timeout_s``), then stop the threads.
+
+        Every step runs even when one fails (logged).
+        """
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("waiting for loads", self.wait_for_loads),
+            ("waiting for transfers", lambda: self._wait_at_close(timeout_s)),
+            ("stopping the store threads", self._stop_store_threads),
+            ("stopping the load threads", self._stop_load_threads),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("CPU offload: shutdown: %s failed", what)
+
+    def _wait_at_close(self, timeout_s: float) -> None:
         if not self.wait_for_all(timeout_s):
             logger.warning(
                 "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
             )
+        with self._changed:
+            jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
+        self._give_up(jobs)
+
+    def _stop_store_threads(self) -> None:
         self._store_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_load_threads(self) -> None:
         self._load_pool.shutdown(wait=False, cancel_futures=True)

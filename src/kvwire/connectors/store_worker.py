@@ -67,6 +67,7 @@ from kvwire.connectors.paged_cache import (
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
+from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
 
 logger = logging.getLogger(__name__)
 
@@ -106,46 +107,7 @@ class BlockTransfer:
     context_block_ids: tuple[int, ...] = ()
 
 
-class _RunAbandoned(Exception):
-    """Raised in a load job whose caller gave up on it: it must write nothing more."""
-
-
-class _Job:
-    """One background job and whether its caller still waits for it.
-
-    The job ends itself (:meth:`end`) and the caller may give up on it
-    (:meth:`abandon`), under one lock, so exactly one of them wins; a job
-    that lost writes nothing more where its caller could see it.
-    """
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.ended = False
-        self.future: Future[None] | None = None
-
-    def abandon(self) -> bool:
-        """Give up on the job unless it has ended; whether it was given up on now."""
-        with self.lock:
-            if self.ended or self.abandoned:
-                return False
-            self.abandoned = True
-        # A job still queued never runs; one already running notices the flag.
-        if self.future is not None:
-            self.future.cancel()
-        return True
-
-    def end(self) -> bool:
-        """Mark the job ended; False if its caller gave up on it first."""
-        with self.lock:
-            if self.abandoned:
-                return False
-            self.ended = True
-            return True
-
-
-class _LoadRun(_Job):
+class _LoadRun(TransferJob):
     """A load job: consecutive blocks read with one ``read_each``, into ``slots``."""
 
     def __init__(
@@ -162,7 +124,7 @@ class _LoadRun(_Job):
         self.failed: list[int] = []
 
 
-class _SaveJob(_Job):
+class _SaveJob(TransferJob):
     """A save job: entries of ``hashes`` in staging ``slots``, written to the store."""
 
     def __init__(self, hashes: tuple[BlockHash, ...], slots: list[int], deadline: float) -> None:
@@ -343,9 +305,8 @@ class StoreWorker:
         """Give up on ``run`` unless it has ended; whether it was given up on (and counted)."""
         if not run.abandon():
             return False
-        if run.future is not None and run.future.cancelled():
-            # It never ran: its slots are the caller's to give back.
-            self._staging.release(run.slots)
+        if run.never_ran():
+            self._staging.release(run.slots)  # its slots are the caller's to give back
         self._fail_overdue(run.block_ids)
         return True
 
@@ -439,7 +400,7 @@ class StoreWorker:
                 loaded_bytes += self._load_staged(
                     run, staged_ids, staged_hashes, slots[: len(staged_ids)], held, failed, corrupt
                 )
-        except _RunAbandoned:
+        except JobAbandoned:
             pass  # its caller has reported every block of it failed
         except Exception:
             # A store that raises (a bug, an unforeseen error) fails the run, not the engine.
@@ -480,8 +441,7 @@ class StoreWorker:
         one group's copy, never for I/O).
         """
         with run.lock:
-            if run.abandoned:
-                raise _RunAbandoned
+            run.check()
             self._caches.scatter_many(sources, source_indices, block_ids)
 
     def _load_mapped(
@@ -736,8 +696,8 @@ class StoreWorker:
             overdue = [job for job in self._saves_in_flight if job.deadline <= now]
         for job in overdue:
             if job.abandon():
-                if job.future is not None and job.future.cancelled():
-                    self._staging.release(job.slots)  # it never ran
+                if job.never_ran():
+                    self._staging.release(job.slots)
                 self._counters.add_many(
                     {"save_errors": len(job.hashes), "save_timeouts": len(job.hashes)}
                 )

@@ -1,0 +1,182 @@
+"""Every wait on the CPU pool's copy threads has a deadline.
+
+The copies are plain memory copies, but a thread can still fall behind (a
+backlog of jobs, a starved process): the forward pass waits for no copy past
+``transfer_timeout_s``. A load still running then is a load error; a store
+still running then counts failed, and leaves slots that later loads refuse.
+A job given up on copies nothing more, into the cache or out of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kvwire.connectors import cpu_pool_worker as cpu_pool_worker_module
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.cpu_pool_worker import CPUPoolWorker, PoolTransfer
+from kvwire.connectors.paged_cache import PagedKVCaches
+from tests.connectors.store_workers import HASHES, layout_caches
+
+LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+DEADLINE_S = 0.2
+TEST_LIMIT_S = 30.0
+
+
+@pytest.fixture
+def copies_go_on() -> Iterator[threading.Event]:
+    """While clear, copy jobs stall where the test put them (set at teardown)."""
+    event = threading.Event()
+    try:
+        yield event
+    finally:
+        event.set()
+
+
+def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorker:
+    return CPUPoolWorker(
+        layout=LAYOUT,
+        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        num_slots=4,
+        io_threads=1,
+        counters=counters,
+        transfer_timeout_s=DEADLINE_S,
+    )
+
+
+def _stored(worker: CPUPoolWorker) -> None:
+    """Blocks 0 and 1 stored, whole, in slots 0 and 1 under ``HASHES``."""
+    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+    assert worker.wait_for_all(TEST_LIMIT_S)
+
+
+def _stall_loads_until(monkeypatch: pytest.MonkeyPatch, event: threading.Event) -> None:
+    """Each load stalls in verification (outside any copy) until ``event`` is set."""
+    verify = cpu_pool_worker_module.verify_entry
+
+    def stalled_verify(*args: object) -> None:
+        event.wait(TEST_LIMIT_S)
+        verify(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_pool_worker_module, "verify_entry", stalled_verify)
+
+
+def _stall_stores_until(monkeypatch: pytest.MonkeyPatch, event: threading.Event) -> None:
+    """Each store stalls before its first copy until ``event`` is set."""
+    chunks = cpu_pool_worker_module.cache_sized_chunks
+
+    def stalled_chunks(count: int, entry_bytes: int) -> list[range]:
+        event.wait(TEST_LIMIT_S)
+        return chunks(count, entry_bytes)
+
+    monkeypatch.setattr(cpu_pool_worker_module, "cache_sized_chunks", stalled_chunks)
+
+
+def _within(seconds: float, action: Callable[[], object]) -> object:
+    started = time.monotonic()
+    result = action()
+    assert time.monotonic() - started < seconds
+    return result
+
+
+def test_a_load_past_its_deadline_is_a_load_error_and_copies_nothing_later(
+    monkeypatch: pytest.MonkeyPatch, copies_go_on: threading.Event
+) -> None:
+    caches = layout_caches(LAYOUT, seed=2)
+    counters = Counters()
+    worker = _worker(caches, counters)
+    _stored(worker)
+    _stall_loads_until(monkeypatch, copies_go_on)
+    worker.start_loads([PoolTransfer("c", (2, 3), (0, 1), HASHES)], [])
+
+    assert _within(5, worker.take_load_errors) == {2, 3}
+    assert counters.take()["load_timeouts"] == 2
+    before = {name: cache[:, 2:4].clone() for name, cache in caches.items()}
+
+    copies_go_on.set()
+    # One copy thread: a later load ends only after the stalled one has.
+    worker.start_loads([PoolTransfer("d", (3,), (0,), HASHES[:1])], [])
+    assert worker.take_load_errors() == set()
+    for name, cache in caches.items():
+        assert torch.equal(cache[:, 2], before[name][:, 0])  # never written
+    worker.close()
+
+
+def test_an_asynchronous_load_past_its_deadline_finishes_with_every_block_failed(
+    monkeypatch: pytest.MonkeyPatch, copies_go_on: threading.Event
+) -> None:
+    worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
+    _stored(worker)
+    _stall_loads_until(monkeypatch, copies_go_on)
+    worker.start_loads([], [PoolTransfer("c", (2, 3), (0, 1), HASHES)])
+
+    deadline = time.monotonic() + TEST_LIMIT_S
+    while not (finished := worker.take_finished_loads()):
+        assert time.monotonic() < deadline, "the load never finished"
+        time.sleep(0.005)
+
+    assert finished == {"c"}
+    assert not worker.is_busy("c")
+    assert worker.take_load_errors() == {2, 3}
+    worker.close()
+
+
+def test_a_store_past_its_deadline_counts_failed_and_its_blocks_are_released(
+    monkeypatch: pytest.MonkeyPatch, copies_go_on: threading.Event
+) -> None:
+    counters = Counters()
+    worker = _worker(layout_caches(LAYOUT, seed=2), counters)
+    _stall_stores_until(monkeypatch, copies_go_on)
+    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+    assert worker.is_busy("p")
+
+    # The request was preempted: the forward pass reuses its blocks next.
+    _within(5, lambda: worker.wait_for_requests(["p"]))
+
+    assert not worker.is_busy("p")
+    taken = counters.take()
+    assert taken["save_timeouts"] == 2
+    assert "blocks_saved" not in taken
+    copies_go_on.set()
+    # One copy thread: a later store ends only after the stalled one has.
+    worker.store([PoolTransfer("q", (2,), (2,), (b"\x03" * 32,))])
+    assert worker.wait_for_all(TEST_LIMIT_S)
+    # The stalled store, going on late, wrote no slot: a load refuses them.
+    worker.start_loads([PoolTransfer("c", (2, 3), (0, 1), HASHES)], [])
+    assert worker.take_load_errors() == {2, 3}
+    worker.close()
+
+
+def test_waiting_for_every_store_ends_at_their_deadline(
+    monkeypatch: pytest.MonkeyPatch, copies_go_on: threading.Event
+) -> None:
+    worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
+    _stall_stores_until(monkeypatch, copies_go_on)
+    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+
+    assert worker.wait_for_all(0.01) is False  # still running
+    assert _within(5, worker.wait_for_all) is True  # given up on at its deadline
+    worker.close()
+
+
+def test_close_logs_a_failed_step_and_still_stops_the_threads(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
+
+    def broken_wait(timeout_s: float | None = None) -> bool:
+        raise RuntimeError("a bug in the wait")
+
+    monkeypatch.setattr(worker, "wait_for_all", broken_wait)
+    with caplog.at_level(logging.ERROR):
+        worker.close()
+
+    assert "shutdown: waiting for transfers failed" in caplog.text
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        worker.store([PoolTransfer("p", (0,), (0,), HASHES[:1])])
