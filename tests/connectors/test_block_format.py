@@ -146,3 +146,15 @@ def test_the_load_warning_names_the_found_and_the_expected_dtype(
         consumer.prefill(make_request("c", PROMPT, BLOCK_TOKENS), [20, 21, 22])
     assert consumer.load_errors == {20}
     assert "dtype float16, expected float32" in caplog.text
+
+
+def test_a_refused_entry_leaves_no_view_of_its_buffer_behind() -> None:
+    # A log handler may keep the error and its traceback: a mapped entry must still close.
+    entry = encoded()
+    entry[-1] ^= 0x01
+    view = memoryview(entry)
+    with pytest.raises(CorruptBlockError, match="checksum mismatch") as kept:
+        verify_entry(view, LAYOUT, BLOCK_HASH)
+    view.release()
+    entry.extend(b"\0")  # a BufferError while any view of the entry is alive
+    assert kept.value.reason == "payload checksum mismatch"

@@ -237,3 +237,14 @@ def test_a_key_put_in_a_profile_by_mistake_never_shows_in_a_repr(tmp_path: pathl
     for text in (repr(config), repr(config.kv_transfer_config), str(config)):
         assert "mac_key" in text
         assert KEY not in text
+
+
+def test_an_entry_refused_for_its_mac_leaves_no_view_of_its_buffer_behind() -> None:
+    # A log handler may keep the error and its traceback: a mapped entry must still close.
+    entry = forged(encoded(SEALED))
+    view = memoryview(entry)
+    with pytest.raises(CorruptBlockError, match="MAC mismatch") as kept:
+        verify_entry(view, SEALED, BLOCK_HASH)
+    view.release()
+    entry.extend(b"\0")  # a BufferError while any view of the entry is alive
+    assert "MAC mismatch" in kept.value.reason

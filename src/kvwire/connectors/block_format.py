@@ -246,18 +246,22 @@ def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
     ):
         _raise_header_error(entry, layout, block_hash)
     # The usual case, in four comparisons; only the payload's integrity is left.
-    payload = entry[HEADER_SIZE : HEADER_SIZE + payload_bytes]
-    mac = layout.mac
-    if mac is not None and mac.matches(entry[_MAC_START:HEADER_SIZE], entry[:_MAC_START], payload):
-        return
-    (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
-    if payload_checksum(payload) != checksum:
-        raise CorruptBlockError("payload checksum mismatch")
-    if mac is not None:
-        raise CorruptBlockError(
-            "MAC mismatch with an intact checksum: the entry was not written with this "
-            f"engine's MAC key (${mac.variable}); forged, or a bug"
-        )
+    # The payload's view is released before an error leaves: a log handler that
+    # keeps the error (and its traceback) must not pin a mapped entry open.
+    with entry[HEADER_SIZE : HEADER_SIZE + payload_bytes] as payload:
+        mac = layout.mac
+        if mac is not None and mac.matches(
+            entry[_MAC_START:HEADER_SIZE], entry[:_MAC_START], payload
+        ):
+            return
+        (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
+        if payload_checksum(payload) != checksum:
+            raise CorruptBlockError("payload checksum mismatch")
+        if mac is not None:
+            raise CorruptBlockError(
+                "MAC mismatch with an intact checksum: the entry was not written with this "
+                f"engine's MAC key (${mac.variable}); forged, or a bug"
+            )
 
 
 def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> NoReturn:
