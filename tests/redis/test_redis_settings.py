@@ -48,6 +48,36 @@ def test_every_known_key_is_read() -> None:
     assert settings.connection_pool_kwargs()["host"] == "cache.internal"
 
 
+def test_the_overall_deadlines_are_read_with_sane_defaults() -> None:
+    defaults = RedisStoreSettings.from_extra_config({})
+    settings = RedisStoreSettings.from_extra_config(
+        {"load_timeout_s": 3, "save_timeout_s": 4.5, "lookup_timeout_s": 0.25}
+    )
+
+    assert (defaults.load_timeout_s, defaults.save_timeout_s, defaults.lookup_timeout_s) == (
+        20.0,
+        30.0,
+        5.0,
+    )
+    assert (settings.load_timeout_s, settings.save_timeout_s, settings.lookup_timeout_s) == (
+        3.0,
+        4.5,
+        0.25,
+    )
+
+
+@pytest.mark.parametrize("name", ["load_timeout_s", "save_timeout_s", "lookup_timeout_s"])
+@pytest.mark.parametrize("given", [0, -1, "10", None, True])
+def test_a_deadline_that_is_not_a_positive_number_names_the_key(name: str, given: object) -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({name: given})
+
+    assert f"kv_connector_extra_config.{name}: expected a number of seconds > 0" in str(
+        raised.value
+    )
+    assert f"got {given!r}" in str(raised.value)
+
+
 def test_a_negative_ttl_names_the_key_and_what_is_accepted() -> None:
     with pytest.raises(RedisSettingsError) as raised:
         RedisStoreSettings.from_extra_config({"ttl_seconds": -1})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -182,6 +183,28 @@ def test_an_entry_longer_than_its_buffer_is_a_failure_not_a_partial_read(
 
     assert redis_store.get_into(store_keys(LAYOUT, 1), small) == [None]
     assert small[0].tobytes() == bytes(LAYOUT.entry_bytes - 1)
+    assert redis_store.counters()["loads_oversized"] == 1
+
+
+def test_a_value_longer_than_its_entry_is_warned_about_and_deleted(
+    redis_server: RedisServer,
+    redis_store: RedisBlockStore,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    keys = store_keys(LAYOUT, 2)
+    _save(redis_store, [1])
+    trailing = bytes(encoded_entry(LAYOUT, 0)) + b"trailing bytes"
+    redis_server.client().set(redis_store.redis_key(keys[0]), trailing)
+    buffers = _buffers(2)
+
+    with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_store"):
+        sizes = redis_store.get_into(keys, buffers)
+
+    assert sizes == [None, LAYOUT.entry_bytes]
+    assert buffers[0].tobytes() == bytes(LAYOUT.entry_bytes)  # not a byte of it was read
+    assert "1 value(s) longer than the entry they should hold" in caplog.text
+    assert redis_server.client().exists(redis_store.redis_key(keys[0])) == 0
+    assert redis_store.take_removed_keys() == [keys[0]]
     assert redis_store.counters()["loads_oversized"] == 1
 
 

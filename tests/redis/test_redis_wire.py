@@ -10,7 +10,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvwire.connectors.redis_wire import Deadline, RespStream
+from kvwire.connectors.redis_wire import (
+    SHORT_REPLY_BYTES,
+    Deadline,
+    DeadlineExceeded,
+    RespStream,
+)
 
 VALUE_BYTES = 300 * 1024
 
@@ -101,3 +106,38 @@ def test_values_are_received_into_their_buffers_not_through_the_scratch_buffer(
     assert [target.tobytes() for target in targets] == values
     # Headers and CRLFs, and at most a little of each value that follows one.
     assert counting.into_scratch <= len(values) * 1024
+
+
+@pytest.mark.parametrize("header", [b"$12x\r\n", b"$\r\n", b"$99999999999999999999\r\n"])
+def test_a_malformed_length_is_an_invalid_reply_not_a_value_error(
+    connected: tuple[socket.socket, socket.socket], header: bytes
+) -> None:
+    server, client = connected
+    server.sendall(header)
+    stream = RespStream(client, bytearray(64 * 1024), _deadline())
+
+    with pytest.raises(redis.exceptions.InvalidResponse, match="expected an integer"):
+        stream.read_into(memoryview(bytearray(VALUE_BYTES)))
+
+
+def test_a_short_reply_larger_than_the_bound_is_refused_before_it_is_read(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = connected
+    # Only the header arrives: a reader that allocated and waited for the value would hang.
+    server.sendall(b"$%d\r\n" % (SHORT_REPLY_BYTES + 1))
+    stream = RespStream(client, bytearray(64 * 1024), _deadline())
+
+    with pytest.raises(redis.exceptions.InvalidResponse, match="short reply"):
+        stream.read_reply()
+
+
+def test_a_reply_dribbled_past_the_deadline_raises_deadline_exceeded(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = connected
+    server.sendall(b"$100\r\n" + b"x" * 10)  # and then nothing: a stalled server
+    stream = RespStream(client, bytearray(64 * 1024), _deadline(0.2))
+
+    with pytest.raises(DeadlineExceeded, match=r"load_timeout_s=0\.2s"):
+        stream.read_into(memoryview(bytearray(VALUE_BYTES)))
