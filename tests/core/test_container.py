@@ -334,13 +334,16 @@ def test_an_override_on_a_private_registry_reaches_only_its_container(
         assert shared.connector_class() is RecordingConnector
 
 
-def test_reset_override_also_drops_the_profile_role_and_cache_set_by_override(
-    make_engine_config: MakeEngineConfig, kv_cache_config: KVCacheConfig
+def test_reset_override_also_drops_the_profile_role_cache_and_registry_set_by_override(
+    make_engine_config: MakeEngineConfig,
+    kv_cache_config: KVCacheConfig,
+    registry: ConnectorRegistry,
 ) -> None:
     container = container_for_profile(
         make_engine_config("RecordingConnector"),
         role=KVConnectorRole.WORKER,
         kv_cache_config=kv_cache_config,
+        registry=registry,
     )
 
     container.reset_override()
@@ -348,6 +351,7 @@ def test_reset_override_also_drops_the_profile_role_and_cache_set_by_override(
     assert not container.engine_config.overridden
     assert not container.process_role.overridden
     assert not container.kv_cache_config.overridden
+    assert container.registry() is default_registry()
     with pytest.raises(ContainerSetupError, match="connector role is not set"):
         container.connector()
 
