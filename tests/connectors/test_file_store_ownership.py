@@ -146,14 +146,27 @@ def test_a_reset_refuses_a_name_that_is_no_layout(tmp_path: pathlib.Path):
         store.remove_layout("..")
 
 
-def test_eviction_removes_the_shard_folders_it_empties(tmp_path: pathlib.Path):
-    store = DirectoryBlockStore(tmp_path, entry_bytes=ENTRY_BYTES, max_bytes=2 * ENTRY_BYTES)
-    first, second = f"{LAYOUT}/cd01", f"{LAYOUT}/ef01"
-    store.put([first], [memoryview(bytes(ENTRY_BYTES))])
-    os.utime(store.path_of(first), (0, 0))
-    store.put([second], [memoryview(bytes(ENTRY_BYTES))])
-    os.utime(store.path_of(second), (1, 1))
+def evict_the_only_entry_of_shard_cd(store: DirectoryBlockStore) -> pathlib.Path:
+    """Fill shard ``cd`` with one old entry, then write past the cap; the shard's folder."""
+    store.put([f"{LAYOUT}/cd01"], [memoryview(bytes(ENTRY_BYTES))])
+    os.utime(store.path_of(f"{LAYOUT}/cd01"), (0, 0))
     store.put([key(1)], [memoryview(bytes(ENTRY_BYTES))])
+    assert store.count_prefix([f"{LAYOUT}/cd01"]) == 0
+    return pathlib.Path(store.root) / LAYOUT / "cd"
+
+
+def test_a_shard_folder_emptied_just_now_stays_for_a_writer_about_to_use_it(
+    tmp_path: pathlib.Path,
+):
+    store = DirectoryBlockStore(tmp_path, entry_bytes=ENTRY_BYTES, max_bytes=ENTRY_BYTES)
+    assert evict_the_only_entry_of_shard_cd(store).is_dir()
+
+
+def test_eviction_removes_shard_folders_that_stayed_empty(tmp_path: pathlib.Path):
+    store = DirectoryBlockStore(tmp_path, entry_bytes=ENTRY_BYTES, max_bytes=ENTRY_BYTES)
+    shard = evict_the_only_entry_of_shard_cd(store)
+    os.utime(shard, (0, 0))
+    store.evict()
     assert [p.name for p in (tmp_path / LAYOUT).iterdir()] == ["ab"]
 
 
@@ -168,14 +181,21 @@ def test_eviction_keeps_a_shard_folder_that_holds_a_users_file(tmp_path: pathlib
     assert users.read_bytes() == b"the user's"
 
 
-def test_the_sweep_removes_the_shard_folders_it_empties(tmp_path: pathlib.Path):
+def test_the_sweep_removes_shard_folders_that_stayed_empty(tmp_path: pathlib.Path):
     shard = tmp_path / LAYOUT / "ab"
     shard.mkdir(parents=True)
-    stale = shard / ".ab12.4242.1.tmp"
-    stale.write_bytes(b"half an entry")
-    os.utime(stale, (0, 0))
+    os.utime(shard, (0, 0))
     DirectoryBlockStore(tmp_path, entry_bytes=ENTRY_BYTES).sweep_stale_temporary_files()
     assert not shard.exists()
+
+
+def test_the_sweep_keeps_shard_folders_that_are_not_kvwires(tmp_path: pathlib.Path):
+    folders = [tmp_path / LAYOUT / "AB", tmp_path / LAYOUT / "abc", tmp_path / "photos" / "ab"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        os.utime(folder, (0, 0))
+    DirectoryBlockStore(tmp_path, entry_bytes=ENTRY_BYTES).sweep_stale_temporary_files()
+    assert all(folder.is_dir() for folder in folders)
 
 
 def test_a_write_recreates_a_shard_folder_removed_as_empty(tmp_path: pathlib.Path):

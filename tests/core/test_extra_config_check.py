@@ -165,8 +165,8 @@ BAD_EXTRA_CONFIGS = [
         "SharedStorageConnector",
         {"shared_storage_path": STORE, "fsynch": True},
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
-        "keys are: async_load, batch_blocks, fsync, io_threads, max_bytes, shared_storage_path, "
-        "staging_buffer_bytes",
+        "keys are: allow_other_owner, async_load, batch_blocks, file_mode, fsync, io_threads, "
+        "mac_key_env, max_bytes, shared_storage_path, staging_buffer_bytes, transfer_timeout_s",
         id="shared-storage-typo",
     ),
     pytest.param(
@@ -187,7 +187,7 @@ BAD_EXTRA_CONFIGS = [
         "SharedStorageConnector",
         {"fsync": True},
         "kv_connector_extra_config.shared_storage_path is required by SharedStorageConnector: "
-        "a non-empty string (required)",
+        "a non-empty directory path without NUL bytes (required)",
         id="shared-storage-missing",
     ),
     pytest.param(
@@ -321,7 +321,8 @@ BAD_EXTRA_CONFIGS = [
             ]
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.shared_storage_path "
-        "is required by SharedStorageConnector: a non-empty string (required)",
+        "is required by SharedStorageConnector: a non-empty directory path without NUL bytes "
+        "(required)",
         id="multi-child-missing",
     ),
     pytest.param(

@@ -117,9 +117,16 @@ def scan_shard(shard: Shard) -> ShardContents:
     return contents
 
 
-def remove_empty_folder(path: str) -> bool:
-    """Remove the folder ``path`` if it is empty; whether it went (never raises)."""
+def remove_empty_folder(path: str, unchanged_since: float | None = None) -> bool:
+    """Remove the folder ``path`` if it is empty; whether it went (never raises).
+
+    With ``unchanged_since`` (a time), only a folder whose contents have not
+    changed since then: a writer that has just created a folder is about to
+    put its file in it, and must not find it gone.
+    """
     try:
+        if unchanged_since is not None and os.lstat(path).st_mtime > unchanged_since:
+            return False
         os.rmdir(path)
     except OSError:
         return False

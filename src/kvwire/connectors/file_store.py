@@ -68,6 +68,9 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 _CREATE_ATTEMPTS = 3
 # A temporary file this old belongs to a writer that died; eviction removes it.
 _STALE_TMP_S = 600.0
+# An empty shard folder unchanged for this long goes; a younger one may be a
+# writer's, just created, that it is about to write into.
+_EMPTY_FOLDER_IDLE_S = 600.0
 # Eviction brings the directory down to this share of the cap, so that it
 # does not run again on the very next write.
 _EVICT_TO = 0.9
@@ -326,9 +329,13 @@ class DirectoryBlockStore(BlockStore):
         return os.open(temporary, _CREATE_FLAGS, self._modes.entry)
 
     def _make_folders(self, shard_folder: str) -> None:
-        """Create the layout and shard folders of ``shard_folder`` that are missing."""
+        """Create the layout and shard folders of ``shard_folder`` that are missing.
+
+        A folder that another process removes meanwhile (a reset) is left to
+        the next attempt.
+        """
         for folder in (os.path.dirname(shard_folder), shard_folder):
-            with contextlib.suppress(FileExistsError):
+            with contextlib.suppress(FileExistsError, FileNotFoundError):
                 make_folder(folder, self._modes)
 
     def _fsync_folder(self, folder: str) -> None:
@@ -411,7 +418,7 @@ class DirectoryBlockStore(BlockStore):
     def sweep_stale_temporary_files(self) -> int:
         """Remove the temporary files of writers that died mid-save; how many went.
 
-        Shard folders left empty go too.
+        Shard folders that have stayed empty for a while go too.
         """
         removed = 0
         now = time.time()
@@ -420,7 +427,7 @@ class DirectoryBlockStore(BlockStore):
             swept = self._remove_stale_temporary_files(contents, now)
             removed += swept
             if _file_count(contents) == swept:
-                remove_empty_folder(shard.path)
+                remove_empty_folder(shard.path, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
         self._counters.add("stale_temporary_files_removed", removed)
         return removed
 
@@ -428,7 +435,8 @@ class DirectoryBlockStore(BlockStore):
         """Bring the directory under its cap, oldest entries first; the bytes it holds.
 
         The scan also counts what other processes wrote, and removes the
-        temporary files of writers that died and the shard folders left empty.
+        temporary files of writers that died and the shard folders that have
+        stayed empty for a while (one emptied now goes at a later scan).
         """
         entries: list[tuple[float, int, str, Shard, str]] = []
         files_left: dict[Shard, int] = {}
@@ -459,7 +467,7 @@ class DirectoryBlockStore(BlockStore):
                     self._removed(shard.key_of(name))
         for shard, count in files_left.items():
             if count == 0:
-                remove_empty_folder(shard.path)
+                remove_empty_folder(shard.path, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
         with self._size_lock:
             # Writes that landed during the scan may be missing from it: count
             # them again (an overcount only brings the next eviction sooner).
