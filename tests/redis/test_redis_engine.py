@@ -224,10 +224,10 @@ def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
     assert tokens(generate(config, many[:-1])) == expected[:-1]
     assert int(fault_server.client().info("stats")["evicted_keys"]) > 0
     # Which blocks survive is up to Redis's sampled LRU, whose clock ticks
-    # once a second: a second later, the last request's blocks are the
-    # newest, and the evictions its own saves cause take older ones. So at
-    # least its blocks survive for the consumer.
-    time.sleep(1.1)
+    # once a second: once it has ticked past every block saved so far, the
+    # last request's blocks are the newest, and the evictions its own saves
+    # cause take older ones. So at least its blocks survive for the consumer.
+    _wait_until_the_lru_clock_passes_every_key(fault_server, key_prefix)
     assert tokens(generate(config, many[-1:])) == expected[-1:]
     # A consumer only: its own saves would evict the survivors it is about to load.
     consumer = with_redis(wide, fault_server.url, key_prefix, kv_role="kv_consumer")
@@ -235,6 +235,22 @@ def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
         assert tokens(warm.generate(many)) == expected
         stats = warm.connector_stats.data
     assert stats["blocks_loaded"] > 0  # the survivors were used
+
+
+def _wait_until_the_lru_clock_passes_every_key(
+    server: RedisServer, key_prefix: str, timeout_s: float = 10.0
+) -> None:
+    """Poll until every key under ``key_prefix`` has been idle for a whole tick of the LRU clock.
+
+    ``OBJECT IDLETIME`` reads a key's idle time in whole ticks without touching it.
+    """
+    client = server.client()
+    names = list(client.scan_iter(match=key_prefix + "*", count=1000))
+    assert names, "no block survived to wait for"
+    deadline = time.monotonic() + timeout_s
+    while min(int(client.object("idletime", name)) for name in names) < 1:
+        assert time.monotonic() < deadline, f"the LRU clock did not tick within {timeout_s} s"
+        time.sleep(0.02)
 
 
 def test_outputs_stay_identical_when_a_full_server_rejects_saves(
