@@ -15,8 +15,17 @@ threads, every entry verified before it reaches the cache); the medium is
   variable holding it: keeps the secret out of profiles), ``db``;
 - ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
   load restarts a block's TTL, so blocks in use stay and idle ones expire);
-- ``pool_size``, ``socket_timeout_s``, ``connect_timeout_s``,
-  ``lookup_batch_size``;
+- ``pool_size``, ``socket_timeout_s`` (one read or write),
+  ``connect_timeout_s``, ``lookup_batch_size``;
+- ``load_timeout_s`` (default 20), ``save_timeout_s`` (default 30) and
+  ``lookup_timeout_s`` (default 5; also deletes, the reconnect probe and each
+  step of a cache reset): how long one call may take in all. The socket
+  timeout bounds each read, not a reply: without these, a server answering a
+  byte every few seconds would hold a load, and the engine waiting for it,
+  forever. Past its deadline a call fails as in an outage (below): the
+  blocks of a load not yet read are load errors, computed again, and the
+  connection, left mid-reply, is dropped. A load is one run of blocks, so
+  ``load_timeout_s`` must cover the largest run at the network's speed;
 - ``pipeline_bytes`` (default 64 MiB): the most one connection has in flight.
   A save sends its SETs in pipelines of at most this many bytes; a load asks
   for its GETs in groups of 4 MiB (or half of this, if smaller) and asks for
@@ -35,12 +44,14 @@ without a connector, and the store reconnects by itself when the server is
 back. Beside the store-backed connector's counters, the stats report
 ``redis_lookup_failures``, ``redis_saves_dropped`` (outage),
 ``redis_saves_rejected`` (e.g. out of memory under ``noeviction``),
-``redis_load_failures`` (outage), ``redis_loads_oversized`` and
-``redis_loads_refused`` (e.g. ``NOPERM``), each only when not zero.
+``redis_load_failures`` (outage or deadline), ``redis_loads_oversized`` (a
+value longer than its entry: refused from its length, never read into memory,
+warned about and deleted like a corrupt entry) and ``redis_loads_refused``
+(e.g. ``NOPERM``), each only when not zero.
 
 KV cache events (medium ``redis``): ``BlockStored`` for the blocks a save
-stored, ``BlockRemoved`` for corrupt values a load found and deleted (so
-they stop being hits for every engine). Entries the server drops by itself
+stored, ``BlockRemoved`` for corrupt or too-long values a load found and
+deleted (so they stop being hits for every engine). Entries the server drops by itself
 (``ttl_seconds`` expiry, ``maxmemory`` eviction under an
 ``allkeys-*``/``volatile-*`` policy) are never seen by the connector, so no
 ``BlockRemoved`` reports them: a router may think such a block is still
