@@ -195,9 +195,10 @@ BAD_EXTRA_CONFIGS = [
         {"ttl": 60},
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
         "async_load, batch_blocks, connect_timeout_s, db, io_threads, key_prefix, "
-        "lookup_batch_size, password, password_env, pipeline_bytes, pool_size, retry_interval_s, "
+        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, password, "
+        "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
         "socket_timeout_s, staging_buffer_bytes, tls_ca_certs, tls_certfile, tls_keyfile, "
-        "tls_verify, ttl_seconds, url, username, warning_interval_s",
+        "tls_verify, transfer_timeout_s, ttl_seconds, url, username, warning_interval_s",
         id="redis-typo",
     ),
     pytest.param(
