@@ -137,6 +137,12 @@ def test_anything_but_a_variable_name_is_refused_without_being_echoed(given: obj
     assert str(given) not in str(raised.value)
 
 
+def test_a_key_that_is_not_utf8_is_taken_as_the_environment_holds_it() -> None:
+    raw = b"\xff\xfe" * 20
+    mac = EntryMac.from_environment(VARIABLE, {VARIABLE: raw.decode("utf-8", "surrogateescape")})
+    assert mac.key_id == EntryMac(raw, VARIABLE).key_id
+
+
 def test_the_repr_names_the_variable_and_never_the_key() -> None:
     mac = EntryMac.from_environment(VARIABLE, {VARIABLE: KEY})
     layout = attrs.evolve(LAYOUT, mac=mac)

@@ -63,7 +63,12 @@ class EntryMac:
     def from_environment(
         cls, variable: object, environment: Mapping[str, str] = os.environ
     ) -> EntryMac:
-        """The MAC keyed with the value of ``environment[variable]`` (UTF-8 bytes)."""
+        """The MAC keyed with the bytes of ``environment[variable]``.
+
+        The bytes as the environment holds them: Python decodes them with
+        ``surrogateescape``, so a key that is not UTF-8 is taken as it is,
+        never refused with an error that would quote it.
+        """
         if not isinstance(variable, str) or not _VARIABLE_NAME.fullmatch(variable):
             # Never echoed: a user who put the key itself here must not see it printed.
             raise MacKeyError(
@@ -76,7 +81,7 @@ class EntryMac:
             raise MacKeyError(f"environment variable {variable!r} is not set; {_HOW_TO_SET}")
         if not value:
             raise MacKeyError(f"environment variable {variable!r} is empty; {_HOW_TO_SET}")
-        return cls(value.encode(), variable)
+        return cls(value.encode("utf-8", "surrogateescape"), variable)
 
     def seal(self, header: memoryview, payload: memoryview) -> bytes:
         """The MAC of ``header`` then ``payload``, read where they lie (no joined copy)."""
