@@ -17,6 +17,7 @@ offending source line, which may hold a password.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -141,5 +142,22 @@ def _describe(error: yaml.MarkedYAMLError) -> str:
 
 def _bounded(text: str) -> str:
     # PyYAML's problem texts quote at most a token; keep them that short.
-    text = " ".join(text.split())
+    text = _QUOTED_TOKEN.sub(_kept_or_elided, " ".join(text.split()))
     return text if len(text) <= 120 else f"{text[:120]}..."
+
+
+# A token PyYAML quotes in a problem: an alias or anchor name, a tag, a
+# character. An alias name may be a password typed after '*'.
+_QUOTED_TOKEN = re.compile(r"'([^']*)'")
+
+
+def _kept_or_elided(match: re.Match[str]) -> str:
+    token = match.group(1)
+    # One character ('\t'), a token kind ('<stream end>'), or one of the
+    # unsafe Python tags the safe loader refuses: nothing a user chose.
+    kept = (
+        len(token) <= 2
+        or (token.startswith("<") and token.endswith(">"))
+        or token.startswith("tag:yaml.org,2002:python/")
+    )
+    return match.group(0) if kept else "(name not shown)"

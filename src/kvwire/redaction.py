@@ -54,9 +54,10 @@ _SECRET_SUFFIXES = (
 # of a message would hide what it says. Key names and URLs still blank it.
 SHORTEST_SCRUBBED_SECRET = 4
 
-# Text is scanned in runs without spaces or quotes: a URL is one run, and
-# scanning each run once keeps the cost linear in the text whatever it holds.
-_RUN = re.compile(r"[^\s'\"]+")
+# Text is scanned in runs without spaces: a URL is one run (quotes included:
+# a password may hold one), and scanning each run once keeps the cost linear
+# in the text whatever it holds.
+_RUN = re.compile(r"\S+")
 # A secret-like name followed by '=' or ':' (a URL query, a log line, a YAML
 # line); the value runs to the next separator. The look-behind starts a name
 # only where a word starts, which keeps the scan linear.
@@ -91,8 +92,20 @@ def redact_text(text: str) -> str:
     return _NAMED_SECRET.sub(_blank_named, text)
 
 
+def redact_value(value: str) -> str:
+    """A whole string value (not free text) with its secrets blanked.
+
+    A value is one URL at most, so its credentials run to its last '@',
+    spaces included: a password may hold anything a user typed.
+    """
+    return redact_text(_blank_url_in(value))
+
+
 def _blank_url_credentials(match: re.Match[str]) -> str:
-    run = match.group(0)
+    return _blank_url_in(match.group(0))
+
+
+def _blank_url_in(run: str) -> str:
     scheme_end = run.find("://")
     # The last '@': a password a user forgot to percent-encode may hold '/' or '@'.
     at = run.rfind("@")
@@ -123,7 +136,7 @@ def redacted(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(redacted(item) for item in value)
     if isinstance(value, str):
-        return redact_text(value)
+        return redact_value(value)
     return value
 
 
@@ -211,7 +224,7 @@ def _scalar_repr(value: object, room: int) -> str:
     if isinstance(value, str):
         # The whole string is redacted before it is cut: a cut URL would no
         # longer show where its password ends.
-        return repr(redact_text(value)[: max(room, 0) + 1])
+        return repr(redact_value(value)[: max(room, 0) + 1])
     if isinstance(value, bytes):
         return repr(value[: max(room, 0)])
     return redact_text(repr(value))
@@ -265,7 +278,7 @@ def secret_values(value: Any) -> set[str]:
             # A list under a secret key is secret all through.
             pending.extend((key if is_secret_key(key) else None, child) for child in item)
         elif isinstance(item, str):
-            found.update(_url_passwords(item))
+            found.update(_url_passwords(item, whole_value=True))
     return {secret for secret in found if len(secret) >= SHORTEST_SCRUBBED_SECRET}
 
 
@@ -276,16 +289,20 @@ def secrets_in_text(text: str) -> set[str]:
     about it must not quote.
     """
     found = set(_url_passwords(text))
-    for match in _SECRET_LINE.finditer(text):
-        value = match.group("value").strip().strip("\"'[]{}*&!,")
+    # Block style ("password: a value" to the line's end) and flow style
+    # ("{password: value, ...}").
+    values = [match.group("value") for match in _SECRET_LINE.finditer(text)]
+    values += [match.group("value") for match in _NAMED_SECRET.finditer(text)]
+    for value in values:
+        value = value.strip().strip("\"'[]{}*&!,")
         if value:
             found.add(value)
     return {secret for secret in found if len(secret) >= SHORTEST_SCRUBBED_SECRET}
 
 
-def _url_passwords(text: str) -> list[str]:
+def _url_passwords(text: str, *, whole_value: bool = False) -> list[str]:
     passwords = []
-    for run in _RUN.findall(text):
+    for run in [text] if whole_value else _RUN.findall(text):
         scheme_end, at = run.find("://"), run.rfind("@")
         if 0 <= scheme_end < at:
             user, colon, password = run[scheme_end + 3 : at].partition(":")
