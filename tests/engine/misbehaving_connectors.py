@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from kvwire.connector.base import KVConnectorRole, SupportsHMA
@@ -72,3 +73,10 @@ class HMADirectoryConnector(DirectoryConnector, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         kept, _params = self.request_finished(request, block_ids[0])
         return kept, {"groups": len(block_ids)}
+
+
+class HangingSaveConnector(DirectoryConnector):
+    """Its worker side's ``wait_for_save`` never returns (a connector stuck on a dead medium)."""
+
+    def wait_for_save(self) -> None:
+        threading.Event().wait(600)  # far past any reply deadline of a test

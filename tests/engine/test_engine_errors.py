@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 
 import attrs
 import pytest
@@ -183,6 +184,29 @@ def test_a_worker_process_whose_connector_fails_to_shut_down_still_exits(
     # It returned after reporting the error, rather than waiting for another
     # command until the parent gave up on it and killed it.
     assert worker_process._process.exitcode == 0
+
+
+@pytest.mark.slow
+def test_a_worker_process_that_stops_answering_is_an_error_not_a_hang(
+    config: EngineConfig, tmp_path: pathlib.Path
+) -> None:
+    from kvwire.engine.worker_process import WorkerProcessError
+
+    engine = LLMEngine(
+        _misbehaving(config, tmp_path, "HangingSaveConnector"),
+        worker_mode="process",
+        worker_reply_timeout_s=1.0,
+    )
+    worker_process = engine._worker_process
+    assert worker_process is not None
+    started = time.monotonic()
+
+    with pytest.raises(WorkerProcessError, match=r"no reply to 'execute' within 1 s"):
+        engine.generate([PROMPT])
+    engine.close()
+
+    assert time.monotonic() - started < 30
+    assert not worker_process._process.is_alive()
 
 
 def test_an_engine_without_a_transfer_config_builds_no_connector(config: EngineConfig) -> None:

@@ -106,10 +106,12 @@ class LLMEngine:
     :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
     ``config``). ``torch_threads`` sets the worker process's torch threads
-    (None leaves them alone). Requests admitted in one step share their
-    common prefix's blocks, as vLLM's scheduler does, and a request waits for
-    a prefix another request is loading asynchronously rather than loading a
-    copy. Use as a context manager, or call :meth:`close`.
+    (None leaves them alone); a worker process that does not answer a call
+    within ``worker_reply_timeout_s`` is stopped, and the call raises.
+    Requests admitted in one step share their common prefix's blocks, as
+    vLLM's scheduler does, and a request waits for a prefix another request
+    is loading asynchronously rather than loading a copy. Use as a context
+    manager, or call :meth:`close`.
 
     :attr:`connector_stats` sums the worker connector's stats over the steps;
     saves still running when :meth:`generate` returns join it at
@@ -127,6 +129,7 @@ class LLMEngine:
         idle_timeout_s: float = 60.0,
         container: KVConnectorContainer | None = None,
         torch_threads: int | None = 1,
+        worker_reply_timeout_s: float = 600.0,
     ) -> None:
         if worker_mode not in ("inline", "process"):
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
@@ -164,6 +167,7 @@ class LLMEngine:
                     connector_hook=connector_hook,
                     load_failure_injection=load_failure_injection,
                     torch_threads=torch_threads,
+                    reply_timeout_s=worker_reply_timeout_s,
                 )
                 self.worker = self._worker_process
         except BaseException:

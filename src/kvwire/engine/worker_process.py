@@ -24,6 +24,9 @@ from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
 from kvwire.kv_cache_config import KVCacheConfig
 
+START_TIMEOUT_S = 300.0
+"""The least time a worker process gets to start: spawn, import torch, build the connector."""
+
 
 class WorkerProcessError(RuntimeError):
     """The worker process failed; the message carries its traceback."""
@@ -77,7 +80,9 @@ class WorkerProcess:
     Same calls as the in-process worker: :meth:`execute`, :meth:`gather_kv`,
     :meth:`wait_for_saves`, and :meth:`shutdown` (which returns the
     connector's last stats, taken after its shutdown). Each message is
-    pickled explicitly.
+    pickled explicitly. A reply that does not come within ``reply_timeout_s``
+    (a wait for saves: its own timeout more) is an error, never a hang: the
+    process, in an unknown state, is stopped.
     """
 
     def __init__(
@@ -88,7 +93,9 @@ class WorkerProcess:
         connector_hook: ConnectorHook | None = None,
         load_failure_injection: LoadFailureInjection | None = None,
         torch_threads: int | None = 1,
+        reply_timeout_s: float = 600.0,
     ) -> None:
+        self._reply_timeout_s = reply_timeout_s
         # spawn, not fork: the child must build everything itself, sharing
         # no memory (and no torch thread pools) with the scheduler.
         context = multiprocessing.get_context("spawn")
@@ -109,7 +116,11 @@ class WorkerProcess:
         self._process.start()
         child_connection.close()
         self._closed = False
-        self._receive()
+        try:
+            self._receive("start", max(reply_timeout_s, START_TIMEOUT_S))
+        except BaseException:
+            self._stop()
+            raise
 
     def execute(self, step: WorkerStep) -> StepResult:
         result: StepResult = self._call("execute", step)
@@ -120,29 +131,48 @@ class WorkerProcess:
         return kv
 
     def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]:
-        reply: tuple[bool, KVConnectorOutput | None] = self._call("wait_for_saves", timeout_s)
+        reply: tuple[bool, KVConnectorOutput | None] = self._call(
+            "wait_for_saves", timeout_s, timeout_s + self._reply_timeout_s
+        )
         return reply
 
     def shutdown(self) -> KVConnectorStats | None:
         if self._closed:
             return None
-        self._closed = True
         try:
             if not self._process.is_alive():
                 return None
             stats: KVConnectorStats | None = self._call("shutdown", None)
             return stats
         finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        """Let the process exit (killed if it does not), and close the pipe."""
+        self._closed = True
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
             self._process.join(timeout=30)
-            if self._process.is_alive():
-                self._process.kill()
-            self._connection.close()
+        self._connection.close()
 
-    def _call(self, command: str, payload: Any) -> Any:
+    def _call(self, command: str, payload: Any, reply_timeout_s: float | None = None) -> Any:
+        if self._closed:
+            raise WorkerProcessError(f"the worker process was stopped; cannot {command}")
         self._connection.send_bytes(pickle.dumps((command, payload)))
-        return self._receive()
+        return self._receive(
+            command, self._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+        )
 
-    def _receive(self) -> Any:
+    def _receive(self, command: str, timeout_s: float) -> Any:
+        if not self._connection.poll(timeout_s):
+            # A late reply would answer the next command: this process is done.
+            self._process.kill()
+            self._stop()
+            raise WorkerProcessError(
+                f"the worker process sent no reply to {command!r} within {timeout_s:g} s "
+                "(reply_timeout_s); it was stopped"
+            )
         try:
             status, reply = pickle.loads(self._connection.recv_bytes())
         except EOFError:
