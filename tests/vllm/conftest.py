@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import tempfile
 
 import pytest
+from pytest_redis import factories
+from pytest_redis.executor import RedisExecutor
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,10 +39,30 @@ except ImportError as error:
         allow_module_level=True,
     )
 
-from tests.vllm.engines import build_tiny_llama  # noqa: E402
+from tests.vllm.engines import build_tiny_llama, generate, running_llm, shared_prompts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer Llama with random weights and a word-level tokenizer, saved for vLLM."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tokens_without_connector(tiny_model: str) -> list[list[int]]:
+    """What one vLLM engine without a connector generates for ``shared_prompts()``."""
+    with running_llm(tiny_model) as llm:
+        tokens, _ = generate(llm, shared_prompts())
+    return tokens
+
+
+# A real redis-server on a free loopback port, started by pytest-redis (``make
+# redis-server`` installs one where none is found).
+redis_server_process = factories.redis_proc(
+    executable=shutil.which("redis-server") or shutil.which("valkey-server"), port=None
+)
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server_process: RedisExecutor) -> str:
+    return f"redis://{redis_server_process.host}:{redis_server_process.port}/0"

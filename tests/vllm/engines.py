@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +53,16 @@ def shared_prompts(count: int = 3, length: int = 300) -> list[dict[str, list[int
     ]
 
 
+def with_redis_url(profile: dict[str, Any], url: str, key_prefix: str) -> dict[str, Any]:
+    """``profile`` with every Redis connector pointed at ``url`` under ``key_prefix``."""
+    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
+    for config in [extra, *(c["kv_connector_extra_config"] for c in extra.get("connectors", []))]:
+        if "url" in config:
+            config["url"] = url
+            config["key_prefix"] = key_prefix
+    return profile
+
+
 def kvwire_transfer_config(
     profile: str | Mapping[str, Any], kv_role: str = "kv_both", **extra: Any
 ) -> dict[str, Any]:
@@ -63,6 +77,11 @@ def kvwire_transfer_config(
     }
 
 
+def load_profile_mapping(name: str) -> dict[str, Any]:
+    profile: dict[str, Any] = yaml.safe_load((PROFILES / name).read_text())
+    return profile
+
+
 def profile_with_directory(name: str, directory: pathlib.Path) -> dict[str, Any]:
     """A shipped profile, its storage directories moved under ``directory``."""
     profile: dict[str, Any] = yaml.safe_load((PROFILES / name).read_text())
@@ -72,6 +91,43 @@ def profile_with_directory(name: str, directory: pathlib.Path) -> dict[str, Any]
         if "shared_storage_path" in config:
             config["shared_storage_path"] = str(directory / f"store-{index}")
     return profile
+
+
+def run_engine_process(
+    model: str,
+    kv_transfer_config: Mapping[str, Any],
+    prompts: Sequence[Mapping[str, Any]],
+    max_tokens: int,
+    workdir: pathlib.Path,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run one engine in a new process (tests/vllm/engine_process.py) and return its result."""
+    name = f"engine-{len(list(workdir.glob('engine-*.json')))}"
+    job = workdir / f"{name}.json"
+    output = workdir / f"{name}-output.json"
+    job.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "kv_transfer_config": dict(kv_transfer_config),
+                "prompts": list(prompts),
+                "max_tokens": max_tokens,
+                "output": str(output),
+            }
+        )
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "tests.vllm.engine_process", str(job)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if completed.returncode != 0:
+        raise AssertionError(f"engine process failed:\n{completed.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(output.read_text())
+    return result
 
 
 def start_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import uuid
 from typing import Any
 
 import pytest
@@ -15,17 +16,18 @@ from tests.vllm.engines import (
     profile_with_directory,
     running_llm,
     shared_prompts,
+    with_redis_url,
 )
 
 PROMPTS = shared_prompts()
+EVERY_KV_BOTH_PROFILE = [
+    "cpu-offload.yaml",
+    "shared-storage.yaml",
+    "tiered-disk.yaml",
+    "redis.yaml",
+    "tiered-redis.yaml",
+]
 LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
-
-
-@pytest.fixture(scope="module")
-def tokens_without_connector(tiny_model: str) -> list[list[int]]:
-    with running_llm(tiny_model) as llm:
-        tokens, _ = generate(llm, PROMPTS)
-    return tokens
 
 
 def cold_then_warm(llm: Any) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -38,15 +40,19 @@ def cold_then_warm(llm: Any) -> tuple[list[list[int]], list[list[int]], list[int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["cpu-offload.yaml", "shared-storage.yaml", "tiered-disk.yaml"])
+@pytest.mark.parametrize("profile", EVERY_KV_BOTH_PROFILE)
 def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     profile: str,
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
+    request: pytest.FixtureRequest,
 ) -> None:
-    config = kvwire_transfer_config(profile_with_directory(profile, tmp_path))
-    with running_llm(tiny_model, config) as llm:
+    mapping = profile_with_directory(profile, tmp_path)
+    if "redis" in profile:
+        key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
+        mapping = with_redis_url(mapping, request.getfixturevalue("redis_url"), key_prefix)
+    with running_llm(tiny_model, kvwire_transfer_config(mapping)) as llm:
         cold, warm, cached = cold_then_warm(llm)
         stats = kvwire.vllm.kvwire_stats(llm)
     assert cold == tokens_without_connector
