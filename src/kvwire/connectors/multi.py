@@ -1,13 +1,12 @@
 """MultiConnector: several connectors behind one, e.g. CPU offload in front of shared storage.
 
-Children come from ``kv_connector_extra_config["connectors"]``, a list of
-``KVTransferConfig`` keyword mappings (``engine_id`` and ``kv_role`` default
-to the parent's). Each child gets its own copy of the engine config and is
-built by the ``connector_builder`` the container (or the factory) hands in,
-so it resolves through the same registry: provider overrides, module paths
-and entry points all apply. A child's bad extra config is reported under the
-child's path (``kv_connector_extra_config.connectors[1].kv_connector_extra_config.<key>``),
-by the constructor and by ``kvwire check`` alike.
+Children come from ``kv_connector_extra_config["connectors"]``
+(:mod:`kvwire.connectors.multi_children` reads them and words their errors).
+Each child gets its own copy of the engine config and is built by the
+``connector_builder`` the container (or the factory) hands in, so it
+resolves through the same registry: provider overrides, module paths and
+entry points all apply. What crosses between the two halves is in
+:mod:`kvwire.connectors.multi_records`.
 
 Semantics (the reference's): lookups ask children in order (any None means
 "ask again"); the first child with a hit loads, the others get 0; saves go to
@@ -63,9 +62,19 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.multi_children import (
+    any_child_requires_piecewise,
+    child_config_error,
+    child_transfer_configs,
+    children_kv_cache_layout,
+)
+from kvwire.connectors.multi_records import (
+    MultiKVConnectorMetadata,
+    MultiKVConnectorStats,
+    MultiKVConnectorWorkerMetadata,
+    rebuild_child_stats,
+)
 from kvwire.connectors.worker_steps import metadata_of_type
-from kvwire.exceptions import kind_of
-from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
     import torch
@@ -73,128 +82,15 @@ if TYPE_CHECKING:
     from kvwire.config import EngineConfig
     from kvwire.kv_cache_config import KVCacheConfig
 
+__all__ = [
+    "MultiConnector",
+    # Re-exported: their home moved to multi_records, and callers import them from here.
+    "MultiKVConnectorMetadata",
+    "MultiKVConnectorStats",
+    "MultiKVConnectorWorkerMetadata",
+]
+
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class MultiKVConnectorMetadata(KVConnectorMetadata):
-    """Each child's metadata, in child order, and the extra saves to wait for.
-
-    ``extra_async_saves`` maps a finished request to how many more children
-    than one must report it finished sending before the engine may free it.
-    """
-
-    children: tuple[KVConnectorMetadata, ...]
-    extra_async_saves: tuple[tuple[str, int], ...] = ()
-
-
-@attrs.frozen
-class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
-    """Each child's worker metadata, in child order (None for a child that had none)."""
-
-    children: tuple[KVConnectorWorkerMetadata | None, ...]
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, MultiKVConnectorWorkerMetadata) or len(other.children) != len(
-            self.children
-        ):
-            raise TypeError(
-                f"MultiKVConnectorWorkerMetadata of {len(self.children)} children cannot be "
-                f"merged with {type(other).__name__}; every worker runs the same children"
-            )
-        return MultiKVConnectorWorkerMetadata(
-            tuple(
-                theirs if mine is None else mine if theirs is None else mine.aggregate(theirs)
-                for mine, theirs in zip(self.children, other.children, strict=True)
-            )
-        )
-
-
-@attrs.define
-class MultiKVConnectorStats(KVConnectorStats):
-    """Each child's stats by child name, each rebuilt by the child's own class.
-
-    ``data`` maps a child's name to its :class:`KVConnectorStats` (or the
-    subclass its connector builds); merging merges child by child.
-    """
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, theirs in other.data.items():
-            child = theirs if isinstance(theirs, KVConnectorStats) else None
-            if child is None:
-                child = KVConnectorStats(data=dict(theirs))
-            mine = self.data.get(name)
-            self.data[name] = child if mine is None else mine.aggregate(child)
-        return self
-
-    def reduce(self) -> dict[str, Any]:
-        return {name: stats.reduce() for name, stats in self.data.items()}
-
-    def is_empty(self) -> bool:
-        return all(stats.is_empty() for stats in self.data.values())
-
-    def reset(self) -> None:
-        for stats in self.data.values():
-            stats.reset()
-
-
-def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
-    """The children's transfer configs; errors name ``kv_connector_extra_config.connectors[i]``."""
-    extra = parent.kv_connector_extra_config
-    unknown = sorted(set(extra) - {"connectors"})
-    if unknown:
-        raise ExtraConfigError(
-            f"kv_connector_extra_config.{unknown[0]} is not an option of MultiConnector; "
-            "accepted keys are: connectors"
-        )
-    children = extra.get("connectors")
-    # Values are named by their type, never echoed: a secret typed in the
-    # wrong place (a URL with its password) would be printed.
-    if not isinstance(children, list) or not children:
-        given = "an empty list" if isinstance(children, list) else kind_of(children)
-        raise ExtraConfigError(
-            f"kv_connector_extra_config.connectors: {given} is not accepted by "
-            "MultiConnector; expected a non-empty list of kv_transfer_config mappings"
-        )
-    configs = []
-    for index, child in enumerate(children):
-        where = f"kv_connector_extra_config.connectors[{index}]"
-        if not isinstance(child, Mapping):
-            raise ExtraConfigError(
-                f"{where}: expected a mapping of kv_transfer_config fields, got {kind_of(child)}"
-            )
-        if not isinstance(child.get("kv_connector"), str):
-            raise ExtraConfigError(f"{where}.kv_connector: expected a connector name")
-        fields = {"engine_id": parent.engine_id, "kv_role": parent.kv_role, **child}
-        try:
-            configs.append(KVTransferConfig(**fields))
-        except (TypeError, ValueError) as error:
-            raise ExtraConfigError(f"{where}: {error}") from error
-    return configs
-
-
-def _child_error(index: int, error: ValueError) -> ExtraConfigError:
-    """``error``, raised for child ``index``'s config, with its keys named from the parent.
-
-    A line that names a key as ``kv_connector_extra_config.<key>`` (every
-    problem line of kvwire's connectors does) gets the child's path in front
-    of it, so each problem still says which child it is about; a first line
-    that names no key (a heading, or a third party's wording) gets
-    ``<path>: `` in front.
-    """
-    where = f"kv_connector_extra_config.connectors[{index}]"
-    first, *rest = str(error).split("\n")
-    head = _within(where, first)
-    if head == first:
-        head = f"{where}: {first}"
-    return ExtraConfigError("\n".join([head, *(_within(where, line) for line in rest)]))
-
-
-def _within(where: str, line: str) -> str:
-    text = line.lstrip()
-    if not text.startswith("kv_connector_extra_config."):
-        return line
-    return f"{line[: len(line) - len(text)]}{where}.{text}"
 
 
 class MultiConnector(KVConnectorBase, SupportsHMA):
@@ -219,7 +115,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
                 except ExtraConfigError as error:
                     # Worded as validate_extra_config words it, so that
                     # `kvwire check` and the engine report the same text.
-                    raise _child_error(index, error) from error
+                    raise child_config_error(index, error) from error
                 self._children.append(child)
                 name = str(child_config.kv_connector)
                 self._child_names.append(
@@ -277,59 +173,26 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             try:
                 resolve_child(child_config).validate_extra_config(child_config, resolve_child)
             except ValueError as error:
-                raise _child_error(index, error) from error
+                raise child_config_error(index, error) from error
 
     @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> MultiKVConnectorStats | None:
-        """Each child's stats rebuilt by its class, found by name in the process-wide registry.
+        """Each child's stats rebuilt by its class (see :func:`rebuild_child_stats`).
 
-        A child is named as in :meth:`get_kv_connector_stats` (its
-        ``kv_connector``, with ``#<index>`` after a repeated one); an unknown
-        name raises ``Connector '<name>' is not registered.``.
+        A child is named as in :meth:`get_kv_connector_stats`.
         """
-        rebuilt: dict[str, Any] = {}
-        for name, child_data in (data or {}).items():
-            if isinstance(child_data, KVConnectorStats):
-                rebuilt[name] = child_data
-                continue
-            child_cls = default_registry().get_class(name.partition("#")[0])
-            child_stats = child_cls.build_kv_connector_stats(data=child_data)
-            if child_stats is not None:
-                rebuilt[name] = child_stats
-        return MultiKVConnectorStats(data=rebuilt)
+        return rebuild_child_stats(data)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
         """The layout the children need, or None; children needing different ones are an error."""
-        assert vllm_config.kv_transfer_config is not None
-        layouts = set()
-        for child_config in child_transfer_configs(vllm_config.kv_transfer_config):
-            child_cls = default_registry().resolve(child_config)
-            layout = child_cls.get_required_kvcache_layout(
-                attrs.evolve(vllm_config, kv_transfer_config=child_config)
-            )
-            if layout is not None:
-                layouts.add(layout)
-        if len(layouts) > 1:
-            raise ValueError(
-                f"MultiConnector: children need different KV cache layouts "
-                f"({', '.join(sorted(layouts))}); every child must accept the same one"
-            )
-        return next(iter(layouts), None)
+        return children_kv_cache_layout(vllm_config)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        parent = KVTransferConfig(
-            kv_connector=cls.__name__, kv_role="kv_both", kv_connector_extra_config=extra_config
-        )
-        return any(
-            default_registry()
-            .resolve(child)
-            .requires_piecewise_for_cudagraph(child.kv_connector_extra_config)
-            for child in child_transfer_configs(parent)
-        )
+        return any_child_requires_piecewise(cls.__name__, extra_config)
 
     # -------------------------------------------------------- scheduler side
 

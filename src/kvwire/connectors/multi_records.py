@@ -1,0 +1,97 @@
+"""The records a MultiConnector sends between its halves: one entry per child, in child order.
+
+The scheduler side's step metadata and the worker side's report cross
+processes, so they are picklable; the stats keep each child's counters under
+the child's name, rebuilt by the child's own stats class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvwire.connector.types import KVConnectorStats
+from kvwire.registry import default_registry
+
+
+@attrs.frozen
+class MultiKVConnectorMetadata(KVConnectorMetadata):
+    """Each child's metadata, in child order, and the extra saves to wait for.
+
+    ``extra_async_saves`` maps a finished request to how many more children
+    than one must report it finished sending before the engine may free it.
+    """
+
+    children: tuple[KVConnectorMetadata, ...]
+    extra_async_saves: tuple[tuple[str, int], ...] = ()
+
+
+@attrs.frozen
+class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
+    """Each child's worker metadata, in child order (None for a child that had none)."""
+
+    children: tuple[KVConnectorWorkerMetadata | None, ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, MultiKVConnectorWorkerMetadata) or len(other.children) != len(
+            self.children
+        ):
+            raise TypeError(
+                f"MultiKVConnectorWorkerMetadata of {len(self.children)} children cannot be "
+                f"merged with {type(other).__name__}; every worker runs the same children"
+            )
+        return MultiKVConnectorWorkerMetadata(
+            tuple(
+                theirs if mine is None else mine if theirs is None else mine.aggregate(theirs)
+                for mine, theirs in zip(self.children, other.children, strict=True)
+            )
+        )
+
+
+@attrs.define
+class MultiKVConnectorStats(KVConnectorStats):
+    """Each child's stats by child name, each rebuilt by the child's own class.
+
+    ``data`` maps a child's name to its :class:`KVConnectorStats` (or the
+    subclass its connector builds); merging merges child by child.
+    """
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, theirs in other.data.items():
+            child = theirs if isinstance(theirs, KVConnectorStats) else None
+            if child is None:
+                child = KVConnectorStats(data=dict(theirs))
+            mine = self.data.get(name)
+            self.data[name] = child if mine is None else mine.aggregate(child)
+        return self
+
+    def reduce(self) -> dict[str, Any]:
+        return {name: stats.reduce() for name, stats in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return all(stats.is_empty() for stats in self.data.values())
+
+    def reset(self) -> None:
+        for stats in self.data.values():
+            stats.reset()
+
+
+def rebuild_child_stats(data: dict[str, Any] | None) -> MultiKVConnectorStats:
+    """Each child's counters (by child name) rebuilt by its class, found in the default registry.
+
+    A child is named by its ``kv_connector``, with ``#<index>`` after a
+    repeated one; an unknown name raises ``Connector '<name>' is not registered.``.
+    A child whose class builds no stats (None, vLLM's default) is left out.
+    """
+    rebuilt: dict[str, Any] = {}
+    for name, child_data in (data or {}).items():
+        if isinstance(child_data, KVConnectorStats):
+            rebuilt[name] = child_data
+            continue
+        child_cls = default_registry().get_class(name.partition("#")[0])
+        child_stats = child_cls.build_kv_connector_stats(data=child_data)
+        if child_stats is not None:
+            rebuilt[name] = child_stats
+    return MultiKVConnectorStats(data=rebuilt)
