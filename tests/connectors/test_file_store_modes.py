@@ -9,6 +9,7 @@ another user owns is refused unless ``allow_other_owner`` says to trust it.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import pathlib
 import stat
@@ -151,6 +152,33 @@ def test_a_directory_owned_by_another_user_is_refused(others_directory: pathlib.
 
 def test_allow_other_owner_trusts_a_directory_of_another_user(others_directory: pathlib.Path):
     assert connector(others_directory, allow_other_owner=True).store.count_prefix([KEY]) == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "file_mode", "writers"),
+    [
+        (0o777, "private", "every user"),
+        (0o770, "private", "its group"),
+        (0o777, "group", "every user"),
+    ],
+)
+def test_a_directory_others_may_write_in_is_warned_about(
+    tmp_path: pathlib.Path, caplog, mode: int, file_mode: str, writers: str
+):
+    os.chmod(tmp_path, mode)
+    with caplog.at_level(logging.WARNING):
+        connector(tmp_path, file_mode=file_mode)
+    assert f"{writers} may write in this directory" in caplog.text
+
+
+@pytest.mark.parametrize(("mode", "file_mode"), [(0o755, "private"), (0o2770, "group")])
+def test_a_directory_only_its_sharers_may_write_in_is_not_warned_about(
+    tmp_path: pathlib.Path, caplog, mode: int, file_mode: str
+):
+    os.chmod(tmp_path, mode)
+    with caplog.at_level(logging.WARNING):
+        connector(tmp_path, file_mode=file_mode)
+    assert "may write in this directory" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,16 @@ def make_folder(path: str, modes: FileModes) -> None:
     os.chmod(path, modes.folder)
 
 
+def writers_beyond(path: str, modes: FileModes) -> str | None:
+    """Who, beyond those ``modes`` share with, may write in the directory ``path``; or None."""
+    mode = os.stat(path).st_mode
+    if mode & stat.S_IWOTH:
+        return "every user"
+    if mode & stat.S_IWGRP and not modes.folder & stat.S_IWGRP:
+        return "its group"
+    return None
+
+
 def owner_problem(path: str) -> str | None:
     """Why this process should not trust the directory ``path`` (another user owns it), or None."""
     owner = os.stat(path).st_uid

@@ -50,6 +50,7 @@ from kvwire.connectors.file_modes import (
     file_modes,
     make_folder,
     owner_problem,
+    writers_beyond,
 )
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.store import BlockStore
@@ -132,6 +133,17 @@ class SharedStorageConnector(StoreConnector):
                 f"kv_connector_extra_config.shared_storage_path: {path!r} {problem}; expected "
                 "a directory of this user (its owner can read every entry and plant forged "
                 "ones), or kv_connector_extra_config.allow_other_owner: true to trust its owner"
+            )
+        writers = writers_beyond(path, modes)
+        if writers is not None:
+            # kvwire's own folders keep them from reading entries, not from
+            # creating folders of their own in kvwire's names beforehand.
+            logger.warning(
+                "shared storage %s: %s may write in this directory, and so put entries there "
+                "that this engine loads; make it writable only by those file_mode %s shares with",
+                path,
+                writers,
+                modes.name,
             )
         self._directory_store = DirectoryBlockStore(
             path,
