@@ -139,6 +139,24 @@ def test_every_other_call_the_server_dribbles_ends_at_its_deadline(
     assert not store.is_available  # a server this slow is treated as down until it answers
 
 
+def test_a_handshake_the_server_dribbles_ends_at_the_connect_timeout(
+    server: DribblingServer,
+) -> None:
+    # redis-py's handshake on a new connection: CLIENT SETINFO, answered "+OK" a byte a second.
+    server.slow.add(b"CLIENT")
+    server.byte_interval_s = 1.0
+    store = RedisBlockStore(
+        RedisStoreSettings(url=server.url, connect_timeout_s=DEADLINE_S, retry_interval_s=3600)
+    )
+
+    present, elapsed = _timed(lambda: store.count_prefix(store_keys(LAYOUT, 1)))
+
+    assert present == 0
+    assert elapsed < DEADLINE_S + SLACK_S
+    assert not store.is_available
+    store.close()
+
+
 @pytest.mark.slow
 def test_the_engine_recomputes_the_blocks_whose_load_ran_past_the_deadline(
     server: DribblingServer,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
@@ -88,6 +89,7 @@ class RedisBlockStore(BlockStore):
             # A failed connect is an outage at once (the probe tries again);
             # the store retries a stale pooled connection itself (_execute).
             retry=Retry(NoBackoff(), 0),
+            redis_connect_func=self._handshake,
         )
         self._outage = OutageTracker(
             settings.display_url,
@@ -372,6 +374,39 @@ class RedisBlockStore(BlockStore):
         # redis-py keeps the socket private; reading it directly is what
         # saves the copies (see redis_wire).
         return RespStream(connection._sock, self._scratch(), deadline)
+
+    def _handshake(self, connection: Any) -> None:
+        """redis-py's handshake on a new connection (AUTH, SELECT...), cut off at connect_timeout_s.
+
+        Its reads are bounded one by one by the socket timeout only, so a
+        server dribbling its answers would hold every new connection. A timer
+        shuts the socket down at the deadline, which ends the read in progress
+        with an error; connecting is rare, so a thread for it costs nothing.
+        """
+        sock = connection._sock
+        cut_off = threading.Event()
+
+        def cut() -> None:
+            cut_off.set()
+            # socket.shutdown, not a TLS socket's own: that one tears down the
+            # TLS state under the thread still reading it.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+        timer = threading.Timer(self._settings.connect_timeout_s, cut)
+        timer.daemon = True
+        timer.start()
+        try:
+            connection.on_connect()
+        finally:
+            timer.cancel()
+            timer.join()
+            if cut_off.is_set():
+                # In place of the read error the cut caused: this one says why.
+                seconds = self._settings.connect_timeout_s
+                raise DeadlineExceeded(
+                    f"no complete handshake within connect_timeout_s={seconds:g}s"
+                )
 
     def _deadline(self, seconds: float, setting: str) -> Deadline:
         return Deadline(seconds, setting, socket_timeout_s=self._settings.socket_timeout_s)
