@@ -16,7 +16,8 @@ threads, every entry verified before it reaches the cache); the medium is
 - ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
   load restarts a block's TTL, so blocks in use stay and idle ones expire);
 - ``pool_size``, ``socket_timeout_s`` (one read or write),
-  ``connect_timeout_s``, ``lookup_batch_size``;
+  ``connect_timeout_s`` (connecting, and then the handshake in all),
+  ``lookup_batch_size``;
 - ``load_timeout_s`` (default 20), ``save_timeout_s`` (default 30) and
   ``lookup_timeout_s`` (default 5; also deletes, the reconnect probe and each
   step of a cache reset): how long one call may take in all. The socket
