@@ -19,7 +19,9 @@ from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.engine_support import (
     generate,
+    renamed,
     shared_storage,
+    tiny_engine_config,
     tokens,
     with_connector,
     workload,
@@ -183,3 +185,27 @@ def test_a_consumer_loads_bit_exact_while_a_producer_writes(
     finally:
         producer.kill()
         producer.wait()
+
+
+def entry_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    return [path for path in directory.rglob("*") if path.is_file() and path.name[0] != "."]
+
+
+def test_an_engine_recomputes_entries_longer_than_their_header_says(tmp_path: pathlib.Path):
+    config = tiny_engine_config()
+    requests = workload(5)
+    reference = tokens(generate(config, requests))
+    generate(shared_storage(config, tmp_path), requests)
+    grown = entry_files(tmp_path)
+    assert grown
+    for path in grown:
+        with path.open("ab") as entry:
+            entry.write(b"trailing bytes")
+    with LLMEngine(shared_storage(config, tmp_path)) as consumer:
+        outputs = consumer.generate(renamed(requests, "-again"))
+        stats = consumer.connector_stats.reduce()
+    assert tokens(outputs) == reference
+    assert sum(output.num_load_failures for output in outputs) > 0
+    assert stats["corrupt_entries"] > 0
+    # Discarded, then saved again whole by the engine that recomputed them.
+    assert not any(path.read_bytes().endswith(b"trailing bytes") for path in entry_files(tmp_path))
