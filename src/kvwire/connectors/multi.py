@@ -13,10 +13,13 @@ Semantics (the reference's): lookups ask children in order (any None means
 every child; worker calls go to every child; a request is finished sending
 once every child that kept its blocks reported it; load errors are united,
 events chained, stats nested per child, ``kv_transfer_params`` merged (a key
-clash is an error); HMA only when every child supports it. The children's
-worker-side KV cache events are concatenated; the scheduler side keeps them
-itself (a child that got them would report them as its own, each child again)
-and reports them before its children's own events.
+clash is an error); HMA only when every child supports it. The child that
+serves a request's load answers for its hit sources until the request
+finishes. The children's worker-side KV cache events are concatenated; the
+scheduler side keeps them itself (a child that got them would report them as
+its own, each child again) and reports them before its children's own events.
+A child's None where vLLM's base answers None (events, stats, finished
+transfers, worker metadata) counts as nothing to report.
 
 Every optional hook of the base class reaches the children: preemptions and
 worker metadata (one entry per child), new requests, handshakes, the block
@@ -52,6 +55,7 @@ from kvwire.connector.base import (
     supports_hma,
 )
 from kvwire.connector.types import (
+    CacheHitSource,
     ForwardContext,
     KVCacheBlocks,
     KVCacheEvent,
@@ -126,7 +130,8 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             # errors are logged, and the error that stopped the build is raised.
             self._shutdown_children()
             raise
-        # Scheduler side.
+        # Scheduler side. The index of the child serving a request's load, by
+        # request id: chosen at lookup, kept until the request finishes.
         self._loading_child: dict[str, int] = {}
         self._extra_async_saves: dict[str, int] = {}
         self._worker_events: list[KVCacheEvent] = []
@@ -237,10 +242,19 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        chosen = self._loading_child.pop(request.request_id, None)
+        chosen = self._loading_child.get(request.request_id)
         for index, child in enumerate(self._children):
             tokens = num_external_tokens if index == chosen else 0
             child.update_state_after_alloc(request, blocks, tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tiers of the child serving the request's load, as that child reports them."""
+        chosen = self._loading_child.get(request.request_id)
+        if chosen is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self._children[chosen].get_external_cache_hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiKVConnectorMetadata:
         metadata = MultiKVConnectorMetadata(
@@ -251,7 +265,8 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._worker_events.extend(connector_output.kv_cache_events)
+        # vLLM's KVConnectorOutput holds None when no worker reported events.
+        self._worker_events.extend(connector_output.kv_cache_events or ())
         stats = connector_output.kv_connector_stats
         nested = stats.data if stats is not None else {}
         children_meta = self._children_worker_meta(connector_output.kv_connector_worker_meta)
@@ -287,12 +302,14 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._loading_child.pop(request.request_id, None)
         answers = [child.request_finished(request, block_ids) for child in self._children]
         return self._merge_finished(request.request_id, answers)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._loading_child.pop(request.request_id, None)
         answers = []
         for child in self._children:
             if supports_hma(child):
@@ -492,7 +509,8 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         for child in self._children:
-            events.extend(child.get_kv_connector_kv_cache_events())
+            # None is vLLM's default for "no events" (a child written against its base).
+            events.extend(child.get_kv_connector_kv_cache_events() or ())
         return events
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
