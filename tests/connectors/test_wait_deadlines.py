@@ -23,6 +23,7 @@ import torch
 
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.counters import Counters
+from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.staging import StagingBuffers
@@ -161,6 +162,17 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.005)
+
+
+@pytest.mark.parametrize("value", [0, -1, "30", True, float("inf"), float("nan"), 10**6])
+def test_a_transfer_timeout_that_is_no_finite_positive_number_is_refused_by_name(
+    tmp_path: pathlib.Path, value: object
+) -> None:
+    config = shared_storage(tiny_engine_config(), tmp_path, transfer_timeout_s=value)
+    assert config.kv_transfer_config is not None
+
+    with pytest.raises(ExtraConfigError, match=r"transfer_timeout_s: .* expected a number of s"):
+        SharedStorageConnector.read_options(config.kv_transfer_config)
 
 
 # ------------------------------------------------------------------- loads

@@ -135,6 +135,8 @@ class _SaveJob(TransferJob):
 
 @attrs.define(eq=False)
 class _AsyncLoad:
+    """A request's asynchronous load: its runs, how many have not ended, what failed so far."""
+
     request_id: str
     deadline: float
     remaining_jobs: int = 1
