@@ -9,7 +9,8 @@ message, ``json.dumps``) then takes minutes and gigabytes, or never ends.
 This loader refuses a document whose expansion holds more than
 :data:`MAX_EXPANDED_NODES` values, a recursive alias, an integer with more
 than :data:`MAX_INTEGER_DIGITS` digits and nesting deeper than
-:data:`MAX_DEPTH`, each with the line and column at fault.
+:data:`MAX_DEPTH` (directly or through aliases), each with the line and
+column at fault.
 
 Error texts never quote the document: PyYAML's own messages include the
 offending source line, which may hold a password.
@@ -27,7 +28,7 @@ import yaml
 MAX_EXPANDED_NODES = 10_000
 # No setting needs more: 2**64 has 20 digits, a byte count in EiB 19.
 MAX_INTEGER_DIGITS = 40
-# PyYAML composes recursively: deeper nesting would end in a RecursionError.
+# A profile nests five or six levels; PyYAML's composer recurses per level.
 MAX_DEPTH = 100
 
 
@@ -39,6 +40,7 @@ def parse_profile_text(text: str) -> Any:
     """The document in ``text`` (None when empty); raises :class:`ProfileYAMLError`."""
     loader = _BoundedLoader(text)
     try:
+        _check_nesting(text)
         node = loader.get_single_node()
         if node is None:
             return None
@@ -48,8 +50,6 @@ def parse_profile_text(text: str) -> Any:
         raise ProfileYAMLError(_describe(error)) from None
     except yaml.YAMLError as error:
         raise ProfileYAMLError(" ".join(str(error).split())[:200]) from None
-    except RecursionError:
-        raise ProfileYAMLError(f"nested more than {MAX_DEPTH} levels deep") from None
     finally:
         loader.dispose()
 
@@ -71,6 +71,24 @@ class _BoundedLoader(yaml.SafeLoader):
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _check_nesting(text: str) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` from the event stream, before composing.
+
+    PyYAML's parser keeps its own stack, but its composer recurses once per
+    level: a few thousand brackets would end in a RecursionError.
+    """
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested more than {MAX_DEPTH} levels deep", event.start_mark
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def _check_expansion(root: yaml.Node) -> None:

@@ -246,7 +246,7 @@ def _size_of(value: object) -> str:
 
 def _digits(value: int) -> int:
     # log10(2) ~ 0.30103: exact enough to say how absurd a number is.
-    return max(1, int(abs(value).bit_length() * 0.30103) + 1)
+    return int((abs(value).bit_length() - 1) * 0.30103) + 1
 
 
 def secret_values(value: Any) -> set[str]:

@@ -318,3 +318,60 @@ def test_check_names_the_child_that_cannot_be_resolved(
         "error: kv_transfer_config.kv_connector_extra_config.connectors[1]: "
         "Unsupported connector type: Nope\n"
     )
+
+
+def test_check_help_says_that_it_imports_the_connectors_module(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "imports its module" in help_text
+    assert "runs that module's code with your rights" in help_text
+    assert "check only profiles and plugins you trust" in help_text
+
+
+def test_the_command_list_warns_that_check_runs_plugin_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+
+    assert "(imports the connector's module: runs its code)" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_a_profile_argument_with_a_nul_byte_is_a_usage_error_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["check", "ok.yaml", "bad\x00.yaml"])
+
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "kvwire: error: argument 3 contains a NUL byte (\\x00), which no path or name can hold\n"
+    )
+
+
+@pytest.mark.parametrize("arguments", [["--prompts", "p\x00.jsonl"], ["--prompts=p\x00.jsonl"]])
+def test_an_option_value_with_a_nul_byte_names_the_option(
+    arguments: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", *arguments])
+
+    assert "kvwire: error: the value of --prompts contains a NUL byte" in capsys.readouterr().err
+
+
+def test_check_of_a_path_with_a_nul_byte_names_the_path_problem(tmp_path: pathlib.Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+
+    status = check_profile(str(tmp_path / "a\x00.yaml"), out=out, err=err)
+
+    assert status == 1
+    assert err.getvalue().endswith(
+        "  the profile path contains a NUL byte (\\x00), which no file name can hold\n"
+    )
+    assert "\x00" not in err.getvalue()

@@ -97,3 +97,26 @@ def test_a_sliding_window_spec_has_the_same_page_size_arithmetic() -> None:
     )
 
     assert spec.page_size_bytes == 2 * 8 * 1 * 4 * 4
+
+
+def test_a_value_of_the_wrong_type_is_named_by_its_type_alone() -> None:
+    with pytest.raises(TypeError) as caught:
+        KVTransferConfig(kv_port="x" * 1_000_000)  # type: ignore[arg-type]
+
+    assert str(caught.value) == "kv_port must be an integer, got a str"
+
+
+def test_a_nul_byte_in_a_module_path_is_refused_by_its_field() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_connector_module_path="plugins.x\x00")
+
+    assert str(caught.value) == (
+        "kv_connector_module_path contains a NUL byte (\\x00), which no name may hold"
+    )
+
+
+def test_the_repr_of_a_huge_extra_config_is_bounded() -> None:
+    config = KVTransferConfig(kv_connector_extra_config={"blob": "x" * 1_000_000})
+
+    assert len(repr(config)) < 1000
+    assert "... (a dict of 1 keys)" in repr(config)

@@ -13,6 +13,7 @@ from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
 from kvwire.connector.base import ConnectorResolver, KVConnectorBase, validates_extra_config
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.extra_config import ExtraConfigError, int_key, read_extra_config
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 from tests.core.sample_connectors import RecordingConnector
@@ -144,7 +145,7 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
         "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, cpu_pool_bytes, io_threads",
+        "accepted keys are: async_load, cpu_pool_bytes, io_threads, transfer_timeout_s",
         id="cpu-offload-typo",
     ),
     pytest.param(
@@ -279,7 +280,7 @@ BAD_EXTRA_CONFIGS = [
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
         "an option of CPUOffloadConnector; accepted keys are: async_load, cpu_pool_bytes, "
-        "io_threads",
+        "io_threads, transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(
@@ -477,3 +478,23 @@ def test_which_classes_validate_their_extra_config() -> None:
     assert validates_extra_config(StrictConnector)
     assert validates_extra_config(type("Sub", (StrictConnector,), {}))
     assert validates_extra_config(CPUOffloadConnector)
+
+
+def test_unknown_keys_of_mixed_types_are_all_reported() -> None:
+    with pytest.raises(ExtraConfigError) as caught:
+        read_extra_config("Some", {1: "x", "zz": 2}, [int_key("n", 1, minimum=0)])
+
+    assert str(caught.value) == (
+        "kv_connector_extra_config.1 is not an option of Some; accepted keys are: n\n"
+        "kv_connector_extra_config.zz is not an option of Some; accepted keys are: n"
+    )
+
+
+def test_a_huge_bad_value_is_shown_cut_with_its_size() -> None:
+    with pytest.raises(ExtraConfigError) as caught:
+        read_extra_config("Some", {"n": "9" * 1_000_000}, [int_key("n", 1, minimum=0)])
+
+    assert str(caught.value) == (
+        f"kv_connector_extra_config.n: '{'9' * 79}... (a str of 1000000 characters) is not "
+        "accepted by Some; expected an integer >= 0"
+    )

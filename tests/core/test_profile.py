@@ -338,3 +338,133 @@ def test_a_misplaced_section_is_named_by_its_type_never_echoed() -> None:
 
     assert problem == "kv_transfer_config: expected a mapping of KVTransferConfig fields, got a str"
     assert "hunter2" not in problem
+
+
+# ------------------------------------------------ hostile YAML and NUL bytes
+
+ALIAS_BOMB = (
+    'a: &a ["xxxxxxxxxx","xxxxxxxxxx","xxxxxxxxxx","xxxxxxxxxx","xxxxxxxxxx","xxxxxxxxxx"]\n'
+    "b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+    "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+    "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+    "e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n"
+    "f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n"
+    "g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\n"
+    "h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]\n"
+    "model_config: {num_layers: *h}\n"
+)
+
+
+def test_an_alias_bomb_is_refused_before_it_is_expanded(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+
+    (problem,) = problems_of(path)
+
+    assert len(ALIAS_BOMB) < 600
+    assert problem == (
+        "not valid YAML: line 5, column 4: this node expands to more than 10000 values through "
+        "its aliases (*name); write the values out, or use fewer aliases"
+    )
+
+
+def test_a_few_aliases_are_still_accepted(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "aliases.yaml"
+    path.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: MultiConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    connectors:\n"
+        "    - &child {kv_connector: CPUOffloadConnector}\n"
+        "    - *child\n"
+    )
+
+    transfer = load_profile(path).kv_transfer_config
+
+    assert transfer is not None
+    assert transfer.kv_connector_extra_config["connectors"][1] == {
+        "kv_connector": "CPUOffloadConnector"
+    }
+
+
+def test_a_recursive_alias_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "recursive.yaml"
+    path.write_text("kv_transfer_config:\n  kv_connector_extra_config: &a {me: *a}\n")
+
+    assert problems_of(path) == (
+        "not valid YAML: line 2, column 30: an alias (*name) refers to a node that contains it; "
+        "a profile cannot be recursive",
+    )
+
+
+def test_nesting_deeper_than_any_profile_is_refused_without_a_recursion_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "deep.yaml"
+    path.write_text("a: " + "[" * 500 + "]" * 500 + "\n")
+
+    assert problems_of(path) == (
+        "not valid YAML: line 1, column 103: nested more than 100 levels deep",
+    )
+
+
+def test_an_integer_of_thousands_of_digits_is_refused_with_its_position(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "long.yaml"
+    path.write_text("model_config:\n  seed: 1" + "0" * 5000 + "\n")
+
+    assert problems_of(path) == (
+        "not valid YAML: line 2, column 9: an integer of 5001 digits; no setting takes more "
+        "than 40",
+    )
+
+
+def test_a_huge_value_of_the_wrong_type_is_shown_cut_with_its_size() -> None:
+    (problem,) = problems_of({"model_config": {"num_layers": ["x" * 10] * 1_000_000}})
+
+    assert problem == (
+        "model_config.num_layers: ['xxxxxxxxxx', 'xxxxxxxxxx', 'xxxxxxxxxx', 'xxxxxxxxxx', "
+        "'xxxxxxxxxx', 'xxxxxxxx... (a list of 1000000 items) is not an integer"
+    )
+
+
+def test_a_long_unknown_key_is_shown_cut() -> None:
+    (problem,) = problems_of({"cache_config": {"k" * 10_000: 1}})
+
+    assert problem.startswith(f"cache_config.'{'k' * 79}... (a str of 10000 characters): unknown")
+
+
+def test_a_profile_with_thousands_of_problems_lists_the_first_fifty() -> None:
+    with pytest.raises(ProfileError) as caught:
+        load_profile({"cache_config": {f"typo{index}": 1 for index in range(1000)}})
+
+    assert len(caught.value.problems) == 1000
+    assert str(caught.value).endswith("\n  ... and 950 more (see .problems)")
+
+
+def test_a_nul_byte_in_the_module_path_is_named_by_its_field() -> None:
+    assert problems_of(
+        {"kv_transfer_config": {"kv_connector_module_path": "plugins\x00.evil"}}
+    ) == (
+        "kv_transfer_config.kv_connector_module_path: kv_connector_module_path contains a NUL "
+        "byte (\\x00), which no name may hold",
+    )
+
+
+def test_a_nul_byte_in_a_childs_extra_config_path_is_named_by_its_dotted_path() -> None:
+    child = {"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv\x00"}}
+    profile = {"kv_transfer_config": {"kv_connector_extra_config": {"connectors": [child]}}}
+
+    assert problems_of(profile) == (
+        "kv_transfer_config.kv_connector_extra_config: kv_connector_extra_config.connectors[0]"
+        ".kv_connector_extra_config.shared_storage_path contains a NUL byte (\\x00), which no "
+        "name or path may hold",
+    )
+
+
+def test_a_profile_path_with_a_nul_byte_is_a_profile_error() -> None:
+    assert problems_of("/tmp/profile\x00.yaml") == (
+        "the profile path contains a NUL byte (\\x00), which no file name can hold",
+    )

@@ -229,3 +229,39 @@ def test_tls_files_without_a_rediss_url_are_refused() -> None:
         RedisStoreSettings.from_extra_config(
             {"url": "redis://cache:6379/0", "tls_certfile": "/etc/hostname"}
         )
+
+
+def test_a_url_whose_password_holds_a_slash_is_refused_without_quoting_it() -> None:
+    with pytest.raises(RedisSettingsError) as caught:
+        RedisStoreSettings.from_extra_config({"url": "redis://:pa/ss-w0rd@cache:6379/0"})
+
+    assert str(caught.value) == (
+        "invalid Redis settings:\n  kv_connector_extra_config.url: the user name or password "
+        "holds '/', '?' or '#'; percent-encode them (%2F, %3F, %23), or give the password as "
+        "password_env"
+    )
+
+
+def test_a_percent_encoded_slash_in_the_password_is_accepted() -> None:
+    settings = RedisStoreSettings.from_extra_config({"url": "redis://:pa%2Fss@cache:6379/0"})
+
+    assert settings.display_url == "redis://:***@cache:6379/0"
+
+
+def test_a_url_given_as_a_list_is_shown_with_its_password_blanked() -> None:
+    with pytest.raises(RedisSettingsError) as caught:
+        RedisStoreSettings.from_extra_config({"url": ["redis://:pw-in-a-list@cache/0"]})
+
+    assert str(caught.value).endswith(
+        "url: expected a redis://, rediss:// or unix:// URL, got ['redis://:***@cache/0']"
+    )
+
+
+def test_a_pipeline_larger_than_the_machine_is_refused_with_the_bytes() -> None:
+    with pytest.raises(RedisSettingsError) as caught:
+        RedisStoreSettings.from_extra_config({"pipeline_bytes": "100TiB"})
+
+    assert (
+        "kv_connector_extra_config.pipeline_bytes: 100.0 TiB (109,951,162,777,600 bytes) would "
+        "be held in memory, more than this machine's memory, "
+    ) in str(caught.value)
