@@ -84,8 +84,10 @@ def _check_nesting(text: str) -> None:
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_DEPTH:
+                # The pure-Python parser's marks (the stubs also allow the C one's).
+                mark = event.start_mark if isinstance(event.start_mark, yaml.Mark) else None
                 raise yaml.composer.ComposerError(
-                    None, None, f"nested more than {MAX_DEPTH} levels deep", event.start_mark
+                    None, None, f"nested more than {MAX_DEPTH} levels deep", mark
                 )
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
