@@ -350,6 +350,7 @@ class ProbeConnector(KVConnectorBase):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.calls.append(("worker_meta", connector_output.kv_connector_worker_meta))
+        self.calls.append(("stats", connector_output.kv_connector_stats))
 
     def get_finished_count(self) -> int | None:
         count: int | None = self.options.get("finished_count")
@@ -609,3 +610,26 @@ def test_rebuilding_the_stats_of_an_unknown_child_is_the_reference_error() -> No
         MultiConnector.build_kv_connector_stats({"NoSuchConnector": {"loads": 1}})
 
     assert str(caught.value) == "Connector 'NoSuchConnector' is not registered."
+
+
+def test_nested_child_stats_reach_each_child_as_its_own() -> None:
+    multi = probes(probe(), probe())
+    nested = KVConnectorStats(data={"ProbeConnector#1": {"loads": 2}})
+
+    multi.update_connector_output(KVConnectorOutput(kv_connector_stats=nested))
+
+    assert [calls_named(child, "stats") for child in multi.children] == [
+        [None],
+        [KVConnectorStats(data={"loads": 2})],
+    ]
+
+
+def test_child_stats_rebuilt_by_the_multi_connector_class_reach_each_child_as_they_are(
+    stats_probe_name: str,
+) -> None:
+    multi = probes({"kv_connector": stats_probe_name})
+    rebuilt = MultiConnector.build_kv_connector_stats({stats_probe_name: {"loads": 2}})
+
+    multi.update_connector_output(KVConnectorOutput(kv_connector_stats=rebuilt))
+
+    assert calls_named(multi.children[0], "stats") == [ProbeStats(data={"loads": 2})]

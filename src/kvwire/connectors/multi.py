@@ -50,7 +50,6 @@ from kvwire.connector.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
     supports_hma,
 )
@@ -71,11 +70,15 @@ from kvwire.connectors.multi_children import (
     child_config_error,
     child_transfer_configs,
     children_kv_cache_layout,
+    children_support_hma,
+    validate_children,
 )
+from kvwire.connectors.multi_finishing import FinishedSendingTally, merge_finished_answers
 from kvwire.connectors.multi_records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorStats,
     MultiKVConnectorWorkerMetadata,
+    per_child_worker_meta,
     rebuild_child_stats,
 )
 from kvwire.connectors.worker_steps import metadata_of_type
@@ -136,7 +139,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._extra_async_saves: dict[str, int] = {}
         self._worker_events: list[KVCacheEvent] = []
         # Worker side.
-        self._pending_extra_saves: dict[str, int] = {}
+        self._finished_sending = FinishedSendingTally()
 
     @property
     def children(self) -> tuple[KVConnectorBase, ...]:
@@ -161,10 +164,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def supports_hma_for_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
     ) -> bool:
-        children = kv_transfer_config.kv_connector_extra_config.get("connectors")
-        if not isinstance(children, list) or not children:
-            return False
-        return all(resolve_child(config) for config in child_transfer_configs(kv_transfer_config))
+        return children_support_hma(kv_transfer_config, resolve_child)
 
     @classmethod
     def validate_extra_config(
@@ -174,11 +174,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
 
         The constructor stops at the first bad child too, with the same words.
         """
-        for index, child_config in enumerate(child_transfer_configs(kv_transfer_config)):
-            try:
-                resolve_child(child_config).validate_extra_config(child_config, resolve_child)
-            except ValueError as error:
-                raise child_config_error(index, error) from error
+        validate_children(kv_transfer_config, resolve_child)
 
     @classmethod
     def build_kv_connector_stats(
@@ -269,35 +265,27 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         self._worker_events.extend(connector_output.kv_cache_events or ())
         stats = connector_output.kv_connector_stats
         nested = stats.data if stats is not None else {}
-        children_meta = self._children_worker_meta(connector_output.kv_connector_worker_meta)
+        children_meta = per_child_worker_meta(
+            type(self).__name__, connector_output.kv_connector_worker_meta, len(self._children)
+        )
         for name, child, child_meta in zip(
             self._child_names, self._children, children_meta, strict=True
         ):
+            # A child's counters: a mapping as get_kv_connector_stats nests them,
+            # or a stats object where build_kv_connector_stats rebuilt them.
             child_stats = nested.get(name)
+            if isinstance(child_stats, Mapping):
+                child_stats = KVConnectorStats(data=dict(child_stats))
+            elif not isinstance(child_stats, KVConnectorStats):
+                child_stats = None
             child.update_connector_output(
                 attrs.evolve(
                     connector_output,
-                    kv_connector_stats=KVConnectorStats(data=dict(child_stats))
-                    if isinstance(child_stats, Mapping)
-                    else None,
+                    kv_connector_stats=child_stats,
                     kv_cache_events=[],
                     kv_connector_worker_meta=child_meta,
                 )
             )
-
-    def _children_worker_meta(
-        self, worker_meta: Any
-    ) -> tuple[KVConnectorWorkerMetadata | None, ...]:
-        if worker_meta is None:
-            return (None,) * len(self._children)
-        if not isinstance(worker_meta, MultiKVConnectorWorkerMetadata) or len(
-            worker_meta.children
-        ) != len(self._children):
-            raise TypeError(
-                f"{type(self).__name__} expected the MultiKVConnectorWorkerMetadata its "
-                f"{len(self._children)} children built, got {type(worker_meta).__name__}"
-            )
-        return worker_meta.children
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -327,22 +315,10 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def _merge_finished(
         self, request_id: str, answers: list[tuple[bool, dict[str, Any] | None]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        keeping = sum(1 for keep, _ in answers if keep)
+        keeping, params = merge_finished_answers(answers)
         if keeping > 1:
             self._extra_async_saves[request_id] = keeping - 1
-        merged: dict[str, Any] | None = None
-        for _, params in answers:
-            if not params:
-                continue
-            if merged is None:
-                merged = {}
-            clash = merged.keys() & params.keys()
-            if clash:
-                raise RuntimeError(
-                    f"Key clash in kv_transfer_params from multiple connectors: {clash}"
-                )
-            merged.update(params)
-        return keeping > 0, merged
+        return keeping > 0, params
 
     def register_finished_partial_tail(
         self,
@@ -442,7 +418,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
         )
         for child, child_metadata in zip(self._children, metadata.children, strict=True):
             child.bind_connector_metadata(child_metadata)
-        self._pending_extra_saves.update(metadata.extra_async_saves)
+        self._finished_sending.expect(metadata.extra_async_saves)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -491,13 +467,8 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
             results.finished_recving |= child_results.finished_recving
             results.failed_recving |= child_results.failed_recving
             for request_id in child_results.finished_sending:
-                extra = self._pending_extra_saves.get(request_id)
-                if extra is None:
+                if self._finished_sending.is_last_report(request_id):
                     results.finished_sending.add(request_id)
-                elif extra == 1:
-                    del self._pending_extra_saves[request_id]
-                else:
-                    self._pending_extra_saves[request_id] = extra - 1
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -21,6 +21,7 @@ from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig
+    from kvwire.connector.base import ConnectorResolver, HMAResolver
 
 
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
@@ -73,6 +74,26 @@ def child_config_error(index: int, error: ValueError) -> ExtraConfigError:
     if head == first:
         head = f"{where}: {first}"
     return ExtraConfigError("\n".join([head, *(_within(where, line) for line in rest)]))
+
+
+def validate_children(parent: KVTransferConfig, resolve_child: ConnectorResolver) -> None:
+    """The parent's keys, then each child's through the child's class; stops at the first bad one.
+
+    The constructor stops at the first bad child too, with the same words.
+    """
+    for index, child_config in enumerate(child_transfer_configs(parent)):
+        try:
+            resolve_child(child_config).validate_extra_config(child_config, resolve_child)
+        except ValueError as error:
+            raise child_config_error(index, error) from error
+
+
+def children_support_hma(parent: KVTransferConfig, resolve_child: HMAResolver) -> bool:
+    """Whether every configured child supports HMA; False without (valid) children."""
+    children = parent.kv_connector_extra_config.get("connectors")
+    if not isinstance(children, list) or not children:
+        return False
+    return all(resolve_child(config) for config in child_transfer_configs(parent))
 
 
 def children_kv_cache_layout(vllm_config: EngineConfig) -> str | None:

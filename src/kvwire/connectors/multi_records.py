@@ -50,6 +50,26 @@ class MultiKVConnectorWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
 
+def per_child_worker_meta(
+    owner: str, worker_meta: Any, num_children: int
+) -> tuple[KVConnectorWorkerMetadata | None, ...]:
+    """The workers' merged report (or None) split into one entry per child, in child order.
+
+    ``owner`` names the connector in the error about a report of another shape.
+    """
+    if worker_meta is None:
+        return (None,) * num_children
+    if (
+        not isinstance(worker_meta, MultiKVConnectorWorkerMetadata)
+        or len(worker_meta.children) != num_children
+    ):
+        raise TypeError(
+            f"{owner} expected the MultiKVConnectorWorkerMetadata its "
+            f"{num_children} children built, got {type(worker_meta).__name__}"
+        )
+    return worker_meta.children
+
+
 @attrs.define
 class MultiKVConnectorStats(KVConnectorStats):
     """Each child's stats by child name, each rebuilt by the child's own class.
