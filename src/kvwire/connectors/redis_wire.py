@@ -159,15 +159,16 @@ class RespStream:
         self._deadline = deadline
         self._start = 0
         self._end = 0
+        self._short_reply_left = SHORT_REPLY_BYTES
 
     def send(self, pieces: Sequence[bytes | memoryview]) -> None:
         """Send packed commands; large values go to the socket untouched."""
         for piece in pieces:
             view = memoryview(piece)
             sent = 0
-            # send, not sendall: sendall's timeout covers one call, and a TLS
-            # socket's restarts with each record, so only a loop can keep
-            # every wait within the deadline.
+            # send, not sendall: sendall gets a whole timeout per piece (and
+            # on a TLS socket, per record), so only a loop that arms each
+            # send keeps the pipeline within the deadline.
             while sent < view.nbytes:
                 self._deadline.arm(self._sock)
                 try:
