@@ -34,6 +34,8 @@ from kvwire.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.redaction import SHOWN_LENGTH, scrub, secrets_in_text, shown, shown_key
 
 MAPPING_ORIGIN = "<mapping>"
+# A profile is a few hundred bytes; a megabyte is already absurd.
+MAX_PROFILE_BYTES = 1024 * 1024
 
 ProfileSource = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -66,7 +68,15 @@ def read_profile_file(path: pathlib.Path) -> Any:
             origin, ["the profile path contains a NUL byte (\\x00), which no file name can hold"]
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        # Read no more than a profile can be: /dev/zero must not fill memory.
+        with path.open("rb") as file:
+            content = file.read(MAX_PROFILE_BYTES + 1)
+        if len(content) > MAX_PROFILE_BYTES:
+            raise ProfileError(
+                origin,
+                [f"the profile is larger than {MAX_PROFILE_BYTES} bytes; no profile needs that"],
+            )
+        text = content.decode("utf-8")
     except OSError as error:
         raise ProfileError(origin, [f"cannot read the profile: {error.strerror}"]) from None
     except UnicodeDecodeError as error:

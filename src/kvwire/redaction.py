@@ -69,9 +69,11 @@ _NAMED_SECRET = re.compile(
 )
 
 
-# "name: value" on one line of YAML-like text, for a secret-like name.
+# "name: value" on one line of YAML-like text (perhaps a list item), for a
+# secret-like name. A '-' marks an item only before a space: a line of dashes
+# must not be split every way while looking for a name.
 _SECRET_LINE = re.compile(
-    r"^[ \t-]*['\"]?(?P<name>(?:[a-zA-Z0-9_-]*[_-])?"
+    r"^[ \t]*(?:-[ \t]+)*['\"]?(?P<name>(?:[a-zA-Z0-9_-]*[_-])?"
     r"(?:password|passwd|token|secret|api_?key|credentials|private_key|secret_key|access_key))"
     r"['\"]?[ \t]*:(?P<value>.*)$",
     re.IGNORECASE | re.MULTILINE,
@@ -123,23 +125,6 @@ def _blank_named(match: re.Match[str]) -> str:
     return f"{match.group('name')}{match.group('separator')}{quote}{REDACTED}"
 
 
-def redacted(value: Any) -> Any:
-    """A copy of ``value`` with every secret (by key name, or in a URL) replaced by ``***``.
-
-    Mappings, lists and tuples are copied as plain ``dict``/``list``/``tuple``;
-    other values are returned as they are.
-    """
-    if isinstance(value, Mapping):
-        return {
-            key: REDACTED if is_secret_key(key) else redacted(item) for key, item in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return type(value)(redacted(item) for item in value)
-    if isinstance(value, str):
-        return redact_value(value)
-    return value
-
-
 def shown(value: object, *, key: object = None, limit: int = SHOWN_LENGTH) -> str:
     """``repr(value)`` for a message: secrets blanked, at most about ``limit`` characters.
 
@@ -178,7 +163,7 @@ def _write(value: object, pieces: list[str], budget: int) -> bool:
             "{", "}", ((key, item) for key, item in value.items()), pieces, budget, mapping=True
         )
     if isinstance(value, list | tuple | set | frozenset):
-        brackets = {list: "[]", tuple: "()"}.get(type(value), "{}")
+        brackets = "[]" if isinstance(value, list) else "()" if isinstance(value, tuple) else "{}"
         return _write_items(
             brackets[0],
             brackets[1],

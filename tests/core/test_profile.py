@@ -468,3 +468,9 @@ def test_a_profile_path_with_a_nul_byte_is_a_profile_error() -> None:
     assert problems_of("/tmp/profile\x00.yaml") == (
         "the profile path contains a NUL byte (\\x00), which no file name can hold",
     )
+
+
+def test_a_profile_larger_than_a_megabyte_is_refused_without_reading_it_all() -> None:
+    assert problems_of("/dev/zero") == (
+        "the profile is larger than 1048576 bytes; no profile needs that",
+    )
