@@ -2,8 +2,8 @@
 
 Every class here is a frozen attrs record with validators on its fields: an
 invalid value never makes it into a running engine. Counts have upper bounds
-no real model reaches, and an :class:`EngineConfig` whose KV cache and
-weights could not fit in this machine's memory is refused when it is built
+no real model reaches, and an :class:`EngineConfig` whose KV cache, weights
+and batch logits could not fit in this machine's memory is refused when it is built
 (:mod:`kvwire.memory_limits`), so an absurd profile fails ``kvwire check``
 rather than the engine. Errors and reprs show values through
 :mod:`kvwire.redaction`: bounded, and never a secret of
@@ -383,17 +383,27 @@ class EngineConfig:
         # refuse, by name, what this machine could never hold.
         kv_cache = self.kv_cache_bytes
         weights = self.model_config.weight_bytes
-        shortfall = memory_shortfall(kv_cache + weights)
+        logits = self.logits_bytes
+        shortfall = memory_shortfall(kv_cache + weights + logits)
         if shortfall:
             model, cache = self.model_config, self.cache_config
+            tokens = self.scheduler_config.max_num_batched_tokens
             raise ValueError(
-                "model_config, cache_config: the KV cache (2 x num_layers "
-                f"{model.num_layers} x cache_config.num_gpu_blocks {cache.num_gpu_blocks} x "
+                "model_config, cache_config, scheduler_config: the engine needs at least "
+                f"{describe_bytes(kv_cache + weights + logits)}, {shortfall}. The KV cache "
+                f"(2 x num_layers {model.num_layers} x num_gpu_blocks {cache.num_gpu_blocks} x "
                 f"block_size {cache.block_size} x num_kv_heads {model.num_kv_heads} x head_size "
-                f"{model.head_size} x {model.dtype_size} bytes of {model.dtype}) needs "
-                f"{describe_bytes(kv_cache)} and the weights at least "
-                f"{describe_bytes(weights)}: {describe_bytes(kv_cache + weights)}, {shortfall}"
+                f"{model.head_size} x {model.dtype_size} bytes of {model.dtype}): "
+                f"{describe_bytes(kv_cache)}; the weights: {describe_bytes(weights)}; a batch's "
+                f"logits (max_num_batched_tokens {tokens} x vocab_size {model.vocab_size} x "
+                f"{model.dtype_size} bytes): {describe_bytes(logits)}"
             )
+
+    @property
+    def logits_bytes(self) -> int:
+        """Bytes of one batch's logits at the model's dtype: the widest per-token buffer."""
+        tokens = self.scheduler_config.max_num_batched_tokens
+        return tokens * self.model_config.vocab_size * self.model_config.dtype_size
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -69,6 +69,7 @@ def test_an_absurd_byte_count_is_described_by_its_size_alone() -> None:
     assert describe_bytes(THREE_HUNDRED_DIGITS) == "about 2**996 bytes"
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
     ("connector", "key"),
     [
@@ -102,6 +103,7 @@ def test_a_size_of_300_digits_is_refused_by_name_in_the_profile(tmp_path: pathli
     assert "line 4, column 47: an integer of 300 digits; no setting takes more than 40" in error
 
 
+@pytest.mark.torch
 def test_a_size_of_300_digits_from_a_mapping_is_refused_by_name() -> None:
     transfer = KVTransferConfig(
         kv_connector="CPUOffloadConnector",
@@ -124,6 +126,7 @@ def test_a_size_string_too_long_to_be_a_float_is_unreadable_not_an_overflow() ->
     assert parse_size("9" * 300 + "TiB") is None
 
 
+@pytest.mark.torch
 def test_the_connector_refuses_a_buffer_larger_than_the_machine_at_start() -> None:
     kv_cache_config = build_full_attention_kv_cache_config(
         num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=16, dtype="float32"
@@ -151,14 +154,13 @@ def test_a_kv_cache_larger_than_the_machine_is_refused_naming_its_fields() -> No
         )
 
     (problem,) = caught.value.problems
+    memory = describe_bytes(machine_memory_bytes())  # type: ignore[arg-type]
     assert problem.startswith(
-        "model_config, cache_config: the KV cache (2 x num_layers 80 x cache_config.num_gpu_blocks "
-        "100000000 x block_size 16 x num_kv_heads 2 x head_size 16 x 4 bytes of float32) needs "
-        "29.8 TiB (32,768,000,000,000 bytes)"
+        "model_config, cache_config, scheduler_config: the engine needs at least 29.8 TiB "
+        f"(32,768,013,107,200 bytes), more than this machine's memory, {memory}. "
+        "The KV cache (2 x num_layers 80 x num_gpu_blocks 100000000 x block_size 16 x "
+        "num_kv_heads 2 x head_size 16 x 4 bytes of float32): 29.8 TiB (32,768,000,000,000 bytes)"
     )
-    assert problem.endswith(
-        f"more than this machine's memory, {describe_bytes(machine_memory_bytes())}"
-    )  # type: ignore[arg-type]
 
 
 def test_weights_larger_than_the_machine_are_refused() -> None:
@@ -176,10 +178,22 @@ def test_weights_larger_than_the_machine_are_refused() -> None:
             }
         )
 
-    assert (
-        "needs 128.0 MiB (134,217,728 bytes) and the weights at least 225.0 TiB "
-        "(247,390,653,120,512 bytes)"
-    ) in caught.value.problems[0]
+    assert "the weights: 225.0 TiB (247,390,653,120,512 bytes)" in caught.value.problems[0]
+
+
+def test_a_batch_whose_logits_exceed_the_machine_is_refused() -> None:
+    with pytest.raises(ProfileError) as caught:
+        load_profile(
+            {
+                "model_config": {"vocab_size": 2**20},
+                "scheduler_config": {"max_num_batched_tokens": 2**20},
+            }
+        )
+
+    assert caught.value.problems[0].endswith(
+        "a batch's logits (max_num_batched_tokens 1048576 x vocab_size 1048576 x 4 bytes): "
+        "4.0 TiB (4,398,046,511,104 bytes)"
+    )
 
 
 @pytest.mark.parametrize(
