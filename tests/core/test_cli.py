@@ -142,6 +142,7 @@ def test_check_of_hma_demanded_from_a_connector_without_it_fails(
     )
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("profile", SHIPPED_PROFILES, ids=lambda path: path.name)
 def test_every_shipped_profile_passes_check(
     profile: pathlib.Path, capsys: pytest.CaptureFixture[str]
@@ -259,6 +260,7 @@ def test_run_is_dispatched_to_the_engine(capsys: pytest.CaptureFixture[str]) -> 
     assert "kvwire.engine.run" in sys.modules
 
 
+@pytest.mark.torch
 def test_check_of_several_profiles_fails_if_any_fails(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,8 @@ def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.Com
     )
 
 
+@pytest.mark.slow
+@pytest.mark.torch
 def test_the_wired_app_runs_scheduler_and_worker_in_separate_processes(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -38,6 +40,8 @@ def test_the_wired_app_runs_scheduler_and_worker_in_separate_processes(
     ]
 
 
+@pytest.mark.slow
+@pytest.mark.torch
 def test_the_override_example_passes_as_a_users_test_suite() -> None:
     result = run(
         [
@@ -126,6 +130,8 @@ def test_the_external_connector_is_listed_beside_the_built_ins(
     assert "entry point ('kvwire-byte-counter 0.1.0')" in row
 
 
+@pytest.mark.slow
+@pytest.mark.torch
 def test_the_external_connector_moves_through_the_container_by_entry_point(
     installed_plugin_env: dict[str, str],
 ) -> None:

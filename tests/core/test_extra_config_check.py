@@ -18,6 +18,9 @@ from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 from tests.core.sample_connectors import RecordingConnector
 
+# The built-in connectors it checks import torch.
+pytestmark = pytest.mark.torch
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_PROFILES = [
     *sorted((REPO / "containers").glob("*.yaml")),

@@ -51,8 +51,8 @@ def test_a_password_beside_a_non_string_key_is_not_shown(tmp_path: pathlib.Path)
     assert "is not a mapping with string keys" in output
     assert SECRET not in output
 
-@pytest.mark.torch
 
+@pytest.mark.torch
 def test_a_url_whose_password_holds_a_slash_is_refused_without_showing_it(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -61,8 +61,8 @@ def test_a_url_whose_password_holds_a_slash_is_refused_without_showing_it(
     assert "percent-encode" in output
     assert SECRET not in output
 
-@pytest.mark.torch
 
+@pytest.mark.torch
 def test_a_url_given_as_a_list_is_refused_without_its_password(tmp_path: pathlib.Path) -> None:
     output = check_output(tmp_path, redis_profile(f'    url: ["redis://:{SECRET}@h:6379/0"]\n'))
 
@@ -138,8 +138,8 @@ def test_a_child_with_a_field_of_the_wrong_type_shows_its_type_only(
     assert "connectors[0]: kv_ip must be a string, got a list" in output
     assert SECRET not in output
 
-@pytest.mark.torch
 
+@pytest.mark.torch
 def test_a_plugin_error_quoting_the_password_is_scrubbed_by_check(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
