@@ -6,7 +6,8 @@ Each child gets its own copy of the engine config and is built by the
 ``connector_builder`` the container (or the factory) hands in, so it
 resolves through the same registry: provider overrides, module paths and
 entry points all apply. What crosses between the two halves is in
-:mod:`kvwire.connectors.multi_records`.
+:mod:`kvwire.connectors.multi_records`; how a finished request's answers are
+merged and its sends awaited, in :mod:`kvwire.connectors.multi_finishing`.
 
 Semantics (the reference's): lookups ask children in order (any None means
 "ask again"); the first child with a hit loads, the others get 0; saves go to
