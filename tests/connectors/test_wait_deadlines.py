@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import pathlib
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -24,6 +26,7 @@ import torch
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.staging import StagingBuffers
@@ -39,6 +42,7 @@ from tests.connectors.engine_support import (
 )
 from tests.connectors.store_workers import HASHES, layout_caches, save_blocks_0_and_1
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 NUM_SLOTS = 4
 # Long enough for a healthy load on a busy machine, short enough for a fast test.
@@ -380,3 +384,62 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
     assert "shutdown: waiting for saves failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.save([BlockTransfer("p", (0, 1), HASHES)])
+
+
+# ------------------------------------------------------------- process exit
+
+_EXIT_WITH_A_JOB_STUCK = """
+import threading
+from tests.connectors import test_wait_deadlines as t
+from tests.connectors.store_workers import HASHES, layout_caches
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.store_worker import BlockTransfer
+
+t.STORE_ANSWERS.clear()  # and nobody ever sets it: the read stays stuck
+worker = t._worker(t.StuckStore(t._saved_store()), layout_caches(t.LAYOUT, None), Counters(), 0.1)
+worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+assert worker.take_load_errors() == {2, 3}
+worker.close(timeout_s=0)
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_exits_while_a_job_it_gave_up_on_is_still_stuck() -> None:
+    # The stuck read waits TEST_LIMIT_S; an exit that joined its thread would wait as long.
+    started = time.monotonic()
+    finished = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_JOB_STUCK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TEST_LIMIT_S * 2,
+        check=False,
+    )
+
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout == "closed\n"
+    assert time.monotonic() - started < TEST_LIMIT_S / 2
+
+
+def test_job_threads_cancel_the_jobs_not_started_at_shutdown_and_take_no_more(
+    store_answers: threading.Event,
+) -> None:
+    threads = JobThreads(1, "test")
+    started = threading.Event()
+
+    def stuck() -> bool:
+        started.set()
+        return store_answers.wait(TEST_LIMIT_S)
+
+    running = threads.submit(stuck)
+    queued = threads.submit(lambda: None)
+    assert started.wait(TEST_LIMIT_S)
+
+    threads.shutdown()
+
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        threads.submit(lambda: None)
+    store_answers.set()
+    assert running.result(TEST_LIMIT_S) is True

@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
@@ -36,6 +35,7 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
+from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.paged_cache import (
     PagedKVCaches,
     cache_sized_chunks,
@@ -112,12 +112,8 @@ class CPUPoolWorker:
         self._io_threads = io_threads
         self._transfer_timeout_s = transfer_timeout_s
         self._warn = RateLimitedWarning(logger)
-        self._store_pool = ThreadPoolExecutor(
-            io_threads, thread_name_prefix="kvwire-cpu-store", initializer=copy_on_this_thread_only
-        )
-        self._load_pool = ThreadPoolExecutor(
-            io_threads, thread_name_prefix="kvwire-cpu-load", initializer=copy_on_this_thread_only
-        )
+        self._store_pool = JobThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
+        self._load_pool = JobThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
         self._changed = threading.Condition()
         # Stores and asynchronous loads still using each request's blocks.
         self._jobs_per_request: dict[str, set[_PoolJob]] = {}
@@ -473,7 +469,7 @@ class CPUPoolWorker:
         self._give_up(jobs)
 
     def _stop_store_threads(self) -> None:
-        self._store_pool.shutdown(wait=False, cancel_futures=True)
+        self._store_pool.shutdown()
 
     def _stop_load_threads(self) -> None:
-        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._load_pool.shutdown()

@@ -42,7 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -57,6 +57,7 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.counters import Counters
+from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.paged_cache import (
     CACHE_CHUNK_BYTES,
     TORCH_DTYPES,
@@ -209,10 +210,8 @@ class StoreWorker:
             if isinstance(store, MappingBlockStore) and layout.entry_bytes >= MIN_MAPPED_ENTRY_BYTES
             else None
         )
-        self._load_pool = ThreadPoolExecutor(
-            io_threads, thread_name_prefix="kvwire-load", initializer=copy_on_this_thread_only
-        )
-        self._save_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvwire-save")
+        self._load_pool = JobThreads(io_threads, "kvwire-load", copy_on_this_thread_only)
+        self._save_pool = JobThreads(io_threads, "kvwire-save")
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
         self._sync_loads: list[_LoadRun] = []
@@ -782,7 +781,7 @@ class StoreWorker:
     def _stop_load_threads(self) -> None:
         # Not waiting: a job still blocked in the store was given up on, and
         # writes nothing more into the cache.
-        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._load_pool.shutdown()
 
     def _stop_save_threads(self) -> None:
-        self._save_pool.shutdown(wait=False, cancel_futures=True)
+        self._save_pool.shutdown()
