@@ -1,15 +1,18 @@
 """One vLLM engine in a process of its own: ``python -m tests.vllm.engine_process JOB.json``.
 
-The job names the model, vLLM's ``kv_transfer_config``, the prompts and how
-many tokens to generate; the process generates, waits for kvwire's saves and
-writes ``{"tokens", "cached", "stats"}`` to the job's ``output`` path. The
-environment (in-process engine core or not) is the caller's.
+The job names the model, vLLM's ``kv_transfer_config``, the prompts, how many
+tokens to generate and how many passes to make; each pass generates, waits
+for kvwire's saves and empties vLLM's prefix cache. The process writes
+``{"tokens", "cached"}`` (one list per pass) and ``"stats"`` (kvwire's
+totals) to the job's ``output`` path. The environment (in-process engine
+core or not) is the caller's.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 
 def main(job_path: str) -> None:
@@ -22,21 +25,22 @@ def main(job_path: str) -> None:
         job = json.load(job_file)
     llm = start_llm(job["model"], job["kv_transfer_config"])
     try:
-        outputs = llm.generate(
-            job["prompts"],
-            SamplingParams(max_tokens=job["max_tokens"], temperature=0),
-            use_tqdm=False,
-        )
-        kvwire.vllm.wait_for_saves(llm)
-        result = {
-            "tokens": [list(output.outputs[0].token_ids) for output in outputs],
-            "cached": [output.num_cached_tokens for output in outputs],
-            "stats": kvwire.vllm.kvwire_stats(llm),
-        }
+        result: dict[str, list[Any]] = {"tokens": [], "cached": []}
+        for _ in range(job["passes"]):
+            outputs = llm.generate(
+                job["prompts"],
+                SamplingParams(max_tokens=job["max_tokens"], temperature=0),
+                use_tqdm=False,
+            )
+            kvwire.vllm.wait_for_saves(llm)
+            assert llm.reset_prefix_cache()
+            result["tokens"].append([list(output.outputs[0].token_ids) for output in outputs])
+            result["cached"].append([output.num_cached_tokens for output in outputs])
+        stats = kvwire.vllm.kvwire_stats(llm)
     finally:
         stop_llm(llm)
     with open(job["output"], "w", encoding="utf-8") as output_file:
-        json.dump(result, output_file)
+        json.dump({**result, "stats": stats}, output_file)
 
 
 if __name__ == "__main__":  # vLLM's CPU backend starts its processes by spawning

@@ -100,6 +100,7 @@ def run_engine_process(
     max_tokens: int,
     workdir: pathlib.Path,
     env: Mapping[str, str] | None = None,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """Run one engine in a new process (tests/vllm/engine_process.py) and return its result."""
     name = f"engine-{len(list(workdir.glob('engine-*.json')))}"
@@ -112,6 +113,7 @@ def run_engine_process(
                 "kv_transfer_config": dict(kv_transfer_config),
                 "prompts": list(prompts),
                 "max_tokens": max_tokens,
+                "passes": passes,
                 "output": str(output),
             }
         )
@@ -133,6 +135,8 @@ def run_engine_process(
 def start_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Any:
     from vllm import LLM
 
+    from kvwire.vllm import WORKER_EXTENSION
+
     return LLM(
         model,
         dtype="float32",
@@ -143,6 +147,7 @@ def start_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -
         distributed_executor_backend="uni",
         seed=0,
         kv_transfer_config=dict(kv_transfer_config) if kv_transfer_config else None,
+        worker_extension_cls=WORKER_EXTENSION,
     )
 
 

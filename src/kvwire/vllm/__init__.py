@@ -11,14 +11,21 @@ installed: its ``vllm.general_plugins`` entry point registers the name.)
 """
 
 from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata, KVWireHMAConnector
-from kvwire.vllm.engine_calls import kvwire_stats, wait_for_saves
+from kvwire.vllm.engine_calls import (
+    WORKER_EXTENSION,
+    KVWireWorkerExtension,
+    kvwire_stats,
+    wait_for_saves,
+)
 from kvwire.vllm.stats import KVWireStats
 
 __all__ = [
+    "WORKER_EXTENSION",
     "KVWireConnector",
     "KVWireConnectorMetadata",
     "KVWireHMAConnector",
     "KVWireStats",
+    "KVWireWorkerExtension",
     "kvwire_stats",
     "wait_for_saves",
 ]
