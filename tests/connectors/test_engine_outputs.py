@@ -78,6 +78,7 @@ def test_the_tiered_profile_serves_from_disk_then_from_memory(reference, tmp_pat
     assert stats["CPUOffloadConnector"]["blocks_loaded"] > 0
 
 
+@pytest.mark.slow
 def test_a_worker_in_another_process_gets_pickled_plans(reference, tmp_path: pathlib.Path):
     config = shared_storage(tiny_engine_config(), tmp_path)
     generate(config, workload())

@@ -61,6 +61,7 @@ def big_reference() -> dict[int, list[tuple[int, ...]]]:
     }
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_save_leaves_a_readable_store(tmp_path: pathlib.Path, big_reference):
     writer = subprocess.Popen(
         store_process(tmp_path, "--rounds", "0", "--big", "--role", "kv_producer"),
@@ -113,6 +114,7 @@ def run_in_private_mounts(directory: pathlib.Path, mount_commands: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_saves_but_the_engine_carries_on(tmp_path: pathlib.Path, big_reference):
     disk = tmp_path / "small-disk"
     # 600 KiB: room for four entries of 128 KiB.
@@ -136,6 +138,7 @@ def big_reference_kv() -> dict[int, dict[str, torch.Tensor]]:
     return kv
 
 
+@pytest.mark.slow
 def test_a_read_only_directory_fails_saves_but_the_engine_carries_on(
     tmp_path: pathlib.Path, big_reference
 ):
@@ -149,6 +152,7 @@ def test_a_read_only_directory_fails_saves_but_the_engine_carries_on(
     assert report["leftover_tmp_files"] == []
 
 
+@pytest.mark.slow
 def test_a_consumer_loads_bit_exact_while_a_producer_writes(
     tmp_path: pathlib.Path, big_reference, big_reference_kv
 ):

@@ -166,6 +166,7 @@ def test_closing_the_engine_shuts_down_both_connectors_once(
     assert log.methods(KVConnectorRole.SCHEDULER)[-1] == "shutdown"
 
 
+@pytest.mark.slow
 def test_a_worker_process_whose_connector_fails_to_shut_down_still_exits(
     config: EngineConfig, tmp_path: pathlib.Path
 ) -> None:

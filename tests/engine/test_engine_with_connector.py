@@ -161,6 +161,7 @@ def test_preemption_under_a_small_cache_keeps_outputs_equal(
     assert tokens(cold) == reference and tokens(warm) == reference
 
 
+@pytest.mark.slow
 def test_a_worker_in_its_own_process_gives_equal_outputs(
     config: EngineConfig, workload: Workload, tmp_path: pathlib.Path
 ) -> None:

@@ -183,6 +183,7 @@ def test_with_no_profile_it_runs_the_embedded_default(capsys: pytest.CaptureFixt
     assert report["passes"]["warm"]["tokens_from_connector"] > 0
 
 
+@pytest.mark.slow
 def test_a_worker_process_run_gives_identical_outputs(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,7 +13,12 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from tests.redis.conftest import RedisServer
+
+# Each test runs two engines, each in a Python of its own.
+pytestmark = pytest.mark.slow
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples/disaggregated_prefill/disagg.py"
 PROMPT_LEN = 100  # 6 full blocks of 16 tokens, then 4 more

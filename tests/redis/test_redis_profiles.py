@@ -73,6 +73,7 @@ def test_the_profile_loads_and_names_the_redis_connector(name: str) -> None:
     assert "password" not in str(transfer.kv_connector_extra_config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["redis.yaml", "tiered-redis.yaml"])
 def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
     name: str, redis_server: RedisServer, key_prefix: str

@@ -225,6 +225,7 @@ def test_a_server_dying_in_the_middle_of_a_read_fails_only_the_entries_not_yet_r
     store.close()
 
 
+@pytest.mark.slow
 def test_after_a_server_hangs_calls_stop_waiting_on_it(fault_server: RedisServer) -> None:
     admin = fault_server.client()
     store = _store(fault_server, retry_interval_s=3600, socket_timeout_s=0.3)
