@@ -400,7 +400,9 @@ class RedisBlockStore(BlockStore):
             connection.on_connect()
         finally:
             timer.cancel()
-            timer.join()
+            # cut() only shuts a socket down, which never blocks; the bound
+            # keeps this wait, like every other, from being open-ended.
+            timer.join(timeout=self._settings.connect_timeout_s)
             if cut_off.is_set():
                 # In place of the read error the cut caused: this one says why.
                 seconds = self._settings.connect_timeout_s
