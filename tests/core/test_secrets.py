@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from kvwire.cli import check_profile
+from kvwire.cli import check_profile, main
 from kvwire.config import KVTransferConfig
 from kvwire.exceptions import ProfileError
 from kvwire.profile import load_profile
@@ -166,6 +166,18 @@ def test_the_log_filter_blanks_url_credentials_and_named_secrets(
 
     assert SECRET not in caplog.text
     assert "redis://:***@h with password=***" in caplog.text
+
+
+def test_the_command_line_puts_its_log_handlers_behind_the_filter(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("cache_config: {block_size: 8}\n")
+    main(["check", str(profile)])
+
+    logging.getLogger("kvwire.test_secrets").warning("reconnecting to redis://:%s@h", SECRET)
+
+    assert "reconnecting to redis://:***@h" in caplog.text
 
 
 @pytest.mark.parametrize(
