@@ -189,22 +189,32 @@ def _check_extra_config(instance: object, attribute: attrs.Attribute[Any], value
         raise ValueError(f"{path} contains a NUL byte (\\x00), which no name or path may hold")
 
 
-def _paths_with_nul(value: Any, path: str, depth: int = 0) -> Iterator[str]:
-    """Dotted paths of the strings (keys and values) in ``value`` that hold a NUL byte."""
-    if depth > 64:  # deeper than any extra config; a structure that contains itself
-        return
-    if isinstance(value, str):
-        if "\x00" in value:
-            yield path
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            item_path = f"{path}.{shown_key(key)}"
-            if isinstance(key, str) and "\x00" in key:
+def _paths_with_nul(value: Any, path: str) -> Iterator[str]:
+    """Dotted paths of the strings (keys and values) in ``value`` that hold a NUL byte.
+
+    Each list or mapping is visited once, however often it is referred to:
+    a structure shared many times over (or containing itself) costs what
+    its distinct parts cost, not what it expands to.
+    """
+    seen: set[int] = set()
+    pending: list[tuple[Any, str]] = [(value, path)]
+    while pending:
+        item, item_path = pending.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
                 yield item_path
-            yield from _paths_with_nul(item, item_path, depth + 1)
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            yield from _paths_with_nul(item, f"{path}[{index}]", depth + 1)
+            continue
+        if not isinstance(item, Mapping | list | tuple) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            for key, child in item.items():
+                child_path = f"{item_path}.{shown_key(key)}"
+                if isinstance(key, str) and "\x00" in key:
+                    yield child_path
+                pending.append((child, child_path))
+        else:
+            pending.extend((child, f"{item_path}[{index}]") for index, child in enumerate(item))
 
 
 def _extra_config_repr(value: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import attrs
 import pytest
@@ -120,3 +121,16 @@ def test_the_repr_of_a_huge_extra_config_is_bounded() -> None:
 
     assert len(repr(config)) < 1000
     assert "... (a dict of 1 keys)" in repr(config)
+
+
+def test_an_extra_config_sharing_a_list_a_billion_times_is_checked_at_once() -> None:
+    shared: list[Any] = ["x"] * 9
+    for _ in range(9):
+        shared = [shared] * 9  # 9**10 strings, 91 distinct lists
+
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_connector_extra_config={"shared": shared, "path": "/kv\x00"})
+    config = KVTransferConfig(kv_connector_extra_config={"shared": shared})
+
+    assert str(caught.value).startswith("kv_connector_extra_config.path contains a NUL byte")
+    assert len(repr(config)) < 1000
