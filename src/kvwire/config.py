@@ -74,6 +74,8 @@ COUNT_LIMITS: dict[str, int] = {
     "kv_parallel_size": 2**16,
     "kv_rank": 2**16,
 }
+# Of a name or path field (a connector, a module path, an engine id): PATH_MAX.
+LONGEST_NAME = 4096
 # torch.Generator.manual_seed accepts this range.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -172,10 +174,18 @@ def _of_kind(kind: type, description: str) -> Callable[[object, attrs.Attribute[
 
 
 def _text(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """A string without NUL bytes: names and paths reach open() and import machinery."""
+    """A name or path: a string without NUL bytes, of at most :data:`LONGEST_NAME` characters.
+
+    Names and paths reach open() and the import machinery, and errors quote
+    them (an unknown connector's name): neither takes a NUL or a megabyte.
+    """
     _of_kind(str, "a string")(instance, attribute, value)
     if "\x00" in value:
         raise ValueError(f"{attribute.name} contains a NUL byte (\\x00), which no name may hold")
+    if len(value) > LONGEST_NAME:
+        raise ValueError(
+            f"{attribute.name} must be at most {LONGEST_NAME} characters, got {len(value)}"
+        )
 
 
 def _count(*more: Callable[[object, attrs.Attribute[Any], Any], None]) -> list[Any]:

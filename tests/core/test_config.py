@@ -134,3 +134,10 @@ def test_an_extra_config_sharing_a_list_a_billion_times_is_checked_at_once() -> 
 
     assert str(caught.value).startswith("kv_connector_extra_config.path contains a NUL byte")
     assert len(repr(config)) < 1000
+
+
+def test_a_connector_name_of_a_megabyte_is_refused_by_its_length() -> None:
+    with pytest.raises(ValueError) as caught:
+        KVTransferConfig(kv_connector="C" * 1_000_000, kv_role="kv_both")
+
+    assert str(caught.value) == "kv_connector must be at most 4096 characters, got 1000000"
