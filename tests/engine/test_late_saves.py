@@ -166,6 +166,7 @@ def test_kvwire_run_counts_saves_that_end_after_a_pass_in_that_pass(
     assert report["passes"]["cold"]["bytes_saved"] == expected * payload_bytes
 
 
+@pytest.mark.slow
 def test_a_multi_connector_waits_for_every_childs_saves(
     config: EngineConfig, workload: list[GenerationRequest], tmp_path: pathlib.Path
 ) -> None:

@@ -207,6 +207,7 @@ def test_a_key_evicted_between_lookup_and_load_is_recomputed(
     assert outputs[0].num_load_failures == 1
 
 
+@pytest.mark.slow
 def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
     fault_server: RedisServer, key_prefix: str
 ) -> None:
