@@ -8,8 +8,9 @@ collect that directory. The condition is explicit: vLLM is importable or not.
 3.12 and 3.13 in venvs without torch. Tests there that need the torch extra
 carry ``@pytest.mark.torch``; a module whose imports need it carries
 ``pytestmark = pytest.mark.torch``, and is then left uncollected where torch is
-not installed (pytest cannot deselect a module it cannot import). Both are
-named in the run's summary. Where torch is installed nothing is left out.
+not installed and the run selects by that marker (pytest cannot deselect a
+module it cannot import). Both are counted or named in the run's summary.
+Where torch is installed nothing is left out.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"
 
 TORCH_INSTALLED = importlib.util.find_spec("torch") is not None
 
-# Left uncollected because their imports need torch: named in the summary.
-_modules_left_out: list[str] = []
+# What a run without torch left out, named in its summary.
+_torch_modules_not_collected: list[str] = []
+_torch_tests_deselected: list[str] = []
 
 # The conformance kit's own test of a worker process: it lives in kvwire.testing,
 # which cannot mark it with this project's marker.
@@ -46,13 +48,32 @@ def _module_is_marked_torch(path: pathlib.Path) -> bool:
     return False
 
 
+def _is_asked_for(path: pathlib.Path, config: pytest.Config) -> bool:
+    """Whether the command line (or testpaths) names this file or a folder above it."""
+    for arg in config.args:
+        asked = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if asked == path or asked in path.parents:
+            return True
+    return False
+
+
 def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
-    if TORCH_INSTALLED or collection_path.suffix != ".py" or not collection_path.is_file():
+    # Only a run that selects by the torch marker (-m "not torch") leaves modules
+    # out; any other run imports them and fails loudly without torch.
+    if TORCH_INSTALLED or "torch" not in config.option.markexpr:
+        return None
+    if collection_path.suffix != ".py" or not collection_path.is_file():
         return None
     if not collection_path.name.startswith("test_") or not _module_is_marked_torch(collection_path):
         return None
-    _modules_left_out.append(str(collection_path.relative_to(config.rootpath)))
+    if _is_asked_for(collection_path, config):
+        _torch_modules_not_collected.append(str(collection_path.relative_to(config.rootpath)))
     return True
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    needing_torch = [item.nodeid for item in items if item.get_closest_marker("torch")]
+    _torch_tests_deselected.extend(needing_torch)
 
 
 def _runs_a_worker_process(item: pytest.Item) -> bool:
@@ -69,7 +90,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Without torch, a selected test that needs it is a usage error, not a pile of failures."""
     if TORCH_INSTALLED:
@@ -85,8 +105,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if TORCH_INSTALLED:
         return
-    left_out = ", ".join(_modules_left_out) or "none"
+    modules = ", ".join(_torch_modules_not_collected) or "none"
     terminalreporter.write_line(
-        f"torch is not installed: tests marked torch are not run here; "
-        f"modules marked torch left uncollected: {left_out}"
+        f"torch is not installed: {len(_torch_tests_deselected)} tests marked torch deselected; "
+        f"modules marked torch not collected: {modules}"
     )
