@@ -258,6 +258,7 @@ def test_a_load_that_finds_no_staging_slot_by_its_deadline_fails_instead_of_wait
     worker.close(timeout_s=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_load", [False, True])
 def test_loads_through_the_engine_past_their_deadline_are_computed_again(
     tmp_path: pathlib.Path, store_answers: threading.Event, async_load: bool

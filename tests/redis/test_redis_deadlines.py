@@ -75,6 +75,7 @@ def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_load_the_server_dribbles_fails_at_the_load_deadline(
     server: DribblingServer, store: RedisBlockStore
 ) -> None:
@@ -88,6 +89,7 @@ def test_a_load_the_server_dribbles_fails_at_the_load_deadline(
     assert store.counters()["load_failures"] == 2
 
 
+@pytest.mark.slow
 def test_a_connection_left_mid_reply_by_the_deadline_is_dropped_not_reused(
     server: DribblingServer, store: RedisBlockStore
 ) -> None:
@@ -109,6 +111,7 @@ def test_a_connection_left_mid_reply_by_the_deadline_is_dropped_not_reused(
     verify_entry(buffers[0], LAYOUT, block_hash(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "call", "answer"),
     [
@@ -139,6 +142,7 @@ def test_every_other_call_the_server_dribbles_ends_at_its_deadline(
     assert not store.is_available  # a server this slow is treated as down until it answers
 
 
+@pytest.mark.slow
 def test_a_handshake_the_server_dribbles_ends_at_the_connect_timeout(
     server: DribblingServer,
 ) -> None:
