@@ -4,6 +4,7 @@ entry point, and a container provider overridden inside vLLM."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from kvwire.vllm import wait_for_saves
 from tests.vllm.engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
+    PROFILES,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
@@ -68,3 +70,32 @@ def test_container_hook_overrides_the_connector_class_inside_vllm(
     assert isinstance(worker_connector, CPUOffloadConnector)
     assert warm == tokens_without_connector
     assert cached == [0] * len(PROMPTS)
+
+
+class RecordingPublisher:
+    """Stands in for vLLM's KV event publisher: keeps every batch."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_blocks_kvwire_stored_are_published_as_vllm_block_stored_events(tiny_model: str) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    publisher = RecordingPublisher()
+    with running_llm(tiny_model, kvwire_transfer_config(str(PROFILES / "cpu-offload.yaml"))) as llm:
+        llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher = publisher
+        generate(llm, PROMPTS[:1])
+        wait_for_saves(llm)
+    stored = [e for e in publisher.events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    prompt = PROMPTS[0]["prompt_token_ids"]
+    full_blocks = [prompt[start : start + BLOCK_SIZE] for start in range(0, 288, BLOCK_SIZE)]
+    assert sorted(event.token_ids for event in stored) == sorted(full_blocks)
+    assert all(event.block_size == BLOCK_SIZE for event in stored)
