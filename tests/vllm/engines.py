@@ -132,22 +132,27 @@ def run_engine_process(
     return result
 
 
-def start_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Any:
+def start_llm(
+    model: str, kv_transfer_config: Mapping[str, Any] | None = None, **engine_args: Any
+) -> Any:
     from vllm import LLM
 
     from kvwire.vllm import WORKER_EXTENSION
 
     return LLM(
         model,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=2048,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        seed=0,
-        kv_transfer_config=dict(kv_transfer_config) if kv_transfer_config else None,
-        worker_extension_cls=WORKER_EXTENSION,
+        **{
+            "dtype": "float32",
+            "block_size": BLOCK_SIZE,
+            "max_model_len": 2048,
+            "enable_prefix_caching": True,
+            "enforce_eager": True,
+            "distributed_executor_backend": "uni",
+            "seed": 0,
+            "kv_transfer_config": dict(kv_transfer_config) if kv_transfer_config else None,
+            "worker_extension_cls": WORKER_EXTENSION,
+            **engine_args,
+        },
     )
 
 
@@ -162,20 +167,24 @@ def stop_llm(llm: Any) -> None:
 
 
 @contextlib.contextmanager
-def running_llm(model: str, kv_transfer_config: Mapping[str, Any] | None = None) -> Iterator[Any]:
-    llm = start_llm(model, kv_transfer_config)
+def running_llm(
+    model: str, kv_transfer_config: Mapping[str, Any] | None = None, **engine_args: Any
+) -> Iterator[Any]:
+    llm = start_llm(model, kv_transfer_config, **engine_args)
     try:
         yield llm
     finally:
         stop_llm(llm)
 
 
-def generate(llm: Any, prompts: Sequence[Mapping[str, Any]]) -> tuple[list[list[int]], list[int]]:
+def generate(
+    llm: Any, prompts: Sequence[Mapping[str, Any]], max_tokens: int = MAX_TOKENS
+) -> tuple[list[list[int]], list[int]]:
     """Greedy tokens of each prompt, and how many prompt tokens vLLM did not compute."""
     from vllm import SamplingParams
 
     outputs = llm.generate(
-        list(prompts), SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False
+        list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False
     )
     return (
         [list(output.outputs[0].token_ids) for output in outputs],

@@ -13,6 +13,7 @@ from tests.vllm.engines import (
     BLOCK_SIZE,
     generate,
     kvwire_transfer_config,
+    load_profile_mapping,
     profile_with_directory,
     running_llm,
     shared_prompts,
@@ -61,3 +62,28 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     loaded = sum(value for name, value in stats.items() if name.endswith("blocks_loaded"))
     assert loaded == len(PROMPTS) * LOADABLE_TOKENS // BLOCK_SIZE
     assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
+
+
+@pytest.mark.slow
+def test_outputs_equal_no_connector_when_vllm_preempts_a_request(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 17 blocks: two 250-token requests fit, then both need a ninth block while decoding.
+    small_cache = {"num_gpu_blocks_override": 17, "max_model_len": 512}
+    prompts = shared_prompts(count=3, length=250)
+    with running_llm(tiny_model, **small_cache) as llm:
+        expected, _ = generate(llm, prompts, max_tokens=40)
+    config = kvwire_transfer_config(load_profile_mapping("cpu-offload.yaml"))
+    with running_llm(tiny_model, config, **small_cache) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted: list[str] = []
+        preempt = scheduler._preempt_request
+
+        def recording_preempt(request: Any, *args: Any, **kwargs: Any) -> Any:
+            preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        monkeypatch.setattr(scheduler, "_preempt_request", recording_preempt)
+        tokens, _ = generate(llm, prompts, max_tokens=40)
+    assert preempted
+    assert tokens == expected
