@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -211,3 +213,11 @@ def test_events_become_vllm_events_with_token_ids_and_parent() -> None:
         [12, 13],
     )
     assert (stored.medium, removed.medium, removed.block_hashes) == ("CPU", "STORAGE", [b"h0"])
+
+
+def test_importing_kvwire_and_building_its_connectors_never_imports_vllm() -> None:
+    probe = (
+        "import sys, kvwire, kvwire.container, kvwire.connectors.cpu_offload; "
+        "sys.exit('vllm' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
