@@ -20,8 +20,6 @@ from kvwire.connector.base import (
     SupportsHMA,
 )
 from kvwire.connector.types import (
-    ForwardContext,
-    KVCacheBlocks,
     KVConnectorOutput,
     KVConnectorStats,
     KVConnectorTransferResults,
@@ -42,6 +40,7 @@ from tests.connectors.harness import (
     engine_config,
     make_request,
 )
+from tests.idle_connector import IdleConnector
 
 BLOCK = 4
 PROMPT = list(range(100, 117))
@@ -311,7 +310,7 @@ def test_the_container_builds_children_through_overridden_providers(tmp_path: pa
 # ------------------------------------------------- any child, through base hooks
 
 
-class ProbeConnector(KVConnectorBase):
+class ProbeConnector(IdleConnector):
     """A child that is no block connector; its extra config says how it behaves.
 
     ``load_errors``: block ids whose loads failed this step; ``fail_build`` /
@@ -360,29 +359,8 @@ class ProbeConnector(KVConnectorBase):
         failed = set(self.options.get("failed_recving", ()))
         return KVConnectorTransferResults(finished_recving=set(failed), failed_recving=failed)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        pass
-
     def wait_for_save(self) -> None:
         self.calls.append(("wait_for_save", None))
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        pass
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return ProbeMetadata(self.options.get("name", ""))

@@ -7,23 +7,18 @@ from typing import Any
 
 import pytest
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvwire.connector.types import (
-    CacheHitSource,
-    ForwardContext,
-    KVCacheBlocks,
-    Request,
-    SchedulerOutput,
-)
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.connectors.multi import MultiConnector
 from kvwire.registry import default_registry
 from tests.connectors.harness import cache_config_for, engine_config, make_request
+from tests.idle_connector import IdleConnector
 
 BLOCK = 4
 PROMPT = list(range(100, 117))
 
 
-class TierConnector(KVConnectorBase):
+class TierConnector(IdleConnector):
     """A child holding ``hits`` tokens (by request id) in the tier its extra config names."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -36,28 +31,6 @@ class TierConnector(KVConnectorBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.hits.get(request.request_id, 0), False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 class SplitTierConnector(TierConnector):

@@ -9,29 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from kvwire.connector.types import (
-    BlockStored,
-    ForwardContext,
-    KVCacheBlocks,
-    KVCacheEvent,
-    KVConnectorOutput,
-    KVConnectorStats,
-    Request,
-    SchedulerOutput,
-)
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.connectors.multi import MultiConnector
 from kvwire.registry import default_registry
 from tests.connectors.harness import cache_config_for, engine_config
+from tests.idle_connector import IdleConnector
 
 STORED = BlockStored(block_hashes=(b"\x01" * 32,), medium="cpu")
 
 
-class VllmDefaultsConnector(KVConnectorBase_V1):
+class VllmDefaultsConnector(IdleConnector):
     """Written as vLLM's connectors are: every "nothing to report" is None."""
 
     def get_kv_connector_kv_cache_events(self) -> Any:
@@ -42,33 +30,6 @@ class VllmDefaultsConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 class ReportingConnector(VllmDefaultsConnector):
