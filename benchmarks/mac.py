@@ -53,6 +53,9 @@ BARE_BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 STORE_BLOCK_SIZES = (256 * KIB, 1 * MIB)
 KEY_VARIABLE = "KVWIRE_BENCH_MAC_KEY"
 
+EntryStep = Callable[[memoryview, BlockLayout, bytes], None]
+"""``write_header`` or ``verify_entry``: one entry, its layout and its block hash."""
+
 
 def layouts(block_bytes: int) -> tuple[BlockLayout, BlockLayout]:
     """The layout of ``block_bytes`` blocks, with the checksum only and sealed with a MAC."""
@@ -71,31 +74,31 @@ def bench_bare(block_bytes: int, total_bytes: int, repeats: int) -> dict[str, fl
     }
     layout_of = {"plain": plain, "mac": sealed}
 
-    def seal(name: str) -> Callable[[int], None]:
+    def each_entry(step: EntryStep, name: str) -> Callable[[int], None]:
         def run(repeat: int) -> None:
             for entry, block_hash in zip(entries[name], block_hashes, strict=True):
-                write_header(entry, layout_of[name], block_hash)
+                step(entry, layout_of[name], block_hash)
 
         return run
 
-    def verify(name: str) -> Callable[[int], None]:
-        def run(repeat: int) -> None:
-            for entry, block_hash in zip(entries[name], block_hashes, strict=True):
-                verify_entry(entry, layout_of[name], block_hash)
-
-        return run
-
-    seal_seconds = best_seconds({name: seal(name) for name in entries}, repeats)
-    verify_seconds = best_seconds({name: verify(name) for name in entries}, repeats)
-    nbytes = count * plain.payload_bytes
-    return {
-        "seal_checksum_gbps": nbytes / seal_seconds["plain"] / 1e9,
-        "seal_mac_gbps": nbytes / seal_seconds["mac"] / 1e9,
-        "verify_checksum_gbps": nbytes / verify_seconds["plain"] / 1e9,
-        "verify_mac_gbps": nbytes / verify_seconds["mac"] / 1e9,
-        "seal_mac_vs_checksum": seal_seconds["plain"] / seal_seconds["mac"],
-        "verify_mac_vs_checksum": verify_seconds["plain"] / verify_seconds["mac"],
+    seconds = {
+        step_name: best_seconds({name: each_entry(step, name) for name in entries}, repeats)
+        for step_name, step in (("seal", write_header), ("verify", verify_entry))
     }
+    return with_and_without_mac(count * plain.payload_bytes, seconds)
+
+
+def with_and_without_mac(nbytes: int, seconds: dict[str, dict[str, float]]) -> dict[str, float]:
+    """GB/s of ``nbytes`` per step, checksum only and with the MAC, and the MAC's relative speed.
+
+    ``seconds`` holds, by step, the best seconds of its "plain" and "mac" variants.
+    """
+    results: dict[str, float] = {}
+    for step, by_variant in seconds.items():
+        results[f"{step}_checksum_gbps"] = nbytes / by_variant["plain"] / 1e9
+        results[f"{step}_mac_gbps"] = nbytes / by_variant["mac"] / 1e9
+        results[f"{step}_mac_vs_checksum"] = by_variant["plain"] / by_variant["mac"]
+    return results
 
 
 def entry_views(layout: BlockLayout, count: int) -> list[memoryview]:
@@ -152,14 +155,7 @@ def bench_store(
     finally:
         for connector in connectors:
             connector.shutdown()
-    return {
-        "save_checksum_gbps": nbytes / save["plain"] / 1e9,
-        "save_mac_gbps": nbytes / save["mac"] / 1e9,
-        "load_checksum_gbps": nbytes / load["plain"] / 1e9,
-        "load_mac_gbps": nbytes / load["mac"] / 1e9,
-        "save_mac_vs_checksum": save["plain"] / save["mac"],
-        "load_mac_vs_checksum": load["plain"] / load["mac"],
-    }
+    return with_and_without_mac(nbytes, {"save": save, "load": load})
 
 
 def store_actions(
