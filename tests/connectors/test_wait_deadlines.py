@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -33,6 +33,7 @@ from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.engine.engine import LLMEngine
+from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.engine_support import (
     shared_storage,
     tiny_engine_config,
@@ -47,8 +48,6 @@ LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dt
 NUM_SLOTS = 4
 # Long enough for a healthy load on a busy machine, short enough for a fast test.
 DEADLINE_S = 0.2
-# What a test waits for at most before it fails instead of hanging.
-TEST_LIMIT_S = 30.0
 
 STORE_ANSWERS = threading.Event()
 """While clear, every :class:`StuckStore` read (and, if asked, write) waits for it."""
@@ -161,11 +160,16 @@ def _saved_store() -> MemoryStore:
     return store
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TEST_LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.005)
+def _worker_with_a_stuck_save(counters: Counters, timeout_s: float) -> StoreWorker:
+    """A worker whose save of blocks 0 and 1 (request "p") hangs in the store's write."""
+    worker = _worker(
+        StuckStore(MemoryStore(), stuck_writes=True),
+        layout_caches(LAYOUT, seed=1),
+        counters,
+        timeout_s,
+    )
+    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    return worker
 
 
 @pytest.mark.parametrize("value", [0, -1, "30", True, float("inf"), float("nan"), 10**6])
@@ -189,11 +193,7 @@ def test_a_load_stuck_in_the_store_is_a_load_error_at_its_deadline(
     worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
     worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
 
-    started = time.monotonic()
-    errors = worker.take_load_errors()
-
-    assert errors == {2, 3}
-    assert time.monotonic() - started < 5
+    assert returns_within(5, worker.take_load_errors) == {2, 3}
     taken = counters.take()
     assert taken["load_timeouts"] == 2
     assert taken["load_errors"] == 2
@@ -212,7 +212,7 @@ def test_a_stuck_load_that_returns_late_writes_nothing_into_the_cache(
         cache[:, 2:4] = 7.0
 
     store_answers.set()  # the store answers at last, with good entries
-    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
 
     for cache in caches.values():
         assert bool((cache[:, 2:4] == 7.0).all())
@@ -227,14 +227,13 @@ def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_blo
     worker.start_loads([], [BlockTransfer("c", (2, 3), HASHES)])
     assert worker.is_loading("c")
 
-    finished: set[str] = set()
-    _wait_until(lambda: bool(finished.update(worker.take_finished_loads()) or finished), "c")
+    finished = wait_until(worker.take_finished_loads, "the load to finish")
 
     assert finished == {"c"}
     assert not worker.is_loading("c")  # its blocks may be freed
     assert worker.take_load_errors() == {2, 3}
     store_answers.set()
-    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
     assert not any(bool(cache[:, 2:4].any()) for cache in caches.values())
     assert worker.take_finished_loads() == set()  # reported once
     worker.close()
@@ -249,10 +248,8 @@ def test_a_load_that_finds_no_staging_slot_by_its_deadline_fails_instead_of_wait
     worker.start_loads([BlockTransfer("a", (0, 1), HASHES), BlockTransfer("b", (2, 3), HASHES)], [])
     assert worker.take_load_errors() == {0, 1, 2, 3}
 
-    started = time.monotonic()
-    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    returns_within(5, lambda: worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], []))
 
-    assert time.monotonic() - started < 5
     assert worker.take_load_errors() == {2, 3}
     assert counters.take()["load_timeouts"] == 6
     worker.close(timeout_s=0)
@@ -299,19 +296,15 @@ def test_a_save_stuck_past_its_deadline_counts_failed_and_is_no_longer_waited_fo
     store_answers: threading.Event,
 ) -> None:
     counters = Counters()
-    store = StuckStore(MemoryStore(), stuck_writes=True)
-    worker = _worker(store, layout_caches(LAYOUT, seed=1), counters, DEADLINE_S)
-    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    worker = _worker_with_a_stuck_save(counters, DEADLINE_S)
 
-    started = time.monotonic()
-    assert worker.wait_for_saves() is True
+    assert returns_within(5, worker.wait_for_saves) is True
 
-    assert time.monotonic() - started < 5
     taken = counters.take()
     assert taken["save_timeouts"] == 2
     assert taken["save_errors"] == 2
     store_answers.set()
-    _wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck save to end")
+    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck save to end")
     assert "blocks_saved" not in counters.take()  # counted once, as failed
     worker.close()
 
@@ -319,9 +312,7 @@ def test_a_save_stuck_past_its_deadline_counts_failed_and_is_no_longer_waited_fo
 def test_a_save_waited_for_briefly_reports_it_is_still_running(
     store_answers: threading.Event,
 ) -> None:
-    store = StuckStore(MemoryStore(), stuck_writes=True)
-    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
-    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    worker = _worker_with_a_stuck_save(Counters(), TEST_LIMIT_S)
 
     assert worker.wait_for_saves(0.05) is False
     store_answers.set()
@@ -341,9 +332,7 @@ def test_the_futures_timeout_of_python_3_10_does_not_escape_a_wait_for_saves(
     # skipped shutting its thread pools down.
     monkeypatch.setattr(concurrent.futures._base, "TimeoutError", _FuturesTimeoutOfPython310)
     monkeypatch.setattr(concurrent.futures, "TimeoutError", _FuturesTimeoutOfPython310)
-    store = StuckStore(MemoryStore(), stuck_writes=True)
-    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
-    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    worker = _worker_with_a_stuck_save(Counters(), TEST_LIMIT_S)
 
     assert worker.wait_for_saves(0.05) is False
     worker.close(timeout_s=0.05)
@@ -358,14 +347,10 @@ def test_the_futures_timeout_of_python_3_10_does_not_escape_a_wait_for_saves(
 def test_close_stops_the_threads_when_a_save_outlives_its_wait(
     store_answers: threading.Event,
 ) -> None:
-    store = StuckStore(MemoryStore(), stuck_writes=True)
-    worker = _worker(store, layout_caches(LAYOUT, seed=1), Counters(), TEST_LIMIT_S)
-    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    worker = _worker_with_a_stuck_save(Counters(), TEST_LIMIT_S)
 
-    started = time.monotonic()
-    worker.close(timeout_s=0.05)
+    returns_within(5, lambda: worker.close(timeout_s=0.05))
 
-    assert time.monotonic() - started < 5
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.save([BlockTransfer("p", (2, 3), HASHES)])
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,11 +21,11 @@ from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.cpu_pool_worker import CPUPoolWorker, PoolTransfer
 from kvwire.connectors.paged_cache import PagedKVCaches
+from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.store_workers import HASHES, layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 DEADLINE_S = 0.2
-TEST_LIMIT_S = 30.0
 
 
 @pytest.fixture
@@ -78,13 +77,6 @@ def _stall_stores_until(monkeypatch: pytest.MonkeyPatch, event: threading.Event)
     monkeypatch.setattr(cpu_pool_worker_module, "cache_sized_chunks", stalled_chunks)
 
 
-def _within(seconds: float, action: Callable[[], object]) -> object:
-    started = time.monotonic()
-    result = action()
-    assert time.monotonic() - started < seconds
-    return result
-
-
 def test_a_load_past_its_deadline_is_a_load_error_and_copies_nothing_later(
     monkeypatch: pytest.MonkeyPatch, copies_go_on: threading.Event
 ) -> None:
@@ -95,7 +87,7 @@ def test_a_load_past_its_deadline_is_a_load_error_and_copies_nothing_later(
     _stall_loads_until(monkeypatch, copies_go_on)
     worker.start_loads([PoolTransfer("c", (2, 3), (0, 1), HASHES)], [])
 
-    assert _within(5, worker.take_load_errors) == {2, 3}
+    assert returns_within(5, worker.take_load_errors) == {2, 3}
     assert counters.take()["load_timeouts"] == 2
     before = {name: cache[:, 2:4].clone() for name, cache in caches.items()}
 
@@ -116,10 +108,7 @@ def test_an_asynchronous_load_past_its_deadline_finishes_with_every_block_failed
     _stall_loads_until(monkeypatch, copies_go_on)
     worker.start_loads([], [PoolTransfer("c", (2, 3), (0, 1), HASHES)])
 
-    deadline = time.monotonic() + TEST_LIMIT_S
-    while not (finished := worker.take_finished_loads()):
-        assert time.monotonic() < deadline, "the load never finished"
-        time.sleep(0.005)
+    finished = wait_until(worker.take_finished_loads, "the load to finish")
 
     assert finished == {"c"}
     assert not worker.is_busy("c")
@@ -137,7 +126,7 @@ def test_a_store_past_its_deadline_counts_failed_and_its_blocks_are_released(
     assert worker.is_busy("p")
 
     # The request was preempted: the forward pass reuses its blocks next.
-    _within(5, lambda: worker.wait_for_requests(["p"]))
+    returns_within(5, lambda: worker.wait_for_requests(["p"]))
 
     assert not worker.is_busy("p")
     taken = counters.take()
@@ -161,7 +150,7 @@ def test_waiting_for_every_store_ends_at_their_deadline(
     worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
 
     assert worker.wait_for_all(0.01) is False  # still running
-    assert _within(5, worker.wait_for_all) is True  # given up on at its deadline
+    assert returns_within(5, worker.wait_for_all) is True  # given up on at its deadline
     worker.close()
 
 
