@@ -40,6 +40,7 @@ from tests.connectors.harness import (
     engine_config,
     make_request,
 )
+from tests.connectors.multi_harness import build_multi
 from tests.idle_connector import IdleConnector
 
 BLOCK = 4
@@ -210,14 +211,7 @@ def test_hma_is_not_supported_without_children():
 
 
 def build_scheduler_side(extra: dict[str, Any]) -> MultiConnector:
-    """A MultiConnector's scheduler side with ``extra``, its children through the registry."""
-    config = engine_config("MultiConnector", extra)
-    return MultiConnector(
-        config,
-        KVConnectorRole.SCHEDULER,
-        cache_config_for(config),
-        connector_builder=default_registry().build_connector,
-    )
+    return build_multi(KVConnectorRole.SCHEDULER, extra)
 
 
 @pytest.mark.parametrize(
@@ -404,13 +398,7 @@ def probe(**options: Any) -> dict[str, Any]:
 
 
 def probes(*children: dict[str, Any]) -> MultiConnector:
-    config = engine_config("MultiConnector", {"connectors": list(children)})
-    return MultiConnector(
-        config,
-        KVConnectorRole.WORKER,
-        cache_config_for(config),
-        connector_builder=default_registry().build_connector,
-    )
+    return build_multi(KVConnectorRole.WORKER, {"connectors": list(children)})
 
 
 def calls_named(connector: KVConnectorBase, name: str) -> list[Any]:

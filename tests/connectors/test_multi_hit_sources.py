@@ -10,8 +10,8 @@ import pytest
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.connectors.multi import MultiConnector
-from kvwire.registry import default_registry
-from tests.connectors.harness import cache_config_for, engine_config, make_request
+from tests.connectors.harness import make_request
+from tests.connectors.multi_harness import build_multi
 from tests.idle_connector import IdleConnector
 
 BLOCK = 4
@@ -52,13 +52,7 @@ def tier(kind: str, hits: dict[str, int], connector: str = "TierConnector") -> d
 
 
 def scheduler_side(*children: dict[str, Any]) -> MultiConnector:
-    config = engine_config("MultiConnector", {"connectors": list(children)})
-    return MultiConnector(
-        config,
-        KVConnectorRole.SCHEDULER,
-        cache_config_for(config),
-        connector_builder=default_registry().build_connector,
-    )
+    return build_multi(KVConnectorRole.SCHEDULER, {"connectors": list(children)})
 
 
 def admit(multi: MultiConnector, request: Request) -> int:

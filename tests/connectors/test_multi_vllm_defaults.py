@@ -12,8 +12,7 @@ from typing import Any
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.connectors.multi import MultiConnector
-from kvwire.registry import default_registry
-from tests.connectors.harness import cache_config_for, engine_config
+from tests.connectors.multi_harness import build_multi
 from tests.idle_connector import IdleConnector
 
 STORED = BlockStored(block_hashes=(b"\x01" * 32,), medium="cpu")
@@ -50,10 +49,7 @@ def child(name: str) -> dict[str, Any]:
 
 
 def multi_of(role: KVConnectorRole, *names: str) -> MultiConnector:
-    config = engine_config("MultiConnector", {"connectors": [child(name) for name in names]})
-    return MultiConnector(
-        config, role, cache_config_for(config), connector_builder=default_registry().build_connector
-    )
+    return build_multi(role, {"connectors": [child(name) for name in names]})
 
 
 def test_a_child_reporting_no_kv_cache_events_as_none_adds_none() -> None:
