@@ -247,6 +247,25 @@ def remove_files(*roots: pathlib.Path) -> None:
                 os.unlink(os.path.join(folder, name))
 
 
+def store_actions(
+    connector: SharedStorageConnector, layers: tuple[str, ...], count: int, salt: str
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    """A save of ``count`` blocks, and a load of those the ``READ_REPEAT`` save stored."""
+
+    def transfer(repeat: int) -> BlockTransfer:
+        # New blocks every repeat: new files, as a store sees in service.
+        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"{salt}-{repeat}"))
+
+    def save(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
+        connector.wait_for_pending_saves()
+
+    def load(repeat: int) -> None:
+        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
+
+    return save, load
+
+
 def bench_shared_storage(
     block_bytes: int, total_bytes: int, scratch: pathlib.Path
 ) -> dict[str, float]:
@@ -266,20 +285,8 @@ def bench_shared_storage(
     )
     connector, caches = worker_connector(SharedStorageConnector, config)
     assert isinstance(connector, SharedStorageConnector)
-    layers = tuple(caches)
     nbytes = count * block_bytes
-
-    def transfer(repeat: int) -> BlockTransfer:
-        # New blocks every repeat: new files, as a store sees in service.
-        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"disk-{repeat}"))
-
-    def save(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
-        connector.wait_for_pending_saves()
-
-    def load(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
-
+    save, load = store_actions(connector, tuple(caches), count, "disk")
     plain = scratch / f"plain-{block_bytes}"
     write, read = plain_file_actions(plain, count, connector.layout.entry_bytes, STORAGE_IO_THREADS)
     save_gbps, write_bound = best_gbps(

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 
-from benchmarks.common import KIB, MIB, best_seconds, run_step, write_json
+from benchmarks.common import KIB, MIB, best_seconds, write_json
 from benchmarks.common import main as run_from_command_line
 from benchmarks.connectors import (
     HEAD_SIZE,
@@ -41,13 +41,12 @@ from benchmarks.connectors import (
     engine_config,
     hashes,
     remove_files,
+    store_actions,
     worker_connector,
 )
 from kvwire.connectors.block_format import BlockLayout, verify_entry, write_header
 from kvwire.connectors.entry_mac import EntryMac
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import BlockTransfer
 
 BARE_BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 STORE_BLOCK_SIZES = (256 * KIB, 1 * MIB)
@@ -142,7 +141,7 @@ def bench_store(
             connector, caches = worker_connector(SharedStorageConnector, config)
             assert isinstance(connector, SharedStorageConnector)
             actions["save"][name], actions["load"][name] = store_actions(
-                connector, tuple(caches), count
+                connector, tuple(caches), count, "mac"
             )
             connectors.append(connector)
             stores.append(store)
@@ -156,24 +155,6 @@ def bench_store(
         for connector in connectors:
             connector.shutdown()
     return with_and_without_mac(nbytes, {"save": save, "load": load})
-
-
-def store_actions(
-    connector: SharedStorageConnector, layers: tuple[str, ...], count: int
-) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    """A save of ``count`` new blocks (new files each repeat), and a load of the same blocks."""
-
-    def transfer(repeat: int) -> BlockTransfer:
-        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"mac-{repeat}"))
-
-    def save(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
-        connector.wait_for_pending_saves()
-
-    def load(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
-
-    return save, load
 
 
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
