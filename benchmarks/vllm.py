@@ -78,6 +78,8 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
             "warm_ttft_p50_s": statistics.median(result["warm_seconds"]),
             "warm_cached_tokens": result["warm_cached"],
             "warm_tokens_equal_no_connector": result["warm_tokens"] == baseline["warm_tokens"],
+            "kvwire_blocks_loaded": result["kvwire_stats"].get("blocks_loaded", 0),
+            "kvwire_load_errors": result["kvwire_stats"].get("load_errors", 0),
         }
     no_connector = summary["configurations"]["no connector"]["warm_ttft_p50_s"]
     example = summary["configurations"]["vLLM ExampleConnector"]["warm_ttft_p50_s"]
@@ -174,7 +176,7 @@ def measure_engine(job_path: str) -> None:
     """The engine process: cold pass, saves settled, prefix cache emptied, warm pass."""
     from vllm import LLM, SamplingParams
 
-    from kvwire.vllm import WORKER_EXTENSION, wait_for_saves
+    from kvwire.vllm import WORKER_EXTENSION, kvwire_stats, wait_for_saves
 
     job = json.loads(pathlib.Path(job_path).read_text())
     config = job["kv_transfer_config"]
@@ -204,11 +206,14 @@ def measure_engine(job_path: str) -> None:
 
     llm.generate([{"prompt_token_ids": [5] * 64}], one_token, use_tqdm=False)  # warm-up
     cold_seconds, _, _ = timed_pass()
-    if config is not None and config["kv_connector"] == "KVWireConnector":
+    uses_kvwire = config is not None and config["kv_connector"] == "KVWireConnector"
+    if uses_kvwire:
         wait_for_saves(llm)
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not empty its prefix cache")
     warm_seconds, warm_tokens, warm_cached = timed_pass()
+    # vLLM counts a failed load as cached too: kvwire's own counters tell.
+    stats = kvwire_stats(llm) if uses_kvwire else {}
     pathlib.Path(job["output"]).write_text(
         json.dumps(
             {
@@ -216,6 +221,7 @@ def measure_engine(job_path: str) -> None:
                 "warm_seconds": warm_seconds,
                 "warm_tokens": warm_tokens,
                 "warm_cached": warm_cached,
+                "kvwire_stats": stats,
             }
         )
     )
