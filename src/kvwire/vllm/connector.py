@@ -93,16 +93,16 @@ class KVWireConnector(KVConnectorBase_V1):
             hook(self.container)
         self.connector: KVConnectorBase = self.container.connector()
         if isinstance(self, SupportsHMA) and not supports_hma(self.connector):
+            self.container.shutdown_resources()
             raise VLLMConfigError(
                 f"KVWireHMAConnector: the wrapped {type(self.connector).__name__} does not "
                 "support the hybrid KV cache manager; use KVWireConnector with "
                 "--disable-hybrid-kv-cache-manager"
             )
-        self._block_size = engine_config.cache_config.block_size
         # Scheduler side.
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
-        self._block_tokens = BlockTokens(self._block_size)
+        self._block_tokens = BlockTokens(engine_config.cache_config.block_size)
         self._live: dict[str, tuple[Any, int]] = {}
         self._kept_blocks: set[str] = set()
         # Worker side.
