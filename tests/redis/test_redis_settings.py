@@ -253,7 +253,8 @@ def test_a_url_given_as_a_list_is_shown_with_its_password_blanked() -> None:
         RedisStoreSettings.from_extra_config({"url": ["redis://:pw-in-a-list@cache/0"]})
 
     assert str(caught.value).endswith(
-        "url: expected a redis://, rediss:// or unix:// URL, got ['redis://:***@cache/0']"
+        "url: expected a redis://, rediss:// or unix:// URL, or redis+cluster:// "
+        "(rediss+cluster://) with a cluster's seed nodes, got ['redis://:***@cache/0']"
     )
 
 

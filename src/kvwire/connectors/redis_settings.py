@@ -11,12 +11,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import attrs
 import redis
 
 from kvwire.connectors.extra_config import parse_size
+from kvwire.connectors.redis_cluster_url import (
+    ClusterSeed,
+    cluster_seeds,
+    cluster_url_problems,
+    is_cluster_url,
+)
 from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import redact_text, shown
 
@@ -111,6 +117,30 @@ class RedisStoreSettings:
         return cls(**values)
 
     @property
+    def is_cluster(self) -> bool:
+        """True for a ``redis+cluster://`` URL: keys are spread over the cluster's masters."""
+        return is_cluster_url(self.url)
+
+    @property
+    def cluster_seeds(self) -> list[ClusterSeed]:
+        """The nodes a cluster URL names (empty for a single server)."""
+        return cluster_seeds(self.url) if self.is_cluster else []
+
+    def node_settings(self, host: str, port: int) -> RedisStoreSettings:
+        """These settings for one cluster node: its own URL, the cluster URL's credentials."""
+        parsed = urlparse(self.url)
+        scheme = "rediss" if self.url.startswith("rediss") else "redis"
+        username = self.username
+        if username is None and parsed.username:
+            username = unquote(parsed.username)
+        password = self.password
+        if password is None and parsed.password:
+            password = unquote(parsed.password)
+        return attrs.evolve(
+            self, url=f"{scheme}://{host}:{port}/0", username=username, password=password
+        )
+
+    @property
     def display_url(self) -> str:
         """The URL with any password replaced by ``***``: safe to log."""
         return self.redact(self.url)
@@ -149,7 +179,10 @@ class RedisStoreSettings:
 
 
 _EXPECTED: dict[str, str] = {
-    "url": "a redis://, rediss:// or unix:// URL",
+    "url": (
+        "a redis://, rediss:// or unix:// URL, or redis+cluster:// (rediss+cluster://) "
+        "with a cluster's seed nodes"
+    ),
     "username": "an ACL user name (string) or null",
     "password": "a string or null",
     "db": "a database number >= 0 or null",
@@ -215,11 +248,16 @@ def _converted(name: str, value: Any) -> Any:
 
 def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
     where = f"{EXTRA_CONFIG}.url"
+    if is_cluster_url(url):
+        problems = cluster_url_problems(url, where)
+        if explicit_db:
+            problems.append(f"{EXTRA_CONFIG}.db: a cluster has only database 0; leave db out")
+        return problems
     parsed = urlparse(url)
     if parsed.scheme not in _SCHEMES:
         return [
-            f"{where}: scheme must be one of redis://, rediss://, unix://, "
-            f"got {shown(parsed.scheme)}"
+            f"{where}: scheme must be one of redis://, rediss://, unix://, redis+cluster://, "
+            f"rediss+cluster://, got {shown(parsed.scheme)}"
         ]
     if "@" in url.partition("://")[2] and "@" not in parsed.netloc:
         # An '@' past the host: a password holding '/', '?' or '#' ends the
@@ -271,13 +309,15 @@ def _blank(text: str, secrets: list[str] | None = None) -> str:
 
 def _tls_problems(values: Mapping[str, Any]) -> list[str]:
     problems = []
-    uses_tls = str(values.get("url", "")).startswith("rediss://")
+    uses_tls = str(values.get("url", "")).startswith(("rediss://", "rediss+cluster://"))
     for name in ("tls_ca_certs", "tls_certfile", "tls_keyfile"):
         path = values.get(name)
         if path is None:
             continue
         if not uses_tls:
-            problems.append(f"{EXTRA_CONFIG}.{name}: only used with a rediss:// url")
+            problems.append(
+                f"{EXTRA_CONFIG}.{name}: only used with a rediss:// url (or rediss+cluster://)"
+            )
         elif not os.path.isfile(path):
             problems.append(f"{EXTRA_CONFIG}.{name}: no file at {shown(path)}; expected a PEM file")
     return problems

@@ -1,0 +1,76 @@
+"""``redis+cluster://`` URLs: the seed nodes of a Redis Cluster (or Valkey cluster).
+
+``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
+for TLS) names one or more nodes of a cluster. Any one that answers is
+enough: the store asks it for the slot map (``CLUSTER SLOTS``, through
+redis-py's ``RedisCluster``) and finds every master from there, so a few seeds
+on different machines let the store start while some are down. A cluster
+has only database 0, so the URL names no other.
+
+The seeds are parsed here by hand: ``urllib.parse`` reads one host per URL.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvwire.redaction import shown
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+@attrs.frozen
+class ClusterSeed:
+    """One node named by a cluster URL."""
+
+    host: str
+    port: int
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0] in CLUSTER_SCHEMES
+
+
+def cluster_url_problems(url: str, where: str) -> list[str]:
+    """What is wrong with a ``redis+cluster://`` URL, each naming ``where``; none if it is good."""
+    _, _, rest = url.partition("://")
+    hosts, _, path = _after_credentials(rest).partition("/")
+    problems = []
+    path, _, query = path.partition("?")
+    if "?" in hosts:
+        hosts, _, query = hosts.partition("?")
+    if path.strip("/") not in ("", "0") or "db=" in query:
+        problems.append(f"{where}: a cluster has only database 0; name no other")
+    elif query:
+        problems.append(
+            f"{where}: a cluster URL takes no query options; give them as "
+            "kv_connector_extra_config keys"
+        )
+    if not hosts:
+        problems.append(f"{where}: no seed node, e.g. redis+cluster://10.0.0.1:7000,10.0.0.2:7000")
+    for seed in hosts.split(",") if hosts else []:
+        host, colon, port = seed.rpartition(":")
+        if not colon or not host:
+            problems.append(f"{where}: seed {shown(seed)} must be host:port")
+        elif not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(
+                f"{where}: seed {shown(seed)}: the port must be a number between 1 and 65535"
+            )
+    return problems
+
+
+def cluster_seeds(url: str) -> list[ClusterSeed]:
+    """The seed nodes of a valid cluster URL, in the order given."""
+    _, _, rest = url.partition("://")
+    hosts = _after_credentials(rest).partition("/")[0].partition("?")[0]
+    seeds = []
+    for seed in hosts.split(","):
+        host, _, port = seed.rpartition(":")
+        seeds.append(ClusterSeed(host.strip("[]"), int(port)))
+    return seeds
+
+
+def _after_credentials(rest: str) -> str:
+    # The last '@' before the path ends the credentials: a password may hold one.
+    authority = rest.partition("/")[0]
+    return rest[authority.rfind("@") + 1 :]

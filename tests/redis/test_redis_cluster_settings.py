@@ -1,0 +1,110 @@
+"""Cluster URLs (redis+cluster://seed,seed): read and validated without connecting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.config import KVTransferConfig
+from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.redis_cluster_url import ClusterSeed
+from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
+
+
+def test_a_cluster_url_names_its_seed_nodes_in_order() -> None:
+    settings = RedisStoreSettings.from_extra_config(
+        {"url": "redis+cluster://10.0.0.1:7000,cache-2.internal:7001"}
+    )
+
+    assert settings.is_cluster
+    assert settings.cluster_seeds == [
+        ClusterSeed("10.0.0.1", 7000),
+        ClusterSeed("cache-2.internal", 7001),
+    ]
+
+
+def test_a_single_server_url_is_not_a_cluster() -> None:
+    settings = RedisStoreSettings.from_extra_config({"url": "redis://cache:6379/0"})
+
+    assert not settings.is_cluster
+    assert settings.cluster_seeds == []
+
+
+def test_each_node_gets_its_own_url_and_the_cluster_urls_credentials() -> None:
+    settings = RedisStoreSettings.from_extra_config(
+        {"url": "rediss+cluster://kv:p%40ss@10.0.0.1:7000,10.0.0.2:7000", "tls_verify": False}
+    )
+
+    node = settings.node_settings("10.0.0.3", 7002)
+
+    assert node.url == "rediss://10.0.0.3:7002/0"
+    assert (node.username, node.password) == ("kv", "p@ss")
+    assert not node.is_cluster
+    assert node.tls_verify is False
+
+
+def test_a_seed_without_a_port_is_named_in_the_error() -> None:
+    with pytest.raises(RedisSettingsError, match=r"url: seed 'cache-2' must be host:port"):
+        RedisStoreSettings.from_extra_config({"url": "redis+cluster://cache-1:7000,cache-2"})
+
+
+def test_a_seed_with_a_bad_port_is_named_with_the_accepted_range() -> None:
+    with pytest.raises(RedisSettingsError, match=r"seed 'c:99999': the port must be a number"):
+        RedisStoreSettings.from_extra_config({"url": "redis+cluster://c:99999"})
+
+
+def test_a_cluster_url_without_seeds_shows_an_example() -> None:
+    with pytest.raises(RedisSettingsError, match=r"url: no seed node, e.g. redis\+cluster://"):
+        RedisStoreSettings.from_extra_config({"url": "redis+cluster://"})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({"url": "redis+cluster://c:7000/2"}, id="database-in-the-path"),
+        pytest.param({"url": "redis+cluster://c:7000", "db": 1}, id="db-key"),
+    ],
+)
+def test_a_cluster_refuses_any_database_but_0(extra: dict[str, object]) -> None:
+    with pytest.raises(RedisSettingsError, match=r"a cluster has only database 0"):
+        RedisStoreSettings.from_extra_config(extra)
+
+
+def test_tls_files_are_accepted_only_with_a_rediss_cluster_url() -> None:
+    with pytest.raises(RedisSettingsError, match=r"tls_ca_certs: only used with a rediss://"):
+        RedisStoreSettings.from_extra_config(
+            {"url": "redis+cluster://c:7000", "tls_ca_certs": "/etc/ca.pem"}
+        )
+
+
+def test_the_cluster_password_is_blanked_in_the_display_url() -> None:
+    settings = RedisStoreSettings.from_extra_config(
+        {"url": "redis+cluster://kv:hunter2@c1:7000,c2:7000"}
+    )
+
+    assert "hunter2" not in settings.display_url
+    assert "hunter2" not in repr(settings)
+
+
+def test_the_connector_checks_a_cluster_url_without_connecting() -> None:
+    # Port 1 on a name that does not resolve: only validation can pass or fail here.
+    config = KVTransferConfig(
+        kv_connector="RedisConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"url": "redis+cluster://nowhere.invalid:1,nowhere.invalid:2"},
+    )
+
+    options = RedisConnector.read_options(config)
+
+    assert options["redis_settings"].is_cluster
+
+
+def test_the_connector_names_the_key_of_a_bad_cluster_url() -> None:
+    config = KVTransferConfig(
+        kv_connector="RedisConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"url": "redis+cluster://c:7000?socket_timeout=1"},
+    )
+
+    with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.url: a cluster URL"):
+        RedisConnector.read_options(config)
