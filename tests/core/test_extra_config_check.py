@@ -225,7 +225,7 @@ BAD_EXTRA_CONFIGS = [
         {"url": "http://cache.internal:6379/0"},
         "RedisConnector: invalid Redis settings:\n"
         "  kv_connector_extra_config.url: scheme must be one of redis://, rediss://, unix://, "
-        "got 'http'",
+        "redis+cluster://, rediss+cluster://, got 'http'",
         id="redis-url",
     ),
     pytest.param(

@@ -25,6 +25,9 @@ from pytest_redis.executor import RedisExecutor
 
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
+from tests.redis.cluster_fixtures import fault_cluster, redis_cluster
+
+__all__ = ["fault_cluster", "redis_cluster"]  # fixtures for the cluster tests
 
 TLS_DIR = pathlib.Path(__file__).parent / "tls"
 

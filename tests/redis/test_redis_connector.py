@@ -41,7 +41,10 @@ def test_a_bad_url_is_reported_without_its_password() -> None:
     with pytest.raises(ExtraConfigError) as raised:
         _connector("http://kv:hunter2-secret@cache:6379/0")
 
-    assert "scheme must be one of redis://, rediss://, unix://, got 'http'" in str(raised.value)
+    assert (
+        "scheme must be one of redis://, rediss://, unix://, redis+cluster://, "
+        "rediss+cluster://, got 'http'"
+    ) in str(raised.value)
     assert "hunter2-secret" not in str(raised.value)
 
 

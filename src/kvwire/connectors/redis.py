@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvwire.connectors.extra_config import ExtraConfigError, ExtraConfigKey
+from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.connectors.store import BlockStore
@@ -124,11 +125,14 @@ class RedisConnector(StoreConnector):
         return {**options, _SETTINGS: settings}
 
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
-        self._redis_store = RedisBlockStore(options[_SETTINGS])
+        settings: RedisStoreSettings = options[_SETTINGS]
+        self._redis_store: RedisBlockStore | RedisClusterBlockStore = (
+            RedisClusterBlockStore(settings) if settings.is_cluster else RedisBlockStore(settings)
+        )
         return self._redis_store
 
     @property
-    def redis_store(self) -> RedisBlockStore:
+    def redis_store(self) -> RedisBlockStore | RedisClusterBlockStore:
         return self._redis_store
 
     def store_counters(self) -> Mapping[str, float]:

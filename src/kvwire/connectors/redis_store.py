@@ -193,7 +193,9 @@ class RedisBlockStore(BlockStore):
                 return stored
             rejected: BaseException | None = None
             for index, reply in zip(batch, replies, strict=True):
-                if isinstance(reply, redis.exceptions.ResponseError):
+                if isinstance(reply, redis.exceptions.ResponseError) and not self._redirected(
+                    reply
+                ):
                     # e.g. OOM under maxmemory with noeviction: this value, not the server.
                     rejected = reply
                     self._count("saves_rejected", 1)
@@ -263,6 +265,8 @@ class RedisBlockStore(BlockStore):
     def _size_of(self, reply: int | redis.exceptions.ResponseError | None) -> int | None:
         """The bytes a GET reply put in its buffer; None for a miss or a refusal (counted)."""
         if isinstance(reply, redis.exceptions.ResponseError):
+            if self._redirected(reply):
+                return None
             # e.g. WRONGTYPE, or NOPERM from an ACL: a failure the operator must see.
             self._count("loads_refused", 1)
             self._outage.warn(
@@ -274,6 +278,16 @@ class RedisBlockStore(BlockStore):
             self._count("loads_oversized", 1)
             return None
         return reply  # None is a miss: the caller reports it
+
+    def _redirected(self, reply: redis.exceptions.ResponseError) -> bool:
+        """Whether an error reply only says the key lives on another server (a cluster's MOVED).
+
+        A single server never says so; a cluster node's store (see
+        :mod:`kvwire.connectors.redis_cluster_store`) does: there the reply
+        is a stale slot map, not a refusal to warn about. The key then counts
+        as not stored, or missing.
+        """
+        return False
 
     def _get_stream(
         self, names: list[str], buffers: Sequence[memoryview], deadline: Deadline

@@ -1,0 +1,86 @@
+"""The Redis connector on a Redis Cluster inside the reference engine, and across two engines.
+
+The invariant of the single-server tests holds here: every request finishes
+with the tokens of the same engine without a connector.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from kvwire.engine.engine import GenerationRequest
+from tests.redis.cluster_fixtures import LocalCluster
+from tests.redis.engines import (
+    BLOCK_SIZE,
+    distinct_prompt_blocks,
+    generate,
+    generate_with_stats,
+    shared_prefix_workload,
+    tiny_config,
+    tokens,
+    with_redis,
+)
+from tests.redis.test_disaggregated_prefill import PROMPT_LEN
+from tests.redis.test_disaggregated_prefill import _run_engine as run_engine
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[GenerationRequest]:
+    return shared_prefix_workload()
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
+    return tokens(generate(tiny_config(), workload))
+
+
+def test_a_second_engine_loads_every_prompt_block_from_the_cluster(
+    redis_cluster: LocalCluster,
+    key_prefix: str,
+    workload: list[GenerationRequest],
+    expected_tokens: list[tuple[int, ...]],
+) -> None:
+    config = with_redis(tiny_config(), redis_cluster.url, key_prefix)
+    assert tokens(generate(config, workload)) == expected_tokens
+
+    outputs, stats = generate_with_stats(config, workload)
+
+    assert tokens(outputs) == expected_tokens
+    assert stats["blocks_loaded"] == distinct_prompt_blocks(workload, BLOCK_SIZE)
+    assert stats.get("load_errors", 0) == 0
+    assert all(output.local_cached_tokens + output.external_tokens == 28 for output in outputs)
+
+
+def test_an_engines_blocks_are_spread_over_every_master(
+    redis_cluster: LocalCluster, key_prefix: str, workload: list[GenerationRequest]
+) -> None:
+    generate(with_redis(tiny_config(), redis_cluster.url, key_prefix), workload)
+
+    held = [len(node.client().keys(f"{key_prefix}*")) for node in redis_cluster.masters()]
+
+    assert len(held) == 3
+    # 17 distinct prompt blocks and the full blocks of the outputs, by slot.
+    assert all(count > 0 for count in held), held
+    assert sum(held) >= distinct_prompt_blocks(workload, BLOCK_SIZE)
+
+
+@pytest.mark.slow
+def test_the_decode_engine_continues_from_the_prefill_engines_blocks_on_a_cluster(
+    redis_cluster: LocalCluster, key_prefix: str, tmp_path: pathlib.Path
+) -> None:
+    cluster = ["--redis-url", redis_cluster.url, "--key-prefix", key_prefix]
+
+    prefill = run_engine("prefill", tmp_path, *cluster)
+    decode = run_engine("decode", tmp_path, *cluster)
+    single = run_engine("single", tmp_path)
+
+    assert [r["output_token_ids"] for r in decode["requests"]] == [
+        r["output_token_ids"] for r in single["requests"]
+    ]
+    assert all(len(r["output_token_ids"]) == 1 for r in prefill["requests"])
+    block_size = 16
+    full_blocks = (PROMPT_LEN - 1) // block_size
+    assert [r["external_tokens"] for r in decode["requests"]] == [full_blocks * block_size] * 3
+    assert decode["connector_stats"]["blocks_loaded"] == 3 * full_blocks
