@@ -151,6 +151,19 @@ class LocalCluster:
         """The running nodes that serve slots now (after a failover, a promoted replica)."""
         return [node for node in self.nodes if node.running and node.role() == "master"]
 
+    def node_of_key(self, name: str) -> ClusterNode:
+        """The master serving ``name``'s slot now."""
+        asked = self.masters()[0]
+        slot = int(asked.client().execute_command("CLUSTER", "KEYSLOT", name))
+        owner = next(address for start, end, address in _slot_owners(asked) if start <= slot <= end)
+        return next(node for node in self.nodes if node.address == owner)
+
+    def rejoin(self, node: ClusterNode) -> None:
+        """Start a killed node again: its nodes.conf makes it a replica of whoever took over."""
+        node.start()
+        self._wait(lambda: _answers(node), f"{node.address} to answer PING")
+        self.wait_until_healthy()
+
     def move_keys_slots(self, source: ClusterNode, target: ClusterNode, pattern: str) -> int:
         """Move the slots of ``source``'s keys matching ``pattern`` to ``target``, keys and all.
 

@@ -352,8 +352,9 @@ class RedisClusterBlockStore(BlockStore):
             if self._closed.is_set():
                 return
             self._refresh_wanted.clear()
-            if not self._load_slot_map():
-                # Ask again: the next attempt comes after the retry interval.
+            if not self._load_slot_map() or not self.is_available:
+                # Ask again after the retry interval: until a replica has
+                # taken over, the map still names the master that is down.
                 self._refresh_wanted.set()
             self._closed.wait(self._settings.retry_interval_s)
 
