@@ -70,6 +70,22 @@ def test_a_cluster_refuses_any_database_but_0(extra: dict[str, object]) -> None:
         RedisStoreSettings.from_extra_config(extra)
 
 
+def test_a_key_prefix_with_a_hash_tag_is_refused_on_a_cluster() -> None:
+    with pytest.raises(RedisSettingsError, match=r"key_prefix: a \{hash tag\} would put every"):
+        RedisStoreSettings.from_extra_config(
+            {"url": "redis+cluster://c:7000", "key_prefix": "kv:{fleet}:"}
+        )
+
+
+def test_braces_that_are_no_hash_tag_are_accepted_on_a_cluster() -> None:
+    # An empty {} is no hash tag: Redis Cluster then hashes the whole key.
+    settings = RedisStoreSettings.from_extra_config(
+        {"url": "redis+cluster://c:7000", "key_prefix": "kv:{}:"}
+    )
+
+    assert settings.key_prefix == "kv:{}:"
+
+
 def test_tls_files_are_accepted_only_with_a_rediss_cluster_url() -> None:
     with pytest.raises(RedisSettingsError, match=r"tls_ca_certs: only used with a rediss://"):
         RedisStoreSettings.from_extra_config(

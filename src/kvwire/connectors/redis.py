@@ -10,7 +10,9 @@ threads, every entry verified before it reaches the cache); the medium is
 :class:`~kvwire.connectors.store_connector.StoreConnector`
 (see :class:`~kvwire.connectors.redis_settings.RedisStoreSettings`):
 
-- ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path``;
+- ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path``
+  for one server; ``redis+cluster://host:port[,host:port...]`` (or
+  ``rediss+cluster://``) for a Redis Cluster or Valkey cluster (see below);
 - ``username``, ``password`` or ``password_env`` (the name of an environment
   variable holding it: keeps the secret out of profiles), ``db``;
 - ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
@@ -49,6 +51,20 @@ back. Beside the store-backed connector's counters, the stats report
 value longer than its entry: refused from its length, never read into memory,
 warned about and deleted like a corrupt entry) and ``redis_loads_refused``
 (e.g. ``NOPERM``), each only when not zero.
+
+A cluster URL names seed nodes: any node of the cluster, the URL's
+credentials used for every node (what redis-py's ``RedisCluster`` is given as
+``startup_nodes``; one that answers is enough). Keys are spread over every
+master by hash slot, so ``key_prefix`` may hold no ``{hash tag}``, and there is
+no database but 0. Each call sends each master its keys (same pipelines,
+zero-copy reads, deadlines, ``pool_size`` connections per master), the masters
+in parallel (see :mod:`kvwire.connectors.redis_cluster_store`). When a master
+dies, its keys are misses, dropped saves or load errors (the other masters'
+keys still hit) until its replica takes over; the store then finds the new
+master by itself (it asks for the slot map every ``retry_interval_s`` while a
+master is down, and at once on ``MOVED``), and those keys hit again if the
+replica had them. Slots moved between masters (resharding) are followed the
+same way; no call ever waits for a new map.
 
 KV cache events (medium ``redis``): ``BlockStored`` for the blocks a save
 stored, ``BlockRemoved`` for corrupt or too-long values a load found and

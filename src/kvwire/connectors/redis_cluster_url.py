@@ -31,6 +31,17 @@ def is_cluster_url(url: str) -> bool:
     return url.partition("://")[0] in CLUSTER_SCHEMES
 
 
+def has_hash_tag(key_prefix: str) -> bool:
+    """Whether keys under ``key_prefix`` would all hash by a ``{tag}`` (one slot for them all).
+
+    Redis Cluster hashes only what lies between the first ``{`` and the next
+    ``}`` when that is not empty.
+    """
+    start = key_prefix.find("{")
+    end = key_prefix.find("}", start + 1)
+    return start != -1 and end > start + 1
+
+
 def cluster_url_problems(url: str, where: str) -> list[str]:
     """What is wrong with a ``redis+cluster://`` URL, each naming ``where``; none if it is good."""
     _, _, rest = url.partition("://")

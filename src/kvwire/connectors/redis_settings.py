@@ -21,6 +21,7 @@ from kvwire.connectors.redis_cluster_url import (
     ClusterSeed,
     cluster_seeds,
     cluster_url_problems,
+    has_hash_tag,
     is_cluster_url,
 )
 from kvwire.memory_limits import describe_bytes, memory_shortfall
@@ -111,6 +112,12 @@ class RedisStoreSettings:
                 values["password"] = os.environ[password_env]
         if "url" in values:
             problems.extend(_url_problems(values["url"], explicit_db="db" in values))
+            if is_cluster_url(values["url"]) and has_hash_tag(values.get("key_prefix", "")):
+                problems.append(
+                    f"{EXTRA_CONFIG}.key_prefix: a {{hash tag}} would put every block in one "
+                    "slot, on one master; use a prefix without a {...} pair, "
+                    f"got {shown(values['key_prefix'])}"
+                )
         problems.extend(_tls_problems(values))
         if problems:
             raise RedisSettingsError("invalid Redis settings:\n  " + "\n  ".join(problems))
