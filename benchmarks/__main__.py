@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 
-BENCHMARKS = ("engine", "connectors", "redis", "mac", "vllm")
+BENCHMARKS = ("engine", "connectors", "redis", "redis-cluster", "mac", "vllm")
 # vllm needs vLLM, which lives in its own venv (.venv-vllm): run it by name there.
 DEFAULT_BENCHMARKS = tuple(
     name for name in BENCHMARKS if name != "vllm" or importlib.util.find_spec("vllm") is not None
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     summary = {}
     for name in args.only:
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
         print(f"== {name}", flush=True)
         summary[name] = module.run(args.output_dir, args.quick)
     (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
