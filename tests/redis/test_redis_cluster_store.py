@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -141,3 +143,28 @@ def test_seeds_that_never_answer_make_every_call_a_miss_not_an_error() -> None:
         }
     finally:
         store.close()
+
+
+def test_a_slot_map_that_cannot_be_fetched_is_warned_about_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvwire.connectors.redis_cluster_store")
+    store = RedisClusterBlockStore(
+        RedisStoreSettings(
+            url="redis+cluster://kv:hunter2@127.0.0.1:1",
+            retry_interval_s=0.001,
+            warning_interval_s=60.0,
+        )
+    )
+    try:
+        # Every call asks for the map again; the refresher retries every millisecond.
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            store.count_prefix(["a"])
+    finally:
+        store.close()
+
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1
+    assert "no slot map" in warnings[0]
+    assert "hunter2" not in warnings[0]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,6 +109,7 @@ class RedisClusterBlockStore(BlockStore):
         self._closed = threading.Event()
         self._refresh_wanted = threading.Event()
         self._map_version = 0
+        self._last_map_warning = -float("inf")
         self._fan_out = concurrent.futures.ThreadPoolExecutor(
             max_workers=settings.pool_size, thread_name_prefix="kvwire-redis-cluster"
         )
@@ -368,12 +370,16 @@ class RedisClusterBlockStore(BlockStore):
                 cluster.nodes_manager.initialize()
             slots = dict(cluster.nodes_manager.slots_cache)
         except _MAP_ERRORS as error:
-            text = self._settings.redact(f"{type(error).__name__}: {error}")
-            logger.warning(
-                "Redis cluster at %s: no slot map (%s); its keys are misses until one is fetched",
-                self._settings.display_url,
-                text,
-            )
+            now = time.monotonic()
+            # The fetch is retried every retry_interval_s: one warning per
+            # warning_interval_s says it all.
+            if now - self._last_map_warning >= self._settings.warning_interval_s:
+                self._last_map_warning = now
+                logger.warning(
+                    "Redis cluster at %s: no slot map (%s); keys are misses until one is fetched",
+                    self._settings.display_url,
+                    self._settings.redact(f"{type(error).__name__}: {error}"),
+                )
             return False
         owners: list[str | None] = [None] * _SLOTS
         for slot, nodes in slots.items():
