@@ -112,6 +112,19 @@ def test_clear_removes_the_prefix_from_every_master(
         assert node.client().keys(store.settings.key_prefix + "*") == []
 
 
+def test_a_fresh_store_clears_what_another_saved_on_every_master(
+    make_cluster_store: Callable[..., RedisClusterBlockStore],
+) -> None:
+    saver = make_cluster_store()
+    keys, values = entries(30)
+    saver.put(keys, values)
+
+    fresh = make_cluster_store(key_prefix=saver.settings.key_prefix)
+
+    assert fresh.clear() == 30
+    assert saver.count_prefix(keys) == 0
+
+
 def test_corrupt_values_found_on_any_master_are_reported_removed(
     make_cluster_store: Callable[..., RedisClusterBlockStore],
 ) -> None:

@@ -388,8 +388,12 @@ class RedisClusterBlockStore(BlockStore):
         with self._lock:
             self._owners = owners
             self._map_version += 1
-            current = set(owners)
+            current = {owner for owner in owners if owner is not None}
             retired = [name for name in self._nodes if name not in current]
+            for owner in current:
+                # Every master has its store from the start: clear() and
+                # is_available cover the masters no call has used yet.
+                self._node_store(owner)
             stores = [self._nodes.pop(name) for name in retired]
             for store in stores:
                 # Its counters and removed keys still count after it is gone.
