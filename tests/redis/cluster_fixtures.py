@@ -122,6 +122,8 @@ class LocalCluster:
         return "redis+cluster://" + ",".join(node.address for node in self.nodes)
 
     def start(self) -> None:
+        if SERVER_EXECUTABLE is None or CLI_EXECUTABLE is None:
+            raise RuntimeError("redis-server and redis-cli are needed: run `make redis-server`")
         for node in self.nodes:
             node.start()
         self._wait(lambda: all(_answers(node) for node in self.nodes), "nodes to answer PING")
