@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -81,6 +82,15 @@ class ClusterNode:
         if self.process is not None:
             self.process.kill()
             self.process.wait(timeout=_STOP_TIMEOUT_S)
+
+    def pause(self) -> None:
+        """SIGSTOP: the node hangs, connections stay open and nothing answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -99,6 +99,35 @@ def test_a_dead_masters_keys_are_misses_at_once_and_the_others_still_load(
     fault_cluster.rejoin(victim)
 
 
+def test_a_hung_master_costs_a_load_its_deadline_and_the_other_masters_keys_load(
+    fault_cluster: LocalCluster, key_prefix: str
+) -> None:
+    store = RedisClusterBlockStore(
+        RedisStoreSettings(url=fault_cluster.url, key_prefix=key_prefix, load_timeout_s=0.5)
+    )
+    keys = [f"layout/{index:03d}" for index in range(30)]
+    values = [memoryview(bytes([index]) * 1024) for index in range(30)]
+    hung = fault_cluster.masters()[0]
+    try:
+        store.put(keys, values)
+        on_hung = {key for key in keys if fault_cluster.node_of_key(key_prefix + key) is hung}
+        buffers = [memoryview(bytearray(1024)) for _ in keys]
+        hung.pause()
+        try:
+            started = time.monotonic()
+            sizes = store.get_into(keys, buffers)
+            elapsed = time.monotonic() - started
+        finally:
+            hung.resume()
+
+        assert 0 < len(on_hung) < len(keys)
+        assert [size is None for size in sizes] == [key in on_hung for key in keys]
+        assert 0.5 <= elapsed < 2.0
+    finally:
+        store.close()
+    fault_cluster.wait_until_healthy()
+
+
 def test_a_master_killed_mid_run_leaves_outputs_identical_and_hits_resume_after_failover(
     fault_cluster: LocalCluster, key_prefix: str
 ) -> None:
