@@ -59,6 +59,8 @@ class ClusterNode:
             # Nothing on disk: a killed node comes back empty, and fast.
             "save": "",
             "appendonly": "no",
+            # A replica syncs at once (the default waits 5 s for more replicas).
+            "repl-diskless-sync-delay": "0",
             "dir": str(self.directory),
         }
         arguments = [str(SERVER_EXECUTABLE)]
@@ -203,12 +205,20 @@ class LocalCluster:
         return len(slots)
 
     def wait_until_healthy(self, timeout_s: float = _START_TIMEOUT_S) -> None:
-        """Until every running node says ``cluster_state:ok`` and all agree on the slot owners."""
+        """Until every running node says ``cluster_state:ok``, every replica is in sync with
+        its master, and all agree on the slot owners."""
 
         def healthy() -> bool:
             running = [node for node in self.nodes if node.running]
             try:
                 if any(node.info().get("cluster_state") != "ok" for node in running):
+                    return False
+                # Every replica has synced with its master: it could take over.
+                replication = [node.client().info("replication") for node in running]
+                if any(
+                    info["role"] == "slave" and info.get("master_link_status") != "up"
+                    for info in replication
+                ):
                     return False
                 maps = {_slot_owners(node) for node in running}
             except redis.RedisError:

@@ -58,7 +58,18 @@ def fresh_requests(seed: int, tag: str) -> list[GenerationRequest]:
 def replicate(cluster: LocalCluster) -> None:
     """Wait until every master's replica has every write (so a killed master loses none)."""
     for node in cluster.masters():
-        node.client().execute_command("WAIT", 1, 5000)
+        assert node.client().execute_command("WAIT", 1, 5000) >= 1, f"{node.address} unreplicated"
+
+
+def wait_until_every_key_loads(
+    store: RedisClusterBlockStore, keys: list[str], buffers: list[memoryview]
+) -> None:
+    """Hits resume once the store has the new slot map; fail if they do not within 10 s."""
+    deadline = time.monotonic() + 10.0
+    while store.get_into(keys, buffers) != [buffer.nbytes for buffer in buffers]:
+        if time.monotonic() > deadline:
+            raise AssertionError("not every key loads 10 s after the failover")
+        time.sleep(0.01)
 
 
 def test_a_dead_masters_keys_are_misses_at_once_and_the_others_still_load(
@@ -92,8 +103,8 @@ def test_a_dead_masters_keys_are_misses_at_once_and_the_others_still_load(
         assert store.take_counters()["redis_load_failures"] == len(on_victim)
         # Once the replica has taken over, the store finds it: every key loads.
         fault_cluster.wait_until_healthy()
-        wait_until_available(store)
-        assert store.get_into(keys, buffers) == [1024] * len(keys)
+        wait_until_every_key_loads(store, keys, buffers)
+        assert [bytes(buffer) for buffer in buffers] == [bytes(value) for value in values]
     finally:
         store.close()
     fault_cluster.rejoin(victim)
