@@ -11,7 +11,19 @@ pass's prompts are computed again (no connector) or loaded from the
 connector. A prompt's time to first token is the wall time of a one-token
 ``generate()`` of that prompt alone; the table gives the p50 over the
 prompts, and every configuration's warm tokens are checked against no
-connector's.
+connector's. A connector's warm pass is run 3 times (its prefix cache emptied
+before each), so that a burst of other load on a shared machine moves its p50
+less.
+
+Two models: a GQA one (2 KV heads, 8 KiB of KV per token) and an MHA one
+(KV heads = attention heads as in Llama-2-7B, twice the layers: 64 KiB per
+token, 8 times the KV to load for the same prompt). A row "vLLM prefix
+cache" is the no-connector engine's last passes (3), with its prefix cache kept:
+nothing is loaded, only the prompt's last block is computed again, which
+every connector's warm pass must compute too: the floor no connector can
+go below. ``load_wait_ms_p50`` is the time the engine's thread spent in the
+connector's ``start_load_kv`` and ``wait_for_layer_load`` (the load as the
+forward pass sees it).
 """
 
 from __future__ import annotations
@@ -34,10 +46,13 @@ CONFIGURATIONS = (
     "kvwire CPU offload",
     "kvwire shared storage",
 )
+FLOOR = "vLLM prefix cache"
+WARM_ROUNDS = 3
 BLOCK_SIZE = 32
 VOCAB = 4096
+BYTES_PER_VALUE = 4  # float32
 # Prefill of a 2k-token prompt takes about a second on two cores: it dominates the TTFT.
-MODEL_SHAPE = {
+GQA_SHAPE = {
     "vocab_size": VOCAB,
     "hidden_size": 512,
     "intermediate_size": 1408,
@@ -45,6 +60,16 @@ MODEL_SHAPE = {
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
 }
+# KV heads = attention heads, as in Llama-2-7B, and twice the layers.
+MHA_SHAPE = GQA_SHAPE | {"num_hidden_layers": 16, "num_key_value_heads": 8}
+MODELS = {"GQA, 8 layers": GQA_SHAPE, "MHA, 16 layers": MHA_SHAPE}
+
+
+def kv_bytes_per_token(shape: dict[str, int]) -> int:
+    head_size = shape["hidden_size"] // shape["num_attention_heads"]
+    return (
+        2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_size * BYTES_PER_VALUE
+    )
 
 
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
@@ -57,48 +82,80 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         ) from error
     prompt_tokens = 1024 if quick else 2048
     num_prompts = 3 if quick else 5
-    with tempfile.TemporaryDirectory(prefix="kvwire-vllm-bench-") as scratch:
-        root = pathlib.Path(scratch)
-        model = build_model(root / "model", quick)
-        prompts = [
-            [(index * 7919 + position * 31) % (VOCAB - 3) + 3 for position in range(prompt_tokens)]
-            for index in range(num_prompts)
-        ]
-        results = {name: run_engine_process(name, model, prompts, root) for name in CONFIGURATIONS}
-    baseline = results["no connector"]
-    summary: dict[str, Any] = {
-        "model": MODEL_SHAPE | ({"num_hidden_layers": 4} if quick else {}),
-        "prompt_tokens": prompt_tokens,
-        "prompts": num_prompts,
-        "configurations": {},
-    }
-    for name, result in results.items():
-        summary["configurations"][name] = {
-            "cold_ttft_p50_s": statistics.median(result["cold_seconds"]),
-            "warm_ttft_p50_s": statistics.median(result["warm_seconds"]),
-            "warm_cached_tokens": result["warm_cached"],
-            "warm_tokens_equal_no_connector": result["warm_tokens"] == baseline["warm_tokens"],
-            "kvwire_blocks_loaded": result["kvwire_stats"].get("blocks_loaded", 0),
-            "kvwire_load_errors": result["kvwire_stats"].get("load_errors", 0),
-        }
-    no_connector = summary["configurations"]["no connector"]["warm_ttft_p50_s"]
-    example = summary["configurations"]["vLLM ExampleConnector"]["warm_ttft_p50_s"]
-    for entry in summary["configurations"].values():
-        entry["warm_vs_no_connector"] = entry["warm_ttft_p50_s"] / no_connector
-        entry["warm_vs_example_connector"] = entry["warm_ttft_p50_s"] / example
+    prompts = [
+        [(index * 7919 + position * 31) % (VOCAB - 3) + 3 for position in range(prompt_tokens)]
+        for index in range(num_prompts)
+    ]
+    summary: dict[str, Any] = {"prompt_tokens": prompt_tokens, "prompts": num_prompts, "models": {}}
+    for model_name, full_shape in MODELS.items():
+        shape = full_shape | ({"num_hidden_layers": 4} if quick else {})
+        print(f"  {model_name}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvwire-vllm-bench-") as scratch:
+            root = pathlib.Path(scratch)
+            model = build_model(root / "model", shape)
+            prompt_kv_bytes = kv_bytes_per_token(shape) * prompt_tokens
+            results = {
+                name: run_engine_process(
+                    name, model, prompts, root, prompt_kv_bytes * num_prompts, prompt_kv_bytes
+                )
+                for name in CONFIGURATIONS
+            }
+        summary["models"][model_name] = summarize(shape, prompt_tokens, results)
     write_json(output_dir, "vllm.json", summary)
     plot(summary, output_dir / "vllm.png")
     return summary
 
 
-def build_model(directory: pathlib.Path, quick: bool) -> str:
+def same_tokens(rounds: list[list[int]], expected: list[list[int]]) -> bool:
+    """Whether every round of a pass gave, prompt by prompt, the ``expected`` tokens."""
+    return len(rounds) % len(expected) == 0 and all(
+        tokens == expected[index % len(expected)] for index, tokens in enumerate(rounds)
+    )
+
+
+def summarize(
+    shape: dict[str, int], prompt_tokens: int, results: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One model's table: each configuration's p50s, and its warm pass against the others."""
+    baseline = results["no connector"]
+    expected = baseline["warm_tokens"]
+    configurations: dict[str, Any] = {}
+    for name, result in results.items():
+        configurations[name] = {
+            "cold_ttft_p50_s": statistics.median(result["cold_seconds"]),
+            "warm_ttft_p50_s": statistics.median(result["warm_seconds"]),
+            "load_wait_ms_p50": statistics.median(result["load_wait_seconds"]) * 1000,
+            "warm_cached_tokens": sorted(set(result["warm_cached"])),
+            "warm_tokens_equal_no_connector": same_tokens(result["warm_tokens"], expected),
+            "kvwire_blocks_loaded": result["kvwire_stats"].get("blocks_loaded", 0),
+            "kvwire_load_errors": result["kvwire_stats"].get("load_errors", 0),
+            "kvwire_saves_dropped": result["kvwire_stats"].get("saves_dropped", 0),
+        }
+    configurations[FLOOR] = {
+        "warm_ttft_p50_s": statistics.median(baseline["floor_seconds"]),
+        "warm_cached_tokens": sorted(set(baseline["floor_cached"])),
+        "warm_tokens_equal_no_connector": same_tokens(baseline["floor_tokens"], expected),
+    }
+    no_connector = configurations["no connector"]["warm_ttft_p50_s"]
+    example = configurations["vLLM ExampleConnector"]["warm_ttft_p50_s"]
+    for entry in configurations.values():
+        entry["warm_vs_no_connector"] = entry["warm_ttft_p50_s"] / no_connector
+        entry["warm_vs_example_connector"] = entry["warm_ttft_p50_s"] / example
+    return {
+        "model": shape,
+        "kv_bytes_per_token": kv_bytes_per_token(shape),
+        "kv_mib_per_prompt": kv_bytes_per_token(shape) * prompt_tokens / 2**20,
+        "configurations": configurations,
+    }
+
+
+def build_model(directory: pathlib.Path, shape: dict[str, int]) -> str:
     """A random-weight Llama and a word-level tokenizer, saved for vLLM (no hub)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    shape = MODEL_SHAPE | ({"num_hidden_layers": 4} if quick else {})
     LlamaForCausalLM(LlamaConfig(max_position_embeddings=8192, **shape)).save_pretrained(directory)
     words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -108,7 +165,16 @@ def build_model(directory: pathlib.Path, quick: bool) -> str:
     return str(directory)
 
 
-def transfer_config(name: str, scratch: pathlib.Path) -> dict[str, Any] | None:
+def transfer_config(
+    name: str, scratch: pathlib.Path, kv_bytes: int, save_bytes: int
+) -> dict[str, Any] | None:
+    """vLLM's kv_transfer_config for a configuration.
+
+    kvwire's profiles are sized for the tiny model of ``kvwire run``: the CPU
+    pool is set to hold every prompt's KV (``kv_bytes``, a quarter more for
+    headers and rounding), the shared storage's staging buffers to two
+    prompts' (``save_bytes`` each), so that no save is dropped for room.
+    """
     if name == "no connector":
         return None
     if name == "vLLM ExampleConnector":
@@ -117,17 +183,20 @@ def transfer_config(name: str, scratch: pathlib.Path) -> dict[str, Any] | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(scratch / "example")},
         }
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    if name == "kvwire CPU offload":
-        profile: Any = str(repo / "containers" / "cpu-offload.yaml")
-        extra = {"kvwire_profile": profile}
-    else:
-        import yaml
+    import yaml
 
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    mib = 2**20
+    if name == "kvwire CPU offload":
+        mapping = yaml.safe_load((repo / "containers" / "cpu-offload.yaml").read_text())
+        options = mapping["kv_transfer_config"]["kv_connector_extra_config"]
+        options["cpu_pool_bytes"] = f"{-(-kv_bytes * 5 // 4 // mib)}MiB"
+    else:
         mapping = yaml.safe_load((repo / "containers" / "shared-storage.yaml").read_text())
-        storage = mapping["kv_transfer_config"]["kv_connector_extra_config"]
-        storage["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
-        extra = {"kvwire": mapping}
+        options = mapping["kv_transfer_config"]["kv_connector_extra_config"]
+        options["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
+        options["staging_buffer_bytes"] = f"{-(-save_bytes * 2 // mib)}MiB"
+    extra = {"kvwire": mapping}
     return {
         "kv_connector": "KVWireConnector",
         "kv_connector_module_path": "kvwire.vllm",
@@ -137,7 +206,12 @@ def transfer_config(name: str, scratch: pathlib.Path) -> dict[str, Any] | None:
 
 
 def run_engine_process(
-    name: str, model: str, prompts: list[list[int]], scratch: pathlib.Path
+    name: str,
+    model: str,
+    prompts: list[list[int]],
+    scratch: pathlib.Path,
+    kv_bytes: int,
+    save_bytes: int,
 ) -> dict[str, Any]:
     """Run one configuration's engine in a new process; its measurements."""
     job = scratch / f"{name.replace(' ', '-')}.json"
@@ -146,7 +220,7 @@ def run_engine_process(
             {
                 "model": model,
                 "prompts": prompts,
-                "kv_transfer_config": transfer_config(name, scratch),
+                "kv_transfer_config": transfer_config(name, scratch, kv_bytes, save_bytes),
                 "output": str(job.with_suffix(".out")),
             }
         )
@@ -158,7 +232,7 @@ def run_engine_process(
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
     }
-    print(f"   {name} ...", flush=True)
+    print(f"    {name} ...", flush=True)
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.vllm", "--engine", str(job)],
         env=env,
@@ -173,8 +247,12 @@ def run_engine_process(
 
 
 def measure_engine(job_path: str) -> None:
-    """The engine process: cold pass, saves settled, prefix cache emptied, warm pass."""
+    """The engine process: cold pass, saves settled, prefix cache emptied, warm pass.
+
+    Without a connector, a third pass keeps the prefix cache: the floor.
+    """
     from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     from kvwire.vllm import WORKER_EXTENSION, kvwire_stats, wait_for_saves
 
@@ -193,51 +271,95 @@ def measure_engine(job_path: str) -> None:
         worker_extension_cls=WORKER_EXTENSION,
     )
     one_token = SamplingParams(max_tokens=1, temperature=0)
+    load_wait = [0.0]
+    if has_kv_transfer_group():
+        # In-process engine (no multiprocessing): this is the worker's connector.
+        time_loads(get_kv_transfer_group(), load_wait)
 
-    def timed_pass() -> tuple[list[float], list[list[int]], list[int]]:
-        seconds, tokens, cached = [], [], []
+    def timed_pass() -> dict[str, list[Any]]:
+        measured: dict[str, list[Any]] = {"seconds": [], "tokens": [], "cached": [], "wait": []}
         for prompt in job["prompts"]:
+            load_wait[0] = 0.0
             started = time.perf_counter()
             (output,) = llm.generate([{"prompt_token_ids": prompt}], one_token, use_tqdm=False)
-            seconds.append(time.perf_counter() - started)
-            tokens.append(list(output.outputs[0].token_ids))
-            cached.append(output.num_cached_tokens)
-        return seconds, tokens, cached
+            measured["seconds"].append(time.perf_counter() - started)
+            measured["tokens"].append(list(output.outputs[0].token_ids))
+            measured["cached"].append(output.num_cached_tokens)
+            measured["wait"].append(load_wait[0])
+        return measured
 
     llm.generate([{"prompt_token_ids": [5] * 64}], one_token, use_tqdm=False)  # warm-up
-    cold_seconds, _, _ = timed_pass()
+    cold = timed_pass()
     uses_kvwire = config is not None and config["kv_connector"] == "KVWireConnector"
     if uses_kvwire:
         wait_for_saves(llm)
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not empty its prefix cache")
-    warm_seconds, warm_tokens, warm_cached = timed_pass()
+    warm = timed_pass()
+    # A connector's warm pass is short: repeated (see the module).
+    for _ in range(0 if config is None else WARM_ROUNDS - 1):
+        if uses_kvwire:
+            wait_for_saves(llm)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not empty its prefix cache")
+        for key, values in timed_pass().items():
+            warm[key] += values
+    floor: dict[str, list[Any]] = {}
+    for _ in range(WARM_ROUNDS if config is None else 0):
+        for key, values in timed_pass().items():
+            floor.setdefault(key, []).extend(values)
     # vLLM counts a failed load as cached too: kvwire's own counters tell.
     stats = kvwire_stats(llm) if uses_kvwire else {}
     pathlib.Path(job["output"]).write_text(
         json.dumps(
             {
-                "cold_seconds": cold_seconds,
-                "warm_seconds": warm_seconds,
-                "warm_tokens": warm_tokens,
-                "warm_cached": warm_cached,
+                "cold_seconds": cold["seconds"],
+                "warm_seconds": warm["seconds"],
+                "warm_tokens": warm["tokens"],
+                "warm_cached": warm["cached"],
+                "load_wait_seconds": warm["wait"],
+                "floor_seconds": floor.get("seconds", []),
+                "floor_tokens": floor.get("tokens", []),
+                "floor_cached": floor.get("cached", []),
                 "kvwire_stats": stats,
             }
         )
     )
 
 
+def time_loads(connector: Any, total: list[float]) -> None:
+    """Add the time the engine's thread spends in ``connector``'s loads to ``total[0]``."""
+
+    def timed(method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - started
+
+        return call
+
+    connector.start_load_kv = timed(connector.start_load_kv)
+    connector.wait_for_layer_load = timed(connector.wait_for_layer_load)
+
+
 def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
     plt = pyplot()
-    names = list(summary["configurations"])
-    warm = [summary["configurations"][name]["warm_ttft_p50_s"] * 1000 for name in names]
-    figure, axes = plt.subplots(figsize=(7, 3.5))
-    bars = axes.barh(names, warm, color=["#999999", "#d98c3f", "#3f7fd9", "#3fb07f"])
-    axes.bar_label(bars, labels=[f"{value:.0f} ms" for value in warm], padding=3)
-    axes.invert_yaxis()
-    axes.set_xlim(0, max(warm) * 1.2)  # room for the labels
-    axes.set_xlabel("warm-pass time to first token, p50 (ms)")
-    axes.set_title(
+    models = summary["models"]
+    figure, all_axes = plt.subplots(len(models), 1, figsize=(7.5, 2.6 * len(models)), squeeze=False)
+    colors = ["#999999", "#d98c3f", "#3f7fd9", "#3fb07f", "#cccccc"]
+    for axes, (model_name, table) in zip(all_axes[:, 0], models.items(), strict=True):
+        names = list(table["configurations"])
+        warm = [table["configurations"][name]["warm_ttft_p50_s"] * 1000 for name in names]
+        bars = axes.barh(names, warm, color=colors[: len(names)])
+        axes.bar_label(bars, labels=[f"{value:.0f} ms" for value in warm], padding=3)
+        axes.invert_yaxis()
+        axes.set_xscale("log")
+        axes.set_xlim(min(warm) / 2, max(warm) * 4)  # room for the labels
+        axes.set_title(f"{model_name}: {table['kv_mib_per_prompt']:.0f} MiB of KV per prompt")
+    all_axes[-1, 0].set_xlabel("warm-pass time to first token, p50 (ms, log scale)")
+    figure.suptitle(
         f"vLLM 0.32 CPU, {summary['prompts']} prompts of {summary['prompt_tokens']} tokens"
     )
     figure.tight_layout()
