@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
         print(f"== {name}", flush=True)
         summary[name] = module.run(args.output_dir, args.quick)
-    (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # A run of some benchmarks (--only, or vllm from its own venv) updates
+    # their entries and keeps the others' from earlier runs.
+    summary_path = args.output_dir / "summary.json"
+    merged = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    merged.update(summary)
+    summary_path.write_text(json.dumps(merged, indent=2))
     print(json.dumps(summary, indent=2))
     return 0
 
