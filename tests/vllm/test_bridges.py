@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from dependency_injector import containers
 from vllm.v1.core.sched.output import CachedRequestData
 
 from kvwire.connector.types import BlockRemoved, BlockStored
@@ -20,6 +21,7 @@ from kvwire.vllm.config_bridge import (
     kv_cache_config_from_vllm,
     kv_dtype_name,
     read_kvwire_profile,
+    run_container_hook,
 )
 from kvwire.vllm.events import BlockTokens
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables
@@ -76,6 +78,34 @@ def test_container_hook_must_name_module_and_function() -> None:
     with pytest.raises(VLLMConfigError, match="kvwire_container_hook"):
         container_hook({"kvwire_container_hook": "tests.vllm.hooks.never_hit"})
     assert container_hook({"kvwire_container_hook": "tests.vllm.hooks:never_hit"}) is not None
+
+
+def test_unknown_extra_config_keys_of_any_type_and_length_are_listed_bounded() -> None:
+    extra = {1: "a", ("x",): "b", "k" * 100_000: "c", **{f"key{i}": i for i in range(10)}}
+    with pytest.raises(VLLMConfigError, match=r"unknown key\(s\) .* and 8 more; ") as raised:
+        read_kvwire_profile(extra)
+    assert len(str(raised.value)) < 1000
+
+
+@pytest.mark.parametrize("spec", [":hook", "..relative:hook", "mod\0ule:hook", "module:not-a-name"])
+def test_container_hook_that_is_not_dotted_names_is_an_error_naming_the_key(spec: str) -> None:
+    with pytest.raises(VLLMConfigError, match=r"kvwire_container_hook: expected 'package\.module"):
+        container_hook({"kvwire_container_hook": spec})
+
+
+def test_container_hook_spec_is_shown_bounded() -> None:
+    with pytest.raises(VLLMConfigError, match="kvwire_container_hook") as raised:
+        container_hook({"kvwire_container_hook": "m" * 100_000})
+    assert len(str(raised.value)) < 1000
+
+
+def failing_hook(container: Any) -> None:
+    raise RuntimeError("no such provider")
+
+
+def test_container_hook_that_raises_is_an_error_naming_the_key_and_the_hook() -> None:
+    with pytest.raises(VLLMConfigError, match=r"kvwire_container_hook: .*failing_hook raised Runt"):
+        run_container_hook(failing_hook, containers.DynamicContainer())
 
 
 def test_vllm_kv_cache_tensors_become_kvwire_tensors_with_sizes_and_layers() -> None:

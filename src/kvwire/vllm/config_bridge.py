@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
 
@@ -40,6 +40,7 @@ from kvwire.kv_cache_config import (
     SlidingWindowSpec,
 )
 from kvwire.profile import load_profile
+from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     from dependency_injector import containers
@@ -51,6 +52,8 @@ INLINE_PROFILE_KEY = "kvwire"
 CONTAINER_HOOK_KEY = "kvwire_container_hook"
 EXTRA_CONFIG_KEYS = (PROFILE_PATH_KEY, INLINE_PROFILE_KEY, CONTAINER_HOOK_KEY)
 
+_SHOWN_KEYS = 5
+
 ContainerHook = Callable[["containers.Container"], None]
 
 
@@ -60,11 +63,13 @@ class VLLMConfigError(KVWireError, ValueError):
 
 def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
     """The kvwire profile vLLM's ``kv_connector_extra_config`` names, validated."""
-    unknown = sorted(set(extra_config) - set(EXTRA_CONFIG_KEYS))
+    # Shown bounded and sorted as text: keys may be long, or not all str.
+    unknown = sorted(shown(key) for key in extra_config if key not in EXTRA_CONFIG_KEYS)
     if unknown:
+        more = f" and {len(unknown) - _SHOWN_KEYS} more" if len(unknown) > _SHOWN_KEYS else ""
         raise VLLMConfigError(
             "kv_transfer_config.kv_connector_extra_config: unknown key(s) "
-            f"{', '.join(map(repr, unknown))}; KVWireConnector accepts "
+            f"{', '.join(unknown[:_SHOWN_KEYS])}{more}; KVWireConnector accepts "
             f"{', '.join(map(repr, EXTRA_CONFIG_KEYS))}"
         )
     has_path = PROFILE_PATH_KEY in extra_config
@@ -102,18 +107,46 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
     spec = extra_config.get(CONTAINER_HOOK_KEY)
     if spec is None:
         return None
-    field = f"kv_transfer_config.kv_connector_extra_config.{CONTAINER_HOOK_KEY}"
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise VLLMConfigError(f"{field}: expected 'package.module:function', got {spec!r}")
+    if not _is_hook_spec(spec):
+        raise VLLMConfigError(
+            f"{_HOOK_FIELD}: expected 'package.module:function' (dotted Python names), "
+            f"got {shown(spec)}"
+        )
     module_name, function_name = spec.split(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise VLLMConfigError(f"{field}: cannot import {module_name!r}: {error}") from error
+        raise VLLMConfigError(f"{_HOOK_FIELD}: cannot import {module_name!r}: {error}") from error
     hook = getattr(module, function_name, None)
     if not callable(hook):
-        raise VLLMConfigError(f"{field}: {module_name!r} has no function {function_name!r}")
+        raise VLLMConfigError(f"{_HOOK_FIELD}: {module_name!r} has no function {function_name!r}")
     return hook  # type: ignore[no-any-return]
+
+
+def run_container_hook(hook: ContainerHook, container: containers.Container) -> None:
+    """Call ``hook`` on ``container``; what it raises becomes an error naming the hook."""
+    try:
+        hook(container)
+    except Exception as error:
+        name = f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', '?')}"
+        raise VLLMConfigError(
+            f"{_HOOK_FIELD}: the container hook {name} raised {type(error).__name__}: "
+            f"{shown(str(error))}"
+        ) from error
+
+
+_HOOK_FIELD = f"kv_transfer_config.kv_connector_extra_config.{CONTAINER_HOOK_KEY}"
+
+
+def _is_hook_spec(spec: object) -> TypeGuard[str]:
+    # Checked before importing: importlib raises ValueError/TypeError, not
+    # ImportError, for an empty or relative module name.
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        return False
+    module_name, function_name = spec.split(":")
+    return function_name.isidentifier() and all(
+        part.isidentifier() for part in module_name.split(".")
+    )
 
 
 def kv_dtype_name(dtype: Any) -> str:

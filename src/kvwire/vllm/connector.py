@@ -47,6 +47,7 @@ from kvwire.vllm.config_bridge import (
     engine_config_from_vllm,
     kv_cache_config_from_vllm,
     read_kvwire_profile,
+    run_container_hook,
 )
 from kvwire.vllm.events import BlockTokens, KVWireKVEvents
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
@@ -90,7 +91,7 @@ class KVWireConnector(KVConnectorBase_V1):
         )
         hook = container_hook(extra_config)
         if hook is not None:
-            hook(self.container)
+            run_container_hook(hook, self.container)
         self.connector: KVConnectorBase = self.container.connector()
         if isinstance(self, SupportsHMA) and not supports_hma(self.connector):
             self.container.shutdown_resources()
