@@ -377,3 +377,26 @@ def test_check_of_a_path_with_a_nul_byte_names_the_path_problem(tmp_path: pathli
         "  the profile path contains a NUL byte (\\x00), which no file name can hold\n"
     )
     assert "\x00" not in err.getvalue()
+
+
+def test_run_blanks_a_secret_quoted_by_value_in_an_error_as_check_does(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The password pasted into the wrong field: the error quotes that field's value.
+    monkeypatch.setenv("KVWIRE_TEST_REDIS_PASSWORD", "pasted-in-the-wrong-field")
+    profile = tmp_path / "redis.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: RedisConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    url: redis+cluster://127.0.0.1:1\n"
+        "    password_env: KVWIRE_TEST_REDIS_PASSWORD\n"
+        "    key_prefix: 'pasted-in-the-wrong-field{x}'\n"
+    )
+
+    assert main(["run", str(profile), "--no-progress"]) == 2
+
+    error = capsys.readouterr().err
+    assert "kv_connector_extra_config.key_prefix" in error
+    assert "pasted-in-the-wrong-field" not in error

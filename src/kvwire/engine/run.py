@@ -123,11 +123,12 @@ def run(args: argparse.Namespace) -> int:
     from kvwire.engine.passes import compare_passes
     from kvwire.engine.report import format_table
 
+    secrets = _profile_secrets(args.profile)
     try:
         config = _load_config(args.profile, args.preset)
         workload = _build_workload(args, config)
     except (ValueError, OSError) as error:
-        print(f"kvwire run: error: {error}", file=sys.stderr)
+        _print_error(error, secrets)
         return 2
     progress = None
     if not args.no_progress and sys.stderr.isatty():
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         # Configuration the profile check cannot see until the connector is built:
         # an unknown name, the HMA gate, the connector's own extra-config checks.
-        print(f"kvwire run: error: {error}", file=sys.stderr)
+        _print_error(error, secrets)
         return 2
     finally:
         if progress is not None:
@@ -152,6 +153,30 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     return 0 if report["ok"] else 1
+
+
+def _profile_secrets(profile: str | None) -> set[str]:
+    """The profile's secret values, for blanking wherever an error quotes one (as check does).
+
+    A profile that cannot be read holds none to blank: loading it reports why.
+    """
+    from kvwire.profile import read_profile_file
+    from kvwire.redaction import secret_values
+
+    if profile is None:
+        return set()
+    try:
+        return secret_values(read_profile_file(pathlib.Path(profile)))
+    except (ValueError, OSError):
+        return set()
+
+
+def _print_error(error: Exception, secrets: set[str]) -> None:
+    from kvwire.redaction import scrub
+
+    # A connector's error may quote a secret by value from any field (a
+    # password pasted into key_prefix), not only under a secret-like name.
+    print(scrub(f"kvwire run: error: {error}", secrets), file=sys.stderr)
 
 
 def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
