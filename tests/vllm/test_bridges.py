@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import types
@@ -23,6 +24,7 @@ from kvwire.vllm.config_bridge import (
     read_kvwire_profile,
     run_container_hook,
 )
+from kvwire.vllm.engine_calls import wait_for_saves
 from kvwire.vllm.events import BlockTokens
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables
 from kvwire.vllm.stats import KVWireStats, metric_name
@@ -106,6 +108,12 @@ def failing_hook(container: Any) -> None:
 def test_container_hook_that_raises_is_an_error_naming_the_key_and_the_hook() -> None:
     with pytest.raises(VLLMConfigError, match=r"kvwire_container_hook: .*failing_hook raised Runt"):
         run_container_hook(failing_hook, containers.DynamicContainer())
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, math.nan, math.inf, "5", True, None])
+def test_wait_for_saves_refuses_a_timeout_that_is_not_finite_seconds(timeout_s: Any) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+        wait_for_saves(object(), timeout_s)
 
 
 def test_vllm_kv_cache_tensors_become_kvwire_tensors_with_sizes_and_layers() -> None:

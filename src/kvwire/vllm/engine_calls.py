@@ -21,8 +21,11 @@ next lookup finds every block saved so far (call it before
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
+
+from kvwire.redaction import shown
 
 WORKER_EXTENSION = "kvwire.vllm.engine_calls.KVWireWorkerExtension"
 
@@ -44,6 +47,7 @@ def wait_for_saves(llm: Any, timeout_s: float = 60.0) -> None:
 
     Raises ``TimeoutError`` if that takes longer than ``timeout_s``.
     """
+    _check_timeout(timeout_s)
     deadline = time.monotonic() + timeout_s
     if not all(_call_workers(llm, "kvwire_wait_for_saves", timeout_s)):
         raise TimeoutError(f"kvwire: saves still running after {timeout_s} s")
@@ -56,6 +60,21 @@ def wait_for_saves(llm: Any, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"kvwire: saves not confirmed after {timeout_s} s")
         engine.step()
+
+
+def _check_timeout(timeout_s: object) -> None:
+    # NaN or inf would make the deadline one that never passes: the wait
+    # could then step the engine forever.
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise ValueError(
+            f"wait_for_saves: timeout_s must be a finite number of seconds > 0, "
+            f"got {shown(timeout_s)}"
+        )
 
 
 def kvwire_stats(llm: Any) -> dict[str, int | float]:
