@@ -42,10 +42,15 @@ from typing import TypeVar
 
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.directory_layout import (
+    FolderIdentity,
+    ScannedFile,
     Shard,
     ShardContents,
+    entry_location,
     entry_path,
-    remove_empty_folder,
+    open_shard,
+    remove_empty_layout,
+    remove_empty_shard,
     scan_shard,
     shards,
     temporary_name,
@@ -241,7 +246,7 @@ class DirectoryBlockStore(BlockStore):
                     key, f"is {info.st_size} bytes, longer than an entry ({self._entry_bytes})"
                 )
                 # It would be a hit, and a failed load, for every later request.
-                self._discard_opened(key, path, info)
+                self._discard_opened(key, info)
                 return None
             result = use(fd, info.st_size)
             if result is not None and self._max_bytes:
@@ -263,15 +268,20 @@ class DirectoryBlockStore(BlockStore):
             "bad_entry", "shared storage %s: not loading %s: it %s", self.root, key, what
         )
 
-    def _discard_opened(self, key: str, path: str, opened: os.stat_result) -> None:
+    def _discard_opened(self, key: str, opened: os.stat_result) -> None:
         """Remove the entry file that was opened as ``opened``, unless another has replaced it."""
-        try:
-            now = os.lstat(path)
-        except OSError:
-            return
-        if (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino) and _unlink_quietly(path):
-            self._removed(key)
-            self._counters.add("discarded_entries")
+        shard, name = entry_location(self.root, key)
+        with open_shard(self.root, shard) as folder:
+            if folder is None:
+                return
+            try:
+                now = os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
+            except OSError:
+                return
+            same = (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+            if same and _unlink_quietly(name, folder.fd):
+                self._removed(key)
+                self._counters.add("discarded_entries")
 
     # --------------------------------------------------------------- writes
 
@@ -366,12 +376,13 @@ class DirectoryBlockStore(BlockStore):
         discarded = 0
         for key in keys:
             try:
-                path = self.path_of(key)
+                shard, name = entry_location(self.root, key)
             except ValueError:
                 continue
-            if _unlink_regular_file(path):
-                self._removed(key)
-                discarded += 1
+            with open_shard(self.root, shard) as folder:
+                if folder is not None and _unlink_regular_file(name, folder.fd):
+                    self._removed(key)
+                    discarded += 1
         # Only files that were there: another reader may have discarded one first.
         self._counters.add("discarded_entries", discarded)
 
@@ -382,17 +393,28 @@ class DirectoryBlockStore(BlockStore):
         """
         left = 0
         for shard in shards(self.root, layout):
-            contents = scan_shard(shard)
-            remaining = _file_count(contents)
-            for entry in contents.entries:
-                if _unlink_quietly(entry.path):
-                    remaining -= 1
-                else:
-                    left += 1
-            if remaining == 0:
-                remove_empty_folder(shard.path)
-        remove_empty_folder(os.path.join(self.root, layout))
+            contents = scan_shard(self.root, shard)
+            removed = self._remove_scanned(shard, contents.folder, contents.entries)
+            left += len(contents.entries) - len(removed)
+            if _file_count(contents) == len(removed):
+                remove_empty_shard(self.root, shard)
+        remove_empty_layout(self.root, layout)
         return left == 0
+
+    def _remove_scanned(
+        self, shard: Shard, folder: FolderIdentity | None, files: Sequence[ScannedFile]
+    ) -> set[str]:
+        """Remove ``files`` from the shard folder scanned as ``folder``; the names removed.
+
+        Nothing when the folder is no longer the one scanned: its names may then
+        be anyone's files.
+        """
+        if not files:
+            return set()
+        with open_shard(self.root, shard, folder) as opened:
+            if opened is None:
+                return set()
+            return {file.name for file in files if _unlink_quietly(file.name, opened.fd)}
 
     # ------------------------------------------------------------- eviction
 
@@ -423,11 +445,11 @@ class DirectoryBlockStore(BlockStore):
         removed = 0
         now = time.time()
         for shard in shards(self.root):
-            contents = scan_shard(shard)
-            swept = self._remove_stale_temporary_files(contents, now)
+            contents = scan_shard(self.root, shard)
+            swept = self._remove_stale_temporary_files(shard, contents, now)
             removed += swept
             if _file_count(contents) == swept:
-                remove_empty_folder(shard.path, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
+                remove_empty_shard(self.root, shard, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
         self._counters.add("stale_temporary_files_removed", removed)
         return removed
 
@@ -438,52 +460,53 @@ class DirectoryBlockStore(BlockStore):
         temporary files of writers that died and the shard folders that have
         stayed empty for a while (one emptied now goes at a later scan).
         """
-        entries: list[tuple[float, int, str, Shard, str]] = []
+        entries: list[tuple[ScannedFile, Shard]] = []
+        folders: dict[Shard, FolderIdentity | None] = {}
         files_left: dict[Shard, int] = {}
         now = time.time()
         with self._size_lock:
             self._added_since_scan = 0
         for shard in shards(self.root):
-            contents = scan_shard(shard)
+            contents = scan_shard(self.root, shard)
+            folders[shard] = contents.folder
             files_left[shard] = _file_count(contents)
-            files_left[shard] -= self._remove_stale_temporary_files(contents, now)
-            for entry in contents.entries:
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                entries.append((info.st_mtime, info.st_size, entry.path, shard, entry.name))
-        total = sum(size for _, size, _, _, _ in entries)
+            files_left[shard] -= self._remove_stale_temporary_files(shard, contents, now)
+            entries.extend((entry, shard) for entry in contents.entries)
+        total = sum(entry.size for entry, _ in entries)
         if self._max_bytes and total > self._max_bytes:
             target = int(self._max_bytes * _EVICT_TO)
-            entries.sort(key=lambda found: (found[0], found[2]))
-            for _, size, path, shard, name in entries:
+            entries.sort(key=lambda found: (found[0].mtime, found[1].path, found[0].name))
+            # The oldest until the target, removed a shard folder at a time
+            # (each opened once, and checked to be the folder scanned).
+            victims: dict[Shard, list[ScannedFile]] = {}
+            for entry, shard in entries:
                 if total <= target:
                     break
-                if _unlink_quietly(path):
-                    total -= size
+                victims.setdefault(shard, []).append(entry)
+                total -= entry.size
+            for shard, files in victims.items():
+                removed = self._remove_scanned(shard, folders[shard], files)
+                for entry in files:
+                    if entry.name not in removed:
+                        total += entry.size  # still there: it still counts
+                        continue
                     files_left[shard] -= 1
-                    self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": size})
-                    self._removed(shard.key_of(name))
+                    self._counters.add_many({"evicted_blocks": 1, "evicted_bytes": entry.size})
+                    self._removed(shard.key_of(entry.name))
         for shard, count in files_left.items():
             if count == 0:
-                remove_empty_folder(shard.path, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
+                remove_empty_shard(self.root, shard, unchanged_since=now - _EMPTY_FOLDER_IDLE_S)
         with self._size_lock:
             # Writes that landed during the scan may be missing from it: count
             # them again (an overcount only brings the next eviction sooner).
             self._approx_bytes = total + self._added_since_scan
         return total
 
-    def _remove_stale_temporary_files(self, contents: ShardContents, now: float) -> int:
-        removed = 0
-        for temporary in contents.temporary_files:
-            try:
-                stale = now - temporary.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S
-            except OSError:
-                continue
-            if stale and _unlink_quietly(temporary.path):
-                removed += 1
-        return removed
+    def _remove_stale_temporary_files(
+        self, shard: Shard, contents: ShardContents, now: float
+    ) -> int:
+        stale = [file for file in contents.temporary_files if now - file.mtime > _STALE_TMP_S]
+        return len(self._remove_scanned(shard, contents.folder, stale))
 
 
 def _file_count(contents: ShardContents) -> int:
@@ -491,19 +514,20 @@ def _file_count(contents: ShardContents) -> int:
     return len(contents.entries) + len(contents.temporary_files) + contents.others
 
 
-def _unlink_regular_file(path: str) -> bool:
-    """Remove ``path`` if it is a regular file (a link or a FIFO is not kvwire's)."""
+def _unlink_regular_file(name: str, folder_fd: int) -> bool:
+    """Remove ``name`` from the open folder if it is a regular file (a link or a FIFO is not
+    kvwire's)."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
+        if not stat.S_ISREG(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode):
             return False
     except OSError:
         return False
-    return _unlink_quietly(path)
+    return _unlink_quietly(name, folder_fd)
 
 
-def _unlink_quietly(path: str) -> bool:
+def _unlink_quietly(name: str, folder_fd: int) -> bool:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=folder_fd)
     except OSError:
         return False
     return True
