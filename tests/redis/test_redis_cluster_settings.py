@@ -124,3 +124,26 @@ def test_the_connector_names_the_key_of_a_bad_cluster_url() -> None:
 
     with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.url: a cluster URL"):
         RedisConnector.read_options(config)
+
+
+@pytest.mark.parametrize("port", ["²", "٣٠٠٠"])
+def test_a_seed_port_in_other_than_ascii_digits_is_refused_by_name(port: str) -> None:
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({"url": f"redis+cluster://10.0.0.1:{port}"})
+
+    assert "the port must be a number between 1 and 65535" in str(raised.value)
+    assert "kv_connector_extra_config.url" in str(raised.value)
+
+
+@pytest.mark.parametrize("separator", ["/", "?", "#"])
+def test_a_password_with_an_unencoded_url_separator_is_refused_without_quoting_it(
+    separator: str,
+) -> None:
+    url = f"redis+cluster://kv:first-half{separator}second-half@10.0.0.1:7000"
+
+    with pytest.raises(RedisSettingsError) as raised:
+        RedisStoreSettings.from_extra_config({"url": url})
+
+    message = str(raised.value)
+    assert "percent-encode" in message and "kv_connector_extra_config.url" in message
+    assert "half" not in message

@@ -45,6 +45,12 @@ def has_hash_tag(key_prefix: str) -> bool:
 def cluster_url_problems(url: str, where: str) -> list[str]:
     """What is wrong with a ``redis+cluster://`` URL, each naming ``where``; none if it is good."""
     _, _, rest = url.partition("://")
+    if _credentials_run_past_the_authority(rest):
+        # Quoting any seed would quote a piece of the password.
+        return [
+            f"{where}: the user name or password holds a '/', '?' or '#', which ends the "
+            "seeds' part of a URL; percent-encode it (%2F, %3F, %23)"
+        ]
     hosts, _, path = _after_credentials(rest).partition("/")
     problems = []
     path, _, query = path.partition("?")
@@ -63,7 +69,8 @@ def cluster_url_problems(url: str, where: str) -> list[str]:
         host, colon, port = seed.rpartition(":")
         if not colon or not host:
             problems.append(f"{where}: seed {shown(seed)} must be host:port")
-        elif not port.isdigit() or not 0 < int(port) < 65536:
+        # ASCII digits only: int() also reads '٣' and refuses '²', both isdigit().
+        elif not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             problems.append(
                 f"{where}: seed {shown(seed)}: the port must be a number between 1 and 65535"
             )
@@ -79,6 +86,16 @@ def cluster_seeds(url: str) -> list[ClusterSeed]:
         host, _, port = seed.rpartition(":")
         seeds.append(ClusterSeed(host.strip("[]"), int(port)))
     return seeds
+
+
+def _credentials_run_past_the_authority(rest: str) -> bool:
+    """Whether an '@' comes after the '/', '?' or '#' that ends a URL's authority.
+
+    urllib (which reads the credentials each node is given) ends the
+    authority there, so the credentials it would read are not those typed.
+    """
+    ends = [index for index in (rest.find(mark) for mark in "/?#") if index >= 0]
+    return "@" in rest[min(ends, default=len(rest)) :]
 
 
 def _after_credentials(rest: str) -> str:
