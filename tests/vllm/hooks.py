@@ -3,12 +3,16 @@ container KVWireConnector builds inside vLLM, as a deployment would."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dependency_injector import containers, providers
 
 from kvwire.connector.types import BlockHash
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.store import BlockStore
 
 
 class NeverHitCPUOffload(CPUOffloadConnector):
@@ -20,3 +24,49 @@ class NeverHitCPUOffload(CPUOffloadConnector):
 
 def never_hit(container: containers.Container) -> None:
     container.connector_class.override(providers.Object(NeverHitCPUOffload))
+
+
+READS_ANSWER = threading.Event()
+"""While clear, every read of :class:`HeldReadsSharedStorage`'s store waits for it (bounded)."""
+READS_ANSWER.set()
+
+HELD_READ_LIMIT_S = 60.0
+"""No read is held longer than this, whatever a failed test left behind."""
+
+
+class HeldReadsStore(BlockStore):
+    """``store``, whose reads wait for :data:`READS_ANSWER`: a load stays in flight meanwhile."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+        self.medium = store.medium
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        return self._store.count_prefix(keys)
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        return self._store.put(keys, entries)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        READS_ANSWER.wait(HELD_READ_LIMIT_S)
+        return self._store.get_into(keys, buffers)
+
+    def discard(self, keys: Sequence[str]) -> None:
+        self._store.discard(keys)
+
+    def take_removed_keys(self) -> list[str]:
+        return self._store.take_removed_keys()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class HeldReadsSharedStorage(SharedStorageConnector):
+    """Shared storage whose loads stay in flight until a test sets :data:`READS_ANSWER`."""
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return HeldReadsStore(super().create_store(options))
+
+
+def held_reads(container: containers.Container) -> None:
+    container.connector_class.override(providers.Object(HeldReadsSharedStorage))

@@ -214,11 +214,19 @@ class KVWireConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         events = connector_output.kv_cache_events
         finished_sending = set(connector_output.finished_sending or ())
+        finished_recving = set(connector_output.finished_recving or ())
+        # vLLM frees a finished request's blocks at its first report, recving
+        # (a request aborted while loading) or sending, and then knows the
+        # request no more: a later report of it fails vLLM's assertion. So
+        # vLLM sees a request as sent only while it keeps blocks for us; the
+        # wrapped connector sees every report.
+        self._kept_blocks -= finished_recving
+        connector_output.finished_sending = (finished_sending & self._kept_blocks) or None
         self._kept_blocks -= finished_sending
         self.connector.update_connector_output(
             KVConnectorOutput(
                 finished_sending=finished_sending or None,
-                finished_recving=set(connector_output.finished_recving or ()) or None,
+                finished_recving=finished_recving or None,
                 invalid_block_ids=set(connector_output.invalid_block_ids or ()),
                 kv_cache_events=list(events.get_all_events()) if events is not None else [],
             )
