@@ -441,3 +441,17 @@ def test_the_directory_store_hands_over_the_keys_it_removed_once(tmp_path: pathl
     assert store.take_removed_keys() == []
     assert [os.path.exists(store.path_of(key)) for key in keys] == [False, False, True, False]
     assert store.take_counters()["discarded_entries"] == 1  # the key with a file
+
+
+def test_a_path_that_cannot_be_created_is_shown_bounded_in_the_error(tmp_path: pathlib.Path):
+    (tmp_path / "a-file").write_bytes(b"")
+    path = str(tmp_path / "a-file" / "/".join(["a" * 200] * 25))
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": path})
+
+    with pytest.raises(ExtraConfigError) as raised:
+        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+
+    message = str(raised.value)
+    assert message.startswith("kv_connector_extra_config.shared_storage_path: cannot create")
+    assert f"a str of {len(path)} characters" in message
+    assert len(message) < 400

@@ -55,6 +55,7 @@ from kvwire.connectors.file_modes import (
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.store_connector import StoreConnector
+from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     import torch
@@ -125,12 +126,12 @@ class SharedStorageConnector(StoreConnector):
             problem = None if options["allow_other_owner"] else owner_problem(path)
         except OSError as error:
             raise ExtraConfigError(
-                f"kv_connector_extra_config.shared_storage_path: cannot create {path!r} "
+                f"kv_connector_extra_config.shared_storage_path: cannot create {shown(path)} "
                 f"({error.strerror}); expected a writable directory"
             ) from error
         if problem is not None:
             raise ExtraConfigError(
-                f"kv_connector_extra_config.shared_storage_path: {path!r} {problem}; expected "
+                f"kv_connector_extra_config.shared_storage_path: {shown(path)} {problem}; expected "
                 "a directory of this user (its owner can read every entry and plant forged "
                 "ones), or kv_connector_extra_config.allow_other_owner: true to trust its owner"
             )
@@ -141,7 +142,7 @@ class SharedStorageConnector(StoreConnector):
             logger.warning(
                 "shared storage %s: %s may write in this directory, and so put entries there "
                 "that this engine loads; make it writable only by those file_mode %s shares with",
-                path,
+                shown(path),
                 writers,
                 modes.name,
             )
@@ -173,7 +174,7 @@ class SharedStorageConnector(StoreConnector):
                 logger.warning(
                     "shared storage %s: the sweep of dead writers' temporary files still "
                     "runs after %.0f s; shutting down without waiting for it",
-                    self._directory_store.root,
+                    shown(self._directory_store.root),
                     SWEEP_JOIN_S,
                 )
         super().shutdown()
