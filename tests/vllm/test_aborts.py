@@ -24,6 +24,8 @@ from tests.vllm.engines import (
     profile_with_directory,
     running_llm,
     shared_prompts,
+    start_llm,
+    stop_llm,
 )
 from tests.vllm.hooks import READS_ANSWER
 
@@ -82,3 +84,40 @@ def test_request_aborted_while_its_load_is_in_flight_is_forgotten_and_the_engine
         tokens, cached = generate(llm, PROMPTS)
     assert tokens == tokens_without_connector
     assert cached == [LOADABLE_TOKENS] * len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_engine_shut_down_while_a_load_is_in_flight_stops_by_the_load_deadline(
+    tiny_model: str, tmp_path: pathlib.Path
+) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    profile = async_load_profile(tmp_path)
+    profile["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout_s"] = 1
+    config = kvwire_transfer_config(profile, kvwire_container_hook="tests.vllm.hooks:held_reads")
+    llm = start_llm(tiny_model, config)
+    stopped_after_s = None
+    try:
+        generate(llm, PROMPTS)
+        wait_for_saves(llm)
+        assert llm.reset_prefix_cache()
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        READS_ANSWER.clear()
+        llm.llm_engine.add_request("held", PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS))
+        step_until(
+            llm.llm_engine,
+            lambda: any(
+                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                for request in scheduler.requests.values()
+            ),
+        )
+        started = time.monotonic()
+        stop_llm(llm)
+        stopped_after_s = time.monotonic() - started
+    finally:
+        READS_ANSWER.set()
+        if stopped_after_s is None:
+            stop_llm(llm)
+    # The load's deadline is 1 s; the read itself stays held until READS_ANSWER.
+    assert stopped_after_s < 10
