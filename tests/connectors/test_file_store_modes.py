@@ -203,3 +203,18 @@ def test_bad_trust_options_name_the_key_and_what_is_accepted(
     with pytest.raises(ExtraConfigError) as raised:
         connector(tmp_path, **extra)
     assert message in str(raised.value)
+
+
+def test_a_failed_save_under_a_long_root_is_warned_about_bounded(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "/".join(["r" * 200] * 15)
+    root.mkdir(parents=True)
+    store = DirectoryBlockStore(root, entry_bytes=10)
+    root.rmdir()  # the save fails, and its error names a file under the root
+
+    with caplog.at_level(logging.WARNING):
+        assert store.put([f"{'0' * 32}/ab01"], [memoryview(bytes(10))]) == [False]
+
+    assert "failed (directory_missing)" in caplog.text
+    assert max(len(record.getMessage()) for record in caplog.records) < 400

@@ -58,6 +58,7 @@ from kvwire.connectors.directory_layout import (
 from kvwire.connectors.file_modes import PRIVATE, FileModes, make_folder, process_umask
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.store import BlockStore
+from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class DirectoryBlockStore(BlockStore):
                 f"directory store root {self.root!r} contains a NUL byte; "
                 "expected a directory path without one"
             )
+        # As warnings show it: a root may be as long as the system allows.
+        self._shown_root = shown(self.root)
         self._entry_bytes = entry_bytes
         self._fsync = fsync
         self._max_bytes = max_bytes
@@ -265,7 +268,7 @@ class DirectoryBlockStore(BlockStore):
     def _bad_entry(self, key: str, what: str) -> None:
         self._counters.add("corrupt_entries")
         self._warn.warn(
-            "bad_entry", "shared storage %s: not loading %s: it %s", self.root, key, what
+            "bad_entry", "shared storage %s: not loading %s: it %s", self._shown_root, key, what
         )
 
     def _discard_opened(self, key: str, opened: os.stat_result) -> None:
@@ -365,11 +368,11 @@ class DirectoryBlockStore(BlockStore):
         self._warn.warn(
             f"{action}:{kind}",
             "shared storage %s: %s of %s failed (%s): %s",
-            self.root,
+            self._shown_root,
             action,
             key,
             kind,
-            error,
+            _error_text(error),
         )
 
     def discard(self, keys: Sequence[str]) -> None:
@@ -507,6 +510,13 @@ class DirectoryBlockStore(BlockStore):
     ) -> int:
         stale = [file for file in contents.temporary_files if now - file.mtime > _STALE_TMP_S]
         return len(self._remove_scanned(shard, contents.folder, stale))
+
+
+def _error_text(error: Exception) -> str:
+    """What went wrong, without the file name an ``OSError`` quotes (the root, at full length)."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"[Errno {error.errno}] {error.strerror}"
+    return shown(str(error))
 
 
 def _file_count(contents: ShardContents) -> int:
