@@ -12,6 +12,7 @@ import pytest
 import torch
 from dependency_injector import containers
 from vllm.v1.core.sched.output import CachedRequestData
+from vllm.v1.request import RequestStatus as VLLMRequestStatus
 
 from kvwire.connector.types import BlockRemoved, BlockStored
 from kvwire.connectors.block_format import BlockLayout
@@ -26,7 +27,7 @@ from kvwire.vllm.config_bridge import (
 )
 from kvwire.vllm.engine_calls import wait_for_saves
 from kvwire.vllm.events import BlockTokens
-from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables
+from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWireStats, metric_name
 
 PROFILE = {"kv_transfer_config": {"kv_connector": "CPUOffloadConnector", "kv_role": "kv_both"}}
@@ -149,6 +150,14 @@ def test_torch_float8_dtype_gets_kvwire_name_and_unknown_dtype_is_refused() -> N
     assert kv_dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"
     with pytest.raises(VLLMConfigError, match="int8"):
         kv_dtype_name(torch.int8)
+
+
+@pytest.mark.parametrize("status", list(VLLMRequestStatus), ids=lambda status: status.name)
+def test_request_view_is_finished_exactly_when_vllm_s_request_is(
+    status: VLLMRequestStatus,
+) -> None:
+    view = RequestView(types.SimpleNamespace(status=status))
+    assert view.is_finished == VLLMRequestStatus.is_finished(status)
 
 
 def test_block_id_deltas_become_full_block_lists() -> None:

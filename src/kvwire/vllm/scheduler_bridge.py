@@ -70,7 +70,15 @@ class RequestView:
 
     @property
     def status(self) -> RequestStatus:
-        return _STATUSES.get(self._request.status.name, RequestStatus.WAITING)
+        name = self._request.status.name
+        status = _STATUSES.get(name)
+        if status is not None:
+            return status
+        # vLLM's statuses kvwire has no name for (FINISHED_REPETITION, waiting
+        # for a grammar, ...): a finished one must still read as finished.
+        return (
+            RequestStatus.FINISHED_STOPPED if name.startswith("FINISHED") else RequestStatus.WAITING
+        )
 
     @property
     def is_finished(self) -> bool:
