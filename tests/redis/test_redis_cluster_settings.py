@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvwire.config import KVTransferConfig
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_cluster_url import ClusterSeed
 from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
 
@@ -147,3 +150,31 @@ def test_a_password_with_an_unencoded_url_separator_is_refused_without_quoting_i
     message = str(raised.value)
     assert "percent-encode" in message and "kv_connector_extra_config.url" in message
     assert "half" not in message
+
+
+def many_seeds_settings() -> RedisStoreSettings:
+    # Ports nothing listens on: every seed refuses at once.
+    seeds = ",".join(f"127.0.0.1:{port}" for port in range(2, 302))
+    return RedisStoreSettings.from_extra_config(
+        {"url": f"redis+cluster://kv:hunter2@{seeds}", "connect_timeout_s": 0.1}
+    )
+
+
+def test_settings_with_hundreds_of_seeds_have_a_bounded_repr() -> None:
+    shown_settings = repr(many_seeds_settings())
+
+    assert len(shown_settings) < 1000
+    assert "hunter2" not in shown_settings
+
+
+def test_a_store_with_hundreds_of_seeds_warns_and_shows_itself_bounded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        store = RedisClusterBlockStore(many_seeds_settings())
+    try:
+        assert "no slot map" in caplog.text
+        assert max(len(record.getMessage()) for record in caplog.records) < 1000
+        assert len(repr(store)) < 300
+    finally:
+        store.close()

@@ -38,6 +38,7 @@ from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.connectors.redis_wire import Deadline, Reply
 from kvwire.connectors.store import BlockStore
+from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,8 @@ class RedisClusterBlockStore(BlockStore):
         if not settings.is_cluster:
             raise ValueError("RedisClusterBlockStore needs a redis+cluster:// URL")
         self._settings = settings
+        # As warnings and the repr show the URL: it may name hundreds of seeds.
+        self._shown_url = shown(settings.display_url)
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
         # The master serving each slot ("host:port"), or None while none does.
@@ -121,7 +124,7 @@ class RedisClusterBlockStore(BlockStore):
 
     def __repr__(self) -> str:
         return (
-            f"RedisClusterBlockStore(url={self._settings.display_url!r}, "
+            f"RedisClusterBlockStore(url={self._shown_url}, "
             f"key_prefix={self._settings.key_prefix!r})"
         )
 
@@ -377,7 +380,7 @@ class RedisClusterBlockStore(BlockStore):
                 self._last_map_warning = now
                 logger.warning(
                     "Redis cluster at %s: no slot map (%s); keys are misses until one is fetched",
-                    self._settings.display_url,
+                    self._shown_url,
                     self._settings.redact(f"{type(error).__name__}: {error}"),
                 )
             return False

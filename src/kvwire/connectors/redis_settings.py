@@ -47,7 +47,7 @@ class RedisStoreSettings:
     attributes are read-only.
     """
 
-    url: str = attrs.field(default="redis://127.0.0.1:6379/0", repr=lambda url: repr(_blank(url)))
+    url: str = attrs.field(default="redis://127.0.0.1:6379/0", repr=lambda url: shown(_blank(url)))
     username: str | None = None
     password: str | None = attrs.field(default=None, repr=False)
     db: int | None = None
