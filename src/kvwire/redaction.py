@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 REDACTED = "***"
 SHOWN_LENGTH = 80
@@ -291,7 +292,9 @@ def _url_passwords(text: str, *, whole_value: bool = False) -> list[str]:
         scheme_end, at = run.find("://"), run.rfind("@")
         if 0 <= scheme_end < at:
             user, colon, password = run[scheme_end + 3 : at].partition(":")
-            passwords.append(password if colon else user)
+            typed = password if colon else user
+            # As typed, and as the server is given it (percent-decoded).
+            passwords += [typed, unquote(typed)]
     return [password for password in passwords if password]
 
 

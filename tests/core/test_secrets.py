@@ -220,5 +220,24 @@ def test_secret_values_finds_passwords_by_key_in_urls_and_through_password_env(
     assert secret_values(profile) == {"by-key-name", "in-a-url", "from-the-environment"}
 
 
+def test_secret_values_finds_a_percent_encoded_url_password_as_typed_and_as_decoded() -> None:
+    # Redis is given the decoded password: an error may quote either form.
+    profile = {"url": "redis+cluster://kv:p%40ss%2Fw0rd@h1:7000,h2:7000"}
+
+    assert secret_values(profile) == {"p%40ss%2Fw0rd", "p@ss/w0rd"}
+
+
+def test_check_blanks_a_decoded_url_password_quoted_elsewhere(tmp_path: pathlib.Path) -> None:
+    output = check_output(
+        tmp_path,
+        redis_profile(
+            "    url: redis+cluster://kv:p%40ss-w0rd@h1:7000\n    key_prefix: 'p@ss-w0rd{x}'\n"
+        ),
+    )
+
+    assert "key_prefix" in output
+    assert "p@ss-w0rd" not in output
+
+
 def test_shown_blanks_a_value_given_under_a_secret_key() -> None:
     assert shown(SECRET, key="password") == "***"
