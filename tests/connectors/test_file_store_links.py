@@ -102,3 +102,19 @@ def test_eviction_never_follows_a_shard_folder_swapped_for_a_link_after_its_scan
     # The entries scanned stay where they went, for a later eviction.
     assert len(os.listdir(root / LAYOUT / "moved-away")) == 3
     assert evicting.take_removed_keys() == []
+
+
+def test_an_oversized_file_read_through_a_shard_folder_link_is_never_removed(
+    tmp_path: pathlib.Path,
+) -> None:
+    root = tmp_path / "store"
+    (root / LAYOUT).mkdir(parents=True)
+    users_file = tmp_path / "users-files" / "ab0001"
+    users_file.parent.mkdir()
+    users_file.write_bytes(b"x" * (ENTRY_BYTES + 1))  # an entry too long: discarded if kvwire's
+    (root / LAYOUT / "ab").symlink_to(users_file.parent)
+    store = DirectoryBlockStore(root, entry_bytes=ENTRY_BYTES)
+
+    assert store.get_into([key(1)], [memoryview(bytearray(ENTRY_BYTES))]) == [None]
+
+    assert users_file.read_bytes() == b"x" * (ENTRY_BYTES + 1)
