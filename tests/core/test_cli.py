@@ -379,6 +379,7 @@ def test_check_of_a_path_with_a_nul_byte_names_the_path_problem(tmp_path: pathli
     assert "\x00" not in err.getvalue()
 
 
+@pytest.mark.torch
 def test_run_blanks_a_secret_quoted_by_value_in_an_error_as_check_does(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -227,6 +227,7 @@ def test_secret_values_finds_a_percent_encoded_url_password_as_typed_and_as_deco
     assert secret_values(profile) == {"p%40ss%2Fw0rd", "p@ss/w0rd"}
 
 
+@pytest.mark.torch
 def test_check_blanks_a_decoded_url_password_quoted_elsewhere(tmp_path: pathlib.Path) -> None:
     output = check_output(
         tmp_path,
