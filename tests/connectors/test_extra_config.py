@@ -38,6 +38,16 @@ def test_unreadable_sizes_are_none(text):
     assert parse_size(text) is None
 
 
+@pytest.mark.parametrize("text", ["1.3", "0.5B", "1.0001KiB"])
+def test_a_size_that_is_no_whole_number_of_bytes_is_unreadable_not_rounded(text):
+    assert parse_size(text) is None
+
+
+@pytest.mark.parametrize("text", ["\uff11\uff12", "\u0663\u0660MiB"])
+def test_a_size_written_in_other_than_ascii_digits_is_unreadable(text):
+    assert parse_size(text) is None
+
+
 def test_defaults_fill_missing_keys():
     assert read_extra_config("X", {}, KEYS) == {"pool": 100, "threads": 2, "fast": False}
 

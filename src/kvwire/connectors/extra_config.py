@@ -40,7 +40,8 @@ _SIZE_UNITS: dict[str, int] = {
 }
 # Digits are bounded: no byte count needs more, and converting thousands of
 # digits is slow (and refused past 4300 on recent Pythons).
-_SIZE_PATTERN = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]{0,3})\s*$")
+# ASCII only: \d alone would also read other scripts' digits (fullwidth, Arabic-Indic).
+_SIZE_PATTERN = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]{0,3})\s*$", re.ASCII)
 # 8 EiB: the largest byte count an OS call or a C size_t-based library takes.
 LARGEST_SIZE = 2**63 - 1
 
@@ -71,7 +72,9 @@ def parse_size(value: object) -> int | None:
     if match is None or match.group(2).lower() not in _SIZE_UNITS:
         return None
     # Exact arithmetic: a float would turn a long count into inf, or round it.
-    return int(Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    size = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    # "1.3" bytes names no size; rounding it would silently take another.
+    return int(size) if size.denominator == 1 else None
 
 
 @attrs.frozen
