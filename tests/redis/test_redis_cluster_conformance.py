@@ -11,6 +11,9 @@ from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
 from tests.redis.cluster_fixtures import LocalCluster
 
+# Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
+pytestmark = pytest.mark.slow
+
 
 class TestRedisClusterConnector(ConnectorConformanceSuite):
     @pytest.fixture(

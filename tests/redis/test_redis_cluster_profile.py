@@ -11,6 +11,9 @@ from tests.redis.cluster_fixtures import LocalCluster
 from tests.redis.engines import distinct_prompt_blocks, generate, generate_with_stats, tokens
 from tests.redis.test_redis_profiles import CONTAINERS, _pointed_at, _workload
 
+# Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
+pytestmark = pytest.mark.slow
+
 PROFILE = CONTAINERS / "redis-cluster.yaml"
 
 

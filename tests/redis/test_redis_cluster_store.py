@@ -14,6 +14,9 @@ from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from tests.redis.cluster_fixtures import LocalCluster
 
+# Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
+pytestmark = pytest.mark.slow
+
 ENTRY_BYTES = 4096
 
 
