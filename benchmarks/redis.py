@@ -60,6 +60,7 @@ from benchmarks.common import main as run_from_command_line
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import READ_GROUP_BYTES, RedisBlockStore
 from kvwire.connectors.store_connector import StoreConnectorMetadata
@@ -124,6 +125,55 @@ def redis_server() -> Iterator[str]:
         process.terminate()
         process.wait(timeout=30)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class BatchWork:
+    """What one thread does with its share of batches, the plain client's way and the store's:
+    the same keys and bytes either way, so their times compare. ``new_pipeline`` opens the
+    plain client's pipeline (a single server's or a cluster's)."""
+
+    def __init__(
+        self,
+        new_pipeline: Callable[[], Any],
+        store: RedisBlockStore | RedisClusterBlockStore,
+        keys: list[str],
+        views: list[memoryview],
+        values: list[bytes],
+        load_buffers: list[memoryview],
+    ) -> None:
+        self._new_pipeline = new_pipeline
+        self._store = store
+        self._keys = keys
+        self._views = views
+        self._values = values
+        self._load_buffers = load_buffers
+        self._block_bytes = len(values[0])
+
+    def plain_save(self, share: list[range]) -> None:
+        for batch in share:
+            pipeline = self._new_pipeline()
+            for index in batch:
+                pipeline.set(self._keys[index], self._values[index])
+            pipeline.execute()
+
+    def plain_load(self, share: list[range]) -> None:
+        for batch in share:
+            pipeline = self._new_pipeline()
+            for index in batch:
+                pipeline.get(self._keys[index])
+            for value in pipeline.execute():
+                assert len(value) == self._block_bytes
+
+    def store_save(self, share: list[range]) -> None:
+        for batch in share:
+            keys = [self._keys[i] for i in batch]
+            assert all(self._store.put(keys, [self._views[i] for i in batch]))
+
+    def store_load(self, share: list[range]) -> None:
+        indices = [index for batch in share for index in batch]
+        keys = [self._keys[i] for i in indices]
+        sizes = self._store.get_into(keys, [self._load_buffers[i] for i in indices])
+        assert all(size == self._block_bytes for size in sizes)
 
 
 class _ConnectorPath:
@@ -232,44 +282,24 @@ def measure_block_size(
     def flush() -> None:
         plain.flushdb()
 
-    def plain_save_share(share: list[range]) -> None:
-        for batch in share:
-            pipeline = plain.pipeline(transaction=False)
-            for index in batch:
-                pipeline.set(keys[index], values[index])
-            pipeline.execute()
-
-    def plain_load_share(share: list[range]) -> None:
-        for batch in share:
-            pipeline = plain.pipeline(transaction=False)
-            for index in batch:
-                pipeline.get(keys[index])
-            for value in pipeline.execute():
-                assert len(value) == block_bytes
-
-    def store_save_share(share: list[range]) -> None:
-        for batch in share:
-            assert all(store.put([keys[i] for i in batch], [views[i] for i in batch]))
-
-    def store_load_share(share: list[range]) -> None:
-        indices = [index for batch in share for index in batch]
-        sizes = store.get_into([keys[i] for i in indices], [load_buffers[i] for i in indices])
-        assert all(size == block_bytes for size in sizes)
+    work = BatchWork(
+        lambda: plain.pipeline(transaction=False), store, keys, views, values, load_buffers
+    )
 
     def plain_save(_repeat: int = 0) -> None:
-        on_every_thread(plain_save_share)
+        on_every_thread(work.plain_save)
 
     def plain_load(_repeat: int = 0) -> None:
-        on_every_thread(plain_load_share)
+        on_every_thread(work.plain_load)
 
     def plain_load_wide(_repeat: int = 0) -> None:
-        on_every_thread(plain_load_share, wide_shares)
+        on_every_thread(work.plain_load, wide_shares)
 
     def store_save(_repeat: int = 0) -> None:
-        on_every_thread(store_save_share)
+        on_every_thread(work.store_save)
 
     def store_load(_repeat: int = 0) -> None:
-        on_every_thread(store_load_share)
+        on_every_thread(work.store_load)
 
     moved = count * block_bytes
     saves = {"plain_save": plain_save, "store_save": store_save, "connector_save": connector.save}

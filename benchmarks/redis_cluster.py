@@ -46,7 +46,7 @@ from redis.cluster import RedisCluster
 
 from benchmarks.common import KIB, MIB, best_seconds, write_json
 from benchmarks.common import main as run_from_command_line
-from benchmarks.redis import BATCH_BLOCKS, _ConnectorPath
+from benchmarks.redis import BATCH_BLOCKS, BatchWork, _ConnectorPath
 from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_settings import RedisStoreSettings
 
@@ -131,33 +131,11 @@ def measure(
         for client in clients:
             client.flushall()
 
-    def plain_save_share(share: list[range]) -> None:
-        for batch in share:
-            pipeline = plain.pipeline()
-            for index in batch:
-                pipeline.set(keys[index], values[index])
-            pipeline.execute()
-
-    def plain_load_share(share: list[range]) -> None:
-        for batch in share:
-            pipeline = plain.pipeline()
-            for index in batch:
-                pipeline.get(keys[index])
-            for value in pipeline.execute():
-                assert len(value) == block_bytes
-
-    def store_save_share(share: list[range]) -> None:
-        for batch in share:
-            assert all(store.put([keys[i] for i in batch], [views[i] for i in batch]))
-
-    def store_load_share(share: list[range]) -> None:
-        indices = [index for batch in share for index in batch]
-        sizes = store.get_into([keys[i] for i in indices], [load_buffers[i] for i in indices])
-        assert all(size == block_bytes for size in sizes)
+    work = BatchWork(plain.pipeline, store, keys, views, values, load_buffers)
 
     saves = {
-        "plain_save": lambda _repeat: on_every_thread(plain_save_share),
-        "store_save": lambda _repeat: on_every_thread(store_save_share),
+        "plain_save": lambda _repeat: on_every_thread(work.plain_save),
+        "store_save": lambda _repeat: on_every_thread(work.store_save),
         "connector_save": connector.save,
     }
     seconds = best_seconds(saves, repeats, before_each=flush)
@@ -165,8 +143,8 @@ def measure(
     saves["store_save"](0)
     connector.save()
     loads = {
-        "plain_load": lambda _repeat: on_every_thread(plain_load_share),
-        "store_load": lambda _repeat: on_every_thread(store_load_share),
+        "plain_load": lambda _repeat: on_every_thread(work.plain_load),
+        "store_load": lambda _repeat: on_every_thread(work.store_load),
         "connector_load": connector.load,
     }
     seconds.update(best_seconds(loads, repeats))

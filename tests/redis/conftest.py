@@ -25,7 +25,9 @@ from pytest_redis.executor import RedisExecutor
 
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.engine.engine import GenerationRequest
 from tests.redis.cluster_fixtures import fault_cluster, redis_cluster
+from tests.redis.engines import generate, shared_prefix_workload, tiny_config, tokens
 
 __all__ = ["fault_cluster", "redis_cluster"]  # fixtures for the cluster tests
 
@@ -140,6 +142,18 @@ def fault_server(fault_server_process: RedisExecutor) -> Iterator[RedisServer]:
 def key_prefix() -> str:
     """A prefix of its own per test, so tests sharing a server never see each other's keys."""
     return f"kvwire-test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[GenerationRequest]:
+    """The shared-prefix workload the engine tests run, with and without Redis."""
+    return shared_prefix_workload()
+
+
+@pytest.fixture(scope="module")
+def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
+    """The tokens of the engine without a connector: what every run must reproduce."""
+    return tokens(generate(tiny_config(), workload))
 
 
 @pytest.fixture

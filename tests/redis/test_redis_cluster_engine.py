@@ -17,23 +17,12 @@ from tests.redis.engines import (
     distinct_prompt_blocks,
     generate,
     generate_with_stats,
-    shared_prefix_workload,
     tiny_config,
     tokens,
     with_redis,
 )
 from tests.redis.test_disaggregated_prefill import PROMPT_LEN
 from tests.redis.test_disaggregated_prefill import _run_engine as run_engine
-
-
-@pytest.fixture(scope="module")
-def workload() -> list[GenerationRequest]:
-    return shared_prefix_workload()
-
-
-@pytest.fixture(scope="module")
-def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
-    return tokens(generate(tiny_config(), workload))
 
 
 def test_a_second_engine_loads_every_prompt_block_from_the_cluster(

@@ -31,17 +31,6 @@ from tests.redis.engines import (
 )
 
 
-@pytest.fixture(scope="module")
-def workload() -> list[GenerationRequest]:
-    return shared_prefix_workload()
-
-
-@pytest.fixture(scope="module")
-def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
-    """The tokens of the engine without a connector: what every run must reproduce."""
-    return tokens(generate(tiny_config(), workload))
-
-
 def two_at_a_time() -> EngineConfig:
     """The tiny engine running two requests at a time: the others wait for later steps."""
     return attrs.evolve(tiny_config(), scheduler_config=SchedulerConfig(max_num_seqs=2))

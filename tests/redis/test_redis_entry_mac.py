@@ -10,23 +10,12 @@ from tests.redis.conftest import RedisServer
 from tests.redis.engines import (
     generate,
     generate_with_stats,
-    shared_prefix_workload,
     tiny_config,
     tokens,
     with_redis,
 )
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
-
-
-@pytest.fixture(scope="module")
-def workload() -> list[GenerationRequest]:
-    return shared_prefix_workload()
-
-
-@pytest.fixture(scope="module")
-def expected_tokens(workload: list[GenerationRequest]) -> list[tuple[int, ...]]:
-    return tokens(generate(tiny_config(), workload))
 
 
 def forge_every_value(server: RedisServer, key_prefix: str) -> int:
