@@ -128,26 +128,38 @@ def redis_server() -> Iterator[str]:
 
 
 class BatchWork:
-    """What one thread does with its share of batches, the plain client's way and the store's:
-    the same keys and bytes either way, so their times compare. ``new_pipeline`` opens the
-    plain client's pipeline (a single server's or a cluster's)."""
+    """``count`` blocks of ``block_bytes`` in pipelines of ``BATCH_BLOCKS``, a share of the
+    batches per thread, and what a thread does with its share, the plain client's way and the
+    store's: the same keys and bytes either way, so their times compare. ``new_pipeline``
+    opens the plain client's pipeline (a single server's or a cluster's)."""
 
     def __init__(
         self,
         new_pipeline: Callable[[], Any],
         store: RedisBlockStore | RedisClusterBlockStore,
-        keys: list[str],
-        views: list[memoryview],
-        values: list[bytes],
-        load_buffers: list[memoryview],
+        block_bytes: int,
+        count: int,
+        threads: int,
     ) -> None:
         self._new_pipeline = new_pipeline
         self._store = store
-        self._keys = keys
-        self._views = views
-        self._values = values
-        self._load_buffers = load_buffers
-        self._block_bytes = len(values[0])
+        self._block_bytes = block_bytes
+        self._keys = [f"bench:{block_bytes}:{index}" for index in range(count)]
+        # One staging buffer, as a connector has: the store sends slices of it.
+        staging = bytearray(count * block_bytes)
+        pattern = os.urandom(block_bytes)
+        for index in range(count):
+            staging[index * block_bytes : (index + 1) * block_bytes] = pattern
+        whole = memoryview(staging)
+        self._views = [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+        self._values = [bytes(view) for view in self._views]  # what a plain client user holds
+        self._load_buffers = [memoryview(bytearray(block_bytes)) for _ in range(count)]
+        batches = [
+            range(start, min(start + BATCH_BLOCKS, count))
+            for start in range(0, count, BATCH_BLOCKS)
+        ]
+        # Each thread takes every threads-th batch, on a connection of its own.
+        self.shares = [batches[first::threads] for first in range(threads)]
 
     def plain_save(self, share: list[range]) -> None:
         for batch in share:
@@ -174,6 +186,10 @@ class BatchWork:
         keys = [self._keys[i] for i in indices]
         sizes = self._store.get_into(keys, [self._load_buffers[i] for i in indices])
         assert all(size == self._block_bytes for size in sizes)
+
+    def loaded_what_was_saved(self) -> bool:
+        """Whether the store's loads filled the buffers with the saved bytes (the first two)."""
+        return all(buffer.tobytes() == self._values[0] for buffer in self._load_buffers[:2])
 
 
 class _ConnectorPath:
@@ -242,21 +258,6 @@ def measure_block_size(
     url: str, block_bytes: int, total_bytes: int, repeats: int, threads: int
 ) -> dict[str, Any]:
     count = max(BATCH_BLOCKS * threads, total_bytes // block_bytes)
-    keys = [f"bench:{block_bytes}:{index}" for index in range(count)]
-    # One staging buffer, as a connector has: the store sends slices of it.
-    staging = bytearray(count * block_bytes)
-    pattern = os.urandom(block_bytes)
-    for index in range(count):
-        staging[index * block_bytes : (index + 1) * block_bytes] = pattern
-    whole = memoryview(staging)
-    views = [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
-    values = [bytes(view) for view in views]  # what a plain client user would hold
-    load_buffers = [memoryview(bytearray(block_bytes)) for _ in range(count)]
-    batches = [
-        range(start, min(start + BATCH_BLOCKS, count)) for start in range(0, count, BATCH_BLOCKS)
-    ]
-    # Each thread takes every threads-th batch, on a connection of its own.
-    shares = [batches[first::threads] for first in range(threads)]
     # Plain GET pipelines as deep as the store's groups of GETs, on the same shares.
     group_blocks = max(1, READ_GROUP_BYTES // block_bytes)
     wide_shares = [
@@ -267,24 +268,20 @@ def measure_block_size(
         for first in range(threads)
     ]
     pool = ThreadPoolExecutor(threads)
-
-    def on_every_thread(
-        work: Callable[[list[range]], None], thread_shares: list[list[range]] = shares
-    ) -> None:
-        list(pool.map(work, thread_shares))
-
     plain = redis.Redis(
         connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=threads)
     )
     store = RedisBlockStore(RedisStoreSettings(url=url, key_prefix="", pool_size=threads))
     connector = _ConnectorPath(url, block_bytes, count, threads)
+    work = BatchWork(lambda: plain.pipeline(transaction=False), store, block_bytes, count, threads)
+
+    def on_every_thread(
+        each: Callable[[list[range]], None], thread_shares: list[list[range]] = work.shares
+    ) -> None:
+        list(pool.map(each, thread_shares))
 
     def flush() -> None:
         plain.flushdb()
-
-    work = BatchWork(
-        lambda: plain.pipeline(transaction=False), store, keys, views, values, load_buffers
-    )
 
     def plain_save(_repeat: int = 0) -> None:
         on_every_thread(work.plain_save)
@@ -313,7 +310,7 @@ def measure_block_size(
         "connector_load": connector.load,
     }
     seconds.update(best_seconds(loads, repeats))
-    assert all(buffer.tobytes() == pattern for buffer in load_buffers[:2])
+    assert work.loaded_what_was_saved()
     flush()
     plain.close()
     store.close()

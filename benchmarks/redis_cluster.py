@@ -105,16 +105,6 @@ def measure(
     url: str, clients: list[redis.Redis], block_bytes: int, total_bytes: int, repeats: int
 ) -> dict[str, Any]:
     count = max(BATCH_BLOCKS * THREADS, total_bytes // block_bytes)
-    keys = [f"bench:{block_bytes}:{index}" for index in range(count)]
-    staging = bytearray(os.urandom(block_bytes) * count)
-    whole = memoryview(staging)
-    views = [whole[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
-    values = [bytes(view) for view in views]  # what a plain client user would hold
-    load_buffers = [memoryview(bytearray(block_bytes)) for _ in range(count)]
-    batches = [
-        range(start, min(start + BATCH_BLOCKS, count)) for start in range(0, count, BATCH_BLOCKS)
-    ]
-    shares = [batches[first::THREADS] for first in range(THREADS)]
     pool = ThreadPoolExecutor(THREADS)
     seeds = url.removeprefix("redis+cluster://").split(",")
     host, _, port = seeds[0].rpartition(":")
@@ -123,15 +113,14 @@ def measure(
         RedisStoreSettings(url=url, key_prefix="bench-store:", pool_size=THREADS)
     )
     connector = _ConnectorPath(url, block_bytes, count, THREADS)
+    work = BatchWork(plain.pipeline, store, block_bytes, count, THREADS)
 
-    def on_every_thread(work: Callable[[list[range]], None]) -> None:
-        list(pool.map(work, shares))
+    def on_every_thread(each: Callable[[list[range]], None]) -> None:
+        list(pool.map(each, work.shares))
 
     def flush() -> None:
         for client in clients:
             client.flushall()
-
-    work = BatchWork(plain.pipeline, store, keys, views, values, load_buffers)
 
     saves = {
         "plain_save": lambda _repeat: on_every_thread(work.plain_save),
@@ -148,7 +137,7 @@ def measure(
         "connector_load": connector.load,
     }
     seconds.update(best_seconds(loads, repeats))
-    assert all(buffer.tobytes() == values[0] for buffer in load_buffers[:2])
+    assert work.loaded_what_was_saved()
     flush()
     plain.close()
     store.close()
