@@ -25,7 +25,7 @@ PROMPT_LEN = 100  # 6 full blocks of 16 tokens, then 4 more
 BLOCK_SIZE = 16
 
 
-def _run_engine(role: str, tmp_path: pathlib.Path, *options: str) -> dict[str, Any]:
+def run_engine(role: str, tmp_path: pathlib.Path, *options: str) -> dict[str, Any]:
     output = tmp_path / f"{role}.json"
     subprocess.run(
         [
@@ -49,23 +49,34 @@ def _run_engine(role: str, tmp_path: pathlib.Path, *options: str) -> dict[str, A
     return report
 
 
-def test_the_decode_engine_continues_from_the_prefill_engines_blocks(
-    redis_server: RedisServer, key_prefix: str, tmp_path: pathlib.Path
-) -> None:
-    server = ["--redis-url", redis_server.url, "--key-prefix", key_prefix]
-
-    prefill = _run_engine("prefill", tmp_path, *server)
-    decode = _run_engine("decode", tmp_path, *server)
-    single = _run_engine("single", tmp_path)
+def assert_decode_continues_from_prefill(
+    tmp_path: pathlib.Path, *store_options: str
+) -> dict[str, Any]:
+    """Runs the prefill engine, then the decode engine, on the store ``store_options`` name,
+    and one engine doing both; checks that the decode engine's tokens are the single
+    engine's and that every full prompt block came from the prefill engine. Returns the
+    decode engine's report."""
+    prefill = run_engine("prefill", tmp_path, *store_options)
+    decode = run_engine("decode", tmp_path, *store_options)
+    single = run_engine("single", tmp_path)
 
     assert [r["output_token_ids"] for r in decode["requests"]] == [
         r["output_token_ids"] for r in single["requests"]
     ]
     assert all(len(r["output_token_ids"]) == 1 for r in prefill["requests"])
-    # Every full prompt block came from the prefill engine, through Redis.
     full_blocks = (PROMPT_LEN - 1) // BLOCK_SIZE
     assert [r["external_tokens"] for r in decode["requests"]] == [full_blocks * BLOCK_SIZE] * 3
     assert decode["connector_stats"]["blocks_loaded"] == 3 * full_blocks
+    return decode
+
+
+def test_the_decode_engine_continues_from_the_prefill_engines_blocks(
+    redis_server: RedisServer, key_prefix: str, tmp_path: pathlib.Path
+) -> None:
+    server = ["--redis-url", redis_server.url, "--key-prefix", key_prefix]
+
+    decode = assert_decode_continues_from_prefill(tmp_path, *server)
+
     assert all(r["error"] is None for r in decode["requests"])
 
 
@@ -74,8 +85,8 @@ def test_a_decode_engine_without_the_prefill_computes_everything_itself(
 ) -> None:
     server = ["--redis-url", redis_server.url, "--key-prefix", key_prefix]
 
-    decode = _run_engine("decode", tmp_path, *server)
-    single = _run_engine("single", tmp_path)
+    decode = run_engine("decode", tmp_path, *server)
+    single = run_engine("single", tmp_path)
 
     assert [r["output_token_ids"] for r in decode["requests"]] == [
         r["output_token_ids"] for r in single["requests"]

@@ -21,8 +21,7 @@ from tests.redis.engines import (
     tokens,
     with_redis,
 )
-from tests.redis.test_disaggregated_prefill import PROMPT_LEN
-from tests.redis.test_disaggregated_prefill import _run_engine as run_engine
+from tests.redis.test_disaggregated_prefill import assert_decode_continues_from_prefill
 
 
 def test_a_second_engine_loads_every_prompt_block_from_the_cluster(
@@ -61,15 +60,4 @@ def test_the_decode_engine_continues_from_the_prefill_engines_blocks_on_a_cluste
 ) -> None:
     cluster = ["--redis-url", redis_cluster.url, "--key-prefix", key_prefix]
 
-    prefill = run_engine("prefill", tmp_path, *cluster)
-    decode = run_engine("decode", tmp_path, *cluster)
-    single = run_engine("single", tmp_path)
-
-    assert [r["output_token_ids"] for r in decode["requests"]] == [
-        r["output_token_ids"] for r in single["requests"]
-    ]
-    assert all(len(r["output_token_ids"]) == 1 for r in prefill["requests"])
-    block_size = 16
-    full_blocks = (PROMPT_LEN - 1) // block_size
-    assert [r["external_tokens"] for r in decode["requests"]] == [full_blocks * block_size] * 3
-    assert decode["connector_stats"]["blocks_loaded"] == 3 * full_blocks
+    assert_decode_continues_from_prefill(tmp_path, *cluster)
