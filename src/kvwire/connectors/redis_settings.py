@@ -25,12 +25,11 @@ from kvwire.connectors.redis_cluster_url import (
     is_cluster_url,
 )
 from kvwire.memory_limits import describe_bytes, memory_shortfall
-from kvwire.redaction import redact_text, shown
+from kvwire.redaction import scrub, shown
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 _SCHEMES = ("redis", "rediss", "unix")
 _URL_QUERY_KEYS = ("db", "username", "password")
-_REDACTED = "***"
 
 
 class RedisSettingsError(ValueError):
@@ -47,7 +46,7 @@ class RedisStoreSettings:
     attributes are read-only.
     """
 
-    url: str = attrs.field(default="redis://127.0.0.1:6379/0", repr=lambda url: shown(_blank(url)))
+    url: str = attrs.field(default="redis://127.0.0.1:6379/0", repr=lambda url: shown(scrub(url)))
     username: str | None = None
     password: str | None = attrs.field(default=None, repr=False)
     db: int | None = None
@@ -88,7 +87,7 @@ class RedisStoreSettings:
             problem = _check_value(field.name, value, field.default)
             if problem:
                 problems.append(
-                    f"{EXTRA_CONFIG}.{field.name}: {problem}, got {_shown(field.name, value)}"
+                    f"{EXTRA_CONFIG}.{field.name}: {problem}, got {shown(value, key=field.name)}"
                 )
             else:
                 values[field.name] = _converted(field.name, value)
@@ -157,7 +156,7 @@ class RedisStoreSettings:
         secrets = _url_secrets(self.url)
         if self.password:
             secrets.append(self.password)
-        return _blank(text, secrets)
+        return scrub(text, secrets)
 
     def connection_pool_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``redis.BlockingConnectionPool``: URL first, explicit keys win."""
@@ -307,13 +306,6 @@ def _url_secrets(url: str) -> list[str]:
     return [secret for secret in found if secret]
 
 
-def _blank(text: str, secrets: list[str] | None = None) -> str:
-    """``text`` with URL credentials (and ``secrets``, wherever they appear) replaced by ``***``."""
-    for secret in sorted(secrets or [], key=len, reverse=True):
-        text = text.replace(secret, _REDACTED)
-    return redact_text(text)
-
-
 def _tls_problems(values: Mapping[str, Any]) -> list[str]:
     problems = []
     uses_tls = str(values.get("url", "")).startswith(("rediss://", "rediss+cluster://"))
@@ -328,7 +320,3 @@ def _tls_problems(values: Mapping[str, Any]) -> list[str]:
         elif not os.path.isfile(path):
             problems.append(f"{EXTRA_CONFIG}.{name}: no file at {shown(path)}; expected a PEM file")
     return problems
-
-
-def _shown(name: str, value: Any) -> str:
-    return shown(value, key=name)
