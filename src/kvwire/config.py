@@ -91,6 +91,9 @@ def _buffer_size_as_float(value: Any) -> float:
     except OverflowError:
         # float() of a 400-digit integer; OverflowError would name nothing.
         raise ValueError(f"kv_buffer_size is too large, got {shown(value)}") from None
+    except (TypeError, ValueError) as error:
+        # float()'s own text names no field, and quotes a string whole, however long.
+        raise type(error)(f"kv_buffer_size must be a number, got {shown(value)}") from None
 
 
 def _shown_plain(value: object) -> str:

@@ -236,3 +236,16 @@ def test_an_infinite_kv_buffer_size_is_refused() -> None:
 def test_a_kv_buffer_size_too_large_for_a_float_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"^kv_buffer_size is too large, got <an integer of"):
         KVTransferConfig(kv_buffer_size=10**400)
+
+
+def test_a_kv_buffer_size_that_is_not_a_number_is_refused_by_name_and_bounded() -> None:
+    with pytest.raises(ValueError) as raised:
+        KVTransferConfig(kv_buffer_size="9" * 1000 + "x")
+
+    assert str(raised.value).startswith("kv_buffer_size must be a number, got '999")
+    assert len(str(raised.value)) < 200
+
+
+def test_a_kv_buffer_size_of_the_wrong_type_is_a_type_error_naming_the_field() -> None:
+    with pytest.raises(TypeError, match=r"^kv_buffer_size must be a number, got None$"):
+        KVTransferConfig(kv_buffer_size=None)
