@@ -29,6 +29,7 @@ from kvwire.connector.types import (
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
+from kvwire.connectors.multi_children import child_transfer_configs
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import KVConnectorContainer
 from kvwire.registry import default_registry
@@ -599,3 +600,24 @@ def test_child_stats_rebuilt_by_the_multi_connector_class_reach_each_child_as_th
     multi.update_connector_output(KVConnectorOutput(kv_connector_stats=rebuilt))
 
     assert calls_named(multi.children[0], "stats") == [ProbeStats(data={"loads": 2})]
+
+
+def _multi_transfer_config(extra: dict[Any, Any]) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+def test_unknown_keys_of_mixed_types_are_named_not_a_sorting_crash() -> None:
+    with pytest.raises(ExtraConfigError, match=r"^kv_connector_extra_config\.1 is not an option"):
+        child_transfer_configs(_multi_transfer_config({"connectors": [CPU_CHILD], 1: 2, "x": 3}))
+
+
+def test_an_unknown_key_is_named_bounded_and_escaped() -> None:
+    with pytest.raises(ExtraConfigError) as raised:
+        child_transfer_configs(_multi_transfer_config({"k\n" * 5000: 1}))
+
+    message = str(raised.value)
+    assert message.startswith("kv_connector_extra_config.'k\\nk\\n")
+    assert "\n" not in message
+    assert len(message) < 400

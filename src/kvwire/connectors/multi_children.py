@@ -17,6 +17,7 @@ import attrs
 from kvwire.config import KVTransferConfig
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.exceptions import kind_of
+from kvwire.redaction import shown_key
 from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
@@ -27,11 +28,12 @@ if TYPE_CHECKING:
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
     """The children's transfer configs; errors name ``kv_connector_extra_config.connectors[i]``."""
     extra = parent.kv_connector_extra_config
-    unknown = sorted(set(extra) - {"connectors"})
+    # Sorted and named as read_extra_config does: keys may be of mixed types, long or unprintable.
+    unknown = sorted((key for key in extra if key != "connectors"), key=shown_key)
     if unknown:
         raise ExtraConfigError(
-            f"kv_connector_extra_config.{unknown[0]} is not an option of MultiConnector; "
-            "accepted keys are: connectors"
+            f"kv_connector_extra_config.{shown_key(unknown[0])} is not an option of "
+            "MultiConnector; accepted keys are: connectors"
         )
     children = extra.get("connectors")
     # Values are named by their type, never echoed: a secret typed in the
