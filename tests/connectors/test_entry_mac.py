@@ -19,7 +19,7 @@ from kvwire.connectors.block_format import (
     verify_entry,
     write_header,
 )
-from kvwire.connectors.entry_mac import EntryMac, MacKeyError
+from kvwire.connectors.entry_mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.connectors.harness import engine_config
@@ -135,6 +135,13 @@ def test_anything_but_a_variable_name_is_refused_without_being_echoed(given: obj
     with pytest.raises(MacKeyError, match="expected the name of an environment variable") as raised:
         EntryMac.from_environment(given, {str(given): KEY})
     assert str(given) not in str(raised.value)
+
+
+def test_an_overlong_variable_name_is_refused_without_being_echoed() -> None:
+    name = "K" * (MAX_VARIABLE_NAME + 1)
+    with pytest.raises(MacKeyError, match="expected the name of an environment variable") as raised:
+        EntryMac.from_environment(name, {})
+    assert len(str(raised.value)) < 300
 
 
 def test_a_key_that_is_not_utf8_is_taken_as_the_environment_holds_it() -> None:

@@ -29,7 +29,9 @@ MIN_KEY_BYTES = 32
 ALGORITHM = "hmac-sha256"
 # Uppercase only, as environment variable names are by convention: a key
 # (hex, base64) put here by mistake is then refused without being echoed.
-_VARIABLE_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+# Bounded, as the name is quoted in errors and in the MAC's repr.
+MAX_VARIABLE_NAME = 128
+_VARIABLE_NAME = re.compile(rf"[A-Z_][A-Z0-9_]{{0,{MAX_VARIABLE_NAME - 1}}}")
 
 
 class MacKeyError(ValueError):
@@ -72,9 +74,9 @@ class EntryMac:
         if not isinstance(variable, str) or not _VARIABLE_NAME.fullmatch(variable):
             # Never echoed: a user who put the key itself here must not see it printed.
             raise MacKeyError(
-                "expected the name of an environment variable holding the MAC key "
-                "(uppercase letters, digits and underscores, e.g. KVWIRE_MAC_KEY), never the key "
-                "itself"
+                "expected the name of an environment variable holding the MAC key (uppercase "
+                f"letters, digits and underscores, at most {MAX_VARIABLE_NAME} characters, e.g. "
+                "KVWIRE_MAC_KEY), never the key itself"
             )
         value = environment.get(variable)
         if value is None:
