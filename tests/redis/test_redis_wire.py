@@ -21,14 +21,19 @@ VALUE_BYTES = 300 * 1024
 
 
 class _CountingSocket:
-    """Counts the bytes received into the reader's scratch buffer rather than a target."""
+    """Counts the bytes received into the scratch buffer (not a target), and the timeouts set."""
 
     def __init__(self, sock: socket.socket, scratch: bytearray) -> None:
         self._sock = sock
         self._scratch = scratch
         self.into_scratch = 0
+        self.timeouts_set = 0
+
+    def gettimeout(self) -> float | None:
+        return self._sock.gettimeout()
 
     def settimeout(self, timeout: float) -> None:
+        self.timeouts_set += 1
         self._sock.settimeout(timeout)
 
     def recv_into(self, buffer: memoryview) -> int:
@@ -106,6 +111,24 @@ def test_values_are_received_into_their_buffers_not_through_the_scratch_buffer(
     assert [target.tobytes() for target in targets] == values
     # Headers and CRLFs, and at most a little of each value that follows one.
     assert counting.into_scratch <= len(values) * 1024
+
+
+def test_the_socket_timeout_is_set_once_while_the_deadline_is_further_off(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = connected
+    values = [os.urandom(VALUE_BYTES) for _ in range(4)]
+    sender = _send_in_background(server, b"".join(_bulk(value) for value in values))
+    scratch = bytearray(64 * 1024)
+    counting = _CountingSocket(client, scratch)
+    reader = RespStream(counting, scratch, _deadline())  # type: ignore[arg-type]
+
+    for _ in values:
+        assert reader.read_into(memoryview(bytearray(VALUE_BYTES))) == VALUE_BYTES
+    sender.join()
+
+    # Setting it is a system call; every read after the first finds it set already.
+    assert counting.timeouts_set == 1
 
 
 @pytest.mark.parametrize("header", [b"$12x\r\n", b"$\r\n", b"$99999999999999999999\r\n"])

@@ -123,7 +123,11 @@ class Deadline:
         left = self._expires_at - time.monotonic()
         if left <= 0:
             raise self.exceeded()
-        sock.settimeout(min(self._socket_timeout_s, left))
+        timeout = min(self._socket_timeout_s, left)
+        # settimeout is a system call each time; while the deadline is further
+        # off than the socket timeout (nearly always), the socket is armed already.
+        if sock.gettimeout() != timeout:
+            sock.settimeout(timeout)
 
     def check(self) -> None:
         """Raise :class:`DeadlineExceeded` if no time is left."""
