@@ -143,10 +143,16 @@ class CPUPoolWorker:
 
         Its stores past their deadline are given up on first.
         """
-        with self._changed:
-            jobs = list(self._jobs_per_request.get(request_id, ()))
         now = time.monotonic()
-        self._give_up([job for job in jobs if job.is_store and job.deadline <= now])
+        with self._changed:
+            jobs = self._jobs_per_request.get(request_id)
+            if not jobs:
+                return False
+            overdue = [job for job in jobs if job.is_store and job.deadline <= now]
+            if not overdue:
+                return True
+        # Outside the lock: giving up on a job waits for its copy under way.
+        self._give_up(overdue)
         with self._changed:
             return request_id in self._jobs_per_request
 
@@ -450,8 +456,8 @@ class CPUPoolWorker:
         steps: list[tuple[str, Callable[[], object]]] = [
             ("waiting for loads", self.wait_for_loads),
             ("waiting for transfers", lambda: self._wait_at_close(timeout_s)),
-            ("stopping the store threads", self._stop_store_threads),
-            ("stopping the load threads", self._stop_load_threads),
+            ("stopping the store threads", self._store_pool.shutdown),
+            ("stopping the load threads", self._load_pool.shutdown),
         ]
         for what, step in steps:
             try:
@@ -467,9 +473,3 @@ class CPUPoolWorker:
         with self._changed:
             jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
         self._give_up(jobs)
-
-    def _stop_store_threads(self) -> None:
-        self._store_pool.shutdown()
-
-    def _stop_load_threads(self) -> None:
-        self._load_pool.shutdown()
