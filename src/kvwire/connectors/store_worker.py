@@ -273,14 +273,11 @@ class StoreWorker:
                 with self._lock:
                     state.runs.append(run)
                     state.remaining_jobs += 1
-            self._submit_load(run, state)
+            run.future = self._load_pool.submit(self._load, run, state)
             start = end
         starved = transfer.block_ids[start:]
         self._fail_overdue(starved)
         return starved
-
-    def _submit_load(self, run: _LoadRun, state: _AsyncLoad | None) -> None:
-        run.future = self._load_pool.submit(self._load, run, state)
 
     def wait_for_loads(self) -> None:
         """Block until this step's synchronous loads are in the cache, failed, or overdue.
@@ -747,8 +744,10 @@ class StoreWorker:
             ("waiting for loads", self.wait_for_loads),
             ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
             ("ending loads", lambda: self._end_loads(deadline)),
-            ("stopping the load threads", self._stop_load_threads),
-            ("stopping the save threads", self._stop_save_threads),
+            # Not waiting for the threads: a job still blocked in the store
+            # was given up on, and writes nothing more into the cache.
+            ("stopping the load threads", self._load_pool.shutdown),
+            ("stopping the save threads", self._save_pool.shutdown),
         ]
         for what, step in steps:
             try:
@@ -777,11 +776,3 @@ class StoreWorker:
         )
         for state in states:
             self._give_up_async(state)
-
-    def _stop_load_threads(self) -> None:
-        # Not waiting: a job still blocked in the store was given up on, and
-        # writes nothing more into the cache.
-        self._load_pool.shutdown()
-
-    def _stop_save_threads(self) -> None:
-        self._save_pool.shutdown()
