@@ -16,6 +16,7 @@ from kvwire.cli import check_profile
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
 from kvwire.connectors.extra_config import ExtraConfigError, read_extra_config
+from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.connectors.conftest import PairFactory
 from tests.connectors.harness import (
@@ -282,6 +283,13 @@ def test_a_nul_byte_in_the_path_is_an_error_that_names_the_key():
         SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
     assert "kv_connector_extra_config.shared_storage_path" in str(raised.value)
     assert "NUL byte" in str(raised.value)
+
+
+def test_a_store_root_with_a_nul_byte_is_refused_and_shown_bounded():
+    with pytest.raises(ValueError) as raised:
+        DirectoryBlockStore("/tmp/" + "k" * 10_000 + "\0", entry_bytes=4096)
+    assert "contains a NUL byte" in str(raised.value)
+    assert len(str(raised.value)) < 300
 
 
 def test_the_connector_accepts_no_path_with_a_nul_byte():

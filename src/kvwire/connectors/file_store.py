@@ -116,13 +116,13 @@ class DirectoryBlockStore(BlockStore):
         modes: FileModes = PRIVATE,
     ):
         self.root = os.fspath(root)
+        # As errors and warnings show it: a root may be as long as the system allows.
+        self._shown_root = shown(self.root)
         if "\0" in self.root:
             raise ValueError(
-                f"directory store root {self.root!r} contains a NUL byte; "
+                f"directory store root {self._shown_root} contains a NUL byte; "
                 "expected a directory path without one"
             )
-        # As warnings show it: a root may be as long as the system allows.
-        self._shown_root = shown(self.root)
         self._entry_bytes = entry_bytes
         self._fsync = fsync
         self._max_bytes = max_bytes
