@@ -22,10 +22,18 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from kvwire.connector.base import ConnectorResolver, KVConnectorBase, KVConnectorRole
+import attrs
+
+from kvwire.connector.base import (
+    ConnectorResolver,
+    KVConnectorBase,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from kvwire.connector.types import BlockHash, Request
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.block_planner import BlockPlanner
+from kvwire.connectors.cache_groups import cache_groups, layers_per_group
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import ExtraConfigKey, read_extra_config
 from kvwire.connectors.paged_cache import check_cache_layout
@@ -59,8 +67,13 @@ _Worker = TypeVar("_Worker", bound=BlockWorker)
 _SaveT = TypeVar("_SaveT", bound=SaveTransfer)
 
 
-class BlockConnector(KVConnectorBase, Generic[_Worker]):
+class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
     """A connector that loads and saves full blocks of every layer, keyed by block hash.
+
+    It serves hybrid models (several KV cache groups): an entry holds one
+    block of every layer of one group, named by the group's own layout
+    (:attr:`group_layouts`), and the planner moves per group only the blocks
+    that group needs.
 
     Abstract: a subclass declares its :meth:`extra_config_keys`, counts the
     blocks its medium holds (:meth:`count_held_prefix`), builds its worker in
@@ -73,13 +86,17 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
-        self._layout = BlockLayout.from_engine_config(config)
+        self._groups = cache_groups(kv_cache_config)
+        self._layout = attrs.evolve(
+            BlockLayout.from_engine_config(config), num_layers=layers_per_group(self._groups)
+        )
         check_cache_layout(self._layout, kv_cache_config)
         self._options = self.read_options(self.kv_transfer_config)
         self._async_load: bool = self._options["async_load"]
         # Scheduler side.
         self._planner = BlockPlanner(
             self._layout.block_size,
+            self._groups,
             loads=self.kv_transfer_config.is_kv_consumer,
             saves=self.kv_transfer_config.is_kv_producer,
         )
@@ -118,8 +135,12 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
         cls.read_options(kv_transfer_config)
 
     @abc.abstractmethod
-    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many of ``block_hashes``, from the first, the medium holds (scheduler side)."""
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of ``block_hashes``, from the first, the medium holds for ``group``.
+
+        Scheduler side. A sliding-window group's window is asked for last
+        block first (see :class:`~kvwire.connectors.block_planner.BlockPlanner`).
+        """
 
     @abc.abstractmethod
     def transfers_running(self, request_id: str) -> bool:
@@ -127,7 +148,18 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
 
     @property
     def layout(self) -> BlockLayout:
+        """The layout of one entry, whatever its group (the groups differ only in their name)."""
         return self._layout
+
+    @property
+    def group_layouts(self) -> tuple[BlockLayout, ...]:
+        """Each KV cache group's layout: the group's name is in its fingerprint.
+
+        With a single group, just :attr:`layout`, so its entries keep their names.
+        """
+        if len(self._groups) == 1:
+            return (self._layout,)
+        return tuple(attrs.evolve(self._layout, group=group.name) for group in self._groups)
 
     # -------------------------------------------------------- scheduler side
 
@@ -136,6 +168,13 @@ class BlockConnector(KVConnectorBase, Generic[_Worker]):
     ) -> tuple[int | None, bool]:
         hits = self._planner.look_up(request, num_computed_tokens, self.count_held_prefix)
         return hits * self._layout.block_size, self._async_load and hits > 0
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # What keeps a request's blocks is its transfers, in whichever group:
+        # the same answer as request_finished, for every group's blocks at once.
+        return self.request_finished(request, [block for group in block_ids for block in group])
 
     # ----------------------------------------------------------- worker side
 

@@ -84,6 +84,9 @@ class BlockLayout:
     # bytes mean the same thing.
     cache_layout: str = attrs.field(default="kvwire", kw_only=True)
     model_identity: str = attrs.field(default="", kw_only=True)
+    # The KV cache group whose layers an entry holds (``CacheGroup.name``), in
+    # a hybrid engine; "" with a single group.
+    group: str = attrs.field(default="", kw_only=True)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -127,6 +130,8 @@ class BlockLayout:
         )
         if self.model_identity:
             description += f";model={self.model_identity}"
+        if self.group:
+            description += f";{self.group}"
         if self.mac is not None:
             # Sealed entries (and each key's) get names of their own.
             description += f";mac={self.mac.key_id}"

@@ -3,13 +3,17 @@
 The CPU-offload connector and the store connectors decide the same two things
 per request, whatever holds the blocks:
 
-- what to load: at lookup, the consecutive prefix of the request's full
-  blocks beyond the engine's local ones that the medium holds; at
-  allocation, the cache block ids those blocks go to;
+- what to load: at lookup, the longest prefix of the request's full blocks
+  beyond the engine's local ones that the medium holds in every KV cache
+  group (all its blocks in a full-attention group, the last ones its window
+  reaches in a sliding-window group, see :mod:`kvwire.connectors.cache_groups`);
+  at allocation, the cache block ids those blocks go to, per group;
 - what to save: each step, the full blocks that this step computes and that
-  were neither loaded nor saved before. A block whose load failed is
-  computed again by the engine, so it is saved again: the medium, which
-  dropped the bad entry, gets a good one back in the same run.
+  were neither loaded nor saved before; in a sliding-window group, only those
+  still inside the window at the end of the step's computed prefix (the
+  others will never be read again). A block whose load failed is computed
+  again by the engine, so it is saved again: the medium, which dropped the
+  bad entry, gets a good one back in the same run.
 
 :class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and turns each planned
@@ -23,21 +27,28 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from kvwire.connector.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.connectors.cache_groups import NULL_BLOCK_ID, CacheGroup
 
-HitCounter = Callable[[Sequence[BlockHash]], int]
-"""Counts how many of the given block hashes, from the first, the medium holds."""
+HitCounter = Callable[[int, Sequence[BlockHash]], int]
+"""Counts how many of the given block hashes, from the first, the medium holds for a group.
+
+Called with the group's index and the hashes; a sliding-window group's window
+is asked for last block first, so the answer says where the nearest gap is.
+"""
 
 
 @attrs.frozen
 class BlockRange:
-    """Consecutive full blocks of one request: their cache block ids and hashes, in order."""
+    """Blocks of one request in one KV cache group: their cache block ids and hashes, in order."""
 
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
-    # For a save: the request's blocks up to the last one saved. Their KV was
-    # computed attending to all of these; one that failed to load spoils it.
+    # For a save: the request's blocks (every group's) up to the last one
+    # saved. Their KV was computed attending to all of these; one that failed
+    # to load spoils it.
     context_block_ids: tuple[int, ...] = ()
+    group: int = 0
 
 
 @attrs.define
@@ -50,13 +61,14 @@ class _Lookup:
 @attrs.define
 class _SaveCursor:
     request: Request
-    next_block_to_save: int
-    # The request's cache block ids, as last seen (allocation, then each step).
-    block_ids: Sequence[int] = ()
+    # Per group: the first block position not yet saved (or loaded).
+    next_block_to_save: list[int]
+    # Per group: the request's cache block ids, as last seen (allocation, then each step).
+    block_ids: tuple[Sequence[int], ...] = ()
 
 
 class BlockPlanner:
-    """Which full blocks of each request to load and to save (scheduler side).
+    """Which full blocks of each request to load and to save, per KV cache group (scheduler side).
 
     ``loads``/``saves`` say whether the engine is a KV consumer/producer; a
     planner that does not load finds no hits, one that does not save plans
@@ -65,8 +77,15 @@ class BlockPlanner:
     last :meth:`take_lookup_counts`.
     """
 
-    def __init__(self, block_size: int, *, loads: bool, saves: bool) -> None:
+    def __init__(
+        self, block_size: int, groups: Sequence[CacheGroup], *, loads: bool, saves: bool
+    ) -> None:
         self._block_size = block_size
+        self._groups = tuple(groups)
+        self._full_groups = tuple(g for g in self._groups if g.window_blocks is None)
+        self._sliding_groups = tuple(g for g in self._groups if g.window_blocks is not None)
+        # With several groups the engine is hybrid, and block id 0 is its null block.
+        self._null_block: int | None = NULL_BLOCK_ID if len(self._groups) > 1 else None
         self._loads = loads
         self._saves = saves
         self._lookups: dict[str, _Lookup] = {}
@@ -83,32 +102,58 @@ class BlockPlanner:
         if not self._loads or last_block <= first_block:
             self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
             return 0
-        hits = count_hits(request.block_hashes[first_block:last_block])
+        hashes = request.block_hashes
+        end = last_block
+        for group in self._full_groups:
+            if end > first_block:
+                end = first_block + count_hits(group.index, hashes[first_block:end])
+        end = self._sliding_prefix_end(hashes, first_block, end, count_hits)
+        hits = end - first_block
         self._lookups[request.request_id] = _Lookup(first_block, hits, last_block - first_block)
         return hits
 
+    def _sliding_prefix_end(
+        self, hashes: Sequence[BlockHash], first_block: int, end: int, count_hits: HitCounter
+    ) -> int:
+        """The largest prefix end, at most ``end``, whose window every sliding group holds.
+
+        Blocks before ``first_block`` are the engine's own. A window with a
+        gap rules out every end whose window covers the gap, so the next
+        candidate ends just before it: one question per gap, not per end.
+        """
+        while end > first_block:
+            for group in self._sliding_groups:
+                window = hashes[max(first_block, end - (group.window_blocks or 0)) : end]
+                held_from_last = count_hits(group.index, window[::-1])
+                if held_from_last < len(window):
+                    end -= held_from_last + 1
+                    break
+            else:
+                return end
+        return first_block
+
     def allocate(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> BlockRange | None:
-        """Start planning the request's saves; return the blocks it loads, if any.
+    ) -> list[BlockRange]:
+        """Start planning the request's saves; return the blocks it loads, one range per group.
 
         Blocks found at lookup are not saved again. Raises ``ValueError`` when
-        the engine asks for more external tokens than the lookup found.
+        the engine asks for more external tokens than the lookup found, or
+        gives block ids for another number of groups.
         """
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
             lookup = _Lookup(request.num_computed_tokens // self._block_size, 0, 0)
         self.lookup_hit_blocks += lookup.hit_blocks
         self.lookup_miss_blocks += lookup.candidate_blocks - lookup.hit_blocks
-        all_block_ids = blocks.get_block_ids()[0]
+        all_block_ids = self._per_group(request.request_id, blocks.get_block_ids())
+        first_unsaved = lookup.first_block + lookup.hit_blocks
         self._save_cursors[request.request_id] = _SaveCursor(
-            request,
-            next_block_to_save=lookup.first_block + lookup.hit_blocks,
-            block_ids=all_block_ids,
+            request, [first_unsaved] * len(self._groups), all_block_ids
         )
         num_blocks = num_external_tokens // self._block_size
         if num_blocks <= 0:
-            return None
+            return []
         if num_blocks > lookup.hit_blocks:
             raise ValueError(
                 f"update_state_after_alloc: request {request.request_id!r} asks for "
@@ -116,30 +161,42 @@ class BlockPlanner:
                 f"{lookup.hit_blocks * self._block_size}"
             )
         start, end = lookup.first_block, lookup.first_block + num_blocks
-        return BlockRange(
-            request_id=request.request_id,
-            block_ids=tuple(all_block_ids[start:end]),
-            block_hashes=tuple(request.block_hashes[start:end]),
-        )
+        loads = []
+        for group in self._groups:
+            needed = group.needed_positions(end)
+            positions = range(max(start, needed.start), end)
+            load = self._range(request, group, all_block_ids[group.index], positions)
+            if load is not None:
+                loads.append(load)
+        return loads
 
     def loads_failed(self, block_ids: set[int]) -> None:
         """Plan to save again, once recomputed, the blocks whose loads failed, and those after.
 
-        The engine computes a request again from its first failed block; the
-        medium no longer holds a good copy of it (the connector drops a
-        corrupt entry), so that block and the following ones are saved anew.
+        The engine computes a request again from its first failed block, in
+        every group; the medium no longer holds a good copy of it (the
+        connector drops a corrupt entry), so that block and the following
+        ones are saved anew.
         """
         if not block_ids:
             return
         for cursor in self._save_cursors.values():
             # By the request's block ids, not by what this planner loaded: in a
             # composite, another connector may have made the failed load.
-            failed = [i for i, block_id in enumerate(cursor.block_ids) if block_id in block_ids]
+            failed = [
+                position
+                for group_ids in cursor.block_ids
+                for position, block_id in enumerate(group_ids)
+                if block_id in block_ids and block_id != self._null_block
+            ]
             if failed:
-                cursor.next_block_to_save = min(cursor.next_block_to_save, failed[0])
+                first_failed = min(failed)
+                cursor.next_block_to_save = [
+                    min(position, first_failed) for position in cursor.next_block_to_save
+                ]
 
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockRange]:
-        """The blocks to save this step, one range per request that has new full blocks."""
+        """The blocks to save this step: per request with new full blocks, one range per group."""
         if not self._saves:
             return []
         ranges: list[BlockRange] = []
@@ -147,25 +204,64 @@ class BlockPlanner:
             cursor = self._save_cursors.get(item.request_id)
             if cursor is None:
                 continue
-            block_ids = item.block_ids[0]
-            cursor.block_ids = block_ids
+            cursor.block_ids = self._per_group(item.request_id, item.block_ids)
             hashes = cursor.request.block_hashes
             # Only full blocks whose hash is known and whose KV exists after this step.
             tokens_after_step = item.num_computed_tokens + item.num_scheduled_tokens
-            end = min(tokens_after_step // self._block_size, len(hashes), len(block_ids))
-            start = cursor.next_block_to_save
-            if end <= start:
-                continue
-            cursor.next_block_to_save = end
-            ranges.append(
-                BlockRange(
-                    request_id=item.request_id,
-                    block_ids=tuple(block_ids[start:end]),
-                    block_hashes=tuple(hashes[start:end]),
-                    context_block_ids=tuple(block_ids[:end]),
-                )
+            end = min(
+                tokens_after_step // self._block_size,
+                len(hashes),
+                *(len(group_ids) for group_ids in cursor.block_ids),
             )
+            context = tuple(
+                block_id
+                for group_ids in cursor.block_ids
+                for block_id in group_ids[:end]
+                if block_id != self._null_block
+            )
+            for group in self._groups:
+                start = cursor.next_block_to_save[group.index]
+                if end <= start:
+                    continue
+                cursor.next_block_to_save[group.index] = end
+                # Blocks that left a sliding window by the step's end are never read again.
+                positions = range(max(start, group.needed_positions(end).start), end)
+                save = self._range(
+                    cursor.request, group, cursor.block_ids[group.index], positions, context
+                )
+                if save is not None:
+                    ranges.append(save)
         return ranges
+
+    def _range(
+        self,
+        request: Request,
+        group: CacheGroup,
+        block_ids: Sequence[int],
+        positions: range,
+        context_block_ids: tuple[int, ...] = (),
+    ) -> BlockRange | None:
+        """The blocks at ``positions`` of one group, null blocks left out; None if none is left."""
+        kept = [p for p in positions if block_ids[p] != self._null_block]
+        if not kept:
+            return None
+        return BlockRange(
+            request_id=request.request_id,
+            block_ids=tuple(block_ids[p] for p in kept),
+            block_hashes=tuple(request.block_hashes[p] for p in kept),
+            context_block_ids=context_block_ids,
+            group=group.index,
+        )
+
+    def _per_group(
+        self, request_id: str, block_ids: tuple[Sequence[int], ...]
+    ) -> tuple[Sequence[int], ...]:
+        if len(block_ids) != len(self._groups):
+            raise ValueError(
+                f"request {request_id!r}: got block ids for {len(block_ids)} KV cache groups, "
+                f"the kv_cache_config has {len(self._groups)}"
+            )
+        return block_ids
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's lookup and save plan."""

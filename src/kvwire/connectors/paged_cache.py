@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.cache_groups import CacheGroup
 from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.redaction import shown
 
 # Blocks are copied and checksummed a few at a time, so that the checksum
 # reads what the copy has just written (or the copy reads what the check has
@@ -120,6 +122,35 @@ class PagedKVCaches:
             source = entries[slot_start : slot_start + count]
             for layer, cache in enumerate(self._caches):
                 cache[block_start : block_start + count].copy_(source[:, layer])
+
+
+def group_caches(
+    kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout, groups: Sequence[CacheGroup]
+) -> tuple[PagedKVCaches, ...]:
+    """One :class:`PagedKVCaches` per KV cache group, over that group's layers, in group order.
+
+    Layers of different groups may share memory (a hybrid engine gives each
+    block id to one group at a time); each group's caches are indexed only
+    with that group's block ids.
+    """
+    grouped = {name for group in groups for name in group.layer_names}
+    unknown = [name for name in kv_caches if name not in grouped]
+    if unknown:
+        raise ValueError(
+            f"register_kv_caches: layer {shown(unknown[0])} is in no KV cache group of the "
+            f"kv_cache_config ({len(grouped)} layers in {len(groups)} groups)"
+        )
+    caches = []
+    for group in groups:
+        missing = [name for name in group.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(
+                f"register_kv_caches: layer {shown(missing[0])} of KV cache group "
+                f"{group.index} was not registered"
+            )
+        layers = {name: kv_caches[name] for name in group.layer_names}
+        caches.append(PagedKVCaches(layers, layout, group.layer_names))
+    return tuple(caches)
 
 
 def _expected_shape(layout: BlockLayout, num_blocks: int) -> tuple[tuple[int, ...], str]:
