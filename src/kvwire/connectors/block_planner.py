@@ -74,11 +74,19 @@ class BlockPlanner:
     planner that does not load finds no hits, one that does not save plans
     no saves. ``lookup_hit_blocks``/``lookup_miss_blocks`` count the blocks
     found and not found by the lookups of the requests allocated since the
-    last :meth:`take_lookup_counts`.
+    last :meth:`take_lookup_counts`. ``window_aware=False`` saves every
+    block of a sliding-window group too, as a connector unaware of windows
+    would (what ``python -m benchmarks --only hybrid`` compares against).
     """
 
     def __init__(
-        self, block_size: int, groups: Sequence[CacheGroup], *, loads: bool, saves: bool
+        self,
+        block_size: int,
+        groups: Sequence[CacheGroup],
+        *,
+        loads: bool,
+        saves: bool,
+        window_aware: bool = True,
     ) -> None:
         self._block_size = block_size
         self._groups = tuple(groups)
@@ -88,6 +96,7 @@ class BlockPlanner:
         self._null_block: int | None = NULL_BLOCK_ID if len(self._groups) > 1 else None
         self._loads = loads
         self._saves = saves
+        self._window_aware = window_aware
         self._lookups: dict[str, _Lookup] = {}
         self._save_cursors: dict[str, _SaveCursor] = {}
         self.lookup_hit_blocks = 0
@@ -225,7 +234,9 @@ class BlockPlanner:
                     continue
                 cursor.next_block_to_save[group.index] = end
                 # Blocks that left a sliding window by the step's end are never read again.
-                positions = range(max(start, group.needed_positions(end).start), end)
+                if self._window_aware:
+                    start = max(start, group.needed_positions(end).start)
+                positions = range(start, end)
                 save = self._range(
                     cursor.request, group, cursor.block_ids[group.index], positions, context
                 )
