@@ -190,7 +190,7 @@ def test_allocating_blocks_the_pool_lost_since_lookup_is_refused(make_pair):
     pair.scheduler.reset_cache()
     with pytest.raises(
         ValueError,
-        match=r"^update_state_after_alloc: request 'b' asks for 16 external tokens, "
-        r"the CPU pool holds 0$",
+        match=r"^update_state_after_alloc: request 'b' asks for 16 external tokens; "
+        r"the CPU pool holds 0 of the 4 blocks they need in KV cache group 0$",
     ):
         pair.scheduler.update_state_after_alloc(request, KVCacheBlocks((list(SECOND),)), 16)

@@ -11,65 +11,103 @@ def h(n: int) -> bytes:
 
 def stored(index: CPUPoolIndex, *numbers: int) -> None:
     hashes = [h(n) for n in numbers]
-    index.prepare_store(hashes)
-    index.complete_store(hashes)
+    index.prepare_store(0, hashes)
+    index.complete_store(0, hashes)
 
 
 def test_a_block_is_invisible_until_its_store_completes():
     index = CPUPoolIndex(4)
-    index.prepare_store([h(1)])
-    assert index.count_ready_prefix([h(1)]) == 0
-    index.complete_store([h(1)])
-    assert index.count_ready_prefix([h(1)]) == 1
+    index.prepare_store(0, [h(1)])
+    assert index.count_ready_prefix(0, [h(1)]) == 0
+    index.complete_store(0, [h(1)])
+    assert index.count_ready_prefix(0, [h(1)]) == 1
 
 
 def test_the_ready_prefix_stops_at_the_first_missing_block():
     index = CPUPoolIndex(4)
     stored(index, 1, 3)
-    assert index.count_ready_prefix([h(1), h(2), h(3)]) == 1
+    assert index.count_ready_prefix(0, [h(1), h(2), h(3)]) == 1
 
 
 def test_the_least_recently_used_block_is_evicted_first():
     index = CPUPoolIndex(2)
     stored(index, 1, 2)
-    index.start_load([h(1)])
-    index.finish_load([h(1)])  # 1 is now more recent than 2
+    index.start_load(0, [h(1)])
+    index.finish_load(0, [h(1)])  # 1 is now more recent than 2
     stored(index, 3)
-    assert index.take_evicted() == [h(2)]
-    assert index.is_ready(h(1)) and index.is_ready(h(3))
+    assert index.take_evicted() == ([h(2)],)
+    assert index.is_ready(0, h(1)) and index.is_ready(0, h(3))
 
 
 def test_a_block_being_loaded_is_never_evicted():
     index = CPUPoolIndex(1)
     stored(index, 1)
-    index.start_load([h(1)])
-    assert index.prepare_store([h(2)]) == []
-    assert index.is_ready(h(1))
+    index.start_load(0, [h(1)])
+    assert index.prepare_store(0, [h(2)]) == []
+    assert index.is_ready(0, h(1))
 
 
 def test_a_block_being_stored_is_never_evicted():
     index = CPUPoolIndex(1)
-    index.prepare_store([h(1)])
-    assert index.prepare_store([h(2)]) == []
-    assert h(1) in index
+    index.prepare_store(0, [h(1)])
+    assert index.prepare_store(0, [h(2)]) == []
+    assert index.holds(0, h(1))
 
 
 def test_storing_a_present_block_again_takes_no_slot():
     index = CPUPoolIndex(2)
     stored(index, 1)
-    assert index.prepare_store([h(1), h(2)]) == [(h(2), 1)]
+    assert index.prepare_store(0, [h(1), h(2)]) == [(h(2), 1)]
 
 
 def test_an_abandoned_store_frees_its_slot():
     index = CPUPoolIndex(1)
-    index.prepare_store([h(1)])
-    index.abandon_store([h(1)])
-    assert index.prepare_store([h(2)]) == [(h(2), 0)]
+    index.prepare_store(0, [h(1)])
+    index.abandon_store(0, [h(1)])
+    assert index.prepare_store(0, [h(2)]) == [(h(2), 0)]
 
 
 def test_clear_keeps_blocks_in_use():
     index = CPUPoolIndex(3)
     stored(index, 1, 2)
-    index.start_load([h(2)])
+    index.start_load(0, [h(2)])
     assert index.clear() is False
-    assert not index.is_ready(h(1)) and index.is_ready(h(2))
+    assert not index.is_ready(0, h(1)) and index.is_ready(0, h(2))
+
+
+def test_a_hash_in_one_group_is_not_held_in_another():
+    index = CPUPoolIndex(4, num_groups=2)
+    index.prepare_store(0, [h(1)])
+    index.complete_store(0, [h(1)])
+    assert index.count_ready_prefix(0, [h(1)]) == 1
+    assert index.count_ready_prefix(1, [h(1)]) == 0
+    assert not index.holds(1, h(1))
+
+
+def test_each_group_stores_a_hash_in_a_slot_of_its_own():
+    index = CPUPoolIndex(4, num_groups=2)
+    assert index.prepare_store(0, [h(1)]) == [(h(1), 0)]
+    assert index.prepare_store(1, [h(1)]) == [(h(1), 1)]
+    assert len(index) == 2
+
+
+def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
+    index = CPUPoolIndex(2, num_groups=2)
+    for group in (1, 0):
+        index.prepare_store(group, [h(1)])
+        index.complete_store(group, [h(1)])
+    index.start_load(1, [h(1)])
+    index.finish_load(1, [h(1)])  # group 1's entry is now the more recent
+    index.prepare_store(1, [h(2)])
+    assert index.take_evicted() == ([h(1)], [])
+    assert not index.is_ready(0, h(1)) and index.is_ready(1, h(1))
+
+
+def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
+    index = CPUPoolIndex(2, num_groups=2)
+    for group in (0, 1):
+        index.prepare_store(group, [h(1)])
+        index.complete_store(group, [h(1)])
+    index.discard(1, [h(1)])
+    assert index.is_ready(0, h(1)) and not index.is_ready(1, h(1))
+    assert index.take_evicted() == ([], [h(1)])

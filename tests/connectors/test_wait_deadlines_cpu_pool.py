@@ -40,8 +40,8 @@ def copies_go_on() -> Iterator[threading.Event]:
 
 def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorker:
     return CPUPoolWorker(
-        layout=LAYOUT,
-        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        layouts=(LAYOUT,),
+        caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
         num_slots=4,
         io_threads=1,
         counters=counters,

@@ -1,17 +1,25 @@
 """The CPU-offload connector, kvwire's default: KV blocks kept in a CPU memory pool.
 
-The scheduler side owns the pool's index (an LRU keyed by block hash, see
-:mod:`kvwire.connectors.cpu_pool_index`) and decides every slot; the worker
+The scheduler side owns the pool's index (an LRU keyed by KV cache group and
+block hash, see :mod:`kvwire.connectors.cpu_pool_index`) and decides every
+slot; the worker
 side owns the pool memory (:mod:`kvwire.connectors.cpu_pool_worker`) and
 copies. Stores complete asynchronously: a finished request whose stores are
 still running keeps its blocks (``request_finished`` returns True) until the
 worker reports it finished sending, and only then do its blocks become
 visible to lookups.
 
+A hybrid model's groups share the pool: each group's blocks are entries of
+their own (a sliding-window group stores only the blocks its window still
+reaches, see :class:`~kvwire.connectors.block_planner.BlockPlanner`), and a
+finished request keeps its blocks in every group until its stores in every
+group are done. Events name each group's blocks separately: with several
+groups, one block hash may be stored (or removed) once per group.
+
 ``kv_connector_extra_config`` keys:
 
 - ``cpu_pool_bytes`` (default ``"256MiB"``): pool size; one slot holds one
-  block of every layer plus a 128-byte header;
+  block of every layer of a KV cache group plus a 128-byte header;
 - ``io_threads`` (default 2): copy threads per direction;
 - ``async_load`` (default false): loads reported through ``get_finished``;
 - ``transfer_timeout_s`` (default 30): the deadline of each copy; a load
@@ -86,10 +94,18 @@ class CPUOffloadMetadata(KVConnectorMetadata):
 
 @attrs.define
 class _PoolRequestState:
-    """A request's transfers the pool index has not settled yet."""
+    """A request's transfers the pool index has not settled yet.
 
-    unconfirmed_stores: list[BlockHash] = attrs.field(factory=list)
-    async_load: PoolTransfer | None = None
+    ``unconfirmed_stores`` has one list per KV cache group; ``async_loads``
+    one transfer per group that loads.
+    """
+
+    unconfirmed_stores: tuple[list[BlockHash], ...]
+    async_loads: list[PoolTransfer] = attrs.field(factory=list)
+
+    @property
+    def stores_running(self) -> bool:
+        return any(self.unconfirmed_stores)
 
 
 class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
@@ -107,7 +123,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
                 "of every layer plus its header)"
             )
         # Scheduler side.
-        self._index = CPUPoolIndex(self.num_slots)
+        self._index = CPUPoolIndex(self.num_slots, len(self._groups))
         self._requests: dict[str, _PoolRequestState] = {}
         self._finished: dict[str, _PoolRequestState] = {}
         self._step_loads: list[PoolTransfer] = []
@@ -129,9 +145,9 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
         )
 
-    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """Blocks being stored count only once their store is confirmed."""
-        return self._index.count_ready_prefix(block_hashes)
+        return self._index.count_ready_prefix(group, block_hashes)
 
     def transfers_running(self, request_id: str) -> bool:
         """A finished request's blocks stay kept while its stores (or a load) run."""
@@ -147,31 +163,34 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         previous = self._requests.get(request.request_id)
-        state = _PoolRequestState()
-        if previous is not None:  # resumed after preemption: its stores still count
-            state.unconfirmed_stores = previous.unconfirmed_stores
-        self._requests[request.request_id] = state
-        load = self._planner.allocate(request, blocks, num_external_tokens)
-        if load is None:
-            return
-        ready = self._index.count_ready_prefix(load.block_hashes)
-        if ready < len(load.block_hashes):
-            raise ValueError(
-                f"update_state_after_alloc: request {request.request_id!r} asks for "
-                f"{num_external_tokens} external tokens, the CPU pool holds "
-                f"{ready * self._layout.block_size}"
-            )
-        transfer = PoolTransfer(
-            request_id=load.request_id,
-            block_ids=load.block_ids,
-            slots=tuple(self._index.start_load(load.block_hashes)),
-            block_hashes=load.block_hashes,
+        # Resumed after preemption: its stores still count.
+        state = _PoolRequestState(
+            previous.unconfirmed_stores if previous is not None else tuple([] for _ in self._groups)
         )
-        if self._async_load:
-            state.async_load = transfer
-            self._step_async_loads.append(transfer)
-        else:
-            self._step_loads.append(transfer)
+        self._requests[request.request_id] = state
+        loads = self._planner.allocate(request, blocks, num_external_tokens)
+        for load in loads:
+            ready = self._index.count_ready_prefix(load.group, load.block_hashes)
+            if ready < len(load.block_hashes):
+                raise ValueError(
+                    f"update_state_after_alloc: request {request.request_id!r} asks for "
+                    f"{num_external_tokens} external tokens; the CPU pool holds {ready} of the "
+                    f"{len(load.block_hashes)} blocks they need in KV cache group {load.group}"
+                )
+        # Pinned only once every group's blocks are known to be there.
+        for load in loads:
+            transfer = PoolTransfer(
+                request_id=load.request_id,
+                block_ids=load.block_ids,
+                slots=tuple(self._index.start_load(load.group, load.block_hashes)),
+                block_hashes=load.block_hashes,
+                group=load.group,
+            )
+            if self._async_load:
+                state.async_loads.append(transfer)
+                self._step_async_loads.append(transfer)
+            else:
+                self._step_loads.append(transfer)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
         stores: list[PoolTransfer] = []
@@ -202,34 +221,49 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     def _place_store(self, save: BlockRange) -> PoolTransfer | None:
         """Slots for the blocks of ``save`` the pool lacks; blocks it holds are not copied again."""
         wanted = save.block_hashes
-        placed = dict(self._index.prepare_store(wanted))
+        group = save.group
+        placed = dict(self._index.prepare_store(group, wanted))
         # Blocks neither placed nor already in the pool found every slot pinned.
-        skipped = sum(1 for h in wanted if h not in placed and h not in self._index)
+        skipped = sum(1 for h in wanted if h not in placed and not self._index.holds(group, h))
         self._count("stores_skipped_pool_full", skipped)
         if not placed:
             return None
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
-        self._requests[save.request_id].unconfirmed_stores.extend(placed)
+        self._requests[save.request_id].unconfirmed_stores[group].extend(placed)
         return PoolTransfer(
             request_id=save.request_id,
             block_ids=tuple(save.block_ids[i] for i in positions),
             slots=tuple(placed[wanted[i]] for i in positions),
             block_hashes=tuple(wanted[i] for i in positions),
             context_block_ids=save.context_block_ids,
+            group=group,
         )
 
     def _record_evictions(self) -> int:
-        evicted = self._index.take_evicted()
-        if evicted:
-            self._events.append(BlockRemoved(block_hashes=tuple(evicted), medium=MEDIUM))
-        return len(evicted)
+        count = 0
+        for evicted in self._index.take_evicted():
+            if evicted:
+                self._events.append(BlockRemoved(block_hashes=tuple(evicted), medium=MEDIUM))
+                count += len(evicted)
+        return count
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finish(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Not through request_finished: the engine calls one of the two, and a
+        # wrapper recording calls would see the request finish twice.
+        return self._finish(request)
+
+    def _finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the request's blocks, in every group, while its stores (or a load) run."""
         self._planner.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
-        if state is None or not (state.unconfirmed_stores or state.async_load):
+        if state is None or not (state.stores_running or state.async_loads):
             return False, None
         # Its stores (or a load) may still read or write its blocks: keep them
         # until the worker reports the request finished sending.
@@ -247,18 +281,20 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._sync_loads_in_flight = []
         for request_id in connector_output.finished_recving or ():
             state = self._requests.get(request_id) or self._finished.get(request_id)
-            if state is not None and state.async_load is not None:
-                self._end_load(state.async_load, invalid)
-                state.async_load = None
+            if state is not None:
+                for load in state.async_loads:
+                    self._end_load(load, invalid)
+                state.async_loads = []
         for request_id in connector_output.finished_sending or ():
             state = self._finished.pop(request_id, None)
             if state is None:
                 continue
-            if state.async_load is not None:
-                self._end_load(state.async_load, invalid)
-            completed = self._index.complete_store(state.unconfirmed_stores)
-            if completed:
-                self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
+            for load in state.async_loads:
+                self._end_load(load, invalid)
+            for group, hashes in enumerate(state.unconfirmed_stores):
+                completed = self._index.complete_store(group, hashes)
+                if completed:
+                    self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
 
     def _abandon_stores_left_out(self, invalid_block_ids: set[int]) -> None:
         """Free the slots of the stores the worker left out after a failed load.
@@ -274,16 +310,15 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             return
         kept, _ = saves_from_good_context(stores, invalid_block_ids)
         for store in set(stores) - set(kept):
-            self._index.abandon_store(store.block_hashes)
+            self._index.abandon_store(store.group, store.block_hashes)
             state = self._requests.get(store.request_id) or self._finished.get(store.request_id)
             if state is not None:
                 left_out = set(store.block_hashes)
-                state.unconfirmed_stores = [
-                    h for h in state.unconfirmed_stores if h not in left_out
-                ]
+                unconfirmed = state.unconfirmed_stores[store.group]
+                unconfirmed[:] = [h for h in unconfirmed if h not in left_out]
 
     def _end_load(self, transfer: PoolTransfer, invalid_block_ids: set[int]) -> None:
-        self._index.finish_load(transfer.block_hashes)
+        self._index.finish_load(transfer.group, transfer.block_hashes)
         # A slot that failed verification would fail every later load: forget it.
         corrupt = [
             block_hash
@@ -291,7 +326,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             if block_id in invalid_block_ids
         ]
         if corrupt:
-            self._index.discard(corrupt)
+            self._index.discard(transfer.group, corrupt)
             self._record_evictions()
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -306,21 +341,22 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     # ----------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvwire.connectors.paged_cache import PagedKVCaches
+        from kvwire.connectors.paged_cache import group_caches
 
         self._worker = CPUPoolWorker(
-            layout=self._layout,
-            caches=PagedKVCaches(kv_caches, self._layout, self.kv_cache_config.layer_names),
+            layouts=self.group_layouts,
+            caches=group_caches(kv_caches, self._layout, self._groups),
             num_slots=self.num_slots,
             io_threads=self._options["io_threads"],
             counters=self._counters,
             transfer_timeout_s=self._options["transfer_timeout_s"],
         )
         logger.info(
-            "CPUOffloadConnector: a pool of %d blocks of %d bytes (%.1f MiB)",
+            "CPUOffloadConnector: a pool of %d blocks of %d bytes (%.1f MiB), %d KV cache groups",
             self.num_slots,
             self._layout.payload_bytes,
             self.num_slots * self._layout.entry_bytes / 2**20,
+            len(self._groups),
         )
 
     def _worker_and_metadata(self) -> tuple[CPUPoolWorker, CPUOffloadMetadata]:

@@ -1,7 +1,9 @@
 """The CPU-offload connector's worker side: the pool memory and the copies.
 
 The pool is allocated once: ``num_slots`` entries, each a ``block_format``
-header followed by one block of every layer (cross-layer layout). Which slot
+header followed by one block of every layer of one KV cache group
+(cross-layer layout); every group's entries have the same size, so one pool
+serves them all, and each entry's header names its group's layout. Which slot
 holds what is decided by the scheduler side (:mod:`kvwire.connectors.cpu_pool_index`);
 this side only copies. Stores run on a background thread and complete
 asynchronously; loads verify each slot's header and checksum before
@@ -53,7 +55,7 @@ _MIN_BLOCKS_PER_PIECE = 4
 
 @attrs.frozen
 class PoolTransfer:
-    """Blocks of one request between cache block ids and pool slots."""
+    """Blocks of one request in one KV cache group between cache block ids and pool slots."""
 
     request_id: str
     block_ids: tuple[int, ...]
@@ -61,6 +63,8 @@ class PoolTransfer:
     block_hashes: tuple[BlockHash, ...]
     # A store's context: see BlockRange.context_block_ids.
     context_block_ids: tuple[int, ...] = ()
+    # The KV cache group whose layers the block ids index.
+    group: int = 0
 
 
 class _PoolJob(TransferJob):
@@ -83,7 +87,7 @@ class _PoolJob(TransferJob):
 
 @attrs.define(eq=False)
 class _AsyncPoolLoad:
-    """A request's asynchronous load: its pieces, and the blocks that failed so far."""
+    """A request's asynchronous load, all groups: its pieces, and the blocks failed so far."""
 
     request_id: str
     deadline: float
@@ -93,21 +97,33 @@ class _AsyncPoolLoad:
 
 
 class CPUPoolWorker:
-    """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass."""
+    """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
+
+    ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
+    group ``g`` reads or writes group ``g``'s layers, with its block ids, and
+    its entries carry group ``g``'s layout in their headers.
+    """
 
     def __init__(
         self,
         *,
-        layout: BlockLayout,
-        caches: PagedKVCaches,
+        layouts: Sequence[BlockLayout],
+        caches: Sequence[PagedKVCaches],
         num_slots: int,
         io_threads: int,
         counters: Counters,
         transfer_timeout_s: float = 30.0,
     ) -> None:
-        self._layout = layout
-        self._caches = caches
-        self.pool = StagingBuffers(layout, num_slots)
+        if not layouts or len(layouts) != len(caches):
+            raise ValueError(
+                f"CPUPoolWorker: got {len(layouts)} layouts and {len(caches)} caches; "
+                "expected one of each per KV cache group (at least one)"
+            )
+        self._layouts = tuple(layouts)
+        self._caches = tuple(caches)
+        # Every group's entries have the size of the first's (cache_groups checks it).
+        self._layout = self._layouts[0]
+        self.pool = StagingBuffers(self._layout, num_slots)
         self._counters = counters
         self._io_threads = io_threads
         self._transfer_timeout_s = transfer_timeout_s
@@ -246,12 +262,15 @@ class CPUPoolWorker:
                 transfer.slots[start:end],
                 transfer.block_hashes[start:end],
                 transfer.context_block_ids,
+                transfer.group,
             )
             for start, end in itertools.pairwise(bounds)
         ]
 
     def _store(self, job: _PoolJob) -> None:
         transfer = job.piece
+        caches = self._caches[transfer.group]
+        layout = self._layouts[transfer.group]
         started = time.perf_counter()
         stored = 0
         try:
@@ -262,13 +281,13 @@ class CPUPoolWorker:
                 slots = transfer.slots[chunk.start : chunk.stop]
                 with job.lock:
                     job.check()
-                    self._caches.gather_many(
+                    caches.gather_many(
                         transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
                     )
                     for slot, block_hash in zip(
                         slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
                     ):
-                        write_header(self.pool.entry(slot), self._layout, block_hash)
+                        write_header(self.pool.entry(slot), layout, block_hash)
                         stored += 1
         except JobAbandoned:
             pass  # counted failed when it was given up on
@@ -300,15 +319,21 @@ class CPUPoolWorker:
                 job = _PoolJob(piece, deadline, is_store=False)
                 self._sync_loads.append(job)
                 job.future = self._load_pool.submit(self._load, job)
+        # A request loads in several groups at once: one state per request,
+        # finished when the pieces of all its transfers are.
+        states: dict[str, _AsyncPoolLoad] = {}
         for transfer in async_loads:
-            state = _AsyncPoolLoad(transfer.request_id, deadline)
-            state.jobs = [
+            state = states.get(transfer.request_id)
+            if state is None:
+                state = states[transfer.request_id] = _AsyncPoolLoad(transfer.request_id, deadline)
+            state.jobs += [
                 _PoolJob(piece, deadline, is_store=False, async_load=state)
                 for piece in self._split(transfer)
             ]
+        for request_id, state in states.items():
             state.pieces_left = len(state.jobs)
             with self._changed:
-                self._async_loads[transfer.request_id] = state
+                self._async_loads[request_id] = state
             for job in state.jobs:
                 self._job_started(job)
             for job in state.jobs:
@@ -398,6 +423,8 @@ class CPUPoolWorker:
     def _load(self, job: _PoolJob) -> None:
         """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
         transfer = job.piece
+        caches = self._caches[transfer.group]
+        layout = self._layouts[transfer.group]
         started = time.perf_counter()
         failed: list[int] = []
         try:
@@ -413,8 +440,8 @@ class CPUPoolWorker:
                     strict=True,
                 ):
                     try:
-                        verify_entry(self.pool.entry(slot), self._layout, block_hash)
-                        self._caches.check_block_id(block_id)
+                        verify_entry(self.pool.entry(slot), layout, block_hash)
+                        caches.check_block_id(block_id)
                     except (CorruptBlockError, IndexError) as error:
                         self._warn.warn(
                             "corrupt", "CPU offload: not loading slot %d: %s", slot, error
@@ -428,7 +455,7 @@ class CPUPoolWorker:
                 # caller still waits for them.
                 with job.lock:
                     job.check()
-                    self._caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
+                    caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
         except JobAbandoned:
             return  # its caller has reported every block of it failed
         except Exception:
