@@ -25,9 +25,9 @@ from types import ModuleType
 from typing import TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorBase, supports_hma, validates_extra_config
+from kvwire.connector.base import KVConnectorBase, validates_extra_config
 from kvwire.exceptions import KVWireError, kind_of
-from kvwire.hma import decide_hma
+from kvwire.hma import decide_hma, describe_class_support
 from kvwire.profile import profile_origin, read_profile_file, structure_engine_config
 from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
@@ -328,7 +328,7 @@ def list_connectors(
         row = [entry.name, source, entry.target]
         if resolve:
             try:
-                row.append(_hma_column(registry.get_class(entry.name)))
+                row.append(describe_class_support(registry.get_class(entry.name)))
             except _USER_ERRORS as error:
                 failed = True
                 row.append(f"error: {error}")
@@ -339,15 +339,6 @@ def list_connectors(
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*cells, row[-1]]).rstrip(), file=out)
     return 1 if failed else 0
-
-
-def _hma_column(connector_cls: type[KVConnectorBase]) -> str:
-    own_hook = connector_cls.supports_hma_for_config.__func__  # type: ignore[attr-defined]
-    if own_hook is not KVConnectorBase.supports_hma_for_config.__func__:  # type: ignore[attr-defined]
-        return "depends on its configuration" + (
-            " (marked SupportsHMA)" if supports_hma(connector_cls) else ""
-        )
-    return _yes(supports_hma(connector_cls))
 
 
 if __name__ == "__main__":

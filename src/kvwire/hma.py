@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvwire.config import EngineConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from kvwire.connector.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +76,28 @@ def with_hma_decision(engine_config: EngineConfig, decision: HMADecision) -> Eng
         return engine_config
     decided = attrs.evolve(scheduler_config, disable_hybrid_kv_cache_manager=not decision.enabled)
     return attrs.evolve(engine_config, scheduler_config=decided)
+
+
+def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
+    """Whether a connector class serves HMA, and why, for ``kvwire connectors --resolve``.
+
+    A class with its own ``supports_hma_for_config`` (a composite) decides
+    per configuration: the first line of that hook's docstring says how.
+    """
+    from kvwire.connector.base import KVConnectorBase, supports_hma
+
+    hook = connector_cls.supports_hma_for_config
+    if getattr(hook, "__func__", hook) is not getattr(
+        KVConnectorBase.supports_hma_for_config, "__func__", None
+    ):
+        rule = (hook.__doc__ or "").strip().splitlines()
+        how = f"{connector_cls.__name__}.supports_hma_for_config decides"
+        if rule:
+            how = rule[0].rstrip(".")
+        return f"depends on its configuration: {how}"
+    if supports_hma(connector_cls):
+        return "yes (subclasses SupportsHMA: the gate keeps HMA on)"
+    return (
+        "no (does not subclass SupportsHMA: the gate turns HMA off, and "
+        "disable_hybrid_kv_cache_manager: false is an error)"
+    )

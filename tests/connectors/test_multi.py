@@ -17,7 +17,7 @@ from kvwire.connector.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
-    SupportsHMA,
+    supports_hma,
 )
 from kvwire.connector.types import (
     KVConnectorOutput,
@@ -60,11 +60,16 @@ class ParamsCPUOffload(CPUOffloadConnector):
         return keep, {"remote_block_ids": list(block_ids)}
 
 
-class HMACPUOffload(CPUOffloadConnector, SupportsHMA):
+class GroupsRecordingCPUOffload(CPUOffloadConnector):
+    """A built-in HMA child that records the per-group block ids it is finished with."""
+
+    finished_with: list[tuple[list[int], ...]] = []
+
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0])
+        type(self).finished_with.append(block_ids)
+        return False, None
 
 
 SMALL_POOL = {"kv_connector_extra_config": {"cpu_pool_bytes": "4MiB"}}
@@ -196,15 +201,38 @@ def hma_of(children: list[dict[str, Any]]) -> bool:
     return registry.supports_hma_config(config)
 
 
-HMA_CHILD = {"kv_connector": "HMACPUOffload", "kv_connector_module_path": __name__, **SMALL_POOL}
+NON_HMA_CHILD = {
+    "kv_connector": "IdleConnector",
+    "kv_connector_module_path": "tests.idle_connector",
+}
 
 
-def test_hma_is_supported_when_every_child_supports_it():
-    assert hma_of([HMA_CHILD, dict(HMA_CHILD)]) is True
+def test_hma_is_supported_when_every_child_is_a_built_in(tmp_path):
+    assert hma_of(tiered(tmp_path / "store")) is True
 
 
 def test_hma_is_not_supported_when_one_child_lacks_it():
-    assert hma_of([HMA_CHILD, CPU_CHILD]) is False
+    assert hma_of([CPU_CHILD, NON_HMA_CHILD]) is False
+
+
+def test_a_multi_of_built_ins_is_an_hma_connector_and_hands_every_child_each_group():
+    recording = {
+        "kv_connector": "GroupsRecordingCPUOffload",
+        "kv_connector_module_path": __name__,
+        **SMALL_POOL,
+    }
+    multi = build_scheduler_side({"connectors": [recording, dict(recording)]})
+    GroupsRecordingCPUOffload.finished_with.clear()
+    # Two groups from one pool; 0 is the null block a sliding-window group left behind.
+    per_group = ([3, 7, 1], [0, 9, 12])
+
+    assert supports_hma(multi)
+    assert multi.request_finished_all_groups(make_request("a", PROMPT, BLOCK), per_group) == (
+        False,
+        None,
+    )
+    assert GroupsRecordingCPUOffload.finished_with == [per_group, per_group]
+    multi.shutdown()
 
 
 def test_hma_is_not_supported_without_children():

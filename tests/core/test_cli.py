@@ -180,13 +180,31 @@ def test_connectors_with_resolve_says_whether_each_supports_hma(
     status = list_connectors(resolve=True, registry=registry, out=out)
 
     rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
-    assert rows["RecordingConnector"].endswith("  no")
-    assert rows["HMAConnector"].endswith("  yes")
+    assert rows["RecordingConnector"].endswith(
+        "  no (does not subclass SupportsHMA: the gate turns HMA off, and "
+        "disable_hybrid_kv_cache_manager: false is an error)"
+    )
+    assert rows["HMAConnector"].endswith("  yes (subclasses SupportsHMA: the gate keeps HMA on)")
     assert rows["CompositeConnector"].endswith(
-        "  depends on its configuration (marked SupportsHMA)"
+        "  depends on its configuration: CompositeConnector.supports_hma_for_config decides"
     )
     assert "error: Connector TwoArgumentConnector uses deprecated" in rows["TwoArgumentConnector"]
     assert status == 1
+
+
+def test_connectors_with_resolve_says_every_built_in_serves_hma() -> None:
+    out = io.StringIO()
+
+    status = list_connectors(resolve=True, registry=ConnectorRegistry(), out=out)
+
+    rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
+    for name in ("CPUOffloadConnector", "SharedStorageConnector", "RedisConnector"):
+        assert rows[name].endswith("  yes (subclasses SupportsHMA: the gate keeps HMA on)"), name
+    assert rows["MultiConnector"].endswith(
+        "  depends on its configuration: HMA when every child in "
+        "kv_connector_extra_config.connectors supports it"
+    )
+    assert status == 0
 
 
 def test_the_plain_listing_imports_no_connector_and_no_torch() -> None:

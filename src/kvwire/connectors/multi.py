@@ -165,6 +165,7 @@ class MultiConnector(KVConnectorBase, SupportsHMA):
     def supports_hma_for_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
     ) -> bool:
+        """HMA when every child in kv_connector_extra_config.connectors supports it."""
         return children_support_hma(kv_transfer_config, resolve_child)
 
     @classmethod
