@@ -323,12 +323,44 @@ class CacheConfig:
     kv_cache_layout: str = attrs.field(default="kvwire", validator=validators.in_(KV_CACHE_LAYOUTS))
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def _as_tuple(value: Any) -> Any:
+    # A list (from Python or YAML) becomes the tuple a frozen record keeps;
+    # anything else is left for the validator to name.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_layer_types(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple):
+        raise TypeError(
+            f"{attribute.name} must be a list of {', '.join(LAYER_TYPES)}, got {kind_of(value)}"
+        )
+    for index, layer_type in enumerate(value):
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"{attribute.name}: entry {index} is {shown(layer_type)}, not one of "
+                f"{', '.join(LAYER_TYPES)}"
+            )
+
+
+def _window_limit(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    limit = COUNT_LIMITS["max_model_len"]
+    if value > limit:
+        raise ValueError(f"{attribute.name} must be <= {limit}, got {shown(value)}")
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """The shape of the model whose KV cache is moved.
 
     ``hidden_size`` must equal ``num_attention_heads * head_size`` and the
     query heads must be a multiple of the KV heads (grouped-query attention).
+    A hybrid model names each layer's kind in ``layer_types`` (one entry per
+    layer) and the window of its sliding-window layers in ``sliding_window``.
     """
 
     num_layers: int = attrs.field(default=2, validator=_count())
@@ -344,6 +376,16 @@ class ModelConfig:
     # Part of the layout fingerprint when set: two models of one shape never
     # load each other's blocks.
     identity: str = attrs.field(default="", validator=validators.instance_of(str))
+    # Per layer, as Hugging Face's Gemma 2/3 configs name them: "full_attention"
+    # or "sliding_attention" (attends to the last ``sliding_window`` tokens).
+    # Empty: every layer full attention.
+    layer_types: tuple[str, ...] = attrs.field(
+        default=(), converter=_as_tuple, validator=_check_layer_types, repr=_bounded_repr
+    )
+    sliding_window: int | None = attrs.field(
+        default=None,
+        validator=validators.optional([_of_kind(int, "an integer"), _positive, _window_limit]),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.num_attention_heads % self.num_kv_heads:
@@ -351,6 +393,28 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_layers is "
+                f"{self.num_layers}; give one of {', '.join(LAYER_TYPES)} per layer, "
+                "or leave layer_types empty for all full attention"
+            )
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError(
+                "layer_types has sliding_attention layers but sliding_window is not set; "
+                "set sliding_window to the number of tokens (>= 1) such a layer attends to"
+            )
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers attend only to a sliding window (what HMA serves)."""
+        return SLIDING_ATTENTION in self.layer_types
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
     @property
     def hidden_size(self) -> int:

@@ -8,13 +8,17 @@ sliding-window layers) is what the hybrid KV cache manager serves.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
 from attrs import validators
 
-from kvwire.config import DTYPE_SIZES
+from kvwire.config import DTYPE_SIZES, EngineConfig
 from kvwire.redaction import shown
+
+LAYER_NAME_FORMAT = "layers.{}.attn"
+"""How the engine names layer ``i`` in its cache config and its ``kv_caches``."""
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -99,7 +103,7 @@ def build_full_attention_kv_cache_config(
     num_kv_heads: int,
     head_size: int,
     dtype: str,
-    layer_name_format: str = "layers.{}.attn",
+    layer_name_format: str = LAYER_NAME_FORMAT,
 ) -> KVCacheConfig:
     """A single-group cache config: every layer full attention, one tensor per layer."""
     spec = FullAttentionSpec(
@@ -114,4 +118,84 @@ def build_full_attention_kv_cache_config(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+    )
+
+
+def sliding_window_of(spec: AttentionSpec) -> int | None:
+    """The window of a sliding-window spec, None for full attention."""
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+
+
+def build_kv_cache_config(config: EngineConfig, hma_enabled: bool | None = None) -> KVCacheConfig:
+    """The kvwire engine's cache layout for ``config``; layer ``i`` is ``layers.{i}.attn``.
+
+    ``hma_enabled`` is the HMA gate's decision (None: on unless
+    ``scheduler_config.disable_hybrid_kv_cache_manager`` is true). With HMA on,
+    a hybrid model gets one :class:`KVCacheGroupSpec` per kind of layer, full
+    attention first, then sliding window; otherwise (HMA off, or no
+    sliding-window layer) one group of every layer with a
+    :class:`FullAttentionSpec`, as the reference does when HMA is off.
+
+    Every group holds the same number of layers, as in the reference: each
+    kind's layers (in model order) are cut into groups of the greatest common
+    divisor of the kinds' layer counts (5 sliding and 1 full layers: six
+    groups of one layer). Group ``g``'s ``j``-th layer shares its
+    :class:`KVCacheTensor` with the ``j``-th layer of every other group, and
+    all groups draw block ids from one pool of ``num_blocks``.
+    """
+    model, cache = config.model_config, config.cache_config
+    if hma_enabled is None:
+        hma_enabled = config.scheduler_config.disable_hybrid_kv_cache_manager is not True
+    if not (hma_enabled and model.is_hybrid):
+        return build_full_attention_kv_cache_config(
+            num_layers=model.num_layers,
+            num_blocks=cache.num_gpu_blocks,
+            block_size=cache.block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            dtype=model.dtype,
+        )
+    full = [i for i in range(model.num_layers) if model.layer_window(i) is None]
+    sliding = [i for i in range(model.num_layers) if model.layer_window(i) is not None]
+    assert model.sliding_window is not None  # a hybrid model's config demands it
+    kinds: list[tuple[list[int], AttentionSpec]] = [
+        (
+            full,
+            FullAttentionSpec(
+                block_size=cache.block_size,
+                num_kv_heads=model.num_kv_heads,
+                head_size=model.head_size,
+                dtype=model.dtype,
+            ),
+        ),
+        (
+            sliding,
+            SlidingWindowSpec(
+                sliding_window=model.sliding_window,
+                block_size=cache.block_size,
+                num_kv_heads=model.num_kv_heads,
+                head_size=model.head_size,
+                dtype=model.dtype,
+            ),
+        ),
+    ]
+    group_size = math.gcd(len(full), len(sliding))
+    groups = [
+        KVCacheGroupSpec(
+            layer_names=[LAYER_NAME_FORMAT.format(i) for i in layers[start : start + group_size]],
+            kv_cache_spec=spec,
+        )
+        for layers, spec in kinds
+        for start in range(0, len(layers), group_size)
+    ]
+    page_size = groups[0].kv_cache_spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(
+            size_bytes=page_size * cache.num_gpu_blocks,
+            shared_by=[group.layer_names[slot] for group in groups],
+        )
+        for slot in range(group_size)
+    ]
+    return KVCacheConfig(
+        num_blocks=cache.num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
     )

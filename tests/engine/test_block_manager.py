@@ -26,7 +26,7 @@ def test_a_repeated_prefix_is_found_in_the_local_cache() -> None:
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     blocks = _compute_and_free(manager, _request("a", list(range(12))))
     cached, tokens = manager.find_cached_prefix(_request("b", [*range(8), 50, 51, 52]))
-    assert cached == blocks[:2] and tokens == 8
+    assert cached == (blocks[:2],) and tokens == 8
 
 
 def test_a_fully_cached_prompt_leaves_its_last_block_to_compute() -> None:
@@ -62,7 +62,7 @@ def test_invalidated_blocks_are_no_longer_prefix_hits() -> None:
 def test_prefix_caching_off_never_reports_local_hits() -> None:
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     _compute_and_free(manager, _request("a", list(range(12))))
-    assert manager.find_cached_prefix(_request("b", list(range(12)))) == ([], 0)
+    assert manager.find_cached_prefix(_request("b", list(range(12)))) == (([],), 0)
 
 
 def test_reset_is_refused_while_blocks_are_in_use() -> None:

@@ -28,6 +28,13 @@ def root_hash(model_config: ModelConfig) -> BlockHash:
         f"head_size={model_config.head_size};intermediate={model_config.intermediate_size};"
         f"vocab={model_config.vocab_size};dtype={model_config.dtype}"
     )
+    if model_config.is_hybrid:
+        # Windowed layers compute other keys and values than full ones. Only
+        # hybrid models say so, so every other model keeps its hashes.
+        identity += (
+            f";layer_types={','.join(model_config.layer_types)};"
+            f"sliding_window={model_config.sliding_window}"
+        )
     return hashlib.sha256(identity.encode()).digest()
 
 

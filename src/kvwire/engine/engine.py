@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol
 
 import attrs
 import torch
+from dependency_injector import providers
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
@@ -26,7 +27,18 @@ from kvwire.engine.model import torch_dtype
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.hma import HMADecision
+from kvwire.kv_cache_config import build_kv_cache_config
+
+__all__ = [
+    "EngineCounters",
+    "GenerationRequest",
+    "LLMEngine",
+    "RequestOutput",
+    "WorkerMode",
+    "build_kv_cache_config",
+    "decide_engine_hma",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +48,7 @@ WorkerMode = Literal["inline", "process"]
 class _WorkerHandle(Protocol):
     def execute(self, step: WorkerStep) -> StepResult: ...
 
-    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor: ...
+    def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor: ...
 
     def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]: ...
 
@@ -83,17 +95,27 @@ class EngineCounters:
     preemptions: int = 0
 
 
-def build_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
-    """The engine's cache layout: every layer full attention, ``layers.{i}.attn``."""
-    model = config.model_config
-    return build_full_attention_kv_cache_config(
-        num_layers=model.num_layers,
-        num_blocks=config.cache_config.num_gpu_blocks,
-        block_size=config.cache_config.block_size,
-        num_kv_heads=model.num_kv_heads,
-        head_size=model.head_size,
-        dtype=model.dtype,
-    )
+def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> HMADecision:
+    """Whether the engine runs the hybrid KV cache manager, and why.
+
+    With a connector, the container's ``hma_gate`` decides (and raises for
+    ``disable_hybrid_kv_cache_manager: false`` with a connector that cannot
+    serve HMA). Without one, HMA is on unless that setting is true. Either
+    way it only changes the cache layout of a model with sliding-window layers.
+    """
+    transfer = config.kv_transfer_config
+    if transfer is not None and transfer.kv_connector is not None:
+        decision: HMADecision = container.hma_gate()
+    elif config.scheduler_config.disable_hybrid_kv_cache_manager is True:
+        decision = HMADecision(
+            enabled=False, reason="disable_hybrid_kv_cache_manager is true: HMA is off"
+        )
+    else:
+        decision = HMADecision(enabled=True, reason="no connector: HMA is on")
+    if not config.model_config.is_hybrid:
+        reason = f"{decision.reason} (no sliding-window layers: one KV cache group)"
+        return attrs.evolve(decision, reason=reason)
+    return decision
 
 
 class LLMEngine:
@@ -116,6 +138,11 @@ class LLMEngine:
     :attr:`connector_stats` sums the worker connector's stats over the steps;
     saves still running when :meth:`generate` returns join it at
     :meth:`wait_for_saves` or :meth:`close`.
+
+    A hybrid model (``model_config.layer_types`` with sliding-window
+    layers) runs with one KV cache group per kind of layer when the HMA
+    gate keeps HMA on, else with one group of every layer; :attr:`hma`
+    says which, and why. Outputs are the same either way.
     """
 
     def __init__(
@@ -135,7 +162,19 @@ class LLMEngine:
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
         torch_dtype(config.model_config.dtype)  # reject an unsupported dtype up front
         self.config = config
-        self.kv_cache_config = build_kv_cache_config(config)
+        if container is None:
+            container = KVConnectorContainer()
+            container.engine_config.override(providers.Object(config))
+        # Decided before the cache is laid out: the layout depends on it.
+        self.hma = decide_engine_hma(config, container)
+        self.kv_cache_config = build_kv_cache_config(config, self.hma.enabled)
+        if config.model_config.is_hybrid:
+            logger.info(
+                "HMA %s: %s; %d KV cache group(s)",
+                "on" if self.hma.enabled else "off",
+                self.hma.reason,
+                len(self.kv_cache_config.kv_cache_groups),
+            )
         self.capture_kv = capture_kv
         self.captured_kv: dict[str, torch.Tensor] = {}
         self.idle_timeout_s = idle_timeout_s
@@ -147,7 +186,10 @@ class LLMEngine:
         try:
             self.scheduler_connector = self._source.connector(KVConnectorRole.SCHEDULER)
             self.scheduler = Scheduler(
-                config, self.scheduler_connector, root_hash(config.model_config)
+                config,
+                self.scheduler_connector,
+                root_hash(config.model_config),
+                self.kv_cache_config,
             )
             self.worker: _WorkerHandle
             if worker_mode == "inline":
@@ -173,6 +215,11 @@ class LLMEngine:
         except BaseException:
             self._source.shutdown()
             raise
+
+    @property
+    def hma_enabled(self) -> bool:
+        """Whether the hybrid KV cache manager is on (see :attr:`hma` for why)."""
+        return self.hma.enabled
 
     @property
     def worker_connector(self) -> KVConnectorBase | None:
@@ -206,7 +253,7 @@ class LLMEngine:
             self._add_connector_stats(result.connector_output.kv_connector_stats)
         if self.capture_kv:
             for request in finished:
-                block_ids = self.scheduler.block_ids_at_finish.get(request.request_id, [])
+                block_ids = self.scheduler.block_ids_at_finish.get(request.request_id, ())
                 num_tokens = min(request.num_prompt_tokens, request.num_computed_tokens)
                 self.captured_kv[request.request_id] = self.worker.gather_kv(block_ids, num_tokens)
         self.scheduler.block_ids_at_finish.clear()

@@ -70,6 +70,10 @@ class TinyTransformer:
     equal configs (in any process) compute the same bits. ``max_num_tokens``
     (the most rows a forward batch holds; default ``config.max_model_len``)
     sizes the attention buffers reused by every layer and step.
+    ``layer_names`` are in model order; ``layer_groups`` gives each layer's
+    KV cache group (default: all in group 0), whose attention metadata it
+    reads. A layer ``config.layer_types`` names sliding attends only within
+    ``config.sliding_window``, whatever its group.
     """
 
     def __init__(
@@ -77,9 +81,19 @@ class TinyTransformer:
         config: ModelConfig,
         layer_names: Sequence[str],
         max_num_tokens: int | None = None,
+        layer_groups: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.layer_names = tuple(layer_names)
+        self.layer_groups = tuple(layer_groups or [0] * len(self.layer_names))
+        if len(self.layer_groups) != len(self.layer_names):
+            raise ValueError(
+                f"layer_groups has {len(self.layer_groups)} entries for "
+                f"{len(self.layer_names)} layers; give one group index per layer"
+            )
+        self.layer_windows = tuple(
+            config.layer_window(index) for index in range(len(self.layer_names))
+        )
         self.dtype = torch_dtype(config.dtype)
         generator = torch.Generator().manual_seed(config.seed)
         hidden = config.hidden_size
@@ -119,7 +133,7 @@ class TinyTransformer:
     def forward(
         self,
         token_ids: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: Sequence[torch.Tensor],
         sample_rows: torch.Tensor,
         before_attention: LayerHook | None = None,
@@ -128,9 +142,11 @@ class TinyTransformer:
         """Run the batch through every layer; the logits of ``sample_rows``.
 
         Writes this step's keys and values into ``kv_caches`` (one tensor per
-        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``). The
-        logits live in a buffer the next call overwrites.
+        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``).
+        ``metadata`` is one per KV cache group (a single one serves group 0).
+        The logits live in a buffer the next call overwrites.
         """
+        per_group = (metadata,) if isinstance(metadata, AttentionMetadata) else metadata
         rows = self._rows
         num_tokens = token_ids.shape[0]
         if num_tokens > self.max_num_tokens:
@@ -140,11 +156,21 @@ class TinyTransformer:
             )
         hidden = rows.take("hidden", num_tokens)
         torch.index_select(self.embedding, 0, token_ids, out=hidden)
-        self._rotary(metadata.positions)
-        for name, weights, kv_cache in zip(self.layer_names, self.layers, kv_caches, strict=True):
+        self._rotary(per_group[0].positions)
+        layers = zip(
+            self.layer_names,
+            self.layers,
+            kv_caches,
+            self.layer_groups,
+            self.layer_windows,
+            strict=True,
+        )
+        for name, weights, kv_cache, group, window in layers:
             if before_attention is not None:
                 before_attention(name)
-            attention_out = self._attention(rows.rms_norm(hidden), weights, kv_cache, metadata)
+            attention_out = self._attention(
+                rows.rms_norm(hidden), weights, kv_cache, per_group[group], window
+            )
             if after_attention is not None:
                 after_attention(name)
             self._add_rounded(hidden, attention_out, weights.output)
@@ -198,6 +224,7 @@ class TinyTransformer:
         weights: _LayerWeights,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None,
     ) -> torch.Tensor:
         config = self.config
         rows = self._rows
@@ -225,9 +252,9 @@ class TinyTransformer:
         attention = self._attention_for(kv_cache)
         output = attention.output[:num_tokens]
         for sequence in metadata.sequences:
-            attention.attend(query, kv_cache, sequence, output)
+            attention.attend(query, kv_cache, sequence, output, window)
         if metadata.decodes is not None:
-            attention.attend_decodes(query, kv_cache, metadata.decodes, output)
+            attention.attend_decodes(query, kv_cache, metadata.decodes, output, window)
         return output
 
     def _attention_for(self, kv_cache: torch.Tensor) -> PagedAttention:

@@ -107,7 +107,12 @@ class PagedAttention:
         self.decode_scores = torch.empty(0, dtype=COMPUTE_DTYPE)
         self.decode_mask = torch.empty(0, dtype=torch.bool)
         self.decode_attended = torch.empty(0, dtype=COMPUTE_DTYPE)
+        self.decode_lower = torch.empty(0, dtype=torch.int64)
+        self.window_mask = torch.empty(0, dtype=torch.bool)
+        self.max_context = max_context
         self.token_positions = torch.arange(max_context)
+        # Position p at index p + max_context: a window's first position may be negative.
+        self.signed_positions = torch.arange(-max_context, max_context)
 
     def attend(
         self,
@@ -115,33 +120,53 @@ class PagedAttention:
         kv_cache: torch.Tensor,
         sequence: SequenceSlice,
         output: torch.Tensor,
+        window: int | None = None,
     ) -> None:
-        """Causal attention of ``sequence``'s query rows over its context, into ``output``."""
+        """Causal attention of ``sequence``'s query rows over its context, into ``output``.
+
+        With ``window``, the query at position p sees only positions
+        ``[p - window + 1, p]``; blocks wholly before the first query's
+        window are not read at all (a sliding-window group holds the null
+        block there).
+        """
         kv_heads, group, head_size = self.kv_heads, self.group, self.head_size
         num_queries, context_len = sequence.num_query_tokens, sequence.context_len
         rows = slice(sequence.query_start, sequence.query_start + num_queries)
-        keys = self._widened_context(kv_cache[0], sequence, self.keys)
-        values = self._widened_context(kv_cache[1], sequence, self.values)
+        first = context_len - num_queries
+        if window is not None and window >= context_len:
+            window = None  # every query sees its whole context anyway
+        start_block = 0 if window is None else max(0, first - window + 1) // self.block_size
+        key_start = start_block * self.block_size
+        num_keys = context_len - key_start
+        keys = self._widened_context(kv_cache[0], sequence, self.keys, start_block)
+        values = self._widened_context(kv_cache[1], sequence, self.values, start_block)
 
         grouped_rows = group * num_queries
         queries = self.queries[: kv_heads * grouped_rows * head_size]
         queries.view(kv_heads, group, num_queries, head_size).copy_(
             query[rows].view(num_queries, kv_heads, group, head_size).permute(1, 2, 0, 3)
         )
-        scores = self._grown("scores", kv_heads * grouped_rows * context_len)
-        scores = scores.view(kv_heads, grouped_rows, context_len)
+        scores = self._grown("scores", kv_heads * grouped_rows * num_keys)
+        scores = scores.view(kv_heads, grouped_rows, num_keys)
         torch.bmm(queries.view(kv_heads, grouped_rows, head_size), keys.transpose(1, 2), out=scores)
         scores.mul_(self.scale)
-        if num_queries > 1:
-            # Query i (at position first + i) sees keys at positions <= first + i.
-            first = context_len - num_queries
-            mask = self._grown("mask", num_queries * context_len).view(num_queries, context_len)
-            torch.gt(
-                self.token_positions[:context_len].unsqueeze(0),
-                self.token_positions[first:context_len].unsqueeze(1),
-                out=mask,
-            )
-            scores.view(kv_heads, group, num_queries, context_len).masked_fill_(mask, float("-inf"))
+        if num_queries > 1 or window is not None:
+            # Query i (at position first + i) sees keys at positions <= first + i
+            # (and, with a window, >= first + i - window + 1).
+            key_positions = self.token_positions[key_start:context_len].unsqueeze(0)
+            mask = self._grown("mask", num_queries * num_keys).view(num_queries, num_keys)
+            torch.gt(key_positions, self.token_positions[first:context_len].unsqueeze(1), out=mask)
+            if window is not None:
+                lowest = self.max_context + first - window + 1
+                too_old = self._grown("window_mask", num_queries * num_keys)
+                too_old = too_old.view(num_queries, num_keys)
+                torch.lt(
+                    key_positions,
+                    self.signed_positions[lowest : lowest + num_queries].unsqueeze(1),
+                    out=too_old,
+                )
+                torch.logical_or(mask, too_old, out=mask)
+            scores.view(kv_heads, group, num_queries, num_keys).masked_fill_(mask, float("-inf"))
         torch._softmax(scores, -1, False, out=scores)
         attended = self.attended[: kv_heads * grouped_rows * head_size]
         torch.bmm(scores, values, out=attended.view(kv_heads, grouped_rows, head_size))
@@ -155,8 +180,14 @@ class PagedAttention:
         kv_cache: torch.Tensor,
         decodes: DecodeBatch,
         output: torch.Tensor,
+        window: int | None = None,
     ) -> None:
-        """Attention of every single-token sequence at once, padded to the longest context."""
+        """Attention of every single-token sequence at once, padded to the longest context.
+
+        With ``window``, a sequence's token sees only its last ``window``
+        positions (what lies before is masked: a sliding-window group holds
+        the null block there).
+        """
         kv_heads, group, head_size = self.kv_heads, self.group, self.head_size
         num_decodes, num_blocks = decodes.block_tables.shape
         context = num_blocks * self.block_size
@@ -185,6 +216,13 @@ class PagedAttention:
         torch.ge(
             self.token_positions[:context].unsqueeze(0), decodes.context_lens.unsqueeze(1), out=mask
         )
+        if window is not None and window < context:
+            # The token at position length - 1 sees positions >= length - window.
+            lower = self._grown("decode_lower", num_decodes)
+            torch.sub(decodes.context_lens, window, out=lower)
+            too_old = self._grown("window_mask", num_decodes * context).view(num_decodes, context)
+            torch.lt(self.token_positions[:context].unsqueeze(0), lower.unsqueeze(1), out=too_old)
+            torch.logical_or(mask, too_old, out=mask)
         scores.masked_fill_(mask.view(num_decodes, 1, 1, context), float("-inf"))
         torch._softmax(scores, -1, False, out=scores)
         attended = self._grown("decode_attended", num_decodes * kv_heads * group * head_size)
@@ -193,16 +231,20 @@ class PagedAttention:
         output.index_copy_(0, decodes.rows, attended.view(num_decodes, -1))
 
     def _widened_context(
-        self, cache_half: torch.Tensor, sequence: SequenceSlice, widened: torch.Tensor
+        self,
+        cache_half: torch.Tensor,
+        sequence: SequenceSlice,
+        widened: torch.Tensor,
+        start_block: int = 0,
     ) -> torch.Tensor:
-        """The sequence's keys (or values) as ``[kv_heads, context_len, dim]`` in float64."""
-        num_blocks = sequence.block_table.shape[0]
-        gathered = self.gathered[:num_blocks]
-        torch.index_select(cache_half, 0, sequence.block_table, out=gathered)
-        context = widened[:, : sequence.context_len]
-        context.copy_(
-            gathered.view(-1, self.kv_heads, self.head_size)[: sequence.context_len].transpose(0, 1)
-        )
+        """The sequence's keys (or values) from block ``start_block`` on, as
+        ``[kv_heads, tokens, dim]`` in float64."""
+        block_table = sequence.block_table[start_block:]
+        num_tokens = sequence.context_len - start_block * self.block_size
+        gathered = self.gathered[: block_table.shape[0]]
+        torch.index_select(cache_half, 0, block_table, out=gathered)
+        context = widened[:, :num_tokens]
+        context.copy_(gathered.view(-1, self.kv_heads, self.head_size)[:num_tokens].transpose(0, 1))
         return context
 
     def _grown(self, name: str, size: int) -> torch.Tensor:

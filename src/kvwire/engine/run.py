@@ -88,7 +88,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
-        "--preset", help="replace the profile's model shape with a preset (tiny, bench)"
+        "--preset",
+        help="replace the profile's model shape with a preset (tiny, bench, hybrid: "
+        "sliding-window and full-attention layers, tiny-hybrid)",
     )
     engine.add_argument(
         "--worker-process",

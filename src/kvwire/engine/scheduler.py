@@ -34,9 +34,10 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.engine.block_hash import extend_block_hashes
-from kvwire.engine.block_manager import BlockManager
+from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
 from kvwire.engine.request_checks import check_request
 from kvwire.engine.step import ExternalLoad, ScheduledChunk, StepResult, WorkerStep
+from kvwire.kv_cache_config import KVCacheConfig, sliding_window_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Scheduler:
     """Decides each step's work and keeps every request's state.
 
     ``connector`` is the SCHEDULER-role connector, or None to run without one.
+    Each group of ``kv_cache_config`` gets its own blocks from one pool;
+    block ids are given per group everywhere (one list per group).
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Scheduler:
         config: EngineConfig,
         connector: KVConnectorBase | None,
         root_hash: BlockHash,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         cache = config.cache_config
         self.config = config
@@ -72,7 +76,10 @@ class Scheduler:
         self.connector = connector
         self.root_hash = root_hash
         self.block_manager = BlockManager(
-            cache.num_gpu_blocks, cache.block_size, cache.enable_prefix_caching
+            kv_cache_config.num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            [sliding_window_of(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups],
         )
         transfer = config.kv_transfer_config
         self.load_failure_policy = transfer.kv_load_failure_policy if transfer else "recompute"
@@ -90,8 +97,8 @@ class Scheduler:
         self._failed_async_blocks: set[int] = set()
         self._loaded_and_ready: set[str] = set()
         self._ever_scheduled: set[str] = set()
-        # The blocks each request held when it finished (read by the engine's KV capture).
-        self.block_ids_at_finish: dict[str, list[int]] = {}
+        # The blocks (per group) each request held when it finished (for the engine's KV capture).
+        self.block_ids_at_finish: dict[str, tuple[list[int], ...]] = {}
         self.kv_events: list[KVCacheEvent] = []
 
     # ------------------------------------------------------------ requests
@@ -100,7 +107,7 @@ class Scheduler:
         """Queue a request; its length must fit the model and the cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        check_request(request, self.config)
+        check_request(request, self.config, self.block_manager.group_windows)
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, self.root_hash
         )
@@ -212,7 +219,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, loads: list[ExternalLoad]) -> int | None:
         """Allocate for a waiting request; tokens to compute now, None to skip, -1 when full."""
         request_id = request.request_id
-        cached_blocks: list[int] = []
+        cached_blocks: tuple[list[int], ...] = ()
         num_local = request.num_computed_tokens
         num_external, load_async = 0, False
         if request_id not in self._loaded_and_ready:
@@ -225,7 +232,10 @@ class Scheduler:
         computed_after_load = min(num_local + num_external, request.num_tokens - 1)
         num_new = 0 if load_async else min(request.num_tokens - computed_after_load, budget)
         blocks = self.block_manager.allocate(
-            request, cached_blocks, max(num_local + num_external, computed_after_load + num_new)
+            request,
+            cached_blocks,
+            max(num_local + num_external, computed_after_load + num_new),
+            computed_after_load,
         )
         if blocks is None:
             return -1
@@ -239,7 +249,14 @@ class Scheduler:
         if num_external > 0:
             first = num_local // self.block_size
             last = -(-(num_local + num_external) // self.block_size)
-            loaded_blocks = tuple(blocks.block_ids[0][first:last])
+            # Flattened over groups; a sliding-window group's null blocks are
+            # never loaded (ids are unique across groups, so this is unambiguous).
+            loaded_blocks = tuple(
+                block
+                for group_blocks in blocks.block_ids
+                for block in group_blocks[first:last]
+                if not self._is_null(block)
+            )
             loads.append(ExternalLoad(request_id, loaded_blocks, load_async))
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -285,11 +302,11 @@ class Scheduler:
         # one, and can run the pool dry). Safe because the step writes a
         # block's keys and values before any of its attention reads them.
         self.block_manager.cache_full_blocks(request, start + num_new)
-        block_ids = self.block_manager.blocks_of(request.request_id)
+        block_ids = self.block_manager.group_blocks_of(request.request_id)
         scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                block_ids=(list(block_ids),),
+                block_ids=block_ids,
                 num_computed_tokens=start,
                 num_scheduled_tokens=num_new,
                 is_new=is_new,
@@ -301,7 +318,7 @@ class Scheduler:
                 request_id=request.request_id,
                 token_ids=tuple(request.all_token_ids[start : start + num_new]),
                 start_position=start,
-                block_ids=tuple(block_ids),
+                block_ids=tuple(tuple(group_blocks) for group_blocks in block_ids),
                 sample=start + num_new == request.num_tokens,
             )
         )
@@ -359,7 +376,7 @@ class Scheduler:
             parked_blocks = {
                 block
                 for request_id in self._async_load_targets
-                for block in self.block_manager.blocks_of(request_id)
+                for block in self.block_manager.real_blocks_of(request_id)
             }
             self._failed_async_blocks &= parked_blocks
         return finished
@@ -404,12 +421,26 @@ class Scheduler:
         for item in output.scheduled:
             request = self.requests[item.request_id]
             computed_blocks = -(-item.num_computed_tokens // self.block_size)
-            blocks = item.block_ids[0][:computed_blocks]
-            bad = [block for block in blocks if block in invalid]
+            first_bad, bad = self._first_bad(item.block_ids, computed_blocks, invalid)
             if bad:
                 affected.add(item.request_id)
-                self._recover(request, blocks.index(bad[0]), bad, finished)
+                self._recover(request, first_bad, bad, finished)
         return affected
+
+    def _first_bad(
+        self, block_ids: tuple[list[int], ...], num_blocks: int, invalid: set[int]
+    ) -> tuple[int, list[int]]:
+        """The first of ``num_blocks`` positions whose block failed in any group, and those."""
+        first_bad, bad = num_blocks, []
+        for group_blocks in block_ids:
+            for index, block in enumerate(group_blocks[:num_blocks]):
+                if block in invalid and not self._is_null(block):
+                    first_bad = min(first_bad, index)
+                    bad.append(block)
+        return first_bad, bad
+
+    def _is_null(self, block: int) -> bool:
+        return self.block_manager.uses_null_block and block == NULL_BLOCK
 
     def _finish_async_load(self, request_id: str, finished: list[Request]) -> None:
         request = self.requests.get(request_id)
@@ -420,13 +451,16 @@ class Scheduler:
             return
         target = self._async_load_targets.pop(request_id)
         self._loading_hashes.pop(request_id, None)
-        blocks = self.block_manager.blocks_of(request_id)[: -(-target // self.block_size)]
-        bad = [block for block in blocks if block in self._failed_async_blocks]
+        first_bad, bad = self._first_bad(
+            self.block_manager.group_blocks_of(request_id),
+            -(-target // self.block_size),
+            self._failed_async_blocks,
+        )
         request.status = RequestStatus.WAITING
         self._loaded_and_ready.add(request_id)
         if bad:
             request.num_computed_tokens = target
-            self._recover(request, blocks.index(bad[0]), bad, finished)
+            self._recover(request, first_bad, bad, finished)
         else:
             request.num_computed_tokens = target
             self.block_manager.cache_full_blocks(request)
@@ -437,6 +471,11 @@ class Scheduler:
         """A load into ``bad`` failed: roll back to the valid prefix, or fail the request."""
         self.block_manager.invalidate(bad)
         self._failed_async_blocks.difference_update(bad)
+        # A sliding-window group may no longer hold the window the shorter
+        # prefix needs: resume where every group still holds it.
+        first_bad_index = self.block_manager.valid_prefix_blocks(
+            request.request_id, first_bad_index
+        )
         # Blocks from the first bad one on hold bad data, or data computed from it.
         self.block_manager.uncache_from(request.request_id, first_bad_index)
         metrics = self.metrics[request.request_id]
@@ -474,16 +513,17 @@ class Scheduler:
         self._loaded_and_ready.discard(request.request_id)
         self.metrics[request.request_id].finish_time = time.perf_counter()
         keep_blocks = False
-        block_ids = list(self.block_manager.blocks_of(request.request_id))
+        block_ids = self.block_manager.group_blocks_of(request.request_id)
         self.block_ids_at_finish[request.request_id] = block_ids
         connector = self.connector
         if connector is not None:
             if supports_hma(connector):
                 keep_blocks, params = connector.request_finished_all_groups(  # type: ignore[attr-defined]
-                    request, (block_ids,)
+                    request, tuple(list(group_blocks) for group_blocks in block_ids)
                 )
             else:
-                keep_blocks, params = connector.request_finished(request, block_ids)
+                # The HMA gate leaves a connector without SupportsHMA one group.
+                keep_blocks, params = connector.request_finished(request, list(block_ids[0]))
             request.kv_transfer_params = params
         if keep_blocks:
             self._delayed_free.add(request.request_id)

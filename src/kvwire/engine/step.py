@@ -17,20 +17,25 @@ class ScheduledChunk:
     """One request's tokens to compute in a step.
 
     ``token_ids`` are the tokens at positions ``[start_position,
-    start_position + len(token_ids))``; ``sample`` is True when the chunk
+    start_position + len(token_ids))``; ``block_ids`` holds the request's
+    blocks, one tuple per KV cache group; ``sample`` is True when the chunk
     ends the known tokens, so its last row's logits give the next token.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     sample: bool
 
 
 @attrs.frozen
 class ExternalLoad:
-    """Blocks the connector was asked to fill for a request this step (asynchronously or not)."""
+    """Blocks the connector was asked to fill for a request this step (asynchronously or not).
+
+    ``block_ids`` are every group's blocks of the loaded range, flattened
+    (null blocks left out).
+    """
 
     request_id: str
     block_ids: tuple[int, ...]

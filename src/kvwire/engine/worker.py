@@ -9,6 +9,8 @@ after each layer's attention, ``wait_for_save`` when the pass ends, then
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 
@@ -19,7 +21,7 @@ from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
 from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
 from kvwire.engine.step import ExternalLoad, StepResult, WorkerStep
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.kv_cache_config import LAYER_NAME_FORMAT, KVCacheConfig
 
 
 @attrs.frozen
@@ -63,7 +65,22 @@ class Worker:
             # suits small models, whose ops are too short to split.
             torch.set_num_threads(torch_threads)
         model_config = config.model_config
-        self.layer_names = tuple(kv_cache_config.layer_names)
+        # Model order (the cache config lists layers group by group).
+        self.layer_names = tuple(
+            LAYER_NAME_FORMAT.format(index) for index in range(model_config.num_layers)
+        )
+        group_of = {
+            name: group
+            for group, spec in enumerate(kv_cache_config.kv_cache_groups)
+            for name in spec.layer_names
+        }
+        if sorted(group_of) != sorted(self.layer_names):
+            raise ValueError(
+                f"kv_cache_config names layers {sorted(group_of)}, but the model has "
+                f"{list(self.layer_names)}"
+            )
+        self.layer_groups = tuple(group_of[name] for name in self.layer_names)
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.block_size = config.cache_config.block_size
         dtype = torch_dtype(model_config.dtype)
         shape = (
@@ -73,7 +90,14 @@ class Worker:
             model_config.num_kv_heads,
             model_config.head_size,
         )
-        self.kv_caches = {name: torch.zeros(shape, dtype=dtype) for name in self.layer_names}
+        # One tensor per KVCacheTensor: layers of different groups share it
+        # (their block ids never overlap), as in the reference's HMA.
+        shared: dict[str, torch.Tensor] = {}
+        for cache_tensor in kv_cache_config.kv_cache_tensors:
+            tensor = torch.zeros(shape, dtype=dtype)
+            for name in cache_tensor.shared_by:
+                shared[name] = tensor
+        self.kv_caches = {name: shared[name] for name in self.layer_names}
         self._kv_cache_list = [self.kv_caches[name] for name in self.layer_names]
         scheduler_config = config.scheduler_config
         self._batch = StepBatch(
@@ -81,10 +105,14 @@ class Worker:
             scheduler_config.max_num_seqs,
             model_config.max_model_len,
             self.block_size,
+            self.num_groups,
         )
         self._sampled_ids = torch.zeros(scheduler_config.max_num_seqs, dtype=torch.int64)
         self.model = TinyTransformer(
-            model_config, self.layer_names, scheduler_config.max_num_batched_tokens
+            model_config,
+            self.layer_names,
+            scheduler_config.max_num_batched_tokens,
+            self.layer_groups,
         )
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
         # What peers need to reach this worker (disaggregated connectors).
@@ -97,7 +125,8 @@ class Worker:
         self._pending_async_loads: dict[str, ExternalLoad] = {}
         self._blocks_to_corrupt: list[int] = []
         self._injected_block_ids: set[int] = set()
-        self._attn_metadata: AttentionMetadata | None = None
+        self._attn_metadata: tuple[AttentionMetadata, ...] | None = None
+        self._layer_index = {name: index for index, name in enumerate(self.layer_names)}
 
     def execute(self, step: WorkerStep) -> StepResult:
         """Run one step: connector calls around the forward pass, then greedy sampling."""
@@ -110,7 +139,7 @@ class Worker:
         if connector is not None:
             assert step.connector_metadata is not None
             connector.bind_connector_metadata(step.connector_metadata)
-            connector.start_load_kv(ForwardContext(self.layer_names, metadata))
+            connector.start_load_kv(ForwardContext(self.layer_names, self._forward_metadata()))
         logits = None
         if metadata is not None:
             assert token_ids is not None and sample_rows is not None
@@ -163,11 +192,17 @@ class Worker:
             kv_cache_events=self.connector.get_kv_connector_kv_cache_events(),
         )
 
-    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+    def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
+        """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``.
+
+        ``block_ids`` has one list per group; each layer is read with its
+        group's. A sliding-window group's positions that left the window
+        read the null block, which is never written: zeros.
+        """
+        indexes = [torch.tensor(list(group_blocks), dtype=torch.long) for group_blocks in block_ids]
         per_layer = [
-            cache[:, index].flatten(1, 2)[:, :num_tokens].clone() for cache in self._kv_cache_list
+            cache[:, indexes[group]].flatten(1, 2)[:, :num_tokens].clone()
+            for cache, group in zip(self._kv_cache_list, self.layer_groups, strict=True)
         ]
         return torch.stack(per_layer)
 
@@ -183,9 +218,27 @@ class Worker:
 
     def _after_attention(self, layer_name: str) -> None:
         if self.connector is not None:
-            self.connector.save_kv_layer(
-                layer_name, self.kv_caches[layer_name], self._attn_metadata
+            metadata = self._attn_metadata
+            layer_metadata = (
+                None
+                if metadata is None
+                else metadata[self.layer_groups[self._layer_index[layer_name]]]
             )
+            self.connector.save_kv_layer(layer_name, self.kv_caches[layer_name], layer_metadata)
+
+    def _forward_metadata(self) -> object:
+        """The step's attention metadata as connectors see it in ``ForwardContext``.
+
+        One group: its metadata. Several: a mapping of layer name to the
+        metadata of the layer's group, as the reference gives per layer.
+        """
+        metadata = self._attn_metadata
+        if metadata is None or self.num_groups == 1:
+            return None if metadata is None else metadata[0]
+        return {
+            name: metadata[group]
+            for name, group in zip(self.layer_names, self.layer_groups, strict=True)
+        }
 
     def _plan_injected_failures(self, step: WorkerStep) -> None:
         self._blocks_to_corrupt = []

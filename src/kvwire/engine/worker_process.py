@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -126,7 +127,7 @@ class WorkerProcess:
         result: StepResult = self._call("execute", step)
         return result
 
-    def gather_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
         kv: torch.Tensor = self._call("gather_kv", (block_ids, num_tokens))
         return kv
 
