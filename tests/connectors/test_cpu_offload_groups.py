@@ -1,0 +1,308 @@
+"""The CPU-offload connector on a hybrid cache: a full-attention group and a sliding-window one.
+
+The cache config is built here as a hybrid engine lays it out: two groups of
+two layers, block ids drawn from one pool, block id 0 the null block that a
+sliding-window group's positions outside its window hold. Each layer has a
+cache of its own (an engine may share memory between groups' layers; here a
+copy from the wrong group's layers would show).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import (
+    BlockStored,
+    KVCacheBlocks,
+    Request,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvwire.connectors.block_format import CorruptBlockError, verify_entry
+from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.kv_cache_config import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from tests.connectors.harness import ConnectorPair, engine_config, make_caches, make_request
+
+BLOCK = 4
+NUM_BLOCKS = 64
+# The token at p attends [p - 8, p]: a prefix's last two blocks (ceil(8 / 4)).
+WINDOW = 9
+FULL, SLIDING = 0, 1
+FULL_LAYERS = ["layers.1.attn", "layers.3.attn"]
+SLIDING_LAYERS = ["layers.0.attn", "layers.2.attn"]
+PROMPT = list(range(100, 125))  # 6 full blocks and one token to compute
+SHAPE = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": "float32"}
+
+
+def hybrid_kv_cache_config() -> KVCacheConfig:
+    full = FullAttentionSpec(**SHAPE)
+    sliding = SlidingWindowSpec(sliding_window=WINDOW, **SHAPE)
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(size_bytes=full.page_size_bytes * NUM_BLOCKS, shared_by=[name])
+            for name in sorted(FULL_LAYERS + SLIDING_LAYERS)
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=list(FULL_LAYERS), kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=list(SLIDING_LAYERS), kv_cache_spec=sliding),
+        ],
+    )
+
+
+class HybridPair(ConnectorPair):
+    """A scheduler-role and a worker-role CPU-offload connector over a hybrid cache."""
+
+    def __init__(self, **extra: object) -> None:
+        extra.setdefault("cpu_pool_bytes", "4MiB")
+        config = engine_config(
+            "CPUOffloadConnector",
+            dict(extra),
+            num_layers=4,
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+        )
+        self.config = config
+        self.kv_cache_config = hybrid_kv_cache_config()
+        self.scheduler = CPUOffloadConnector(
+            config, KVConnectorRole.SCHEDULER, self.kv_cache_config
+        )
+        self.worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.caches = make_caches(self.kv_cache_config, seed=3)
+        self.worker.register_kv_caches(self.caches)
+        self.block_size = BLOCK
+        self.finished_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.stats: dict[str, object] = {}
+        self.nested_stats: dict[str, dict[str, object]] = {}
+
+    def admit(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[int, bool]:
+        """Look ``request`` up and allocate ``block_ids`` (one list per group); the hit."""
+        matched, is_async = self.lookup(request)
+        assert matched is not None
+        self.scheduler.update_state_after_alloc(
+            request, KVCacheBlocks(tuple(list(ids) for ids in block_ids)), matched
+        )
+        return matched, is_async
+
+    def compute(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        computed: int,
+        scheduled: int,
+        *,
+        is_new: bool,
+    ) -> None:
+        """One step computing ``scheduled`` tokens of ``request`` after ``computed`` ones."""
+        item = ScheduledRequest(
+            request_id=request.request_id,
+            block_ids=tuple(list(ids) for ids in block_ids),
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            is_new=is_new,
+        )
+        self.step(SchedulerOutput(scheduled=[item]))
+
+    def prefill_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[int, bool]:
+        """Admit ``request``, load what the pool has and compute the rest in one step."""
+        matched, is_async = self.admit(request, block_ids)
+        if not is_async:
+            self.compute(request, block_ids, matched, request.num_tokens - matched, is_new=True)
+        return matched, is_async
+
+    def finish_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
+        """End ``request`` as a hybrid engine does; step until its blocks are released."""
+        keep, _ = self.scheduler.request_finished_all_groups(
+            request, tuple(list(ids) for ids in block_ids)
+        )
+        self.step(SchedulerOutput(finished_req_ids={request.request_id}), {request.request_id})
+        if keep:
+            self.step_until(lambda: request.request_id in self.finished_sending)
+        return keep
+
+    def held(self, group: int, request: Request, positions: range) -> list[int]:
+        """Which of ``positions`` of ``request``'s blocks the pool holds for ``group``."""
+        return [
+            position
+            for position in positions
+            if self.scheduler.count_held_prefix(
+                group, request.block_hashes[position : position + 1]
+            )
+        ]
+
+    def group_blocks(self, group: int, block_id: int) -> list[torch.Tensor]:
+        layers = FULL_LAYERS if group == FULL else SLIDING_LAYERS
+        return [self.caches[name][:, block_id] for name in layers]
+
+
+@pytest.fixture
+def hybrid() -> Iterator[type[HybridPair]]:
+    pairs: list[HybridPair] = []
+
+    class Opened(HybridPair):
+        def __init__(self, **extra: object) -> None:
+            super().__init__(**extra)
+            pairs.append(self)
+
+    yield Opened
+    for pair in pairs:
+        pair.shutdown()
+
+
+# Request a's blocks: every position allocated in both groups while it prefills.
+A_IDS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])
+# Request b's: its hit's positions outside the window are the null block.
+B_IDS = ([21, 22, 23, 24, 25, 26, 27], [0, 0, 0, 0, 32, 33, 34])
+
+
+def offload(pair: HybridPair, request_id: str = "a", prompt: list[int] = PROMPT) -> Request:
+    request = make_request(request_id, prompt, BLOCK)
+    assert pair.prefill_groups(request, A_IDS) == (0, False)
+    assert pair.finish_groups(request, A_IDS) is True
+    return request
+
+
+def zero(pair: HybridPair, block_ids: tuple[list[int], ...]) -> None:
+    for ids in block_ids:
+        for block in ids:
+            if block:
+                for cache in pair.caches.values():
+                    cache[:, block] = 0
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+def test_each_group_round_trips_bit_exact_into_other_block_ids(hybrid, async_load):
+    pair = hybrid(async_load=async_load, io_threads=2)
+    offload(pair)
+    zero(pair, B_IDS)
+    before = {name: cache.clone() for name, cache in pair.caches.items()}
+    b = make_request("b", PROMPT, BLOCK)
+    assert pair.prefill_groups(b, B_IDS) == (24, async_load)
+    pair.step_until(lambda: not async_load or "b" in pair.finished_recving)
+    assert pair.load_errors == set()
+    loaded = {FULL: dict(zip(A_IDS[0][:6], B_IDS[0][:6], strict=True)), SLIDING: {12: 32, 13: 33}}
+    for group, moves in loaded.items():
+        for source, target in moves.items():
+            for got, want in zip(
+                pair.group_blocks(group, target), pair.group_blocks(group, source), strict=True
+            ):
+                assert torch.equal(got, want), f"group {group}: block {source} -> {target}"
+    # Only group g's layers at group g's loaded ids changed.
+    written = {(name, block) for name in FULL_LAYERS for block in loaded[FULL].values()}
+    written |= {(name, block) for name in SLIDING_LAYERS for block in loaded[SLIDING].values()}
+    for name, cache in pair.caches.items():
+        for block in range(NUM_BLOCKS):
+            if (name, block) not in written:
+                assert torch.equal(cache[:, block], before[name][:, block]), (name, block)
+
+
+def test_the_sliding_group_stores_only_the_blocks_its_window_reaches(hybrid):
+    pair = hybrid()
+    a = offload(pair)
+    assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
+    assert pair.held(SLIDING, a, range(6)) == [4, 5]
+    assert pair.stats["blocks_saved"] == 8
+    # Confirmed per group: each group's blocks are named in an event of their own.
+    stored = [event for event in pair.scheduler.take_events() if isinstance(event, BlockStored)]
+    assert [event.block_hashes for event in stored] == [
+        tuple(a.block_hashes[:6]),
+        tuple(a.block_hashes[4:6]),
+    ]
+
+
+def test_the_null_block_is_never_copied(hybrid):
+    pair = hybrid()
+    # While a decodes, positions 0-3 of its sliding group have left the window.
+    a = make_request("a", PROMPT, BLOCK)
+    ids = (A_IDS[0], [0, 0, 0, 0, 12, 13, 14])
+    pair.prefill_groups(a, ids)
+    pair.finish_groups(a, ids)
+    null_before = [cache[:, 0].clone() for cache in pair.caches.values()]
+    b = make_request("b", PROMPT, BLOCK)
+    assert pair.prefill_groups(b, B_IDS) == (24, False)
+    assert pair.stats["blocks_saved"] == 8
+    assert pair.stats["blocks_loaded"] == 8
+    assert all(
+        torch.equal(cache[:, 0], before)
+        for cache, before in zip(pair.caches.values(), null_before, strict=True)
+    )
+
+
+def test_a_gap_in_the_sliding_window_moves_the_hit_back(hybrid):
+    pair = hybrid()
+    a = make_request("a", PROMPT, BLOCK)
+    pair.admit(a, A_IDS)
+    # Chunked: 3 blocks, then the rest; the sliding group saves positions 1-2, then 4-5.
+    pair.compute(a, A_IDS, 0, 12, is_new=True)
+    pair.compute(a, A_IDS, 12, len(PROMPT) - 12, is_new=False)
+    pair.finish_groups(a, A_IDS)
+    assert pair.held(SLIDING, a, range(6)) == [1, 2, 4, 5]
+    # Sharing a's first 5 blocks: the full group holds all 5, but a prefix of
+    # 5 needs position 3 in the sliding group; of 3, positions 1-2, held.
+    c = make_request("c", PROMPT[:20] + [7] * 5, BLOCK)
+    assert pair.scheduler.count_held_prefix(FULL, c.block_hashes) == 5
+    assert pair.lookup(c) == (12, False)
+    # Sharing 4: positions 2-3 are needed and 3 is missing, so again 3 blocks.
+    d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
+    assert pair.lookup(d) == (12, False)
+
+
+def test_a_request_keeps_its_blocks_until_its_stores_in_every_group_are_confirmed(hybrid):
+    pair = hybrid()
+    offload(pair)
+    # e shares a's first 4 blocks: the full group holds them all, the sliding
+    # group lacks its window (2-3), so e computes them and stores only there.
+    e = make_request("e", PROMPT[:17], BLOCK)
+    ids = ([41, 42, 43, 44, 45], [46, 47, 48, 49, 50])
+    assert pair.prefill_groups(e, ids) == (0, False)
+    assert pair.lookup(make_request("f", PROMPT[:17], BLOCK)) == (0, False)  # not confirmed yet
+    assert pair.finish_groups(e, ids) is True
+    assert pair.finished_sending == {"a", "e"}
+    assert pair.stats["blocks_saved"] == 8 + 2
+    assert pair.held(SLIDING, e, range(4)) == [2, 3]
+    assert pair.lookup(make_request("f", PROMPT[:17], BLOCK)) == (16, False)
+
+
+def test_a_request_that_stored_nothing_in_any_group_frees_its_blocks_at_once(hybrid):
+    pair = hybrid()
+    offload(pair)
+    b = make_request("b", PROMPT, BLOCK)
+    assert pair.prefill_groups(b, B_IDS) == (24, False)
+    assert pair.finish_groups(b, B_IDS) is False
+
+
+def test_a_corrupted_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
+    pair = hybrid()
+    a = offload(pair)
+    # Slots go to the full group's six blocks first, then the sliding group's two.
+    pair.worker._worker.pool.payload(7).view(-1)[0] += 1.0  # sliding position 5
+    b = make_request("b", PROMPT, BLOCK)
+    pair.prefill_groups(b, B_IDS)
+    assert pair.load_errors == {33}
+    assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
+    assert pair.held(SLIDING, a, range(6)) == [4]
+
+
+def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
+    pair = hybrid()
+    a = offload(pair)
+    pool = pair.worker._worker.pool
+    full_layout, sliding_layout = pair.worker.group_layouts
+    assert full_layout.fingerprint != sliding_layout.fingerprint
+    verify_entry(pool.entry(6), sliding_layout, a.block_hashes[4])  # sliding position 4
+    with pytest.raises(CorruptBlockError):
+        verify_entry(pool.entry(6), full_layout, a.block_hashes[4])
