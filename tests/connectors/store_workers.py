@@ -33,14 +33,12 @@ def store_worker(
     """A one-thread worker with two staging slots, keyed by the layout's own keys."""
     return StoreWorker(
         store=store,
-        layout=layout,
-        caches=PagedKVCaches(caches, layout, sorted(caches)),
+        layouts=(layout,),
+        caches=(PagedKVCaches(caches, layout, sorted(caches)),),
         staging=StagingBuffers(layout, 2),
         io_threads=1,
         batch_blocks=2,
         counters=Counters(),
-        key_of=layout.key,
-        hash_of=layout.block_hash_of,
         medium="test",
     )
 

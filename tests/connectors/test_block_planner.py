@@ -13,9 +13,11 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.block_planner import BlockPlanner, BlockRange
+from kvwire.connectors.block_planner import BlockPlanner, BlockRange, HitCounter
+from kvwire.connectors.cache_groups import CacheGroup
 
 BLOCK = 4
+FULL = CacheGroup(0, ("layers.0",), BLOCK)
 HASHES = [bytes([n]) * 8 for n in range(4)]
 BLOCK_IDS = [30, 31, 32, 33, 34]
 
@@ -30,8 +32,10 @@ def request_of(request_id: str = "r", num_tokens: int = 17) -> Request:
     )
 
 
-def medium_holding(*held: BlockHash):
-    def count_hits(block_hashes: Sequence[BlockHash]) -> int:
+def medium_holding(*held: BlockHash) -> HitCounter:
+    """A medium holding ``held`` in every group."""
+
+    def count_hits(group: int, block_hashes: Sequence[BlockHash]) -> int:
         hits = 0
         for block_hash in block_hashes:
             if block_hash not in held:
@@ -54,7 +58,7 @@ def step(request_id: str, num_computed_tokens: int, num_scheduled_tokens: int) -
 
 
 def planner(*, loads: bool = True, saves: bool = True) -> BlockPlanner:
-    return BlockPlanner(BLOCK, loads=loads, saves=saves)
+    return BlockPlanner(BLOCK, (FULL,), loads=loads, saves=saves)
 
 
 def test_lookup_counts_only_the_consecutive_prefix_the_medium_holds():
@@ -64,7 +68,7 @@ def test_lookup_counts_only_the_consecutive_prefix_the_medium_holds():
 def test_lookup_starts_after_the_locally_computed_blocks():
     looked_at: list[Sequence[BlockHash]] = []
 
-    def count_hits(block_hashes: Sequence[BlockHash]) -> int:
+    def count_hits(group: int, block_hashes: Sequence[BlockHash]) -> int:
         looked_at.append(list(block_hashes))
         return 0
 
@@ -84,14 +88,14 @@ def test_a_planner_that_does_not_load_finds_no_hits():
 def test_allocation_returns_the_found_blocks_to_load():
     plan = planner()
     plan.look_up(request_of(), BLOCK, medium_holding(*HASHES))
-    load = plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
-    assert load == BlockRange("r", tuple(BLOCK_IDS[1:3]), tuple(HASHES[1:3]))
+    loads = plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
+    assert loads == [BlockRange("r", tuple(BLOCK_IDS[1:3]), tuple(HASHES[1:3]))]
 
 
 def test_allocation_without_external_tokens_loads_nothing():
     plan = planner()
     plan.look_up(request_of(), 0, medium_holding(*HASHES))
-    assert plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0) is None
+    assert plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0) == []
 
 
 def test_allocation_asking_for_more_than_the_lookup_found_is_refused():
@@ -155,7 +159,7 @@ def test_blocks_whose_load_failed_are_saved_again_once_recomputed():
     request = request_of()
     plans.look_up(request, 0, medium_holding(*HASHES[:3]))
     loaded = plans.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 3 * BLOCK)
-    assert loaded is not None and loaded.block_ids == (30, 31, 32)
+    assert [load.block_ids for load in loaded] == [(30, 31, 32)]
     # The load step computes the rest: only the block after the loaded ones is new.
     assert [r.block_hashes for r in plans.plan_saves(step("r", 3 * BLOCK, 5))] == [(HASHES[3],)]
 
@@ -175,3 +179,149 @@ def test_failed_loads_of_other_requests_blocks_change_no_plan():
 
     saved = plans.plan_saves(step("r", 2 * BLOCK, 9))
     assert [r.block_hashes for r in saved] == [tuple(HASHES[2:])]
+
+
+# ------------------------------------------------------------ hybrid models
+
+# A full-attention group and a sliding-window group. A window of 9 tokens
+# reaches ceil(8 / 4) = 2 blocks back: a prefix of n blocks needs blocks
+# [n - 2, n) of the sliding group, and all n of the full group.
+SLIDING = CacheGroup(1, ("layers.1",), BLOCK, sliding_window=9)
+LONG_HASHES = [bytes([n]) * 8 for n in range(6)]
+FULL_IDS = [10, 11, 12, 13, 14, 15, 16]
+SLIDING_IDS = [20, 21, 22, 23, 24, 25, 26]
+
+
+def hybrid_planner(*, loads: bool = True, saves: bool = True) -> BlockPlanner:
+    return BlockPlanner(BLOCK, (FULL, SLIDING), loads=loads, saves=saves)
+
+
+def long_request(request_id: str = "r") -> Request:
+    """Six full blocks and one token more."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(25)),
+        max_tokens=1,
+        block_hashes=list(LONG_HASHES),
+    )
+
+
+def hybrid_step(
+    num_computed_tokens: int, num_scheduled_tokens: int, sliding_ids: Sequence[int] = SLIDING_IDS
+) -> SchedulerOutput:
+    item = ScheduledRequest(
+        request_id="r",
+        block_ids=(list(FULL_IDS), list(sliding_ids)),
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        is_new=num_computed_tokens == 0,
+    )
+    return SchedulerOutput(scheduled=[item])
+
+
+def groups_holding(full: Sequence[BlockHash], sliding: Sequence[BlockHash]) -> HitCounter:
+    held = {FULL.index: set(full), SLIDING.index: set(sliding)}
+
+    def count_hits(group: int, block_hashes: Sequence[BlockHash]) -> int:
+        hits = 0
+        for block_hash in block_hashes:
+            if block_hash not in held[group]:
+                break
+            hits += 1
+        return hits
+
+    return count_hits
+
+
+def test_a_sliding_group_saves_only_the_blocks_inside_the_window_at_the_prefix_end():
+    plan = hybrid_planner()
+    plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    saves = plan.plan_saves(hybrid_step(0, 25))
+    by_group = {save.group: save.block_ids for save in saves}
+    assert by_group == {0: tuple(FULL_IDS[:6]), 1: (24, 25)}
+    assert [save.block_hashes for save in saves if save.group == 1] == [tuple(LONG_HASHES[4:6])]
+
+
+def test_a_sliding_group_skips_the_blocks_that_left_the_window_between_steps():
+    plan = hybrid_planner()
+    plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    first = plan.plan_saves(hybrid_step(0, 8))
+    # Blocks 2 and 3 are computed by the second step, but its prefix ends at
+    # block 6: they left the window, and are never read again.
+    second = plan.plan_saves(hybrid_step(8, 17))
+    assert [(save.group, save.block_ids) for save in first] == [(0, (10, 11)), (1, (20, 21))]
+    assert [(save.group, save.block_ids) for save in second] == [
+        (0, (12, 13, 14, 15)),
+        (1, (24, 25)),
+    ]
+
+
+def test_null_blocks_of_a_sliding_group_are_never_saved_or_loaded():
+    plan = hybrid_planner()
+    request = long_request()
+    sliding_ids = [0, 0, 0, 0, 24, 25, 26]
+    plan.look_up(request, 0, groups_holding(LONG_HASHES, LONG_HASHES))
+    loads = plan.allocate(request, KVCacheBlocks((FULL_IDS, sliding_ids)), 6 * BLOCK)
+    assert [(load.group, load.block_ids) for load in loads] == [
+        (0, tuple(FULL_IDS[:6])),
+        (1, (24, 25)),
+    ]
+    plan2 = hybrid_planner()
+    plan2.allocate(request, KVCacheBlocks((FULL_IDS, sliding_ids)), 0)
+    # A window of 12 blocks back would reach the null ones: still never moved.
+    saves = plan2.plan_saves(hybrid_step(0, 25, sliding_ids))
+    assert all(0 not in save.block_ids for save in saves)
+    assert all(0 not in save.context_block_ids for save in saves)
+
+
+def test_the_hit_needs_only_the_window_of_a_sliding_group():
+    # The sliding group holds just the last two blocks: enough for all six.
+    counter = groups_holding(LONG_HASHES, LONG_HASHES[4:])
+    assert hybrid_planner().look_up(long_request(), 0, counter) == 6
+
+
+def test_a_gap_in_the_sliding_window_moves_the_hit_back_before_it():
+    # Block 4 is missing in the sliding group: a prefix of 5 or 6 blocks has
+    # it in its window; a prefix of 4 needs blocks 2 and 3, which are held.
+    counter = groups_holding(LONG_HASHES, [h for h in LONG_HASHES if h != LONG_HASHES[4]])
+    assert hybrid_planner().look_up(long_request(), 0, counter) == 4
+
+
+def test_the_hit_is_the_longest_prefix_valid_in_every_group():
+    # The full group lacks block 3: at most 3 blocks, whose window (blocks 1
+    # and 2) the sliding group must hold too; it lacks block 2, so 2 blocks.
+    counter = groups_holding(
+        [h for h in LONG_HASHES if h != LONG_HASHES[3]],
+        [h for h in LONG_HASHES if h != LONG_HASHES[2]],
+    )
+    assert hybrid_planner().look_up(long_request(), 0, counter) == 2
+
+
+def test_a_hit_loads_every_block_of_the_full_group_and_the_window_of_the_sliding_one():
+    plan = hybrid_planner()
+    request = long_request()
+    assert plan.look_up(request, BLOCK, groups_holding(LONG_HASHES, LONG_HASHES)) == 5
+    loads = plan.allocate(request, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 5 * BLOCK)
+    assert [(load.group, load.block_ids, load.block_hashes) for load in loads] == [
+        (0, tuple(FULL_IDS[1:6]), tuple(LONG_HASHES[1:6])),
+        (1, (24, 25), tuple(LONG_HASHES[4:6])),
+    ]
+
+
+def test_block_ids_for_another_number_of_groups_are_refused():
+    plan = hybrid_planner()
+    with pytest.raises(
+        ValueError,
+        match=r"^request 'r': got block ids for 1 KV cache groups, the kv_cache_config has 2$",
+    ):
+        plan.allocate(long_request(), KVCacheBlocks((FULL_IDS,)), 0)
+
+
+def test_a_failed_load_in_a_sliding_group_saves_both_groups_again_from_that_block():
+    plan = hybrid_planner()
+    request = long_request()
+    plan.look_up(request, 0, groups_holding(LONG_HASHES, LONG_HASHES))
+    plan.allocate(request, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 6 * BLOCK)
+    plan.loads_failed({24})  # the sliding group's block 4
+    again = plan.plan_saves(hybrid_step(4 * BLOCK, 9))
+    assert [(save.group, save.block_ids) for save in again] == [(0, (14, 15)), (1, (24, 25))]

@@ -68,14 +68,12 @@ def _worker(
 ) -> StoreWorker:
     return StoreWorker(
         store=store,
-        layout=LAYOUT,
-        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        layouts=(LAYOUT,),
+        caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
         staging=StagingBuffers(LAYOUT, slots),
         io_threads=io_threads,
         batch_blocks=batch_blocks,
         counters=Counters(),
-        key_of=LAYOUT.key,
-        hash_of=LAYOUT.block_hash_of,
         medium="test",
     )
 

@@ -140,14 +140,12 @@ def _worker(
 ) -> StoreWorker:
     return StoreWorker(
         store=store,
-        layout=LAYOUT,
-        caches=PagedKVCaches(caches, LAYOUT, sorted(caches)),
+        layouts=(LAYOUT,),
+        caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
         staging=StagingBuffers(LAYOUT, NUM_SLOTS),
         io_threads=1,
         batch_blocks=2,
         counters=counters,
-        key_of=LAYOUT.key,
-        hash_of=LAYOUT.block_hash_of,
         medium="test",
         transfer_timeout_s=timeout_s,
     )

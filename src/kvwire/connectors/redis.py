@@ -155,6 +155,10 @@ class RedisConnector(StoreConnector):
         return self._redis_store.take_counters()
 
     def reset_cache(self) -> bool | None:
-        """Forget this engine layout's blocks under the key prefix (other layouts' stay)."""
-        self._redis_store.clear(under=self.layout.fingerprint_hex)
+        """Forget this engine's blocks, of every KV cache group, under the key prefix.
+
+        Other layouts' blocks stay.
+        """
+        for layout in self.group_layouts:
+            self._redis_store.clear(under=layout.fingerprint_hex)
         return self._redis_store.is_available

@@ -183,5 +183,10 @@ class SharedStorageConnector(StoreConnector):
         return self._directory_store.take_counters()
 
     def reset_cache(self) -> bool | None:
-        """Forget this engine layout's entries (other layouts' entries and other files stay)."""
-        return self._directory_store.remove_layout(self.layout.fingerprint_hex)
+        """Forget this engine's entries, of every KV cache group (other layouts' and files stay)."""
+        # Every group's removal runs, even after one leaves entries behind.
+        left = [
+            not self._directory_store.remove_layout(layout.fingerprint_hex)
+            for layout in self.group_layouts
+        ]
+        return not any(left)

@@ -32,11 +32,21 @@ the validated options::
             return MyStore(options["url"])
 
 Optionally override :meth:`StoreConnector.store_key` (the default is
-``layout.key(block_hash)``: layout fingerprint + block hash; override
-:meth:`StoreConnector.block_hash_of`, its inverse, with it) and
+``group_layouts[group].key(block_hash)``: the KV cache group's layout
+fingerprint + block hash; override :meth:`StoreConnector.block_hash_of`, its
+inverse, with it) and
 :meth:`StoreConnector.store_counters` (extra stats from your store), and give
 your store a ``discard(keys)`` so entries found corrupt stop being hits. The
 store must never raise into the engine: misses and failures are results.
+
+Hybrid models (several KV cache groups): an entry holds one block of every
+layer of one group, keyed and headed with that group's layout (its name is
+in the fingerprint), so two groups' entries for one block hash never share a
+key and one never loads into the other. With a single group the keys are
+those of earlier versions. ``store_key(block_hash)`` overrides written for
+one group keep working with one group; a hybrid engine calls
+``store_key(block_hash, group)``, and refuses at construction an override
+that cannot take ``group``.
 
 KV cache events (``medium`` names the store in them): the worker side
 reports ``BlockStored`` for the blocks each save really stored (not the
@@ -63,6 +73,7 @@ profile).
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,6 +92,7 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_connector import BlockConnector
+from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.entry_mac import EntryMac, MacKeyError
 from kvwire.connectors.extra_config import (
     ExtraConfigError,
@@ -94,6 +106,8 @@ from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kvwire.config import EngineConfig, KVTransferConfig
@@ -153,6 +167,9 @@ class StoreConnector(BlockConnector[StoreWorker]):
         super().__init__(config, role, kv_cache_config)
         # Both sides: sealed entries are named apart (the key's id is in the fingerprint).
         self._layout = attrs.evolve(self._layout, mac=self._options[_ENTRY_MAC])
+        # Once, after the MAC: keys and headers index these, never rebuild them.
+        self._group_layouts = super().group_layouts
+        self._key_of = self._group_key_function()
         self._store = self.create_store(self._options)
         # Scheduler side.
         self._step_loads: list[BlockTransfer] = []
@@ -199,13 +216,46 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
         """The store this connector uses, from its validated extra-config ``options``."""
 
-    def store_key(self, block_hash: BlockHash) -> str:
-        """The store key of a block: the layout fingerprint, then the block hash."""
-        return self._layout.key(block_hash)
+    def store_key(self, block_hash: BlockHash, group: int = 0) -> str:
+        """The store key of a block of KV cache ``group``: its layout's fingerprint, then the hash.
+
+        With a single group, the key is ``layout.key(block_hash)``, as before
+        groups existed. An override for hybrid engines must take ``group``
+        (see the module).
+        """
+        return self._group_layouts[group].key(block_hash)
 
     def block_hash_of(self, key: str) -> BlockHash | None:
-        """The block hash :meth:`store_key` made ``key`` from; None for another layout's key."""
-        return self._layout.block_hash_of(key)
+        """The block hash :meth:`store_key` made ``key`` from, in any group; None for another's."""
+        for layout in self._group_layouts:
+            block_hash = layout.block_hash_of(key)
+            if block_hash is not None:
+                return block_hash
+        return None
+
+    @property
+    def group_layouts(self) -> tuple[BlockLayout, ...]:
+        return self._group_layouts
+
+    def _group_key_function(self) -> Callable[[int, BlockHash], str]:
+        """How this connector names a block of a group: through :meth:`store_key`, overrides too.
+
+        A single-group engine calls ``store_key(block_hash)``, so an override
+        written before groups existed keeps its keys; a hybrid engine needs
+        one that takes ``group``.
+        """
+        if len(self._groups) == 1:
+            return lambda group, block_hash: self.store_key(block_hash)
+        try:
+            inspect.signature(self.store_key).bind(b"", 0)
+        except TypeError:
+            raise TypeError(
+                f"{type(self).__name__}.store_key takes only a block hash, and this "
+                f"kv_cache_config has {len(self._groups)} KV cache groups; expected "
+                "store_key(block_hash, group), naming each group's blocks apart "
+                "(or set disable_hybrid_kv_cache_manager: true)"
+            ) from None
+        return lambda group, block_hash: self.store_key(block_hash, group)
 
     def store_counters(self) -> Mapping[str, float]:
         """Extra counters from the store, reported with the stats (then reset)."""
@@ -217,24 +267,29 @@ class StoreConnector(BlockConnector[StoreWorker]):
 
     # -------------------------------------------------------- scheduler side
 
-    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Only a consecutive prefix that is really in the store counts."""
-        return self._store.count_prefix([self.store_key(h) for h in block_hashes])
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """Only a consecutive prefix that is really in the store, under ``group``'s keys, counts."""
+        return self._store.count_prefix([self._key_of(group, h) for h in block_hashes])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        load = self._planner.allocate(request, blocks, num_external_tokens)
-        if load is None:
+        loads = [
+            BlockTransfer(
+                request_id=load.request_id,
+                block_ids=load.block_ids,
+                block_hashes=load.block_hashes,
+                group=load.group,
+            )
+            for load in self._planner.allocate(request, blocks, num_external_tokens)
+        ]
+        if not loads:
             return
-        transfer = BlockTransfer(
-            request_id=load.request_id, block_ids=load.block_ids, block_hashes=load.block_hashes
-        )
         if self._async_load:
             self._async_loading.add(request.request_id)
-            self._step_async_loads.append(transfer)
+            self._step_async_loads.extend(loads)
         else:
-            self._step_loads.append(transfer)
+            self._step_loads.extend(loads)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
         saves = tuple(
@@ -243,6 +298,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
                 block_ids=save.block_ids,
                 block_hashes=save.block_hashes,
                 context_block_ids=save.context_block_ids,
+                group=save.group,
             )
             for save in self._planner.plan_saves(scheduler_output)
         )
@@ -265,14 +321,27 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copy the blocks out of the cache in wait_for_save, so the
-        # engine may free them at once, unless a background load still writes
-        # into them (a request aborted while loading).
+        return self._finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Not through request_finished: the engine makes one finishing call
+        # per request, and a call log of this connector should show one.
+        return self._finished(request), None
+
+    def _finished(self, request: Request) -> bool:
+        """Forget ``request``; whether its blocks must be kept (in every group alike).
+
+        Saves copy the blocks out of the cache in wait_for_save, so the engine
+        may free them at once, unless a background load still writes into
+        them (a request aborted while loading).
+        """
         self._planner.forget(request.request_id)
         if request.request_id in self._async_loading:
             self._release_req_ids.append(request.request_id)
-            return True, None
-        return False, None
+            return True
+        return False
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._async_loading -= connector_output.finished_recving or set()
@@ -287,28 +356,31 @@ class StoreConnector(BlockConnector[StoreWorker]):
     # ----------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvwire.connectors.paged_cache import PagedKVCaches
+        from kvwire.connectors.paged_cache import group_caches
         from kvwire.connectors.staging import StagingBuffers
 
-        caches = PagedKVCaches(kv_caches, self._layout, self.kv_cache_config.layer_names)
+        caches = group_caches(kv_caches, self._layout, self._groups)
+        # Every group's entries have one size: the slots serve them all.
         num_slots = max(1, self._options["staging_buffer_bytes"] // self._layout.entry_bytes)
         self._worker = StoreWorker(
             store=self._store,
-            layout=self._layout,
+            layouts=self._group_layouts,
             caches=caches,
             staging=StagingBuffers(self._layout, num_slots),
             io_threads=self._options["io_threads"],
             batch_blocks=min(self._options["batch_blocks"], num_slots),
             counters=self._counters,
-            key_of=self.store_key,
+            key_of=self._key_of,
             hash_of=self.block_hash_of,
             medium=self.medium,
             transfer_timeout_s=self._options["transfer_timeout_s"],
         )
         logger.info(
-            "%s: %s store, blocks of %d bytes, %d staging slots, %d I/O threads per direction",
+            "%s: %s store, %d KV cache group(s), blocks of %d bytes, %d staging slots, "
+            "%d I/O threads per direction",
             type(self).__name__,
             self.medium,
+            len(self._groups),
             self._layout.payload_bytes,
             num_slots,
             self._options["io_threads"],

@@ -99,13 +99,15 @@ class MappingBlockStore(Protocol):
 
 @attrs.frozen
 class BlockTransfer:
-    """Blocks of one request to move: cache block ids and the block hashes they hold."""
+    """Blocks of one request in one KV cache group to move: cache block ids and their hashes."""
 
     request_id: str
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     # A save's context: see BlockRange.context_block_ids.
     context_block_ids: tuple[int, ...] = ()
+    # The KV cache group whose layers the blocks are read from or written to.
+    group: int = 0
 
 
 class _LoadRun(TransferJob):
@@ -113,12 +115,14 @@ class _LoadRun(TransferJob):
 
     def __init__(
         self,
+        group: int,
         block_ids: tuple[int, ...],
         hashes: tuple[BlockHash, ...],
         slots: list[int],
         deadline: float,
     ) -> None:
         super().__init__(deadline)
+        self.group = group
         self.block_ids = block_ids
         self.hashes = hashes
         self.slots = slots
@@ -126,10 +130,13 @@ class _LoadRun(TransferJob):
 
 
 class _SaveJob(TransferJob):
-    """A save job: entries of ``hashes`` in staging ``slots``, written to the store."""
+    """A save job: entries of ``hashes`` of ``group``, in staging ``slots``, for the store."""
 
-    def __init__(self, hashes: tuple[BlockHash, ...], slots: list[int], deadline: float) -> None:
+    def __init__(
+        self, group: int, hashes: tuple[BlockHash, ...], slots: list[int], deadline: float
+    ) -> None:
         super().__init__(deadline)
+        self.group = group
         self.hashes = hashes
         self.slots = slots
 
@@ -165,9 +172,20 @@ class _HeldSlots:
 class StoreWorker:
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
-    ``key_of`` turns a block hash into the store key (the connector's choice),
-    ``hash_of`` a key back into its block hash (None for another layout's),
-    and ``medium`` names the store in the KV cache events (:meth:`take_events`).
+    It serves every KV cache group of the engine: ``layouts`` and ``caches``
+    hold one layout and one set of paged caches per group, in group order (a
+    single-group engine passes one of each). A transfer names its group
+    (:attr:`BlockTransfer.group`); its blocks are read from or written to
+    that group's layers only, and its entries are headed, checked and keyed
+    with that group's layout, so an entry of one group never loads into
+    another. Entries of every group have the same size (the groups have the
+    same number of layers), so one set of staging slots serves them all.
+
+    ``key_of(group, block_hash)`` names a block's entry in the store (the
+    connector's choice; by default the group layout's key), ``hash_of`` turns
+    a key back into its block hash (None for another layout's; by default,
+    the hash any group's layout made the key from), and ``medium`` names the
+    store in the KV cache events (:meth:`take_events`).
     Slots are taken only on the caller's thread; background jobs only give
     them back, so jobs never wait on each other. A transfer still running
     ``transfer_timeout_s`` after it started is given up on (see the module).
@@ -177,21 +195,35 @@ class StoreWorker:
         self,
         *,
         store: BlockStore,
-        layout: BlockLayout,
-        caches: PagedKVCaches,
+        layouts: Sequence[BlockLayout],
+        caches: Sequence[PagedKVCaches],
         staging: StagingBuffers,
         io_threads: int,
         batch_blocks: int,
         counters: Counters,
-        key_of: Callable[[BlockHash], str],
-        hash_of: Callable[[str], BlockHash | None],
         medium: str,
+        key_of: Callable[[int, BlockHash], str] | None = None,
+        hash_of: Callable[[str], BlockHash | None] | None = None,
         transfer_timeout_s: float = 30.0,
     ) -> None:
+        if not layouts or len(layouts) != len(caches):
+            raise ValueError(
+                f"StoreWorker: got {len(layouts)} layouts and {len(caches)} caches; "
+                "expected one of each per KV cache group (at least one)"
+            )
+        if any(layout.shape != layouts[0].shape for layout in layouts):
+            raise ValueError(
+                "StoreWorker: layouts have shapes "
+                f"{sorted({layout.shape for layout in layouts})}; every KV cache group's "
+                "entries must have the same shape (one staging slot size serves them all)"
+            )
         self._store = store
         self._transfer_timeout_s = transfer_timeout_s
-        self._layout = layout
-        self._caches = caches
+        # Per group, built once: the hot path only indexes them.
+        self._layouts = tuple(layouts)
+        self._caches = tuple(caches)
+        # What all groups' entries share: shape, sizes, dtype.
+        self._layout = self._layouts[0]
         self._staging = staging
         self._batch_blocks = batch_blocks
         # More runs of one transfer than cores only contend for the GIL
@@ -200,14 +232,15 @@ class StoreWorker:
         # other threads still serve other transfers.
         self._runs_per_transfer = max(1, min(io_threads, usable_cores()))
         self._counters = counters
-        self._key_of = key_of
-        self._hash_of = hash_of
+        self._key_of = key_of if key_of is not None else self._layout_key
+        self._hash_of = hash_of if hash_of is not None else self._layout_hash
         self._medium = medium
         # Large entries of a store that maps them are verified where they lie
         # and copied once, straight into the cache, instead of through staging.
         self._mapping_store = (
             store
-            if isinstance(store, MappingBlockStore) and layout.entry_bytes >= MIN_MAPPED_ENTRY_BYTES
+            if isinstance(store, MappingBlockStore)
+            and self._layout.entry_bytes >= MIN_MAPPED_ENTRY_BYTES
             else None
         )
         self._load_pool = JobThreads(io_threads, "kvwire-load", copy_on_this_thread_only)
@@ -221,23 +254,43 @@ class StoreWorker:
         self._saves_in_flight: set[_SaveJob] = set()
         self._events: list[KVCacheEvent] = []
 
+    def _layout_key(self, group: int, block_hash: BlockHash) -> str:
+        return self._layouts[group].key(block_hash)
+
+    def _layout_hash(self, key: str) -> BlockHash | None:
+        for layout in self._layouts:
+            block_hash = layout.block_hash_of(key)
+            if block_hash is not None:
+                return block_hash
+        return None
+
     # ----------------------------------------------------------------- loads
 
     def start_loads(
         self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
-        """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`."""
+        """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`.
+
+        A request's asynchronous transfers (one per KV cache group it loads)
+        are one load: the request is finished once all of them are.
+        """
         deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in sync_loads:
             self._load_errors.update(self._submit_runs(transfer, deadline, None))
+        states: dict[str, tuple[_AsyncLoad, list[int]]] = {}
         for transfer in async_loads:
             # The state's one initial "job" stands for the submission itself,
             # so the request cannot be reported finished before its last run
             # is submitted.
-            state = _AsyncLoad(transfer.request_id, deadline)
-            with self._lock:
-                self._async_loads[transfer.request_id] = state
-            self._complete_async(state, self._submit_runs(transfer, deadline, state))
+            if transfer.request_id not in states:
+                state = _AsyncLoad(transfer.request_id, deadline)
+                with self._lock:
+                    self._async_loads[transfer.request_id] = state
+                states[transfer.request_id] = (state, [])
+            state, starved = states[transfer.request_id]
+            starved.extend(self._submit_runs(transfer, deadline, state))
+        for state, starved in states.values():
+            self._complete_async(state, starved)
 
     def _submit_runs(
         self, transfer: BlockTransfer, deadline: float, state: _AsyncLoad | None
@@ -265,7 +318,11 @@ class StoreWorker:
                 break
             end = start + len(slots)
             run = _LoadRun(
-                transfer.block_ids[start:end], transfer.block_hashes[start:end], slots, deadline
+                transfer.group,
+                transfer.block_ids[start:end],
+                transfer.block_hashes[start:end],
+                slots,
+                deadline,
             )
             if state is None:
                 self._sync_loads.append(run)
@@ -410,7 +467,7 @@ class StoreWorker:
         if corrupt:
             # A corrupt entry would be a hit (and a failed load) for every later
             # request: drop it, so the next request that computes it saves it again.
-            self._discard(corrupt)
+            self._discard(run.group, corrupt)
         run.failed = failed
         if not run.end():
             return  # abandoned at its deadline: counted and reported then
@@ -440,7 +497,7 @@ class StoreWorker:
         """
         with run.lock:
             run.check()
-            self._caches.scatter_many(sources, source_indices, block_ids)
+            self._caches[run.group].scatter_many(sources, source_indices, block_ids)
 
     def _load_mapped(
         self,
@@ -459,7 +516,7 @@ class StoreWorker:
         dtype = TORCH_DTYPES[self._layout.dtype]
         payload_bytes = self._layout.payload_bytes
         for index, (block_id, block_hash) in enumerate(zip(run.block_ids, run.hashes, strict=True)):
-            key = self._key_of(block_hash)
+            key = self._key_of(run.group, block_hash)
             mapping = store.map_entry(key)
             if mapping is None:
                 unmapped.append(index)
@@ -467,7 +524,7 @@ class StoreWorker:
             entry = memoryview(mapping)
             payload: torch.Tensor | None = None
             try:
-                if not self._verified(entry, block_id, block_hash, failed, corrupt):
+                if not self._verified(run.group, entry, block_id, block_hash, failed, corrupt):
                     continue
                 # Only now, verified, do the bytes reach the cache.
                 payload = torch.frombuffer(
@@ -505,7 +562,7 @@ class StoreWorker:
         soon as its entry is in the cache or has failed, so that the next run
         can start while this one goes on.
         """
-        keys = [self._key_of(block_hash) for block_hash in hashes]
+        keys = [self._key_of(run.group, block_hash) for block_hash in hashes]
         entries = [self._staging.entry(slot) for slot in slots]
         group_size = max(1, CACHE_CHUNK_BYTES // self._layout.entry_bytes)
         group_ids: list[int] = []
@@ -519,7 +576,7 @@ class StoreWorker:
                     held.give_back((slots[index],))
                     continue
                 entry = entries[index][:size]
-                if not self._verified(entry, block_id, hashes[index], failed, corrupt):
+                if not self._verified(run.group, entry, block_id, hashes[index], failed, corrupt):
                     held.give_back((slots[index],))
                     continue
                 group_ids.append(block_id)
@@ -537,16 +594,21 @@ class StoreWorker:
 
     def _verified(
         self,
+        group: int,
         entry: memoryview,
         block_id: int,
         block_hash: BlockHash,
         failed: list[int],
         corrupt: list[BlockHash],
     ) -> bool:
-        """Whether ``entry`` may go into ``block_id``; if not, it is counted and noted."""
+        """Whether ``entry`` may go into ``block_id`` of ``group``; if not, it is counted and noted.
+
+        Checked against the group's own layout: another group's entry for the
+        same block hash has another fingerprint, and fails here.
+        """
         try:
-            verify_entry(entry, self._layout, block_hash)
-            self._caches.check_block_id(block_id)
+            verify_entry(entry, self._layouts[group], block_hash)
+            self._caches[group].check_block_id(block_id)
         except (CorruptBlockError, IndexError) as error:
             self._warn.warn("corrupt", "not loading block %s: %s", block_hash.hex()[:16], error)
             self._counters.add("corrupt_entries")
@@ -555,9 +617,9 @@ class StoreWorker:
             return False
         return True
 
-    def _discard(self, hashes: list[BlockHash]) -> None:
+    def _discard(self, group: int, hashes: list[BlockHash]) -> None:
         try:
-            self._store.discard([self._key_of(block_hash) for block_hash in hashes])
+            self._store.discard([self._key_of(group, block_hash) for block_hash in hashes])
         except Exception:
             logger.exception("discarding %d corrupt entries failed", len(hashes))
         self._record_events()
@@ -575,7 +637,8 @@ class StoreWorker:
 
         A store reports only what it really removed: one without ``discard``
         keeps a corrupt entry, and reports nothing. Keys of another layout (a
-        shared medium) are no blocks of this engine.
+        shared medium) are no blocks of this engine. Events name blocks by
+        hash, whatever their KV cache group.
         """
         with self._lock:
             if stored:
@@ -603,7 +666,7 @@ class StoreWorker:
         """
         self.expire_overdue_saves()
         dropped = 0
-        batches: list[tuple[tuple[BlockHash, ...], list[int]]] = []
+        batches: list[tuple[int, tuple[BlockHash, ...], list[int]]] = []
         for transfer in transfers:
             # All of a transfer's slots at once (lowest first, so mostly
             # consecutive) and one copy per layer per run of them: 128 MiB of
@@ -613,12 +676,12 @@ class StoreWorker:
             dropped += count - len(slots)
             if not slots:
                 continue
-            self._caches.gather_many(
+            self._caches[transfer.group].gather_many(
                 transfer.block_ids[: len(slots)], slots, self._staging.payloads
             )
             for start in range(0, len(slots), self._batch_blocks):
                 end = start + self._batch_blocks
-                batches.append((transfer.block_hashes[start:end], slots[start:end]))
+                batches.append((transfer.group, transfer.block_hashes[start:end], slots[start:end]))
         # Submitted only once every copy is done: writers running meanwhile
         # would take the cores that torch's parallel copies wait on, and the
         # forward pass would wait several times longer for its copies (128 MiB
@@ -626,8 +689,8 @@ class StoreWorker:
         # 27-101 ms when each 2 or 8 MiB was submitted as soon as copied, for
         # no more throughput).
         deadline = time.monotonic() + self._transfer_timeout_s
-        for hashes, slots in batches:
-            job = _SaveJob(hashes, slots, deadline)
+        for group, hashes, slots in batches:
+            job = _SaveJob(group, hashes, slots, deadline)
             with self._lock:
                 self._saves_in_flight.add(job)
             job.future = self._save_pool.submit(self._save, job)
@@ -650,6 +713,7 @@ class StoreWorker:
 
     def _save(self, job: _SaveJob) -> None:
         hashes, slots = job.hashes, job.slots
+        layout = self._layouts[job.group]
         started = time.perf_counter()
         stored = 0
         try:
@@ -661,8 +725,10 @@ class StoreWorker:
                 chunk_hashes = hashes[chunk.start : chunk.stop]
                 entries = [self._staging.entry(slot) for slot in slots[chunk.start : chunk.stop]]
                 for block_hash, entry in zip(chunk_hashes, entries, strict=True):
-                    write_header(entry, self._layout, block_hash)
-                results = self._store.put([self._key_of(h) for h in chunk_hashes], entries)
+                    write_header(entry, layout, block_hash)
+                results = self._store.put(
+                    [self._key_of(job.group, h) for h in chunk_hashes], entries
+                )
                 written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
                 stored += len(written)
                 # Reported even when late: the events say what the store holds.
