@@ -24,12 +24,23 @@ from kvwire.connector.types import (
 )
 from kvwire.connectors.block_format import CorruptBlockError, verify_entry
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.engine.engine import LLMEngine
+from kvwire.engine.presets import apply_preset
 from kvwire.kv_cache_config import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     SlidingWindowSpec,
+)
+from tests.connectors.engine_support import (
+    generate,
+    renamed,
+    served,
+    tiny_engine_config,
+    tokens,
+    with_connector,
+    workload,
 )
 from tests.connectors.harness import ConnectorPair, engine_config, make_caches, make_request
 
@@ -306,3 +317,27 @@ def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
     verify_entry(pool.entry(6), sliding_layout, a.block_hashes[4])  # sliding position 4
     with pytest.raises(CorruptBlockError):
         verify_entry(pool.entry(6), full_layout, a.block_hashes[4])
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+def test_a_hybrid_engine_with_hma_on_serves_a_warm_pass_from_both_groups(async_load):
+    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
+    reference = tokens(generate(hybrid_config, workload()))
+    config = with_connector(
+        hybrid_config, "CPUOffloadConnector", {"cpu_pool_bytes": "8MiB", "async_load": async_load}
+    )
+    with LLMEngine(config) as engine:
+        assert engine.hma_enabled
+        assert len(engine.kv_cache_config.kv_cache_groups) == 2
+        cold = engine.generate(workload())
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed(workload(), "-warm"))
+        stats = engine.connector_stats.data
+    assert tokens(cold) == reference
+    assert tokens(warm) == reference
+    hit_blocks = served(warm) // config.cache_config.block_size
+    assert hit_blocks > 0 and stats["lookup_hit_blocks"] == hit_blocks
+    # The full group loads every hit block; the sliding group only the last
+    # two (its window of 8 tokens) of each request's hit, so some, not all.
+    sliding_loads = stats["blocks_loaded"] - hit_blocks
+    assert 0 < sliding_loads < hit_blocks
