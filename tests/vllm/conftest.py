@@ -24,13 +24,25 @@ os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvwire-vllm-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.vllm.engines import build_tiny_llama, generate, running_llm, shared_prompts
+from tests.vllm.engines import (
+    build_tiny_gemma3,
+    build_tiny_llama,
+    generate,
+    running_llm,
+    shared_prompts,
+)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer Llama with random weights and a word-level tokenizer, saved for vLLM."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 4-layer Gemma 3 with random weights: layers 0, 2 slide (window 64), 1, 3 are full."""
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,13 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PROFILES = REPO / "containers"
 BLOCK_SIZE = 32
 MAX_TOKENS = 8
+SLIDING_WINDOW = 64
 
 
 def build_tiny_llama(directory: pathlib.Path) -> str:
     """Save a random-weight Llama (head_size 32: vLLM's CPU attention needs it) and a tokenizer."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -37,12 +37,48 @@ def build_tiny_llama(directory: pathlib.Path) -> str:
         max_position_embeddings=4096,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
+    _save_word_tokenizer(directory)
+    return str(directory)
+
+
+def build_tiny_gemma3(directory: pathlib.Path) -> str:
+    """Save a random-weight hybrid Gemma 3: layers 0 and 2 slide (window 64), 1 and 3 are full.
+
+    With the hybrid KV cache manager on, vLLM gives it two KV cache groups
+    (``SlidingWindowSpec(64)`` and ``FullAttentionSpec``); the tokenizer is
+    the Llama's.
+    """
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_hidden_layers=4,
+        max_position_embeddings=4096,
+    )
+    Gemma3ForCausalLM(config).save_pretrained(directory)
+    _save_word_tokenizer(directory)
+    return str(directory)
+
+
+def _save_word_tokenizer(directory: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(1024)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2"
     ).save_pretrained(directory)
-    return str(directory)
 
 
 def shared_prompts(count: int = 3, length: int = 300) -> list[dict[str, list[int]]]:

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
 import torch
 
-from kvwire.vllm import KVWireConnector, KVWireHMAConnector
+from kvwire.vllm import KVWireConnector
 from kvwire.vllm.config_bridge import VLLMConfigError
-from tests.vllm.engines import BLOCK_SIZE, kvwire_transfer_config, load_profile_mapping
+from tests.vllm import hybrid_connectors
+from tests.vllm.engines import (
+    BLOCK_SIZE,
+    SLIDING_WINDOW,
+    kvwire_transfer_config,
+    load_profile_mapping,
+)
+from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
 
 
-def vllm_config(model: str, **transfer: Any) -> Any:
+def vllm_config(
+    model: str, profile: dict[str, Any] | None = None, hma: bool | None = None, **transfer: Any
+) -> Any:
+    """vLLM's config for ``model`` served by KVWireConnector (``hma``: vLLM's HMA setting)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    config = {**kvwire_transfer_config(load_profile_mapping("cpu-offload.yaml")), **transfer}
+    mapping = profile or load_profile_mapping("cpu-offload.yaml")
+    config = {**kvwire_transfer_config(mapping), **transfer}
     return EngineArgs(
         model=model,
         dtype="float32",
@@ -23,41 +35,62 @@ def vllm_config(model: str, **transfer: Any) -> Any:
         max_model_len=2048,
         enforce_eager=True,
         kv_transfer_config=config,
+        disable_hybrid_kv_cache_manager=None if hma is None else not hma,
     ).create_engine_config()
 
 
-def vllm_kv_cache_config() -> Any:
+def vllm_kv_cache_config(hybrid: bool = False) -> Any:
+    """A vLLM KVCacheConfig of 8 blocks: two full-attention layers, or the hybrid Gemma's groups.
+
+    The hybrid one is what vLLM builds for ``tiny_hybrid_model`` with HMA on:
+    a sliding-window group (layers 0, 2) and a full one (1, 3), each tensor
+    shared by one layer of each group.
+    """
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        SlidingWindowSpec,
     )
 
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
-    )
-    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    full = FullAttentionSpec(**shape)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4 if hybrid else 2)]
+    if hybrid:
+        sliding = SlidingWindowSpec(sliding_window=SLIDING_WINDOW, **shape)
+        groups = [
+            KVCacheGroupSpec(layer_names=layers[0::2], kv_cache_spec=sliding),
+            KVCacheGroupSpec(layer_names=layers[1::2], kv_cache_spec=full),
+        ]
+        shared_by = [list(pair) for pair in zip(layers[0::2], layers[1::2], strict=True)]
+    else:
+        groups = [KVCacheGroupSpec(layer_names=layers, kv_cache_spec=full)]
+        shared_by = [[name] for name in layers]
     tensors = [
         KVCacheTensor(
-            size=spec.page_size_bytes * 8,
-            layers=[name],
+            size=full.page_size_bytes * 8,
+            layers=names,
             layer_stride=0,
-            block_stride=spec.page_size_bytes,
+            block_stride=full.page_size_bytes,
         )
-        for name in names
+        for names in shared_by
     ]
-    return KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
-    )
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def scheduler_connector(connector_class: type, config: Any) -> Any:
+def scheduler_connector(connector_class: type, config: Any, hybrid: bool = False) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    return connector_class(config, KVConnectorRole.SCHEDULER, vllm_kv_cache_config())
+    return connector_class(config, KVConnectorRole.SCHEDULER, vllm_kv_cache_config(hybrid))
+
+
+def finished_request(request_id: str = "r") -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return types.SimpleNamespace(
+        request_id=request_id, status=RequestStatus.FINISHED_STOPPED, block_hashes=[]
+    )
 
 
 def test_load_failure_policy_and_role_are_vllm_s(tiny_model: str) -> None:
@@ -84,6 +117,62 @@ def test_stored_blocks_are_named_by_model_dtype_block_size_and_vllm_cpu_layout(
     )
 
 
-def test_hma_connector_refuses_a_wrapped_connector_without_hma(tiny_model: str) -> None:
-    with pytest.raises(VLLMConfigError, match="CPUOffloadConnector does not support"):
-        scheduler_connector(KVWireHMAConnector, vllm_config(tiny_model))
+@pytest.mark.parametrize("wrapped", ["cpu-offload.yaml", "plain"])
+def test_vllm_s_gate_keeps_hma_on_for_kvwire_connector_whatever_it_wraps(
+    wrapped: str, tiny_hybrid_model: str
+) -> None:
+    # vLLM asks the class (issubclass(cls, SupportsHMA)) before any profile is read.
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    profile = (
+        hybrid_connectors.profile(PlainConnector)
+        if wrapped == "plain"
+        else load_profile_mapping(wrapped)
+    )
+    config = vllm_config(tiny_hybrid_model, profile)
+    assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+def test_a_hybrid_cache_refuses_a_wrapped_connector_without_hma_naming_the_flag(
+    tiny_hybrid_model: str,
+) -> None:
+    config = vllm_config(tiny_hybrid_model, hybrid_connectors.profile(PlainConnector))
+    with pytest.raises(VLLMConfigError, match="PlainConnector does not support it") as error:
+        scheduler_connector(KVWireConnector, config, hybrid=True)
+    assert "--disable-hybrid-kv-cache-manager" in str(error.value)
+    assert "SlidingWindowSpec (2 layers), FullAttentionSpec (2 layers)" in str(error.value)
+
+
+@pytest.mark.parametrize("hma", [None, True, False])
+def test_one_full_attention_group_is_served_by_a_wrapped_connector_without_hma(
+    hma: bool | None, tiny_model: str
+) -> None:
+    # HMA on or off, a model without sliding-window layers has one group.
+    config = vllm_config(tiny_model, hybrid_connectors.profile(PlainConnector), hma=hma)
+    connector = scheduler_connector(KVWireConnector, config)
+    wrapped = connector.connector
+    # kvwire's gate turned HMA off for it: it serves one group.
+    assert wrapped.engine_config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    assert connector.request_finished_all_groups(finished_request(), ([3, 4],)) == (False, None)
+    assert wrapped.finished == [("request_finished", [3, 4])]
+
+
+def test_a_wrapped_connector_with_hma_gets_every_group_s_block_ids(
+    tiny_hybrid_model: str,
+) -> None:
+    config = vllm_config(tiny_hybrid_model, hybrid_connectors.profile(GroupsConnector))
+    connector = scheduler_connector(KVWireConnector, config, hybrid=True)
+    wrapped = connector.connector
+    assert wrapped.engine_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert [
+        getattr(group.kv_cache_spec, "sliding_window", None)
+        for group in wrapped.kv_cache_config.kv_cache_groups
+    ] == [SLIDING_WINDOW, None]
+    block_ids = ([0, 0, 5, 6], [1, 2, 3, 4])  # the sliding group's first blocks left the window
+    assert connector.request_finished_all_groups(finished_request(), block_ids) == (False, None)
+    assert connector.request_finished(finished_request("s"), [7]) == (False, None)
+    assert wrapped.finished == [
+        ("request_finished_all_groups", ([0, 0, 5, 6], [1, 2, 3, 4])),
+        ("request_finished_all_groups", ([7],)),
+    ]

@@ -10,7 +10,7 @@ Importing this package imports vLLM; ``import kvwire`` never does. In vLLM's
 installed: its ``vllm.general_plugins`` entry point registers the name.)
 """
 
-from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata, KVWireHMAConnector
+from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata
 from kvwire.vllm.engine_calls import (
     WORKER_EXTENSION,
     KVWireWorkerExtension,
@@ -23,7 +23,6 @@ __all__ = [
     "WORKER_EXTENSION",
     "KVWireConnector",
     "KVWireConnectorMetadata",
-    "KVWireHMAConnector",
     "KVWireStats",
     "KVWireWorkerExtension",
     "kvwire_stats",

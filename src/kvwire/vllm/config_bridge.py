@@ -159,13 +159,18 @@ def kv_dtype_name(dtype: Any) -> str:
     return name
 
 
-def engine_config_from_vllm(vllm_config: Any, profile: EngineConfig) -> EngineConfig:
+def engine_config_from_vllm(
+    vllm_config: Any, profile: EngineConfig, kv_cache_config: KVCacheConfig
+) -> EngineConfig:
     """``profile`` with the engine's facts taken from vLLM's ``VllmConfig``.
 
     ``kv_connector`` and its extra config stay the profile's: they name the
-    kvwire connector to wrap. Raises :class:`VLLMConfigError` for what kvwire
-    cannot serve inside vLLM (tensor or pipeline parallelism, where each
-    worker holds a shard of every block); profile fields that contradict
+    kvwire connector to wrap. ``kv_cache_config`` is the cache vLLM built
+    (:func:`kv_cache_config_from_vllm`): whether the wrapped connector must
+    serve the hybrid KV cache manager depends on it
+    (:func:`wrapped_hma_setting`). Raises :class:`VLLMConfigError` for what
+    kvwire cannot serve inside vLLM (tensor or pipeline parallelism, where
+    each worker holds a shard of every block); profile fields that contradict
     vLLM's are logged.
     """
     model_config = vllm_config.model_config
@@ -203,12 +208,46 @@ def engine_config_from_vllm(vllm_config: Any, profile: EngineConfig) -> EngineCo
         cache_config=cache,
         parallel_config=ParallelConfig(),
         scheduler_config=SchedulerConfig(
-            disable_hybrid_kv_cache_manager=scheduler.disable_hybrid_kv_cache_manager,
+            disable_hybrid_kv_cache_manager=wrapped_hma_setting(
+                scheduler.disable_hybrid_kv_cache_manager, kv_cache_config
+            ),
             max_num_seqs=scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
         ),
         kv_transfer_config=transfer,
     )
+
+
+def has_hybrid_groups(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the cache has more than the one full-attention group HMA off gives.
+
+    A connector without HMA can serve only that one: it would index every
+    layer with one block table, and save or load a sliding-window group's
+    null blocks as if they held KV.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or any(
+        not isinstance(group.kv_cache_spec, FullAttentionSpec) for group in groups
+    )
+
+
+def wrapped_hma_setting(
+    vllm_disable_hma: bool | None, kv_cache_config: KVCacheConfig
+) -> bool | None:
+    """The ``disable_hybrid_kv_cache_manager`` the wrapped kvwire connector is built with.
+
+    vLLM's own, except where HMA is on but the cache vLLM built is the one
+    full-attention group it would build with HMA off (a model without
+    sliding-window layers): HMA then changes nothing, so it is left unset and
+    kvwire's gate decides from the wrapped connector, as in kvwire's engine.
+    ``KVWireConnector`` declares ``SupportsHMA`` whatever it wraps (vLLM
+    asks its class before the profile is read), so vLLM keeps HMA on for
+    every model; False here means a hybrid cache the wrapped connector must
+    serve.
+    """
+    if vllm_disable_hma is False and not has_hybrid_groups(kv_cache_config):
+        return None
+    return vllm_disable_hma
 
 
 def model_identity(model_config: Any) -> str:

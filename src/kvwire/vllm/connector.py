@@ -19,6 +19,19 @@ call vLLM makes is passed on, translated where the two interfaces differ:
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so ``requires_kv_delivery`` is False whatever the role; a failed load follows
 vLLM's ``kv_load_failure_policy``.
+
+Hybrid models (the hybrid KV cache manager, HMA): vLLM's gate asks the
+connector's class whether it supports HMA (``issubclass(cls, SupportsHMA)``
+in ``KVConnectorFactory.supports_hma_config``) while it builds its config,
+before any connector exists and without reading the kvwire profile. So
+``KVWireConnector`` declares ``SupportsHMA`` whatever it wraps, and decides
+once vLLM has built its KV cache: a model whose cache has only the one
+full-attention group (no sliding-window layers, or HMA disabled) is served
+by any kvwire connector; a hybrid cache (several groups, or a sliding-window
+group) needs a wrapped connector that supports HMA, and with one that does
+not, building fails with an error naming ``--disable-hybrid-kv-cache-manager``.
+Each group's block ids reach the wrapped connector as they are (one list per
+group, block id 0 is vLLM's null block).
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvwire.connector.base import KVConnectorBase, supports_hma
+from kvwire.connector.base import KVConnectorBase
 from kvwire.connector.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.connector.base import KVConnectorRole as KVWireRole
 from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
@@ -45,6 +58,7 @@ from kvwire.vllm.config_bridge import (
     VLLMConfigError,
     container_hook,
     engine_config_from_vllm,
+    has_hybrid_groups,
     kv_cache_config_from_vllm,
     read_kvwire_profile,
     run_container_hook,
@@ -55,6 +69,8 @@ from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 
 if TYPE_CHECKING:
     import torch
+
+    from kvwire.kv_cache_config import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +87,7 @@ class KVWireConnectorMetadata(KVConnectorMetadata):
     inner: KVWireMetadata
 
 
-class KVWireConnector(KVConnectorBase_V1):
+class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     """Serves vLLM with the kvwire connector a kvwire profile names.
 
     ``container`` is the container that built the wrapped connector
@@ -83,23 +99,19 @@ class KVWireConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _require_cpu_platform()
         extra_config = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        engine_config = engine_config_from_vllm(vllm_config, read_kvwire_profile(extra_config))
+        kvwire_cache_config = kv_cache_config_from_vllm(kv_cache_config)
+        engine_config = engine_config_from_vllm(
+            vllm_config, read_kvwire_profile(extra_config), kvwire_cache_config
+        )
         self.container: KVConnectorContainer = container_for_profile(
-            engine_config,
-            role=_ROLES[role],
-            kv_cache_config=kv_cache_config_from_vllm(kv_cache_config),
+            engine_config, role=_ROLES[role], kv_cache_config=kvwire_cache_config
         )
         hook = container_hook(extra_config)
         if hook is not None:
             run_container_hook(hook, self.container)
+        if has_hybrid_groups(kvwire_cache_config):
+            _require_wrapped_hma(self.container, kvwire_cache_config)
         self.connector: KVConnectorBase = self.container.connector()
-        if isinstance(self, SupportsHMA) and not supports_hma(self.connector):
-            self.container.shutdown_resources()
-            raise VLLMConfigError(
-                f"KVWireHMAConnector: the wrapped {type(self.connector).__name__} does not "
-                "support the hybrid KV cache manager; use KVWireConnector with "
-                "--disable-hybrid-kv-cache-manager"
-            )
         # Scheduler side.
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
@@ -235,12 +247,26 @@ class KVWireConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls request_finished_all_groups on a SupportsHMA connector;
+        # a caller of the one-group call gets the same answer.
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._allocations.forget(request_id)
         self._live.pop(request_id, None)
-        keep, params = self.connector.request_finished(
-            RequestView(request).as_request(), list(block_ids)
-        )
+        view = RequestView(request).as_request()
+        group_ids = tuple(list(ids) for ids in block_ids)
+        wrapped = self.connector
+        if isinstance(wrapped, KVWireSupportsHMA):
+            keep, params = wrapped.request_finished_all_groups(view, group_ids)
+        else:
+            # Only a cache of one full-attention group is served without HMA
+            # (checked when built), so this is that group's list.
+            (only_group,) = group_ids
+            keep, params = wrapped.request_finished(view, only_group)
         if keep:
             self._kept_blocks.add(request_id)
         return keep, params
@@ -277,31 +303,32 @@ class KVWireConnector(KVConnectorBase_V1):
         return KVWirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-class KVWireHMAConnector(KVWireConnector, SupportsHMA):
-    """``KVWireConnector`` for the hybrid KV cache manager; the wrapped connector must serve it."""
-
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        request_id = request.request_id
-        self._allocations.forget(request_id)
-        self._live.pop(request_id, None)
-        wrapped = self.connector
-        assert isinstance(wrapped, KVWireSupportsHMA)  # checked in __init__
-        keep, params = wrapped.request_finished_all_groups(
-            RequestView(request).as_request(), block_ids
-        )
-        if keep:
-            self._kept_blocks.add(request_id)
-        return keep, params
-
-
 def _inner(metadata: KVConnectorMetadata) -> KVWireMetadata:
     if not isinstance(metadata, KVWireConnectorMetadata):
         raise TypeError(
             f"KVWireConnector: expected KVWireConnectorMetadata, got {type(metadata).__name__}"
         )
     return metadata.inner
+
+
+def _require_wrapped_hma(container: KVConnectorContainer, kv_cache_config: KVCacheConfig) -> None:
+    """Refuse, before it is built, a wrapped connector that cannot serve vLLM's hybrid cache."""
+    transfer = container.kv_transfer_config()
+    connector_class = container.connector_class()
+    if container.registry().class_supports_hma(connector_class, transfer):
+        return
+    groups = ", ".join(
+        f"{type(group.kv_cache_spec).__name__} ({len(group.layer_names)} layers)"
+        for group in kv_cache_config.kv_cache_groups
+    )
+    raise VLLMConfigError(
+        f"KVWireConnector: vLLM runs this model with the hybrid KV cache manager (KV cache "
+        f"groups: {groups}), and the wrapped {connector_class.__name__} does not support it "
+        "(it does not subclass kvwire's SupportsHMA); start vLLM with "
+        "--disable-hybrid-kv-cache-manager (disable_hybrid_kv_cache_manager=True), or wrap a "
+        "connector that supports HMA. vLLM keeps HMA on because KVWireConnector declares "
+        "SupportsHMA: vLLM asks the class before the kvwire profile is read"
+    )
 
 
 def _require_cpu_platform() -> None:

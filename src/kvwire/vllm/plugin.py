@@ -8,7 +8,7 @@ records the module path: nothing is imported until vLLM asks for the class.
 
 from __future__ import annotations
 
-CONNECTORS = ("KVWireConnector", "KVWireHMAConnector")
+CONNECTORS = ("KVWireConnector",)
 
 
 def register() -> None:
