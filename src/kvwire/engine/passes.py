@@ -33,6 +33,11 @@ def compare_passes(
         _warm_up(engine, workload)
         baseline = _run_pass(engine, workload, "no connector", on_request_done)
     with LLMEngine(config, worker_mode=worker_mode) as engine:
+        hma = {
+            "enabled": engine.hma_enabled,
+            "reason": engine.hma.reason,
+            "kv_cache_groups": len(engine.kv_cache_config.kv_cache_groups),
+        }
         _warm_up(engine, workload)
         cold = _run_pass(engine, workload, "cold", on_request_done)
         engine.reset_prefix_cache()
@@ -60,6 +65,7 @@ def compare_passes(
         "model": attrs.asdict(config.model_config),
         "block_size": config.cache_config.block_size,
         "worker_mode": worker_mode,
+        "hma": hma,
         "passes": figures,
         "ok": all(
             row["outputs_identical"] and not row["failed_requests"] for row in figures.values()

@@ -74,9 +74,15 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     title = f"kvwire run: {report['connector']} ({report['worker_mode']} worker)"
+    hma = report["hma"]
+    groups = hma["kv_cache_groups"]
+    hma_line = (
+        f"HMA {'on' if hma['enabled'] else 'off'}: {hma['reason']}; "
+        f"{groups} KV cache group{'' if groups == 1 else 's'}"
+    )
     verdict = (
         "outputs identical with and without the connector"
         if report["ok"]
         else "FAILED: outputs differ from the no-connector pass, or requests failed"
     )
-    return "\n".join([title, "", *lines, "", verdict])
+    return "\n".join([title, hma_line, "", *lines, "", verdict])

@@ -52,7 +52,9 @@ warm = local prefix cache emptied, so shared prefixes come from the connector):
   speed-up (total, TTFT p50) no-connector figure / this pass's figure
   failed requests            requests that ended with an error
   outputs identical          generated tokens equal the no-connector pass's
-'-' means not applicable, or not reported by the connector."""
+'-' means not applicable, or not reported by the connector. The line under
+the title says whether the hybrid KV cache manager (HMA) was on with the
+connector, why (the HMA gate), and how many KV cache groups the cache had."""
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
