@@ -1,0 +1,331 @@
+"""What every store connector does on a hybrid cache: a full-attention group and a sliding one.
+
+:class:`StoreGroupsContract` holds the tests; a store's test module subclasses
+it as ``Test...`` and gives it a ``hybrid`` fixture building
+:class:`HybridStorePair` objects on that store (shared storage here, a real
+Redis server in ``tests/redis``), so every store is held to the same rules.
+
+The cache config is built as a hybrid engine lays it out: two groups of two
+layers, block ids drawn from one pool, block id 0 the null block that a
+sliding-window group's positions outside its window hold. Each layer has a
+cache of its own, so a copy from or into the wrong group's layers shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import (
+    BlockStored,
+    KVCacheBlocks,
+    Request,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvwire.connectors.store_connector import StoreConnector
+from kvwire.kv_cache_config import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from tests.connectors.harness import ConnectorPair, engine_config, make_caches, make_request
+
+BLOCK = 4
+NUM_BLOCKS = 64
+# The token at p attends [p - 8, p]: a prefix's last two blocks (ceil(8 / 4)).
+WINDOW = 9
+FULL, SLIDING = 0, 1
+FULL_LAYERS = ["layers.1.attn", "layers.3.attn"]
+SLIDING_LAYERS = ["layers.0.attn", "layers.2.attn"]
+PROMPT = list(range(100, 125))  # 6 full blocks and one token to compute
+SHAPE: dict[str, Any] = {
+    "block_size": BLOCK,
+    "num_kv_heads": 2,
+    "head_size": 16,
+    "dtype": "float32",
+}
+
+# Request a's blocks: every position allocated in both groups while it prefills.
+A_IDS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])
+# Request b's: its hit's positions outside the window are the null block.
+B_IDS = ([21, 22, 23, 24, 25, 26, 27], [0, 0, 0, 0, 32, 33, 34])
+
+
+def hybrid_kv_cache_config() -> KVCacheConfig:
+    full = FullAttentionSpec(**SHAPE)
+    sliding = SlidingWindowSpec(sliding_window=WINDOW, **SHAPE)
+    return KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[
+            KVCacheTensor(size_bytes=full.page_size_bytes * NUM_BLOCKS, shared_by=[name])
+            for name in sorted(FULL_LAYERS + SLIDING_LAYERS)
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=list(FULL_LAYERS), kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=list(SLIDING_LAYERS), kv_cache_spec=sliding),
+        ],
+    )
+
+
+def hybrid_engine_config(connector: str, extra: dict[str, Any]) -> EngineConfig:
+    return engine_config(connector, extra, num_layers=4, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+
+
+class HybridStorePair(ConnectorPair):
+    """A scheduler-role and a worker-role store connector over a hybrid cache."""
+
+    scheduler: StoreConnector
+    worker: StoreConnector
+
+    def __init__(self, connector_class: type[StoreConnector], config: EngineConfig) -> None:
+        self.config = config
+        self.kv_cache_config = hybrid_kv_cache_config()
+        self.scheduler = connector_class(config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.worker = connector_class(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.caches = make_caches(self.kv_cache_config, seed=3)
+        self.worker.register_kv_caches(self.caches)
+        self.block_size = BLOCK
+        self.finished_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.stats: dict[str, Any] = {}
+        self.nested_stats: dict[str, dict[str, Any]] = {}
+
+    def admit(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[int, bool]:
+        """Look ``request`` up and allocate ``block_ids`` (one list per group); the hit."""
+        matched, is_async = self.lookup(request)
+        assert matched is not None
+        self.scheduler.update_state_after_alloc(
+            request, KVCacheBlocks(tuple(list(ids) for ids in block_ids)), matched
+        )
+        return matched, is_async
+
+    def compute(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        computed: int,
+        scheduled: int,
+        *,
+        is_new: bool,
+    ) -> None:
+        """One step computing ``scheduled`` tokens of ``request`` after ``computed`` ones."""
+        item = ScheduledRequest(
+            request_id=request.request_id,
+            block_ids=tuple(list(ids) for ids in block_ids),
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            is_new=is_new,
+        )
+        self.step(SchedulerOutput(scheduled=[item]))
+
+    def prefill_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[int, bool]:
+        """Admit ``request``, load what the store has and compute the rest in one step."""
+        matched, is_async = self.admit(request, block_ids)
+        if not is_async:
+            self.compute(request, block_ids, matched, request.num_tokens - matched, is_new=True)
+        return matched, is_async
+
+    def finish_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
+        """End ``request`` as a hybrid engine does; whether the connector kept its blocks."""
+        keep, _ = self.scheduler.request_finished_all_groups(
+            request, tuple(list(ids) for ids in block_ids)
+        )
+        self.step(SchedulerOutput(finished_req_ids={request.request_id}), {request.request_id})
+        if keep:
+            self.step_until(lambda: request.request_id in self.finished_sending)
+        return keep
+
+    def save_all(self) -> None:
+        assert self.worker.wait_for_pending_saves(30)
+        self.step(SchedulerOutput())  # so the saves' stats and events are reported
+
+    def held(self, group: int, request: Request, positions: range) -> list[int]:
+        """Which of ``positions`` of ``request``'s blocks the store holds for ``group``."""
+        return [
+            position
+            for position in positions
+            if self.scheduler.count_held_prefix(
+                group, request.block_hashes[position : position + 1]
+            )
+        ]
+
+    def group_blocks(self, group: int, block_id: int) -> list[torch.Tensor]:
+        layers = FULL_LAYERS if group == FULL else SLIDING_LAYERS
+        return [self.caches[name][:, block_id] for name in layers]
+
+
+HybridFactory = Callable[..., HybridStorePair]
+
+
+def offload(pair: HybridStorePair, request_id: str = "a") -> Request:
+    """Prefill request ``a`` in ``A_IDS`` with nothing stored yet; its saves are in the store."""
+    request = make_request(request_id, PROMPT, BLOCK)
+    assert pair.prefill_groups(request, A_IDS) == (0, False)
+    assert pair.finish_groups(request, A_IDS) is False  # saves copied out: nothing kept
+    pair.save_all()
+    return request
+
+
+def zero(pair: HybridStorePair, block_ids: tuple[list[int], ...]) -> None:
+    for ids in block_ids:
+        for block in ids:
+            if block:
+                for cache in pair.caches.values():
+                    cache[:, block] = 0
+
+
+class StoreGroupsContract:
+    """The rules on a hybrid cache; a subclass provides the ``hybrid`` fixture."""
+
+    @pytest.fixture
+    def pairs(self) -> Iterator[list[HybridStorePair]]:
+        opened: list[HybridStorePair] = []
+        yield opened
+        for pair in opened:
+            pair.shutdown()
+
+    @pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+    def test_each_group_round_trips_bit_exact_into_other_block_ids(
+        self, hybrid: HybridFactory, async_load: bool
+    ) -> None:
+        pair = hybrid(async_load=async_load, io_threads=2)
+        offload(pair)
+        zero(pair, B_IDS)
+        before = {name: cache.clone() for name, cache in pair.caches.items()}
+        b = make_request("b", PROMPT, BLOCK)
+        assert pair.prefill_groups(b, B_IDS) == (24, async_load)
+        pair.step_until(lambda: not async_load or "b" in pair.finished_recving)
+        assert pair.load_errors == set()
+        loaded = {
+            FULL: dict(zip(A_IDS[FULL][:6], B_IDS[FULL][:6], strict=True)),
+            SLIDING: {12: 32, 13: 33},
+        }
+        for group, moves in loaded.items():
+            for source, target in moves.items():
+                for got, want in zip(
+                    pair.group_blocks(group, target), pair.group_blocks(group, source), strict=True
+                ):
+                    assert torch.equal(got, want), f"group {group}: block {source} -> {target}"
+        # Only group g's layers at group g's loaded ids changed; the null block too stayed.
+        written = {(name, block) for name in FULL_LAYERS for block in loaded[FULL].values()}
+        written |= {(name, block) for name in SLIDING_LAYERS for block in loaded[SLIDING].values()}
+        for name, cache in pair.caches.items():
+            for block in range(NUM_BLOCKS):
+                if (name, block) not in written:
+                    assert torch.equal(cache[:, block], before[name][:, block]), (name, block)
+        assert pair.stats["blocks_loaded"] == 8
+
+    def test_the_sliding_group_stores_only_the_blocks_its_window_reaches(
+        self, hybrid: HybridFactory
+    ) -> None:
+        pair = hybrid()
+        a = offload(pair)
+        assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
+        assert pair.held(SLIDING, a, range(6)) == [4, 5]
+        assert pair.stats["blocks_saved"] == 8
+        # Events name blocks by hash: the full group's six, the sliding group's two.
+        stored = [
+            block_hash
+            for event in pair.worker.get_kv_connector_kv_cache_events()
+            if isinstance(event, BlockStored)
+            for block_hash in event.block_hashes
+        ]
+        assert sorted(stored) == sorted(a.block_hashes[:6] + a.block_hashes[4:6])
+
+    def test_the_null_block_is_never_read_or_written(self, hybrid: HybridFactory) -> None:
+        pair = hybrid()
+        # While a decodes, positions 0-3 of its sliding group have left the window.
+        a = make_request("a", PROMPT, BLOCK)
+        ids = (A_IDS[FULL], [0, 0, 0, 0, 12, 13, 14])
+        pair.prefill_groups(a, ids)
+        pair.finish_groups(a, ids)
+        pair.save_all()
+        assert pair.held(SLIDING, a, range(6)) == [4, 5]
+        null_before = [cache[:, 0].clone() for cache in pair.caches.values()]
+        b = make_request("b", PROMPT, BLOCK)
+        assert pair.prefill_groups(b, B_IDS) == (24, False)
+        assert pair.stats["blocks_saved"] == 8
+        assert pair.stats["blocks_loaded"] == 8
+        assert all(
+            torch.equal(cache[:, 0], before)
+            for cache, before in zip(pair.caches.values(), null_before, strict=True)
+        )
+
+    def test_a_gap_in_the_sliding_window_moves_the_hit_back(self, hybrid: HybridFactory) -> None:
+        pair = hybrid()
+        a = make_request("a", PROMPT, BLOCK)
+        pair.admit(a, A_IDS)
+        # Chunked: 3 blocks, then the rest; the sliding group saves positions 1-2, then 4-5.
+        pair.compute(a, A_IDS, 0, 12, is_new=True)
+        pair.compute(a, A_IDS, 12, len(PROMPT) - 12, is_new=False)
+        pair.finish_groups(a, A_IDS)
+        pair.save_all()
+        assert pair.held(SLIDING, a, range(6)) == [1, 2, 4, 5]
+        # Sharing a's first 5 blocks: the full group holds all 5, but a prefix of
+        # 5 needs position 3 in the sliding group; of 3, positions 1-2, held.
+        c = make_request("c", PROMPT[:20] + [7] * 5, BLOCK)
+        assert pair.scheduler.count_held_prefix(FULL, c.block_hashes) == 5
+        assert pair.lookup(c) == (12, False)
+        # Sharing 4: positions 2-3 are needed and 3 is missing, so again 3 blocks.
+        d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
+        assert pair.lookup(d) == (12, False)
+
+    def test_groups_name_their_entries_apart(self, hybrid: HybridFactory) -> None:
+        pair = hybrid()
+        block_hash = b"\x07" * 32
+        keys = [pair.scheduler.store_key(block_hash, group) for group in (FULL, SLIDING)]
+        assert keys[0] != keys[1]
+        # Removed keys map back to their block hash, whichever group's they are.
+        assert [pair.worker.block_hash_of(key) for key in keys] == [block_hash, block_hash]
+
+    def test_an_entry_of_one_group_is_never_loaded_into_another(
+        self, hybrid: HybridFactory
+    ) -> None:
+        pair = hybrid()
+        a = offload(pair)
+        # Forge: the full group's entry of position 5 put under the sliding group's key.
+        store = pair.scheduler.store
+        full_key = pair.scheduler.store_key(a.block_hashes[5], FULL)
+        sliding_key = pair.scheduler.store_key(a.block_hashes[5], SLIDING)
+        entry = bytearray(pair.scheduler.layout.entry_bytes)
+        assert store.get_into([full_key], [memoryview(entry)]) == [len(entry)]
+        assert store.put([sliding_key], [memoryview(entry)]) == [True]
+        zero(pair, B_IDS)
+        b = make_request("b", PROMPT, BLOCK)
+        assert pair.prefill_groups(b, B_IDS) == (24, False)
+        # Its header names the full group: refused, reported, never copied.
+        assert pair.load_errors == {33}
+        assert pair.stats["corrupt_entries"] == 1
+        for name in SLIDING_LAYERS:
+            assert torch.count_nonzero(pair.caches[name][:, 33]) == 0, name
+        assert pair.held(SLIDING, a, range(6)) == [4]  # the forged entry is dropped
+        assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
+
+    def test_a_request_keeps_its_blocks_only_while_an_async_load_writes_them(
+        self, hybrid: HybridFactory
+    ) -> None:
+        pair = hybrid(async_load=True)
+        offload(pair)
+        b = make_request("b", PROMPT, BLOCK)
+        assert pair.admit(b, B_IDS) == (24, True)
+        # Finished before its loads (one per group) ran: kept until they end.
+        assert pair.finish_groups(b, B_IDS) is True
+        assert "b" in pair.finished_sending
+
+    def test_reset_cache_forgets_every_groups_entries(self, hybrid: HybridFactory) -> None:
+        pair = hybrid()
+        a = offload(pair)
+        assert pair.scheduler.reset_cache() is not False
+        assert pair.held(FULL, a, range(6)) == []
+        assert pair.held(SLIDING, a, range(6)) == []

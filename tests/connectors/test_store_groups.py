@@ -1,0 +1,128 @@
+"""Shared storage on a hybrid cache: the store connectors' per-group rules, on files."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import BlockHash
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.engine.engine import LLMEngine, build_kv_cache_config
+from kvwire.engine.presets import apply_preset
+from tests.connectors.engine_support import (
+    generate,
+    renamed,
+    served,
+    tiny_engine_config,
+    tokens,
+    with_connector,
+    workload,
+)
+from tests.connectors.harness import engine_config
+from tests.connectors.store_groups import (
+    HybridFactory,
+    HybridStorePair,
+    StoreGroupsContract,
+    hybrid_engine_config,
+    hybrid_kv_cache_config,
+)
+
+
+@pytest.fixture
+def hybrid(storage_dir: pathlib.Path, pairs: list[HybridStorePair]) -> HybridFactory:
+    def build(**extra: object) -> HybridStorePair:
+        options = {"shared_storage_path": str(storage_dir), "staging_buffer_bytes": "1MiB"}
+        config = hybrid_engine_config("SharedStorageConnector", {**options, **extra})
+        pair = HybridStorePair(SharedStorageConnector, config)
+        pairs.append(pair)
+        return pair
+
+    return build
+
+
+class TestSharedStorageGroups(StoreGroupsContract):
+    pass
+
+
+class _KeyedByHashOnly(SharedStorageConnector):
+    """A subclass written before KV cache groups: its keys take a block hash only."""
+
+    def store_key(self, block_hash: BlockHash) -> str:  # type: ignore[override]
+        return self.layout.key(block_hash[::-1])
+
+    def block_hash_of(self, key: str) -> BlockHash | None:
+        block_hash = self.layout.block_hash_of(key)
+        return None if block_hash is None else block_hash[::-1]
+
+
+def test_a_store_key_taking_no_group_is_refused_on_a_hybrid_cache(
+    storage_dir: pathlib.Path,
+) -> None:
+    config = hybrid_engine_config(
+        "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}
+    )
+    with pytest.raises(
+        TypeError,
+        match=r"^_KeyedByHashOnly\.store_key takes only a block hash, and this kv_cache_config "
+        r"has 2 KV cache groups; expected store_key\(block_hash, group\)",
+    ):
+        _KeyedByHashOnly(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())
+
+
+def test_a_store_key_taking_no_group_still_names_a_single_groups_blocks(
+    storage_dir: pathlib.Path,
+) -> None:
+    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(storage_dir)})
+    connector = _KeyedByHashOnly(config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config))
+    try:
+        block_hash = bytes(range(32))
+        entry = memoryview(bytearray(connector.layout.entry_bytes))
+        assert connector.store.put([connector.layout.key(block_hash[::-1])], [entry]) == [True]
+        assert connector.count_held_prefix(0, [block_hash]) == 1
+    finally:
+        connector.shutdown()
+
+
+def _entries_under(folder: pathlib.Path) -> int:
+    return sum(1 for path in folder.rglob("*") if path.is_file() and not path.name.startswith("."))
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+def test_a_hybrid_engine_with_hma_on_serves_a_warm_pass_from_both_groups_on_disk(
+    storage_dir: pathlib.Path, async_load: bool
+) -> None:
+    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
+    reference = tokens(generate(hybrid_config, workload()))
+    config = with_connector(
+        hybrid_config,
+        "SharedStorageConnector",
+        {"shared_storage_path": str(storage_dir), "async_load": async_load},
+    )
+    with LLMEngine(config) as engine:
+        assert engine.hma_enabled
+        assert len(engine.kv_cache_config.kv_cache_groups) == 2
+        cold = engine.generate(workload())
+        engine.wait_for_saves()  # the warm pass finds every cold save
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed(workload(), "-warm"))
+        engine.wait_for_saves()
+        stats = engine.connector_stats.data
+        connector = engine.scheduler_connector
+        assert isinstance(connector, SharedStorageConnector)
+        layouts = connector.group_layouts
+    assert tokens(cold) == reference
+    assert tokens(warm) == reference
+    hit_blocks = served(warm) // config.cache_config.block_size
+    assert hit_blocks > 0 and stats["lookup_hit_blocks"] == hit_blocks
+    # The full group loads every hit block; the sliding group only the last
+    # two (its window of 8 tokens) of each request's hit: some, not all.
+    sliding_loads = stats["blocks_loaded"] - hit_blocks
+    assert 0 < sliding_loads < hit_blocks
+    # Each group's entries lie under its own layout's folder; the sliding
+    # group stored only its windows, fewer bytes than the full group.
+    full_entries, sliding_entries = (
+        _entries_under(storage_dir / layout.fingerprint_hex) for layout in layouts
+    )
+    assert 0 < sliding_entries < full_entries
