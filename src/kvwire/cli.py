@@ -27,7 +27,7 @@ from typing import TextIO
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, validates_extra_config
 from kvwire.exceptions import KVWireError, kind_of
-from kvwire.hma import decide_hma, describe_class_support
+from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.profile import profile_origin, read_profile_file, structure_engine_config
 from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
@@ -232,6 +232,7 @@ def _check_lines(
 
     decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
     lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")
+    lines.append(describe_kv_cache_groups(engine_config, decision))
     lines.append("ok")
     return lines
 

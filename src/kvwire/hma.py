@@ -101,3 +101,26 @@ def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
         "no (does not subclass SupportsHMA: the gate turns HMA off, and "
         "disable_hybrid_kv_cache_manager: false is an error)"
     )
+
+
+def describe_kv_cache_groups(engine_config: EngineConfig, decision: HMADecision) -> str:
+    """What the gate's decision means for the model's KV cache, for ``kvwire check``."""
+    from kvwire.kv_cache_config import build_kv_cache_config, sliding_window_of
+
+    if not engine_config.model_config.is_hybrid:
+        return "KV cache groups: 1 (every layer full attention: HMA changes nothing for this model)"
+    groups = build_kv_cache_config(engine_config, decision.enabled).kv_cache_groups
+    if len(groups) == 1:
+        return (
+            "KV cache groups: 1 with HMA off (the sliding-window layers share one "
+            "full-attention group: every block of every layer is kept and moved)"
+        )
+    described = []
+    for index, group in enumerate(groups):
+        window = sliding_window_of(group.kv_cache_spec)
+        kind = "full attention" if window is None else f"sliding window {window}"
+        described.append(f"group {index}: {kind}, {', '.join(group.layer_names)}")
+    return (
+        f"KV cache groups: {len(groups)} with HMA on ({'; '.join(described)}); a "
+        "sliding-window group keeps and moves only the blocks inside its window"
+    )

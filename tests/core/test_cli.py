@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import pathlib
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def test_check_explains_what_it_decided_and_why(
         "kv_role: kv_producer (producer: yes, consumer: no); load failure policy: recompute",
         "HMA: enabled (disable_hybrid_kv_cache_manager is unset and HMAConnector supports HMA: "
         "HMA stays on)",
+        "KV cache groups: 1 (every layer full attention: HMA changes nothing for this model)",
         "ok",
     ]
 
@@ -313,10 +315,139 @@ def test_check_resolves_each_child_of_a_composite(
         f"  child 1: RecordingConnector -> {SAMPLES}:RecordingConnector (registered at run "
         "time); supports HMA: no",
     ]
-    assert out.splitlines()[-2] == (
+    assert out.splitlines()[-3] == (
         "HMA: disabled (disable_hybrid_kv_cache_manager is unset and CompositeConnector does "
         "not support HMA: HMA is turned off)"
     )
+
+
+HYBRID_MODEL = (
+    "model_config:\n"
+    "  num_layers: 4\n"
+    "  layer_types: [sliding_attention, full_attention, sliding_attention, full_attention]\n"
+    "  sliding_window: 64\n"
+)
+HYBRID_GROUPS = (
+    "KV cache groups: 2 with HMA on (group 0: full attention, layers.1.attn, layers.3.attn; "
+    "group 1: sliding window 64, layers.0.attn, layers.2.attn); a sliding-window group keeps "
+    "and moves only the blocks inside its window"
+)
+ONE_GROUP = (
+    "KV cache groups: 1 with HMA off (the sliding-window layers share one full-attention "
+    "group: every block of every layer is kept and moved)"
+)
+BUILT_IN_CONNECTORS = {
+    "CPUOffloadConnector": "{cpu_pool_bytes: 4MiB}",
+    "SharedStorageConnector": "{shared_storage_path: /tmp/kvwire-check-store}",
+    "RedisConnector": "{url: redis://127.0.0.1:6379/0}",
+}
+
+
+def _hybrid_profile(connector: str, extra: str, switch: str = "") -> str:
+    return (
+        HYBRID_MODEL
+        + switch
+        + "kv_transfer_config:\n"
+        + f"  kv_connector: {connector}\n"
+        + "  kv_role: kv_both\n"
+        + f"  kv_connector_extra_config: {extra}\n"
+    )
+
+
+@pytest.mark.parametrize("connector", sorted(BUILT_IN_CONNECTORS))
+def test_check_keeps_hma_on_for_a_hybrid_model_with_each_built_in(
+    tmp_path: pathlib.Path, connector: str
+) -> None:
+    status, out, err = run_check(
+        tmp_path, _hybrid_profile(connector, BUILT_IN_CONNECTORS[connector])
+    )
+
+    assert (status, err) == (0, "")
+    assert out.splitlines()[-3:] == [
+        f"HMA: enabled (disable_hybrid_kv_cache_manager is unset and {connector} supports HMA: "
+        "HMA stays on)",
+        HYBRID_GROUPS,
+        "ok",
+    ]
+
+
+def test_check_keeps_hma_on_for_a_multi_connector_of_built_ins(tmp_path: pathlib.Path) -> None:
+    children = ", ".join(
+        f"{{kv_connector: {name}, kv_connector_extra_config: {extra}}}"
+        for name, extra in sorted(BUILT_IN_CONNECTORS.items())
+    )
+    status, out, err = run_check(
+        tmp_path, _hybrid_profile("MultiConnector", f"{{connectors: [{children}]}}")
+    )
+
+    assert (status, err) == (0, "")
+    lines = out.splitlines()
+    assert [line.split(";")[1] for line in lines if line.startswith("  child ")] == [
+        " supports HMA: yes"
+    ] * 3
+    assert lines[-3:] == [
+        "HMA: enabled (disable_hybrid_kv_cache_manager is unset and MultiConnector supports HMA: "
+        "HMA stays on)",
+        HYBRID_GROUPS,
+        "ok",
+    ]
+
+
+def test_check_turns_hma_off_for_a_hybrid_model_with_a_connector_without_it(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvwire.hma"):
+        status, out, err = run_check(
+            tmp_path, _hybrid_profile("RecordingConnector", "{}"), registry
+        )
+
+    reason = (
+        "disable_hybrid_kv_cache_manager is unset and RecordingConnector does not support HMA: "
+        "HMA is turned off"
+    )
+    assert (status, err) == (0, "")
+    assert out.splitlines()[-3:] == [f"HMA: disabled ({reason})", ONE_GROUP, "ok"]
+    assert f"HMA gate: {reason}" in caplog.messages
+
+
+def test_check_of_a_hybrid_model_demanding_hma_from_a_connector_without_it_fails(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, out, err = run_check(
+        tmp_path,
+        _hybrid_profile(
+            "RecordingConnector",
+            "{}",
+            "scheduler_config: {disable_hybrid_kv_cache_manager: false}\n",
+        ),
+        registry,
+    )
+
+    assert (status, out) == (1, "")
+    assert err.endswith(
+        "error: Connector RecordingConnector does not support HMA but HMA is enabled. "
+        "Please set `--disable-hybrid-kv-cache-manager`.\n"
+    )
+
+
+def test_check_of_a_hybrid_model_with_hma_disabled_says_one_group(
+    tmp_path: pathlib.Path,
+) -> None:
+    status, out, _ = run_check(
+        tmp_path,
+        _hybrid_profile(
+            "CPUOffloadConnector",
+            BUILT_IN_CONNECTORS["CPUOffloadConnector"],
+            "scheduler_config: {disable_hybrid_kv_cache_manager: true}\n",
+        ),
+    )
+
+    assert status == 0
+    assert out.splitlines()[-3:] == [
+        "HMA: disabled (disable_hybrid_kv_cache_manager is true: HMA is off)",
+        ONE_GROUP,
+        "ok",
+    ]
 
 
 def test_check_names_the_child_that_cannot_be_resolved(
