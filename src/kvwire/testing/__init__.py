@@ -9,7 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvwire.testing.configs import conformance_engine_config, with_load_failure_policy
+    from kvwire.testing.configs import (
+        conformance_engine_config,
+        hybrid_engine_config,
+        with_load_failure_policy,
+    )
     from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
     from kvwire.testing.suite import ConnectorConformanceSuite
 
@@ -19,6 +23,7 @@ __all__ = [
     "Instruments",
     "RoleViolationError",
     "conformance_engine_config",
+    "hybrid_engine_config",
     "with_load_failure_policy",
 ]
 
@@ -28,6 +33,7 @@ _WHERE = {
     "RoleViolationError": "kvwire.testing.instruments",
     "ConnectorConformanceSuite": "kvwire.testing.suite",
     "conformance_engine_config": "kvwire.testing.configs",
+    "hybrid_engine_config": "kvwire.testing.configs",
     "with_load_failure_policy": "kvwire.testing.configs",
 }
 

@@ -9,6 +9,8 @@ from typing import Any
 import attrs
 
 from kvwire.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -61,3 +63,31 @@ def with_load_failure_policy(config: EngineConfig, policy: LoadFailurePolicy) ->
     assert config.kv_transfer_config is not None
     transfer = attrs.evolve(config.kv_transfer_config, kv_load_failure_policy=policy)
     return attrs.evolve(config, kv_transfer_config=transfer)
+
+
+HYBRID_LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)
+"""The kit's hybrid model: sliding-window and full-attention layers alternating, as in Gemma."""
+
+
+def hybrid_engine_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with a tiny hybrid model, and the HMA gate left to decide.
+
+    Four layers, sliding-window and full attention alternating; the window is
+    two blocks, shorter than the kit's prompts, so a sliding-window group's
+    first blocks leave it. ``disable_hybrid_kv_cache_manager`` is unset, as a
+    user leaves it: HMA stays on exactly when the connector serves it.
+    """
+    model = attrs.evolve(
+        config.model_config,
+        num_layers=len(HYBRID_LAYER_TYPES),
+        layer_types=HYBRID_LAYER_TYPES,
+        sliding_window=2 * config.cache_config.block_size,
+    )
+    scheduler = attrs.evolve(config.scheduler_config, disable_hybrid_kv_cache_manager=None)
+    return attrs.evolve(config, model_config=model, scheduler_config=scheduler)
+
+
+def with_hma_disabled(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``disable_hybrid_kv_cache_manager: true``: one group of every layer."""
+    scheduler = attrs.evolve(config.scheduler_config, disable_hybrid_kv_cache_manager=True)
+    return attrs.evolve(config, scheduler_config=scheduler)

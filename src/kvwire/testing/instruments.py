@@ -54,12 +54,18 @@ class CallRecord:
 
     ``detail`` is the request id for per-request calls, the layer name for
     per-layer calls, and the scheduled request ids for ``build_connector_meta``.
+    ``block_ids`` is a copy of the block ids the call hands over, one tuple
+    per KV cache group: the request's for ``update_state_after_alloc``,
+    ``request_finished`` (one group) and ``request_finished_all_groups``;
+    for ``build_connector_meta``, ``(request id, per-group ids)`` of each
+    scheduled request; else empty.
     """
 
     role: KVConnectorRole
     method: str
     detail: Any
     result: Any
+    block_ids: tuple[Any, ...] = ()
 
 
 class CallLog:
@@ -89,6 +95,23 @@ def _detail(method: str, args: tuple[Any, ...]) -> Any:
     return request_id
 
 
+def _groups(block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(group) for group in block_ids)
+
+
+def _block_ids(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # A copy: the engine reuses and extends its lists after the call.
+    if method == "update_state_after_alloc" and len(args) > 1:
+        return _groups(args[1].get_block_ids())
+    if method == "request_finished" and len(args) > 1:
+        return (tuple(args[1]),)
+    if method == "request_finished_all_groups" and len(args) > 1:
+        return _groups(args[1])
+    if method == "build_connector_meta" and args:
+        return tuple((item.request_id, _groups(item.block_ids)) for item in args[0].scheduled)
+    return ()
+
+
 def record_calls(connector: KVConnectorBase, log: CallLog) -> None:
     """Append every interface call on ``connector`` (and its result) to ``log``."""
     role = connector.role
@@ -105,7 +128,9 @@ def _recording(
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
         record_index = len(log.records)
-        log.records.append(CallRecord(role, name, _detail(name, args), None))
+        log.records.append(
+            CallRecord(role, name, _detail(name, args), None, _block_ids(name, args))
+        )
         result = original(*args, **kwargs)
         log.records[record_index] = attrs.evolve(log.records[record_index], result=result)
         return result

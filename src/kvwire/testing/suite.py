@@ -17,6 +17,30 @@ equal outputs with and without the connector (cold and warm), a bit-exact
 round trip of KV blocks, the async-load path, load failures under both
 policies, preemption, the worker in its own process, and shutdown. Strict
 roles are on (``--kvwire-no-strict-roles`` turns them off).
+
+Hybrid models (the ``test_hybrid_*`` tests): the same connector config runs
+a tiny model whose layers alternate sliding-window and full attention
+(:func:`~kvwire.testing.configs.hybrid_engine_config`, the HMA gate left to
+decide). For a connector that serves HMA (``SupportsHMA``, or a composite
+whose ``supports_hma_for_config`` says so) the engine keeps one KV cache
+group per kind of layer, and the kit checks:
+
+- every group's KV round trips bit-exactly (warm, loaded, against the same
+  model computed without a connector), and outputs are equal;
+- only blocks inside a sliding-window group's window move: the null block
+  (id 0, the positions that left the window) is never written, and where
+  the connector reports ``bytes_saved`` / ``bytes_loaded`` in its stats
+  (summed through a composite's children), each is smaller with HMA on
+  than with HMA off (one group of every layer, every block moved), as a
+  connector that moved every block of every group would not be;
+- blocks a connector keeps at ``request_finished_all_groups`` stay
+  allocated in every group (no other request gets one) until the connector
+  reports the request finished sending, and it does report every one.
+
+A connector that does not serve HMA is, by design, not given a hybrid
+cache: these tests then check that the gate turned HMA off (with its
+reason), that the hybrid model ran with one KV cache group and that outputs
+are still equal; the per-group checks need HMA and do not apply to it.
 """
 
 from __future__ import annotations
@@ -32,10 +56,17 @@ import torch
 from kvwire.config import EngineConfig, LoadFailurePolicy
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import RequestStatus
+from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.worker import LoadFailureInjection
+from kvwire.engine.worker import LoadFailureInjection, Worker
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.testing.configs import with_load_failure_policy
+from kvwire.hma import HMADecision
+from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.testing.configs import (
+    hybrid_engine_config,
+    with_hma_disabled,
+    with_load_failure_policy,
+)
 from kvwire.testing.instruments import CallLog, Instruments
 
 _WORKER_CODES = {
@@ -71,6 +102,42 @@ class PassResult:
     captured_kv: dict[str, torch.Tensor]
 
 
+@attrs.frozen
+class HybridRun:
+    """A cold and a warm pass on a hybrid config, and what the engine made of it.
+
+    ``layer_groups`` is each layer's KV cache group (model order, as captured
+    KV stacks layers); ``stats`` the connector's summed stats;
+    ``null_block_written``: whether any layer's null block (id 0) holds
+    anything but zeros afterwards (only with a null block, i.e. HMA on).
+    """
+
+    hma: HMADecision
+    kv_cache_config: KVCacheConfig
+    layer_groups: tuple[int, ...]
+    cold: PassResult
+    warm: PassResult
+    stats: dict[str, Any]
+    null_block_written: bool
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups)
+
+
+def summed_counter(stats: Any, name: str) -> float | None:
+    """``name``'s value in connector stats, summed over a composite's children; else None."""
+    if not isinstance(stats, dict):
+        return None
+    found = [stats[name]] if isinstance(stats.get(name), (int, float)) else []
+    found += [
+        value
+        for child in stats.values()
+        if isinstance(child, dict) and (value := summed_counter(child, name)) is not None
+    ]
+    return sum(found) if found else None
+
+
 class ConnectorConformanceSuite:
     """Reusable tests every KV connector must pass; see the module docstring."""
 
@@ -103,6 +170,11 @@ class ConnectorConformanceSuite:
         with LLMEngine(attrs.evolve(engine_config, kv_transfer_config=None)) as engine:
             return [output.output_token_ids for output in engine.generate(conformance_workload)]
 
+    @pytest.fixture
+    def hybrid_config(self, engine_config: EngineConfig) -> EngineConfig:
+        """``engine_config`` with the kit's tiny hybrid model; the HMA gate decides."""
+        return hybrid_engine_config(engine_config)
+
     # ------------------------------------------------------------ helpers
 
     @staticmethod
@@ -131,6 +203,48 @@ class ConnectorConformanceSuite:
                 if request_id.endswith("/warm")
             }
         return PassResult(cold, cold_kv), PassResult(warm, warm_kv)
+
+    @classmethod
+    def hybrid_cold_then_warm(
+        cls, config: EngineConfig, workload: Sequence[GenerationRequest], hook: Instruments
+    ) -> HybridRun:
+        """:meth:`cold_then_warm` on a hybrid config (worker inline), with what HMA decided."""
+        with LLMEngine(config, connector_hook=hook, capture_kv=True) as engine:
+            cold = engine.generate(workload)
+            engine.wait_for_saves()
+            cold_kv = dict(engine.captured_kv)
+            assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
+            warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
+            warm = engine.generate(warm_workload)
+            engine.wait_for_saves()
+            warm_kv = {
+                request_id.removesuffix("/warm"): kv
+                for request_id, kv in engine.captured_kv.items()
+                if request_id.endswith("/warm")
+            }
+            worker = engine.worker
+            assert isinstance(worker, Worker)
+            null_block_written = engine.scheduler.block_manager.uses_null_block and any(
+                bool(cache[:, NULL_BLOCK].any()) for cache in worker.kv_caches.values()
+            )
+        return HybridRun(
+            hma=engine.hma,
+            kv_cache_config=engine.kv_cache_config,
+            layer_groups=worker.layer_groups,
+            cold=PassResult(cold, cold_kv),
+            warm=PassResult(warm, warm_kv),
+            stats=dict(engine.connector_stats.data),
+            null_block_written=null_block_written,
+        )
+
+    @staticmethod
+    def assert_hma_turned_off(run: HybridRun, reference: Sequence[tuple[int, ...]]) -> None:
+        """What the hybrid tests check of a connector that does not serve HMA."""
+        assert not run.hma.enabled, run.hma.reason
+        assert "does not support HMA: HMA is turned off" in run.hma.reason, run.hma.reason
+        assert run.num_groups == 1
+        assert [o.output_token_ids for o in run.cold.outputs] == list(reference)
+        assert [o.output_token_ids for o in run.warm.outputs] == list(reference)
 
     @staticmethod
     def logged_pass(
@@ -331,3 +445,144 @@ class ConnectorConformanceSuite:
         for role, last in last_calls.items():
             methods = log.methods(role)
             assert methods.count("shutdown") == 1 and methods[-len(last) :] == last, role
+
+    # ------------------------------------------------------- hybrid models
+
+    @pytest.fixture
+    def hybrid_reference(
+        self, hybrid_config: EngineConfig, conformance_workload: list[GenerationRequest]
+    ) -> tuple[list[tuple[int, ...]], dict[str, torch.Tensor]]:
+        """The hybrid model's tokens and prompt KV without a connector (HMA on)."""
+        no_connector = attrs.evolve(hybrid_config, kv_transfer_config=None)
+        with LLMEngine(no_connector, capture_kv=True) as engine:
+            outputs = engine.generate(conformance_workload)
+            assert engine.hma.enabled and len(engine.kv_cache_config.kv_cache_groups) > 1
+            return [o.output_token_ids for o in outputs], dict(engine.captured_kv)
+
+    def test_hybrid_model_round_trips_every_kv_cache_group_bit_exactly(
+        self,
+        hybrid_config: EngineConfig,
+        conformance_workload: list[GenerationRequest],
+        hybrid_reference: tuple[list[tuple[int, ...]], dict[str, torch.Tensor]],
+        kvwire_instruments: Instruments,
+    ) -> None:
+        reference, computed = hybrid_reference
+        run = self.hybrid_cold_then_warm(hybrid_config, conformance_workload, kvwire_instruments)
+        if not run.hma.enabled:
+            self.assert_hma_turned_off(run, reference)
+            return
+        assert run.num_groups > 1, "HMA on, but the hybrid model got one KV cache group"
+        loaded = [o for o in run.warm.outputs if o.external_tokens > 0]
+        if self.loads_expected(hybrid_config):
+            assert loaded, "the warm pass loaded nothing"
+        # KV first: a group loaded wrong names itself here, before the outputs diverge.
+        for output in loaded:
+            request_id = output.request_id.removesuffix("/warm")
+            for group in range(run.num_groups):
+                layers = [i for i, g in enumerate(run.layer_groups) if g == group]
+                assert torch.equal(
+                    run.warm.captured_kv[request_id][layers], computed[request_id][layers]
+                ), f"{request_id}: KV cache group {group} (layers {layers}) differs after loading"
+        assert [o.output_token_ids for o in run.cold.outputs] == reference
+        assert [o.output_token_ids for o in run.warm.outputs] == reference
+
+    @pytest.fixture
+    def long_distinct_prompts(self, engine_config: EngineConfig) -> list[GenerationRequest]:
+        """Four prompts of eight blocks and a half, sharing nothing: four windows long.
+
+        Nothing shared, so each request saves and loads its own blocks, and
+        the local prefix cache (which keeps different blocks with HMA on and
+        off) plays no part in what the connector moves.
+        """
+        block_size = engine_config.cache_config.block_size
+        spec = WorkloadSpec(
+            num_requests=4,
+            prompt_len=8 * block_size + block_size // 2 + 1,
+            output_len=2,
+            shared_prefix_ratio=0.0,
+            vocab_size=engine_config.model_config.vocab_size,
+            seed=13,
+        )
+        return synthetic_workload(spec)
+
+    def test_hybrid_model_moves_only_blocks_inside_the_sliding_window(
+        self,
+        hybrid_config: EngineConfig,
+        long_distinct_prompts: list[GenerationRequest],
+        kvwire_instruments: Instruments,
+    ) -> None:
+        run = self.hybrid_cold_then_warm(hybrid_config, long_distinct_prompts, kvwire_instruments)
+        no_connector = attrs.evolve(hybrid_config, kv_transfer_config=None)
+        with LLMEngine(no_connector) as engine:
+            reference = [o.output_token_ids for o in engine.generate(long_distinct_prompts)]
+        if not run.hma.enabled:
+            self.assert_hma_turned_off(run, reference)
+            return
+        assert [o.output_token_ids for o in run.warm.outputs] == reference
+        assert not run.null_block_written, (
+            "the null block (id 0: positions that left a sliding window) was written: "
+            "a connector must never load into it"
+        )
+        every_block = self.hybrid_cold_then_warm(
+            with_hma_disabled(hybrid_config), long_distinct_prompts, kvwire_instruments
+        )
+        assert every_block.num_groups == 1
+        # Per loaded token: HMA on and off may load hits of different lengths.
+        loaded_tokens = [
+            sum(o.external_tokens for o in r.cold.outputs + r.warm.outputs)
+            for r in (run, every_block)
+        ]
+        for counter, per in (("bytes_saved", (1, 1)), ("bytes_loaded", loaded_tokens)):
+            with_window = summed_counter(run.stats, counter)
+            without = summed_counter(every_block.stats, counter)
+            if with_window is None or not without or not all(per):
+                continue  # the connector does not report it
+            assert with_window / per[0] < without / per[1], (
+                f"{counter}: {with_window:g} with HMA on, {without:g} with one KV cache group "
+                "of every layer: a sliding-window group must move only the blocks inside its "
+                "window, not every block the full-attention groups move"
+            )
+
+    def test_hybrid_model_keeps_blocks_in_every_group_until_sent(
+        self,
+        hybrid_config: EngineConfig,
+        conformance_workload: list[GenerationRequest],
+        hybrid_reference: tuple[list[tuple[int, ...]], dict[str, torch.Tensor]],
+        kvwire_strict_roles: bool,
+    ) -> None:
+        log = CallLog()
+        hook = Instruments(strict_roles=kvwire_strict_roles, log=log)
+        run = self.hybrid_cold_then_warm(hybrid_config, conformance_workload, hook)
+        if not run.hma.enabled:
+            self.assert_hma_turned_off(run, hybrid_reference[0])
+            return
+        kept: dict[str, set[int]] = {}
+        sent: set[str] = set()
+        for call in log.records:
+            if call.method == "request_finished_all_groups":
+                assert len(call.block_ids) == run.num_groups, (
+                    f"{call.detail}: block ids of {len(call.block_ids)} groups, "
+                    f"the cache has {run.num_groups}"
+                )
+                if call.result[0]:
+                    kept[call.detail] = {b for group in call.block_ids for b in group} - {
+                        NULL_BLOCK
+                    }
+            elif call.method == "request_finished":
+                raise AssertionError(
+                    f"{call.detail}: request_finished called on an HMA connector with HMA on"
+                )
+            elif call.method == "get_finished" and call.result[0]:
+                for request_id in call.result[0]:
+                    kept.pop(request_id, None)
+                    sent.add(request_id)
+            elif call.method == "build_connector_meta":
+                for request_id, groups in call.block_ids:
+                    handed = {b for group in groups for b in group}
+                    for owner, blocks in kept.items():
+                        reused = sorted(handed & blocks)
+                        assert not reused, (
+                            f"blocks {reused} kept for {owner!r} (not yet finished sending) "
+                            f"were given to {request_id!r}"
+                        )
+        assert not kept, f"kept blocks never reported finished sending: {sorted(kept)}"

@@ -1,0 +1,55 @@
+"""The kit's hybrid-model checks fail connectors that serve KV cache groups wrongly.
+
+Each bad connector is a built-in with one rule broken (tests.engine.hma_bad_connectors);
+the suite runs on it in a pytester sandbox, and the check meant for that rule fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+SUITE = """
+import pytest
+from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
+from tests.engine.hma_bad_connectors import {name}
+
+class TestBad(ConnectorConformanceSuite):
+    @pytest.fixture
+    def engine_config(self, tmp_path):
+        return conformance_engine_config({name}, extra_config={extra})
+"""
+
+
+def run_suite(pytester: pytest.Pytester, name: str, extra: str, test: str) -> pytest.RunResult:
+    pytester.makepyfile(test_bad=SUITE.format(name=name, extra=extra))
+    return pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-k", test)
+
+
+def test_the_kit_fails_a_connector_that_saves_every_block_of_a_sliding_window_group(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_suite(
+        pytester,
+        "EveryBlockCPUOffloadConnector",
+        '{"cpu_pool_bytes": "4MiB"}',
+        "moves_only_blocks_inside_the_sliding_window",
+    )
+
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*bytes_saved: * with HMA on, * with one KV cache group*"])
+
+
+def test_the_kit_fails_a_connector_that_loads_one_groups_bytes_into_another(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_suite(
+        pytester,
+        "GroupBlindSharedStorageConnector",
+        '{"shared_storage_path": str(tmp_path / "store")}',
+        "round_trips_every_kv_cache_group",
+    )
+
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*: KV cache group * (layers [[]*[]]) differs after loading*"])
