@@ -1,0 +1,107 @@
+"""KVWireConnector on a hybrid model (sliding-window and full-attention layers) with HMA on.
+
+The tiny Gemma 3 has two KV cache groups in vLLM: a sliding-window group
+(window 64 = 2 blocks of 32) and a full-attention one. kvwire saves every
+full block of the full group, only the blocks a sliding-window group's
+window still reaches, and never vLLM's null block (id 0). A warm pass runs
+on a zeroed KV cache, so that its outputs equal the outputs without a
+connector only if every block each group needs was loaded.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+import kvwire.vllm
+from tests.vllm.engines import (
+    BLOCK_SIZE,
+    SLIDING_WINDOW,
+    generate,
+    kvwire_transfer_config,
+    profile_with_directory,
+    running_llm,
+    shared_prompts,
+)
+
+PROMPTS = shared_prompts()
+LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE  # the last prompt token is always computed
+WINDOW_BLOCKS = -(-(SLIDING_WINDOW - 1) // BLOCK_SIZE)  # the sliding group's blocks per hit
+NULL_BLOCK_ID = 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_tokens_without_connector(tiny_hybrid_model: str) -> list[list[int]]:
+    with running_llm(tiny_hybrid_model) as llm:
+        tokens, _ = generate(llm, PROMPTS)
+    return tokens
+
+
+def kv_caches(llm: Any) -> dict[str, Any]:
+    """Each attention layer's KV cache tensor in vLLM's (in-process) worker."""
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    layers = worker.model_runner.compilation_config.static_forward_context
+    return {name: layer.kv_cache for name, layer in layers.items()}
+
+
+def zero_kv_caches(llm: Any) -> None:
+    for cache in kv_caches(llm).values():
+        cache.zero_()
+
+
+def group_kinds(llm: Any) -> list[tuple[str, int | None, list[str]]]:
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [
+        (
+            type(group.kv_cache_spec).__name__,
+            getattr(group.kv_cache_spec, "sliding_window", None),
+            list(group.layer_names),
+        )
+        for group in config.kv_cache_groups
+    ]
+
+
+def counters(stats: dict[str, int | float], name: str) -> list[int | float]:
+    """Every child's value of counter ``name`` (one value for a single connector)."""
+    return [value for key, value in stats.items() if key.split(".")[-1] == name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", ["cpu-offload.yaml", "shared-storage.yaml", "tiered-disk.yaml"])
+def test_hybrid_model_with_hma_on_loads_each_group_s_needed_blocks_from_kvwire(
+    profile: str,
+    tiny_hybrid_model: str,
+    hybrid_tokens_without_connector: list[list[int]],
+    tmp_path: pathlib.Path,
+) -> None:
+    expected = hybrid_tokens_without_connector
+    config = kvwire_transfer_config(profile_with_directory(profile, tmp_path))
+    with running_llm(tiny_hybrid_model, config) as llm:
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        layer = "model.layers.{}.self_attn.attn".format
+        assert group_kinds(llm) == [
+            ("SlidingWindowSpec", SLIDING_WINDOW, [layer(0), layer(2)]),
+            ("FullAttentionSpec", None, [layer(1), layer(3)]),
+        ]
+        cold, _ = generate(llm, PROMPTS)
+        kvwire.vllm.wait_for_saves(llm)
+        # vLLM's own prefix cache on a zeroed KV cache: the zeros are read.
+        zero_kv_caches(llm)
+        from_zeros, _ = generate(llm, PROMPTS)
+        assert llm.reset_prefix_cache()
+        zero_kv_caches(llm)
+        warm, cached = generate(llm, PROMPTS)
+        null_blocks = [cache[NULL_BLOCK_ID] for cache in kv_caches(llm).values()]
+        assert all(not block.any() for block in null_blocks)
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert cold == expected
+    assert from_zeros != expected
+    assert warm == expected
+    assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
+    # Per prompt: every block of the full group, the window's blocks of the sliding one.
+    per_hit = len(PROMPTS) * (LOADABLE_BLOCKS + WINDOW_BLOCKS)
+    assert sum(counters(stats, "blocks_loaded")) == per_hit
+    assert counters(stats, "blocks_saved") == [per_hit] * len(counters(stats, "blocks_saved"))
+    assert not any(counters(stats, "load_errors"))
