@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import pathlib
+import threading
+import time
+from collections.abc import Generator, Sequence
 
+import attrs
 import pytest
+import torch
 
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockHash
+from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.counters import Counters
+from kvwire.connectors.file_store import DirectoryBlockStore
+from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
 from tests.connectors.engine_support import (
@@ -20,7 +31,7 @@ from tests.connectors.engine_support import (
     with_connector,
     workload,
 )
-from tests.connectors.harness import engine_config
+from tests.connectors.harness import blocks_equal, engine_config
 from tests.connectors.store_groups import (
     HybridFactory,
     HybridStorePair,
@@ -28,6 +39,7 @@ from tests.connectors.store_groups import (
     hybrid_engine_config,
     hybrid_kv_cache_config,
 )
+from tests.connectors.store_workers import HASHES, layout_caches
 
 
 @pytest.fixture
@@ -126,3 +138,69 @@ def test_a_hybrid_engine_with_hma_on_serves_a_warm_pass_from_both_groups_on_disk
         _entries_under(storage_dir / layout.fingerprint_hex) for layout in layouts
     )
     assert 0 < sliding_entries < full_entries
+
+
+class _GatedStore(DirectoryBlockStore):
+    """Reads of one layout's keys wait for ``gate``: that group's load runs until the test says."""
+
+    def __init__(self, root: pathlib.Path, gated: BlockLayout) -> None:
+        super().__init__(root, entry_bytes=gated.entry_bytes)
+        self.gated_prefix = gated.fingerprint_hex + "/"
+        self.gate = threading.Event()
+
+    def read_each(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> Generator[tuple[int, int | None], None, None]:
+        if keys[0].startswith(self.gated_prefix):
+            assert self.gate.wait(30), "the test never opened the gate"
+        return (yield from super().read_each(keys, buffers))
+
+
+def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Path) -> None:
+    base = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=16, dtype="float32")
+    layouts = (attrs.evolve(base, group="full"), attrs.evolve(base, group="sliding"))
+    store = _GatedStore(tmp_path, layouts[0])
+    producer_caches = [layout_caches(base, seed) for seed in (1, 2)]
+    consumer_caches = [layout_caches(base, None) for _ in layouts]
+
+    counters = Counters()
+
+    def worker(caches: list[dict[str, torch.Tensor]]) -> StoreWorker:
+        return StoreWorker(
+            store=store,
+            layouts=layouts,
+            caches=[PagedKVCaches(group, base, sorted(group)) for group in caches],
+            staging=StagingBuffers(base, 8),
+            io_threads=2,
+            batch_blocks=2,
+            counters=counters,
+            medium="test",
+        )
+
+    producer = worker(producer_caches)
+    producer.save([BlockTransfer("p", (0, 1), HASHES, group=g) for g in (0, 1)])
+    assert producer.wait_for_saves(30)
+    producer.close()
+    counters.take()
+    consumer = worker(consumer_caches)
+    try:
+        consumer.start_loads([], [BlockTransfer("c", (2, 3), HASHES, group=g) for g in (0, 1)])
+        # The sliding group's load ends; the full group's waits at the gate.
+        deadline = time.monotonic() + 30
+        loaded = 0.0
+        while loaded < 2:
+            loaded += counters.take().get("blocks_loaded", 0)
+            assert time.monotonic() < deadline, "the ungated load never ended"
+            time.sleep(0.005)
+        assert consumer.is_loading("c")
+        assert consumer.take_finished_loads() == set()
+        store.gate.set()
+        while not consumer.take_finished_loads():
+            assert time.monotonic() < deadline, "the gated load never ended"
+            time.sleep(0.005)
+        assert not consumer.is_loading("c")
+        for group in (0, 1):
+            assert blocks_equal(producer_caches[group], [0, 1], consumer_caches[group], [2, 3])
+    finally:
+        store.gate.set()
+        consumer.close()
