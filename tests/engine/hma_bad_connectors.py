@@ -6,9 +6,12 @@ broken, as a connector author could break it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.block_planner import BlockPlanner
+from kvwire.connectors.cache_groups import NULL_BLOCK_ID
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.kv_cache_config import KVCacheConfig
@@ -40,3 +43,21 @@ class GroupBlindSharedStorageConnector(SharedStorageConnector):
         super().__init__(config, role, kv_cache_config)
         # The layouts that name entries, without the group in their fingerprint.
         self._group_layouts = tuple(self._layout for _ in self._groups)
+
+
+class NullBlockWritingCPUOffloadConnector(CPUOffloadConnector):
+    """Writes KV into the null block (id 0) as each layer loads, as a loader copying every
+    position of a sliding-window group would.
+
+    Attention never reads the positions the null block stands for, so outputs stay
+    equal: only the KV itself shows it.
+    """
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._caches = kv_caches
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)
+        cache = self._caches[layer_name]
+        cache[:, NULL_BLOCK_ID] = cache[:, NULL_BLOCK_ID + 1]

@@ -53,3 +53,22 @@ def test_the_kit_fails_a_connector_that_loads_one_groups_bytes_into_another(
 
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*: KV cache group * (layers [[]*[]]) differs after loading*"])
+
+
+def test_the_kit_fails_a_connector_that_writes_the_null_block_though_outputs_stay_equal(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_suite(
+        pytester,
+        "NullBlockWritingCPUOffloadConnector",
+        '{"cpu_pool_bytes": "4MiB"}',
+        "round_trips_every_kv_cache_group or moves_only_blocks_inside_the_sliding_window",
+    )
+
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*: KV cache group 1 (layers [[]0, 2[]]) differs after loading*",
+            "*the null block (id 0*) was written*",
+        ]
+    )
