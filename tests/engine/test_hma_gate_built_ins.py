@@ -74,3 +74,22 @@ def test_a_hybrid_model_runs_with_hma_on_and_equal_outputs(
     assert report["ok"], report["passes"]
     warm = report["passes"]["warm"]
     assert warm["tokens_from_connector"] > 0
+
+
+def test_a_multi_connector_with_a_child_without_hma_turns_it_off_with_equal_outputs() -> None:
+    plain = {"kv_connector": "PlainConnector", "kv_connector_module_path": "tests.engine.hybrid"}
+    connector = {
+        "kv_connector": "MultiConnector",
+        "kv_connector_extra_config": {"connectors": [CPU_OFFLOAD, plain]},
+    }
+
+    report = compare_passes(hybrid_with(connector), WORKLOAD)
+
+    assert report["hma"] == {
+        "enabled": False,
+        "reason": "disable_hybrid_kv_cache_manager is unset and MultiConnector does not "
+        "support HMA: HMA is turned off",
+        "kv_cache_groups": 1,
+    }
+    assert report["ok"], report["passes"]
+    assert report["passes"]["warm"]["tokens_from_connector"] > 0
