@@ -177,15 +177,14 @@ class BlockManager:
             if cached:
                 # A cached block already out of the window is not taken at all.
                 cached[group][:skipped] = [NULL_BLOCK] * min(skipped, len(cached[group]))
-            taken = cached[group] if cached else []
-            reusable_free += sum(
-                1 for block in taken if not self._is_null(block) and self._ref_counts[block] == 0
-            )
-            known = blocks + taken
-            needed += sum(
-                1
-                for index in range(max(skipped, 0), num_target)
-                if index >= len(known) or self._is_null(known[index])
+                reusable_free += sum(
+                    1
+                    for block in cached[group]
+                    if not self._is_null(block) and self._ref_counts[block] == 0
+                )
+            # Cached blocks come only for a request that holds none yet.
+            needed += self._num_missing(
+                group, cached[group] if cached else blocks, skipped, num_target
             )
         if needed > len(self._free) - reusable_free:
             return None
@@ -201,15 +200,7 @@ class BlockManager:
         if cached:
             self._num_cached_blocks[request.request_id] = len(held[0])
         for group, blocks in enumerate(held):
-            skipped = self._num_skipped(group, num_computed_tokens)
-            for index in range(num_target):
-                if index < len(blocks) and not self._is_null(blocks[index]):
-                    continue
-                block = NULL_BLOCK if index < skipped else self._take_free_block()
-                if index < len(blocks):
-                    blocks[index] = block
-                else:
-                    blocks.append(block)
+            self._fill(group, blocks, self._num_skipped(group, num_computed_tokens), num_target)
         return KVCacheBlocks(tuple(list(blocks) for blocks in held))
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
@@ -321,6 +312,27 @@ class BlockManager:
                 self._release(blocks[index])
                 blocks[index] = NULL_BLOCK
                 index -= 1
+
+    def _num_missing(self, group: int, blocks: list[int], skipped: int, num_target: int) -> int:
+        """Blocks to take so that ``blocks`` covers ``num_target`` positions from ``skipped`` on."""
+        missing = max(0, num_target - max(len(blocks), skipped))
+        if self.group_windows[group] is None:
+            return missing  # a full group holds no null block
+        # Between a sliding group's skipped prefix and its end lie at most a
+        # window and a chunk: cheap to scan for nulls (left by a rollback).
+        end = min(len(blocks), num_target)
+        return missing + sum(1 for index in range(skipped, end) if self._is_null(blocks[index]))
+
+    def _fill(self, group: int, blocks: list[int], skipped: int, num_target: int) -> None:
+        """Give ``blocks`` real blocks at positions ``[skipped, num_target)``, null below."""
+        if self.group_windows[group] is not None:
+            for index in range(skipped, min(len(blocks), num_target)):
+                if self._is_null(blocks[index]):
+                    blocks[index] = self._take_free_block()  # after a rollback
+        if len(blocks) < skipped:
+            blocks.extend([NULL_BLOCK] * (min(skipped, num_target) - len(blocks)))
+        for _ in range(len(blocks), num_target):
+            blocks.append(self._take_free_block())
 
     def _release(self, block: int) -> None:
         if self._is_null(block):
