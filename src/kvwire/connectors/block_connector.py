@@ -169,12 +169,25 @@ class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
         hits = self._planner.look_up(request, num_computed_tokens, self.count_held_prefix)
         return hits * self._layout.block_size, self._async_load and hits > 0
 
+    @abc.abstractmethod
+    def _keeps_blocks_when_finished(self, request: Request) -> bool:
+        """Forget the finished ``request``; whether its blocks, in every group, must be kept.
+
+        True while a transfer still reads or writes them; the worker side
+        then reports the request finished sending once it no longer does.
+        """
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._keeps_blocks_when_finished(request), None
+
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # What keeps a request's blocks is its transfers, in whichever group:
-        # the same answer as request_finished, for every group's blocks at once.
-        return self.request_finished(request, [block for group in block_ids for block in group])
+        # Not through request_finished: the engine makes one finishing call per
+        # request, and a wrapper recording calls must see one.
+        return self._keeps_blocks_when_finished(request), None
 
     # ----------------------------------------------------------- worker side
 

@@ -10,10 +10,10 @@ per request, whatever holds the blocks:
   at allocation, the cache block ids those blocks go to, per group;
 - what to save: each step, the full blocks that this step computes and that
   were neither loaded nor saved before; in a sliding-window group, only those
-  still inside the window at the end of the step's computed prefix (the
-  others will never be read again). A block whose load failed is computed
-  again by the engine, so it is saved again: the medium, which dropped the
-  bad entry, gets a good one back in the same run.
+  still inside the window at the end of the step's computed prefix, and the
+  one before (the others will never be read again). A block whose load
+  failed is computed again by the engine, so it is saved again: the medium,
+  which dropped the bad entry, gets a good one back in the same run.
 
 :class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and turns each planned
@@ -233,9 +233,12 @@ class BlockPlanner:
                 if end <= start:
                     continue
                 cursor.next_block_to_save[group.index] = end
-                # Blocks that left a sliding window by the step's end are never read again.
+                # Blocks that left a sliding window by the step's end are never
+                # read again. One block more than the window is kept: a later
+                # prompt equal to this prefix recomputes its last token, so its
+                # hit ends a block earlier and needs the window ending there.
                 if self._window_aware:
-                    start = max(start, group.needed_positions(end).start)
+                    start = max(start, group.needed_positions(end).start - 1)
                 positions = range(start, end)
                 save = self._range(
                     cursor.request, group, cursor.block_ids[group.index], positions, context

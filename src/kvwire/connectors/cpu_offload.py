@@ -247,29 +247,17 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
                 count += len(evicted)
         return count
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish(request)
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        # Not through request_finished: the engine calls one of the two, and a
-        # wrapper recording calls would see the request finish twice.
-        return self._finish(request)
-
-    def _finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def _keeps_blocks_when_finished(self, request: Request) -> bool:
         """Keep the request's blocks, in every group, while its stores (or a load) run."""
         self._planner.forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None or not (state.stores_running or state.async_loads):
-            return False, None
+            return False
         # Its stores (or a load) may still read or write its blocks: keep them
         # until the worker reports the request finished sending.
         self._finished[request.request_id] = state
         self._release_req_ids.append(request.request_id)
-        return True, None
+        return True
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids

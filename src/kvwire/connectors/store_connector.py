@@ -318,20 +318,8 @@ class StoreConnector(BlockConnector[StoreWorker]):
         self._release_req_ids = []
         return metadata
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request), None
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        # Not through request_finished: the engine makes one finishing call
-        # per request, and a call log of this connector should show one.
-        return self._finished(request), None
-
-    def _finished(self, request: Request) -> bool:
-        """Forget ``request``; whether its blocks must be kept (in every group alike).
+    def _keeps_blocks_when_finished(self, request: Request) -> bool:
+        """Only while a background load writes into them (a request aborted while loading).
 
         Saves copy the blocks out of the cache in wait_for_save, so the engine
         may free them at once, unless a background load still writes into
