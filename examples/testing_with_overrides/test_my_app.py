@@ -116,12 +116,13 @@ def test_the_sized_cache_is_swapped_inside_the_block(container: KVConnectorConta
 
 
 def test_the_hma_gate_is_forced_inside_the_block(container: KVConnectorContainer) -> None:
-    assert not hybrid_kv_cache_enabled()
+    # CPU offload serves hybrid models, so the gate left unset keeps HMA on.
+    assert hybrid_kv_cache_enabled()
 
-    with container.hma_gate.override(providers.Object(HMADecision(True, "forced by a test"))):
-        assert hybrid_kv_cache_enabled()
+    with container.hma_gate.override(providers.Object(HMADecision(False, "forced by a test"))):
+        assert not hybrid_kv_cache_enabled()
 
-    assert not hybrid_kv_cache_enabled()
+    assert hybrid_kv_cache_enabled()
 
 
 def test_another_engine_config_is_used_inside_the_block(container: KVConnectorContainer) -> None:
