@@ -233,27 +233,82 @@ def groups_holding(full: Sequence[BlockHash], sliding: Sequence[BlockHash]) -> H
     return count_hits
 
 
-def test_a_sliding_group_saves_only_the_blocks_inside_the_window_at_the_prefix_end():
+def test_a_sliding_group_saves_only_the_window_at_the_prefix_end_and_the_block_before():
     plan = hybrid_planner()
     plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
     saves = plan.plan_saves(hybrid_step(0, 25))
     by_group = {save.group: save.block_ids for save in saves}
-    assert by_group == {0: tuple(FULL_IDS[:6]), 1: (24, 25)}
-    assert [save.block_hashes for save in saves if save.group == 1] == [tuple(LONG_HASHES[4:6])]
+    # The window at the end is blocks 4-5; block 3 is the window's at the end
+    # a block earlier, where a prompt equal to this prefix hits. Blocks 0-2
+    # are never read again.
+    assert by_group == {0: tuple(FULL_IDS[:6]), 1: (23, 24, 25)}
+    assert [save.block_hashes for save in saves if save.group == 1] == [tuple(LONG_HASHES[3:6])]
 
 
 def test_a_sliding_group_skips_the_blocks_that_left_the_window_between_steps():
     plan = hybrid_planner()
     plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
     first = plan.plan_saves(hybrid_step(0, 8))
-    # Blocks 2 and 3 are computed by the second step, but its prefix ends at
-    # block 6: they left the window, and are never read again.
+    # Blocks 2 and 3 are computed by the second step, whose prefix ends at
+    # block 6: block 2 is neither in the window there (4-5) nor in the one a
+    # block earlier (3-4), so it is never read again; block 3 is saved.
     second = plan.plan_saves(hybrid_step(8, 17))
     assert [(save.group, save.block_ids) for save in first] == [(0, (10, 11)), (1, (20, 21))]
     assert [(save.group, save.block_ids) for save in second] == [
         (0, (12, 13, 14, 15)),
-        (1, (24, 25)),
+        (1, (23, 24, 25)),
     ]
+
+
+@pytest.mark.parametrize("first_step_tokens", [None, BLOCK + 1], ids=["one-step", "chunked"])
+@pytest.mark.parametrize("num_blocks", [5, 6])
+@pytest.mark.parametrize("sliding_window", [5, 9, 13])
+def test_a_prompt_equal_to_a_saved_block_aligned_one_hits_all_but_its_last_block_in_every_group(
+    sliding_window: int, num_blocks: int, first_step_tokens: int | None
+) -> None:
+    # The engine recomputes a prompt's last token, so the hit of a prompt of
+    # exactly n blocks ends at block n - 1: the sliding group must hold the
+    # window ending there, one block earlier than the saved prefix's end.
+    sliding = CacheGroup(SLIDING.index, SLIDING.layer_names, BLOCK, sliding_window=sliding_window)
+    plan = BlockPlanner(BLOCK, (FULL, sliding), loads=True, saves=True)
+    num_tokens = num_blocks * BLOCK
+
+    def aligned(request_id: str) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(range(num_tokens)),
+            max_tokens=1,
+            block_hashes=list(LONG_HASHES[:num_blocks]),
+        )
+
+    plan.allocate(aligned("a"), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    saved: dict[int, set[BlockHash]] = {FULL.index: set(), sliding.index: set()}
+    # In one step, or chunked: a block and a token, then the rest.
+    steps = [num_tokens] if first_step_tokens is None else [first_step_tokens, num_tokens]
+    computed = 0
+    for step_end in steps:
+        item = ScheduledRequest(
+            request_id="a",
+            block_ids=(FULL_IDS, SLIDING_IDS),
+            num_computed_tokens=computed,
+            num_scheduled_tokens=step_end - computed,
+            is_new=computed == 0,
+        )
+        for save in plan.plan_saves(SchedulerOutput(scheduled=[item])):
+            saved[save.group].update(save.block_hashes)
+        computed = step_end
+
+    b = aligned("b")
+    assert plan.look_up(b, 0, groups_holding(saved[FULL.index], saved[sliding.index])) == (
+        num_blocks - 1
+    )
+    loads = plan.allocate(b, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), (num_blocks - 1) * BLOCK)
+    assert {load.group: load.block_hashes for load in loads} == {
+        FULL.index: tuple(LONG_HASHES[: num_blocks - 1]),
+        sliding.index: tuple(
+            LONG_HASHES[sliding.needed_positions(num_blocks - 1).start : num_blocks - 1]
+        ),
+    }
 
 
 def test_null_blocks_of_a_sliding_group_are_never_saved_or_loaded():

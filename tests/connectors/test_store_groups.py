@@ -22,6 +22,7 @@ from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.connectors.engine_support import (
     generate,
     renamed,
@@ -138,6 +139,43 @@ def test_a_hybrid_engine_with_hma_on_serves_a_warm_pass_from_both_groups_on_disk
         _entries_under(storage_dir / layout.fingerprint_hex) for layout in layouts
     )
     assert 0 < sliding_entries < full_entries
+
+
+def test_a_block_aligned_prompts_warm_pass_loads_as_many_tokens_with_hma_on_as_off(
+    storage_dir: pathlib.Path,
+) -> None:
+    # Prompts of exactly ten blocks, none shared (so every hit is the
+    # connector's): a warm prompt recomputes its last token, so its hit ends
+    # at block 9, and the sliding group must hold the window ending there.
+    requests = synthetic_workload(
+        WorkloadSpec(
+            num_requests=4, prompt_len=40, output_len=4, shared_prefix_ratio=0.0, vocab_size=300
+        )
+    )
+    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
+    reference = tokens(generate(hybrid_config, requests))
+    hma_off = attrs.evolve(
+        hybrid_config,
+        scheduler_config=attrs.evolve(
+            hybrid_config.scheduler_config, disable_hybrid_kv_cache_manager=True
+        ),
+    )
+    loaded: dict[bool, list[int]] = {}
+    for hma, model_config in ((True, hybrid_config), (False, hma_off)):
+        config = with_connector(
+            model_config,
+            "SharedStorageConnector",
+            {"shared_storage_path": str(storage_dir / f"hma-{hma}")},
+        )
+        with LLMEngine(config) as engine:
+            assert engine.hma_enabled is hma
+            engine.generate(requests)
+            engine.wait_for_saves()  # the warm pass finds every cold save
+            engine.reset_prefix_cache()
+            warm = engine.generate(renamed(requests, "-warm"))
+        assert tokens(warm) == reference
+        loaded[hma] = [output.external_tokens for output in warm]
+    assert loaded[True] == loaded[False] == [36] * len(requests)
 
 
 class _GatedStore(DirectoryBlockStore):
