@@ -2,8 +2,8 @@
 
 The tiny Gemma 3 has two KV cache groups in vLLM: a sliding-window group
 (window 64 = 2 blocks of 32) and a full-attention one. kvwire saves every
-full block of the full group, only the blocks a sliding-window group's
-window still reaches, and never vLLM's null block (id 0). A warm pass runs
+full block of the full group, only the blocks near the end of a
+sliding-window group's window, and never vLLM's null block (id 0). A warm pass runs
 on a zeroed KV cache, so that its outputs equal the outputs without a
 connector only if every block each group needs was loaded.
 """
@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
+from kvwire.vllm.config_bridge import VLLMConfigError
+from tests.vllm import hybrid_connectors
 from tests.vllm.engines import (
     BLOCK_SIZE,
     SLIDING_WINDOW,
@@ -24,12 +26,16 @@ from tests.vllm.engines import (
     profile_with_directory,
     running_llm,
     shared_prompts,
+    start_llm,
 )
+from tests.vllm.hybrid_connectors import PlainConnector
+from tests.vllm.test_corruption import flip_one_payload_byte, rewrite_each_entry
 
 PROMPTS = shared_prompts()
 LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE  # the last prompt token is always computed
 WINDOW_BLOCKS = -(-(SLIDING_WINDOW - 1) // BLOCK_SIZE)  # the sliding group's blocks per hit
 NULL_BLOCK_ID = 0
+LAYER = "model.layers.{}.self_attn.attn".format
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +86,9 @@ def test_hybrid_model_with_hma_on_loads_each_group_s_needed_blocks_from_kvwire(
     config = kvwire_transfer_config(profile_with_directory(profile, tmp_path))
     with running_llm(tiny_hybrid_model, config) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
-        layer = "model.layers.{}.self_attn.attn".format
         assert group_kinds(llm) == [
-            ("SlidingWindowSpec", SLIDING_WINDOW, [layer(0), layer(2)]),
-            ("FullAttentionSpec", None, [layer(1), layer(3)]),
+            ("SlidingWindowSpec", SLIDING_WINDOW, [LAYER(0), LAYER(2)]),
+            ("FullAttentionSpec", None, [LAYER(1), LAYER(3)]),
         ]
         cold, _ = generate(llm, PROMPTS)
         kvwire.vllm.wait_for_saves(llm)
@@ -100,8 +105,52 @@ def test_hybrid_model_with_hma_on_loads_each_group_s_needed_blocks_from_kvwire(
     assert from_zeros != expected
     assert warm == expected
     assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
-    # Per prompt: every block of the full group, the window's blocks of the sliding one.
-    per_hit = len(PROMPTS) * (LOADABLE_BLOCKS + WINDOW_BLOCKS)
-    assert sum(counters(stats, "blocks_loaded")) == per_hit
-    assert counters(stats, "blocks_saved") == [per_hit] * len(counters(stats, "blocks_saved"))
+    # A hit loads every block of the full group and the window's blocks of the
+    # sliding one; each connector saves them, and fewer sliding blocks than full.
+    full_blocks = len(PROMPTS) * LOADABLE_BLOCKS
+    assert sum(counters(stats, "blocks_loaded")) == full_blocks + len(PROMPTS) * WINDOW_BLOCKS
+    for saved in counters(stats, "blocks_saved"):
+        assert full_blocks + len(PROMPTS) * WINDOW_BLOCKS <= saved < 2 * full_blocks
     assert not any(counters(stats, "load_errors"))
+
+
+@pytest.mark.slow
+def test_a_wrapped_connector_without_hma_fails_at_start_naming_the_flag_and_serves_hma_off(
+    tiny_hybrid_model: str, hybrid_tokens_without_connector: list[list[int]]
+) -> None:
+    config = kvwire_transfer_config(hybrid_connectors.profile(PlainConnector))
+    with pytest.raises(VLLMConfigError, match="PlainConnector does not support it") as error:
+        start_llm(tiny_hybrid_model, config)
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()  # what the failed start left
+    assert "--disable-hybrid-kv-cache-manager" in str(error.value)
+    with running_llm(tiny_hybrid_model, config, disable_hybrid_kv_cache_manager=True) as llm:
+        # HMA off: one group of every layer, all blocks kept.
+        assert group_kinds(llm) == [
+            ("FullAttentionSpec", SLIDING_WINDOW, [LAYER(index) for index in range(4)])
+        ]
+        tokens, _ = generate(llm, PROMPTS)
+    assert tokens == hybrid_tokens_without_connector
+
+
+@pytest.mark.slow
+def test_a_failed_asynchronous_load_on_a_hybrid_model_is_recomputed_with_identical_outputs(
+    tiny_hybrid_model: str,
+    hybrid_tokens_without_connector: list[list[int]],
+    tmp_path: pathlib.Path,
+) -> None:
+    # vLLM stops on failed block ids with several KV cache groups; a failed
+    # request (failed_recving) is what it recomputes there.
+    profile = profile_with_directory("shared-storage.yaml", tmp_path)
+    profile["kv_transfer_config"]["kv_connector_extra_config"]["async_load"] = True
+    with running_llm(tiny_hybrid_model, kvwire_transfer_config(profile)) as llm:
+        cold, _ = generate(llm, PROMPTS)
+        kvwire.vllm.wait_for_saves(llm)
+        assert rewrite_each_entry(tmp_path, flip_one_payload_byte) > 0
+        assert llm.reset_prefix_cache()
+        warm, cached = generate(llm, PROMPTS)
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert cold == warm == hybrid_tokens_without_connector
+    assert cached == [0] * len(PROMPTS)
+    assert stats["load_errors"] > 0

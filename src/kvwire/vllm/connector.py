@@ -32,12 +32,22 @@ group) needs a wrapped connector that supports HMA, and with one that does
 not, building fails with an error naming ``--disable-hybrid-kv-cache-manager``.
 Each group's block ids reach the wrapped connector as they are (one list per
 group, block id 0 is vLLM's null block).
+
+Load errors on a hybrid cache: vLLM stops the engine when a connector
+reports failed block ids there (``Scheduler._handle_invalid_blocks``); it
+takes, instead, the requests whose asynchronous loads failed
+(``KVConnectorTransferResults.failed_recving``), and recomputes them or
+fails them as ``kv_load_failure_policy`` says. So the scheduler side sends
+each asynchronous load's block ids in the step's metadata, and the worker
+side reports a load whose blocks failed as a failed request. A failed
+synchronous load has no such report in vLLM: its block ids still go to
+vLLM, which stops, after an error logged here that names ``async_load``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -53,6 +64,7 @@ from kvwire.connector.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.connector.base import KVConnectorRole as KVWireRole
 from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
+from kvwire.connectors.cache_groups import NULL_BLOCK_ID
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
@@ -82,9 +94,14 @@ _ROLES = {
 
 @attrs.frozen
 class KVWireConnectorMetadata(KVConnectorMetadata):
-    """The wrapped kvwire connector's metadata for one step, as vLLM carries it."""
+    """The wrapped kvwire connector's metadata for one step, as vLLM carries it.
+
+    ``async_loads``: on a hybrid cache, the block ids (every group's, the
+    null block left out) of each asynchronous load planned this step.
+    """
 
     inner: KVWireMetadata
+    async_loads: Mapping[str, frozenset[int]] = attrs.field(factory=dict)
 
 
 class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
@@ -112,13 +129,17 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         if has_hybrid_groups(kvwire_cache_config):
             _require_wrapped_hma(self.container, kvwire_cache_config)
         self.connector: KVConnectorBase = self.container.connector()
+        self._hybrid = has_hybrid_groups(kvwire_cache_config)
         # Scheduler side.
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
         self._block_tokens = BlockTokens(engine_config.cache_config.block_size)
         self._live: dict[str, tuple[Any, int]] = {}
         self._kept_blocks: set[str] = set()
+        self._step_async_loads: dict[str, frozenset[int]] = {}
         # Worker side.
+        self._async_loading: dict[str, frozenset[int]] = {}
+        self._load_errors: set[int] = set()
         self._totals = KVWireStats()
         self._forward_context = ForwardContext(
             layer_names=tuple(self.container.kv_cache_config().layer_names)
@@ -140,6 +161,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self.connector.bind_connector_metadata(_inner(connector_metadata))
+        assert isinstance(connector_metadata, KVWireConnectorMetadata)  # checked by _inner
+        self._async_loading.update(connector_metadata.async_loads)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -162,8 +185,39 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.connector.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished_sending, finished_recving = self.get_finished(finished_req_ids)
+        results = KVConnectorTransferResults(
+            finished_sending=set(finished_sending or ()),
+            finished_recving=set(finished_recving or ()),
+        )
+        if self._hybrid:
+            # Asked here, before vLLM asks get_block_ids_with_load_errors, so
+            # that a failed asynchronous load is reported as its request.
+            self._load_errors |= self.connector.get_block_ids_with_load_errors()
+            for request_id in results.finished_recving:
+                blocks = self._async_loading.pop(request_id, frozenset())
+                if blocks & self._load_errors:
+                    results.failed_recving.add(request_id)
+                    self._load_errors -= blocks
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.connector.get_block_ids_with_load_errors()
+        if not self._hybrid:
+            return self.connector.get_block_ids_with_load_errors()
+        # Errors of asynchronous loads still running wait for their request's report.
+        loading = frozenset().union(*self._async_loading.values())
+        errors = self._load_errors - loading
+        self._load_errors &= loading
+        if errors:
+            logger.error(
+                "KVWireConnector: %d blocks failed to load synchronously on a hybrid model; "
+                "vLLM cannot recompute them there and stops. Set async_load: true in the "
+                "wrapped connector's kv_connector_extra_config: a failed asynchronous load is "
+                "recomputed (kv_load_failure_policy)",
+                len(errors),
+            )
+        return errors
 
     def get_kv_connector_stats(self) -> KVWireStats | None:
         stats = self.connector.get_kv_connector_stats()
@@ -201,9 +255,14 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._live.setdefault(request.request_id, (request, 0))
         if not self._allocations.should_forward(request.request_id, num_external_tokens):
             return
+        block_ids = tuple(list(ids) for ids in blocks.get_block_ids())
+        if self._hybrid and self._allocations.loading_async(request.request_id):
+            self._step_async_loads[request.request_id] = frozenset(
+                block for group in block_ids for block in group if block != NULL_BLOCK_ID
+            )
         self.connector.update_state_after_alloc(
             RequestView(request).as_request(),
-            KVCacheBlocks(block_ids=tuple(list(ids) for ids in blocks.get_block_ids())),
+            KVCacheBlocks(block_ids=block_ids),
             num_external_tokens,
         )
 
@@ -211,7 +270,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         kvwire_output = self._block_tables.to_kvwire(scheduler_output)
         for item in kvwire_output.scheduled:
             self._remember_blocks(item.request_id)
-        return KVWireConnectorMetadata(inner=self.connector.build_connector_meta(kvwire_output))
+        inner = self.connector.build_connector_meta(kvwire_output)
+        async_loads, self._step_async_loads = self._step_async_loads, {}
+        return KVWireConnectorMetadata(inner=inner, async_loads=async_loads)
 
     def _remember_blocks(self, request_id: str) -> None:
         live = self._live.get(request_id)

@@ -187,6 +187,10 @@ class AllocationFilter:
         self._async_lookups.discard(request_id)
         return True
 
+    def loading_async(self, request_id: str) -> bool:
+        """Whether the request's blocks wait for an asynchronous load passed on."""
+        return request_id in self._loading_async
+
     def forget(self, request_id: str) -> None:
         self._async_lookups.discard(request_id)
         self._loading_async.discard(request_id)
