@@ -6,12 +6,16 @@ broken, as a connector author could break it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.block_planner import BlockPlanner
-from kvwire.connectors.cache_groups import NULL_BLOCK_ID
+from kvwire.connector.types import SchedulerOutput
+from kvwire.connectors.block_planner import BlockPlanner, BlockRange
+from kvwire.connectors.cache_groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.kv_cache_config import KVCacheConfig
@@ -31,6 +35,48 @@ class EveryBlockCPUOffloadConnector(CPUOffloadConnector):
             loads=transfer.is_kv_consumer,
             saves=transfer.is_kv_producer,
             window_aware=False,
+        )
+
+
+class _WindowOnlyPlanner(BlockPlanner):
+    """Saves only the window of a sliding-window group at each step's end, not the block before."""
+
+    def __init__(self, block_size: int, groups: Sequence[CacheGroup], **roles: bool) -> None:
+        super().__init__(block_size, groups, **roles)
+        self._window_blocks = {group.index: group.window_blocks for group in groups}
+
+    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockRange]:
+        # A sliding group's range ends at the step's end, and is at most the
+        # window and one block long: its last window_blocks are the window.
+        ranges = []
+        for save in super().plan_saves(scheduler_output):
+            window_blocks = self._window_blocks[save.group]
+            if window_blocks is not None:
+                save = attrs.evolve(
+                    save,
+                    block_ids=save.block_ids[-window_blocks:],
+                    block_hashes=save.block_hashes[-window_blocks:],
+                )
+            ranges.append(save)
+        return ranges
+
+
+class WindowOnlyCPUOffloadConnector(CPUOffloadConnector):
+    """Saves a sliding-window group's window at the end of each step's prefix, but not the
+    block before it: a prompt equal to a saved prompt of whole blocks recomputes its last
+    token, so its hit ends a block earlier, where the window is missing a block.
+    """
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        transfer = self.kv_transfer_config
+        self._planner = _WindowOnlyPlanner(
+            self._layout.block_size,
+            self._groups,
+            loads=transfer.is_kv_consumer,
+            saves=transfer.is_kv_producer,
         )
 
 

@@ -41,6 +41,22 @@ def test_the_kit_fails_a_connector_that_saves_every_block_of_a_sliding_window_gr
     result.stdout.fnmatch_lines(["*bytes_saved: * with HMA on, * with one KV cache group*"])
 
 
+def test_the_kit_fails_a_connector_whose_block_aligned_prompts_get_no_warm_hit_with_hma_on(
+    pytester: pytest.Pytester,
+) -> None:
+    result = run_suite(
+        pytester,
+        "WindowOnlyCPUOffloadConnector",
+        '{"cpu_pool_bytes": "4MiB"}',
+        "moves_only_blocks_inside_the_sliding_window",
+    )
+
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*/warm: the warm pass loaded 0 tokens with HMA on, * with one KV cache group*"]
+    )
+
+
 def test_the_kit_fails_a_connector_that_loads_one_groups_bytes_into_another(
     pytester: pytest.Pytester,
 ) -> None:

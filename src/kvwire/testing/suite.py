@@ -33,6 +33,10 @@ group per kind of layer, and the kit checks:
   (summed through a composite's children), each is smaller with HMA on
   than with HMA off (one group of every layer, every block moved), as a
   connector that moved every block of every group would not be;
+- a warm prompt equal to a cold one hits at least as many tokens with HMA
+  on as with HMA off, a prompt of whole blocks included (the engine
+  recomputes its last token, so its hit ends a block before the saved
+  prefix's end, and a sliding-window group must hold the window there);
 - blocks a connector keeps at ``request_finished_all_groups`` stay
   allocated in every group (no other request gets one) until the connector
   reports the request finished sending, and it does report every one.
@@ -488,11 +492,15 @@ class ConnectorConformanceSuite:
 
     @pytest.fixture
     def long_distinct_prompts(self, engine_config: EngineConfig) -> list[GenerationRequest]:
-        """Four prompts of eight blocks and a half, sharing nothing: four windows long.
+        """Four prompts sharing nothing, four windows long: three of eight blocks
+        and a half, the last of exactly eight blocks.
 
         Nothing shared, so each request saves and loads its own blocks, and
         the local prefix cache (which keeps different blocks with HMA on and
-        off) plays no part in what the connector moves.
+        off) plays no part in what the connector moves. The last prompt's
+        warm hit ends a block before its saved prefix's end (the engine
+        recomputes a prompt's last token): a connector that keeps only the
+        window at the end of what it saved finds no window there.
         """
         block_size = engine_config.cache_config.block_size
         spec = WorkloadSpec(
@@ -503,7 +511,9 @@ class ConnectorConformanceSuite:
             vocab_size=engine_config.model_config.vocab_size,
             seed=13,
         )
-        return synthetic_workload(spec)
+        *unaligned, last = synthetic_workload(spec)
+        aligned = attrs.evolve(last, prompt_token_ids=last.prompt_token_ids[: 8 * block_size])
+        return [*unaligned, aligned]
 
     def test_hybrid_model_moves_only_blocks_inside_the_sliding_window(
         self,
@@ -527,6 +537,18 @@ class ConnectorConformanceSuite:
             with_hma_disabled(hybrid_config), long_distinct_prompts, kvwire_instruments
         )
         assert every_block.num_groups == 1
+        # HMA on stores fewer bytes per prefix, so a medium keeps at least as
+        # many prefixes as with HMA off: no hit may be shorter.
+        hits_without = {o.request_id: o.external_tokens for o in every_block.warm.outputs}
+        for output in run.warm.outputs:
+            hit_without = hits_without[output.request_id]
+            assert output.external_tokens >= hit_without, (
+                f"{output.request_id}: the warm pass loaded {output.external_tokens} tokens with "
+                f"HMA on, {hit_without} with one KV cache group of every layer: a sliding-window "
+                "group must hold the window at the end of every prefix a later prompt can hit, "
+                "a block before the end of a saved prompt of whole blocks included (the engine "
+                "recomputes a prompt's last token)"
+            )
         # Per loaded token: HMA on and off may load hits of different lengths.
         loaded_tokens = [
             sum(o.external_tokens for o in r.cold.outputs + r.warm.outputs)
