@@ -16,11 +16,16 @@ MODULE = __name__
 
 
 class PlainConnector(KVConnectorBase):
-    """A connector without HMA; ``finished`` records each ``request_finished`` call."""
+    """A connector without HMA, recording what it is handed.
+
+    ``finished``: each ``request_finished`` call; ``scheduled``: each
+    request's block ids in the last step that scheduled it.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.finished: list[tuple[str, Any]] = []
+        self.scheduled: dict[str, tuple[list[int], ...]] = {}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return
@@ -47,6 +52,8 @@ class PlainConnector(KVConnectorBase):
         return
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        for item in scheduler_output.scheduled:
+            self.scheduled[item.request_id] = item.block_ids
         return KVConnectorMetadata()
 
     def request_finished(

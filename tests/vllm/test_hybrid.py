@@ -20,6 +20,7 @@ from kvwire.vllm.config_bridge import VLLMConfigError
 from tests.vllm import hybrid_connectors
 from tests.vllm.engines import (
     BLOCK_SIZE,
+    MAX_TOKENS,
     SLIDING_WINDOW,
     generate,
     kvwire_transfer_config,
@@ -28,7 +29,7 @@ from tests.vllm.engines import (
     shared_prompts,
     start_llm,
 )
-from tests.vllm.hybrid_connectors import PlainConnector
+from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
 from tests.vllm.test_corruption import flip_one_payload_byte, rewrite_each_entry
 
 PROMPTS = shared_prompts()
@@ -154,3 +155,24 @@ def test_a_failed_asynchronous_load_on_a_hybrid_model_is_recomputed_with_identic
     assert cold == warm == hybrid_tokens_without_connector
     assert cached == [0] * len(PROMPTS)
     assert stats["load_errors"] > 0
+
+
+@pytest.mark.slow
+def test_a_wrapped_hma_connector_gets_vllm_s_live_block_ids_per_group(
+    tiny_hybrid_model: str,
+) -> None:
+    config = kvwire_transfer_config(hybrid_connectors.profile(GroupsConnector))
+    with running_llm(tiny_hybrid_model, config) as llm:
+        generate(llm, PROMPTS[:1])
+        wrapped = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector
+    ((call, (sliding, full)),) = wrapped.finished
+    assert call == "request_finished_all_groups"
+    # 300 prompt tokens and 7 decoded ones computed: 10 blocks in each group;
+    # the sliding group's first blocks left the window and hold the null block.
+    assert len(sliding) == len(full) == 10
+    left = (300 + MAX_TOKENS - 1 - SLIDING_WINDOW + 1) // BLOCK_SIZE
+    assert sliding[:left] == [NULL_BLOCK_ID] * left
+    assert NULL_BLOCK_ID not in sliding[left:] + full
+    assert not set(sliding) & set(full)  # one pool: an id is in one group at a time
+    # The last step's lists are vLLM's live ones, nulls included.
+    assert list(wrapped.scheduled.values()) == [(sliding, full)]

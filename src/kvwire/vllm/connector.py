@@ -267,7 +267,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVWireConnectorMetadata:
-        kvwire_output = self._block_tables.to_kvwire(scheduler_output)
+        manager = self._kv_cache_manager
+        live = manager.get_block_ids if self._hybrid and manager is not None else None
+        kvwire_output = self._block_tables.to_kvwire(scheduler_output, live)
         for item in kvwire_output.scheduled:
             self._remember_blocks(item.request_id)
         inner = self.connector.build_connector_meta(kvwire_output)

@@ -8,7 +8,10 @@
 - :class:`BlockTables`: vLLM sends each request's block ids once and then
   only the new ones (a resumed request gets its whole list again); kvwire's
   connectors want every step's full lists. It also turns vLLM's
-  ``SchedulerOutput`` into kvwire's.
+  ``SchedulerOutput`` into kvwire's. On a hybrid cache the lists are read
+  from vLLM's live block table instead: vLLM frees the blocks that leave a
+  sliding window without telling the workers, so lists kept from the deltas
+  would still name blocks that another request may hold by now.
 - :class:`AllocationFilter`: vLLM calls ``update_state_after_alloc`` twice
   for an asynchronous load (the load's blocks, then, once the load is done,
   all blocks with 0 external tokens); kvwire's connectors plan once per
@@ -17,7 +20,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
+
+import attrs
 
 from kvwire.connector.types import (
     BlockHash,
@@ -94,14 +100,25 @@ class RequestView:
         return cast(Request, self)
 
 
+LiveBlockIds = Callable[[str], tuple[list[int], ...]]
+"""A request's block ids now, a list per KV cache group (``KVCacheManager.get_block_ids``)."""
+
+
 class BlockTables:
     """Every scheduled request's full block id lists, kept from vLLM's deltas."""
 
     def __init__(self) -> None:
         self._block_ids: dict[str, tuple[list[int], ...]] = {}
 
-    def to_kvwire(self, scheduler_output: Any) -> SchedulerOutput:
-        """kvwire's ``SchedulerOutput`` for vLLM's, with full block lists."""
+    def to_kvwire(
+        self, scheduler_output: Any, live_block_ids: LiveBlockIds | None = None
+    ) -> SchedulerOutput:
+        """kvwire's ``SchedulerOutput`` for vLLM's, with full block lists.
+
+        With ``live_block_ids`` (a hybrid cache), each scheduled request's
+        lists are what it returns (positions that left a sliding window hold
+        the null block, 0), not the lists kept from the deltas.
+        """
         scheduled: list[ScheduledRequest] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -136,6 +153,10 @@ class BlockTables:
         # the same step when vLLM preempts everything to reset its cache).
         for request_id in (finished | preempted) - {item.request_id for item in scheduled}:
             self._block_ids.pop(request_id, None)
+        if live_block_ids is not None:
+            scheduled = [
+                attrs.evolve(item, block_ids=live_block_ids(item.request_id)) for item in scheduled
+            ]
         return SchedulerOutput(
             scheduled=scheduled, finished_req_ids=finished, preempted_req_ids=preempted
         )
