@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 
@@ -82,6 +82,10 @@ class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
     ``kv_consumer``/``kv_both`` engines, saves only for ``kv_producer``/``kv_both`` ones.
     """
 
+    # False: a sliding-window group saves every block, as a connector unaware
+    # of windows would (the figure ``--only hybrid`` measures against).
+    window_aware_saves: ClassVar[bool] = True
+
     def __init__(
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -98,6 +102,7 @@ class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
             self._layout.block_size,
             self._groups,
             loads=self.kv_transfer_config.is_kv_consumer,
+            window_aware=self.window_aware_saves,
             saves=self.kv_transfer_config.is_kv_producer,
         )
         # Worker side.

@@ -9,11 +9,16 @@ per request, whatever holds the blocks:
   reaches in a sliding-window group, see :mod:`kvwire.connectors.cache_groups`);
   at allocation, the cache block ids those blocks go to, per group;
 - what to save: each step, the full blocks that this step computes and that
-  were neither loaded nor saved before; in a sliding-window group, only those
-  still inside the window at the end of the step's computed prefix, and the
-  one before (the others will never be read again). A block whose load
-  failed is computed again by the engine, so it is saved again: the medium,
-  which dropped the bad entry, gets a good one back in the same run.
+  were neither loaded nor saved before. A sliding-window group saves only
+  windows, at the points where a later request's hit can end: the end of
+  each step's computed prefix (and the block before it when that end is
+  block-aligned: a later prompt equal to the prefix recomputes its last
+  token, so its hit ends a block earlier), and the end of the request's local
+  prefix hit, where it branched from an earlier request (a later request
+  branching there finds its window too), unless the medium holds that
+  window already. A block whose load failed is computed again by the
+  engine, so it is saved again: the medium, which dropped the bad entry,
+  gets a good one back in the same run.
 
 :class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and turns each planned
@@ -56,6 +61,8 @@ class _Lookup:
     first_block: int
     hit_blocks: int
     candidate_blocks: int
+    # Per sliding-window group: the window at first_block, when the medium lacks it.
+    branch_windows: dict[int, range] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -65,6 +72,8 @@ class _SaveCursor:
     next_block_to_save: list[int]
     # Per group: the request's cache block ids, as last seen (allocation, then each step).
     block_ids: tuple[Sequence[int], ...] = ()
+    # Per sliding-window group: a window before next_block_to_save still to save.
+    branch_windows: dict[int, range] = attrs.field(factory=dict)
 
 
 class BlockPlanner:
@@ -105,21 +114,46 @@ class BlockPlanner:
     def look_up(self, request: Request, num_computed_tokens: int, count_hits: HitCounter) -> int:
         """Remember and return how many blocks after the local ones the medium holds."""
         first_block = num_computed_tokens // self._block_size
+        hashes = request.block_hashes
         # At least one prompt token is always left to compute: the engine needs
         # logits for it.
         last_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
         if not self._loads or last_block <= first_block:
-            self._lookups[request.request_id] = _Lookup(first_block, 0, 0)
+            self._lookups[request.request_id] = _Lookup(
+                first_block, 0, 0, self._missing_branch_windows(hashes, first_block, count_hits)
+            )
             return 0
-        hashes = request.block_hashes
         end = last_block
         for group in self._full_groups:
             if end > first_block:
                 end = first_block + count_hits(group.index, hashes[first_block:end])
         end = self._sliding_prefix_end(hashes, first_block, end, count_hits)
         hits = end - first_block
-        self._lookups[request.request_id] = _Lookup(first_block, hits, last_block - first_block)
+        self._lookups[request.request_id] = _Lookup(
+            first_block,
+            hits,
+            last_block - first_block,
+            self._missing_branch_windows(hashes, first_block, count_hits),
+        )
         return hits
+
+    def _missing_branch_windows(
+        self, hashes: Sequence[BlockHash], first_block: int, count_hits: HitCounter
+    ) -> dict[int, range]:
+        """Per sliding group, the window ending at the local hit, if the medium lacks it.
+
+        The engine holds it (a sliding-window group keeps the window of its
+        computed prefix), so it can be saved; one question per group.
+        """
+        if not (self._window_aware and self._saves and first_block):
+            return {}
+        missing = {}
+        for group in self._sliding_groups:
+            window = group.needed_positions(first_block)
+            held = count_hits(group.index, [hashes[p] for p in reversed(window)])
+            if held < len(window):
+                missing[group.index] = window
+        return missing
 
     def _sliding_prefix_end(
         self, hashes: Sequence[BlockHash], first_block: int, end: int, count_hits: HitCounter
@@ -158,7 +192,7 @@ class BlockPlanner:
         all_block_ids = self._per_group(request.request_id, blocks.get_block_ids())
         first_unsaved = lookup.first_block + lookup.hit_blocks
         self._save_cursors[request.request_id] = _SaveCursor(
-            request, [first_unsaved] * len(self._groups), all_block_ids
+            request, [first_unsaved] * len(self._groups), all_block_ids, lookup.branch_windows
         )
         num_blocks = num_external_tokens // self._block_size
         if num_blocks <= 0:
@@ -228,18 +262,15 @@ class BlockPlanner:
                 for block_id in group_ids[:end]
                 if block_id != self._null_block
             )
+            aligned = tokens_after_step == end * self._block_size
             for group in self._groups:
                 start = cursor.next_block_to_save[group.index]
                 if end <= start:
                     continue
                 cursor.next_block_to_save[group.index] = end
-                # Blocks that left a sliding window by the step's end are never
-                # read again. One block more than the window is kept: a later
-                # prompt equal to this prefix recomputes its last token, so its
-                # hit ends a block earlier and needs the window ending there.
-                if self._window_aware:
-                    start = max(start, group.needed_positions(end).start - 1)
-                positions = range(start, end)
+                positions: Sequence[int] = range(start, end)
+                if self._window_aware and group.window_blocks is not None:
+                    positions = self._sliding_save_positions(group, cursor, start, end, aligned)
                 save = self._range(
                     cursor.request, group, cursor.block_ids[group.index], positions, context
                 )
@@ -247,12 +278,27 @@ class BlockPlanner:
                     ranges.append(save)
         return ranges
 
+    def _sliding_save_positions(
+        self, group: CacheGroup, cursor: _SaveCursor, start: int, end: int, aligned: bool
+    ) -> list[int]:
+        """A sliding group's saves for a step ending at ``end``; see the module docstring.
+
+        Blocks that left the window are never read again, except by a later
+        request whose hit ends where this one's prefix did.
+        """
+        window_start = group.needed_positions(end).start - (1 if aligned else 0)
+        positions = range(max(start, window_start), end)
+        branch = cursor.branch_windows.pop(group.index, None)
+        if branch is None:
+            return list(positions)
+        return sorted({*branch, *positions})
+
     def _range(
         self,
         request: Request,
         group: CacheGroup,
         block_ids: Sequence[int],
-        positions: range,
+        positions: Sequence[int],
         context_block_ids: tuple[int, ...] = (),
     ) -> BlockRange | None:
         """The blocks at ``positions`` of one group, null blocks left out; None if none is left."""
