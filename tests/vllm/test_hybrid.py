@@ -25,6 +25,7 @@ from tests.vllm.engines import (
     generate,
     kvwire_transfer_config,
     profile_with_directory,
+    run_engine_process,
     running_llm,
     shared_prompts,
     start_llm,
@@ -176,3 +177,28 @@ def test_a_wrapped_hma_connector_gets_vllm_s_live_block_ids_per_group(
     assert not set(sliding) & set(full)  # one pool: an id is in one group at a time
     # The last step's lists are vLLM's live ones, nulls included.
     assert list(wrapped.scheduled.values()) == [(sliding, full)]
+
+
+@pytest.mark.slow
+def test_hybrid_model_in_vllm_s_default_multiprocess_engine_loads_its_warm_pass_from_kvwire(
+    tiny_hybrid_model: str,
+    hybrid_tokens_without_connector: list[list[int]],
+    tmp_path: pathlib.Path,
+) -> None:
+    # The engine core in a process of its own: the metadata (asynchronous
+    # loads' block ids included) crosses processes as real pickles.
+    profile = profile_with_directory("shared-storage.yaml", tmp_path)
+    profile["kv_transfer_config"]["kv_connector_extra_config"]["async_load"] = True
+    result = run_engine_process(
+        tiny_hybrid_model,
+        kvwire_transfer_config(profile),
+        PROMPTS,
+        MAX_TOKENS,
+        tmp_path,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        passes=2,
+    )
+    assert result["tokens"] == [hybrid_tokens_without_connector] * 2
+    assert result["cached"][1] == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
+    # Two groups (with HMA off, one group of every layer would load 9 blocks a prompt).
+    assert result["stats"]["blocks_loaded"] == len(PROMPTS) * (LOADABLE_BLOCKS + WINDOW_BLOCKS)
