@@ -14,9 +14,10 @@ per request, whatever holds the blocks:
   each step's computed prefix (and the block before it when that end is
   block-aligned: a later prompt equal to the prefix recomputes its last
   token, so its hit ends a block earlier), and the end of the request's local
-  prefix hit, where it branched from an earlier request (a later request
-  branching there finds its window too), unless the medium holds that
-  window already. A block whose load failed is computed again by the
+  prefix hit, or of its full-attention groups' hit in the medium when no
+  saved window reaches that far: where it branched from an earlier request
+  (a later request branching there finds its window too), unless the medium
+  holds that window already. A block whose load failed is computed again by the
   engine, so it is saved again: the medium, which dropped the bad entry,
   gets a good one back in the same run.
 
@@ -61,8 +62,9 @@ class _Lookup:
     first_block: int
     hit_blocks: int
     candidate_blocks: int
-    # Per sliding-window group: the window at first_block, when the medium lacks it.
-    branch_windows: dict[int, range] = attrs.field(factory=dict)
+    # Per sliding-window group: the positions of windows to save where the
+    # request branches from saved ones (see BlockPlanner.look_up).
+    branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -72,8 +74,9 @@ class _SaveCursor:
     next_block_to_save: list[int]
     # Per group: the request's cache block ids, as last seen (allocation, then each step).
     block_ids: tuple[Sequence[int], ...] = ()
-    # Per sliding-window group: a window before next_block_to_save still to save.
-    branch_windows: dict[int, range] = attrs.field(factory=dict)
+    # Per sliding-window group: branch-window positions not saved yet (those
+    # the request has not computed yet wait for the step that computes them).
+    branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
 
 
 class BlockPlanner:
@@ -118,28 +121,31 @@ class BlockPlanner:
         # At least one prompt token is always left to compute: the engine needs
         # logits for it.
         last_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        branches = self._missing_local_branch_windows(hashes, first_block, count_hits)
         if not self._loads or last_block <= first_block:
-            self._lookups[request.request_id] = _Lookup(
-                first_block, 0, 0, self._missing_branch_windows(hashes, first_block, count_hits)
-            )
+            self._lookups[request.request_id] = _Lookup(first_block, 0, 0, branches)
             return 0
-        end = last_block
+        full_end = last_block
         for group in self._full_groups:
-            if end > first_block:
-                end = first_block + count_hits(group.index, hashes[first_block:end])
-        end = self._sliding_prefix_end(hashes, first_block, end, count_hits)
+            if full_end > first_block:
+                full_end = first_block + count_hits(group.index, hashes[first_block:full_end])
+        end = self._sliding_prefix_end(hashes, first_block, full_end, count_hits)
+        if end < full_end and self._window_aware and self._saves:
+            # The full groups match further than any saved window reaches: the
+            # request branches there from a saved one. It computes that window
+            # (all of it from ``end`` on), so it can save it for the next one.
+            for group in self._sliding_groups:
+                window = group.needed_positions(full_end)
+                branches.setdefault(group.index, []).extend(range(max(end, window.start), full_end))
         hits = end - first_block
         self._lookups[request.request_id] = _Lookup(
-            first_block,
-            hits,
-            last_block - first_block,
-            self._missing_branch_windows(hashes, first_block, count_hits),
+            first_block, hits, last_block - first_block, branches
         )
         return hits
 
-    def _missing_branch_windows(
+    def _missing_local_branch_windows(
         self, hashes: Sequence[BlockHash], first_block: int, count_hits: HitCounter
-    ) -> dict[int, range]:
+    ) -> dict[int, list[int]]:
         """Per sliding group, the window ending at the local hit, if the medium lacks it.
 
         The engine holds it (a sliding-window group keeps the window of its
@@ -152,7 +158,7 @@ class BlockPlanner:
             window = group.needed_positions(first_block)
             held = count_hits(group.index, [hashes[p] for p in reversed(window)])
             if held < len(window):
-                missing[group.index] = window
+                missing[group.index] = list(window)
         return missing
 
     def _sliding_prefix_end(
@@ -288,10 +294,12 @@ class BlockPlanner:
         """
         window_start = group.needed_positions(end).start - (1 if aligned else 0)
         positions = range(max(start, window_start), end)
-        branch = cursor.branch_windows.pop(group.index, None)
-        if branch is None:
+        branch = cursor.branch_windows.get(group.index)
+        if not branch:
             return list(positions)
-        return sorted({*branch, *positions})
+        computed = [p for p in branch if p < end]
+        cursor.branch_windows[group.index] = [p for p in branch if p >= end]
+        return sorted({*computed, *positions})
 
     def _range(
         self,
