@@ -1,4 +1,4 @@
-"""``kvwire run``: three passes, a table or JSON, and clear errors."""
+"""``kvwire run``: four passes, a table or JSON, and clear errors."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _directory_profile(tmp_path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def test_json_report_has_three_passes_with_warm_hits_and_identical_outputs(
+def test_json_report_has_four_passes_with_warm_hits_and_identical_outputs(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     status = cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
@@ -42,7 +42,39 @@ def test_json_report_has_three_passes_with_warm_hits_and_identical_outputs(
     assert passes["no connector"]["tokens_from_connector"] == 0
     assert passes["cold"]["tokens_from_connector"] == 0
     assert passes["warm"]["tokens_from_connector"] > 0
+    assert passes["local"]["tokens_from_connector"] == 0
     assert all(row["outputs_identical"] for row in passes.values())
+
+
+def test_the_local_pass_finds_every_prefix_in_the_engines_own_cache_without_a_connector(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 4 prompts of 64 tokens (4 blocks of 16): each can hit its first 3 blocks.
+    profile = pathlib.Path(__file__).parents[2] / "containers" / "cpu-offload.yaml"
+    cli.main(["run", str(profile), *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
+    passes = json.loads(capsys.readouterr().out)["passes"]
+    local, warm = passes["local"], passes["warm"]
+    assert local["tokens_from_local_cache"] == 4 * 48
+    # What the warm pass got from the connector, the local pass has locally.
+    assert local["tokens_from_local_cache"] == (
+        warm["tokens_from_local_cache"] + warm["tokens_from_connector"]
+    )
+    # No connector in that pass: no transfer figures at all.
+    for key in ("bytes_saved", "bytes_loaded", "transfer_s", "effective_gb_per_s"):
+        assert local[key] is None
+    assert local["outputs_identical"]
+
+
+def test_warm_over_local_is_the_ratio_of_their_ttft_medians(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli.main(["run", str(_directory_profile(tmp_path)), *SMALL_WORKLOAD, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    passes = report["passes"]
+    expected = passes["warm"]["ttft_p50_ms"] / passes["local"]["ttft_p50_ms"]
+    assert report["warm_vs_local_ttft_p50"] == pytest.approx(expected)
+    assert passes["warm"]["ttft_p50_vs_local"] == pytest.approx(expected)
+    assert passes["local"]["ttft_p50_vs_local"] == pytest.approx(1.0)
 
 
 def test_the_table_names_every_figure(
@@ -52,6 +84,10 @@ def test_the_table_names_every_figure(
     table = capsys.readouterr().out
     for label in ("hit rate", "TTFT p50", "TTFT p95", "bytes loaded", "effective GB/s"):
         assert label in table
+    header = table.splitlines()[3].split()
+    assert header[-4:] == ["connector", "cold", "warm", "local"]
+    assert "TTFT p50 / local" in table
+    assert "warm / local TTFT p50: " in table
     assert "outputs identical with and without the connector" in table
 
 
@@ -108,7 +144,9 @@ def test_on_a_terminal_the_progress_bar_redraws_one_line_and_erases_it_at_the_en
     cli.main(["run", str(_directory_profile(tmp_path)), *workload])
     drawn = terminal.getvalue()
     assert "\n" not in drawn
-    assert "\r[" + "#" * 30 + "] 12/12 requests (warm)" in drawn
+    # Four passes of 4 requests; the no-connector engine runs the local pass.
+    assert "\r[" + "#" * 30 + "] 16/16 requests (warm)" in drawn
+    assert "] 8/16 requests (local)" in drawn
     assert drawn.endswith("\r\x1b[K")
     assert "requests (" not in capsys.readouterr().out
 
@@ -117,7 +155,13 @@ def test_help_explains_every_row_of_the_table(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     help_text = capsys.readouterr().out
-    for row in ("tokens from connector", "transfer time", "effective GB/s", "TTFT p50 / p95"):
+    for row in (
+        "tokens from connector",
+        "transfer time",
+        "effective GB/s",
+        "TTFT p50 / p95",
+        "TTFT p50 / local",
+    ):
         assert row in help_text
     assert "(bytes saved + bytes loaded) / transfer time" in help_text
 

@@ -1,8 +1,10 @@
-"""``kvwire run [PROFILE]``: what a connector buys on a workload, measured three ways.
+"""``kvwire run [PROFILE]``: what a connector buys on a workload, measured four ways.
 
 The workload runs without a connector, then with it cold (filling it), then
 warm (the engine's local prefix cache emptied, so shared prefixes must come
-back from the connector). A table compares the passes; ``--json`` prints the
+back from the connector), and local (the workload again without a connector,
+its prefix cache kept: nothing to move, the best a warm connector could
+match). A table compares the passes; ``--json`` prints the
 same figures for machines. The exit status is 1 when any pass's outputs
 differ from the no-connector pass or a request failed.
 
@@ -29,7 +31,9 @@ DEFAULT_PROFILE = "profiles/default.yaml"
 # What each row means, for ``kvwire run --help``.
 COLUMN_HELP = """\
 table rows (one column per pass: no connector, cold = filling the connector,
-warm = local prefix cache emptied, so shared prefixes come from the connector):
+warm = local prefix cache emptied, so shared prefixes come from the connector,
+local = the workload again without a connector, the local prefix cache kept
+from the no-connector pass: nothing to move, the best a warm pass could match):
   requests / prompt tokens   the workload, identical in every pass
   tokens from local cache    prompt tokens found in the engine's own prefix
                              cache (blocks computed or loaded by an earlier
@@ -50,6 +54,9 @@ warm = local prefix cache emptied, so shared prefixes come from the connector):
   effective GB/s             (bytes saved + bytes loaded) / transfer time: the
                              connector's own throughput while it moves bytes
   speed-up (total, TTFT p50) no-connector figure / this pass's figure
+  TTFT p50 / local           this pass's TTFT p50 / the local pass's; under
+                             the table, warm / local: how far the connector's
+                             warm pass is from the engine's own prefix cache
   failed requests            requests that ended with an error
   outputs identical          generated tokens equal the no-connector pass's
 '-' means not applicable, or not reported by the connector. The line under
@@ -60,7 +67,8 @@ connector, why (the HMA gate), and how many KV cache groups the cache had."""
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add ``kvwire run``'s arguments to ``parser``, and what its table's rows mean."""
     parser.description = (
-        "Run a workload without a connector, then with it cold, then warm, and compare."
+        "Run a workload without a connector, then with it cold, then warm, and again "
+        "without it with the local prefix cache kept; compare."
     )
     parser.epilog = COLUMN_HELP
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -124,7 +132,7 @@ def _ratio(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvwire run``; the process exit status."""
-    from kvwire.engine.passes import compare_passes
+    from kvwire.engine.passes import PASSES, compare_passes
     from kvwire.engine.report import format_table
 
     secrets = _profile_secrets(args.profile)
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress = None
     if not args.no_progress and sys.stderr.isatty():
-        progress = _ProgressBar(sys.stderr, 3 * len(workload))
+        progress = _ProgressBar(sys.stderr, len(PASSES) * len(workload))
     try:
         report = compare_passes(
             config,
