@@ -22,6 +22,7 @@ from typing import Any, Literal
 import attrs
 from attrs import validators
 
+from kvwire.dtypes import DTYPES, check_dtype
 from kvwire.exceptions import kind_of
 from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import shown, shown_key
@@ -41,16 +42,6 @@ KV_CACHE_LAYOUTS: tuple[str, ...] = ("kvwire", "vllm_cpu")
 
 LoadFailurePolicy = Literal["recompute", "fail"]
 LOAD_FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
-
-# Element sizes of the dtypes a KV cache may hold. Kept as names so that
-# configuration never needs torch.
-DTYPE_SIZES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
 
 
 # Upper bounds on counts, far above any real model (the deepest have about
@@ -155,11 +146,6 @@ def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: int) -
     low, high = SEED_RANGE
     if not low <= value <= high:
         raise ValueError(f"{attribute.name} must be between {low} and {high}, got {shown(value)}")
-
-
-def _check_dtype(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in DTYPE_SIZES:
-        raise ValueError(f"{attribute.name}: {shown(value)} is not one of {', '.join(DTYPE_SIZES)}")
 
 
 def _of_kind(kind: type, description: str) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -370,7 +356,7 @@ class ModelConfig:
     intermediate_size: int = attrs.field(default=128, validator=_count())
     vocab_size: int = attrs.field(default=512, validator=_count())
     max_model_len: int = attrs.field(default=2048, validator=_count())
-    dtype: str = attrs.field(default="float32", validator=_check_dtype, repr=_bounded_repr)
+    dtype: str = attrs.field(default="float32", validator=check_dtype, repr=_bounded_repr)
     seed: int = attrs.field(default=0, validator=[_of_kind(int, "an integer"), _check_seed])
     # Which weights produced the KV (e.g. a model path or hub id and revision).
     # Part of the layout fingerprint when set: two models of one shape never
@@ -422,7 +408,7 @@ class ModelConfig:
 
     @property
     def dtype_size(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        return DTYPES[self.dtype].size
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 import attrs
 from attrs import validators
 
-from kvwire.config import DTYPE_SIZES, EngineConfig
+from kvwire.config import EngineConfig
+from kvwire.dtypes import DTYPES, check_dtype
 from kvwire.redaction import shown
 
 LAYER_NAME_FORMAT = "layers.{}.attn"
@@ -26,11 +27,6 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: int) -> 
         raise ValueError(f"{attribute.name} must be > 0, got {shown(value)}")
 
 
-def _known_dtype(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in DTYPE_SIZES:
-        raise ValueError(f"{attribute.name}: {shown(value)} is not one of {', '.join(DTYPE_SIZES)}")
-
-
 @attrs.frozen(kw_only=True)
 class AttentionSpec:
     """The KV layout of one attention layer: tokens per block and per-token shape."""
@@ -38,11 +34,11 @@ class AttentionSpec:
     block_size: int = attrs.field(validator=[validators.instance_of(int), _positive])
     num_kv_heads: int = attrs.field(validator=[validators.instance_of(int), _positive])
     head_size: int = attrs.field(validator=[validators.instance_of(int), _positive])
-    dtype: str = attrs.field(default="float32", validator=_known_dtype)
+    dtype: str = attrs.field(default="float32", validator=check_dtype)
 
     @property
     def dtype_size(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        return DTYPES[self.dtype].size
 
     @property
     def page_size_bytes(self) -> int:

@@ -27,9 +27,10 @@ from typing import NoReturn
 import attrs
 import xxhash
 
-from kvwire.config import DTYPE_SIZES, EngineConfig
+from kvwire.config import EngineConfig
 from kvwire.connector.types import BlockHash
 from kvwire.connectors.entry_mac import MAC_SIZE, EntryMac
+from kvwire.dtypes import DTYPES
 
 MAGIC = b"KVWB"
 FORMAT_VERSION = 1
@@ -45,7 +46,7 @@ PAYLOAD_LAYOUTS: dict[str, str] = {
     "vllm_cpu": "layers,vllm_cpu_block[num_kv_heads,block_size,2*head_size]",
 }
 
-_DTYPE_CODES: dict[str, int] = {name: code for code, name in enumerate(DTYPE_SIZES, start=1)}
+_DTYPE_CODES: dict[str, int] = {name: dtype.code for name, dtype in DTYPES.items()}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 # magic, version, dtype code, fingerprint, block hash, shape (5 dims), payload bytes,
 # checksum, flags; the MAC (or zeros) fills the rest of the header.
@@ -113,7 +114,7 @@ class BlockLayout:
             * self.block_size
             * self.num_kv_heads
             * self.head_size
-            * DTYPE_SIZES[self.dtype]
+            * DTYPES[self.dtype].size
         )
 
     @property

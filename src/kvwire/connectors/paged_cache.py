@@ -23,6 +23,7 @@ import torch
 
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.cache_groups import CacheGroup
+from kvwire.dtypes import DTYPES
 from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.redaction import shown
 
@@ -32,14 +33,6 @@ from kvwire.redaction import shown
 # for both instead of two. A few MiB fits the last-level cache of any server
 # CPU while keeping the copies large enough that call overhead stays small.
 CACHE_CHUNK_BYTES = 4 * 1024 * 1024
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
 
 
 class PagedKVCaches:
@@ -63,7 +56,7 @@ class PagedKVCaches:
                 f"register_kv_caches: got {len(ordered)} layers, the model config says "
                 f"num_layers={layout.num_layers}"
             )
-        expected_dtype = TORCH_DTYPES[layout.dtype]
+        expected_dtype = DTYPES[layout.dtype].torch_dtype()
         first = kv_caches[ordered[0]]
         blocks_dim = 0 if layout.cache_layout == "vllm_cpu" else 1
         num_blocks = int(first.shape[blocks_dim]) if first.dim() > blocks_dim else 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
-from kvwire.connectors.paged_cache import TORCH_DTYPES
+from kvwire.dtypes import DTYPES
 
 
 class StagingBuffers:
@@ -41,7 +41,7 @@ class StagingBuffers:
         self._raw.zero_()
         whole = memoryview(self._memory)
         self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]
-        payload = self._raw[:, HEADER_SIZE:].view(TORCH_DTYPES[layout.dtype])
+        payload = self._raw[:, HEADER_SIZE:].view(DTYPES[layout.dtype].torch_dtype())
         self._payloads = payload.view(num_slots, *layout.shape)
         # Kept sorted, and handed out lowest first: slots taken together are
         # then mostly consecutive, and a copy between consecutive blocks and

@@ -60,7 +60,6 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.paged_cache import (
     CACHE_CHUNK_BYTES,
-    TORCH_DTYPES,
     PagedKVCaches,
     cache_sized_chunks,
     copy_on_this_thread_only,
@@ -69,6 +68,7 @@ from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
+from kvwire.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -513,7 +513,7 @@ class StoreWorker:
         """
         loaded_bytes = 0
         unmapped: list[int] = []
-        dtype = TORCH_DTYPES[self._layout.dtype]
+        dtype = DTYPES[self._layout.dtype].torch_dtype()
         payload_bytes = self._layout.payload_bytes
         for index, (block_id, block_hash) in enumerate(zip(run.block_ids, run.hashes, strict=True)):
             key = self._key_of(run.group, block_hash)

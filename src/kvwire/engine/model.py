@@ -24,20 +24,17 @@ import attrs
 import torch
 
 from kvwire.config import ModelConfig
+from kvwire.dtypes import DTYPES
 from kvwire.engine.paged_attention import (
     COMPUTE_DTYPE,
     AttentionMetadata,
     PagedAttention,
     SequenceSlice,
 )
+from kvwire.redaction import shown
 
 __all__ = ["AttentionMetadata", "LayerHook", "SequenceSlice", "TinyTransformer", "torch_dtype"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 _COMPUTE_DTYPE = COMPUTE_DTYPE
 _ROPE_BASE = 10000.0
 _RMS_EPS = 1e-6
@@ -45,13 +42,14 @@ _RMS_EPS = 1e-6
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a model dtype name; the engine's cache holds this dtype."""
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
+    dtype = DTYPES.get(name)
+    if dtype is None or not dtype.engine_computes:
+        computed = [known.name for known in DTYPES.values() if known.engine_computes]
         raise ValueError(
-            f"model_config.dtype: {name!r} is not supported by the kvwire engine; "
-            f"use one of {', '.join(_TORCH_DTYPES)}"
-        ) from None
+            f"model_config.dtype: {shown(name)} is not supported by the kvwire engine; "
+            f"use one of {', '.join(computed)}"
+        )
+    return dtype.torch_dtype()
 
 
 # Called around each layer's attention with the layer's name: before it reads

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import attrs
 
 from kvwire.config import (
-    DTYPE_SIZES,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -30,6 +29,7 @@ from kvwire.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kvwire.dtypes import DTYPE_NAMES, DTYPES
 from kvwire.exceptions import KVWireError
 from kvwire.kv_cache_config import (
     AttentionSpec,
@@ -152,9 +152,9 @@ def _is_hook_spec(spec: object) -> TypeGuard[str]:
 def kv_dtype_name(dtype: Any) -> str:
     """kvwire's name of a torch dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``)."""
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_SIZES:
+    if name not in DTYPES:
         raise VLLMConfigError(
-            f"the KV cache dtype {name} is not one kvwire moves; accepted: {', '.join(DTYPE_SIZES)}"
+            f"the KV cache dtype {name} is not one kvwire moves; accepted: {', '.join(DTYPE_NAMES)}"
         )
     return name
 
