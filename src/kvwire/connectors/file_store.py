@@ -18,11 +18,11 @@ and without blocking (a FIFO put in an entry's place must not hang a load),
 and reads only a regular file no larger than an entry; anything else is a
 bad entry: warned about, counted, a failed load.
 
-Large entries can also be read by mapping their file (:meth:`DirectoryBlockStore.map_entry`):
-the reader verifies the page cache's bytes in place and copies them once, into
-the KV cache, instead of first reading them into a staging buffer. That is
-safe because an entry file is never changed in place once renamed into view
-(a process that truncated one would make a reader that has it mapped fault).
+The connector's data path reads an entry straight into the KV cache's block
+ranges (:meth:`DirectoryBlockStore.read_into_ranges`: ``preadv`` of the header
+buffer and the ranges, a few MiB per call) and writes one straight from them
+(:meth:`DirectoryBlockStore.write_ranges`: ``pwritev`` into the temporary
+file): no staging copy on either side. The file rules above hold for both.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import contextlib
 import errno
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import stat
@@ -57,7 +56,7 @@ from kvwire.connectors.directory_layout import (
 )
 from kvwire.connectors.file_modes import PRIVATE, FileModes, make_folder, process_umask
 from kvwire.connectors.rate_limited import RateLimitedWarning
-from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store import BlockStore, CacheWrites
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -69,6 +68,12 @@ _Result = TypeVar("_Result")
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 # A new file or nothing: never another writer's temporary file, never a link's target.
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+# One preadv/pwritev moves at most this much: a load given up on stops
+# between calls, so this bounds what lands after the check (and how long its
+# waiter waits for the call in flight); larger calls gain nothing measurable.
+MAX_IO_BYTES = 4 * 1024 * 1024
+# Linux refuses more buffers than this in one preadv/pwritev.
+_MAX_IO_PARTS = 1024
 # Creating a temporary file retries this often when its shard folder is missing
 # (new, or removed as empty by an eviction in another process meanwhile).
 _CREATE_ATTEMPTS = 3
@@ -188,32 +193,44 @@ class DirectoryBlockStore(BlockStore):
             yield index, self._read(key, buffer)
 
     def _read(self, key: str, buffer: memoryview) -> int | None:
-        def read_into_buffer(fd: int, size: int) -> int | None:
-            if size > len(buffer):
-                raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold an entry")
+        return self._read_ranges(key, (buffer,), None)
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Read each entry file straight into its ranges with ``preadv``, a few MiB per call.
+
+        One file at a time, so the caller checks each entry while it is hot;
+        each call goes through ``writes`` (see :meth:`BlockStore.read_into_ranges`).
+        """
+        for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
+            yield index, self._read_ranges(key, ranges, writes)
+
+    def _read_ranges(
+        self, key: str, ranges: Sequence[memoryview], writes: CacheWrites | None
+    ) -> int | None:
+        def read_into_ranges(fd: int, size: int) -> int | None:
+            room = sum(len(part) for part in ranges)
+            if size > room:
+                raise ValueError(f"{room} bytes cannot hold an entry of {size}")
             read = 0
-            while read < size:
-                got = os.readv(fd, [buffer[read:size]])
-                if got == 0:
-                    break
-                read += got
+            for batch in _io_batches(ranges, size):
+                while batch:
+                    if writes is None:
+                        got = os.preadv(fd, batch, read)
+                    else:
+                        with writes.writing():
+                            got = os.preadv(fd, batch, read)
+                    if got == 0:
+                        return read  # the file ended early: the caller's check rejects it
+                    read += got
+                    batch = _after(batch, got)
             return read
 
-        return self._with_entry_file(key, read_into_buffer)
-
-    def map_entry(self, key: str) -> mmap.mmap | None:
-        """``key``'s file mapped read-only (private): None if missing, empty, unreadable or bad.
-
-        The caller closes the mapping. Nothing is copied until the caller reads it.
-        """
-
-        def map_file(fd: int, size: int) -> mmap.mmap | None:
-            if size == 0:
-                return None  # cannot be mapped; get_into reports it
-            # Private: nothing written through the mapping ever reaches the file.
-            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-
-        return self._with_entry_file(key, map_file)
+        return self._with_entry_file(key, read_into_ranges)
 
     def _with_entry_file(
         self, key: str, use: Callable[[int, int], _Result | None]
@@ -289,12 +306,26 @@ class DirectoryBlockStore(BlockStore):
     # --------------------------------------------------------------- writes
 
     def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
-        results = [self._write(key, entry) for key, entry in zip(keys, entries, strict=True)]
+        return self.write_ranges(keys, [(entry,) for entry in entries])
+
+    def write_ranges(
+        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """Write each entry straight from its ranges with ``pwritev`` into a new temporary file."""
+        results = [
+            self._write(key, ranges) for key, ranges in zip(keys, ranges_per_key, strict=True)
+        ]
         if self._max_bytes:
-            self._account(sum(len(e) for e, ok in zip(entries, results, strict=True) if ok))
+            self._account(
+                sum(
+                    sum(len(part) for part in ranges)
+                    for ranges, ok in zip(ranges_per_key, results, strict=True)
+                    if ok
+                )
+            )
         return results
 
-    def _write(self, key: str, entry: memoryview) -> bool:
+    def _write(self, key: str, ranges: Sequence[memoryview]) -> bool:
         try:
             path = self.path_of(key)
         except ValueError as error:
@@ -310,8 +341,11 @@ class DirectoryBlockStore(BlockStore):
                 if self._chmod_entries:
                     os.fchmod(fd, self._modes.entry)
                 written = 0
-                while written < len(entry):
-                    written += os.write(fd, entry[written:])
+                for batch in _io_batches(ranges, sum(len(part) for part in ranges)):
+                    while batch:
+                        done = os.pwritev(fd, batch, written)
+                        written += done
+                        batch = _after(batch, done)
                 if self._fsync:
                     os.fsync(fd)
             finally:
@@ -510,6 +544,43 @@ class DirectoryBlockStore(BlockStore):
     ) -> int:
         stale = [file for file in contents.temporary_files if now - file.mtime > _STALE_TMP_S]
         return len(self._remove_scanned(shard, contents.folder, stale))
+
+
+def _io_batches(ranges: Sequence[memoryview], size: int) -> list[list[memoryview]]:
+    """The first ``size`` bytes of ``ranges``: lists of views, one ``preadv``/``pwritev`` each.
+
+    Each list holds at most :data:`MAX_IO_BYTES` (a larger range is split)
+    and at most the system's limit of buffers per call.
+    """
+    batches: list[list[memoryview]] = []
+    batch: list[memoryview] = []
+    batch_bytes = 0
+    left = size
+    for whole in ranges:
+        if left <= 0:
+            break
+        part = whole[: min(len(whole), left)]
+        left -= len(part)
+        while len(part):
+            if batch_bytes == MAX_IO_BYTES or len(batch) == _MAX_IO_PARTS:
+                batches.append(batch)
+                batch, batch_bytes = [], 0
+            piece, part = part[: MAX_IO_BYTES - batch_bytes], part[MAX_IO_BYTES - batch_bytes :]
+            batch.append(piece)
+            batch_bytes += len(piece)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _after(batch: list[memoryview], done: int) -> list[memoryview]:
+    """What of ``batch`` is left once a call moved its first ``done`` bytes."""
+    while batch and done >= len(batch[0]):
+        done -= len(batch[0])
+        batch = batch[1:]
+    if batch and done:
+        batch = [batch[0][done:], *batch[1:]]
+    return batch
 
 
 def _error_text(error: Exception) -> str:

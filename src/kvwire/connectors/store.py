@@ -2,16 +2,126 @@
 
 A :class:`BlockStore` is a key-value store of whole entries (header plus
 payload, see :mod:`kvwire.connectors.block_format`): a directory shared by
-engines, a Redis/Valkey server. The connector owns the staging buffers and
-the threads; a store only moves bytes between those buffers and its medium,
-in batches, and reports failures per key instead of raising, so that one bad
+engines, a Redis/Valkey server. The connector owns the threads and the
+memory; a store only moves bytes between that memory and its medium, in
+batches, and reports failures per key instead of raising, so that one bad
 entry or a dead server never reaches the engine as an exception.
+
+The connector's data path (:meth:`BlockStore.read_into_ranges`,
+:meth:`BlockStore.write_ranges`) hands a store each entry as a list of byte
+ranges: a small header buffer, then the block's ranges in the KV cache
+itself (:mod:`kvwire.connectors.block_memory`). A store that can do scattered
+I/O (``preadv``/``pwritev``, ``recv_into``/``sendmsg``) overrides both and
+moves the bytes with no copy; any other store keeps the defaults, which go
+through a per-thread scratch buffer and :meth:`BlockStore.read_each` /
+:meth:`BlockStore.put` (one copy, as before).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Generator, Sequence
+import contextlib
+import threading
+from collections.abc import Generator, Iterator, Sequence
+
+from kvwire.connectors.transfer_jobs import JobAbandoned
+from kvwire.exceptions import KVWireError
+
+# The default range I/O goes through scratch of about this size per thread
+# (at least one entry): large enough that a store call moves a few entries,
+# small enough to stay in the CPU's cache between the copy and the I/O.
+SCRATCH_BYTES = 4 * 1024 * 1024
+
+
+class LateWriteError(KVWireError, RuntimeError):
+    """A load given up on is still writing into the KV cache after the grace period.
+
+    A syscall in flight cannot be cancelled; continuing would let it write
+    into blocks the engine has taken back, so the engine must stop instead.
+    """
+
+
+class CacheWrites:
+    """The gate every write into a load's cache ranges goes through.
+
+    The store wraps each call that writes into the caller's ranges (one
+    ``preadv``, one ``recv_into``, one copy) in :meth:`writing`; once the
+    connector has given up on the load (:meth:`close`), :meth:`writing`
+    raises :class:`~kvwire.connectors.transfer_jobs.JobAbandoned` instead of
+    letting the write start, and the store lets that exception end its
+    generator. :meth:`close` waits for a write already under way to return.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._closed = False
+        self._in_flight = 0
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Around one write into the ranges; raises ``JobAbandoned`` once the load is given up."""
+        with self._changed:
+            if self._closed:
+                raise JobAbandoned
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, grace_s: float) -> None:
+        """Let no write start; wait ``grace_s`` for one under way, or :class:`LateWriteError`."""
+        with self._changed:
+            self._closed = True
+            if self._changed.wait_for(lambda: self._in_flight == 0, max(0.0, grace_s)):
+                return
+        raise LateWriteError(
+            f"a load given up on at its deadline is still writing into the KV cache "
+            f"{grace_s:g} s later (a read blocked in the medium); stopping rather than "
+            "risk that it lands in blocks the engine has taken back"
+        )
+
+
+class _Scratch(threading.local):
+    """One reusable buffer per thread, for the default range I/O."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def views(self, sizes: Sequence[int]) -> list[memoryview]:
+        """Consecutive views of ``sizes`` bytes each, in this thread's buffer (grown if needed)."""
+        total = sum(sizes)
+        if len(self.buffer) < total:
+            self.buffer = bytearray(total)
+        whole = memoryview(self.buffer)
+        views, offset = [], 0
+        for size in sizes:
+            views.append(whole[offset : offset + size])
+            offset += size
+        return views
+
+
+_scratch = _Scratch()
+
+
+def _scratch_chunks(sizes: Sequence[int]) -> list[range]:
+    """Consecutive index ranges of entries whose sizes add up to about :data:`SCRATCH_BYTES`."""
+    chunks: list[range] = []
+    start = total = 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > SCRATCH_BYTES:
+            chunks.append(range(start, index))
+            start, total = index, 0
+        total += size
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
 
 
 class BlockStore(abc.ABC):
@@ -63,6 +173,68 @@ class BlockStore(abc.ABC):
         """
         yield from enumerate(self.get_into(keys, buffers))
 
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Read each key's entry into its ranges, yielding ``(index, size or None)`` as each lands.
+
+        ``ranges_per_key[i]`` is key ``i``'s entry split into writable byte
+        ranges, in order: the entry's first ``len(ranges[0])`` bytes go into
+        ``ranges[0]``, the next into ``ranges[1]``, and so on (the connector
+        passes a header buffer, then the block's ranges in the KV cache). The
+        size yielded is the entry's length; an entry longer than its ranges
+        together is a failure (None) and writes nothing; a shorter one fills
+        what it covers and reports its length (the caller's check rejects it).
+
+        As :meth:`read_each`: every index is yielded once, in order; the
+        caller checks each entry as it lands; a caller that stops early closes
+        the iterator. The store may write into key ``i``'s ranges at any time
+        between the call and yielding ``i``, never after. Every write into the
+        ranges goes through ``writes.writing()`` (when ``writes`` is given),
+        one call (syscall, copy) at a time, and a ``JobAbandoned`` it raises
+        ends the generator (let it propagate): that is how a load given up on
+        stops writing into the cache. This default reads a few MiB of entries at a time into a
+        per-thread scratch buffer with :meth:`read_each`, then copies each
+        into its ranges; stores that can read into scattered memory override it.
+        """
+        sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
+        for chunk in _scratch_chunks(sizes):
+            buffers = _scratch.views([sizes[i] for i in chunk])
+            chunk_keys = [keys[i] for i in chunk]
+            with contextlib.closing(self.read_each(chunk_keys, buffers)) as landed:
+                for position, size in landed:
+                    index = chunk[position]
+                    if size is not None:
+                        with writes.writing() if writes is not None else contextlib.nullcontext():
+                            _copy_into(buffers[position][:size], ranges_per_key[index])
+                    yield index, size
+
+    def write_ranges(
+        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """Store each key's entry, given as its ranges in order; True where it is now stored whole.
+
+        As :meth:`put`, with each entry the concatenation of its ranges (a
+        header, then the block's ranges in the KV cache). The ranges are only
+        read, and not after the call returns. This default copies a few MiB
+        of entries at a time into a per-thread scratch buffer and calls
+        :meth:`put`; stores that can write scattered memory override it.
+        """
+        sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
+        results: list[bool] = []
+        for chunk in _scratch_chunks(sizes):
+            entries = _scratch.views([sizes[i] for i in chunk])
+            for entry, index in zip(entries, chunk, strict=True):
+                offset = 0
+                for part in ranges_per_key[index]:
+                    entry[offset : offset + len(part)] = part
+                    offset += len(part)
+            results.extend(self.put([keys[i] for i in chunk], entries))
+        return results
+
     def discard(self, keys: Sequence[str]) -> None:
         """Remove entries a reader found corrupt, so they stop being hits; optional."""
 
@@ -77,3 +249,14 @@ class BlockStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections and file handles."""
+
+
+def _copy_into(entry: memoryview, ranges: Sequence[memoryview]) -> None:
+    """Copy ``entry`` into ``ranges`` in order, as far as it reaches."""
+    offset = 0
+    for part in ranges:
+        if offset >= len(entry):
+            return
+        piece = entry[offset : offset + len(part)]
+        part[: len(piece)] = piece
+        offset += len(piece)
