@@ -168,9 +168,9 @@ class HybridStorePair(ConnectorPair):
 HybridFactory = Callable[..., HybridStorePair]
 
 
-def offload(pair: HybridStorePair, request_id: str = "a") -> Request:
+def offload(pair: HybridStorePair, request_id: str = "a", prompt: list[int] = PROMPT) -> Request:
     """Prefill request ``a`` in ``A_IDS`` with nothing stored yet; its saves are in the store."""
-    request = make_request(request_id, PROMPT, BLOCK)
+    request = make_request(request_id, prompt, BLOCK)
     assert pair.prefill_groups(request, A_IDS) == (0, False)
     assert pair.finish_groups(request, A_IDS) is False  # saves copied out: nothing kept
     pair.save_all()
@@ -226,24 +226,30 @@ class StoreGroupsContract:
                     assert torch.equal(cache[:, block], before[name][:, block]), (name, block)
         assert pair.stats["blocks_loaded"] == 8
 
-    def test_the_sliding_group_stores_only_its_window_and_the_block_before(
-        self, hybrid: HybridFactory
+    @pytest.mark.parametrize(
+        ("prompt", "window"),
+        [(PROMPT, [4, 5]), (PROMPT[:24], [3, 4, 5])],
+        ids=["25", "24-aligned"],
+    )
+    def test_the_sliding_group_stores_only_its_window_and_the_block_before_on_a_boundary(
+        self, hybrid: HybridFactory, prompt: list[int], window: list[int]
     ) -> None:
         pair = hybrid()
-        a = offload(pair)
+        a = offload(pair, prompt=prompt)
         assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
-        # The window at the prefix's end (4-5) and the block before it (the
-        # window a block earlier, where a prompt equal to a's prefix hits).
-        assert pair.held(SLIDING, a, range(6)) == [3, 4, 5]
-        assert pair.stats["blocks_saved"] == 9
-        # Events name blocks by hash: the full group's six, the sliding group's three.
+        # The window at the prefix's end (4-5); when the prefix ends a block,
+        # the block before it too (the window a block earlier, where a prompt
+        # equal to a's prefix hits, its last token recomputed).
+        assert pair.held(SLIDING, a, range(6)) == window
+        assert pair.stats["blocks_saved"] == 6 + len(window)
+        # Events name blocks by hash: the full group's six, the sliding group's window.
         stored = [
             block_hash
             for event in pair.worker.get_kv_connector_kv_cache_events()
             if isinstance(event, BlockStored)
             for block_hash in event.block_hashes
         ]
-        assert sorted(stored) == sorted(a.block_hashes[:6] + a.block_hashes[3:6])
+        assert sorted(stored) == sorted(a.block_hashes[:6] + a.block_hashes[window[0] : 6])
 
     def test_the_null_block_is_never_read_or_written(self, hybrid: HybridFactory) -> None:
         pair = hybrid()
@@ -269,23 +275,27 @@ class StoreGroupsContract:
         a = make_request("a", PROMPT, BLOCK)
         pair.admit(a, A_IDS)
         # Chunked: 2 blocks, then the rest; the sliding group saves positions 0-1,
-        # then 3-5 (the window at the end and the block before), leaving out 2.
+        # then 4-5 (the window at the end, inside block 6: not the block
+        # before), leaving out 2-3.
         pair.compute(a, A_IDS, 0, 8, is_new=True)
         pair.compute(a, A_IDS, 8, len(PROMPT) - 8, is_new=False)
         pair.finish_groups(a, A_IDS)
         pair.save_all()
-        assert pair.held(SLIDING, a, range(6)) == [0, 1, 3, 4, 5]
+        assert pair.held(SLIDING, a, range(6)) == [0, 1, 4, 5]
         # Sharing a's first 4 blocks: the full group holds all 4, but a prefix of
-        # 4 needs position 2 in the sliding group; of 2, positions 0-1, held.
+        # 4 needs positions 2-3 in the sliding group; of 2, positions 0-1, held.
         d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
         assert pair.scheduler.count_held_prefix(FULL, d.block_hashes) == 4
         assert pair.lookup(d) == (8, False)
-        # Sharing 3: positions 1-2 are needed and 2 is missing, so again 2 blocks.
+        # Sharing 3: positions 1-2 are needed and 2 is missing; sharing 5:
+        # positions 3-4, and 3 is missing: both back to 2 blocks.
         c = make_request("c", PROMPT[:12] + [7] * 13, BLOCK)
         assert pair.lookup(c) == (8, False)
-        # Sharing 5: positions 3-4 are needed, past the gap: all 5 blocks.
         e = make_request("e", PROMPT[:20] + [7] * 5, BLOCK)
-        assert pair.lookup(e) == (20, False)
+        assert pair.lookup(e) == (8, False)
+        # Sharing 6: positions 4-5 are needed, past the gap: all 6 blocks.
+        f = make_request("f", [*PROMPT[:24], 7], BLOCK)
+        assert pair.lookup(f) == (24, False)
 
     def test_groups_name_their_entries_apart(self, hybrid: HybridFactory) -> None:
         pair = hybrid()
@@ -315,7 +325,7 @@ class StoreGroupsContract:
         assert pair.stats["corrupt_entries"] == 1
         for name in SLIDING_LAYERS:
             assert torch.count_nonzero(pair.caches[name][:, 33]) == 0, name
-        assert pair.held(SLIDING, a, range(6)) == [3, 4]  # the forged entry is dropped
+        assert pair.held(SLIDING, a, range(6)) == [4]  # the forged entry is dropped
         assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
 
     def test_a_request_keeps_its_blocks_only_while_an_async_load_writes_them(

@@ -219,6 +219,19 @@ def hybrid_step(
     return SchedulerOutput(scheduled=[item])
 
 
+def step_of(
+    request_id: str, num_computed_tokens: int, num_scheduled_tokens: int
+) -> SchedulerOutput:
+    item = ScheduledRequest(
+        request_id=request_id,
+        block_ids=(list(FULL_IDS), list(SLIDING_IDS)),
+        num_computed_tokens=num_computed_tokens,
+        num_scheduled_tokens=num_scheduled_tokens,
+        is_new=True,
+    )
+    return SchedulerOutput(scheduled=[item])
+
+
 def groups_holding(full: Sequence[BlockHash], sliding: Sequence[BlockHash]) -> HitCounter:
     held = {FULL.index: set(full), SLIDING.index: set(sliding)}
 
@@ -233,16 +246,42 @@ def groups_holding(full: Sequence[BlockHash], sliding: Sequence[BlockHash]) -> H
     return count_hits
 
 
-def test_a_sliding_group_saves_only_the_window_at_the_prefix_end_and_the_block_before():
+def test_a_sliding_group_saves_only_the_window_at_a_prefix_end_inside_a_block():
     plan = hybrid_planner()
     plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
     saves = plan.plan_saves(hybrid_step(0, 25))
     by_group = {save.group: save.block_ids for save in saves}
-    # The window at the end is blocks 4-5; block 3 is the window's at the end
-    # a block earlier, where a prompt equal to this prefix hits. Blocks 0-2
-    # are never read again.
-    assert by_group == {0: tuple(FULL_IDS[:6]), 1: (23, 24, 25)}
-    assert [save.block_hashes for save in saves if save.group == 1] == [tuple(LONG_HASHES[3:6])]
+    # 25 tokens: the window at the end is blocks 4-5. The prefix does not end
+    # on a block boundary, so a prompt equal to it hits at block 6 too: blocks
+    # 0-3 are never read again.
+    assert by_group == {0: tuple(FULL_IDS[:6]), 1: (24, 25)}
+    assert [save.block_hashes for save in saves if save.group == 1] == [tuple(LONG_HASHES[4:6])]
+
+
+@pytest.mark.parametrize(
+    ("tokens_after_step", "sliding_saved"),
+    [(24, (23, 24, 25)), (25, (24, 25)), (27, (24, 25))],
+    ids=["aligned", "one-token-past", "three-tokens-past"],
+)
+def test_a_sliding_group_saves_the_block_before_the_window_only_when_the_step_ends_a_block(
+    tokens_after_step: int, sliding_saved: tuple[int, ...]
+) -> None:
+    # Every step ends at block 6 (window 4-5). Only a prefix of exactly 24
+    # tokens is a prompt that hits a block earlier (its last token is
+    # recomputed), at block 5, whose window reaches block 3.
+    plan = hybrid_planner()
+    request = Request(
+        request_id="r",
+        prompt_token_ids=list(range(28)),
+        max_tokens=1,
+        block_hashes=list(LONG_HASHES),
+    )
+    plan.allocate(request, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    saves = plan.plan_saves(hybrid_step(0, tokens_after_step))
+    assert [(save.group, save.block_ids) for save in saves] == [
+        (0, tuple(FULL_IDS[:6])),
+        (1, sliding_saved),
+    ]
 
 
 def test_a_sliding_group_skips_the_blocks_that_left_the_window_between_steps():
@@ -250,14 +289,85 @@ def test_a_sliding_group_skips_the_blocks_that_left_the_window_between_steps():
     plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
     first = plan.plan_saves(hybrid_step(0, 8))
     # Blocks 2 and 3 are computed by the second step, whose prefix ends at
-    # block 6: block 2 is neither in the window there (4-5) nor in the one a
-    # block earlier (3-4), so it is never read again; block 3 is saved.
+    # block 6, inside block 7 (25 tokens): neither is in the window there
+    # (4-5), so neither is ever read again.
     second = plan.plan_saves(hybrid_step(8, 17))
     assert [(save.group, save.block_ids) for save in first] == [(0, (10, 11)), (1, (20, 21))]
     assert [(save.group, save.block_ids) for save in second] == [
         (0, (12, 13, 14, 15)),
-        (1, (23, 24, 25)),
+        (1, (24, 25)),
     ]
+
+
+class RecordingMedium:
+    """What a medium holds per group, filled by the planned saves; records the questions asked."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, set[BlockHash]] = {FULL.index: set(), SLIDING.index: set()}
+        self.questions: list[tuple[int, list[BlockHash]]] = []
+
+    def count_hits(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        self.questions.append((group, list(block_hashes)))
+        hits = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.held[group]:
+                break
+            hits += 1
+        return hits
+
+    def store(self, saves: Sequence[BlockRange]) -> dict[int, tuple[BlockHash, ...]]:
+        """Hold ``saves``; what each group saved."""
+        for save in saves:
+            self.held[save.group].update(save.block_hashes)
+        return {save.group: save.block_hashes for save in saves}
+
+
+def branching_request(request_id: str, tail: int) -> Request:
+    """Request r's first three blocks and a tail of 6 tokens, shorter than the 9-token window."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(18)),
+        max_tokens=1,
+        block_hashes=[*LONG_HASHES[:3], bytes([tail]) * 8],
+    )
+
+
+def test_a_request_branching_off_a_local_hit_saves_the_window_at_its_branch_point_once():
+    plan = hybrid_planner()
+    medium = RecordingMedium()
+    plan.look_up(long_request(), 0, medium.count_hits)
+    plan.allocate(long_request(), KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    # r saves its window at block 6 (25 tokens): blocks 4-5.
+    assert medium.store(plan.plan_saves(hybrid_step(0, 25)))[SLIDING.index] == tuple(
+        LONG_HASHES[4:6]
+    )
+    plan.forget("r")
+
+    # b shares r's first 3 blocks through the engine's own cache and computes
+    # a tail shorter than the window: its step's window (2-3) holds only one
+    # of its blocks. The window at its branch point (1-2), which the medium
+    # lacks, is saved too, so a later prompt ending there, or equal to b's
+    # prefix, finds its window.
+    b = branching_request("b", 20)
+    assert plan.look_up(b, 3 * BLOCK, medium.count_hits) == 0
+    plan.allocate(b, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    saved = medium.store(plan.plan_saves(step_of("b", 3 * BLOCK, 6)))
+    assert saved == {FULL.index: (b.block_hashes[3],), SLIDING.index: tuple(b.block_hashes[1:4])}
+    plan.forget("b")
+    assert plan.look_up(branching_request("b2", 20), 0, medium.count_hits) == 4
+    assert plan.look_up(branching_request("b3", 21), 0, medium.count_hits) == 3
+
+    # c branches at the same point: the medium holds that window now, which
+    # one question per sliding group (last block first) tells; c saves only
+    # its own block.
+    c = branching_request("c", 22)
+    medium.questions.clear()
+    assert plan.look_up(c, 3 * BLOCK, medium.count_hits) == 0
+    assert (SLIDING.index, [LONG_HASHES[2], LONG_HASHES[1]]) in medium.questions
+    assert [group for group, _ in medium.questions].count(SLIDING.index) == 1
+    plan.allocate(c, KVCacheBlocks((FULL_IDS, SLIDING_IDS)), 0)
+    saved = medium.store(plan.plan_saves(step_of("c", 3 * BLOCK, 6)))
+    assert saved == {FULL.index: (c.block_hashes[3],), SLIDING.index: (c.block_hashes[3],)}
 
 
 @pytest.mark.parametrize("first_step_tokens", [None, BLOCK + 1], ids=["one-step", "chunked"])

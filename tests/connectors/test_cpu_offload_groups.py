@@ -25,7 +25,7 @@ from kvwire.connector.types import (
 )
 from kvwire.connectors.block_format import CorruptBlockError, verify_entry
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.engine.engine import LLMEngine
+from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.kv_cache_config import (
@@ -223,19 +223,25 @@ def test_each_group_round_trips_bit_exact_into_other_block_ids(hybrid, async_loa
                 assert torch.equal(cache[:, block], before[name][:, block]), (name, block)
 
 
-def test_the_sliding_group_stores_only_its_window_and_the_block_before(hybrid):
+@pytest.mark.parametrize(
+    ("prompt", "window"), [(PROMPT, [4, 5]), (PROMPT[:24], [3, 4, 5])], ids=["25", "24-aligned"]
+)
+def test_the_sliding_group_stores_only_its_window_and_the_block_before_on_a_boundary(
+    hybrid, prompt, window
+):
     pair = hybrid()
-    a = offload(pair)
+    a = offload(pair, prompt=prompt)
     assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
-    # The window at the prefix's end (4-5) and the block before it (the
-    # window a block earlier, where a prompt equal to a's prefix hits).
-    assert pair.held(SLIDING, a, range(6)) == [3, 4, 5]
-    assert pair.stats["blocks_saved"] == 9
+    # The window at the prefix's end (4-5); when the prefix ends a block, the
+    # block before it too (the window a block earlier, where a prompt equal
+    # to a's prefix hits, its last token recomputed).
+    assert pair.held(SLIDING, a, range(6)) == window
+    assert pair.stats["blocks_saved"] == 6 + len(window)
     # Confirmed per group: each group's blocks are named in an event of their own.
     stored = [event for event in pair.scheduler.take_events() if isinstance(event, BlockStored)]
     assert [event.block_hashes for event in stored] == [
         tuple(a.block_hashes[:6]),
-        tuple(a.block_hashes[3:6]),
+        tuple(a.block_hashes[window[0] : 6]),
     ]
 
 
@@ -262,38 +268,42 @@ def test_a_gap_in_the_sliding_window_moves_the_hit_back(hybrid):
     a = make_request("a", PROMPT, BLOCK)
     pair.admit(a, A_IDS)
     # Chunked: 2 blocks, then the rest; the sliding group saves positions 0-1,
-    # then 3-5 (the window at the end and the block before), leaving out 2.
+    # then 4-5 (the window at the end, inside block 6: not the block before),
+    # leaving out 2-3.
     pair.compute(a, A_IDS, 0, 8, is_new=True)
     pair.compute(a, A_IDS, 8, len(PROMPT) - 8, is_new=False)
     pair.finish_groups(a, A_IDS)
-    assert pair.held(SLIDING, a, range(6)) == [0, 1, 3, 4, 5]
+    assert pair.held(SLIDING, a, range(6)) == [0, 1, 4, 5]
     # Sharing a's first 4 blocks: the full group holds all 4, but a prefix of
-    # 4 needs position 2 in the sliding group; of 2, positions 0-1, held.
+    # 4 needs positions 2-3 in the sliding group; of 2, positions 0-1, held.
     d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
     assert pair.scheduler.count_held_prefix(FULL, d.block_hashes) == 4
     assert pair.lookup(d) == (8, False)
-    # Sharing 3: positions 1-2 are needed and 2 is missing, so again 2 blocks.
+    # Sharing 3: positions 1-2 are needed and 2 is missing; sharing 5:
+    # positions 3-4, and 3 is missing: both back to 2 blocks.
     c = make_request("c", PROMPT[:12] + [7] * 13, BLOCK)
     assert pair.lookup(c) == (8, False)
-    # Sharing 5: positions 3-4 are needed, past the gap: all 5 blocks.
     e = make_request("e", PROMPT[:20] + [7] * 5, BLOCK)
-    assert pair.lookup(e) == (20, False)
+    assert pair.lookup(e) == (8, False)
+    # Sharing 6: positions 4-5 are needed, past the gap: all 6 blocks.
+    f = make_request("f", [*PROMPT[:24], 7], BLOCK)
+    assert pair.lookup(f) == (24, False)
 
 
 def test_a_request_keeps_its_blocks_until_its_stores_in_every_group_are_confirmed(hybrid):
     pair = hybrid()
     offload(pair)
     # e shares a's first 4 blocks: the full group holds them all, the sliding
-    # group lacks position 2 of its window (2-3), so e computes them and
-    # stores only there: positions 1-2 (3 is held already).
+    # group lacks its window there (2-3), so e computes them and stores only
+    # there: positions 2-3 (its prefix ends inside block 4: not the one before).
     e = make_request("e", PROMPT[:17], BLOCK)
     ids = ([41, 42, 43, 44, 45], [46, 47, 48, 49, 50])
     assert pair.prefill_groups(e, ids) == (0, False)
     assert pair.lookup(make_request("f", PROMPT[:17], BLOCK)) == (0, False)  # not confirmed yet
     assert pair.finish_groups(e, ids) is True
     assert pair.finished_sending == {"a", "e"}
-    assert pair.stats["blocks_saved"] == 9 + 2
-    assert pair.held(SLIDING, e, range(4)) == [1, 2, 3]
+    assert pair.stats["blocks_saved"] == 8 + 2
+    assert pair.held(SLIDING, e, range(4)) == [2, 3]
     assert pair.lookup(make_request("f", PROMPT[:17], BLOCK)) == (16, False)
 
 
@@ -308,13 +318,13 @@ def test_a_request_that_stored_nothing_in_any_group_frees_its_blocks_at_once(hyb
 def test_a_corrupted_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
     pair = hybrid()
     a = offload(pair)
-    # Slots go to the full group's six blocks first, then the sliding group's three.
-    pair.worker._worker.pool.payload(8).view(-1)[0] += 1.0  # sliding position 5
+    # Slots go to the full group's six blocks first, then the sliding group's two.
+    pair.worker._worker.pool.payload(7).view(-1)[0] += 1.0  # sliding position 5
     b = make_request("b", PROMPT, BLOCK)
     pair.prefill_groups(b, B_IDS)
     assert pair.load_errors == {33}
     assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
-    assert pair.held(SLIDING, a, range(6)) == [3, 4]
+    assert pair.held(SLIDING, a, range(6)) == [4]
 
 
 def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
@@ -323,9 +333,9 @@ def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
     pool = pair.worker._worker.pool
     full_layout, sliding_layout = pair.worker.group_layouts
     assert full_layout.fingerprint != sliding_layout.fingerprint
-    verify_entry(pool.entry(7), sliding_layout, a.block_hashes[4])  # sliding position 4
+    verify_entry(pool.entry(6), sliding_layout, a.block_hashes[4])  # sliding position 4
     with pytest.raises(CorruptBlockError):
-        verify_entry(pool.entry(7), full_layout, a.block_hashes[4])
+        verify_entry(pool.entry(6), full_layout, a.block_hashes[4])
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
@@ -380,3 +390,26 @@ def test_a_block_aligned_prompts_warm_pass_loads_as_many_tokens_with_hma_on_as_o
         assert tokens(warm) == reference
         loaded[hma] = [output.external_tokens for output in warm]
     assert loaded[True] == loaded[False] == [36] * len(requests)
+
+
+def test_a_request_with_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm():
+    # b shares a's first 6 blocks and adds 5 tokens, fewer than the window
+    # (8): its own step's window reaches back into the shared prefix, whose
+    # window a saved only at its own end. b saves the window at its branch
+    # point (it held it, from its local hit), so warm, with the engine's own
+    # cache empty, b finds all 7 full blocks (its last token is computed).
+    long = tuple((7 * i + 3) % 300 for i in range(40))
+    a = GenerationRequest("a", long, 4)
+    b = GenerationRequest("b", (*long[:24], 299, 298, 297, 296, 295), 4)
+    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
+    reference = tokens(generate(hybrid_config, [a, b]))
+    config = with_connector(hybrid_config, "CPUOffloadConnector", {"cpu_pool_bytes": "8MiB"})
+    with LLMEngine(config) as engine:
+        assert engine.hma_enabled
+        cold = engine.generate([a]) + engine.generate([b])
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed([b], "-warm"))
+    assert [output.local_cached_tokens for output in cold] == [0, 24]
+    assert tokens(cold) == reference
+    assert [output.external_tokens for output in warm] == [28]
+    assert tokens(warm) == reference[1:]

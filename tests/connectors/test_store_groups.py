@@ -20,7 +20,7 @@ from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
-from kvwire.engine.engine import LLMEngine, build_kv_cache_config
+from kvwire.engine.engine import GenerationRequest, LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.connectors.engine_support import (
@@ -176,6 +176,34 @@ def test_a_block_aligned_prompts_warm_pass_loads_as_many_tokens_with_hma_on_as_o
         assert tokens(warm) == reference
         loaded[hma] = [output.external_tokens for output in warm]
     assert loaded[True] == loaded[False] == [36] * len(requests)
+
+
+def test_a_request_with_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm(
+    storage_dir: pathlib.Path,
+) -> None:
+    # b shares a's first 6 blocks and adds 5 tokens, fewer than the window
+    # (8): its own step's window reaches back into the shared prefix, whose
+    # window a saved only at its own end. b saves the window at its branch
+    # point (it held it, from its local hit), so warm, with the engine's own
+    # cache empty, b finds all 7 full blocks (its last token is computed).
+    long = tuple((7 * i + 3) % 300 for i in range(40))
+    a = GenerationRequest("a", long, 4)
+    b = GenerationRequest("b", (*long[:24], 299, 298, 297, 296, 295), 4)
+    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
+    reference = tokens(generate(hybrid_config, [a, b]))
+    config = with_connector(
+        hybrid_config, "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}
+    )
+    with LLMEngine(config) as engine:
+        assert engine.hma_enabled
+        cold = engine.generate([a]) + engine.generate([b])
+        engine.wait_for_saves()  # the warm pass finds every cold save
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed([b], "-warm"))
+    assert [output.local_cached_tokens for output in cold] == [0, 24]
+    assert tokens(cold) == reference
+    assert [output.external_tokens for output in warm] == [28]
+    assert tokens(warm) == reference[1:]
 
 
 class _GatedStore(DirectoryBlockStore):
