@@ -6,11 +6,13 @@ shared prefix and distinct tails run through the shared-storage and
 CPU-offload connectors three ways, in one run:
 
 - ``window-aware`` (the default): a sliding-window group saves only the
-  blocks inside its window at the end of each step's computed prefix;
-- ``every block``: the same connector with its planner built with
-  ``window_aware=False`` (a benchmark-local subclass, swapped in through a
-  private registry copy, so no user-facing option exists): every group
-  saves every block it computes, as a connector unaware of windows would.
+  windows where a later hit can end: at the end of each step's computed
+  prefix, and where a request branches from a saved prefix (see
+  :mod:`kvwire.connectors.block_planner`);
+- ``every block``: the same connector with ``window_aware_saves = False``
+  (a benchmark-local subclass, swapped in through a private registry copy,
+  so no user-facing option exists): every group saves every block it
+  computes, as a connector unaware of windows would.
   Loads do not change: the planner loads a sliding-window group's window
   either way;
 - ``HMA off`` (``disable_hybrid_kv_cache_manager=True``): one KV cache group
@@ -84,9 +86,6 @@ from kvwire.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.block_connector import BlockConnector
-from kvwire.connectors.block_planner import BlockPlanner
 from kvwire.connectors.cache_groups import CacheGroup
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
@@ -94,7 +93,6 @@ from kvwire.container import container_for_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import ConnectorRegistry, default_registry
 
 WINDOW_AWARE, EVERY_BLOCK, HMA_OFF = "window-aware", "every block", "HMA off"
@@ -105,39 +103,16 @@ CONNECTORS = ("SharedStorageConnector", "CPUOffloadConnector")
 # ------------------------------------------------------- the naive connectors
 
 
-def _save_every_block(connector: BlockConnector[Any]) -> None:
-    """Give ``connector`` a planner that saves every block of every group.
-
-    Benchmark-only: kvwire has no option for it, and needs none.
-    """
-    transfer = connector.kv_transfer_config
-    connector._planner = BlockPlanner(
-        connector._layout.block_size,
-        connector._groups,
-        loads=transfer.is_kv_consumer,
-        saves=transfer.is_kv_producer,
-        window_aware=False,
-    )
-
-
 class EveryBlockSharedStorageConnector(SharedStorageConnector):
     """Shared storage whose sliding-window groups save every block (the naive figure)."""
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(config, role, kv_cache_config)
-        _save_every_block(self)
+    window_aware_saves = False
 
 
 class EveryBlockCPUOffloadConnector(CPUOffloadConnector):
     """CPU offload whose sliding-window groups save every block (the naive figure)."""
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(config, role, kv_cache_config)
-        _save_every_block(self)
+    window_aware_saves = False
 
 
 def every_block_registry() -> ConnectorRegistry:

@@ -48,10 +48,11 @@ def test_window_aware_loads_meet_the_goal_against_hma_off(
 ) -> None:
     found = results["connectors"][connector]  # type: ignore[index]
     rows = found["variants"]
-    # Saving every block, or with HMA off, every warm prompt comes back.
-    for variant in (hybrid.EVERY_BLOCK, hybrid.HMA_OFF):
-        assert rows[variant]["warm_hits"] == rows[variant]["warm_requests"]
-    assert rows[hybrid.WINDOW_AWARE]["warm_hits"] > 0
+    # Every variant serves every warm prompt, window-aware too: a request
+    # whose tail is shorter than the window saved the window at its branch
+    # point from the shared prefix.
+    for variant in hybrid.VARIANTS:
+        assert rows[variant]["warm_hits"] == rows[variant]["warm_requests"] > 0
     assert found["loaded_ratio"] < 1
     assert found["loaded_ratio"] <= found["loaded_goal"] + 1e-9
 
