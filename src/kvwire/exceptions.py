@@ -3,8 +3,11 @@
 The errors kept from the reference (an unknown connector name, a deprecated
 constructor, HMA enabled for a connector that cannot serve it) stay plain
 ``ValueError``/``AttributeError`` with the reference's exact texts, so code
-written against it keeps catching them. The classes here cover what kvwire
-adds; each also derives from the builtin a caller would naturally catch.
+written against it keeps catching them. Every other exception class kvwire
+defines, here or in the module that raises it (``CorruptBlockError``,
+``ExtraConfigError``, ...), derives from :class:`KVWireError` and from the
+builtin a caller would naturally catch, so ``except KVWireError`` catches
+whatever kvwire raises on its own account.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import attrs
 import cattrs
 
 from kvwire.config import EngineConfig
-from kvwire.exceptions import ProfileError, kind_of
+from kvwire.exceptions import KVWireError, ProfileError, kind_of
 from kvwire.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.redaction import SHOWN_LENGTH, scrub, secrets_in_text, shown, shown_key
 
@@ -137,7 +137,7 @@ def unstructure_engine_config(engine_config: EngineConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------- internals
 
 
-class _Rejected(Exception):
+class _Rejected(KVWireError):
     """A value of the wrong kind; the message is built from the field's type."""
 
 

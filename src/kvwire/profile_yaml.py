@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from kvwire.exceptions import KVWireError
+
 # A real profile holds a few hundred values; ten thousand leaves room for
 # long lists of composite children while keeping any walk instant.
 MAX_EXPANDED_NODES = 10_000
@@ -32,7 +34,7 @@ MAX_INTEGER_DIGITS = 40
 MAX_DEPTH = 100
 
 
-class ProfileYAMLError(ValueError):
+class ProfileYAMLError(KVWireError, ValueError):
     """A profile's text that is not valid YAML, or that this loader refuses; no source quoted."""
 
 

@@ -22,6 +22,8 @@ import os
 import re
 from collections.abc import Mapping
 
+from kvwire.exceptions import KVWireError
+
 # The MAC's size in the entry header.
 MAC_SIZE = 32
 # A key shorter than this would be guessable long before SHA-256 is the limit.
@@ -34,7 +36,7 @@ MAX_VARIABLE_NAME = 128
 _VARIABLE_NAME = re.compile(rf"[A-Z_][A-Z0-9_]{{0,{MAX_VARIABLE_NAME - 1}}}")
 
 
-class MacKeyError(ValueError):
+class MacKeyError(KVWireError, ValueError):
     """The MAC key's environment variable is badly named, unset, empty or too short."""
 
 
@@ -85,17 +87,16 @@ class EntryMac:
             raise MacKeyError(f"environment variable {variable!r} is empty; {_HOW_TO_SET}")
         return cls(value.encode("utf-8", "surrogateescape"), variable)
 
-    def seal(self, header: memoryview, *payload: memoryview) -> bytes:
-        """The MAC of ``header`` then the ``payload`` parts, read where they lie."""
+    def seal(self, header: memoryview, payload: memoryview) -> bytes:
+        """The MAC of ``header`` then ``payload``, read where they lie (no joined copy)."""
         mac = self._sealer.copy()
         mac.update(header)
-        for part in payload:
-            mac.update(part)
+        mac.update(payload)
         return mac.digest()
 
-    def matches(self, stored: memoryview, header: memoryview, *payload: memoryview) -> bool:
+    def matches(self, stored: memoryview, header: memoryview, payload: memoryview) -> bool:
         """Whether ``stored`` is the MAC of ``header`` then ``payload`` (in constant time)."""
-        return hmac.compare_digest(stored, self.seal(header, *payload))
+        return hmac.compare_digest(stored, self.seal(header, payload))
 
     def __repr__(self) -> str:
         return f"EntryMac({ALGORITHM}, key id {self.key_id}, key from ${self.variable})"

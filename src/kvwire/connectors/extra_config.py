@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from kvwire.exceptions import KVWireError
 from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import shown, shown_key
 
@@ -46,11 +47,11 @@ _SIZE_PATTERN = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]{0,3})\s*$
 LARGEST_SIZE = 2**63 - 1
 
 
-class ExtraConfigError(ValueError):
+class ExtraConfigError(KVWireError, ValueError):
     """A ``kv_connector_extra_config`` value or key that a connector does not accept."""
 
 
-class ValueRefused(Exception):
+class ValueRefused(KVWireError):
     """Raised by an :class:`ExtraConfigKey`'s ``convert`` to refuse a value with its own reason.
 
     The reason replaces the key's generic "expected ..." text, for a value

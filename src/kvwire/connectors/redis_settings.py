@@ -24,6 +24,7 @@ from kvwire.connectors.redis_cluster_url import (
     has_hash_tag,
     is_cluster_url,
 )
+from kvwire.exceptions import KVWireError
 from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import scrub, shown
 
@@ -32,7 +33,7 @@ _SCHEMES = ("redis", "rediss", "unix")
 _URL_QUERY_KEYS = ("db", "username", "password")
 
 
-class RedisSettingsError(ValueError):
+class RedisSettingsError(KVWireError, ValueError):
     """Bad Redis settings; the message names every key at fault and what is accepted."""
 
 

@@ -27,6 +27,8 @@ from typing import Any, TypeAlias
 
 import redis
 
+from kvwire.exceptions import KVWireError
+
 _CRLF = b"\r\n"
 
 # How much a read for a reply header (or the CRLF after a value) asks for. A
@@ -99,7 +101,7 @@ def _encode_small(argument: Any) -> bytes:
     raise redis.exceptions.DataError(f"cannot send a {type(argument).__name__} to Redis")
 
 
-class DeadlineExceeded(redis.exceptions.TimeoutError):
+class DeadlineExceeded(KVWireError, redis.exceptions.TimeoutError):
     """A call to the server ran past its overall deadline (its connection is mid-reply)."""
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+from kvwire.exceptions import KVWireError
 
-class JobAbandoned(Exception):
+
+class JobAbandoned(KVWireError):
     """Raised inside a job whose caller gave up on it: it must write nothing more."""
 
 

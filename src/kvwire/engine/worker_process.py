@@ -23,13 +23,14 @@ from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.exceptions import KVWireError
 from kvwire.kv_cache_config import KVCacheConfig
 
 START_TIMEOUT_S = 300.0
 """The least time a worker process gets to start: spawn, import torch, build the connector."""
 
 
-class WorkerProcessError(RuntimeError):
+class WorkerProcessError(KVWireError, RuntimeError):
     """The worker process failed; the message carries its traceback."""
 
 

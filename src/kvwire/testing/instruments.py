@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.exceptions import KVWireError
 
 WORKER_SIDE_METHODS: tuple[str, ...] = (
     "register_kv_caches",
@@ -44,7 +45,7 @@ SCHEDULER_SIDE_METHODS: tuple[str, ...] = (
 _BOTH_SIDES: tuple[str, ...] = ("shutdown",)
 
 
-class RoleViolationError(RuntimeError):
+class RoleViolationError(KVWireError, RuntimeError):
     """A connector instance was asked (or asked itself) a question of the other role."""
 
 

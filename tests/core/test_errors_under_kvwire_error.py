@@ -1,0 +1,74 @@
+"""Every exception class kvwire defines derives from KVWireError (and keeps its builtin base)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+
+import pytest
+
+import kvwire
+from kvwire.exceptions import KVWireError
+
+pytestmark = pytest.mark.torch
+
+# Packages whose modules need an optional dependency this venv may lack; the
+# condition is explicit, as in tests/conftest.py. tests/vllm checks kvwire.vllm
+# in the venv that has vLLM.
+_NEEDS = {"kvwire.vllm": "vllm"}
+
+
+def _import_every_module() -> list[str]:
+    imported = []
+    for module in pkgutil.walk_packages(kvwire.__path__, prefix="kvwire."):
+        needed = next(
+            (dist for package, dist in _NEEDS.items() if module.name.startswith(package)), None
+        )
+        if needed is not None and importlib.util.find_spec(needed) is None:
+            continue
+        importlib.import_module(module.name)
+        imported.append(module.name)
+    return imported
+
+
+def kvwire_exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in kvwire's modules, nested and private ones included."""
+    _import_every_module()
+    found: list[type[BaseException]] = []
+    pending: list[type[BaseException]] = [BaseException]
+    seen: set[type[BaseException]] = set()
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+                if sub.__module__.split(".")[0] == "kvwire":
+                    found.append(sub)
+    return found
+
+
+def test_every_exception_kvwire_defines_derives_from_kvwire_error() -> None:
+    classes = kvwire_exception_classes()
+    # The walk sees classes from every corner of the package.
+    names = {cls.__name__ for cls in classes}
+    assert {"ProfileYAMLError", "CorruptBlockError", "JobAbandoned"} <= names
+    outside = sorted(
+        f"{cls.__module__}.{cls.__qualname__}"
+        for cls in classes
+        if not issubclass(cls, KVWireError)
+    )
+    assert outside == []
+
+
+def test_kvwire_errors_keep_the_builtin_base_callers_catch() -> None:
+    from kvwire.connectors.block_format import CorruptBlockError
+    from kvwire.connectors.extra_config import ExtraConfigError
+    from kvwire.engine.worker_process import WorkerProcessError
+    from kvwire.profile_yaml import ProfileYAMLError
+
+    assert issubclass(CorruptBlockError, ValueError)
+    assert issubclass(ExtraConfigError, ValueError)
+    assert issubclass(ProfileYAMLError, ValueError)
+    assert issubclass(WorkerProcessError, RuntimeError)
