@@ -18,7 +18,7 @@ from kvwire.connectors.store import BlockStore
 class NeverHitCPUOffload(CPUOffloadConnector):
     """CPU offload whose pool never reports a block as held: every lookup misses."""
 
-    def count_held_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         return 0
 
 
