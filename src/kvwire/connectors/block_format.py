@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Sequence
 from typing import NoReturn
 
 import attrs
@@ -200,6 +201,17 @@ def payload_checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64(payload).intdigest()
 
 
+def parts_checksum(parts: Sequence[memoryview]) -> int:
+    """XXH3-64 of the concatenation of ``parts``, read where they lie (the same value as
+    :func:`payload_checksum` of the joined bytes; ``update`` releases the GIL too)."""
+    if len(parts) == 1:
+        return payload_checksum(parts[0])
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
 def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
     """Fill ``entry[:HEADER_SIZE]`` for the payload already in ``entry[HEADER_SIZE:]``.
 
@@ -207,8 +219,21 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
     here too, read where they lie, while the payload is still in the CPU cache.
     """
     payload = entry[HEADER_SIZE : HEADER_SIZE + layout.payload_bytes]
+    encode_header(entry[:HEADER_SIZE], (payload,), layout, block_hash)
+
+
+def encode_header(
+    header: memoryview, payload: Sequence[memoryview], layout: BlockLayout, block_hash: BlockHash
+) -> None:
+    """Fill ``header`` (``HEADER_SIZE`` bytes) for the payload made of ``payload``'s parts.
+
+    The parts are a block's ranges in the KV cache (see
+    :mod:`kvwire.connectors.block_memory`): checksum and MAC are computed
+    over them where they lie, equal to those of the joined payload, so the
+    entry ``header + parts`` is the one :func:`write_header` makes.
+    """
     _HEADER.pack_into(
-        entry,
+        header,
         0,
         MAGIC,
         FORMAT_VERSION,
@@ -217,13 +242,13 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
         block_hash.ljust(32, b"\0")[:32],
         *layout.shape,
         layout.payload_bytes,
-        payload_checksum(payload),
+        parts_checksum(payload),
         layout.header_flags,
     )
     if layout.mac is None:
-        entry[_MAC_START:HEADER_SIZE] = _UNSEALED_MAC
+        header[_MAC_START:HEADER_SIZE] = _UNSEALED_MAC
     else:
-        entry[_MAC_START:HEADER_SIZE] = layout.mac.seal(entry[:_MAC_START], payload)
+        header[_MAC_START:HEADER_SIZE] = layout.mac.seal(header[:_MAC_START], *payload)
 
 
 # Where the block hash lies in the header, where the checksum and the MAC start.
@@ -242,38 +267,62 @@ def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
     """
     if len(entry) < HEADER_SIZE:
         raise CorruptBlockError(f"entry is {len(entry)} bytes, shorter than its header")
-    before_hash, before_checksum, flags = layout.expected_header_fields
-    payload_bytes = layout.payload_bytes
-    if not (
-        len(entry) >= HEADER_SIZE + payload_bytes
-        and entry[:_HASH_START] == before_hash
-        and entry[_HASH_START:_HASH_END] == block_hash.ljust(32, b"\0")[:32]
-        and entry[_HASH_END:_CHECKSUM_START] == before_checksum
-        and entry[_CHECKSUM_END:_MAC_START] == flags
-    ):
-        _raise_header_error(entry, layout, block_hash)
-    # The usual case, in four comparisons; only the payload's integrity is left.
     # The payload's view is released before an error leaves: a log handler that
     # keeps the error (and its traceback) must not pin a mapped entry open.
-    with entry[HEADER_SIZE : HEADER_SIZE + payload_bytes] as payload:
-        mac = layout.mac
-        if mac is not None and mac.matches(
-            entry[_MAC_START:HEADER_SIZE], entry[:_MAC_START], payload
-        ):
-            return
-        (checksum,) = struct.unpack_from("<Q", entry, _CHECKSUM_START)
-        if payload_checksum(payload) != checksum:
-            raise CorruptBlockError("payload checksum mismatch")
-        if mac is not None:
-            raise CorruptBlockError(
-                "MAC mismatch with an intact checksum: the entry was not written with this "
-                f"engine's MAC key (${mac.variable}); forged, or a bug"
-            )
+    with (
+        entry[:HEADER_SIZE] as header,
+        entry[HEADER_SIZE : HEADER_SIZE + layout.payload_bytes] as payload,
+    ):
+        verify_parts(header, (payload,), len(entry), layout, block_hash)
 
 
-def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> NoReturn:
+def verify_parts(
+    header: memoryview,
+    payload: Sequence[memoryview],
+    size: int,
+    layout: BlockLayout,
+    block_hash: BlockHash,
+) -> None:
+    """:func:`verify_entry` of an entry read as ``header`` then ``payload``'s parts, ``size`` bytes.
+
+    The parts are where a load read the payload (the block's ranges in the KV
+    cache); they are checked where they lie, nothing is joined. ``size`` is
+    the entry's length as read: one shorter than header and payload is
+    corrupt whatever the parts hold.
+    """
+    if size < HEADER_SIZE or len(header) < HEADER_SIZE:
+        raise CorruptBlockError(f"entry is {size} bytes, shorter than its header")
+    before_hash, before_checksum, flags = layout.expected_header_fields
+    if not (
+        size >= HEADER_SIZE + layout.payload_bytes
+        and sum(len(part) for part in payload) == layout.payload_bytes
+        and header[:_HASH_START] == before_hash
+        and header[_HASH_START:_HASH_END] == block_hash.ljust(32, b"\0")[:32]
+        and header[_HASH_END:_CHECKSUM_START] == before_checksum
+        and header[_CHECKSUM_END:_MAC_START] == flags
+    ):
+        _raise_header_error(header, size, layout, block_hash)
+    # The usual case, in four comparisons; only the payload's integrity is left.
+    mac = layout.mac
+    if mac is not None and mac.matches(
+        header[_MAC_START:HEADER_SIZE], header[:_MAC_START], *payload
+    ):
+        return
+    (checksum,) = struct.unpack_from("<Q", header, _CHECKSUM_START)
+    if parts_checksum(payload) != checksum:
+        raise CorruptBlockError("payload checksum mismatch")
+    if mac is not None:
+        raise CorruptBlockError(
+            "MAC mismatch with an intact checksum: the entry was not written with this "
+            f"engine's MAC key (${mac.variable}); forged, or a bug"
+        )
+
+
+def _raise_header_error(
+    header: memoryview, size: int, layout: BlockLayout, block_hash: BlockHash
+) -> NoReturn:
     """Say which header field is wrong (or, failing that, that the checksum is)."""
-    values = _HEADER.unpack_from(entry, 0)
+    values = _HEADER.unpack_from(header, 0)
     magic, version, dtype_code, fingerprint, stored_hash = values[:5]
     shape = tuple(values[5:10])
     payload_bytes, flags = values[10], values[12]
@@ -293,9 +342,9 @@ def _raise_header_error(entry: memoryview, layout: BlockLayout, block_hash: Bloc
         raise CorruptBlockError(f"shape {shape}, expected {layout.shape}")
     if stored_hash != block_hash.ljust(32, b"\0")[:32]:
         raise CorruptBlockError("entry was stored under another block hash")
-    if payload_bytes != layout.payload_bytes or len(entry) < HEADER_SIZE + payload_bytes:
+    if payload_bytes != layout.payload_bytes or size < HEADER_SIZE + payload_bytes:
         raise CorruptBlockError(
-            f"payload is {len(entry) - HEADER_SIZE} bytes (header says {payload_bytes}), "
+            f"payload is {size - HEADER_SIZE} bytes (header says {payload_bytes}), "
             f"expected {layout.payload_bytes}"
         )
     raise CorruptBlockError("header does not match this block")

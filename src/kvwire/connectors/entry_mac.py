@@ -87,16 +87,17 @@ class EntryMac:
             raise MacKeyError(f"environment variable {variable!r} is empty; {_HOW_TO_SET}")
         return cls(value.encode("utf-8", "surrogateescape"), variable)
 
-    def seal(self, header: memoryview, payload: memoryview) -> bytes:
-        """The MAC of ``header`` then ``payload``, read where they lie (no joined copy)."""
+    def seal(self, header: memoryview, *payload: memoryview) -> bytes:
+        """The MAC of ``header`` then the ``payload`` parts, read where they lie."""
         mac = self._sealer.copy()
         mac.update(header)
-        mac.update(payload)
+        for part in payload:
+            mac.update(part)
         return mac.digest()
 
-    def matches(self, stored: memoryview, header: memoryview, payload: memoryview) -> bool:
+    def matches(self, stored: memoryview, header: memoryview, *payload: memoryview) -> bool:
         """Whether ``stored`` is the MAC of ``header`` then ``payload`` (in constant time)."""
-        return hmac.compare_digest(stored, self.seal(header, payload))
+        return hmac.compare_digest(stored, self.seal(header, *payload))
 
     def __repr__(self) -> str:
         return f"EntryMac({ALGORITHM}, key id {self.key_id}, key from ${self.variable})"
