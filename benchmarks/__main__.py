@@ -13,7 +13,7 @@ import json
 import pathlib
 import sys
 
-BENCHMARKS = ("engine", "connectors", "hybrid", "redis", "redis-cluster", "mac", "vllm")
+BENCHMARKS = ("engine", "connectors", "memory", "hybrid", "redis", "redis-cluster", "mac", "vllm")
 # vllm needs vLLM, which lives in its own venv (.venv-vllm): run it by name there.
 DEFAULT_BENCHMARKS = tuple(
     name for name in BENCHMARKS if name != "vllm" or importlib.util.find_spec("vllm") is not None
