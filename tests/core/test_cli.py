@@ -194,6 +194,7 @@ def test_connectors_with_resolve_says_whether_each_supports_hma(
     assert status == 1
 
 
+@pytest.mark.torch  # resolving a built-in imports its module, which needs the torch extra
 def test_connectors_with_resolve_says_every_built_in_serves_hma() -> None:
     out = io.StringIO()
 
@@ -354,6 +355,7 @@ def _hybrid_profile(connector: str, extra: str, switch: str = "") -> str:
     )
 
 
+@pytest.mark.torch  # resolving a built-in imports its module, which needs the torch extra
 @pytest.mark.parametrize("connector", sorted(BUILT_IN_CONNECTORS))
 def test_check_keeps_hma_on_for_a_hybrid_model_with_each_built_in(
     tmp_path: pathlib.Path, connector: str
@@ -371,6 +373,7 @@ def test_check_keeps_hma_on_for_a_hybrid_model_with_each_built_in(
     ]
 
 
+@pytest.mark.torch  # resolving a built-in imports its module, which needs the torch extra
 def test_check_keeps_hma_on_for_a_multi_connector_of_built_ins(tmp_path: pathlib.Path) -> None:
     children = ", ".join(
         f"{{kv_connector: {name}, kv_connector_extra_config: {extra}}}"
@@ -430,6 +433,7 @@ def test_check_of_a_hybrid_model_demanding_hma_from_a_connector_without_it_fails
     )
 
 
+@pytest.mark.torch  # resolving a built-in imports its module, which needs the torch extra
 def test_check_of_a_hybrid_model_with_hma_disabled_says_one_group(
     tmp_path: pathlib.Path,
 ) -> None:
