@@ -158,21 +158,22 @@ def measure_warm_vs_local(
     """
     repeats = 1 if quick else 3
     runs = []
-    with connector_extra(connector) as extra:
-        config = bench_config(connector, extra)
-        if preset != "bench":
-            config = apply_preset(config, preset)
-        model = config.model_config
-        spec = WorkloadSpec(
-            num_requests=4,
-            # The longest prompt the preset takes with its 4 output tokens.
-            prompt_len=prompt_len or (1024 if quick else model.max_model_len - 4),
-            output_len=4,
-            shared_prefix_ratio=0.9,
-            vocab_size=model.vocab_size,
-            seed=5,
-        )
-        for _ in range(repeats):
+    for _ in range(repeats):
+        # A new medium each run: a directory an earlier run filled would make "cold" warm.
+        with connector_extra(connector) as extra:
+            config = bench_config(connector, extra)
+            if preset != "bench":
+                config = apply_preset(config, preset)
+            model = config.model_config
+            spec = WorkloadSpec(
+                num_requests=4,
+                # The longest prompt the preset takes with its 4 output tokens.
+                prompt_len=prompt_len or (1024 if quick else model.max_model_len - 4),
+                output_len=4,
+                shared_prefix_ratio=0.9,
+                vocab_size=model.vocab_size,
+                seed=5,
+            )
             runs.append(compare_passes(config, synthetic_workload(spec)))
     best = {
         name: min(run["passes"][name]["ttft_p50_ms"] for run in runs) for name in runs[0]["passes"]
