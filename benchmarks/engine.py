@@ -48,6 +48,7 @@ from benchmarks.common import pyplot, write_json
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.engine.model import torch_dtype
 from kvwire.engine.passes import compare_passes
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.step import StepResult, WorkerStep
@@ -212,12 +213,12 @@ FORWARD_THREAD_CALLS = (
 )
 
 
-def saves_blocks(metadata: object) -> bool:
-    """Whether a built-in connector's step metadata asks the worker to save blocks."""
+def blocks_to_save(metadata: object) -> int:
+    """How many blocks a built-in connector's step metadata asks the worker to save."""
     for field in ("saves", "stores"):
         transfers = getattr(metadata, field, None)
         if transfers is not None:
-            return bool(transfers)
+            return sum(len(transfer.block_ids) for transfer in transfers)
     raise TypeError(
         f"{type(metadata).__name__} has neither saves nor stores: the benchmark cannot tell "
         "which steps save"
@@ -226,12 +227,16 @@ def saves_blocks(metadata: object) -> bool:
 
 @attrs.define
 class StepTiming:
-    """One engine step: the worker's whole time, its connector calls' and whether it saved."""
+    """One engine step: the worker's whole time, its connector calls' and the blocks it saved."""
 
     step_s: float
     connector_s: float
-    saves: bool
+    blocks_saved: int
     by_call: dict[str, float]
+
+    @property
+    def saves(self) -> bool:
+        return self.blocks_saved > 0
 
 
 class ForwardThreadTimer:
@@ -248,7 +253,7 @@ class ForwardThreadTimer:
         self.steps: list[StepTiming] = []
         self._depth = 0
         self._by_call: dict[str, float] = {}
-        self._saves = False
+        self._blocks_saved = 0
 
     def __call__(self, connector: KVConnectorBase) -> None:
         if connector.role is not KVConnectorRole.WORKER:
@@ -264,7 +269,7 @@ class ForwardThreadTimer:
             if self._depth:
                 return original(*args, **kwargs)
             if name == "bind_connector_metadata":
-                self._saves = saves_blocks(args[0])
+                self._blocks_saved = blocks_to_save(args[0])
             self._depth += 1
             started = time.perf_counter()
             try:
@@ -281,12 +286,13 @@ class ForwardThreadTimer:
         execute = engine.worker.execute
 
         def timed_execute(step: WorkerStep) -> StepResult:
-            self._by_call, self._saves = {}, False
+            self._by_call, self._blocks_saved = {}, 0
             started = time.perf_counter()
             result = execute(step)
             step_s = time.perf_counter() - started
             connector_s = sum(self._by_call.values())
-            self.steps.append(StepTiming(step_s, connector_s, self._saves, self._by_call))
+            timing = StepTiming(step_s, connector_s, self._blocks_saved, self._by_call)
+            self.steps.append(timing)
             return result
 
         setattr(engine.worker, "execute", timed_execute)  # noqa: B010 (an instance's method)
@@ -330,6 +336,17 @@ def measure_forward_share(
     step_s = sum(step.step_s for step in saving)
     connector_s = sum(step.connector_s for step in saving)
     calls = sorted({name for step in saving for name in step.by_call})
+    model = config.model_config
+    # One KV cache group (the bench preset has no sliding-window layers): every layer.
+    block_bytes = (
+        model.num_layers
+        * 2
+        * config.cache_config.block_size
+        * model.num_kv_heads
+        * model.head_size
+        * torch_dtype(model.dtype).itemsize
+    )
+    mib_saved = sum(step.blocks_saved for step in saving) * block_bytes / 2**20
     return {
         "connector": connector,
         "workload": attrs.asdict(spec),
@@ -341,6 +358,9 @@ def measure_forward_share(
             name: 1000 * sum(step.by_call.get(name, 0.0) for step in saving) / len(saving)
             for name in calls
         },
+        # What the share would be with a faster model: the connector's cost per byte saved.
+        "mib_saved_per_saving_step": mib_saved / len(saving),
+        "connector_ms_per_mib_saved": 1000 * connector_s / mib_saved,
         "forward_share": connector_s / step_s,
         "max_step_share": max(step.connector_s / step.step_s for step in saving),
     }

@@ -26,6 +26,11 @@ def test_the_forward_share_counts_the_saving_steps_connector_calls() -> None:
         assert name in by_call
     assert sum(by_call.values()) == pytest.approx(found["connector_ms_per_saving_step"])
     assert found["connector_ms_per_saving_step"] < found["step_ms_per_saving_step"]
+    # The tiny model's block of 16 tokens: 2 layers x K and V x 16 x 2 heads x 16 x float32.
+    assert found["mib_saved_per_saving_step"] * 2**20 % (2 * 2 * 16 * 2 * 16 * 4) == 0
+    assert found["connector_ms_per_mib_saved"] == pytest.approx(
+        found["connector_ms_per_saving_step"] / found["mib_saved_per_saving_step"]
+    )
 
 
 class _SelfCallingConnector:
@@ -54,7 +59,8 @@ def test_a_call_a_connector_makes_on_itself_is_timed_once_inside_the_outer_one()
     timer(connector)  # type: ignore[arg-type]
 
     def execute(step: Any) -> str:
-        connector.bind_connector_metadata(StoreConnectorMetadata(saves=(object(),)))  # type: ignore[arg-type]
+        save = types.SimpleNamespace(block_ids=(3, 4))
+        connector.bind_connector_metadata(StoreConnectorMetadata(saves=(save, save)))  # type: ignore[arg-type]
         connector.wait_for_save()
         return "result"
 
@@ -63,7 +69,7 @@ def test_a_call_a_connector_makes_on_itself_is_timed_once_inside_the_outer_one()
     assert engine.worker.execute(None) == "result"
     assert connector.calls == ["bind", "save", "finished"]
     (step,) = timer.steps
-    assert step.saves
+    assert step.saves and step.blocks_saved == 4
     assert sorted(step.by_call) == ["bind_connector_metadata", "wait_for_save"]
     assert step.connector_s == pytest.approx(sum(step.by_call.values()))
     assert step.connector_s <= step.step_s
@@ -77,9 +83,9 @@ def test_a_scheduler_connector_is_left_alone() -> None:
 
 
 def test_a_step_metadata_without_saves_or_stores_is_an_error_naming_its_type() -> None:
-    assert bench.saves_blocks(StoreConnectorMetadata()) is False
+    assert bench.blocks_to_save(StoreConnectorMetadata()) == 0
     with pytest.raises(TypeError, match="SimpleNamespace has neither saves nor stores"):
-        bench.saves_blocks(types.SimpleNamespace())
+        bench.blocks_to_save(types.SimpleNamespace())
 
 
 def test_warm_over_local_is_the_best_warm_median_over_the_best_local_one() -> None:
