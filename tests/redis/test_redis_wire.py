@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -15,7 +16,10 @@ from kvwire.connectors.redis_wire import (
     Deadline,
     DeadlineExceeded,
     RespStream,
+    ZeroCopyCommandPacker,
 )
+from kvwire.connectors.store import CacheWrites
+from kvwire.connectors.transfer_jobs import JobAbandoned
 
 VALUE_BYTES = 300 * 1024
 
@@ -164,3 +168,127 @@ def test_a_reply_dribbled_past_the_deadline_raises_deadline_exceeded(
 
     with pytest.raises(DeadlineExceeded, match=r"load_timeout_s=0\.2s"):
         stream.read_into(memoryview(bytearray(VALUE_BYTES)))
+
+
+def _split(buffer: bytearray, sizes: list[int]) -> list[memoryview]:
+    """``buffer`` cut into consecutive ranges of ``sizes`` (a block's ranges in a cache)."""
+    view = memoryview(buffer)
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append(view[start : start + size])
+        start += size
+    return ranges
+
+
+# Ranges of uneven sizes, small and large, more than fit one recvmsg_into call.
+RANGE_SIZES = [7, 4096, 1, 65536 + 3, 300 * 1024] + [1000] * 600
+
+
+@pytest.mark.parametrize("vectored", [True, False], ids=["recvmsg_into", "recv_into"])
+def test_values_scatter_over_their_ranges_bit_exactly(
+    connected: tuple[socket.socket, socket.socket], vectored: bool
+) -> None:
+    server, client = connected
+    total = sum(RANGE_SIZES)
+    values = [os.urandom(total) for _ in range(3)]
+    sender = _send_in_background(server, b"".join(_bulk(value) for value in values))
+    reader = RespStream(client, bytearray(64 * 1024), _deadline())
+    reader._vectored = vectored
+    memories = [bytearray(total + 16) for _ in values]
+
+    replies = [reader.read_into_ranges(_split(memory, RANGE_SIZES)) for memory in memories]
+    sender.join()
+
+    assert replies == [total] * len(values)
+    # Every range holds its part of the value; the 16 bytes past the ranges are untouched.
+    assert [bytes(memory) for memory in memories] == [value + bytes(16) for value in values]
+
+
+def test_a_value_longer_than_its_ranges_writes_nothing_and_a_shorter_one_nothing_past_it(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = connected
+    sizes = [1000, 200 * 1024, 5000]
+    total = sum(sizes)
+    short, after = os.urandom(total - 3000), os.urandom(total)
+    stream = (
+        _bulk(os.urandom(total + 1)) + _bulk(short) + b"$-1\r\n" + b"-NOPERM no\r\n" + _bulk(after)
+    )
+    sender = _send_in_background(server, stream)
+    reader = RespStream(client, bytearray(64 * 1024), _deadline())
+    memories = [bytearray(b"\xaa" * (total + 16)) for _ in range(5)]
+
+    replies = [reader.read_into_ranges(_split(memory, sizes)) for memory in memories]
+    sender.join()
+
+    assert replies[:3] == [RespStream.OVERSIZED, len(short), None]
+    assert isinstance(replies[3], redis.exceptions.ResponseError)
+    assert replies[4] == total
+    untouched = b"\xaa" * (total + 16)
+    assert [memories[i] for i in (0, 2, 3)] == [untouched] * 3
+    # The short value fills what it covers (the caller's check rejects it), nothing past it.
+    assert bytes(memories[1]) == short + untouched[len(short) :]
+    # The stream stayed in step: the reply after them lands whole.
+    assert bytes(memories[4]) == after + untouched[total:]
+
+
+def test_a_load_given_up_mid_value_writes_nothing_more_into_its_ranges(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = connected
+    # Small enough that the whole value fits in the socket's buffer.
+    sizes = [4096] * 8
+    total = sum(sizes)
+    # The value's first half arrives; the rest once the load is given up.
+    server.sendall(b"$%d\r\n" % total + b"\x01" * (total // 2))
+    memory = bytearray(total)
+
+    class _GivenUpAtHalf(CacheWrites):
+        """The connector gives up on the load once its first half has landed."""
+
+        def writing(self) -> contextlib.AbstractContextManager[None]:
+            if memory[total // 2 - 1] == 1 and not self.closed:
+                server.sendall(b"\x02" * (total // 2) + b"\r\n")
+                self.close(grace_s=0)  # nothing is being written between two writes
+            return super().writing()
+
+    reader = RespStream(client, bytearray(64 * 1024), _deadline())
+
+    with pytest.raises(JobAbandoned):
+        reader.read_into_ranges(_split(memory, sizes), _GivenUpAtHalf())
+
+    # The rest of the value was there to read, and not a byte of it landed.
+    assert memory == b"\x01" * (total // 2) + bytes(total // 2)
+
+
+@pytest.mark.parametrize("vectored", [True, False], ids=["sendmsg", "send"])
+def test_a_command_with_a_ranged_value_goes_out_whole_and_in_order(
+    connected: tuple[socket.socket, socket.socket], vectored: bool
+) -> None:
+    server, client = connected
+    memory = bytearray(os.urandom(sum(RANGE_SIZES)))
+    ranges = _split(memory, RANGE_SIZES)
+    pieces = ZeroCopyCommandPacker().pack("SET", "key", ranges, "EX", 60)
+    writer = RespStream(client, bytearray(1024), _deadline())
+    writer._vectored = vectored
+    expected = (
+        b"*5\r\n$3\r\nSET\r\n$3\r\nkey\r\n"
+        + b"$%d\r\n" % len(memory)
+        + bytes(memory)
+        + b"\r\n$2\r\nEX\r\n$2\r\n60\r\n"
+    )
+    received = bytearray()
+
+    def receive() -> None:
+        while len(received) < len(expected):
+            received.extend(server.recv(1024 * 1024))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    # The socket buffer fills: sendmsg sends part of a piece, then the rest.
+    writer.send(pieces)
+    receiver.join()
+
+    assert bytes(received) == expected
+    # The ranges went out as they are: none of them was copied into a joined piece.
+    assert sum(1 for piece in pieces if isinstance(piece, memoryview)) == len(RANGE_SIZES)

@@ -6,12 +6,15 @@ reply from 64 KiB reads into a fresh ``bytes`` object. For KV blocks of
 megabytes that is most of the cost. Here:
 
 - :class:`ZeroCopyCommandPacker` is given to redis-py's connections as their
-  ``command_packer``: a memoryview argument (a staging slot) goes to
-  ``sendall`` untouched;
-- :class:`RespStream` sends those pieces and reads the replies of a
-  pipeline of ``GET`` straight from the connection's socket into the
-  caller's buffers: each byte is copied once, from the kernel into the
-  buffer that keeps it. It reads the short replies of the other commands too.
+  ``command_packer``: a memoryview argument goes out untouched, and so does
+  a list of memoryviews (a value made of byte ranges, e.g. a KV block's
+  ranges in the paged cache): the ranges are never joined;
+- :class:`RespStream` sends those pieces (``sendmsg``: many pieces per
+  system call) and reads the replies of a pipeline of ``GET`` straight from
+  the connection's socket into the caller's buffers, or scattered over a
+  value's byte ranges (``recvmsg_into``): each byte is copied once, from
+  the kernel into the memory that keeps it. It reads the short replies of
+  the other commands too.
 
 Every socket wait of a call is bounded by the call's :class:`Deadline`, so a
 server that answers a byte at a time cannot hold a call longer than that.
@@ -20,13 +23,16 @@ Only RESP2 (the default protocol) replies are read here.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import redis
 
+from kvwire.connectors.store import CacheWrites
 from kvwire.exceptions import KVWireError
 
 _CRLF = b"\r\n"
@@ -46,6 +52,18 @@ _MAX_ARRAY_DEPTH = 2
 # A 64-bit integer, sign aside.
 _MAX_INTEGER_DIGITS = 19
 
+# The most pieces one sendmsg / recvmsg_into is given: Linux refuses more
+# than IOV_MAX (1024) buffers per call; a call this wide already moves
+# megabytes, so the rest waits for the next call.
+_MAX_PIECES_PER_CALL = 512
+
+# Around each write into a load's ranges when no CacheWrites gate is given.
+_UNGATED = contextlib.nullcontext()
+
+#: A value made of byte ranges, in order: what :class:`ZeroCopyCommandPacker`
+#: sends as one argument and :meth:`RespStream.read_into_ranges` fills.
+Ranges: TypeAlias = "list[memoryview] | tuple[memoryview, ...]"
+
 #: What :meth:`RespStream.read_reply` returns.
 Reply: TypeAlias = "bytes | int | redis.exceptions.ResponseError | list[Reply] | None"
 
@@ -53,8 +71,10 @@ Reply: TypeAlias = "bytes | int | redis.exceptions.ResponseError | list[Reply] |
 class ZeroCopyCommandPacker:
     """Encodes commands in RESP without copying large values.
 
-    redis-py calls ``pack(*args)`` and ``sendall``s each returned piece in
-    order; a memoryview of a staging buffer is passed through untouched.
+    redis-py calls ``pack(*args)``, and :meth:`RespStream.send` sends each
+    returned piece in order. A memoryview argument is passed through
+    untouched; a list (or tuple) of memoryviews is one argument, the
+    concatenation of its ranges, each range passed through untouched.
     """
 
     # Smaller arguments are joined into one piece: fewer syscalls.
@@ -69,9 +89,16 @@ class ZeroCopyCommandPacker:
         head = bytearray(b"*%d\r\n" % len(arguments))
         for argument in arguments:
             value: bytes | memoryview
+            if isinstance(argument, (list, tuple)):
+                ranges = [_bytes_view(view) for view in argument]
+                head += b"$%d\r\n" % sum(view.nbytes for view in ranges)
+                pieces.append(bytes(head))
+                pieces.extend(ranges)
+                head = bytearray(_CRLF)
+                continue
             if isinstance(argument, memoryview):
-                view = argument if argument.format == "B" else argument.cast("B")
-                value, length = view, view.nbytes
+                value = _bytes_view(argument)
+                length = value.nbytes
             else:
                 value = _encode_small(argument)
                 length = len(value)
@@ -85,6 +112,11 @@ class ZeroCopyCommandPacker:
                 head += _CRLF
         pieces.append(bytes(head))
         return pieces
+
+
+def _bytes_view(view: memoryview) -> memoryview:
+    """``view`` as flat bytes (a typed or shaped view of contiguous memory is cast, not copied)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _encode_small(argument: Any) -> bytes:
@@ -166,21 +198,48 @@ class RespStream:
         self._start = 0
         self._end = 0
         self._short_reply_left = SHORT_REPLY_BYTES
+        # A TLS socket has no sendmsg / recvmsg_into (Python raises
+        # NotImplementedError): it sends and receives one piece at a time.
+        self._vectored = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "recvmsg_into")
 
     def send(self, pieces: Sequence[bytes | memoryview]) -> None:
-        """Send packed commands; large values go to the socket untouched."""
-        for piece in pieces:
-            view = memoryview(piece)
-            sent = 0
-            # send, not sendall: sendall gets a whole timeout per piece (and
-            # on a TLS socket, per record), so only a loop that arms each
-            # send keeps the pipeline within the deadline.
-            while sent < view.nbytes:
-                self._deadline.arm(self._sock)
-                try:
-                    sent += self._sock.send(view[sent:])
-                except TimeoutError:
-                    raise self._timed_out("writing to") from None
+        """Send packed commands; large values go to the socket untouched.
+
+        Each system call is armed with what is left of the deadline (a
+        ``sendall`` gets a whole timeout per piece, and on a TLS socket per
+        record). A plain socket takes many pieces per call (``sendmsg``).
+        """
+        if not self._vectored:
+            for piece in pieces:
+                self._send_one(memoryview(piece))
+            return
+        left = list(pieces)
+        first = 0
+        while first < len(left):
+            self._deadline.arm(self._sock)
+            try:
+                sent = self._sock.sendmsg(left[first : first + _MAX_PIECES_PER_CALL])
+            except TimeoutError:
+                raise self._timed_out("writing to") from None
+            # Skip the pieces sent whole; keep the unsent end of a piece sent in part.
+            while sent:
+                size = _length(left[first])
+                if sent < size:
+                    left[first] = memoryview(left[first])[sent:]
+                    break
+                sent -= size
+                first += 1
+            while first < len(left) and not _length(left[first]):
+                first += 1
+
+    def _send_one(self, view: memoryview) -> None:
+        sent = 0
+        while sent < view.nbytes:
+            self._deadline.arm(self._sock)
+            try:
+                sent += self._sock.send(view[sent:])
+            except TimeoutError:
+                raise self._timed_out("writing to") from None
 
     def read_into(self, target: memoryview) -> int | redis.exceptions.ResponseError | None:
         """The next ``GET`` reply: its length (now in ``target``), None for nil, or an error.
@@ -199,6 +258,39 @@ class RespStream:
                 self._discard(length + 2)
                 return self.OVERSIZED
             self._read_exact(target[:length])
+            self._expect_crlf()
+            return length
+        if kind == b"-":
+            return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+        raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r} to GET")
+
+    def read_into_ranges(
+        self, ranges: Ranges, writes: CacheWrites | None = None
+    ) -> int | redis.exceptions.ResponseError | None:
+        """The next ``GET`` reply scattered over ``ranges``: its length, None for nil, or an error.
+
+        The value's first bytes go into ``ranges[0]``, the next into
+        ``ranges[1]``, and so on, straight from the socket (``recvmsg_into``,
+        many ranges per call). A value longer than the ranges together is
+        refused from its length (:attr:`OVERSIZED`) and drained through the
+        scratch buffer: not a byte of it lands in the ranges. A shorter one
+        fills what it covers (the caller's check rejects it). Each write into
+        the ranges (a system call, or a copy of bytes already buffered) goes
+        through ``writes.writing()``, whose ``JobAbandoned`` (the load was
+        given up on) propagates: nothing more is written, and the stream is
+        out of step.
+        """
+        line = self._read_line()
+        kind = line[:1]
+        if kind == b"$":
+            length = _integer(line[1:])
+            if length < 0:
+                return None
+            room = sum(view.nbytes for view in ranges)
+            if length > room:
+                self._discard(length + 2)
+                return self.OVERSIZED
+            self._receive(ranges if length == room else _first_bytes(ranges, length), writes)
             self._expect_crlf()
             return length
         if kind == b"-":
@@ -295,6 +387,54 @@ class RespStream:
         while position < target.nbytes:
             position += self._recv_into(target[position:])
 
+    def _receive(self, ranges: Ranges, writes: CacheWrites | None) -> None:
+        """Fill ``ranges`` in order: the bytes already buffered first, then from the socket."""
+        index, offset = 0, 0
+        while index < len(ranges) and self._start < self._end:
+            target = ranges[index]
+            taken = min(target.nbytes - offset, self._end - self._start)
+            with _UNGATED if writes is None else writes.writing():
+                target[offset : offset + taken] = self._view[self._start : self._start + taken]
+            self._start += taken
+            offset += taken
+            if offset == target.nbytes:
+                index, offset = index + 1, 0
+        while index < len(ranges):
+            with _UNGATED if writes is None else writes.writing():
+                if self._vectored:
+                    offset += self._recv_scattered(ranges, index, offset)
+                else:
+                    offset += self._recv_into(ranges[index][offset:])
+            # Step over the ranges the read filled.
+            while index < len(ranges) and offset >= ranges[index].nbytes:
+                offset -= ranges[index].nbytes
+                index += 1
+        if offset:
+            # recvmsg_into went on past the last range into the scratch buffer
+            # (the value's CRLF, and the next reply's header): keep those bytes.
+            self._start, self._end = 0, offset
+
+    def _recv_scattered(self, ranges: Ranges, index: int, offset: int) -> int:
+        """One ``recvmsg_into`` from ``ranges[index][offset:]`` on; how many bytes it received.
+
+        The buffer is empty here. When the pieces reach the last range, the
+        scratch buffer follows it, so the CRLF after the value and the next
+        reply's header usually come in with the value's last bytes.
+        """
+        last = min(len(ranges), index + _MAX_PIECES_PER_CALL - 1)
+        pieces = [ranges[index][offset:], *ranges[index + 1 : last]]
+        if last == len(ranges):
+            self._start = self._end = 0
+            pieces.append(self._view[:_HEADER_READ_BYTES])
+        self._deadline.arm(self._sock)
+        try:
+            received = self._sock.recvmsg_into(pieces)[0]
+        except TimeoutError:
+            raise self._timed_out("reading from") from None
+        if received == 0:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return received
+
     def _discard(self, count: int) -> None:
         while count > 0:
             if self._start == self._end:
@@ -310,6 +450,21 @@ class RespStream:
         if self._view[self._start : self._start + 2] != _CRLF:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
         self._start += 2
+
+
+def _first_bytes(ranges: Ranges, length: int) -> list[memoryview]:
+    """The ranges that the first ``length`` bytes of their concatenation fill (the last cut)."""
+    covered: list[memoryview] = []
+    for view in ranges:
+        if length <= 0:
+            break
+        covered.append(view[:length])
+        length -= view.nbytes
+    return covered
+
+
+def _length(piece: bytes | memoryview) -> int:
+    return len(piece) if isinstance(piece, bytes) else piece.nbytes
 
 
 def _integer(text: bytes) -> int:
