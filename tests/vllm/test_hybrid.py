@@ -11,6 +11,7 @@ connector only if every block each group needs was loaded.
 from __future__ import annotations
 
 import pathlib
+import uuid
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from tests.vllm.engines import (
     running_llm,
     shared_prompts,
     start_llm,
+    with_redis_url,
 )
 from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
 from tests.vllm.test_corruption import flip_one_payload_byte, rewrite_each_entry
@@ -77,15 +79,22 @@ def counters(stats: dict[str, int | float], name: str) -> list[int | float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["cpu-offload.yaml", "shared-storage.yaml", "tiered-disk.yaml"])
+@pytest.mark.parametrize(
+    "profile", ["cpu-offload.yaml", "shared-storage.yaml", "tiered-disk.yaml", "redis.yaml"]
+)
 def test_hybrid_model_with_hma_on_loads_each_group_s_needed_blocks_from_kvwire(
     profile: str,
     tiny_hybrid_model: str,
     hybrid_tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     expected = hybrid_tokens_without_connector
-    config = kvwire_transfer_config(profile_with_directory(profile, tmp_path))
+    mapping = profile_with_directory(profile, tmp_path)
+    if "redis" in profile:
+        key_prefix = f"kvwire:test-hybrid-{uuid.uuid4().hex[:8]}:"
+        mapping = with_redis_url(mapping, request.getfixturevalue("redis_url"), key_prefix)
+    config = kvwire_transfer_config(mapping)
     with running_llm(tiny_hybrid_model, config) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
         assert group_kinds(llm) == [
