@@ -6,7 +6,8 @@ redis-py's ``RedisCluster`` keeps the slot map (``CLUSTER SLOTS`` from any
 seed or known node); each call groups its keys by the master serving their
 slot and sends each group to its master through a
 :class:`~kvwire.connectors.redis_store.RedisBlockStore` of that node: the
-same pipelines, zero-copy reads into the caller's buffers, checksummed
+same pipelines, zero-copy reads into the caller's buffers (or scattered over
+a block's ranges in the KV cache, and values sent from them), checksummed
 values, deadlines (``load_timeout_s``...) and outage handling as a single
 server. The groups of one call go to their masters in parallel.
 
@@ -27,7 +28,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import redis
@@ -37,7 +38,8 @@ from redis.crc import key_slot
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.connectors.redis_wire import Deadline, Reply
-from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store import BlockStore, CacheWrites
+from kvwire.connectors.transfer_jobs import JobAbandoned
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -200,6 +202,60 @@ class RedisClusterBlockStore(BlockStore):
 
         self._each_node(keys, load, "load_failures", self._settings.load_timeout_s)
         return sizes
+
+    def write_ranges(
+        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """As :meth:`put`: each master's store sends its values straight from their ranges."""
+        if len(keys) != len(ranges_per_key):
+            raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
+        stored = [False] * len(keys)
+
+        def save(store: RedisBlockStore, indices: list[int]) -> None:
+            results = store.write_ranges(
+                [keys[i] for i in indices], [ranges_per_key[i] for i in indices]
+            )
+            for index, result in zip(indices, results, strict=True):
+                stored[index] = result
+
+        self._each_node(keys, save, "saves_dropped", self._settings.save_timeout_s)
+        return stored
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Each master's store scatters its replies over their ranges, the masters in parallel.
+
+        Every master's reads end before the first index is yielded (as
+        :meth:`get_into`), so nothing is written into a range after it is
+        yielded. Once the load is given up on, ``writes`` stops every master's
+        reads, and the ``JobAbandoned`` is raised here once all have returned.
+        """
+        if len(keys) != len(ranges_per_key):
+            raise ValueError(
+                f"read_into_ranges: {len(keys)} keys but {len(ranges_per_key)} entries"
+            )
+        sizes: list[int | None] = [None] * len(keys)
+        given_up = threading.Event()
+
+        def load(store: RedisBlockStore, indices: list[int]) -> None:
+            landed = store.read_into_ranges(
+                [keys[i] for i in indices], [ranges_per_key[i] for i in indices], writes
+            )
+            try:
+                for position, size in landed:
+                    sizes[indices[position]] = size
+            except JobAbandoned:
+                # Not raised from here: every master's call is waited for first.
+                given_up.set()
+
+        self._each_node(keys, load, "load_failures", self._settings.load_timeout_s)
+        if given_up.is_set():
+            raise JobAbandoned
+        yield from enumerate(sizes)
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove ``keys``; how many existed. Keys on an unreachable master count as not removed."""

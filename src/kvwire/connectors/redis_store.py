@@ -7,7 +7,12 @@ One key per block: ``key_prefix`` + the store key the connector hands over
 
 Every call is pipelined in batches. Values go out zero-copy and replies are
 read straight into the caller's buffers (see
-:mod:`kvwire.connectors.redis_wire`).
+:mod:`kvwire.connectors.redis_wire`). The connector's data path
+(:meth:`RedisBlockStore.read_into_ranges`, :meth:`RedisBlockStore.write_ranges`)
+gives each entry as its byte ranges in the KV cache: a ``SET`` sends them as
+they are (``sendmsg``), a ``GET`` reply is scattered over them
+(``recvmsg_into``), so a block moves between the cache and the server with
+no staging copy.
 
 Every call has an overall deadline (``load_timeout_s``, ``save_timeout_s``,
 ``lookup_timeout_s``): the socket timeout bounds each read, not a reply, so a
@@ -33,7 +38,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -45,11 +50,12 @@ from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_wire import (
     Deadline,
     DeadlineExceeded,
+    Ranges,
     Reply,
     RespStream,
     ZeroCopyCommandPacker,
 )
-from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store import BlockStore, CacheWrites
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +180,22 @@ class RedisBlockStore(BlockStore):
     def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
         if len(keys) != len(entries):
             raise ValueError(f"put: {len(keys)} keys but {len(entries)} entries")
+        return self._set(keys, entries, [entry.nbytes for entry in entries])
+
+    def write_ranges(
+        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """As :meth:`put`, each value sent straight from its ranges: never joined or copied."""
+        if len(keys) != len(ranges_per_key):
+            raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
+        values = [_ranges(ranges) for ranges in ranges_per_key]
+        return self._set(keys, values, [sum(view.nbytes for view in ranges) for ranges in values])
+
+    def _set(
+        self, keys: Sequence[str], values: Sequence[memoryview | Ranges], sizes: Sequence[int]
+    ) -> list[bool]:
+        """``SET`` each value (a memoryview, or ranges sent in order) in pipelines of at most
+        ``pipeline_bytes``; True where the server stored it."""
         stored = [False] * len(keys)
         if not keys:
             return stored
@@ -182,9 +204,8 @@ class RedisBlockStore(BlockStore):
             return stored
         expiry = () if self._settings.ttl_seconds is None else ("EX", self._settings.ttl_seconds)
         deadline = self._deadline(self._settings.save_timeout_s, "save_timeout_s")
-        sizes = [entry.nbytes for entry in entries]
         for batch in _batches_by_bytes(sizes, self._settings.pipeline_bytes):
-            commands = [("SET", self.redis_key(keys[i]), entries[i], *expiry) for i in batch]
+            commands = [("SET", self.redis_key(keys[i]), values[i], *expiry) for i in batch]
             try:
                 replies = self._execute(commands, deadline)
             except _OUTAGE_ERRORS as error:
@@ -220,14 +241,56 @@ class RedisBlockStore(BlockStore):
     ) -> Generator[tuple[int, int | None], None, None]:
         """Pipelined GETs on one connection; each reply is yielded as soon as it is in its buffer.
 
-        The GETs go out in groups, and the next group goes out as soon as
-        the first reply of the current one is read (the server answers a
-        group only once it has run all of its GETs): while the caller checks
-        and copies one entry, the server runs the next group's GETs and sends
-        their replies, so the two overlap.
+        See :meth:`_read`.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"read_each: {len(keys)} keys but {len(buffers)} buffers")
+        yield from self._read(
+            keys,
+            [buffer.nbytes for buffer in buffers],
+            lambda stream, index: stream.read_into(buffers[index]),
+        )
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """As :meth:`read_each`, each reply scattered from the socket over its key's ranges.
+
+        Every write into the ranges goes through ``writes`` (see
+        :meth:`BlockStore.read_into_ranges`): once the load is given up on,
+        the ``JobAbandoned`` it raises ends the call and its connection is
+        dropped, so nothing more lands in the cache; a read already in
+        flight returns within the socket timeout.
+        """
+        if len(keys) != len(ranges_per_key):
+            raise ValueError(
+                f"read_into_ranges: {len(keys)} keys but {len(ranges_per_key)} entries"
+            )
+        all_ranges = [_ranges(ranges) for ranges in ranges_per_key]
+        yield from self._read(
+            keys,
+            [sum(view.nbytes for view in ranges) for ranges in all_ranges],
+            lambda stream, index: stream.read_into_ranges(all_ranges[index], writes),
+        )
+
+    def _read(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        read_reply: Callable[[RespStream, int], int | redis.exceptions.ResponseError | None],
+    ) -> Generator[tuple[int, int | None], None, None]:
+        """Pipelined GETs of ``keys`` on one connection, yielding ``(index, size or None)``.
+
+        ``read_reply(stream, index)`` reads key ``index``'s reply where it
+        belongs; ``sizes`` are the room each has. The GETs go out in groups,
+        and the next group goes out as soon as the first reply of the current
+        one is read (the server answers a group only once it has run all of
+        its GETs): while the caller checks one entry, the server runs the
+        next group's GETs and sends their replies, so the two overlap.
+        """
         if not keys:
             return
         if self._outage.is_down:
@@ -238,7 +301,9 @@ class RedisBlockStore(BlockStore):
         deadline = self._deadline(self._settings.load_timeout_s, "load_timeout_s")
         too_long: list[str] = []
         try:
-            replies = self._get_stream([self.redis_key(key) for key in keys], buffers, deadline)
+            replies = self._get_stream(
+                [self.redis_key(key) for key in keys], sizes, read_reply, deadline
+            )
             with contextlib.closing(replies):
                 for index, reply in enumerate(replies):
                     next_index = index + 1
@@ -290,17 +355,21 @@ class RedisBlockStore(BlockStore):
         return False
 
     def _get_stream(
-        self, names: list[str], buffers: Sequence[memoryview], deadline: Deadline
+        self,
+        names: list[str],
+        sizes: Sequence[int],
+        read_reply: Callable[[RespStream, int], int | redis.exceptions.ResponseError | None],
+        deadline: Deadline,
     ) -> Generator[int | redis.exceptions.ResponseError | None, None, None]:
-        """GETs of ``names`` on one connection, each reply read from the socket into its buffer.
+        """GETs of ``names`` on one connection, each reply read from the socket by ``read_reply``.
 
         Yields the replies one by one. At most two groups of GETs are
         unanswered at a time, so the replies waiting in the server stay under
         ``pipeline_bytes``. The connection is held until the last reply is
         read; one left unread (the caller stopped early, an error, the
-        deadline) means the stream is out of step, so the connection is dropped.
+        deadline, a load given up on) means the stream is out of step, so the
+        connection is dropped.
         """
-        sizes = [buffer.nbytes for buffer in buffers]
         groups = list(_batches_by_bytes(sizes, self._read_group_bytes))
         ttl = self._settings.ttl_seconds
 
@@ -319,7 +388,7 @@ class RedisBlockStore(BlockStore):
                 try:
                     stream = self._stream(connection, deadline)
                     stream.send(connection.pack_commands(commands(groups[0])))
-                    first = stream.read_into(buffers[0])
+                    first = read_reply(stream, 0)
                     break
                 except DeadlineExceeded:
                     raise
@@ -329,7 +398,7 @@ class RedisBlockStore(BlockStore):
                         raise
             for number, group in enumerate(groups):
                 for index in group:
-                    reply = first if index == 0 else stream.read_into(buffers[index])
+                    reply = first if index == 0 else read_reply(stream, index)
                     if index == group.start and number + 1 < len(groups):
                         stream.send(connection.pack_commands(commands(groups[number + 1])))
                     yield reply
@@ -521,6 +590,11 @@ class RedisBlockStore(BlockStore):
     def _count(self, counter: str, amount: int) -> None:
         with self._counter_lock:
             self._counters[counter] += amount
+
+
+def _ranges(ranges: Sequence[memoryview]) -> Ranges:
+    """An entry's ranges as the wire takes them (a list or tuple), without copying a list given."""
+    return ranges if isinstance(ranges, (list, tuple)) else list(ranges)
 
 
 def _batches(count: int, batch_size: int) -> Iterator[range]:
