@@ -66,8 +66,14 @@ def resident_bytes(field: str = "VmRSS") -> int:
 def reset_peak() -> None:
     """Restart the high-water mark (VmHWM) from the current resident set (Linux >= 4.0)."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError as error:
+        raise RuntimeError(
+            f"cannot reset the resident-set peak through /proc/self/clear_refs ({error}): "
+            "this benchmark needs Linux 4.0 or later with /proc writable"
+        ) from error
 
 
 class PeakMeter:
