@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.paged_cache import PagedKVCaches
-from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.store import BlockStore
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 
@@ -30,14 +29,14 @@ def layout_caches(
 def store_worker(
     store: BlockStore, layout: BlockLayout, caches: dict[str, torch.Tensor]
 ) -> StoreWorker:
-    """A one-thread worker with two staging slots, keyed by the layout's own keys."""
+    """A one-thread worker, keyed by the layout's own keys."""
     return StoreWorker(
         store=store,
         layouts=(layout,),
-        caches=(PagedKVCaches(caches, layout, sorted(caches)),),
-        staging=StagingBuffers(layout, 2),
+        memories=(BlockMemory(caches, layout, sorted(caches)),),
         io_threads=1,
         batch_blocks=2,
+        max_save_bytes=2 * layout.entry_bytes,
         counters=Counters(),
         medium="test",
     )

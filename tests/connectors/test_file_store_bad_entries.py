@@ -30,8 +30,8 @@ BLOCK = 4
 PROMPT = list(range(100, 117))  # 4 full blocks
 PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
 CONSUMER_BLOCKS = [20, 21, 22, 23, 24]
-# Entries of 4 MiB: loaded by mapping their file.
-MAPPED = BlockLayout(num_layers=2, block_size=256, num_kv_heads=8, head_size=128, dtype="float32")
+# Entries of 4 MiB: read with more than one call.
+LARGE = BlockLayout(num_layers=2, block_size=256, num_kv_heads=8, head_size=128, dtype="float32")
 
 
 def entry_of_block(storage_dir: pathlib.Path, index: int) -> pathlib.Path:
@@ -73,22 +73,12 @@ def test_a_fifo_put_in_an_entrys_place_is_a_load_error_not_a_hang(
     assert consumer.stats["corrupt_entries"] == 1
 
 
-@pytest.mark.timeout(20)
-def test_a_fifo_in_a_mapped_entrys_place_is_not_mapped(tmp_path: pathlib.Path):
-    store = DirectoryBlockStore(tmp_path, entry_bytes=MAPPED.entry_bytes)
-    path = pathlib.Path(store.path_of(MAPPED.key(HASHES[0])))
-    path.parent.mkdir(parents=True)
-    os.mkfifo(path)
-    assert store.map_entry(MAPPED.key(HASHES[0])) is None
-    assert store.take_counters() == {"corrupt_entries": 1}
-
-
 def test_a_fifo_is_no_hit(tmp_path: pathlib.Path):
-    store = DirectoryBlockStore(tmp_path, entry_bytes=MAPPED.entry_bytes)
-    path = pathlib.Path(store.path_of(MAPPED.key(HASHES[0])))
+    store = DirectoryBlockStore(tmp_path, entry_bytes=LARGE.entry_bytes)
+    path = pathlib.Path(store.path_of(LARGE.key(HASHES[0])))
     path.parent.mkdir(parents=True)
     os.mkfifo(path)
-    assert store.count_prefix([MAPPED.key(HASHES[0])]) == 0
+    assert store.count_prefix([LARGE.key(HASHES[0])]) == 0
 
 
 def test_trailing_bytes_make_a_warned_load_error_and_the_entry_is_discarded(
@@ -108,14 +98,16 @@ def test_trailing_bytes_make_a_warned_load_error_and_the_entry_is_discarded(
     assert consumer.lookup(make_request("d", PROMPT, BLOCK)) == (2 * BLOCK, False)
 
 
-def test_trailing_bytes_after_a_mapped_entry_make_a_load_error(tmp_path: pathlib.Path, caplog):
-    store = DirectoryBlockStore(tmp_path, entry_bytes=MAPPED.entry_bytes)
-    save_blocks_0_and_1(store, MAPPED, seed=3)
-    victim = pathlib.Path(store.path_of(MAPPED.key(HASHES[0])))
+def test_trailing_bytes_after_a_large_entry_make_a_load_error_reading_nothing(
+    tmp_path: pathlib.Path, caplog
+):
+    store = DirectoryBlockStore(tmp_path, entry_bytes=LARGE.entry_bytes)
+    save_blocks_0_and_1(store, LARGE, seed=3)
+    victim = pathlib.Path(store.path_of(LARGE.key(HASHES[0])))
     with victim.open("ab") as entry:
         entry.write(b"trailing")
     with caplog.at_level(logging.WARNING):
-        loaded, errors = load_into_blocks_2_and_3(store, MAPPED)
+        loaded, errors = load_into_blocks_2_and_3(store, LARGE)
     assert errors == {2}
     assert not any(cache[:, 2].any() for cache in loaded.values())
     assert "longer than an entry" in caplog.text
@@ -125,16 +117,16 @@ def test_trailing_bytes_after_a_mapped_entry_make_a_load_error(tmp_path: pathlib
 def test_a_link_to_a_huge_file_is_never_read_nor_its_target_removed(tmp_path: pathlib.Path, caplog):
     root = tmp_path / "store"
     root.mkdir()
-    store = DirectoryBlockStore(root, entry_bytes=MAPPED.entry_bytes)
-    save_blocks_0_and_1(store, MAPPED, seed=3)
+    store = DirectoryBlockStore(root, entry_bytes=LARGE.entry_bytes)
+    save_blocks_0_and_1(store, LARGE, seed=3)
     huge = tmp_path / "huge"
     with huge.open("wb") as target:
         target.truncate(4 * 1024**3)  # sparse: 4 GiB that take no disk
-    link = pathlib.Path(store.path_of(MAPPED.key(HASHES[1])))
+    link = pathlib.Path(store.path_of(LARGE.key(HASHES[1])))
     link.unlink()
     link.symlink_to(huge)
     with caplog.at_level(logging.WARNING):
-        _, errors = load_into_blocks_2_and_3(store, MAPPED)
+        _, errors = load_into_blocks_2_and_3(store, LARGE)
     assert errors == {3}
     assert "is a symbolic link" in caplog.text
     assert link.is_symlink() and huge.stat().st_size == 4 * 1024**3
@@ -142,26 +134,26 @@ def test_a_link_to_a_huge_file_is_never_read_nor_its_target_removed(tmp_path: pa
 
 def test_a_link_in_an_entrys_place_is_no_hit(tmp_path: pathlib.Path):
     (tmp_path / "store").mkdir()
-    store = DirectoryBlockStore(tmp_path / "store", entry_bytes=MAPPED.entry_bytes)
-    save_blocks_0_and_1(store, MAPPED, seed=3)
-    link = pathlib.Path(store.path_of(MAPPED.key(HASHES[1])))
+    store = DirectoryBlockStore(tmp_path / "store", entry_bytes=LARGE.entry_bytes)
+    save_blocks_0_and_1(store, LARGE, seed=3)
+    link = pathlib.Path(store.path_of(LARGE.key(HASHES[1])))
     link.rename(tmp_path / "moved")
     link.symlink_to(tmp_path / "moved")
-    assert store.count_prefix([MAPPED.key(h) for h in HASHES]) == 1
+    assert store.count_prefix([LARGE.key(h) for h in HASHES]) == 1
 
 
 def test_a_read_only_reader_under_a_size_cap_still_loads(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ):
-    store = DirectoryBlockStore(tmp_path, entry_bytes=MAPPED.entry_bytes, max_bytes=2**40)
-    saved = save_blocks_0_and_1(store, MAPPED, seed=3)
+    store = DirectoryBlockStore(tmp_path, entry_bytes=LARGE.entry_bytes, max_bytes=2**40)
+    saved = save_blocks_0_and_1(store, LARGE, seed=3)
 
     def read_only_filesystem(*args: object, **kwargs: object) -> None:
         raise OSError(30, "Read-only file system")
 
     # The mtime refresh that keeps eviction least-recently-used is best effort.
     monkeypatch.setattr(os, "utime", read_only_filesystem)
-    loaded, errors = load_into_blocks_2_and_3(store, MAPPED)
+    loaded, errors = load_into_blocks_2_and_3(store, LARGE)
     assert errors == set()
     for name, cache in saved.items():
         assert (loaded[name][:, 2:4] == cache[:, 0:2]).all()

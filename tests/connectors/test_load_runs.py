@@ -1,17 +1,14 @@
-"""How a store worker splits a load into runs, and gives their staging slots back.
+"""How a store worker splits a load into runs.
 
-A load is one ``read_each`` per run, so a store that talks to a server can
-ask for later entries while the worker verifies and scatters earlier ones. A
+A load is one ``read_into_ranges`` per run, so a store that talks to a
+server can ask for later entries while the worker verifies earlier ones. A
 transfer is shared between the I/O threads (no more ways than there are
-cores) in runs of at least ``batch_blocks``; a run gives each slot back as
-soon as its entry is in the cache, so a transfer larger than the staging
-buffers streams through them.
+cores) in runs of at least ``batch_blocks``.
 """
 
 from __future__ import annotations
 
 import pathlib
-import threading
 from collections.abc import Generator, Sequence
 
 import pytest
@@ -19,10 +16,10 @@ import torch
 
 from kvwire.connectors import store_worker as store_worker_module
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.paged_cache import PagedKVCaches
-from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store import CacheWrites
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from tests.connectors.store_workers import layout_caches
 
@@ -32,26 +29,20 @@ HASHES = tuple(bytes([index + 1]) * 32 for index in range(NUM_BLOCKS // 2))
 
 
 class RecordingStore(DirectoryBlockStore):
-    """A real directory store that notes how many keys each ``read_each`` asks for.
+    """A real directory store that notes how many keys each ``read_into_ranges`` asks for."""
 
-    With ``hold_after_first`` set, every read stops after its first entry
-    until ``release`` is set, the way a slow server would.
-    """
-
-    def __init__(self, root: pathlib.Path, hold_after_first: bool = False) -> None:
+    def __init__(self, root: pathlib.Path) -> None:
         super().__init__(root, entry_bytes=LAYOUT.entry_bytes)
         self.read_sizes: list[int] = []
-        self.hold_after_first = hold_after_first
-        self.release = threading.Event()
 
-    def read_each(
-        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
     ) -> Generator[tuple[int, int | None], None, None]:
         self.read_sizes.append(len(keys))
-        for index, size in super().read_each(keys, buffers):
-            yield index, size
-            if index == 0 and self.hold_after_first:
-                assert self.release.wait(30), "the test never let the read go on"
+        return (yield from super().read_into_ranges(keys, ranges_per_key, writes))
 
 
 def _caches(seed: int | None) -> dict[str, torch.Tensor]:
@@ -62,17 +53,16 @@ def _worker(
     store: DirectoryBlockStore,
     caches: dict[str, torch.Tensor],
     *,
-    slots: int,
     io_threads: int,
     batch_blocks: int,
 ) -> StoreWorker:
     return StoreWorker(
         store=store,
         layouts=(LAYOUT,),
-        caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
-        staging=StagingBuffers(LAYOUT, slots),
+        memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
         io_threads=io_threads,
         batch_blocks=batch_blocks,
+        max_save_bytes=NUM_BLOCKS * LAYOUT.entry_bytes,
         counters=Counters(),
         medium="test",
     )
@@ -81,7 +71,7 @@ def _worker(
 def _saved_caches(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
     """A producer's caches; its first ``len(HASHES)`` blocks are now in ``store``."""
     caches = _caches(seed=3)
-    producer = _worker(store, caches, slots=len(HASHES), io_threads=1, batch_blocks=len(HASHES))
+    producer = _worker(store, caches, io_threads=1, batch_blocks=len(HASHES))
     producer.save([BlockTransfer("p", tuple(range(len(HASHES))), HASHES)])
     assert producer.wait_for_saves(30)
     producer.close()
@@ -120,7 +110,7 @@ def test_a_transfer_is_shared_between_the_threads_in_runs_of_at_least_batch_bloc
     store = RecordingStore(tmp_path)
     saved = _saved_caches(store)
     loaded = _caches(seed=None)
-    worker = _worker(store, loaded, slots=16, io_threads=io_threads, batch_blocks=batch_blocks)
+    worker = _worker(store, loaded, io_threads=io_threads, batch_blocks=batch_blocks)
 
     worker.start_loads([BlockTransfer("c", TARGETS, HASHES)], [])
 
@@ -128,56 +118,3 @@ def test_a_transfer_is_shared_between_the_threads_in_runs_of_at_least_batch_bloc
     worker.close()
     assert sorted(store.read_sizes, reverse=True) == read_sizes
     _assert_loaded(saved, loaded)
-
-
-def test_a_transfer_larger_than_the_staging_buffers_streams_through_them(
-    tmp_path: pathlib.Path,
-) -> None:
-    store = RecordingStore(tmp_path)
-    saved = _saved_caches(store)
-    loaded = _caches(seed=None)
-    worker = _worker(store, loaded, slots=3, io_threads=2, batch_blocks=1)
-
-    worker.start_loads([], [BlockTransfer("c", TARGETS, HASHES)])
-
-    worker.wait_for_loads()
-    while worker.is_loading("c"):
-        threading.Event().wait(0.01)
-    assert worker.take_finished_loads() == {"c"}
-    assert worker.take_load_errors() == set()
-    worker.close()
-    assert sum(store.read_sizes) == len(HASHES)
-    assert max(store.read_sizes) <= 3
-    _assert_loaded(saved, loaded)
-
-
-def test_a_run_gives_a_slot_back_as_soon_as_its_entry_is_in_the_cache(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(store_worker_module, "usable_cores", lambda: 2)
-    store = RecordingStore(tmp_path, hold_after_first=True)
-    saved = _saved_caches(store)
-    # Scatter one entry at a time, so each slot is free to go back at once.
-    monkeypatch.setattr(store_worker_module, "CACHE_CHUNK_BYTES", 1)
-    loaded = _caches(seed=None)
-    # Two slots, and the first run takes both; the second run needs one of them.
-    worker = _worker(store, loaded, slots=2, io_threads=2, batch_blocks=2)
-    submitted = threading.Event()
-
-    def submit() -> None:
-        worker.start_loads([BlockTransfer("c", TARGETS[:3], HASHES[:3])], [])
-        submitted.set()
-
-    submitter = threading.Thread(target=submit)
-    submitter.start()
-
-    # The first run holds after its first entry, with its second slot still
-    # in use: the second run can only have started on the slot given back.
-    assert submitted.wait(30)
-    store.release.set()
-    submitter.join(30)
-    assert worker.take_load_errors() == set()
-    worker.close()
-    assert store.read_sizes == [2, 1]
-    for name, cache in saved.items():
-        assert torch.equal(loaded[name][:, TARGETS[0] : TARGETS[0] + 3], cache[:, :3])

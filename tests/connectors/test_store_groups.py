@@ -14,11 +14,11 @@ import torch
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockHash
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.store import CacheWrites
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.engine.engine import GenerationRequest, LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
@@ -214,12 +214,15 @@ class _GatedStore(DirectoryBlockStore):
         self.gated_prefix = gated.fingerprint_hex + "/"
         self.gate = threading.Event()
 
-    def read_each(
-        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
     ) -> Generator[tuple[int, int | None], None, None]:
         if keys[0].startswith(self.gated_prefix):
             assert self.gate.wait(30), "the test never opened the gate"
-        return (yield from super().read_each(keys, buffers))
+        return (yield from super().read_into_ranges(keys, ranges_per_key, writes))
 
 
 def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Path) -> None:
@@ -235,10 +238,10 @@ def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Pat
         return StoreWorker(
             store=store,
             layouts=layouts,
-            caches=[PagedKVCaches(group, base, sorted(group)) for group in caches],
-            staging=StagingBuffers(base, 8),
+            memories=[BlockMemory(group, base, sorted(group)) for group in caches],
             io_threads=2,
             batch_blocks=2,
+            max_save_bytes=8 * base.entry_bytes,
             counters=counters,
             medium="test",
         )

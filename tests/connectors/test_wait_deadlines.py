@@ -24,13 +24,12 @@ import pytest
 import torch
 
 from kvwire.connectors.block_format import BlockLayout
+from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.job_threads import JobThreads
-from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.staging import StagingBuffers
-from kvwire.connectors.store import BlockStore
+from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
@@ -128,6 +127,37 @@ class StuckStore(BlockStore):
         self._store.close()
 
 
+class InFlightStore(MemoryStore):
+    """Reads straight into the ranges, one "syscall" per entry; the first stays in its
+    syscall until :attr:`returns` is set, as a read blocked in the medium would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.returns = threading.Event()
+        self.writes: CacheWrites | None = None
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        assert writes is not None
+        self.writes = writes
+        for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
+            entry = memoryview(self._entries[key])
+            with writes.writing():
+                if index == 0:
+                    self.entered.set()
+                    self.returns.wait(TEST_LIMIT_S)
+                offset = 0
+                for part in ranges:
+                    part[:] = entry[offset : offset + len(part)]
+                    offset += len(part)
+            yield index, len(entry)
+
+
 class StuckReadsConnector(SharedStorageConnector):
     """Shared storage whose reads hang until the test lets them go."""
 
@@ -136,18 +166,23 @@ class StuckReadsConnector(SharedStorageConnector):
 
 
 def _worker(
-    store: BlockStore, caches: dict[str, torch.Tensor], counters: Counters, timeout_s: float
+    store: BlockStore,
+    caches: dict[str, torch.Tensor],
+    counters: Counters,
+    timeout_s: float,
+    grace_s: float = TEST_LIMIT_S,
 ) -> StoreWorker:
     return StoreWorker(
         store=store,
         layouts=(LAYOUT,),
-        caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
-        staging=StagingBuffers(LAYOUT, NUM_SLOTS),
+        memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
         io_threads=1,
         batch_blocks=2,
+        max_save_bytes=NUM_SLOTS * LAYOUT.entry_bytes,
         counters=counters,
         medium="test",
         transfer_timeout_s=timeout_s,
+        late_write_grace_s=grace_s,
     )
 
 
@@ -210,10 +245,50 @@ def test_a_stuck_load_that_returns_late_writes_nothing_into_the_cache(
         cache[:, 2:4] = 7.0
 
     store_answers.set()  # the store answers at last, with good entries
-    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+    wait_until(lambda: worker.idle(), "the stuck job to end")
 
     for cache in caches.values():
         assert bool((cache[:, 2:4] == 7.0).all())
+    worker.close()
+
+
+def test_a_given_up_load_waits_for_its_read_under_way_and_then_writes_nothing_more() -> None:
+    store = InFlightStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    caches = layout_caches(LAYOUT, None)
+    worker = _worker(store, caches, Counters(), DEADLINE_S)
+    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    assert store.entered.wait(TEST_LIMIT_S)
+    errors: list[set[int]] = []
+    waiter = threading.Thread(target=lambda: errors.append(worker.take_load_errors()))
+    waiter.start()
+
+    # Given up on at its deadline, while its first read is still in its syscall.
+    wait_until(lambda: store.writes is not None and store.writes.closed, "the load given up on")
+    store.returns.set()
+    waiter.join(TEST_LIMIT_S)
+
+    assert errors == [{2, 3}]
+    # The engine computes both blocks again; the load writes nothing more into them.
+    for cache in caches.values():
+        cache[:, 2:4] = 7.0
+    wait_until(worker.idle, "the load job to end")
+    for cache in caches.values():
+        assert bool((cache[:, 2:4] == 7.0).all())
+    worker.close()
+
+
+def test_a_read_that_outlives_the_grace_period_stops_the_engine_with_a_clear_error() -> None:
+    store = InFlightStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    worker = _worker(store, layout_caches(LAYOUT, None), Counters(), DEADLINE_S, grace_s=0.05)
+    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    assert store.entered.wait(TEST_LIMIT_S)
+    try:
+        with pytest.raises(LateWriteError, match="still writing into the KV cache"):
+            worker.take_load_errors()
+    finally:
+        store.returns.set()
     worker.close()
 
 
@@ -231,18 +306,18 @@ def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_blo
     assert not worker.is_loading("c")  # its blocks may be freed
     assert worker.take_load_errors() == {2, 3}
     store_answers.set()
-    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck job to end")
+    wait_until(lambda: worker.idle(), "the stuck job to end")
     assert not any(bool(cache[:, 2:4].any()) for cache in caches.values())
     assert worker.take_finished_loads() == set()  # reported once
     worker.close()
 
 
-def test_a_load_that_finds_no_staging_slot_by_its_deadline_fails_instead_of_waiting(
+def test_a_load_queued_behind_stuck_loads_fails_at_its_deadline_instead_of_waiting(
     store_answers: threading.Event,
 ) -> None:
     counters = Counters()
     worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
-    # Two stuck loads hold all four slots past their deadline.
+    # Two stuck loads hold the one load thread past their deadline.
     worker.start_loads([BlockTransfer("a", (0, 1), HASHES), BlockTransfer("b", (2, 3), HASHES)], [])
     assert worker.take_load_errors() == {0, 1, 2, 3}
 
@@ -302,7 +377,7 @@ def test_a_save_stuck_past_its_deadline_counts_failed_and_is_no_longer_waited_fo
     assert taken["save_timeouts"] == 2
     assert taken["save_errors"] == 2
     store_answers.set()
-    wait_until(lambda: worker._staging.num_free == NUM_SLOTS, "the stuck save to end")
+    wait_until(lambda: worker.idle(), "the stuck save to end")
     assert "blocks_saved" not in counters.take()  # counted once, as failed
     worker.close()
 

@@ -1,23 +1,24 @@
-"""Saves that end after the engine's last step still reach its stats and KV events.
+"""Saves that end after the engine's last compute step still reach its stats and KV events.
 
-Store-backed connectors free a request's blocks once they are staged and
-write in the background, so writes can still run when ``generate`` returns.
-A store whose writes wait while a file exists
-(:mod:`tests.engine.held_store_connector`) makes that certain: every save
-then ends after the last step.
+Store-backed connectors write in the background, straight from the cache
+blocks, and keep a finished request's blocks until its saves end: writes can
+run long after the last step that computed anything, and ``generate`` waits
+for them (the requests are reported finished sending only then). A store
+whose writes wait while a file exists (:mod:`tests.engine.held_store_connector`)
+makes that certain: the file goes only once every request has finished.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import pytest
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.connector.types import BlockStored, KVCacheEvent
+from kvwire.connector.types import BlockStored, KVCacheEvent, Request
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
 from kvwire.engine.passes import compare_passes
@@ -37,8 +38,8 @@ def held_storage(config: EngineConfig, tmp_path: pathlib.Path) -> EngineConfig:
             kv_role="kv_both",
             kv_connector_extra_config={
                 "shared_storage_path": str(tmp_path / "store"),
-                # Room for every block of the workload: a held save keeps its
-                # staging slot, and a save finding none free would be dropped.
+                # Room for every block of the workload in flight: a save
+                # beyond the bound would be dropped.
                 "staging_buffer_bytes": "4MiB",
                 "hold_path": str(tmp_path / "hold"),
             },
@@ -85,8 +86,20 @@ def assert_each_stored_block_reported_once(
     assert reported == on_disk and on_disk
 
 
+def released_when_all_finish(hold: pathlib.Path, count: int) -> Callable[[Request], None]:
+    """An ``on_finished`` callback that removes ``hold`` once ``count`` requests have finished."""
+    finished: list[str] = []
+
+    def on_finished(request: Request) -> None:
+        finished.append(request.request_id)
+        if len(finished) == count:
+            hold.unlink()
+
+    return on_finished
+
+
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
-def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_close(
+def test_saves_ending_after_the_last_step_are_counted_and_reported_before_generate_returns(
     worker_mode: WorkerMode,
     config: EngineConfig,
     workload: list[GenerationRequest],
@@ -96,11 +109,12 @@ def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_c
     hold.touch()
     engine = LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode)
     with engine:
-        outputs = engine.generate(workload)
-        saved_when_generate_returned = engine.connector_stats.data.get("blocks_saved", 0)
-        hold.unlink()
-    assert saved_when_generate_returned == 0  # every save outlived the requests
+        outputs = engine.generate(workload, released_when_all_finish(hold, len(workload)))
+        when_generate_returned = dict(engine.connector_stats.data)
+    assert not hold.exists()
     stats = engine.connector_stats.data
+    # Their requests kept their blocks until the saves ended: all counted by then.
+    assert when_generate_returned == stats
     expected = blocks_computed(workload, outputs, config.cache_config.block_size)
     assert stats["blocks_saved"] == expected == entries_stored(tmp_path / "store")
     assert stats["bytes_saved"] == expected * BlockLayout.from_engine_config(config).payload_bytes
@@ -110,7 +124,7 @@ def test_saves_still_running_when_generate_returns_are_counted_and_reported_at_c
 
 
 @pytest.mark.parametrize("worker_mode", WORKER_MODES)
-def test_wait_for_saves_counts_and_reports_the_saves_still_running(
+def test_wait_for_saves_after_generate_finds_nothing_more_to_count(
     worker_mode: WorkerMode,
     config: EngineConfig,
     workload: list[GenerationRequest],
@@ -119,15 +133,10 @@ def test_wait_for_saves_counts_and_reports_the_saves_still_running(
     hold = tmp_path / "hold"
     hold.touch()
     with LLMEngine(held_storage(config, tmp_path), worker_mode=worker_mode) as engine:
-        outputs = engine.generate(workload)
-        saved_when_generate_returned = engine.connector_stats.data.get("blocks_saved", 0)
-        events_when_generate_returned = list(engine.scheduler.kv_events)
-        hold.unlink()
+        outputs = engine.generate(workload, released_when_all_finish(hold, len(workload)))
         engine.wait_for_saves()
         after_waiting = dict(engine.connector_stats.data)
         events = list(engine.scheduler.kv_events)
-    assert saved_when_generate_returned == 0
-    assert events_when_generate_returned == []
     expected = blocks_computed(workload, outputs, config.cache_config.block_size)
     assert after_waiting["blocks_saved"] == expected == entries_stored(tmp_path / "store")
     # Closing finds nothing left to count: no save is counted twice.
@@ -166,7 +175,6 @@ def test_kvwire_run_counts_saves_that_end_after_a_pass_in_that_pass(
     assert report["passes"]["cold"]["bytes_saved"] == expected * payload_bytes
 
 
-@pytest.mark.slow
 def test_a_multi_connector_waits_for_every_childs_saves(
     config: EngineConfig, workload: list[GenerationRequest], tmp_path: pathlib.Path
 ) -> None:
@@ -190,14 +198,11 @@ def test_a_multi_connector_waits_for_every_childs_saves(
     )
     hold = tmp_path / "hold"
     hold.touch()
-    with LLMEngine(multi, idle_timeout_s=0.5) as engine:
-        outputs = engine.generate(workload)
-        # The held child's writes cannot end: the wait gives up and says so.
-        with pytest.raises(RuntimeError, match=r"saves still running after 0\.5 s"):
-            engine.wait_for_saves()
-        hold.unlink()
-        engine.wait_for_saves()
-        after_waiting = dict(engine.connector_stats.data)
+    with LLMEngine(multi) as engine:
+        # The held child's writes end only after every request has finished:
+        # the requests stay kept until both children's saves have ended.
+        outputs = engine.generate(workload, released_when_all_finish(hold, len(workload)))
+        when_generate_returned = dict(engine.connector_stats.data)
     expected = blocks_computed(workload, outputs, config.cache_config.block_size)
-    assert after_waiting["CPUOffloadConnector"]["blocks_saved"] == expected
-    assert after_waiting["HeldSharedStorageConnector"]["blocks_saved"] == expected
+    assert when_generate_returned["CPUOffloadConnector"]["blocks_saved"] == expected
+    assert when_generate_returned["HeldSharedStorageConnector"]["blocks_saved"] == expected

@@ -1,9 +1,10 @@
-"""Preallocated, reused staging buffers: one slot per stored entry.
+"""Preallocated, reused entry slots: the CPU-offload connector's pool.
 
 A slot holds one whole entry (the 128-byte header, then the cross-layer
-payload), so a background thread can hand it to a store as one
-``memoryview`` while the payload is also a typed tensor for copies to and
-from the paged cache. The buffers are allocated once, when the worker side
+payload), seen both as one ``memoryview`` and, for copies to and from the
+paged cache, as a typed tensor. (The store connectors need no staging: they
+move blocks straight between the cache and the medium, see
+:mod:`kvwire.connectors.block_memory`.) The buffers are allocated once, when the worker side
 registers the caches; the hot path only takes and returns slot numbers.
 """
 

@@ -6,12 +6,20 @@ The scheduler side decides, the worker side moves bytes:
   engine has locally (``BlockStore.count_prefix``: only a consecutive prefix
   that is really present counts), plans loads and saves, and ships them in a
   picklable :class:`StoreConnectorMetadata` each step;
-- worker side (:class:`~kvwire.connectors.store_worker.StoreWorker`): copies
-  blocks between the paged caches and preallocated staging slots in the
-  cross-layer layout behind the ``block_format`` header, and runs the store
-  I/O on background threads. Every loaded entry is verified before it is
-  copied into the cache; failed block ids come back through
-  ``get_block_ids_with_load_errors``.
+- worker side (:class:`~kvwire.connectors.store_worker.StoreWorker`): moves
+  blocks straight between the KV cache's block ranges and the store (an
+  entry is the ``block_format`` header, then every layer's block), on
+  background threads: the forward pass only submits. A loaded entry is
+  verified where it landed, in the cache, before its block counts as
+  loaded; failed block ids come back through ``get_block_ids_with_load_errors``
+  and the engine computes those blocks again.
+
+Blocks being saved are read in place, so they are kept unchanged until the
+save ends: a finished request whose saves may still run keeps its blocks
+(``request_finished`` returns True) until the worker reports it finished
+sending, and ``handle_preemptions`` (before each forward pass) waits for the
+saves of preempted requests, and for those of sliding-window groups (the
+engine gives their blocks back as they leave the window without a call).
 
 How a subclass supplies its store
 ---------------------------------
@@ -54,10 +62,11 @@ dropped or failed ones) and ``BlockRemoved`` for the corrupt entries it
 discarded and for those the store's ``take_removed_keys`` reports (a size
 cap); the scheduler side's ``take_events`` returns them once.
 
-Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (memory of
-the staging slots; a save that finds every slot busy is dropped and counted,
-never waited for), ``io_threads`` (per direction), ``batch_blocks`` (blocks
-per save call, and the shortest load run: a load is shared between the I/O
+Common ``kv_connector_extra_config`` keys: ``staging_buffer_bytes`` (no
+staging memory any more: the bytes of entries that saves in flight may hold;
+a save beyond it is dropped and counted, never waited for), ``io_threads``
+(per direction), ``batch_blocks`` (blocks per save job, and the shortest load
+run: a load is shared between the I/O
 threads in runs of at least this many blocks, one store call each),
 ``async_load`` (loads reported through ``get_finished``), ``transfer_timeout_s``
 (default 30: the deadline of each load and save, from its start; a load
@@ -99,8 +108,8 @@ from kvwire.connectors.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
-    memory_size_key,
     seconds_key,
+    size_key,
 )
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
 from kvwire.connectors.worker_steps import metadata_of_type
@@ -137,9 +146,11 @@ class _Unchecked:
 class StoreConnectorMetadata(KVConnectorMetadata):
     """One step's plan: blocks to load (now or in the background) and to save.
 
-    ``release_req_ids``: requests that finished during an asynchronous load;
-    the worker reports them finished sending once the load no longer writes
-    into their blocks. ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
+    ``release_req_ids``: finished requests that kept their blocks (a save or
+    an asynchronous load may still use them); the worker reports them
+    finished sending once none does. ``preempted_req_ids``: requests whose
+    blocks the engine took back; their saves end before the forward pass.
+    ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
     lookup counts to the worker side, which reports all stats.
     """
 
@@ -147,6 +158,7 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     async_loads: tuple[BlockTransfer, ...] = ()
     saves: tuple[BlockTransfer, ...] = ()
     release_req_ids: tuple[str, ...] = ()
+    preempted_req_ids: tuple[str, ...] = ()
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
 
@@ -170,11 +182,16 @@ class StoreConnector(BlockConnector[StoreWorker]):
         # Once, after the MAC: keys and headers index these, never rebuild them.
         self._group_layouts = super().group_layouts
         self._key_of = self._group_key_function()
+        self._sliding_groups = tuple(
+            group.index for group in self._groups if group.sliding_window is not None
+        )
         self._store = self.create_store(self._options)
         # Scheduler side.
         self._step_loads: list[BlockTransfer] = []
         self._step_async_loads: list[BlockTransfer] = []
         self._async_loading: set[str] = set()
+        # Requests with saves planned: their blocks are kept when they finish.
+        self._saving: set[str] = set()
         self._release_req_ids: list[str] = []
         self._events: list[KVCacheEvent] = []
 
@@ -184,7 +201,8 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
         """The ``kv_connector_extra_config`` keys this connector accepts."""
         return (
-            memory_size_key("staging_buffer_bytes", 64 * 1024**2),
+            # Allocates nothing now (a bound on saves in flight): no memory check.
+            size_key("staging_buffer_bytes", 64 * 1024**2),
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             bool_key("async_load", False),
@@ -302,6 +320,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             )
             for save in self._planner.plan_saves(scheduler_output)
         )
+        self._saving.update(save.request_id for save in saves)
         for request_id in scheduler_output.finished_req_ids:
             self._planner.forget(request_id)
         hit_blocks, miss_blocks = self._planner.take_lookup_counts()
@@ -310,6 +329,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             async_loads=tuple(self._step_async_loads),
             saves=saves,
             release_req_ids=tuple(self._release_req_ids),
+            preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
             lookup_hit_blocks=hit_blocks,
             lookup_miss_blocks=miss_blocks,
         )
@@ -319,14 +339,16 @@ class StoreConnector(BlockConnector[StoreWorker]):
         return metadata
 
     def _keeps_blocks_when_finished(self, request: Request) -> bool:
-        """Only while a background load writes into them (a request aborted while loading).
+        """While its saves may still read its blocks, or a background load write into them.
 
-        Saves copy the blocks out of the cache in wait_for_save, so the engine
-        may free them at once, unless a background load still writes into
-        them (a request aborted while loading).
+        Saves read the blocks in place in the background, so a request with
+        saves planned keeps its blocks until the worker reports it finished
+        sending (the step after its saves end); so does one aborted while loading.
         """
         self._planner.forget(request.request_id)
-        if request.request_id in self._async_loading:
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        if saving or request.request_id in self._async_loading:
             self._release_req_ids.append(request.request_id)
             return True
         return False
@@ -344,19 +366,17 @@ class StoreConnector(BlockConnector[StoreWorker]):
     # ----------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvwire.connectors.paged_cache import group_caches
-        from kvwire.connectors.staging import StagingBuffers
+        from kvwire.connectors.block_memory import group_memories
 
-        caches = group_caches(kv_caches, self._layout, self._groups)
-        # Every group's entries have one size: the slots serve them all.
-        num_slots = max(1, self._options["staging_buffer_bytes"] // self._layout.entry_bytes)
+        # At least one block's save may be in flight, whatever the bound.
+        max_save_bytes = max(self._options["staging_buffer_bytes"], self._layout.entry_bytes)
         self._worker = StoreWorker(
             store=self._store,
             layouts=self._group_layouts,
-            caches=caches,
-            staging=StagingBuffers(self._layout, num_slots),
+            memories=group_memories(kv_caches, self._layout, self._groups),
             io_threads=self._options["io_threads"],
-            batch_blocks=min(self._options["batch_blocks"], num_slots),
+            batch_blocks=self._options["batch_blocks"],
+            max_save_bytes=max_save_bytes,
             counters=self._counters,
             key_of=self._key_of,
             hash_of=self.block_hash_of,
@@ -364,13 +384,13 @@ class StoreConnector(BlockConnector[StoreWorker]):
             transfer_timeout_s=self._options["transfer_timeout_s"],
         )
         logger.info(
-            "%s: %s store, %d KV cache group(s), blocks of %d bytes, %d staging slots, "
-            "%d I/O threads per direction",
+            "%s: %s store, %d KV cache group(s), blocks of %d bytes, saves in flight up to "
+            "%d bytes, %d I/O threads per direction",
             type(self).__name__,
             self.medium,
             len(self._groups),
             self._layout.payload_bytes,
-            num_slots,
+            max_save_bytes,
             self._options["io_threads"],
         )
 
@@ -379,8 +399,23 @@ class StoreConnector(BlockConnector[StoreWorker]):
             type(self).__name__, self._get_connector_metadata(), StoreConnectorMetadata
         )
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Let the saves end that read blocks the coming forward pass may reuse.
+
+        Those of preempted requests (the engine took their blocks back) and
+        those of sliding-window groups (the engine gives their blocks back as
+        they leave the window, unannounced). The engine calls it before
+        ``start_load_kv``; an engine that does not gets the same wait from
+        :meth:`start_load_kv`. Each wait ends at the save's deadline.
+        """
+        metadata = metadata_of_type(
+            type(self).__name__, kv_connector_metadata, StoreConnectorMetadata
+        )
+        self._require_worker().wait_for_saves_of(metadata.preempted_req_ids, self._sliding_groups)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._metadata()
+        self.handle_preemptions(metadata)
         self._counters.add_many(
             {
                 "lookup_hit_blocks": metadata.lookup_hit_blocks,
@@ -392,6 +427,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             self._require_worker().start_loads(metadata.loads, metadata.async_loads)
 
     def wait_for_save(self) -> None:
+        # Only submits: the saves read the blocks in place, in the background.
         metadata = self._metadata()
         worker = self._require_worker()
         saves = self._saves_from_good_context(metadata.saves)
@@ -399,8 +435,11 @@ class StoreConnector(BlockConnector[StoreWorker]):
             worker.save(saves)
 
     def transfers_running(self, request_id: str) -> bool:
-        """Saves copy the blocks out at once: only a background load keeps them."""
-        return self._worker is not None and self._worker.is_loading(request_id)
+        """A finished request's blocks stay kept while its saves (or a load) run."""
+        worker = self._worker
+        return worker is not None and (
+            worker.is_loading(request_id) or worker.saves_running(request_id)
+        )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:

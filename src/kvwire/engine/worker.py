@@ -1,9 +1,10 @@
 """The worker: the paged KV cache, the model, and the worker-side connector calls.
 
-Per step, in the reference order: bind the step's metadata, ``start_load_kv``
-before the forward pass, ``wait_for_layer_load`` before and ``save_kv_layer``
-after each layer's attention, ``wait_for_save`` when the pass ends, then
-``get_finished``, the load errors, the stats and the KV cache events, and finally
+Per step, in the reference order: bind the step's metadata,
+``handle_preemptions`` and ``start_load_kv`` before the forward pass,
+``wait_for_layer_load`` before and ``save_kv_layer`` after each layer's
+attention, ``wait_for_save`` when the pass ends, then ``get_finished``, the
+load errors, the stats and the KV cache events, and finally
 ``clear_connector_metadata``.
 """
 
@@ -139,6 +140,9 @@ class Worker:
         if connector is not None:
             assert step.connector_metadata is not None
             connector.bind_connector_metadata(step.connector_metadata)
+            # As the reference's model runner: blocks of preempted requests may
+            # be reused by this forward pass, so their transfers end first.
+            connector.handle_preemptions(step.connector_metadata)
             connector.start_load_kv(ForwardContext(self.layer_names, self._forward_metadata()))
         logits = None
         if metadata is not None:

@@ -1,0 +1,219 @@
+"""Saves read the cache blocks in place: the blocks must not change until they are written.
+
+Shared storage saves in the background, straight from the KV cache. The
+engine must not reuse a block while a save reads it: a finished request keeps
+its blocks until its saves end (``request_finished`` returns True, then
+``finished_sending``), and a preempted request's saves end before the next
+forward pass (``handle_preemptions``). Here every write is held until the
+next step's forward pass has run (or until the engine waits for saves before
+it), then checks that the bytes it was given did not change meanwhile.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import SchedulerOutput
+from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.store import BlockStore, CacheWrites
+from kvwire.engine.engine import LLMEngine
+from kvwire.kv_cache_config import KVCacheConfig
+from tests.connectors.conftest import PairFactory
+from tests.connectors.engine_support import generate as generate_without
+from tests.connectors.engine_support import (
+    renamed,
+    tiny_engine_config,
+    tokens,
+    with_connector,
+    workload,
+)
+from tests.connectors.harness import make_request
+
+BLOCK = 4
+PROMPT = list(range(100, 117))
+PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
+# How long a held write waits at most (a bound, never reached when the rules hold).
+HOLD_LIMIT_S = 30.0
+
+CHANGED_UNDER_SAVE: list[str] = []
+"""Keys whose cache bytes changed while their save held them."""
+
+
+class _Progress:
+    """What held writes wait for: the next forward pass, or the engine waiting for them."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.steps = 0
+        # Waits of the engine for saves under way: held writes go on meanwhile
+        # (the saves waited for may be queued behind them).
+        self.waits = 0
+        self.draining = False
+
+
+class _HeldWrites(BlockStore):
+    """``store``, whose writes hold their ranges until the next step's forward pass has run."""
+
+    def __init__(self, store: BlockStore, progress: _Progress) -> None:
+        self._store = store
+        self._progress = progress
+        self.medium = store.medium
+
+    def write_ranges(
+        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        # Payload ranges only: the header is the worker's own buffer.
+        before = [[bytes(part) for part in ranges[1:]] for ranges in ranges_per_key]
+        progress = self._progress
+        with progress.changed:
+            step = progress.steps
+            progress.changed.wait_for(
+                lambda: progress.steps > step or progress.draining or progress.waits > 0,
+                HOLD_LIMIT_S,
+            )
+        for key, ranges, saved in zip(keys, ranges_per_key, before, strict=True):
+            if [bytes(part) for part in ranges[1:]] != saved:
+                CHANGED_UNDER_SAVE.append(key)
+        return self._store.write_ranges(keys, ranges_per_key)
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        return self._store.count_prefix(keys)
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        return self._store.put(keys, entries)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        return self._store.get_into(keys, buffers)
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        return (yield from self._store.read_into_ranges(keys, ranges_per_key, writes))
+
+    def discard(self, keys: Sequence[str]) -> None:
+        self._store.discard(keys)
+
+    def take_removed_keys(self) -> list[str]:
+        return self._store.take_removed_keys()
+
+    def close(self) -> None:
+        self._store.close()
+
+
+class HeldWritesConnector(SharedStorageConnector):
+    """Shared storage whose writes are held (see the module); counts what changed under them."""
+
+    def __init__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self._progress = _Progress()
+        super().__init__(config, role, kv_cache_config)
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return _HeldWrites(super().create_store(options), self._progress)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self._require_worker()
+        wait_for_saves_of = worker.wait_for_saves_of
+
+        def waited_for(request_ids: Iterable[str] = (), groups: Iterable[int] = ()) -> None:
+            request_ids, groups = tuple(request_ids), tuple(groups)
+            if not (request_ids or groups):
+                return wait_for_saves_of(request_ids, groups)
+            # The engine waits for saves before its forward pass: held writes go
+            # on now (those waited for may be queued behind them).
+            with self._progress.changed:
+                self._progress.waits += 1
+                self._progress.changed.notify_all()
+            try:
+                wait_for_saves_of(request_ids, groups)
+            finally:
+                with self._progress.changed:
+                    self._progress.waits -= 1
+
+        worker.wait_for_saves_of = waited_for  # type: ignore[method-assign]
+
+    def wait_for_save(self) -> None:
+        # Called after the forward pass: writes held since an earlier step go on.
+        with self._progress.changed:
+            self._progress.steps += 1
+            self._progress.changed.notify_all()
+        super().wait_for_save()
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        self._drain()
+        return super().wait_for_pending_saves(timeout_s)
+
+    def shutdown(self) -> None:
+        self._drain()
+        super().shutdown()
+
+    def _drain(self) -> None:
+        """No next step will come: held writes go on."""
+        with self._progress.changed:
+            self._progress.draining = True
+            self._progress.changed.notify_all()
+
+
+def test_preempted_and_finished_requests_blocks_stay_unchanged_until_their_saves_end(
+    tmp_path: pathlib.Path,
+) -> None:
+    CHANGED_UNDER_SAVE.clear()
+    # So few blocks that running requests are preempted and their blocks reused.
+    small = tiny_engine_config(num_gpu_blocks=24)
+    requests = workload(num_requests=8, prompt_len=30)
+    expected = tokens(generate_without(small, requests))
+    config = with_connector(
+        small,
+        "HeldWritesConnector",
+        {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "64MiB"},
+        module_path=__name__,
+    )
+    with LLMEngine(config) as engine:
+        cold = engine.generate(requests)
+        engine.wait_for_saves()
+        engine.reset_prefix_cache()
+        warm = engine.generate(renamed(requests, "-warm"))
+
+    assert sum(output.num_preemptions for output in cold) > 0
+    assert CHANGED_UNDER_SAVE == []
+    assert tokens(cold) == expected
+    assert tokens(warm) == expected
+    assert sum(output.num_load_failures for output in warm) == 0
+
+
+def test_a_finished_request_keeps_its_blocks_until_its_saves_are_written(
+    shared_storage_pair: PairFactory,
+) -> None:
+    producer = shared_storage_pair(seed=1)
+    request = make_request("p", PROMPT, BLOCK)
+    producer.prefill(request, PRODUCER_BLOCKS)
+
+    keep, _ = producer.scheduler.request_finished(request, PRODUCER_BLOCKS)
+
+    assert keep is True
+    producer.step(SchedulerOutput(finished_req_ids={"p"}), {"p"})
+    producer.step_until(lambda: "p" in producer.finished_sending)
+    # Reported only once nothing of it is left to write.
+    assert producer.worker.wait_for_pending_saves(0)
+
+
+def test_a_request_with_nothing_to_save_is_freed_at_once(
+    shared_storage_pair: PairFactory,
+) -> None:
+    consumer = shared_storage_pair(seed=1, kv_role="kv_consumer")
+    request = make_request("c", PROMPT, BLOCK)
+    consumer.prefill(request, PRODUCER_BLOCKS)
+
+    keep, _ = consumer.scheduler.request_finished(request, PRODUCER_BLOCKS)
+
+    assert keep is False
