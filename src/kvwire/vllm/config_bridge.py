@@ -241,9 +241,9 @@ def wrapped_hma_setting(
     sliding-window layers): HMA then changes nothing, so it is left unset and
     kvwire's gate decides from the wrapped connector, as in kvwire's engine.
     ``KVWireConnector`` declares ``SupportsHMA`` whatever it wraps (vLLM
-    asks its class before the profile is read), so vLLM keeps HMA on for
-    every model; False here means a hybrid cache the wrapped connector must
-    serve.
+    asks its class before the profile is read), so vLLM keeps HMA on unless
+    told otherwise, for every model; False here means a hybrid cache the
+    wrapped connector must serve.
     """
     if vllm_disable_hma is False and not has_hybrid_groups(kv_cache_config):
         return None
