@@ -213,6 +213,8 @@ class StoreWorker:
         # Saves not settled yet: running, queued, or given up on while a
         # checksum of theirs may still read the cache.
         self._saves_in_flight: set[_Job] = set()
+        # How many of them each request has: asked for every kept request, every step.
+        self._saves_per_request: dict[str, int] = {}
         self._save_bytes_in_flight = 0
         self._jobs_running = 0
         self._events: list[KVCacheEvent] = []
@@ -552,6 +554,8 @@ class StoreWorker:
                 )
                 with self._lock:
                     self._saves_in_flight.add(job)
+                    count = self._saves_per_request.get(job.request_id, 0)
+                    self._saves_per_request[job.request_id] = count + 1
                 self._submit(self._save_pool, job, self._save)
                 assert job.future is not None
                 job.future.add_done_callback(functools.partial(self._save_ended, job))
@@ -574,6 +578,11 @@ class StoreWorker:
                 self._save_bytes_in_flight -= (
                     len(job.block_ids) * self._layouts[job.group].entry_bytes
                 )
+                left = self._saves_per_request[job.request_id] - 1
+                if left:
+                    self._saves_per_request[job.request_id] = left
+                else:
+                    del self._saves_per_request[job.request_id]
 
     def _save(self, job: _Job) -> None:
         layout = self._layouts[job.group]
@@ -652,7 +661,7 @@ class StoreWorker:
     def saves_running(self, request_id: str) -> bool:
         """Whether a save still reads ``request_id``'s blocks (they must be kept until it ends)."""
         with self._lock:
-            return any(job.request_id == request_id for job in self._saves_in_flight)
+            return request_id in self._saves_per_request
 
     def wait_for_saves_of(
         self, request_ids: Iterable[str] = (), groups: Iterable[int] = ()
