@@ -2,9 +2,11 @@
 
 Engines on different hosts share blocks through a Redis (or Valkey) server
 they already run. The data path is the store-backed connector's
-(:mod:`kvwire.connectors.store_connector`: staging buffers, background I/O
-threads, every entry verified before it reaches the cache); the medium is
-:class:`~kvwire.connectors.redis_store.RedisBlockStore`.
+(:mod:`kvwire.connectors.store_connector`: background I/O threads, every
+entry verified before its block is reported loaded); the medium is
+:class:`~kvwire.connectors.redis_store.RedisBlockStore`, which sends a
+block's bytes to the server straight from the KV cache and scatters a
+loaded one straight into it (no staging copy on either side).
 
 ``kv_connector_extra_config`` keys, beside the common ones of
 :class:`~kvwire.connectors.store_connector.StoreConnector`

@@ -290,7 +290,12 @@ class RespStream:
             if length > room:
                 self._discard(length + 2)
                 return self.OVERSIZED
-            self._receive(ranges if length == room else _first_bytes(ranges, length), writes)
+            # The read that fills the last range also takes this value's CRLF
+            # and a header as long as this one: the next value's, when it is
+            # as long (a run of blocks), which then lands in its ranges whole.
+            tail = len(line) + 4
+            covered = ranges if length == room else _first_bytes(ranges, length)
+            self._receive(covered, writes, tail)
             self._expect_crlf()
             return length
         if kind == b"-":
@@ -387,22 +392,28 @@ class RespStream:
         while position < target.nbytes:
             position += self._recv_into(target[position:])
 
-    def _receive(self, ranges: Ranges, writes: CacheWrites | None) -> None:
-        """Fill ``ranges`` in order: the bytes already buffered first, then from the socket."""
+    def _receive(self, ranges: Ranges, writes: CacheWrites | None, tail: int) -> None:
+        """Fill ``ranges`` in order: the bytes already buffered first, then from the socket.
+
+        A scattered read that reaches the last range also asks for ``tail``
+        more bytes, into the scratch buffer.
+        """
         index, offset = 0, 0
-        while index < len(ranges) and self._start < self._end:
-            target = ranges[index]
-            taken = min(target.nbytes - offset, self._end - self._start)
+        if self._start < self._end:
+            # One memory copy of at most a scratch buffer's bytes: one write.
             with _UNGATED if writes is None else writes.writing():
-                target[offset : offset + taken] = self._view[self._start : self._start + taken]
-            self._start += taken
-            offset += taken
-            if offset == target.nbytes:
-                index, offset = index + 1, 0
+                while index < len(ranges) and self._start < self._end:
+                    target = ranges[index]
+                    taken = min(target.nbytes - offset, self._end - self._start)
+                    target[offset : offset + taken] = self._view[self._start : self._start + taken]
+                    self._start += taken
+                    offset += taken
+                    if offset == target.nbytes:
+                        index, offset = index + 1, 0
         while index < len(ranges):
             with _UNGATED if writes is None else writes.writing():
                 if self._vectored:
-                    offset += self._recv_scattered(ranges, index, offset)
+                    offset += self._recv_scattered(ranges, index, offset, tail)
                 else:
                     offset += self._recv_into(ranges[index][offset:])
             # Step over the ranges the read filled.
@@ -414,18 +425,17 @@ class RespStream:
             # (the value's CRLF, and the next reply's header): keep those bytes.
             self._start, self._end = 0, offset
 
-    def _recv_scattered(self, ranges: Ranges, index: int, offset: int) -> int:
+    def _recv_scattered(self, ranges: Ranges, index: int, offset: int, tail: int) -> int:
         """One ``recvmsg_into`` from ``ranges[index][offset:]`` on; how many bytes it received.
 
         The buffer is empty here. When the pieces reach the last range, the
-        scratch buffer follows it, so the CRLF after the value and the next
-        reply's header usually come in with the value's last bytes.
+        scratch buffer's first ``tail`` bytes follow it.
         """
         last = min(len(ranges), index + _MAX_PIECES_PER_CALL - 1)
         pieces = [ranges[index][offset:], *ranges[index + 1 : last]]
         if last == len(ranges):
             self._start = self._end = 0
-            pieces.append(self._view[:_HEADER_READ_BYTES])
+            pieces.append(self._view[:tail])
         self._deadline.arm(self._sock)
         try:
             received = self._sock.recvmsg_into(pieces)[0]
