@@ -490,3 +490,53 @@ def test_a_failed_load_in_a_sliding_group_saves_both_groups_again_from_that_bloc
     plan.loads_failed({24})  # the sliding group's block 4
     again = plan.plan_saves(hybrid_step(4 * BLOCK, 9))
     assert [(save.group, save.block_ids) for save in again] == [(0, (14, 15)), (1, (24, 25))]
+
+
+# ----------------------------------------------------- blocks about to be written
+
+
+TWO_BLOCK_WINDOW = CacheGroup(1, ("layers.1",), BLOCK, sliding_window=5)
+
+
+def _scheduled(request_id: str, block_ids: tuple[list[int], ...], computed: int, new: int):
+    item = ScheduledRequest(
+        request_id=request_id,
+        block_ids=block_ids,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=new,
+        is_new=computed == 0,
+    )
+    return SchedulerOutput(scheduled=[item])
+
+
+def test_new_block_ids_are_those_given_to_a_request_beyond_its_local_hit():
+    plan = planner()
+    request = request_of()
+    plan.look_up(request, 2 * BLOCK, medium_holding())
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
+    # The two blocks of the local hit are shared and only read.
+    assert plan.take_new_block_ids() == {32, 33, 34}
+    assert plan.take_new_block_ids() == set()
+
+
+def test_new_block_ids_follow_each_step_growth_and_a_sliding_groups_reallocation():
+    plan = BlockPlanner(BLOCK, (FULL, TWO_BLOCK_WINDOW), loads=True, saves=True)
+    request = request_of(num_tokens=13)
+    plan.look_up(request, 0, medium_holding())
+    plan.allocate(request, KVCacheBlocks(([1, 2, 3], [4, 5, 6])), 0)
+    assert plan.take_new_block_ids() == {1, 2, 3, 4, 5, 6}
+    plan.plan_saves(_scheduled("r", ([1, 2, 3], [4, 5, 6]), 0, 12))
+    assert plan.take_new_block_ids() == set()
+    # Next step: a block more in each group; the sliding window gave back
+    # block 4 (null now, never "written"), and a rollback replaced block 5 by 9.
+    plan.plan_saves(_scheduled("r", ([1, 2, 3, 7], [0, 9, 6, 8]), 12, 1))
+    assert plan.take_new_block_ids() == {7, 8, 9}
+
+
+def test_new_block_ids_are_not_tracked_when_the_engine_does_not_save():
+    plan = planner(saves=False)
+    request = request_of()
+    plan.look_up(request, 0, medium_holding())
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
+    plan.plan_saves(step("r", 0, 17))
+    assert plan.take_new_block_ids() == set()

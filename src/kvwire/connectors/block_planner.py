@@ -73,7 +73,7 @@ class _SaveCursor:
     # Per group: the first block position not yet saved (or loaded).
     next_block_to_save: list[int]
     # Per group: the request's cache block ids, as last seen (allocation, then each step).
-    block_ids: tuple[Sequence[int], ...] = ()
+    block_ids: tuple[list[int], ...] = ()
     # Per sliding-window group: branch-window positions not saved yet (those
     # the request has not computed yet wait for the step that computes them).
     branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
@@ -111,6 +111,7 @@ class BlockPlanner:
         self._window_aware = window_aware
         self._lookups: dict[str, _Lookup] = {}
         self._save_cursors: dict[str, _SaveCursor] = {}
+        self._new_block_ids: set[int] = set()
         self.lookup_hit_blocks = 0
         self.lookup_miss_blocks = 0
 
@@ -195,7 +196,11 @@ class BlockPlanner:
             lookup = _Lookup(request.num_computed_tokens // self._block_size, 0, 0)
         self.lookup_hit_blocks += lookup.hit_blocks
         self.lookup_miss_blocks += lookup.candidate_blocks - lookup.hit_blocks
-        all_block_ids = self._per_group(request.request_id, blocks.get_block_ids())
+        all_block_ids = self._copied(self._per_group(request.request_id, blocks.get_block_ids()))
+        if self._saves:
+            # Blocks before the local hit are shared, read-only; the rest will be written.
+            for group_ids in all_block_ids:
+                self._note_new(group_ids[lookup.first_block :])
         first_unsaved = lookup.first_block + lookup.hit_blocks
         self._save_cursors[request.request_id] = _SaveCursor(
             request, [first_unsaved] * len(self._groups), all_block_ids, lookup.branch_windows
@@ -253,7 +258,13 @@ class BlockPlanner:
             cursor = self._save_cursors.get(item.request_id)
             if cursor is None:
                 continue
-            cursor.block_ids = self._per_group(item.request_id, item.block_ids)
+            block_ids = self._copied(self._per_group(item.request_id, item.block_ids))
+            for old, new in zip(cursor.block_ids, block_ids, strict=True):
+                if new[: len(old)] == old:
+                    self._note_new(new[len(old) :])
+                else:  # a window slid (ids became null), or a rollback reallocated some
+                    self._note_new([b for i, b in enumerate(new) if i >= len(old) or b != old[i]])
+            cursor.block_ids = block_ids
             hashes = cursor.request.block_hashes
             # Only full blocks whose hash is known and whose KV exists after this step.
             tokens_after_step = item.num_computed_tokens + item.num_scheduled_tokens
@@ -330,6 +341,29 @@ class BlockPlanner:
                 f"the kv_cache_config has {len(self._groups)}"
             )
         return block_ids
+
+    def take_new_block_ids(self) -> set[int]:
+        """Block ids given to a request since the last call, to be written: then reset.
+
+        Only tracked when the engine saves. A block freed while a background
+        save still reads it (a sliding window moved on, a request was
+        preempted or finished) can be given to a request and overwritten by
+        the very next step's loads or forward pass; the worker side drops
+        any save still reading one of these ids before anything writes them,
+        so a torn block is never stored under a valid checksum.
+        """
+        new, self._new_block_ids = self._new_block_ids, set()
+        return new
+
+    def _note_new(self, block_ids: Sequence[int]) -> None:
+        self._new_block_ids.update(block_ids)
+        if self._null_block is not None:
+            self._new_block_ids.discard(self._null_block)
+
+    @staticmethod
+    def _copied(block_ids: tuple[Sequence[int], ...]) -> tuple[list[int], ...]:
+        # The engine may reuse its lists; the planner compares against what it saw.
+        return tuple(list(group_ids) for group_ids in block_ids)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's lookup and save plan."""
