@@ -16,6 +16,14 @@ finished request keeps its blocks in every group until its stores in every
 group are done. Events name each group's blocks separately: with several
 groups, one block hash may be stored (or removed) once per group.
 
+A block a store still reads may be freed before the store ends (a sliding
+window moved on, a request was preempted) and given to a request that
+writes it in the next step. Each step's metadata names the block ids given
+to requests since the last one (``new_block_ids``); before anything of the
+step writes, the worker releases every store in flight that reads one of
+them, and reports it (:class:`CPUOffloadWorkerMetadata`): the scheduler side
+frees its slots, never publishing them (``saves_released`` counts the blocks).
+
 ``kv_connector_extra_config`` keys:
 
 - ``cpu_pool_bytes`` (default ``"256MiB"``): pool size; one slot holds one
@@ -35,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata
 from kvwire.connector.types import (
     BlockHash,
     BlockRemoved,
@@ -82,6 +90,8 @@ class CPUOffloadMetadata(KVConnectorMetadata):
     ``release_req_ids``: finished requests that keep their blocks until their
     transfers end; the worker reports them as finished sending then.
     ``counters``: the scheduler side's counts, reported by the worker.
+    ``new_block_ids``: block ids given to requests since the last step, to be
+    written from this step on; stores still reading one are released.
     """
 
     loads: tuple[PoolTransfer, ...] = ()
@@ -90,6 +100,30 @@ class CPUOffloadMetadata(KVConnectorMetadata):
     preempted_req_ids: tuple[str, ...] = ()
     release_req_ids: tuple[str, ...] = ()
     counters: tuple[tuple[str, int], ...] = ()
+    new_block_ids: frozenset[int] = frozenset()
+
+
+@attrs.frozen
+class CPUOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's report to the scheduler side: the stores (pieces) the worker released.
+
+    Their slots must never be published: they may hold another request's bytes.
+    """
+
+    released_stores: tuple[PoolTransfer, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> CPUOffloadWorkerMetadata:
+        # Tensor-parallel workers each release what they were still copying.
+        return CPUOffloadWorkerMetadata(self.released_stores + _of_type(other).released_stores)
+
+
+def _of_type(worker_meta: object) -> CPUOffloadWorkerMetadata:
+    if not isinstance(worker_meta, CPUOffloadWorkerMetadata):
+        raise TypeError(
+            f"CPUOffloadConnector got worker metadata of type {type(worker_meta).__name__}, "
+            "expected CPUOffloadWorkerMetadata"
+        )
+    return worker_meta
 
 
 @attrs.define
@@ -134,6 +168,8 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
+        # Worker side: stores released since the last report.
+        self._released_stores: list[PoolTransfer] = []
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -198,6 +234,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             transfer = self._place_store(save)
             if transfer is not None:
                 stores.append(transfer)
+        new_block_ids = frozenset(self._planner.take_new_block_ids())
         hit_blocks, miss_blocks = self._planner.take_lookup_counts()
         self._count("lookup_hit_blocks", hit_blocks)
         self._count("lookup_miss_blocks", miss_blocks)
@@ -209,6 +246,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
             release_req_ids=tuple(self._release_req_ids),
             counters=tuple(sorted(self._step_counters.items())),
+            new_block_ids=new_block_ids,
         )
         self._sync_loads_in_flight.extend(self._step_loads)
         self._stores_in_step = metadata.stores
@@ -263,6 +301,12 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         invalid = connector_output.invalid_block_ids
         self._planner.loads_failed(invalid)
         self._abandon_stores_left_out(invalid)
+        # Before finished_sending below: a request's stores released in the
+        # step that reports it finished must not be confirmed with the rest.
+        worker_meta = connector_output.kv_connector_worker_meta
+        if worker_meta is not None:
+            for store in _of_type(worker_meta).released_stores:
+                self._drop_store(store)
         # Synchronous loads end within their step: their slots are free to evict again.
         for transfer in self._sync_loads_in_flight:
             self._end_load(transfer, invalid)
@@ -298,12 +342,20 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             return
         kept, _ = saves_from_good_context(stores, invalid_block_ids)
         for store in set(stores) - set(kept):
-            self._index.abandon_store(store.group, store.block_hashes)
-            state = self._requests.get(store.request_id) or self._finished.get(store.request_id)
-            if state is not None:
-                left_out = set(store.block_hashes)
-                unconfirmed = state.unconfirmed_stores[store.group]
-                unconfirmed[:] = [h for h in unconfirmed if h not in left_out]
+            self._drop_store(store)
+
+    def _drop_store(self, store: PoolTransfer) -> None:
+        """Free the slots of a store whose entries must never become hits (left out or released).
+
+        Its blocks are no longer its request's to confirm: a request kept
+        only for them is released when the worker reports it finished sending.
+        """
+        self._index.abandon_store(store.group, store.block_hashes)
+        state = self._requests.get(store.request_id) or self._finished.get(store.request_id)
+        if state is not None:
+            dropped = set(store.block_hashes)
+            unconfirmed = state.unconfirmed_stores[store.group]
+            unconfirmed[:] = [h for h in unconfirmed if h not in dropped]
 
     def _end_load(self, transfer: PoolTransfer, invalid_block_ids: set[int]) -> None:
         self._index.finish_load(transfer.group, transfer.block_hashes)
@@ -353,14 +405,17 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         return worker, metadata_of_type(type(self).__name__, metadata, CPUOffloadMetadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Let the stores of preempted requests end: the forward pass may reuse their blocks.
+        """Release the stores reading blocks this step writes; let preempted requests' stores end.
 
         vLLM calls it before the forward pass and starts loads after it; an
-        engine that never calls it gets the same wait from :meth:`start_load_kv`.
+        engine that never calls it gets the same from :meth:`start_load_kv`
+        (a second call releases nothing more).
         """
         metadata = metadata_of_type(type(self).__name__, kv_connector_metadata, CPUOffloadMetadata)
+        worker = self._require_worker()
+        self._released_stores += worker.release_stores_reading(metadata.new_block_ids)
         if metadata.preempted_req_ids:
-            self._require_worker().wait_for_requests(metadata.preempted_req_ids)
+            worker.wait_for_requests(metadata.preempted_req_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         worker, metadata = self._worker_and_metadata()
@@ -375,9 +430,14 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         # the same rule, once this step's output names the failed blocks.
         stores = self._saves_from_good_context(metadata.stores)
         # The copies run in the background: blocks being stored belong to
-        # running requests (or finished ones whose blocks are kept), so the
-        # forward pass never overwrites them meanwhile.
+        # running requests (or finished ones whose blocks are kept); one freed
+        # meanwhile and given to a request is released before it is written
+        # (handle_preemptions).
         worker.store(stores)
+
+    def build_connector_worker_meta(self) -> CPUOffloadWorkerMetadata | None:
+        released, self._released_stores = self._released_stores, []
+        return CPUOffloadWorkerMetadata(tuple(released)) if released else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._counters.take_stats()

@@ -16,6 +16,12 @@ is abandoned and counts failed. An abandoned job copies nothing more: each
 chunk is copied under the job's lock after checking it was not abandoned. A
 store abandoned mid-way leaves slots whose headers do not match their
 blocks, which a later load reports instead of copying.
+
+A store may also be released (:meth:`CPUPoolWorker.release_stores_reading`):
+a block it reads was freed meanwhile (a sliding window moved on, a request
+was preempted) and given to a request that writes it this step. A released
+store copies nothing more and never commits: the scheduler side frees its
+slots (``saves_released`` counts its blocks).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 
 import attrs
 
@@ -83,6 +89,19 @@ class _PoolJob(TransferJob):
         self.is_store = is_store
         self.async_load = async_load
         self.failed: list[int] = []
+        self.released = False
+
+    def release(self) -> bool:
+        """Drop this store: it copies nothing more and never commits.
+
+        False if it ended, or was given up on, first. Waits at most for the
+        chunk being copied under :attr:`lock` (a memory copy).
+        """
+        with self.lock:
+            if self.ended or self.abandoned or self.released:
+                return False
+            self.released = True
+            return True
 
 
 @attrs.define(eq=False)
@@ -228,6 +247,9 @@ class CPUPoolWorker:
             if job.async_load is not None:
                 self._give_up_async(job.async_load)
             elif job.abandon():
+                if job.released:  # counted when released
+                    self._forget_job(job)
+                    continue
                 blocks = len(job.piece.block_ids)
                 self._counters.add_many({"save_errors": blocks, "save_timeouts": blocks})
                 self._warn.warn(
@@ -249,6 +271,30 @@ class CPUPoolWorker:
                 job = _PoolJob(piece, deadline, is_store=True)
                 self._job_started(job)
                 job.future = self._store_pool.submit(self._store, job)
+
+    def release_stores_reading(self, block_ids: Set[int]) -> list[PoolTransfer]:
+        """Release the stores in flight that read any of ``block_ids``; the pieces released.
+
+        Called at the start of a step, before anything writes: ``block_ids``
+        were just given to requests, and may have been freed while a store
+        still read them. No waiting beyond a chunk's copy under way.
+        """
+        if not block_ids:
+            return []
+        with self._changed:
+            reading = [
+                job
+                for jobs in self._jobs_per_request.values()
+                for job in jobs
+                if job.is_store and not block_ids.isdisjoint(job.piece.block_ids)
+            ]
+        # The flag is set before anything can write the blocks, and a chunk is
+        # copied only under the job's lock with it unset: every byte copied
+        # was read before the flag was set, and nothing is copied after.
+        released = [job.piece for job in reading if job.release()]
+        if released:
+            self._counters.add("saves_released", sum(len(piece.block_ids) for piece in released))
+        return released
 
     def _split(self, transfer: PoolTransfer) -> list[PoolTransfer]:
         """Up to one piece per thread, so a large transfer uses every copy thread."""
@@ -281,6 +327,8 @@ class CPUPoolWorker:
                 slots = transfer.slots[chunk.start : chunk.stop]
                 with job.lock:
                     job.check()
+                    if job.released:
+                        break
                     caches.gather_many(
                         transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
                     )
@@ -296,6 +344,11 @@ class CPUPoolWorker:
             # so a later load reports them instead of copying them.
             logger.exception("CPU offload: store of request %r failed", transfer.request_id)
         if not job.end():
+            return
+        if job.released:
+            # Final once ended. Counted when released; the scheduler side frees
+            # its slots, whatever they hold, so it never commits.
+            self._forget_job(job)
             return
         # Counted before the job is forgotten, so whoever waits for it sees them.
         self._counters.add_many(
