@@ -175,6 +175,9 @@ class ConnectorPair:
                 finished_recving=recving,
                 kv_connector_stats=stats,
                 invalid_block_ids=errors,
+                kv_connector_worker_meta=pickle.loads(
+                    pickle.dumps(worker.build_connector_worker_meta())
+                ),
             )
         )
 

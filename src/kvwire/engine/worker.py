@@ -182,6 +182,7 @@ class Worker:
             kv_connector_stats=connector.get_kv_connector_stats(),
             invalid_block_ids=invalid,
             kv_cache_events=connector.get_kv_connector_kv_cache_events(),
+            kv_connector_worker_meta=connector.build_connector_worker_meta(),
         )
         connector.clear_connector_metadata()
         return output

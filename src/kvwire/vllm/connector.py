@@ -238,6 +238,11 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         """Block until every save started so far is complete (``kvwire.vllm.wait_for_saves``)."""
         return self.connector.wait_for_pending_saves(timeout_s)
 
+    def build_connector_worker_meta(self) -> Any:
+        # vLLM merges the workers' with their ``aggregate`` and hands the
+        # result back in update_connector_output.
+        return self.connector.build_connector_worker_meta()
+
     def shutdown(self) -> None:
         self.container.shutdown_resources()
 
@@ -304,6 +309,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 finished_recving=finished_recving or None,
                 invalid_block_ids=set(connector_output.invalid_block_ids or ()),
                 kv_cache_events=list(events.get_all_events()) if events is not None else [],
+                kv_connector_worker_meta=connector_output.kv_connector_worker_meta,
             )
         )
 
