@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -45,6 +46,13 @@ class _CountingSocket:
         if buffer.obj is self._scratch:
             self.into_scratch += received
         return received
+
+    def recvmsg_into(self, buffers: list[memoryview]) -> tuple[int, list[Any], int, Any]:
+        result = self._sock.recvmsg_into(buffers)
+        if buffers[-1].obj is self._scratch:
+            # Filled in order: what went past the other buffers landed in scratch.
+            self.into_scratch += max(0, result[0] - sum(buffer.nbytes for buffer in buffers[:-1]))
+        return result
 
 
 @pytest.fixture
@@ -192,7 +200,9 @@ def test_values_scatter_over_their_ranges_bit_exactly(
     total = sum(RANGE_SIZES)
     values = [os.urandom(total) for _ in range(3)]
     sender = _send_in_background(server, b"".join(_bulk(value) for value in values))
-    reader = RespStream(client, bytearray(64 * 1024), _deadline())
+    scratch = bytearray(64 * 1024)
+    counting = _CountingSocket(client, scratch)
+    reader = RespStream(counting, scratch, _deadline())  # type: ignore[arg-type]
     reader._vectored = vectored
     memories = [bytearray(total + 16) for _ in values]
 
@@ -202,6 +212,11 @@ def test_values_scatter_over_their_ranges_bit_exactly(
     assert replies == [total] * len(values)
     # Every range holds its part of the value; the 16 bytes past the ranges are untouched.
     assert [bytes(memory) for memory in memories] == [value + bytes(16) for value in values]
+    # Each read is armed with the deadline, but the socket's timeout is set only once.
+    assert counting.timeouts_set == 1
+    # Through scratch: the first header read, then each value's CRLF and the next
+    # header, taken with its last range; no value's bytes are copied out of it.
+    assert counting.into_scratch <= 512 + len(values) * 16
 
 
 def test_a_value_longer_than_its_ranges_writes_nothing_and_a_shorter_one_nothing_past_it(

@@ -290,13 +290,14 @@ class RespStream:
             if length > room:
                 self._discard(length + 2)
                 return self.OVERSIZED
-            # The read that fills the last range also takes this value's CRLF
-            # and a header as long as this one: the next value's, when it is
-            # as long (a run of blocks), which then lands in its ranges whole.
+            # The read that fills the last range (or the one for the CRLF)
+            # also takes this value's CRLF and a header as long as this one:
+            # the next value's, when it is as long (a run of blocks), which
+            # then lands in its ranges whole, none of it through scratch.
             tail = len(line) + 4
             covered = ranges if length == room else _first_bytes(ranges, length)
             self._receive(covered, writes, tail)
-            self._expect_crlf()
+            self._expect_crlf(tail)
             return length
         if kind == b"-":
             return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
@@ -454,9 +455,10 @@ class RespStream:
             self._start += skipped
             count -= skipped
 
-    def _expect_crlf(self) -> None:
+    def _expect_crlf(self, limit: int = _HEADER_READ_BYTES) -> None:
+        """Consume the CRLF after a value; a read for it asks for at most ``limit`` bytes."""
         while self._end - self._start < 2:
-            self._fill()
+            self._fill(limit)
         if self._view[self._start : self._start + 2] != _CRLF:
             raise redis.exceptions.InvalidResponse("bulk reply not terminated by CRLF")
         self._start += 2
