@@ -179,6 +179,9 @@ class Deadline:
 class RespStream:
     """Commands out of, and RESP2 replies into, caller buffers, on one socket, under a deadline.
 
+    A ``GET`` reply goes into one buffer (:meth:`read_into`) or is scattered
+    over a value's byte ranges (:meth:`read_into_ranges`).
+
     ``scratch`` holds reply headers, short replies and the bytes that arrive
     with them; it is reused across calls (one per thread). Every socket wait
     is bounded by ``deadline`` (see :class:`Deadline`); past it the stream
