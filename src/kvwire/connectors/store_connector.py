@@ -18,8 +18,10 @@ Blocks being saved are read in place, so they are kept unchanged until the
 save ends: a finished request whose saves may still run keeps its blocks
 (``request_finished`` returns True) until the worker reports it finished
 sending, and ``handle_preemptions`` (before each forward pass) waits for the
-saves of preempted requests, and for those of sliding-window groups (the
-engine gives their blocks back as they leave the window without a call).
+saves of preempted requests and for any save still reading a block given to
+a request since the last step (a sliding window moved on, a request was
+preempted: the engine frees such blocks without a call, and the step may
+write them).
 
 How a subclass supplies its store
 ---------------------------------
@@ -150,6 +152,8 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     an asynchronous load may still use them); the worker reports them
     finished sending once none does. ``preempted_req_ids``: requests whose
     blocks the engine took back; their saves end before the forward pass.
+    ``new_block_ids``: block ids given to requests since the last step, to be
+    written from this step on; saves still reading one end before it.
     ``lookup_hit_blocks``/``lookup_miss_blocks`` carry the scheduler side's
     lookup counts to the worker side, which reports all stats.
     """
@@ -159,6 +163,7 @@ class StoreConnectorMetadata(KVConnectorMetadata):
     saves: tuple[BlockTransfer, ...] = ()
     release_req_ids: tuple[str, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()
+    new_block_ids: frozenset[int] = frozenset()
     lookup_hit_blocks: int = 0
     lookup_miss_blocks: int = 0
 
@@ -182,9 +187,6 @@ class StoreConnector(BlockConnector[StoreWorker]):
         # Once, after the MAC: keys and headers index these, never rebuild them.
         self._group_layouts = super().group_layouts
         self._key_of = self._group_key_function()
-        self._sliding_groups = tuple(
-            group.index for group in self._groups if group.sliding_window is not None
-        )
         self._store = self.create_store(self._options)
         # Scheduler side.
         self._step_loads: list[BlockTransfer] = []
@@ -330,6 +332,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             saves=saves,
             release_req_ids=tuple(self._release_req_ids),
             preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
+            new_block_ids=frozenset(self._planner.take_new_block_ids()),
             lookup_hit_blocks=hit_blocks,
             lookup_miss_blocks=miss_blocks,
         )
@@ -403,15 +406,19 @@ class StoreConnector(BlockConnector[StoreWorker]):
         """Let the saves end that read blocks the coming forward pass may reuse.
 
         Those of preempted requests (the engine took their blocks back) and
-        those of sliding-window groups (the engine gives their blocks back as
-        they leave the window, unannounced). The engine calls it before
+        those still reading a block given to a request since the last step
+        (freed unannounced: a sliding window moved on, a request was
+        preempted), which this step may write. Waiting, rather than dropping
+        the save, means no entry is ever written from a block being
+        overwritten; the forward pass waits only when a block is given out
+        again while its save still runs. The engine calls it before
         ``start_load_kv``; an engine that does not gets the same wait from
         :meth:`start_load_kv`. Each wait ends at the save's deadline.
         """
         metadata = metadata_of_type(
             type(self).__name__, kv_connector_metadata, StoreConnectorMetadata
         )
-        self._require_worker().wait_for_saves_of(metadata.preempted_req_ids, self._sliding_groups)
+        self._require_worker().wait_for_saves_of(metadata.preempted_req_ids, metadata.new_block_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._metadata()

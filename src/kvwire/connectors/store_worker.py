@@ -21,10 +21,11 @@ The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
 until :meth:`StoreWorker.saves_running` turns False (reported then as
 finished sending), and before each forward pass :meth:`StoreWorker.wait_for_saves_of`
-lets the saves of preempted requests end (and those of sliding-window
-groups, whose blocks the engine gives back as they leave the window without
-telling the connector). Should memory still change under a save (a save past
-its deadline), its entry's checksum fails at load: never wrong KV.
+lets the saves end of preempted requests and of blocks given to a request
+since the last step (the engine frees a block without telling the connector
+when a sliding window moves on or a request is preempted, and may give it
+out again at once). Should memory still change under a save (a save past its
+deadline), its entry's checksum fails at load: never wrong KV.
 
 Every transfer has a deadline (``transfer_timeout_s`` from its start): a
 load still running past it is given up on and its blocks are load errors; a
@@ -664,22 +665,22 @@ class StoreWorker:
             return request_id in self._saves_per_request
 
     def wait_for_saves_of(
-        self, request_ids: Iterable[str] = (), groups: Iterable[int] = ()
+        self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
     ) -> None:
-        """Block until no save reads blocks of ``request_ids`` or of KV cache ``groups``.
+        """Block until no save reads blocks of ``request_ids``, nor any of ``block_ids``.
 
-        Before a forward pass that may reuse those blocks (preempted requests;
-        sliding-window groups, whose blocks leave the window unannounced). A
-        save still running at its deadline is given up on there.
+        Before a forward pass that may write those blocks (preempted
+        requests'; blocks given out again since the last step). A save still
+        running at its deadline is given up on there.
         """
-        requests, group_set = set(request_ids), set(groups)
-        if not requests and not group_set:
+        requests, blocks = set(request_ids), set(block_ids)
+        if not requests and not blocks:
             return
         with self._lock:
             pending = [
                 job
                 for job in self._saves_in_flight
-                if job.request_id in requests or job.group in group_set
+                if job.request_id in requests or not blocks.isdisjoint(job.block_ids)
             ]
         if not pending:
             return
