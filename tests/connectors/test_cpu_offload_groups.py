@@ -9,13 +9,16 @@ copy from the wrong group's layers would show).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import pytest
 import torch
 
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config import EngineConfig
+from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
 from kvwire.connector.types import (
     BlockStored,
     KVCacheBlocks,
@@ -24,8 +27,9 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_format import CorruptBlockError, verify_entry
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
+from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.kv_cache_config import (
@@ -413,3 +417,142 @@ def test_a_request_with_a_tail_shorter_than_the_window_after_a_shared_prefix_hit
     assert tokens(cold) == reference
     assert [output.external_tokens for output in warm] == [28]
     assert tokens(warm) == reference[1:]
+
+
+# ------------------------------------------ blocks freed while a store reads them
+
+
+HOLD_LIMIT_S = 60.0
+"""A gate never opened lets its copies go after this, rather than hanging the test."""
+
+
+def hold_copies(worker: CPUPoolWorker) -> threading.Event:
+    """Stores submitted from now on wait, before copying anything, until the gate opens."""
+    copy = CPUPoolWorker._store.__get__(worker)
+    gate = threading.Event()
+
+    def held(job: Any) -> None:
+        gate.wait(HOLD_LIMIT_S)
+        copy(job)
+
+    worker._store = held  # looked up as each store is submitted
+    return gate
+
+
+def test_a_store_reading_a_block_given_to_another_request_is_released_and_never_published(
+    hybrid,
+):
+    pair = hybrid()
+    a = make_request("a", PROMPT, BLOCK)
+    gate = hold_copies(pair.worker._worker)
+    assert pair.prefill_groups(a, A_IDS) == (0, False)
+    # a's stores are in flight: the full group's blocks 1-6 and the sliding
+    # group's window, blocks 12-13. Next step a decodes, its window moves on
+    # and frees block 12, which c gets and writes in that very step.
+    c = make_request("c", [7, 8, 9], BLOCK)
+    pair.admit(c, ([12], [40]))
+    a_ids = (A_IDS[FULL], [0, 0, 0, 0, 0, 13, 14])
+    pair.step(
+        SchedulerOutput(
+            scheduled=[
+                ScheduledRequest("a", a_ids, len(PROMPT), 1, is_new=False),
+                ScheduledRequest("c", ([12], [40]), 0, 3, is_new=True),
+            ]
+        )
+    )
+    gate.set()
+    assert pair.finish_groups(a, a_ids) is True  # the full group's store still counts
+    assert pair.finished_sending == {"a"}
+    # Nothing of the released store is published: no hit, no event, no slot.
+    assert pair.held(FULL, a, range(6)) == [0, 1, 2, 3, 4, 5]
+    assert pair.held(SLIDING, a, range(6)) == []
+    assert pair.stats["saves_released"] == 2
+    assert pair.stats["blocks_saved"] == 6
+    stored = [event for event in pair.scheduler.take_events() if isinstance(event, BlockStored)]
+    assert [event.block_hashes for event in stored] == [tuple(a.block_hashes[:6])]
+    assert len(pair.scheduler._index) == 6
+    assert pair.lookup(make_request("f", PROMPT, BLOCK)) == (0, False)
+    # The same blocks saved again, by a request whose stores end in time, hit.
+    d = make_request("d", PROMPT, BLOCK)
+    pair.worker._worker._store = CPUPoolWorker._store.__get__(pair.worker._worker)
+    d_ids = ([51, 52, 53, 54, 55, 56, 57], [58, 59, 60, 61, 62, 63, 39])
+    assert pair.prefill_groups(d, d_ids) == (0, False)
+    assert pair.finish_groups(d, d_ids) is True
+    assert pair.held(SLIDING, d, range(6)) == [4, 5]
+    assert pair.lookup(make_request("f", PROMPT, BLOCK)) == (24, False)
+
+
+def test_a_hybrid_engine_whose_copies_outlive_a_step_never_saves_another_requests_bytes():
+    # a's prompt ends on a block boundary, so its last step saves the
+    # sliding group's window and the block before; a's next step moves its
+    # window past that block and frees it, and b, admitted then, takes every
+    # free block: it writes that block while a's copy of it is held. Without
+    # the release, a's entry holds b's bytes under a valid checksum and the
+    # warm pass of a, loading it, goes wrong.
+    a = GenerationRequest("a", tuple((7 * i + 3) % 300 for i in range(32)), 8)
+    b = GenerationRequest("b", tuple((11 * i + 5) % 300 for i in range(20)), 2)
+    hybrid_config = apply_preset(tiny_engine_config(num_gpu_blocks=28), "tiny-hybrid")
+
+    def cold_then_warm(config: EngineConfig) -> tuple[list[RequestOutput], dict[str, Any]]:
+        with LLMEngine(config) as engine:
+            engine.add_request(a)
+            engine.step()
+            engine.add_request(b)
+            engine.run_until_done()
+            cold = [engine.output_of("a"), engine.output_of("b")]
+            engine.reset_prefix_cache()
+            warm = engine.generate(renamed([a], "-warm"))
+            stats = engine.connector_stats.data if engine.connector_stats is not None else {}
+        return cold + warm, stats
+
+    reference, _ = cold_then_warm(hybrid_config)
+    config = with_connector(
+        hybrid_config,
+        HeldCopiesCPUOffload.__name__,
+        {"cpu_pool_bytes": "8MiB"},
+        module_path=__name__,
+    )
+    outputs, stats = cold_then_warm(config)
+    assert tokens(outputs) == tokens(reference)
+    assert stats["saves_released"] > 0
+    assert sum(output.num_preemptions for output in outputs) == 0
+
+
+class HeldCopiesCPUOffload(CPUOffloadConnector):
+    """CPU offload whose copies of a step start only after the next step's forward pass.
+
+    So a block freed and given to a request in the next step is written
+    before a store still meant to read it copies anything. Each step waits
+    for the previous step's copies, so that the run is the same every time.
+    """
+
+    _gate: threading.Event | None = None
+
+    def _open_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.set()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        metadata = kv_connector_metadata
+        assert isinstance(metadata, CPUOffloadMetadata)
+        super().handle_preemptions(attrs.evolve(metadata, preempted_req_ids=()))
+        if metadata.preempted_req_ids:
+            # Preempted requests' copies go on before the forward pass: their
+            # wait would otherwise last until their deadline.
+            self._open_gate()
+            super().handle_preemptions(metadata)
+
+    def wait_for_save(self) -> None:
+        worker = self._require_worker()
+        self._open_gate()
+        assert worker.wait_for_all(HOLD_LIMIT_S)
+        self._gate = hold_copies(worker)
+        super().wait_for_save()
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        self._open_gate()
+        return super().wait_for_pending_saves(timeout_s)
+
+    def shutdown(self) -> None:
+        self._open_gate()
+        super().shutdown()
