@@ -77,3 +77,18 @@ def test_reset_cache_forgets_this_layouts_blocks_only(
     finally:
         store.clear()
         connector.shutdown()
+
+
+@pytest.mark.parametrize(("socket_timeout_s", "grace_s"), [(5.0, 10.0), (30.0, 60.0)])
+def test_a_given_up_loads_read_under_way_gets_longer_than_the_socket_timeout(
+    socket_timeout_s: float, grace_s: float
+) -> None:
+    # A Redis read in flight returns within the socket timeout: the grace before
+    # LateWriteError stops the engine must outlast it, whatever the user set.
+    connector = _connector(
+        "redis://127.0.0.1:1/0", connect_timeout_s=0.5, socket_timeout_s=socket_timeout_s
+    )
+    try:
+        assert connector.late_write_grace_s() == grace_s
+    finally:
+        connector.shutdown()

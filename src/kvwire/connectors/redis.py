@@ -156,6 +156,10 @@ class RedisConnector(StoreConnector):
     def store_counters(self) -> Mapping[str, float]:
         return self._redis_store.take_counters()
 
+    def late_write_grace_s(self) -> float:
+        # A read under way ends within the socket timeout, which may be set above the default grace.
+        return max(super().late_write_grace_s(), 2 * self._redis_store.settings.socket_timeout_s)
+
     def reset_cache(self) -> bool | None:
         """Forget this engine's blocks, of every KV cache group, under the key prefix.
 

@@ -113,7 +113,7 @@ from kvwire.connectors.extra_config import (
     seconds_key,
     size_key,
 )
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import LATE_WRITE_GRACE_S, BlockTransfer, StoreWorker
 from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
@@ -281,6 +281,15 @@ class StoreConnector(BlockConnector[StoreWorker]):
         """Extra counters from the store, reported with the stats (then reset)."""
         return {}
 
+    def late_write_grace_s(self) -> float:
+        """How long a given-up load's read already under way may take to return.
+
+        Longer than any single read the store can make: past it the engine
+        stops (``LateWriteError``) rather than let the read land late. A
+        store whose reads are bounded by a longer timeout raises it.
+        """
+        return LATE_WRITE_GRACE_S
+
     @property
     def store(self) -> BlockStore:
         return self._store
@@ -385,6 +394,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             hash_of=self.block_hash_of,
             medium=self.medium,
             transfer_timeout_s=self._options["transfer_timeout_s"],
+            late_write_grace_s=self.late_write_grace_s(),
         )
         logger.info(
             "%s: %s store, %d KV cache group(s), blocks of %d bytes, saves in flight up to "
