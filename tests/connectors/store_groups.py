@@ -5,164 +5,41 @@ it as ``Test...`` and gives it a ``hybrid`` fixture building
 :class:`HybridStorePair` objects on that store (shared storage here, a real
 Redis server in ``tests/redis``), so every store is held to the same rules.
 
-The cache config is built as a hybrid engine lays it out: two groups of two
-layers, block ids drawn from one pool, block id 0 the null block that a
-sliding-window group's positions outside its window hold. Each layer has a
-cache of its own, so a copy from or into the wrong group's layers shows.
+The hybrid cache and the pair's steps are ``tests.connectors.hybrid_cache``'s,
+shared with CPU offload's tests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 
-from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import (
-    BlockStored,
-    KVCacheBlocks,
-    Request,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from kvwire.connector.types import BlockStored, Request, SchedulerOutput
 from kvwire.connectors.store_connector import StoreConnector
-from kvwire.kv_cache_config import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
+from tests.connectors.harness import make_request
+from tests.connectors.hybrid_cache import (
+    A_IDS,
+    B_IDS,
+    BLOCK,
+    FULL,
+    FULL_LAYERS,
+    NUM_BLOCKS,
+    PROMPT,
+    SLIDING,
+    SLIDING_LAYERS,
+    HybridPair,
+    zero,
 )
-from tests.connectors.harness import ConnectorPair, engine_config, make_caches, make_request
-
-BLOCK = 4
-NUM_BLOCKS = 64
-# The token at p attends [p - 8, p]: a prefix's last two blocks (ceil(8 / 4)).
-WINDOW = 9
-FULL, SLIDING = 0, 1
-FULL_LAYERS = ["layers.1.attn", "layers.3.attn"]
-SLIDING_LAYERS = ["layers.0.attn", "layers.2.attn"]
-PROMPT = list(range(100, 125))  # 6 full blocks and one token to compute
-SHAPE: dict[str, Any] = {
-    "block_size": BLOCK,
-    "num_kv_heads": 2,
-    "head_size": 16,
-    "dtype": "float32",
-}
-
-# Request a's blocks: every position allocated in both groups while it prefills.
-A_IDS = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])
-# Request b's: its hit's positions outside the window are the null block.
-B_IDS = ([21, 22, 23, 24, 25, 26, 27], [0, 0, 0, 0, 32, 33, 34])
 
 
-def hybrid_kv_cache_config() -> KVCacheConfig:
-    full = FullAttentionSpec(**SHAPE)
-    sliding = SlidingWindowSpec(sliding_window=WINDOW, **SHAPE)
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(size_bytes=full.page_size_bytes * NUM_BLOCKS, shared_by=[name])
-            for name in sorted(FULL_LAYERS + SLIDING_LAYERS)
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=list(FULL_LAYERS), kv_cache_spec=full),
-            KVCacheGroupSpec(layer_names=list(SLIDING_LAYERS), kv_cache_spec=sliding),
-        ],
-    )
-
-
-def hybrid_engine_config(connector: str, extra: dict[str, Any]) -> EngineConfig:
-    return engine_config(connector, extra, num_layers=4, block_size=BLOCK, num_blocks=NUM_BLOCKS)
-
-
-class HybridStorePair(ConnectorPair):
+class HybridStorePair(HybridPair[StoreConnector]):
     """A scheduler-role and a worker-role store connector over a hybrid cache."""
-
-    scheduler: StoreConnector
-    worker: StoreConnector
-
-    def __init__(self, connector_class: type[StoreConnector], config: EngineConfig) -> None:
-        self.config = config
-        self.kv_cache_config = hybrid_kv_cache_config()
-        self.scheduler = connector_class(config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
-        self.worker = connector_class(config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.caches = make_caches(self.kv_cache_config, seed=3)
-        self.worker.register_kv_caches(self.caches)
-        self.block_size = BLOCK
-        self.finished_recving: set[str] = set()
-        self.finished_sending: set[str] = set()
-        self.load_errors: set[int] = set()
-        self.stats: dict[str, Any] = {}
-        self.nested_stats: dict[str, dict[str, Any]] = {}
-
-    def admit(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[int, bool]:
-        """Look ``request`` up and allocate ``block_ids`` (one list per group); the hit."""
-        matched, is_async = self.lookup(request)
-        assert matched is not None
-        self.scheduler.update_state_after_alloc(
-            request, KVCacheBlocks(tuple(list(ids) for ids in block_ids)), matched
-        )
-        return matched, is_async
-
-    def compute(
-        self,
-        request: Request,
-        block_ids: tuple[list[int], ...],
-        computed: int,
-        scheduled: int,
-        *,
-        is_new: bool,
-    ) -> None:
-        """One step computing ``scheduled`` tokens of ``request`` after ``computed`` ones."""
-        item = ScheduledRequest(
-            request_id=request.request_id,
-            block_ids=tuple(list(ids) for ids in block_ids),
-            num_computed_tokens=computed,
-            num_scheduled_tokens=scheduled,
-            is_new=is_new,
-        )
-        self.step(SchedulerOutput(scheduled=[item]))
-
-    def prefill_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[int, bool]:
-        """Admit ``request``, load what the store has and compute the rest in one step."""
-        matched, is_async = self.admit(request, block_ids)
-        if not is_async:
-            self.compute(request, block_ids, matched, request.num_tokens - matched, is_new=True)
-        return matched, is_async
-
-    def finish_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
-        """End ``request`` as a hybrid engine does; whether the connector kept its blocks."""
-        keep, _ = self.scheduler.request_finished_all_groups(
-            request, tuple(list(ids) for ids in block_ids)
-        )
-        self.step(SchedulerOutput(finished_req_ids={request.request_id}), {request.request_id})
-        if keep:
-            self.step_until(lambda: request.request_id in self.finished_sending)
-        return keep
 
     def save_all(self) -> None:
         assert self.worker.wait_for_pending_saves(30)
         self.step(SchedulerOutput())  # so the saves' stats and events are reported
-
-    def held(self, group: int, request: Request, positions: range) -> list[int]:
-        """Which of ``positions`` of ``request``'s blocks the store holds for ``group``."""
-        return [
-            position
-            for position in positions
-            if self.scheduler.count_held_prefix(
-                group, request.block_hashes[position : position + 1]
-            )
-        ]
-
-    def group_blocks(self, group: int, block_id: int) -> list[torch.Tensor]:
-        layers = FULL_LAYERS if group == FULL else SLIDING_LAYERS
-        return [self.caches[name][:, block_id] for name in layers]
 
 
 HybridFactory = Callable[..., HybridStorePair]
@@ -177,14 +54,6 @@ def offload(pair: HybridStorePair, request_id: str = "a", prompt: list[int] = PR
     assert request.request_id in pair.finished_sending
     pair.save_all()
     return request
-
-
-def zero(pair: HybridStorePair, block_ids: tuple[list[int], ...]) -> None:
-    for ids in block_ids:
-        for block in ids:
-            if block:
-                for cache in pair.caches.values():
-                    cache[:, block] = 0
 
 
 class StoreGroupsContract:

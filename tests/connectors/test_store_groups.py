@@ -20,9 +20,8 @@ from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import CacheWrites
 from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
-from kvwire.engine.engine import GenerationRequest, LLMEngine, build_kv_cache_config
+from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
-from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.connectors.engine_support import (
     generate,
     renamed,
@@ -33,13 +32,13 @@ from tests.connectors.engine_support import (
     workload,
 )
 from tests.connectors.harness import blocks_equal, engine_config
-from tests.connectors.store_groups import (
-    HybridFactory,
-    HybridStorePair,
-    StoreGroupsContract,
+from tests.connectors.hybrid_cache import (
+    assert_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm,
+    assert_block_aligned_prompts_load_as_many_tokens_with_hma_on_as_off,
     hybrid_engine_config,
     hybrid_kv_cache_config,
 )
+from tests.connectors.store_groups import HybridFactory, HybridStorePair, StoreGroupsContract
 from tests.connectors.store_workers import HASHES, layout_caches
 
 
@@ -144,66 +143,21 @@ def test_a_hybrid_engine_with_hma_on_serves_a_warm_pass_from_both_groups_on_disk
 def test_a_block_aligned_prompts_warm_pass_loads_as_many_tokens_with_hma_on_as_off(
     storage_dir: pathlib.Path,
 ) -> None:
-    # Prompts of exactly ten blocks, none shared (so every hit is the
-    # connector's): a warm prompt recomputes its last token, so its hit ends
-    # at block 9, and the sliding group must hold the window ending there.
-    requests = synthetic_workload(
-        WorkloadSpec(
-            num_requests=4, prompt_len=40, output_len=4, shared_prefix_ratio=0.0, vocab_size=300
-        )
+    assert_block_aligned_prompts_load_as_many_tokens_with_hma_on_as_off(
+        "SharedStorageConnector",
+        lambda run: {"shared_storage_path": str(storage_dir / run)},
+        settle=True,
     )
-    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
-    reference = tokens(generate(hybrid_config, requests))
-    hma_off = attrs.evolve(
-        hybrid_config,
-        scheduler_config=attrs.evolve(
-            hybrid_config.scheduler_config, disable_hybrid_kv_cache_manager=True
-        ),
-    )
-    loaded: dict[bool, list[int]] = {}
-    for hma, model_config in ((True, hybrid_config), (False, hma_off)):
-        config = with_connector(
-            model_config,
-            "SharedStorageConnector",
-            {"shared_storage_path": str(storage_dir / f"hma-{hma}")},
-        )
-        with LLMEngine(config) as engine:
-            assert engine.hma_enabled is hma
-            engine.generate(requests)
-            engine.wait_for_saves()  # the warm pass finds every cold save
-            engine.reset_prefix_cache()
-            warm = engine.generate(renamed(requests, "-warm"))
-        assert tokens(warm) == reference
-        loaded[hma] = [output.external_tokens for output in warm]
-    assert loaded[True] == loaded[False] == [36] * len(requests)
 
 
 def test_a_request_with_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm(
     storage_dir: pathlib.Path,
 ) -> None:
-    # b shares a's first 6 blocks and adds 5 tokens, fewer than the window
-    # (8): its own step's window reaches back into the shared prefix, whose
-    # window a saved only at its own end. b saves the window at its branch
-    # point (it held it, from its local hit), so warm, with the engine's own
-    # cache empty, b finds all 7 full blocks (its last token is computed).
-    long = tuple((7 * i + 3) % 300 for i in range(40))
-    a = GenerationRequest("a", long, 4)
-    b = GenerationRequest("b", (*long[:24], 299, 298, 297, 296, 295), 4)
-    hybrid_config = apply_preset(tiny_engine_config(), "tiny-hybrid")
-    reference = tokens(generate(hybrid_config, [a, b]))
-    config = with_connector(
-        hybrid_config, "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}
+    assert_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm(
+        "SharedStorageConnector",
+        lambda _run: {"shared_storage_path": str(storage_dir)},
+        settle=True,
     )
-    with LLMEngine(config) as engine:
-        assert engine.hma_enabled
-        cold = engine.generate([a]) + engine.generate([b])
-        engine.wait_for_saves()  # the warm pass finds every cold save
-        engine.reset_prefix_cache()
-        warm = engine.generate(renamed([b], "-warm"))
-    assert [output.local_cached_tokens for output in cold] == [0, 24]
-    assert tokens(cold) == reference
-    assert [output.external_tokens for output in warm] == [28]
-    assert tokens(warm) == reference[1:]
 
 
 class _GatedStore(DirectoryBlockStore):

@@ -104,6 +104,10 @@ class DirectoryConnector(KVConnectorBase):
     def _path(self, block_hash: BlockHash) -> pathlib.Path:
         return self.store_dir / block_hash.hex()
 
+    def _is_stored(self, block_hash: BlockHash) -> bool:
+        """Whether a lookup may claim ``block_hash``'s block (a subclass storing more overrides)."""
+        return self._path(block_hash).exists()
+
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(
@@ -116,7 +120,7 @@ class DirectoryConnector(KVConnectorBase):
         first = num_computed_tokens // self.block_size
         hits = 0
         for block_hash in request.block_hashes[first:]:
-            if not self._path(block_hash).exists():
+            if not self._is_stored(block_hash):
                 break
             hits += 1
         tokens = max(0, (first + hits) * self.block_size - num_computed_tokens)

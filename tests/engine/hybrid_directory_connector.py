@@ -49,18 +49,8 @@ class HybridDirectoryConnector(DirectoryConnector, SupportsHMA):
     def _num_groups(self) -> int:
         return len(self.kv_cache_config.kv_cache_groups)
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        self._lookup_start[request.request_id] = num_computed_tokens
-        first = num_computed_tokens // self.block_size
-        hits = 0
-        for block_hash in request.block_hashes[first:]:
-            if not all(self._group_path(g, block_hash).exists() for g in range(self._num_groups)):
-                break
-            hits += 1
-        tokens = max(0, (first + hits) * self.block_size - num_computed_tokens)
-        return tokens, tokens > 0 and self.flags["load_async"]
+    def _is_stored(self, block_hash: BlockHash) -> bool:
+        return all(self._group_path(g, block_hash).exists() for g in range(self._num_groups))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -7,12 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.connectors.redis import RedisConnector
-from tests.connectors.store_groups import (
-    HybridFactory,
-    HybridStorePair,
-    StoreGroupsContract,
-    hybrid_engine_config,
-)
+from tests.connectors.hybrid_cache import hybrid_engine_config
+from tests.connectors.store_groups import HybridFactory, HybridStorePair, StoreGroupsContract
 from tests.redis.conftest import RedisServer
 
 
