@@ -49,11 +49,11 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.model import torch_dtype
-from kvwire.engine.passes import compare_passes
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.profile import load_profile
+from kvwire.run.passes import compare_passes
 
 CPU_OFFLOAD_PROFILE = pathlib.Path(__file__).parents[1] / "containers" / "cpu-offload.yaml"
 

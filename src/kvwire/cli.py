@@ -10,7 +10,7 @@ only profiles and plugins you trust. Nothing it prints shows a secret
 (:mod:`kvwire.redaction`).
 ``kvwire connectors`` lists every known connector without importing any;
 ``--resolve`` imports each one to say whether it supports HMA. ``kvwire run``
-belongs to the engine (:mod:`kvwire.engine.run`), imported only when asked for.
+lives in its own package (:mod:`kvwire.run`), imported only when asked for.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvwire.profile import profile_origin, read_profile_file, structure_engine_c
 from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
 
-ENGINE_RUN_MODULE = "kvwire.engine.run"
+RUN_MODULE = "kvwire.run"
 
 # What a user can get wrong in a profile or a plugin; anything else is a bug
 # and keeps its traceback.
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
-    """The argument parser; the engine's ``run`` options are added only when ``wants_run``."""
+    """The argument parser; :mod:`kvwire.run` adds ``run``'s options only when ``wants_run``."""
     parser = argparse.ArgumentParser(
         prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
     )
@@ -90,14 +90,14 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a workload through the engine with a connector")
     if wants_run:
         try:
-            engine_run = _engine_run_module()
+            run_package = _run_module()
         except ModuleNotFoundError as error:
-            if error.name != ENGINE_RUN_MODULE:
+            if error.name != RUN_MODULE:
                 raise
-            run.add_argument("engine_arguments", nargs=argparse.REMAINDER)
-            run.set_defaults(command=_engine_missing)
+            run.add_argument("run_arguments", nargs=argparse.REMAINDER)
+            run.set_defaults(command=_run_missing)
         else:
-            engine_run.configure_parser(run)
+            run_package.configure_parser(run)
             run.set_defaults(command=_run_command)
     return parser
 
@@ -138,20 +138,20 @@ def _first_command(arguments: Sequence[str]) -> str | None:
     return None
 
 
-def _engine_run_module() -> ModuleType:
-    return importlib.import_module(ENGINE_RUN_MODULE)
+def _run_module() -> ModuleType:
+    return importlib.import_module(RUN_MODULE)
 
 
-def _engine_missing(args: argparse.Namespace) -> int:
+def _run_missing(args: argparse.Namespace) -> int:
     print(
-        f"kvwire run: error: the engine is not installed ({ENGINE_RUN_MODULE} is missing)",
+        f"kvwire run: error: the run command is not installed ({RUN_MODULE} is missing)",
         file=sys.stderr,
     )
     return 1
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    status: int = _engine_run_module().run(args)
+    status: int = _run_module().run(args)
     return status
 
 

@@ -271,14 +271,14 @@ def test_a_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert "the following arguments are required: COMMAND" in capsys.readouterr().err
 
 
-def test_run_is_dispatched_to_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_is_dispatched_to_the_run_package(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main(["run", "--help"])
 
     assert caught.value.code == 0
     assert capsys.readouterr().out.startswith("usage: kvwire run")
-    # The options came from the engine's configure_parser, not a placeholder.
-    assert "kvwire.engine.run" in sys.modules
+    # The options came from kvwire.run's configure_parser, not a placeholder.
+    assert "kvwire.run" in sys.modules
 
 
 @pytest.mark.torch

@@ -18,7 +18,7 @@ import pytest
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest
-from kvwire.engine.passes import compare_passes
+from kvwire.run.passes import compare_passes
 from tests.engine.hybrid import tiny_hybrid_config
 
 # Two prompts of ten blocks and a half (the window is two blocks) sharing their first six.

@@ -8,8 +8,8 @@ import pytest
 
 from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.engine.passes import compare_passes
-from kvwire.engine.report import format_table
+from kvwire.run.passes import compare_passes
+from kvwire.run.report import format_table
 from tests.engine.hybrid import (
     PlainConnector,
     RecordingHMAConnector,

@@ -21,7 +21,7 @@ from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from kvwire.connector.types import BlockStored, KVCacheEvent, Request
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
-from kvwire.engine.passes import compare_passes
+from kvwire.run.passes import compare_passes
 from tests.engine.helpers import generate
 from tests.redis.engines import distinct_full_blocks
 

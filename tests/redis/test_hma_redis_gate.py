@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.engine.passes import compare_passes
+from kvwire.run.passes import compare_passes
 from tests.engine.test_hma_gate_built_ins import CPU_OFFLOAD, WORKLOAD, hybrid_with
 from tests.redis.cluster_fixtures import LocalCluster
 from tests.redis.conftest import RedisServer

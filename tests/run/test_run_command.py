@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvwire import cli
-from kvwire.engine import run as run_module
+from kvwire.run import command as run_command
 
 SMALL_WORKLOAD = ["--requests", "4", "--prompt-len", "24", "--output-len", "3", "--no-progress"]
 
@@ -203,7 +203,7 @@ def test_a_profile_without_a_connector_is_refused(
 def test_a_missing_embedded_default_says_to_pass_a_profile(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(run_module, "DEFAULT_PROFILE", "profiles/absent.yaml")
+    monkeypatch.setattr(run_command, "DEFAULT_PROFILE", "profiles/absent.yaml")
     assert cli.main(["run", "--no-progress"]) == 2
     assert "pass a profile, e.g. kvwire run containers/cpu-offload.yaml" in capsys.readouterr().err
 
@@ -212,7 +212,7 @@ def test_importing_the_run_module_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, kvwire.engine.run; print('torch' in sys.modules)"
+    code = "import sys, kvwire.run; print('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

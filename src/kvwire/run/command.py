@@ -132,8 +132,8 @@ def _ratio(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvwire run``; the process exit status."""
-    from kvwire.engine.passes import PASSES, compare_passes
-    from kvwire.engine.report import format_table
+    from kvwire.run.passes import PASSES, compare_passes
+    from kvwire.run.report import format_table
 
     secrets = _profile_secrets(args.profile)
     try:
@@ -259,11 +259,7 @@ class _ProgressBar:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvwire.engine.run``: the same as ``kvwire run``."""
+    """``python -m kvwire.run``: the same as ``kvwire run``."""
     parser = argparse.ArgumentParser(prog="kvwire run")
     configure_parser(parser)
     return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvwire.engine.passes import PASSES
+from kvwire.run.passes import PASSES
 
 
 def _count(value: Any) -> str:

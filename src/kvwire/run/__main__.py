@@ -1,0 +1,11 @@
+"""``python -m kvwire.run``: the same as ``kvwire run``."""
+
+from __future__ import annotations
+
+import sys
+
+from kvwire.run.command import main
+
+# Guarded: a walk over kvwire's modules (tests/core) imports this one too.
+if __name__ == "__main__":
+    sys.exit(main())
