@@ -18,7 +18,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.connectors.block_format import BlockLayout, CorruptBlockError, verify_entry
-from kvwire.connectors.staging import StagingBuffers
+from kvwire.connectors.pool_slots import PoolSlots
 from kvwire.engine.block_hash import extend_block_hashes, root_hash
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.connectors.engine_support import (
@@ -52,7 +52,7 @@ def flip_a_byte(path: pathlib.Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def corrupt_pool_entry(pool: StagingBuffers, layout: BlockLayout, block: bytes) -> None:
+def corrupt_pool_entry(pool: PoolSlots, layout: BlockLayout, block: bytes) -> None:
     """Flip a payload byte of the CPU pool slot that holds ``block``."""
     for slot in range(pool.num_slots):
         entry = pool.entry(slot)

@@ -49,8 +49,8 @@ from kvwire.connectors.paged_cache import (
     cache_sized_chunks,
     copy_on_this_thread_only,
 )
+from kvwire.connectors.pool_slots import PoolSlots
 from kvwire.connectors.rate_limited import RateLimitedWarning
-from kvwire.connectors.staging import StagingBuffers
 from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class CPUPoolWorker:
         self._caches = tuple(caches)
         # Every group's entries have the size of the first's (cache_groups checks it).
         self._layout = self._layouts[0]
-        self.pool = StagingBuffers(self._layout, num_slots)
+        self.pool = PoolSlots(self._layout, num_slots)
         self._counters = counters
         self._io_threads = io_threads
         self._transfer_timeout_s = transfer_timeout_s
