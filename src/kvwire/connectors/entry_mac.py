@@ -9,9 +9,9 @@ does not match (forged, or written without the key) is never loaded.
 The key comes only from an environment variable that the profile names
 (``mac_key_env``), never from the profile itself; it never appears in a
 repr, a log line or an error. HMAC-SHA256 rather than keyed BLAKE2b: where
-the CPU has SHA instructions it is twice as fast (1.8 GB/s against 0.94 on
-one core of the 2-core VM, 64 KiB to 4 MiB buffers), and both release the
-GIL while they hash, so I/O threads seal and verify in parallel.
+the CPU has SHA instructions it is the faster of the two (`--only mac`,
+docs/performance.md), and both release the GIL while they hash, so I/O
+threads seal and verify in parallel.
 """
 
 from __future__ import annotations

@@ -63,10 +63,8 @@ logger = logging.getLogger(__name__)
 _SCRATCH_BYTES = 256 * 1024
 
 #: A load sends its GETs in groups of about this many reply bytes, the next
-#: group as soon as the current one is answered (see read_each). Measured with
-#: benchmarks/redis.py (one thread, 2 cores, 256 KiB and 1 MiB blocks): groups
-#: of 1, 2, 4 and 8 MiB loaded at 1.14/0.86, 1.11/1.07, 1.25/1.51 and
-#: 1.04/1.07 of plain GET pipelines of 8 blocks; without read-ahead, 0.72-0.77.
+#: group as soon as the current one is answered (see read_each); 4 MiB loaded
+#: fastest of 1-8 MiB (`--only redis`; the figures are in docs/performance.md).
 READ_GROUP_BYTES = 4 * 1024 * 1024
 
 # Errors that fail a whole call: the server cannot be reached right now

@@ -194,9 +194,7 @@ class StoreWorker:
         self._batch_blocks = batch_blocks
         self._max_save_bytes = max_save_bytes
         # More runs of one transfer than cores only contend for the GIL
-        # between their per-entry steps (measured on 2 cores, 256 KiB Redis
-        # loads on 4 I/O threads: 1.14-1.80 GB/s in 4 runs, 1.83 in one). The
-        # other threads still serve other transfers.
+        # (`--only redis`, docs/performance.md); other threads serve other transfers.
         self._runs_per_transfer = max(1, min(io_threads, usable_cores()))
         self._counters = counters
         self._key_of = key_of if key_of is not None else self._layout_key
