@@ -50,11 +50,10 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.cpu_pool_worker import PoolTransfer
 from kvwire.connectors.paged_cache import copy_on_this_thread_only
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
@@ -137,7 +136,12 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
     connector, caches = worker_connector(CPUOffloadConnector, config)
     assert isinstance(connector, CPUOffloadConnector)
     layers = tuple(caches)
-    transfer = PoolTransfer("bench", tuple(range(count)), tuple(range(count)), hashes(count, "cpu"))
+    transfer = BlockTransfer(
+        request_id="bench",
+        block_ids=tuple(range(count)),
+        slots=tuple(range(count)),
+        block_hashes=hashes(count, "cpu"),
+    )
     nbytes = count * block_bytes
 
     def save(repeat: int) -> None:
@@ -254,7 +258,11 @@ def store_actions(
 
     def transfer(repeat: int) -> BlockTransfer:
         # New blocks every repeat: new files, as a store sees in service.
-        return BlockTransfer("bench", tuple(range(count)), hashes(count, f"{salt}-{repeat}"))
+        return BlockTransfer(
+            request_id="bench",
+            block_ids=tuple(range(count)),
+            block_hashes=hashes(count, f"{salt}-{repeat}"),
+        )
 
     def save(repeat: int) -> None:
         run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
@@ -336,7 +344,11 @@ def bench_example_strategy(
 
     def transfers(repeat: int) -> tuple[BlockTransfer, ...]:
         return tuple(
-            BlockTransfer(f"r{r}", tuple(ids), hashes(len(ids), f"example-{repeat}-{r}"))
+            BlockTransfer(
+                request_id=f"r{r}",
+                block_ids=tuple(ids),
+                block_hashes=hashes(len(ids), f"example-{repeat}-{r}"),
+            )
             for r, ids in enumerate(per_request)
         )
 

@@ -99,22 +99,27 @@ def _hashes(count: int) -> tuple[bytes, ...]:
 
 def _metadata(connector: str, count: int, direction: str) -> Any:
     """One step's metadata moving blocks ``0..count-1`` (as benchmarks/connectors.py builds it)."""
-    ids = tuple(range(count))
-    if connector == "CPUOffloadConnector":
-        from kvwire.connectors.cpu_offload import CPUOffloadMetadata
-        from kvwire.connectors.cpu_pool_worker import PoolTransfer
+    from kvwire.connectors.transfers import BlockTransfer
 
-        transfer = PoolTransfer("memory", ids, ids, _hashes(count))
+    ids = tuple(range(count))
+    pooled = connector == "CPUOffloadConnector"
+    transfer = BlockTransfer(
+        request_id="memory",
+        block_ids=ids,
+        block_hashes=_hashes(count),
+        slots=ids if pooled else (),  # block i in pool slot i
+    )
+    if pooled:
+        from kvwire.connectors.cpu_offload import CPUOffloadMetadata
+
         if direction == "save":
             return CPUOffloadMetadata(stores=(transfer,))
         return CPUOffloadMetadata(loads=(transfer,))
     from kvwire.connectors.store_connector import StoreConnectorMetadata
-    from kvwire.connectors.store_worker import BlockTransfer
 
-    block_transfer = BlockTransfer("memory", ids, _hashes(count))
     if direction == "save":
-        return StoreConnectorMetadata(saves=(block_transfer,))
-    return StoreConnectorMetadata(loads=(block_transfer,))
+        return StoreConnectorMetadata(saves=(transfer,))
+    return StoreConnectorMetadata(loads=(transfer,))
 
 
 def _counter(data: dict[str, Any], name: str) -> float:

@@ -64,7 +64,7 @@ from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import READ_GROUP_BYTES, RedisBlockStore
 from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
@@ -241,7 +241,9 @@ class _ConnectorPath:
             hashlib.sha256(f"bench:{block_bytes}:{index}".encode()).digest()
             for index in range(count)
         )
-        self.transfer = BlockTransfer("bench", tuple(range(count)), block_hashes)
+        self.transfer = BlockTransfer(
+            request_id="bench", block_ids=tuple(range(count)), block_hashes=block_hashes
+        )
 
     def save(self, _repeat: int = 0) -> None:
         run_step(self.connector, StoreConnectorMetadata(saves=(self.transfer,)), self.layers)

@@ -8,7 +8,8 @@ from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.store import BlockStore
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 
 NUM_BLOCKS = 4
 
@@ -52,7 +53,7 @@ def save_blocks_0_and_1(
     """A producer's random caches; its blocks 0 and 1 are now in ``store`` under ``HASHES``."""
     caches = layout_caches(layout, seed=seed)
     producer = store_worker(store, layout, caches)
-    producer.save([BlockTransfer("p", (0, 1), HASHES)])
+    producer.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
     assert producer.wait_for_saves(30)
     producer.close()
     return caches
@@ -64,7 +65,7 @@ def load_into_blocks_2_and_3(
     """A consumer's caches after loading ``HASHES`` into blocks 2 and 3, and its load errors."""
     caches = layout_caches(layout, seed=None)
     consumer = store_worker(store, layout, caches)
-    consumer.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    consumer.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
     errors = consumer.take_load_errors()
     consumer.close()
     return caches, errors

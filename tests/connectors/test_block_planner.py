@@ -13,8 +13,9 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.block_planner import BlockPlanner, BlockRange, HitCounter
+from kvwire.connectors.block_planner import BlockPlanner, HitCounter
 from kvwire.connectors.cache_groups import CacheGroup
+from kvwire.connectors.transfers import BlockTransfer
 
 BLOCK = 4
 FULL = CacheGroup(0, ("layers.0",), BLOCK)
@@ -89,7 +90,11 @@ def test_allocation_returns_the_found_blocks_to_load():
     plan = planner()
     plan.look_up(request_of(), BLOCK, medium_holding(*HASHES))
     loads = plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
-    assert loads == [BlockRange("r", tuple(BLOCK_IDS[1:3]), tuple(HASHES[1:3]))]
+    assert loads == [
+        BlockTransfer(
+            request_id="r", block_ids=tuple(BLOCK_IDS[1:3]), block_hashes=tuple(HASHES[1:3])
+        )
+    ]
 
 
 def test_allocation_without_external_tokens_loads_nothing():
@@ -123,10 +128,22 @@ def test_saves_cover_each_full_block_once_as_steps_compute_them():
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0)
     first = plan.plan_saves(step("r", 0, 10))
     second = plan.plan_saves(step("r", 10, 7))
-    assert first == [BlockRange("r", tuple(BLOCK_IDS[:2]), tuple(HASHES[:2]), tuple(BLOCK_IDS[:2]))]
+    assert first == [
+        BlockTransfer(
+            request_id="r",
+            block_ids=tuple(BLOCK_IDS[:2]),
+            block_hashes=tuple(HASHES[:2]),
+            context_block_ids=tuple(BLOCK_IDS[:2]),
+        )
+    ]
     # A save's context: every block of the request up to its last saved one.
     assert second == [
-        BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]), tuple(BLOCK_IDS[:4]))
+        BlockTransfer(
+            request_id="r",
+            block_ids=tuple(BLOCK_IDS[2:4]),
+            block_hashes=tuple(HASHES[2:4]),
+            context_block_ids=tuple(BLOCK_IDS[:4]),
+        )
     ]
     assert plan.plan_saves(step("r", 17, 1)) == []
 
@@ -137,7 +154,12 @@ def test_saves_skip_the_blocks_found_at_lookup():
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 2 * BLOCK)
     saves = plan.plan_saves(step("r", 2 * BLOCK, 9))
     assert saves == [
-        BlockRange("r", tuple(BLOCK_IDS[2:4]), tuple(HASHES[2:4]), tuple(BLOCK_IDS[:4]))
+        BlockTransfer(
+            request_id="r",
+            block_ids=tuple(BLOCK_IDS[2:4]),
+            block_hashes=tuple(HASHES[2:4]),
+            context_block_ids=tuple(BLOCK_IDS[:4]),
+        )
     ]
 
 
@@ -315,7 +337,7 @@ class RecordingMedium:
             hits += 1
         return hits
 
-    def store(self, saves: Sequence[BlockRange]) -> dict[int, tuple[BlockHash, ...]]:
+    def store(self, saves: Sequence[BlockTransfer]) -> dict[int, tuple[BlockHash, ...]]:
         """Hold ``saves``; what each group saved."""
         for save in saves:
             self.held[save.group].update(save.block_hashes)

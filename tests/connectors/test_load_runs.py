@@ -20,7 +20,8 @@ from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.store import CacheWrites
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 from tests.connectors.store_workers import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -72,7 +73,9 @@ def _saved_caches(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:
     """A producer's caches; its first ``len(HASHES)`` blocks are now in ``store``."""
     caches = _caches(seed=3)
     producer = _worker(store, caches, io_threads=1, batch_blocks=len(HASHES))
-    producer.save([BlockTransfer("p", tuple(range(len(HASHES))), HASHES)])
+    producer.save(
+        [BlockTransfer(request_id="p", block_ids=tuple(range(len(HASHES))), block_hashes=HASHES)]
+    )
     assert producer.wait_for_saves(30)
     producer.close()
     return caches
@@ -112,7 +115,7 @@ def test_a_transfer_is_shared_between_the_threads_in_runs_of_at_least_batch_bloc
     loaded = _caches(seed=None)
     worker = _worker(store, loaded, io_threads=io_threads, batch_blocks=batch_blocks)
 
-    worker.start_loads([BlockTransfer("c", TARGETS, HASHES)], [])
+    worker.start_loads([BlockTransfer(request_id="c", block_ids=TARGETS, block_hashes=HASHES)], [])
 
     assert worker.take_load_errors() == set()
     worker.close()

@@ -27,7 +27,8 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import BlockStore, CacheWrites
 from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.kv_cache_config import KVCacheConfig
@@ -270,7 +271,7 @@ def test_the_wait_before_a_forward_pass_picks_the_saves_reading_blocks_given_out
         transfer_timeout_s=0.2,
     )
     try:
-        worker.save([BlockTransfer("p", (0, 1), HASHES)])
+        worker.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
         # Blocks 2 and 3 are no save's: nothing to wait for.
         worker.wait_for_saves_of(block_ids={2, 3})
         assert "save_timeouts" not in counters.take()

@@ -19,7 +19,8 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import CacheWrites
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
 from tests.connectors.engine_support import (
@@ -201,13 +202,24 @@ def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Pat
         )
 
     producer = worker(producer_caches)
-    producer.save([BlockTransfer("p", (0, 1), HASHES, group=g) for g in (0, 1)])
+    producer.save(
+        [
+            BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES, group=g)
+            for g in (0, 1)
+        ]
+    )
     assert producer.wait_for_saves(30)
     producer.close()
     counters.take()
     consumer = worker(consumer_caches)
     try:
-        consumer.start_loads([], [BlockTransfer("c", (2, 3), HASHES, group=g) for g in (0, 1)])
+        consumer.start_loads(
+            [],
+            [
+                BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES, group=g)
+                for g in (0, 1)
+            ],
+        )
         # The sliding group's load ends; the full group's waits at the gate.
         deadline = time.monotonic() + 30
         loaded = 0.0

@@ -30,7 +30,8 @@ from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
-from kvwire.connectors.store_worker import BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.engine_support import (
@@ -201,7 +202,7 @@ def _worker_with_a_stuck_save(counters: Counters, timeout_s: float) -> StoreWork
         counters,
         timeout_s,
     )
-    worker.save([BlockTransfer("p", (0, 1), HASHES)])
+    worker.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
     return worker
 
 
@@ -224,7 +225,7 @@ def test_a_load_stuck_in_the_store_is_a_load_error_at_its_deadline(
 ) -> None:
     counters = Counters()
     worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
-    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    worker.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
 
     assert returns_within(5, worker.take_load_errors) == {2, 3}
     taken = counters.take()
@@ -238,7 +239,7 @@ def test_a_stuck_load_that_returns_late_writes_nothing_into_the_cache(
 ) -> None:
     caches = layout_caches(LAYOUT, None)
     worker = _worker(StuckStore(_saved_store()), caches, Counters(), DEADLINE_S)
-    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    worker.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
     assert worker.take_load_errors() == {2, 3}
     # The engine computes the blocks again into the same cache blocks.
     for cache in caches.values():
@@ -257,7 +258,7 @@ def test_a_given_up_load_waits_for_its_read_under_way_and_then_writes_nothing_mo
     save_blocks_0_and_1(store, LAYOUT, seed=5)
     caches = layout_caches(LAYOUT, None)
     worker = _worker(store, caches, Counters(), DEADLINE_S)
-    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    worker.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
     assert store.entered.wait(TEST_LIMIT_S)
     errors: list[set[int]] = []
     waiter = threading.Thread(target=lambda: errors.append(worker.take_load_errors()))
@@ -282,7 +283,7 @@ def test_a_read_that_outlives_the_grace_period_stops_the_engine_with_a_clear_err
     store = InFlightStore()
     save_blocks_0_and_1(store, LAYOUT, seed=5)
     worker = _worker(store, layout_caches(LAYOUT, None), Counters(), DEADLINE_S, grace_s=0.05)
-    worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+    worker.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
     assert store.entered.wait(TEST_LIMIT_S)
     try:
         with pytest.raises(LateWriteError, match="still writing into the KV cache"):
@@ -297,7 +298,7 @@ def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_blo
 ) -> None:
     caches = layout_caches(LAYOUT, None)
     worker = _worker(StuckStore(_saved_store()), caches, Counters(), DEADLINE_S)
-    worker.start_loads([], [BlockTransfer("c", (2, 3), HASHES)])
+    worker.start_loads([], [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)])
     assert worker.is_loading("c")
 
     finished = wait_until(worker.take_finished_loads, "the load to finish")
@@ -318,10 +319,21 @@ def test_a_load_queued_behind_stuck_loads_fails_at_its_deadline_instead_of_waiti
     counters = Counters()
     worker = _worker(StuckStore(_saved_store()), layout_caches(LAYOUT, None), counters, DEADLINE_S)
     # Two stuck loads hold the one load thread past their deadline.
-    worker.start_loads([BlockTransfer("a", (0, 1), HASHES), BlockTransfer("b", (2, 3), HASHES)], [])
+    worker.start_loads(
+        [
+            BlockTransfer(request_id="a", block_ids=(0, 1), block_hashes=HASHES),
+            BlockTransfer(request_id="b", block_ids=(2, 3), block_hashes=HASHES),
+        ],
+        [],
+    )
     assert worker.take_load_errors() == {0, 1, 2, 3}
 
-    returns_within(5, lambda: worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], []))
+    returns_within(
+        5,
+        lambda: worker.start_loads(
+            [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], []
+        ),
+    )
 
     assert worker.take_load_errors() == {2, 3}
     assert counters.take()["load_timeouts"] == 6
@@ -411,7 +423,9 @@ def test_the_futures_timeout_of_python_3_10_does_not_escape_a_wait_for_saves(
     worker.close(timeout_s=0.05)
 
     with pytest.raises(RuntimeError, match="after shutdown"):
-        worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+        worker.start_loads(
+            [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], []
+        )
 
 
 # ------------------------------------------------------------------- close
@@ -425,7 +439,7 @@ def test_close_stops_the_threads_when_a_save_outlives_its_wait(
     returns_within(5, lambda: worker.close(timeout_s=0.05))
 
     with pytest.raises(RuntimeError, match="after shutdown"):
-        worker.save([BlockTransfer("p", (2, 3), HASHES)])
+        worker.save([BlockTransfer(request_id="p", block_ids=(2, 3), block_hashes=HASHES)])
 
 
 def test_close_logs_a_failed_step_and_still_stops_the_threads(
@@ -442,7 +456,7 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 
     assert "shutdown: waiting for saves failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
-        worker.save([BlockTransfer("p", (0, 1), HASHES)])
+        worker.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
 
 
 # ------------------------------------------------------------- process exit
@@ -452,11 +466,11 @@ import threading
 from tests.connectors import test_wait_deadlines as t
 from tests.connectors.store_workers import HASHES, layout_caches
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.transfers import BlockTransfer
 
 t.STORE_ANSWERS.clear()  # and nobody ever sets it: the read stays stuck
 worker = t._worker(t.StuckStore(t._saved_store()), layout_caches(t.LAYOUT, None), Counters(), 0.1)
-worker.start_loads([BlockTransfer("c", (2, 3), HASHES)], [])
+worker.start_loads([BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)], [])
 assert worker.take_load_errors() == {2, 3}
 worker.close(timeout_s=0)
 print("closed", flush=True)

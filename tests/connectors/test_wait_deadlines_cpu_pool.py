@@ -19,8 +19,9 @@ import torch
 from kvwire.connectors import cpu_pool_worker as cpu_pool_worker_module
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.counters import Counters
-from kvwire.connectors.cpu_pool_worker import CPUPoolWorker, PoolTransfer
+from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
 from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.connectors.transfers import BlockTransfer
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.store_workers import HASHES, layout_caches
 
@@ -51,7 +52,9 @@ def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorke
 
 def _stored(worker: CPUPoolWorker) -> None:
     """Blocks 0 and 1 stored, whole, in slots 0 and 1 under ``HASHES``."""
-    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+    worker.store(
+        [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
+    )
     assert worker.wait_for_all(TEST_LIMIT_S)
 
 
@@ -85,7 +88,9 @@ def test_a_load_past_its_deadline_is_a_load_error_and_copies_nothing_later(
     worker = _worker(caches, counters)
     _stored(worker)
     _stall_loads_until(monkeypatch, copies_go_on)
-    worker.start_loads([PoolTransfer("c", (2, 3), (0, 1), HASHES)], [])
+    worker.start_loads(
+        [BlockTransfer(request_id="c", block_ids=(2, 3), slots=(0, 1), block_hashes=HASHES)], []
+    )
 
     assert returns_within(5, worker.take_load_errors) == {2, 3}
     assert counters.take()["load_timeouts"] == 2
@@ -93,7 +98,9 @@ def test_a_load_past_its_deadline_is_a_load_error_and_copies_nothing_later(
 
     copies_go_on.set()
     # One copy thread: a later load ends only after the stalled one has.
-    worker.start_loads([PoolTransfer("d", (3,), (0,), HASHES[:1])], [])
+    worker.start_loads(
+        [BlockTransfer(request_id="d", block_ids=(3,), slots=(0,), block_hashes=HASHES[:1])], []
+    )
     assert worker.take_load_errors() == set()
     for name, cache in caches.items():
         assert torch.equal(cache[:, 2], before[name][:, 0])  # never written
@@ -106,7 +113,9 @@ def test_an_asynchronous_load_past_its_deadline_finishes_with_every_block_failed
     worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
     _stored(worker)
     _stall_loads_until(monkeypatch, copies_go_on)
-    worker.start_loads([], [PoolTransfer("c", (2, 3), (0, 1), HASHES)])
+    worker.start_loads(
+        [], [BlockTransfer(request_id="c", block_ids=(2, 3), slots=(0, 1), block_hashes=HASHES)]
+    )
 
     finished = wait_until(worker.take_finished_loads, "the load to finish")
 
@@ -122,7 +131,9 @@ def test_a_store_past_its_deadline_counts_failed_and_its_blocks_are_released(
     counters = Counters()
     worker = _worker(layout_caches(LAYOUT, seed=2), counters)
     _stall_stores_until(monkeypatch, copies_go_on)
-    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+    worker.store(
+        [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
+    )
     assert worker.is_busy("p")
 
     # The request was preempted: the forward pass reuses its blocks next.
@@ -134,10 +145,14 @@ def test_a_store_past_its_deadline_counts_failed_and_its_blocks_are_released(
     assert "blocks_saved" not in taken
     copies_go_on.set()
     # One copy thread: a later store ends only after the stalled one has.
-    worker.store([PoolTransfer("q", (2,), (2,), (b"\x03" * 32,))])
+    worker.store(
+        [BlockTransfer(request_id="q", block_ids=(2,), slots=(2,), block_hashes=(b"\x03" * 32,))]
+    )
     assert worker.wait_for_all(TEST_LIMIT_S)
     # The stalled store, going on late, wrote no slot: a load refuses them.
-    worker.start_loads([PoolTransfer("c", (2, 3), (0, 1), HASHES)], [])
+    worker.start_loads(
+        [BlockTransfer(request_id="c", block_ids=(2, 3), slots=(0, 1), block_hashes=HASHES)], []
+    )
     assert worker.take_load_errors() == {2, 3}
     worker.close()
 
@@ -147,7 +162,9 @@ def test_waiting_for_every_store_ends_at_their_deadline(
 ) -> None:
     worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
     _stall_stores_until(monkeypatch, copies_go_on)
-    worker.store([PoolTransfer("p", (0, 1), (0, 1), HASHES)])
+    worker.store(
+        [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
+    )
 
     assert worker.wait_for_all(0.01) is False  # still running
     assert returns_within(5, worker.wait_for_all) is True  # given up on at its deadline
@@ -168,4 +185,6 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 
     assert "shutdown: waiting for transfers failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
-        worker.store([PoolTransfer("p", (0,), (0,), HASHES[:1])])
+        worker.store(
+            [BlockTransfer(request_id="p", block_ids=(0,), slots=(0,), block_hashes=HASHES[:1])]
+        )

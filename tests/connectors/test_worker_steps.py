@@ -13,7 +13,7 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import BlockTransfer
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.connectors.worker_steps import (
     PendingRelease,
     metadata_of_type,
@@ -101,10 +101,19 @@ def test_a_store_worker_refuses_another_connectors_metadata(unregistered_store_w
 def test_saves_computed_from_a_block_that_failed_to_load_are_left_out_and_counted():
     saves = [
         # Loaded blocks 1 and 2, computes 3 and 4 from them.
-        BlockTransfer("a", (3, 4), (b"h3", b"h4"), context_block_ids=(1, 2, 3, 4)),
+        BlockTransfer(
+            request_id="a",
+            block_ids=(3, 4),
+            block_hashes=(b"h3", b"h4"),
+            context_block_ids=(1, 2, 3, 4),
+        ),
         # Shares block 2 as a prefix (loaded by "a"), computes 6 from it.
-        BlockTransfer("b", (6,), (b"h6",), context_block_ids=(1, 2, 6)),
-        BlockTransfer("c", (7,), (b"h7",), context_block_ids=(5, 7)),
+        BlockTransfer(
+            request_id="b", block_ids=(6,), block_hashes=(b"h6",), context_block_ids=(1, 2, 6)
+        ),
+        BlockTransfer(
+            request_id="c", block_ids=(7,), block_hashes=(b"h7",), context_block_ids=(5, 7)
+        ),
     ]
 
     kept, skipped = saves_from_good_context(saves, {2})

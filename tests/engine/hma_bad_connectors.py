@@ -14,10 +14,11 @@ import attrs
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import SchedulerOutput
-from kvwire.connectors.block_planner import BlockPlanner, BlockRange
+from kvwire.connectors.block_planner import BlockPlanner
 from kvwire.connectors.cache_groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import KVCacheConfig
 
 
@@ -45,7 +46,7 @@ class _WindowOnlyPlanner(BlockPlanner):
         super().__init__(block_size, groups, **roles)
         self._window_blocks = {group.index: group.window_blocks for group in groups}
 
-    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockRange]:
+    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
         # A sliding group's range ends at the step's end, and is at most the
         # window and one block long: its last window_blocks are the window.
         ranges = []

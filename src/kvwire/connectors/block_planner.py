@@ -22,8 +22,9 @@ per request, whatever holds the blocks:
   gets a good one back in the same run.
 
 :class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
-connector passes in how to count hits, and turns each planned
-:class:`BlockRange` into its own transfer record.
+connector passes in how to count hits, and sends the planned
+:class:`~kvwire.connectors.transfers.BlockTransfer` records to its worker side
+(the CPU pool adds the slots).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import attrs
 
 from kvwire.connector.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
 from kvwire.connectors.cache_groups import NULL_BLOCK_ID, CacheGroup
+from kvwire.connectors.transfers import BlockTransfer
 
 HitCounter = Callable[[int, Sequence[BlockHash]], int]
 """Counts how many of the given block hashes, from the first, the medium holds for a group.
@@ -41,20 +43,6 @@ HitCounter = Callable[[int, Sequence[BlockHash]], int]
 Called with the group's index and the hashes; a sliding-window group's window
 is asked for last block first, so the answer says where the nearest gap is.
 """
-
-
-@attrs.frozen
-class BlockRange:
-    """Blocks of one request in one KV cache group: their cache block ids and hashes, in order."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    # For a save: the request's blocks (every group's) up to the last one
-    # saved. Their KV was computed attending to all of these; one that failed
-    # to load spoils it.
-    context_block_ids: tuple[int, ...] = ()
-    group: int = 0
 
 
 @attrs.define
@@ -184,8 +172,8 @@ class BlockPlanner:
 
     def allocate(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> list[BlockRange]:
-        """Start planning the request's saves; return the blocks it loads, one range per group.
+    ) -> list[BlockTransfer]:
+        """Start planning the request's saves; return the blocks it loads, one transfer per group.
 
         Blocks found at lookup are not saved again. Raises ``ValueError`` when
         the engine asks for more external tokens than the lookup found, or
@@ -219,7 +207,7 @@ class BlockPlanner:
         for group in self._groups:
             needed = group.needed_positions(end)
             positions = range(max(start, needed.start), end)
-            load = self._range(request, group, all_block_ids[group.index], positions)
+            load = self._transfer(request, group, all_block_ids[group.index], positions)
             if load is not None:
                 loads.append(load)
         return loads
@@ -249,11 +237,11 @@ class BlockPlanner:
                     min(position, first_failed) for position in cursor.next_block_to_save
                 ]
 
-    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockRange]:
-        """The blocks to save this step: per request with new full blocks, one range per group."""
+    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
+        """The blocks to save this step: per request with new full blocks, one per group."""
         if not self._saves:
             return []
-        ranges: list[BlockRange] = []
+        transfers: list[BlockTransfer] = []
         for item in scheduler_output.scheduled:
             cursor = self._save_cursors.get(item.request_id)
             if cursor is None:
@@ -288,12 +276,12 @@ class BlockPlanner:
                 positions: Sequence[int] = range(start, end)
                 if self._window_aware and group.window_blocks is not None:
                     positions = self._sliding_save_positions(group, cursor, start, end, aligned)
-                save = self._range(
+                save = self._transfer(
                     cursor.request, group, cursor.block_ids[group.index], positions, context
                 )
                 if save is not None:
-                    ranges.append(save)
-        return ranges
+                    transfers.append(save)
+        return transfers
 
     def _sliding_save_positions(
         self, group: CacheGroup, cursor: _SaveCursor, start: int, end: int, aligned: bool
@@ -312,19 +300,19 @@ class BlockPlanner:
         cursor.branch_windows[group.index] = [p for p in branch if p >= end]
         return sorted({*computed, *positions})
 
-    def _range(
+    def _transfer(
         self,
         request: Request,
         group: CacheGroup,
         block_ids: Sequence[int],
         positions: Sequence[int],
         context_block_ids: tuple[int, ...] = (),
-    ) -> BlockRange | None:
+    ) -> BlockTransfer | None:
         """The blocks at ``positions`` of one group, null blocks left out; None if none is left."""
         kept = [p for p in positions if block_ids[p] != self._null_block]
         if not kept:
             return None
-        return BlockRange(
+        return BlockTransfer(
             request_id=request.request_id,
             block_ids=tuple(block_ids[p] for p in kept),
             block_hashes=tuple(request.block_hashes[p] for p in kept),

@@ -57,9 +57,8 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.block_connector import BlockConnector
-from kvwire.connectors.block_planner import BlockRange
 from kvwire.connectors.cpu_pool_index import CPUPoolIndex
-from kvwire.connectors.cpu_pool_worker import CPUPoolWorker, PoolTransfer
+from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
 from kvwire.connectors.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -68,6 +67,7 @@ from kvwire.connectors.extra_config import (
     memory_size_key,
     seconds_key,
 )
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.connectors.worker_steps import metadata_of_type, saves_from_good_context
 
 if TYPE_CHECKING:
@@ -94,9 +94,9 @@ class CPUOffloadMetadata(KVConnectorMetadata):
     written from this step on; stores still reading one are released.
     """
 
-    loads: tuple[PoolTransfer, ...] = ()
-    async_loads: tuple[PoolTransfer, ...] = ()
-    stores: tuple[PoolTransfer, ...] = ()
+    loads: tuple[BlockTransfer, ...] = ()
+    async_loads: tuple[BlockTransfer, ...] = ()
+    stores: tuple[BlockTransfer, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()
     release_req_ids: tuple[str, ...] = ()
     counters: tuple[tuple[str, int], ...] = ()
@@ -110,7 +110,7 @@ class CPUOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     Their slots must never be published: they may hold another request's bytes.
     """
 
-    released_stores: tuple[PoolTransfer, ...] = ()
+    released_stores: tuple[BlockTransfer, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CPUOffloadWorkerMetadata:
         # Tensor-parallel workers each release what they were still copying.
@@ -135,7 +135,7 @@ class _PoolRequestState:
     """
 
     unconfirmed_stores: tuple[list[BlockHash], ...]
-    async_loads: list[PoolTransfer] = attrs.field(factory=list)
+    async_loads: list[BlockTransfer] = attrs.field(factory=list)
 
     @property
     def stores_running(self) -> bool:
@@ -160,16 +160,16 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._index = CPUPoolIndex(self.num_slots, len(self._groups))
         self._requests: dict[str, _PoolRequestState] = {}
         self._finished: dict[str, _PoolRequestState] = {}
-        self._step_loads: list[PoolTransfer] = []
-        self._step_async_loads: list[PoolTransfer] = []
-        self._sync_loads_in_flight: list[PoolTransfer] = []
+        self._step_loads: list[BlockTransfer] = []
+        self._step_async_loads: list[BlockTransfer] = []
+        self._sync_loads_in_flight: list[BlockTransfer] = []
         # This step's stores, until its output names any failed loads.
-        self._stores_in_step: tuple[PoolTransfer, ...] = ()
+        self._stores_in_step: tuple[BlockTransfer, ...] = ()
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
         # Worker side: stores released since the last report.
-        self._released_stores: list[PoolTransfer] = []
+        self._released_stores: list[BlockTransfer] = []
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -215,12 +215,8 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
                 )
         # Pinned only once every group's blocks are known to be there.
         for load in loads:
-            transfer = PoolTransfer(
-                request_id=load.request_id,
-                block_ids=load.block_ids,
-                slots=tuple(self._index.start_load(load.group, load.block_hashes)),
-                block_hashes=load.block_hashes,
-                group=load.group,
+            transfer = attrs.evolve(
+                load, slots=tuple(self._index.start_load(load.group, load.block_hashes))
             )
             if self._async_load:
                 state.async_loads.append(transfer)
@@ -229,7 +225,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
                 self._step_loads.append(transfer)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
-        stores: list[PoolTransfer] = []
+        stores: list[BlockTransfer] = []
         for save in self._planner.plan_saves(scheduler_output):
             transfer = self._place_store(save)
             if transfer is not None:
@@ -256,7 +252,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._step_counters = {}
         return metadata
 
-    def _place_store(self, save: BlockRange) -> PoolTransfer | None:
+    def _place_store(self, save: BlockTransfer) -> BlockTransfer | None:
         """Slots for the blocks of ``save`` the pool lacks; blocks it holds are not copied again."""
         wanted = save.block_hashes
         group = save.group
@@ -268,13 +264,11 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             return None
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
         self._requests[save.request_id].unconfirmed_stores[group].extend(placed)
-        return PoolTransfer(
-            request_id=save.request_id,
+        return attrs.evolve(
+            save,
             block_ids=tuple(save.block_ids[i] for i in positions),
-            slots=tuple(placed[wanted[i]] for i in positions),
             block_hashes=tuple(wanted[i] for i in positions),
-            context_block_ids=save.context_block_ids,
-            group=group,
+            slots=tuple(placed[wanted[i]] for i in positions),
         )
 
     def _record_evictions(self) -> int:
@@ -344,7 +338,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         for store in set(stores) - set(kept):
             self._drop_store(store)
 
-    def _drop_store(self, store: PoolTransfer) -> None:
+    def _drop_store(self, store: BlockTransfer) -> None:
         """Free the slots of a store whose entries must never become hits (left out or released).
 
         Its blocks are no longer its request's to confirm: a request kept
@@ -357,7 +351,7 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             unconfirmed = state.unconfirmed_stores[store.group]
             unconfirmed[:] = [h for h in unconfirmed if h not in dropped]
 
-    def _end_load(self, transfer: PoolTransfer, invalid_block_ids: set[int]) -> None:
+    def _end_load(self, transfer: BlockTransfer, invalid_block_ids: set[int]) -> None:
         self._index.finish_load(transfer.group, transfer.block_hashes)
         # A slot that failed verification would fail every later load: forget it.
         corrupt = [

@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Sequence, Set
 
 import attrs
 
-from kvwire.connector.types import BlockHash
 from kvwire.connectors.block_format import (
     BlockLayout,
     CorruptBlockError,
@@ -52,6 +51,7 @@ from kvwire.connectors.paged_cache import (
 from kvwire.connectors.pool_slots import PoolSlots
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
+from kvwire.connectors.transfers import BlockTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +59,12 @@ logger = logging.getLogger(__name__)
 _MIN_BLOCKS_PER_PIECE = 4
 
 
-@attrs.frozen
-class PoolTransfer:
-    """Blocks of one request in one KV cache group between cache block ids and pool slots."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    # A store's context: see BlockRange.context_block_ids.
-    context_block_ids: tuple[int, ...] = ()
-    # The KV cache group whose layers the block ids index.
-    group: int = 0
-
-
 class _PoolJob(TransferJob):
     """One piece of a transfer, copied by one thread; ``async_load`` is its request's load."""
 
     def __init__(
         self,
-        piece: PoolTransfer,
+        piece: BlockTransfer,
         deadline: float,
         *,
         is_store: bool,
@@ -263,7 +249,7 @@ class CPUPoolWorker:
 
     # -------------------------------------------------------------- stores
 
-    def store(self, transfers: Sequence[PoolTransfer]) -> None:
+    def store(self, transfers: Sequence[BlockTransfer]) -> None:
         """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
         deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in transfers:
@@ -272,7 +258,7 @@ class CPUPoolWorker:
                 self._job_started(job)
                 job.future = self._store_pool.submit(self._store, job)
 
-    def release_stores_reading(self, block_ids: Set[int]) -> list[PoolTransfer]:
+    def release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
         """Release the stores in flight that read any of ``block_ids``; the pieces released.
 
         Called at the start of a step, before anything writes: ``block_ids``
@@ -296,19 +282,17 @@ class CPUPoolWorker:
             self._counters.add("saves_released", sum(len(piece.block_ids) for piece in released))
         return released
 
-    def _split(self, transfer: PoolTransfer) -> list[PoolTransfer]:
+    def _split(self, transfer: BlockTransfer) -> list[BlockTransfer]:
         """Up to one piece per thread, so a large transfer uses every copy thread."""
         count = len(transfer.block_ids)
         pieces = max(1, min(self._io_threads, count // _MIN_BLOCKS_PER_PIECE))
         bounds = [count * i // pieces for i in range(pieces + 1)]
         return [
-            PoolTransfer(
-                transfer.request_id,
-                transfer.block_ids[start:end],
-                transfer.slots[start:end],
-                transfer.block_hashes[start:end],
-                transfer.context_block_ids,
-                transfer.group,
+            attrs.evolve(
+                transfer,
+                block_ids=transfer.block_ids[start:end],
+                slots=transfer.slots[start:end],
+                block_hashes=transfer.block_hashes[start:end],
             )
             for start, end in itertools.pairwise(bounds)
         ]
@@ -364,7 +348,7 @@ class CPUPoolWorker:
     # --------------------------------------------------------------- loads
 
     def start_loads(
-        self, sync_loads: Sequence[PoolTransfer], async_loads: Sequence[PoolTransfer]
+        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
         deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in sync_loads:

@@ -113,7 +113,8 @@ from kvwire.connectors.extra_config import (
     seconds_key,
     size_key,
 )
-from kvwire.connectors.store_worker import LATE_WRITE_GRACE_S, BlockTransfer, StoreWorker
+from kvwire.connectors.store_worker import LATE_WRITE_GRACE_S, StoreWorker
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockTransfer", "StoreConnector", "StoreConnectorMetadata"]
+__all__ = ["StoreConnector", "StoreConnectorMetadata"]
 
 # Not a declared key, so a user's extra config can never supply it.
 _ENTRY_MAC = "entry_mac"
@@ -303,15 +304,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        loads = [
-            BlockTransfer(
-                request_id=load.request_id,
-                block_ids=load.block_ids,
-                block_hashes=load.block_hashes,
-                group=load.group,
-            )
-            for load in self._planner.allocate(request, blocks, num_external_tokens)
-        ]
+        loads = self._planner.allocate(request, blocks, num_external_tokens)
         if not loads:
             return
         if self._async_load:
@@ -321,16 +314,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             self._step_loads.extend(loads)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        saves = tuple(
-            BlockTransfer(
-                request_id=save.request_id,
-                block_ids=save.block_ids,
-                block_hashes=save.block_hashes,
-                context_block_ids=save.context_block_ids,
-                group=save.group,
-            )
-            for save in self._planner.plan_saves(scheduler_output)
-        )
+        saves = tuple(self._planner.plan_saves(scheduler_output))
         self._saving.update(save.request_id for save in saves)
         for request_id in scheduler_output.finished_req_ids:
             self._planner.forget(request_id)

@@ -69,6 +69,7 @@ from kvwire.connectors.paged_cache import cache_sized_chunks
 from kvwire.connectors.rate_limited import RateLimitedWarning
 from kvwire.connectors.store import BlockStore, CacheWrites
 from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
+from kvwire.connectors.transfers import BlockTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-@attrs.frozen
-class BlockTransfer:
-    """Blocks of one request in one KV cache group to move: cache block ids and their hashes."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    # A save's context: see BlockRange.context_block_ids.
-    context_block_ids: tuple[int, ...] = ()
-    # The KV cache group whose layers the blocks are read from or written to.
-    group: int = 0
 
 
 class _Job(TransferJob):
