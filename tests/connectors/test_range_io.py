@@ -172,3 +172,22 @@ def test_a_waiter_that_gives_up_waits_for_the_write_under_way_then_says_so():
     writer.join()
     with pytest.raises(JobAbandoned), writes.writing():
         pass
+
+
+def test_a_write_that_moves_nothing_fails_the_entry_and_leaves_no_file(tmp_path, monkeypatch):
+    # A pwritev that returns 0 without an error must not be retried for ever.
+    calls = []
+
+    def moves_nothing(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(5, "the test stopped a write that was retried")
+        return 0
+
+    monkeypatch.setattr(os, "pwritev", moves_nothing)
+    store = DirectoryBlockStore(tmp_path, entry_bytes=64)
+    key = f"{'ab' * 16}/{1:064x}"
+    assert store.write_ranges([key], [split(os.urandom(64), [])]) == [False]
+    assert len(calls) == 1
+    assert store.take_counters() == {"write_io_errors": 1}
+    assert [files for _, _, files in os.walk(tmp_path) if files] == []

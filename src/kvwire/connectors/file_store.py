@@ -344,6 +344,10 @@ class DirectoryBlockStore(BlockStore):
                 for batch in _io_batches(ranges, sum(len(part) for part in ranges)):
                     while batch:
                         done = os.pwritev(fd, batch, written)
+                        if done == 0:
+                            # Nothing moved and no error: retrying would spin
+                            # for ever; the temporary file goes (below).
+                            raise OSError(errno.EIO, "pwritev wrote nothing")
                         written += done
                         batch = _after(batch, done)
                 if self._fsync:
