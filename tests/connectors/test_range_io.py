@@ -24,7 +24,7 @@ from kvwire.connectors.block_format import (
     write_header,
 )
 from kvwire.connectors.entry_mac import EntryMac
-from kvwire.connectors.file_store import MAX_IO_BYTES, DirectoryBlockStore
+from kvwire.connectors.file_store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
 from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
 from kvwire.connectors.transfer_jobs import JobAbandoned
 
@@ -191,3 +191,18 @@ def test_a_write_that_moves_nothing_fails_the_entry_and_leaves_no_file(tmp_path,
     assert len(calls) == 1
     assert store.take_counters() == {"write_io_errors": 1}
     assert [files for _, _, files in os.walk(tmp_path) if files] == []
+
+
+def test_io_batches_pass_whole_ranges_through_and_cut_only_at_the_limits():
+    # A block's hundreds of ranges go into a call as they are: no slice each.
+    ranges = [memoryview(bytearray(100)) for _ in range(2000)]
+    batches = _io_batches(ranges, 100 * 2000)
+    assert [len(batch) for batch in batches] == [1024, 976]
+    assert all(a is b for a, b in zip(itertools.chain(*batches), ranges, strict=True))
+    # Cut where a range crosses a call's byte limit, and at the end of the size asked.
+    big = [memoryview(bytearray(MAX_IO_BYTES - 10)), memoryview(bytearray(30))]
+    assert [[len(p) for p in batch] for batch in _io_batches(big, MAX_IO_BYTES + 15)] == [
+        [MAX_IO_BYTES - 10, 10],
+        [15],
+    ]
+    assert _io_batches(big, 5)[0][0].nbytes == 5

@@ -553,25 +553,33 @@ class DirectoryBlockStore(BlockStore):
 def _io_batches(ranges: Sequence[memoryview], size: int) -> list[list[memoryview]]:
     """The first ``size`` bytes of ``ranges``: lists of views, one ``preadv``/``pwritev`` each.
 
-    Each list holds at most :data:`MAX_IO_BYTES` (a larger range is split)
-    and at most the system's limit of buffers per call.
+    Each list holds at most :data:`MAX_IO_BYTES` and at most the system's
+    limit of buffers per call. A range goes in as it is, sliced only where it
+    crosses a call's byte limit or the end of ``size``: a block has hundreds
+    of ranges, and slicing each costs more than the syscalls.
     """
     batches: list[list[memoryview]] = []
     batch: list[memoryview] = []
-    batch_bytes = 0
+    room = MAX_IO_BYTES
     left = size
-    for whole in ranges:
+    for part in ranges:
         if left <= 0:
             break
-        part = whole[: min(len(whole), left)]
-        left -= len(part)
-        while len(part):
-            if batch_bytes == MAX_IO_BYTES or len(batch) == _MAX_IO_PARTS:
+        length = len(part)
+        if length > left:
+            part, length = part[:left], left
+        left -= length
+        while length:
+            if not room or len(batch) == _MAX_IO_PARTS:
                 batches.append(batch)
-                batch, batch_bytes = [], 0
-            piece, part = part[: MAX_IO_BYTES - batch_bytes], part[MAX_IO_BYTES - batch_bytes :]
-            batch.append(piece)
-            batch_bytes += len(piece)
+                batch, room = [], MAX_IO_BYTES
+            if length <= room:
+                batch.append(part)
+                room -= length
+                break
+            batch.append(part[:room])
+            part, length = part[room:], length - room
+            room = 0
     if batch:
         batches.append(batch)
     return batches
