@@ -119,3 +119,15 @@ def test_the_paged_cache_checks_apply():
         ValueError, match=re.escape("has dtype torch.float16, the model config says float32")
     ):
         BlockMemory(wrong, layout)
+
+
+def test_an_error_shows_a_layer_name_bounded():
+    # A layer name comes from the model: an error line quotes its start only.
+    layout = LAYOUTS["kvwire", "float32"]
+    strided = {
+        f"{'x' * 100_000}.{i}": torch.zeros(2, NUM_BLOCKS, 2, 4, 8).transpose(2, 3)
+        for i in range(3)
+    }
+    with pytest.raises(ValueError, match="expected the dimensions after") as refused:
+        BlockMemory(strided, layout)
+    assert len(str(refused.value)) < 400

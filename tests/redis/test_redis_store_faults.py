@@ -11,6 +11,7 @@ from kvwire.connectors.block_format import verify_entry
 from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.connectors.redis_store import RedisBlockStore
 from tests.redis.conftest import RedisServer, wait_until_available
+from tests.redis.dribbling_server import DribblingServer
 from tests.redis.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 
 LAYOUT = SMALL_LAYOUT
@@ -244,3 +245,26 @@ def test_after_a_server_hangs_calls_stop_waiting_on_it(fault_server: RedisServer
     opened = int(admin.info("stats")["total_connections_received"]) - connections_before
     assert opened <= 2  # the first call's connection and its one retry, nothing after
     store.close()
+
+
+class _LongErrorServer(DribblingServer):
+    """Answers every SET with an error reply of 200 KiB."""
+
+    def _answer(self, command: list[bytes]) -> bytes:
+        if command[0].upper() == b"SET":
+            return b"-ERR " + b"x" * 200 * 1024 + b"\r\n"
+        return super()._answer(command)
+
+
+def test_a_long_error_reply_is_logged_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    server = _LongErrorServer()
+    store = RedisBlockStore(RedisStoreSettings(url=server.url))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvwire.connectors.redis_outage"):
+            assert store.put(store_keys(LAYOUT, 1), _entries(range(1))) == [False]
+    finally:
+        store.close()
+        server.close()
+    (line,) = [record.message for record in caplog.records if "rejected a save" in record.message]
+    assert "ResponseError: ERR xxx" in line
+    assert len(line) < 400

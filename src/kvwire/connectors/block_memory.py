@@ -31,6 +31,7 @@ import torch
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.cache_groups import CacheGroup
 from kvwire.connectors.paged_cache import PagedKVCaches, group_caches
+from kvwire.redaction import shown
 
 # The block dimension of each declared cache layout (``BlockLayout.cache_layout``).
 BLOCK_DIMENSIONS: dict[str, int] = {"kvwire": 1, "vllm_cpu": 0}
@@ -111,7 +112,7 @@ def _planes(name: str, tensor: torch.Tensor, block_dim: int) -> list[tuple[memor
     """
     if tensor.device.type != "cpu":
         raise ValueError(
-            f"register_kv_caches: layer {name!r} is on {tensor.device}; this connector "
+            f"register_kv_caches: layer {shown(name)} is on {tensor.device}; this connector "
             "moves blocks of KV caches in CPU memory only"
         )
     itemsize = tensor.element_size()
@@ -120,7 +121,7 @@ def _planes(name: str, tensor: torch.Tensor, block_dim: int) -> list[tuple[memor
     for dim in reversed(range(block_dim + 1, len(shape))):
         if shape[dim] != 1 and strides[dim] != expected:
             raise ValueError(
-                f"register_kv_caches: layer {name!r} has strides {strides} for shape {shape}; "
+                f"register_kv_caches: layer {shown(name)} has strides {strides} for shape {shape}; "
                 f"expected the dimensions after the block dimension ({block_dim}) contiguous"
             )
         expected *= shape[dim]
@@ -129,8 +130,9 @@ def _planes(name: str, tensor: torch.Tensor, block_dim: int) -> list[tuple[memor
     block_stride = strides[block_dim] * itemsize
     if num_blocks > 1 and block_stride < block_bytes:
         raise ValueError(
-            f"register_kv_caches: layer {name!r}'s blocks overlap (stride {strides[block_dim]} "
-            f"elements, a block is {expected}); expected one block after another"
+            f"register_kv_caches: layer {shown(name)}'s blocks overlap "
+            f"(stride {strides[block_dim]} elements, a block is {expected}); "
+            "expected one block after another"
         )
     span = (num_blocks - 1) * block_stride + block_bytes if num_blocks else 0
     base = tensor.data_ptr()

@@ -56,6 +56,7 @@ from kvwire.connectors.redis_wire import (
     ZeroCopyCommandPacker,
 )
 from kvwire.connectors.store import BlockStore, CacheWrites
+from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 
@@ -646,5 +647,9 @@ def _glob_escape(text: str) -> str:
 
 
 def _scrub(error: BaseException, settings: RedisStoreSettings) -> str:
-    """The error's text, with the password blanked should a server or library echo it."""
-    return settings.redact(f"{type(error).__name__}: {error}")
+    """The error's text, with the password blanked should a server or library echo it.
+
+    Bounded: a server's error reply may be as long as a reply header can be
+    (the scratch buffer's 256 KiB), and a log line shows its start.
+    """
+    return shown(settings.redact(f"{type(error).__name__}: {error}"))
