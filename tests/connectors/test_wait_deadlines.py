@@ -293,6 +293,57 @@ def test_a_read_that_outlives_the_grace_period_stops_the_engine_with_a_clear_err
     worker.close()
 
 
+def test_runs_after_one_whose_read_outlived_the_grace_are_given_up_on_before_the_error() -> None:
+    store = InFlightStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    caches = layout_caches(LAYOUT, None)
+    worker = _worker(store, caches, Counters(), DEADLINE_S, grace_s=0.05)
+    # The one load thread: the first run sits in its read, the second waits for the thread.
+    worker.start_loads(
+        [
+            BlockTransfer(request_id="a", block_ids=(2, 3), block_hashes=HASHES),
+            BlockTransfer(request_id="b", block_ids=(0, 1), block_hashes=HASHES),
+        ],
+        [],
+    )
+    assert store.entered.wait(TEST_LIMIT_S)
+    try:
+        with pytest.raises(LateWriteError):
+            worker.take_load_errors()
+    finally:
+        store.returns.set()
+    # Both runs' blocks are load errors, and the second never writes into the cache.
+    assert worker.take_load_errors() == {0, 1, 2, 3}
+    wait_until(worker.idle, "the stuck run to end")
+    assert not any(bool(cache[:, 0:2].any()) for cache in caches.values())
+    worker.close()
+
+
+def test_an_async_load_whose_give_up_raised_is_later_finished_with_its_blocks_failed() -> None:
+    store = InFlightStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    worker = _worker(store, layout_caches(LAYOUT, None), Counters(), DEADLINE_S, grace_s=0.05)
+    worker.start_loads([], [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)])
+    assert store.entered.wait(TEST_LIMIT_S)
+
+    def given_up() -> bool:
+        try:
+            worker.take_finished_loads()
+        except LateWriteError:
+            return True
+        return False
+
+    try:
+        wait_until(given_up, "the load past its deadline to be given up on")
+        assert worker.is_loading("c")  # its blocks stay kept until reported
+        # A later call (close, or a caller that logged the error) reports it: nothing loaded.
+        assert worker.take_finished_loads() == {"c"}
+        assert worker.take_load_errors() == {2, 3}
+    finally:
+        store.returns.set()
+    worker.close()
+
+
 def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_block_failed(
     store_answers: threading.Event,
 ) -> None:

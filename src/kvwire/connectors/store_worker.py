@@ -67,7 +67,7 @@ from kvwire.connectors.counters import Counters
 from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.paged_cache import cache_sized_chunks
 from kvwire.connectors.rate_limited import RateLimitedWarning
-from kvwire.connectors.store import BlockStore, CacheWrites
+from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
 from kvwire.connectors.transfer_jobs import JobAbandoned, TransferJob
 from kvwire.connectors.transfers import BlockTransfer
 
@@ -301,14 +301,35 @@ class StoreWorker:
             [run.future for run in pending if run.future is not None],
             timeout=max(0.0, deadline - time.monotonic()),
         )
+        abandoned, late = self._abandon_loads(pending)
         for run in pending:
-            if self._abandon_load(run):
-                self._load_errors.update(run.block_ids)
-            else:
-                self._load_errors.update(run.failed)
+            self._load_errors.update(run.block_ids if run in abandoned else run.failed)
+        if late is not None:
+            raise late
+
+    def _abandon_loads(self, runs: Sequence[_Job]) -> tuple[set[_Job], LateWriteError | None]:
+        """Give up on each of ``runs`` that has not ended; those given up on, now or before.
+
+        Every run is given up on before any error is raised: a run after one
+        whose read outlived the grace period must not go on writing into the
+        cache. The first such :class:`~kvwire.connectors.store.LateWriteError`
+        is returned, for the caller to raise once it has recorded the runs.
+        """
+        abandoned: set[_Job] = set()
+        late: LateWriteError | None = None
+        for run in runs:
+            try:
+                # A run an earlier call gave up on (one that raised) stays given
+                # up on: its blocks never loaded, whatever it left in run.failed.
+                if self._abandon_load(run) or run.abandoned:
+                    abandoned.add(run)
+            except LateWriteError as error:
+                abandoned.add(run)
+                late = late or error
+        return abandoned, late
 
     def _abandon_load(self, run: _Job) -> bool:
-        """Give up on ``run`` unless it has ended; whether it was given up on (and counted).
+        """Give up on ``run`` unless it has ended; whether it was given up on now (and counted).
 
         Returns once nothing of the run writes into the cache any more (or
         raises :class:`~kvwire.connectors.store.LateWriteError`).
@@ -349,14 +370,24 @@ class StoreWorker:
         return set(finished)
 
     def _give_up_async(self, state: _AsyncLoad) -> None:
-        """Report ``state``'s request finished now, every block of an abandoned run failed."""
-        abandoned = [run for run in state.runs if self._abandon_load(run)]
+        """Report ``state``'s request finished now, every block of an abandoned run failed.
+
+        Should a run's read outlive the grace period, every run is still given
+        up on, the request stays unfinished (its blocks kept), and the
+        :class:`~kvwire.connectors.store.LateWriteError` is raised; a later
+        call reports it finished, with those runs' blocks failed.
+        """
+        with self._lock:
+            runs = list(state.runs)
+        abandoned, late = self._abandon_loads(runs)
+        if late is not None:
+            raise late
         with self._lock:
             if self._async_loads.get(state.request_id) is not state:
                 return  # its last run ended meanwhile
             del self._async_loads[state.request_id]
             failed = state.failed_block_ids
-            for run in state.runs:
+            for run in runs:
                 failed.update(run.block_ids if run in abandoned else run.failed)
             self._finished_async[state.request_id] = failed
 
