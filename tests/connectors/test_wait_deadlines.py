@@ -31,6 +31,7 @@ from kvwire.connectors.job_threads import JobThreads
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
 from kvwire.connectors.store_worker import StoreWorker
+from kvwire.connectors.transfer_jobs import JobAbandoned
 from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
@@ -341,6 +342,57 @@ def test_an_async_load_whose_give_up_raised_is_later_finished_with_its_blocks_fa
         assert worker.take_load_errors() == {2, 3}
     finally:
         store.returns.set()
+    worker.close()
+
+
+class FanOutStore(MemoryStore):
+    """Reads raise after handing the ranges to a thread of the store's (a cluster's fan-out),
+    which writes into them once :attr:`late` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = threading.Event()
+        self.outcome: list[str] = []
+        self.fan_out: threading.Thread | None = None
+
+    def read_into_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        writes: CacheWrites | None = None,
+    ) -> Generator[tuple[int, int | None], None, None]:
+        assert writes is not None
+
+        def write_late() -> None:
+            self.late.wait(TEST_LIMIT_S)
+            try:
+                with writes.writing():
+                    target = ranges_per_key[0][1]
+                    target[:] = b"\xff" * len(target)
+                self.outcome.append("written")
+            except JobAbandoned:
+                self.outcome.append("refused")
+
+        self.fan_out = threading.Thread(target=write_late)
+        self.fan_out.start()
+        raise RuntimeError("the store failed while a thread of its own still reads")
+        yield  # a generator, as the method must be
+
+
+def test_a_load_the_store_failed_lets_no_thread_of_the_store_write_once_reported() -> None:
+    store = FanOutStore()
+    save_blocks_0_and_1(store, LAYOUT, seed=5)
+    caches = layout_caches(LAYOUT, None)
+    worker = _worker(store, caches, Counters(), TEST_LIMIT_S)
+    worker.start_loads([], [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)])
+
+    assert wait_until(worker.take_finished_loads, "the failed load to finish") == {"c"}
+    assert worker.take_load_errors() == {2, 3}
+    store.late.set()
+    assert store.fan_out is not None
+    store.fan_out.join(TEST_LIMIT_S)
+    assert store.outcome == ["refused"]
+    assert not any(bool(cache[:, 2:4].any()) for cache in caches.values())
     worker.close()
 
 

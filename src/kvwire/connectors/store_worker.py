@@ -434,6 +434,15 @@ class StoreWorker:
             logger.exception("load of %d blocks failed", len(run.block_ids))
             failed = list(run.block_ids)
             loaded = 0
+            # A thread of the store may still write into the blocks (a cluster's
+            # fan-out): none may once the run is reported failed.
+            try:
+                run.cache_access.close(self._late_write_grace_s)
+            except LateWriteError:
+                # Not ended: its waiter gives up on it at its deadline, waits
+                # for the write once more and stops the engine.
+                logger.exception("a failed load is still writing into the KV cache")
+                return
         if corrupt:
             # A corrupt entry would be a hit (and a failed load) for every later
             # request: drop it, so the next request that computes it saves it again.
