@@ -517,7 +517,7 @@ def test_a_failed_load_in_a_sliding_group_saves_both_groups_again_from_that_bloc
 # ----------------------------------------------------- blocks about to be written
 
 
-TWO_BLOCK_WINDOW = CacheGroup(1, ("layers.1",), BLOCK, sliding_window=5)
+ONE_BLOCK_WINDOW = CacheGroup(1, ("layers.1",), BLOCK, sliding_window=5)
 
 
 def _scheduled(request_id: str, block_ids: tuple[list[int], ...], computed: int, new: int):
@@ -542,7 +542,7 @@ def test_new_block_ids_are_those_given_to_a_request_beyond_its_local_hit():
 
 
 def test_new_block_ids_follow_each_step_growth_and_a_sliding_groups_reallocation():
-    plan = BlockPlanner(BLOCK, (FULL, TWO_BLOCK_WINDOW), loads=True, saves=True)
+    plan = BlockPlanner(BLOCK, (FULL, ONE_BLOCK_WINDOW), loads=True, saves=True)
     request = request_of(num_tokens=13)
     plan.look_up(request, 0, medium_holding())
     plan.allocate(request, KVCacheBlocks(([1, 2, 3], [4, 5, 6])), 0)
@@ -562,3 +562,34 @@ def test_new_block_ids_are_not_tracked_when_the_engine_does_not_save():
     plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
     plan.plan_saves(step("r", 0, 17))
     assert plan.take_new_block_ids() == set()
+
+
+def test_a_model_of_sliding_layers_only_never_saves_the_null_block():
+    # One sliding-window group and nothing else: the engine still holds block 0
+    # (null) at the positions that left the window, and so does vLLM.
+    only_sliding = CacheGroup(0, ("layers.0",), BLOCK, sliding_window=9)
+    plan = BlockPlanner(BLOCK, (only_sliding,), loads=True, saves=True)
+    request = request_of("r", num_tokens=25)
+    request.block_hashes = [bytes([n]) * 8 for n in range(6)]
+    # Five blocks are the engine's own; the medium lacks the window ending there.
+    plan.look_up(request, 5 * BLOCK, medium_holding())
+    plan.allocate(request, KVCacheBlocks(([40, 41, 42, 43, 44, 45],)), 0)
+
+    # By the time the step runs, the engine has nulled what left the window.
+    saves = plan.plan_saves(_scheduled("r", ([0, 0, 0, 0, 44, 45],), 20, 5))
+
+    assert [save.block_ids for save in saves] == [(44, 45)]
+    assert 0 not in plan.take_new_block_ids()
+
+
+def test_a_branch_window_is_saved_even_by_a_step_that_completes_no_new_block():
+    plan = BlockPlanner(BLOCK, (FULL, ONE_BLOCK_WINDOW), loads=True, saves=True)
+    request = request_of("r", num_tokens=14)
+    # Three blocks are the engine's own (a local hit); the medium lacks their window.
+    plan.look_up(request, 3 * BLOCK, medium_holding())
+    plan.allocate(request, KVCacheBlocks(([1, 2, 3, 4], [0, 6, 7, 8])), 0)
+
+    # Tokens 12..13: block 3 is not full, so nothing new is complete.
+    saves = plan.plan_saves(_scheduled("r", ([1, 2, 3, 4], [0, 6, 7, 8]), 12, 2))
+
+    assert [(save.group, save.block_ids) for save in saves] == [(1, (7,))]

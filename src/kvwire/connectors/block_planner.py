@@ -92,8 +92,11 @@ class BlockPlanner:
         self._groups = tuple(groups)
         self._full_groups = tuple(g for g in self._groups if g.window_blocks is None)
         self._sliding_groups = tuple(g for g in self._groups if g.window_blocks is not None)
-        # With several groups the engine is hybrid, and block id 0 is its null block.
-        self._null_block: int | None = NULL_BLOCK_ID if len(self._groups) > 1 else None
+        # With a sliding-window group (alone or beside others) block id 0 is the
+        # engine's null block, held at the positions that left the window.
+        self._null_block: int | None = (
+            NULL_BLOCK_ID if len(self._groups) > 1 or self._sliding_groups else None
+        )
         self._loads = loads
         self._saves = saves
         self._window_aware = window_aware
@@ -270,11 +273,13 @@ class BlockPlanner:
             aligned = tokens_after_step == end * self._block_size
             for group in self._groups:
                 start = cursor.next_block_to_save[group.index]
-                if end <= start:
+                sliding = self._window_aware and group.window_blocks is not None
+                # A branch window may come due in a step that completes no new block.
+                if end <= start and not (sliding and cursor.branch_windows.get(group.index)):
                     continue
-                cursor.next_block_to_save[group.index] = end
+                cursor.next_block_to_save[group.index] = max(start, end)
                 positions: Sequence[int] = range(start, end)
-                if self._window_aware and group.window_blocks is not None:
+                if sliding:
                     positions = self._sliding_save_positions(group, cursor, start, end, aligned)
                 save = self._transfer(
                     cursor.request, group, cursor.block_ids[group.index], positions, context
