@@ -206,3 +206,43 @@ def test_io_batches_pass_whole_ranges_through_and_cut_only_at_the_limits():
         [15],
     ]
     assert _io_batches(big, 5)[0][0].nbytes == 5
+
+
+@pytest.mark.parametrize("kind", ["defaults", "directory"])
+def test_a_save_whose_gate_is_closed_commits_nothing_and_leaves_the_entry_there(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    key = f"{'ab' * 16}/{1:064x}"
+    good = os.urandom(64)
+    assert store.write_ranges([key], [split(good, [])]) == [True]
+    closed = CacheWrites()
+    closed.close(grace_s=0)
+
+    assert store.write_ranges([key], [split(os.urandom(64), [32])], closed) == [False]
+
+    target = split(bytes(64), [])
+    assert list(store.read_into_ranges([key], [target])) == [(0, 64)]
+    assert bytes(target[0]) == good
+    if kind == "directory":
+        assert [name for _, _, files in os.walk(tmp_path) for name in files] == [key[33:]]
+
+
+class _ClosesAtCommit(CacheWrites):
+    """Open until a store asks, once all of an entry's bytes are written, whether it may commit."""
+
+    def is_open(self) -> bool:
+        self.close(grace_s=0)
+        return super().is_open()
+
+
+def test_the_directory_store_removes_a_file_whose_gate_closed_while_it_was_written(tmp_path):
+    store = DirectoryBlockStore(tmp_path, entry_bytes=64)
+    key = f"{'ab' * 16}/{1:064x}"
+    good = os.urandom(64)
+    assert store.write_ranges([key], [split(good, [])]) == [True]
+
+    assert store.write_ranges([key], [split(os.urandom(64), [32])], _ClosesAtCommit()) == [False]
+
+    with open(store.path_of(key), "rb") as entry:
+        assert entry.read() == good
+    assert [name for _, _, files in os.walk(tmp_path) for name in files] == [key[33:]]
+    assert store.take_counters() == {}

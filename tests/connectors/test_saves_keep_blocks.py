@@ -17,13 +17,15 @@ from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
+import torch
 
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
+from kvwire.connector.types import BlockStored, KVCacheBlocks, SchedulerOutput
 from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.block_memory import BlockMemory
 from kvwire.connectors.counters import Counters
+from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.connectors.store import BlockStore, CacheWrites
 from kvwire.connectors.store_connector import StoreConnectorMetadata
@@ -32,6 +34,7 @@ from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.kv_cache_config import KVCacheConfig
+from tests.connectors.bounded_waits import wait_until
 from tests.connectors.conftest import PairFactory
 from tests.connectors.engine_support import generate as generate_without
 from tests.connectors.engine_support import (
@@ -49,9 +52,10 @@ PROMPT = list(range(100, 117))
 PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
 # How long a held write waits at most (a bound, never reached when the rules hold).
 HOLD_LIMIT_S = 30.0
+LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 
 CHANGED_UNDER_SAVE: list[str] = []
-"""Keys whose cache bytes changed while their save held them."""
+"""Keys committed although their cache bytes changed while their save held them."""
 
 
 class _Progress:
@@ -75,7 +79,10 @@ class _HeldWrites(BlockStore):
         self.medium = store.medium
 
     def write_ranges(
-        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
         # Payload ranges only: the header is the worker's own buffer.
         before = [[bytes(part) for part in ranges[1:]] for ranges in ranges_per_key]
@@ -86,10 +93,16 @@ class _HeldWrites(BlockStore):
                 lambda: progress.steps > step or progress.draining or progress.waits > 0,
                 HOLD_LIMIT_S,
             )
-        for key, ranges, saved in zip(keys, ranges_per_key, before, strict=True):
-            if [bytes(part) for part in ranges[1:]] != saved:
-                CHANGED_UNDER_SAVE.append(key)
-        return self._store.write_ranges(keys, ranges_per_key)
+        changed = [
+            [bytes(part) for part in ranges[1:]] != saved
+            for ranges, saved in zip(ranges_per_key, before, strict=True)
+        ]
+        results = self._store.write_ranges(keys, ranges_per_key, commit_gate)
+        # A save whose blocks changed under it may write them, never commit them.
+        CHANGED_UNDER_SAVE.extend(
+            key for key, moved, ok in zip(keys, changed, results, strict=True) if moved and ok
+        )
+        return results
 
     def count_prefix(self, keys: Sequence[str]) -> int:
         return self._store.count_prefix(keys)
@@ -297,3 +310,73 @@ def test_each_steps_metadata_names_the_blocks_given_out_since_the_last(
     again = pair.scheduler.build_connector_meta(SchedulerOutput())
     assert isinstance(again, StoreConnectorMetadata)
     assert again.new_block_ids == frozenset()
+
+
+class _WritesWhenLetGo(DirectoryBlockStore):
+    """A directory whose writes, once :attr:`hold` is set, start only when :attr:`go` is set."""
+
+    def __init__(self, root: pathlib.Path, entry_bytes: int) -> None:
+        super().__init__(root, entry_bytes=entry_bytes)
+        self.hold = False
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def write_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
+    ) -> list[bool]:
+        if self.hold:
+            self.entered.set()
+            self.go.wait(HOLD_LIMIT_S)
+        return super().write_ranges(keys, ranges_per_key, commit_gate)
+
+
+def _directory_worker(
+    store: BlockStore, caches: dict[str, Any], counters: Counters, timeout_s: float
+) -> StoreWorker:
+    return StoreWorker(
+        store=store,
+        layouts=(LAYOUT,),
+        memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
+        io_threads=1,
+        batch_blocks=1,
+        counters=counters,
+        medium="disk",
+        max_save_bytes=4 * LAYOUT.entry_bytes,
+        transfer_timeout_s=timeout_s,
+    )
+
+
+def test_a_save_given_up_on_whose_block_is_overwritten_never_replaces_the_stored_entry(
+    tmp_path: pathlib.Path,
+) -> None:
+    store = _WritesWhenLetGo(tmp_path, LAYOUT.entry_bytes)
+    good = layout_caches(LAYOUT, seed=7)
+    other = _directory_worker(store, good, Counters(), HOLD_LIMIT_S)
+    other.save([BlockTransfer(request_id="o", block_ids=(0,), block_hashes=HASHES[:1])])
+    assert other.wait_for_saves(HOLD_LIMIT_S)
+    other.close()
+    # This engine saves the same block (same KV, same hash); its write is held.
+    caches = {name: cache.clone() for name, cache in good.items()}
+    worker = _directory_worker(store, caches, Counters(), 0.2)
+    store.hold = True
+    worker.save([BlockTransfer(request_id="p", block_ids=(0,), block_hashes=HASHES[:1])])
+    assert store.entered.wait(HOLD_LIMIT_S)
+
+    # Block 0 was given to another request: the save is given up on, then the block written.
+    worker.wait_for_saves_of(block_ids={0})
+    for cache in caches.values():
+        cache[:, 0] = 123.0
+    store.go.set()
+    wait_until(worker.idle, "the given-up save to return")
+
+    assert not any(isinstance(event, BlockStored) for event in worker.take_events())
+    loaded = layout_caches(LAYOUT, None)
+    reader = _directory_worker(store, loaded, Counters(), HOLD_LIMIT_S)
+    reader.start_loads([BlockTransfer(request_id="c", block_ids=(2,), block_hashes=HASHES[:1])], [])
+    assert reader.take_load_errors() == set()
+    assert all(torch.equal(loaded[name][:, 2], good[name][:, 0]) for name in good)
+    reader.close()
+    worker.close()

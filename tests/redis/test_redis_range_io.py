@@ -390,3 +390,41 @@ def test_the_cluster_store_moves_ranges_through_each_masters_store(
     finally:
         store.clear()
         store.close()
+
+
+class _ClosesAfter(CacheWrites):
+    """A save's gate, closed (as the connector would) when entry ``checks + 1`` asks it."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self._left = checks
+
+    def is_open(self) -> bool:
+        if self._left == 0:
+            self.close(grace_s=0)
+        self._left -= 1
+        return super().is_open()
+
+
+def test_a_save_whose_gate_closes_completes_no_set_after_it(
+    make_redis_store: MakeStore, redis_server: RedisServer
+) -> None:
+    # One connection: the one left mid-command must be dropped, never reused as it is.
+    store = make_redis_store(pool_size=1)
+    cache = Cache(3, 4, 32 * 1024)
+    cache.fill_randomly()
+    keys = _keys(3)
+    client = redis_server.client()
+    # Another engine's entry under the last key: a save given up on must not replace it.
+    client.set(store.redis_key(keys[2]), b"another engine's entry")
+
+    stored = _without_default_scratch(
+        lambda: store.write_ranges(keys, cache.all_ranges(), _ClosesAfter(1))
+    )
+
+    assert stored == [True, False, False]
+    assert client.get(store.redis_key(keys[0])) == cache.entry(0)
+    assert client.get(store.redis_key(keys[1])) is None
+    assert client.get(store.redis_key(keys[2])) == b"another engine's entry"
+    assert _save(store, keys, cache) == [True] * 3
+    assert client.get(store.redis_key(keys[2])) == cache.entry(2)

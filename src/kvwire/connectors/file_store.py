@@ -309,12 +309,22 @@ class DirectoryBlockStore(BlockStore):
         return self.write_ranges(keys, [(entry,) for entry in entries])
 
     def write_ranges(
-        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """Write each entry straight from its ranges with ``pwritev`` into a new temporary file."""
-        results = [
-            self._write(key, ranges) for key, ranges in zip(keys, ranges_per_key, strict=True)
-        ]
+        """Write each entry straight from its ranges with ``pwritev`` into a new temporary file.
+
+        The file is renamed into place only if ``commit_gate`` is still open
+        once every byte was written (see :meth:`BlockStore.write_ranges`);
+        otherwise it is removed, and the entry already there stays.
+        """
+        results = [False] * len(keys)
+        for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
+            if commit_gate is not None and commit_gate.closed:
+                break
+            results[index] = self._write(key, ranges, commit_gate)
         if self._max_bytes:
             self._account(
                 sum(
@@ -325,7 +335,9 @@ class DirectoryBlockStore(BlockStore):
             )
         return results
 
-    def _write(self, key: str, ranges: Sequence[memoryview]) -> bool:
+    def _write(
+        self, key: str, ranges: Sequence[memoryview], commit_gate: CacheWrites | None = None
+    ) -> bool:
         try:
             path = self.path_of(key)
         except ValueError as error:
@@ -354,6 +366,11 @@ class DirectoryBlockStore(BlockStore):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if commit_gate is not None and not commit_gate.is_open():
+                # The blocks may have changed while pwritev read them: this
+                # file may be torn, and must not replace a good entry.
+                os.unlink(temporary)
+                return False
             os.replace(temporary, path)
             if self._fsync:
                 self._fsync_folder(folder)

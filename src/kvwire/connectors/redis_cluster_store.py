@@ -71,8 +71,13 @@ class _NodeStore(RedisBlockStore):
             return True
         return False
 
-    def _execute(self, commands: Sequence[tuple[Any, ...]], deadline: Deadline) -> list[Reply]:
-        replies = super()._execute(commands, deadline)
+    def _execute(
+        self,
+        commands: Sequence[tuple[Any, ...]],
+        deadline: Deadline,
+        commit_gate: CacheWrites | None = None,
+    ) -> list[Reply]:
+        replies = super()._execute(commands, deadline, commit_gate)
         for reply in replies:
             if isinstance(reply, redis.exceptions.ResponseError):
                 self._redirected(reply)
@@ -204,16 +209,23 @@ class RedisClusterBlockStore(BlockStore):
         return sizes
 
     def write_ranges(
-        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """As :meth:`put`: each master's store sends its values straight from their ranges."""
+        """As :meth:`put`: each master's store sends its values straight from their ranges.
+
+        Each ends its values only while ``commit_gate`` is open (see
+        :meth:`RedisBlockStore.write_ranges`).
+        """
         if len(keys) != len(ranges_per_key):
             raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
         stored = [False] * len(keys)
 
         def save(store: RedisBlockStore, indices: list[int]) -> None:
             results = store.write_ranges(
-                [keys[i] for i in indices], [ranges_per_key[i] for i in indices]
+                [keys[i] for i in indices], [ranges_per_key[i] for i in indices], commit_gate
             )
             for index, result in zip(indices, results, strict=True):
                 stored[index] = result

@@ -88,9 +88,10 @@ class RedisBlockStore(BlockStore):
 
     def __init__(self, settings: RedisStoreSettings) -> None:
         self._settings = settings
+        self._packer = ZeroCopyCommandPacker()
         self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             **settings.connection_pool_kwargs(),
-            command_packer=ZeroCopyCommandPacker(),
+            command_packer=self._packer,
             # A failed connect is an outage at once (the probe tries again);
             # the store retries a stale pooled connection itself (_execute).
             retry=Retry(NoBackoff(), 0),
@@ -182,19 +183,34 @@ class RedisBlockStore(BlockStore):
         return self._set(keys, entries, [entry.nbytes for entry in entries])
 
     def write_ranges(
-        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """As :meth:`put`, each value sent straight from its ranges: never joined or copied."""
+        """As :meth:`put`, each value sent straight from its ranges: never joined or copied.
+
+        A value's final CRLF goes out only while ``commit_gate`` is open (see
+        :meth:`BlockStore.write_ranges`); once it is closed the connection is
+        dropped before it, so the server never runs that ``SET``, nor any after it.
+        """
         if len(keys) != len(ranges_per_key):
             raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
         values = [_ranges(ranges) for ranges in ranges_per_key]
-        return self._set(keys, values, [sum(view.nbytes for view in ranges) for ranges in values])
+        return self._set(
+            keys, values, [sum(view.nbytes for view in ranges) for ranges in values], commit_gate
+        )
 
     def _set(
-        self, keys: Sequence[str], values: Sequence[memoryview | Ranges], sizes: Sequence[int]
+        self,
+        keys: Sequence[str],
+        values: Sequence[memoryview | Ranges],
+        sizes: Sequence[int],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
         """``SET`` each value (a memoryview, or ranges sent in order) in pipelines of at most
-        ``pipeline_bytes``; True where the server stored it."""
+        ``pipeline_bytes``; True where the server stored it (each value's end sent through
+        ``commit_gate``)."""
         stored = [False] * len(keys)
         if not keys:
             return stored
@@ -204,15 +220,18 @@ class RedisBlockStore(BlockStore):
         expiry = () if self._settings.ttl_seconds is None else ("EX", self._settings.ttl_seconds)
         deadline = self._deadline(self._settings.save_timeout_s, "save_timeout_s")
         for batch in _batches_by_bytes(sizes, self._settings.pipeline_bytes):
+            if commit_gate is not None and commit_gate.closed:
+                break
             commands = [("SET", self.redis_key(keys[i]), values[i], *expiry) for i in batch]
             try:
-                replies = self._execute(commands, deadline)
+                replies = self._execute(commands, deadline, commit_gate)
             except _OUTAGE_ERRORS as error:
                 unsaved = len(keys) - batch.start
                 self._on_outage("save", error, "saves_dropped", unsaved)
                 return stored
             rejected: BaseException | None = None
-            for index, reply in zip(batch, replies, strict=True):
+            # Fewer replies than commands: the gate closed, the rest never ran.
+            for index, reply in zip(batch, replies, strict=False):
                 if isinstance(reply, redis.exceptions.ResponseError) and not self._redirected(
                     reply
                 ):
@@ -402,20 +421,35 @@ class RedisBlockStore(BlockStore):
                         stream.send(connection.pack_commands(commands(groups[number + 1])))
                     yield reply
 
-    def _execute(self, commands: Sequence[tuple[Any, ...]], deadline: Deadline) -> list[Reply]:
+    def _execute(
+        self,
+        commands: Sequence[tuple[Any, ...]],
+        deadline: Deadline,
+        commit_gate: CacheWrites | None = None,
+    ) -> list[Reply]:
         """Send ``commands`` in one pipeline and read their short replies (errors as values).
 
         Every command sent here is idempotent, so a failure before the first
         reply (a pooled connection gone stale when the server restarted) is
-        retried once on a fresh connection, within the same deadline.
+        retried once on a fresh connection, within the same deadline. With
+        ``commit_gate``, each command ends only while it is open
+        (:meth:`RespStream.send_gated`): the replies are then those of the
+        commands sent whole, and a connection left mid-command is dropped.
         """
         replies: list[Reply] = []
 
         def exchange(connection: Any) -> None:
             stream = self._stream(connection, deadline)
-            stream.send(connection.pack_commands(commands))
-            for _ in commands:
+            if commit_gate is None:
+                stream.send(connection.pack_commands(commands))
+                sent = len(commands)
+            else:
+                packed = [self._packer.pack(*command) for command in commands]
+                sent = stream.send_gated(packed, commit_gate)
+            for _ in range(sent):
                 replies.append(stream.read_reply())
+            if sent < len(commands):
+                connection.disconnect()
 
         with self._connection() as connection:
             try:

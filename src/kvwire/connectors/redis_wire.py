@@ -235,6 +235,28 @@ class RespStream:
             while first < len(left) and not _length(left[first]):
                 first += 1
 
+    def send_gated(
+        self, commands: Sequence[Sequence[bytes | memoryview]], commit_gate: CacheWrites
+    ) -> int:
+        """Send commands packed one by one, each ending only while ``commit_gate`` is open.
+
+        A command's last piece starts with the CRLF that ends its value
+        (:class:`ZeroCopyCommandPacker` packs a ranges value so): it goes
+        out, together with the next command's pieces, only if the gate is
+        open once the kernel holds every byte before it; the server runs no
+        command it has not received whole. Returns how many commands went
+        out whole: fewer than all leaves the connection mid-command, and the
+        caller must drop it.
+        """
+        pending: list[bytes | memoryview] = []
+        for sent, pieces in enumerate(commands):
+            self.send([*pending, *pieces[:-1]])
+            if not commit_gate.is_open():
+                return sent
+            pending = list(pieces[-1:])
+        self.send(pending)
+        return len(commands)
+
     def _send_one(self, view: memoryview) -> None:
         sent = 0
         while sent < view.nbytes:

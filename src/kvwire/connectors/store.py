@@ -42,14 +42,20 @@ class LateWriteError(KVWireError, RuntimeError):
 
 
 class CacheWrites:
-    """The gate every write into a load's cache ranges goes through.
+    """The gate on a transfer's access to its cache ranges.
 
-    The store wraps each call that writes into the caller's ranges (one
-    ``preadv``, one ``recv_into``, one copy) in :meth:`writing`; once the
-    connector has given up on the load (:meth:`close`), :meth:`writing`
+    A load: the store wraps each call that writes into the caller's ranges
+    (one ``preadv``, one ``recv_into``, one copy) in :meth:`writing`; once
+    the connector has given up on the load (:meth:`close`), :meth:`writing`
     raises :class:`~kvwire.connectors.transfer_jobs.JobAbandoned` instead of
     letting the write start, and the store lets that exception end its
     generator. :meth:`close` waits for a write already under way to return.
+
+    A save (its ``commit_gate``, see :meth:`BlockStore.write_ranges`): the
+    connector closes it when the save's blocks may change under it (given
+    out again, or the save given up on); an entry then commits only if all
+    its bytes had left the ranges while the gate was still open
+    (:meth:`is_open`), so no entry is ever made from bytes being overwritten.
     """
 
     def __init__(self) -> None:
@@ -74,6 +80,16 @@ class CacheWrites:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def is_open(self) -> bool:
+        """Whether the gate is open, asked under its lock: a :meth:`close` returns after or before.
+
+        A save asks it once all of an entry's bytes have left the ranges
+        (handed to the kernel, or copied): open, the bytes were read before
+        the ranges could change, and the entry may commit.
+        """
+        with self._changed:
+            return not self._closed
 
     def close(self, grace_s: float) -> None:
         """Let no write start; wait ``grace_s`` for one under way, or :class:`LateWriteError`."""
@@ -213,26 +229,45 @@ class BlockStore(abc.ABC):
                     yield index, size
 
     def write_ranges(
-        self, keys: Sequence[str], ranges_per_key: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
         """Store each key's entry, given as its ranges in order; True where it is now stored whole.
 
         As :meth:`put`, with each entry the concatenation of its ranges (a
         header, then the block's ranges in the KV cache). The ranges are only
-        read, and not after the call returns. This default copies a few MiB
-        of entries at a time into a per-thread scratch buffer and calls
-        :meth:`put`; stores that can write scattered memory override it.
+        read, and not after the call returns.
+
+        With ``commit_gate``, an entry is committed (made visible to readers)
+        only if all its bytes left the ranges while the gate was open: the
+        connector closes it when the blocks may change under the save, and
+        an entry made of bytes being overwritten would be torn. A store that
+        writes from the ranges in place checks :meth:`CacheWrites.is_open`
+        once the medium (the kernel) holds all of an entry's bytes, just
+        before it commits (a rename, the end of a command), and otherwise
+        drops the entry (False); once the gate is closed it starts no entry.
+        This default copies a few MiB of entries at a time into a per-thread
+        scratch buffer, each copy under ``commit_gate.writing()``, and calls
+        :meth:`put` on the copies; stores that can write scattered memory
+        override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
-        results: list[bool] = []
+        results = [False] * len(keys)
         for chunk in _scratch_chunks(sizes):
             entries = _scratch.views([sizes[i] for i in chunk])
-            for entry, index in zip(entries, chunk, strict=True):
-                offset = 0
-                for part in ranges_per_key[index]:
-                    entry[offset : offset + len(part)] = part
-                    offset += len(part)
-            results.extend(self.put([keys[i] for i in chunk], entries))
+            try:
+                with contextlib.nullcontext() if commit_gate is None else commit_gate.writing():
+                    for entry, index in zip(entries, chunk, strict=True):
+                        offset = 0
+                        for part in ranges_per_key[index]:
+                            entry[offset : offset + len(part)] = part
+                            offset += len(part)
+            except JobAbandoned:
+                break  # the rest is never copied, never stored
+            # The copies stay whole whatever happens to the ranges now.
+            results[chunk.start : chunk.stop] = self.put([keys[i] for i in chunk], entries)
         return results
 
     def discard(self, keys: Sequence[str]) -> None:

@@ -24,8 +24,11 @@ finished sending), and before each forward pass :meth:`StoreWorker.wait_for_save
 lets the saves end of preempted requests and of blocks given to a request
 since the last step (the engine frees a block without telling the connector
 when a sliding window moves on or a request is preempted, and may give it
-out again at once). Should memory still change under a save (a save past its
-deadline), its entry's checksum fails at load: never wrong KV.
+out again at once). A save given up on closes its gate: the store commits
+none of its entries whose bytes had not all left the cache by then (a file is
+not renamed into place, a ``SET`` is never completed; see
+:meth:`BlockStore.write_ranges`), so no entry is ever made of bytes being
+overwritten, and one another engine stored under the same hash stays.
 
 Every transfer has a deadline (``transfer_timeout_s`` from its start): a
 load still running past it is given up on and its blocks are load errors; a
@@ -36,8 +39,7 @@ then refuses new writes; a write already in a syscall cannot be cancelled,
 so the waiter waits for it (``late_write_grace_s``) and, should it not
 return, raises :class:`~kvwire.connectors.store.LateWriteError`: the engine
 stops rather than risk wrong KV. A save given up on computes no further
-checksum (the gate covers its checksums): what it still writes then has a
-checksum of the bytes before, and fails at load if they changed.
+checksum and commits no further entry: the gate covers both.
 """
 
 from __future__ import annotations
@@ -632,8 +634,13 @@ class StoreWorker:
                         parts = memory.ranges(block_id)
                         encode_header(header, parts, layout, block_hash)
                         ranges_per_key.append([header, *parts])
+                # The store commits an entry only while the gate is open once
+                # all its bytes have left the cache: a save given up on (its
+                # blocks may be given out and overwritten) commits nothing more.
                 results = self._store.write_ranges(
-                    [self._key_of(job.group, h) for h in chunk_hashes], ranges_per_key
+                    [self._key_of(job.group, h) for h in chunk_hashes],
+                    ranges_per_key,
+                    commit_gate=job.cache_access,
                 )
                 written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
                 stored += len(written)
