@@ -255,46 +255,69 @@ class _HeldForever(BlockStore):
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.entered = threading.Event()
+        self.stored: list[str] = []
 
     def count_prefix(self, keys: Sequence[str]) -> int:
         return 0
 
-    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+    def write_ranges(
+        self,
+        keys: Sequence[str],
+        ranges_per_key: Sequence[Sequence[memoryview]],
+        commit_gate: CacheWrites | None = None,
+    ) -> list[bool]:
+        self.entered.set()
         self.release.wait(HOLD_LIMIT_S)
+        return super().write_ranges(keys, ranges_per_key, commit_gate)
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        self.stored.extend(keys)
         return [True] * len(keys)
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         return [None] * len(keys)
 
 
-def test_the_wait_before_a_forward_pass_picks_the_saves_reading_blocks_given_out_again() -> None:
-    layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+def test_the_saves_reading_blocks_given_out_again_are_released_without_waiting_for_them() -> None:
     store = _HeldForever()
     counters = Counters()
-    caches = layout_caches(layout, seed=1)
+    caches = layout_caches(LAYOUT, seed=1)
     worker = StoreWorker(
         store=store,
-        layouts=(layout,),
-        memories=(BlockMemory(caches, layout, sorted(caches)),),
+        layouts=(LAYOUT,),
+        memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
         io_threads=1,
         batch_blocks=2,
         counters=counters,
         medium="memory",
-        max_save_bytes=4 * layout.entry_bytes,
-        transfer_timeout_s=0.2,
+        max_save_bytes=4 * LAYOUT.entry_bytes,
+        transfer_timeout_s=HOLD_LIMIT_S,
     )
     try:
+        # "p" holds the one save thread in its write; "q" waits for the thread.
         worker.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
-        # Blocks 2 and 3 are no save's: nothing to wait for.
-        worker.wait_for_saves_of(block_ids={2, 3})
-        assert "save_timeouts" not in counters.take()
-        # Block 1 is being saved: the wait lasts until the save's deadline, then gives it up.
-        worker.wait_for_saves_of(block_ids={1, 3})
-        assert counters.take()["save_timeouts"] == 2
+        assert store.entered.wait(HOLD_LIMIT_S)
+        worker.save([BlockTransfer(request_id="q", block_ids=(2, 3), block_hashes=HASHES)])
+        # Blocks 4 and 5 are no save's: nothing is released.
+        worker.wait_for_saves_of(block_ids={4, 5})
+        assert "saves_released" not in counters.take()
+        # Block 3 was given out again: "q", not started, is cancelled.
+        worker.wait_for_saves_of(block_ids={3, 5})
+        assert counters.take() == {"saves_released": 2}
+        assert not worker.saves_running("q")
+        assert worker.saves_running("p")
+        # Block 1 too: "p" is given up on while its write is still held.
+        worker.wait_for_saves_of(block_ids={1})
         assert not worker.saves_running("p")
     finally:
         store.release.set()
-        worker.close()
+    wait_until(worker.idle, "the held write to return")
+    # Its gate closed before it copied a byte: nothing of it is stored.
+    assert store.stored == []
+    assert counters.take()["saves_released"] == 2
+    assert worker.take_events() == []
+    worker.close()
 
 
 def test_each_steps_metadata_names_the_blocks_given_out_since_the_last(

@@ -20,15 +20,18 @@ cache.
 The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
 until :meth:`StoreWorker.saves_running` turns False (reported then as
-finished sending), and before each forward pass :meth:`StoreWorker.wait_for_saves_of`
-lets the saves end of preempted requests and of blocks given to a request
-since the last step (the engine frees a block without telling the connector
-when a sliding window moves on or a request is preempted, and may give it
-out again at once). A save given up on closes its gate: the store commits
-none of its entries whose bytes had not all left the cache by then (a file is
-not renamed into place, a ``SET`` is never completed; see
-:meth:`BlockStore.write_ranges`), so no entry is ever made of bytes being
-overwritten, and one another engine stored under the same hash stays.
+finished sending), and before each forward pass
+:meth:`StoreWorker.wait_for_saves_of` releases the saves of preempted
+requests and of blocks given to a request since the last step (the engine
+frees a block without telling the connector when a sliding window moves on
+or a request is preempted, and may give it out again at once): one not
+started is cancelled, one under way is given up on (``saves_released``
+counts their blocks). A save given up on, released or past its deadline,
+closes its gate: the store commits none of its entries whose bytes had not
+all left the cache by then (a file is not renamed into place, a ``SET`` is
+never completed; see :meth:`BlockStore.write_ranges`), so no entry is ever
+made of bytes being overwritten, and one another engine stored under the
+same hash stays.
 
 Every transfer has a deadline (``transfer_timeout_s`` from its start): a
 load still running past it is given up on and its blocks are load errors; a
@@ -107,6 +110,8 @@ class _Job(TransferJob):
         self.hashes = hashes
         self.cache_access = CacheWrites()
         self.failed: list[int] = []
+        # A save given up on because its blocks were given out again (not its deadline).
+        self.released = False
 
 
 @attrs.define(eq=False)
@@ -647,11 +652,20 @@ class StoreWorker:
                 # Reported even when late: the events say what the store holds.
                 self._record_events(written)
         except JobAbandoned:
-            pass  # past its deadline: counted failed already
+            pass  # given up on: counted below, or at its deadline
         except Exception:
             logger.exception("save of %d blocks failed", len(job.hashes))
         if not job.end():
-            return  # counted failed at its deadline
+            if job.released:
+                # What it committed before its gate closed is stored (and reported).
+                self._counters.add_many(
+                    {
+                        "blocks_saved": stored,
+                        "bytes_saved": stored * layout.payload_bytes,
+                        "saves_released": len(job.hashes) - stored,
+                    }
+                )
+            return  # otherwise counted failed at its deadline
         self._counters.add_many(
             {
                 "blocks_saved": stored,
@@ -700,11 +714,14 @@ class StoreWorker:
     def wait_for_saves_of(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
     ) -> None:
-        """Block until no save reads blocks of ``request_ids``, nor any of ``block_ids``.
+        """Release every save that reads blocks of ``request_ids``, or any of ``block_ids``.
 
         Before a forward pass that may write those blocks (preempted
-        requests'; blocks given out again since the last step). A save still
-        running at its deadline is given up on there.
+        requests'; blocks given out again since the last step). Nothing is
+        waited for but a checksum under way: a save not started yet is
+        cancelled, and one under way has its gate closed, so it commits none
+        of its entries not committed yet (see the module). Their blocks not
+        stored count as ``saves_released``; the request's next save stores them.
         """
         requests, blocks = set(request_ids), set(block_ids)
         if not requests and not blocks:
@@ -715,15 +732,19 @@ class StoreWorker:
                 for job in self._saves_in_flight
                 if job.request_id in requests or not blocks.isdisjoint(job.block_ids)
             ]
-        if not pending:
-            return
-        concurrent.futures.wait(
-            [job.future for job in pending if job.future is not None],
-            timeout=max(0.0, max(job.deadline for job in pending) - time.monotonic()),
-        )
         for job in pending:
-            if job.future is None or not job.future.done():
-                self._abandon_save(job)
+            self._release_save(job)
+
+    def _release_save(self, job: _Job) -> None:
+        with job.lock:
+            # Read by the save once its end() has failed, under the same lock.
+            job.released = not (job.ended or job.abandoned)
+        if job.abandon() and job.never_ran():
+            self._counters.add("saves_released", len(job.hashes))
+        # A checksum under way reads the blocks: the wait for it is short (CPU
+        # work); the save's I/O goes on, and commits nothing more.
+        job.cache_access.close(self._late_write_grace_s)
+        self._forget_save(job)
 
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted save is written or overdue; False if ``timeout_s`` ran out.
