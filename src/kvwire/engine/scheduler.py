@@ -9,6 +9,9 @@ load is asynchronous. A scheduled chunk's full blocks enter the local
 prefix cache at once (as in vLLM), so requests admitted later in the same
 step share a common prefix instead of each loading or computing a copy,
 and a request whose prefix a parked request is loading waits for that load.
+Blocks loaded synchronously, and those computed after them, are published
+only once the step shows the load sound: a request needing them waits a
+step rather than compute on (and save) KV of a load that may have failed.
 The step ends with ``build_connector_meta``. After the worker's step: load
 errors first (roll back or fail), then the sampled tokens, finished
 receives and sends, and ``update_connector_output``.
@@ -94,6 +97,10 @@ class Scheduler:
         self._async_load_targets: dict[str, int] = {}
         # Parked requests: the hashes of the full blocks their load fills.
         self._loading_hashes: dict[str, tuple[BlockHash, ...]] = {}
+        # This step: requests loading synchronously, and the hashes of their
+        # full blocks from the load on (published after the step).
+        self._loading_this_step: set[str] = set()
+        self._unconfirmed_hashes: set[BlockHash] = set()
         self._failed_async_blocks: set[int] = set()
         self._loaded_and_ready: set[str] = set()
         self._ever_scheduled: set[str] = set()
@@ -123,6 +130,8 @@ class Scheduler:
     def schedule(self) -> tuple[SchedulerOutput, WorkerStep]:
         """Decide this step's work; the worker's instructions come with it."""
         budget = self.config.scheduler_config.max_num_batched_tokens
+        self._loading_this_step.clear()
+        self._unconfirmed_hashes.clear()
         scheduled: list[ScheduledRequest] = []
         chunks: list[ScheduledChunk] = []
         loads: list[ExternalLoad] = []
@@ -201,20 +210,27 @@ class Scheduler:
         return budget
 
     def _next_block_is_loading(self, request: Request) -> bool:
-        """Whether the first block ``request`` lacks is being loaded for a parked request.
+        """Whether the first block ``request`` lacks is being loaded, or computed from a load.
 
+        The load is a parked request's, or a synchronous one of this step.
         Such a request waits for that load and then shares its blocks, rather
-        than loading its own copy (the parked request's blocks enter the
-        prefix cache only once its load lands).
+        than loading its own copy: the loaded blocks, and in this step those
+        computed after them, enter the prefix cache only once the load is
+        known sound (a failed load rolls its request back, and a request
+        sharing the blocks would have computed, and saved, KV from garbage).
         """
-        if not self._loading_hashes or request.request_id in self._loaded_and_ready:
+        if request.request_id in self._loaded_and_ready or not (
+            self._loading_hashes or self._unconfirmed_hashes
+        ):
             return False
         _blocks, num_local = self.block_manager.find_cached_prefix(request)
         next_index = num_local // self.block_size
         if next_index >= (request.num_tokens - 1) // self.block_size:
             return False  # only the last, always computed, block is missing
         wanted = request.block_hashes[next_index]
-        return any(wanted in hashes for hashes in self._loading_hashes.values())
+        return wanted in self._unconfirmed_hashes or any(
+            wanted in hashes for hashes in self._loading_hashes.values()
+        )
 
     def _admit(self, request: Request, budget: int, loads: list[ExternalLoad]) -> int | None:
         """Allocate for a waiting request; tokens to compute now, None to skip, -1 when full."""
@@ -267,6 +283,14 @@ class Scheduler:
             ]
             self._loading_hashes[request_id] = tuple(loaded_hashes)
             return None
+        if num_external > 0:
+            self._loading_this_step.add(request_id)
+            self._unconfirmed_hashes.update(
+                request.block_hashes[
+                    num_local // self.block_size : (computed_after_load + num_new)
+                    // self.block_size
+                ]
+            )
         request.num_computed_tokens = computed_after_load
         return num_new
 
@@ -300,8 +324,10 @@ class Scheduler:
         # step then shares these blocks instead of loading or computing its
         # own copy (requests with a common prefix would otherwise each hold
         # one, and can run the pool dry). Safe because the step writes a
-        # block's keys and values before any of its attention reads them.
-        self.block_manager.cache_full_blocks(request, start + num_new)
+        # block's keys and values before any of its attention reads them;
+        # a synchronous load's blocks wait for the step (it may fail).
+        if request.request_id not in self._loading_this_step:
+            self.block_manager.cache_full_blocks(request, start + num_new)
         block_ids = self.block_manager.group_blocks_of(request.request_id)
         scheduled.append(
             ScheduledRequest(

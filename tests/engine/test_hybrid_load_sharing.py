@@ -1,0 +1,86 @@
+"""A request sharing a prefix with a request whose synchronous load fails in the same step.
+
+Request A loads four blocks synchronously and computes two more in the same
+step; its load of the sliding-window group's last block fails. Request B,
+admitted after A in that step, has A's six blocks as its prefix. Had B
+shared them at once, it would compute on (and save) KV derived from the
+failed block, while its sliding-window list, null below its window, never
+holds the failed block id that the rollback looks for. B waits for the step
+instead and then shares what A holds once the load is known sound.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import attrs
+import pytest
+
+from kvwire.config import EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
+from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.engine.worker import LoadFailureInjection
+from tests.engine.helpers import generate, tokens
+from tests.engine.hybrid import tiny_hybrid_config
+
+PROMPT = tuple((7 * i + 3) % 300 for i in range(64))
+# Blocks of 4: X stores blocks 0..3; A loads them and computes blocks 4 and 5.
+STORED = GenerationRequest("X", PROMPT[:17], 1)
+A = GenerationRequest("A", PROMPT[:25], 1)
+B = GenerationRequest("B", (*PROMPT[:24], 1, 2, 3, 4, 5, 6, 7, 8, 9), 1)
+FAIL_A = LoadFailureInjection(request_ids=frozenset({"A"}), block_index=-1)
+
+
+def _storage(
+    config: EngineConfig,
+    path: pathlib.Path,
+    policy: LoadFailurePolicy = "recompute",
+    role: KVRole = "kv_both",
+) -> EngineConfig:
+    return attrs.evolve(
+        config,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SharedStorageConnector",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config={"shared_storage_path": str(path)},
+        ),
+    )
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("hma", [True, False])
+def test_a_request_sharing_a_failed_loads_step_gets_the_tokens_of_running_alone(
+    tmp_path: pathlib.Path, hma: bool, policy: LoadFailurePolicy
+) -> None:
+    base = tiny_hybrid_config(disable_hybrid_kv_cache_manager=not hma)
+    reference = tokens(generate(base, [A, B]))
+    generate(_storage(base, tmp_path), [STORED])
+    # Loads only: the injected failure is the engine's, unknown to the
+    # connector, which would save what A computed from it.
+    consumer = _storage(base, tmp_path, policy, "kv_consumer")
+    with LLMEngine(consumer, load_failure_injection=FAIL_A) as engine:
+        assert engine.hma_enabled is hma
+        a, b = engine.generate([A, B])
+    assert a.num_load_failures == 1
+    assert (a.error is not None) is (policy == "fail")
+    if policy == "recompute":
+        assert a.output_token_ids == reference[0]
+    # B never computed on the failed load, so it has nothing to recover from.
+    assert b.error is None and b.num_load_failures == 0
+    assert b.output_token_ids == reference[1]
+
+
+def test_no_kv_computed_from_a_failed_load_reaches_the_store(tmp_path: pathlib.Path) -> None:
+    base = tiny_hybrid_config()
+    reference = tokens(generate(base, [B]))
+    storage = _storage(base, tmp_path)
+    with LLMEngine(storage) as engine:
+        engine.generate([STORED])
+        engine.wait_for_saves()
+    with LLMEngine(storage, load_failure_injection=FAIL_A) as engine:
+        engine.generate([A, B])
+        engine.wait_for_saves()
+    with LLMEngine(storage) as engine:
+        [warm] = engine.generate([attrs.evolve(B, request_id="B/warm")])
+    assert warm.external_tokens == 32  # B's eight blocks, all from the store
+    assert tokens([warm]) == reference
