@@ -102,3 +102,64 @@ def test_a_decode_batch_sees_only_each_rows_window() -> None:
         keys, values = _dense_context(cache, tables[row], length)
         expected = _dense(query[row : row + 1], keys, values, range(length - 1, length), window)
         torch.testing.assert_close(output[row : row + 1], expected, rtol=1e-12, atol=1e-12)
+
+
+def _poisoned(cache: torch.Tensor, slots: list[tuple[int, int]]) -> torch.Tensor:
+    """A copy of ``cache`` with NaN keys and values in ``slots`` (block, offset)."""
+    poisoned = cache.clone()
+    for block, offset in slots:
+        poisoned[:, block, offset] = float("nan")
+    return poisoned
+
+
+def test_a_prefill_chunk_ignores_what_the_cache_holds_outside_its_window() -> None:
+    window = 5
+    generator = torch.Generator().manual_seed(3)
+    context_len, first = 22, 13  # queries 13..21; a window of 5 starts at 9, mid-block
+    cache, table = _paged(context_len, generator)
+    # Past the context (the last block's unused slots), and before the window.
+    slots = [(int(table[-1]), offset) for offset in range(context_len % BLOCK_SIZE, BLOCK_SIZE)]
+    slots += [(int(table[2]), 0)]  # position 8: before every query's window
+    num_queries = context_len - first
+    query = torch.randn(
+        num_queries, CONFIG.num_attention_heads, CONFIG.head_size, generator=generator
+    ).double()
+    attention = PagedAttention(CONFIG, 64, BLOCK_SIZE, cache.dtype)
+    outputs = []
+    for contents in (cache, _poisoned(cache, slots)):
+        output = torch.zeros(num_queries, CONFIG.hidden_size, dtype=torch.float64)
+        sequence = SequenceSlice(0, num_queries, context_len, table)
+        attention.attend(query, contents, sequence, output, window)
+        outputs.append(output)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_decode_batch_ignores_what_the_cache_holds_outside_each_rows_context(
+    window: int | None,
+) -> None:
+    generator = torch.Generator().manual_seed(11)
+    cache = torch.randn(
+        2, NUM_BLOCKS, BLOCK_SIZE, CONFIG.num_kv_heads, CONFIG.head_size, generator=generator
+    )
+    lengths = [21, 6, 13]
+    tables = torch.randperm(NUM_BLOCKS, generator=generator)[:18].view(3, 6)
+    # Each row's slots past its context: the rest of its last block and its padding blocks.
+    slots = [
+        (int(tables[row, position // BLOCK_SIZE]), position % BLOCK_SIZE)
+        for row, length in enumerate(lengths)
+        for position in range(length, 6 * BLOCK_SIZE)
+    ]
+    if window is not None:
+        slots += [(int(tables[0, 3]), 1)]  # row 0's position 13: before its window (14..20)
+    query = torch.randn(3, CONFIG.num_attention_heads, CONFIG.head_size, generator=generator)
+    decodes = DecodeBatch(
+        rows=torch.arange(3), context_lens=torch.tensor(lengths), block_tables=tables
+    )
+    attention = PagedAttention(CONFIG, 64, BLOCK_SIZE, cache.dtype)
+    outputs = []
+    for contents in (cache, _poisoned(cache, slots)):
+        output = torch.zeros(3, CONFIG.hidden_size, dtype=torch.float64)
+        attention.attend_decodes(query.double(), contents, decodes, output, window)
+        outputs.append(output)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)

@@ -4,6 +4,13 @@ The cache holds keys and values in the model dtype; a sequence's context is
 gathered from its blocks and widened to float64 (see :mod:`kvwire.engine.model`
 for why) in buffers allocated once, and the attention runs per sequence,
 since sequences of one batch have different context lengths.
+
+Whole blocks are gathered, so the buffers also hold cache slots outside a
+sequence's attention: slots past its context (a reused block keeps whatever
+it held, e.g. the garbage a failed load left, NaN or any bits) and, with a
+sliding window, slots before it. Their scores are masked, but a zero weight
+times a NaN or infinite value is NaN, so their value rows are zeroed too:
+the output never depends on what the cache holds there.
 """
 
 from __future__ import annotations
@@ -140,6 +147,10 @@ class PagedAttention:
         num_keys = context_len - key_start
         keys = self._widened_context(kv_cache[0], sequence, self.keys, start_block)
         values = self._widened_context(kv_cache[1], sequence, self.values, start_block)
+        if window is not None:
+            # The first block's slots before the first query's window are
+            # outside every query's window (later windows start later).
+            values[:, : max(0, first - window + 1 - key_start)].zero_()
 
         grouped_rows = group * num_queries
         queries = self.queries[: kv_heads * grouped_rows * head_size]
@@ -224,6 +235,7 @@ class PagedAttention:
             torch.lt(self.token_positions[:context].unsqueeze(0), lower.unsqueeze(1), out=too_old)
             torch.logical_or(mask, too_old, out=mask)
         scores.masked_fill_(mask.view(num_decodes, 1, 1, context), float("-inf"))
+        values.masked_fill_(mask.view(num_decodes, 1, context, 1), 0.0)
         torch._softmax(scores, -1, False, out=scores)
         attended = self._grown("decode_attended", num_decodes * kv_heads * group * head_size)
         attended = attended.view(num_decodes, kv_heads, group, head_size)
