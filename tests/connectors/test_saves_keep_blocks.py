@@ -146,24 +146,24 @@ class HeldWritesConnector(SharedStorageConnector):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         worker = self._require_worker()
-        wait_for_saves_of = worker.wait_for_saves_of
+        release_saves_reading = worker.release_saves_reading
 
         def waited_for(request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()) -> None:
             request_ids, block_ids = tuple(request_ids), tuple(block_ids)
             if not (request_ids or block_ids):
-                return wait_for_saves_of(request_ids, block_ids)
+                return release_saves_reading(request_ids, block_ids)
             # The engine waits for saves before its forward pass: held writes go
             # on now (those waited for may be queued behind them).
             with self._progress.changed:
                 self._progress.waits += 1
                 self._progress.changed.notify_all()
             try:
-                wait_for_saves_of(request_ids, block_ids)
+                release_saves_reading(request_ids, block_ids)
             finally:
                 with self._progress.changed:
                     self._progress.waits -= 1
 
-        worker.wait_for_saves_of = waited_for  # type: ignore[method-assign]
+        worker.release_saves_reading = waited_for  # type: ignore[method-assign]
 
     def wait_for_save(self) -> None:
         # Called after the forward pass: writes held since an earlier step go on.
@@ -300,15 +300,15 @@ def test_the_saves_reading_blocks_given_out_again_are_released_without_waiting_f
         assert store.entered.wait(HOLD_LIMIT_S)
         worker.save([BlockTransfer(request_id="q", block_ids=(2, 3), block_hashes=HASHES)])
         # Blocks 4 and 5 are no save's: nothing is released.
-        worker.wait_for_saves_of(block_ids={4, 5})
+        worker.release_saves_reading(block_ids={4, 5})
         assert "saves_released" not in counters.take()
         # Block 3 was given out again: "q", not started, is cancelled.
-        worker.wait_for_saves_of(block_ids={3, 5})
+        worker.release_saves_reading(block_ids={3, 5})
         assert counters.take() == {"saves_released": 2}
         assert not worker.saves_running("q")
         assert worker.saves_running("p")
         # Block 1 too: "p" is given up on while its write is still held.
-        worker.wait_for_saves_of(block_ids={1})
+        worker.release_saves_reading(block_ids={1})
         assert not worker.saves_running("p")
     finally:
         store.release.set()
@@ -389,7 +389,7 @@ def test_a_save_given_up_on_whose_block_is_overwritten_never_replaces_the_stored
     assert store.entered.wait(HOLD_LIMIT_S)
 
     # Block 0 was given to another request: the save is given up on, then the block written.
-    worker.wait_for_saves_of(block_ids={0})
+    worker.release_saves_reading(block_ids={0})
     for cache in caches.values():
         cache[:, 0] = 123.0
     store.go.set()

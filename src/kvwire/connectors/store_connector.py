@@ -17,11 +17,11 @@ The scheduler side decides, the worker side moves bytes:
 Blocks being saved are read in place, so they are kept unchanged until the
 save ends: a finished request whose saves may still run keeps its blocks
 (``request_finished`` returns True) until the worker reports it finished
-sending, and ``handle_preemptions`` (before each forward pass) waits for the
-saves of preempted requests and for any save still reading a block given to
-a request since the last step (a sliding window moved on, a request was
+sending, and ``handle_preemptions`` (before each forward pass) releases the
+saves of preempted requests and any save still reading a block given to a
+request since the last step (a sliding window moved on, a request was
 preempted: the engine frees such blocks without a call, and the step may
-write them).
+write them): a released save commits nothing more.
 
 How a subclass supplies its store
 ---------------------------------
@@ -397,22 +397,23 @@ class StoreConnector(BlockConnector[StoreWorker]):
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Let the saves end that read blocks the coming forward pass may reuse.
+        """Release the saves that read blocks the coming forward pass may write.
 
-        Those of preempted requests (the engine took their blocks back) and
-        those still reading a block given to a request since the last step
-        (freed unannounced: a sliding window moved on, a request was
-        preempted), which this step may write. Waiting, rather than dropping
-        the save, means no entry is ever written from a block being
-        overwritten; the forward pass waits only when a block is given out
-        again while its save still runs. The engine calls it before
-        ``start_load_kv``; an engine that does not gets the same wait from
-        :meth:`start_load_kv`. Each wait ends at the save's deadline.
+        Those of preempted requests, and those still reading a block given to
+        a request since the last step (freed unannounced: a sliding window
+        moved on, a request was preempted). A save not started is cancelled;
+        one under way commits nothing more (its gate closes), so no entry is
+        ever made from a block being overwritten; nothing waits for its I/O.
+        Their blocks count as ``saves_released``. The engine calls it before
+        ``start_load_kv``; an engine that does not gets the same from
+        :meth:`start_load_kv`.
         """
         metadata = metadata_of_type(
             type(self).__name__, kv_connector_metadata, StoreConnectorMetadata
         )
-        self._require_worker().wait_for_saves_of(metadata.preempted_req_ids, metadata.new_block_ids)
+        self._require_worker().release_saves_reading(
+            metadata.preempted_req_ids, metadata.new_block_ids
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._metadata()

@@ -21,7 +21,7 @@ The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
 until :meth:`StoreWorker.saves_running` turns False (reported then as
 finished sending), and before each forward pass
-:meth:`StoreWorker.wait_for_saves_of` releases the saves of preempted
+:meth:`StoreWorker.release_saves_reading` releases the saves of preempted
 requests and of blocks given to a request since the last step (the engine
 frees a block without telling the connector when a sliding window moves on
 or a request is preempted, and may give it out again at once): one not
@@ -711,7 +711,7 @@ class StoreWorker:
         with self._lock:
             return request_id in self._saves_per_request
 
-    def wait_for_saves_of(
+    def release_saves_reading(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
     ) -> None:
         """Release every save that reads blocks of ``request_ids``, or any of ``block_ids``.
