@@ -110,14 +110,16 @@ def describe_kv_cache_groups(engine_config: EngineConfig, decision: HMADecision)
     if not engine_config.model_config.is_hybrid:
         return "KV cache groups: 1 (every layer full attention: HMA changes nothing for this model)"
     groups = build_kv_cache_config(engine_config, decision.enabled).kv_cache_groups
-    if len(groups) == 1:
+    windows = [sliding_window_of(group.kv_cache_spec) for group in groups]
+    # Told by the specs, not the group count: a model whose every layer is
+    # sliding-window has one group with HMA on too, a sliding-window one.
+    if all(window is None for window in windows):
         return (
             "KV cache groups: 1 with HMA off (the sliding-window layers share one "
             "full-attention group: every block of every layer is kept and moved)"
         )
     described = []
-    for index, group in enumerate(groups):
-        window = sliding_window_of(group.kv_cache_spec)
+    for index, (group, window) in enumerate(zip(groups, windows, strict=True)):
         kind = "full attention" if window is None else f"sliding window {window}"
         described.append(f"group {index}: {kind}, {', '.join(group.layer_names)}")
     return (

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 
 from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.hma import HMADecision, describe_kv_cache_groups
 from kvwire.run.passes import compare_passes
 from kvwire.run.report import format_table
 from tests.engine.hybrid import (
@@ -91,3 +93,18 @@ def test_kvwire_runs_report_says_whether_hma_was_on_and_why() -> None:
     }
     assert "\nHMA on: disable_hybrid_kv_cache_manager is unset" in format_table(report)
     assert "2 KV cache groups" in format_table(report)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_check_describes_an_all_sliding_models_groups_by_their_specs(enabled: bool) -> None:
+    config = tiny_hybrid_config()
+    model = attrs.evolve(config.model_config, layer_types=("sliding_attention",) * 4)
+    decision = HMADecision(enabled=enabled, reason="test")
+    described = describe_kv_cache_groups(attrs.evolve(config, model_config=model), decision)
+    if enabled:
+        # One group, and it is a sliding-window one: HMA is on.
+        assert described.startswith(
+            "KV cache groups: 1 with HMA on (group 0: sliding window 8, layers.0.attn, "
+        )
+    else:
+        assert described.startswith("KV cache groups: 1 with HMA off (")
