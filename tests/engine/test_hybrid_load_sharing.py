@@ -84,3 +84,20 @@ def test_no_kv_computed_from_a_failed_load_reaches_the_store(tmp_path: pathlib.P
         [warm] = engine.generate([attrs.evolve(B, request_id="B/warm")])
     assert warm.external_tokens == 32  # B's eight blocks, all from the store
     assert tokens([warm]) == reference
+
+
+def test_an_injected_failure_reaches_the_store_no_more_than_a_connectors_own(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Under "fail" A is never computed again, so nothing saved in its step
+    # is overwritten: blocks 4 and 5, computed from the garbage, must not be saved.
+    base = tiny_hybrid_config()
+    reference = tokens(generate(base, [A]))
+    generate(_storage(base, tmp_path), [STORED])
+    with LLMEngine(_storage(base, tmp_path, "fail"), load_failure_injection=FAIL_A) as engine:
+        [failed] = engine.generate([A])
+        engine.wait_for_saves()
+    assert failed.error is not None
+    with LLMEngine(_storage(base, tmp_path)) as engine:
+        [warm] = engine.generate([attrs.evolve(A, request_id="A/warm")])
+    assert tokens([warm]) == reference

@@ -32,7 +32,9 @@ class LoadFailureInjection:
     For each request in ``request_ids`` (every request when None), the first
     load the connector performs for it leaves garbage (NaN) in one of the
     loaded blocks, the one at ``block_index`` of the loaded range, and that
-    block is reported as a load error, as a failing connector would.
+    block is reported as a load error, as a failing connector would. The
+    connector is told of a synchronous one before it saves the step
+    (``skip_saves_computed_from``), as a composite tells its children.
     """
 
     request_ids: frozenset[str] | None = None
@@ -170,6 +172,11 @@ class Worker:
         self, connector: KVConnectorBase, step: WorkerStep
     ) -> KVConnectorOutput:
         """After the forward pass: wait for saves, collect what finished, unbind."""
+        if self._injected_block_ids:
+            # As a connector whose own load failed: nothing computed from the
+            # garbage may be saved (it would reach the medium under valid
+            # hashes and outlive the engine's recomputation).
+            connector.skip_saves_computed_from(set(self._injected_block_ids))
         connector.wait_for_save()
         sending, receiving = connector.get_finished(set(step.finished_req_ids))
         invalid = set(connector.get_block_ids_with_load_errors())
