@@ -390,6 +390,15 @@ class ModelConfig:
                 "layer_types has sliding_attention layers but sliding_window is not set; "
                 "set sliding_window to the number of tokens (>= 1) such a layer attends to"
             )
+        if self.sliding_window is not None and SLIDING_ATTENTION not in self.layer_types:
+            # A window no layer uses is a config mistake (layer_types left
+            # out, most likely): every layer would silently attend to all.
+            raise ValueError(
+                f"sliding_window is {self.sliding_window} but layer_types names no "
+                f"{SLIDING_ATTENTION} layer; list each layer's kind in layer_types "
+                f"(one of {', '.join(LAYER_TYPES)} per layer), or leave sliding_window "
+                "unset for a model of full-attention layers only"
+            )
 
     @property
     def is_hybrid(self) -> bool:

@@ -198,6 +198,14 @@ def test_layer_types_and_sliding_window_come_from_a_profile() -> None:
             "sliding_window is not set",
         ),
         ({"sliding_window": 0}, "sliding_window must be > 0"),
+        (
+            {"sliding_window": 8},
+            "sliding_window is 8 but layer_types names no sliding_attention layer",
+        ),
+        (
+            {"layer_types": ["full_attention"] * 2, "sliding_window": 8},
+            "sliding_window is 8 but layer_types names no sliding_attention layer",
+        ),
     ],
 )
 def test_a_bad_hybrid_profile_names_the_field(fields: dict[str, object], message: str) -> None:
