@@ -130,8 +130,6 @@ class Scheduler:
     def schedule(self) -> tuple[SchedulerOutput, WorkerStep]:
         """Decide this step's work; the worker's instructions come with it."""
         budget = self.config.scheduler_config.max_num_batched_tokens
-        self._loading_this_step.clear()
-        self._unconfirmed_hashes.clear()
         scheduled: list[ScheduledRequest] = []
         chunks: list[ScheduledChunk] = []
         loads: list[ExternalLoad] = []
@@ -374,6 +372,10 @@ class Scheduler:
         """Apply the worker's step; the requests that finished in it."""
         connector_output = result.connector_output
         finished: list[Request] = []
+        # The step's loads are known now: its blocks are published by
+        # _advance (or taken back by a rollback).
+        self._loading_this_step.clear()
+        self._unconfirmed_hashes.clear()
         invalid = connector_output.invalid_block_ids if connector_output else set()
         # Failed blocks that no load of this step explains belong to a parked
         # request: remembered until it is reported finished receiving.
