@@ -131,8 +131,9 @@ class LLMEngine:
     (None leaves them alone); a worker process that does not answer a call
     within ``worker_reply_timeout_s`` is stopped, and the call raises.
     Requests admitted in one step share their common prefix's blocks, as
-    vLLM's scheduler does, and a request waits for a prefix another request
-    is loading asynchronously rather than loading a copy. Use as a context
+    vLLM's scheduler does, except blocks being loaded: a request waits for a
+    prefix another request is loading (asynchronously, or synchronously in
+    this step) rather than loading a copy or computing on a failed load. Use as a context
     manager, or call :meth:`close`.
 
     :attr:`connector_stats` sums the worker connector's stats over the steps;
