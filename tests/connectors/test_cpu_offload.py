@@ -111,6 +111,23 @@ def test_a_corrupted_pool_slot_is_forgotten_after_its_failed_load(make_pair):
     assert any(isinstance(event, BlockRemoved) for event in pair.scheduler.take_events())
 
 
+def test_stores_the_worker_left_out_are_freed_as_it_reports_them(make_pair):
+    # A sibling connector's failed load (a tiered profile) is known to this
+    # worker only: the step's invalid_block_ids do not name it here. The
+    # scheduler side frees what the worker reports it left out, and nothing
+    # it never copied is published.
+    pair = make_pair()
+    request = make_request("a", PROMPT, BLOCK)
+    pair.worker.skip_saves_computed_from({FIRST[0]})
+    pair.prefill(request, FIRST)
+    assert pair.load_errors == set()
+    assert pair.stats["saves_skipped_after_failed_load"] == 4
+    assert pair.finish(request, FIRST) is False  # no store left to keep its blocks for
+    assert len(pair.scheduler._index) == 0
+    assert not any(isinstance(event, BlockStored) for event in pair.scheduler.take_events())
+    assert pair.lookup(make_request("b", PROMPT, BLOCK)) == (0, False)
+
+
 def test_stats_count_saves_loads_and_lookups(make_pair):
     pair = make_pair()
     offload(pair)

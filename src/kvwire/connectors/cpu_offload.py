@@ -23,6 +23,9 @@ to requests since the last one (``new_block_ids``); before anything of the
 step writes, the worker releases every store in flight that reads one of
 them, and reports it (:class:`CPUOffloadWorkerMetadata`): the scheduler side
 frees its slots, never publishing them (``saves_released`` counts the blocks).
+It reports the same way the stores it left out because a load they were
+computed from failed (``saves_skipped_after_failed_load``): the scheduler
+side frees exactly the slots the worker names, never guessing which.
 
 ``kv_connector_extra_config`` keys:
 
@@ -68,7 +71,7 @@ from kvwire.connectors.extra_config import (
     seconds_key,
 )
 from kvwire.connectors.transfers import BlockTransfer
-from kvwire.connectors.worker_steps import metadata_of_type, saves_from_good_context
+from kvwire.connectors.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch
@@ -105,16 +108,25 @@ class CPUOffloadMetadata(KVConnectorMetadata):
 
 @attrs.frozen
 class CPUOffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's report to the scheduler side: the stores (pieces) the worker released.
+    """One step's report to the scheduler side: the planned stores (pieces) the worker did not make.
 
-    Their slots must never be published: they may hold another request's bytes.
+    ``released_stores``: stopped because a block they read was given to
+    another request; their slots may hold that request's bytes.
+    ``left_out_stores``: never started because they were computed from a
+    block whose load failed; their slots hold nothing of theirs.
+    Either way the slots must never be published.
     """
 
     released_stores: tuple[BlockTransfer, ...] = ()
+    left_out_stores: tuple[BlockTransfer, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CPUOffloadWorkerMetadata:
-        # Tensor-parallel workers each release what they were still copying.
-        return CPUOffloadWorkerMetadata(self.released_stores + _of_type(other).released_stores)
+        # Tensor-parallel workers each report what they released or left out.
+        theirs = _of_type(other)
+        return CPUOffloadWorkerMetadata(
+            self.released_stores + theirs.released_stores,
+            self.left_out_stores + theirs.left_out_stores,
+        )
 
 
 def _of_type(worker_meta: object) -> CPUOffloadWorkerMetadata:
@@ -163,13 +175,12 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         self._step_loads: list[BlockTransfer] = []
         self._step_async_loads: list[BlockTransfer] = []
         self._sync_loads_in_flight: list[BlockTransfer] = []
-        # This step's stores, until its output names any failed loads.
-        self._stores_in_step: tuple[BlockTransfer, ...] = ()
         self._release_req_ids: list[str] = []
         self._step_counters: dict[str, int] = {}
         self._events: list[KVCacheEvent] = []
-        # Worker side: stores released since the last report.
+        # Worker side: stores released, and stores left out, since the last report.
         self._released_stores: list[BlockTransfer] = []
+        self._left_out_stores: list[BlockTransfer] = []
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -245,7 +256,6 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
             new_block_ids=new_block_ids,
         )
         self._sync_loads_in_flight.extend(self._step_loads)
-        self._stores_in_step = metadata.stores
         self._step_loads = []
         self._step_async_loads = []
         self._release_req_ids = []
@@ -294,12 +304,13 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
         self._planner.loads_failed(invalid)
-        self._abandon_stores_left_out(invalid)
-        # Before finished_sending below: a request's stores released in the
-        # step that reports it finished must not be confirmed with the rest.
+        # Before finished_sending below: a request's stores released (or left
+        # out) in the step that reports it finished must not be confirmed
+        # with the rest.
         worker_meta = connector_output.kv_connector_worker_meta
         if worker_meta is not None:
-            for store in _of_type(worker_meta).released_stores:
+            report = _of_type(worker_meta)
+            for store in (*report.left_out_stores, *report.released_stores):
                 self._drop_store(store)
         # Synchronous loads end within their step: their slots are free to evict again.
         for transfer in self._sync_loads_in_flight:
@@ -321,22 +332,6 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
                 completed = self._index.complete_store(group, hashes)
                 if completed:
                     self._events.append(BlockStored(block_hashes=tuple(completed), medium=MEDIUM))
-
-    def _abandon_stores_left_out(self, invalid_block_ids: set[int]) -> None:
-        """Free the slots of the stores the worker left out after a failed load.
-
-        The worker did not copy blocks computed from a block whose load
-        failed (see ``saves_from_good_context``); the same rule, applied to
-        the step's failed blocks, names them here. Their slots hold nothing
-        of theirs, so they must not become hits: the blocks, computed again,
-        are stored anew.
-        """
-        stores, self._stores_in_step = self._stores_in_step, ()
-        if not invalid_block_ids:
-            return
-        kept, _ = saves_from_good_context(stores, invalid_block_ids)
-        for store in set(stores) - set(kept):
-            self._drop_store(store)
 
     def _drop_store(self, store: BlockTransfer) -> None:
         """Free the slots of a store whose entries must never become hits (left out or released).
@@ -420,9 +415,12 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
 
     def wait_for_save(self) -> None:
         worker, metadata = self._worker_and_metadata()
-        # The scheduler side frees the slots of the stores left out here, by
-        # the same rule, once this step's output names the failed blocks.
         stores = self._saves_from_good_context(metadata.stores)
+        if len(stores) < len(metadata.stores):
+            # Reported so that the scheduler side frees their slots: the
+            # blocks, computed again, are stored anew.
+            kept = {id(store) for store in stores}
+            self._left_out_stores += [s for s in metadata.stores if id(s) not in kept]
         # The copies run in the background: blocks being stored belong to
         # running requests (or finished ones whose blocks are kept); one freed
         # meanwhile and given to a request is released before it is written
@@ -431,7 +429,10 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
 
     def build_connector_worker_meta(self) -> CPUOffloadWorkerMetadata | None:
         released, self._released_stores = self._released_stores, []
-        return CPUOffloadWorkerMetadata(tuple(released)) if released else None
+        left_out, self._left_out_stores = self._left_out_stores, []
+        if not (released or left_out):
+            return None
+        return CPUOffloadWorkerMetadata(tuple(released), tuple(left_out))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._counters.take_stats()
