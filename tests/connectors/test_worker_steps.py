@@ -116,8 +116,9 @@ def test_saves_computed_from_a_block_that_failed_to_load_are_left_out_and_counte
         ),
     ]
 
-    kept, skipped = saves_from_good_context(saves, {2})
+    kept, left_out = saves_from_good_context(saves, {2})
 
     assert kept == saves[2:]
-    assert skipped == 3
-    assert saves_from_good_context(saves, set()) == (saves, 0)
+    assert left_out == saves[:2]
+    assert sum(len(save.block_ids) for save in left_out) == 3
+    assert saves_from_good_context(saves, set()) == (saves, [])

@@ -27,6 +27,7 @@ import attrs
 from kvwire.connector.base import (
     ConnectorResolver,
     KVConnectorBase,
+    KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
@@ -37,9 +38,9 @@ from kvwire.connectors.cache_groups import cache_groups, layers_per_group
 from kvwire.connectors.counters import Counters
 from kvwire.connectors.extra_config import ExtraConfigKey, read_extra_config
 from kvwire.connectors.paged_cache import check_cache_layout
+from kvwire.connectors.transfers import BlockTransfer
 from kvwire.connectors.worker_steps import (
     PendingRelease,
-    SaveTransfer,
     registered_worker,
     saves_from_good_context,
 )
@@ -64,7 +65,6 @@ class BlockWorker(Protocol):
 
 
 _Worker = TypeVar("_Worker", bound=BlockWorker)
-_SaveT = TypeVar("_SaveT", bound=SaveTransfer)
 
 
 class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
@@ -110,6 +110,7 @@ class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
         self._pending_release = PendingRelease()
         self._worker: _Worker | None = None
         self._failed_elsewhere: set[int] = set()
+        self._step_released_for: KVConnectorMetadata | None = None
 
     @classmethod
     @abc.abstractmethod
@@ -229,18 +230,38 @@ class BlockConnector(KVConnectorBase, SupportsHMA, Generic[_Worker]):
         worker.wait_for_loads()
         return worker.load_errors_so_far()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Release the saves still reading blocks this step may write (see :meth:`_release_saves`).
+
+        vLLM and kvwire's engine call it before the forward pass; an engine
+        that does not gets it from ``start_load_kv``, once per step either way.
+        """
+        self._step_released_for = kv_connector_metadata
+        self._release_saves(kv_connector_metadata)
+
+    def _release_saves_once(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if kv_connector_metadata is not self._step_released_for:
+            self.handle_preemptions(kv_connector_metadata)
+
+    @abc.abstractmethod
+    def _release_saves(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Release the saves reading blocks of preempted requests or blocks given out again."""
+
     def skip_saves_computed_from(self, block_ids: set[int]) -> None:
         """In this step's :meth:`wait_for_save`, save nothing computed from these blocks."""
         self._failed_elsewhere |= block_ids
 
-    def _saves_from_good_context(self, saves: Sequence[_SaveT]) -> list[_SaveT]:
-        """This step's saves, less those computed from a block whose load failed (counted)."""
+    def _saves_from_good_context(
+        self, saves: Sequence[BlockTransfer]
+    ) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+        """This step's saves to make, and those computed from a failed load (counted)."""
         failed = self.load_errors_this_step() | self._failed_elsewhere
         self._failed_elsewhere = set()
-        kept, skipped = saves_from_good_context(saves, failed)
-        if skipped:
+        kept, left_out = saves_from_good_context(saves, failed)
+        if left_out:
+            skipped = sum(len(save.block_ids) for save in left_out)
             self._counters.add("saves_skipped_after_failed_load", skipped)
-        return kept
+        return kept, left_out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -264,12 +264,7 @@ class BlockPlanner:
                 len(hashes),
                 *(len(group_ids) for group_ids in cursor.block_ids),
             )
-            context = tuple(
-                block_id
-                for group_ids in cursor.block_ids
-                for block_id in group_ids[:end]
-                if block_id != self._null_block
-            )
+            context: tuple[int, ...] | None = None  # built once a group has blocks to save
             aligned = tokens_after_step == end * self._block_size
             for group in self._groups:
                 start = cursor.next_block_to_save[group.index]
@@ -281,6 +276,13 @@ class BlockPlanner:
                 positions: Sequence[int] = range(start, end)
                 if sliding:
                     positions = self._sliding_save_positions(group, cursor, start, end, aligned)
+                if context is None:
+                    context = tuple(
+                        block_id
+                        for group_ids in cursor.block_ids
+                        for block_id in group_ids[:end]
+                        if block_id != self._null_block
+                    )
                 save = self._transfer(
                     cursor.request, group, cursor.block_ids[group.index], positions, context
                 )

@@ -62,7 +62,7 @@ def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
 
     Every group's blocks then have the same size, so one stored entry (one
     block of every layer of a group) has one size whatever the group: the
-    connectors' pools and staging slots serve all groups.
+    CPU pool's slots serve all groups.
     """
     groups = tuple(
         CacheGroup(

@@ -393,13 +393,8 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         metadata = self._get_connector_metadata()
         return worker, metadata_of_type(type(self).__name__, metadata, CPUOffloadMetadata)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Release the stores reading blocks this step writes; let preempted requests' stores end.
-
-        vLLM calls it before the forward pass and starts loads after it; an
-        engine that never calls it gets the same from :meth:`start_load_kv`
-        (a second call releases nothing more).
-        """
+    def _release_saves(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Release the stores reading blocks this step writes; wait out preempted ones' stores."""
         metadata = metadata_of_type(type(self).__name__, kv_connector_metadata, CPUOffloadMetadata)
         worker = self._require_worker()
         self._released_stores += worker.release_stores_reading(metadata.new_block_ids)
@@ -410,17 +405,15 @@ class CPUOffloadConnector(BlockConnector[CPUPoolWorker]):
         worker, metadata = self._worker_and_metadata()
         self._counters.add_many(dict(metadata.counters))
         self._pending_release.add(metadata.release_req_ids)
-        self.handle_preemptions(metadata)
+        self._release_saves_once(metadata)
         worker.start_loads(metadata.loads, metadata.async_loads)
 
     def wait_for_save(self) -> None:
         worker, metadata = self._worker_and_metadata()
-        stores = self._saves_from_good_context(metadata.stores)
-        if len(stores) < len(metadata.stores):
-            # Reported so that the scheduler side frees their slots: the
-            # blocks, computed again, are stored anew.
-            kept = {id(store) for store in stores}
-            self._left_out_stores += [s for s in metadata.stores if id(s) not in kept]
+        stores, left_out = self._saves_from_good_context(metadata.stores)
+        # Reported so that the scheduler side frees their slots: the blocks,
+        # computed again, are stored anew.
+        self._left_out_stores += left_out
         # The copies run in the background: blocks being stored belong to
         # running requests (or finished ones whose blocks are kept); one freed
         # meanwhile and given to a request is released before it is written

@@ -396,7 +396,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
             type(self).__name__, self._get_connector_metadata(), StoreConnectorMetadata
         )
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+    def _release_saves(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Release the saves that read blocks the coming forward pass may write.
 
         Those of preempted requests, and those still reading a block given to
@@ -404,9 +404,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
         moved on, a request was preempted). A save not started is cancelled;
         one under way commits nothing more (its gate closes), so no entry is
         ever made from a block being overwritten; nothing waits for its I/O.
-        Their blocks count as ``saves_released``. The engine calls it before
-        ``start_load_kv``; an engine that does not gets the same from
-        :meth:`start_load_kv`.
+        Their blocks count as ``saves_released``.
         """
         metadata = metadata_of_type(
             type(self).__name__, kv_connector_metadata, StoreConnectorMetadata
@@ -417,7 +415,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._metadata()
-        self.handle_preemptions(metadata)
+        self._release_saves_once(metadata)
         self._counters.add_many(
             {
                 "lookup_hit_blocks": metadata.lookup_hit_blocks,
@@ -432,7 +430,7 @@ class StoreConnector(BlockConnector[StoreWorker]):
         # Only submits: the saves read the blocks in place, in the background.
         metadata = self._metadata()
         worker = self._require_worker()
-        saves = self._saves_from_good_context(metadata.saves)
+        saves, _left_out = self._saves_from_good_context(metadata.saves)
         if saves:
             worker.save(saves)
 

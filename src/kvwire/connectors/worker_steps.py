@@ -9,25 +9,13 @@ alike, so each refuses a misuse with the same words.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from kvwire.connector.base import KVConnectorMetadata
+from kvwire.connectors.transfers import BlockTransfer
 
 _Worker = TypeVar("_Worker")
 _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
-
-
-class SaveTransfer(Protocol):
-    """What a save must say for :func:`saves_from_good_context`."""
-
-    @property
-    def block_ids(self) -> tuple[int, ...]: ...
-
-    @property
-    def context_block_ids(self) -> tuple[int, ...]: ...
-
-
-_SaveT = TypeVar("_SaveT", bound=SaveTransfer)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
@@ -71,9 +59,9 @@ class PendingRelease:
 
 
 def saves_from_good_context(
-    saves: Sequence[_SaveT], failed_block_ids: set[int]
-) -> tuple[list[_SaveT], int]:
-    """This step's saves minus those computed from a block that failed to load; blocks left out.
+    saves: Sequence[BlockTransfer], failed_block_ids: set[int]
+) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+    """This step's saves split into those to make and those computed from a failed load.
 
     A synchronous load and the rest of the prompt run in the same step: when
     a block's load fails, the blocks computed after it attended to that
@@ -83,8 +71,9 @@ def saves_from_good_context(
     KV in the store under their hashes, for any later request to load.
     """
     if not failed_block_ids:
-        return list(saves), 0
-    kept = [save for save in saves if failed_block_ids.isdisjoint(save.context_block_ids)]
-    return kept, sum(len(save.block_ids) for save in saves) - sum(
-        len(save.block_ids) for save in kept
-    )
+        return list(saves), []
+    kept: list[BlockTransfer] = []
+    left_out: list[BlockTransfer] = []
+    for save in saves:
+        (kept if failed_block_ids.isdisjoint(save.context_block_ids) else left_out).append(save)
+    return kept, left_out

@@ -116,10 +116,14 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise VLLMConfigError(f"{_HOOK_FIELD}: cannot import {module_name!r}: {error}") from error
+        raise VLLMConfigError(
+            f"{_HOOK_FIELD}: cannot import {shown(module_name)}: {shown(str(error))}"
+        ) from error
     hook = getattr(module, function_name, None)
     if not callable(hook):
-        raise VLLMConfigError(f"{_HOOK_FIELD}: {module_name!r} has no function {function_name!r}")
+        raise VLLMConfigError(
+            f"{_HOOK_FIELD}: {shown(module_name)} has no function {shown(function_name)}"
+        )
     return hook  # type: ignore[no-any-return]
 
 

@@ -66,6 +66,7 @@ from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
 from kvwire.connectors.cache_groups import NULL_BLOCK_ID
 from kvwire.container import KVConnectorContainer, container_for_profile
+from kvwire.hma import describe_class_support
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
     container_hook,
@@ -393,7 +394,7 @@ def _require_wrapped_hma(container: KVConnectorContainer, kv_cache_config: KVCac
     raise VLLMConfigError(
         f"KVWireConnector: vLLM runs this model with the hybrid KV cache manager (KV cache "
         f"groups: {groups}), and the wrapped {connector_class.__name__} does not support it "
-        "(it does not subclass kvwire's SupportsHMA); start vLLM with "
+        f"in this configuration (HMA: {describe_class_support(connector_class)}); start vLLM with "
         "--disable-hybrid-kv-cache-manager (disable_hybrid_kv_cache_manager=True), or wrap a "
         "connector that supports HMA. vLLM keeps HMA on because KVWireConnector declares "
         "SupportsHMA: vLLM asks the class before the kvwire profile is read"
