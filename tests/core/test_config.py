@@ -141,3 +141,13 @@ def test_a_connector_name_of_a_megabyte_is_refused_by_its_length() -> None:
         KVTransferConfig(kv_connector="C" * 1_000_000, kv_role="kv_both")
 
     assert str(caught.value) == "kv_connector must be at most 4096 characters, got 1000000"
+
+
+@pytest.mark.parametrize("layer_types", ["full_attention", 3, {"full_attention": 1}])
+def test_layer_types_that_are_not_a_list_name_the_field_and_the_kinds(layer_types: Any) -> None:
+    from kvwire.config import ModelConfig
+
+    with pytest.raises(
+        TypeError, match="layer_types must be a list of full_attention, sliding_attention, got a"
+    ):
+        ModelConfig(layer_types=layer_types)
