@@ -46,14 +46,14 @@ import xxhash
 
 from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_label, write_json
 from benchmarks.common import main as run_from_command_line
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.paged_cache import copy_on_this_thread_only
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connectors.block_format import BlockLayout
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.paged_cache import copy_on_this_thread_only
+from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)

@@ -8,7 +8,7 @@ CPU-offload connectors three ways, in one run:
 - ``window-aware`` (the default): a sliding-window group saves only the
   windows where a later hit can end: at the end of each step's computed
   prefix, and where a request branches from a saved prefix (see
-  :mod:`kvwire.connectors.block_planner`);
+  :mod:`kvwire.connectors.offload._planner`);
 - ``every block``: the same connector with ``window_aware_saves = False``
   (a benchmark-local subclass, swapped in through a private registry copy,
   so no user-facing option exists): every group saves every block it
@@ -78,6 +78,7 @@ from dependency_injector import providers
 
 from benchmarks.common import MIB, write_json
 from benchmarks.common import main as run_from_command_line
+from kvwire.blocks.groups import CacheGroup
 from kvwire.config import (
     SLIDING_ATTENTION,
     CacheConfig,
@@ -86,7 +87,6 @@ from kvwire.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from kvwire.connectors.cache_groups import CacheGroup
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import container_for_profile

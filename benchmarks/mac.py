@@ -44,8 +44,8 @@ from benchmarks.connectors import (
     store_actions,
     worker_connector,
 )
-from kvwire.connectors.block_format import BlockLayout, verify_entry, write_header
-from kvwire.connectors.entry_mac import EntryMac
+from kvwire.blocks.format import BlockLayout, verify_entry, write_header
+from kvwire.blocks.mac import EntryMac
 from kvwire.connectors.shared_storage import SharedStorageConnector
 
 BARE_BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)

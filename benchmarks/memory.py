@@ -99,7 +99,7 @@ def _hashes(count: int) -> tuple[bytes, ...]:
 
 def _metadata(connector: str, count: int, direction: str) -> Any:
     """One step's metadata moving blocks ``0..count-1`` (as benchmarks/connectors.py builds it)."""
-    from kvwire.connectors.transfers import BlockTransfer
+    from kvwire.blocks.transfers import BlockTransfer
 
     ids = tuple(range(count))
     pooled = connector == "CPUOffloadConnector"
@@ -115,7 +115,7 @@ def _metadata(connector: str, count: int, direction: str) -> Any:
         if direction == "save":
             return CPUOffloadMetadata(stores=(transfer,))
         return CPUOffloadMetadata(loads=(transfer,))
-    from kvwire.connectors.store_connector import StoreConnectorMetadata
+    from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
 
     if direction == "save":
         return StoreConnectorMetadata(saves=(transfer,))
@@ -235,7 +235,7 @@ def _in_fresh_process(*args: Any) -> dict[str, Any]:
 
 def pool_bytes(transfer_bytes: int) -> int:
     """A CPU pool just large enough for ``transfer_bytes`` of blocks (each entry has a header)."""
-    from kvwire.connectors.block_format import BlockLayout
+    from kvwire.blocks.format import BlockLayout
 
     entry = BlockLayout(NUM_LAYERS, BLOCK_TOKENS, NUM_KV_HEADS, HEAD_SIZE, "float32")
     return entry.entry_bytes * (transfer_bytes // BLOCK_BYTES)

@@ -8,7 +8,7 @@ back against one redis-server started here on loopback:
   large as the store's groups of GETs (``READ_GROUP_BYTES``), and the bound
   is the faster of the two, so that no ratio comes from a pipeline depth the
   plain client was not given;
-- the store: :class:`~kvwire.connectors.redis_store.RedisBlockStore`, ``put``
+- the store: :class:`~kvwire.media.redis._store.RedisBlockStore`, ``put``
   from memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks, and one
   ``get_into`` of each thread's share into preallocated buffers (which asks
   for its next group of GETs while it reads the current one);
@@ -57,15 +57,15 @@ import redis
 
 from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_label, write_json
 from benchmarks.common import main as run_from_command_line
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
+from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
 from kvwire.connectors.redis import RedisConnector
-from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
-from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import READ_GROUP_BYTES, RedisBlockStore
-from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+from kvwire.media.redis._cluster import RedisClusterBlockStore
+from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.redis._store import READ_GROUP_BYTES, RedisBlockStore
 
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)

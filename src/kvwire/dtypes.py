@@ -3,7 +3,7 @@
 Configuration names a dtype by string, so that it never needs torch: the
 torch dtype is looked up only when asked for, and a torch-free install
 imports this module. The stored code goes into every entry's header
-(:mod:`kvwire.connectors.block_format`); entries outlive the code that wrote
+(:mod:`kvwire.blocks.format`); entries outlive the code that wrote
 them, so a code, once given, never changes or gets reused.
 """
 

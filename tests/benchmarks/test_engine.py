@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import engine as bench
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.store_connector import StoreConnectorMetadata
+from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
 
 
 def test_the_forward_share_counts_the_saving_steps_connector_calls() -> None:

@@ -6,7 +6,7 @@ import struct
 
 import torch
 
-from kvwire.connectors.block_format import HEADER_SIZE, payload_checksum
+from kvwire.blocks.format import HEADER_SIZE, payload_checksum
 
 CHECKSUM_AT = struct.calcsize("<4sHH16s32s5IQ")
 FLAGS_AT = CHECKSUM_AT + 8

@@ -22,7 +22,7 @@ import torch
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import KVCacheBlocks, Request, ScheduledRequest, SchedulerOutput
-from kvwire.connectors.block_connector import BlockConnector
+from kvwire.connectors.offload._block_connector import BlockConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload

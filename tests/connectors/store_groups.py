@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvwire.connector.types import BlockStored, Request, SchedulerOutput
-from kvwire.connectors.store_connector import StoreConnector
+from kvwire.connectors.offload._store_connector import StoreConnector
 from tests.connectors.harness import make_request
 from tests.connectors.hybrid_cache import (
     A_IDS,

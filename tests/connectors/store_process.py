@@ -17,8 +17,8 @@ import sys
 import attrs
 import torch
 
+from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.config import CacheConfig, EngineConfig, ModelConfig
-from kvwire.connectors.block_format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.engine_support import shared_storage, workload
 

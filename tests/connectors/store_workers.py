@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.store import BlockStore
-from kvwire.connectors.store_worker import StoreWorker
-from kvwire.connectors.transfers import BlockTransfer
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store.base import BlockStore
 
 NUM_BLOCKS = 4
 

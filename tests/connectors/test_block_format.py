@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from kvwire.connectors.block_format import (
+from kvwire.blocks.format import (
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,

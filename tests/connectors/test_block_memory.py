@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.paged_cache import PagedKVCaches
 
 NUM_BLOCKS = 6
 LAYOUTS = {

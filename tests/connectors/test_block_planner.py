@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.types import (
     BlockHash,
     KVCacheBlocks,
@@ -13,9 +15,7 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.block_planner import BlockPlanner, HitCounter
-from kvwire.connectors.cache_groups import CacheGroup
-from kvwire.connectors.transfers import BlockTransfer
+from kvwire.connectors.offload._planner import BlockPlanner, HitCounter
 
 BLOCK = 4
 FULL = CacheGroup(0, ("layers.0",), BLOCK)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connectors.cache_groups import CacheGroup, cache_groups, layers_per_group
+from kvwire.blocks.groups import CacheGroup, cache_groups, layers_per_group
 from kvwire.kv_cache_config import (
     FullAttentionSpec,
     KVCacheConfig,

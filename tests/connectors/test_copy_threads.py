@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kvwire.connectors.paged_cache import copy_on_this_thread_only
+from kvwire.blocks.paged_cache import copy_on_this_thread_only
 
 
 def threads_seen_by(target_setup: bool) -> int:

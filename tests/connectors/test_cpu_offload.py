@@ -7,7 +7,7 @@ import pytest
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.extra_config import ExtraConfigError
 from tests.connectors.conftest import OpenPair, PairFactory
 from tests.connectors.harness import (
     ConnectorPair,

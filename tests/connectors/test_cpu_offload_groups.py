@@ -14,6 +14,7 @@ import attrs
 import pytest
 import torch
 
+from kvwire.blocks.format import CorruptBlockError, verify_entry
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorMetadata
 from kvwire.connector.types import (
@@ -22,11 +23,10 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.block_format import CorruptBlockError, verify_entry
 from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset
+from kvwire.media.cpu_pool._handler import CPUPoolWorker
 from tests.connectors.engine_support import (
     generate,
     renamed,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.connectors.cpu_pool_index import CPUPoolIndex
+from kvwire.media.cpu_pool._index import CPUPoolIndex
 
 
 def h(n: int) -> bytes:

@@ -10,8 +10,7 @@ import attrs
 import pytest
 import yaml
 
-from kvwire.cli import check_profile
-from kvwire.connectors.block_format import (
+from kvwire.blocks.format import (
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
@@ -19,9 +18,10 @@ from kvwire.connectors.block_format import (
     verify_entry,
     write_header,
 )
-from kvwire.connectors.entry_mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
-from kvwire.connectors.extra_config import ExtraConfigError
+from kvwire.blocks.mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
+from kvwire.cli import check_profile
 from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.extra_config import ExtraConfigError
 from tests.connectors.harness import engine_config
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"

@@ -10,7 +10,7 @@ import yaml
 
 from kvwire.cli import check_profile
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.extra_config import (
+from kvwire.extra_config import (
     ExtraConfigError,
     bool_key,
     int_key,

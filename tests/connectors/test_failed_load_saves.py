@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.config import EngineConfig
-from kvwire.connectors.block_format import BlockLayout, CorruptBlockError, verify_entry
-from kvwire.connectors.pool_slots import PoolSlots
 from kvwire.engine.block_hash import extend_block_hashes, root_hash
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.media.cpu_pool._slots import PoolSlots
 from tests.connectors.engine_support import (
     shared_storage,
     tiered_disk,

@@ -15,9 +15,9 @@ import pathlib
 
 import pytest
 
+from kvwire.blocks.format import BlockLayout
 from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.file_store import DirectoryBlockStore
+from kvwire.media.directory._store import DirectoryBlockStore
 from tests.connectors.conftest import PairFactory
 from tests.connectors.harness import make_request
 from tests.connectors.store_workers import (

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.extra_config import ExtraConfigError
-from kvwire.connectors.file_modes import GROUP, PRIVATE, process_umask
-from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.extra_config import ExtraConfigError
+from kvwire.media.directory._modes import GROUP, PRIVATE, process_umask
+from kvwire.media.directory._store import DirectoryBlockStore
 from tests.connectors.harness import cache_config_for, engine_config
 
 LAYOUT = "0123456789abcdef" * 2

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from kvwire.connectors.file_store import DirectoryBlockStore
+from kvwire.media.directory._store import DirectoryBlockStore
 
 LAYOUT = "0123456789abcdef" * 2
 ENTRY_BYTES = 100

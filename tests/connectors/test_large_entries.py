@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
-from kvwire.connectors.file_store import MAX_IO_BYTES, DirectoryBlockStore
+from kvwire.blocks.format import HEADER_SIZE, BlockLayout
+from kvwire.media.directory._store import MAX_IO_BYTES, DirectoryBlockStore
 from tests.connectors.store_workers import (
     HASHES,
     load_into_blocks_2_and_3,

@@ -14,14 +14,14 @@ from collections.abc import Generator, Sequence
 import pytest
 import torch
 
-from kvwire.connectors import store_worker as store_worker_module
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.file_store import DirectoryBlockStore
-from kvwire.connectors.store import CacheWrites
-from kvwire.connectors.store_worker import StoreWorker
-from kvwire.connectors.transfers import BlockTransfer
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.media.store import _handler as store_worker_module
+from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store.base import CacheWrites
 from tests.connectors.store_workers import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

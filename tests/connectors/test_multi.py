@@ -27,11 +27,11 @@ from kvwire.connector.types import (
     SchedulerOutput,
 )
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
-from kvwire.connectors.multi_children import child_transfer_configs
+from kvwire.connectors.multi._children import child_transfer_configs
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import KVConnectorContainer
+from kvwire.extra_config import ExtraConfigError
 from kvwire.registry import default_registry
 from tests.connectors.conftest import OpenPair, PairFactory
 from tests.connectors.harness import (

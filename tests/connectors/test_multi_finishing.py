@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connectors.multi_finishing import FinishedSendingTally, merge_finished_answers
+from kvwire.connectors.multi._finishing import FinishedSendingTally, merge_finished_answers
 
 
 def test_the_keeping_children_are_counted_and_their_params_merged() -> None:

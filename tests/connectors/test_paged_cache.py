@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.paged_cache import PagedKVCaches
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.paged_cache import PagedKVCaches
 
 LAYOUT = BlockLayout(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout
-from kvwire.connectors.pool_slots import PoolSlots
+from kvwire.blocks.format import HEADER_SIZE, BlockLayout
+from kvwire.media.cpu_pool._slots import PoolSlots
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_size=4, dtype="float32")
 

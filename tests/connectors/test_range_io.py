@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvwire.connectors.block_format import (
+from kvwire.blocks.format import (
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
@@ -23,10 +23,10 @@ from kvwire.connectors.block_format import (
     verify_parts,
     write_header,
 )
-from kvwire.connectors.entry_mac import EntryMac
-from kvwire.connectors.file_store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
-from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
-from kvwire.connectors.transfer_jobs import JobAbandoned
+from kvwire.blocks.mac import EntryMac
+from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.directory._store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
+from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 SEALED = BlockLayout(

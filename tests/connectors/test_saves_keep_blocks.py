@@ -19,21 +19,21 @@ from typing import Any
 import pytest
 import torch
 
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockStored, KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.file_store import DirectoryBlockStore
+from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store import BlockStore, CacheWrites
-from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.store_worker import StoreWorker
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store.base import BlockStore, CacheWrites
 from tests.connectors.bounded_waits import wait_until
 from tests.connectors.conftest import PairFactory
 from tests.connectors.engine_support import generate as generate_without

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 
 import pytest
 
+from kvwire.blocks.format import BlockLayout
 from kvwire.config import EngineConfig
 from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
-from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import LLMEngine, WorkerMode
 from tests.connectors.engine_support import (
     renamed,

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvwire.connectors.block_format import BlockLayout
+from kvwire.blocks.format import BlockLayout
 from kvwire.engine.engine import LLMEngine
 from tests.connectors.engine_support import (
     generate,

@@ -11,18 +11,18 @@ import attrs
 import pytest
 import torch
 
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.file_store import DirectoryBlockStore
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store import CacheWrites
-from kvwire.connectors.store_worker import StoreWorker
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
+from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store.base import CacheWrites
 from tests.connectors.engine_support import (
     generate,
     renamed,

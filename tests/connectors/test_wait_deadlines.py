@@ -23,17 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.block_memory import BlockMemory
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.extra_config import ExtraConfigError
-from kvwire.connectors.job_threads import JobThreads
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store import BlockStore, CacheWrites, LateWriteError
-from kvwire.connectors.store_worker import StoreWorker
-from kvwire.connectors.transfer_jobs import JobAbandoned
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.engine.engine import LLMEngine
+from kvwire.extra_config import ExtraConfigError
+from kvwire.media._job_threads import JobThreads
+from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.engine_support import (
     shared_storage,
@@ -568,8 +568,8 @@ _EXIT_WITH_A_JOB_STUCK = """
 import threading
 from tests.connectors import test_wait_deadlines as t
 from tests.connectors.store_workers import HASHES, layout_caches
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.blocks.transfers import BlockTransfer
 
 t.STORE_ANSWERS.clear()  # and nobody ever sets it: the read stays stuck
 worker = t._worker(t.StuckStore(t._saved_store()), layout_caches(t.LAYOUT, None), Counters(), 0.1)

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvwire.connectors import cpu_pool_worker as cpu_pool_worker_module
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.cpu_pool_worker import CPUPoolWorker
-from kvwire.connectors.paged_cache import PagedKVCaches
-from kvwire.connectors.transfers import BlockTransfer
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.paged_cache import PagedKVCaches
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.media.cpu_pool import _handler as cpu_pool_worker_module
+from kvwire.media.cpu_pool._handler import CPUPoolWorker
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
 from tests.connectors.store_workers import HASHES, layout_caches
 

@@ -7,19 +7,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
+from kvwire.connector.counters import Counters
 from kvwire.connector.types import ForwardContext
-from kvwire.connectors.counters import Counters
-from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store_connector import StoreConnectorMetadata
-from kvwire.connectors.transfers import BlockTransfer
-from kvwire.connectors.worker_steps import (
+from kvwire.connector.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
     saves_from_good_context,
 )
+from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
+from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.connectors.harness import cache_config_for, engine_config
 
 

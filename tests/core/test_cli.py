@@ -210,13 +210,16 @@ def test_connectors_with_resolve_says_every_built_in_serves_hma() -> None:
     assert status == 0
 
 
+_CONNECTOR_PACKAGES = ("kvwire.connectors", "kvwire.media", "kvwire.blocks", "kvwire.engine")
+
+
 def test_the_plain_listing_imports_no_connector_and_no_torch() -> None:
     probe = (
         "import sys\n"
         "from kvwire.cli import main\n"
         "status = main(['connectors'])\n"
-        "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('kvwire.connectors')"
-        " or m.startswith('kvwire.engine')]\n"
+        "loaded = [m for m in sys.modules if m == 'torch' or m.startswith(('kvwire.connectors', "
+        "'kvwire.media', 'kvwire.blocks', 'kvwire.engine'))]\n"
         "print('LOADED', loaded, status)\n"
     )
 
@@ -240,7 +243,7 @@ def test_importing_kvwire_imports_no_connector_and_no_torch() -> None:
 
     loaded = eval(result.stdout)
     assert "torch" not in loaded
-    assert not [name for name in loaded if name.startswith(("kvwire.connectors", "kvwire.engine"))]
+    assert not [name for name in loaded if name.startswith(_CONNECTOR_PACKAGES)]
 
 
 def test_the_public_names_are_importable_from_kvwire() -> None:

@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
+from kvwire.blocks.format import HEADER_SIZE, BlockLayout, write_header
 from kvwire.config import ModelConfig
-from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout, write_header
 from kvwire.dtypes import DTYPE_NAMES, DTYPES
 from kvwire.engine.model import torch_dtype
 from kvwire.kv_cache_config import FullAttentionSpec

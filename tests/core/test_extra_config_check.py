@@ -13,7 +13,7 @@ from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
 from kvwire.connector.base import ConnectorResolver, KVConnectorBase, validates_extra_config
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.extra_config import ExtraConfigError, int_key, read_extra_config
+from kvwire.extra_config import ExtraConfigError, int_key, read_extra_config
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 from tests.core.sample_connectors import RecordingConnector

@@ -16,9 +16,9 @@ import pytest
 from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.extra_config import ExtraConfigError, parse_size
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ProfileError
+from kvwire.extra_config import ExtraConfigError, parse_size
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 from kvwire.memory_limits import describe_bytes, machine_memory_bytes, memory_shortfall
 from kvwire.profile import load_profile

@@ -14,9 +14,9 @@ import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
-from kvwire.connectors.extra_config import ExtraConfigKey, str_key
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store import BlockStore
+from kvwire.extra_config import ExtraConfigKey, str_key
+from kvwire.media.store.base import BlockStore
 
 HOLD_LIMIT_S = 60.0
 """A test that never removes the file fails its writes after this, rather than hanging."""

@@ -11,14 +11,14 @@ from typing import Any
 
 import attrs
 
+from kvwire.blocks.groups import NULL_BLOCK_ID, CacheGroup
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import SchedulerOutput
-from kvwire.connectors.block_planner import BlockPlanner
-from kvwire.connectors.cache_groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.transfers import BlockTransfer
 from kvwire.kv_cache_config import KVCacheConfig
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 import attrs
 import pytest
 
+from kvwire.blocks.format import BlockLayout
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from kvwire.connector.types import BlockStored, KVCacheEvent, Request
-from kvwire.connectors.block_format import BlockLayout
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
 from kvwire.run.passes import compare_passes
 from tests.engine.helpers import generate

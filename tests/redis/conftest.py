@@ -23,9 +23,9 @@ import redis
 from pytest_redis import factories
 from pytest_redis.executor import RedisExecutor
 
-from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import RedisBlockStore
 from kvwire.engine.engine import GenerationRequest
+from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.redis._store import RedisBlockStore
 from tests.redis.cluster_fixtures import fault_cluster, redis_cluster
 from tests.redis.engines import generate, shared_prefix_workload, tiny_config, tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from kvwire.connectors.block_format import BlockLayout, write_header
+from kvwire.blocks.format import BlockLayout, write_header
 
 SMALL_LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 

@@ -14,9 +14,9 @@ import pytest
 
 from kvwire.config import EngineConfig, SchedulerConfig
 from kvwire.connectors.redis import RedisConnector
-from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
-from kvwire.connectors.redis_settings import RedisStoreSettings
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.media.redis._cluster import RedisClusterBlockStore
+from kvwire.media.redis._settings import RedisStoreSettings
 from tests.redis.cluster_fixtures import LocalCluster
 from tests.redis.conftest import wait_until_available
 from tests.redis.engines import (

@@ -7,11 +7,11 @@ import logging
 import pytest
 
 from kvwire.config import KVTransferConfig
-from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.redis import RedisConnector
-from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
-from kvwire.connectors.redis_cluster_url import ClusterSeed
-from kvwire.connectors.redis_settings import RedisSettingsError, RedisStoreSettings
+from kvwire.extra_config import ExtraConfigError
+from kvwire.media.redis._cluster import RedisClusterBlockStore
+from kvwire.media.redis._cluster_url import ClusterSeed
+from kvwire.media.redis._settings import RedisSettingsError, RedisStoreSettings
 
 
 def test_a_cluster_url_names_its_seed_nodes_in_order() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.extra_config import ExtraConfigError
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
+from kvwire.extra_config import ExtraConfigError
 from tests.redis.conftest import RedisServer
 from tests.redis.engines import tiny_config, with_redis
 from tests.redis.entries import block_hash

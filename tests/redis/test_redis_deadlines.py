@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.connectors.block_format import verify_entry
-from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import RedisBlockStore
+from kvwire.blocks.format import verify_entry
+from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.redis._store import RedisBlockStore
 from tests.redis.conftest import wait_until_available
 from tests.redis.dribbling_server import DribblingServer
 from tests.redis.engines import (

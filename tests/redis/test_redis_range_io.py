@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvwire.connectors import store as store_module
-from kvwire.connectors.redis_cluster_store import RedisClusterBlockStore
-from kvwire.connectors.redis_settings import RedisStoreSettings
-from kvwire.connectors.redis_store import READ_GROUP_BYTES, RedisBlockStore
-from kvwire.connectors.store import BlockStore, CacheWrites
-from kvwire.connectors.transfer_jobs import JobAbandoned
+from kvwire.media.store import base as store_module
+from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.redis._cluster import RedisClusterBlockStore
+from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.redis._store import READ_GROUP_BYTES, RedisBlockStore
+from kvwire.media.store.base import BlockStore, CacheWrites
 from tests.redis.cluster_fixtures import LocalCluster
 from tests.redis.conftest import RedisServer
 from tests.redis.dribbling_server import DribblingServer

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import redis
 
-from kvwire.connectors.redis_wire import (
+from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.redis._wire import (
     SHORT_REPLY_BYTES,
     Deadline,
     DeadlineExceeded,
     RespStream,
     ZeroCopyCommandPacker,
 )
-from kvwire.connectors.store import CacheWrites
-from kvwire.connectors.transfer_jobs import JobAbandoned
+from kvwire.media.store.base import CacheWrites
 
 VALUE_BYTES = 300 * 1024
 

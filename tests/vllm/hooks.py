@@ -12,7 +12,7 @@ from dependency_injector import containers, providers
 from kvwire.connector.types import BlockHash
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.connectors.store import BlockStore
+from kvwire.media.store.base import BlockStore
 
 
 class NeverHitCPUOffload(CPUOffloadConnector):

@@ -14,9 +14,9 @@ from dependency_injector import containers
 from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.request import RequestStatus as VLLMRequestStatus
 
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.connector.types import BlockRemoved, BlockStored
-from kvwire.connectors.block_format import BlockLayout
-from kvwire.connectors.paged_cache import PagedKVCaches
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
     container_hook,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvwire.vllm
-from kvwire.connectors.block_format import HEADER_SIZE, BlockLayout, write_header
+from kvwire.blocks.format import HEADER_SIZE, BlockLayout, write_header
 from tests.vllm.engines import (
     generate,
     kvwire_transfer_config,

@@ -59,12 +59,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvwire.blocks.groups import NULL_BLOCK_ID
 from kvwire.connector.base import KVConnectorBase
 from kvwire.connector.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.connector.base import KVConnectorRole as KVWireRole
 from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
-from kvwire.connectors.cache_groups import NULL_BLOCK_ID
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.hma import describe_class_support
 from kvwire.vllm.config_bridge import (

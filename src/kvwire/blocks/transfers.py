@@ -1,0 +1,41 @@
+"""The one record of blocks to move, from the scheduler side's plan to the worker that moves them.
+
+:class:`~kvwire.connectors.offload._planner.BlockPlanner` makes them, the
+connectors send them in their step metadata (pickled across the worker
+process), and :class:`~kvwire.media.store._handler.StoreWorker` and
+:class:`~kvwire.media.cpu_pool._handler.CPUPoolWorker` move their blocks.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvwire.connector.types import BlockHash
+
+__all__ = ["BlockTransfer"]
+
+
+@attrs.frozen(kw_only=True)
+class BlockTransfer:
+    """Blocks of one request in one KV cache group to load or save, in block order.
+
+    ``block_ids``, ``block_hashes`` and, when given, ``slots`` are parallel:
+    the i-th of each describes the same block.
+    """
+
+    request_id: str
+    """The request the blocks belong to: finished, failed and kept blocks are reported by it."""
+    block_ids: tuple[int, ...]
+    """The blocks' ids in the paged KV cache of :attr:`group` (never the null block)."""
+    block_hashes: tuple[BlockHash, ...]
+    """The blocks' hashes: what names each block's entry in the medium."""
+    slots: tuple[int, ...] = ()
+    """The CPU pool's entry slots the blocks are copied to or from; empty for store media."""
+    context_block_ids: tuple[int, ...] = ()
+    """For a save: the request's blocks, in every group, up to the last one saved; empty for a load.
+
+    The saved blocks' KV was computed attending to all of these, so one that
+    failed to load spoils the save.
+    """
+    group: int = 0
+    """The KV cache group whose layers the blocks are read from or written to."""

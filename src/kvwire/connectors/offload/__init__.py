@@ -1,0 +1,1 @@
+"""The block connector over any medium: its scheduler half and its worker half."""

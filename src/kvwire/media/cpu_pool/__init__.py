@@ -1,0 +1,1 @@
+"""The CPU pool medium: preallocated slots in this host's memory."""

@@ -1,0 +1,539 @@
+"""The CPU-offload connector's worker side: the pool memory and the copies.
+
+The pool is allocated once: ``num_slots`` entries, each a ``block_format``
+header followed by one block of every layer of one KV cache group
+(cross-layer layout); every group's entries have the same size, so one pool
+serves them all, and each entry's header names its group's layout. Which slot
+holds what is decided by the scheduler side (:mod:`kvwire.media.cpu_pool._index`);
+this side only copies. Stores run on a background thread and complete
+asynchronously; loads verify each slot's header and checksum before
+copying it into the cache.
+
+Every copy job has a deadline (``transfer_timeout_s`` from its start), so
+that no wait of the forward pass's thread is unbounded: a load still running
+then is abandoned and its blocks are load errors; a store still running then
+is abandoned and counts failed. An abandoned job copies nothing more: each
+chunk is copied under the job's lock after checking it was not abandoned. A
+store abandoned mid-way leaves slots whose headers do not match their
+blocks, which a later load reports instead of copying.
+
+A store may also be released (:meth:`CPUPoolWorker.release_stores_reading`):
+a block it reads was freed meanwhile (a sliding window moved on, a request
+was preempted) and given to a request that writes it this step. A released
+store copies nothing more and never commits: the scheduler side frees its
+slots (``saves_released`` counts its blocks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence, Set
+
+import attrs
+
+from kvwire.blocks.format import (
+    BlockLayout,
+    CorruptBlockError,
+    verify_entry,
+    write_header,
+)
+from kvwire.blocks.paged_cache import (
+    PagedKVCaches,
+    cache_sized_chunks,
+    copy_on_this_thread_only,
+)
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.media._job_threads import JobThreads
+from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media.cpu_pool._slots import PoolSlots
+
+logger = logging.getLogger(__name__)
+
+# Smaller pieces are not worth a thread hand-off.
+_MIN_BLOCKS_PER_PIECE = 4
+
+
+class _PoolJob(TransferJob):
+    """One piece of a transfer, copied by one thread; ``async_load`` is its request's load."""
+
+    def __init__(
+        self,
+        piece: BlockTransfer,
+        deadline: float,
+        *,
+        is_store: bool,
+        async_load: _AsyncPoolLoad | None = None,
+    ) -> None:
+        super().__init__(deadline)
+        self.piece = piece
+        self.is_store = is_store
+        self.async_load = async_load
+        self.failed: list[int] = []
+        self.released = False
+
+    def release(self) -> bool:
+        """Drop this store: it copies nothing more and never commits.
+
+        False if it ended, or was given up on, first. Waits at most for the
+        chunk being copied under :attr:`lock` (a memory copy).
+        """
+        with self.lock:
+            if self.ended or self.abandoned or self.released:
+                return False
+            self.released = True
+            return True
+
+
+@attrs.define(eq=False)
+class _AsyncPoolLoad:
+    """A request's asynchronous load, all groups: its pieces, and the blocks failed so far."""
+
+    request_id: str
+    deadline: float
+    jobs: list[_PoolJob] = attrs.field(factory=list)
+    pieces_left: int = 0
+    failed: list[int] = attrs.field(factory=list)
+
+
+class CPUPoolWorker:
+    """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
+
+    ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
+    group ``g`` reads or writes group ``g``'s layers, with its block ids, and
+    its entries carry group ``g``'s layout in their headers.
+    """
+
+    def __init__(
+        self,
+        *,
+        layouts: Sequence[BlockLayout],
+        caches: Sequence[PagedKVCaches],
+        num_slots: int,
+        io_threads: int,
+        counters: Counters,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        if not layouts or len(layouts) != len(caches):
+            raise ValueError(
+                f"CPUPoolWorker: got {len(layouts)} layouts and {len(caches)} caches; "
+                "expected one of each per KV cache group (at least one)"
+            )
+        self._layouts = tuple(layouts)
+        self._caches = tuple(caches)
+        # Every group's entries have the size of the first's (cache_groups checks it).
+        self._layout = self._layouts[0]
+        self.pool = PoolSlots(self._layout, num_slots)
+        self._counters = counters
+        self._io_threads = io_threads
+        self._transfer_timeout_s = transfer_timeout_s
+        self._warn = RateLimitedWarning(logger)
+        self._store_pool = JobThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
+        self._load_pool = JobThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
+        self._changed = threading.Condition()
+        # Stores and asynchronous loads still using each request's blocks.
+        self._jobs_per_request: dict[str, set[_PoolJob]] = {}
+        self._sync_loads: list[_PoolJob] = []
+        self._async_loads: dict[str, _AsyncPoolLoad] = {}
+        self._finished_async: dict[str, list[int]] = {}
+        self._load_errors: set[int] = set()
+
+    # --------------------------------------------------- per-request jobs
+
+    def _job_started(self, job: _PoolJob) -> None:
+        with self._changed:
+            self._jobs_per_request.setdefault(job.piece.request_id, set()).add(job)
+
+    def _forget_job(self, job: _PoolJob) -> None:
+        with self._changed:
+            request_id = job.piece.request_id
+            jobs = self._jobs_per_request.get(request_id)
+            if jobs is not None:
+                jobs.discard(job)
+                if not jobs:
+                    del self._jobs_per_request[request_id]
+            self._changed.notify_all()
+
+    def is_busy(self, request_id: str) -> bool:
+        """Whether a store or asynchronous load of ``request_id`` is still running.
+
+        Its stores past their deadline are given up on first.
+        """
+        now = time.monotonic()
+        with self._changed:
+            jobs = self._jobs_per_request.get(request_id)
+            if not jobs:
+                return False
+            overdue = [job for job in jobs if job.is_store and job.deadline <= now]
+            if not overdue:
+                return True
+        # Outside the lock: giving up on a job waits for its copy under way.
+        self._give_up(overdue)
+        with self._changed:
+            return request_id in self._jobs_per_request
+
+    def wait_for_requests(self, request_ids: Iterable[str]) -> None:
+        """Block until no transfer of these requests runs (their blocks are about to be reused).
+
+        At most until their deadlines: a transfer still running then is given
+        up on, and copies nothing more to or from the blocks.
+        """
+        wanted = set(request_ids)
+
+        def running() -> list[_PoolJob]:
+            with self._changed:
+                return [job for rid in wanted for job in self._jobs_per_request.get(rid, ())]
+
+        jobs = running()
+        if not jobs:
+            return
+        until = max(job.deadline for job in jobs)
+        with self._changed:
+            self._changed.wait_for(
+                lambda: not wanted & self._jobs_per_request.keys(),
+                max(0.0, until - time.monotonic()),
+            )
+        self._give_up(running())
+
+    def wait_for_all(self, timeout_s: float | None = None) -> bool:
+        """Block until every store and asynchronous load ended or ran past its deadline.
+
+        False if ``timeout_s`` ran out first; without it, it still ends, at
+        the latest when the last job's own deadline passes.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._changed:
+                jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
+            now = time.monotonic()
+            overdue = [job for job in jobs if job.deadline <= now]
+            if overdue:
+                self._give_up(overdue)
+                continue
+            if not jobs:
+                return True
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(job.deadline for job in jobs)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: not self._jobs_per_request, max(0.0, wake - time.monotonic())
+                )
+
+    def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
+        """Stop waiting for ``jobs``: stores count failed, asynchronous loads finish failed."""
+        for job in jobs:
+            if job.async_load is not None:
+                self._give_up_async(job.async_load)
+            elif job.abandon():
+                if job.released:  # counted when released
+                    self._forget_job(job)
+                    continue
+                blocks = len(job.piece.block_ids)
+                self._counters.add_many({"save_errors": blocks, "save_timeouts": blocks})
+                self._warn.warn(
+                    "store-timeout",
+                    "CPU offload: a store of %d blocks still running after %g s "
+                    "(transfer_timeout_s) is counted failed",
+                    blocks,
+                    self._transfer_timeout_s,
+                )
+                self._forget_job(job)
+
+    # -------------------------------------------------------------- stores
+
+    def store(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
+        deadline = time.monotonic() + self._transfer_timeout_s
+        for transfer in transfers:
+            for piece in self._split(transfer):
+                job = _PoolJob(piece, deadline, is_store=True)
+                self._job_started(job)
+                job.future = self._store_pool.submit(self._store, job)
+
+    def release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
+        """Release the stores in flight that read any of ``block_ids``; the pieces released.
+
+        Called at the start of a step, before anything writes: ``block_ids``
+        were just given to requests, and may have been freed while a store
+        still read them. No waiting beyond a chunk's copy under way.
+        """
+        if not block_ids:
+            return []
+        with self._changed:
+            reading = [
+                job
+                for jobs in self._jobs_per_request.values()
+                for job in jobs
+                if job.is_store and not block_ids.isdisjoint(job.piece.block_ids)
+            ]
+        # The flag is set before anything can write the blocks, and a chunk is
+        # copied only under the job's lock with it unset: every byte copied
+        # was read before the flag was set, and nothing is copied after.
+        released = [job.piece for job in reading if job.release()]
+        if released:
+            self._counters.add("saves_released", sum(len(piece.block_ids) for piece in released))
+        return released
+
+    def _split(self, transfer: BlockTransfer) -> list[BlockTransfer]:
+        """Up to one piece per thread, so a large transfer uses every copy thread."""
+        count = len(transfer.block_ids)
+        pieces = max(1, min(self._io_threads, count // _MIN_BLOCKS_PER_PIECE))
+        bounds = [count * i // pieces for i in range(pieces + 1)]
+        return [
+            attrs.evolve(
+                transfer,
+                block_ids=transfer.block_ids[start:end],
+                slots=transfer.slots[start:end],
+                block_hashes=transfer.block_hashes[start:end],
+            )
+            for start, end in itertools.pairwise(bounds)
+        ]
+
+    def _store(self, job: _PoolJob) -> None:
+        transfer = job.piece
+        caches = self._caches[transfer.group]
+        layout = self._layouts[transfer.group]
+        started = time.perf_counter()
+        stored = 0
+        try:
+            # Chunk by chunk, so each checksum reads entries the copy has just
+            # written while they are still in the CPU cache; under the job's
+            # lock, so that once abandoned it reads no block the engine reuses.
+            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
+                slots = transfer.slots[chunk.start : chunk.stop]
+                with job.lock:
+                    job.check()
+                    if job.released:
+                        break
+                    caches.gather_many(
+                        transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
+                    )
+                    for slot, block_hash in zip(
+                        slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
+                    ):
+                        write_header(self.pool.entry(slot), layout, block_hash)
+                        stored += 1
+        except JobAbandoned:
+            pass  # counted failed when it was given up on
+        except Exception:
+            # The slots keep whatever they had; their headers no longer match,
+            # so a later load reports them instead of copying them.
+            logger.exception("CPU offload: store of request %r failed", transfer.request_id)
+        if not job.end():
+            return
+        if job.released:
+            # Final once ended. Counted when released; the scheduler side frees
+            # its slots, whatever they hold, so it never commits.
+            self._forget_job(job)
+            return
+        # Counted before the job is forgotten, so whoever waits for it sees them.
+        self._counters.add_many(
+            {
+                "blocks_saved": stored,
+                "bytes_saved": stored * self._layout.payload_bytes,
+                "save_errors": len(transfer.block_ids) - stored,
+                "save_seconds": time.perf_counter() - started,
+            }
+        )
+        self._forget_job(job)
+
+    # --------------------------------------------------------------- loads
+
+    def start_loads(
+        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        deadline = time.monotonic() + self._transfer_timeout_s
+        for transfer in sync_loads:
+            for piece in self._split(transfer):
+                job = _PoolJob(piece, deadline, is_store=False)
+                self._sync_loads.append(job)
+                job.future = self._load_pool.submit(self._load, job)
+        # A request loads in several groups at once: one state per request,
+        # finished when the pieces of all its transfers are.
+        states: dict[str, _AsyncPoolLoad] = {}
+        for transfer in async_loads:
+            state = states.get(transfer.request_id)
+            if state is None:
+                state = states[transfer.request_id] = _AsyncPoolLoad(transfer.request_id, deadline)
+            state.jobs += [
+                _PoolJob(piece, deadline, is_store=False, async_load=state)
+                for piece in self._split(transfer)
+            ]
+        for request_id, state in states.items():
+            state.pieces_left = len(state.jobs)
+            with self._changed:
+                self._async_loads[request_id] = state
+            for job in state.jobs:
+                self._job_started(job)
+            for job in state.jobs:
+                job.future = self._load_pool.submit(self._load_async, job)
+
+    def wait_for_loads(self) -> None:
+        """Block until this step's synchronous loads are in the cache, failed, or overdue."""
+        pending, self._sync_loads = self._sync_loads, []
+        if not pending:
+            return
+        concurrent.futures.wait(
+            [job.future for job in pending if job.future is not None],
+            timeout=max(0.0, max(job.deadline for job in pending) - time.monotonic()),
+        )
+        for job in pending:
+            if job.abandon():
+                self._load_errors.update(job.piece.block_ids)
+                self._count_overdue_load(len(job.piece.block_ids))
+            else:
+                self._load_errors.update(job.failed)
+
+    def _count_overdue_load(self, blocks: int) -> None:
+        self._counters.add_many({"load_errors": blocks, "load_timeouts": blocks})
+        self._warn.warn(
+            "load-timeout",
+            "CPU offload: loads of %d blocks still running after %g s (transfer_timeout_s): "
+            "reported as load errors, to be computed again",
+            blocks,
+            self._transfer_timeout_s,
+        )
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads completed (or ran past their deadline)."""
+        now = time.monotonic()
+        with self._changed:
+            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
+        for state in overdue:
+            self._give_up_async(state)
+        with self._changed:
+            finished, self._finished_async = self._finished_async, {}
+        for failed in finished.values():
+            self._load_errors.update(failed)
+        return set(finished)
+
+    def _give_up_async(self, state: _AsyncPoolLoad) -> None:
+        """Report ``state``'s request finished now, every block of an abandoned piece failed."""
+        abandoned = [job for job in state.jobs if job.abandon()]
+        with self._changed:
+            if self._async_loads.get(state.request_id) is not state:
+                return  # its last piece ended meanwhile
+            del self._async_loads[state.request_id]
+            failed = list(state.failed)
+            for job in state.jobs:
+                if job in abandoned:
+                    failed.extend(job.piece.block_ids)
+                elif job.ended:
+                    failed.extend(job.failed)
+            self._finished_async[state.request_id] = failed
+        if abandoned:
+            self._count_overdue_load(sum(len(job.piece.block_ids) for job in abandoned))
+        for job in state.jobs:
+            self._forget_job(job)
+
+    def load_errors_so_far(self) -> set[int]:
+        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
+        return set(self._load_errors)
+
+    def take_load_errors(self) -> set[int]:
+        self.wait_for_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _load_async(self, job: _PoolJob) -> None:
+        self._load(job)
+        state = job.async_load
+        assert state is not None
+        with self._changed:
+            if not job.ended or self._async_loads.get(state.request_id) is not state:
+                return  # given up on at its deadline, and reported then
+            state.failed.extend(job.failed)
+            state.pieces_left -= 1
+            if not state.pieces_left:  # the request's last piece
+                del self._async_loads[state.request_id]
+                self._finished_async[state.request_id] = state.failed
+        self._forget_job(job)
+
+    def _load(self, job: _PoolJob) -> None:
+        """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
+        transfer = job.piece
+        caches = self._caches[transfer.group]
+        layout = self._layouts[transfer.group]
+        started = time.perf_counter()
+        failed: list[int] = []
+        try:
+            # Chunk by chunk, so the copy into the cache reads entries that
+            # verification has just read, while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
+                verified_ids: list[int] = []
+                verified_slots: list[int] = []
+                for block_id, slot, block_hash in zip(
+                    transfer.block_ids[chunk.start : chunk.stop],
+                    transfer.slots[chunk.start : chunk.stop],
+                    transfer.block_hashes[chunk.start : chunk.stop],
+                    strict=True,
+                ):
+                    try:
+                        verify_entry(self.pool.entry(slot), layout, block_hash)
+                        caches.check_block_id(block_id)
+                    except (CorruptBlockError, IndexError) as error:
+                        self._warn.warn(
+                            "corrupt", "CPU offload: not loading slot %d: %s", slot, error
+                        )
+                        self._counters.add("corrupt_entries")
+                        failed.append(block_id)
+                        continue
+                    verified_ids.append(block_id)
+                    verified_slots.append(slot)
+                # Only verified entries reach the cache, and only while the
+                # caller still waits for them.
+                with job.lock:
+                    job.check()
+                    caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
+        except JobAbandoned:
+            return  # its caller has reported every block of it failed
+        except Exception:
+            # Never an exception into the engine: the whole transfer is reported failed.
+            logger.exception("CPU offload: load of request %r failed", transfer.request_id)
+            failed = list(transfer.block_ids)
+        job.failed = failed
+        if not job.end():
+            return
+        loaded = len(transfer.block_ids) - len(failed)
+        self._counters.add_many(
+            {
+                "blocks_loaded": loaded,
+                "bytes_loaded": loaded * self._layout.payload_bytes,
+                "load_errors": len(failed),
+                "load_seconds": time.perf_counter() - started,
+            }
+        )
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the copies in flight (up to ``timeout_s``), then stop the threads.
+
+        Every step runs even when one fails (logged).
+        """
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("waiting for loads", self.wait_for_loads),
+            ("waiting for transfers", lambda: self._wait_at_close(timeout_s)),
+            ("stopping the store threads", self._store_pool.shutdown),
+            ("stopping the load threads", self._load_pool.shutdown),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("CPU offload: shutdown: %s failed", what)
+
+    def _wait_at_close(self, timeout_s: float) -> None:
+        if not self.wait_for_all(timeout_s):
+            logger.warning(
+                "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
+            )
+        with self._changed:
+            jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
+        self._give_up(jobs)

@@ -1,0 +1,52 @@
+"""The CPU-offload connector's pool: preallocated entry slots, reused.
+
+A slot holds one whole entry (the 128-byte header, then the cross-layer
+payload), seen both as one ``memoryview`` and, for copies to and from the
+paged cache, as a typed tensor. The memory is allocated and committed once,
+when the worker side registers the caches; which slot holds which block is
+the scheduler side's business (:mod:`kvwire.media.cpu_pool._index`).
+The store connectors need no such buffers: they move blocks straight
+between the cache and the medium (:mod:`kvwire.blocks.memory`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwire.blocks.format import HEADER_SIZE, BlockLayout
+from kvwire.dtypes import DTYPES
+
+
+class PoolSlots:
+    """``num_slots`` entry-sized buffers in one allocation."""
+
+    def __init__(self, layout: BlockLayout, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the CPU pool needs at least one slot, got {num_slots}")
+        self.layout = layout
+        self.num_slots = num_slots
+        entry_bytes = layout.entry_bytes
+        # One allocation that both Python (memoryviews, for headers) and torch
+        # (typed views, for cache copies) see, without numpy in between.
+        self._memory = bytearray(num_slots * entry_bytes)
+        self._raw = torch.frombuffer(self._memory, dtype=torch.uint8).view(num_slots, entry_bytes)
+        # Written now, so every page is committed here and not on the hot path
+        # the first time a slot is used.
+        self._raw.zero_()
+        whole = memoryview(self._memory)
+        self._views = [whole[i * entry_bytes : (i + 1) * entry_bytes] for i in range(num_slots)]
+        payload = self._raw[:, HEADER_SIZE:].view(DTYPES[layout.dtype].torch_dtype())
+        self._payloads = payload.view(num_slots, *layout.shape)
+
+    def entry(self, slot: int) -> memoryview:
+        """The whole entry (header and payload) of ``slot``."""
+        return self._views[slot]
+
+    @property
+    def payloads(self) -> torch.Tensor:
+        """Every slot's payload: ``[num_slots, num_layers, 2, block_size, heads, head_size]``."""
+        return self._payloads
+
+    def payload(self, slot: int) -> torch.Tensor:
+        """The payload of ``slot`` as a cross-layer tensor."""
+        return self._payloads[slot]

@@ -1,0 +1,1 @@
+"""The directory medium: one file per entry under a shared directory."""

@@ -1,0 +1,816 @@
+"""The worker side of a store-backed connector: it moves bytes, nothing else.
+
+:class:`StoreWorker` moves blocks straight between the KV cache and the
+:class:`BlockStore`, on background threads: a load reads each entry's
+payload into the block's ranges in the cache
+(:meth:`BlockStore.read_into_ranges`; see :mod:`kvwire.blocks.memory`),
+a save writes the entry from them (:meth:`BlockStore.write_ranges`). There
+is no staging copy, and the forward pass's thread only submits jobs. Loads
+and saves have separate thread pools, so a backlog of saves never delays a
+load the forward pass is waiting for.
+
+Integrity: a loaded entry's header, checksum (and MAC) are verified over the
+bytes where they landed, in the cache, and only a block that passes is
+counted loaded; one that fails is a load error (reported by id, never
+raised), its cache block holds garbage the engine never uses: it computes the
+block again. A save checksums (and seals) the block's ranges just before
+writing them, a cache-sized chunk at a time, while they are still in the CPU
+cache.
+
+The blocks a save reads must not change until it has written them. The
+connector keeps them: a finished request whose saves run keeps its blocks
+until :meth:`StoreWorker.saves_running` turns False (reported then as
+finished sending), and before each forward pass
+:meth:`StoreWorker.release_saves_reading` releases the saves of preempted
+requests and of blocks given to a request since the last step (the engine
+frees a block without telling the connector when a sliding window moves on
+or a request is preempted, and may give it out again at once): one not
+started is cancelled, one under way is given up on (``saves_released``
+counts their blocks). A save given up on, released or past its deadline,
+closes its gate: the store commits none of its entries whose bytes had not
+all left the cache by then (a file is not renamed into place, a ``SET`` is
+never completed; see :meth:`BlockStore.write_ranges`), so no entry is ever
+made of bytes being overwritten, and one another engine stored under the
+same hash stays.
+
+Every transfer has a deadline (``transfer_timeout_s`` from its start): a
+load still running past it is given up on and its blocks are load errors; a
+save still running past it is given up on and counted failed. Once a load is
+given up on, nothing writes into its cache blocks: every write into them goes
+through the job's :class:`~kvwire.media.store.base.CacheWrites` gate, which
+then refuses new writes; a write already in a syscall cannot be cancelled,
+so the waiter waits for it (``late_write_grace_s``) and, should it not
+return, raises :class:`~kvwire.media.store.base.LateWriteError`: the engine
+stops rather than risk wrong KV. A save given up on computes no further
+checksum and commits no further entry: the gate covers both.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+
+import attrs
+
+from kvwire.blocks.format import (
+    HEADER_SIZE,
+    BlockLayout,
+    CorruptBlockError,
+    encode_header,
+    verify_parts,
+)
+from kvwire.blocks.memory import BlockMemory
+from kvwire.blocks.paged_cache import cache_sized_chunks
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from kvwire.media._job_threads import JobThreads
+from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
+
+logger = logging.getLogger(__name__)
+
+# How long a waiter that gave up on a load waits for a read already in a
+# syscall: a local disk answers within this even when slow; one that does
+# not is stuck, and the engine must stop rather than let it land later.
+LATE_WRITE_GRACE_S = 10.0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class _Job(TransferJob):
+    """A load run or a save batch: blocks of one group, and the gate on its cache access."""
+
+    def __init__(
+        self,
+        request_id: str,
+        group: int,
+        block_ids: tuple[int, ...],
+        hashes: tuple[BlockHash, ...],
+        deadline: float,
+    ) -> None:
+        super().__init__(deadline)
+        self.request_id = request_id
+        self.group = group
+        self.block_ids = block_ids
+        self.hashes = hashes
+        self.cache_access = CacheWrites()
+        self.failed: list[int] = []
+        # A save given up on because its blocks were given out again (not its deadline).
+        self.released = False
+
+
+@attrs.define(eq=False)
+class _AsyncLoad:
+    """A request's asynchronous load: its runs, how many have not ended, what failed so far."""
+
+    request_id: str
+    deadline: float
+    remaining_jobs: int = 1
+    runs: list[_Job] = attrs.field(factory=list)
+    failed_block_ids: set[int] = attrs.field(factory=set)
+
+
+class _Headers(threading.local):
+    """Each I/O thread's header buffers, reused from job to job (grown when a job needs more)."""
+
+    def __init__(self) -> None:
+        self._memory = bytearray()
+
+    def views(self, count: int) -> list[memoryview]:
+        if len(self._memory) < count * HEADER_SIZE:
+            self._memory = bytearray(count * HEADER_SIZE)
+        whole = memoryview(self._memory)
+        return [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
+
+
+class StoreWorker:
+    """Saves and loads blocks of the registered caches through a store, off the forward pass.
+
+    It serves every KV cache group of the engine: ``layouts`` and ``memories``
+    hold one layout and one :class:`BlockMemory` per group, in group order (a
+    single-group engine passes one of each). A transfer names its group
+    (:attr:`BlockTransfer.group`); its blocks are read from or written to
+    that group's layers only, and its entries are headed, checked and keyed
+    with that group's layout, so an entry of one group never loads into
+    another.
+
+    ``key_of(group, block_hash)`` names a block's entry in the store (the
+    connector's choice; by default the group layout's key), ``hash_of`` turns
+    a key back into its block hash (None for another layout's; by default,
+    the hash any group's layout made the key from), and ``medium`` names the
+    store in the KV cache events (:meth:`take_events`). Saves in flight hold
+    at most ``max_save_bytes`` of entries: past that, a save is dropped and
+    counted (``saves_dropped``), never waited for. A transfer still running
+    ``transfer_timeout_s`` after it started is given up on (see the module).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: BlockStore,
+        layouts: Sequence[BlockLayout],
+        memories: Sequence[BlockMemory],
+        io_threads: int,
+        batch_blocks: int,
+        counters: Counters,
+        medium: str,
+        max_save_bytes: int,
+        key_of: Callable[[int, BlockHash], str] | None = None,
+        hash_of: Callable[[str], BlockHash | None] | None = None,
+        transfer_timeout_s: float = 30.0,
+        late_write_grace_s: float = LATE_WRITE_GRACE_S,
+    ) -> None:
+        if not layouts or len(layouts) != len(memories):
+            raise ValueError(
+                f"StoreWorker: got {len(layouts)} layouts and {len(memories)} block memories; "
+                "expected one of each per KV cache group (at least one)"
+            )
+        self._store = store
+        self._transfer_timeout_s = transfer_timeout_s
+        self._late_write_grace_s = late_write_grace_s
+        # Per group, built once: the hot path only indexes them.
+        self._layouts = tuple(layouts)
+        self._memories = tuple(memories)
+        self._batch_blocks = batch_blocks
+        self._max_save_bytes = max_save_bytes
+        # More runs of one transfer than cores only contend for the GIL
+        # (`--only redis`, docs/performance.md); other threads serve other transfers.
+        self._runs_per_transfer = max(1, min(io_threads, usable_cores()))
+        self._counters = counters
+        self._key_of = key_of if key_of is not None else self._layout_key
+        self._hash_of = hash_of if hash_of is not None else self._layout_hash
+        self._medium = medium
+        self._load_pool = JobThreads(io_threads, "kvwire-load")
+        self._save_pool = JobThreads(io_threads, "kvwire-save")
+        self._headers = _Headers()
+        self._warn = RateLimitedWarning(logger)
+        self._lock = threading.Lock()
+        self._sync_loads: list[_Job] = []
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._finished_async: dict[str, set[int]] = {}
+        self._load_errors: set[int] = set()
+        # Saves not settled yet: running, queued, or given up on while a
+        # checksum of theirs may still read the cache.
+        self._saves_in_flight: set[_Job] = set()
+        # How many of them each request has: asked for every kept request, every step.
+        self._saves_per_request: dict[str, int] = {}
+        self._save_bytes_in_flight = 0
+        self._jobs_running = 0
+        self._events: list[KVCacheEvent] = []
+
+    def _layout_key(self, group: int, block_hash: BlockHash) -> str:
+        return self._layouts[group].key(block_hash)
+
+    def _layout_hash(self, key: str) -> BlockHash | None:
+        for layout in self._layouts:
+            block_hash = layout.block_hash_of(key)
+            if block_hash is not None:
+                return block_hash
+        return None
+
+    def idle(self) -> bool:
+        """Whether no job runs on any thread, jobs given up on included."""
+        with self._lock:
+            return self._jobs_running == 0
+
+    def _submit(self, pool: JobThreads, job: _Job, work: Callable[[_Job], None]) -> None:
+        with self._lock:
+            self._jobs_running += 1
+        job.future = pool.submit(work, job)
+        job.future.add_done_callback(self._job_done)
+
+    def _job_done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._jobs_running -= 1
+
+    # ----------------------------------------------------------------- loads
+
+    def start_loads(
+        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`.
+
+        A request's asynchronous transfers (one per KV cache group it loads)
+        are one load: the request is finished once all of them are.
+        """
+        deadline = time.monotonic() + self._transfer_timeout_s
+        for transfer in sync_loads:
+            self._submit_runs(transfer, deadline, None)
+        states: dict[str, _AsyncLoad] = {}
+        for transfer in async_loads:
+            # The state's one initial "job" stands for the submission itself,
+            # so the request cannot be reported finished before its last run
+            # is submitted.
+            if transfer.request_id not in states:
+                state = _AsyncLoad(transfer.request_id, deadline)
+                with self._lock:
+                    self._async_loads[transfer.request_id] = state
+                states[transfer.request_id] = state
+            self._submit_runs(transfer, deadline, states[transfer.request_id])
+        for state in states.values():
+            self._complete_async(state, ())
+
+    def _submit_runs(
+        self, transfer: BlockTransfer, deadline: float, state: _AsyncLoad | None
+    ) -> None:
+        """Submit the transfer's runs: one job, one ``read_into_ranges`` each.
+
+        A store that reads ahead (a server sending the next entries while
+        this thread verifies) does so across the whole run. A transfer is
+        split between the I/O threads (no more ways than there are cores), in
+        runs of at least ``batch_blocks``.
+        """
+        count = len(transfer.block_ids)
+        run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
+        for start in range(0, count, run_blocks):
+            end = min(start + run_blocks, count)
+            run = _Job(
+                transfer.request_id,
+                transfer.group,
+                transfer.block_ids[start:end],
+                transfer.block_hashes[start:end],
+                deadline,
+            )
+            if state is None:
+                self._sync_loads.append(run)
+            else:
+                with self._lock:
+                    state.runs.append(run)
+                    state.remaining_jobs += 1
+            self._submit(self._load_pool, run, functools.partial(self._load, state=state))
+
+    def wait_for_loads(self) -> None:
+        """Block until this step's synchronous loads are verified, failed, or overdue.
+
+        A run still going at its deadline is given up on: its blocks are load
+        errors, and it writes nothing more into the cache.
+        """
+        pending, self._sync_loads = self._sync_loads, []
+        if not pending:
+            return
+        deadline = max(run.deadline for run in pending)
+        concurrent.futures.wait(
+            [run.future for run in pending if run.future is not None],
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+        abandoned, late = self._abandon_loads(pending)
+        for run in pending:
+            self._load_errors.update(run.block_ids if run in abandoned else run.failed)
+        if late is not None:
+            raise late
+
+    def _abandon_loads(self, runs: Sequence[_Job]) -> tuple[set[_Job], LateWriteError | None]:
+        """Give up on each of ``runs`` that has not ended; those given up on, now or before.
+
+        Every run is given up on before any error is raised: a run after one
+        whose read outlived the grace period must not go on writing into the
+        cache. The first such :class:`~kvwire.media.store.base.LateWriteError`
+        is returned, for the caller to raise once it has recorded the runs.
+        """
+        abandoned: set[_Job] = set()
+        late: LateWriteError | None = None
+        for run in runs:
+            try:
+                # A run an earlier call gave up on (one that raised) stays given
+                # up on: its blocks never loaded, whatever it left in run.failed.
+                if self._abandon_load(run) or run.abandoned:
+                    abandoned.add(run)
+            except LateWriteError as error:
+                abandoned.add(run)
+                late = late or error
+        return abandoned, late
+
+    def _abandon_load(self, run: _Job) -> bool:
+        """Give up on ``run`` unless it has ended; whether it was given up on now (and counted).
+
+        Returns once nothing of the run writes into the cache any more (or
+        raises :class:`~kvwire.media.store.base.LateWriteError`).
+        """
+        if not run.abandon():
+            return False
+        self._fail_overdue(run.block_ids)
+        run.cache_access.close(self._late_write_grace_s)
+        return True
+
+    def _fail_overdue(self, block_ids: Sequence[int]) -> None:
+        """Count blocks whose load was given up on at its deadline."""
+        if not block_ids:
+            return
+        self._counters.add_many({"load_errors": len(block_ids), "load_timeouts": len(block_ids)})
+        self._warn.warn(
+            "load-timeout",
+            "loads of %d blocks still running after %g s (transfer_timeout_s): "
+            "reported as load errors, to be computed again",
+            len(block_ids),
+            self._transfer_timeout_s,
+        )
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads completed (or ran past their deadline).
+
+        Their failures join the load errors; every block of an overdue load is one.
+        """
+        now = time.monotonic()
+        with self._lock:
+            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
+        for state in overdue:
+            self._give_up_async(state)
+        with self._lock:
+            finished, self._finished_async = self._finished_async, {}
+        for failed in finished.values():
+            self._load_errors.update(failed)
+        return set(finished)
+
+    def _give_up_async(self, state: _AsyncLoad) -> None:
+        """Report ``state``'s request finished now, every block of an abandoned run failed.
+
+        Should a run's read outlive the grace period, every run is still given
+        up on, the request stays unfinished (its blocks kept), and the
+        :class:`~kvwire.media.store.base.LateWriteError` is raised; a later
+        call reports it finished, with those runs' blocks failed.
+        """
+        with self._lock:
+            runs = list(state.runs)
+        abandoned, late = self._abandon_loads(runs)
+        if late is not None:
+            raise late
+        with self._lock:
+            if self._async_loads.get(state.request_id) is not state:
+                return  # its last run ended meanwhile
+            del self._async_loads[state.request_id]
+            failed = state.failed_block_ids
+            for run in runs:
+                failed.update(run.block_ids if run in abandoned else run.failed)
+            self._finished_async[state.request_id] = failed
+
+    def is_loading(self, request_id: str) -> bool:
+        """Whether an asynchronous load still writes into ``request_id``'s blocks."""
+        with self._lock:
+            return request_id in self._async_loads
+
+    def load_errors_so_far(self) -> set[int]:
+        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
+        return set(self._load_errors)
+
+    def take_load_errors(self) -> set[int]:
+        self.wait_for_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _complete_async(self, state: _AsyncLoad, failed: Iterable[int]) -> None:
+        with self._lock:
+            if self._async_loads.get(state.request_id) is not state:
+                return  # given up on at its deadline, and reported then
+            state.failed_block_ids.update(failed)
+            state.remaining_jobs -= 1
+            if state.remaining_jobs <= 0:
+                del self._async_loads[state.request_id]
+                self._finished_async[state.request_id] = state.failed_block_ids
+
+    def _load(self, run: _Job, state: _AsyncLoad | None) -> None:
+        """Read one run straight into its cache blocks, verifying each entry where it landed.
+
+        Failed block ids go to ``run.failed``; an asynchronous run then
+        counts towards its request's ``state``.
+        """
+        started = time.perf_counter()
+        failed: list[int] = []
+        corrupt: list[BlockHash] = []
+        loaded = 0
+        try:
+            loaded = self._read_and_verify(run, failed, corrupt)
+        except JobAbandoned:
+            pass  # its caller has reported every block of it failed
+        except Exception:
+            # A store that raises (a bug, an unforeseen error) fails the run, not the engine.
+            logger.exception("load of %d blocks failed", len(run.block_ids))
+            failed = list(run.block_ids)
+            loaded = 0
+            # A thread of the store may still write into the blocks (a cluster's
+            # fan-out): none may once the run is reported failed.
+            try:
+                run.cache_access.close(self._late_write_grace_s)
+            except LateWriteError:
+                # Not ended: its waiter gives up on it at its deadline, waits
+                # for the write once more and stops the engine.
+                logger.exception("a failed load is still writing into the KV cache")
+                return
+        if corrupt:
+            # A corrupt entry would be a hit (and a failed load) for every later
+            # request: drop it, so the next request that computes it saves it again.
+            self._discard(run.group, corrupt)
+        run.failed = failed
+        if not run.end():
+            return  # abandoned at its deadline: counted and reported then
+        self._counters.add_many(
+            {
+                "blocks_loaded": loaded,
+                "bytes_loaded": loaded * self._layouts[run.group].payload_bytes,
+                "load_errors": len(failed),
+                "load_seconds": time.perf_counter() - started,
+            }
+        )
+        if state is not None:
+            self._complete_async(state, failed)
+
+    def _read_and_verify(self, run: _Job, failed: list[int], corrupt: list[BlockHash]) -> int:
+        """Read the run's entries into header buffers and the blocks' ranges; blocks verified.
+
+        Each entry is verified as soon as the store has read it, while it is
+        still in the CPU cache (and, with a server, while the server sends
+        the next). A block that fails stays garbage in the cache and is a
+        load error: the engine computes it again.
+        """
+        memory = self._memories[run.group]
+        layout = self._layouts[run.group]
+        block_ids, hashes = [], []
+        for block_id, block_hash in zip(run.block_ids, run.hashes, strict=True):
+            if 0 <= block_id < memory.num_blocks:
+                block_ids.append(block_id)
+                hashes.append(block_hash)
+            else:
+                self._warn.warn(
+                    "bad-block-id",
+                    "not loading into block %d: outside the cache (0..%d)",
+                    block_id,
+                    memory.num_blocks - 1,
+                )
+                failed.append(block_id)
+        headers = self._headers.views(len(block_ids))
+        ranges_per_key = [
+            [header, *memory.ranges(block_id)]
+            for header, block_id in zip(headers, block_ids, strict=True)
+        ]
+        keys = [self._key_of(run.group, block_hash) for block_hash in hashes]
+        verified = 0
+        landed = self._store.read_into_ranges(keys, ranges_per_key, run.cache_access)
+        with contextlib.closing(landed):
+            for index, size in landed:
+                block_id, block_hash = block_ids[index], hashes[index]
+                if size is None:
+                    failed.append(block_id)
+                    continue
+                try:
+                    verify_parts(
+                        headers[index], ranges_per_key[index][1:], size, layout, block_hash
+                    )
+                except CorruptBlockError as error:
+                    self._warn.warn(
+                        "corrupt", "not loading block %s: %s", block_hash.hex()[:16], error
+                    )
+                    self._counters.add("corrupt_entries")
+                    corrupt.append(block_hash)
+                    failed.append(block_id)
+                    continue
+                verified += 1
+        return verified
+
+    def _discard(self, group: int, hashes: list[BlockHash]) -> None:
+        try:
+            self._store.discard([self._key_of(group, block_hash) for block_hash in hashes])
+        except Exception:
+            logger.exception("discarding %d corrupt entries failed", len(hashes))
+        self._record_events()
+
+    # ---------------------------------------------------------------- events
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Blocks stored and removed since the last call, in the order this worker saw them."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _record_events(self, stored: Sequence[BlockHash] = ()) -> None:
+        """Events after a store call: the blocks it stored, then the entries the store removed.
+
+        A store reports only what it really removed: one without ``discard``
+        keeps a corrupt entry, and reports nothing. Keys of another layout (a
+        shared medium) are no blocks of this engine. Events name blocks by
+        hash, whatever their KV cache group.
+        """
+        with self._lock:
+            if stored:
+                self._events.append(BlockStored(tuple(stored), self._medium))
+            # Under the same lock, after this write's blocks: an entry evicted
+            # once written is reported removed after it was reported stored.
+            hashes = [self._hash_of(key) for key in self._store.take_removed_keys()]
+            removed = tuple(block_hash for block_hash in hashes if block_hash is not None)
+            if removed:
+                self._events.append(BlockRemoved(removed, self._medium))
+
+    # ----------------------------------------------------------------- saves
+
+    def save(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Submit the blocks' saves to the background threads; returns at once.
+
+        Nothing is copied here: the saves read the cache blocks themselves,
+        which the connector keeps unchanged until they end (see the module).
+        When saves in flight already hold ``max_save_bytes``, the blocks that
+        do not fit are not saved (counted as ``saves_dropped``), because a
+        slow medium must not pin ever more blocks; the next request that
+        computes them saves them again. A save still running
+        ``transfer_timeout_s`` after it was submitted is counted failed
+        (``save_timeouts``) and writes no more of its entries.
+        """
+        self.expire_overdue_saves()
+        dropped = 0
+        deadline = time.monotonic() + self._transfer_timeout_s
+        for transfer in transfers:
+            entry_bytes = self._layouts[transfer.group].entry_bytes
+            with self._lock:
+                room = (self._max_save_bytes - self._save_bytes_in_flight) // entry_bytes
+                taken = max(0, min(len(transfer.block_ids), room))
+                self._save_bytes_in_flight += taken * entry_bytes
+            dropped += len(transfer.block_ids) - taken
+            for start in range(0, taken, self._batch_blocks):
+                end = min(start + self._batch_blocks, taken)
+                job = _Job(
+                    transfer.request_id,
+                    transfer.group,
+                    transfer.block_ids[start:end],
+                    transfer.block_hashes[start:end],
+                    deadline,
+                )
+                with self._lock:
+                    self._saves_in_flight.add(job)
+                    count = self._saves_per_request.get(job.request_id, 0)
+                    self._saves_per_request[job.request_id] = count + 1
+                self._submit(self._save_pool, job, self._save)
+                assert job.future is not None
+                job.future.add_done_callback(functools.partial(self._save_ended, job))
+        if dropped:
+            self._counters.add("saves_dropped", dropped)
+            self._warn.warn(
+                "saves-full",
+                "saves in flight hold kv_connector_extra_config.staging_buffer_bytes: %d block "
+                "saves dropped (raise it, or io_threads)",
+                dropped,
+            )
+
+    def _save_ended(self, job: _Job, future: Future[None]) -> None:
+        self._forget_save(job)
+
+    def _forget_save(self, job: _Job) -> None:
+        with self._lock:
+            if job in self._saves_in_flight:
+                self._saves_in_flight.discard(job)
+                self._save_bytes_in_flight -= (
+                    len(job.block_ids) * self._layouts[job.group].entry_bytes
+                )
+                left = self._saves_per_request[job.request_id] - 1
+                if left:
+                    self._saves_per_request[job.request_id] = left
+                else:
+                    del self._saves_per_request[job.request_id]
+
+    def _save(self, job: _Job) -> None:
+        layout = self._layouts[job.group]
+        memory = self._memories[job.group]
+        started = time.perf_counter()
+        stored = 0
+        try:
+            # A cache-sized chunk at a time: the store writes ranges the
+            # checksum has just read, while they are still in the CPU cache.
+            for chunk in cache_sized_chunks(len(job.hashes), layout.entry_bytes):
+                chunk_hashes = job.hashes[chunk.start : chunk.stop]
+                headers = self._headers.views(len(chunk))
+                ranges_per_key = []
+                # The gate covers the checksums: once the save is given up on
+                # (its blocks may be reused), none is computed over them.
+                with job.cache_access.writing():
+                    for header, block_id, block_hash in zip(
+                        headers, job.block_ids[chunk.start : chunk.stop], chunk_hashes, strict=True
+                    ):
+                        parts = memory.ranges(block_id)
+                        encode_header(header, parts, layout, block_hash)
+                        ranges_per_key.append([header, *parts])
+                # The store commits an entry only while the gate is open once
+                # all its bytes have left the cache: a save given up on (its
+                # blocks may be given out and overwritten) commits nothing more.
+                results = self._store.write_ranges(
+                    [self._key_of(job.group, h) for h in chunk_hashes],
+                    ranges_per_key,
+                    commit_gate=job.cache_access,
+                )
+                written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
+                stored += len(written)
+                # Reported even when late: the events say what the store holds.
+                self._record_events(written)
+        except JobAbandoned:
+            pass  # given up on: counted below, or at its deadline
+        except Exception:
+            logger.exception("save of %d blocks failed", len(job.hashes))
+        if not job.end():
+            if job.released:
+                # What it committed before its gate closed is stored (and reported).
+                self._counters.add_many(
+                    {
+                        "blocks_saved": stored,
+                        "bytes_saved": stored * layout.payload_bytes,
+                        "saves_released": len(job.hashes) - stored,
+                    }
+                )
+            return  # otherwise counted failed at its deadline
+        self._counters.add_many(
+            {
+                "blocks_saved": stored,
+                "bytes_saved": stored * layout.payload_bytes,
+                "save_errors": len(job.hashes) - stored,
+                "save_seconds": time.perf_counter() - started,
+            }
+        )
+
+    def expire_overdue_saves(self) -> None:
+        """Count the saves still running past their deadline as failed, and stop waiting for them.
+
+        Each such save computes no further checksum over the cache and writes
+        none of its entries not started yet; a write already in the store's
+        hands may still land (and is then reported in the KV cache events),
+        but the save counts failed.
+        """
+        now = time.monotonic()
+        with self._lock:
+            overdue = [job for job in self._saves_in_flight if job.deadline <= now]
+        for job in overdue:
+            self._abandon_save(job)
+
+    def _abandon_save(self, job: _Job) -> None:
+        if job.abandon():
+            self._counters.add_many(
+                {"save_errors": len(job.hashes), "save_timeouts": len(job.hashes)}
+            )
+            self._warn.warn(
+                "save-timeout",
+                "a save of %d blocks still running after %g s (transfer_timeout_s) "
+                "is counted failed",
+                len(job.hashes),
+                self._transfer_timeout_s,
+            )
+        # A checksum under way reads the cache: only once it is done may the
+        # blocks change (it is CPU work, never I/O: this wait is short).
+        job.cache_access.close(self._late_write_grace_s)
+        self._forget_save(job)
+
+    def saves_running(self, request_id: str) -> bool:
+        """Whether a save still reads ``request_id``'s blocks (they must be kept until it ends)."""
+        with self._lock:
+            return request_id in self._saves_per_request
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
+    ) -> None:
+        """Release every save that reads blocks of ``request_ids``, or any of ``block_ids``.
+
+        Before a forward pass that may write those blocks (preempted
+        requests'; blocks given out again since the last step). Nothing is
+        waited for but a checksum under way: a save not started yet is
+        cancelled, and one under way has its gate closed, so it commits none
+        of its entries not committed yet (see the module). Their blocks not
+        stored count as ``saves_released``; the request's next save stores them.
+        """
+        requests, blocks = set(request_ids), set(block_ids)
+        if not requests and not blocks:
+            return
+        with self._lock:
+            pending = [
+                job
+                for job in self._saves_in_flight
+                if job.request_id in requests or not blocks.isdisjoint(job.block_ids)
+            ]
+        for job in pending:
+            self._release_save(job)
+
+    def _release_save(self, job: _Job) -> None:
+        with job.lock:
+            # Read by the save once its end() has failed, under the same lock.
+            job.released = not (job.ended or job.abandoned)
+        if job.abandon() and job.never_ran():
+            self._counters.add("saves_released", len(job.hashes))
+        # A checksum under way reads the blocks: the wait for it is short (CPU
+        # work); the save's I/O goes on, and commits nothing more.
+        job.cache_access.close(self._late_write_grace_s)
+        self._forget_save(job)
+
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every submitted save is written or overdue; False if ``timeout_s`` ran out.
+
+        Without ``timeout_s`` it still ends: at the latest when the last
+        save's own deadline passes.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.expire_overdue_saves()
+            with self._lock:
+                pending = list(self._saves_in_flight)
+            if not pending:
+                return True
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            wake = min(job.deadline for job in pending)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            # No exception to catch: wait() reports what ended, timed out or not.
+            concurrent.futures.wait(
+                [job.future for job in pending if job.future is not None],
+                timeout=max(0.0, wake - now),
+            )
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the transfers in flight (up to ``timeout_s``), then stop the threads.
+
+        Every step runs even when one fails (logged): a stuck save or load
+        must not keep the thread pools from shutting down.
+        """
+        deadline = time.monotonic() + timeout_s
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("waiting for loads", self.wait_for_loads),
+            ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
+            ("ending loads", lambda: self._end_loads(deadline)),
+            # Not waiting for the threads: a job still blocked in the store
+            # was given up on, and writes nothing more into the cache.
+            ("stopping the load threads", self._load_pool.shutdown),
+            ("stopping the save threads", self._save_pool.shutdown),
+        ]
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("shutdown: %s failed", what)
+
+    def _wait_for_saves_at_close(self, deadline: float) -> None:
+        timeout_s = max(0.0, deadline - time.monotonic())
+        if not self.wait_for_saves(timeout_s):
+            logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)
+
+    def _end_loads(self, deadline: float) -> None:
+        """Wait for the asynchronous loads up to their deadlines (or ``deadline``), then give up.
+
+        The synchronous ones ended or were given up on in :meth:`wait_for_loads`.
+        """
+        with self._lock:
+            states = list(self._async_loads.values())
+        if not states:
+            return
+        until = min(deadline, max(state.deadline for state in states))
+        concurrent.futures.wait(
+            [run.future for state in states for run in state.runs if run.future is not None],
+            timeout=max(0.0, until - time.monotonic()),
+        )
+        for state in states:
+            self._give_up_async(state)
