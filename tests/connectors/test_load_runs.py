@@ -18,8 +18,8 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
-from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.store._handler import StoreWorker
 from kvwire.media.store.base import CacheWrites
 from tests.connectors.store_workers import layout_caches

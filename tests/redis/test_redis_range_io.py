@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvwire.media.store import base as store_module
 from kvwire.media._transfer_jobs import JobAbandoned
 from kvwire.media.redis._cluster import RedisClusterBlockStore
 from kvwire.media.redis._settings import RedisStoreSettings
 from kvwire.media.redis._store import READ_GROUP_BYTES, RedisBlockStore
+from kvwire.media.store import base as store_module
 from kvwire.media.store.base import BlockStore, CacheWrites
 from tests.redis.cluster_fixtures import LocalCluster
 from tests.redis.conftest import RedisServer
