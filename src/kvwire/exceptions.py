@@ -76,3 +76,12 @@ def kind_of(value: object) -> str:
         return "None"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+class ConnectorRoleError(KVWireError, RuntimeError):
+    """A call of one role made on a connector built for the other role.
+
+    A connector split by role builds only the half its role serves, so a
+    worker-side call on a scheduler-role connector (or the reverse) finds no
+    state to act on; the message names the call and both roles.
+    """
