@@ -1,0 +1,244 @@
+"""The medium interface: where a block connector keeps blocks, as a plug-in.
+
+A medium is a pair of halves, one per connector role, built from one
+:class:`Medium` object per connector instance:
+
+- the scheduler side's :class:`MediumIndex` answers lookups and keeps the
+  bookkeeping of transfers (which slots a load reads, which blocks a store
+  writes and whether it succeeded), and reports the KV cache events it sees;
+- the worker side's :class:`TransferHandler` moves blocks between the paged
+  KV cache and the medium, off the forward pass, and reports what finished,
+  what failed and the saves it did not make.
+
+The block connector (:mod:`kvwire.connectors.offload`) drives both halves
+through this interface only, so a new place to keep blocks is a new medium,
+registered by name like a connector (:meth:`kvwire.registry.ConnectorRegistry.register_medium`,
+or the ``kvwire.media`` entry-point group), never a new connector. A medium
+declares its own ``kv_connector_extra_config`` keys; a connector's profile
+names it with ``kv_connector_extra_config.medium``.
+
+Every record of blocks to move is a :class:`~kvwire.blocks.transfers.BlockTransfer`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.connector.types import BlockHash, KVCacheEvent
+from kvwire.extra_config import ExtraConfigKey
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Medium", "MediumContext", "MediumIndex", "TransferHandler"]
+
+
+@attrs.frozen
+class MediumContext:
+    """What a medium is built from, the same in both roles."""
+
+    connector_name: str
+    """The connector's class name, for messages and logs."""
+    options: Mapping[str, Any] = attrs.field(repr=False)
+    """The validated ``kv_connector_extra_config``, defaults filled in (the medium's keys among them)."""
+    groups: tuple[CacheGroup, ...]
+    """The engine's KV cache groups, in group order."""
+    layout: BlockLayout
+    """The layout of one entry of any group (one block of every layer of a group)."""
+
+
+class MediumIndex(abc.ABC):
+    """The scheduler side of a medium: what it holds, and each transfer's bookkeeping.
+
+    Only :meth:`count_held_prefix` is required. A medium that decides where
+    each block goes (the CPU pool's slots) overrides the ``prepare_*`` and
+    ``complete_*`` calls; one whose entries are found by key alone keeps the
+    defaults. The connector calls them in order: ``prepare_load`` once a
+    lookup's blocks are allocated, ``complete_load`` once the load ended;
+    ``prepare_store`` when it plans a save, ``complete_store`` with
+    ``success`` once the worker reported the save made or not made.
+    """
+
+    @abc.abstractmethod
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of ``block_hashes``, from the first, the medium holds for ``group``.
+
+        Only blocks a load can read now count. A sliding-window group's
+        window is asked for last block first.
+        """
+
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """Pin these blocks for a load; where the worker reads each (slots), or () to read by key.
+
+        Called only for blocks :meth:`count_held_prefix` just counted; a
+        block gone meanwhile is an error the caller reports.
+        """
+        return ()
+
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        """The load of these blocks ended; ``corrupt`` ones failed verification."""
+
+    def prepare_store(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        """Which of these blocks to store, and where (a slot, or None to store by key).
+
+        Blocks left out are not stored: the medium holds them already, or
+        has no room (count those in :meth:`take_counters`). The default
+        stores every one by key.
+        """
+        return [(block_hash, None) for block_hash in block_hashes]
+
+    def complete_store(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        """The store of these blocks ended: made (publish them) or not (free their place)."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events this side saw since the last call (stored, removed blocks)."""
+        return []
+
+    def take_counters(self) -> Mapping[str, int]:
+        """Counts since the last call, reported with the worker's stats (then reset)."""
+        return {}
+
+    def reset(self) -> bool | None:
+        """Forget this engine's entries; True when done, False if some stayed, None if unknown."""
+        return None
+
+    def close(self) -> None:
+        """Release connections and files; called once at shutdown."""
+
+
+class TransferHandler(abc.ABC):
+    """The worker side of a medium: moves blocks between the paged KV cache and the medium.
+
+    Transfers run off the forward pass. Loads verify every block before it
+    counts as loaded: a block that fails is a load error (the engine
+    computes it again), never reported loaded. Saves read the cache's blocks
+    in place until they end; :meth:`release_saves_reading` stops those
+    reading blocks about to be written. Every wait has a deadline.
+    """
+
+    @abc.abstractmethod
+    def start_loads(
+        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        """Start this step's loads: ``loads`` before the forward pass, ``async_loads`` beyond it."""
+
+    @abc.abstractmethod
+    def wait_for_loads(self) -> None:
+        """Block until this step's synchronous loads ended (or their deadline passed)."""
+
+    @abc.abstractmethod
+    def load_errors_so_far(self) -> set[int]:
+        """Block ids whose loads failed and were not taken yet (not cleared)."""
+
+    @abc.abstractmethod
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose loads failed since the last call, then cleared."""
+
+    @abc.abstractmethod
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads all ended since the last call."""
+
+    @abc.abstractmethod
+    def save(self, saves: Sequence[BlockTransfer]) -> None:
+        """Start these saves; only submits (the forward pass never waits for I/O)."""
+
+    @abc.abstractmethod
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        """Stop the saves reading blocks of ``request_ids`` or any of ``block_ids``.
+
+        Called before a forward pass that may write those blocks. A stopped
+        save commits nothing more. Returns the saves (or their pieces)
+        stopped so, so the scheduler side never publishes them.
+        """
+
+    @abc.abstractmethod
+    def is_busy(self, request_id: str) -> bool:
+        """Whether a transfer still reads or writes ``request_id``'s blocks."""
+
+    @abc.abstractmethod
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every save submitted so far ended; False if ``timeout_s`` ran out."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events this side saw since the last call (media whose index sees none)."""
+        return []
+
+    def take_counters(self) -> Mapping[str, float]:
+        """The medium's own counts since the last call, reported with the stats."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let the transfers in flight end (each within its deadline), then release everything."""
+
+
+class Medium(abc.ABC):
+    """A place to keep blocks: its options, and a factory of its two halves.
+
+    One object per connector instance, built in both roles from the same
+    :class:`MediumContext`; a scheduler-role connector asks it for
+    :meth:`build_index` only, a worker-role one for :meth:`build_handler`
+    only. Subclasses name themselves in KV cache events (:attr:`event_medium`)
+    and declare their ``kv_connector_extra_config`` keys.
+    """
+
+    event_medium: ClassVar[str] = "medium"
+    """The ``medium`` of the KV cache events this medium's blocks appear in (``cpu``, ``disk``)."""
+
+    def __init__(self, context: MediumContext) -> None:
+        self.context = context
+
+    @classmethod
+    @abc.abstractmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The ``kv_connector_extra_config`` keys this medium accepts."""
+
+    @classmethod
+    def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Check what the keys alone cannot, and derive values; ``ExtraConfigError`` if bad.
+
+        Runs at ``kvwire check`` too: no side effects (no file, no
+        connection). The default returns ``options`` as they are.
+        """
+        return options
+
+    @property
+    def group_layouts(self) -> tuple[BlockLayout, ...]:
+        """Each KV cache group's entry layout (its name is in the fingerprint).
+
+        With a single group, just the context's layout, so its entries keep
+        their names.
+        """
+        layout, groups = self.context.layout, self.context.groups
+        if len(groups) == 1:
+            return (layout,)
+        return tuple(attrs.evolve(layout, group=group.name) for group in groups)
+
+    @abc.abstractmethod
+    def build_index(self) -> MediumIndex:
+        """The scheduler side's half; called once, by a scheduler-role connector."""
+
+    @abc.abstractmethod
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> TransferHandler:
+        """The worker side's half over the registered caches; called once, by a worker-role connector.
+
+        ``counters`` collects the counts the connector reports as stats.
+        """
