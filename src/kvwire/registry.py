@@ -31,6 +31,7 @@ from dependency_injector import containers, providers
 
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole, supports_kw
 from kvwire.exceptions import ConnectorEntryPointError, ConnectorImportError, NotAConnectorError
+from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
@@ -79,11 +80,16 @@ class RegisteredConnector:
 
 def accepts_connector_builder(connector_cls: type) -> bool:
     """Whether ``connector_cls`` is a composite: it takes a keyword-only ``connector_builder``."""
+    return accepts_keyword_only(connector_cls, "connector_builder")
+
+
+def accepts_keyword_only(connector_cls: type, name: str) -> bool:
+    """Whether ``connector_cls``'s constructor declares ``name`` as a keyword-only parameter."""
     try:
         parameters = inspect.signature(connector_cls).parameters
     except (TypeError, ValueError):
         return False
-    parameter = parameters.get("connector_builder")
+    parameter = parameters.get(name)
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
 
 
@@ -135,6 +141,11 @@ class ConnectorRegistry:
         # Classes found through a module path, so that a by-name lookup (e.g.
         # rebuilding a composite child's stats) finds them too.
         self._module_path_classes: dict[str, type[KVConnectorBase]] = {}
+        # The media its connectors keep blocks in: overriding one here
+        # reaches every connector this registry builds.
+        self.media = MediumRegistry(
+            entry_point_group=None if entry_point_group is None else MEDIA_ENTRY_POINT_GROUP
+        )
         chosen = BUILT_IN_CONNECTORS if built_ins is None else built_ins
         for name, (module_path, class_name) in chosen.items():
             self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.BUILT_IN))
@@ -157,6 +168,7 @@ class ConnectorRegistry:
             for entry in self._entries.values():
                 copied._add(entry)
             copied._module_path_classes = dict(self._module_path_classes)
+            copied.media = self.media.copy()
         return copied
 
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:
@@ -364,6 +376,12 @@ class ConnectorRegistry:
                 return connector_cls(  # type: ignore[call-arg]
                     config, role, kv_cache_config, connector_builder=builder
                 )
+        if accepts_keyword_only(connector_cls, "medium_resolver"):
+            # A block connector resolves the medium it keeps blocks in here,
+            # so that an override of this registry's medium reaches it.
+            return connector_cls(  # type: ignore[call-arg]
+                config, role, kv_cache_config, medium_resolver=self.media.get_class
+            )
         return connector_cls(config, role, kv_cache_config)
 
     @contextlib.contextmanager

@@ -106,6 +106,11 @@ class BlockPlanner:
         self.lookup_hit_blocks = 0
         self.lookup_miss_blocks = 0
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
     def look_up(self, request: Request, num_computed_tokens: int, count_hits: HitCounter) -> int:
         """Remember and return how many blocks after the local ones the medium holds."""
         first_block = num_computed_tokens // self._block_size

@@ -1,192 +1,20 @@
-"""The shared-storage connector: KV blocks in a directory that engines share.
+"""The shared-storage connector: KV blocks as files in a directory many engines share.
 
-A producer engine saves the blocks it computes; a consumer engine (on the
-same host, or over a shared filesystem) loads the longest prefix it finds.
-The data path is the store-backed connector's
-(:mod:`kvwire.connectors.offload._store_connector`); the medium is
-:class:`~kvwire.media.directory._store.DirectoryBlockStore`.
-
-``kv_connector_extra_config`` keys, beside the common ones of
-:class:`~kvwire.connectors.offload._store_connector.StoreConnector`:
-
-- ``shared_storage_path`` (required): the directory; created if missing
-  (with the folder mode of ``file_mode``). It may hold other files: kvwire
-  only ever removes its own entries and temporary files, in its own folders;
-- ``fsync`` (default false): make every entry durable before it is visible;
-- ``max_bytes`` (default 0, no cap): evict least recently used entries above it;
-- ``file_mode`` (default ``private``): who may read the entries, which can
-  reveal prompts. ``private``: this user only (entries 0600, folders 0700);
-  ``group``: also the directory's group, for engines that run as different
-  users of one group (entries 0660, folders 2770). Exact whatever the umask;
-- ``allow_other_owner`` (default false): use a directory that another user
-  owns. Refused otherwise: whoever owns it can read every entry and plant
-  forged ones.
-
-Temporary files that writers killed mid-save left behind are never read as
-entries; the worker side removes those older than ten minutes when it starts
-(and eviction does too).
+The block connector (:mod:`kvwire.connectors.offload`) over the directory
+medium (:mod:`kvwire.media.directory`, whose docstring lists its
+``kv_connector_extra_config`` keys: ``shared_storage_path``, ``fsync``,
+``max_bytes``, ``file_mode``, ``allow_other_owner``, and the store keys of
+:mod:`kvwire.media.store.medium`), beside the connector's own ``async_load``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from kvwire.connectors.offload import OffloadConnector
 
-import attrs
-
-from kvwire.connectors.offload._store_connector import StoreConnector
-from kvwire.extra_config import (
-    ExtraConfigError,
-    ExtraConfigKey,
-    bool_key,
-    size_key,
-    str_key,
-)
-from kvwire.media.directory._modes import (
-    FILE_MODE_NAMES,
-    FileModes,
-    file_modes,
-    make_folder,
-    owner_problem,
-    writers_beyond,
-)
-from kvwire.media.directory._store import DirectoryBlockStore
-from kvwire.media.store.base import BlockStore
-from kvwire.redaction import shown
-
-if TYPE_CHECKING:
-    import torch
-
-logger = logging.getLogger(__name__)
-
-# How long shutdown waits for the start-up sweep (a hung network filesystem
-# must not hang the engine's exit); past it the sweep is left to finish alone.
-SWEEP_JOIN_S = 10.0
+__all__ = ["SharedStorageConnector"]
 
 
-def _path_key(name: str) -> ExtraConfigKey:
-    """A required directory path: a non-empty string that the system can open (no NUL byte)."""
-
-    def convert(value: Any) -> str | None:
-        return value if isinstance(value, str) and value and "\0" not in value else None
-
-    return attrs.evolve(
-        str_key(name, None, required=True),
-        convert=convert,
-        accepted="a non-empty directory path without NUL bytes (required)",
-    )
-
-
-def _file_mode_key(name: str) -> ExtraConfigKey:
-    return ExtraConfigKey(
-        name,
-        "private",
-        lambda value: value if isinstance(value, str) and value in FILE_MODE_NAMES else None,
-        '"private" (entries 0600, folders 0700) or "group" (entries 0660, folders 2770)',
-    )
-
-
-def _make_directory(path: str, modes: FileModes) -> None:
-    """Create the directory ``path`` if missing (itself with ``modes``, its parents as usual)."""
-    if os.path.isdir(path):
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        make_folder(path, modes)
-    except FileExistsError:
-        # Another engine created it meanwhile; anything but a folder is an error.
-        if not os.path.isdir(path):
-            raise
-
-
-class SharedStorageConnector(StoreConnector):
+class SharedStorageConnector(OffloadConnector):
     """Saves and loads KV blocks as files under ``shared_storage_path``."""
 
-    medium = "disk"
-
-    @classmethod
-    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
-        return (
-            *super().extra_config_keys(),
-            _path_key("shared_storage_path"),
-            bool_key("fsync", False),
-            size_key("max_bytes", 0, minimum=0),
-            _file_mode_key("file_mode"),
-            bool_key("allow_other_owner", False),
-        )
-
-    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
-        path = options["shared_storage_path"]
-        modes = file_modes(options["file_mode"])
-        try:
-            _make_directory(path, modes)
-            problem = None if options["allow_other_owner"] else owner_problem(path)
-        except OSError as error:
-            raise ExtraConfigError(
-                f"kv_connector_extra_config.shared_storage_path: cannot create {shown(path)} "
-                f"({error.strerror}); expected a writable directory"
-            ) from error
-        if problem is not None:
-            raise ExtraConfigError(
-                f"kv_connector_extra_config.shared_storage_path: {shown(path)} {problem}; expected "
-                "a directory of this user (its owner can read every entry and plant forged "
-                "ones), or kv_connector_extra_config.allow_other_owner: true to trust its owner"
-            )
-        writers = writers_beyond(path, modes)
-        if writers is not None:
-            # kvwire's own folders keep them from reading entries, not from
-            # creating folders of their own in kvwire's names beforehand.
-            logger.warning(
-                "shared storage %s: %s may write in this directory, and so put entries there "
-                "that this engine loads; make it writable only by those file_mode %s shares with",
-                shown(path),
-                writers,
-                modes.name,
-            )
-        self._directory_store = DirectoryBlockStore(
-            path,
-            entry_bytes=self.layout.entry_bytes,
-            fsync=options["fsync"],
-            max_bytes=options["max_bytes"],
-            modes=modes,
-        )
-        return self._directory_store
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
-        # Writers killed mid-save leave hidden temporary files (never read as
-        # entries); clear old ones off the forward pass's thread.
-        self._sweeper = threading.Thread(
-            target=self._directory_store.sweep_stale_temporary_files,
-            name="kvwire-sweep",
-            daemon=True,
-        )
-        self._sweeper.start()
-
-    def shutdown(self) -> None:
-        sweeper = getattr(self, "_sweeper", None)
-        if sweeper is not None:
-            sweeper.join(SWEEP_JOIN_S)
-            if sweeper.is_alive():
-                logger.warning(
-                    "shared storage %s: the sweep of dead writers' temporary files still "
-                    "runs after %.0f s; shutting down without waiting for it",
-                    shown(self._directory_store.root),
-                    SWEEP_JOIN_S,
-                )
-        super().shutdown()
-
-    def store_counters(self) -> Mapping[str, float]:
-        return self._directory_store.take_counters()
-
-    def reset_cache(self) -> bool | None:
-        """Forget this engine's entries, of every KV cache group (other layouts' and files stay)."""
-        # Every group's removal runs, even after one leaves entries behind.
-        left = [
-            not self._directory_store.remove_layout(layout.fingerprint_hex)
-            for layout in self.group_layouts
-        ]
-        return not any(left)
+    default_medium = "directory"

@@ -1,0 +1,229 @@
+"""The block connector's scheduler half: lookups, the plan of each step, the medium's bookkeeping.
+
+Pure bookkeeping, no tensors and no transfers: it asks the medium's
+:class:`~kvwire.media.base.MediumIndex` what it holds, plans loads and saves
+with the :class:`~kvwire.connectors.offload._planner.BlockPlanner`, and ships
+them to the worker half in an :class:`~kvwire.connectors.offload.metadata.OffloadMetadata`.
+
+A save's blocks are read in place in the background, so a request with
+saves not yet settled (or an asynchronous load still writing) keeps its
+blocks when it finishes, until the worker half reports it finished sending;
+only then does the index publish its saved blocks. Saves the worker did not
+make (released, or left out after a failed load) come back in
+:class:`~kvwire.connectors.offload.metadata.OffloadWorkerMetadata` and are
+settled as failed: the index never publishes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.types import (
+    BlockHash,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVConnectorOutput,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
+from kvwire.media.base import MediumIndex
+
+__all__ = ["OffloadScheduler"]
+
+
+@attrs.define
+class _RequestState:
+    """A request's transfers the medium's index has not settled yet.
+
+    ``unsettled_saves`` holds, per KV cache group, the hashes of blocks whose
+    save was planned and not yet settled; ``async_loads`` its background loads.
+    """
+
+    unsettled_saves: tuple[list[BlockHash], ...]
+    async_loads: list[BlockTransfer] = attrs.field(factory=list)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.async_loads) or any(self.unsettled_saves)
+
+
+class OffloadScheduler:
+    """The scheduler-side state of one block connector."""
+
+    def __init__(
+        self, *, index: MediumIndex, planner: BlockPlanner, num_groups: int, async_load: bool
+    ) -> None:
+        self._index = index
+        self._planner = planner
+        self._num_groups = num_groups
+        self._async_load = async_load
+        self._requests: dict[str, _RequestState] = {}
+        self._finished: dict[str, _RequestState] = {}
+        self._step_loads: list[BlockTransfer] = []
+        self._step_async_loads: list[BlockTransfer] = []
+        # Synchronous loads end within their step: settled at the next output.
+        self._sync_loads_in_flight: list[BlockTransfer] = []
+        self._release_req_ids: list[str] = []
+        self._forwarded_events: list[KVCacheEvent] = []
+
+    @property
+    def index(self) -> MediumIndex:
+        return self._index
+
+    @property
+    def planner(self) -> BlockPlanner:
+        return self._planner
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        hits = self._planner.look_up(request, num_computed_tokens, self._index.count_held_prefix)
+        return hits * self._planner.block_size, self._async_load and hits > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        previous = self._requests.get(request.request_id)
+        # Resumed after preemption: its saves still count.
+        state = _RequestState(
+            previous.unsettled_saves
+            if previous is not None
+            else tuple([] for _ in range(self._num_groups))
+        )
+        self._requests[request.request_id] = state
+        for load in self._planner.allocate(request, blocks, num_external_tokens):
+            slots = self._index.prepare_load(load.group, load.block_hashes)
+            transfer = attrs.evolve(load, slots=slots) if slots else load
+            if self._async_load:
+                state.async_loads.append(transfer)
+                self._step_async_loads.append(transfer)
+            else:
+                self._step_loads.append(transfer)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        saves = [
+            placed
+            for save in self._planner.plan_saves(scheduler_output)
+            if (placed := self._place_save(save)) is not None
+        ]
+        for request_id in scheduler_output.finished_req_ids:
+            self._planner.forget(request_id)
+        hit_blocks, miss_blocks = self._planner.take_lookup_counts()
+        counters = {"lookup_hit_blocks": hit_blocks, "lookup_miss_blocks": miss_blocks}
+        counters.update(self._index.take_counters())
+        metadata = OffloadMetadata(
+            loads=tuple(self._step_loads),
+            async_loads=tuple(self._step_async_loads),
+            saves=tuple(saves),
+            release_req_ids=tuple(self._release_req_ids),
+            preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
+            new_block_ids=frozenset(self._planner.take_new_block_ids()),
+            counters=tuple(sorted((name, n) for name, n in counters.items() if n)),
+        )
+        self._sync_loads_in_flight.extend(self._step_loads)
+        self._step_loads = []
+        self._step_async_loads = []
+        self._release_req_ids = []
+        return metadata
+
+    def _place_save(self, save: BlockTransfer) -> BlockTransfer | None:
+        """The part of ``save`` the medium takes, with its places; None when it takes nothing."""
+        wanted = save.block_hashes
+        placed = dict(self._index.prepare_store(save.group, wanted))
+        if not placed:
+            return None
+        state = self._requests.get(save.request_id)
+        if state is not None:
+            state.unsettled_saves[save.group].extend(placed)
+        if len(placed) == len(wanted) and all(slot is None for slot in placed.values()):
+            return save
+        positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
+        slots = tuple(placed[wanted[i]] for i in positions)
+        return attrs.evolve(
+            save,
+            block_ids=tuple(save.block_ids[i] for i in positions),
+            block_hashes=tuple(wanted[i] for i in positions),
+            slots=() if all(slot is None for slot in slots) else slots,  # type: ignore[arg-type]
+        )
+
+    def request_finished(self, request: Request) -> bool:
+        """Forget the finished ``request``; whether its blocks, in every group, must be kept.
+
+        True while a save may still read them or a background load write
+        them; the worker half then reports the request finished sending
+        once no transfer of it runs.
+        """
+        self._planner.forget(request.request_id)
+        state = self._requests.pop(request.request_id, None)
+        if state is None or not state.busy:
+            return False
+        self._finished[request.request_id] = state
+        self._release_req_ids.append(request.request_id)
+        return True
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids
+        self._planner.loads_failed(invalid)
+        # Before finished_sending below: a request's saves released (or left
+        # out) in the step that reports it finished must not be published
+        # with the rest.
+        worker_meta = connector_output.kv_connector_worker_meta
+        if worker_meta is not None:
+            report = of_worker_metadata(worker_meta)
+            for save in (*report.left_out_saves, *report.released_saves):
+                self._drop_save(save)
+        for transfer in self._sync_loads_in_flight:
+            self._end_load(transfer, invalid)
+        self._sync_loads_in_flight = []
+        for request_id in connector_output.finished_recving or ():
+            state = self._requests.get(request_id) or self._finished.get(request_id)
+            if state is not None:
+                for load in state.async_loads:
+                    self._end_load(load, invalid)
+                state.async_loads = []
+        for request_id in connector_output.finished_sending or ():
+            state = self._finished.pop(request_id, None)
+            if state is None:
+                continue
+            for load in state.async_loads:
+                self._end_load(load, invalid)
+            for group, hashes in enumerate(state.unsettled_saves):
+                if hashes:
+                    self._index.complete_store(group, hashes, success=True)
+        # Events the worker half saw (a store medium's): handed on, in order.
+        self._forwarded_events.extend(connector_output.kv_cache_events)
+
+    def _drop_save(self, save: BlockTransfer) -> None:
+        """Settle a save the worker did not make: its blocks must never become hits."""
+        self._index.complete_store(save.group, save.block_hashes, success=False)
+        state = self._requests.get(save.request_id) or self._finished.get(save.request_id)
+        if state is not None:
+            dropped = set(save.block_hashes)
+            unsettled = state.unsettled_saves[save.group]
+            unsettled[:] = [h for h in unsettled if h not in dropped]
+
+    def _end_load(self, transfer: BlockTransfer, invalid_block_ids: set[int]) -> None:
+        corrupt: Sequence[BlockHash] = [
+            block_hash
+            for block_id, block_hash in zip(transfer.block_ids, transfer.block_hashes, strict=True)
+            if block_id in invalid_block_ids
+        ]
+        self._index.complete_load(transfer.group, transfer.block_hashes, corrupt)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events = self._index.take_events()
+        if self._forwarded_events:
+            events = [*events, *self._forwarded_events]
+            self._forwarded_events = []
+        return events
+
+    def reset_cache(self) -> bool | None:
+        return self._index.reset()
+
+    def close(self) -> None:
+        self._index.close()

@@ -1,0 +1,155 @@
+"""The block connector's worker half: drives the medium's transfer handler around the forward pass.
+
+Loads write every layer of a block at once, so the first layer waits for
+them; saves read every layer after the forward pass, so ``save_kv_layer``
+does nothing and ``wait_for_save`` only submits. Before anything of a step
+writes the cache, the saves still reading blocks given out again (or blocks
+of preempted requests) are released; a save computed from a block whose
+load failed is left out. Both are reported to the scheduler half
+(:class:`~kvwire.connectors.offload.metadata.OffloadWorkerMetadata`), which
+never publishes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.base import KVConnectorMetadata
+from kvwire.connector.counters import Counters
+from kvwire.connector.types import KVCacheEvent, KVConnectorStats
+from kvwire.connector.worker_steps import (
+    PendingRelease,
+    metadata_of_type,
+    registered_worker,
+    saves_from_good_context,
+)
+from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
+from kvwire.media.base import Medium, TransferHandler
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["OffloadWorker"]
+
+
+class OffloadWorker:
+    """The worker-side state of one block connector; its handler is built with the caches."""
+
+    def __init__(self, *, connector_name: str, medium: Medium) -> None:
+        self._connector_name = connector_name
+        self._medium = medium
+        self._counters = Counters()
+        self._handler: TransferHandler | None = None
+        self._pending_release = PendingRelease()
+        self._failed_elsewhere: set[int] = set()
+        self._released_for: KVConnectorMetadata | None = None
+        self._released_saves: list[BlockTransfer] = []
+        self._left_out_saves: list[BlockTransfer] = []
+
+    @property
+    def handler(self) -> TransferHandler | None:
+        """The medium's transfer handler, once the caches are registered."""
+        return self._handler
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self._handler = self._medium.build_handler(kv_caches, self._counters)
+
+    def _require_handler(self) -> TransferHandler:
+        return registered_worker(self._connector_name, self._handler)
+
+    def metadata(self, metadata: KVConnectorMetadata) -> OffloadMetadata:
+        return metadata_of_type(self._connector_name, metadata, OffloadMetadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Release the saves reading blocks this step may write; once per step.
+
+        vLLM and kvwire's engine call it before the forward pass; an engine
+        that does not gets it from ``start_load_kv``.
+        """
+        metadata = self.metadata(kv_connector_metadata)
+        self._released_for = kv_connector_metadata
+        self._released_saves += self._require_handler().release_saves_reading(
+            metadata.preempted_req_ids, metadata.new_block_ids
+        )
+
+    def start_load_kv(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        metadata = self.metadata(kv_connector_metadata)
+        handler = self._require_handler()
+        self._counters.add_many(dict(metadata.counters))
+        self._pending_release.add(metadata.release_req_ids)
+        if kv_connector_metadata is not self._released_for:
+            self.handle_preemptions(kv_connector_metadata)
+        if metadata.loads or metadata.async_loads:
+            handler.start_loads(metadata.loads, metadata.async_loads)
+
+    def wait_for_layer_load(self) -> None:
+        # Synchronous loads write every layer at once; the first layer waits.
+        if self._handler is not None:
+            self._handler.wait_for_loads()
+
+    def wait_for_save(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        metadata = self.metadata(kv_connector_metadata)
+        handler = self._require_handler()
+        saves, left_out = self._saves_from_good_context(metadata.saves)
+        # Reported, so that the scheduler half never publishes them: the
+        # blocks, computed again, are saved anew.
+        self._left_out_saves += left_out
+        if saves:
+            # Only submits: the saves read the blocks in place, in the background.
+            handler.save(saves)
+
+    def _saves_from_good_context(
+        self, saves: Sequence[BlockTransfer]
+    ) -> tuple[list[BlockTransfer], list[BlockTransfer]]:
+        """This step's saves to make, and those computed from a failed load (counted)."""
+        failed = self.load_errors_this_step() | self._failed_elsewhere
+        self._failed_elsewhere = set()
+        kept, left_out = saves_from_good_context(saves, failed)
+        if left_out:
+            skipped = sum(len(save.block_ids) for save in left_out)
+            self._counters.add("saves_skipped_after_failed_load", skipped)
+        return kept, left_out
+
+    def load_errors_this_step(self) -> set[int]:
+        """Block ids whose synchronous loads failed this step; waits for the loads to end."""
+        handler = self._require_handler()
+        handler.wait_for_loads()
+        return handler.load_errors_so_far()
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        self._failed_elsewhere |= block_ids
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        handler = self._handler
+        if handler is None:
+            return None, None
+        received = handler.take_finished_loads()
+        sent = self._pending_release.take_released(handler.is_busy)
+        return (sent or None), (received or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._handler.take_load_errors() if self._handler is not None else set()
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        released, self._released_saves = self._released_saves, []
+        left_out, self._left_out_saves = self._left_out_saves, []
+        if not (released or left_out):
+            return None
+        return OffloadWorkerMetadata(tuple(released), tuple(left_out))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._handler is not None:
+            self._counters.add_many(self._handler.take_counters())
+        return self._counters.take_stats()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._handler.take_events() if self._handler is not None else []
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        return self._handler.wait_for_saves(timeout_s) if self._handler is not None else True
+
+    def close(self) -> None:
+        if self._handler is not None:
+            self._handler.close()

@@ -1,0 +1,190 @@
+"""The registry of media: one lazy provider per medium name, beside the connectors'.
+
+A medium (:class:`~kvwire.media.base.Medium`) is where a block connector
+keeps blocks. Like connectors, media are named, and a name is imported only
+when a connector asks for it: the media kvwire ships, the ``kvwire.media``
+entry-point group of installed distributions (``name = package.module:Class``)
+and :meth:`MediumRegistry.register_medium` at run time. A profile may also
+name a class directly, as ``package.module:Class``.
+
+Every :class:`~kvwire.registry.ConnectorRegistry` holds one
+(``registry.media``), and a container's connectors resolve their medium
+through it: overriding a medium's provider swaps it for every connector
+built through that registry, as overriding a connector's provider does::
+
+    registry = default_registry().copy()
+    with registry.media.provider("directory").override(providers.Object(FaultyDirectory)):
+        ...  # containers given ``registry`` build their connectors over FaultyDirectory
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from dependency_injector import containers, providers
+
+from kvwire.exceptions import KVWireError
+from kvwire.redaction import shown
+
+if TYPE_CHECKING:
+    from kvwire.media.base import Medium
+
+MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
+
+BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
+    "cpu_pool": ("kvwire.media.cpu_pool", "CPUPoolMedium"),
+    "directory": ("kvwire.media.directory", "DirectoryMedium"),
+    "redis": ("kvwire.media.redis", "RedisMedium"),
+}
+"""The media kvwire ships: name -> (module path, class name)."""
+
+
+class UnknownMediumError(KVWireError, ValueError):
+    """A medium name that is not registered, or a ``module:Class`` that is not a medium."""
+
+
+@attrs.frozen
+class RegisteredMedium:
+    """A medium name and where its class lives, known without importing it."""
+
+    name: str
+    module_path: str
+    class_name: str
+    origin: str
+    """``built in``, ``registered at run time``, or the entry point and its distribution."""
+
+    @property
+    def target(self) -> str:
+        return f"{self.module_path}:{self.class_name}"
+
+
+class MediumRegistry:
+    """Medium names mapped to lazy class providers (``providers``, one per name)."""
+
+    def __init__(
+        self,
+        *,
+        built_ins: dict[str, tuple[str, str]] | None = None,
+        entry_point_group: str | None = MEDIA_ENTRY_POINT_GROUP,
+    ) -> None:
+        self.providers = containers.DynamicContainer()
+        self._entries: dict[str, RegisteredMedium] = {}
+        self._entry_point_group = entry_point_group
+        self._entry_points_read = entry_point_group is None
+        self._lock = threading.RLock()
+        chosen = BUILT_IN_MEDIA if built_ins is None else built_ins
+        for name, (module_path, class_name) in chosen.items():
+            self._add(RegisteredMedium(name, module_path, class_name, "built in"))
+
+    def copy(self) -> MediumRegistry:
+        """A registry with the names this one knows, each with a fresh provider (no overrides)."""
+        with self._lock:
+            self._read_entry_points()
+            copied = MediumRegistry(built_ins={}, entry_point_group=None)
+            for entry in self._entries.values():
+                copied._add(entry)
+        return copied
+
+    def register_medium(self, name: str, module_path: str, class_name: str) -> None:
+        """Register ``name`` lazily: ``module_path`` is imported only when a connector asks for it."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"register_medium: name must be an identifier, got {shown(name)}")
+        if not isinstance(module_path, str) or not all(
+            part.isidentifier() for part in module_path.split(".")
+        ):
+            raise ValueError(
+                "register_medium: module_path must be a dotted module name such as "
+                f"'package.module', got {shown(module_path)}"
+            )
+        if not isinstance(class_name, str) or not class_name.isidentifier():
+            raise ValueError(
+                f"register_medium: class_name must be a Python identifier, got {shown(class_name)}"
+            )
+        with self._lock:
+            self._read_entry_points()
+            if name in self._entries:
+                raise ValueError(f"Medium '{name}' is already registered.")
+            self._add(RegisteredMedium(name, module_path, class_name, "registered at run time"))
+
+    def names(self) -> list[str]:
+        """Every registered medium name, built-ins first; imports nothing."""
+        self._read_entry_points()
+        return list(self._entries)
+
+    def entries(self) -> list[RegisteredMedium]:
+        self._read_entry_points()
+        return list(self._entries.values())
+
+    def provider(self, name: str) -> providers.Provider[type[Medium]]:
+        """The lazy provider of ``name``'s class; override it to swap the medium."""
+        self._read_entry_points()
+        if name not in self._entries:
+            raise UnknownMediumError(self._unknown(name))
+        provider: providers.Provider[type[Medium]] = self.providers.providers[name]
+        return provider
+
+    def get_class(self, spec: str) -> type[Medium]:
+        """The medium class ``spec`` names: a registered name, or ``package.module:Class``."""
+        if not isinstance(spec, str) or not spec:
+            raise UnknownMediumError(self._unknown(spec))
+        if ":" in spec:
+            module_path, _, class_name = spec.partition(":")
+            return self._check(self._import(module_path, class_name, spec), spec)
+        return self._check(self.provider(spec)(), spec)
+
+    def _add(self, entry: RegisteredMedium) -> None:
+        self._entries[entry.name] = entry
+        self.providers.set_provider(entry.name, providers.Singleton(self._load, entry))
+
+    def _load(self, entry: RegisteredMedium) -> Any:
+        return self._import(entry.module_path, entry.class_name, f"{entry.name} ({entry.origin})")
+
+    @staticmethod
+    def _import(module_path: str, class_name: str, what: str) -> Any:
+        try:
+            module = importlib.import_module(module_path)
+            return getattr(module, class_name)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise UnknownMediumError(
+                f"medium {shown(what)} cannot be loaded: {type(error).__name__}: {shown(error)}"
+            ) from error
+
+    def _check(self, found: Any, spec: str) -> type[Medium]:
+        from kvwire.media.base import Medium
+
+        if not (isinstance(found, type) and issubclass(found, Medium)):
+            raise UnknownMediumError(
+                f"medium {shown(spec)} is {shown(found)}, not a class deriving from "
+                "kvwire.media.base.Medium"
+            )
+        return found
+
+    def _unknown(self, name: object) -> str:
+        return (
+            f"unknown medium {shown(name)}; expected one of {', '.join(self.names())}, "
+            "or a class as 'package.module:Class'"
+        )
+
+    def _read_entry_points(self) -> None:
+        with self._lock:
+            if self._entry_points_read:
+                return
+            self._entry_points_read = True
+            assert self._entry_point_group is not None
+            for entry_point in metadata.entry_points(group=self._entry_point_group):
+                if entry_point.name in self._entries:
+                    continue
+                distribution = getattr(entry_point, "dist", None)
+                label = "unknown" if distribution is None else distribution.name
+                self._add(
+                    RegisteredMedium(
+                        entry_point.name,
+                        entry_point.module,
+                        entry_point.attr or "",
+                        f"entry point of distribution {label}",
+                    )
+                )
