@@ -51,8 +51,8 @@ from kvwire.blocks.paged_cache import copy_on_this_thread_only
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 
@@ -145,11 +145,11 @@ def bench_cpu_offload(block_bytes: int, total_bytes: int) -> dict[str, float]:
     nbytes = count * block_bytes
 
     def save(repeat: int) -> None:
-        run_step(connector, CPUOffloadMetadata(stores=(transfer,)), layers)
+        run_step(connector, OffloadMetadata(saves=(transfer,)), layers)
         connector.wait_for_pending_saves()
 
     def load(repeat: int) -> None:
-        run_step(connector, CPUOffloadMetadata(loads=(transfer,)), layers)
+        run_step(connector, OffloadMetadata(loads=(transfer,)), layers)
 
     # The bound: the same bytes (every layer's cache) copied by torch into a
     # preallocated buffer of the same size: same memory footprint, one call per layer.
@@ -265,11 +265,11 @@ def store_actions(
         )
 
     def save(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(saves=(transfer(repeat),)), layers)
+        run_step(connector, OffloadMetadata(saves=(transfer(repeat),)), layers)
         connector.wait_for_pending_saves()
 
     def load(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(loads=(transfer(READ_REPEAT),)), layers)
+        run_step(connector, OffloadMetadata(loads=(transfer(READ_REPEAT),)), layers)
 
     return save, load
 
@@ -378,13 +378,13 @@ def bench_example_strategy(
 
     def kvwire_save(repeat: int) -> None:
         started = time.perf_counter()
-        run_step(connector, StoreConnectorMetadata(saves=transfers(repeat)), layers)
+        run_step(connector, OffloadMetadata(saves=transfers(repeat)), layers)
         # What the forward pass waits for: the copy into staging, not the writes.
         blocking_s.append(time.perf_counter() - started)
         connector.wait_for_pending_saves()
 
     def kvwire_load(repeat: int) -> None:
-        run_step(connector, StoreConnectorMetadata(loads=transfers(REPEATS - 1)), layers)
+        run_step(connector, OffloadMetadata(loads=transfers(REPEATS - 1)), layers)
 
     example_save_gbps, kvwire_save_gbps = best_gbps(nbytes, example_save, kvwire_save)
     example_load_gbps, kvwire_load_gbps = best_gbps(nbytes, example_load, kvwire_load)

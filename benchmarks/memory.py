@@ -100,6 +100,7 @@ def _hashes(count: int) -> tuple[bytes, ...]:
 def _metadata(connector: str, count: int, direction: str) -> Any:
     """One step's metadata moving blocks ``0..count-1`` (as benchmarks/connectors.py builds it)."""
     from kvwire.blocks.transfers import BlockTransfer
+    from kvwire.connectors.offload.metadata import OffloadMetadata
 
     ids = tuple(range(count))
     pooled = connector == "CPUOffloadConnector"
@@ -109,17 +110,9 @@ def _metadata(connector: str, count: int, direction: str) -> Any:
         block_hashes=_hashes(count),
         slots=ids if pooled else (),  # block i in pool slot i
     )
-    if pooled:
-        from kvwire.connectors.cpu_offload import CPUOffloadMetadata
-
-        if direction == "save":
-            return CPUOffloadMetadata(stores=(transfer,))
-        return CPUOffloadMetadata(loads=(transfer,))
-    from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
-
     if direction == "save":
-        return StoreConnectorMetadata(saves=(transfer,))
-    return StoreConnectorMetadata(loads=(transfer,))
+        return OffloadMetadata(saves=(transfer,))
+    return OffloadMetadata(loads=(transfer,))
 
 
 def _counter(data: dict[str, Any], name: str) -> float:

@@ -60,7 +60,7 @@ from benchmarks.common import main as run_from_command_line
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.redis import RedisConnector
 from kvwire.kv_cache_config import build_full_attention_kv_cache_config
 from kvwire.media.redis._cluster import RedisClusterBlockStore
@@ -246,11 +246,11 @@ class _ConnectorPath:
         )
 
     def save(self, _repeat: int = 0) -> None:
-        run_step(self.connector, StoreConnectorMetadata(saves=(self.transfer,)), self.layers)
+        run_step(self.connector, OffloadMetadata(saves=(self.transfer,)), self.layers)
         self.connector.wait_for_pending_saves()
 
     def load(self, _repeat: int = 0) -> None:
-        run_step(self.connector, StoreConnectorMetadata(loads=(self.transfer,)), self.layers)
+        run_step(self.connector, OffloadMetadata(loads=(self.transfer,)), self.layers)
 
     def close(self) -> None:
         self.connector.shutdown()
