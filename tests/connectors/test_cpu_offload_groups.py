@@ -389,7 +389,7 @@ class HeldCopiesCPUOffload(CPUOffloadConnector):
     def wait_for_save(self) -> None:
         worker = self._require_worker()
         self._open_gate()
-        assert worker.wait_for_all(HOLD_LIMIT_S)
+        assert worker.wait_for_saves(HOLD_LIMIT_S)
         self._gate = hold_copies(worker)
         super().wait_for_save()
 

@@ -52,10 +52,10 @@ def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorke
 
 def _stored(worker: CPUPoolWorker) -> None:
     """Blocks 0 and 1 stored, whole, in slots 0 and 1 under ``HASHES``."""
-    worker.store(
+    worker.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
     )
-    assert worker.wait_for_all(TEST_LIMIT_S)
+    assert worker.wait_for_saves(TEST_LIMIT_S)
 
 
 def _stall_loads_until(monkeypatch: pytest.MonkeyPatch, event: threading.Event) -> None:
@@ -131,24 +131,25 @@ def test_a_store_past_its_deadline_counts_failed_and_its_blocks_are_released(
     counters = Counters()
     worker = _worker(layout_caches(LAYOUT, seed=2), counters)
     _stall_stores_until(monkeypatch, copies_go_on)
-    worker.store(
+    worker.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
     )
     assert worker.is_busy("p")
 
     # The request was preempted: the forward pass reuses its blocks next.
-    returns_within(5, lambda: worker.wait_for_requests(["p"]))
+    released = returns_within(5, lambda: worker.release_saves_reading(["p"], frozenset()))
 
+    assert released == []  # waited out, not released: no block of it was given away
     assert not worker.is_busy("p")
     taken = counters.take()
     assert taken["save_timeouts"] == 2
     assert "blocks_saved" not in taken
     copies_go_on.set()
     # One copy thread: a later store ends only after the stalled one has.
-    worker.store(
+    worker.save(
         [BlockTransfer(request_id="q", block_ids=(2,), slots=(2,), block_hashes=(b"\x03" * 32,))]
     )
-    assert worker.wait_for_all(TEST_LIMIT_S)
+    assert worker.wait_for_saves(TEST_LIMIT_S)
     # The stalled store, going on late, wrote no slot: a load refuses them.
     worker.start_loads(
         [BlockTransfer(request_id="c", block_ids=(2, 3), slots=(0, 1), block_hashes=HASHES)], []
@@ -162,12 +163,12 @@ def test_waiting_for_every_store_ends_at_their_deadline(
 ) -> None:
     worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
     _stall_stores_until(monkeypatch, copies_go_on)
-    worker.store(
+    worker.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
     )
 
-    assert worker.wait_for_all(0.01) is False  # still running
-    assert returns_within(5, worker.wait_for_all) is True  # given up on at its deadline
+    assert worker.wait_for_saves(0.01) is False  # still running
+    assert returns_within(5, worker.wait_for_saves) is True  # given up on at its deadline
     worker.close()
 
 
@@ -179,12 +180,12 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
     def broken_wait(timeout_s: float | None = None) -> bool:
         raise RuntimeError("a bug in the wait")
 
-    monkeypatch.setattr(worker, "wait_for_all", broken_wait)
+    monkeypatch.setattr(worker, "wait_for_saves", broken_wait)
     with caplog.at_level(logging.ERROR):
         worker.close()
 
     assert "shutdown: waiting for transfers failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
-        worker.store(
+        worker.save(
             [BlockTransfer(request_id="p", block_ids=(0,), slots=(0,), block_hashes=HASHES[:1])]
         )

@@ -1,4 +1,4 @@
-"""The CPU-offload connector's worker side: the pool memory and the copies.
+"""The CPU pool medium's worker side: the pool memory and the copies.
 
 The pool is allocated once: ``num_slots`` entries, each a ``block_format``
 header followed by one block of every layer of one KV cache group
@@ -17,7 +17,7 @@ chunk is copied under the job's lock after checking it was not abandoned. A
 store abandoned mid-way leaves slots whose headers do not match their
 blocks, which a later load reports instead of copying.
 
-A store may also be released (:meth:`CPUPoolWorker.release_stores_reading`):
+A store may also be released (:meth:`CPUPoolWorker.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
 store copies nothing more and never commits: the scheduler side frees its
@@ -51,6 +51,7 @@ from kvwire.connector.counters import Counters
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media.base import TransferHandler
 from kvwire.media.cpu_pool._slots import PoolSlots
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class _AsyncPoolLoad:
     failed: list[int] = attrs.field(factory=list)
 
 
-class CPUPoolWorker:
+class CPUPoolWorker(TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
     ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
@@ -177,7 +178,7 @@ class CPUPoolWorker:
         with self._changed:
             return request_id in self._jobs_per_request
 
-    def wait_for_requests(self, request_ids: Iterable[str]) -> None:
+    def _wait_for_requests(self, request_ids: Iterable[str]) -> None:
         """Block until no transfer of these requests runs (their blocks are about to be reused).
 
         At most until their deadlines: a transfer still running then is given
@@ -200,7 +201,7 @@ class CPUPoolWorker:
             )
         self._give_up(running())
 
-    def wait_for_all(self, timeout_s: float | None = None) -> bool:
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every store and asynchronous load ended or ran past its deadline.
 
         False if ``timeout_s`` ran out first; without it, it still ends, at
@@ -249,21 +250,36 @@ class CPUPoolWorker:
 
     # -------------------------------------------------------------- stores
 
-    def store(self, transfers: Sequence[BlockTransfer]) -> None:
+    def save(self, saves: Sequence[BlockTransfer]) -> None:
         """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in transfers:
+        for transfer in saves:
             for piece in self._split(transfer):
                 job = _PoolJob(piece, deadline, is_store=True)
                 self._job_started(job)
                 job.future = self._store_pool.submit(self._store, job)
 
-    def release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
-        """Release the stores in flight that read any of ``block_ids``; the pieces released.
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        """Release the stores reading any of ``block_ids``; wait out ``request_ids``' transfers.
 
         Called at the start of a step, before anything writes: ``block_ids``
         were just given to requests, and may have been freed while a store
-        still read them. No waiting beyond a chunk's copy under way.
+        still read them; ``request_ids`` were preempted, and their blocks are
+        about to be reused. Returns the pieces released (their slots must
+        never be published). The stores of ``request_ids`` are not released
+        but waited for, each at most until its deadline: one still running
+        then is given up on and counts failed.
+        """
+        released = self._release_stores_reading(block_ids)
+        self._wait_for_requests(request_ids)
+        return released
+
+    def _release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
+        """Release the stores in flight that read any of ``block_ids``; the pieces released.
+
+        No waiting beyond a chunk's copy under way.
         """
         if not block_ids:
             return []
@@ -348,10 +364,11 @@ class CPUPoolWorker:
     # --------------------------------------------------------------- loads
 
     def start_loads(
-        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
+        """Start verifying and copying pool slots into the cache; ``loads`` end within the step."""
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in sync_loads:
+        for transfer in loads:
             for piece in self._split(transfer):
                 job = _PoolJob(piece, deadline, is_store=False)
                 self._sync_loads.append(job)
@@ -530,7 +547,7 @@ class CPUPoolWorker:
                 logger.exception("CPU offload: shutdown: %s failed", what)
 
     def _wait_at_close(self, timeout_s: float) -> None:
-        if not self.wait_for_all(timeout_s):
+        if not self.wait_for_saves(timeout_s):
             logger.warning(
                 "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
             )

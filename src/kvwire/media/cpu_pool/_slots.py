@@ -1,4 +1,4 @@
-"""The CPU-offload connector's pool: preallocated entry slots, reused.
+"""The CPU pool medium's memory: preallocated entry slots, reused.
 
 A slot holds one whole entry (the 128-byte header, then the cross-layer
 payload), seen both as one ``memoryview`` and, for copies to and from the
