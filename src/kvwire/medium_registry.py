@@ -90,7 +90,7 @@ class MediumRegistry:
         return copied
 
     def register_medium(self, name: str, module_path: str, class_name: str) -> None:
-        """Register ``name`` lazily: ``module_path`` is imported only when a connector asks for it."""
+        """Register ``name`` lazily: ``module_path`` is imported only once a connector needs it."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"register_medium: name must be an identifier, got {shown(name)}")
         if not isinstance(module_path, str) or not all(

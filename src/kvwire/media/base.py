@@ -48,7 +48,7 @@ class MediumContext:
     connector_name: str
     """The connector's class name, for messages and logs."""
     options: Mapping[str, Any] = attrs.field(repr=False)
-    """The validated ``kv_connector_extra_config``, defaults filled in (the medium's keys among them)."""
+    """The validated ``kv_connector_extra_config``, defaults filled in, the medium's keys too."""
     groups: tuple[CacheGroup, ...]
     """The engine's KV cache groups, in group order."""
     layout: BlockLayout
@@ -238,7 +238,7 @@ class Medium(abc.ABC):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        """The worker side's half over the registered caches; called once, by a worker-role connector.
+        """The worker side's half over the registered caches; built once, by a worker connector.
 
         ``counters`` collects the counts the connector reports as stats.
         """

@@ -62,7 +62,6 @@ from kvwire.extra_config import (
     read_extra_config,
 )
 from kvwire.media.base import Medium, MediumContext
-from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +141,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     def read_options(
         cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver
     ) -> tuple[type[Medium], dict[str, Any]]:
-        """The medium's class and the checked ``kv_connector_extra_config`` (or ``ExtraConfigError``).
+        """The medium class and the checked extra config, defaults filled (or ``ExtraConfigError``).
 
         The constructor and :meth:`validate_extra_config` both read through
         it, so ``kvwire check`` and the engine reject the same values.
@@ -189,7 +188,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         return self._medium.group_layouts
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(role={self.role.name}, medium={shown(type(self._medium).__name__)})"
+        return f"{type(self).__name__}(role={self.role.name}, medium={type(self._medium).__name__})"
 
     # -------------------------------------------------------- scheduler side
 

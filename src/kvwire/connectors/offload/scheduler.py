@@ -96,14 +96,24 @@ class OffloadScheduler:
             else tuple([] for _ in range(self._num_groups))
         )
         self._requests[request.request_id] = state
-        for load in self._planner.allocate(request, blocks, num_external_tokens):
-            slots = self._index.prepare_load(load.group, load.block_hashes)
-            transfer = attrs.evolve(load, slots=slots) if slots else load
-            if self._async_load:
-                state.async_loads.append(transfer)
-                self._step_async_loads.append(transfer)
-            else:
-                self._step_loads.append(transfer)
+        transfers: list[BlockTransfer] = []
+        try:
+            for load in self._planner.allocate(request, blocks, num_external_tokens):
+                slots = self._index.prepare_load(load.group, load.block_hashes)
+                transfers.append(attrs.evolve(load, slots=slots) if slots else load)
+        except ValueError as error:
+            # Every group's blocks or none: the groups prepared already let go.
+            for transfer in transfers:
+                self._index.complete_load(transfer.group, transfer.block_hashes, ())
+            raise ValueError(
+                f"update_state_after_alloc: request {request.request_id!r} asks for "
+                f"{num_external_tokens} external tokens; {error}"
+            ) from None
+        if self._async_load:
+            state.async_loads.extend(transfers)
+            self._step_async_loads.extend(transfers)
+        else:
+            self._step_loads.extend(transfers)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         saves = [
