@@ -1,1 +1,1 @@
-"""Byte-addressed media: a BlockStore and the worker-side handler moving blocks to and from it."""
+"""Byte-addressed media: a BlockStore, the handler moving blocks to and from it, StoreMedium."""

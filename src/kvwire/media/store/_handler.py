@@ -1,13 +1,15 @@
-"""The worker side of a store-backed connector: it moves bytes, nothing else.
+"""The worker side of a store medium: it moves bytes, nothing else.
 
-:class:`StoreWorker` moves blocks straight between the KV cache and the
-:class:`BlockStore`, on background threads: a load reads each entry's
-payload into the block's ranges in the cache
-(:meth:`BlockStore.read_into_ranges`; see :mod:`kvwire.blocks.memory`),
-a save writes the entry from them (:meth:`BlockStore.write_ranges`). There
-is no staging copy, and the forward pass's thread only submits jobs. Loads
-and saves have separate thread pools, so a backlog of saves never delays a
-load the forward pass is waiting for.
+:class:`StoreWorker`, the :class:`~kvwire.media.base.TransferHandler` of
+every store medium (:class:`~kvwire.media.store.medium.StoreMedium`),
+moves blocks straight between the KV cache and the :class:`BlockStore`, on
+background threads: a load reads each entry's payload into the block's
+ranges in the cache (:meth:`BlockStore.read_into_ranges`; see
+:mod:`kvwire.blocks.memory`), a save writes the entry from them
+(:meth:`BlockStore.write_ranges`). There is no staging copy, and the
+forward pass's thread only submits jobs. Loads and saves have separate
+thread pools, so a backlog of saves never delays a load the forward pass is
+waiting for.
 
 Integrity: a loaded entry's header, checksum (and MAC) are verified over the
 bytes where they landed, in the cache, and only a block that passes is
@@ -54,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import attrs
@@ -74,14 +76,10 @@ from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCache
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
-from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
+from kvwire.media.base import TransferHandler
+from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore, CacheWrites, LateWriteError
 
 logger = logging.getLogger(__name__)
-
-# How long a waiter that gave up on a load waits for a read already in a
-# syscall: a local disk answers within this even when slow; one that does
-# not is stuck, and the engine must stop rather than let it land later.
-LATE_WRITE_GRACE_S = 10.0
 
 
 def usable_cores() -> int:
@@ -138,7 +136,7 @@ class _Headers(threading.local):
         return [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
 
 
-class StoreWorker:
+class StoreWorker(TransferHandler):
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
     It serves every KV cache group of the engine: ``layouts`` and ``memories``
@@ -150,13 +148,19 @@ class StoreWorker:
     another.
 
     ``key_of(group, block_hash)`` names a block's entry in the store (the
-    connector's choice; by default the group layout's key), ``hash_of`` turns
+    medium's choice; by default the group layout's key), ``hash_of`` turns
     a key back into its block hash (None for another layout's; by default,
     the hash any group's layout made the key from), and ``medium`` names the
     store in the KV cache events (:meth:`take_events`). Saves in flight hold
     at most ``max_save_bytes`` of entries: past that, a save is dropped and
     counted (``saves_dropped``), never waited for. A transfer still running
     ``transfer_timeout_s`` after it started is given up on (see the module).
+
+    ``store_counters`` returns the store's own counts since its last call
+    (:meth:`take_counters` reports them); ``on_close`` runs last in
+    :meth:`close`, once the transfers ended and the threads stopped: a
+    medium closes its store there. Without it the store stays open (it is
+    the caller's).
     """
 
     def __init__(
@@ -174,6 +178,8 @@ class StoreWorker:
         hash_of: Callable[[str], BlockHash | None] | None = None,
         transfer_timeout_s: float = 30.0,
         late_write_grace_s: float = LATE_WRITE_GRACE_S,
+        store_counters: Callable[[], Mapping[str, float]] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         if not layouts or len(layouts) != len(memories):
             raise ValueError(
@@ -195,6 +201,8 @@ class StoreWorker:
         self._key_of = key_of if key_of is not None else self._layout_key
         self._hash_of = hash_of if hash_of is not None else self._layout_hash
         self._medium = medium
+        self._store_counters = store_counters
+        self._on_close = on_close
         self._load_pool = JobThreads(io_threads, "kvwire-load")
         self._save_pool = JobThreads(io_threads, "kvwire-save")
         self._headers = _Headers()
@@ -241,7 +249,7 @@ class StoreWorker:
     # ----------------------------------------------------------------- loads
 
     def start_loads(
-        self, sync_loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
         """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`.
 
@@ -249,7 +257,7 @@ class StoreWorker:
         are one load: the request is finished once all of them are.
         """
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in sync_loads:
+        for transfer in loads:
             self._submit_runs(transfer, deadline, None)
         states: dict[str, _AsyncLoad] = {}
         for transfer in async_loads:
@@ -555,7 +563,7 @@ class StoreWorker:
 
     # ----------------------------------------------------------------- saves
 
-    def save(self, transfers: Sequence[BlockTransfer]) -> None:
+    def save(self, saves: Sequence[BlockTransfer]) -> None:
         """Submit the blocks' saves to the background threads; returns at once.
 
         Nothing is copied here: the saves read the cache blocks themselves,
@@ -570,7 +578,7 @@ class StoreWorker:
         self.expire_overdue_saves()
         dropped = 0
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in transfers:
+        for transfer in saves:
             entry_bytes = self._layouts[transfer.group].entry_bytes
             with self._lock:
                 room = (self._max_save_bytes - self._save_bytes_in_flight) // entry_bytes
@@ -713,7 +721,7 @@ class StoreWorker:
 
     def release_saves_reading(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
-    ) -> None:
+    ) -> list[BlockTransfer]:
         """Release every save that reads blocks of ``request_ids``, or any of ``block_ids``.
 
         Before a forward pass that may write those blocks (preempted
@@ -722,29 +730,59 @@ class StoreWorker:
         cancelled, and one under way has its gate closed, so it commits none
         of its entries not committed yet (see the module). Their blocks not
         stored count as ``saves_released``; the request's next save stores them.
+
+        Returns the save jobs this call stopped (one record per job: a batch
+        of at most ``batch_blocks`` blocks of one group), not those that had
+        ended or were given up on before. Entries a job committed before its
+        gate closed stay stored, and were reported in :meth:`take_events`.
         """
         requests, blocks = set(request_ids), set(block_ids)
         if not requests and not blocks:
-            return
+            return []
         with self._lock:
             pending = [
                 job
                 for job in self._saves_in_flight
                 if job.request_id in requests or not blocks.isdisjoint(job.block_ids)
             ]
-        for job in pending:
-            self._release_save(job)
+        return [
+            BlockTransfer(
+                request_id=job.request_id,
+                block_ids=job.block_ids,
+                block_hashes=job.hashes,
+                group=job.group,
+            )
+            for job in pending
+            if self._release_save(job)
+        ]
 
-    def _release_save(self, job: _Job) -> None:
+    def _release_save(self, job: _Job) -> bool:
+        """Give up on the save ``job`` before its blocks change; whether this call stopped it."""
         with job.lock:
             # Read by the save once its end() has failed, under the same lock.
             job.released = not (job.ended or job.abandoned)
-        if job.abandon() and job.never_ran():
+        # Not stopped when the save ended meanwhile: it then counts as it ended.
+        stopped = job.abandon()
+        if stopped and job.never_ran():
             self._counters.add("saves_released", len(job.hashes))
         # A checksum under way reads the blocks: the wait for it is short (CPU
         # work); the save's I/O goes on, and commits nothing more.
         job.cache_access.close(self._late_write_grace_s)
         self._forget_save(job)
+        return stopped
+
+    def is_busy(self, request_id: str) -> bool:
+        """Whether an asynchronous load or a save still uses ``request_id``'s blocks."""
+        return self.is_loading(request_id) or self.saves_running(request_id)
+
+    def take_counters(self) -> Mapping[str, float]:
+        """The store's counts since the last call, once overdue saves are counted failed.
+
+        The overdue saves are counted in the worker's own counters, so the
+        step that reports these also reports them.
+        """
+        self.expire_overdue_saves()
+        return self._store_counters() if self._store_counters is not None else {}
 
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted save is written or overdue; False if ``timeout_s`` ran out.
@@ -772,10 +810,11 @@ class StoreWorker:
             )
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the transfers in flight (up to ``timeout_s``), then stop the threads.
+        """Finish the transfers in flight (up to ``timeout_s``), stop the threads, run ``on_close``.
 
         Every step runs even when one fails (logged): a stuck save or load
-        must not keep the thread pools from shutting down.
+        must not keep the thread pools from shutting down, nor the medium
+        from closing its store.
         """
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
@@ -787,6 +826,8 @@ class StoreWorker:
             ("stopping the load threads", self._load_pool.shutdown),
             ("stopping the save threads", self._save_pool.shutdown),
         ]
+        if self._on_close is not None:
+            steps.append(("closing the medium", self._on_close))
         for what, step in steps:
             try:
                 step()

@@ -32,6 +32,11 @@ from kvwire.media._transfer_jobs import JobAbandoned
 # small enough to stay in the CPU's cache between the copy and the I/O.
 SCRATCH_BYTES = 4 * 1024 * 1024
 
+# How long a waiter that gave up on a load waits for a read already in a
+# syscall: a local disk answers within this even when slow; one that does
+# not is stuck, and the engine must stop rather than let it land later.
+LATE_WRITE_GRACE_S = 10.0
+
 
 class LateWriteError(KVWireError, RuntimeError):
     """A load given up on is still writing into the KV cache after the grace period.

@@ -1,0 +1,364 @@
+"""Store media: each block one entry in a :class:`~kvwire.media.store.base.BlockStore`.
+
+A store medium names each block's entry by key; the store finds it by key
+alone, so the scheduler side's index only asks the store how many
+consecutive blocks it holds (``BlockStore.count_prefix``: only a prefix that
+is really present counts) and decides nothing else. The worker side's
+handler (:class:`~kvwire.media.store._handler.StoreWorker`) moves blocks
+straight between the KV cache's block ranges and the store (an entry is the
+``block_format`` header, then every layer's block), on background threads:
+the forward pass only submits. A loaded entry is verified where it landed,
+in the cache, before its block counts as loaded; a block that fails is a
+load error, which the engine computes again.
+
+How a medium supplies its store
+-------------------------------
+Subclass :class:`StoreMedium` and implement :meth:`StoreMedium.create_store`;
+declare your own ``kv_connector_extra_config`` keys by extending
+:meth:`StoreMedium.extra_config_keys` (and check them together, or derive
+values, in :meth:`StoreMedium.finish_options`). The store is created once
+per medium object, when its first half is built, with the validated
+options::
+
+    class MyMedium(StoreMedium[MyStore]):
+        event_medium = "mystore"
+
+        @classmethod
+        def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+            return (*super().extra_config_keys(), str_key("url", None, required=True))
+
+        def create_store(self, options: Mapping[str, Any]) -> MyStore:
+            return MyStore(options["url"])
+
+Optionally override :meth:`StoreMedium.store_key` (the default is
+``group_layouts[group].key(block_hash)``: the KV cache group's layout
+fingerprint + block hash; override :meth:`StoreMedium.block_hash_of`, its
+inverse, with it), :meth:`StoreMedium.store_counters` (extra stats from your
+store), :meth:`StoreMedium.reset_store` (forget this engine's entries) and
+:meth:`StoreMedium.start_worker`/:meth:`StoreMedium.stop_worker` (work of the
+worker side's own, such as a sweep), and give your store a ``discard(keys)``
+so entries found corrupt stop being hits. The store must never raise into
+the engine: misses and failures are results.
+
+Hybrid models (several KV cache groups): an entry holds one block of every
+layer of one group, keyed and headed with that group's layout (its name is
+in the fingerprint), so two groups' entries for one block hash never share a
+key and one never loads into the other. With a single group the keys are
+those of earlier versions. ``store_key(block_hash)`` overrides written for
+one group keep working with one group; a hybrid engine calls
+``store_key(block_hash, group)``, and refuses at construction an override
+that cannot take ``group``.
+
+KV cache events (``event_medium`` names the store in them): the worker side
+reports ``BlockStored`` for the blocks each save really stored (not the
+dropped or failed ones) and ``BlockRemoved`` for the corrupt entries it
+discarded and for those the store's ``take_removed_keys`` reports (a size
+cap).
+
+Common ``kv_connector_extra_config`` keys of every store medium:
+
+- ``staging_buffer_bytes`` (default 64 MiB; no staging memory any more: the
+  bytes of entries that saves in flight may hold; a save beyond it is
+  dropped and counted, never waited for);
+- ``io_threads`` (default 4, per direction);
+- ``batch_blocks`` (default 8: blocks per save job, and the shortest load
+  run: a load is shared between the I/O threads in runs of at least this
+  many blocks, one store call each);
+- ``transfer_timeout_s`` (default 30: the deadline of each load and save,
+  from its start; a load still running then is abandoned and its blocks are
+  load errors, which the engine computes again, and never writes into the
+  cache afterwards; a save still running then counts failed);
+- ``mac_key_env`` (the name of an environment variable holding a MAC key:
+  every entry is then sealed with HMAC-SHA256 and one whose MAC does not
+  match is a load error, see :mod:`kvwire.blocks.mac`; the key itself is
+  never accepted in a profile).
+
+The connector declares ``async_load`` (loads reported through
+``get_finished``) itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import attrs
+
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.mac import EntryMac, MacKeyError
+from kvwire.connector.counters import Counters
+from kvwire.connector.types import BlockHash
+from kvwire.extra_config import (
+    ExtraConfigError,
+    ExtraConfigKey,
+    int_key,
+    seconds_key,
+    size_key,
+)
+from kvwire.media.base import Medium, MediumContext, MediumIndex
+from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.media.store._handler import StoreWorker
+
+__all__ = ["StoreMedium"]
+
+logger = logging.getLogger(__name__)
+
+# Not a declared key, so a user's extra config can never supply it.
+_ENTRY_MAC = "entry_mac"
+
+_Store = TypeVar("_Store", bound=BlockStore)
+
+
+@attrs.frozen
+class _Unchecked:
+    """``mac_key_env`` as given: checked by :meth:`StoreMedium.finish_options`, never echoed.
+
+    The generic reader would print a bad value, and a bad value here may be
+    the key itself.
+    """
+
+    value: object = attrs.field(repr=False)
+
+
+class StoreMedium(Medium, Generic[_Store]):
+    """A medium that keeps encoded KV blocks in a :class:`BlockStore`, one entry per block.
+
+    Abstract: a subclass supplies the store through :meth:`create_store`
+    (``_Store`` is its type). The store is created once per medium object,
+    by whichever half is built first; the halves built close it, the last
+    one to close closing the store (a connector builds one half, so that
+    half owns it).
+    """
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        # Both sides: sealed entries are named apart (the key's id is in the fingerprint).
+        mac: EntryMac | None = context.options[_ENTRY_MAC]
+        self._layout = attrs.evolve(context.layout, mac=mac)
+        # Once: keys and headers index these, never rebuild them.
+        self._group_layouts = tuple(
+            attrs.evolve(layout, mac=mac) for layout in super().group_layouts
+        )
+        self._key_of = self._group_key_function()
+        self._store: _Store | None = None
+        self._store_users = 0
+
+    # ------------------------------------------------------- subclass hooks
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The common store keys (see the module); a subclass adds its own."""
+        return (
+            # Allocates nothing now (a bound on saves in flight): no memory check.
+            size_key("staging_buffer_bytes", 64 * 1024**2),
+            int_key("io_threads", 4, minimum=1, maximum=64),
+            int_key("batch_blocks", 8, minimum=1, maximum=4096),
+            seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
+            ExtraConfigKey(
+                "mac_key_env",
+                None,
+                _Unchecked,
+                "the name of an environment variable holding a MAC key",
+            ),
+        )
+
+    @classmethod
+    def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The options, and the MAC keyed from ``mac_key_env`` as ``options["entry_mac"]``.
+
+        An unset, empty or too short variable is an error here, so ``kvwire
+        check`` (run in the engine's environment) finds it before the engine.
+        A subclass that extends this calls it.
+        """
+        given = options["mac_key_env"]
+        try:
+            entry_mac = None if given is None else EntryMac.from_environment(given.value)
+        except MacKeyError as error:
+            raise ExtraConfigError(f"kv_connector_extra_config.mac_key_env: {error}") from None
+        return {**options, _ENTRY_MAC: entry_mac}
+
+    @abc.abstractmethod
+    def create_store(self, options: Mapping[str, Any]) -> _Store:
+        """The store this medium uses, from the validated extra-config ``options``."""
+
+    def store_key(self, block_hash: BlockHash, group: int = 0) -> str:
+        """The store key of a block of KV cache ``group``: its layout's fingerprint, then the hash.
+
+        With a single group, the key is ``layout.key(block_hash)``, as before
+        groups existed. An override for hybrid engines must take ``group``
+        (see the module).
+        """
+        return self._group_layouts[group].key(block_hash)
+
+    def block_hash_of(self, key: str) -> BlockHash | None:
+        """The block hash :meth:`store_key` made ``key`` from, in any group; None for another's."""
+        for layout in self._group_layouts:
+            block_hash = layout.block_hash_of(key)
+            if block_hash is not None:
+                return block_hash
+        return None
+
+    def store_counters(self) -> Mapping[str, float]:
+        """Extra counters from the store since the last call, reported with the stats."""
+        return {}
+
+    def late_write_grace_s(self) -> float:
+        """How long a given-up load's read already under way may take to return.
+
+        Longer than any single read the store can make: past it the engine
+        stops (``LateWriteError``) rather than let the read land late. A
+        store whose reads are bounded by a longer timeout raises it.
+        """
+        return LATE_WRITE_GRACE_S
+
+    def reset_store(self) -> bool | None:
+        """Forget this engine's entries; True when done, False if some stayed, None if unknown."""
+        return None
+
+    def start_worker(self, handler: StoreWorker) -> None:
+        """Start the worker side's own work once ``handler`` is built (a sweep); none by default."""
+
+    def stop_worker(self) -> None:
+        """Stop what :meth:`start_worker` started; called at close, before the store closes."""
+
+    # ------------------------------------------------------------- the store
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The layout of one entry of any group, sealed with the MAC when there is one."""
+        return self._layout
+
+    @property
+    def group_layouts(self) -> tuple[BlockLayout, ...]:
+        """Each KV cache group's entry layout, sealed with the MAC when there is one."""
+        return self._group_layouts
+
+    @property
+    def store(self) -> _Store:
+        """The store, created on first use from the context's options."""
+        if self._store is None:
+            self._store = self.create_store(self.context.options)
+        return self._store
+
+    def _open_store(self) -> _Store:
+        """The store, for one more half that closes it through :meth:`_release_store`."""
+        store = self.store
+        self._store_users += 1
+        return store
+
+    def _release_store(self) -> None:
+        """A half closed: close the store once no half uses it."""
+        self._store_users -= 1
+        if self._store_users == 0 and self._store is not None:
+            self._store.close()
+
+    def _group_key_function(self) -> Callable[[int, BlockHash], str]:
+        """How this medium names a block of a group: through :meth:`store_key`, overrides too.
+
+        A single-group engine calls ``store_key(block_hash)``, so an override
+        written before groups existed keeps its keys; a hybrid engine needs
+        one that takes ``group``.
+        """
+        groups = self.context.groups
+        if len(groups) == 1:
+            return lambda group, block_hash: self.store_key(block_hash)
+        try:
+            inspect.signature(self.store_key).bind(b"", 0)
+        except TypeError:
+            raise TypeError(
+                f"{type(self).__name__}.store_key takes only a block hash, and this "
+                f"kv_cache_config has {len(groups)} KV cache groups; expected "
+                "store_key(block_hash, group), naming each group's blocks apart "
+                "(or set disable_hybrid_kv_cache_manager: true)"
+            ) from None
+        return lambda group, block_hash: self.store_key(block_hash, group)
+
+    # ----------------------------------------------------------------- halves
+
+    def build_index(self) -> MediumIndex:
+        """The scheduler side: lookups by key in the store; it owns closing the store."""
+        return _StoreIndex(self._open_store(), self._key_of, self.reset_store, self._release_store)
+
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> StoreWorker:
+        """The worker side: a :class:`StoreWorker` over the caches; it owns closing the store.
+
+        The caches are checked against the groups before the store is opened.
+        """
+        # Imported here: they need torch, which the scheduler side never imports.
+        from kvwire.blocks.memory import group_memories
+        from kvwire.media.store._handler import StoreWorker
+
+        options = self.context.options
+        memories = group_memories(kv_caches, self._layout, self.context.groups)
+        # At least one block's save may be in flight, whatever the bound.
+        max_save_bytes = max(options["staging_buffer_bytes"], self._layout.entry_bytes)
+        handler = StoreWorker(
+            store=self._open_store(),
+            layouts=self._group_layouts,
+            memories=memories,
+            io_threads=options["io_threads"],
+            batch_blocks=options["batch_blocks"],
+            max_save_bytes=max_save_bytes,
+            counters=counters,
+            key_of=self._key_of,
+            hash_of=self.block_hash_of,
+            medium=self.event_medium,
+            transfer_timeout_s=options["transfer_timeout_s"],
+            late_write_grace_s=self.late_write_grace_s(),
+            store_counters=self.store_counters,
+            on_close=self._worker_closed,
+        )
+        self.start_worker(handler)
+        logger.info(
+            "%s: %s store, %d KV cache group(s), blocks of %d bytes, saves in flight up to "
+            "%d bytes, %d I/O threads per direction",
+            self.context.connector_name,
+            self.event_medium,
+            len(self.context.groups),
+            self._layout.payload_bytes,
+            max_save_bytes,
+            options["io_threads"],
+        )
+        return handler
+
+    def _worker_closed(self) -> None:
+        """The handler's transfers ended: stop the worker side's own work, release the store."""
+        try:
+            self.stop_worker()
+        finally:
+            self._release_store()
+
+
+class _StoreIndex(MediumIndex):
+    """A store medium's scheduler side: the store finds entries by key, so it only counts."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        key_of: Callable[[int, BlockHash], str],
+        reset_store: Callable[[], bool | None],
+        release_store: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._key_of = key_of
+        self._reset_store = reset_store
+        self._release_store = release_store
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """Only a consecutive prefix that is really in the store, under ``group``'s keys, counts."""
+        return self._store.count_prefix([self._key_of(group, h) for h in block_hashes])
+
+    def reset(self) -> bool | None:
+        return self._reset_store()
+
+    def close(self) -> None:
+        self._release_store()
