@@ -215,14 +215,12 @@ FORWARD_THREAD_CALLS = (
 
 def blocks_to_save(metadata: object) -> int:
     """How many blocks a built-in connector's step metadata asks the worker to save."""
-    for field in ("saves", "stores"):
-        transfers = getattr(metadata, field, None)
-        if transfers is not None:
-            return sum(len(transfer.block_ids) for transfer in transfers)
-    raise TypeError(
-        f"{type(metadata).__name__} has neither saves nor stores: the benchmark cannot tell "
-        "which steps save"
-    )
+    transfers = getattr(metadata, "saves", None)
+    if transfers is None:
+        raise TypeError(
+            f"{type(metadata).__name__} has no saves: the benchmark cannot tell which steps save"
+        )
+    return sum(len(transfer.block_ids) for transfer in transfers)
 
 
 @attrs.define

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import engine as bench
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.offload.metadata import OffloadMetadata
 
 
 def test_the_forward_share_counts_the_saving_steps_connector_calls() -> None:
@@ -60,7 +60,7 @@ def test_a_call_a_connector_makes_on_itself_is_timed_once_inside_the_outer_one()
 
     def execute(step: Any) -> str:
         save = types.SimpleNamespace(block_ids=(3, 4))
-        connector.bind_connector_metadata(StoreConnectorMetadata(saves=(save, save)))  # type: ignore[arg-type]
+        connector.bind_connector_metadata(OffloadMetadata(saves=(save, save)))  # type: ignore[arg-type]
         connector.wait_for_save()
         return "result"
 
@@ -82,9 +82,9 @@ def test_a_scheduler_connector_is_left_alone() -> None:
     assert "wait_for_save" not in vars(connector)
 
 
-def test_a_step_metadata_without_saves_or_stores_is_an_error_naming_its_type() -> None:
-    assert bench.blocks_to_save(StoreConnectorMetadata()) == 0
-    with pytest.raises(TypeError, match="SimpleNamespace has neither saves nor stores"):
+def test_a_step_metadata_without_saves_is_an_error_naming_its_type() -> None:
+    assert bench.blocks_to_save(OffloadMetadata()) == 0
+    with pytest.raises(TypeError, match="SimpleNamespace has no saves"):
         bench.blocks_to_save(types.SimpleNamespace())
 
 

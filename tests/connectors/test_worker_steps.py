@@ -17,8 +17,8 @@ from kvwire.connector.worker_steps import (
     registered_worker,
     saves_from_good_context,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
-from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.connectors.harness import cache_config_for, engine_config
 
@@ -38,14 +38,14 @@ def test_a_registered_worker_is_returned_as_is():
 
 def test_metadata_of_another_type_is_refused_naming_both_types():
     with pytest.raises(
-        TypeError, match=r"^MyConnector got KVConnectorMetadata, expected CPUOffloadMetadata$"
+        TypeError, match=r"^MyConnector got KVConnectorMetadata, expected OffloadMetadata$"
     ):
-        metadata_of_type("MyConnector", KVConnectorMetadata(), CPUOffloadMetadata)
+        metadata_of_type("MyConnector", KVConnectorMetadata(), OffloadMetadata)
 
 
 def test_metadata_of_the_expected_type_is_returned_as_is():
-    metadata = CPUOffloadMetadata()
-    assert metadata_of_type("MyConnector", metadata, CPUOffloadMetadata) is metadata
+    metadata = OffloadMetadata()
+    assert metadata_of_type("MyConnector", metadata, OffloadMetadata) is metadata
 
 
 def test_pending_requests_are_released_once_their_transfers_end():
@@ -67,7 +67,7 @@ def test_counter_stats_hold_only_nonzero_counts_and_reset():
 def test_the_cpu_offload_worker_refuses_a_step_before_register_kv_caches():
     config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "4MiB"})
     worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
-    worker.bind_connector_metadata(CPUOffloadMetadata())
+    worker.bind_connector_metadata(OffloadMetadata())
     with pytest.raises(RuntimeError, match=r"^CPUOffloadConnector: register_kv_caches\(\)"):
         worker.start_load_kv(ForwardContext(layer_names=()))
 
@@ -82,18 +82,18 @@ def unregistered_store_worker(tmp_path: pathlib.Path) -> Iterator[SharedStorageC
 
 
 def test_a_store_worker_refuses_a_step_before_register_kv_caches(unregistered_store_worker):
-    unregistered_store_worker.bind_connector_metadata(StoreConnectorMetadata())
+    unregistered_store_worker.bind_connector_metadata(OffloadMetadata())
 
     with pytest.raises(RuntimeError, match=r"^SharedStorageConnector: register_kv_caches\(\)"):
         unregistered_store_worker.wait_for_save()
 
 
 def test_a_store_worker_refuses_another_connectors_metadata(unregistered_store_worker):
-    unregistered_store_worker.bind_connector_metadata(CPUOffloadMetadata())
+    unregistered_store_worker.bind_connector_metadata(KVConnectorMetadata())
 
     with pytest.raises(
         TypeError,
-        match=r"^SharedStorageConnector got CPUOffloadMetadata, expected StoreConnectorMetadata$",
+        match=r"^SharedStorageConnector got KVConnectorMetadata, expected OffloadMetadata$",
     ):
         unregistered_store_worker.start_load_kv(ForwardContext(layer_names=()))
 

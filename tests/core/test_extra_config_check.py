@@ -148,7 +148,7 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
         "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, cpu_pool_bytes, io_threads, transfer_timeout_s",
+        "accepted keys are: async_load, cpu_pool_bytes, io_threads, medium, transfer_timeout_s",
         id="cpu-offload-typo",
     ),
     pytest.param(
@@ -170,7 +170,8 @@ BAD_EXTRA_CONFIGS = [
         {"shared_storage_path": STORE, "fsynch": True},
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
         "keys are: allow_other_owner, async_load, batch_blocks, file_mode, fsync, io_threads, "
-        "mac_key_env, max_bytes, shared_storage_path, staging_buffer_bytes, transfer_timeout_s",
+        "mac_key_env, max_bytes, medium, shared_storage_path, staging_buffer_bytes, "
+        "transfer_timeout_s",
         id="shared-storage-typo",
     ),
     pytest.param(
@@ -199,7 +200,7 @@ BAD_EXTRA_CONFIGS = [
         {"ttl": 60},
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
         "async_load, batch_blocks, connect_timeout_s, db, io_threads, key_prefix, "
-        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, password, "
+        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, medium, password, "
         "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
         "socket_timeout_s, staging_buffer_bytes, tls_ca_certs, tls_certfile, tls_keyfile, "
         "tls_verify, transfer_timeout_s, ttl_seconds, url, username, warning_interval_s",
@@ -283,7 +284,7 @@ BAD_EXTRA_CONFIGS = [
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
         "an option of CPUOffloadConnector; accepted keys are: async_load, cpu_pool_bytes, "
-        "io_threads, transfer_timeout_s",
+        "io_threads, medium, transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(

@@ -110,9 +110,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             BlockLayout.from_engine_config(config), num_layers=layers_per_group(groups)
         )
         check_cache_layout(layout, kv_cache_config)
-        medium_cls, options = self.read_options(
-            self.kv_transfer_config, medium_resolver or _default_medium_resolver
-        )
+        medium_cls, options = self.read_options(self.kv_transfer_config, medium_resolver)
         self._medium = medium_cls(MediumContext(type(self).__name__, options, groups, layout))
         if role is KVConnectorRole.SCHEDULER:
             planner = BlockPlanner(
@@ -139,7 +137,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
 
     @classmethod
     def read_options(
-        cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver
+        cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver | None = None
     ) -> tuple[type[Medium], dict[str, Any]]:
         """The medium class and the checked extra config, defaults filled (or ``ExtraConfigError``).
 
@@ -149,7 +147,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         extra = kv_transfer_config.kv_connector_extra_config
         spec = extra.get("medium", cls.default_medium)
         try:
-            medium_cls = medium_resolver(spec)
+            medium_cls = (medium_resolver or _default_medium_resolver)(spec)
         except ValueError as error:
             raise ExtraConfigError(f"kv_connector_extra_config.medium: {error}") from None
         keys: tuple[ExtraConfigKey, ...] = (
@@ -170,7 +168,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
     ) -> None:
         """Reads the options as the constructor does, and drops them: nothing is built."""
-        cls.read_options(kv_transfer_config, _default_medium_resolver)
+        cls.read_options(kv_transfer_config)
 
     @property
     def medium(self) -> Medium:
