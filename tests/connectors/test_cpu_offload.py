@@ -91,7 +91,7 @@ def test_the_pool_evicts_the_least_recently_used_blocks(make_pair):
 def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
     pair = make_pair()
     offload(pair)
-    pool = pair.worker._worker.pool
+    pool = pair.worker._worker.handler.pool
     pool.payload(0).view(-1)[5] += 1.0  # one value of the first stored block
     for block in SECOND:
         for cache in pair.caches.values():
@@ -104,7 +104,7 @@ def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
 def test_a_corrupted_pool_slot_is_forgotten_after_its_failed_load(make_pair):
     pair = make_pair()
     offload(pair)
-    pair.worker._worker.pool.payload(1).view(-1)[0] += 1.0  # the second stored block
+    pair.worker._worker.handler.pool.payload(1).view(-1)[0] += 1.0  # the second stored block
     pair.prefill(make_request("b", PROMPT, BLOCK), SECOND)
     assert pair.load_errors == {SECOND[1]}
     assert pair.lookup(make_request("c", PROMPT, BLOCK)) == (BLOCK, False)
@@ -123,7 +123,7 @@ def test_stores_the_worker_left_out_are_freed_as_it_reports_them(make_pair):
     assert pair.load_errors == set()
     assert pair.stats["saves_skipped_after_failed_load"] == 4
     assert pair.finish(request, FIRST) is False  # no store left to keep its blocks for
-    assert len(pair.scheduler._index) == 0
+    assert len(pair.scheduler._scheduler.index._index) == 0  # no slot reserved
     assert not any(isinstance(event, BlockStored) for event in pair.scheduler.take_events())
     assert pair.lookup(make_request("b", PROMPT, BLOCK)) == (0, False)
 
@@ -208,6 +208,6 @@ def test_allocating_blocks_the_pool_lost_since_lookup_is_refused(make_pair):
     with pytest.raises(
         ValueError,
         match=r"^update_state_after_alloc: request 'b' asks for 16 external tokens; "
-        r"the CPU pool holds 0 of the 4 blocks they need in KV cache group 0$",
+        r"prepare_load: the CPU pool holds 0 of the 4 blocks asked for in KV cache group 0 ",
     ):
         pair.scheduler.update_state_after_alloc(request, KVCacheBlocks((list(SECOND),)), 16)

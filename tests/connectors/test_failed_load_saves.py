@@ -117,7 +117,7 @@ def test_the_cpu_pool_never_keeps_blocks_computed_after_a_failed_load(
             return output.output_token_ids
 
         run("prefix", PREFIX)
-        pool = engine.worker.connector._worker.pool  # type: ignore[union-attr]
+        pool = engine.worker.connector._worker.handler.pool  # type: ignore[union-attr]
         corrupt_pool_entry(pool, layout, block_hash(config, PREFIX, 1))
         assert run("extended", EXTENDED) == reference
         stats = dict(engine.connector_stats.data)
@@ -141,7 +141,7 @@ def test_the_tiered_profile_saves_nothing_computed_after_the_cpu_pool_failed_a_l
         engine.wait_for_saves()
         engine.reset_prefix_cache()
         cpu_child = engine.worker.connector._children[0]  # type: ignore[union-attr]
-        corrupt_pool_entry(cpu_child._worker.pool, layout, block_hash(config, PREFIX, 1))
+        corrupt_pool_entry(cpu_child._worker.handler.pool, layout, block_hash(config, PREFIX, 1))
         (extended,) = engine.generate([request("extended", EXTENDED)])
         engine.wait_for_saves()
         stats = engine.connector_stats.data
@@ -172,7 +172,7 @@ def test_a_request_sharing_the_failed_block_as_a_prefix_saves_none_of_it() -> No
         engine.generate([request("prefix", PREFIX)])
         engine.wait_for_saves()
         engine.reset_prefix_cache()
-        pool = engine.worker.connector._worker.pool  # type: ignore[union-attr]
+        pool = engine.worker.connector._worker.handler.pool  # type: ignore[union-attr]
         corrupt_pool_entry(pool, layout, block_hash(config, PREFIX, 1))
         together = engine.generate([request("extended", EXTENDED), request("other", OTHER)])
         engine.wait_for_saves()
