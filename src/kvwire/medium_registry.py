@@ -28,7 +28,7 @@ import attrs
 from dependency_injector import containers, providers
 
 from kvwire.exceptions import KVWireError
-from kvwire.redaction import shown
+from kvwire.redaction import redact_text, shown
 
 if TYPE_CHECKING:
     from kvwire.media.base import Medium
@@ -150,7 +150,8 @@ class MediumRegistry:
             return getattr(module, class_name)
         except (ImportError, AttributeError, ValueError) as error:
             raise UnknownMediumError(
-                f"medium {shown(what)} cannot be loaded: {type(error).__name__}: {shown(error)}"
+                f"medium {shown(what)} cannot be loaded: {type(error).__name__}: "
+                f"{redact_text(str(error))[:200]}"
             ) from error
 
     def _check(self, found: Any, spec: str) -> type[Medium]:

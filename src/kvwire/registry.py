@@ -44,6 +44,7 @@ MAX_COMPOSITE_DEPTH = 16
 
 BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
     "CPUOffloadConnector": ("kvwire.connectors.cpu_offload", "CPUOffloadConnector"),
+    "OffloadConnector": ("kvwire.connectors.offload", "OffloadConnector"),
     "SharedStorageConnector": ("kvwire.connectors.shared_storage", "SharedStorageConnector"),
     "MultiConnector": ("kvwire.connectors.multi", "MultiConnector"),
     "RedisConnector": ("kvwire.connectors.redis", "RedisConnector"),
