@@ -79,7 +79,9 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     )
     check.set_defaults(command=_check_command)
 
-    connectors = commands.add_parser("connectors", help="list every known connector")
+    connectors = commands.add_parser(
+        "connectors", help="list every known connector, and the media block connectors use"
+    )
     connectors.add_argument(
         "--resolve",
         action="store_true",
@@ -334,12 +336,21 @@ def list_connectors(
                 failed = True
                 row.append(f"error: {error}")
         rows.append(row)
+    _print_table(rows, out)
+    # The media the block connectors can keep blocks in (kv_connector_extra_config.medium).
+    print(file=out)
+    media = [["MEDIUM", "SOURCE", "MODULE"]]
+    media += [[m.name, m.origin, m.target] for m in registry.media.entries()]
+    _print_table(media, out)
+    return 1 if failed else 0
+
+
+def _print_table(rows: list[list[str]], out: TextIO) -> None:
     # Pad every column but the last, which may hold a long error text.
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*cells, row[-1]]).rstrip(), file=out)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

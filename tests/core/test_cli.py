@@ -174,6 +174,27 @@ def test_connectors_lists_name_source_and_module(registry: ConnectorRegistry) ->
     )
 
 
+CPU_POOL = "kvwire.media.cpu_pool:CPUPoolMedium"
+
+
+def _connector_rows(listing: str) -> dict[str, str]:
+    connectors, _media = listing.split("\n\n")
+    return {line.split()[0]: line for line in connectors.splitlines()[1:]}
+
+
+def test_connectors_lists_the_media_after_the_connectors(registry: ConnectorRegistry) -> None:
+    out = io.StringIO()
+    registry.media.register_medium("tape", "tape_medium", "TapeMedium")
+
+    assert list_connectors(resolve=False, registry=registry, out=out) == 0
+
+    media = out.getvalue().split("\n\n")[1].splitlines()
+    assert media[0].split() == ["MEDIUM", "SOURCE", "MODULE"]
+    assert [line.split()[0] for line in media[1:]] == ["cpu_pool", "directory", "redis", "tape"]
+    assert media[1].split(maxsplit=1)[1].split() == ["built", "in", CPU_POOL]
+    assert media[4].endswith("registered at run time  tape_medium:TapeMedium")
+
+
 def test_connectors_with_resolve_says_whether_each_supports_hma(
     registry: ConnectorRegistry,
 ) -> None:
@@ -181,7 +202,7 @@ def test_connectors_with_resolve_says_whether_each_supports_hma(
 
     status = list_connectors(resolve=True, registry=registry, out=out)
 
-    rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
+    rows = _connector_rows(out.getvalue())
     assert rows["RecordingConnector"].endswith(
         "  no (does not subclass SupportsHMA: the gate turns HMA off, and "
         "disable_hybrid_kv_cache_manager: false is an error)"
@@ -200,7 +221,7 @@ def test_connectors_with_resolve_says_every_built_in_serves_hma() -> None:
 
     status = list_connectors(resolve=True, registry=ConnectorRegistry(), out=out)
 
-    rows = {line.split()[0]: line for line in out.getvalue().splitlines()[1:]}
+    rows = _connector_rows(out.getvalue())
     for name in ("CPUOffloadConnector", "SharedStorageConnector", "RedisConnector"):
         assert rows[name].endswith("  yes (subclasses SupportsHMA: the gate keeps HMA on)"), name
     assert rows["MultiConnector"].endswith(
