@@ -427,7 +427,13 @@ def probe(**options: Any) -> dict[str, Any]:
 
 
 def probes(*children: dict[str, Any]) -> MultiConnector:
+    """The worker side of a MultiConnector over ``children``."""
     return build_multi(KVConnectorRole.WORKER, {"connectors": list(children)})
+
+
+def scheduler_probes(*children: dict[str, Any]) -> MultiConnector:
+    """The scheduler side of a MultiConnector over ``children``."""
+    return build_multi(KVConnectorRole.SCHEDULER, {"connectors": list(children)})
 
 
 def calls_named(connector: KVConnectorBase, name: str) -> list[Any]:
@@ -513,7 +519,7 @@ def test_failed_receives_of_any_child_are_reported() -> None:
 
 
 def test_new_requests_reach_every_child() -> None:
-    multi = probes(probe(), probe())
+    multi = scheduler_probes(probe(), probe())
 
     multi.on_new_request(make_request("n", PROMPT, BLOCK))
 
@@ -521,9 +527,9 @@ def test_new_requests_reach_every_child() -> None:
 
 
 def test_worker_metadata_is_built_per_child_merged_and_handed_back_to_each() -> None:
-    multi = probes(probe(worker_meta=2), probe())
-    one_worker = multi.build_connector_worker_meta()
+    one_worker = probes(probe(worker_meta=2), probe()).build_connector_worker_meta()
     assert one_worker is not None
+    multi = scheduler_probes(probe(worker_meta=2), probe())
 
     merged = one_worker.aggregate(one_worker)
     multi.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=merged))
@@ -539,15 +545,16 @@ def test_no_worker_metadata_when_no_child_has_any() -> None:
 
 
 def test_children_expecting_different_finished_counts_is_an_error() -> None:
-    multi = probes(probe(finished_count=2), probe(finished_count=4))
+    multi = scheduler_probes(probe(finished_count=2), probe(finished_count=4))
 
     with pytest.raises(ValueError, match=r"different numbers of finished reports \[2, 4\]"):
         multi.get_finished_count()
 
 
 def test_the_finished_count_is_the_children_s_when_they_agree() -> None:
-    assert probes(probe(finished_count=2), probe(finished_count=2)).get_finished_count() == 2
-    assert probes(probe(finished_count=2), probe()).get_finished_count() is None
+    agreeing = scheduler_probes(probe(finished_count=2), probe(finished_count=2))
+    assert agreeing.get_finished_count() == 2
+    assert scheduler_probes(probe(finished_count=2), probe()).get_finished_count() is None
 
 
 def test_children_needing_different_kv_cache_layouts_is_an_error() -> None:
@@ -608,7 +615,7 @@ def test_rebuilding_the_stats_of_an_unknown_child_is_the_reference_error() -> No
 
 
 def test_nested_child_stats_reach_each_child_as_its_own() -> None:
-    multi = probes(probe(), probe())
+    multi = scheduler_probes(probe(), probe())
     nested = KVConnectorStats(data={"ProbeConnector#1": {"loads": 2}})
 
     multi.update_connector_output(KVConnectorOutput(kv_connector_stats=nested))
@@ -622,7 +629,7 @@ def test_nested_child_stats_reach_each_child_as_its_own() -> None:
 def test_child_stats_rebuilt_by_the_multi_connector_class_reach_each_child_as_they_are(
     stats_probe_name: str,
 ) -> None:
-    multi = probes({"kv_connector": stats_probe_name})
+    multi = scheduler_probes({"kv_connector": stats_probe_name})
     rebuilt = MultiConnector.build_kv_connector_stats({stats_probe_name: {"loads": 2}})
 
     multi.update_connector_output(KVConnectorOutput(kv_connector_stats=rebuilt))
