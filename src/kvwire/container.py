@@ -190,7 +190,11 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     - ``engine_config``: the validated ``EngineConfig`` (override it with a
       ready one: ``engine_config.override(providers.Object(config))``);
     - ``kv_cache_config``: a ``Dependency``, known once the engine sized its memory;
-    - ``registry``: the lazy connector registry (the process-wide one);
+    - ``registry``: the lazy connector registry (the process-wide one), and
+      through it the media block connectors keep blocks in
+      (``registry().media.provider("directory").override(...)`` swaps one;
+      give the container a ``default_registry().copy()`` first to keep the
+      override to it);
     - ``kv_transfer_config`` and ``connector_class``: what the config names;
     - ``hma_gate``: the :class:`~kvwire.hma.HMADecision` (raises for HMA
       demanded from a connector that cannot serve it);
