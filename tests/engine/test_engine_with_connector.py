@@ -17,6 +17,7 @@ from kvwire.connector.types import RequestStatus
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.testing.instruments import CallLog, Instruments
 from tests.engine.conftest import tiny_config, with_directory_connector
+from tests.engine.faulty_media import FailEverySecondBlock, over_medium, shared_storage
 from tests.engine.helpers import generate, served_from_connector, tokens
 
 Workload = list[GenerationRequest]
@@ -124,14 +125,12 @@ def test_failed_loads_are_recomputed_and_outputs_stay_equal(
 def test_garbage_left_by_a_failed_load_never_reaches_the_outputs(
     config: EngineConfig, workload: Workload, tmp_path: pathlib.Path, load_async: bool
 ) -> None:
-    from kvwire.engine.worker import LoadFailureInjection
-
     reference = tokens(generate(config, workload))
-    connector_config = with_directory_connector(config, tmp_path, load_async=load_async)
+    connector_config = shared_storage(config, tmp_path, async_load=load_async)
     generate(connector_config, workload)
-    warm = generate(
-        connector_config, workload, load_failure_injection=LoadFailureInjection(block_index=1)
-    )
+    # Each request's first load leaves NaN in its second block, and reports it.
+    container = over_medium(connector_config, FailEverySecondBlock)
+    warm = generate(connector_config, workload, container=container)
     assert tokens(warm) == reference
     assert sum(output.num_load_failures for output in warm) == len(workload)
 

@@ -16,9 +16,9 @@ import pathlib
 import attrs
 import pytest
 
-from kvwire.config import EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
+from kvwire.config import EngineConfig, LoadFailurePolicy
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.engine.worker import LoadFailureInjection
+from tests.engine.faulty_media import FailAsLastBlock, over_medium, shared_storage
 from tests.engine.helpers import generate, tokens
 from tests.engine.hybrid import tiny_hybrid_config
 
@@ -27,24 +27,11 @@ PROMPT = tuple((7 * i + 3) % 300 for i in range(64))
 STORED = GenerationRequest("X", PROMPT[:17], 1)
 A = GenerationRequest("A", PROMPT[:25], 1)
 B = GenerationRequest("B", (*PROMPT[:24], 1, 2, 3, 4, 5, 6, 7, 8, 9), 1)
-FAIL_A = LoadFailureInjection(request_ids=frozenset({"A"}), block_index=-1)
 
 
-def _storage(
-    config: EngineConfig,
-    path: pathlib.Path,
-    policy: LoadFailurePolicy = "recompute",
-    role: KVRole = "kv_both",
-) -> EngineConfig:
-    return attrs.evolve(
-        config,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="SharedStorageConnector",
-            kv_role=role,
-            kv_load_failure_policy=policy,
-            kv_connector_extra_config={"shared_storage_path": str(path)},
-        ),
-    )
+def _failing_a(config: EngineConfig) -> LLMEngine:
+    """An engine whose medium fails A's load at its last block (with HMA, a sliding-window one)."""
+    return LLMEngine(config, container=over_medium(config, FailAsLastBlock))
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -54,11 +41,10 @@ def test_a_request_sharing_a_failed_loads_step_gets_the_tokens_of_running_alone(
 ) -> None:
     base = tiny_hybrid_config(disable_hybrid_kv_cache_manager=not hma)
     reference = tokens(generate(base, [A, B]))
-    generate(_storage(base, tmp_path), [STORED])
-    # Loads only: the injected failure is the engine's, unknown to the
-    # connector, which would save what A computed from it.
-    consumer = _storage(base, tmp_path, policy, "kv_consumer")
-    with LLMEngine(consumer, load_failure_injection=FAIL_A) as engine:
+    generate(shared_storage(base, tmp_path), [STORED])
+    # Loads only: nothing A computes reaches the store, so B gets A's blocks from A alone.
+    consumer = shared_storage(base, tmp_path, policy, "kv_consumer")
+    with _failing_a(consumer) as engine:
         assert engine.hma_enabled is hma
         a, b = engine.generate([A, B])
     assert a.num_load_failures == 1
@@ -73,11 +59,11 @@ def test_a_request_sharing_a_failed_loads_step_gets_the_tokens_of_running_alone(
 def test_no_kv_computed_from_a_failed_load_reaches_the_store(tmp_path: pathlib.Path) -> None:
     base = tiny_hybrid_config()
     reference = tokens(generate(base, [B]))
-    storage = _storage(base, tmp_path)
+    storage = shared_storage(base, tmp_path)
     with LLMEngine(storage) as engine:
         engine.generate([STORED])
         engine.wait_for_saves()
-    with LLMEngine(storage, load_failure_injection=FAIL_A) as engine:
+    with _failing_a(storage) as engine:
         engine.generate([A, B])
         engine.wait_for_saves()
     with LLMEngine(storage) as engine:
@@ -86,18 +72,18 @@ def test_no_kv_computed_from_a_failed_load_reaches_the_store(tmp_path: pathlib.P
     assert tokens([warm]) == reference
 
 
-def test_an_injected_failure_reaches_the_store_no_more_than_a_connectors_own(
+def test_no_kv_computed_from_a_failed_load_reaches_the_store_under_the_fail_policy(
     tmp_path: pathlib.Path,
 ) -> None:
     # Under "fail" A is never computed again, so nothing saved in its step
     # is overwritten: blocks 4 and 5, computed from the garbage, must not be saved.
     base = tiny_hybrid_config()
     reference = tokens(generate(base, [A]))
-    generate(_storage(base, tmp_path), [STORED])
-    with LLMEngine(_storage(base, tmp_path, "fail"), load_failure_injection=FAIL_A) as engine:
+    generate(shared_storage(base, tmp_path), [STORED])
+    with _failing_a(shared_storage(base, tmp_path, "fail")) as engine:
         [failed] = engine.generate([A])
         engine.wait_for_saves()
     assert failed.error is not None
-    with LLMEngine(_storage(base, tmp_path)) as engine:
+    with LLMEngine(shared_storage(base, tmp_path)) as engine:
         [warm] = engine.generate([attrs.evolve(A, request_id="A/warm")])
     assert tokens([warm]) == reference

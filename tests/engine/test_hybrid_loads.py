@@ -15,8 +15,13 @@ import pytest
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.worker import LoadFailureInjection
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from tests.engine.faulty_media import (
+    FailEveryFirstBlock,
+    FailEveryLastBlock,
+    over_medium,
+    shared_storage,
+)
 from tests.engine.helpers import generate, tokens
 from tests.engine.hybrid import tiny_hybrid_config
 
@@ -92,11 +97,9 @@ def test_injected_failures_in_any_groups_block_are_recovered(
     tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
 ) -> None:
     # Loaded blocks come flattened over groups: index 0 is a full-group block.
-    for block_index in (0, -1):
-        store = tmp_path / str(block_index)
-        _cold, warm = _cold_then_warm(
-            _config(store), load_failure_injection=LoadFailureInjection(block_index=block_index)
-        )
+    for index, medium in enumerate((FailEveryFirstBlock, FailEveryLastBlock)):
+        config = shared_storage(tiny_hybrid_config(), tmp_path / str(index))
+        _cold, warm = _cold_then_warm(config, container=over_medium(config, medium))
         assert tokens(warm) == reference
         assert all(output.num_load_failures == 1 for output in warm)
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import attrs
+
+from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.worker import LoadFailureInjection
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.engine.conftest import tiny_config, with_directory_connector
+from tests.engine.faulty_media import FailFirstsFirstBlock, over_medium, shared_storage
 from tests.engine.helpers import generate, tokens
 
 PREFIX = tuple(range(100, 112))  # three blocks of four tokens
@@ -48,10 +51,10 @@ def test_a_request_waits_for_a_load_of_its_prefix_and_is_spared_its_failure(
     config = tiny_config()
     workload = _two_requests_with_a_common_prefix()
     reference = tokens(generate(config, workload))
-    connector_config = with_directory_connector(config, tmp_path)
+    connector_config = shared_storage(config, tmp_path)
     generate(connector_config, workload)  # fills the store
-    injection = LoadFailureInjection(request_ids=frozenset({"first"}), block_index=0)
-    warm = generate(connector_config, workload, load_failure_injection=injection)
+    container = over_medium(connector_config, FailFirstsFirstBlock)
+    warm = generate(connector_config, workload, container=container)
     assert tokens(warm) == reference
     assert [output.num_load_failures for output in warm] == [1, 0]
     # The second shares what the first recomputed instead of loading a copy.
@@ -78,12 +81,10 @@ def test_a_warm_pass_fits_where_a_copy_of_the_prefix_per_request_would_not(
 
 
 def _warm_async(
-    tmp_path: pathlib.Path, **options: Any
+    connector_config: EngineConfig, **options: Any
 ) -> tuple[list[RequestOutput], list[RequestOutput], dict[str, Any]]:
-    config = tiny_config()
     workload = _two_requests_with_a_common_prefix()
-    reference = generate(config, workload)
-    connector_config = with_directory_connector(config, tmp_path, load_async=True)
+    reference = generate(attrs.evolve(connector_config, kv_transfer_config=None), workload)
     generate(connector_config, workload)  # fills the store
     with LLMEngine(connector_config, **options) as engine:
         warm = engine.generate(workload)
@@ -94,7 +95,8 @@ def _warm_async(
 def test_a_request_whose_prefix_a_parked_request_is_loading_waits_and_shares_it(
     tmp_path: pathlib.Path,
 ) -> None:
-    reference, warm, stats = _warm_async(tmp_path)
+    connector_config = with_directory_connector(tiny_config(), tmp_path, load_async=True)
+    reference, warm, stats = _warm_async(connector_config)
     assert tokens(warm) == tokens(reference)
     # "first" loads the three prefix blocks; "second" finds them in the local
     # cache once they land, instead of loading a copy of its own.
@@ -106,7 +108,8 @@ def test_a_request_whose_prefix_a_parked_request_is_loading_waits_and_shares_it(
 def test_a_failed_load_that_a_request_waited_for_is_recomputed_and_outputs_stay_equal(
     tmp_path: pathlib.Path,
 ) -> None:
-    injection = LoadFailureInjection(request_ids=frozenset({"first"}), block_index=0)
-    reference, warm, _stats = _warm_async(tmp_path, load_failure_injection=injection)
+    connector_config = shared_storage(tiny_config(), tmp_path, async_load=True)
+    container = over_medium(connector_config, FailFirstsFirstBlock)
+    reference, warm, _stats = _warm_async(connector_config, container=container)
     assert tokens(warm) == tokens(reference)
     assert warm[0].num_load_failures == 1
