@@ -60,9 +60,10 @@ import torch
 from kvwire.config import EngineConfig, LoadFailurePolicy
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import RequestStatus
+from kvwire.container import container_for_profile
 from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.engine.worker import Worker
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.hma import HMADecision
 from kvwire.kv_cache_config import KVCacheConfig
@@ -71,6 +72,7 @@ from kvwire.testing.configs import (
     with_hma_disabled,
     with_load_failure_policy,
 )
+from kvwire.testing.faults import with_load_faults
 from kvwire.testing.instruments import CallLog, Instruments
 
 _WORKER_CODES = {
@@ -381,11 +383,12 @@ class ConnectorConformanceSuite:
         policy: LoadFailurePolicy,
     ) -> None:
         config = with_load_failure_policy(engine_config, policy)
+        # Every request's first load fails at its first block, whatever the connector.
         _cold, warm = self.cold_then_warm(
             config,
             conformance_workload,
             kvwire_instruments,
-            load_failure_injection=LoadFailureInjection(block_index=0),
+            container=with_load_faults(container_for_profile(config), block_index=0),
         )
         failed = [o for o in warm.outputs if o.num_load_failures]
         if self.loads_expected(engine_config):
