@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-    from kvwire.engine.worker import LoadFailureInjection
     from kvwire.engine.workload import ByteTokenizer, WorkloadSpec, synthetic_workload
 
 __all__ = [
     "ByteTokenizer",
     "GenerationRequest",
     "LLMEngine",
-    "LoadFailureInjection",
     "RequestOutput",
     "WorkloadSpec",
     "synthetic_workload",
@@ -28,7 +26,6 @@ _WHERE = {
     "GenerationRequest": "kvwire.engine.engine",
     "LLMEngine": "kvwire.engine.engine",
     "RequestOutput": "kvwire.engine.engine",
-    "LoadFailureInjection": "kvwire.engine.worker",
     "ByteTokenizer": "kvwire.engine.workload",
     "WorkloadSpec": "kvwire.engine.workload",
     "synthetic_workload": "kvwire.engine.workload",

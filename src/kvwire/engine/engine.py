@@ -26,7 +26,7 @@ from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.model import torch_dtype
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
-from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.engine.worker import Worker
 from kvwire.hma import HMADecision
 from kvwire.kv_cache_config import build_kv_cache_config
 
@@ -122,12 +122,12 @@ class LLMEngine:
     """A paged-KV inference engine on CPU that drives a connector like a server would.
 
     ``connector_hook`` sees each connector once it is built (the conformance
-    kit instruments them this way); ``load_failure_injection`` makes loads
-    fail on purpose; ``capture_kv`` keeps each finished request's prompt KV
-    in :attr:`captured_kv`. ``container`` is a
+    kit instruments them this way); ``capture_kv`` keeps each finished
+    request's prompt KV in :attr:`captured_kv`. ``container`` is a
     :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
-    ``config``). ``torch_threads`` sets the worker process's torch threads
+    ``config``): e.g. a registry whose medium makes loads fail on purpose
+    (:mod:`kvwire.media.faulty`). ``torch_threads`` sets the worker process's torch threads
     (None leaves them alone); a worker process that does not answer a call
     within ``worker_reply_timeout_s`` is stopped, and the call raises.
     Requests admitted in one step share their common prefix's blocks, as
@@ -152,7 +152,6 @@ class LLMEngine:
         *,
         worker_mode: WorkerMode = "inline",
         connector_hook: ConnectorHook | None = None,
-        load_failure_injection: LoadFailureInjection | None = None,
         capture_kv: bool = False,
         idle_timeout_s: float = 60.0,
         container: KVConnectorContainer | None = None,
@@ -198,7 +197,6 @@ class LLMEngine:
                     config,
                     self.kv_cache_config,
                     self._source,
-                    load_failure_injection=load_failure_injection,
                     torch_threads=torch_threads,
                 )
             else:
@@ -208,7 +206,6 @@ class LLMEngine:
                     config,
                     self.kv_cache_config,
                     connector_hook=connector_hook,
-                    load_failure_injection=load_failure_injection,
                     torch_threads=torch_threads,
                     reply_timeout_s=worker_reply_timeout_s,
                 )

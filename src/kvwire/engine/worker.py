@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import torch
 
 from kvwire.config import EngineConfig
@@ -21,30 +20,8 @@ from kvwire.connector.types import ForwardContext, KVConnectorOutput
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
 from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
-from kvwire.engine.step import ExternalLoad, StepResult, WorkerStep
+from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.kv_cache_config import LAYER_NAME_FORMAT, KVCacheConfig
-
-
-@attrs.frozen
-class LoadFailureInjection:
-    """Make connector loads fail on purpose, to exercise the engine's recovery.
-
-    For each request in ``request_ids`` (every request when None), the first
-    load the connector performs for it leaves garbage (NaN) in one of the
-    loaded blocks, the one at ``block_index`` of the loaded range, and that
-    block is reported as a load error, as a failing connector would. The
-    connector is told of a synchronous one before it saves the step
-    (``skip_saves_computed_from``), as a composite tells its children.
-    """
-
-    request_ids: frozenset[str] | None = None
-    block_index: int = -1
-
-    def applies_to(self, request_id: str) -> bool:
-        return self.request_ids is None or request_id in self.request_ids
-
-    def pick(self, block_ids: tuple[int, ...]) -> int:
-        return block_ids[max(-len(block_ids), min(self.block_index, len(block_ids) - 1))]
 
 
 class Worker:
@@ -60,7 +37,6 @@ class Worker:
         kv_cache_config: KVCacheConfig,
         connector_source: ConnectorSource,
         *,
-        load_failure_injection: LoadFailureInjection | None = None,
         torch_threads: int | None = 1,
     ) -> None:
         if torch_threads is not None:
@@ -123,11 +99,6 @@ class Worker:
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
             self.handshake_metadata = self.connector.get_handshake_metadata()
-        self._injection = load_failure_injection
-        self._injected_requests: set[str] = set()
-        self._pending_async_loads: dict[str, ExternalLoad] = {}
-        self._blocks_to_corrupt: list[int] = []
-        self._injected_block_ids: set[int] = set()
         self._attn_metadata: tuple[AttentionMetadata, ...] | None = None
         self._layer_index = {name: index for index, name in enumerate(self.layer_names)}
 
@@ -138,7 +109,6 @@ class Worker:
         if step.chunks:
             metadata, token_ids, sample_rows = self._batch.fill(step.chunks)
         self._attn_metadata = metadata
-        self._plan_injected_failures(step)
         if connector is not None:
             assert step.connector_metadata is not None
             connector.bind_connector_metadata(step.connector_metadata)
@@ -172,17 +142,9 @@ class Worker:
         self, connector: KVConnectorBase, step: WorkerStep
     ) -> KVConnectorOutput:
         """After the forward pass: wait for saves, collect what finished, unbind."""
-        if self._injected_block_ids:
-            # As a connector whose own load failed: nothing computed from the
-            # garbage may be saved (it would reach the medium under valid
-            # hashes and outlive the engine's recomputation).
-            connector.skip_saves_computed_from(set(self._injected_block_ids))
         connector.wait_for_save()
         sending, receiving = connector.get_finished(set(step.finished_req_ids))
         invalid = set(connector.get_block_ids_with_load_errors())
-        invalid |= self._inject_async_failures(receiving)
-        invalid |= self._injected_block_ids
-        self._injected_block_ids = set()
         output = KVConnectorOutput(
             finished_sending=sending,
             finished_recving=receiving,
@@ -221,12 +183,8 @@ class Worker:
     # ------------------------------------------------------------ internals
 
     def _before_attention(self, layer_name: str) -> None:
-        assert self.connector is not None or not self._blocks_to_corrupt
         if self.connector is not None:
             self.connector.wait_for_layer_load(layer_name)
-        # A failed synchronous load: garbage where the connector should have written.
-        for block in self._blocks_to_corrupt:
-            self.kv_caches[layer_name][:, block] = float("nan")
 
     def _after_attention(self, layer_name: str) -> None:
         if self.connector is not None:
@@ -251,37 +209,3 @@ class Worker:
             name: metadata[group]
             for name, group in zip(self.layer_names, self.layer_groups, strict=True)
         }
-
-    def _plan_injected_failures(self, step: WorkerStep) -> None:
-        self._blocks_to_corrupt = []
-        for load in step.external_loads:
-            if load.is_async:
-                self._pending_async_loads[load.request_id] = load
-                continue
-            block = self._injected_block(load)
-            if block is not None:
-                self._blocks_to_corrupt.append(block)
-                self._injected_block_ids.add(block)
-
-    def _inject_async_failures(self, receiving: set[str] | None) -> set[int]:
-        failed: set[int] = set()
-        for request_id in receiving or ():
-            load = self._pending_async_loads.pop(request_id, None)
-            block = self._injected_block(load) if load is not None else None
-            if block is not None:
-                for cache in self._kv_cache_list:
-                    cache[:, block] = float("nan")
-                failed.add(block)
-        return failed
-
-    def _injected_block(self, load: ExternalLoad) -> int | None:
-        injection = self._injection
-        if (
-            injection is None
-            or not load.block_ids
-            or load.request_id in self._injected_requests
-            or not injection.applies_to(load.request_id)
-        ):
-            return None
-        self._injected_requests.add(load.request_id)
-        return injection.pick(load.block_ids)

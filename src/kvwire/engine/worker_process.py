@@ -22,7 +22,7 @@ from kvwire.config import EngineConfig
 from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.step import StepResult, WorkerStep
-from kvwire.engine.worker import LoadFailureInjection, Worker
+from kvwire.engine.worker import Worker
 from kvwire.exceptions import KVWireError
 from kvwire.kv_cache_config import KVCacheConfig
 
@@ -39,18 +39,11 @@ def _serve(
     config: EngineConfig,
     kv_cache_config: KVCacheConfig,
     hook: ConnectorHook | None,
-    injection: LoadFailureInjection | None,
     torch_threads: int | None,
 ) -> None:
     source = ConnectorSource(config, kv_cache_config, hook)
     try:
-        worker = Worker(
-            config,
-            kv_cache_config,
-            source,
-            load_failure_injection=injection,
-            torch_threads=torch_threads,
-        )
+        worker = Worker(config, kv_cache_config, source, torch_threads=torch_threads)
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -93,7 +86,6 @@ class WorkerProcess:
         kv_cache_config: KVCacheConfig,
         *,
         connector_hook: ConnectorHook | None = None,
-        load_failure_injection: LoadFailureInjection | None = None,
         torch_threads: int | None = 1,
         reply_timeout_s: float = 600.0,
     ) -> None:
@@ -109,7 +101,6 @@ class WorkerProcess:
                 config,
                 kv_cache_config,
                 connector_hook,
-                load_failure_injection,
                 torch_threads,
             ),
             name="kvwire-worker",
