@@ -22,7 +22,7 @@ import torch
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import KVCacheBlocks, Request, ScheduledRequest, SchedulerOutput
-from kvwire.connectors.offload._block_connector import BlockConnector
+from kvwire.connectors.offload import OffloadConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
@@ -33,6 +33,7 @@ from kvwire.kv_cache_config import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvwire.media.base import MediumIndex
 from tests.connectors.engine_support import (
     generate,
     renamed,
@@ -83,7 +84,14 @@ def hybrid_engine_config(connector: str, extra: dict[str, Any]) -> EngineConfig:
     return engine_config(connector, extra, num_layers=4, block_size=BLOCK, num_blocks=NUM_BLOCKS)
 
 
-C = TypeVar("C", bound=BlockConnector[Any])
+C = TypeVar("C", bound=OffloadConnector)
+
+
+def scheduler_index(connector: OffloadConnector) -> MediumIndex:
+    """The index of the medium that a scheduler-role ``connector``'s half keeps."""
+    half = connector._scheduler
+    assert half is not None, f"{connector!r} has no scheduler half"
+    return half.index
 
 
 class HybridPair(ConnectorPair, Generic[C]):
@@ -157,14 +165,17 @@ class HybridPair(ConnectorPair, Generic[C]):
             self.step_until(lambda: request.request_id in self.finished_sending)
         return keep
 
+    @property
+    def index(self) -> MediumIndex:
+        """The scheduler-role connector's index of its medium: what lookups see."""
+        return scheduler_index(self.scheduler)
+
     def held(self, group: int, request: Request, positions: range) -> list[int]:
         """Which of ``positions`` of ``request``'s blocks the connector holds for ``group``."""
         return [
             position
             for position in positions
-            if self.scheduler.count_held_prefix(
-                group, request.block_hashes[position : position + 1]
-            )
+            if self.index.count_held_prefix(group, request.block_hashes[position : position + 1])
         ]
 
     def group_blocks(self, group: int, block_id: int) -> list[torch.Tensor]:

@@ -12,12 +12,14 @@ shared with CPU offload's tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from kvwire.connector.types import BlockStored, Request, SchedulerOutput
-from kvwire.connectors.offload._store_connector import StoreConnector
+from kvwire.connectors.offload import OffloadConnector
+from kvwire.media.store.medium import StoreMedium
 from tests.connectors.harness import make_request
 from tests.connectors.hybrid_cache import (
     A_IDS,
@@ -34,8 +36,20 @@ from tests.connectors.hybrid_cache import (
 )
 
 
-class HybridStorePair(HybridPair[StoreConnector]):
+def store_medium(connector: OffloadConnector) -> StoreMedium[Any]:
+    """``connector``'s medium, a store medium (its store, keys and layouts)."""
+    medium = connector.medium
+    assert isinstance(medium, StoreMedium), medium
+    return medium
+
+
+class HybridStorePair(HybridPair[OffloadConnector]):
     """A scheduler-role and a worker-role store connector over a hybrid cache."""
+
+    @property
+    def medium(self) -> StoreMedium[Any]:
+        """The scheduler-role connector's store medium."""
+        return store_medium(self.scheduler)
 
     def save_all(self) -> None:
         assert self.worker.wait_for_pending_saves(30)
@@ -156,7 +170,7 @@ class StoreGroupsContract:
         # Sharing a's first 4 blocks: the full group holds all 4, but a prefix of
         # 4 needs positions 2-3 in the sliding group; of 2, positions 0-1, held.
         d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
-        assert pair.scheduler.count_held_prefix(FULL, d.block_hashes) == 4
+        assert pair.index.count_held_prefix(FULL, d.block_hashes) == 4
         assert pair.lookup(d) == (8, False)
         # Sharing 3: positions 1-2 are needed and 2 is missing; sharing 5:
         # positions 3-4, and 3 is missing: both back to 2 blocks.
@@ -171,10 +185,11 @@ class StoreGroupsContract:
     def test_groups_name_their_entries_apart(self, hybrid: HybridFactory) -> None:
         pair = hybrid()
         block_hash = b"\x07" * 32
-        keys = [pair.scheduler.store_key(block_hash, group) for group in (FULL, SLIDING)]
+        keys = [pair.medium.store_key(block_hash, group) for group in (FULL, SLIDING)]
         assert keys[0] != keys[1]
         # Removed keys map back to their block hash, whichever group's they are.
-        assert [pair.worker.block_hash_of(key) for key in keys] == [block_hash, block_hash]
+        worker_medium = store_medium(pair.worker)
+        assert [worker_medium.block_hash_of(key) for key in keys] == [block_hash, block_hash]
 
     def test_an_entry_of_one_group_is_never_loaded_into_another(
         self, hybrid: HybridFactory
@@ -182,10 +197,10 @@ class StoreGroupsContract:
         pair = hybrid()
         a = offload(pair)
         # Forge: the full group's entry of position 5 put under the sliding group's key.
-        store = pair.scheduler.store
-        full_key = pair.scheduler.store_key(a.block_hashes[5], FULL)
-        sliding_key = pair.scheduler.store_key(a.block_hashes[5], SLIDING)
-        entry = bytearray(pair.scheduler.layout.entry_bytes)
+        store = pair.medium.store
+        full_key = pair.medium.store_key(a.block_hashes[5], FULL)
+        sliding_key = pair.medium.store_key(a.block_hashes[5], SLIDING)
+        entry = bytearray(pair.medium.layout.entry_bytes)
         assert store.get_into([full_key], [memoryview(entry)]) == [len(entry)]
         assert store.put([sliding_key], [memoryview(entry)]) == [True]
         zero(pair, B_IDS)

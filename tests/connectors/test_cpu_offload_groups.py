@@ -23,7 +23,8 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector, CPUOffloadMetadata
+from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset
 from kvwire.media.cpu_pool._handler import CPUPoolWorker
@@ -55,8 +56,21 @@ from tests.connectors.hybrid_cache import (
 )
 
 
+def pool_worker(connector: CPUOffloadConnector) -> CPUPoolWorker:
+    """A worker-role ``connector``'s CPU pool handler (built once its caches are registered)."""
+    half = connector._worker
+    assert half is not None, f"{connector!r} has no worker half"
+    handler = half.handler
+    assert isinstance(handler, CPUPoolWorker), handler
+    return handler
+
+
 class CPUOffloadPair(HybridPair[CPUOffloadConnector]):
     """A scheduler-role and a worker-role CPU-offload connector over a hybrid cache."""
+
+    @property
+    def pool_worker(self) -> CPUPoolWorker:
+        return pool_worker(self.worker)
 
     def __init__(self, **extra: object) -> None:
         extra.setdefault("cpu_pool_bytes", "4MiB")
@@ -166,7 +180,7 @@ def test_a_gap_in_the_sliding_window_moves_the_hit_back(hybrid):
     # Sharing a's first 4 blocks: the full group holds all 4, but a prefix of
     # 4 needs positions 2-3 in the sliding group; of 2, positions 0-1, held.
     d = make_request("d", PROMPT[:16] + [7] * 9, BLOCK)
-    assert pair.scheduler.count_held_prefix(FULL, d.block_hashes) == 4
+    assert pair.index.count_held_prefix(FULL, d.block_hashes) == 4
     assert pair.lookup(d) == (8, False)
     # Sharing 3: positions 1-2 are needed and 2 is missing; sharing 5:
     # positions 3-4, and 3 is missing: both back to 2 blocks.
@@ -208,7 +222,7 @@ def test_a_corrupted_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
     pair = hybrid()
     a = offload(pair)
     # Slots go to the full group's six blocks first, then the sliding group's two.
-    pair.worker._worker.pool.payload(7).view(-1)[0] += 1.0  # sliding position 5
+    pair.pool_worker.pool.payload(7).view(-1)[0] += 1.0  # sliding position 5
     b = make_request("b", PROMPT, BLOCK)
     pair.prefill_groups(b, B_IDS)
     assert pair.load_errors == {33}
@@ -219,7 +233,7 @@ def test_a_corrupted_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
 def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
     pair = hybrid()
     a = offload(pair)
-    pool = pair.worker._worker.pool
+    pool = pair.pool_worker.pool
     full_layout, sliding_layout = pair.worker.group_layouts
     assert full_layout.fingerprint != sliding_layout.fingerprint
     verify_entry(pool.entry(6), sliding_layout, a.block_hashes[4])  # sliding position 4
@@ -288,7 +302,7 @@ def test_a_store_reading_a_block_given_to_another_request_is_released_and_never_
 ):
     pair = hybrid()
     a = make_request("a", PROMPT, BLOCK)
-    gate = hold_copies(pair.worker._worker)
+    gate = hold_copies(pair.pool_worker)
     assert pair.prefill_groups(a, A_IDS) == (0, False)
     # a's stores are in flight: the full group's blocks 1-6 and the sliding
     # group's window, blocks 12-13. Next step a decodes, its window moves on
@@ -314,11 +328,11 @@ def test_a_store_reading_a_block_given_to_another_request_is_released_and_never_
     assert pair.stats["blocks_saved"] == 6
     stored = [event for event in pair.scheduler.take_events() if isinstance(event, BlockStored)]
     assert [event.block_hashes for event in stored] == [tuple(a.block_hashes[:6])]
-    assert len(pair.scheduler._index) == 6
+    assert len(pair.index._index) == 6  # the full group's six slots, the released two freed
     assert pair.lookup(make_request("f", PROMPT, BLOCK)) == (0, False)
     # The same blocks saved again, by a request whose stores end in time, hit.
     d = make_request("d", PROMPT, BLOCK)
-    pair.worker._worker._store = CPUPoolWorker._store.__get__(pair.worker._worker)
+    pair.pool_worker._store = CPUPoolWorker._store.__get__(pair.pool_worker)
     d_ids = ([51, 52, 53, 54, 55, 56, 57], [58, 59, 60, 61, 62, 63, 39])
     assert pair.prefill_groups(d, d_ids) == (0, False)
     assert pair.finish_groups(d, d_ids) is True
@@ -378,7 +392,7 @@ class HeldCopiesCPUOffload(CPUOffloadConnector):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metadata = kv_connector_metadata
-        assert isinstance(metadata, CPUOffloadMetadata)
+        assert isinstance(metadata, OffloadMetadata)
         super().handle_preemptions(attrs.evolve(metadata, preempted_req_ids=()))
         if metadata.preempted_req_ids:
             # Preempted requests' copies go on before the forward pass: their
@@ -387,7 +401,7 @@ class HeldCopiesCPUOffload(CPUOffloadConnector):
             super().handle_preemptions(metadata)
 
     def wait_for_save(self) -> None:
-        worker = self._require_worker()
+        worker = pool_worker(self)
         self._open_gate()
         assert worker.wait_for_saves(HOLD_LIMIT_S)
         self._gate = hold_copies(worker)

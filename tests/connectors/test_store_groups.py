@@ -20,6 +20,7 @@ from kvwire.connector.types import BlockHash
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.directory._store import DirectoryBlockStore
 from kvwire.media.store._handler import StoreWorker
 from kvwire.media.store.base import CacheWrites
@@ -38,8 +39,14 @@ from tests.connectors.hybrid_cache import (
     assert_block_aligned_prompts_load_as_many_tokens_with_hma_on_as_off,
     hybrid_engine_config,
     hybrid_kv_cache_config,
+    scheduler_index,
 )
-from tests.connectors.store_groups import HybridFactory, HybridStorePair, StoreGroupsContract
+from tests.connectors.store_groups import (
+    HybridFactory,
+    HybridStorePair,
+    StoreGroupsContract,
+    store_medium,
+)
 from tests.connectors.store_workers import HASHES, layout_caches
 
 
@@ -59,8 +66,8 @@ class TestSharedStorageGroups(StoreGroupsContract):
     pass
 
 
-class _KeyedByHashOnly(SharedStorageConnector):
-    """A subclass written before KV cache groups: its keys take a block hash only."""
+class _KeyedByHashOnly(DirectoryMedium):
+    """A medium written before KV cache groups: its keys take a block hash only."""
 
     def store_key(self, block_hash: BlockHash) -> str:  # type: ignore[override]
         return self.layout.key(block_hash[::-1])
@@ -70,30 +77,41 @@ class _KeyedByHashOnly(SharedStorageConnector):
         return None if block_hash is None else block_hash[::-1]
 
 
+KEYED_BY_HASH_ONLY = f"{__name__}:{_KeyedByHashOnly.__name__}"
+
+
 def test_a_store_key_taking_no_group_is_refused_on_a_hybrid_cache(
     storage_dir: pathlib.Path,
 ) -> None:
     config = hybrid_engine_config(
-        "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}
+        "SharedStorageConnector",
+        {"shared_storage_path": str(storage_dir), "medium": KEYED_BY_HASH_ONLY},
     )
     with pytest.raises(
         TypeError,
         match=r"^_KeyedByHashOnly\.store_key takes only a block hash, and this kv_cache_config "
         r"has 2 KV cache groups; expected store_key\(block_hash, group\)",
     ):
-        _KeyedByHashOnly(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())
+        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())
 
 
 def test_a_store_key_taking_no_group_still_names_a_single_groups_blocks(
     storage_dir: pathlib.Path,
 ) -> None:
-    config = engine_config("SharedStorageConnector", {"shared_storage_path": str(storage_dir)})
-    connector = _KeyedByHashOnly(config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config))
+    config = engine_config(
+        "SharedStorageConnector",
+        {"shared_storage_path": str(storage_dir), "medium": KEYED_BY_HASH_ONLY},
+    )
+    connector = SharedStorageConnector(
+        config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config)
+    )
     try:
+        medium = store_medium(connector)
+        assert isinstance(medium, _KeyedByHashOnly)
         block_hash = bytes(range(32))
-        entry = memoryview(bytearray(connector.layout.entry_bytes))
-        assert connector.store.put([connector.layout.key(block_hash[::-1])], [entry]) == [True]
-        assert connector.count_held_prefix(0, [block_hash]) == 1
+        entry = memoryview(bytearray(medium.layout.entry_bytes))
+        assert medium.store.put([medium.layout.key(block_hash[::-1])], [entry]) == [True]
+        assert scheduler_index(connector).count_held_prefix(0, [block_hash]) == 1
     finally:
         connector.shutdown()
 
