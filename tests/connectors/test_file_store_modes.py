@@ -151,7 +151,8 @@ def test_a_directory_owned_by_another_user_is_refused(others_directory: pathlib.
 
 
 def test_allow_other_owner_trusts_a_directory_of_another_user(others_directory: pathlib.Path):
-    assert connector(others_directory, allow_other_owner=True).store.count_prefix([KEY]) == 0
+    trusting = connector(others_directory, allow_other_owner=True)
+    assert trusting.medium.store.count_prefix([KEY]) == 0
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.extra_config import ExtraConfigError, read_extra_config
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.directory._store import DirectoryBlockStore
 from tests.connectors.conftest import PairFactory
 from tests.connectors.harness import (
@@ -301,7 +302,7 @@ def test_the_connector_accepts_no_path_with_a_nul_byte():
         read_extra_config(
             "SharedStorageConnector",
             {"shared_storage_path": "/tmp/kv\0store"},
-            SharedStorageConnector.extra_config_keys(),
+            DirectoryMedium.extra_config_keys(),
         )
     assert str(raised.value) == (
         "kv_connector_extra_config.shared_storage_path: '/tmp/kv\\x00store' is not accepted "
@@ -388,7 +389,7 @@ def test_reset_cache_keeps_the_users_files_in_the_layouts_folder(
 def test_shutdown_waits_for_a_stuck_start_up_sweep_only_so_long(
     shared_storage_pair: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog
 ):
-    from kvwire.connectors import shared_storage
+    from kvwire.media import directory
     from kvwire.media.directory._store import DirectoryBlockStore
 
     stuck = threading.Event()
@@ -400,7 +401,7 @@ def test_shutdown_waits_for_a_stuck_start_up_sweep_only_so_long(
     monkeypatch.setattr(
         DirectoryBlockStore, "sweep_stale_temporary_files", sweep_on_a_hung_filesystem
     )
-    monkeypatch.setattr(shared_storage, "SWEEP_JOIN_S", 0.05)
+    monkeypatch.setattr(directory, "SWEEP_JOIN_S", 0.05)
     pair = shared_storage_pair()
     try:
         with caplog.at_level(logging.WARNING):
