@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pathlib
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import pytest
@@ -22,15 +22,14 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockStored, KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.offload._store_connector import StoreConnectorMetadata
+from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.media.base import MediumContext
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.directory._store import DirectoryBlockStore
 from kvwire.media.store._handler import StoreWorker
 from kvwire.media.store.base import BlockStore, CacheWrites
@@ -131,25 +130,37 @@ class _HeldWrites(BlockStore):
         self._store.close()
 
 
+class HeldWritesDirectory(DirectoryMedium):
+    """The directory medium whose store's writes are held (see the module)."""
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        self.progress = _Progress()
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return _HeldWrites(super().create_store(options), self.progress)
+
+
 class HeldWritesConnector(SharedStorageConnector):
     """Shared storage whose writes are held (see the module); counts what changed under them."""
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        self._progress = _Progress()
-        super().__init__(config, role, kv_cache_config)
+    default_medium = f"{__name__}:{HeldWritesDirectory.__name__}"
 
-    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
-        return _HeldWrites(super().create_store(options), self._progress)
+    @property
+    def _progress(self) -> _Progress:
+        medium = self.medium
+        assert isinstance(medium, HeldWritesDirectory)
+        return medium.progress
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        worker = self._require_worker()
-        release_saves_reading = worker.release_saves_reading
+        assert self._worker is not None
+        handler = self._worker.handler
+        assert isinstance(handler, StoreWorker)
+        release_saves_reading = handler.release_saves_reading
 
-        def waited_for(request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()) -> None:
-            request_ids, block_ids = tuple(request_ids), tuple(block_ids)
+        def waited_for(request_ids: Iterable[str], block_ids: Set[int]) -> list[BlockTransfer]:
+            request_ids = tuple(request_ids)
             if not (request_ids or block_ids):
                 return release_saves_reading(request_ids, block_ids)
             # The engine waits for saves before its forward pass: held writes go
@@ -158,12 +169,12 @@ class HeldWritesConnector(SharedStorageConnector):
                 self._progress.waits += 1
                 self._progress.changed.notify_all()
             try:
-                release_saves_reading(request_ids, block_ids)
+                return release_saves_reading(request_ids, block_ids)
             finally:
                 with self._progress.changed:
                     self._progress.waits -= 1
 
-        worker.release_saves_reading = waited_for  # type: ignore[method-assign]
+        handler.release_saves_reading = waited_for  # type: ignore[method-assign]
 
     def wait_for_save(self) -> None:
         # Called after the forward pass: writes held since an earlier step go on.
@@ -328,10 +339,10 @@ def test_each_steps_metadata_names_the_blocks_given_out_since_the_last(
     pair.scheduler.get_num_new_matched_tokens(request, 0)
     pair.scheduler.update_state_after_alloc(request, KVCacheBlocks((PRODUCER_BLOCKS,)), 0)
     metadata = pair.scheduler.build_connector_meta(SchedulerOutput())
-    assert isinstance(metadata, StoreConnectorMetadata)
+    assert isinstance(metadata, OffloadMetadata)
     assert metadata.new_block_ids == frozenset(PRODUCER_BLOCKS)
     again = pair.scheduler.build_connector_meta(SchedulerOutput())
-    assert isinstance(again, StoreConnectorMetadata)
+    assert isinstance(again, OffloadMetadata)
     assert again.new_block_ids == frozenset()
 
 

@@ -32,6 +32,7 @@ from kvwire.engine.engine import LLMEngine
 from kvwire.extra_config import ExtraConfigError
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.store._handler import StoreWorker
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from tests.connectors.bounded_waits import TEST_LIMIT_S, returns_within, wait_until
@@ -160,11 +161,17 @@ class InFlightStore(MemoryStore):
             yield index, len(entry)
 
 
-class StuckReadsConnector(SharedStorageConnector):
-    """Shared storage whose reads hang until the test lets them go."""
+class StuckReadsDirectory(DirectoryMedium):
+    """The directory medium whose reads hang until the test lets them go."""
 
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
         return StuckStore(super().create_store(options))
+
+
+class StuckReadsConnector(SharedStorageConnector):
+    """Shared storage whose reads hang until the test lets them go."""
+
+    default_medium = f"{__name__}:{StuckReadsDirectory.__name__}"
 
 
 def _worker(
