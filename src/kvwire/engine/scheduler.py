@@ -39,7 +39,7 @@ from kvwire.connector.types import (
 from kvwire.engine.block_hash import extend_block_hashes
 from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
 from kvwire.engine.request_checks import check_request
-from kvwire.engine.step import ExternalLoad, ScheduledChunk, StepResult, WorkerStep
+from kvwire.engine.step import ScheduledChunk, StepResult, WorkerStep
 from kvwire.kv_cache_config import KVCacheConfig, sliding_window_of
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,6 @@ class Scheduler:
         budget = self.config.scheduler_config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         chunks: list[ScheduledChunk] = []
-        loads: list[ExternalLoad] = []
         preempted: set[str] = set()
 
         index = 0
@@ -146,7 +145,7 @@ class Scheduler:
             index += 1
 
         if not preempted:
-            budget = self._schedule_waiting(budget, scheduled, chunks, loads)
+            budget = self._schedule_waiting(budget, scheduled, chunks)
 
         output = SchedulerOutput(
             scheduled=scheduled,
@@ -161,7 +160,6 @@ class Scheduler:
             chunks=tuple(chunks),
             finished_req_ids=frozenset(output.finished_req_ids),
             connector_metadata=metadata,
-            external_loads=tuple(loads),
         )
         return output, step
 
@@ -180,7 +178,6 @@ class Scheduler:
         budget: int,
         scheduled: list[ScheduledRequest],
         chunks: list[ScheduledChunk],
-        loads: list[ExternalLoad],
     ) -> int:
         max_running = self.config.scheduler_config.max_num_seqs
         skipped: list[Request] = []
@@ -190,7 +187,7 @@ class Scheduler:
             if parked or self._next_block_is_loading(request):
                 skipped.append(request)
                 continue
-            outcome = self._admit(request, budget, loads)
+            outcome = self._admit(request, budget)
             if outcome is None:
                 skipped.append(request)
                 continue
@@ -230,7 +227,7 @@ class Scheduler:
             wanted in hashes for hashes in self._loading_hashes.values()
         )
 
-    def _admit(self, request: Request, budget: int, loads: list[ExternalLoad]) -> int | None:
+    def _admit(self, request: Request, budget: int) -> int | None:
         """Allocate for a waiting request; tokens to compute now, None to skip, -1 when full."""
         request_id = request.request_id
         cached_blocks: tuple[list[int], ...] = ()
@@ -260,18 +257,6 @@ class Scheduler:
             metrics.external_tokens = computed_after_load - num_local
         if self.connector is not None:
             self.connector.update_state_after_alloc(request, blocks, num_external)
-        if num_external > 0:
-            first = num_local // self.block_size
-            last = -(-(num_local + num_external) // self.block_size)
-            # Flattened over groups; a sliding-window group's null blocks are
-            # never loaded (ids are unique across groups, so this is unambiguous).
-            loaded_blocks = tuple(
-                block
-                for group_blocks in blocks.block_ids
-                for block in group_blocks[first:last]
-                if not self._is_null(block)
-            )
-            loads.append(ExternalLoad(request_id, loaded_blocks, load_async))
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_local

@@ -30,26 +30,12 @@ class ScheduledChunk:
 
 
 @attrs.frozen
-class ExternalLoad:
-    """Blocks the connector was asked to fill for a request this step (asynchronously or not).
-
-    ``block_ids`` are every group's blocks of the loaded range, flattened
-    (null blocks left out).
-    """
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    is_async: bool
-
-
-@attrs.frozen
 class WorkerStep:
     """Everything the worker needs for one step."""
 
     chunks: tuple[ScheduledChunk, ...]
     finished_req_ids: frozenset[str]
     connector_metadata: KVConnectorMetadata | None
-    external_loads: tuple[ExternalLoad, ...] = ()
 
 
 @attrs.frozen
