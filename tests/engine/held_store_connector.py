@@ -16,6 +16,7 @@ from typing import Any
 
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.extra_config import ExtraConfigKey, str_key
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.store.base import BlockStore
 
 HOLD_LIMIT_S = 60.0
@@ -55,9 +56,14 @@ class HeldStore(BlockStore):
     def close(self) -> None:
         self._store.close()
 
+    def __getattr__(self, name: str) -> Any:
+        # The directory medium's own calls on its store (the start-up sweep,
+        # its counters, removing a layout's entries) reach the real one.
+        return getattr(self._store, name)
 
-class HeldSharedStorageConnector(SharedStorageConnector):
-    """The shared-storage connector over a :class:`HeldStore`."""
+
+class HeldDirectory(DirectoryMedium):
+    """The directory medium over a :class:`HeldStore`; ``hold_path`` names the file."""
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -65,3 +71,12 @@ class HeldSharedStorageConnector(SharedStorageConnector):
 
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
         return HeldStore(super().create_store(options), options["hold_path"])
+
+
+class HeldSharedStorageConnector(SharedStorageConnector):
+    """The shared-storage connector over a :class:`HeldDirectory`.
+
+    Named by module path, so a worker process resolves the medium too.
+    """
+
+    default_medium = f"{__name__}:{HeldDirectory.__name__}"

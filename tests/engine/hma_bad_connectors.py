@@ -18,25 +18,17 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import SchedulerOutput
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.media.base import MediumContext
+from kvwire.media.directory import DirectoryMedium
 
 
 class EveryBlockCPUOffloadConnector(CPUOffloadConnector):
     """Saves every block of a sliding-window group, not only those inside its window."""
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(config, role, kv_cache_config)
-        transfer = self.kv_transfer_config
-        self._planner = BlockPlanner(
-            self._layout.block_size,
-            self._groups,
-            loads=transfer.is_kv_consumer,
-            saves=transfer.is_kv_producer,
-            window_aware=False,
-        )
+    window_aware_saves = False
 
 
 class _WindowOnlyPlanner(BlockPlanner):
@@ -72,24 +64,39 @@ class WindowOnlyCPUOffloadConnector(CPUOffloadConnector):
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(config, role, kv_cache_config)
+        if role is not KVConnectorRole.SCHEDULER:
+            return
+        # The scheduler half again, over the same index, with the bad planner.
+        half = self._scheduler_half("WindowOnlyCPUOffloadConnector.__init__")
         transfer = self.kv_transfer_config
-        self._planner = _WindowOnlyPlanner(
-            self._layout.block_size,
-            self._groups,
+        groups = self.medium.context.groups
+        planner = _WindowOnlyPlanner(
+            self.layout.block_size,
+            groups,
             loads=transfer.is_kv_consumer,
             saves=transfer.is_kv_producer,
         )
+        async_load = self.medium.context.options["async_load"]
+        self._set_scheduler_half(
+            OffloadScheduler(
+                index=half.index, planner=planner, num_groups=len(groups), async_load=async_load
+            )
+        )
+
+
+class GroupBlindDirectory(DirectoryMedium):
+    """Names every group's entry for a block hash alike, so one group loads another's bytes."""
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        # The layouts that name and head entries, without the group in their fingerprint.
+        self._group_layouts = tuple(self.layout for _ in context.groups)
 
 
 class GroupBlindSharedStorageConnector(SharedStorageConnector):
-    """Names every group's entry for a block hash alike, so one group loads another's bytes."""
+    """Shared storage over the :class:`GroupBlindDirectory` medium."""
 
-    def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(config, role, kv_cache_config)
-        # The layouts that name entries, without the group in their fingerprint.
-        self._group_layouts = tuple(self._layout for _ in self._groups)
+    default_medium = f"{__name__}:{GroupBlindDirectory.__name__}"
 
 
 class NullBlockWritingCPUOffloadConnector(CPUOffloadConnector):

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+# Imported here, outside the sandboxed runs: pytester forgets the modules a run
+# imported, while the process-wide registry keeps the medium classes it loaded,
+# so a later run's fresh kvwire.media.base would not be the base of those.
+import kvwire.media.cpu_pool  # noqa: F401
+
 pytest_plugins = ["pytester"]
 
 SUITE = """
