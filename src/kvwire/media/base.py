@@ -219,13 +219,18 @@ class Medium(abc.ABC):
         return options
 
     @property
+    def layout(self) -> BlockLayout:
+        """The layout of one entry of any group, as this medium stores it."""
+        return self.context.layout
+
+    @property
     def group_layouts(self) -> tuple[BlockLayout, ...]:
         """Each KV cache group's entry layout (its name is in the fingerprint).
 
         With a single group, just the context's layout, so its entries keep
         their names.
         """
-        layout, groups = self.context.layout, self.context.groups
+        layout, groups = self.layout, self.context.groups
         if len(groups) == 1:
             return (layout,)
         return tuple(attrs.evolve(layout, group=group.name) for group in groups)

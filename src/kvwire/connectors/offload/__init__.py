@@ -178,7 +178,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     @property
     def layout(self) -> BlockLayout:
         """The layout of one entry, whatever its group (the groups differ only in their name)."""
-        return self._medium.context.layout
+        return self._medium.layout
 
     @property
     def group_layouts(self) -> tuple[BlockLayout, ...]:

@@ -55,6 +55,7 @@ from kvwire.media.directory._modes import (
     writers_beyond,
 )
 from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.redaction import shown
 
@@ -105,8 +106,13 @@ def _make_directory(path: str, modes: FileModes) -> None:
             raise
 
 
-class DirectoryMedium(StoreMedium[DirectoryBlockStore]):
-    """KV blocks as files under ``shared_storage_path``, one per entry."""
+class DirectoryMedium(StoreMedium[BlockStore]):
+    """KV blocks as files under ``shared_storage_path``, one per entry.
+
+    A subclass may wrap the store :meth:`create_store` returns (a test's
+    fault, a hold); the directory's own operations (the sweep, its counters,
+    a reset) still reach the directory store itself.
+    """
 
     event_medium: ClassVar[str] = "disk"
 
@@ -114,6 +120,7 @@ class DirectoryMedium(StoreMedium[DirectoryBlockStore]):
         super().__init__(context)
         # The worker side's start-up sweep, joined (for a while) at close.
         self._sweeper: threading.Thread | None = None
+        self._directory: DirectoryBlockStore | None = None
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -126,7 +133,7 @@ class DirectoryMedium(StoreMedium[DirectoryBlockStore]):
             bool_key("allow_other_owner", False),
         )
 
-    def create_store(self, options: Mapping[str, Any]) -> DirectoryBlockStore:
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
         """The store over ``shared_storage_path``, created if missing, its owner checked."""
         path = options["shared_storage_path"]
         modes = file_modes(options["file_mode"])
@@ -155,19 +162,29 @@ class DirectoryMedium(StoreMedium[DirectoryBlockStore]):
                 writers,
                 modes.name,
             )
-        return DirectoryBlockStore(
+        self._directory = DirectoryBlockStore(
             path,
             entry_bytes=self.layout.entry_bytes,
             fsync=options["fsync"],
             max_bytes=options["max_bytes"],
             modes=modes,
         )
+        return self._directory
+
+    @property
+    def directory_store(self) -> DirectoryBlockStore:
+        """The directory store itself, under whatever a subclass wrapped it in."""
+        self.store  # noqa: B018 - creates it on first use
+        assert self._directory is not None, "create_store did not build the directory store"
+        return self._directory
 
     def start_worker(self, handler: StoreWorker) -> None:
         # Writers killed mid-save leave hidden temporary files (never read as
         # entries); clear old ones off the forward pass's thread.
         self._sweeper = threading.Thread(
-            target=self.store.sweep_stale_temporary_files, name="kvwire-sweep", daemon=True
+            target=self.directory_store.sweep_stale_temporary_files,
+            name="kvwire-sweep",
+            daemon=True,
         )
         self._sweeper.start()
 
@@ -180,16 +197,16 @@ class DirectoryMedium(StoreMedium[DirectoryBlockStore]):
             logger.warning(
                 "shared storage %s: the sweep of dead writers' temporary files still "
                 "runs after %.0f s; shutting down without waiting for it",
-                shown(self.store.root),
+                shown(self.directory_store.root),
                 SWEEP_JOIN_S,
             )
 
     def store_counters(self) -> Mapping[str, float]:
-        return self.store.take_counters()
+        return self.directory_store.take_counters()
 
     def reset_store(self) -> bool:
         """Forget this engine's entries, of every KV cache group (other layouts' and files stay)."""
         # Every group's removal runs, even after one leaves entries behind.
-        store = self.store
+        store = self.directory_store
         left = [not store.remove_layout(layout.fingerprint_hex) for layout in self.group_layouts]
         return not any(left)

@@ -85,6 +85,7 @@ from typing import Any, ClassVar
 import attrs
 
 from kvwire.extra_config import ExtraConfigError, ExtraConfigKey
+from kvwire.media.base import MediumContext
 from kvwire.media.redis._cluster import RedisClusterBlockStore
 from kvwire.media.redis._settings import RedisSettingsError, RedisStoreSettings
 from kvwire.media.redis._store import RedisBlockStore
@@ -116,6 +117,10 @@ class RedisMedium(StoreMedium[RedisBlockStore | RedisClusterBlockStore]):
     """KV blocks in a Redis/Valkey server (or cluster), one key per entry."""
 
     event_medium: ClassVar[str] = "redis"
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        self._redis: RedisBlockStore | RedisClusterBlockStore | None = None
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -149,12 +154,20 @@ class RedisMedium(StoreMedium[RedisBlockStore | RedisClusterBlockStore]):
     def create_store(self, options: Mapping[str, Any]) -> RedisBlockStore | RedisClusterBlockStore:
         """A cluster store for a cluster URL, else a single server's."""
         settings: RedisStoreSettings = options[_SETTINGS]
-        if settings.is_cluster:
-            return RedisClusterBlockStore(settings)
-        return RedisBlockStore(settings)
+        self._redis = (
+            RedisClusterBlockStore(settings) if settings.is_cluster else RedisBlockStore(settings)
+        )
+        return self._redis
+
+    @property
+    def redis_store(self) -> RedisBlockStore | RedisClusterBlockStore:
+        """The Redis store itself, under whatever a subclass wrapped it in."""
+        self.store  # noqa: B018 - creates it on first use
+        assert self._redis is not None, "create_store did not build the Redis store"
+        return self._redis
 
     def store_counters(self) -> Mapping[str, float]:
-        return self.store.take_counters()
+        return self.redis_store.take_counters()
 
     def late_write_grace_s(self) -> float:
         # A read under way ends within the socket timeout, which may be set above the default grace.
@@ -166,6 +179,7 @@ class RedisMedium(StoreMedium[RedisBlockStore | RedisClusterBlockStore]):
         Other layouts' blocks stay. False when the server could not be asked
         (an outage): blocks may have stayed.
         """
+        store = self.redis_store
         for layout in self.group_layouts:
-            self.store.clear(under=layout.fingerprint_hex)
-        return self.store.is_available
+            store.clear(under=layout.fingerprint_hex)
+        return store.is_available
