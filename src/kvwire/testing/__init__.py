@@ -14,6 +14,7 @@ if TYPE_CHECKING:
         hybrid_engine_config,
         with_load_failure_policy,
     )
+    from kvwire.testing.faults import with_load_faults
     from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
     from kvwire.testing.suite import ConnectorConformanceSuite
 
@@ -25,6 +26,7 @@ __all__ = [
     "conformance_engine_config",
     "hybrid_engine_config",
     "with_load_failure_policy",
+    "with_load_faults",
 ]
 
 _WHERE = {
@@ -35,6 +37,7 @@ _WHERE = {
     "conformance_engine_config": "kvwire.testing.configs",
     "hybrid_engine_config": "kvwire.testing.configs",
     "with_load_failure_policy": "kvwire.testing.configs",
+    "with_load_faults": "kvwire.testing.faults",
 }
 
 
