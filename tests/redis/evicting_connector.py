@@ -11,6 +11,7 @@ import redis
 
 from kvwire.connector.types import Request
 from kvwire.connectors.redis import RedisConnector
+from kvwire.media.redis import RedisMedium
 
 
 class EvictingRedisConnector(RedisConnector):
@@ -23,8 +24,9 @@ class EvictingRedisConnector(RedisConnector):
         if matched:
             first = num_computed_tokens // self.layout.block_size
             last_found = first + matched // self.layout.block_size - 1
-            key = self.redis_store.redis_key(self.store_key(request.block_hashes[last_found]))
-            settings = self.redis_store.settings
-            with redis.Redis.from_url(settings.url) as client:
+            medium = self.medium
+            assert isinstance(medium, RedisMedium)
+            key = medium.store.redis_key(medium.store_key(request.block_hashes[last_found]))
+            with redis.Redis.from_url(medium.settings.url) as client:
                 client.delete(key)
         return matched, is_async

@@ -15,6 +15,7 @@ import pytest
 from kvwire.config import EngineConfig, SchedulerConfig
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.media.redis import RedisMedium
 from kvwire.media.redis._cluster import RedisClusterBlockStore
 from kvwire.media.redis._settings import RedisStoreSettings
 from tests.redis.cluster_fixtures import LocalCluster
@@ -42,8 +43,10 @@ def cluster_stores(engine: LLMEngine) -> list[RedisClusterBlockStore]:
     stores = []
     for connector in (engine.scheduler_connector, engine.worker_connector):
         assert isinstance(connector, RedisConnector)
-        assert isinstance(connector.redis_store, RedisClusterBlockStore)
-        stores.append(connector.redis_store)
+        assert isinstance(connector.medium, RedisMedium)
+        store = connector.medium.store
+        assert isinstance(store, RedisClusterBlockStore)
+        stores.append(store)
     return stores
 
 

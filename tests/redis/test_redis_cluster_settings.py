@@ -113,7 +113,7 @@ def test_the_connector_checks_a_cluster_url_without_connecting() -> None:
         kv_connector_extra_config={"url": "redis+cluster://nowhere.invalid:1,nowhere.invalid:2"},
     )
 
-    options = RedisConnector.read_options(config)
+    _medium, options = RedisConnector.read_options(config)
 
     assert options["redis_settings"].is_cluster
 

@@ -8,6 +8,7 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
 from kvwire.extra_config import ExtraConfigError
+from kvwire.media.redis import RedisMedium
 from tests.redis.conftest import RedisServer
 from tests.redis.engines import tiny_config, with_redis
 from tests.redis.entries import block_hash
@@ -16,6 +17,12 @@ from tests.redis.entries import block_hash
 def _connector(url: str, key_prefix: str = "kvwire:", **extra: object) -> RedisConnector:
     config = with_redis(tiny_config(), url, key_prefix, **extra)
     return RedisConnector(config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config))
+
+
+def _medium(connector: RedisConnector) -> RedisMedium:
+    medium = connector.medium
+    assert isinstance(medium, RedisMedium)
+    return medium
 
 
 def test_an_unknown_key_is_named_with_the_accepted_ones() -> None:
@@ -52,9 +59,10 @@ def test_building_the_connector_does_not_need_the_server() -> None:
     # Nothing listens on port 1: the connector is built, and a lookup is a miss.
     connector = _connector("redis://127.0.0.1:1/0", connect_timeout_s=0.5)
     try:
-        assert not connector.redis_store.counters()["lookup_failures"]
-        assert connector.redis_store.count_prefix(["a"]) == 0
-        assert not connector.redis_store.is_available
+        store = _medium(connector).store
+        assert not store.counters()["lookup_failures"]
+        assert store.count_prefix(["a"]) == 0
+        assert not store.is_available
     finally:
         connector.shutdown()
 
@@ -63,8 +71,9 @@ def test_reset_cache_forgets_this_layouts_blocks_only(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
     connector = _connector(redis_server.url, key_prefix)
-    store = connector.redis_store
-    ours = connector.store_key(block_hash(0))
+    medium = _medium(connector)
+    store = medium.store
+    ours = medium.store_key(block_hash(0))
     foreign = "another-layout-fingerprint/" + block_hash(0).hex()
     entry = memoryview(bytearray(64))
     try:
@@ -89,6 +98,6 @@ def test_a_given_up_loads_read_under_way_gets_longer_than_the_socket_timeout(
         "redis://127.0.0.1:1/0", connect_timeout_s=0.5, socket_timeout_s=socket_timeout_s
     )
     try:
-        assert connector.late_write_grace_s() == grace_s
+        assert _medium(connector).late_write_grace_s() == grace_s
     finally:
         connector.shutdown()

@@ -17,6 +17,7 @@ from kvwire.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvwire.connector.types import BlockStored
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.media.redis import RedisMedium
 from tests.redis.conftest import RedisServer, wait_until_available
 from tests.redis.engines import (
     BLOCK_SIZE,
@@ -125,10 +126,12 @@ def test_the_connector_reconnects_when_the_server_comes_back(
         assert tokens(engine.generate(workload)) == expected_tokens
         down_stats = dict(engine.connector_stats.data)
         fault_server.restart()
-        scheduler_side, worker_side = engine.scheduler_connector, engine.worker_connector
-        assert isinstance(scheduler_side, RedisConnector)
-        assert isinstance(worker_side, RedisConnector)
-        wait_until_available(scheduler_side.redis_store, worker_side.redis_store)
+        stores = []
+        for connector in (engine.scheduler_connector, engine.worker_connector):
+            assert isinstance(connector, RedisConnector)
+            assert isinstance(connector.medium, RedisMedium)
+            stores.append(connector.medium.store)
+        wait_until_available(*stores)
         assert tokens(engine.generate(later)) == expected_later
 
     assert down_stats["redis_saves_dropped"] > 0

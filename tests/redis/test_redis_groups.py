@@ -29,7 +29,7 @@ def hybrid(
 
     yield build
     for pair in pairs:
-        pair.scheduler.redis_store.clear()  # type: ignore[attr-defined]
+        pair.medium.store.clear()
 
 
 class TestRedisGroups(StoreGroupsContract):

@@ -107,7 +107,8 @@ def test_the_connector_reads_a_pipeline_size_with_a_unit() -> None:
         kv_connector_extra_config={"pipeline_bytes": "8MiB", "staging_buffer_bytes": "16MiB"},
     )
 
-    settings = RedisConnector.read_options(transfer)["redis_settings"]
+    _medium, options = RedisConnector.read_options(transfer)
+    settings = options["redis_settings"]
 
     assert settings.pipeline_bytes == 8 * 1024**2
 
