@@ -70,6 +70,9 @@ class OffloadScheduler:
         self._sync_loads_in_flight: list[BlockTransfer] = []
         self._release_req_ids: list[str] = []
         self._forwarded_events: list[KVCacheEvent] = []
+        # A medium that places nothing (entries found by key) takes every
+        # save as planned: no per-block bookkeeping to build each step.
+        self._places_saves = type(index).prepare_store is not MediumIndex.prepare_store
 
     @property
     def index(self) -> MediumIndex:
@@ -144,21 +147,26 @@ class OffloadScheduler:
     def _place_save(self, save: BlockTransfer) -> BlockTransfer | None:
         """The part of ``save`` the medium takes, with its places; None when it takes nothing."""
         wanted = save.block_hashes
+        state = self._requests.get(save.request_id)
+        if not self._places_saves:
+            if state is not None:
+                state.unsettled_saves[save.group].extend(wanted)
+            return save
         placed = dict(self._index.prepare_store(save.group, wanted))
         if not placed:
             return None
-        state = self._requests.get(save.request_id)
         if state is not None:
             state.unsettled_saves[save.group].extend(placed)
         if len(placed) == len(wanted) and all(slot is None for slot in placed.values()):
             return save
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
-        slots = tuple(placed[wanted[i]] for i in positions)
+        # Slots when the medium places blocks; none when it stores by key.
+        slots = tuple(slot for i in positions if (slot := placed[wanted[i]]) is not None)
         return attrs.evolve(
             save,
             block_ids=tuple(save.block_ids[i] for i in positions),
             block_hashes=tuple(wanted[i] for i in positions),
-            slots=() if all(slot is None for slot in slots) else slots,  # type: ignore[arg-type]
+            slots=slots,
         )
 
     def request_finished(self, request: Request) -> bool:
