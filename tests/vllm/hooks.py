@@ -9,17 +9,69 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from kvwire.connector.types import BlockHash
+from kvwire.connector.types import BlockHash, KVCacheEvent
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.media.base import MediumIndex
+from kvwire.media.cpu_pool import CPUPoolMedium
+from kvwire.media.directory import DirectoryMedium
 from kvwire.media.store.base import BlockStore
 
 
-class NeverHitCPUOffload(CPUOffloadConnector):
-    """CPU offload whose pool never reports a block as held: every lookup misses."""
+class NeverHitIndex(MediumIndex):
+    """``index``, except that it never reports a block as held: every lookup misses."""
+
+    def __init__(self, index: MediumIndex) -> None:
+        self._index = index
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         return 0
+
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        return self._index.prepare_load(group, block_hashes)
+
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        self._index.complete_load(group, block_hashes, corrupt)
+
+    def prepare_store(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        return self._index.prepare_store(group, block_hashes)
+
+    def complete_store(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        self._index.complete_store(group, block_hashes, success=success)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._index.take_events()
+
+    def take_counters(self) -> Mapping[str, int]:
+        return self._index.take_counters()
+
+    def reset(self) -> bool | None:
+        return self._index.reset()
+
+    def close(self) -> None:
+        self._index.close()
+
+
+class NeverHitPool(CPUPoolMedium):
+    """The CPU pool, its blocks stored as ever, but never found by a lookup."""
+
+    def build_index(self) -> MediumIndex:
+        return NeverHitIndex(super().build_index())
+
+
+class NeverHitCPUOffload(CPUOffloadConnector):
+    """CPU offload whose pool never reports a block as held: every lookup misses.
+
+    The medium is named by module path, so the scheduler's process resolves it too.
+    """
+
+    default_medium = f"{__name__}:{NeverHitPool.__name__}"
 
 
 def never_hit(container: containers.Container) -> None:
@@ -60,12 +112,23 @@ class HeldReadsStore(BlockStore):
     def close(self) -> None:
         self._store.close()
 
+    def __getattr__(self, name: str) -> Any:
+        # The directory medium's own calls on its store (the start-up sweep,
+        # its counters, removing a layout's entries) reach the real one.
+        return getattr(self._store, name)
+
+
+class HeldReadsDirectory(DirectoryMedium):
+    """The directory medium over a :class:`HeldReadsStore`."""
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return HeldReadsStore(super().create_store(options))
+
 
 class HeldReadsSharedStorage(SharedStorageConnector):
     """Shared storage whose loads stay in flight until a test sets :data:`READS_ANSWER`."""
 
-    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
-        return HeldReadsStore(super().create_store(options))
+    default_medium = f"{__name__}:{HeldReadsDirectory.__name__}"
 
 
 def held_reads(container: containers.Container) -> None:
