@@ -112,11 +112,6 @@ class HeldReadsStore(BlockStore):
     def close(self) -> None:
         self._store.close()
 
-    def __getattr__(self, name: str) -> Any:
-        # The directory medium's own calls on its store (the start-up sweep,
-        # its counters, removing a layout's entries) reach the real one.
-        return getattr(self._store, name)
-
 
 class HeldReadsDirectory(DirectoryMedium):
     """The directory medium over a :class:`HeldReadsStore`."""
