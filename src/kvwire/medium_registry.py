@@ -20,6 +20,8 @@ built through that registry, as overriding a connector's provider does::
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import threading
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,8 @@ from kvwire.redaction import redact_text, shown
 if TYPE_CHECKING:
     from kvwire.media.base import Medium
 
+logger = logging.getLogger(__name__)
+
 MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
 
 BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
@@ -41,6 +45,11 @@ BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
     "redis": ("kvwire.media.redis", "RedisMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""
+
+
+def _is_module_path(text: str) -> bool:
+    """Whether ``text`` is an absolute dotted module path such as ``package.module``."""
+    return all(part.isidentifier() for part in text.split("."))
 
 
 class UnknownMediumError(KVWireError, ValueError):
@@ -93,9 +102,7 @@ class MediumRegistry:
         """Register ``name`` lazily: ``module_path`` is imported only once a connector needs it."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"register_medium: name must be an identifier, got {shown(name)}")
-        if not isinstance(module_path, str) or not all(
-            part.isidentifier() for part in module_path.split(".")
-        ):
+        if not isinstance(module_path, str) or not _is_module_path(module_path):
             raise ValueError(
                 "register_medium: module_path must be a dotted module name such as "
                 f"'package.module', got {shown(module_path)}"
@@ -133,6 +140,15 @@ class MediumRegistry:
             raise UnknownMediumError(self._unknown(spec))
         if ":" in spec:
             module_path, _, class_name = spec.partition(":")
+            # Checked before anything is imported: a relative or malformed
+            # path would fail inside importlib with a message that echoes it
+            # raw (a URL typed here, password and all).
+            if not (_is_module_path(module_path) and class_name.isidentifier()):
+                raise UnknownMediumError(
+                    f"medium {shown(spec)} is no registered name and not of the form "
+                    "'package.module:Class' (a dotted module path of identifiers, then one "
+                    f"class name); registered: {', '.join(self.names())}"
+                )
             return self._check(self._import(module_path, class_name, spec), spec)
         return self._check(self.provider(spec)(), spec)
 
@@ -148,7 +164,9 @@ class MediumRegistry:
         try:
             module = importlib.import_module(module_path)
             return getattr(module, class_name)
-        except (ImportError, AttributeError, ValueError) as error:
+        # Whatever a module raises at import (a RuntimeError, a SyntaxError):
+        # a profile names it, so it is the profile's error, shown bounded.
+        except Exception as error:
             raise UnknownMediumError(
                 f"medium {shown(what)} cannot be loaded: {type(error).__name__}: "
                 f"{redact_text(str(error))[:200]}"
@@ -161,6 +179,13 @@ class MediumRegistry:
             raise UnknownMediumError(
                 f"medium {shown(spec)} is {shown(found)}, not a class deriving from "
                 "kvwire.media.base.Medium"
+            )
+        if inspect.isabstract(found):
+            # Refused here, so that ``kvwire check`` refuses what the engine cannot build.
+            missing = ", ".join(sorted(found.__abstractmethods__))
+            raise UnknownMediumError(
+                f"medium {shown(spec)} is abstract (it does not implement {missing}); "
+                "expected a medium class that can be built, such as a subclass implementing them"
             )
         return found
 
@@ -177,10 +202,23 @@ class MediumRegistry:
             self._entry_points_read = True
             assert self._entry_point_group is not None
             for entry_point in metadata.entry_points(group=self._entry_point_group):
-                if entry_point.name in self._entries:
-                    continue
                 distribution = getattr(entry_point, "dist", None)
                 label = "unknown" if distribution is None else distribution.name
+                existing = self._entries.get(entry_point.name)
+                if existing is not None:
+                    # Said, as for connectors: an operator who installed a
+                    # distribution for its medium must learn it is not used.
+                    logger.warning(
+                        "Ignoring entry point '%s = %s' of distribution %s: medium '%s' is "
+                        "already registered (%s, %s)",
+                        entry_point.name,
+                        entry_point.value,
+                        label,
+                        entry_point.name,
+                        existing.origin,
+                        existing.target,
+                    )
+                    continue
                 self._add(
                     RegisteredMedium(
                         entry_point.name,
