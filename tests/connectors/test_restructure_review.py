@@ -23,13 +23,17 @@ import pytest
 import yaml
 
 from kvwire.cli import check_profile
+from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.offload import OffloadConnector
 from kvwire.extra_config import ExtraConfigError
+from kvwire.media.directory import DirectoryMedium
+from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry import ConnectorRegistry
-from tests.connectors.harness import engine_config
+from tests.connectors.harness import cache_config_for, engine_config
 
 SECRET = "hunter2-review-secret"
+MAC_VARIABLE = "KVWIRE_TEST_REVIEW_MAC_KEY"
 # A module name no other test uses: a module whose import failed is not cached.
 RAISING_MODULE = "kvwire_review_raising_medium"
 
@@ -163,3 +167,31 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
         "medium 'directory' is already registered (built in, kvwire.media.directory:"
     )
     assert warnings[1].startswith("Ignoring entry point 'tape = other_tape_media:Tape'")
+
+
+class FaultyDirectory(FaultInjectingMedium):
+    inner = DirectoryMedium
+
+
+def test_a_faulty_medium_over_a_sealed_store_has_the_store_s_layout(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    # The connector's layout is the stored one (the MAC's id is in its
+    # fingerprint, so in every key): the faulty medium must not unseal it.
+    monkeypatch.setenv(MAC_VARIABLE, "k" * 32)
+    extra = {"shared_storage_path": str(tmp_path), "mac_key_env": MAC_VARIABLE}
+    plain_config = engine_config("OffloadConnector", {**extra, "medium": "directory"})
+    faulty_config = engine_config(
+        "OffloadConnector", {**extra, "medium": f"{__name__}:FaultyDirectory"}
+    )
+    cache = cache_config_for(plain_config)
+    plain = OffloadConnector(plain_config, KVConnectorRole.SCHEDULER, cache)
+    faulty = OffloadConnector(faulty_config, KVConnectorRole.SCHEDULER, cache)
+    try:
+        block_hash = bytes(range(32))
+        assert faulty.layout.mac is not None
+        assert faulty.layout.key(block_hash) == plain.layout.key(block_hash)
+        assert faulty.layout.key(block_hash) == faulty.group_layouts[0].key(block_hash)
+    finally:
+        plain.shutdown()
+        faulty.shutdown()

@@ -244,6 +244,11 @@ class FaultInjectingMedium(Medium):
         return cls.inner_class().finish_options(connector_name, options)
 
     @property
+    def layout(self) -> BlockLayout:
+        # The wrapped medium's stored layout (a store medium's is sealed with its MAC).
+        return self.inner_medium.layout
+
+    @property
     def group_layouts(self) -> tuple[BlockLayout, ...]:
         return self.inner_medium.group_layouts
 
