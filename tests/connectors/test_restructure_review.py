@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pathlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import metadata
+from typing import Any
 
 import pytest
 import yaml
 
 from kvwire.cli import check_profile
 from kvwire.connector.base import KVConnectorRole
+from kvwire.connector.types import BlockStored
 from kvwire.connectors.offload import OffloadConnector
 from kvwire.extra_config import ExtraConfigError
-from kvwire.media.directory import DirectoryMedium
+from kvwire.media.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.faulty import FaultInjectingMedium
+from kvwire.media.store.medium import StoreMedium
 from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry import ConnectorRegistry
-from tests.connectors.harness import cache_config_for, engine_config
+from tests.connectors.harness import cache_config_for, engine_config, make_request
 
 SECRET = "hunter2-review-secret"
 MAC_VARIABLE = "KVWIRE_TEST_REVIEW_MAC_KEY"
@@ -195,3 +199,29 @@ def test_a_faulty_medium_over_a_sealed_store_has_the_store_s_layout(
     finally:
         plain.shutdown()
         faulty.shutdown()
+
+
+class UnnamedStoreMedium(StoreMedium[DirectoryBlockStore]):
+    """A third-party store medium that does not set ``event_medium``."""
+
+    def create_store(self, options: Mapping[str, Any]) -> DirectoryBlockStore:
+        return DirectoryBlockStore(
+            os.environ["KVWIRE_TEST_REVIEW_STORE"], entry_bytes=self.layout.entry_bytes
+        )
+
+
+def test_a_store_medium_that_names_no_medium_reports_its_blocks_as_store(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, open_pair: Any
+):
+    # As every store-backed connector did before media: "store", not the
+    # generic medium's placeholder.
+    monkeypatch.setenv("KVWIRE_TEST_REVIEW_STORE", str(tmp_path))
+    config = engine_config("OffloadConnector", {"medium": f"{__name__}:UnnamedStoreMedium"})
+    pair = open_pair(config, OffloadConnector, 3)
+    request = make_request("r", list(range(9)), pair.block_size)
+    pair.prefill(request, [1, 2, 3])
+    assert pair.worker.wait_for_pending_saves(30)
+
+    events = pair.worker.get_kv_connector_kv_cache_events()
+
+    assert events == [BlockStored(tuple(request.block_hashes[:2]), "store")]

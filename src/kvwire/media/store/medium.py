@@ -83,7 +83,7 @@ import abc
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
@@ -136,6 +136,10 @@ class StoreMedium(Medium, Generic[_Store]):
     one to close closing the store (a connector builds one half, so that
     half owns it).
     """
+
+    # A subclass names its store ("disk", "redis"); one that does not is
+    # "store" in its events, as store-backed connectors always were.
+    event_medium: ClassVar[str] = "store"
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
