@@ -15,15 +15,20 @@ from typing import Any
 import pytest
 from dependency_injector import providers
 
+from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import ForwardContext, Request
+from kvwire.connector.types import BlockHash, ForwardContext, Request
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.offload import OffloadConnector
+from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import LLMEngine
 from kvwire.exceptions import ConnectorRoleError
 from kvwire.extra_config import ExtraConfigError
+from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
@@ -37,7 +42,7 @@ from tests.connectors.engine_support import (
     with_connector,
     workload,
 )
-from tests.connectors.harness import cache_config_for, engine_config
+from tests.connectors.harness import cache_config_for, engine_config, make_caches
 
 
 class _DictStore(BlockStore):
@@ -231,3 +236,33 @@ def test_both_roles_answer_the_calls_an_engine_makes_of_either():
     assert scheduler.get_kv_connector_stats() is None
     scheduler.shutdown()
     worker.shutdown()
+
+
+def test_caches_registered_twice_are_refused_so_no_handler_is_left_open():
+    _scheduler, worker = _pair({"cpu_pool_bytes": "4MiB"})
+    config = _config("CPUOffloadConnector", {"cpu_pool_bytes": "4MiB"})
+    caches = make_caches(cache_config_for(config))
+    worker.register_kv_caches(caches)
+    with pytest.raises(RuntimeError, match=r"register_kv_caches\(\) was called twice"):
+        worker.register_kv_caches(caches)
+    worker.shutdown()
+
+
+class _HalfPlacingIndex(MediumIndex):
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        return 0
+
+    def prepare_store(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        return [(h, None if i % 2 else i) for i, h in enumerate(block_hashes)]
+
+
+def test_a_medium_index_that_places_only_some_blocks_of_a_save_is_refused():
+    planner = BlockPlanner(4, (CacheGroup(0, ("l0",), 4),), loads=True, saves=True)
+    scheduler = OffloadScheduler(
+        index=_HalfPlacingIndex(), planner=planner, num_groups=1, async_load=False
+    )
+    save = BlockTransfer(request_id="r", block_ids=(1, 2), block_hashes=(b"a", b"b"))
+    with pytest.raises(TypeError, match=r"^_HalfPlacingIndex\.prepare_store gave a slot to some"):
+        scheduler._place_save(save)

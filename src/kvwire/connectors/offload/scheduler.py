@@ -162,6 +162,12 @@ class OffloadScheduler:
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
         # Slots when the medium places blocks; none when it stores by key.
         slots = tuple(slot for i in positions if (slot := placed[wanted[i]]) is not None)
+        if slots and len(slots) != len(positions):
+            raise TypeError(
+                f"{type(self._index).__name__}.prepare_store gave a slot to some blocks of one "
+                "save and None to others; expected a slot for every block it takes, or None "
+                "for every one"
+            )
         return attrs.evolve(
             save,
             block_ids=tuple(save.block_ids[i] for i in positions),

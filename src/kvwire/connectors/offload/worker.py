@@ -54,6 +54,12 @@ class OffloadWorker:
         return self._handler
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if self._handler is not None:
+            # A second handler would leave the first one's threads and store open.
+            raise RuntimeError(
+                f"{self._connector_name}: register_kv_caches() was called twice; the caches "
+                "are registered once per connector, before the first step"
+            )
         self._handler = self._medium.build_handler(kv_caches, self._counters)
 
     def _require_handler(self) -> TransferHandler:

@@ -729,7 +729,8 @@ class StoreWorker(TransferHandler):
         waited for but a checksum under way: a save not started yet is
         cancelled, and one under way has its gate closed, so it commits none
         of its entries not committed yet (see the module). Their blocks not
-        stored count as ``saves_released``; the request's next save stores them.
+        stored count as ``saves_released``; they are not saved again (a later
+        lookup misses them, it never loads wrong KV).
 
         Returns the save jobs this call stopped (one record per job: a batch
         of at most ``batch_blocks`` blocks of one group), not those that had
