@@ -8,6 +8,7 @@ its role's half.
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from dependency_injector import providers
 
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.cli import check_profile
 from kvwire.config import EngineConfig
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockHash, ForwardContext, Request
@@ -266,3 +268,21 @@ def test_a_medium_index_that_places_only_some_blocks_of_a_save_is_refused():
     save = BlockTransfer(request_id="r", block_ids=(1, 2), block_hashes=(b"a", b"b"))
     with pytest.raises(TypeError, match=r"^_HalfPlacingIndex\.prepare_store gave a slot to some"):
         scheduler._place_save(save)
+
+
+def test_kvwire_check_resolves_the_medium_through_the_registry_it_is_given(tmp_path):
+    profile = tmp_path / "dict.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: OffloadConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    medium: dict\n"
+    )
+    registry = default_registry().copy()
+    registry.media.register_medium("dict", __name__, "DictMedium")
+    out, err = io.StringIO(), io.StringIO()
+
+    assert check_profile(str(profile), registry=registry, out=out, err=err) == 0, err.getvalue()
+    assert check_profile(str(profile), out=io.StringIO(), err=err) == 1
+    assert "kv_connector_extra_config.medium: unknown medium 'dict'" in err.getvalue()

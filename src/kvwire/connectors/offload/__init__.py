@@ -167,8 +167,15 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     def validate_extra_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
     ) -> None:
-        """Reads the options as the constructor does, and drops them: nothing is built."""
-        cls.read_options(kv_transfer_config)
+        """Reads the options as the constructor does, and drops them: nothing is built.
+
+        The medium is resolved through the registry ``resolve_child`` belongs
+        to (``kvwire check`` passes its registry's ``resolve``), so a medium
+        registered or overridden there is the one checked.
+        """
+        registry = getattr(resolve_child, "__self__", None)
+        media = getattr(registry, "media", None)
+        cls.read_options(kv_transfer_config, getattr(media, "get_class", None))
 
     @property
     def medium(self) -> Medium:
