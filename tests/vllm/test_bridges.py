@@ -19,6 +19,7 @@ from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.connector.types import BlockRemoved, BlockStored
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
+    _cache_dtype,
     container_hook,
     kv_cache_config_from_vllm,
     kv_dtype_name,
@@ -147,9 +148,26 @@ def test_vllm_kv_cache_tensors_become_kvwire_tensors_with_sizes_and_layers() -> 
 
 
 def test_torch_float8_dtype_gets_kvwire_name_and_unknown_dtype_is_refused() -> None:
-    assert kv_dtype_name(torch.float8_e4m3fn) == "float8_e4m3fn"
-    with pytest.raises(VLLMConfigError, match="int8"):
-        kv_dtype_name(torch.int8)
+    assert kv_dtype_name(torch.float8_e4m3fn, "model_config.dtype") == "float8_e4m3fn"
+    with pytest.raises(
+        VLLMConfigError,
+        match=r"^vLLM's cache_config\.cache_dtype is 'int8', a KV cache dtype kvwire does not "
+        r"move; accepted: .*float32",
+    ):
+        kv_dtype_name(torch.int8, "cache_config.cache_dtype")
+
+
+def test_an_unknown_cache_dtype_names_vllm_s_field() -> None:
+    vllm_config = types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(cache_dtype="int4"),
+        model_config=types.SimpleNamespace(dtype=torch.float32),
+    )
+    with pytest.raises(VLLMConfigError, match=r"^vLLM's cache_config\.cache_dtype is 'int4'"):
+        _cache_dtype(vllm_config)
+    vllm_config.cache_config.cache_dtype = "auto"
+    vllm_config.model_config.dtype = torch.int16
+    with pytest.raises(VLLMConfigError, match=r"^vLLM's model_config\.dtype is 'int16'"):
+        _cache_dtype(vllm_config)
 
 
 @pytest.mark.parametrize("status", list(VLLMRequestStatus), ids=lambda status: status.name)

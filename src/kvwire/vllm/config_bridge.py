@@ -153,12 +153,16 @@ def _is_hook_spec(spec: object) -> TypeGuard[str]:
     )
 
 
-def kv_dtype_name(dtype: Any) -> str:
-    """kvwire's name of a torch dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``)."""
+def kv_dtype_name(dtype: Any, field: str) -> str:
+    """kvwire's name of a torch dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``).
+
+    ``field`` names where vLLM's configuration holds it, for the error.
+    """
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise VLLMConfigError(
-            f"the KV cache dtype {name} is not one kvwire moves; accepted: {', '.join(DTYPE_NAMES)}"
+            f"vLLM's {field} is {shown(name)}, a KV cache dtype kvwire does not move; "
+            f"accepted: {', '.join(DTYPE_NAMES)}"
         )
     return name
 
@@ -263,12 +267,12 @@ def model_identity(model_config: Any) -> str:
 def _cache_dtype(vllm_config: Any) -> str:
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype in (None, "auto"):
-        return kv_dtype_name(vllm_config.model_config.dtype)
+        return kv_dtype_name(vllm_config.model_config.dtype, "model_config.dtype")
     # vLLM names fp8 caches "fp8"/"fp8_e4m3"/"fp8_e5m2"; the bytes are torch's float8 types.
     fp8_names = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
     if cache_dtype in fp8_names:
         return fp8_names[cache_dtype]
-    return kv_dtype_name(cache_dtype)
+    return kv_dtype_name(cache_dtype, "cache_config.cache_dtype")
 
 
 def _transfer_config_from_vllm(vllm_transfer: Any, profile: EngineConfig) -> KVTransferConfig:
@@ -323,7 +327,8 @@ def kv_cache_config_from_vllm(vllm_kv_cache_config: Any) -> KVCacheConfig:
 
 def _attention_spec(spec: Any) -> AttentionSpec:
     block_size, num_kv_heads = int(spec.block_size), int(spec.num_kv_heads)
-    head_size, dtype = int(spec.head_size), kv_dtype_name(spec.dtype)
+    head_size = int(spec.head_size)
+    dtype = kv_dtype_name(spec.dtype, f"kv_cache_config's {type(spec).__name__}.dtype")
     kind = type(spec).__name__
     if kind == "SlidingWindowSpec":
         return SlidingWindowSpec(
