@@ -25,6 +25,7 @@ from tests.vllm.engines import (
     SLIDING_WINDOW,
     generate,
     kvwire_transfer_config,
+    load_profile_mapping,
     profile_with_directory,
     run_engine_process,
     running_llm,
@@ -165,6 +166,44 @@ def test_a_failed_asynchronous_load_on_a_hybrid_model_is_recomputed_with_identic
     assert cold == warm == hybrid_tokens_without_connector
     assert cached == [0] * len(PROMPTS)
     assert stats["load_errors"] > 0
+
+
+def _damage_every_pool_slot() -> int:
+    """Flip one payload byte of every slot of the in-process worker's CPU pool; how many."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    pool = get_kv_transfer_group().connector._worker.handler.pool
+    for slot in range(pool.num_slots):
+        pool.payload(slot).view(-1)[0] += 1.0
+    return pool.num_slots
+
+
+@pytest.mark.slow
+def test_a_cpu_pool_slot_that_failed_an_asynchronous_load_is_forgotten_and_saved_again(
+    tiny_hybrid_model: str,
+    hybrid_tokens_without_connector: list[list[int]],
+) -> None:
+    # vLLM's output names the failed request, not its blocks: the adapter
+    # tells the wrapped connector which blocks failed, so the pool forgets
+    # them and saves them again once computed, instead of failing every load.
+    profile = load_profile_mapping("cpu-offload.yaml")
+    profile["kv_transfer_config"]["kv_connector_extra_config"]["async_load"] = True
+    with running_llm(tiny_hybrid_model, kvwire_transfer_config(profile)) as llm:
+        cold, _ = generate(llm, PROMPTS)
+        kvwire.vllm.wait_for_saves(llm)
+        assert _damage_every_pool_slot() > 0
+        assert llm.reset_prefix_cache()
+        recomputed, _ = generate(llm, PROMPTS)
+        kvwire.vllm.wait_for_saves(llm)
+        failed_loads = kvwire.vllm.kvwire_stats(llm)["load_errors"]
+        assert llm.reset_prefix_cache()
+        zero_kv_caches(llm)
+        warm, cached = generate(llm, PROMPTS)
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert cold == recomputed == warm == hybrid_tokens_without_connector
+    assert failed_loads > 0
+    assert stats["load_errors"] == failed_loads  # the saved-again blocks load cleanly
+    assert all(tokens > 0 for tokens in cached)
 
 
 @pytest.mark.slow

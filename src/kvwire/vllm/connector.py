@@ -39,7 +39,10 @@ takes, instead, the requests whose asynchronous loads failed
 (``KVConnectorTransferResults.failed_recving``), and recomputes them or
 fails them as ``kv_load_failure_policy`` says. So the scheduler side sends
 each asynchronous load's block ids in the step's metadata, and the worker
-side reports a load whose blocks failed as a failed request. A failed
+side reports a load whose blocks failed as a failed request; the scheduler
+side then tells the wrapped connector that load's blocks failed (vLLM's
+output no longer names them), so a medium forgets what it could not load
+and the blocks computed again are saved again. A failed
 synchronous load has no such report in vLLM: its block ids still go to
 vLLM, which stops, after an error logged here that names ``async_load``.
 """
@@ -138,6 +141,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._live: dict[str, tuple[Any, int]] = {}
         self._kept_blocks: set[str] = set()
         self._step_async_loads: dict[str, frozenset[int]] = {}
+        # Asynchronous loads sent to the workers and not yet reported, by request.
+        self._async_loads_sent: dict[str, frozenset[int]] = {}
         # Worker side.
         self._async_loading: dict[str, frozenset[int]] = {}
         self._load_errors: set[int] = set()
@@ -280,6 +285,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
             self._remember_blocks(item.request_id)
         inner = self.connector.build_connector_meta(kvwire_output)
         async_loads, self._step_async_loads = self._step_async_loads, {}
+        self._async_loads_sent.update(async_loads)
         return KVWireConnectorMetadata(inner=inner, async_loads=async_loads)
 
     def _remember_blocks(self, request_id: str) -> None:
@@ -304,11 +310,18 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._kept_blocks -= finished_recving
         connector_output.finished_sending = (finished_sending & self._kept_blocks) or None
         self._kept_blocks -= finished_sending
+        invalid_block_ids = set(connector_output.invalid_block_ids or ())
+        failed_recving = getattr(connector_output, "failed_recving", None) or set()
+        for request_id in finished_recving | failed_recving:
+            blocks = self._async_loads_sent.pop(request_id, frozenset())
+            if request_id in failed_recving:
+                # Reported as a failed request (see the module): its blocks failed.
+                invalid_block_ids |= blocks
         self.connector.update_connector_output(
             KVConnectorOutput(
                 finished_sending=finished_sending or None,
                 finished_recving=finished_recving or None,
-                invalid_block_ids=set(connector_output.invalid_block_ids or ()),
+                invalid_block_ids=invalid_block_ids,
                 kv_cache_events=list(events.get_all_events()) if events is not None else [],
                 kv_connector_worker_meta=connector_output.kv_connector_worker_meta,
             )
