@@ -5,6 +5,10 @@ from __future__ import annotations
 from kvwire.media.cpu_pool._index import CPUPoolIndex
 
 
+def _ready(index: CPUPoolIndex, group: int, block_hash: bytes) -> bool:
+    return index.count_ready_prefix(group, [block_hash]) == 1
+
+
 def h(n: int) -> bytes:
     return bytes([n]) * 32
 
@@ -36,7 +40,7 @@ def test_the_least_recently_used_block_is_evicted_first():
     index.finish_load(0, [h(1)])  # 1 is now more recent than 2
     stored(index, 3)
     assert index.take_evicted() == ([h(2)],)
-    assert index.is_ready(0, h(1)) and index.is_ready(0, h(3))
+    assert _ready(index, 0, h(1)) and _ready(index, 0, h(3))
 
 
 def test_a_block_being_loaded_is_never_evicted():
@@ -44,7 +48,7 @@ def test_a_block_being_loaded_is_never_evicted():
     stored(index, 1)
     index.start_load(0, [h(1)])
     assert index.prepare_store(0, [h(2)]) == []
-    assert index.is_ready(0, h(1))
+    assert _ready(index, 0, h(1))
 
 
 def test_a_block_being_stored_is_never_evicted():
@@ -72,7 +76,7 @@ def test_clear_keeps_blocks_in_use():
     stored(index, 1, 2)
     index.start_load(0, [h(2)])
     assert index.clear() is False
-    assert not index.is_ready(0, h(1)) and index.is_ready(0, h(2))
+    assert not _ready(index, 0, h(1)) and _ready(index, 0, h(2))
 
 
 def test_a_hash_in_one_group_is_not_held_in_another():
@@ -100,7 +104,7 @@ def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
     index.finish_load(1, [h(1)])  # group 1's entry is now the more recent
     index.prepare_store(1, [h(2)])
     assert index.take_evicted() == ([h(1)], [])
-    assert not index.is_ready(0, h(1)) and index.is_ready(1, h(1))
+    assert not _ready(index, 0, h(1)) and _ready(index, 1, h(1))
 
 
 def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
@@ -109,5 +113,5 @@ def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
         index.prepare_store(group, [h(1)])
         index.complete_store(group, [h(1)])
     index.discard(1, [h(1)])
-    assert index.is_ready(0, h(1)) and not index.is_ready(1, h(1))
+    assert _ready(index, 0, h(1)) and not _ready(index, 1, h(1))
     assert index.take_evicted() == ([], [h(1)])

@@ -17,7 +17,7 @@ def _compute_and_free(manager: BlockManager, request: Request) -> list[int]:
     manager.allocate(request, [], request.num_tokens)
     request.num_computed_tokens = request.num_tokens
     manager.cache_full_blocks(request)
-    blocks = list(manager.blocks_of(request.request_id))
+    blocks = list(manager.group_blocks_of(request.request_id)[0])
     manager.free(request.request_id)
     return blocks
 
@@ -39,7 +39,7 @@ def test_a_fully_cached_prompt_leaves_its_last_block_to_compute() -> None:
 def test_allocation_that_does_not_fit_changes_nothing() -> None:
     manager = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
     assert manager.allocate(_request("a", list(range(16))), [], 16) is None
-    assert manager.num_free_blocks == 3 and manager.blocks_of("a") == []
+    assert manager.num_free_blocks == 3 and manager.group_blocks_of("a")[0] == []
 
 
 def test_eviction_takes_the_least_recently_freed_block_and_forgets_its_hash() -> None:

@@ -46,14 +46,14 @@ def test_a_sliding_group_frees_the_blocks_that_left_its_window_before_allocating
     request = _request("a", list(range(24)))
     _compute(manager, request)
     free_before = manager.num_free_blocks
-    sliding_before = list(manager.blocks_of("a", SLIDING))
+    sliding_before = list(manager.group_blocks_of("a")[SLIDING])
     # The next step (one token at position 24) attends positions [17, 24]:
     # blocks 0..3 (tokens 0..15) are no longer read.
     blocks = manager.allocate(request, [], 25)
     assert blocks is not None
     sliding = blocks.get_block_ids()[SLIDING]
     assert sliding[:4] == [NULL_BLOCK] * 4 and sliding[4:6] == sliding_before[4:6]
-    assert blocks.get_block_ids()[FULL][:6] == manager.blocks_of("a", FULL)[:6]
+    assert blocks.get_block_ids()[FULL][:6] == manager.group_blocks_of("a")[FULL][:6]
     # Four given back, two new ones (block 6 in each group).
     assert manager.num_free_blocks == free_before + 4 - 2
 
@@ -118,7 +118,7 @@ def test_the_groups_draw_from_one_pool() -> None:
     assert manager.allocate(request, [], 17) is None  # 2 per group needed, 2 free
     # At 12 computed tokens the sliding group needs only blocks [1, 3): its
     # block 0 went back to the pool (even though the allocation failed).
-    sliding_first = manager.blocks_of("a", SLIDING)[0]
+    sliding_first = manager.group_blocks_of("a")[SLIDING][0]
     assert sliding_first == NULL_BLOCK and manager.num_free_blocks == 2
     blocks = manager.allocate(request, [], 13)
     assert blocks is not None and manager.num_free_blocks == 0

@@ -87,11 +87,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def blocks_of(self, request_id: str, group: int = 0) -> list[int]:
-        """The request's blocks in ``group``, position-aligned (null blocks included)."""
-        held = self._request_blocks.get(request_id)
-        return held[group] if held else []
-
     def group_blocks_of(self, request_id: str) -> tuple[list[int], ...]:
         """Copies of the request's block lists, one per group."""
         held = self._request_blocks.get(request_id)

@@ -56,10 +56,6 @@ class CPUPoolIndex:
         """Whether ``group``'s entry for ``block_hash`` is stored or being stored."""
         return block_hash in self._by_group[group]
 
-    def is_ready(self, group: int, block_hash: BlockHash) -> bool:
-        entry = self._by_group[group].get(block_hash)
-        return entry is not None and entry.ready
-
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
         """How many of ``group``'s ``hashes``, from the first, are stored and complete."""
         entries = self._by_group[group]
