@@ -32,6 +32,7 @@ from kvwire.exceptions import ConnectorRoleError
 from kvwire.extra_config import ExtraConfigError
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
+from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.medium_registry import UnknownMediumError
@@ -286,3 +287,25 @@ def test_kvwire_check_resolves_the_medium_through_the_registry_it_is_given(tmp_p
     assert check_profile(str(profile), registry=registry, out=out, err=err) == 0, err.getvalue()
     assert check_profile(str(profile), out=io.StringIO(), err=err) == 1
     assert "kv_connector_extra_config.medium: unknown medium 'dict'" in err.getvalue()
+
+
+def test_an_unconfigured_fault_injecting_medium_is_refused_naming_the_key():
+    config = _config("OffloadConnector", {"medium": "kvwire.media.faulty:FaultInjectingMedium"})
+    with pytest.raises(
+        ExtraConfigError,
+        match=r"^kv_connector_extra_config\.medium: FaultInjectingMedium cannot be used: "
+        r"FaultInjectingMedium\.inner is not set",
+    ):
+        OffloadConnector.read_options(config.kv_transfer_config)
+
+
+def test_a_fault_injecting_medium_keeps_an_event_name_of_its_own():
+    class Named(FaultInjectingMedium):
+        inner = CPUPoolMedium
+        event_medium = "faulty-cpu"
+
+    class Unnamed(FaultInjectingMedium):
+        inner = CPUPoolMedium
+
+    assert Named.event_medium == "faulty-cpu"
+    assert Unnamed.event_medium == "cpu"

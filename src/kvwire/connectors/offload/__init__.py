@@ -150,6 +150,13 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             medium_cls = (medium_resolver or _default_medium_resolver)(spec)
         except ValueError as error:
             raise ExtraConfigError(f"kv_connector_extra_config.medium: {error}") from None
+        try:
+            medium_keys = medium_cls.extra_config_keys()
+        except TypeError as error:
+            # A medium class not configured for use (a FaultInjectingMedium without inner).
+            raise ExtraConfigError(
+                f"kv_connector_extra_config.medium: {medium_cls.__name__} cannot be used: {error}"
+            ) from None
         keys: tuple[ExtraConfigKey, ...] = (
             bool_key("async_load", False),
             ExtraConfigKey(
@@ -158,7 +165,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                 lambda value: value if isinstance(value, str) else None,
                 "a medium's name or 'package.module:Class'",
             ),
-            *medium_cls.extra_config_keys(),
+            *medium_keys,
         )
         options = read_extra_config(cls.__name__, extra, keys)
         return medium_cls, medium_cls.finish_options(cls.__name__, options)

@@ -203,8 +203,9 @@ class FaultInjectingMedium(Medium):
                     f"{cls.__name__}.inner: expected a class deriving from "
                     f"kvwire.media.base.Medium, got {inner!r}"
                 )
-            # KV cache events name the wrapped medium's place.
-            cls.event_medium = inner.event_medium
+            if "event_medium" not in vars(cls):
+                # KV cache events name the wrapped medium's place, unless told otherwise.
+                cls.event_medium = inner.event_medium
         request_ids = cls.fail_request_ids
         if request_ids is not None and not (
             isinstance(request_ids, frozenset) and all(isinstance(r, str) for r in request_ids)
