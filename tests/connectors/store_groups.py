@@ -127,14 +127,15 @@ class StoreGroupsContract:
         # equal to a's prefix hits, its last token recomputed).
         assert pair.held(SLIDING, a, range(6)) == window
         assert pair.stats["blocks_saved"] == 6 + len(window)
-        # Events name blocks by hash: the full group's six, the sliding group's window.
-        stored = [
-            block_hash
-            for event in pair.worker.get_kv_connector_kv_cache_events()
-            if isinstance(event, BlockStored)
-            for block_hash in event.block_hashes
-        ]
-        assert sorted(stored) == sorted(a.block_hashes[:6] + a.block_hashes[window[0] : 6])
+        # Events name blocks by hash and group: the full group's six, the sliding group's window.
+        stored: dict[int | None, list[bytes]] = {}
+        for event in pair.worker.get_kv_connector_kv_cache_events():
+            if isinstance(event, BlockStored):
+                stored.setdefault(event.group, []).extend(event.block_hashes)
+        assert {group: sorted(hashes) for group, hashes in stored.items()} == {
+            FULL: sorted(a.block_hashes[:6]),
+            SLIDING: sorted(a.block_hashes[window[0] : 6]),
+        }
 
     def test_the_null_block_is_never_read_or_written(self, hybrid: HybridFactory) -> None:
         pair = hybrid()

@@ -142,9 +142,9 @@ def test_the_sliding_group_stores_only_its_window_and_the_block_before_on_a_boun
     assert pair.stats["blocks_saved"] == 6 + len(window)
     # Confirmed per group: each group's blocks are named in an event of their own.
     stored = [event for event in pair.scheduler.take_events() if isinstance(event, BlockStored)]
-    assert [event.block_hashes for event in stored] == [
-        tuple(a.block_hashes[:6]),
-        tuple(a.block_hashes[window[0] : 6]),
+    assert [(event.group, event.block_hashes) for event in stored] == [
+        (0, tuple(a.block_hashes[:6])),
+        (1, tuple(a.block_hashes[window[0] : 6])),
     ]
 
 

@@ -159,7 +159,7 @@ def test_a_store_then_a_load_round_trips_the_blocks_bit_exact(
     for cache in caches.values():
         assert torch.equal(bits(cache, 2), bits(cache, 0))
         assert torch.equal(bits(cache, 3), bits(cache, 1))
-    assert index.take_events() == [BlockStored(block_hashes=HASHES, medium="cpu")]
+    assert index.take_events() == [BlockStored(block_hashes=HASHES, medium="cpu", group=0)]
     assert index.take_counters() == {}
 
 
@@ -224,15 +224,15 @@ def test_evictions_are_counted_and_reported_once_per_group() -> None:
     index.complete_store(1, [H1, H2], success=True)
     # One group's H1 and the other's are two entries, and two events.
     assert index.take_events() == [
-        BlockStored(block_hashes=(H1,), medium="cpu"),
-        BlockStored(block_hashes=(H1, H2), medium="cpu"),
+        BlockStored(block_hashes=(H1,), medium="cpu", group=0),
+        BlockStored(block_hashes=(H1, H2), medium="cpu", group=1),
     ]
 
     assert [block_hash for block_hash, _ in index.prepare_store(0, [H3, H4, H5])] == [H3, H4, H5]
 
     assert index.take_events() == [
-        BlockRemoved(block_hashes=(H1,), medium="cpu"),
-        BlockRemoved(block_hashes=(H1, H2), medium="cpu"),
+        BlockRemoved(block_hashes=(H1,), medium="cpu", group=0),
+        BlockRemoved(block_hashes=(H1, H2), medium="cpu", group=1),
     ]
     assert index.take_counters() == {"evicted_blocks": 3}
     assert index.count_held_prefix(1, [H1]) == 0
@@ -253,7 +253,7 @@ def test_a_corrupt_slot_found_by_a_load_is_discarded(handlers: list[TransferHand
 
     assert counters.take()["corrupt_entries"] == 1
     assert index.count_held_prefix(0, HASHES) == 1
-    assert index.take_events() == [BlockRemoved(block_hashes=(H2,), medium="cpu")]
+    assert index.take_events() == [BlockRemoved(block_hashes=(H2,), medium="cpu", group=0)]
     # Dropped as corrupt, not evicted to make room.
     assert index.take_counters() == {}
     # Its slot is free again: storing H2 anew evicts nothing.
@@ -280,10 +280,10 @@ def test_reset_forgets_every_block_no_transfer_uses_and_reports_them_removed() -
     index.prepare_load(0, [H2])
 
     assert index.reset() is False  # H2 is being loaded
-    assert index.take_events() == [BlockRemoved(block_hashes=(H1,), medium="cpu")]
+    assert index.take_events() == [BlockRemoved(block_hashes=(H1,), medium="cpu", group=0)]
     index.complete_load(0, [H2], corrupt=[])
     assert index.reset() is True
-    assert index.take_events() == [BlockRemoved(block_hashes=(H2,), medium="cpu")]
+    assert index.take_events() == [BlockRemoved(block_hashes=(H2,), medium="cpu", group=0)]
     assert index.count_held_prefix(0, [H1]) == 0
     assert index.take_counters() == {}  # forgotten on request, not evicted
 

@@ -224,4 +224,4 @@ def test_a_store_medium_that_names_no_medium_reports_its_blocks_as_store(
 
     events = pair.worker.get_kv_connector_kv_cache_events()
 
-    assert events == [BlockStored(tuple(request.block_hashes[:2]), "store")]
+    assert events == [BlockStored(tuple(request.block_hashes[:2]), "store", 0)]

@@ -20,7 +20,7 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockStored
+from kvwire.connector.types import BlockRemoved, BlockStored
 from kvwire.extra_config import ExtraConfigError, read_extra_config
 from kvwire.media import directory
 from kvwire.media.base import MediumContext
@@ -107,7 +107,7 @@ def test_bytes_round_trip_bit_exact_through_a_save_and_a_load(storage_dir, closi
     produced = layout_caches(LAYOUT, 7, NUM_BLOCKS)
     producer = handler_over(DirectoryMedium(context(extra)), produced, closing)
     save(producer, (1, 2, 3), HASHES)
-    assert producer.take_events() == [BlockStored(HASHES, "disk")]
+    assert producer.take_events() == [BlockStored(HASHES, "disk", 0)]
     loaded = layout_caches(LAYOUT, None, NUM_BLOCKS)
     consumer = handler_over(DirectoryMedium(context(extra)), loaded, closing)
     consumer.start_loads(
@@ -327,3 +327,42 @@ def test_the_store_is_created_once_and_closed_by_the_last_half_to_close(storage_
     handler.close()
     assert store.closes == 1
     assert medium.store is store
+
+
+ONE_LAYER = BlockLayout(num_layers=1, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+
+
+def test_events_name_the_kv_cache_group_of_their_blocks(storage_dir, closing):
+    # On a hybrid model one block hash names an entry per group: a router
+    # must know which group's entry was stored, or found corrupt and removed.
+    hybrid = DirectoryMedium(
+        context({"shared_storage_path": str(storage_dir)}, TWO_GROUPS, layout=ONE_LAYER)
+    )
+    caches = layout_caches(LAYOUT, 3, NUM_BLOCKS)  # layers.0 (group 0), layers.1 (group 1)
+    handler = handler_over(hybrid, caches, closing)
+    handler.save(
+        [
+            BlockTransfer(request_id="p", block_ids=(1,), block_hashes=HASHES[:1], group=0),
+            BlockTransfer(request_id="p", block_ids=(2, 3), block_hashes=HASHES[1:], group=1),
+        ]
+    )
+    assert handler.wait_for_saves(30)
+    assert sorted(handler.take_events(), key=lambda event: event.group or 0) == [
+        BlockStored(HASHES[:1], "disk", 0),
+        BlockStored(HASHES[1:], "disk", 1),
+    ]
+    assert [hybrid.block_group_of(hybrid.store_key(HASHES[0], g)) for g in (0, 1)] == [0, 1]
+
+    # A corrupt group-1 entry found by a load is removed, and the event says so.
+    path = hybrid.store.path_of(hybrid.store_key(HASHES[2], 1))
+    with open(path, "r+b") as entry:
+        entry.seek(-1, os.SEEK_END)
+        last = entry.read(1)
+        entry.seek(-1, os.SEEK_END)
+        entry.write(bytes([last[0] ^ 0xFF]))
+    handler.start_loads(
+        [BlockTransfer(request_id="q", block_ids=(5,), block_hashes=HASHES[2:], group=1)], []
+    )
+    handler.wait_for_loads()
+    assert handler.take_load_errors() == {5}
+    assert handler.take_events() == [BlockRemoved(HASHES[2:], "disk", 1)]

@@ -88,7 +88,7 @@ def test_blocks_round_trip_bit_exact_and_the_index_counts_them(
     producer = handler_over(producer_medium, produced, closing)
     assert type(producer_medium.store) is store_class
     save(producer, HASHES)
-    assert producer.take_events() == [BlockStored(HASHES, "redis")]
+    assert producer.take_events() == [BlockStored(HASHES, "redis", 0)]
 
     index = RedisMedium(context(extra)).build_index()
     closing.append(index)

@@ -278,6 +278,15 @@ def test_events_become_vllm_events_with_token_ids_and_parent() -> None:
         [12, 13],
     )
     assert (stored.medium, removed.medium, removed.block_hashes) == ("CPU", "STORAGE", [b"h0"])
+    assert (stored.group_idx, removed.group_idx) == (None, None)
+
+
+def test_events_carry_their_kv_cache_group_as_vllm_s_group_idx() -> None:
+    tokens = BlockTokens(block_size=2)
+    stored, removed = tokens.to_vllm(
+        [BlockStored((b"h1",), "cpu", group=1), BlockRemoved((b"h0",), "disk", group=0)]
+    )
+    assert (stored.group_idx, removed.group_idx) == (1, 0)
 
 
 def test_importing_kvwire_and_building_its_connectors_never_imports_vllm() -> None:

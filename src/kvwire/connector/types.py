@@ -170,18 +170,24 @@ def _merge_counters(left: Mapping[str, Any], right: Mapping[str, Any]) -> dict[s
 
 @attrs.frozen
 class BlockStored:
-    """Blocks became available in a connector's store (``medium`` names it)."""
+    """Blocks became available in a connector's store (``medium`` names it).
+
+    ``group``: the KV cache group whose blocks they are (on a hybrid model a
+    block hash names one entry per group); None when the store cannot tell.
+    """
 
     block_hashes: tuple[BlockHash, ...]
     medium: str
+    group: int | None = None
 
 
 @attrs.frozen
 class BlockRemoved:
-    """Blocks were evicted from or invalidated in a connector's store."""
+    """Blocks were evicted from or invalidated in a connector's store (``group`` as stored)."""
 
     block_hashes: tuple[BlockHash, ...]
     medium: str
+    group: int | None = None
 
 
 KVCacheEvent = BlockStored | BlockRemoved

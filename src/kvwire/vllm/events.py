@@ -99,14 +99,19 @@ class BlockTokens:
         for event in events:
             medium = _MEDIA.get(event.medium, event.medium.upper())
             if isinstance(event, KVWireBlockRemoved):
-                converted.append(BlockRemoved(block_hashes=list(event.block_hashes), medium=medium))
+                converted.append(
+                    BlockRemoved(
+                        block_hashes=list(event.block_hashes), medium=medium, group_idx=event.group
+                    )
+                )
             elif isinstance(event, KVWireBlockStored):
                 converted.extend(
-                    self._stored(block_hash, medium) for block_hash in event.block_hashes
+                    self._stored(block_hash, medium, event.group)
+                    for block_hash in event.block_hashes
                 )
         return converted
 
-    def _stored(self, block_hash: BlockHash, medium: str) -> BlockStored:
+    def _stored(self, block_hash: BlockHash, medium: str, group: int | None) -> BlockStored:
         parent, tokens = self._blocks.get(block_hash, (None, []))
         return BlockStored(
             block_hashes=[block_hash],
@@ -116,4 +121,5 @@ class BlockTokens:
             lora_id=None,
             medium=medium,
             lora_name=None,
+            group_idx=group,
         )

@@ -84,7 +84,9 @@ class _CPUPoolIndexHalf(MediumIndex):
             return
         completed = self._index.complete_store(group, block_hashes)
         if completed:
-            self._events.append(BlockStored(block_hashes=tuple(completed), medium=self._medium))
+            self._events.append(
+                BlockStored(block_hashes=tuple(completed), medium=self._medium, group=group)
+            )
 
     def take_events(self) -> list[KVCacheEvent]:
         """Blocks removed (evicted, discarded, cleared) and stored, in the order it happened."""
@@ -109,8 +111,10 @@ class _CPUPoolIndexHalf(MediumIndex):
     def _record_evictions(self) -> int:
         """A removed event per group whose blocks left the pool since the last call; how many."""
         count = 0
-        for evicted in self._index.take_evicted():
+        for group, evicted in enumerate(self._index.take_evicted()):
             if evicted:
-                self._events.append(BlockRemoved(block_hashes=tuple(evicted), medium=self._medium))
+                self._events.append(
+                    BlockRemoved(block_hashes=tuple(evicted), medium=self._medium, group=group)
+                )
                 count += len(evicted)
         return count

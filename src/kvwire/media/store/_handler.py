@@ -150,7 +150,9 @@ class StoreWorker(TransferHandler):
     ``key_of(group, block_hash)`` names a block's entry in the store (the
     medium's choice; by default the group layout's key), ``hash_of`` turns
     a key back into its block hash (None for another layout's; by default,
-    the hash any group's layout made the key from), and ``medium`` names the
+    the hash any group's layout made the key from), ``group_of`` tells the
+    KV cache group of a key (None when unknown; by default, the group whose
+    layout made it), and ``medium`` names the
     store in the KV cache events (:meth:`take_events`). Saves in flight hold
     at most ``max_save_bytes`` of entries: past that, a save is dropped and
     counted (``saves_dropped``), never waited for. A transfer still running
@@ -176,6 +178,7 @@ class StoreWorker(TransferHandler):
         max_save_bytes: int,
         key_of: Callable[[int, BlockHash], str] | None = None,
         hash_of: Callable[[str], BlockHash | None] | None = None,
+        group_of: Callable[[str], int | None] | None = None,
         transfer_timeout_s: float = 30.0,
         late_write_grace_s: float = LATE_WRITE_GRACE_S,
         store_counters: Callable[[], Mapping[str, float]] | None = None,
@@ -200,6 +203,7 @@ class StoreWorker(TransferHandler):
         self._counters = counters
         self._key_of = key_of if key_of is not None else self._layout_key
         self._hash_of = hash_of if hash_of is not None else self._layout_hash
+        self._group_of = group_of if group_of is not None else self._layout_group
         self._medium = medium
         self._store_counters = store_counters
         self._on_close = on_close
@@ -229,6 +233,12 @@ class StoreWorker(TransferHandler):
             block_hash = layout.block_hash_of(key)
             if block_hash is not None:
                 return block_hash
+        return None
+
+    def _layout_group(self, key: str) -> int | None:
+        for group, layout in enumerate(self._layouts):
+            if layout.block_hash_of(key) is not None:
+                return group
         return None
 
     def idle(self) -> bool:
@@ -543,23 +553,27 @@ class StoreWorker(TransferHandler):
             events, self._events = self._events, []
         return events
 
-    def _record_events(self, stored: Sequence[BlockHash] = ()) -> None:
+    def _record_events(self, stored: Sequence[BlockHash] = (), group: int = 0) -> None:
         """Events after a store call: the blocks it stored, then the entries the store removed.
 
         A store reports only what it really removed: one without ``discard``
         keeps a corrupt entry, and reports nothing. Keys of another layout (a
-        shared medium) are no blocks of this engine. Events name blocks by
-        hash, whatever their KV cache group.
+        shared medium) are no blocks of this engine. Each event names the KV
+        cache group of its blocks (``stored`` are ``group``'s); removed
+        entries are grouped by the group their key names.
         """
         with self._lock:
             if stored:
-                self._events.append(BlockStored(tuple(stored), self._medium))
+                self._events.append(BlockStored(tuple(stored), self._medium, group))
             # Under the same lock, after this write's blocks: an entry evicted
             # once written is reported removed after it was reported stored.
-            hashes = [self._hash_of(key) for key in self._store.take_removed_keys()]
-            removed = tuple(block_hash for block_hash in hashes if block_hash is not None)
-            if removed:
-                self._events.append(BlockRemoved(removed, self._medium))
+            removed: dict[int | None, list[BlockHash]] = {}
+            for key in self._store.take_removed_keys():
+                block_hash = self._hash_of(key)
+                if block_hash is not None:
+                    removed.setdefault(self._group_of(key), []).append(block_hash)
+            for removed_group, hashes in removed.items():
+                self._events.append(BlockRemoved(tuple(hashes), self._medium, removed_group))
 
     # ----------------------------------------------------------------- saves
 
@@ -658,7 +672,7 @@ class StoreWorker(TransferHandler):
                 written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
                 stored += len(written)
                 # Reported even when late: the events say what the store holds.
-                self._record_events(written)
+                self._record_events(written, job.group)
         except JobAbandoned:
             pass  # given up on: counted below, or at its deadline
         except Exception:

@@ -209,6 +209,17 @@ class StoreMedium(Medium, Generic[_Store]):
                 return block_hash
         return None
 
+    def block_group_of(self, key: str) -> int | None:
+        """The KV cache group whose layout made ``key``; None for another's.
+
+        A medium that overrides :meth:`store_key` and :meth:`block_hash_of`
+        overrides this too, or its events name no group.
+        """
+        for group, layout in enumerate(self._group_layouts):
+            if layout.block_hash_of(key) is not None:
+                return group
+        return None
+
     def store_counters(self) -> Mapping[str, float]:
         """Extra counters from the store since the last call, reported with the stats."""
         return {}
@@ -315,6 +326,7 @@ class StoreMedium(Medium, Generic[_Store]):
             counters=counters,
             key_of=self._key_of,
             hash_of=self.block_hash_of,
+            group_of=self.block_group_of,
             medium=self.event_medium,
             transfer_timeout_s=options["transfer_timeout_s"],
             late_write_grace_s=self.late_write_grace_s(),
