@@ -309,3 +309,19 @@ def test_a_fault_injecting_medium_keeps_an_event_name_of_its_own():
 
     assert Named.event_medium == "faulty-cpu"
     assert Unnamed.event_medium == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("name", "module_path", "class_name", "reason"),
+    [
+        ("my-store", __name__, "DictMedium", r"name must be an identifier, got 'my-store'"),
+        ("mine", "a..b", "DictMedium", r"module_path must be a dotted module name .* got 'a\.\.b'"),
+        ("mine", __name__, "Dict Medium", r"class_name must be a Python identifier, got"),
+    ],
+    ids=["name", "module-path", "class-name"],
+)
+def test_registering_a_medium_refuses_a_bad_name_module_or_class(
+    name: str, module_path: str, class_name: str, reason: str
+):
+    with pytest.raises(ValueError, match=r"^register_medium: " + reason):
+        default_registry().media.copy().register_medium(name, module_path, class_name)

@@ -190,6 +190,18 @@ class BlockLayout:
         return block_hash if self.key(block_hash) == key else None
 
 
+def block_of_key(layouts: Sequence[BlockLayout], key: str) -> tuple[BlockHash, int] | None:
+    """The block hash ``key`` names and which of ``layouts`` made it (its KV cache group).
+
+    None for a key none of them made (another engine's layout, a foreign key).
+    """
+    for group, layout in enumerate(layouts):
+        block_hash = layout.block_hash_of(key)
+        if block_hash is not None:
+            return block_hash, group
+    return None
+
+
 def payload_checksum(payload: memoryview) -> int:
     """XXH3-64 of ``payload``.
 

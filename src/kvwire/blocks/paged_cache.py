@@ -74,7 +74,6 @@ class PagedKVCaches:
                     f"config says {layout.dtype}"
                 )
         self.layer_names: tuple[str, ...] = tuple(ordered)
-        self.layer_index: dict[str, int] = {name: i for i, name in enumerate(ordered)}
         self.num_blocks: int = num_blocks
         # Each layer as [num_blocks, 2, block_size, num_kv_heads, head_size],
         # indexed by block first, so a run of blocks is one slice. kvwire's

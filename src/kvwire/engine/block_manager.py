@@ -99,9 +99,6 @@ class BlockManager:
         held = self._request_blocks.get(request_id) or []
         return {block for blocks in held for block in blocks if not self._is_null(block)}
 
-    def kv_cache_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(self.group_blocks_of(request_id))
-
     def find_cached_prefix(self, request: Request) -> tuple[tuple[list[int], ...], int]:
         """The locally cached blocks of ``request``'s longest known prefix, and its tokens.
 

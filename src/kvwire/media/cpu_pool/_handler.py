@@ -273,7 +273,8 @@ class CPUPoolWorker(TransferHandler):
         then is given up on and counts failed.
         """
         released = self._release_stores_reading(block_ids)
-        self._wait_for_requests(request_ids)
+        if request_ids:  # most steps preempt nothing: nothing to build then
+            self._wait_for_requests(request_ids)
         return released
 
     def _release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:

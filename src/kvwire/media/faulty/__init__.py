@@ -38,6 +38,7 @@ from kvwire.connector.counters import Counters
 from kvwire.connector.types import KVCacheEvent
 from kvwire.extra_config import ExtraConfigKey
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     import torch
@@ -201,7 +202,7 @@ class FaultInjectingMedium(Medium):
             if not (isinstance(inner, type) and issubclass(inner, Medium)):
                 raise TypeError(
                     f"{cls.__name__}.inner: expected a class deriving from "
-                    f"kvwire.media.base.Medium, got {inner!r}"
+                    f"kvwire.media.base.Medium, got {shown(inner)}"
                 )
             if "event_medium" not in vars(cls):
                 # KV cache events name the wrapped medium's place, unless told otherwise.
@@ -212,12 +213,12 @@ class FaultInjectingMedium(Medium):
         ):
             raise TypeError(
                 f"{cls.__name__}.fail_request_ids: expected a frozenset of request ids (str) "
-                f"or None for every request, got {request_ids!r}"
+                f"or None for every request, got {shown(request_ids)}"
             )
         if not isinstance(cls.fail_block_index, int) or isinstance(cls.fail_block_index, bool):
             raise TypeError(
                 f"{cls.__name__}.fail_block_index: expected an int (negative counts from "
-                f"the end), got {cls.fail_block_index!r}"
+                f"the end), got {shown(cls.fail_block_index)}"
             )
 
     def __init__(self, context: MediumContext) -> None:

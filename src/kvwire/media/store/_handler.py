@@ -65,6 +65,7 @@ from kvwire.blocks.format import (
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
+    block_of_key,
     encode_header,
     verify_parts,
 )
@@ -229,17 +230,12 @@ class StoreWorker(TransferHandler):
         return self._layouts[group].key(block_hash)
 
     def _layout_hash(self, key: str) -> BlockHash | None:
-        for layout in self._layouts:
-            block_hash = layout.block_hash_of(key)
-            if block_hash is not None:
-                return block_hash
-        return None
+        found = block_of_key(self._layouts, key)
+        return None if found is None else found[0]
 
     def _layout_group(self, key: str) -> int | None:
-        for group, layout in enumerate(self._layouts):
-            if layout.block_hash_of(key) is not None:
-                return group
-        return None
+        found = block_of_key(self._layouts, key)
+        return None if found is None else found[1]
 
     def idle(self) -> bool:
         """Whether no job runs on any thread, jobs given up on included."""

@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash
@@ -203,11 +203,8 @@ class StoreMedium(Medium, Generic[_Store]):
 
     def block_hash_of(self, key: str) -> BlockHash | None:
         """The block hash :meth:`store_key` made ``key`` from, in any group; None for another's."""
-        for layout in self._group_layouts:
-            block_hash = layout.block_hash_of(key)
-            if block_hash is not None:
-                return block_hash
-        return None
+        found = block_of_key(self._group_layouts, key)
+        return None if found is None else found[0]
 
     def block_group_of(self, key: str) -> int | None:
         """The KV cache group whose layout made ``key``; None for another's.
@@ -215,10 +212,8 @@ class StoreMedium(Medium, Generic[_Store]):
         A medium that overrides :meth:`store_key` and :meth:`block_hash_of`
         overrides this too, or its events name no group.
         """
-        for group, layout in enumerate(self._group_layouts):
-            if layout.block_hash_of(key) is not None:
-                return group
-        return None
+        found = block_of_key(self._group_layouts, key)
+        return None if found is None else found[1]
 
     def store_counters(self) -> Mapping[str, float]:
         """Extra counters from the store since the last call, reported with the stats."""
