@@ -181,6 +181,7 @@ def transfer_config(
         return {
             "kv_connector": "ExampleConnector",
             "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"shared_storage_path": str(scratch / "example")},
         }
     import yaml
@@ -201,6 +202,7 @@ def transfer_config(
         "kv_connector": "KVWireConnector",
         "kv_connector_module_path": "kvwire.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 

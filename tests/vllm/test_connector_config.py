@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -23,11 +24,15 @@ from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
 def vllm_config(
     model: str, profile: dict[str, Any] | None = None, hma: bool | None = None, **transfer: Any
 ) -> Any:
-    """vLLM's config for ``model`` served by KVWireConnector (``hma``: vLLM's HMA setting)."""
+    """vLLM's config for ``model`` served by KVWireConnector (``hma``: vLLM's HMA setting).
+
+    A ``transfer`` field given as None is left out (vLLM's default applies).
+    """
     from vllm.engine.arg_utils import EngineArgs
 
     mapping = profile or load_profile_mapping("cpu-offload.yaml")
-    config = {**kvwire_transfer_config(mapping), **transfer}
+    merged = {**kvwire_transfer_config(mapping), **transfer}
+    config = {name: value for name, value in merged.items() if value is not None}
     return EngineArgs(
         model=model,
         dtype="float32",
@@ -98,6 +103,27 @@ def test_load_failure_policy_and_role_are_vllm_s(tiny_model: str) -> None:
     wrapped = scheduler_connector(KVWireConnector, config).connector
     assert wrapped.kv_transfer_config.kv_load_failure_policy == "fail"
     assert wrapped.kv_transfer_config.kv_role == "kv_producer"
+
+
+@pytest.mark.parametrize(("policy", "warnings"), [(None, 1), ("fail", 1), ("recompute", 0)])
+def test_vllm_s_fail_policy_is_warned_about_once_naming_the_field(
+    policy: str | None, warnings: int, tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config(tiny_model, kv_load_failure_policy=policy)  # None: vLLM's default
+    with caplog.at_level(logging.WARNING, logger="kvwire.vllm.connector"):
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            KVWireConnector(config, role, vllm_kv_cache_config())
+    warned = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "kvwire.vllm.connector" and record.levelno == logging.WARNING
+    ]
+    assert len(warned) == warnings
+    for message in warned:
+        assert "kv_transfer_config.kv_load_failure_policy is 'fail'" in message
+        assert '"kv_load_failure_policy": "recompute"' in message
 
 
 def test_a_best_effort_cache_never_requires_kv_delivery(tiny_model: str) -> None:

@@ -18,7 +18,10 @@ call vLLM makes is passed on, translated where the two interfaces differ:
 
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so ``requires_kv_delivery`` is False whatever the role; a failed load follows
-vLLM's ``kv_load_failure_policy``.
+vLLM's ``kv_load_failure_policy``. vLLM's default for it is ``fail`` (the
+request fails with the load), which throws away what a cache is for: the
+scheduler side warns once at start, naming the field, when vLLM's policy is
+``fail``.
 
 Hybrid models (the hybrid KV cache manager, HMA): vLLM's gate asks the
 connector's class whether it supports HMA (``issubclass(cls, SupportsHMA)``
@@ -134,6 +137,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
             _require_wrapped_hma(self.container, kvwire_cache_config)
         self.connector: KVConnectorBase = self.container.connector()
         self._hybrid = has_hybrid_groups(kvwire_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
         # Scheduler side.
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
@@ -412,6 +417,17 @@ def _require_wrapped_hma(container: KVConnectorContainer, kv_cache_config: KVCac
         "connector that supports HMA. vLLM keeps HMA on because KVWireConnector declares "
         "SupportsHMA: vLLM asks the class before the kvwire profile is read"
     )
+
+
+def _warn_if_loads_fail_requests(policy: str) -> None:
+    # Once per engine: vLLM builds one scheduler-side connector, a worker-side one per rank.
+    if policy == "fail":
+        logger.warning(
+            "KVWireConnector: vLLM's kv_transfer_config.kv_load_failure_policy is 'fail' "
+            "(vLLM's default): a block kvwire cannot load fails its request instead of being "
+            'computed again. Set "kv_load_failure_policy": "recompute" in vLLM\'s '
+            "kv_transfer_config (--kv-transfer-config) to compute failed loads again"
+        )
 
 
 def _require_cpu_platform() -> None:
