@@ -25,6 +25,7 @@ from attrs import validators
 from kvwire.dtypes import DTYPES, check_dtype
 from kvwire.exceptions import kind_of
 from kvwire.memory_limits import describe_bytes, memory_shortfall
+from kvwire.model_identity import check_explicit_identity
 from kvwire.redaction import shown, shown_key
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -333,6 +334,10 @@ def _check_layer_types(instance: object, attribute: attrs.Attribute[Any], value:
             )
 
 
+def _check_identity(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_explicit_identity(value)
+
+
 def _window_limit(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
     limit = COUNT_LIMITS["max_model_len"]
     if value > limit:
@@ -358,10 +363,11 @@ class ModelConfig:
     max_model_len: int = attrs.field(default=2048, validator=_count())
     dtype: str = attrs.field(default="float32", validator=check_dtype, repr=_bounded_repr)
     seed: int = attrs.field(default=0, validator=[_of_kind(int, "an integer"), _check_seed])
-    # Which weights produced the KV (e.g. a model path or hub id and revision).
-    # Part of the layout fingerprint when set: two models of one shape never
+    # Which weights produce the KV, named by the operator (see
+    # kvwire.model_identity); empty: derived from the weights. Part of the
+    # layout fingerprint (weights_identity): two models of one shape never
     # load each other's blocks.
-    identity: str = attrs.field(default="", validator=validators.instance_of(str))
+    identity: str = attrs.field(default="", validator=_check_identity, repr=_bounded_repr)
     # Per layer, as Hugging Face's Gemma 2/3 configs name them: "full_attention"
     # or "sliding_attention" (attends to the last ``sliding_window`` tokens).
     # Empty: every layer full attention.
@@ -410,6 +416,29 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
             return self.sliding_window
         return None
+
+    @property
+    def weights_description(self) -> str:
+        """What decides kvwire's engine's weights: its seed, shape and dtype (it draws them)."""
+        description = (
+            f"kvwire-model;seed={self.seed};layers={self.num_layers};"
+            f"heads={self.num_attention_heads};kv_heads={self.num_kv_heads};"
+            f"head_size={self.head_size};intermediate={self.intermediate_size};"
+            f"vocab={self.vocab_size};dtype={self.dtype}"
+        )
+        if self.is_hybrid:
+            # Windowed layers compute other keys and values than full ones. Only
+            # hybrid models say so, so every other model keeps its description.
+            description += (
+                f";layer_types={','.join(self.layer_types)};sliding_window={self.sliding_window}"
+            )
+        return description
+
+    @property
+    def weights_identity(self) -> str:
+        """The identity that names this model's stored blocks: ``identity`` when set, else
+        that of kvwire's engine's weights, drawn from :attr:`weights_description`."""
+        return self.identity or f"kvwire-engine:{self.weights_description}"
 
     @property
     def hidden_size(self) -> int:

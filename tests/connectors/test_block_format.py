@@ -15,6 +15,7 @@ from kvwire.blocks.format import (
     verify_entry,
     write_header,
 )
+from kvwire.config import EngineConfig, ModelConfig
 from tests.connectors.conftest import PairFactory
 from tests.connectors.harness import make_request
 
@@ -158,3 +159,15 @@ def test_a_refused_entry_leaves_no_view_of_its_buffer_behind() -> None:
     view.release()
     entry.extend(b"\0")  # a BufferError while any view of the entry is alive
     assert kept.value.reason == "payload checksum mismatch"
+
+
+def test_kvwire_engines_of_other_weights_name_their_entries_apart() -> None:
+    # Seeds draw the weights: equal shapes, other KV.
+    def layout(**model: object) -> BlockLayout:
+        return BlockLayout.from_engine_config(EngineConfig(model_config=ModelConfig(**model)))
+
+    assert layout(seed=1).fingerprint != layout(seed=2).fingerprint
+    assert layout(seed=1).fingerprint == layout(seed=1).fingerprint
+    # An operator's identity names them instead; two names, two fingerprints.
+    assert layout(seed=1, identity="a").fingerprint == layout(seed=2, identity="a").fingerprint
+    assert layout(identity="a").fingerprint != layout(identity="b").fingerprint

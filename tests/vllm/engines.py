@@ -21,12 +21,15 @@ MAX_TOKENS = 8
 SLIDING_WINDOW = 64
 
 
-def build_tiny_llama(directory: pathlib.Path) -> str:
-    """Save a random-weight Llama (head_size 32: vLLM's CPU attention needs it) and a tokenizer."""
+def build_tiny_llama(directory: pathlib.Path, seed: int = 0) -> str:
+    """Save a random-weight Llama (head_size 32: vLLM's CPU attention needs it) and a tokenizer.
+
+    ``seed`` draws the weights: two seeds, two models of one shape.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=1024,
         hidden_size=128,

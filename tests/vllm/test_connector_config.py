@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 import types
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvwire.vllm import KVWireConnector
-from kvwire.vllm.config_bridge import VLLMConfigError
+from kvwire.vllm.config_bridge import VLLMConfigError, vllm_model_identity
 from tests.vllm import hybrid_connectors
 from tests.vllm.engines import (
     BLOCK_SIZE,
@@ -135,12 +136,59 @@ def test_stored_blocks_are_named_by_model_dtype_block_size_and_vllm_cpu_layout(
     tiny_model: str,
 ) -> None:
     layout = scheduler_connector(KVWireConnector, vllm_config(tiny_model)).connector.layout
-    assert (layout.model_identity, layout.dtype, layout.block_size, layout.cache_layout) == (
-        tiny_model,
+    assert (layout.dtype, layout.block_size, layout.cache_layout) == (
         "float32",
         BLOCK_SIZE,
         "vllm_cpu",
     )
+    # The weights name the model, never the path they were found at.
+    assert layout.model_identity.startswith("weights:")
+    assert tiny_model not in layout.model_identity
+    assert "dtype=torch.float32" in layout.model_identity
+
+
+def test_the_profile_s_model_identity_names_the_model_instead_of_its_files(
+    tiny_model: str,
+) -> None:
+    profile = load_profile_mapping("cpu-offload.yaml")
+    profile["model_config"]["identity"] = "acme-llama-ft-7"
+    layout = scheduler_connector(KVWireConnector, vllm_config(tiny_model, profile)).connector.layout
+    assert layout.model_identity.startswith("explicit:acme-llama-ft-7;")
+
+
+def hub_model_config(model: str, download_dir: str) -> Any:
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(
+            model=model, revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
+        ),
+        load_config=types.SimpleNamespace(download_dir=download_dir),
+    )
+
+
+def test_a_hub_id_whose_commit_is_not_known_locally_is_refused_naming_the_field(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(VLLMConfigError, match=r"model_config\.identity: the model 'org/model'"):
+        vllm_model_identity(hub_model_config("org/model", str(tmp_path / "downloads")))
+    # An operator's identity is trusted instead.
+    named = vllm_model_identity(hub_model_config("org/model", str(tmp_path)), "org-model-v3")
+    assert named.startswith("explicit:org-model-v3;dtype=bfloat16")
+
+
+def test_a_hub_id_resolves_through_vllm_s_download_dir(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit = "ab" * 20
+    folder = tmp_path / "downloads" / "models--org--model"
+    (folder / "snapshots" / commit).mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    identity = vllm_model_identity(hub_model_config("org/model", str(tmp_path / "downloads")))
+    assert identity.startswith(f"hub-commit:{commit};")
 
 
 @pytest.mark.parametrize("wrapped", ["cpu-offload.yaml", "plain"])

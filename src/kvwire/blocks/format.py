@@ -101,7 +101,7 @@ class BlockLayout:
             head_size=model.head_size,
             dtype=model.dtype,
             cache_layout=config.cache_config.kv_cache_layout,
-            model_identity=model.identity,
+            model_identity=model.weights_identity,
         )
 
     @property

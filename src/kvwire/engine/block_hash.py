@@ -22,20 +22,7 @@ def root_hash(model_config: ModelConfig) -> BlockHash:
     Two models that differ in weights or shape never share a block hash, so a
     connector's store cannot hand one model's KV to another.
     """
-    identity = (
-        f"kvwire-model;seed={model_config.seed};layers={model_config.num_layers};"
-        f"heads={model_config.num_attention_heads};kv_heads={model_config.num_kv_heads};"
-        f"head_size={model_config.head_size};intermediate={model_config.intermediate_size};"
-        f"vocab={model_config.vocab_size};dtype={model_config.dtype}"
-    )
-    if model_config.is_hybrid:
-        # Windowed layers compute other keys and values than full ones. Only
-        # hybrid models say so, so every other model keeps its hashes.
-        identity += (
-            f";layer_types={','.join(model_config.layer_types)};"
-            f"sliding_window={model_config.sliding_window}"
-        )
-    return hashlib.sha256(identity.encode()).digest()
+    return hashlib.sha256(model_config.weights_description.encode()).digest()
 
 
 def hash_block(

@@ -14,7 +14,9 @@ vLLM's is logged as a warning naming both values, since vLLM's applies.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -39,6 +41,7 @@ from kvwire.kv_cache_config import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvwire.model_identity import ModelIdentityError, default_hub_caches, model_identity
 from kvwire.profile import load_profile
 from kvwire.redaction import shown
 
@@ -201,7 +204,7 @@ def engine_config_from_vllm(
         max_model_len=model_config.max_model_len,
         dtype=_cache_dtype(vllm_config),
         seed=int(model_config.seed or 0),
-        identity=model_identity(model_config),
+        identity=vllm_model_identity(vllm_config, profile.model_config.identity),
     )
     cache = CacheConfig(
         block_size=vllm_config.cache_config.block_size,
@@ -258,10 +261,36 @@ def wrapped_hma_setting(
     return vllm_disable_hma
 
 
-def model_identity(model_config: Any) -> str:
-    """Which weights produce the KV: the model (hub id or path) and its revision."""
-    revision = model_config.revision or ""
-    return f"{model_config.model}@{revision}" if revision else str(model_config.model)
+def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
+    """Which weights produce the KV, and how vLLM computes with them.
+
+    The weights' identity (:func:`kvwire.model_identity.model_identity`:
+    ``explicit``, the profile's ``model_config.identity``, when set; else the
+    hub commit or a digest of the files vLLM's ``model`` names, never the
+    name itself), then what vLLM changes in the computation: the model's
+    dtype, its quantization and any ``hf_overrides`` or ``quantization_config``.
+    """
+    model_config = vllm_config.model_config
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    try:
+        weights = model_identity(
+            str(model_config.model),
+            model_config.revision,
+            explicit=explicit,
+            hub_caches=[*([download_dir] if download_dir else []), *default_hub_caches()],
+        )
+    except ModelIdentityError as error:
+        raise VLLMConfigError(str(error)) from None
+    computed = f"dtype={model_config.dtype};quantization={model_config.quantization}"
+    for name in ("hf_overrides", "quantization_config"):
+        value = getattr(model_config, name, None)
+        if value and callable(value):
+            # A function of the config: its name is all kvwire can tell of it.
+            computed += f";{name}={getattr(value, '__qualname__', type(value).__name__)}"
+        elif value:
+            described = json.dumps(value, sort_keys=True, default=repr).encode()
+            computed += f";{name}={hashlib.sha256(described).hexdigest()[:32]}"
+    return f"{weights};{computed}"
 
 
 def _cache_dtype(vllm_config: Any) -> str:

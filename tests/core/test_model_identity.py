@@ -1,0 +1,178 @@
+"""A model's identity: equal for equal weights wherever they live, different once they change."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from kvwire.config import ModelConfig
+from kvwire.model_identity import (
+    HEAD_BYTES,
+    SAMPLE_BYTES,
+    WHOLE_FILE_BYTES,
+    ModelIdentityError,
+    model_identity,
+    sample_ranges,
+)
+from kvwire.profile import load_profile
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# Larger than WHOLE_FILE_BYTES, so it is sampled, not read whole.
+WEIGHTS_BYTES = WHOLE_FILE_BYTES + 3 * 1024 * 1024 + 17
+
+
+def save_model(directory: pathlib.Path, weights: bytes | None = None) -> pathlib.Path:
+    """A model directory as vLLM reads one: config, a large weight file, a tokenizer."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"hidden_size": 128, "num_layers": 2}))
+    if weights is None:
+        weights = (bytes(range(251)) * (WEIGHTS_BYTES // 251 + 1))[:WEIGHTS_BYTES]
+    (directory / "model.safetensors").write_bytes(weights)
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
+def weights_of(directory: pathlib.Path) -> bytearray:
+    return bytearray((directory / "model.safetensors").read_bytes())
+
+
+def test_same_weights_in_two_directories_have_one_identity(tmp_path: pathlib.Path) -> None:
+    first = save_model(tmp_path / "host-a" / "models" / "x")
+    second = save_model(tmp_path / "elsewhere" / "y")
+    assert model_identity(str(first)) == model_identity(str(second))
+    assert model_identity(str(first)).startswith("weights:")
+
+
+def test_relative_path_model_in_two_working_directories_differs(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = save_model(tmp_path / "a" / "model")
+    weights = weights_of(first)
+    weights[HEAD_BYTES // 2] ^= 1
+    save_model(tmp_path / "b" / "model", bytes(weights))
+    monkeypatch.chdir(tmp_path / "a")
+    in_a = model_identity("model")
+    monkeypatch.chdir(tmp_path / "b")
+    assert model_identity("model") != in_a
+
+
+def test_one_byte_changed_in_any_sampled_piece_changes_the_identity(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model")
+    original = model_identity(str(model))
+    with open(model / "model.safetensors", "r+b") as weights:
+        for offset, length in sample_ranges(WEIGHTS_BYTES):
+            weights.seek(offset + length // 2)
+            byte = weights.read(1)
+            weights.seek(offset + length // 2)
+            weights.write(bytes([byte[0] ^ 0xFF]))
+            weights.flush()
+            assert model_identity(str(model)) != original, (offset, length)
+            weights.seek(offset + length // 2)
+            weights.write(byte)
+            weights.flush()
+    assert model_identity(str(model)) == original
+
+
+def test_a_changed_size_or_config_changes_the_identity(tmp_path: pathlib.Path) -> None:
+    original = save_model(tmp_path / "original")
+    longer = save_model(tmp_path / "longer", bytes(weights_of(original)) + b"\0")
+    reconfigured = save_model(tmp_path / "reconfigured")
+    (reconfigured / "config.json").write_text(json.dumps({"hidden_size": 128, "num_layers": 3}))
+    identities = {model_identity(str(path)) for path in (original, longer, reconfigured)}
+    assert len(identities) == 3
+
+
+def test_a_small_weight_file_is_read_whole(tmp_path: pathlib.Path) -> None:
+    original = save_model(tmp_path / "original", b"\1" * 1000)
+    changed = save_model(tmp_path / "changed", b"\1" * 999 + b"\2")
+    assert model_identity(str(original)) != model_identity(str(changed))
+
+
+def test_the_tokenizer_and_other_files_take_no_part(tmp_path: pathlib.Path) -> None:
+    original = save_model(tmp_path / "original")
+    other = save_model(tmp_path / "other")
+    (other / "tokenizer.json").write_text('{"other": 1}')
+    (other / "README.md").write_text("a model card")
+    assert model_identity(str(original)) == model_identity(str(other))
+
+
+def test_sampling_reads_a_few_mib_whatever_the_size() -> None:
+    for size in (WHOLE_FILE_BYTES + 1, 100 * 1024**3, 2**50):
+        ranges = sample_ranges(size)
+        assert sum(length for _, length in ranges) <= HEAD_BYTES + 18 * SAMPLE_BYTES
+        assert all(offset >= 0 and offset + length <= size for offset, length in ranges)
+
+
+def test_the_explicit_identity_wins_over_files_and_hub_ids(tmp_path: pathlib.Path) -> None:
+    first = save_model(tmp_path / "first")
+    second = save_model(tmp_path / "second", b"other weights")
+    assert model_identity(str(first), explicit="acme-ft-7") == "explicit:acme-ft-7"
+    assert model_identity(str(second), explicit="acme-ft-7") == "explicit:acme-ft-7"
+    assert model_identity("org/unknown-model", explicit="acme-ft-7") == "explicit:acme-ft-7"
+
+
+def hub_cache(tmp_path: pathlib.Path, repo: str, refs: dict[str, str]) -> pathlib.Path:
+    cache = tmp_path / "hub"
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    for ref, commit in refs.items():
+        save_model(folder / "snapshots" / commit)
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / ref).write_text(commit)
+    return cache
+
+
+def test_a_hub_snapshot_directory_is_its_commit(tmp_path: pathlib.Path) -> None:
+    cache = hub_cache(tmp_path, "org/model", {"main": COMMIT})
+    snapshot = cache / "models--org--model" / "snapshots" / COMMIT
+    assert model_identity(str(snapshot)) == f"hub-commit:{COMMIT}"
+    # The hub id resolved through the cache names the same weights.
+    assert model_identity("org/model", hub_caches=[str(cache)]) == f"hub-commit:{COMMIT}"
+
+
+def test_a_hub_id_with_a_commit_revision_is_that_commit(tmp_path: pathlib.Path) -> None:
+    assert model_identity("org/model", COMMIT, hub_caches=[str(tmp_path)]) == (
+        f"hub-commit:{COMMIT}"
+    )
+
+
+def test_a_hub_id_s_branch_resolves_to_the_downloaded_commit(tmp_path: pathlib.Path) -> None:
+    other = "f" * 40
+    cache = hub_cache(tmp_path, "org/model", {"main": COMMIT, "v2": other})
+    assert model_identity("org/model", "v2", hub_caches=[str(cache)]) == f"hub-commit:{other}"
+
+
+def test_a_hub_id_without_a_local_commit_is_refused_naming_the_field(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelIdentityError, match=r"model_config\.identity.*'org/model'"):
+        model_identity("org/model", "main", hub_caches=[str(tmp_path / "empty-cache")])
+    # A ref naming a snapshot that is not there is no commit either.
+    cache = hub_cache(tmp_path, "org/model", {"main": COMMIT})
+    (cache / "models--org--model" / "refs" / "main").write_text("e" * 40)
+    with pytest.raises(ModelIdentityError, match="revision 'main'"):
+        model_identity("org/model", hub_caches=[str(cache)])
+
+
+def test_unreadable_weights_are_refused_naming_the_field(tmp_path: pathlib.Path) -> None:
+    model = save_model(tmp_path / "model", b"weights")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(tmp_path / "gone")
+    with pytest.raises(ModelIdentityError, match=r"model_config\.identity: cannot read"):
+        model_identity(str(model))
+
+
+@pytest.mark.parametrize("identity", ["a\nb", " padded", "x" * 257, "tab\there"])
+def test_a_bad_explicit_identity_is_refused_naming_the_field(identity: str) -> None:
+    with pytest.raises(ValueError, match=r"model_config\.identity: .*printable one-line"):
+        load_profile({"model_config": {"identity": identity}})
+
+
+def test_kvwire_s_engine_is_identified_by_what_draws_its_weights() -> None:
+    assert ModelConfig(seed=1).weights_identity != ModelConfig(seed=2).weights_identity
+    assert ModelConfig(seed=1).weights_identity == ModelConfig(seed=1).weights_identity
+    assert ModelConfig(seed=1, identity="named").weights_identity == "named"
