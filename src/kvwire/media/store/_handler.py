@@ -58,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import TypeGuard
 
 import attrs
 
@@ -79,6 +80,7 @@ from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
 from kvwire.media.base import TransferHandler
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore, CacheWrites, LateWriteError
+from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,10 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Job(TransferJob):
@@ -511,13 +517,16 @@ class StoreWorker(TransferHandler):
             for header, block_id in zip(headers, block_ids, strict=True)
         ]
         keys = [self._key_of(run.group, block_hash) for block_hash in hashes]
-        verified = 0
+        # Per key: None until the store reports it, then whether it verified.
+        outcomes: list[bool | None] = [None] * len(keys)
         landed = self._store.read_into_ranges(keys, ranges_per_key, run.cache_access)
         with contextlib.closing(landed):
             for index, size in landed:
-                block_id, block_hash = block_ids[index], hashes[index]
+                if not self._is_new_report(index, size, outcomes):
+                    continue
+                block_hash = hashes[index]
+                outcomes[index] = False
                 if size is None:
-                    failed.append(block_id)
                     continue
                 try:
                     verify_parts(
@@ -529,10 +538,44 @@ class StoreWorker(TransferHandler):
                     )
                     self._counters.add("corrupt_entries")
                     corrupt.append(block_hash)
-                    failed.append(block_id)
                     continue
-                verified += 1
-        return verified
+                outcomes[index] = True
+        unreported = outcomes.count(None)
+        if unreported:
+            # The store wrote what it liked into those blocks, or nothing: never loaded.
+            self._warn.warn(
+                "unreported",
+                "%s store reported no result for %d of %d blocks it was asked to load: "
+                "they are load errors, to be computed again",
+                self._medium,
+                unreported,
+                len(keys),
+            )
+        failed.extend(block_id for block_id, ok in zip(block_ids, outcomes, strict=True) if not ok)
+        return outcomes.count(True)
+
+    def _is_new_report(self, index: object, size: object, outcomes: list[bool | None]) -> bool:
+        """Whether the store's ``(index, size)`` is the first answer for one of its keys.
+
+        Anything else (no index of the call, a size that is no byte count, a
+        second answer for a key, after which its block may hold other bytes
+        than those verified) is a broken store: warned about, and the key,
+        where there is one, fails.
+        """
+        if _is_count(index) and 0 <= index < len(outcomes):
+            if outcomes[index] is None and (size is None or _is_count(size)):
+                return True
+            outcomes[index] = False
+        self._warn.warn(
+            "bad-report",
+            "%s store answered (%s, %s) while reading %d entries, not (index, size or None) "
+            "once per entry: not loading that block",
+            self._medium,
+            shown(index),
+            shown(size),
+            len(outcomes),
+        )
+        return False
 
     def _discard(self, group: int, hashes: list[BlockHash]) -> None:
         try:

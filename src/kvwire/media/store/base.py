@@ -23,6 +23,7 @@ import abc
 import contextlib
 import threading
 from collections.abc import Generator, Iterator, Sequence
+from typing import TypeGuard
 
 from kvwire.exceptions import KVWireError
 from kvwire.media._transfer_jobs import JobAbandoned
@@ -227,8 +228,12 @@ class BlockStore(abc.ABC):
             chunk_keys = [keys[i] for i in chunk]
             with contextlib.closing(self.read_each(chunk_keys, buffers)) as landed:
                 for position, size in landed:
+                    if not (_is_count(position) and 0 <= position < len(chunk)):
+                        # No entry of this call: passed on as no index, for the caller to refuse.
+                        yield -1, size
+                        continue
                     index = chunk[position]
-                    if size is not None:
+                    if _is_count(size):
                         with writes.writing() if writes is not None else contextlib.nullcontext():
                             _copy_into(buffers[position][:size], ranges_per_key[index])
                     yield index, size
@@ -289,6 +294,10 @@ class BlockStore(abc.ABC):
 
     def close(self) -> None:
         """Release connections and file handles."""
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _copy_into(entry: memoryview, ranges: Sequence[memoryview]) -> None:
