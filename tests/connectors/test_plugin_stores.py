@@ -141,3 +141,54 @@ def test_an_honest_plugin_store_serves_every_block() -> None:
     outputs, stats = warm_run(PluginMedium)
     assert served(outputs) > 0
     assert stats.get("load_errors", 0) == 0
+
+
+SECRET = "hunter2-secret"
+
+
+class MiscountingStore(HonestStore):
+    """``count_prefix`` answers what ``answer`` makes of the keys (or raises it)."""
+
+    answer: ClassVar[Any] = None
+
+    def count_prefix(self, keys: Sequence[str]) -> Any:
+        answer = type(self).answer
+        if isinstance(answer, Exception):
+            raise answer
+        return answer(keys) if callable(answer) else answer
+
+
+class MiscountingMedium(PluginMedium):
+    store_class = MiscountingStore
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda keys: len(keys) + 5,
+        lambda keys: -1,
+        "3",
+        2.0,
+        True,
+        None,
+        RuntimeError(f"lookup failed: password={SECRET} at redis://u:{SECRET}@h"),
+    ],
+    ids=["too-many", "negative", "str", "float", "bool", "none", "raises"],
+)
+def test_a_count_prefix_that_is_no_count_of_the_keys_is_a_miss(
+    answer: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(MiscountingStore, "answer", answer)
+    reference = tokens(generate(tiny_engine_config(), workload()))
+    generate(plugin_config(PluginMedium), workload())
+    with caplog.at_level(logging.WARNING):
+        outputs = generate(plugin_config(MiscountingMedium), workload())
+    assert tokens(outputs) == reference
+    assert served(outputs) == 0
+    warned = [record.getMessage() for record in caplog.records]
+    assert any(
+        "MiscountingMedium" in message and "counted as a miss" in message for message in warned
+    ), warned
+    assert not any(SECRET in message for message in warned)
+    # Rate-limited: one warning for the many lookups of the run.
+    assert len([m for m in warned if "counted as a miss" in m]) == 1

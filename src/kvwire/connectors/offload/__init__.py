@@ -62,6 +62,7 @@ from kvwire.extra_config import (
     read_extra_config,
 )
 from kvwire.media.base import Medium, MediumContext
+from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     import torch
@@ -126,6 +127,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                     planner=planner,
                     num_groups=len(groups),
                     async_load=options["async_load"],
+                    medium=f"medium {shown(options['medium'])}",
                 )
             )
         else:

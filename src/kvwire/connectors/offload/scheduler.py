@@ -16,6 +16,7 @@ settled as failed: the index never publishes them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -31,9 +32,13 @@ from kvwire.connector.types import (
 )
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
+from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media.base import MediumIndex
+from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
 __all__ = ["OffloadScheduler"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -56,9 +61,18 @@ class OffloadScheduler:
     """The scheduler-side state of one block connector."""
 
     def __init__(
-        self, *, index: MediumIndex, planner: BlockPlanner, num_groups: int, async_load: bool
+        self,
+        *,
+        index: MediumIndex,
+        planner: BlockPlanner,
+        num_groups: int,
+        async_load: bool,
+        medium: str = "the medium",
     ) -> None:
         self._index = index
+        # Names the medium in warnings about its index's answers.
+        self._medium = medium
+        self._warn = RateLimitedWarning(logger)
         self._planner = planner
         self._num_groups = num_groups
         self._async_load = async_load
@@ -85,8 +99,39 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        hits = self._planner.look_up(request, num_computed_tokens, self._index.count_held_prefix)
+        hits = self._planner.look_up(request, num_computed_tokens, self._count_held_prefix)
         return hits * self._planner.block_size, self._async_load and hits > 0
+
+    def _count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """The index's count, checked: an error or an answer that is no count of them is a miss.
+
+        The index may be a plug-in's (or its store's ``count_prefix``): a
+        count beyond the blocks asked, a string, a float or an exception must
+        neither reach the planner nor print the plug-in's message raw.
+        """
+        try:
+            held = self._index.count_held_prefix(group, block_hashes)
+        except Exception as error:
+            self._warn.warn(
+                "count-raised",
+                "%s: looking up %d blocks raised %s: %s; counted as a miss",
+                self._medium,
+                len(block_hashes),
+                type(error).__name__,
+                redact_text(str(error))[:SHOWN_LENGTH],
+            )
+            return 0
+        if isinstance(held, int) and not isinstance(held, bool) and 0 <= held <= len(block_hashes):
+            return held
+        self._warn.warn(
+            "count-invalid",
+            "%s: looking up %d blocks answered %s, not a count from 0 to %d; counted as a miss",
+            self._medium,
+            len(block_hashes),
+            shown(held),
+            len(block_hashes),
+        )
+        return 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
