@@ -1,14 +1,14 @@
 # Two entry points that set everything up on a fresh clone:
 #   make run   - the main job (kvwire run on the default profile)
-#   make test  - lint, type-check and the whole test suite (on Python 3.10, 3.12
-#                and 3.13 too, for the tests that need no torch)
+#   make test  - lint, type-check, the documentation site and the whole test suite
+#                (on Python 3.10, 3.12 and 3.13 too, for the tests that need no torch)
 # and one for a developer's loop: make test-fast (the tests not marked slow).
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwire-installed
 
-.PHONY: run test lint bench install redis-server test-vllm test-fast test-pythons
+.PHONY: run test lint docs bench install redis-server test-vllm test-fast test-pythons
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,bench,test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,bench,test,docs]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -32,7 +32,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks
 	$(BIN)/mypy
 
-test: $(STAMP) redis-server lint test-pythons test-vllm
+# The site in build/site, from docs/ and the docstrings; a broken link, a missing
+# page or a stale API reference is an error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: $(STAMP) redis-server lint docs test-pythons test-vllm
 	$(BIN)/pytest
 
 test-fast: $(STAMP) redis-server

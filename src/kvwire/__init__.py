@@ -1,7 +1,10 @@
 """kvwire: KV-cache connectors for LLM inference engines, built through dependency injection.
 
 This package only re-exports the public names; importing it imports neither
-torch nor any connector module.
+torch nor any connector module. The other import points are
+:mod:`kvwire.media` (writing a medium), :mod:`kvwire.testing` (the
+conformance kit), :mod:`kvwire.vllm` (the vLLM adapter) and
+:mod:`kvwire.exceptions` (every error kvwire raises).
 """
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
@@ -12,12 +15,27 @@ from kvwire.connector.base import (
     SupportsHMA,
     supports_hma,
 )
-from kvwire.container import KVConnectorContainer
+from kvwire.connector.types import (
+    ForwardContext,
+    KVCacheBlocks,
+    Request,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
+from kvwire.exceptions import KVWireError
 from kvwire.factory import KVConnectorFactory
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.hma import HMADecision
+from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.profile import load_profile
+from kvwire.registry import ConnectorRegistry, default_registry
 
 __all__ = [
+    "ConnectorRegistry",
     "EngineConfig",
+    "ForwardContext",
+    "HMADecision",
+    "KVCacheBlocks",
     "KVCacheConfig",
     "KVConnectorBase",
     "KVConnectorContainer",
@@ -25,7 +43,16 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVTransferConfig",
+    "KVWireError",
+    "Request",
+    "ScheduledRequest",
     "SchedulerConfig",
+    "SchedulerOutput",
     "SupportsHMA",
+    "build_full_attention_kv_cache_config",
+    "container_for_profile",
+    "declare_role",
+    "default_registry",
+    "load_profile",
     "supports_hma",
 ]

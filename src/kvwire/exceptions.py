@@ -13,6 +13,7 @@ whatever kvwire raises on its own account.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 # How many of a profile's problems its error message lists.
 MAX_LISTED_PROBLEMS = 50
@@ -85,3 +86,81 @@ class ConnectorRoleError(KVWireError, RuntimeError):
     worker-side call on a scheduler-role connector (or the reverse) finds no
     state to act on; the message names the call and both roles.
     """
+
+
+class VLLMConfigError(KVWireError, ValueError):
+    """vLLM's configuration asks for something kvwire cannot serve; the message says what.
+
+    Defined here rather than in :mod:`kvwire.vllm`, so that code without vLLM
+    installed can name it.
+    """
+
+
+# The errors defined beside the code that raises them, reachable from here too:
+# ``from kvwire.exceptions import CorruptBlockError``. They load on first use,
+# so importing this module imports neither torch nor redis nor any medium.
+_DEFINED_ELSEWHERE = {
+    "ConnectorBuildTimeout": "kvwire.container",
+    "CorruptBlockError": "kvwire.blocks.format",
+    "DeadlineExceeded": "kvwire.media.redis._wire",
+    "ExtraConfigError": "kvwire.extra_config",
+    "JobAbandoned": "kvwire.media._transfer_jobs",
+    "LateWriteError": "kvwire.media.store.base",
+    "MacKeyError": "kvwire.blocks.mac",
+    "ModelIdentityError": "kvwire.model_identity",
+    "ProfileYAMLError": "kvwire.profile_yaml",
+    "RedisSettingsError": "kvwire.media.redis._settings",
+    "RoleViolationError": "kvwire.testing.instruments",
+    "UnknownMediumError": "kvwire.medium_registry",
+    "ValueRefused": "kvwire.extra_config",
+    "WorkerProcessError": "kvwire.engine.worker_process",
+}
+
+if TYPE_CHECKING:
+    from kvwire.blocks.format import CorruptBlockError
+    from kvwire.blocks.mac import MacKeyError
+    from kvwire.container import ConnectorBuildTimeout
+    from kvwire.engine.worker_process import WorkerProcessError
+    from kvwire.extra_config import ExtraConfigError, ValueRefused
+    from kvwire.media._transfer_jobs import JobAbandoned
+    from kvwire.media.redis._settings import RedisSettingsError
+    from kvwire.media.redis._wire import DeadlineExceeded
+    from kvwire.media.store.base import LateWriteError
+    from kvwire.medium_registry import UnknownMediumError
+    from kvwire.model_identity import ModelIdentityError
+    from kvwire.profile_yaml import ProfileYAMLError
+    from kvwire.testing.instruments import RoleViolationError
+
+__all__ = [
+    "ConnectorBuildTimeout",
+    "ConnectorEntryPointError",
+    "ConnectorImportError",
+    "ConnectorRoleError",
+    "ContainerSetupError",
+    "CorruptBlockError",
+    "DeadlineExceeded",
+    "ExtraConfigError",
+    "JobAbandoned",
+    "KVWireError",
+    "LateWriteError",
+    "MacKeyError",
+    "ModelIdentityError",
+    "NotAConnectorError",
+    "ProfileError",
+    "ProfileYAMLError",
+    "RedisSettingsError",
+    "RoleViolationError",
+    "UnknownMediumError",
+    "VLLMConfigError",
+    "ValueRefused",
+    "WorkerProcessError",
+]
+
+
+def __getattr__(name: str) -> type[KVWireError]:
+    if name not in _DEFINED_ELSEWHERE:
+        raise AttributeError(f"module 'kvwire.exceptions' has no attribute {name!r}")
+    import importlib
+
+    error: type[KVWireError] = getattr(importlib.import_module(_DEFINED_ELSEWHERE[name]), name)
+    return error

@@ -33,6 +33,7 @@ from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.container import KVConnectorContainer
 from kvwire.extra_config import ExtraConfigError
 from kvwire.registry import default_registry
+from kvwire.testing import IdleConnector
 from tests.connectors.conftest import OpenPair, PairFactory
 from tests.connectors.harness import (
     ConnectorPair,
@@ -42,7 +43,6 @@ from tests.connectors.harness import (
     make_request,
 )
 from tests.connectors.multi_harness import build_multi
-from tests.idle_connector import IdleConnector
 
 BLOCK = 4
 PROMPT = list(range(100, 117))
@@ -203,7 +203,7 @@ def hma_of(children: list[dict[str, Any]]) -> bool:
 
 NON_HMA_CHILD = {
     "kv_connector": "IdleConnector",
-    "kv_connector_module_path": "tests.idle_connector",
+    "kv_connector_module_path": "kvwire.testing.idle",
 }
 
 

@@ -10,9 +10,9 @@ import pytest
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.connectors.multi import MultiConnector
+from kvwire.testing import IdleConnector
 from tests.connectors.harness import make_request
 from tests.connectors.multi_harness import build_multi
-from tests.idle_connector import IdleConnector
 
 BLOCK = 4
 PROMPT = list(range(100, 117))

@@ -34,8 +34,8 @@ from kvwire.connectors.multi.worker import MultiWorker
 from kvwire.exceptions import ConnectorRoleError
 from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import default_registry
+from kvwire.testing import IdleConnector
 from tests.connectors.harness import cache_config_for, engine_config, make_request
-from tests.idle_connector import IdleConnector
 
 REQUEST = make_request("a", list(range(100, 108)), 4)
 STEP_METADATA = MultiKVConnectorMetadata(children=(KVConnectorMetadata(), KVConnectorMetadata()))

@@ -12,8 +12,8 @@ from typing import Any
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.connectors.multi import MultiConnector
+from kvwire.testing import IdleConnector
 from tests.connectors.multi_harness import build_multi
-from tests.idle_connector import IdleConnector
 
 STORED = BlockStored(block_hashes=(b"\x01" * 32,), medium="cpu")
 

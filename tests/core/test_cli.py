@@ -267,26 +267,6 @@ def test_importing_kvwire_imports_no_connector_and_no_torch() -> None:
     assert not [name for name in loaded if name.startswith(_CONNECTOR_PACKAGES)]
 
 
-def test_the_public_names_are_importable_from_kvwire() -> None:
-    import kvwire
-
-    for name in (
-        "KVConnectorContainer",
-        "KVConnectorFactory",
-        "KVConnectorBase",
-        "KVConnectorRole",
-        "KVConnectorMetadata",
-        "SupportsHMA",
-        "supports_hma",
-        "EngineConfig",
-        "KVTransferConfig",
-        "SchedulerConfig",
-        "KVCacheConfig",
-    ):
-        assert name in kvwire.__all__
-        assert getattr(kvwire, name) is not None
-
-
 def test_a_missing_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         main([])

@@ -10,7 +10,7 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, Scheduler
 from kvwire.connector.base import KVConnectorMetadata, SupportsHMA
 from kvwire.connector.types import KVCacheBlocks, Request, SchedulerOutput
 from kvwire.engine.presets import MODEL_PRESETS
-from tests.idle_connector import IdleConnector
+from kvwire.testing import IdleConnector
 
 BLOCK_SIZE = 4
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm import KVWireConnector
-from kvwire.vllm.config_bridge import VLLMConfigError, vllm_model_identity
+from kvwire.vllm.config_bridge import vllm_model_identity
 from tests.vllm import hybrid_connectors
 from tests.vllm.engines import (
     BLOCK_SIZE,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from kvwire.vllm.config_bridge import VLLMConfigError
+from kvwire.exceptions import VLLMConfigError
 from tests.vllm import hybrid_connectors
 from tests.vllm.engines import (
     BLOCK_SIZE,

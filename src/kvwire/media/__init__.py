@@ -1,1 +1,50 @@
-"""Media: where connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in."""
+"""Media: where block connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
+
+What a medium author needs is importable from here: the interface
+(:class:`Medium` and its two halves), the key-value store base
+(:class:`StoreMedium` over a :class:`BlockStore`), the typed
+``kv_connector_extra_config`` keys a medium declares, and the errors a store
+raises. Importing this package imports neither torch nor any built-in medium.
+"""
+
+from kvwire.blocks.format import BlockLayout, CorruptBlockError
+from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.extra_config import (
+    ExtraConfigKey,
+    ValueRefused,
+    bool_key,
+    int_key,
+    memory_size_key,
+    seconds_key,
+    size_key,
+    str_key,
+)
+from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
+from kvwire.media.store.medium import StoreMedium
+
+__all__ = [
+    "BlockLayout",
+    "BlockStore",
+    "BlockTransfer",
+    "CacheGroup",
+    "CacheWrites",
+    "CorruptBlockError",
+    "ExtraConfigKey",
+    "JobAbandoned",
+    "LateWriteError",
+    "Medium",
+    "MediumContext",
+    "MediumIndex",
+    "StoreMedium",
+    "TransferHandler",
+    "ValueRefused",
+    "bool_key",
+    "int_key",
+    "memory_size_key",
+    "seconds_key",
+    "size_key",
+    "str_key",
+]

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
         with_load_failure_policy,
     )
     from kvwire.testing.faults import with_load_faults
+    from kvwire.testing.idle import IdleConnector
     from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
     from kvwire.testing.suite import ConnectorConformanceSuite
 
 __all__ = [
     "CallLog",
     "ConnectorConformanceSuite",
+    "IdleConnector",
     "Instruments",
     "RoleViolationError",
     "conformance_engine_config",
@@ -34,6 +36,7 @@ _WHERE = {
     "Instruments": "kvwire.testing.instruments",
     "RoleViolationError": "kvwire.testing.instruments",
     "ConnectorConformanceSuite": "kvwire.testing.suite",
+    "IdleConnector": "kvwire.testing.idle",
     "conformance_engine_config": "kvwire.testing.configs",
     "hybrid_engine_config": "kvwire.testing.configs",
     "with_load_failure_policy": "kvwire.testing.configs",

@@ -32,7 +32,7 @@ from kvwire.config import (
     SchedulerConfig,
 )
 from kvwire.dtypes import DTYPE_NAMES, DTYPES
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import VLLMConfigError
 from kvwire.kv_cache_config import (
     AttentionSpec,
     FullAttentionSpec,
@@ -58,10 +58,6 @@ EXTRA_CONFIG_KEYS = (PROFILE_PATH_KEY, INLINE_PROFILE_KEY, CONTAINER_HOOK_KEY)
 _SHOWN_KEYS = 5
 
 ContainerHook = Callable[["containers.Container"], None]
-
-
-class VLLMConfigError(KVWireError, ValueError):
-    """vLLM's configuration asks for something kvwire cannot serve; the message says what."""
 
 
 def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:

@@ -72,9 +72,9 @@ from kvwire.connector.base import KVConnectorRole as KVWireRole
 from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
 from kvwire.container import KVConnectorContainer, container_for_profile
+from kvwire.exceptions import VLLMConfigError
 from kvwire.hma import describe_class_support
 from kvwire.vllm.config_bridge import (
-    VLLMConfigError,
     container_hook,
     engine_config_from_vllm,
     has_hybrid_groups,

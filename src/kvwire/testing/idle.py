@@ -1,8 +1,10 @@
-"""A complete connector that does nothing, for tests to subclass.
+"""A complete connector that does nothing, for connector authors' tests to subclass.
 
 A test about one hook overrides just that hook, so the class it defines shows
 only the behaviour under test; every abstract call of the base is answered
-here the way a connector with nothing to do answers it.
+here the way a connector with nothing to do answers it. It is also the child
+or the fake a test puts in a composite or a container override where any
+working connector will do.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""The import points a user needs: kvwire, kvwire.media, kvwire.testing, kvwire.exceptions.
+
+kvwire.vllm, the fifth, is checked in tests/vllm, where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+_IMPORT_POINTS = ("kvwire", "kvwire.media", "kvwire.testing", "kvwire.exceptions")
+
+
+@pytest.mark.parametrize("module_name", _IMPORT_POINTS)
+def test_every_public_name_of_an_import_point_resolves(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+
+    missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+
+    assert missing == []
+    assert list(module.__all__) == sorted(module.__all__)
+
+
+def test_the_quick_start_needs_only_the_kvwire_package() -> None:
+    import kvwire
+
+    for name in (
+        "KVConnectorContainer",
+        "KVConnectorRole",
+        "KVWireError",
+        "container_for_profile",
+        "declare_role",
+        "build_full_attention_kv_cache_config",
+        "HMADecision",
+        "default_registry",
+    ):
+        assert name in kvwire.__all__
+
+
+def test_an_unknown_exception_name_is_an_attribute_error() -> None:
+    import kvwire.exceptions
+
+    with pytest.raises(AttributeError, match="NoSuchError"):
+        _ = kvwire.exceptions.NoSuchError
+
+
+@pytest.mark.parametrize("module_name", ["kvwire.media", "kvwire.exceptions"])
+def test_an_import_point_imports_no_torch_and_no_built_in_medium(module_name: str) -> None:
+    probe = (
+        f"import sys, {module_name}\n"
+        "print(sorted(m for m in sys.modules if m in ('torch', 'redis') or m.startswith("
+        "('kvwire.media.cpu_pool', 'kvwire.media.directory', 'kvwire.media.redis', "
+        "'kvwire.connectors'))))\n"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    )
+
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.torch
+def test_every_public_exception_kvwire_defines_is_reachable_from_kvwire_exceptions() -> None:
+    import kvwire.exceptions
+    from tests.core.test_errors_under_kvwire_error import kvwire_exception_classes
+
+    public = {
+        cls
+        for cls in kvwire_exception_classes()
+        if not cls.__name__.startswith("_") and not cls.__module__.startswith("tests.")
+    }
+
+    unreachable = sorted(
+        f"{cls.__module__}.{cls.__qualname__}"
+        for cls in public
+        if getattr(kvwire.exceptions, cls.__name__, None) is not cls
+    )
+    assert unreachable == []
+    assert {cls.__name__ for cls in public} <= set(kvwire.exceptions.__all__)
