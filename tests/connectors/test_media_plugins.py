@@ -294,6 +294,7 @@ def test_an_unconfigured_fault_injecting_medium_is_refused_naming_the_key():
     with pytest.raises(
         ExtraConfigError,
         match=r"^kv_connector_extra_config\.medium: FaultInjectingMedium cannot be used: "
+        r"FaultInjectingMedium\.extra_config_keys raised TypeError: "
         r"FaultInjectingMedium\.inner is not set",
     ):
         OffloadConnector.read_options(config.kv_transfer_config)

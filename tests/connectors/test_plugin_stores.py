@@ -8,6 +8,7 @@ load errors or misses, with a rate-limited warning naming the medium.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -15,8 +16,10 @@ from typing import Any, ClassVar
 
 import pytest
 
+from kvwire.cli import check_profile
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import LLMEngine, RequestOutput
+from kvwire.extra_config import ExtraConfigError
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
 from tests.connectors.engine_support import (
@@ -192,3 +195,120 @@ def test_a_count_prefix_that_is_no_count_of_the_keys_is_a_miss(
     assert not any(SECRET in message for message in warned)
     # Rate-limited: one warning for the many lookups of the run.
     assert len([m for m in warned if "counted as a miss" in m]) == 1
+
+
+class BrokenMedium(PluginMedium):
+    """A medium whose hook named by ``broken`` misbehaves as ``behaviour`` says."""
+
+    broken: ClassVar[str] = ""
+    behaviour: ClassVar[Any] = None
+
+    @classmethod
+    def _misbehave(cls, hook: str, normal: Any) -> Any:
+        if cls.broken != hook:
+            return normal()
+        if isinstance(cls.behaviour, Exception):
+            raise cls.behaviour
+        return cls.behaviour
+
+    @classmethod
+    def extra_config_keys(cls) -> Any:
+        return cls._misbehave("extra_config_keys", super().extra_config_keys)
+
+    @classmethod
+    def finish_options(cls, connector_name: str, options: dict[str, Any]) -> Any:
+        return cls._misbehave(
+            "finish_options",
+            lambda: super(BrokenMedium, cls).finish_options(connector_name, options),
+        )
+
+    def __init__(self, context: Any) -> None:
+        type(self)._misbehave("__init__", lambda: None)
+        super().__init__(context)
+
+    def create_store(self, options: Mapping[str, Any]) -> HonestStore:
+        return type(self)._misbehave(
+            "create_store", lambda: super(BrokenMedium, self).create_store(options)
+        )
+
+
+LEAKY = RuntimeError(f"cannot reach redis://u:{SECRET}@h (password={SECRET}) " + "x" * 100_000)
+
+
+def broken(monkeypatch: pytest.MonkeyPatch, hook: str, behaviour: Any) -> EngineConfig:
+    monkeypatch.setattr(BrokenMedium, "broken", hook)
+    monkeypatch.setattr(BrokenMedium, "behaviour", behaviour)
+    return plugin_config(BrokenMedium)
+
+
+def check(config: EngineConfig, tmp_path: Any) -> tuple[int, str]:
+    """``kvwire check`` of ``config``'s connector, as a profile file: its status and stderr."""
+    profile = tmp_path / "profile.yaml"
+    transfer = config.kv_transfer_config
+    assert transfer is not None
+    profile.write_text(
+        "kv_transfer_config:\n"
+        f"  kv_connector: {transfer.kv_connector}\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        f"    medium: '{transfer.kv_connector_extra_config['medium']}'\n"
+    )
+    err = io.StringIO()
+    status = check_profile(str(profile), out=io.StringIO(), err=err)
+    return status, err.getvalue()
+
+
+def assert_plugin_error(error: BaseException, call: str) -> None:
+    message = str(error)
+    assert message.startswith("kv_connector_extra_config.medium: "), message
+    assert f"{call} raised RuntimeError: cannot reach redis://u:***@h" in message
+    assert SECRET not in message
+    assert len(message) < 600
+    # Nothing chained: a traceback printed later would quote the plug-in's message raw.
+    assert error.__cause__ is None and error.__suppress_context__
+
+
+@pytest.mark.parametrize("hook", ["extra_config_keys", "finish_options"])
+def test_a_medium_s_option_hooks_raising_are_refused_by_check_and_engine_naming_the_field(
+    hook: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    config = broken(monkeypatch, hook, LEAKY)
+    with pytest.raises(ExtraConfigError) as caught:
+        LLMEngine(config)
+    assert_plugin_error(caught.value, f"BrokenMedium.{hook}")
+    status, err = check(config, tmp_path)
+    assert status == 1
+    assert f"BrokenMedium.{hook} raised RuntimeError: cannot reach redis://u:***@h" in err
+    assert SECRET not in err
+
+
+@pytest.mark.parametrize(
+    ("hook", "answer"),
+    [
+        ("finish_options", None),
+        ("finish_options", [("io_threads", 4)]),
+        ("extra_config_keys", "io_threads"),
+        ("extra_config_keys", None),
+    ],
+)
+def test_a_medium_s_option_hooks_answering_the_wrong_type_are_refused_by_check(
+    hook: str, answer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    config = broken(monkeypatch, hook, answer)
+    status, err = check(config, tmp_path)
+    assert status == 1
+    assert f"kv_connector_extra_config.medium: BrokenMedium.{hook} returned {answer!r}" in err
+    with pytest.raises(ExtraConfigError, match=rf"BrokenMedium\.{hook} returned"):
+        LLMEngine(config)
+
+
+@pytest.mark.parametrize("hook", ["__init__", "create_store"])
+def test_a_medium_that_raises_when_built_stops_the_engine_naming_the_field(
+    hook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = broken(monkeypatch, hook, LEAKY)
+    with pytest.raises(ExtraConfigError) as caught:
+        LLMEngine(config)
+    assert_plugin_error(
+        caught.value, "BrokenMedium()" if hook == "__init__" else "BrokenMedium.create_store"
+    )

@@ -112,6 +112,19 @@ def test_container_hook_that_raises_is_an_error_naming_the_key_and_the_hook() ->
         run_container_hook(failing_hook, containers.DynamicContainer())
 
 
+def test_container_hook_whose_module_raises_at_import_is_an_error_naming_the_key() -> None:
+    with pytest.raises(VLLMConfigError) as raised:
+        container_hook({"kvwire_container_hook": "tests.vllm.raising_hook_module:hook"})
+    message = str(raised.value)
+    assert message.startswith(
+        "kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: cannot import "
+        "'tests.vllm.raising_hook_module': RuntimeError: hook settings from redis://u:***@h"
+    ), message
+    assert "hunter2" not in message
+    # Nothing chained: a traceback printed later would quote the module's message raw.
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
 @pytest.mark.parametrize("timeout_s", [0, -1.0, math.nan, math.inf, "5", True, None])
 def test_wait_for_saves_refuses_a_timeout_that_is_not_finite_seconds(timeout_s: Any) -> None:
     with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):

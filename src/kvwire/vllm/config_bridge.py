@@ -42,6 +42,7 @@ from kvwire.kv_cache_config import (
     SlidingWindowSpec,
 )
 from kvwire.model_identity import ModelIdentityError, default_hub_caches, model_identity
+from kvwire.plugin_calls import plugin_message
 from kvwire.profile import load_profile
 from kvwire.redaction import shown
 
@@ -114,10 +115,12 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
     module_name, function_name = spec.split(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
+    # Whatever a module raises at import (a RuntimeError of its own, a
+    # SyntaxError): the profile's error, its message redacted, nothing chained.
+    except Exception as error:
         raise VLLMConfigError(
-            f"{_HOOK_FIELD}: cannot import {shown(module_name)}: {shown(str(error))}"
-        ) from error
+            f"{_HOOK_FIELD}: cannot import {shown(module_name)}: {plugin_message(error)}"
+        ) from None
     hook = getattr(module, function_name, None)
     if not callable(hook):
         raise VLLMConfigError(
@@ -133,9 +136,8 @@ def run_container_hook(hook: ContainerHook, container: containers.Container) -> 
     except Exception as error:
         name = f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', '?')}"
         raise VLLMConfigError(
-            f"{_HOOK_FIELD}: the container hook {name} raised {type(error).__name__}: "
-            f"{shown(str(error))}"
-        ) from error
+            f"{_HOOK_FIELD}: the container hook {name} raised {plugin_message(error)}"
+        ) from None
 
 
 _HOOK_FIELD = f"kv_transfer_config.kv_connector_extra_config.{CONTAINER_HOOK_KEY}"

@@ -62,6 +62,7 @@ from kvwire.extra_config import (
     read_extra_config,
 )
 from kvwire.media.base import Medium, MediumContext
+from kvwire.plugin_calls import call_plugin
 from kvwire.redaction import shown
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ if TYPE_CHECKING:
     from kvwire.kv_cache_config import KVCacheConfig
 
 __all__ = ["MediumResolver", "OffloadConnector"]
+
+MEDIUM_FIELD = "kv_connector_extra_config.medium"
 
 MediumResolver = Callable[[str], type[Medium]]
 """The medium class a name (or ``package.module:Class``) stands for, through a registry."""
@@ -112,7 +115,10 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         )
         check_cache_layout(layout, kv_cache_config)
         medium_cls, options = self.read_options(self.kv_transfer_config, medium_resolver)
-        self._medium = medium_cls(MediumContext(type(self).__name__, options, groups, layout))
+        context = MediumContext(type(self).__name__, options, groups, layout)
+        self._medium = call_plugin(
+            MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
+        )
         if role is KVConnectorRole.SCHEDULER:
             planner = BlockPlanner(
                 layout.block_size,
@@ -123,7 +129,11 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             )
             self._set_scheduler_half(
                 OffloadScheduler(
-                    index=self._medium.build_index(),
+                    index=call_plugin(
+                        MEDIUM_FIELD,
+                        f"{medium_cls.__name__}.build_index",
+                        self._medium.build_index,
+                    ),
                     planner=planner,
                     num_groups=len(groups),
                     async_load=options["async_load"],
@@ -152,13 +162,22 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             medium_cls = (medium_resolver or _default_medium_resolver)(spec)
         except ValueError as error:
             raise ExtraConfigError(f"kv_connector_extra_config.medium: {error}") from None
-        try:
-            medium_keys = medium_cls.extra_config_keys()
-        except TypeError as error:
-            # A medium class not configured for use (a FaultInjectingMedium without inner).
+        name = medium_cls.__name__
+        # A medium class not configured for use (a FaultInjectingMedium
+        # without inner) raises here too.
+        medium_keys = call_plugin(
+            MEDIUM_FIELD,
+            f"{name} cannot be used: {name}.extra_config_keys",
+            medium_cls.extra_config_keys,
+        )
+        if not (
+            isinstance(medium_keys, tuple | list)
+            and all(isinstance(key, ExtraConfigKey) for key in medium_keys)
+        ):
             raise ExtraConfigError(
-                f"kv_connector_extra_config.medium: {medium_cls.__name__} cannot be used: {error}"
-            ) from None
+                f"{MEDIUM_FIELD}: {name}.extra_config_keys returned {shown(medium_keys)}, not a "
+                "tuple of ExtraConfigKey (the keys it reads from kv_connector_extra_config)"
+            )
         keys: tuple[ExtraConfigKey, ...] = (
             bool_key("async_load", False),
             ExtraConfigKey(
@@ -170,7 +189,17 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             *medium_keys,
         )
         options = read_extra_config(cls.__name__, extra, keys)
-        return medium_cls, medium_cls.finish_options(cls.__name__, options)
+        finished = call_plugin(
+            MEDIUM_FIELD,
+            f"{name}.finish_options",
+            lambda: medium_cls.finish_options(cls.__name__, options),
+        )
+        if not isinstance(finished, dict):
+            raise ExtraConfigError(
+                f"{MEDIUM_FIELD}: {name}.finish_options returned {shown(finished)}, not the "
+                "options dict (it must return the options it was given, completed)"
+            )
+        return medium_cls, finished
 
     @classmethod
     def validate_extra_config(

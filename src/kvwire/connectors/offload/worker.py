@@ -27,6 +27,7 @@ from kvwire.connector.worker_steps import (
 )
 from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvwire.media.base import Medium, TransferHandler
+from kvwire.plugin_calls import call_plugin
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,11 @@ class OffloadWorker:
                 f"{self._connector_name}: register_kv_caches() was called twice; the caches "
                 "are registered once per connector, before the first step"
             )
-        self._handler = self._medium.build_handler(kv_caches, self._counters)
+        self._handler = call_plugin(
+            "kv_connector_extra_config.medium",
+            f"{type(self._medium).__name__}.build_handler",
+            lambda: self._medium.build_handler(kv_caches, self._counters),
+        )
 
     def _require_handler(self) -> TransferHandler:
         return registered_worker(self._connector_name, self._handler)

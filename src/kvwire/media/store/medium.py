@@ -100,6 +100,7 @@ from kvwire.extra_config import (
 )
 from kvwire.media.base import Medium, MediumContext, MediumIndex
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore
+from kvwire.plugin_calls import call_plugin
 
 if TYPE_CHECKING:
     import torch
@@ -254,7 +255,11 @@ class StoreMedium(Medium, Generic[_Store]):
     def store(self) -> _Store:
         """The store, created on first use from the context's options."""
         if self._store is None:
-            self._store = self.create_store(self.context.options)
+            self._store = call_plugin(
+                "kv_connector_extra_config.medium",
+                f"{type(self).__name__}.create_store",
+                lambda: self.create_store(self.context.options),
+            )
         return self._store
 
     def _open_store(self) -> _Store:
