@@ -242,7 +242,7 @@ def _check_lines(
 def _child_lines(
     transfer: KVTransferConfig, registry: ConnectorRegistry, checks_children: bool
 ) -> list[str]:
-    """One line per child a composite lists the reference's way (``connectors`` in extra config).
+    """One line per child a composite lists vLLM's way (``connectors`` in extra config).
 
     Each child is resolved as its composite will resolve it, so a child that
     cannot be built fails the check here, with its index. ``checks_children``:
@@ -260,7 +260,7 @@ def _child_lines(
                 raise ValueError(
                     f"expected a mapping of KVTransferConfig fields, got {kind_of(child)}"
                 )
-            # engine_id and kv_role default to the parent's, as the reference's composite does.
+            # engine_id and kv_role default to the parent's, as vLLM's composite does.
             inherited = {"engine_id": transfer.engine_id, "kv_role": transfer.kv_role}
             child_config = KVTransferConfig(**{**inherited, **child})
             child_cls = registry.resolve(child_config)

@@ -89,7 +89,7 @@ def _buffer_size_as_float(value: Any) -> float:
 
 
 def _shown_plain(value: object) -> str:
-    # As str() would show it (the reference's texts), but bounded.
+    # As str() would show it (vLLM's texts), but bounded.
     return value if isinstance(value, str) and len(value) <= 80 else shown(value)
 
 

@@ -1,8 +1,8 @@
 """Every error kvwire raises on its own account, in one place.
 
-The errors kept from the reference (an unknown connector name, a deprecated
+The errors kept from vLLM (an unknown connector name, a deprecated
 constructor, HMA enabled for a connector that cannot serve it) stay plain
-``ValueError``/``AttributeError`` with the reference's exact texts, so code
+``ValueError``/``AttributeError`` with vLLM's exact texts, so code
 written against it keeps catching them. Every other exception class kvwire
 defines, here or in the module that raises it (``CorruptBlockError``,
 ``ExtraConfigError``, ...), derives from :class:`KVWireError` and from the

@@ -1,6 +1,6 @@
-"""``KVConnectorFactory``: the reference factory's API, served by kvwire's registry.
+"""``KVConnectorFactory``: vLLM's factory's API, served by kvwire's registry.
 
-Code written against the reference moves over by changing its import. Every
+Code written against vLLM moves over by changing its import. Every
 call goes to the process-wide :func:`~kvwire.registry.default_registry` (the
 one new containers use too), and ``create_connector`` builds through a
 :class:`~kvwire.container.KVConnectorContainer`, so there is one registry and

@@ -1,6 +1,6 @@
 """The HMA gate: whether the hybrid KV cache manager runs with the configured connector.
 
-``SchedulerConfig.disable_hybrid_kv_cache_manager`` is read as the reference
+``SchedulerConfig.disable_hybrid_kv_cache_manager`` is read as vLLM
 reads it: ``True`` turns HMA off without asking the connector; ``False``
 demands HMA, so a connector that cannot serve several KV cache groups is an
 error; ``None`` ("auto") keeps HMA on exactly when the connector supports it,
@@ -69,7 +69,7 @@ def with_hma_decision(engine_config: EngineConfig, decision: HMADecision) -> Eng
     """``engine_config`` with an "auto" HMA setting replaced by the gate's decision.
 
     Connectors then see a definite ``disable_hybrid_kv_cache_manager``, as
-    they do in the reference once the engine has decided.
+    they do in vLLM once the engine has decided.
     """
     scheduler_config = engine_config.scheduler_config
     if scheduler_config.disable_hybrid_kv_cache_manager is not None:

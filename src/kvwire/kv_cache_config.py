@@ -130,9 +130,9 @@ def build_kv_cache_config(config: EngineConfig, hma_enabled: bool | None = None)
     a hybrid model gets one :class:`KVCacheGroupSpec` per kind of layer, full
     attention first, then sliding window; otherwise (HMA off, or no
     sliding-window layer) one group of every layer with a
-    :class:`FullAttentionSpec`, as the reference does when HMA is off.
+    :class:`FullAttentionSpec`, as vLLM does when HMA is off.
 
-    Every group holds the same number of layers, as in the reference: each
+    Every group holds the same number of layers, as in vLLM: each
     kind's layers (in model order) are cut into groups of the greatest common
     divisor of the kinds' layer counts (5 sliding and 1 full layers: six
     groups of one layer). Group ``g``'s ``j``-th layer shares its

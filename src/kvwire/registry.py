@@ -9,7 +9,7 @@ installed distributions (``Name = package.module:Class``), and
 :meth:`ConnectorRegistry.register_connector` at run time.
 
 :meth:`ConnectorRegistry.resolve` turns a ``KVTransferConfig`` into a class in
-the reference factory's order and with its messages; unlike the reference it
+vLLM's factory's order and with its messages; unlike vLLM's, it
 checks the constructor of every class it hands out, so a plugin with the old
 2-argument signature fails here, clearly, rather than with a TypeError later.
 """
@@ -298,7 +298,7 @@ class ConnectorRegistry:
     # ------------------------------------------------------------- resolving
 
     def resolve(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
-        """The connector class ``kv_transfer_config`` names, in the reference's order.
+        """The connector class ``kv_transfer_config`` names, in vLLM's order.
 
         Name unset; empty module path; a module path wins over the registry
         (import errors propagate unchanged); then the registry; else unknown.
@@ -364,7 +364,7 @@ class ConnectorRegistry:
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> KVConnectorBase:
-        """Call ``connector_cls`` as the reference does, handing a composite its builder."""
+        """Call ``connector_cls`` as vLLM does, handing a composite its builder."""
         engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
         logger.info(
             "Creating v1 connector with name: %s and engine_id: %s",

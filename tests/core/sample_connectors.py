@@ -145,7 +145,7 @@ class TwoArgumentConnector(RecordingConnector):
 
 
 class VarKeywordConnector(RecordingConnector):
-    """Accepts ``kv_cache_config`` only through ``**kwargs``: allowed by the reference."""
+    """Accepts ``kv_cache_config`` only through ``**kwargs``: allowed by vLLM."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The configuration records: the reference's fields, defaults and errors."""
+"""The configuration records: vLLM's fields, defaults and errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``KVConnectorFactory``: the reference's API and messages, on kvwire's one registry."""
+"""``KVConnectorFactory``: vLLM's API and messages, on kvwire's one registry."""
 
 from __future__ import annotations
 

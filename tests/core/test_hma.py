@@ -5,7 +5,7 @@ children, a subclass of a composite (mixed children: it must not skip the
 check by having another name), and a composite with no children. Columns:
 ``disable_hybrid_kv_cache_manager`` = True / False / None. Each cell is
 checked through the container's gate, through building a connector, and
-through the reference API ``KVConnectorFactory``.
+through vLLM's API ``KVConnectorFactory``.
 """
 
 from __future__ import annotations

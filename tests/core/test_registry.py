@@ -1,4 +1,4 @@
-"""The registry: lazy class providers by name, and resolution in the reference's order."""
+"""The registry: lazy class providers by name, and resolution in vLLM's order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine drives a connector with the reference's semantics, and outputs never change.
+"""The engine drives a connector with vLLM's semantics, and outputs never change.
 
 Every test compares the tokens generated with a connector to the tokens the
 same model generates without one: that equality is the engine's invariant.

@@ -1,4 +1,4 @@
-"""The Redis connector on a Redis Cluster inside the reference engine, and across two engines.
+"""The Redis connector on a Redis Cluster inside kvwire's engine, and across two engines.
 
 The invariant of the single-server tests holds here: every request finishes
 with the tokens of the same engine without a connector.

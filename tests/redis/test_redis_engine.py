@@ -1,4 +1,4 @@
-"""The Redis connector inside the reference engine, against a real server.
+"""The Redis connector inside kvwire's engine, against a real server.
 
 The invariant throughout: whatever happens to the server (killed, restarted,
 corrupted values, evicted keys, out of memory), every request finishes and

@@ -39,7 +39,7 @@ class StepBatch:
     blocks are its own); positions, token ids and sample rows are shared.
     The :class:`AttentionMetadata` (one per group) that :meth:`fill` returns
     views these buffers, so it is valid until the next :meth:`fill` (the
-    connector sees it only during the step, as in the reference).
+    connector sees it only during the step, as in vLLM).
     """
 
     def __init__(

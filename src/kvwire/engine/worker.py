@@ -1,6 +1,6 @@
 """The worker: the paged KV cache, the model, and the worker-side connector calls.
 
-Per step, in the reference order: bind the step's metadata,
+Per step, in vLLM's order: bind the step's metadata,
 ``handle_preemptions`` and ``start_load_kv`` before the forward pass,
 ``wait_for_layer_load`` before and ``save_kv_layer`` after each layer's
 attention, ``wait_for_save`` when the pass ends, then ``get_finished``, the
@@ -70,7 +70,7 @@ class Worker:
             model_config.head_size,
         )
         # One tensor per KVCacheTensor: layers of different groups share it
-        # (their block ids never overlap), as in the reference's HMA.
+        # (their block ids never overlap), as in vLLM's HMA.
         shared: dict[str, torch.Tensor] = {}
         for cache_tensor in kv_cache_config.kv_cache_tensors:
             tensor = torch.zeros(shape, dtype=dtype)
@@ -112,7 +112,7 @@ class Worker:
         if connector is not None:
             assert step.connector_metadata is not None
             connector.bind_connector_metadata(step.connector_metadata)
-            # As the reference's model runner: blocks of preempted requests may
+            # As vLLM's model runner: blocks of preempted requests may
             # be reused by this forward pass, so their transfers end first.
             connector.handle_preemptions(step.connector_metadata)
             connector.start_load_kv(ForwardContext(self.layer_names, self._forward_metadata()))
@@ -200,7 +200,7 @@ class Worker:
         """The step's attention metadata as connectors see it in ``ForwardContext``.
 
         One group: its metadata. Several: a mapping of layer name to the
-        metadata of the layer's group, as the reference gives per layer.
+        metadata of the layer's group, as vLLM gives per layer.
         """
         metadata = self._attn_metadata
         if metadata is None or self.num_groups == 1:

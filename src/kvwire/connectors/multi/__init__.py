@@ -14,7 +14,7 @@ crosses between the two halves is in :mod:`kvwire.connectors.multi._records`;
 how a finished request's answers are merged and its sends awaited, in
 :mod:`kvwire.connectors.multi._finishing`.
 
-Semantics (the reference's): lookups ask children in order (any None means
+Semantics (vLLM's): lookups ask children in order (any None means
 "ask again"); the first child with a hit loads, the others get 0; saves go to
 every child; worker calls go to every child; a request is finished sending
 once every child that kept its blocks reported it; load errors are united,

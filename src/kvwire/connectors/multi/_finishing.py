@@ -20,7 +20,7 @@ def merge_finished_answers(
     """How many children keep the blocks, and their ``kv_transfer_params`` merged.
 
     The params are None when no child gave any; a key given by two children
-    raises the reference's ``Key clash in kv_transfer_params from multiple
+    raises vLLM's ``Key clash in kv_transfer_params from multiple
     connectors: {keys}`` (RuntimeError).
     """
     keeping = 0

@@ -14,7 +14,7 @@ itself (:mod:`kvwire.blocks.memory`). A store that can do scattered
 I/O (``preadv``/``pwritev``, ``recv_into``/``sendmsg``) overrides both and
 moves the bytes with no copy; any other store keeps the defaults, which go
 through a per-thread scratch buffer and :meth:`BlockStore.read_each` /
-:meth:`BlockStore.put` (one copy, as before).
+:meth:`BlockStore.put` (one copy).
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ class StoreMedium(Medium, Generic[_Store]):
     def store_key(self, block_hash: BlockHash, group: int = 0) -> str:
         """The store key of a block of KV cache ``group``: its layout's fingerprint, then the hash.
 
-        With a single group, the key is ``layout.key(block_hash)``, as before
-        groups existed. An override for hybrid engines must take ``group``
+        With a single group, the key is ``layout.key(block_hash)``, the key
+        of a model without groups. An override for hybrid engines must take ``group``
         (see the module).
         """
         return self._group_layouts[group].key(block_hash)
