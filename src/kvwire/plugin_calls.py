@@ -47,6 +47,8 @@ def call_plugin(field: str, what: str, call: Callable[[], _Result]) -> _Result:
         text = str(error)
         if len(text) <= LONGEST_REFUSAL and redact_text(text) == text:
             raise
-        raise ExtraConfigError(f"{field}: {what} refused: {plugin_message(error)}") from None
+        raise ExtraConfigError(
+            f"{field}: {what} refused: {plugin_message(error, LONGEST_REFUSAL)}"
+        ) from None
     except Exception as error:
         raise ExtraConfigError(f"{field}: {what} raised {plugin_message(error)}") from None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
+from typing import Any
 
 import pytest
 
+from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
 from kvwire.connectors.redis import RedisConnector
 from kvwire.extra_config import ExtraConfigError
@@ -178,3 +181,64 @@ def test_a_store_with_hundreds_of_seeds_warns_and_shows_itself_bounded(
         assert len(repr(store)) < 300
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("seed", "problem"),
+    [
+        ("[::1:2", r"seed '\[::1:2' opens an IPv6 address with '\[' and never closes it"),
+        ("[nonsense]:7000", r"seed '\[nonsense\]:7000' holds no IPv6 address"),
+        ("[::1]7000", r"seed '\[::1\]7000' must be \[IPv6 address\]:port"),
+        ("::1:7000", r"seed '::1:7000' is an IPv6 address without brackets"),
+        ("ca che:7000", r"seed 'ca che:7000' must be host:port, the host a name or an IPv4"),
+        ("[::1]:0", r"seed '\[::1\]:0': the port must be a number between 1 and 65535"),
+    ],
+)
+def test_every_seed_of_the_list_is_parsed_and_a_malformed_one_named(
+    seed: str, problem: str
+) -> None:
+    url = f"redis+cluster://:hunter2-secret@127.0.0.1:27101,{seed}"
+    with pytest.raises(
+        RedisSettingsError, match=rf"kv_connector_extra_config\.url: {problem}"
+    ) as e:
+        RedisStoreSettings.from_extra_config({"url": url})
+    assert "hunter2" not in str(e.value)
+
+
+def test_an_ipv6_seed_in_brackets_is_a_seed() -> None:
+    settings = RedisStoreSettings.from_extra_config({"url": "redis+cluster://[::1]:7000,h:7001"})
+    assert settings.cluster_seeds == [ClusterSeed("::1", 7000), ClusterSeed("h", 7001)]
+
+
+def test_credentials_after_the_first_seed_are_refused_saying_where_they_go() -> None:
+    url = "redis+cluster://127.0.0.1:1,u:hunter2-secret@127.0.0.1:27101"
+    where = r"url: the credentials go once, right after the scheme and before the first seed"
+    with pytest.raises(RedisSettingsError, match=where + r" \(user:password@host:port") as e:
+        RedisStoreSettings.from_extra_config({"url": url})
+    message = str(e.value)
+    assert "hunter2" not in message and "127.0.0.1:1" not in message
+
+
+def test_a_comma_in_a_cluster_password_is_percent_encoded_and_given_to_each_node() -> None:
+    settings = RedisStoreSettings.from_extra_config({"url": "redis+cluster://u:p%2Cw@h:1,g:2"})
+    assert settings.cluster_seeds == [ClusterSeed("h", 1), ClusterSeed("g", 2)]
+    node = settings.node_settings("g", 2)
+    assert (node.username, node.password) == ("u", "p,w")
+    assert "p,w" not in settings.display_url and "p%2Cw" not in settings.display_url
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis+cluster://:hunter2-secret@127.0.0.1:27101,[::1:2", "redis://:hunter2-secret@[::1:2/0"],
+)
+def test_kvwire_check_refuses_a_malformed_host_naming_the_url_key(url: str, tmp_path: Any) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n  kv_connector: RedisConnector\n  kv_role: kv_both\n"
+        f"  kv_connector_extra_config:\n    url: '{url}'\n"
+    )
+    err = io.StringIO()
+    assert check_profile(str(profile), out=io.StringIO(), err=err) == 1
+    assert "kv_connector_extra_config.url: " in err.getvalue()
+    assert "IPv6" in err.getvalue()
+    assert "hunter2" not in err.getvalue()

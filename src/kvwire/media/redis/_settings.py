@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, urlparse
 
 import attrs
 import redis
@@ -20,6 +20,7 @@ from kvwire.exceptions import KVWireError
 from kvwire.extra_config import parse_size
 from kvwire.media.redis._cluster_url import (
     ClusterSeed,
+    cluster_credentials,
     cluster_seeds,
     cluster_url_problems,
     has_hash_tag,
@@ -135,14 +136,10 @@ class RedisStoreSettings:
 
     def node_settings(self, host: str, port: int) -> RedisStoreSettings:
         """These settings for one cluster node: its own URL, the cluster URL's credentials."""
-        parsed = urlparse(self.url)
         scheme = "rediss" if self.url.startswith("rediss") else "redis"
-        username = self.username
-        if username is None and parsed.username:
-            username = unquote(parsed.username)
-        password = self.password
-        if password is None and parsed.password:
-            password = unquote(parsed.password)
+        url_username, url_password = cluster_credentials(self.url)
+        username = self.username if self.username is not None else url_username
+        password = self.password if self.password is not None else url_password
         return attrs.evolve(
             self, url=f"{scheme}://{host}:{port}/0", username=username, password=password
         )
@@ -260,7 +257,14 @@ def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
         if explicit_db:
             problems.append(f"{EXTRA_CONFIG}.db: a cluster has only database 0; leave db out")
         return problems
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError:  # an unbalanced '[' or ']' ("Invalid IPv6 URL")
+        # Nothing of the URL is quoted: it may hold the password.
+        return [
+            f"{where}: an IPv6 host goes between '[' and ']' (redis://[::1]:6379/0), and "
+            "nothing else of the URL may hold them unless percent-encoded (%5B, %5D)"
+        ]
     if parsed.scheme not in _SCHEMES:
         return [
             f"{where}: scheme must be one of redis://, rediss://, unix://, redis+cluster://, "
@@ -302,8 +306,13 @@ def _url_problems(url: str, *, explicit_db: bool) -> list[str]:
 
 
 def _url_secrets(url: str) -> list[str]:
-    parsed = urlparse(url)
-    found = [parsed.password, *parse_qs(parsed.query).get("password", [])]
+    if is_cluster_url(url):
+        return [secret for secret in cluster_credentials(url)[1:] if secret]
+    try:
+        parsed = urlparse(url)
+        found = [parsed.password, *parse_qs(parsed.query).get("password", [])]
+    except ValueError:  # malformed, and refused by the check: blank the part urllib would
+        found = [url.partition("://")[2].partition("/")[0].rpartition("@")[0].partition(":")[2]]
     return [secret for secret in found if secret]
 
 
