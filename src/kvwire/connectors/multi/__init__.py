@@ -29,7 +29,8 @@ transfers, worker metadata) counts as nothing to report.
 
 Every optional hook of the base class reaches the children: preemptions and
 worker metadata (one entry per child), new requests, handshakes, the block
-pool. The rule that no child saves KV computed from a block whose load failed
+pool, the one KV tensor of all layers (preferred only when every child
+prefers it, then given to each), each child class's Prometheus metrics. The rule that no child saves KV computed from a block whose load failed
 in another child goes through the base-class hooks
 (:meth:`~kvwire.connector.base.KVConnectorBase.load_errors_this_step`), so it
 holds for any child. Shutdown reaches every child even when one fails; each
@@ -73,8 +74,10 @@ from kvwire.connector.worker_steps import metadata_of_type
 from kvwire.connectors.multi._children import (
     any_child_requires_piecewise,
     child_config_error,
+    child_names,
     child_transfer_configs,
     children_kv_cache_layout,
+    children_prom_metrics,
     children_support_hma,
     validate_children,
 )
@@ -82,6 +85,7 @@ from kvwire.connectors.multi._records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorStats,
     MultiKVConnectorWorkerMetadata,
+    MultiPromMetrics,
     rebuild_child_stats,
 )
 from kvwire.connectors.multi.scheduler import MultiScheduler
@@ -124,9 +128,10 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
     ) -> None:
         super().__init__(config, role, kv_cache_config)
         self._children: list[KVConnectorBase] = []
-        self._child_names: list[str] = []
+        child_configs = child_transfer_configs(self.kv_transfer_config)
+        self._child_names = child_names(child_configs)
         try:
-            for index, child_config in enumerate(child_transfer_configs(self.kv_transfer_config)):
+            for index, child_config in enumerate(child_configs):
                 child_engine_config = attrs.evolve(config, kv_transfer_config=child_config)
                 try:
                     child = connector_builder(child_engine_config, role, kv_cache_config)
@@ -135,10 +140,6 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
                     # `kvwire check` and the engine report the same text.
                     raise child_config_error(index, error) from error
                 self._children.append(child)
-                name = str(child_config.kv_connector)
-                self._child_names.append(
-                    name if name not in self._child_names else f"{name}#{len(self._child_names)}"
-                )
         except BaseException:
             # The children built so far are released; their own shutdown
             # errors are logged, and the error that stopped the build is raised.
@@ -169,6 +170,13 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
             child.supports_divergent_local_hybrid_hits for child in self._children
         )
 
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """True when every child prefers one tensor of all layers: all of them are given it."""
+        return bool(self._children) and all(
+            child.prefer_cross_layer_blocks for child in self._children
+        )
+
     @classmethod
     def supports_hma_for_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
@@ -195,6 +203,19 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
         A child is named as in :meth:`get_kv_connector_stats`.
         """
         return rebuild_child_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: EngineConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> MultiPromMetrics:
+        """Each child class's metrics (built once per class), fed each child's counters."""
+        return MultiPromMetrics(
+            children_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
@@ -305,6 +326,10 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        worker = self._worker_half("register_cross_layers_kv_cache")
+        worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
 
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
         """The one child's memory pool context: the KV cache lives in one pool only."""

@@ -9,7 +9,7 @@ so the constructor and ``kvwire check`` report the same words.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -59,6 +59,43 @@ def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
         except (TypeError, ValueError) as error:
             raise ExtraConfigError(f"{where}: {error}") from error
     return configs
+
+
+def child_names(configs: Sequence[KVTransferConfig]) -> list[str]:
+    """Each child's name: its ``kv_connector``, with ``#<index>`` after a repeated one."""
+    names: list[str] = []
+    for config in configs:
+        name = str(config.kv_connector)
+        names.append(name if name not in names else f"{name}#{len(names)}")
+    return names
+
+
+def children_prom_metrics(
+    vllm_config: EngineConfig,
+    metric_types: dict[type, type],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> dict[str, Any]:
+    """Each child's Prometheus metrics by child name; one build per child class, as vLLM's.
+
+    A child whose class builds none (None) is left out.
+    """
+    assert vllm_config.kv_transfer_config is not None
+    configs = child_transfer_configs(vllm_config.kv_transfer_config)
+    built: dict[type, Any] = {}
+    by_child: dict[str, Any] = {}
+    for name, child_config in zip(child_names(configs), configs, strict=True):
+        child_cls = default_registry().resolve(child_config)
+        if child_cls not in built:
+            built[child_cls] = child_cls.build_prom_metrics(
+                attrs.evolve(vllm_config, kv_transfer_config=child_config),
+                metric_types,
+                labelnames,
+                per_engine_labelvalues,
+            )
+        if built[child_cls] is not None:
+            by_child[name] = built[child_cls]
+    return by_child
 
 
 def child_config_error(index: int, error: ValueError) -> ExtraConfigError:

@@ -115,3 +115,21 @@ def rebuild_child_stats(data: dict[str, Any] | None) -> MultiKVConnectorStats:
         if child_stats is not None:
             rebuilt[name] = child_stats
     return MultiKVConnectorStats(data=rebuilt)
+
+
+@attrs.frozen
+class MultiPromMetrics:
+    """Each child's Prometheus metrics, by child name (a class's built once, as vLLM builds them).
+
+    :meth:`observe` hands each child's counters, keyed by child name as
+    :meth:`~kvwire.connectors.multi.MultiConnector.get_kv_connector_stats`
+    keys them, to that child's metrics; a child whose class has none is left out.
+    """
+
+    by_child: dict[str, Any]
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, child_data in transfer_stats_data.items():
+            metrics = self.by_child.get(name)
+            if metrics is not None:
+                metrics.observe(child_data, engine_idx)

@@ -44,6 +44,11 @@ class MultiWorker:
         for child in self._children:
             child.register_kv_caches(kv_caches)
 
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        # Given only when every child prefers it (prefer_cross_layer_blocks).
+        for child in self._children:
+            child.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
         """The one child's memory pool context: the KV cache lives in one pool only."""
         found = [
