@@ -30,7 +30,8 @@ transfers, worker metadata) counts as nothing to report.
 Every optional hook of the base class reaches the children: preemptions and
 worker metadata (one entry per child), new requests, handshakes, the block
 pool, the one KV tensor of all layers (preferred only when every child
-prefers it, then given to each), each child class's Prometheus metrics. The rule that no child saves KV computed from a block whose load failed
+prefers it, then given to each), each child class's Prometheus metrics.
+The rule that no child saves KV computed from a block whose load failed
 in another child goes through the base-class hooks
 (:meth:`~kvwire.connector.base.KVConnectorBase.load_errors_this_step`), so it
 holds for any child. Shutdown reaches every child even when one fails; each
