@@ -27,7 +27,9 @@ from typing import TextIO
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.connector.base import KVConnectorBase, validates_extra_config
 from kvwire.exceptions import KVWireError, kind_of
+from kvwire.extra_config import ExtraConfigError
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
+from kvwire.plugin_calls import plugin_message
 from kvwire.profile import profile_origin, read_profile_file, structure_engine_config
 from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
@@ -221,7 +223,16 @@ def _check_lines(
         lines.append(constructor)
     # After the children were resolved, so that a child that cannot be
     # resolved is reported as _child_lines words it.
-    connector_cls.validate_extra_config(transfer, registry.resolve)
+    try:
+        connector_cls.validate_extra_config(transfer, registry.resolve)
+    except _USER_ERRORS:
+        raise
+    except Exception as error:
+        # A plug-in's hook that raises anything else: its error, not a traceback of check's.
+        raise ExtraConfigError(
+            f"kv_connector_extra_config: {connector_cls.__name__}.validate_extra_config raised "
+            f"{plugin_message(error)}"
+        ) from None
     lines.append(extra_config)
     lines.append(
         f"kv_role: {transfer.kv_role} (producer: {_yes(transfer.is_kv_producer)}, "

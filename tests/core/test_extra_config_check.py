@@ -43,12 +43,26 @@ class StrictConnector(RecordingConnector):
                 raise ValueError(f"kv_connector_extra_config.{key}: not an option; only colour")
 
 
+class CrashingConnector(RecordingConnector):
+    """A third-party connector whose hook raises what no check expects, quoting a secret."""
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        raise RuntimeError(f"cannot reach redis://u:{SECRET}@h " + "x" * 100_000)
+
+
+SECRET = "hunter2-secret"
+
+
 @pytest.fixture
 def registry() -> ConnectorRegistry:
     """kvwire's connectors, plus a third-party one with the hook and one without."""
     registry = ConnectorRegistry(entry_point_group=None)
     registry.register_connector("RecordingConnector", SAMPLES, "RecordingConnector")
     registry.register_connector("StrictConnector", __name__, "StrictConnector")
+    registry.register_connector("CrashingConnector", __name__, "CrashingConnector")
     return registry
 
 
@@ -502,3 +516,17 @@ def test_a_huge_bad_value_is_shown_cut_with_its_size() -> None:
         f"kv_connector_extra_config.n: '{'9' * 79}... (a str of 1000000 characters) is not "
         "accepted by Some; expected an integer >= 0"
     )
+
+
+def test_a_plugin_hook_that_raises_is_an_error_naming_it_bounded_and_redacted(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, out, error = check(tmp_path, {"kv_connector": "CrashingConnector"}, registry)
+
+    assert (status, out) == (1, "")
+    assert error.startswith(
+        "kv_connector_extra_config: CrashingConnector.validate_extra_config raised "
+        "RuntimeError: cannot reach redis://u:***@h"
+    ), error
+    assert SECRET not in error
+    assert len(error) < 600
