@@ -25,7 +25,7 @@ _Result = TypeVar("_Result")
 LONGEST_REFUSAL = 1000
 
 
-def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 2) -> str:
+def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
     """``error``'s type and message, redacted, then cut to about ``limit`` characters."""
     text = redact_text(str(error))
     if len(text) > limit:

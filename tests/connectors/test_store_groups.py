@@ -20,6 +20,7 @@ from kvwire.connector.types import BlockHash
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
+from kvwire.extra_config import ExtraConfigError
 from kvwire.media.directory import DirectoryMedium
 from kvwire.media.directory._store import DirectoryBlockStore
 from kvwire.media.store._handler import StoreWorker
@@ -88,9 +89,11 @@ def test_a_store_key_taking_no_group_is_refused_on_a_hybrid_cache(
         {"shared_storage_path": str(storage_dir), "medium": KEYED_BY_HASH_ONLY},
     )
     with pytest.raises(
-        TypeError,
-        match=r"^_KeyedByHashOnly\.store_key takes only a block hash, and this kv_cache_config "
-        r"has 2 KV cache groups; expected store_key\(block_hash, group\)",
+        ExtraConfigError,
+        match=r"^kv_connector_extra_config\.medium: _KeyedByHashOnly\(\) raised TypeError: "
+        r"_KeyedByHashOnly\.store_key takes only a block hash, and this kv_cache_config "
+        r"has 2 KV cache groups; expected store_key\(block_hash, group\).*"
+        r"disable_hybrid_kv_cache_manager: true\)$",
     ):
         SharedStorageConnector(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())
 
