@@ -19,7 +19,8 @@ wins, as:
    index files, remote code) and of each weight file's name, size and a
    fixed sample of its bytes (the start, where safetensors keeps its tensor
    table, the end, and evenly spaced pieces between): a few MiB read per
-   file, however large;
+   file, however large. A directory with no weight file of a format known
+   here has every file digested so;
 4. a hub id: its revision when that is a commit hash, else the commit the
    local hub cache says the revision (``main`` by default) was downloaded
    at; an id whose commit cannot be found locally is refused
@@ -48,7 +49,7 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 # Read whole: small, and any change in them changes what the weights compute.
 _CONFIG_FILES = frozenset({"config.json", "params.json"})
 _CONFIG_SUFFIXES = (".index.json", ".py")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors")
 # A file up to this size is read whole; past it, sampled.
 WHOLE_FILE_BYTES = 4 * 1024 * 1024
 HEAD_BYTES = 1024 * 1024
@@ -158,7 +159,12 @@ def weights_digest(path: str) -> str:
     digest = hashlib.sha256(_DIGEST_VERSION)
     try:
         if os.path.isdir(path):
-            names = sorted(name for name in os.listdir(path) if _counts(name))
+            listed = sorted(os.listdir(path))
+            names = [name for name in listed if _counts(name)]
+            if not any(name.endswith(_WEIGHT_SUFFIXES) for name in names):
+                # No weight file of a format known here: every file counts,
+                # so that no other format's weights are left out.
+                names = [name for name in listed if not name.startswith(".")]
             files = [(name, os.path.join(path, name)) for name in names]
             # A dangling link among them raises here: a model kvwire cannot read whole.
             files = [(name, full) for name, full in files if not os.path.isdir(full)]

@@ -100,6 +100,17 @@ def test_the_tokenizer_and_other_files_take_no_part(tmp_path: pathlib.Path) -> N
     assert model_identity(str(original)) == model_identity(str(other))
 
 
+def test_weights_of_a_format_not_known_here_are_digested_too(tmp_path: pathlib.Path) -> None:
+    identities = set()
+    for name, weights in (("a", b"one model"), ("b", b"another model")):
+        model = tmp_path / name
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+        (model / "weights.npz").write_bytes(weights)
+        identities.add(model_identity(str(model)))
+    assert len(identities) == 2
+
+
 def test_sampling_reads_a_few_mib_whatever_the_size() -> None:
     for size in (WHOLE_FILE_BYTES + 1, 100 * 1024**3, 2**50):
         ranges = sample_ranges(size)
