@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,bench,test,docs]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,bench,test,docs]'
 	touch $(STAMP)
 
 run: $(STAMP)

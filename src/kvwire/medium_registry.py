@@ -42,6 +42,7 @@ MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
 BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
     "cpu_pool": ("kvwire.media.cpu_pool", "CPUPoolMedium"),
     "directory": ("kvwire.media.directory", "DirectoryMedium"),
+    "peer": ("kvwire.media.peer", "PeerMedium"),
     "redis": ("kvwire.media.redis", "RedisMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""

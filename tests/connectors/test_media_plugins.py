@@ -160,7 +160,7 @@ def test_overriding_a_medium_in_the_registry_reaches_the_connectors_it_builds():
 @pytest.mark.parametrize(
     ("medium", "reason"),
     [
-        ("tape", r"unknown medium 'tape'; expected one of cpu_pool, directory, redis"),
+        ("tape", r"unknown medium 'tape'; expected one of cpu_pool, directory, peer, redis"),
         (
             "kvwire.media.base:MediumContext",
             r"medium 'kvwire.media.base:MediumContext' is <class .*MediumContext'>, not a class",

@@ -190,9 +190,15 @@ def test_connectors_lists_the_media_after_the_connectors(registry: ConnectorRegi
 
     media = out.getvalue().split("\n\n")[1].splitlines()
     assert media[0].split() == ["MEDIUM", "SOURCE", "MODULE"]
-    assert [line.split()[0] for line in media[1:]] == ["cpu_pool", "directory", "redis", "tape"]
+    assert [line.split()[0] for line in media[1:]] == [
+        "cpu_pool",
+        "directory",
+        "peer",
+        "redis",
+        "tape",
+    ]
     assert media[1].split(maxsplit=1)[1].split() == ["built", "in", CPU_POOL]
-    assert media[4].endswith("registered at run time  tape_medium:TapeMedium")
+    assert media[5].endswith("registered at run time  tape_medium:TapeMedium")
 
 
 def test_connectors_with_resolve_says_whether_each_supports_hma(

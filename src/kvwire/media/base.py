@@ -53,6 +53,8 @@ class MediumContext:
     """The engine's KV cache groups, in group order."""
     layout: BlockLayout
     """The layout of one entry of any group (one block of every layer of a group)."""
+    engine_id: str = ""
+    """The engine's ``kv_transfer_config.engine_id``: the same in both roles and every process."""
 
 
 class MediumIndex(abc.ABC):

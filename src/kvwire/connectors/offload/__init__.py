@@ -115,7 +115,13 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         )
         check_cache_layout(layout, kv_cache_config)
         medium_cls, options = self.read_options(self.kv_transfer_config, medium_resolver)
-        context = MediumContext(type(self).__name__, options, groups, layout)
+        context = MediumContext(
+            type(self).__name__,
+            options,
+            groups,
+            layout,
+            engine_id=self.kv_transfer_config.engine_id,
+        )
         self._medium = call_plugin(
             MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
         )

@@ -38,6 +38,11 @@ class PoolSlots:
         payload = self._raw[:, HEADER_SIZE:].view(DTYPES[layout.dtype].torch_dtype())
         self._payloads = payload.view(num_slots, *layout.shape)
 
+    @property
+    def memory(self) -> torch.Tensor:
+        """The whole allocation, ``[num_slots, entry_bytes]`` bytes (to register for RDMA)."""
+        return self._raw
+
     def entry(self, slot: int) -> memoryview:
         """The whole entry (header and payload) of ``slot``."""
         return self._views[slot]

@@ -1,0 +1,454 @@
+"""The peer medium's worker side: its pool exposed to NIXL, and loads pulled from any peer.
+
+Saves are the CPU pool's (:class:`~kvwire.media.cpu_pool._handler.CPUPoolWorker`
+copies blocks into this worker's pool slots). The pool and a staging area
+are registered with a NIXL agent named after this peer, and the agent's
+record is published in the directory and refreshed every
+``peer_heartbeat_s`` (it expires after three of them unrefreshed).
+
+A load asks the directory where each of its blocks is (one round trip per
+transfer), then pulls each entry, header and payload, into staging: with
+one NIXL read per peer holding some of them, or a copy from this worker's
+own pool. Each staged entry is verified (layout fingerprint, block hash,
+checksum) and only then scattered into the KV cache. So bytes that moved
+under the read (the holder evicted the block and reused the slot, or is
+writing it right now) are refused, never loaded: a block refused, missing,
+or on a peer that is gone or slower than ``transfer_timeout_s`` is a load
+error, computed again. A read that failed withdraws the entries it relied
+on from the directory (only while they still name the same slot and
+generation), and a peer with no live record is forgotten.
+
+Counts reported with the stats, beside the pool's: ``peer_blocks_pulled``
+and ``peer_bytes_pulled`` (blocks loaded from another peer over NIXL),
+``peer_blocks_local`` (from this worker's own pool), ``peer_lookup_misses``
+(no entry any more at load time), ``peer_read_failures`` (blocks on a peer
+that could not be read: no live record, NIXL error, deadline),
+``peer_stale_entries`` (pulled bytes that were not the block) and
+``peer_entries_withdrawn``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence, Set
+
+import attrs
+
+from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
+from kvwire.blocks.paged_cache import PagedKVCaches, copy_on_this_thread_only
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.counters import Counters
+from kvwire.media._job_threads import JobThreads
+from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media.base import TransferHandler
+from kvwire.media.cpu_pool._handler import CPUPoolWorker
+from kvwire.media.cpu_pool._slots import PoolSlots
+from kvwire.media.peer._agent import PeerAgent
+from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
+
+logger = logging.getLogger(__name__)
+
+
+class _LoadJob(TransferJob):
+    """The loads of one request in one step (every KV cache group's), pulled by one thread."""
+
+    def __init__(self, request_id: str, transfers: list[BlockTransfer], deadline: float) -> None:
+        super().__init__(deadline)
+        self.request_id = request_id
+        self.transfers = transfers
+        self.failed: list[int] = []
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [block_id for transfer in self.transfers for block_id in transfer.block_ids]
+
+
+@attrs.frozen
+class PeerWorkerSettings:
+    peer: str
+    staging_blocks: int
+    io_threads: int
+    transfer_timeout_s: float
+    heartbeat_s: float
+
+
+class PeerWorker(TransferHandler):
+    """This peer's pool (saves), its NIXL agent, and loads from whichever peer holds a block."""
+
+    def __init__(
+        self,
+        *,
+        layouts: Sequence[BlockLayout],
+        caches: Sequence[PagedKVCaches],
+        num_slots: int,
+        counters: Counters,
+        directory: PeerDirectory,
+        settings: PeerWorkerSettings,
+    ) -> None:
+        self._layouts = tuple(layouts)
+        self._caches = tuple(caches)
+        self._layout = self._layouts[0]
+        self._fingerprints = tuple(layout.fingerprint_hex for layout in layouts)
+        self._settings = settings
+        self._counters = counters
+        self._directory = directory
+        self._warn = RateLimitedWarning(logger)
+        self._pool = CPUPoolWorker(
+            layouts=layouts,
+            caches=caches,
+            num_slots=num_slots,
+            io_threads=settings.io_threads,
+            counters=counters,
+            transfer_timeout_s=settings.transfer_timeout_s,
+        )
+        # One staging region per load thread: a thread pulls a run of at most
+        # staging_blocks entries into its region, verifies, scatters, repeats.
+        self._regions_free: queue.Queue[int] = queue.Queue()
+        self._staging = [
+            PoolSlots(self._layout, settings.staging_blocks) for _ in range(settings.io_threads)
+        ]
+        for region in range(settings.io_threads):
+            self._regions_free.put(region)
+        self._agent = PeerAgent(
+            settings.peer, [self._pool.pool.memory, *(s.memory for s in self._staging)]
+        )
+        self._record = PeerRecord(
+            agent_metadata=self._agent.metadata,
+            base_address=self._pool.pool.memory.data_ptr(),
+            entry_bytes=self._layout.entry_bytes,
+            num_slots=num_slots,
+        )
+        self._threads = JobThreads(
+            settings.io_threads, "kvwire-peer-load", copy_on_this_thread_only
+        )
+        self._changed = threading.Condition()
+        self._sync_loads: list[_LoadJob] = []
+        self._async_loads: dict[str, _LoadJob] = {}
+        self._load_errors: set[int] = set()
+        self._stop = threading.Event()
+        if not directory.publish_peer(settings.peer, self._record):
+            logger.warning("peer medium: peer %r could not publish its record yet", settings.peer)
+        self._heartbeat = threading.Thread(
+            target=self._keep_record, name="kvwire-peer-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    # -------------------------------------------------------------- saves
+
+    def save(self, saves: Sequence[BlockTransfer]) -> None:
+        self._pool.save(saves)
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        request_ids = list(request_ids)
+        # A preempted request's asynchronous load must not write blocks about to be reused.
+        for request_id in request_ids:
+            with self._changed:
+                job = self._async_loads.get(request_id)
+            if job is not None:
+                # Reported with take_finished_loads, which finds it ended or given up on.
+                self._load_errors.update(self._wait_out(job))
+        return self._pool.release_saves_reading(request_ids, block_ids)
+
+    def is_busy(self, request_id: str) -> bool:
+        with self._changed:
+            loading = request_id in self._async_loads
+        return loading or self._pool.is_busy(request_id)
+
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
+        return self._pool.wait_for_saves(timeout_s)
+
+    # -------------------------------------------------------------- loads
+
+    def start_loads(
+        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        deadline = time.monotonic() + self._settings.transfer_timeout_s
+        for request_id, transfers in _by_request(loads).items():
+            job = _LoadJob(request_id, transfers, deadline)
+            self._sync_loads.append(job)
+            job.future = self._threads.submit(self._run, job)
+        for request_id, transfers in _by_request(async_loads).items():
+            job = _LoadJob(request_id, transfers, deadline)
+            with self._changed:
+                self._async_loads[request_id] = job
+            job.future = self._threads.submit(self._run, job)
+
+    def wait_for_loads(self) -> None:
+        pending, self._sync_loads = self._sync_loads, []
+        for job in pending:
+            self._load_errors.update(self._wait_out(job))
+
+    def _wait_out(self, job: _LoadJob) -> list[int]:
+        """Wait for ``job`` until its deadline; its failed block ids (all of it if given up on)."""
+        if job.future is not None:
+            concurrent.futures.wait([job.future], timeout=max(0.0, job.deadline - time.monotonic()))
+        if job.abandon():
+            blocks = job.block_ids
+            self._counters.add_many({"load_errors": len(blocks), "load_timeouts": len(blocks)})
+            self._warn.warn(
+                "load-timeout",
+                "peer medium: a load of %d blocks still running after %g s "
+                "(transfer_timeout_s): load errors, computed again",
+                len(blocks),
+                self._settings.transfer_timeout_s,
+            )
+            return blocks
+        return job.failed
+
+    def take_finished_loads(self) -> set[str]:
+        now = time.monotonic()
+        with self._changed:
+            done = [
+                job
+                for job in self._async_loads.values()
+                if job.ended or job.deadline <= now or job.never_ran()
+            ]
+            for job in done:
+                del self._async_loads[job.request_id]
+        for job in done:
+            self._load_errors.update(self._wait_out(job))
+        return {job.request_id for job in done}
+
+    def load_errors_so_far(self) -> set[int]:
+        return set(self._load_errors)
+
+    def take_load_errors(self) -> set[int]:
+        self.wait_for_loads()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _run(self, job: _LoadJob) -> None:
+        started = time.perf_counter()
+        failed: list[int] = []
+        loaded = 0
+        try:
+            for transfer in job.transfers:
+                loaded_here, failed_here = self._load_transfer(job, transfer)
+                loaded += loaded_here
+                failed.extend(failed_here)
+        except JobAbandoned:
+            return  # every block of it was reported failed
+        except Exception:
+            logger.exception("peer medium: load of request %r failed", job.request_id[:64])
+            failed = job.block_ids
+            loaded = 0
+        job.failed = failed
+        if not job.end():
+            return
+        self._counters.add_many(
+            {
+                "blocks_loaded": loaded,
+                "bytes_loaded": loaded * self._layout.payload_bytes,
+                "load_errors": len(failed),
+                "load_seconds": time.perf_counter() - started,
+            }
+        )
+
+    def _load_transfer(self, job: _LoadJob, transfer: BlockTransfer) -> tuple[int, list[int]]:
+        """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
+        fingerprint = self._fingerprints[transfer.group]
+        keys = [self._directory.entry_key(fingerprint, h) for h in transfer.block_hashes]
+        locations = self._directory.look_up(keys)
+        region = self._take_region(job.deadline)
+        if region is None:
+            return 0, list(transfer.block_ids)
+        staging = self._staging[region]
+        loaded = 0
+        failed: list[int] = []
+        keep_region = True
+        try:
+            size = staging.num_slots
+            for start in range(0, len(transfer.block_ids), size):
+                stop = min(start + size, len(transfer.block_ids))
+                done, failed_here, keep_region = self._load_run(
+                    job, transfer, keys, locations, range(start, stop), staging, region
+                )
+                loaded += done
+                failed.extend(failed_here)
+                if not keep_region:
+                    # The rest has no staging to land in: computed again.
+                    failed.extend(transfer.block_ids[stop:])
+                    break
+        finally:
+            if keep_region:
+                self._regions_free.put(region)
+        return loaded, failed
+
+    def _take_region(self, deadline: float) -> int | None:
+        self._agent.reap()
+        try:
+            return self._regions_free.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+
+    def _load_run(
+        self,
+        job: _LoadJob,
+        transfer: BlockTransfer,
+        keys: Sequence[str],
+        locations: Sequence[Location | None],
+        run: range,
+        staging: PoolSlots,
+        region: int,
+    ) -> tuple[int, list[int], bool]:
+        """One run of blocks through ``staging``; (loaded, failed ids, staging still ours)."""
+        layout = self._layouts[transfer.group]
+        caches = self._caches[transfer.group]
+        by_peer: dict[str, list[int]] = {}
+        staged: list[int] = []  # indices into the transfer whose bytes are in staging
+        failed: list[int] = []
+        for index in run:
+            location = locations[index]
+            if location is None:
+                self._counters.add("peer_lookup_misses")
+                failed.append(transfer.block_ids[index])
+            else:
+                by_peer.setdefault(location.peer, []).append(index)
+        keep_region = True
+        for peer, indices in by_peer.items():
+            # Staging slot of the transfer's index-th block: its place in the run.
+            if peer == self._settings.peer:
+                for index in indices:
+                    slot = locations[index].slot  # type: ignore[union-attr]
+                    if 0 <= slot < self._pool.pool.num_slots:
+                        staging.memory[index - run.start].copy_(self._pool.pool.memory[slot])
+                        staged.append(index)
+                    else:
+                        failed.append(transfer.block_ids[index])
+                continue
+            ok, keep_region = self._pull(peer, indices, locations, staging, region, run.start, job)
+            if ok:
+                staged += indices
+            else:
+                self._counters.add("peer_read_failures", len(indices))
+                failed += [transfer.block_ids[index] for index in indices]
+                self._withdraw([(keys[i], locations[i]) for i in indices])
+            if not keep_region:
+                failed += [
+                    transfer.block_ids[i]
+                    for other, rest in by_peer.items()
+                    if other != peer
+                    for i in rest
+                    if i not in staged
+                ]
+                break
+        if not keep_region:
+            # A read into this staging may still land: nothing of it is used.
+            return 0, sorted(set(failed) | {transfer.block_ids[i] for i in staged}), False
+        verified_ids: list[int] = []
+        verified_slots: list[int] = []
+        stale: list[tuple[str, Location | None]] = []
+        pulled = local = 0
+        for index in sorted(staged):
+            block_id = transfer.block_ids[index]
+            try:
+                verify_entry(staging.entry(index - run.start), layout, transfer.block_hashes[index])
+                caches.check_block_id(block_id)
+            except (CorruptBlockError, IndexError) as error:
+                self._warn.warn("stale", "peer medium: not loading a pulled block: %s", error)
+                self._counters.add("peer_stale_entries")
+                stale.append((keys[index], locations[index]))
+                failed.append(block_id)
+                continue
+            verified_ids.append(block_id)
+            verified_slots.append(index - run.start)
+            if locations[index].peer == self._settings.peer:  # type: ignore[union-attr]
+                local += 1
+            else:
+                pulled += 1
+        self._withdraw(stale)
+        with job.lock:
+            job.check()
+            caches.scatter_many(staging.payloads, verified_slots, verified_ids)
+        self._counters.add_many(
+            {
+                "peer_blocks_pulled": pulled,
+                "peer_bytes_pulled": pulled * layout.entry_bytes,
+                "peer_blocks_local": local,
+            }
+        )
+        return len(verified_ids), failed, True
+
+    def _pull(
+        self,
+        peer: str,
+        indices: Sequence[int],
+        locations: Sequence[Location | None],
+        staging: PoolSlots,
+        region: int,
+        run_start: int,
+        job: _LoadJob,
+    ) -> tuple[bool, bool]:
+        """Read these blocks from ``peer`` into staging; (all arrived, staging still ours)."""
+        record = self._directory.fetch_peer(peer)
+        if record is None or record.entry_bytes != self._layout.entry_bytes:
+            # Gone (its record expired or never was), or of another layout.
+            self._agent.forget(peer)
+            return False, True
+        if not self._agent.knows(peer, record.agent_metadata):
+            return False, True
+        base = staging.memory.data_ptr()
+        entry_bytes = self._layout.entry_bytes
+        pieces = []
+        for index in indices:
+            remote = record.slot_address(locations[index].slot)  # type: ignore[union-attr]
+            if remote is None:
+                return False, True
+            pieces.append((base + (index - run_start) * entry_bytes, remote))
+        status = self._agent.read(
+            peer,
+            pieces,
+            entry_bytes,
+            min(job.deadline, time.monotonic() + self._settings.transfer_timeout_s),
+            on_late_end=lambda: self._regions_free.put(region),
+        )
+        if status == "done":
+            return True, True
+        self._agent.forget(peer)
+        return False, status != "late"
+
+    def _withdraw(self, entries: Sequence[tuple[str, Location | None]]) -> None:
+        present = [(key, location) for key, location in entries if location is not None]
+        withdrawn = self._directory.withdraw(present)
+        if withdrawn:
+            self._counters.add("peer_entries_withdrawn", withdrawn)
+
+    # -------------------------------------------------------------- upkeep
+
+    def _keep_record(self) -> None:
+        while not self._stop.wait(self._settings.heartbeat_s):
+            self._directory.publish_peer(self._settings.peer, self._record)
+
+    def take_counters(self) -> dict[str, float]:
+        failures = self._directory.take_failures()
+        return {"peer_directory_failures": failures} if failures else {}
+
+    def close(self) -> None:
+        """Stop announcing this peer, let the transfers end, then release NIXL and the pool."""
+        self._stop.set()
+        self._directory.withdraw_peer(self._settings.peer)
+        self.wait_for_loads()
+        with self._changed:
+            async_jobs = list(self._async_loads.values())
+            self._async_loads.clear()
+        for job in async_jobs:
+            self._wait_out(job)
+        self._threads.shutdown()
+        self._pool.close()
+        self._heartbeat.join(timeout=self._settings.heartbeat_s + 1)
+        self._agent.close()
+        self._directory.close()
+
+
+def _by_request(transfers: Sequence[BlockTransfer]) -> dict[str, list[BlockTransfer]]:
+    grouped: dict[str, list[BlockTransfer]] = {}
+    for transfer in transfers:
+        grouped.setdefault(transfer.request_id, []).append(transfer)
+    return grouped

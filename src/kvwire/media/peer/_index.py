@@ -1,0 +1,129 @@
+"""The peer medium's scheduler side: its own pool's slots, and the shared directory.
+
+The engine's own saves go to its CPU pool exactly as the CPU pool medium's
+do (the same index decides slots and evicts the least recently used); once
+a save completed, its blocks are announced in the directory under this
+peer's name with their slot and that slot's *generation* (how many times
+the slot was given out), and blocks evicted are withdrawn. Lookups ask the
+directory alone, once per request and KV cache group: a block counts when
+some peer (this one included) announced it.
+
+Loads read by key (:meth:`PeerIndex.prepare_load` gives no slots): the
+worker asks the directory again where each block is and verifies every
+byte it pulls, since a peer's slot may be reused at any time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvwire.blocks.format import BlockLayout
+from kvwire.connector.types import BlockHash, BlockRemoved
+from kvwire.media.cpu_pool._index_half import _CPUPoolIndexHalf
+from kvwire.media.peer._directory import Location, PeerDirectory
+
+
+class PeerIndex(_CPUPoolIndexHalf):
+    """This peer's pool index over ``num_slots`` slots, announcing its blocks in ``directory``."""
+
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        layouts: Sequence[BlockLayout],
+        medium: str,
+        peer: str,
+        directory: PeerDirectory,
+    ) -> None:
+        super().__init__(num_slots, len(layouts), medium)
+        self._fingerprints = tuple(layout.fingerprint_hex for layout in layouts)
+        self._peer = peer
+        self._directory = directory
+        self._generations = [0] * num_slots
+        # (group, hash) -> where its store writes it / where it was announced.
+        self._storing: dict[tuple[int, BlockHash], Location] = {}
+        self._announced: dict[tuple[int, BlockHash], Location] = {}
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """How many blocks, from the first, some peer announced; one directory round trip."""
+        fingerprint = self._fingerprints[group]
+        keys = [self._directory.entry_key(fingerprint, block_hash) for block_hash in block_hashes]
+        count = 0
+        for location in self._directory.look_up(keys):
+            if location is None:
+                break
+            count += 1
+        return count
+
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """Nothing to pin: the worker finds each block by key, and verifies what it pulls."""
+        return ()
+
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        """Nothing to unpin; the worker withdrew the entries it found stale."""
+
+    def prepare_store(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        placed = super().prepare_store(group, block_hashes)
+        for block_hash, slot in placed:
+            assert slot is not None
+            self._generations[slot] += 1
+            self._storing[group, block_hash] = Location(self._peer, slot, self._generations[slot])
+        return placed
+
+    def complete_store(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        """Made: announced (after the pool marks them hits). Not made: their slots are freed."""
+        locations = [self._storing.pop((group, block_hash), None) for block_hash in block_hashes]
+        super().complete_store(group, block_hashes, success=success)
+        if not success:
+            return
+        fingerprint = self._fingerprints[group]
+        entries = []
+        for block_hash, location in zip(block_hashes, locations, strict=True):
+            if location is not None:
+                self._announced[group, block_hash] = location
+                entries.append((self._directory.entry_key(fingerprint, block_hash), location))
+        self._directory.announce(entries)
+
+    def _record_evictions(self) -> int:
+        """The pool's removed events, and the removed blocks withdrawn from the directory."""
+        first_new = len(self._events)
+        count = super()._record_evictions()
+        withdrawn = []
+        for event in self._events[first_new:]:
+            if not isinstance(event, BlockRemoved):
+                continue
+            group = event.group or 0
+            fingerprint = self._fingerprints[group]
+            for block_hash in event.block_hashes:
+                location = self._announced.pop((group, block_hash), None)
+                if location is not None:
+                    key = self._directory.entry_key(fingerprint, block_hash)
+                    withdrawn.append((key, location))
+        # Before the slots are handed to new stores: a reader then finds no entry,
+        # rather than one whose bytes are being overwritten (which it would refuse).
+        self._directory.withdraw(withdrawn)
+        return count
+
+    def take_counters(self) -> dict[str, int]:
+        counters = dict(super().take_counters())
+        failures = self._directory.take_failures()
+        if failures:
+            counters["peer_directory_failures"] = failures
+        return counters
+
+    def close(self) -> None:
+        """Withdraw every block this peer announced, then drop the connections."""
+        self._directory.withdraw(
+            [
+                (self._directory.entry_key(self._fingerprints[group], block_hash), location)
+                for (group, block_hash), location in self._announced.items()
+            ]
+        )
+        self._announced.clear()
+        self._directory.close()
