@@ -108,6 +108,7 @@ _DEFINED_ELSEWHERE = {
     "LateWriteError": "kvwire.media.store.base",
     "MacKeyError": "kvwire.blocks.mac",
     "ModelIdentityError": "kvwire.model_identity",
+    "NIXLUnavailableError": "kvwire.media.peer._agent",
     "ProfileYAMLError": "kvwire.profile_yaml",
     "RedisSettingsError": "kvwire.media.redis._settings",
     "RoleViolationError": "kvwire.testing.instruments",
@@ -123,6 +124,7 @@ if TYPE_CHECKING:
     from kvwire.engine.worker_process import WorkerProcessError
     from kvwire.extra_config import ExtraConfigError, ValueRefused
     from kvwire.media._transfer_jobs import JobAbandoned
+    from kvwire.media.peer._agent import NIXLUnavailableError
     from kvwire.media.redis._settings import RedisSettingsError
     from kvwire.media.redis._wire import DeadlineExceeded
     from kvwire.media.store.base import LateWriteError
@@ -145,6 +147,7 @@ __all__ = [
     "LateWriteError",
     "MacKeyError",
     "ModelIdentityError",
+    "NIXLUnavailableError",
     "NotAConnectorError",
     "ProfileError",
     "ProfileYAMLError",
