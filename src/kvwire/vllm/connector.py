@@ -12,7 +12,8 @@ call vLLM makes is passed on, translated where the two interfaces differ:
   (:mod:`kvwire.vllm.scheduler_bridge`); events as vLLM's ``BlockStored`` /
   ``BlockRemoved`` (:mod:`kvwire.vllm.events`);
 - worker side: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
-  byte ranges; ``handle_preemptions`` before the forward pass (vLLM starts
+  byte ranges, on I/O threads free to run off the model's pinned cores
+  (:mod:`kvwire.vllm.cores`); ``handle_preemptions`` before the forward pass (vLLM starts
   loads after it when the step has no synchronous load); stats as
   :class:`~kvwire.vllm.stats.KVWireStats`.
 
@@ -82,6 +83,7 @@ from kvwire.vllm.config_bridge import (
     read_kvwire_profile,
     run_container_hook,
 )
+from kvwire.vllm.cores import threads_started_on_engine_cores
 from kvwire.vllm.events import BlockTokens, KVWireKVEvents
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
@@ -135,7 +137,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
             run_container_hook(hook, self.container)
         if has_hybrid_groups(kvwire_cache_config):
             _require_wrapped_hma(self.container, kvwire_cache_config)
-        self.connector: KVConnectorBase = self.container.connector()
+        with threads_started_on_engine_cores():  # see kvwire.vllm.cores
+            self.connector: KVConnectorBase = self.container.connector()
         self._hybrid = has_hybrid_groups(kvwire_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
@@ -164,7 +167,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.connector.register_kv_caches(kv_caches)
+        # The wrapped connector starts its I/O threads here.
+        with threads_started_on_engine_cores():
+            self.connector.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.connector.handle_preemptions(_inner(kv_connector_metadata))
