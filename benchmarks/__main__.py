@@ -13,10 +13,23 @@ import json
 import pathlib
 import sys
 
-BENCHMARKS = ("engine", "connectors", "memory", "hybrid", "redis", "redis-cluster", "mac", "vllm")
-# vllm needs vLLM, which lives in its own venv (.venv-vllm): run it by name there.
+BENCHMARKS = (
+    "engine",
+    "connectors",
+    "memory",
+    "hybrid",
+    "redis",
+    "redis-cluster",
+    "mac",
+    "vllm",
+    "serve",
+)
+# vllm and serve need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
+NEEDS_VLLM = ("vllm", "serve")
 DEFAULT_BENCHMARKS = tuple(
-    name for name in BENCHMARKS if name != "vllm" or importlib.util.find_spec("vllm") is not None
+    name
+    for name in BENCHMARKS
+    if name not in NEEDS_VLLM or importlib.util.find_spec("vllm") is not None
 )
 
 

@@ -1,0 +1,103 @@
+"""The serving benchmark's bookkeeping: the counters it reads from ``/metrics``, its ratios
+against the limit's run of the same seed, the fleet's figures and the README's table.
+
+The servers and vLLM's client run only in the benchmark itself (``--only serve``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import serve
+
+METRICS = """\
+# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="/m",source="local_compute"} 2048.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="/m",source="local_cache_hit"} 512.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="/m",source="external_kv_transfer"} 1024.0
+vllm:prompt_tokens_by_source_created{engine="0",model_name="/m",source="local_compute"} 1.7e9
+vllm:prompt_tokens_total{engine="0",model_name="/m"} 3584.0
+vllm:prefix_cache_hits_total{engine="0",model_name="/m"} 512.0
+vllm:kvwire_blocks_loaded_total{engine="0",model_name="/m"} 6.0
+vllm:kvwire_blocks_loaded_total{engine="1",model_name="/m"} 2.0
+vllm:kvwire_blocks_loaded_created{engine="0",model_name="/m"} 1.7e9
+vllm:generation_tokens_total{engine="0",model_name="/m"} 99.0
+"""
+
+
+def test_counters_are_read_by_source_summed_over_series_and_creation_times_left_out() -> None:
+    assert serve.counters_of(METRICS) == {
+        "prompt_tokens_local_compute": 2048.0,
+        "prompt_tokens_local_cache_hit": 512.0,
+        "prompt_tokens_external_kv_transfer": 1024.0,
+        "prompt_tokens": 3584.0,
+        "prefix_cache_hits": 512.0,
+        "kvwire_blocks_loaded": 8.0,
+    }
+
+
+def a_run(seed: int, throughput: float, ttft: float, computed: list[float]) -> dict[str, Any]:
+    figures = dict.fromkeys(serve.CLIENT_FIGURES, 1.0)
+    figures.update(request_throughput=throughput, mean_ttft_ms=ttft, p99_ttft_ms=2 * ttft)
+    figures["failed"] = 0
+    return {
+        "seed": seed,
+        "client": figures,
+        "first_errors": [],
+        "generated_texts": ["a", "b", f"seed {seed}"],
+        "servers": [{"prompt_tokens_local_compute": tokens} for tokens in computed],
+    }
+
+
+def summary() -> dict[str, Any]:
+    single = {
+        name: [a_run(0, 2.0, 100.0, [1000.0]), a_run(1, 2.0, 100.0, [900.0])]
+        for name in serve.SINGLE
+    }
+    single[serve.LIMIT] = [a_run(0, 4.0, 50.0, [1000.0]), a_run(1, 5.0, 40.0, [900.0])]
+    single["kvwire Redis"][1]["generated_texts"][0] = "another"
+    fleet = {
+        name: [a_run(0, 3.0, 80.0, [600.0, 600.0]), a_run(1, 3.0, 80.0, [450.0, 450.0])]
+        for name in serve.FLEET
+    }
+    fleet[serve.FLEET_NONE] = [
+        a_run(0, 1.5, 200.0, [1500.0, 1500.0]),
+        a_run(1, 2.0, 150.0, [1400.0, 1400.0]),
+    ]
+    return serve.summarize(serve.QUICK, single, fleet)
+
+
+def test_each_run_is_set_against_the_limit_s_run_of_the_same_seed() -> None:
+    redis = summary()["configurations"]["kvwire Redis"]
+    assert [row["throughput_vs_limit"] for row in redis] == [0.5, 0.4]
+    assert [row["mean_ttft_vs_limit"] for row in redis] == [2.0, 2.5]
+    assert [row["p99_ttft_vs_limit"] for row in redis] == [2.0, 2.5]
+    assert [row["outputs_equal_limit"] for row in redis] == ["3/3", "2/3"]
+    assert [row["computed_prompt_tokens"] for row in redis] == [1000.0, 900.0]
+
+
+def test_a_fleet_is_set_against_one_server_of_its_kind_and_the_fleet_without_kvwire() -> None:
+    configurations = summary()["configurations"]
+    fleet = configurations["fleet: 2 servers, kvwire Redis"]
+    assert [row["computed_prompt_tokens"] for row in fleet] == [1200.0, 900.0]
+    assert [row["computed_vs_one_server"] for row in fleet] == [1.2, 1.0]
+    assert [row["throughput_vs_fleet_without_kvwire"] for row in fleet] == [2.0, 1.5]
+    without = configurations[serve.FLEET_NONE]
+    assert [row["computed_vs_one_server"] for row in without] == [3.0, round(2800 / 900, 3)]
+
+
+def test_the_table_has_a_row_per_configuration_with_every_run() -> None:
+    lines = serve.table(summary()).splitlines()
+    assert len(lines) == 2 + len(serve.SINGLE) + len(serve.FLEET)
+    redis = next(line for line in lines if line.startswith("| kvwire Redis |"))
+    assert "| 2.00 / 2.00 |" in redis
+    assert "| 0.50 / 0.40 |" in redis
+    assert "| 3/3 / 2/3 |" in redis
+
+
+def test_the_full_workload_does_not_fit_vllm_s_cache_but_its_running_requests_do() -> None:
+    for workload in (serve.FULL, serve.QUICK):
+        request_tokens = workload.prefix_len + workload.suffix_len + workload.output_len
+        running_bytes = workload.concurrency * request_tokens * serve.KV_BYTES_PER_TOKEN
+        assert running_bytes < workload.kv_cache_bytes < workload.prefix_kv_bytes
