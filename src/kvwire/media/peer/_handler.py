@@ -8,7 +8,8 @@ record is published in the directory and refreshed every
 
 A load asks the directory where each of its blocks is (one round trip per
 transfer), then pulls each entry, header and payload, into staging: with
-one NIXL read per peer holding some of them, or a copy from this worker's
+one NIXL read per peer holding some of them (its record fetched at most
+once a heartbeat, and afresh after a failure), or a copy from this worker's
 own pool. Each staged entry is verified (layout fingerprint, block hash,
 checksum) and only then scattered into the KV cache. So bytes that moved
 under the read (the holder evicted the block and reused the slot, or is
@@ -130,6 +131,9 @@ class PeerWorker(TransferHandler):
         self._sync_loads: list[_LoadJob] = []
         self._async_loads: dict[str, _LoadJob] = {}
         self._load_errors: set[int] = set()
+        # Peers' records, and when each was fetched: one directory round trip per
+        # peer and heartbeat, not per read.
+        self._records: dict[str, tuple[float, PeerRecord]] = {}
         self._stop = threading.Event()
         if not directory.publish_peer(settings.peer, self._record):
             logger.warning("peer medium: peer %r could not publish its record yet", settings.peer)
@@ -387,12 +391,13 @@ class PeerWorker(TransferHandler):
         job: _LoadJob,
     ) -> tuple[bool, bool]:
         """Read these blocks from ``peer`` into staging; (all arrived, staging still ours)."""
-        record = self._directory.fetch_peer(peer)
+        record = self._peer_record(peer)
         if record is None or record.entry_bytes != self._layout.entry_bytes:
             # Gone (its record expired or never was), or of another layout.
-            self._agent.forget(peer)
+            self._forget(peer)
             return False, True
         if not self._agent.knows(peer, record.agent_metadata):
+            self._forget(peer)
             return False, True
         base = staging.memory.data_ptr()
         entry_bytes = self._layout.entry_bytes
@@ -411,8 +416,29 @@ class PeerWorker(TransferHandler):
         )
         if status == "done":
             return True, True
-        self._agent.forget(peer)
+        self._forget(peer)
         return False, status != "late"
+
+    def _peer_record(self, peer: str) -> PeerRecord | None:
+        """``peer``'s record: the one fetched within a heartbeat, else the directory's now."""
+        now = time.monotonic()
+        with self._changed:
+            cached = self._records.get(peer)
+        if cached is not None and now - cached[0] < self._settings.heartbeat_s:
+            return cached[1]
+        record = self._directory.fetch_peer(peer)
+        with self._changed:
+            if record is None:
+                self._records.pop(peer, None)
+            else:
+                self._records[peer] = (now, record)
+        return record
+
+    def _forget(self, peer: str) -> None:
+        """After a failure with ``peer``: its agent and record are fetched afresh next time."""
+        with self._changed:
+            self._records.pop(peer, None)
+        self._agent.forget(peer)
 
     def _withdraw(self, entries: Sequence[tuple[str, Location | None]]) -> None:
         present = [(key, location) for key, location in entries if location is not None]

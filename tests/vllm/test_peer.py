@@ -1,0 +1,111 @@
+"""Disaggregated prefill peer to peer between two vLLM processes: the decode engine (this test's
+process) pulls the prompt blocks straight from the live prefill engine's CPU pool over NIXL,
+found through the directory on a real redis-server; its tokens equal one engine doing both."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+import kvwire.vllm
+from tests.vllm.engines import (
+    BLOCK_SIZE,
+    REPO,
+    generate,
+    kvwire_transfer_config,
+    load_profile_mapping,
+    running_llm,
+    shared_prompts,
+    with_redis_url,
+)
+
+# NIXL's UCX over loopback, here and in the prefill process (it inherits it).
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+PROMPTS = shared_prompts()
+LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE
+
+
+@contextlib.contextmanager
+def prefill_process(
+    model: str, kv_transfer_config: Mapping[str, Any], workdir: pathlib.Path
+) -> Iterator[dict[str, Any]]:
+    """A vLLM engine in a process of its own that prefilled ``PROMPTS`` and stays up meanwhile."""
+    job, output, release = (workdir / name for name in ("job.json", "out.json", "release"))
+    job.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "kv_transfer_config": dict(kv_transfer_config),
+                "prompts": PROMPTS,
+                "max_tokens": 1,
+                "passes": 1,
+                "output": str(output),
+                "hold_until": str(release),
+                "hold_s": 300,
+            }
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm.engine_process", str(job)], cwd=REPO
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not output.exists():
+            assert process.poll() is None, f"the prefill process ended ({process.returncode})"
+            assert time.monotonic() < deadline, "the prefill process never finished prefilling"
+            time.sleep(0.1)
+        yield json.loads(output.read_text())
+    finally:
+        release.touch()
+        try:
+            process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+
+
+def peer_profile(name: str, redis_url: str, key_prefix: str) -> dict[str, Any]:
+    profile = with_redis_url(load_profile_mapping(name), redis_url, key_prefix)
+    # The shipped prefill pool is sized for production; the test's prompts need little.
+    profile["kv_transfer_config"]["kv_connector_extra_config"]["cpu_pool_bytes"] = "64MiB"
+    return profile
+
+
+@pytest.mark.slow
+def test_decode_pulls_the_prompt_blocks_from_the_live_prefill_engine_over_nixl(
+    tiny_model: str,
+    tokens_without_connector: list[list[int]],
+    redis_url: str,
+    tmp_path: pathlib.Path,
+) -> None:
+    key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
+    producer = peer_profile("peer-prefill.yaml", redis_url, key_prefix)
+    consumer = peer_profile("peer-decode.yaml", redis_url, key_prefix)
+    with (
+        prefill_process(
+            tiny_model, kvwire_transfer_config(producer, "kv_producer"), tmp_path
+        ) as produced,
+        running_llm(tiny_model, kvwire_transfer_config(consumer, "kv_consumer")) as llm,
+    ):
+        tokens, cached = generate(llm, PROMPTS)
+        consumed = kvwire.vllm.kvwire_stats(llm)
+
+    assert tokens == tokens_without_connector
+    assert produced["stats"]["blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
+    # The decode engine computed only each prompt's last block: the rest came from the peer.
+    assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
+    assert consumed["blocks_loaded"] == consumed["peer_blocks_pulled"]
+    assert consumed["peer_blocks_pulled"] == len(PROMPTS) * LOADABLE_BLOCKS
+    assert "load_errors" not in consumed
