@@ -21,6 +21,7 @@ BENCHMARKS = (
     "redis",
     "redis-cluster",
     "mac",
+    "peer",
     "vllm",
     "serve",
 )
