@@ -62,6 +62,8 @@ COUNT_LIMITS: dict[str, int] = {
     "max_num_seqs": 2**20,
     "max_num_batched_tokens": 2**24,
     "world_size": 2**16,
+    "tensor_parallel_size": 2**16,
+    "pipeline_parallel_size": 2**16,
     "rank": 2**16,
     "kv_parallel_size": 2**16,
     "kv_rank": 2**16,
@@ -467,16 +469,52 @@ class ModelConfig:
 
 @attrs.frozen(kw_only=True)
 class ParallelConfig:
-    """Where this engine process sits among its peers."""
+    """Where this engine process sits among its peers: its rank, and how the model is split.
 
+    ``tensor_parallel_size`` ranks split each layer's KV heads (rank ``r``
+    holds heads ``[r * H / tp, (r + 1) * H / tp)`` of the model's ``H``);
+    ``pipeline_parallel_size`` stages split the layers. Ranks count tensor
+    ranks first: rank ``r`` is tensor rank ``r % tp`` of pipeline stage
+    ``r // tp``, as vLLM numbers its workers. ``world_size`` defaults to
+    ``tp * pp``.
+    """
+
+    tensor_parallel_size: int = attrs.field(default=1, validator=_count())
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_count())
     rank: int = attrs.field(
         default=0, validator=[_of_kind(int, "an integer"), _non_negative, _at_most_count_limit]
     )
-    world_size: int = attrs.field(default=1, validator=_count())
+    world_size: int = attrs.field(validator=_count())
+
+    @world_size.default
+    def _split_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
             raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
+        split = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size % split:
+            raise ValueError(
+                f"world_size ({self.world_size}) must be a multiple of tensor_parallel_size "
+                f"({self.tensor_parallel_size}) x pipeline_parallel_size "
+                f"({self.pipeline_parallel_size})"
+            )
+
+    @property
+    def tensor_rank(self) -> int:
+        """Which share of the KV heads this rank holds (0 .. tensor_parallel_size - 1)."""
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def pipeline_rank(self) -> int:
+        """Which stage of the layers this rank holds (0 .. pipeline_parallel_size - 1)."""
+        return (self.rank // self.tensor_parallel_size) % self.pipeline_parallel_size
+
+    @property
+    def is_split(self) -> bool:
+        """Whether the model's KV is split over several ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size > 1
 
 
 @attrs.frozen(kw_only=True)

@@ -27,9 +27,10 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
+import attrs
 from dependency_injector import containers, providers, resources
 
-from kvwire.config import EngineConfig, KVTransferConfig
+from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.exceptions import ContainerSetupError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
@@ -55,6 +56,21 @@ def _engine_config_from(
     if known is not None:
         return known
     return structured.setdefault(key, load_profile(profile or {}))
+
+
+def _parallel_config_of(engine_config: EngineConfig) -> ParallelConfig:
+    return engine_config.parallel_config
+
+
+def _with_parallel_config(engine_config: EngineConfig, parallel: ParallelConfig) -> EngineConfig:
+    if not isinstance(parallel, ParallelConfig):
+        raise ContainerSetupError(
+            f"parallel_config must provide a kvwire.config.ParallelConfig, got "
+            f"{type(parallel).__name__}"
+        )
+    if parallel == engine_config.parallel_config:
+        return engine_config
+    return attrs.evolve(engine_config, parallel_config=parallel)
 
 
 def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig:
@@ -198,7 +214,12 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     - ``kv_transfer_config`` and ``connector_class``: what the config names;
     - ``hma_gate``: the :class:`~kvwire.hma.HMADecision` (raises for HMA
       demanded from a connector that cannot serve it);
-    - ``connector_engine_config``: the engine config with the gate's decision;
+    - ``parallel_config``: the :class:`~kvwire.config.ParallelConfig` (this
+      process's rank, the tensor and pipeline parallel sizes): the engine
+      config's by default; an engine's worker process (or a test building
+      rank 1's connector) overrides it with its own rank;
+    - ``connector_engine_config``: the engine config with the gate's decision
+      and the parallel layout;
     - ``scheduler_connector`` / ``worker_connector``: one connector per role,
       shut down by ``shutdown_resources()``;
     - ``process_role`` and ``connector``: the connector of the role this
@@ -220,7 +241,12 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     kv_transfer_config = providers.Callable(_require_kv_transfer_config, engine_config)
     connector_class = providers.Callable(_resolve_connector_class, registry, kv_transfer_config)
     hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
-    connector_engine_config = providers.Callable(with_hma_decision, engine_config, hma_gate)
+    parallel_config = providers.Callable(_parallel_config_of, engine_config)
+    connector_engine_config = providers.Callable(
+        _with_parallel_config,
+        providers.Callable(with_hma_decision, engine_config, hma_gate),
+        parallel_config,
+    )
 
     scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,

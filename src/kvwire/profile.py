@@ -255,7 +255,10 @@ def _validate_fields(
     # fields of the wrong type were reported already and are skipped.
     # Validators that look at other fields see them through a stand-in.
     fields = attrs.fields(record_type)
-    converted = {field.name: _converted(field, values) for field in fields}
+    converted: dict[str, Any] = {}
+    for field in fields:
+        # In field order: a default computed from earlier fields sees them.
+        converted[field.name] = _converted(field, values, converted)
     stand_in = types.SimpleNamespace(**converted)
     for field in fields:
         if field.validator is None or field.name in data_keys_rejected:
@@ -269,15 +272,17 @@ def _validate_fields(
             problems.append(f"{path}.{field.name}: {message}")
 
 
-def _converted(field: attrs.Attribute[Any], values: dict[str, Any]) -> Any:
+def _converted(field: attrs.Attribute[Any], values: dict[str, Any], earlier: dict[str, Any]) -> Any:
     # attrs runs converters on defaults too (engine_id: None -> a fresh uuid).
-    value = values[field.name] if field.name in values else _default(field)
+    value = values[field.name] if field.name in values else _default(field, earlier)
     return value if field.converter is None else field.converter(value)  # type: ignore[operator]
 
 
-def _default(field: attrs.Attribute[Any]) -> Any:
+def _default(field: attrs.Attribute[Any], earlier: dict[str, Any]) -> Any:
     default: Any = field.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        if default.takes_self:
+            return default.factory(types.SimpleNamespace(**earlier))
         return default.factory()
     return default
 

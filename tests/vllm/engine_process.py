@@ -1,7 +1,9 @@
 """One vLLM engine in a process of its own: ``python -m tests.vllm.engine_process JOB.json``.
 
-The job names the model, vLLM's ``kv_transfer_config``, the prompts, how many
-tokens to generate and how many passes to make; each pass generates, waits
+The job names the model, vLLM's ``kv_transfer_config``, further engine
+arguments (``engine_args``: a tensor-parallel size, say), the prompts, how
+many tokens to generate and how many passes to make (or ``prompt_passes``,
+each pass's own prompts); each pass generates, waits
 for kvwire's saves and empties vLLM's prefix cache. The process writes
 ``{"tokens", "cached"}`` (one list per pass) and ``"stats"`` (kvwire's
 totals) to the job's ``output`` path. With ``hold_until`` (a path), the
@@ -27,12 +29,14 @@ def main(job_path: str) -> None:
 
     with open(job_path, encoding="utf-8") as job_file:
         job = json.load(job_file)
-    llm = start_llm(job["model"], job["kv_transfer_config"])
+    llm = start_llm(job["model"], job["kv_transfer_config"], **job.get("engine_args", {}))
     try:
         result: dict[str, list[Any]] = {"tokens": [], "cached": []}
-        for _ in range(job["passes"]):
+        # Each pass its own prompts, or the same prompts every pass.
+        prompt_passes = job.get("prompt_passes") or [job["prompts"]] * job["passes"]
+        for prompts in prompt_passes:
             outputs = llm.generate(
-                job["prompts"],
+                prompts,
                 SamplingParams(max_tokens=job["max_tokens"], temperature=0),
                 use_tqdm=False,
             )

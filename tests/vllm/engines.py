@@ -140,8 +140,13 @@ def run_engine_process(
     workdir: pathlib.Path,
     env: Mapping[str, str] | None = None,
     passes: int = 1,
+    engine_args: Mapping[str, Any] | None = None,
+    prompt_passes: Sequence[Sequence[Mapping[str, Any]]] = (),
 ) -> dict[str, Any]:
-    """Run one engine in a new process (tests/vllm/engine_process.py) and return its result."""
+    """Run one engine in a new process (tests/vllm/engine_process.py) and return its result.
+
+    ``prompt_passes``, when given, replaces ``passes`` passes over ``prompts``.
+    """
     name = f"engine-{len(list(workdir.glob('engine-*.json')))}"
     job = workdir / f"{name}.json"
     output = workdir / f"{name}-output.json"
@@ -153,6 +158,8 @@ def run_engine_process(
                 "prompts": list(prompts),
                 "max_tokens": max_tokens,
                 "passes": passes,
+                "engine_args": dict(engine_args or {}),
+                "prompt_passes": [list(prompts) for prompts in prompt_passes],
                 "output": str(output),
             }
         )

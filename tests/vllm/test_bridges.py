@@ -23,11 +23,12 @@ from kvwire.vllm.config_bridge import (
     container_hook,
     kv_cache_config_from_vllm,
     kv_dtype_name,
+    parallel_config_from_vllm,
     read_kvwire_profile,
     run_container_hook,
 )
 from kvwire.vllm.engine_calls import wait_for_saves
-from kvwire.vllm.events import BlockTokens
+from kvwire.vllm.events import BlockTokens, EveryRank
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWireStats, metric_name
 
@@ -308,3 +309,40 @@ def test_importing_kvwire_and_building_its_connectors_never_imports_vllm() -> No
         "sys.exit('vllm' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+
+
+def parallel_vllm_config(tensor: int, pipeline: int, kv_heads: int) -> Any:
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=tensor, pipeline_parallel_size=pipeline
+        ),
+        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads),
+    )
+
+
+def test_the_parallel_layout_comes_from_vllm_s_config_alone() -> None:
+    parallel = parallel_config_from_vllm(parallel_vllm_config(2, 1, 4))
+    assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (2, 1)
+    assert (parallel.rank, parallel.world_size) == (0, 2)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_kv_heads_is_refused() -> None:
+    with pytest.raises(
+        VLLMConfigError, match=r"tensor_parallel_size 4 does not divide the model's 2"
+    ):
+        parallel_config_from_vllm(parallel_vllm_config(4, 1, 2))
+
+
+def test_a_block_is_reported_stored_once_every_rank_stored_it() -> None:
+    every_rank = EveryRank(world_size=2)
+    a, b = b"a" * 32, b"b" * 32
+    assert every_rank.whole([BlockStored((a, b), "disk", 0)]) == []
+    assert every_rank.whole([BlockStored((a,), "disk", 0)]) == [BlockStored((a,), "disk", 0)]
+    # A share removed is the block gone, and its count starts again.
+    assert every_rank.whole([BlockRemoved((b,), "disk", 0)]) == [BlockRemoved((b,), "disk", 0)]
+    assert every_rank.whole([BlockStored((b,), "disk", 0)]) == []
+
+
+def test_pipeline_parallelism_is_refused_naming_the_size() -> None:
+    with pytest.raises(VLLMConfigError, match=r"pipeline_parallel_size 2 is not served yet"):
+        parallel_config_from_vllm(parallel_vllm_config(1, 2, 2))

@@ -15,6 +15,15 @@ name is a load error.
 The payload of a block is every layer's keys and values for that block, in
 the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
 "cross-layer" layout: one entry per block, so transfers are large).
+
+An entry may hold only some of the model's KV heads (:class:`HeadShard`):
+a tensor-parallel engine's rank holds a share of every layer's heads, and
+a store keeps one entry per block and group of heads, at a granularity
+that does not depend on how the writer was split (see
+:mod:`kvwire.blocks.shards`). The heads an entry holds are in its layout's
+fingerprint (so in its key and header): an entry of other heads is never
+found under this one's name, and one found there anyway is a load error.
+An entry of all the model's heads keeps the fingerprint it always had.
 """
 
 from __future__ import annotations
@@ -59,6 +68,33 @@ FLAG_SEALED = 0x1
 _UNSEALED_MAC = bytes(MAC_SIZE)
 
 
+@attrs.frozen
+class HeadShard:
+    """Which of the model's KV heads an entry holds: ``[start, stop)`` of ``total``."""
+
+    start: int
+    stop: int
+    total: int
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.total:
+            raise ValueError(
+                f"KV heads [{self.start}, {self.stop}) are not a range of the model's "
+                f"{self.total} KV heads"
+            )
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.stop == self.total
+
+    def describe(self) -> str:
+        return f"{self.start}:{self.stop}/{self.total}"
+
+
 class CorruptBlockError(KVWireError, ValueError):
     """A stored entry that must not be loaded; ``reason`` says why."""
 
@@ -90,6 +126,9 @@ class BlockLayout:
     # The KV cache group whose layers an entry holds (``CacheGroup.name``), in
     # a hybrid engine; "" with a single group.
     group: str = attrs.field(default="", kw_only=True)
+    # The KV heads an entry holds when not all of the model's (``num_kv_heads``
+    # is then their count); None: all of them.
+    kv_heads: HeadShard | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -135,6 +174,8 @@ class BlockLayout:
             description += f";model={self.model_identity}"
         if self.group:
             description += f";{self.group}"
+        if self.kv_heads is not None and not self.kv_heads.is_whole:
+            description += f";kv_heads={self.kv_heads.describe()}"
         if self.mac is not None:
             # Sealed entries (and each key's) get names of their own.
             description += f";mac={self.mac.key_id}"

@@ -45,6 +45,11 @@ class BlockMemory:
     they must live in CPU memory and be contiguous after the block dimension.
     ``layer_order`` fixes which layer comes first in a payload (the engine's
     order); layers not in it follow in registration order.
+
+    ``heads`` (indices into the caches' KV heads) makes the ranges those of
+    these heads only, an entry of a group of heads (see
+    :mod:`kvwire.blocks.shards`): in vLLM's CPU layout a head's share of a
+    block is one range, in kvwire's one range per token; all heads by default.
     """
 
     def __init__(
@@ -52,11 +57,18 @@ class BlockMemory:
         kv_caches: Mapping[str, torch.Tensor],
         layout: BlockLayout,
         layer_order: Sequence[str] = (),
+        heads: range | None = None,
     ) -> None:
         checked = PagedKVCaches(kv_caches, layout, layer_order)
         self.layer_names: tuple[str, ...] = checked.layer_names
         self.num_blocks: int = checked.num_blocks
-        self.payload_bytes: int = layout.payload_bytes
+        all_heads = layout.num_kv_heads
+        heads = range(all_heads) if heads is None else heads
+        if not (heads and heads.step == 1 and heads.start >= 0 and heads.stop <= all_heads):
+            raise ValueError(
+                f"BlockMemory: heads {heads} are not a range of the caches' {all_heads} KV heads"
+            )
+        self.payload_bytes: int = layout.payload_bytes * len(heads) // all_heads
         block_dim = BLOCK_DIMENSIONS[layout.cache_layout]
         # Held so that the planes' memory stays allocated while they are in use.
         self._tensors = tuple(kv_caches[name] for name in self.layer_names)
@@ -65,9 +77,19 @@ class BlockMemory:
             planes.extend(_planes(name, tensor, block_dim))
         self._planes = tuple(view for view, _ in planes)
         self._block_strides = tuple(stride for _, stride in planes)
-        self.range_bytes: int = (
-            self.payload_bytes // len(self._planes) if self._planes else self.payload_bytes
-        )
+        plane_bytes = layout.payload_bytes // len(self._planes) if self._planes else 0
+        # Where the heads lie in one plane's block, as (offset, size) pairs.
+        if len(heads) == all_heads:
+            self._pieces: tuple[tuple[int, int], ...] = ((0, plane_bytes),)
+        elif layout.cache_layout == "vllm_cpu":  # [heads, block_size, 2 * head_size]
+            per_head = plane_bytes // all_heads
+            self._pieces = ((heads.start * per_head, len(heads) * per_head),)
+        else:  # [block_size, heads, head_size]
+            per_head = plane_bytes // (layout.block_size * all_heads)
+            self._pieces = tuple(
+                ((token * all_heads + heads.start) * per_head, len(heads) * per_head)
+                for token in range(layout.block_size)
+            )
 
     def check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -80,10 +102,10 @@ class BlockMemory:
         outside the cache is an ``IndexError``, never an empty range.
         """
         self.check_block_id(block_id)
-        size = self.range_bytes
         return [
-            plane[block_id * stride : block_id * stride + size]
+            plane[block_id * stride + offset : block_id * stride + offset + size]
             for plane, stride in zip(self._planes, self._block_strides, strict=True)
+            for offset, size in self._pieces
         ]
 
 

@@ -31,6 +31,7 @@ import attrs
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.config import ParallelConfig
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash, KVCacheEvent
 from kvwire.extra_config import ExtraConfigKey
@@ -55,6 +56,8 @@ class MediumContext:
     """The layout of one entry of any group (one block of every layer of a group)."""
     engine_id: str = ""
     """The engine's ``kv_transfer_config.engine_id``: the same in both roles and every process."""
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    """This rank and how the engine is split: ``layout`` is one rank's share of a block."""
 
 
 class MediumIndex(abc.ABC):

@@ -177,19 +177,16 @@ def engine_config_from_vllm(
     kvwire connector to wrap. ``kv_cache_config`` is the cache vLLM built
     (:func:`kv_cache_config_from_vllm`): whether the wrapped connector must
     serve the hybrid KV cache manager depends on it
-    (:func:`wrapped_hma_setting`). Raises :class:`VLLMConfigError` for what
-    kvwire cannot serve inside vLLM (tensor or pipeline parallelism, where
-    each worker holds a shard of every block); profile fields that contradict
-    vLLM's are logged.
+    (:func:`wrapped_hma_setting`). The model's shape is one rank's: its
+    share of the KV heads (tensor parallelism) and of the layers (pipeline
+    parallelism); the parallel layout is :func:`parallel_config_from_vllm`'s,
+    rank 0's (a worker's connector overrides it with its own rank). Raises
+    :class:`VLLMConfigError` for what kvwire cannot serve inside vLLM; profile
+    fields that contradict vLLM's are logged.
     """
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise VLLMConfigError(
-            "KVWireConnector serves one worker per engine for now: tensor_parallel_size and "
-            f"pipeline_parallel_size must be 1, got {parallel.tensor_parallel_size} and "
-            f"{parallel.pipeline_parallel_size}"
-        )
+    kvwire_parallel = parallel_config_from_vllm(vllm_config)
     transfer = _transfer_config_from_vllm(vllm_config.kv_transfer_config, profile)
     hf_text_config = model_config.hf_text_config
     model = ModelConfig(
@@ -215,7 +212,7 @@ def engine_config_from_vllm(
         profile,
         model_config=model,
         cache_config=cache,
-        parallel_config=ParallelConfig(),
+        parallel_config=kvwire_parallel,
         scheduler_config=SchedulerConfig(
             disable_hybrid_kv_cache_manager=wrapped_hma_setting(
                 scheduler.disable_hybrid_kv_cache_manager, kv_cache_config
@@ -225,6 +222,50 @@ def engine_config_from_vllm(
         ),
         kv_transfer_config=transfer,
     )
+
+
+def parallel_config_from_vllm(vllm_config: Any, rank: int = 0) -> ParallelConfig:
+    """The tensor and pipeline parallel sizes of vLLM's ``parallel_config``, at ``rank``.
+
+    Read from the config alone: the scheduler side is built where no process
+    group exists. A tensor-parallel size above the model's KV heads (vLLM
+    then gives several ranks the same head) is refused: each rank's entries
+    would not be a share of the heads. So is pipeline parallelism, for now.
+    """
+    parallel = vllm_config.parallel_config
+    tensor_size = int(parallel.tensor_parallel_size)
+    pipeline_size = int(parallel.pipeline_parallel_size)
+    if pipeline_size != 1:
+        raise VLLMConfigError(
+            f"KVWireConnector: pipeline_parallel_size {pipeline_size} is not served yet (each "
+            "stage's entries would need the layers they hold in their names); expected 1. "
+            "Tensor parallelism is served"
+        )
+    total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    if tensor_size > 1 and total_kv_heads % tensor_size:
+        raise VLLMConfigError(
+            f"KVWireConnector: tensor_parallel_size {tensor_size} does not divide the model's "
+            f"{total_kv_heads} KV heads (vLLM would replicate heads over ranks); kvwire serves "
+            f"a tensor_parallel_size that divides {total_kv_heads}"
+        )
+    return ParallelConfig(
+        tensor_parallel_size=tensor_size,
+        pipeline_parallel_size=pipeline_size,
+        rank=rank,
+    )
+
+
+def worker_parallel_config(vllm_config: Any) -> ParallelConfig:
+    """The parallel layout of this vLLM worker: its tensor and pipeline rank, from vLLM's groups.
+
+    Only a worker process has them (asked when vLLM builds its connector,
+    once its process groups exist).
+    """
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    tensor_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    rank = get_pp_group().rank_in_group * tensor_size + get_tensor_model_parallel_rank()
+    return parallel_config_from_vllm(vllm_config, rank)
 
 
 def has_hybrid_groups(kv_cache_config: KVCacheConfig) -> bool:

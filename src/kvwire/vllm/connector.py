@@ -17,6 +17,14 @@ call vLLM makes is passed on, translated where the two interfaces differ:
   loads after it when the step has no synchronous load); stats as
   :class:`~kvwire.vllm.stats.KVWireStats`.
 
+Tensor parallelism: each rank's worker connector is built in its rank's
+process, with the container's ``parallel_config`` set to its rank (from
+vLLM's process groups); the scheduler side's comes from vLLM's
+``parallel_config``. Each rank moves only its share of the KV heads; vLLM
+counts a request finished once every rank reported it and unions the ranks'
+failed block ids; a block is reported stored once every rank's report says
+so (:class:`~kvwire.vllm.events.EveryRank`).
+
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so ``requires_kv_delivery`` is False whatever the role; a failed load follows
 vLLM's ``kv_load_failure_policy``. vLLM's default for it is ``fail`` (the
@@ -58,6 +66,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from dependency_injector import providers
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -82,9 +91,10 @@ from kvwire.vllm.config_bridge import (
     kv_cache_config_from_vllm,
     read_kvwire_profile,
     run_container_hook,
+    worker_parallel_config,
 )
 from kvwire.vllm.cores import threads_started_on_engine_cores
-from kvwire.vllm.events import BlockTokens, KVWireKVEvents
+from kvwire.vllm.events import BlockTokens, EveryRank, KVWireKVEvents
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 
@@ -132,6 +142,12 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self.container: KVConnectorContainer = container_for_profile(
             engine_config, role=_ROLES[role], kv_cache_config=kvwire_cache_config
         )
+        if role is KVConnectorRole.WORKER:
+            # The worker's own rank (the heads and layers it holds): the
+            # scheduler side's config says only the sizes.
+            self.container.parallel_config.override(
+                providers.Object(worker_parallel_config(vllm_config))
+            )
         hook = container_hook(extra_config)
         if hook is not None:
             run_container_hook(hook, self.container)
@@ -146,6 +162,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
         self._block_tokens = BlockTokens(engine_config.cache_config.block_size)
+        self._every_rank = EveryRank(engine_config.parallel_config.world_size)
         self._live: dict[str, tuple[Any, int]] = {}
         self._kept_blocks: set[str] = set()
         self._step_async_loads: dict[str, frozenset[int]] = {}
@@ -332,7 +349,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 finished_sending=finished_sending or None,
                 finished_recving=finished_recving or None,
                 invalid_block_ids=invalid_block_ids,
-                kv_cache_events=list(events.get_all_events()) if events is not None else [],
+                kv_cache_events=(
+                    self._every_rank.whole(events.get_all_events()) if events is not None else []
+                ),
                 kv_connector_worker_meta=connector_output.kv_connector_worker_meta,
             )
         )

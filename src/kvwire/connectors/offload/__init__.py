@@ -121,6 +121,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             groups,
             layout,
             engine_id=self.kv_transfer_config.engine_id,
+            parallel=config.parallel_config,
         )
         self._medium = call_plugin(
             MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)

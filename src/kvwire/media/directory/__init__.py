@@ -208,5 +208,5 @@ class DirectoryMedium(StoreMedium[BlockStore]):
         """Forget this engine's entries, of every KV cache group (other layouts' and files stay)."""
         # Every group's removal runs, even after one leaves entries behind.
         store = self.directory_store
-        left = [not store.remove_layout(layout.fingerprint_hex) for layout in self.group_layouts]
+        left = [not store.remove_layout(layout.fingerprint_hex) for layout in self.stored_layouts]
         return not any(left)

@@ -180,6 +180,6 @@ class RedisMedium(StoreMedium[RedisBlockStore | RedisClusterBlockStore]):
         (an outage): blocks may have stayed.
         """
         store = self.redis_store
-        for layout in self.group_layouts:
+        for layout in self.stored_layouts:
             store.clear(under=layout.fingerprint_hex)
         return store.is_available

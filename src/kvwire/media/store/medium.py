@@ -68,6 +68,11 @@ Common ``kv_connector_extra_config`` keys of every store medium:
   from its start; a load still running then is abandoned and its blocks are
   load errors, which the engine computes again, and never writes into the
   cache afterwards; a save still running then counts failed);
+- ``entry_kv_heads`` (KV heads per entry; default: a rank's heads, all of
+  them at tensor-parallel size 1): each block is one entry per group of that
+  many heads, named apart, so engines of different tensor-parallel sizes
+  that set it alike share entries (see :mod:`kvwire.blocks.shards`); a
+  lookup counts a block only when every group's entry is stored;
 - ``mac_key_env`` (the name of an environment variable holding a MAC key:
   every entry is then sealed with HMAC-SHA256 and one whose MAC does not
   match is a load error, see :mod:`kvwire.blocks.mac`; the key itself is
@@ -89,6 +94,7 @@ import attrs
 
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
+from kvwire.blocks.shards import entry_layout, plan_heads
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash
 from kvwire.extra_config import (
@@ -98,13 +104,14 @@ from kvwire.extra_config import (
     seconds_key,
     size_key,
 )
-from kvwire.media.base import Medium, MediumContext, MediumIndex
+from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore
 from kvwire.plugin_calls import call_plugin
 
 if TYPE_CHECKING:
     import torch
 
+    from kvwire.blocks.memory import BlockMemory
     from kvwire.media.store._handler import StoreWorker
 
 __all__ = ["StoreMedium"]
@@ -151,6 +158,20 @@ class StoreMedium(Medium, Generic[_Store]):
         self._group_layouts = tuple(
             attrs.evolve(layout, mac=mac) for layout in super().group_layouts
         )
+        self._heads = plan_heads(
+            self._layout.num_kv_heads, context.parallel, context.options.get("entry_kv_heads")
+        )
+        # Per KV cache group, the layouts of the entries of one block: this
+        # rank's (what its worker side moves) and every rank's (what a lookup
+        # asks for). One each, the group's own, for an unsplit engine.
+        self._own_entry_layouts = tuple(
+            tuple(entry_layout(layout, shard) for shard in self._heads.own)
+            for layout in self._group_layouts
+        )
+        self._every_entry_layouts = tuple(
+            tuple(entry_layout(layout, shard) for shard in self._heads.every)
+            for layout in self._group_layouts
+        )
         self._key_of = self._group_key_function()
         self._store: _Store | None = None
         self._store_users = 0
@@ -166,6 +187,16 @@ class StoreMedium(Medium, Generic[_Store]):
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
+            ExtraConfigKey(
+                "entry_kv_heads",
+                None,
+                lambda value: (
+                    value
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
+                    else None
+                ),
+                "an integer >= 1 (KV heads per entry)",
+            ),
             ExtraConfigKey(
                 "mac_key_env",
                 None,
@@ -252,6 +283,14 @@ class StoreMedium(Medium, Generic[_Store]):
         return self._group_layouts
 
     @property
+    def stored_layouts(self) -> tuple[BlockLayout, ...]:
+        """The layouts of every entry this engine's ranks store, of every group and head group.
+
+        What a reset removes; with a single group of whole blocks, :attr:`group_layouts`.
+        """
+        return tuple(layout for group in self._every_entry_layouts for layout in group)
+
+    @property
     def store(self) -> _Store:
         """The store, created on first use from the context's options."""
         if self._store is None:
@@ -282,6 +321,14 @@ class StoreMedium(Medium, Generic[_Store]):
         one that takes ``group``.
         """
         groups = self.context.groups
+        if not self._heads.is_whole:
+            if type(self).store_key is not StoreMedium.store_key:
+                raise TypeError(
+                    f"{type(self).__name__} overrides store_key, and this engine stores "
+                    "entries of groups of KV heads (tensor parallelism, or entry_kv_heads): "
+                    "their keys are their layouts' (the heads are in the fingerprint)"
+                )
+            return lambda group, block_hash: self._group_layouts[group].key(block_hash)
         if len(groups) == 1:
             return lambda group, block_hash: self.store_key(block_hash)
         try:
@@ -299,41 +346,100 @@ class StoreMedium(Medium, Generic[_Store]):
 
     def build_index(self) -> MediumIndex:
         """The scheduler side: lookups by key in the store; it owns closing the store."""
-        return _StoreIndex(self._open_store(), self._key_of, self.reset_store, self._release_store)
+        if self._heads.is_whole:
+            key_of = self._key_of
+
+            def entry_keys(group: int, block_hashes: Sequence[BlockHash]) -> list[str]:
+                return [key_of(group, block_hash) for block_hash in block_hashes]
+
+            per_block = 1
+        else:
+            every = self._every_entry_layouts
+
+            def entry_keys(group: int, block_hashes: Sequence[BlockHash]) -> list[str]:
+                # Block after block, each block's head groups in a row: the
+                # store's prefix of present keys ends at the first block one
+                # of whose entries is missing.
+                return [layout.key(h) for h in block_hashes for layout in every[group]]
+
+            per_block = len(self._heads.every)
+        return _StoreIndex(
+            self._open_store(), entry_keys, per_block, self.reset_store, self._release_store
+        )
 
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
-    ) -> StoreWorker:
+    ) -> TransferHandler:
         """The worker side: a :class:`StoreWorker` over the caches; it owns closing the store.
 
         The caches are checked against the groups before the store is opened.
+        A rank that stores entries of groups of KV heads gets the worker
+        behind a :class:`~kvwire.media.store._head_groups.HeadGroupsHandler`.
         """
         # Imported here: they need torch, which the scheduler side never imports.
-        from kvwire.blocks.memory import group_memories
+        from kvwire.blocks.memory import BlockMemory, group_memories
+        from kvwire.blocks.paged_cache import group_caches
         from kvwire.media.store._handler import StoreWorker
+        from kvwire.media.store._head_groups import HeadGroupsHandler
 
         options = self.context.options
-        memories = group_memories(kv_caches, self._layout, self.context.groups)
+        groups = self.context.groups
         # At least one block's save may be in flight, whatever the bound.
         max_save_bytes = max(options["staging_buffer_bytes"], self._layout.entry_bytes)
-        handler = StoreWorker(
+        if self._heads.is_whole:
+            layouts: Sequence[BlockLayout] = self._group_layouts
+            memories: Sequence[BlockMemory] = group_memories(kv_caches, self._layout, groups)
+            key_of, hash_of, group_of = self._key_of, self.block_hash_of, self.block_group_of
+        else:
+            # The worker's groups are (KV cache group, head group) pairs, in
+            # that order; _HeadGroups turns a cache group's transfer into its.
+            group_caches(kv_caches, self._layout, groups)
+            own = self._heads.own
+            layouts = [layout for group in self._own_entry_layouts for layout in group]
+            memories = [
+                BlockMemory(
+                    {name: kv_caches[name] for name in group.layer_names},
+                    self._layout,
+                    group.layer_names,
+                    heads=self._heads.local_heads(shard),
+                )
+                for group in groups
+                for shard in own
+            ]
+            flat = tuple(layouts)
+
+            def key_of(entry_group: int, block_hash: BlockHash) -> str:
+                return flat[entry_group].key(block_hash)
+
+            def hash_of(key: str) -> BlockHash | None:
+                found = block_of_key(flat, key)
+                return None if found is None else found[0]
+
+            def group_of(key: str) -> int | None:
+                found = block_of_key(flat, key)
+                return None if found is None else found[1] // len(own)
+
+        worker = StoreWorker(
             store=self._open_store(),
-            layouts=self._group_layouts,
+            layouts=layouts,
             memories=memories,
             io_threads=options["io_threads"],
             batch_blocks=options["batch_blocks"],
             max_save_bytes=max_save_bytes,
             counters=counters,
-            key_of=self._key_of,
-            hash_of=self.block_hash_of,
-            group_of=self.block_group_of,
+            key_of=key_of,
+            hash_of=hash_of,
+            group_of=group_of,
             medium=self.event_medium,
             transfer_timeout_s=options["transfer_timeout_s"],
             late_write_grace_s=self.late_write_grace_s(),
             store_counters=self.store_counters,
             on_close=self._worker_closed,
         )
-        self.start_worker(handler)
+        self.start_worker(worker)
+        handler: TransferHandler = (
+            worker if self._heads.is_whole else HeadGroupsHandler(worker, len(self._heads.own))
+        )
         logger.info(
             "%s: %s store, %d KV cache group(s), blocks of %d bytes, saves in flight up to "
             "%d bytes, %d I/O threads per direction",
@@ -355,23 +461,34 @@ class StoreMedium(Medium, Generic[_Store]):
 
 
 class _StoreIndex(MediumIndex):
-    """A store medium's scheduler side: the store finds entries by key, so it only counts."""
+    """A store medium's scheduler side: the store finds entries by key, so it only counts.
+
+    ``entry_keys(group, hashes)`` names the entries of those blocks, block
+    after block, ``per_block`` entries each (every rank's head groups).
+    """
 
     def __init__(
         self,
         store: BlockStore,
-        key_of: Callable[[int, BlockHash], str],
+        entry_keys: Callable[[int, Sequence[BlockHash]], list[str]],
+        per_block: int,
         reset_store: Callable[[], bool | None],
         release_store: Callable[[], None],
     ) -> None:
         self._store = store
-        self._key_of = key_of
+        self._entry_keys = entry_keys
+        self._per_block = per_block
         self._reset_store = reset_store
         self._release_store = release_store
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Only a consecutive prefix that is really in the store, under ``group``'s keys, counts."""
-        return self._store.count_prefix([self._key_of(group, h) for h in block_hashes])
+        """Only a consecutive prefix that is really in the store, under ``group``'s keys, counts.
+
+        One store call, whatever the number of entries per block; a block
+        counts only when all of them are there.
+        """
+        held = self._store.count_prefix(self._entry_keys(group, block_hashes))
+        return held // self._per_block
 
     def reset(self) -> bool | None:
         return self._reset_store()
