@@ -64,7 +64,9 @@ def cache_config() -> KVCacheConfig:
     block_bytes = 2 * BLOCK_SIZE * HEAD_SIZE * 4
     return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[KVCacheTensor(size_bytes=NUM_BLOCKS * block_bytes, shared_by=[name]) for name in LAYERS],
+        kv_cache_tensors=[
+            KVCacheTensor(size_bytes=NUM_BLOCKS * block_bytes, shared_by=[name]) for name in LAYERS
+        ],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=list(LAYERS), kv_cache_spec=spec)],
     )
 
