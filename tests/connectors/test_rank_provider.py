@@ -32,6 +32,7 @@ from kvwire.kv_cache_config import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
+from kvwire.profile import load_profile
 
 LAYERS = ("layers.0", "layers.1")
 BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 4, 8, 6
@@ -105,10 +106,9 @@ def in_own_process(directory: str, rank: int) -> None:
     assert process.exitcode == 0
 
 
-def head_layout(head: int) -> BlockLayout:
-    rank = BlockLayout(
-        num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=1, head_size=HEAD_SIZE, dtype="float32"
-    )
+def head_layout(directory: str, head: int) -> BlockLayout:
+    """The layout of an entry of KV head ``head``, of the engine ``rank_profile`` describes."""
+    rank = BlockLayout.from_engine_config(load_profile(rank_profile(directory)))
     return entry_layout(rank, HeadShard(head, head + 1, 2))
 
 
@@ -117,9 +117,9 @@ def test_rank_ones_connector_built_in_its_own_process_stores_its_head(
     tmp_path: pathlib.Path,
 ) -> None:
     in_own_process(str(tmp_path), rank=1)
-    assert not (tmp_path / head_layout(0).fingerprint_hex).exists()
+    assert not (tmp_path / head_layout(str(tmp_path), 0).fingerprint_hex).exists()
     expected = rank_caches(1)
-    layout = head_layout(1)
+    layout = head_layout(str(tmp_path), 1)
     for block_id, block_hash in zip((1, 2), HASHES, strict=True):
         path = tmp_path / layout.fingerprint_hex / block_hash.hex()[:2] / block_hash.hex()
         entry = memoryview(path.read_bytes())

@@ -258,11 +258,18 @@ def parallel_config_from_vllm(vllm_config: Any, rank: int = 0) -> ParallelConfig
 def worker_parallel_config(vllm_config: Any) -> ParallelConfig:
     """The parallel layout of this vLLM worker: its tensor and pipeline rank, from vLLM's groups.
 
-    Only a worker process has them (asked when vLLM builds its connector,
-    once its process groups exist).
+    vLLM builds a worker's connector once its process groups exist; a
+    connector built without them (by hand, in a test) is the rank vLLM's
+    ``parallel_config.rank`` says, as a worker sets it.
     """
-    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed.parallel_state import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
 
+    if not model_parallel_is_initialized():
+        return parallel_config_from_vllm(vllm_config, int(vllm_config.parallel_config.rank or 0))
     tensor_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rank = get_pp_group().rank_in_group * tensor_size + get_tensor_model_parallel_rank()
     return parallel_config_from_vllm(vllm_config, rank)
