@@ -142,6 +142,7 @@ def run_engine_process(
     passes: int = 1,
     engine_args: Mapping[str, Any] | None = None,
     prompt_passes: Sequence[Sequence[Mapping[str, Any]]] = (),
+    timeout_s: float = 300,
 ) -> dict[str, Any]:
     """Run one engine in a new process (tests/vllm/engine_process.py) and return its result.
 
@@ -170,7 +171,7 @@ def run_engine_process(
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
     )
     if completed.returncode != 0:
         raise AssertionError(f"engine process failed:\n{completed.stderr[-4000:]}")

@@ -40,8 +40,9 @@ LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 # Each of the two ranks on a core of its own: vLLM refuses TP=2 on a CPU otherwise.
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-# A TP=2 engine takes one to two minutes to start and run on two busy cores.
-pytestmark = pytest.mark.timeout(600)
+# A TP=2 engine takes one to four minutes to start and run on two busy cores.
+TP2_TIMEOUT_S = 600
+pytestmark = pytest.mark.timeout(900)
 
 
 def shared_storage(path: pathlib.Path) -> dict[str, Any]:
@@ -161,6 +162,7 @@ def tp2_run(
         env=TP2_ENV,
         engine_args=TP2,
         prompt_passes=[OTHER_PROMPTS + PROMPTS, PROMPTS],
+        timeout_s=TP2_TIMEOUT_S,
     )
 
 
