@@ -14,6 +14,7 @@ its dotted path) lives in :mod:`kvwire.profile`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -476,7 +477,8 @@ class ParallelConfig:
     ``pipeline_parallel_size`` stages split the layers. Ranks count tensor
     ranks first: rank ``r`` is tensor rank ``r % tp`` of pipeline stage
     ``r // tp``, as vLLM numbers its workers. ``world_size`` defaults to
-    ``tp * pp``.
+    ``tp * pp``. ``pipeline_layers``: each stage's first layer, then the
+    model's layer count (vLLM's split); empty when not split in stages.
     """
 
     tensor_parallel_size: int = attrs.field(default=1, validator=_count())
@@ -485,6 +487,10 @@ class ParallelConfig:
         default=0, validator=[_of_kind(int, "an integer"), _non_negative, _at_most_count_limit]
     )
     world_size: int = attrs.field(validator=_count())
+    pipeline_layers: tuple[int, ...] = attrs.field(
+        default=(),
+        validator=validators.deep_iterable(_of_kind(int, "an integer")),
+    )
 
     @world_size.default
     def _split_size(self) -> int:
@@ -493,6 +499,17 @@ class ParallelConfig:
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
             raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
+        stages = self.pipeline_layers
+        if stages and (
+            len(stages) != self.pipeline_parallel_size + 1
+            or stages[0] != 0
+            or any(a >= b for a, b in itertools.pairwise(stages))
+        ):
+            raise ValueError(
+                f"pipeline_layers: {list(stages)[:8]} are not each stage's first layer then the "
+                f"model's layer count: expected {self.pipeline_parallel_size + 1} increasing "
+                "numbers from 0"
+            )
         split = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.world_size % split:
             raise ValueError(
@@ -510,6 +527,12 @@ class ParallelConfig:
     def pipeline_rank(self) -> int:
         """Which stage of the layers this rank holds (0 .. pipeline_parallel_size - 1)."""
         return (self.rank // self.tensor_parallel_size) % self.pipeline_parallel_size
+
+    def stage_layers(self, stage: int) -> range | None:
+        """The model's layers stage ``stage`` holds; None when ``pipeline_layers`` is unset."""
+        if not self.pipeline_layers:
+            return None
+        return range(self.pipeline_layers[stage], self.pipeline_layers[stage + 1])
 
     @property
     def is_split(self) -> bool:

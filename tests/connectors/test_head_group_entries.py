@@ -205,3 +205,72 @@ def test_bytes_stored_stay_within_a_tenth_over_the_kv(tmp_path, closing):
 def test_entry_kv_heads_that_do_not_divide_a_ranks_heads_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"entry_kv_heads: 2 does not divide the 1 KV heads"):
         medium(tmp_path, tp(0), entry_kv_heads=2)
+
+
+def pp(rank: int) -> ParallelConfig:
+    return ParallelConfig(pipeline_parallel_size=2, rank=rank, pipeline_layers=(0, 1, 2))
+
+
+def stage_caches(model_caches: dict[str, torch.Tensor], stage: int) -> dict[str, torch.Tensor]:
+    """Stage ``stage`` of 2's caches: its one layer, as a pipeline stage registers them."""
+    name = f"layers.{stage}"
+    return {name: model_caches[name]}
+
+
+def stage_medium(storage: pathlib.Path, parallel: ParallelConfig, **extra: Any) -> DirectoryMedium:
+    """A pipeline stage's directory medium: its layout and group hold its one layer."""
+    extra = {"shared_storage_path": str(storage), **extra}
+    options = read_extra_config(CONNECTOR, extra, DirectoryMedium.extra_config_keys())
+    stage = parallel.pipeline_rank
+    group = (CacheGroup(index=0, layer_names=(f"layers.{stage}",), block_size=4),)
+    return DirectoryMedium(
+        MediumContext(
+            CONNECTOR,
+            DirectoryMedium.finish_options(CONNECTOR, options),
+            group,
+            attrs.evolve(MODEL, num_layers=1),
+            parallel=parallel,
+        )
+    )
+
+
+def test_entries_written_by_two_pipeline_stages_load_unsplit_and_back(tmp_path, closing):
+    written = layout_caches(MODEL, 9, NUM_BLOCKS)
+    for stage in (0, 1):
+        save(
+            handler(stage_medium(tmp_path, pp(stage)), stage_caches(written, stage), closing),
+            (1, 2),
+            HASHES[:2],
+        )
+    index = stage_medium(tmp_path, pp(0)).build_index()
+    closing.append(index)
+    assert index.count_held_prefix(0, HASHES) == 2
+    reader = medium(tmp_path, ParallelConfig(), entry_layers=1)
+    loaded = layout_caches(MODEL, None, NUM_BLOCKS)
+    assert load(handler(reader, loaded, closing), (4, 5), HASHES[:2]) == set()
+    assert same_blocks(written, (1, 2), loaded, (4, 5))
+    # And back: a stage reads its layer of what the unsplit engine stored.
+    save(
+        handler(medium(tmp_path, ParallelConfig(), entry_layers=1), written, closing),
+        (3,),
+        HASHES[2:],
+    )
+    loaded = stage_caches(layout_caches(MODEL, None, NUM_BLOCKS), 1)
+    assert load(handler(stage_medium(tmp_path, pp(1)), loaded, closing), (6,), HASHES[2:]) == set()
+    assert same_blocks(stage_caches(written, 1), (3,), loaded, (6,))
+
+
+def test_a_block_one_stage_did_not_store_is_a_miss(tmp_path, closing):
+    written = layout_caches(MODEL, 10, NUM_BLOCKS)
+    save(
+        handler(stage_medium(tmp_path, pp(1)), stage_caches(written, 1), closing), (1,), HASHES[:1]
+    )
+    index = stage_medium(tmp_path, pp(0)).build_index()
+    closing.append(index)
+    assert index.count_held_prefix(0, HASHES[:1]) == 0
+
+
+def test_entry_layers_that_do_not_divide_the_stages_are_refused_by_name(tmp_path):
+    parallel = ParallelConfig(pipeline_parallel_size=2, rank=0, pipeline_layers=(0, 1, 2))
+    with pytest.raises(ValueError, match=r"entry_layers: 2 does not divide the pipeline stages"):
+        stage_medium(tmp_path, parallel, entry_layers=2)

@@ -183,9 +183,9 @@ BAD_EXTRA_CONFIGS = [
         "SharedStorageConnector",
         {"shared_storage_path": STORE, "fsynch": True},
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
-        "keys are: allow_other_owner, async_load, batch_blocks, entry_kv_heads, file_mode, fsync, "
-        "io_threads, mac_key_env, max_bytes, medium, shared_storage_path, staging_buffer_bytes, "
-        "transfer_timeout_s",
+        "keys are: allow_other_owner, async_load, batch_blocks, entry_kv_heads, entry_layers, "
+        "file_mode, fsync, io_threads, mac_key_env, max_bytes, medium, shared_storage_path, "
+        "staging_buffer_bytes, transfer_timeout_s",
         id="shared-storage-typo",
     ),
     pytest.param(
@@ -213,7 +213,8 @@ BAD_EXTRA_CONFIGS = [
         "RedisConnector",
         {"ttl": 60},
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
-        "async_load, batch_blocks, connect_timeout_s, db, entry_kv_heads, io_threads, key_prefix, "
+        "async_load, batch_blocks, connect_timeout_s, db, entry_kv_heads, entry_layers, "
+        "io_threads, key_prefix, "
         "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, medium, password, "
         "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
         "socket_timeout_s, staging_buffer_bytes, tls_ca_certs, tls_certfile, tls_keyfile, "

@@ -311,12 +311,14 @@ def test_importing_kvwire_and_building_its_connectors_never_imports_vllm() -> No
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
 
 
-def parallel_vllm_config(tensor: int, pipeline: int, kv_heads: int) -> Any:
+def parallel_vllm_config(tensor: int, pipeline: int, kv_heads: int, layers: int = 2) -> Any:
     return types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(
             tensor_parallel_size=tensor, pipeline_parallel_size=pipeline
         ),
-        model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads),
+        model_config=types.SimpleNamespace(
+            get_total_num_kv_heads=lambda: kv_heads, get_total_num_hidden_layers=lambda: layers
+        ),
     )
 
 
@@ -343,6 +345,8 @@ def test_a_block_is_reported_stored_once_every_rank_stored_it() -> None:
     assert every_rank.whole([BlockStored((b,), "disk", 0)]) == []
 
 
-def test_pipeline_parallelism_is_refused_naming_the_size() -> None:
-    with pytest.raises(VLLMConfigError, match=r"pipeline_parallel_size 2 is not served yet"):
-        parallel_config_from_vllm(parallel_vllm_config(1, 2, 2))
+def test_each_pipeline_stage_s_layers_are_vllm_s_split() -> None:
+    parallel = parallel_config_from_vllm(parallel_vllm_config(1, 2, 2, layers=5), rank=1)
+    # vLLM gives the remainder to the stages before the last.
+    assert parallel.pipeline_layers == (0, 3, 5)
+    assert parallel.stage_layers(parallel.pipeline_rank) == range(3, 5)

@@ -1,11 +1,13 @@
-"""KVWireConnector in tensor-parallel vLLM engines, and entries shared across parallel sizes.
+"""KVWireConnector in tensor- and pipeline-parallel vLLM engines, and entries shared across sizes.
 
 A TP=2 engine runs in a process of its own (vLLM's multiprocessing executor,
 each rank bound to its own core by ``VLLM_CPU_OMP_THREADS_BIND``); the TP=1
 engines run in this process. Every store sets ``entry_kv_heads: 1``: an
 entry holds one KV head of a block, so what a TP=2 engine stores (each rank
-its head) a TP=1 engine loads, and the reverse. One TP=2 engine serves
-every test of this module (it costs a minute or more on two cores).
+its head) a TP=1 engine loads, and the reverse; a PP=2 engine's store sets
+``entry_layers: 1`` as well (each stage stores its layer). One TP=2 engine
+serves the TP tests and one PP=2 engine the PP test (each costs a minute or
+more on two cores).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ OTHER_PROMPTS = [
 ]
 LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
 # Each of the two ranks on a core of its own: vLLM refuses TP=2 on a CPU otherwise.
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # A TP=2 engine takes one to four minutes to start and run on two busy cores.
@@ -208,6 +211,57 @@ def test_a_tp1_engine_loads_what_the_tp2_engine_stored(
         if store == "shared_storage"
         else redis(stores.redis_url, stores.key_prefix)
     )
+    with running_llm(tiny_model, kvwire_transfer_config(profile(connector))) as llm:
+        tokens, cached = generate(llm, PROMPTS)
+    assert tokens == tokens_without_connector
+    assert cached == [LOADABLE_TOKENS] * len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def pp2_run(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, pathlib.Path]:
+    """A PP=2 engine (compiled: vLLM's eager mode fails at PP=2), CPU offload in front of
+    shared storage at one layer per entry: two passes over PROMPTS, the second after vLLM's
+    prefix cache was emptied. Each stage holds one of the model's two layers."""
+    store = tmp_path_factory.mktemp("pp2-store")
+    connectors = (
+        {
+            "kv_connector": "CPUOffloadConnector",
+            "kv_connector_extra_config": {"cpu_pool_bytes": "64MiB"},
+        },
+        one_layer_entries(shared_storage(store)),
+    )
+    result = run_engine_process(
+        tiny_model,
+        kvwire_transfer_config(profile(*connectors)),
+        PROMPTS,
+        MAX_TOKENS,
+        tmp_path_factory.mktemp("pp2-engine"),
+        env=TP2_ENV,
+        passes=2,
+        engine_args={**PP2, "enforce_eager": False},
+        timeout_s=TP2_TIMEOUT_S,
+    )
+    return result, store
+
+
+def one_layer_entries(connector: dict[str, Any]) -> dict[str, Any]:
+    connector["kv_connector_extra_config"]["entry_layers"] = 1
+    return connector
+
+
+@pytest.mark.slow
+def test_pp2_tokens_equal_pp1_and_a_pp1_engine_loads_what_it_stored(
+    pp2_run: tuple[Any, pathlib.Path], tiny_model: str, tokens_without_connector: list[list[int]]
+) -> None:
+    result, store = pp2_run
+    cold, warm = result["tokens"]
+    assert cold == tokens_without_connector
+    assert warm == tokens_without_connector
+    # The warm pass is served by CPU offload, each stage loading its layer.
+    assert result["cached"][1] == [LOADABLE_TOKENS] * len(PROMPTS)
+    loadable_blocks = LOADABLE_TOKENS // BLOCK_SIZE * len(PROMPTS)
+    assert result["stats"]["CPUOffloadConnector.blocks_loaded"] == 2 * loadable_blocks
+    connector = one_layer_entries(shared_storage(store))
     with running_llm(tiny_model, kvwire_transfer_config(profile(connector))) as llm:
         tokens, cached = generate(llm, PROMPTS)
     assert tokens == tokens_without_connector

@@ -16,14 +16,16 @@ The payload of a block is every layer's keys and values for that block, in
 the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
 "cross-layer" layout: one entry per block, so transfers are large).
 
-An entry may hold only some of the model's KV heads (:class:`HeadShard`):
-a tensor-parallel engine's rank holds a share of every layer's heads, and
-a store keeps one entry per block and group of heads, at a granularity
-that does not depend on how the writer was split (see
-:mod:`kvwire.blocks.shards`). The heads an entry holds are in its layout's
-fingerprint (so in its key and header): an entry of other heads is never
-found under this one's name, and one found there anyway is a load error.
-An entry of all the model's heads keeps the fingerprint it always had.
+An entry may hold only some of the model's KV heads (:class:`HeadShard`)
+and layers (:class:`LayerShard`): a tensor-parallel engine's rank holds a
+share of every layer's heads, a pipeline stage some of the layers, and a
+store keeps one entry per block, group of heads and group of layers, at a
+granularity that does not depend on how the writer was split (see
+:mod:`kvwire.blocks.shards`). The heads and layers an entry holds are in its
+layout's fingerprint (so in its key and header): an entry of others is
+never found under this one's name, and one found there anyway is a load
+error. An entry of all the model's heads and layers keeps the fingerprint
+it always had.
 """
 
 from __future__ import annotations
@@ -75,12 +77,13 @@ class HeadShard:
     start: int
     stop: int
     total: int
+    what = "KV heads"
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.start < self.stop <= self.total:
             raise ValueError(
-                f"KV heads [{self.start}, {self.stop}) are not a range of the model's "
-                f"{self.total} KV heads"
+                f"{self.what} [{self.start}, {self.stop}) are not a range of the model's "
+                f"{self.total} {self.what}"
             )
 
     @property
@@ -93,6 +96,13 @@ class HeadShard:
 
     def describe(self) -> str:
         return f"{self.start}:{self.stop}/{self.total}"
+
+
+@attrs.frozen
+class LayerShard(HeadShard):
+    """Which of the model's layers an entry holds (by index in the whole model)."""
+
+    what = "layers"
 
 
 class CorruptBlockError(KVWireError, ValueError):
@@ -129,6 +139,9 @@ class BlockLayout:
     # The KV heads an entry holds when not all of the model's (``num_kv_heads``
     # is then their count); None: all of them.
     kv_heads: HeadShard | None = attrs.field(default=None, kw_only=True)
+    # The layers an entry holds when not all of the model's (``num_layers`` is
+    # then their count; a pipeline stage holds some); None: all of them.
+    layers: LayerShard | None = attrs.field(default=None, kw_only=True)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -176,6 +189,8 @@ class BlockLayout:
             description += f";{self.group}"
         if self.kv_heads is not None and not self.kv_heads.is_whole:
             description += f";kv_heads={self.kv_heads.describe()}"
+        if self.layers is not None and not self.layers.is_whole:
+            description += f";layers={self.layers.describe()}"
         if self.mac is not None:
             # Sealed entries (and each key's) get names of their own.
             description += f";mac={self.mac.key_id}"

@@ -12,6 +12,14 @@ on how the writer was split: engines that share a store and set the same
 (``entry_kv_heads`` divides ``H / tp``; 1 always does). Unset, an entry
 holds what one rank holds (all heads at ``tp`` 1, as entries always did).
 
+Pipeline parallelism splits the layers the same way: stage ``s`` holds the
+layers ``parallel.stage_layers(s)``, and an entry holds ``entry_layers``
+consecutive layers (:class:`~kvwire.blocks.format.LayerShard`, by index in
+the whole model, read from the layer's name). Unset, an entry holds a
+stage's layers (all of them without pipeline parallelism); engines of
+different pipeline sizes share entries when they set ``entry_layers`` alike
+(1 always works).
+
 Each rank writes and reads only its own groups; a lookup (the scheduler
 side, which serves every rank) asks for every group of every block, in one
 call: a block counts as stored only when all of its groups are, so a save
@@ -20,9 +28,13 @@ that landed on one rank and not another is a miss for the whole block.
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections.abc import Sequence
+
 import attrs
 
-from kvwire.blocks.format import BlockLayout, HeadShard
+from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.config import ParallelConfig
 
 
@@ -71,8 +83,83 @@ def plan_heads(
     return HeadPlan(own=own, every=every, first_own_head=first)
 
 
-def entry_layout(layout: BlockLayout, shard: HeadShard) -> BlockLayout:
-    """The layout of an entry of ``shard``'s heads, from ``layout`` (one of a rank's blocks)."""
-    if shard.is_whole:
-        return attrs.evolve(layout, num_kv_heads=shard.count, kv_heads=None)
-    return attrs.evolve(layout, num_kv_heads=shard.count, kv_heads=shard)
+@attrs.frozen
+class LayerPlan:
+    """The layer groups of one engine's entries: this stage's, and every stage's."""
+
+    own: tuple[LayerShard, ...]
+    every: tuple[LayerShard, ...]
+    first_own_layer: int
+    """The model layer this stage holds first (its local layer 0)."""
+
+    @property
+    def is_whole(self) -> bool:
+        return len(self.every) == 1
+
+    def local_layers(self, shard: LayerShard) -> range:
+        """``shard``'s layers as positions in this stage's (a group's) layer list."""
+        return range(shard.start - self.first_own_layer, shard.stop - self.first_own_layer)
+
+
+_LAYER_INDEX = re.compile(r"\d+")
+
+
+def layer_index(name: str) -> int | None:
+    """The model layer a KV cache layer's name numbers (``model.layers.3.self_attn.attn``: 3)."""
+    numbers = _LAYER_INDEX.findall(name)
+    return int(numbers[0]) if len(numbers) == 1 else None
+
+
+def plan_layers(
+    layer_names: Sequence[str], parallel: ParallelConfig, entry_layers: int | None
+) -> LayerPlan:
+    """The layer groups of a stage holding ``layer_names``, at ``entry_layers`` layers a group.
+
+    Raises ``ValueError`` naming ``entry_layers`` when a stage's layers are
+    not whole groups, or when the layers' names do not number them in a row
+    from the stage's first.
+    """
+    stage = parallel.stage_layers(parallel.pipeline_rank)
+    if stage is None:
+        if entry_layers is None:
+            whole = LayerShard(0, len(layer_names), len(layer_names))
+            return LayerPlan(own=(whole,), every=(whole,), first_own_layer=0)
+        stage = range(len(layer_names))
+    indices = [layer_index(name) for name in layer_names]
+    if indices != list(stage):
+        raise ValueError(
+            f"kv_cache_config: the layers' names number them {indices[:8]}, expected the "
+            f"stage's layers {stage.start}..{stage.stop - 1} in order (one number in each name); "
+            "entries of groups of layers need them"
+        )
+    total = parallel.pipeline_layers[-1] if parallel.pipeline_layers else len(layer_names)
+    if entry_layers is None:
+        bounds = parallel.pipeline_layers or (0, total)
+        every = tuple(LayerShard(a, b, total) for a, b in itertools.pairwise(bounds))
+    else:
+        bounds = parallel.pipeline_layers or (0, total)
+        if any(bound % entry_layers and bound != total for bound in bounds):
+            raise ValueError(
+                f"kv_connector_extra_config.entry_layers: {entry_layers} does not divide the "
+                f"pipeline stages' first layers {list(bounds[:-1])[:8]} (the model has {total}); "
+                "expected a divisor of each (1 always works, and lets engines of any "
+                "pipeline_parallel_size share entries)"
+            )
+        every = tuple(
+            LayerShard(start, min(start + entry_layers, total), total)
+            for start in range(0, total, entry_layers)
+        )
+    own = tuple(shard for shard in every if stage.start <= shard.start < stage.stop)
+    return LayerPlan(own=own, every=every, first_own_layer=stage.start)
+
+
+def entry_layout(
+    layout: BlockLayout, shard: HeadShard, layers: LayerShard | None = None
+) -> BlockLayout:
+    """The layout of an entry of ``shard``'s heads (and ``layers``), from ``layout`` (a rank's)."""
+    layout = attrs.evolve(
+        layout, num_kv_heads=shard.count, kv_heads=None if shard.is_whole else shard
+    )
+    if layers is None:
+        return layout
+    return attrs.evolve(layout, num_layers=layers.count, layers=None if layers.is_whole else layers)

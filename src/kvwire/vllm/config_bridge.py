@@ -187,6 +187,13 @@ def engine_config_from_vllm(
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     kvwire_parallel = parallel_config_from_vllm(vllm_config)
+    if kvwire_parallel.pipeline_parallel_size > 1 and has_hybrid_groups(kv_cache_config):
+        raise VLLMConfigError(
+            "KVWireConnector: pipeline_parallel_size "
+            f"{kvwire_parallel.pipeline_parallel_size} with the hybrid KV cache manager's "
+            "several KV cache groups is not served; start vLLM with "
+            "--disable-hybrid-kv-cache-manager, or without pipeline parallelism"
+        )
     transfer = _transfer_config_from_vllm(vllm_config.kv_transfer_config, profile)
     hf_text_config = model_config.hf_text_config
     model = ModelConfig(
@@ -230,17 +237,12 @@ def parallel_config_from_vllm(vllm_config: Any, rank: int = 0) -> ParallelConfig
     Read from the config alone: the scheduler side is built where no process
     group exists. A tensor-parallel size above the model's KV heads (vLLM
     then gives several ranks the same head) is refused: each rank's entries
-    would not be a share of the heads. So is pipeline parallelism, for now.
+    would not be a share of the heads. Each pipeline stage's layers are
+    vLLM's split (``get_pp_indices``).
     """
     parallel = vllm_config.parallel_config
     tensor_size = int(parallel.tensor_parallel_size)
     pipeline_size = int(parallel.pipeline_parallel_size)
-    if pipeline_size != 1:
-        raise VLLMConfigError(
-            f"KVWireConnector: pipeline_parallel_size {pipeline_size} is not served yet (each "
-            "stage's entries would need the layers they hold in their names); expected 1. "
-            "Tensor parallelism is served"
-        )
     total_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
     if tensor_size > 1 and total_kv_heads % tensor_size:
         raise VLLMConfigError(
@@ -248,10 +250,20 @@ def parallel_config_from_vllm(vllm_config: Any, rank: int = 0) -> ParallelConfig
             f"{total_kv_heads} KV heads (vLLM would replicate heads over ranks); kvwire serves "
             f"a tensor_parallel_size that divides {total_kv_heads}"
         )
+    stages: tuple[int, ...] = ()
+    if pipeline_size > 1:
+        from vllm.distributed.utils import get_pp_indices
+
+        total_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
+        bounds = [
+            get_pp_indices(total_layers, stage, pipeline_size) for stage in range(pipeline_size)
+        ]
+        stages = (*(start for start, _ in bounds), total_layers)
     return ParallelConfig(
         tensor_parallel_size=tensor_size,
         pipeline_parallel_size=pipeline_size,
         rank=rank,
+        pipeline_layers=stages,
     )
 
 

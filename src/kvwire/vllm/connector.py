@@ -17,10 +17,11 @@ call vLLM makes is passed on, translated where the two interfaces differ:
   loads after it when the step has no synchronous load); stats as
   :class:`~kvwire.vllm.stats.KVWireStats`.
 
-Tensor parallelism: each rank's worker connector is built in its rank's
-process, with the container's ``parallel_config`` set to its rank (from
-vLLM's process groups); the scheduler side's comes from vLLM's
-``parallel_config``. Each rank moves only its share of the KV heads; vLLM
+Tensor and pipeline parallelism: each rank's worker connector is built in
+its rank's process, with the container's ``parallel_config`` set to its
+rank (from vLLM's process groups); the scheduler side's comes from vLLM's
+``parallel_config``. Each rank moves only its share of the KV heads and its
+stage's layers; vLLM
 counts a request finished once every rank reported it and unions the ranks'
 failed block ids; a block is reported stored once every rank's report says
 so (:class:`~kvwire.vllm.events.EveryRank`).

@@ -22,10 +22,12 @@ every slot was in use by a transfer).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
+from kvwire.blocks.format import HEADER_SIZE
 from kvwire.connector.counters import Counters
 from kvwire.extra_config import (
     ExtraConfigError,
@@ -53,7 +55,7 @@ class CPUPoolMedium(Medium):
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
         pool_bytes = context.options["cpu_pool_bytes"]
-        entry_bytes = context.layout.entry_bytes
+        entry_bytes = _largest_entry_bytes(context)
         self.num_slots: int = pool_bytes // entry_bytes
         """How many entries the pool holds (one block of one KV cache group each)."""
         if self.num_slots < 1:
@@ -99,3 +101,17 @@ class CPUPoolMedium(Medium):
             len(context.groups),
         )
         return handler
+
+
+def _largest_entry_bytes(context: MediumContext) -> int:
+    """The bytes of the largest rank's entry: every rank's pool has as many slots.
+
+    The scheduler side gives one slot to a block on every rank; pipeline
+    stages may hold unequal numbers of layers, so the slots are counted for
+    the stage with the most.
+    """
+    layout, stages = context.layout, context.parallel.pipeline_layers
+    if not stages:
+        return layout.entry_bytes
+    most = max(stop - start for start, stop in itertools.pairwise(stages))
+    return HEADER_SIZE + layout.payload_bytes // layout.num_layers * most

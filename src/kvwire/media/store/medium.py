@@ -73,6 +73,10 @@ Common ``kv_connector_extra_config`` keys of every store medium:
   many heads, named apart, so engines of different tensor-parallel sizes
   that set it alike share entries (see :mod:`kvwire.blocks.shards`); a
   lookup counts a block only when every group's entry is stored;
+- ``entry_layers`` (layers per entry; default: a pipeline stage's layers,
+  all of them without pipeline parallelism): the same for layers, so
+  engines of different pipeline-parallel sizes that set it alike share
+  entries;
 - ``mac_key_env`` (the name of an environment variable holding a MAC key:
   every entry is then sealed with HMAC-SHA256 and one whose MAC does not
   match is a load error, see :mod:`kvwire.blocks.mac`; the key itself is
@@ -94,7 +98,7 @@ import attrs
 
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
-from kvwire.blocks.shards import entry_layout, plan_heads
+from kvwire.blocks.shards import entry_layout, plan_heads, plan_layers
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash
 from kvwire.extra_config import (
@@ -161,17 +165,30 @@ class StoreMedium(Medium, Generic[_Store]):
         self._heads = plan_heads(
             self._layout.num_kv_heads, context.parallel, context.options.get("entry_kv_heads")
         )
-        # Per KV cache group, the layouts of the entries of one block: this
-        # rank's (what its worker side moves) and every rank's (what a lookup
-        # asks for). One each, the group's own, for an unsplit engine.
+        self._layer_plans = tuple(
+            plan_layers(group.layer_names, context.parallel, context.options.get("entry_layers"))
+            for group in context.groups
+        )
+        # Per KV cache group, the entries of one block, as (layers, heads):
+        # this rank's (what its worker side moves) and every rank's (what a
+        # lookup asks for). One each, the group's own, for an unsplit engine.
+        self._own_entries = tuple(
+            tuple((layers, heads) for layers in plan.own for heads in self._heads.own)
+            for plan in self._layer_plans
+        )
         self._own_entry_layouts = tuple(
-            tuple(entry_layout(layout, shard) for shard in self._heads.own)
-            for layout in self._group_layouts
+            tuple(entry_layout(layout, heads, layers) for layers, heads in entries)
+            for layout, entries in zip(self._group_layouts, self._own_entries, strict=True)
         )
         self._every_entry_layouts = tuple(
-            tuple(entry_layout(layout, shard) for shard in self._heads.every)
-            for layout in self._group_layouts
+            tuple(
+                entry_layout(layout, heads, layers)
+                for layers in plan.every
+                for heads in self._heads.every
+            )
+            for layout, plan in zip(self._group_layouts, self._layer_plans, strict=True)
         )
+        self._whole = all(len(entries) == 1 for entries in self._every_entry_layouts)
         self._key_of = self._group_key_function()
         self._store: _Store | None = None
         self._store_users = 0
@@ -196,6 +213,16 @@ class StoreMedium(Medium, Generic[_Store]):
                     else None
                 ),
                 "an integer >= 1 (KV heads per entry)",
+            ),
+            ExtraConfigKey(
+                "entry_layers",
+                None,
+                lambda value: (
+                    value
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
+                    else None
+                ),
+                "an integer >= 1 (layers per entry)",
             ),
             ExtraConfigKey(
                 "mac_key_env",
@@ -321,12 +348,13 @@ class StoreMedium(Medium, Generic[_Store]):
         one that takes ``group``.
         """
         groups = self.context.groups
-        if not self._heads.is_whole:
+        if not self._whole:
             if type(self).store_key is not StoreMedium.store_key:
                 raise TypeError(
                     f"{type(self).__name__} overrides store_key, and this engine stores "
-                    "entries of groups of KV heads (tensor parallelism, or entry_kv_heads): "
-                    "their keys are their layouts' (the heads are in the fingerprint)"
+                    "entries of groups of KV heads or layers (tensor or pipeline parallelism, "
+                    "entry_kv_heads, entry_layers): their keys are their layouts' (the heads "
+                    "and layers are in the fingerprint)"
                 )
             return lambda group, block_hash: self._group_layouts[group].key(block_hash)
         if len(groups) == 1:
@@ -346,7 +374,7 @@ class StoreMedium(Medium, Generic[_Store]):
 
     def build_index(self) -> MediumIndex:
         """The scheduler side: lookups by key in the store; it owns closing the store."""
-        if self._heads.is_whole:
+        if self._whole:
             key_of = self._key_of
 
             def entry_keys(group: int, block_hashes: Sequence[BlockHash]) -> list[str]:
@@ -362,7 +390,7 @@ class StoreMedium(Medium, Generic[_Store]):
                 # of whose entries is missing.
                 return [layout.key(h) for h in block_hashes for layout in every[group]]
 
-            per_block = len(self._heads.every)
+            per_block = len(every[0])
         return _StoreIndex(
             self._open_store(), entry_keys, per_block, self.reset_store, self._release_store
         )
@@ -386,26 +414,33 @@ class StoreMedium(Medium, Generic[_Store]):
         groups = self.context.groups
         # At least one block's save may be in flight, whatever the bound.
         max_save_bytes = max(options["staging_buffer_bytes"], self._layout.entry_bytes)
-        if self._heads.is_whole:
+        if self._whole:
             layouts: Sequence[BlockLayout] = self._group_layouts
             memories: Sequence[BlockMemory] = group_memories(kv_caches, self._layout, groups)
             key_of, hash_of, group_of = self._key_of, self.block_hash_of, self.block_group_of
         else:
-            # The worker's groups are (KV cache group, head group) pairs, in
-            # that order; _HeadGroups turns a cache group's transfer into its.
+            # The worker's groups are (KV cache group, entry of a block)
+            # pairs, in that order; HeadGroupsHandler turns a cache group's
+            # transfer into its.
             group_caches(kv_caches, self._layout, groups)
-            own = self._heads.own
+            own = self._own_entries[0]
             layouts = [layout for group in self._own_entry_layouts for layout in group]
-            memories = [
-                BlockMemory(
-                    {name: kv_caches[name] for name in group.layer_names},
-                    self._layout,
-                    group.layer_names,
-                    heads=self._heads.local_heads(shard),
-                )
-                for group in groups
-                for shard in own
-            ]
+            memories = []
+            for group, plan, entries in zip(
+                groups, self._layer_plans, self._own_entries, strict=True
+            ):
+                for layers, heads in entries:
+                    names = group.layer_names[
+                        plan.local_layers(layers).start : plan.local_layers(layers).stop
+                    ]
+                    memories.append(
+                        BlockMemory(
+                            {name: kv_caches[name] for name in names},
+                            attrs.evolve(self._layout, num_layers=len(names)),
+                            names,
+                            heads=self._heads.local_heads(heads),
+                        )
+                    )
             flat = tuple(layouts)
 
             def key_of(entry_group: int, block_hash: BlockHash) -> str:
@@ -438,7 +473,7 @@ class StoreMedium(Medium, Generic[_Store]):
         )
         self.start_worker(worker)
         handler: TransferHandler = (
-            worker if self._heads.is_whole else HeadGroupsHandler(worker, len(self._heads.own))
+            worker if self._whole else HeadGroupsHandler(worker, len(self._own_entries[0]))
         )
         logger.info(
             "%s: %s store, %d KV cache group(s), blocks of %d bytes, saves in flight up to "
