@@ -10,7 +10,6 @@ Run: ``.venv/bin/pytest examples/testing_with_overrides``
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import attrs
 import pytest
@@ -19,18 +18,22 @@ from my_app import build_container, hybrid_kv_cache_enabled, tokens_to_load
 
 from kvwire import (
     EngineConfig,
-    KVConnectorBase,
+    HMADecision,
+    KVCacheConfig,
     KVConnectorContainer,
-    KVConnectorMetadata,
     KVConnectorRole,
+    Request,
+    build_full_attention_kv_cache_config,
 )
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
-from kvwire.hma import HMADecision
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.testing import IdleConnector
 
 
-class EverythingCachedConnector(KVConnectorBase):
-    """A test double: claims every full block of every prompt is loadable."""
+class EverythingCachedConnector(IdleConnector):
+    """A test double: claims every full block of every prompt is loadable.
+
+    ``IdleConnector`` answers every other call the way a connector with nothing
+    to do answers it, so the double shows only the behaviour under test.
+    """
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -38,28 +41,6 @@ class EverythingCachedConnector(KVConnectorBase):
         block_size = self.engine_config.cache_config.block_size
         cached = request.num_prompt_tokens // block_size * block_size
         return max(cached - num_computed_tokens, 0), False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        pass
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        pass
-
-    def wait_for_save(self) -> None:
-        pass
 
 
 def cache_config(num_blocks: int) -> KVCacheConfig:
