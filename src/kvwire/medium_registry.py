@@ -40,10 +40,10 @@ logger = logging.getLogger(__name__)
 MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
 
 BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
-    "cpu_pool": ("kvwire.media.cpu_pool", "CPUPoolMedium"),
-    "directory": ("kvwire.media.directory", "DirectoryMedium"),
-    "peer": ("kvwire.media.peer", "PeerMedium"),
-    "redis": ("kvwire.media.redis", "RedisMedium"),
+    "cpu_pool": ("kvwire.media.cpu_pool.medium", "CPUPoolMedium"),
+    "directory": ("kvwire.media.directory.medium", "DirectoryMedium"),
+    "peer": ("kvwire.media.peer.medium", "PeerMedium"),
+    "redis": ("kvwire.media.redis.medium", "RedisMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""
 

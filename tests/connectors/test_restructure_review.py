@@ -162,13 +162,13 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="kvwire.medium_registry"):
         entries = {entry.name: entry.target for entry in registry.entries()}
 
-    assert entries["directory"] == "kvwire.media.directory:DirectoryMedium"
+    assert entries["directory"] == "kvwire.media.directory.medium:DirectoryMedium"
     assert entries["tape"] == "tape_media:Tape"
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 2
     assert warnings[0].startswith(
         "Ignoring entry point 'directory = shadowing_media:Directory' of distribution unknown: "
-        "medium 'directory' is already registered (built in, kvwire.media.directory:"
+        "medium 'directory' is already registered (built in, kvwire.media.directory.medium:"
     )
     assert warnings[1].startswith("Ignoring entry point 'tape = other_tape_media:Tape'")
 

@@ -389,7 +389,7 @@ def test_reset_cache_keeps_the_users_files_in_the_layouts_folder(
 def test_shutdown_waits_for_a_stuck_start_up_sweep_only_so_long(
     shared_storage_pair: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog
 ):
-    from kvwire.media import directory
+    from kvwire.media.directory import medium as directory
     from kvwire.media.directory._store import DirectoryBlockStore
 
     stuck = threading.Event()

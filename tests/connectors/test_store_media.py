@@ -22,9 +22,9 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockRemoved, BlockStored
 from kvwire.extra_config import ExtraConfigError, read_extra_config
-from kvwire.media import directory
 from kvwire.media.base import MediumContext
 from kvwire.media.directory import DirectoryBlockStore, DirectoryMedium
+from kvwire.media.directory import medium as directory
 from kvwire.media.store._handler import StoreWorker
 from kvwire.media.store.base import CacheWrites
 from tests.connectors.store_workers import layout_caches

@@ -174,7 +174,7 @@ def test_connectors_lists_name_source_and_module(registry: ConnectorRegistry) ->
     )
 
 
-CPU_POOL = "kvwire.media.cpu_pool:CPUPoolMedium"
+CPU_POOL = "kvwire.media.cpu_pool.medium:CPUPoolMedium"
 
 
 def _connector_rows(listing: str) -> dict[str, str]:

@@ -1,0 +1,117 @@
+"""The CPU pool medium: preallocated slots in this host's memory.
+
+The scheduler side's index (:mod:`kvwire.media.cpu_pool._index`) decides
+which slot holds which block, evicting the least recently used; the worker
+side (:mod:`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
+A slot holds one block of every layer of one KV cache group plus a 128-byte
+header; every group's entries have the same size, so the groups share the
+pool. A block becomes a hit only once its store is complete.
+
+``kv_connector_extra_config`` keys:
+
+- ``cpu_pool_bytes`` (default ``"256MiB"``): pool size, at least one entry;
+- ``io_threads`` (default 2): copy threads per direction;
+- ``transfer_timeout_s`` (default 30): the deadline of each copy; a load
+  still running then is a load error (computed again), a store still
+  running then counts failed.
+
+Counts reported with the stats: ``evicted_blocks`` (blocks the pool dropped
+to make room) and ``stores_skipped_pool_full`` (blocks not stored because
+every slot was in use by a transfer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+from kvwire.blocks.format import HEADER_SIZE
+from kvwire.connector.counters import Counters
+from kvwire.extra_config import (
+    ExtraConfigError,
+    ExtraConfigKey,
+    int_key,
+    memory_size_key,
+    seconds_key,
+)
+from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.cpu_pool._index_half import _CPUPoolIndexHalf
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CPUPoolMedium"]
+
+logger = logging.getLogger(__name__)
+
+
+class CPUPoolMedium(Medium):
+    """Blocks kept in a preallocated CPU memory pool of :attr:`num_slots` entries."""
+
+    event_medium: ClassVar[str] = "cpu"
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        pool_bytes = context.options["cpu_pool_bytes"]
+        entry_bytes = _largest_entry_bytes(context)
+        self.num_slots: int = pool_bytes // entry_bytes
+        """How many entries the pool holds (one block of one KV cache group each)."""
+        if self.num_slots < 1:
+            raise ExtraConfigError(
+                f"kv_connector_extra_config.cpu_pool_bytes: {pool_bytes} bytes hold no block; "
+                f"expected at least {entry_bytes} (one block of every layer plus its header)"
+            )
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The ``kv_connector_extra_config`` keys: see the module docstring."""
+        return (
+            memory_size_key("cpu_pool_bytes", 256 * 1024**2),
+            int_key("io_threads", 2, minimum=1, maximum=64),
+            seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
+        )
+
+    def build_index(self) -> MediumIndex:
+        return _CPUPoolIndexHalf(self.num_slots, len(self.context.groups), self.event_medium)
+
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> TransferHandler:
+        # Imported here: they need torch, which the scheduler side never imports.
+        from kvwire.blocks.paged_cache import group_caches
+        from kvwire.media.cpu_pool._handler import CPUPoolWorker
+
+        context = self.context
+        handler = CPUPoolWorker(
+            layouts=self.group_layouts,
+            caches=group_caches(kv_caches, context.layout, context.groups),
+            num_slots=self.num_slots,
+            io_threads=context.options["io_threads"],
+            counters=counters,
+            transfer_timeout_s=context.options["transfer_timeout_s"],
+        )
+        logger.info(
+            "%s: a pool of %d blocks of %d bytes (%.1f MiB), %d KV cache groups",
+            context.connector_name,
+            self.num_slots,
+            context.layout.payload_bytes,
+            self.num_slots * context.layout.entry_bytes / 2**20,
+            len(context.groups),
+        )
+        return handler
+
+
+def _largest_entry_bytes(context: MediumContext) -> int:
+    """The bytes of the largest rank's entry: every rank's pool has as many slots.
+
+    The scheduler side gives one slot to a block on every rank; pipeline
+    stages may hold unequal numbers of layers, so the slots are counted for
+    the stage with the most.
+    """
+    layout, stages = context.layout, context.parallel.pipeline_layers
+    if not stages:
+        return layout.entry_bytes
+    most = max(stop - start for start, stop in itertools.pairwise(stages))
+    return HEADER_SIZE + layout.payload_bytes // layout.num_layers * most

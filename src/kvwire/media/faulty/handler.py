@@ -1,0 +1,153 @@
+"""The fault-injecting medium's worker side: the wrapped medium's handler, whose chosen loads fail.
+
+:class:`LoadFaults` chooses which loads fail (each chosen request's first
+one, at one block of its range); :class:`FaultInjectingHandler` fails them
+after the wrapped medium's loads ended (see :mod:`kvwire.media.faulty.medium`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence, Set
+from typing import TYPE_CHECKING
+
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connector.types import KVCacheEvent
+from kvwire.media.base import TransferHandler
+
+if TYPE_CHECKING:
+    from kvwire.blocks.memory import BlockMemory
+
+__all__ = ["POISON_BYTE", "FaultInjectingHandler", "LoadFaults", "poison_block"]
+
+POISON_BYTE = 0xFF
+"""What a failed load leaves in a block: all bits set, a NaN in every float dtype."""
+
+
+def poison_block(memory: BlockMemory, block_id: int) -> None:
+    """Fill block ``block_id`` of every layer in ``memory`` with :data:`POISON_BYTE`."""
+    for byte_range in memory.ranges(block_id):
+        byte_range[:] = bytes([POISON_BYTE]) * len(byte_range)
+
+
+class LoadFaults:
+    """Which loads fail: each chosen request's first one, at one block of its range.
+
+    Shared by the fault-injecting medium and the conformance kit's
+    fault-injecting connector, so both fail the same block.
+    """
+
+    def __init__(self, request_ids: frozenset[str] | None, block_index: int) -> None:
+        self._request_ids = request_ids
+        self._block_index = block_index
+        self._failed_requests: set[str] = set()
+
+    def choose(self, request_id: str, blocks: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """The ``(group, block id)`` of ``blocks`` to fail for this load of ``request_id``, if any.
+
+        ``blocks`` is the loaded range, group after group. Only a chosen
+        request's first load with blocks fails.
+        """
+        if (
+            not blocks
+            or request_id in self._failed_requests
+            or (self._request_ids is not None and request_id not in self._request_ids)
+        ):
+            return None
+        self._failed_requests.add(request_id)
+        index = max(-len(blocks), min(self._block_index, len(blocks) - 1))
+        return blocks[index]
+
+
+class FaultInjectingHandler(TransferHandler):
+    """The wrapped medium's transfer handler, with the chosen loads failed after they end.
+
+    ``memories`` holds each KV cache group's blocks as byte ranges, in group
+    order (:func:`kvwire.blocks.memory.group_memories`).
+    """
+
+    def __init__(
+        self,
+        inner: TransferHandler,
+        memories: Sequence[BlockMemory],
+        faults: LoadFaults,
+    ) -> None:
+        self.inner = inner
+        self._memories = tuple(memories)
+        self._faults = faults
+        # Synchronous loads of this step to fail once the wrapped loads ended.
+        self._sync_failures: list[tuple[int, int]] = []
+        # Asynchronous loads to fail when reported finished, by request.
+        self._async_failures: dict[str, tuple[int, int]] = {}
+        self._failed: set[int] = set()
+
+    def start_loads(
+        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
+    ) -> None:
+        self.inner.start_loads(loads, async_loads)
+        for request_id, blocks in _loaded_ranges(loads).items():
+            chosen = self._faults.choose(request_id, blocks)
+            if chosen is not None:
+                self._sync_failures.append(chosen)
+        for request_id, blocks in _loaded_ranges(async_loads).items():
+            chosen = self._faults.choose(request_id, blocks)
+            if chosen is not None:
+                self._async_failures[request_id] = chosen
+
+    def wait_for_loads(self) -> None:
+        self.inner.wait_for_loads()
+        # Only now: the wrapped load, still running before, would overwrite the garbage.
+        failures, self._sync_failures = self._sync_failures, []
+        for group, block_id in failures:
+            self._fail(group, block_id)
+
+    def load_errors_so_far(self) -> set[int]:
+        return self.inner.load_errors_so_far() | self._failed
+
+    def take_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return self.inner.take_load_errors() | failed
+
+    def take_finished_loads(self) -> set[str]:
+        finished = self.inner.take_finished_loads()
+        for request_id in finished:
+            failure = self._async_failures.pop(request_id, None)
+            if failure is not None:
+                self._fail(*failure)
+        return finished
+
+    def save(self, saves: Sequence[BlockTransfer]) -> None:
+        self.inner.save(saves)
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        return self.inner.release_saves_reading(request_ids, block_ids)
+
+    def is_busy(self, request_id: str) -> bool:
+        return self.inner.is_busy(request_id)
+
+    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
+        return self.inner.wait_for_saves(timeout_s)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.inner.take_events()
+
+    def take_counters(self) -> Mapping[str, float]:
+        return self.inner.take_counters()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _fail(self, group: int, block_id: int) -> None:
+        poison_block(self._memories[group], block_id)
+        self._failed.add(block_id)
+
+
+def _loaded_ranges(transfers: Sequence[BlockTransfer]) -> dict[str, list[tuple[int, int]]]:
+    """Each request's loaded blocks as ``(group, block id)``, group after group, in block order."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for transfer in sorted(transfers, key=lambda transfer: transfer.group):
+        ranges.setdefault(transfer.request_id, []).extend(
+            (transfer.group, block_id) for block_id in transfer.block_ids
+        )
+    return ranges

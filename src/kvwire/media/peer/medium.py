@@ -1,0 +1,187 @@
+"""The peer medium: engines read each other's CPU pools over NIXL, found through a directory.
+
+Each engine keeps the blocks it saves in a CPU pool of its own, as the CPU
+pool medium does, and exposes that pool to a NIXL agent. Once a save
+completed, the engine announces its blocks in a *directory* kept in a
+Redis/Valkey server (:mod:`kvwire.media.peer._directory`): block key ->
+this peer, the slot, the slot's generation. Any engine of the same model
+and layout then finds a block by its hash, whichever peer holds it, and
+its worker pulls the entry straight from that peer's memory with a NIXL
+read, verifies it and scatters it into its KV cache. No store holds KV
+in between, and no router passes transfer parameters: disaggregated
+prefill is a ``kv_producer`` and a ``kv_consumer`` given the same prompt,
+and any group of ``kv_both`` engines pools its CPU memory into one cache.
+
+Bytes that move under a reader are never loaded (see
+:mod:`kvwire.media.peer._handler`): every pulled entry is verified before
+it reaches the cache, a failed read is a load error (computed again) and
+withdraws the directory entries it relied on, and a read never outlives
+``transfer_timeout_s``. Peers of another model, dtype or layout never
+match: the layout fingerprint names every directory entry.
+
+``kv_connector_extra_config`` keys:
+
+- ``url`` and the Redis medium's other connection keys (``password_env``,
+  ``key_prefix``, ``socket_timeout_s``, TLS...; see
+  :class:`~kvwire.media.redis.RedisStoreSettings`): the directory's server.
+  One server (``redis://``, ``rediss://``, ``unix://``); a cluster URL is
+  refused;
+- ``cpu_pool_bytes`` (default ``"256MiB"``), ``io_threads`` (default 2) and
+  ``transfer_timeout_s`` (default 30): the pool's, as for the CPU pool
+  medium; ``transfer_timeout_s`` also bounds each load, pulls included;
+- ``peer_name`` (default ``kvwire-<engine_id>``): this peer's name in the
+  directory and its NIXL agent's; unique among the peers;
+- ``staging_blocks`` (default 64): entries each load thread pulls at once;
+- ``directory_ttl_s`` (default 3600): a directory entry's expiry;
+- ``peer_heartbeat_s`` (default 5): how often a worker refreshes its peer
+  record, which expires after three of these unrefreshed: readers then
+  stop trying a peer that died.
+
+NIXL's transport is UCX's to choose: on hosts without RDMA, set
+``UCX_TLS=tcp,self,sm`` (add ``UCX_NET_DEVICES=lo`` for loopback only).
+Install the ``peer`` extra (``nixl-cu12``, which runs without CUDA).
+Designed for one worker per engine (tensor parallel size 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvwire.connector.counters import Counters
+from kvwire.extra_config import (
+    ExtraConfigError,
+    ExtraConfigKey,
+    int_key,
+    seconds_key,
+    str_key,
+)
+from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.cpu_pool import CPUPoolMedium
+from kvwire.media.peer._directory import PeerDirectory, check_peer_name
+from kvwire.media.peer._index import PeerIndex
+from kvwire.media.redis import RedisMedium
+from kvwire.media.redis._settings import RedisStoreSettings
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PeerMedium"]
+
+logger = logging.getLogger(__name__)
+
+# The Redis keys that say nothing about the directory (they size blocks' values).
+_UNUSED_REDIS_KEYS = ("ttl_seconds", "pipeline_bytes", "lookup_batch_size")
+_DIRECTORY = "peer_directory_settings"
+
+
+class PeerMedium(Medium):
+    """Blocks in this engine's CPU pool, readable by every peer; any peer's, readable here."""
+
+    event_medium: ClassVar[str] = "peer"
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        self._pool_shape = CPUPoolMedium(context)
+        self.num_slots = self._pool_shape.num_slots
+        options = context.options
+        given = options["peer_name"]
+        self.peer_name: str = given if given is not None else _default_name(context.engine_id)
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        redis_keys = tuple(
+            key for key in RedisMedium.extra_config_keys() if _is_directory_key(key.name)
+        )
+        return (
+            *CPUPoolMedium.extra_config_keys(),
+            *redis_keys,
+            str_key("peer_name", None),
+            int_key("staging_blocks", 64, minimum=1, maximum=65536),
+            seconds_key("directory_ttl_s", 3600.0, maximum=30 * 24 * 3600),
+            seconds_key("peer_heartbeat_s", 5.0, maximum=3600),
+        )
+
+    @classmethod
+    def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The directory's Redis settings checked (no connection), and the peer name."""
+        redis_names = set(RedisStoreSettings.extra_config_keys())
+        given = {
+            name: getattr(value, "value", value)
+            for name, value in options.items()
+            if name in redis_names and _is_directory_key(name)
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        try:
+            settings = RedisStoreSettings.from_extra_config(given)
+        except ValueError as error:
+            raise ExtraConfigError(f"{connector_name}: {error}") from None
+        if settings.is_cluster:
+            raise ExtraConfigError(
+                f"{connector_name}: kv_connector_extra_config.url: the peer medium's directory "
+                "lives on one Redis/Valkey server (redis://, rediss:// or unix://); a cluster "
+                "URL is not accepted"
+            )
+        name = options.get("peer_name")
+        if name is not None and (problem := check_peer_name(name)) is not None:
+            raise ExtraConfigError(
+                f"{connector_name}: kv_connector_extra_config.peer_name: expected {problem}"
+            )
+        return {**options, _DIRECTORY: settings}
+
+    def _directory(self) -> PeerDirectory:
+        options = self.context.options
+        return PeerDirectory(options[_DIRECTORY], options["directory_ttl_s"])
+
+    def build_index(self) -> MediumIndex:
+        return PeerIndex(
+            num_slots=self.num_slots,
+            layouts=self.group_layouts,
+            medium=self.event_medium,
+            peer=self.peer_name,
+            directory=self._directory(),
+        )
+
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> TransferHandler:
+        # Imported here: they need torch and NIXL, which the scheduler side never imports.
+        from kvwire.blocks.paged_cache import group_caches
+        from kvwire.media.peer._handler import PeerWorker, PeerWorkerSettings
+
+        context, options = self.context, self.context.options
+        handler = PeerWorker(
+            layouts=self.group_layouts,
+            caches=group_caches(kv_caches, context.layout, context.groups),
+            num_slots=self.num_slots,
+            counters=counters,
+            directory=self._directory(),
+            settings=PeerWorkerSettings(
+                peer=self.peer_name,
+                staging_blocks=options["staging_blocks"],
+                io_threads=options["io_threads"],
+                transfer_timeout_s=options["transfer_timeout_s"],
+                heartbeat_s=options["peer_heartbeat_s"],
+            ),
+        )
+        logger.info(
+            "%s: peer %r exposes a pool of %d blocks (%.1f MiB) over NIXL",
+            context.connector_name,
+            self.peer_name,
+            self.num_slots,
+            self.num_slots * context.layout.entry_bytes / 2**20,
+        )
+        return handler
+
+
+def _is_directory_key(name: str) -> bool:
+    return name not in _UNUSED_REDIS_KEYS and name in RedisStoreSettings.extra_config_keys()
+
+
+def _default_name(engine_id: str) -> str:
+    # engine_id is shared by both roles and every process of one engine; an
+    # engine built without one gets a name of its own.
+    name = f"kvwire-{engine_id or uuid.uuid4()}"
+    return name if check_peer_name(name) is None else f"kvwire-{uuid.uuid4()}"
