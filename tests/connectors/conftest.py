@@ -1,59 +1,7 @@
-"""Fixtures of the connectors' tests."""
+"""Fixtures that open a connector's scheduler and worker halves over a shared-storage directory."""
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from tests.support.pair_fixtures import open_pair, shared_storage_pair, storage_dir
 
-import pytest
-
-from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from tests.connectors.harness import ConnectorPair, cache_config_for, engine_config, make_caches
-
-PairFactory = Callable[..., ConnectorPair]
-OpenPair = Callable[..., ConnectorPair]
-
-
-@pytest.fixture
-def storage_dir(tmp_path: pathlib.Path) -> pathlib.Path:
-    return tmp_path / "kv-store"
-
-
-@pytest.fixture
-def open_pair() -> Iterator[OpenPair]:
-    """Opens connector pairs over caches of ``seed``'s random content; shuts them all down.
-
-    Called as ``open_pair(config, connector_class, seed, **constructor_keywords)``.
-    """
-    pairs: list[ConnectorPair] = []
-
-    def open_one(
-        config: EngineConfig,
-        connector_class: type[KVConnectorBase],
-        seed: int | None,
-        **kwargs: Any,
-    ) -> ConnectorPair:
-        caches = make_caches(cache_config_for(config), seed)
-        pair = ConnectorPair(config, connector_class, caches, **kwargs)
-        pairs.append(pair)
-        return pair
-
-    yield open_one
-    for pair in pairs:
-        pair.shutdown()
-
-
-@pytest.fixture
-def shared_storage_pair(storage_dir: pathlib.Path, open_pair: OpenPair) -> PairFactory:
-    """Builds shared-storage connector pairs on one directory."""
-
-    def build(seed: int | None = None, **options: object) -> ConnectorPair:
-        kv_role = str(options.pop("kv_role", "kv_both"))
-        extra = {"shared_storage_path": str(storage_dir), "staging_buffer_bytes": "1MiB", **options}
-        config: EngineConfig = engine_config("SharedStorageConnector", extra, kv_role=kv_role)
-        return open_pair(config, SharedStorageConnector, seed)
-
-    return build
+__all__ = ["open_pair", "shared_storage_pair", "storage_dir"]

@@ -14,7 +14,7 @@ from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_
 from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry
 
-SAMPLES = "tests.core.sample_connectors"
+SAMPLES = "tests.support.sample_connectors"
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def make_container(
 
 
 PLUGIN_SOURCE = """
-from tests.core.sample_connectors import HMAConnector, RecordingConnector
+from tests.support.sample_connectors import HMAConnector, RecordingConnector
 
 
 class PluginConnector(RecordingConnector):

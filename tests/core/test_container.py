@@ -19,7 +19,7 @@ from kvwire.hma import HMADecision
 from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
 from kvwire.registry import ConnectorRegistry, default_registry
 from tests.core.conftest import SAMPLES
-from tests.core.sample_connectors import (
+from tests.support.sample_connectors import (
     CompositeConnector,
     HMAConnector,
     RecordingConnector,
@@ -283,7 +283,9 @@ def test_overriding_the_config_lasts_until_the_block_ends(
 
 def test_overriding_the_registry_lasts_until_the_block_ends(container: Any) -> None:
     other = ConnectorRegistry(built_ins={}, entry_point_group=None)
-    other.register_connector("RecordingConnector", "tests.core.sample_connectors", "HMAConnector")
+    other.register_connector(
+        "RecordingConnector", "tests.support.sample_connectors", "HMAConnector"
+    )
 
     with container.registry.override(providers.Object(other)):
         assert container.connector_class() is HMAConnector

@@ -27,7 +27,7 @@ from kvwire.container import (
 )
 from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import ConnectorRegistry
-from tests.core.sample_connectors import RecordingConnector
+from tests.support.sample_connectors import RecordingConnector
 
 THREADS = 8
 DEADLINE_S = 30.0

@@ -136,7 +136,7 @@ def test_an_entry_point_cannot_shadow_a_built_in(
 ) -> None:
     registry = plugin_registry(
         {"Shadow": f"{plugin_module}:PluginConnector"},
-        built_ins={"Shadow": ("tests.core.sample_connectors", "HMAConnector")},
+        built_ins={"Shadow": ("tests.support.sample_connectors", "HMAConnector")},
     )
 
     with caplog.at_level(logging.WARNING, logger="kvwire.registry"):
@@ -146,7 +146,7 @@ def test_an_entry_point_cannot_shadow_a_built_in(
     assert caplog.records[0].getMessage() == (
         f"Ignoring entry point 'Shadow = {plugin_module}:PluginConnector' of distribution "
         "'kvwire-sample-plugin 1.2': connector 'Shadow' is already registered (built in, "
-        "tests.core.sample_connectors:HMAConnector)"
+        "tests.support.sample_connectors:HMAConnector)"
     )
 
 

@@ -16,7 +16,7 @@ from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.extra_config import ExtraConfigError, int_key, read_extra_config
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
-from tests.core.sample_connectors import RecordingConnector
+from tests.support.sample_connectors import RecordingConnector
 
 # The built-in connectors it checks import torch.
 pytestmark = pytest.mark.torch

@@ -14,7 +14,7 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import default_registry
 from tests.core.conftest import SAMPLES
-from tests.core.sample_connectors import CompositeConnector, HMAConnector, RecordingConnector
+from tests.support.sample_connectors import CompositeConnector, HMAConnector, RecordingConnector
 
 
 def sample(name: str, **fields: object) -> KVTransferConfig:

@@ -18,8 +18,8 @@ from kvwire.registry import (
     accepts_connector_builder,
     default_registry,
 )
-from tests.core import sample_connectors
-from tests.core.sample_connectors import HMAConnector, RecordingConnector
+from tests.support import sample_connectors
+from tests.support.sample_connectors import HMAConnector, RecordingConnector
 
 DEPRECATED = (
     "Connector {} uses deprecated 2-argument constructor signature. External v1 KV "
@@ -120,7 +120,9 @@ def test_an_empty_module_path_is_an_error(registry: ConnectorRegistry) -> None:
 def test_a_module_path_wins_over_the_registry(
     registry: ConnectorRegistry, plugin_module: str
 ) -> None:
-    registry.register_connector("PluginConnector", "tests.core.sample_connectors", "HMAConnector")
+    registry.register_connector(
+        "PluginConnector", "tests.support.sample_connectors", "HMAConnector"
+    )
 
     resolved = registry.resolve(transfer("PluginConnector", kv_connector_module_path=plugin_module))
 
@@ -139,10 +141,10 @@ def test_a_class_missing_from_its_module_path_is_an_attribute_error_chained(
 ) -> None:
     with pytest.raises(AttributeError) as caught:
         registry.resolve(
-            transfer("Missing", kv_connector_module_path="tests.core.sample_connectors")
+            transfer("Missing", kv_connector_module_path="tests.support.sample_connectors")
         )
 
-    assert str(caught.value) == "Class Missing not found in tests.core.sample_connectors"
+    assert str(caught.value) == "Class Missing not found in tests.support.sample_connectors"
     assert isinstance(caught.value.__cause__, AttributeError)
 
 
@@ -150,7 +152,7 @@ def test_a_two_argument_constructor_by_module_path_is_logged_then_refused(
     registry: ConnectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
     config = transfer(
-        "TwoArgumentConnector", kv_connector_module_path="tests.core.sample_connectors"
+        "TwoArgumentConnector", kv_connector_module_path="tests.support.sample_connectors"
     )
 
     with (
@@ -190,11 +192,11 @@ def test_an_unknown_name_is_unsupported(registry: ConnectorRegistry) -> None:
 def test_a_name_that_is_not_a_connector_class_is_refused(registry: ConnectorRegistry) -> None:
     with pytest.raises(NotAConnectorError) as caught:
         registry.resolve(
-            transfer("NOT_A_CLASS", kv_connector_module_path="tests.core.sample_connectors")
+            transfer("NOT_A_CLASS", kv_connector_module_path="tests.support.sample_connectors")
         )
 
     assert str(caught.value) == (
-        "Connector NOT_A_CLASS (module path tests.core.sample_connectors) is 42, "
+        "Connector NOT_A_CLASS (module path tests.support.sample_connectors) is 42, "
         "not a class deriving from kvwire.KVConnectorBase"
     )
 
@@ -215,12 +217,12 @@ def test_a_registered_module_that_cannot_be_imported_names_the_connector() -> No
 
 def test_a_registered_class_missing_from_its_module_is_an_attribute_error() -> None:
     registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
-    registry.register_connector("Gone", "tests.core.sample_connectors", "Gone")
+    registry.register_connector("Gone", "tests.support.sample_connectors", "Gone")
 
     with pytest.raises(AttributeError) as caught:
         registry.resolve(transfer("Gone"))
 
-    assert str(caught.value) == "Class Gone not found in tests.core.sample_connectors"
+    assert str(caught.value) == "Class Gone not found in tests.support.sample_connectors"
 
 
 def test_overriding_one_entry_swaps_its_class_until_the_block_ends(
@@ -285,7 +287,7 @@ def test_a_copy_drops_the_overrides_active_on_the_original(registry: ConnectorRe
 def test_a_name_registered_in_a_copy_stays_in_the_copy(registry: ConnectorRegistry) -> None:
     copied = registry.copy()
 
-    copied.register_connector("Private", "tests.core.sample_connectors", "HMAConnector")
+    copied.register_connector("Private", "tests.support.sample_connectors", "HMAConnector")
 
     assert "Private" in copied
     assert "Private" not in registry

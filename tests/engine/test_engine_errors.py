@@ -13,9 +13,8 @@ from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.testing.instruments import Instruments, RoleViolationError
-from tests.engine.conftest import tiny_config, with_directory_connector
-from tests.engine.directory_connector import DirectoryConnector
-from tests.engine.helpers import generate
+from tests.support.directory_connector import DirectoryConnector
+from tests.support.engines import generate, tiny_config, with_directory_connector
 
 PROMPT = GenerationRequest("r", tuple(range(1, 20)), 2)
 
@@ -28,7 +27,7 @@ def _misbehaving(
     transfer = attrs.evolve(
         connector_config.kv_transfer_config,
         kv_connector=class_name,
-        kv_connector_module_path="tests.engine.misbehaving_connectors",
+        kv_connector_module_path="tests.support.misbehaving_connectors",
     )
     return attrs.evolve(connector_config, kv_transfer_config=transfer)
 

@@ -16,9 +16,8 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import RequestStatus
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.testing.instruments import CallLog, Instruments
-from tests.engine.conftest import tiny_config, with_directory_connector
-from tests.engine.faulty_media import FailEverySecondBlock, over_medium, shared_storage
-from tests.engine.helpers import generate, served_from_connector, tokens
+from tests.support.engines import generate, served, tiny_config, tokens, with_directory_connector
+from tests.support.faulty_media import FailEverySecondBlock, over_medium, shared_storage
 
 Workload = list[GenerationRequest]
 
@@ -41,8 +40,8 @@ def test_outputs_equal_no_connector_cold_and_warm(
     cold, warm = _cold_then_warm(with_directory_connector(config, tmp_path, **behaviour), workload)
     assert tokens(cold) == reference
     assert tokens(warm) == reference
-    assert served_from_connector(cold) == 0
-    assert served_from_connector(warm) > 0
+    assert served(cold) == 0
+    assert served(warm) > 0
 
 
 def test_the_same_engine_reuses_its_local_prefix_cache(
@@ -168,7 +167,7 @@ def test_a_worker_in_its_own_process_gives_equal_outputs(
     connector_config = with_directory_connector(config, tmp_path)
     cold, warm = _cold_then_warm(connector_config, workload, worker_mode="process")
     assert tokens(cold) == reference and tokens(warm) == reference
-    assert served_from_connector(warm) > 0
+    assert served(warm) > 0
 
 
 def test_loaded_kv_is_bit_identical_to_the_kv_computed_without_a_connector(
@@ -231,7 +230,7 @@ def test_an_hma_connector_is_told_of_finished_requests_for_all_groups(
         kv_transfer_config=attrs.evolve(
             connector_config.kv_transfer_config,
             kv_connector="HMADirectoryConnector",
-            kv_connector_module_path="tests.engine.misbehaving_connectors",
+            kv_connector_module_path="tests.support.misbehaving_connectors",
         ),
     )
     outputs = generate(hma, workload[:2])
@@ -247,7 +246,7 @@ def test_half_precision_caches_keep_outputs_equal(
     reference = tokens(generate(config, workload))
     cold, warm = _cold_then_warm(with_directory_connector(config, tmp_path), workload)
     assert tokens(cold) == reference and tokens(warm) == reference
-    assert served_from_connector(warm) > 0
+    assert served(warm) > 0
 
 
 def test_with_local_prefix_caching_off_the_connector_serves_every_shared_block(

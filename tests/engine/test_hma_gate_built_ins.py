@@ -4,7 +4,7 @@
 built-in (and a MultiConnector of built-ins) subclasses ``SupportsHMA``, so
 the engine runs the tiny hybrid model with one KV cache group per kind of
 layer, through the passes ``kvwire run`` makes, and outputs stay equal.
-(Redis: tests/redis/test_hma_redis_gate.py; a connector without HMA and an
+(Redis: tests/media/store/redis/test_hma_redis_gate.py; a connector without HMA and an
 explicit false: tests/engine/test_hybrid_gate.py.)
 """
 
@@ -19,7 +19,7 @@ import pytest
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest
 from kvwire.run.passes import compare_passes
-from tests.engine.hybrid import tiny_hybrid_config
+from tests.support.hybrid_engines import tiny_hybrid_config
 
 # Two prompts of ten blocks and a half (the window is two blocks) sharing their first six.
 WORKLOAD = [
@@ -77,7 +77,10 @@ def test_a_hybrid_model_runs_with_hma_on_and_equal_outputs(
 
 
 def test_a_multi_connector_with_a_child_without_hma_turns_it_off_with_equal_outputs() -> None:
-    plain = {"kv_connector": "PlainConnector", "kv_connector_module_path": "tests.engine.hybrid"}
+    plain = {
+        "kv_connector": "PlainConnector",
+        "kv_connector_module_path": "tests.support.hybrid_engines",
+    }
     connector = {
         "kv_connector": "MultiConnector",
         "kv_connector_extra_config": {"connectors": [CPU_OFFLOAD, plain]},

@@ -20,8 +20,8 @@ from kvwire.kv_cache_config import (
     build_kv_cache_config,
 )
 from kvwire.profile import load_profile
-from tests.engine.helpers import tokens
-from tests.engine.hybrid import tiny_hybrid_config
+from tests.support.engines import tokens
+from tests.support.hybrid_engines import tiny_hybrid_config
 
 
 def _workload() -> list[GenerationRequest]:

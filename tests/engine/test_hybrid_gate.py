@@ -12,7 +12,7 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.hma import HMADecision, describe_kv_cache_groups
 from kvwire.run.passes import compare_passes
 from kvwire.run.report import format_table
-from tests.engine.hybrid import (
+from tests.support.hybrid_engines import (
     PlainConnector,
     RecordingHMAConnector,
     tiny_hybrid_config,

@@ -16,14 +16,14 @@ import pytest
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.engine.faulty_media import (
+from tests.support.engines import generate, tokens
+from tests.support.faulty_media import (
     FailEveryFirstBlock,
     FailEveryLastBlock,
     over_medium,
     shared_storage,
 )
-from tests.engine.helpers import generate, tokens
-from tests.engine.hybrid import tiny_hybrid_config
+from tests.support.hybrid_engines import tiny_hybrid_config
 
 
 def _workload() -> list[GenerationRequest]:
@@ -38,7 +38,7 @@ def _config(store_dir: pathlib.Path, **flags: bool) -> EngineConfig:
         tiny_hybrid_config(),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridDirectoryConnector",
-            kv_connector_module_path="tests.engine.hybrid_directory_connector",
+            kv_connector_module_path="tests.support.hybrid_directory_connector",
             kv_role="kv_both",
             kv_connector_extra_config={"store_dir": str(store_dir), **flags},
         ),

@@ -24,7 +24,7 @@ os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvwire-vllm-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     build_tiny_gemma3,
     build_tiny_llama,
     generate,

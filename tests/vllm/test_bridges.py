@@ -81,8 +81,10 @@ def test_inline_profile_is_validated_like_a_yaml_one() -> None:
 
 def test_container_hook_must_name_module_and_function() -> None:
     with pytest.raises(VLLMConfigError, match="kvwire_container_hook"):
-        container_hook({"kvwire_container_hook": "tests.vllm.hooks.never_hit"})
-    assert container_hook({"kvwire_container_hook": "tests.vllm.hooks:never_hit"}) is not None
+        container_hook({"kvwire_container_hook": "tests.support.vllm_hooks.never_hit"})
+    assert (
+        container_hook({"kvwire_container_hook": "tests.support.vllm_hooks:never_hit"}) is not None
+    )
 
 
 def test_unknown_extra_config_keys_of_any_type_and_length_are_listed_bounded() -> None:
@@ -115,11 +117,11 @@ def test_container_hook_that_raises_is_an_error_naming_the_key_and_the_hook() ->
 
 def test_container_hook_whose_module_raises_at_import_is_an_error_naming_the_key() -> None:
     with pytest.raises(VLLMConfigError) as raised:
-        container_hook({"kvwire_container_hook": "tests.vllm.raising_hook_module:hook"})
+        container_hook({"kvwire_container_hook": "tests.support.raising_hook_module:hook"})
     message = str(raised.value)
     assert message.startswith(
         "kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: cannot import "
-        "'tests.vllm.raising_hook_module': RuntimeError: hook settings from redis://u:***@h"
+        "'tests.support.raising_hook_module': RuntimeError: hook settings from redis://u:***@h"
     ), message
     assert "hunter2" not in message
     # Nothing chained: a traceback printed later would quote the module's message raw.

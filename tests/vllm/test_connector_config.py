@@ -13,14 +13,14 @@ import torch
 from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm import KVWireConnector
 from kvwire.vllm.config_bridge import vllm_model_identity
-from tests.vllm import hybrid_connectors
-from tests.vllm.engines import (
+from tests.support import vllm_hybrid_connectors as hybrid_connectors
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     SLIDING_WINDOW,
     kvwire_transfer_config,
     load_profile_mapping,
 )
-from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
+from tests.support.vllm_hybrid_connectors import GroupsConnector, PlainConnector
 
 
 def vllm_config(

@@ -10,7 +10,7 @@ import pytest
 
 from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.vllm import wait_for_saves
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
     PROFILES,
@@ -54,11 +54,11 @@ def test_container_hook_overrides_the_connector_class_inside_vllm(
 ) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.vllm.hooks import NeverHitCPUOffload
+    from tests.support.vllm_hooks import NeverHitCPUOffload
 
     config = kvwire_transfer_config(
         load_profile_mapping("cpu-offload.yaml"),
-        kvwire_container_hook="tests.vllm.hooks:never_hit",
+        kvwire_container_hook="tests.support.vllm_hooks:never_hit",
     )
     with running_llm(tiny_model, config) as llm:
         generate(llm, PROMPTS)

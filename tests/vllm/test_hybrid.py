@@ -18,8 +18,8 @@ import pytest
 
 import kvwire.vllm
 from kvwire.exceptions import VLLMConfigError
-from tests.vllm import hybrid_connectors
-from tests.vllm.engines import (
+from tests.support import vllm_hybrid_connectors as hybrid_connectors
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
     SLIDING_WINDOW,
@@ -33,7 +33,7 @@ from tests.vllm.engines import (
     start_llm,
     with_redis_url,
 )
-from tests.vllm.hybrid_connectors import GroupsConnector, PlainConnector
+from tests.support.vllm_hybrid_connectors import GroupsConnector, PlainConnector
 from tests.vllm.test_corruption import flip_one_payload_byte, rewrite_each_entry
 
 PROMPTS = shared_prompts()

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 import kvwire.vllm
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     build_tiny_llama,
     generate,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     generate,
     kvwire_transfer_config,

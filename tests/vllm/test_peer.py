@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from tests.vllm.engines import (
+from tests.support.vllm_engines import (
     BLOCK_SIZE,
     REPO,
     generate,
@@ -58,7 +58,7 @@ def prefill_process(
         )
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.engine_process", str(job)], cwd=REPO
+        [sys.executable, "-m", "tests.support.vllm_engine_process", str(job)], cwd=REPO
     )
     try:
         deadline = time.monotonic() + 300

@@ -1,0 +1,7 @@
+"""Fixtures that open a connector's scheduler and worker halves over a shared-storage directory."""
+
+from __future__ import annotations
+
+from tests.support.pair_fixtures import open_pair, shared_storage_pair, storage_dir
+
+__all__ = ["open_pair", "shared_storage_pair", "storage_dir"]

@@ -1,0 +1,89 @@
+"""Peer engine processes for the tests: start one, have it generate, stop, kill or stall it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from kvwire.engine.engine import GenerationRequest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# Importing torch and starting NIXL on two loaded cores took over 120 s once, in a
+# make test run beside other work: the bound only keeps a stuck peer from hanging.
+_START_TIMEOUT_S = 300.0
+_REPLY_TIMEOUT_S = 300.0
+
+
+class PeerProcess:
+    """An engine with the peer medium in a child process (``peer_process.py``)."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = settings
+        env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.peer_process", json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=_ROOT,
+            env=env,
+            text=True,
+        )
+        assert self._read(_START_TIMEOUT_S) == {"ready": True}
+
+    def generate(self, requests: list[GenerationRequest]) -> dict[str, Any]:
+        """Run ``requests`` there; its outputs (as dicts) and connector stats, saves announced."""
+        command = {
+            "generate": [[r.request_id, list(r.prompt_token_ids), r.max_tokens] for r in requests]
+        }
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(command) + "\n")
+        self._process.stdin.flush()
+        return self._read(_REPLY_TIMEOUT_S)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        assert self._process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimeoutError(f"the peer process said nothing within {timeout_s} s")
+            ready, _, _ = select.select([self._process.stdout], [], [], left)
+            if ready:
+                line = self._process.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the peer process ended (exit {self._process.wait(10)})")
+                if line.startswith("{"):
+                    reply: dict[str, Any] = json.loads(line)
+                    return reply
+
+    def stall(self) -> None:
+        """SIGSTOP: alive, holding its connections, answering nothing."""
+        os.kill(self._process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self._process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, its directory entries and record left behind."""
+        self._process.kill()
+        self._process.wait(30)
+
+    def stop(self) -> None:
+        if self._process.poll() is not None:
+            return
+        self.resume()
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(json.dumps({"quit": True}) + "\n")
+            self._process.stdin.close()
+            self._process.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
