@@ -17,6 +17,7 @@ from vllm.v1.request import RequestStatus as VLLMRequestStatus
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.connector.types import BlockRemoved, BlockStored
+from kvwire.ranks import EveryRank
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
     _cache_dtype,
@@ -28,7 +29,7 @@ from kvwire.vllm.config_bridge import (
     run_container_hook,
 )
 from kvwire.vllm.engine_calls import wait_for_saves
-from kvwire.vllm.events import BlockTokens, EveryRank
+from kvwire.vllm.events import BlockTokens
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWireStats, metric_name
 

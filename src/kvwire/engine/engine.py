@@ -24,6 +24,7 @@ from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
 from kvwire.engine.model import torch_dtype
+from kvwire.engine.parallel import RankShare, engine_parallel_config, rank_share
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
@@ -144,13 +145,23 @@ class LLMEngine:
     layers) runs with one KV cache group per kind of layer when the HMA
     gate keeps HMA on, else with one group of every layer; :attr:`hma`
     says which, and why. Outputs are the same either way.
+
+    Tensor and pipeline parallelism: a config whose ``parallel_config`` sets
+    ``tensor_parallel_size`` and ``pipeline_parallel_size`` runs one worker
+    process per rank (``worker_mode`` must then be ``"process"`` or None,
+    which picks it), each holding its share of the KV heads and layers
+    (:mod:`kvwire.engine.parallel`), with the worker connector built there
+    for its rank; :attr:`shares` lists them. The scheduler connector is
+    rank 0's share's, as in vLLM; the ranks' reports merge as vLLM merges
+    them (:mod:`kvwire.ranks`). The tokens are the same at every parallel
+    size.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         *,
-        worker_mode: WorkerMode = "inline",
+        worker_mode: WorkerMode | None = None,
         connector_hook: ConnectorHook | None = None,
         capture_kv: bool = False,
         idle_timeout_s: float = 60.0,
@@ -158,9 +169,21 @@ class LLMEngine:
         torch_threads: int | None = 1,
         worker_reply_timeout_s: float = 600.0,
     ) -> None:
+        is_split = config.parallel_config.is_split
+        if worker_mode is None:
+            worker_mode = "process" if is_split else "inline"
         if worker_mode not in ("inline", "process"):
             raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
+        if is_split and worker_mode == "inline":
+            raise ValueError(
+                "worker_mode: inline runs one worker, but parallel_config asks for "
+                f"tensor_parallel_size {config.parallel_config.tensor_parallel_size} x "
+                f"pipeline_parallel_size {config.parallel_config.pipeline_parallel_size} "
+                "ranks; use worker_mode='process' (or leave it unset)"
+            )
         torch_dtype(config.model_config.dtype)  # reject an unsupported dtype up front
+        if is_split:
+            engine_parallel_config(config)  # reject a layout the engine cannot run, by name
         self.config = config
         if container is None:
             container = KVConnectorContainer()
@@ -180,7 +203,20 @@ class LLMEngine:
         self.idle_timeout_s = idle_timeout_s
         self.counters = EngineCounters()
         self.connector_stats = KVConnectorStats()
-        self._source = ConnectorSource(config, self.kv_cache_config, connector_hook, container)
+        self.shares: tuple[RankShare, ...] = ()
+        scheduler_config, scheduler_cache_config = config, self.kv_cache_config
+        if is_split:
+            self.shares = tuple(
+                rank_share(config, self.kv_cache_config, rank)
+                for rank in range(config.parallel_config.world_size)
+            )
+            # The scheduler side sees what vLLM's does: rank 0's share, the sizes.
+            scheduler_config = self.shares[0].connector_config
+            scheduler_cache_config = self.shares[0].kv_cache_config
+            container.engine_config.override(providers.Object(scheduler_config))
+        self._source = ConnectorSource(
+            scheduler_config, scheduler_cache_config, connector_hook, container
+        )
         self._closed = False
         self._worker_process: Any = None
         try:
@@ -192,7 +228,23 @@ class LLMEngine:
                 self.kv_cache_config,
             )
             self.worker: _WorkerHandle
-            if worker_mode == "inline":
+            if self.shares:
+                from kvwire.engine.ranked_workers import RankedWorkers
+
+                self._worker_process = RankedWorkers(
+                    config,
+                    self.shares,
+                    connector_hook=connector_hook,
+                    torch_threads=torch_threads,
+                    reply_timeout_s=worker_reply_timeout_s,
+                    finished_count=(
+                        None
+                        if self.scheduler_connector is None
+                        else self.scheduler_connector.get_finished_count()
+                    ),
+                )
+                self.worker = self._worker_process
+            elif worker_mode == "inline":
                 self.worker = Worker(
                     config,
                     self.kv_cache_config,

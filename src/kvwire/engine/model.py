@@ -19,6 +19,7 @@ equal tokens generated without one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import torch
@@ -33,7 +34,14 @@ from kvwire.engine.paged_attention import (
 )
 from kvwire.redaction import shown
 
-__all__ = ["AttentionMetadata", "LayerHook", "SequenceSlice", "TinyTransformer", "torch_dtype"]
+__all__ = [
+    "AttentionMetadata",
+    "LayerHook",
+    "RankExchange",
+    "SequenceSlice",
+    "TinyTransformer",
+    "torch_dtype",
+]
 
 _COMPUTE_DTYPE = COMPUTE_DTYPE
 _ROPE_BASE = 10000.0
@@ -57,6 +65,23 @@ def torch_dtype(name: str) -> torch.dtype:
 LayerHook = Callable[[str], None]
 
 
+class RankExchange(Protocol):
+    """How one rank of a parallel model trades activations with the others.
+
+    ``gather_heads``: this rank's attention output (its query heads, ``[tokens,
+    local heads * head_size]``) beside every tensor rank's, as ``[tokens,
+    heads * head_size]`` in head order (a buffer the next call overwrites).
+    ``send_hidden`` / ``receive_hidden``: the residual stream to the next
+    pipeline stage, from the previous one.
+    """
+
+    def gather_heads(self, local: torch.Tensor) -> torch.Tensor: ...
+
+    def send_hidden(self, hidden: torch.Tensor) -> None: ...
+
+    def receive_hidden(self, hidden: torch.Tensor) -> None: ...
+
+
 def _round(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype).to(_COMPUTE_DTYPE)
 
@@ -72,6 +97,16 @@ class TinyTransformer:
     KV cache group (default: all in group 0), whose attention metadata it
     reads. A layer ``config.layer_types`` names sliding attends only within
     ``config.sliding_window``, whatever its group.
+
+    One rank of a parallel engine computes a share: the KV heads
+    ``kv_heads`` (and the query heads that attend to them) of the model's
+    ``layers`` (``layer_names`` names them), trading activations through
+    ``exchange``. Its weights are the whole model's, drawn the same way and
+    sliced, and every rank computes each head exactly as an unsplit model
+    does: the heads' attention outputs are gathered before the output
+    projection, so the tokens are the same at every parallel size. A stage
+    that is not the last returns no logits (None): it sends its residual
+    stream on.
     """
 
     def __init__(
@@ -80,22 +115,45 @@ class TinyTransformer:
         layer_names: Sequence[str],
         max_num_tokens: int | None = None,
         layer_groups: Sequence[int] | None = None,
+        *,
+        kv_heads: range | None = None,
+        layers: range | None = None,
+        exchange: RankExchange | None = None,
     ) -> None:
         self.config = config
         self.layer_names = tuple(layer_names)
+        kv_heads = kv_heads or range(config.num_kv_heads)
+        layers = layers or range(len(self.layer_names))
+        if len(layers) != len(self.layer_names):
+            raise ValueError(
+                f"layers names {len(layers)} layers but layer_names {len(self.layer_names)}"
+            )
+        is_split = len(kv_heads) < config.num_kv_heads or len(layers) < config.num_layers
+        if is_split and exchange is None:
+            raise ValueError("a share of the model (kv_heads, layers) needs an exchange")
+        self._exchange = exchange
+        self._gathers_heads = len(kv_heads) < config.num_kv_heads
+        self._is_first_stage = layers.start == 0
+        self._is_last_stage = layers.stop >= config.num_layers
+        group = config.num_attention_heads // config.num_kv_heads
+        # The model as this rank's attention sees it: its heads only.
+        self.heads_config = attrs.evolve(
+            config, num_kv_heads=len(kv_heads), num_attention_heads=len(kv_heads) * group
+        )
         self.layer_groups = tuple(layer_groups or [0] * len(self.layer_names))
         if len(self.layer_groups) != len(self.layer_names):
             raise ValueError(
                 f"layer_groups has {len(self.layer_groups)} entries for "
                 f"{len(self.layer_names)} layers; give one group index per layer"
             )
-        self.layer_windows = tuple(
-            config.layer_window(index) for index in range(len(self.layer_names))
-        )
+        self.layer_windows = tuple(config.layer_window(index) for index in layers)
         self.dtype = torch_dtype(config.dtype)
         generator = torch.Generator().manual_seed(config.seed)
         hidden = config.hidden_size
         kv_width = config.num_kv_heads * config.head_size
+        head_size = config.head_size
+        query_columns = slice(kv_heads.start * group * head_size, kv_heads.stop * group * head_size)
+        kv_columns = slice(kv_heads.start * head_size, kv_heads.stop * head_size)
 
         def weight(*shape: int) -> torch.Tensor:
             # Drawn in the model dtype, so every weight is exactly representable
@@ -107,21 +165,24 @@ class TinyTransformer:
         self.embedding = _round(
             torch.randn(config.vocab_size, hidden, generator=generator), self.dtype
         )
-        self.layers = [
-            _LayerWeights(
-                query=weight(hidden, hidden),
-                key=weight(hidden, kv_width),
-                value=weight(hidden, kv_width),
+        self.layers = []
+        # Every layer's weights are drawn, in model order, so a share's are
+        # the very ones an unsplit model draws; it keeps its own.
+        for index in range(config.num_layers):
+            drawn = _LayerWeights(
+                query=weight(hidden, hidden)[:, query_columns].contiguous(),
+                key=weight(hidden, kv_width)[:, kv_columns].contiguous(),
+                value=weight(hidden, kv_width)[:, kv_columns].contiguous(),
                 output=weight(hidden, hidden),
                 gate=weight(hidden, config.intermediate_size),
                 up=weight(hidden, config.intermediate_size),
                 down=weight(config.intermediate_size, hidden),
             )
-            for _ in self.layer_names
-        ]
+            if index in layers:
+                self.layers.append(drawn)
         self.lm_head = weight(hidden, config.vocab_size)
         self.max_num_tokens = max_num_tokens or config.max_model_len
-        self._rows = _RowBuffers(config, self.max_num_tokens, self.dtype)
+        self._rows = _RowBuffers(self.heads_config, config, self.max_num_tokens, self.dtype)
         self._paged_attention: PagedAttention | None = None
         half = config.head_size // 2
         self._inverse_frequencies = 1.0 / (
@@ -136,13 +197,14 @@ class TinyTransformer:
         sample_rows: torch.Tensor,
         before_attention: LayerHook | None = None,
         after_attention: LayerHook | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run the batch through every layer; the logits of ``sample_rows``.
 
         Writes this step's keys and values into ``kv_caches`` (one tensor per
-        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``).
-        ``metadata`` is one per KV cache group (a single one serves group 0).
-        The logits live in a buffer the next call overwrites.
+        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``, of
+        this rank's heads). ``metadata`` is one per KV cache group (a single
+        one serves group 0). The logits live in a buffer the next call
+        overwrites; a pipeline stage before the last returns None.
         """
         per_group = (metadata,) if isinstance(metadata, AttentionMetadata) else metadata
         rows = self._rows
@@ -153,7 +215,11 @@ class TinyTransformer:
                 f"(max_num_tokens={self.max_num_tokens})"
             )
         hidden = rows.take("hidden", num_tokens)
-        torch.index_select(self.embedding, 0, token_ids, out=hidden)
+        if self._is_first_stage:
+            torch.index_select(self.embedding, 0, token_ids, out=hidden)
+        else:
+            assert self._exchange is not None  # checked when built
+            self._exchange.receive_hidden(hidden)
         self._rotary(per_group[0].positions)
         layers = zip(
             self.layer_names,
@@ -177,6 +243,10 @@ class TinyTransformer:
             torch.nn.functional.silu(gate, inplace=True)
             gate.mul_(torch.matmul(normed, weights.up, out=rows.take("up", num_tokens)))
             self._add_rounded(hidden, gate, weights.down)
+        if not self._is_last_stage:
+            assert self._exchange is not None  # checked when built
+            self._exchange.send_hidden(hidden)
+            return None
         sampled = rows.take("sampled", sample_rows.shape[0])
         torch.index_select(hidden, 0, sample_rows, out=sampled)
         final = rows.rms_norm(sampled, "sampled_normed")
@@ -224,7 +294,7 @@ class TinyTransformer:
         metadata: AttentionMetadata,
         window: int | None,
     ) -> torch.Tensor:
-        config = self.config
+        config = self.heads_config
         rows = self._rows
         num_tokens = normed.shape[0]
         heads, kv_heads, head_size = (
@@ -253,13 +323,18 @@ class TinyTransformer:
             attention.attend(query, kv_cache, sequence, output, window)
         if metadata.decodes is not None:
             attention.attend_decodes(query, kv_cache, metadata.decodes, output, window)
+        if self._gathers_heads:
+            assert self._exchange is not None  # checked when built
+            return self._exchange.gather_heads(output)
         return output
 
     def _attention_for(self, kv_cache: torch.Tensor) -> PagedAttention:
         attention = self._paged_attention
         block_size = kv_cache.shape[2]
         if attention is None or attention.block_size != block_size:
-            attention = PagedAttention(self.config, self.max_num_tokens, block_size, kv_cache.dtype)
+            attention = PagedAttention(
+                self.heads_config, self.max_num_tokens, block_size, kv_cache.dtype
+            )
             self._paged_attention = attention
         return attention
 
@@ -269,24 +344,28 @@ class _RowBuffers:
 
     Each buffer holds ``max_num_tokens`` rows; :meth:`take` gives the first
     ``num_rows``. A buffer's contents are consumed before it is taken again.
+    ``heads`` is the model as this rank's attention sees it (its heads),
+    ``config`` the whole model.
     """
 
-    def __init__(self, config: ModelConfig, max_num_tokens: int, dtype: torch.dtype) -> None:
-        hidden, kv_width = config.hidden_size, config.num_kv_heads * config.head_size
+    def __init__(
+        self, heads: ModelConfig, config: ModelConfig, max_num_tokens: int, dtype: torch.dtype
+    ) -> None:
+        hidden, kv_width = config.hidden_size, heads.num_kv_heads * heads.head_size
         half = config.head_size // 2
         widths = {
             "hidden": hidden,
             "normed": hidden,
             "projected": hidden,
-            "query": config.num_attention_heads * config.head_size,
+            "query": heads.num_attention_heads * heads.head_size,
             "kv": kv_width,
             "gate": config.intermediate_size,
             "up": config.intermediate_size,
             "angles": half,
             "cos": half,
             "sin": half,
-            "rotary_first": config.num_attention_heads * half,
-            "rotary_second": config.num_attention_heads * half,
+            "rotary_first": heads.num_attention_heads * half,
+            "rotary_second": heads.num_attention_heads * half,
             "variance": 1,
             "sampled": hidden,
             "sampled_normed": hidden,

@@ -19,7 +19,8 @@ from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import ForwardContext, KVConnectorOutput
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
-from kvwire.engine.model import AttentionMetadata, TinyTransformer, torch_dtype
+from kvwire.engine.model import AttentionMetadata, RankExchange, TinyTransformer, torch_dtype
+from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.kv_cache_config import LAYER_NAME_FORMAT, KVCacheConfig
 
@@ -29,6 +30,11 @@ class Worker:
 
     The worker-side connector comes from ``connector_source``; in process
     mode that source lives in the worker's process.
+
+    One rank of a parallel engine holds its ``share`` (its heads of its
+    stage's layers; ``kv_cache_config`` is then the share's) and trades
+    activations with the other ranks through ``exchange``; only the last
+    stage samples tokens.
     """
 
     def __init__(
@@ -38,6 +44,8 @@ class Worker:
         connector_source: ConnectorSource,
         *,
         torch_threads: int | None = 1,
+        share: RankShare | None = None,
+        exchange: RankExchange | None = None,
     ) -> None:
         if torch_threads is not None:
             # Process-wide: the worker owns this process's compute. One thread
@@ -45,9 +53,8 @@ class Worker:
             torch.set_num_threads(torch_threads)
         model_config = config.model_config
         # Model order (the cache config lists layers group by group).
-        self.layer_names = tuple(
-            LAYER_NAME_FORMAT.format(index) for index in range(model_config.num_layers)
-        )
+        layers = range(model_config.num_layers) if share is None else share.layers
+        self.layer_names = tuple(LAYER_NAME_FORMAT.format(index) for index in layers)
         group_of = {
             name: group
             for group, spec in enumerate(kv_cache_config.kv_cache_groups)
@@ -66,7 +73,7 @@ class Worker:
             2,
             kv_cache_config.num_blocks,
             self.block_size,
-            model_config.num_kv_heads,
+            model_config.num_kv_heads if share is None else len(share.kv_heads),
             model_config.head_size,
         )
         # One tensor per KVCacheTensor: layers of different groups share it
@@ -92,6 +99,9 @@ class Worker:
             self.layer_names,
             scheduler_config.max_num_batched_tokens,
             self.layer_groups,
+            kv_heads=None if share is None else share.kv_heads,
+            layers=layers,
+            exchange=exchange,
         )
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
         # What peers need to reach this worker (disaggregated connectors).

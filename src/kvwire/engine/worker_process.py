@@ -5,6 +5,11 @@ connector source; the only thing it shares with the scheduler is the bytes
 of each :class:`~kvwire.engine.step.WorkerStep` and
 :class:`~kvwire.engine.step.StepResult`. That proves the connector metadata
 is picklable and that the two roles keep no common state.
+
+One rank of a parallel engine (:class:`RankSetup`) builds its connector in a
+container whose ``parallel_config`` provider is overridden with its rank,
+the way any application injects a worker's rank, and joins the other
+ranks' process group (:mod:`kvwire.engine.rank_group`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+import attrs
 import torch
+from dependency_injector import providers
 
 from kvwire.config import EngineConfig
 from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
+from kvwire.container import KVConnectorContainer
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
+from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
 from kvwire.exceptions import KVWireError
@@ -34,20 +43,82 @@ class WorkerProcessError(KVWireError, RuntimeError):
     """The worker process failed; the message carries its traceback."""
 
 
+@attrs.frozen
+class RankSetup:
+    """What one rank's process needs besides the engine config: its share, and its group.
+
+    ``store_path``: the file (in a directory the engine made) through which
+    the ranks meet; ``timeout_s``: the most any exchange between them waits.
+    """
+
+    share: RankShare
+    store_path: str
+    timeout_s: float
+
+
+def _build_worker(
+    config: EngineConfig,
+    kv_cache_config: KVCacheConfig,
+    hook: ConnectorHook | None,
+    torch_threads: int | None,
+    rank: RankSetup | None,
+) -> tuple[Worker, ConnectorSource, Any]:
+    if rank is None:
+        source = ConnectorSource(config, kv_cache_config, hook)
+        return Worker(config, kv_cache_config, source, torch_threads=torch_threads), source, None
+    from kvwire.engine.rank_group import RankGroup
+
+    share = rank.share
+    group = RankGroup(
+        rank.store_path,
+        share.parallel,
+        max_num_tokens=config.scheduler_config.max_num_batched_tokens,
+        local_width=len(share.query_heads) * config.model_config.head_size,
+        timeout_s=rank.timeout_s,
+    )
+    container = KVConnectorContainer()
+    container.engine_config.override(providers.Object(share.connector_config))
+    # The rank is injected here: the connector's heads and layers follow it.
+    container.parallel_config.override(providers.Object(share.parallel))
+    source = ConnectorSource(share.connector_config, share.kv_cache_config, hook, container)
+    try:
+        worker = Worker(
+            config,
+            share.kv_cache_config,
+            source,
+            torch_threads=torch_threads,
+            share=share,
+            exchange=group,
+        )
+    except BaseException:
+        group.close()
+        raise
+    return worker, source, group
+
+
 def _serve(
     connection: Connection,
     config: EngineConfig,
     kv_cache_config: KVCacheConfig,
     hook: ConnectorHook | None,
     torch_threads: int | None,
+    rank: RankSetup | None,
 ) -> None:
-    source = ConnectorSource(config, kv_cache_config, hook)
     try:
-        worker = Worker(config, kv_cache_config, source, torch_threads=torch_threads)
+        worker, source, group = _build_worker(config, kv_cache_config, hook, torch_threads, rank)
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
     connection.send_bytes(pickle.dumps(("ok", None)))
+    try:
+        _answer(connection, worker, source)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _answer(connection: Connection, worker: Worker, source: ConnectorSource) -> None:
+    """Carry out the engine's commands until it sends ``shutdown``."""
     while True:
         command, payload = pickle.loads(connection.recv_bytes())
         try:
@@ -77,7 +148,10 @@ class WorkerProcess:
     connector's last stats, taken after its shutdown). Each message is
     pickled explicitly. A reply that does not come within ``reply_timeout_s``
     (a wait for saves: its own timeout more) is an error, never a hang: the
-    process, in an unknown state, is stopped.
+    process, in an unknown state, is stopped. ``rank`` makes it one rank of
+    a parallel engine; ``wait_started`` False returns once it is spawned
+    (the ranks of an engine start together: each waits for the others), and
+    :meth:`wait_started` waits for it.
     """
 
     def __init__(
@@ -88,6 +162,8 @@ class WorkerProcess:
         connector_hook: ConnectorHook | None = None,
         torch_threads: int | None = 1,
         reply_timeout_s: float = 600.0,
+        rank: RankSetup | None = None,
+        wait_started: bool = True,
     ) -> None:
         self._reply_timeout_s = reply_timeout_s
         # spawn, not fork: the child must build everything itself, sharing
@@ -102,15 +178,21 @@ class WorkerProcess:
                 kv_cache_config,
                 connector_hook,
                 torch_threads,
+                rank,
             ),
-            name="kvwire-worker",
+            name="kvwire-worker" if rank is None else f"kvwire-worker-{rank.share.parallel.rank}",
             daemon=True,
         )
         self._process.start()
         child_connection.close()
         self._closed = False
+        if wait_started:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until the process has built its worker (or raise its error, stopping it)."""
         try:
-            self._receive("start", max(reply_timeout_s, START_TIMEOUT_S))
+            self._receive("start", max(self._reply_timeout_s, START_TIMEOUT_S))
         except BaseException:
             self._stop()
             raise
@@ -150,11 +232,16 @@ class WorkerProcess:
         self._connection.close()
 
     def _call(self, command: str, payload: Any, reply_timeout_s: float | None = None) -> Any:
-        if self._closed:
-            raise WorkerProcessError(f"the worker process was stopped; cannot {command}")
-        self._connection.send_bytes(pickle.dumps((command, payload)))
+        self._send(command, payload)
         return self._receive(
             command, self._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+        )
+
+    def _send(self, command: str, payload: Any, pickled: bytes | None = None) -> None:
+        if self._closed:
+            raise WorkerProcessError(f"the worker process was stopped; cannot {command}")
+        self._connection.send_bytes(
+            pickle.dumps((command, payload)) if pickled is None else pickled
         )
 
     def _receive(self, command: str, timeout_s: float) -> Any:
@@ -175,3 +262,25 @@ class WorkerProcess:
         if status == "error":
             raise WorkerProcessError(f"the worker process failed:\n{reply}")
         return reply
+
+
+def call_each(
+    processes: Sequence[WorkerProcess],
+    command: str,
+    payload: Any,
+    reply_timeout_s: float | None = None,
+) -> list[Any]:
+    """``command`` sent to every process, then each one's reply, in order.
+
+    Sent to all before any reply is awaited: the ranks of a parallel engine
+    work on a step together, each waiting for the others.
+    """
+    pickled = pickle.dumps((command, payload))  # once, whatever the number of ranks
+    for process in processes:
+        process._send(command, payload, pickled)
+    return [
+        process._receive(
+            command, process._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+        )
+        for process in processes
+    ]

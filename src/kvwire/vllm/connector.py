@@ -24,7 +24,7 @@ rank (from vLLM's process groups); the scheduler side's comes from vLLM's
 stage's layers; vLLM
 counts a request finished once every rank reported it and unions the ranks'
 failed block ids; a block is reported stored once every rank's report says
-so (:class:`~kvwire.vllm.events.EveryRank`).
+so (:class:`~kvwire.ranks.EveryRank`).
 
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so ``requires_kv_delivery`` is False whatever the role; a failed load follows
@@ -85,6 +85,7 @@ from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOut
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.exceptions import VLLMConfigError
 from kvwire.hma import describe_class_support
+from kvwire.ranks import EveryRank
 from kvwire.vllm.config_bridge import (
     container_hook,
     engine_config_from_vllm,
@@ -95,7 +96,7 @@ from kvwire.vllm.config_bridge import (
     worker_parallel_config,
 )
 from kvwire.vllm.cores import threads_started_on_engine_cores
-from kvwire.vllm.events import BlockTokens, EveryRank, KVWireKVEvents
+from kvwire.vllm.events import BlockTokens, KVWireKVEvents
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 

@@ -37,7 +37,7 @@ class KVWireKVEvents(KVConnectorKVEvents):
     """kvwire's events from the workers of one engine, for the scheduler side.
 
     vLLM's output aggregator concatenates every rank's (``add_events``);
-    :class:`EveryRank` then keeps a block stored once all ranks stored it.
+    :class:`~kvwire.ranks.EveryRank` then keeps a block stored once all ranks stored it.
     """
 
     def __init__(self, events: Sequence[KVWireEvent] = (), num_workers: int = 1) -> None:
@@ -64,50 +64,6 @@ class KVWireKVEvents(KVConnectorKVEvents):
 
     def __repr__(self) -> str:
         return f"<KVWireKVEvents: {len(self._events)} events>"
-
-
-# Blocks some ranks reported stored and others not yet: bounded, the oldest
-# forgotten first (a block a rank never stores is never an event).
-_PARTLY_STORED_LIMIT = 65536
-
-
-class EveryRank:
-    """Worker events of an engine of ``world_size`` ranks, each block stored once all stored it.
-
-    Each rank stores its share of a block (its heads, its layers) and reports
-    it; the block is in the store, for a lookup, only when every share is.
-    A removal passes at once (one share gone is the block gone), and resets
-    the block's count.
-    """
-
-    def __init__(self, world_size: int) -> None:
-        self._world_size = world_size
-        self._reported: OrderedDict[tuple[str, int | None, BlockHash], int] = OrderedDict()
-
-    def whole(self, events: Iterable[KVWireEvent]) -> list[KVWireEvent]:
-        if self._world_size == 1:
-            return list(events)
-        kept: list[KVWireEvent] = []
-        for event in events:
-            if isinstance(event, KVWireBlockStored):
-                stored = tuple(h for h in event.block_hashes if self._all_reported(event, h))
-                if stored:
-                    kept.append(KVWireBlockStored(stored, event.medium, event.group))
-            else:
-                for block_hash in event.block_hashes:
-                    self._reported.pop((event.medium, event.group, block_hash), None)
-                kept.append(event)
-        while len(self._reported) > _PARTLY_STORED_LIMIT:
-            self._reported.popitem(last=False)
-        return kept
-
-    def _all_reported(self, event: KVWireBlockStored, block_hash: BlockHash) -> bool:
-        key = (event.medium, event.group, block_hash)
-        count = self._reported.pop(key, 0) + 1
-        if count < self._world_size:
-            self._reported[key] = count
-            return False
-        return True
 
 
 class BlockTokens:
