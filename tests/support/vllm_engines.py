@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -177,6 +178,57 @@ def run_engine_process(
         raise AssertionError(f"engine process failed:\n{completed.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(output.read_text())
     return result
+
+
+@contextlib.contextmanager
+def prefill_process(
+    model: str,
+    kv_transfer_config: Mapping[str, Any],
+    prompts: Sequence[Mapping[str, Any]],
+    workdir: pathlib.Path,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """A vLLM engine in a process of its own that prefilled ``prompts`` (one token each) and
+    stays up, its memory readable by decode engines, until the block exits.
+
+    Yields the engine process's result (tests/support/vllm_engine_process.py), once prefilled.
+    """
+    job, output, release = (workdir / name for name in ("job.json", "out.json", "release"))
+    job.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "kv_transfer_config": dict(kv_transfer_config),
+                "kv_transfer_params": dict(kv_transfer_params or {}),
+                "prompts": list(prompts),
+                "max_tokens": 1,
+                "passes": 1,
+                "output": str(output),
+                "hold_until": str(release),
+                "hold_s": 300,
+            }
+        )
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.vllm_engine_process", str(job)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not output.exists():
+            assert process.poll() is None, f"the prefill process ended ({process.returncode})"
+            assert time.monotonic() < deadline, "the prefill process never finished prefilling"
+            time.sleep(0.1)
+        yield json.loads(output.read_text())
+    finally:
+        release.touch()
+        try:
+            process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
 
 
 def start_llm(

@@ -4,15 +4,9 @@ found through the directory on a real redis-server; its tokens equal one engine 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import pathlib
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -20,10 +14,10 @@ import pytest
 import kvwire.vllm
 from tests.support.vllm_engines import (
     BLOCK_SIZE,
-    REPO,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
+    prefill_process,
     running_llm,
     shared_prompts,
     with_redis_url,
@@ -35,45 +29,6 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 PROMPTS = shared_prompts()
 LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE
-
-
-@contextlib.contextmanager
-def prefill_process(
-    model: str, kv_transfer_config: Mapping[str, Any], workdir: pathlib.Path
-) -> Iterator[dict[str, Any]]:
-    """A vLLM engine in a process of its own that prefilled ``PROMPTS`` and stays up meanwhile."""
-    job, output, release = (workdir / name for name in ("job.json", "out.json", "release"))
-    job.write_text(
-        json.dumps(
-            {
-                "model": model,
-                "kv_transfer_config": dict(kv_transfer_config),
-                "prompts": PROMPTS,
-                "max_tokens": 1,
-                "passes": 1,
-                "output": str(output),
-                "hold_until": str(release),
-                "hold_s": 300,
-            }
-        )
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.vllm_engine_process", str(job)], cwd=REPO
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not output.exists():
-            assert process.poll() is None, f"the prefill process ended ({process.returncode})"
-            assert time.monotonic() < deadline, "the prefill process never finished prefilling"
-            time.sleep(0.1)
-        yield json.loads(output.read_text())
-    finally:
-        release.touch()
-        try:
-            process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(30)
 
 
 def peer_profile(name: str, redis_url: str, key_prefix: str) -> dict[str, Any]:
@@ -95,7 +50,7 @@ def test_decode_pulls_the_prompt_blocks_from_the_live_prefill_engine_over_nixl(
     consumer = peer_profile("peer-decode.yaml", redis_url, key_prefix)
     with (
         prefill_process(
-            tiny_model, kvwire_transfer_config(producer, "kv_producer"), tmp_path
+            tiny_model, kvwire_transfer_config(producer, "kv_producer"), PROMPTS, tmp_path
         ) as produced,
         running_llm(tiny_model, kvwire_transfer_config(consumer, "kv_consumer")) as llm,
     ):

@@ -6,7 +6,9 @@ must be started with ``worker_extension_cls=WORKER_EXTENSION`` (vLLM mixes
 the worker runs).
 
 :func:`kvwire_stats`: kvwire's counters since the engine started (vLLM's own
-stats interval takes them step by step; this keeps the totals).
+stats interval takes them step by step; this keeps the totals), summed over
+the engine's KVWireConnectors: its connector, or those among the children of
+vLLM's ``MultiConnector``.
 
 :func:`wait_for_saves`: kvwire's connectors save in the background: when
 ``LLM.generate()`` returns, the last steps' saves may still run, and a
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvwire.redaction import shown
+from kvwire.vllm.connector import KVWireConnector
 
 WORKER_EXTENSION = "kvwire.vllm.engine_calls.KVWireWorkerExtension"
 
@@ -34,12 +38,14 @@ class KVWireWorkerExtension:
     """Worker methods vLLM's ``collective_rpc`` can call by name (vLLM's worker extension)."""
 
     def kvwire_wait_for_saves(self, timeout_s: float) -> bool:
-        wait = getattr(_worker_connector(), "wait_for_pending_saves", None)
-        return True if wait is None else bool(wait(timeout_s))
+        return all([c.wait_for_pending_saves(timeout_s) for c in _worker_kvwire_connectors()])
 
     def kvwire_stats(self) -> dict[str, int | float]:
-        totals = getattr(_worker_connector(), "stats_totals", None)
-        return {} if totals is None else dict(totals())
+        merged: dict[str, int | float] = {}
+        for connector in _worker_kvwire_connectors():
+            for name, value in connector.stats_totals().items():
+                merged[name] = merged.get(name, 0) + value
+        return merged
 
 
 def wait_for_saves(llm: Any, timeout_s: float = 60.0) -> None:
@@ -97,7 +103,16 @@ def _call_workers(llm: Any, method: str, *args: Any) -> list[Any]:
     return results
 
 
-def _worker_connector() -> Any:
+def _worker_kvwire_connectors() -> list[KVWireConnector]:
+    """This worker's KVWireConnectors: its connector, or the children of vLLM's MultiConnector."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
+    return list(_kvwire_connectors_in(get_kv_transfer_group())) if has_kv_transfer_group() else []
+
+
+def _kvwire_connectors_in(connector: Any) -> Iterator[KVWireConnector]:
+    if isinstance(connector, KVWireConnector):
+        yield connector
+        return
+    for child in getattr(connector, "sub_connectors", ()):  # vLLM's MultiConnector
+        yield from _kvwire_connectors_in(child)

@@ -163,6 +163,31 @@ def test_saves_skip_the_blocks_found_at_lookup():
     ]
 
 
+def test_blocks_another_connector_loaded_asynchronously_are_saved():
+    # vLLM's MultiConnector: another connector's lookup found the prompt and loads it
+    # asynchronously; this planner is allocated with no external tokens, then again
+    # once the load ended, with the request's computed tokens past the loaded blocks.
+    plan = planner()
+    request = request_of()
+    plan.look_up(request, 0, medium_holding())
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
+    request.num_computed_tokens = 4 * BLOCK
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
+    saves = plan.plan_saves(step("r", 4 * BLOCK, 1))
+    assert [(s.block_ids, s.block_hashes) for s in saves] == [(tuple(BLOCK_IDS[:4]), tuple(HASHES))]
+
+
+def test_blocks_this_medium_loaded_asynchronously_are_not_saved_again():
+    plan = planner()
+    request = request_of()
+    plan.look_up(request, 0, medium_holding(*HASHES[:3]))
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 3 * BLOCK)
+    request.num_computed_tokens = 3 * BLOCK
+    plan.allocate(request, KVCacheBlocks((list(BLOCK_IDS),)), 0)
+    saves = plan.plan_saves(step("r", 3 * BLOCK, 5))
+    assert [(s.block_ids, s.block_hashes) for s in saves] == [((BLOCK_IDS[3],), (HASHES[3],))]
+
+
 def test_a_planner_that_does_not_save_plans_no_saves():
     plan = planner(saves=False)
     plan.allocate(request_of(), KVCacheBlocks((list(BLOCK_IDS),)), 0)

@@ -183,11 +183,17 @@ class BlockPlanner:
     ) -> list[BlockTransfer]:
         """Start planning the request's saves; return the blocks it loads, one transfer per group.
 
-        Blocks found at lookup are not saved again. Raises ``ValueError`` when
-        the engine asks for more external tokens than the lookup found, or
-        gives block ids for another number of groups.
+        Blocks found at lookup are not saved again. A request allocated again
+        with no lookup in between has had an asynchronous load end; the
+        blocks it loaded are saved unless this medium's lookup found them
+        (another connector beside this one may have loaded them: vLLM's
+        ``MultiConnector`` hands the others no external tokens). Raises
+        ``ValueError`` when the engine asks for more external tokens than the
+        lookup found, or gives block ids for another number of groups.
         """
         lookup = self._lookups.pop(request.request_id, None)
+        # Allocated again with no lookup in between: after an asynchronous load.
+        earlier = None if lookup is not None else self._save_cursors.get(request.request_id)
         if lookup is None:
             lookup = _Lookup(request.num_computed_tokens // self._block_size, 0, 0)
         self.lookup_hit_blocks += lookup.hit_blocks
@@ -197,10 +203,14 @@ class BlockPlanner:
             # Blocks before the local hit are shared, read-only; the rest will be written.
             for group_ids in all_block_ids:
                 self._note_new(group_ids[lookup.first_block :])
-        first_unsaved = lookup.first_block + lookup.hit_blocks
-        self._save_cursors[request.request_id] = _SaveCursor(
-            request, [first_unsaved] * len(self._groups), all_block_ids, lookup.branch_windows
-        )
+        if earlier is not None:
+            # The first allocation already said which blocks came from this medium.
+            earlier.block_ids = all_block_ids
+        else:
+            first_unsaved = lookup.first_block + lookup.hit_blocks
+            self._save_cursors[request.request_id] = _SaveCursor(
+                request, [first_unsaved] * len(self._groups), all_block_ids, lookup.branch_windows
+            )
         num_blocks = num_external_tokens // self._block_size
         if num_blocks <= 0:
             return []
