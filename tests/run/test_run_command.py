@@ -266,3 +266,29 @@ def test_a_connector_config_error_is_reported_without_a_traceback(
     assert "kvwire run: error: Unsupported connector type: CPUOffloadConnectr" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_splits_the_heads_over_two_worker_processes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The embedded CPU-offload profile: each rank keeps its head's blocks in its own pool.
+    status = cli.main(["run", *SMALL_WORKLOAD, "--prompt-len", "40", "--tensor-parallel-size", "2"])
+    table = capsys.readouterr().out
+    assert status == 0
+    assert "(2 worker processes: tensor_parallel_size 2 x pipeline_parallel_size 1)" in table
+    assert "outputs identical with and without the connector" in table
+    warm_hits = next(
+        line for line in table.splitlines() if line.startswith("tokens from connector")
+    )
+    assert warm_hits.split()[-2] != "0"  # the warm column
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_kv_heads_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["run", *SMALL_WORKLOAD, "--tensor-parallel-size", "3"]) == 2
+    error = capsys.readouterr().err
+    assert "parallel_config.tensor_parallel_size: 3 does not divide model_config.num_kv_heads" in (
+        error
+    )

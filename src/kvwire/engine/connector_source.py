@@ -22,6 +22,9 @@ from kvwire.kv_cache_config import KVCacheConfig
 ConnectorHook = Callable[[KVConnectorBase], None]
 """Called with every connector the source builds (e.g. the conformance kit's instruments)."""
 
+ContainerHook = Callable[[KVConnectorContainer], None]
+"""Called with a worker process's container before its connector is built, to override providers."""
+
 
 class ConnectorSource:
     """The connectors of one engine process, from one container.

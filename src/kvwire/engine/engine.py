@@ -22,7 +22,7 @@ from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connector.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
-from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
+from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
 from kvwire.engine.model import torch_dtype
 from kvwire.engine.parallel import RankShare, engine_parallel_config, rank_share
 from kvwire.engine.scheduler import Scheduler
@@ -128,7 +128,10 @@ class LLMEngine:
     :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
     ``config``): e.g. a registry whose medium makes loads fail on purpose
-    (:mod:`kvwire.media.faulty`). ``torch_threads`` sets the worker process's torch threads
+    (:mod:`kvwire.media.faulty`). ``worker_container_hook`` (picklable) runs on
+    each worker process's own container, its rank injected, before its
+    connector is built: the way to override providers there (the inline
+    worker uses ``container``). ``torch_threads`` sets the worker process's torch threads
     (None leaves them alone); a worker process that does not answer a call
     within ``worker_reply_timeout_s`` is stopped, and the call raises.
     Requests admitted in one step share their common prefix's blocks, as
@@ -168,6 +171,7 @@ class LLMEngine:
         container: KVConnectorContainer | None = None,
         torch_threads: int | None = 1,
         worker_reply_timeout_s: float = 600.0,
+        worker_container_hook: ContainerHook | None = None,
     ) -> None:
         is_split = config.parallel_config.is_split
         if worker_mode is None:
@@ -235,6 +239,7 @@ class LLMEngine:
                     config,
                     self.shares,
                     connector_hook=connector_hook,
+                    container_hook=worker_container_hook,
                     torch_threads=torch_threads,
                     reply_timeout_s=worker_reply_timeout_s,
                     finished_count=(
@@ -260,6 +265,7 @@ class LLMEngine:
                     connector_hook=connector_hook,
                     torch_threads=torch_threads,
                     reply_timeout_s=worker_reply_timeout_s,
+                    container_hook=worker_container_hook,
                 )
                 self.worker = self._worker_process
         except BaseException:

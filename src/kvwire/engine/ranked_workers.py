@@ -18,7 +18,7 @@ import torch
 
 from kvwire.config import EngineConfig
 from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
-from kvwire.engine.connector_source import ConnectorHook
+from kvwire.engine.connector_source import ConnectorHook, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker_process import RankSetup, WorkerProcess, call_each
@@ -40,6 +40,7 @@ class RankedWorkers:
         shares: Sequence[RankShare],
         *,
         connector_hook: ConnectorHook | None = None,
+        container_hook: ContainerHook | None = None,
         torch_threads: int | None = 1,
         reply_timeout_s: float = 600.0,
         finished_count: int | None = None,
@@ -65,6 +66,7 @@ class RankedWorkers:
                         torch_threads=torch_threads,
                         reply_timeout_s=reply_timeout_s,
                         rank=RankSetup(share, store_path, reply_timeout_s),
+                        container_hook=container_hook,
                         wait_started=False,
                     )
                 )

@@ -28,7 +28,7 @@ from dependency_injector import providers
 from kvwire.config import EngineConfig
 from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.container import KVConnectorContainer
-from kvwire.engine.connector_source import ConnectorHook, ConnectorSource
+from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
@@ -62,9 +62,14 @@ def _build_worker(
     hook: ConnectorHook | None,
     torch_threads: int | None,
     rank: RankSetup | None,
+    container_hook: ContainerHook | None,
 ) -> tuple[Worker, ConnectorSource, Any]:
     if rank is None:
-        source = ConnectorSource(config, kv_cache_config, hook)
+        container = KVConnectorContainer()
+        container.engine_config.override(providers.Object(config))
+        if container_hook is not None:
+            container_hook(container)
+        source = ConnectorSource(config, kv_cache_config, hook, container)
         return Worker(config, kv_cache_config, source, torch_threads=torch_threads), source, None
     from kvwire.engine.rank_group import RankGroup
 
@@ -80,6 +85,8 @@ def _build_worker(
     container.engine_config.override(providers.Object(share.connector_config))
     # The rank is injected here: the connector's heads and layers follow it.
     container.parallel_config.override(providers.Object(share.parallel))
+    if container_hook is not None:
+        container_hook(container)
     source = ConnectorSource(share.connector_config, share.kv_cache_config, hook, container)
     try:
         worker = Worker(
@@ -103,9 +110,12 @@ def _serve(
     hook: ConnectorHook | None,
     torch_threads: int | None,
     rank: RankSetup | None,
+    container_hook: ContainerHook | None,
 ) -> None:
     try:
-        worker, source, group = _build_worker(config, kv_cache_config, hook, torch_threads, rank)
+        worker, source, group = _build_worker(
+            config, kv_cache_config, hook, torch_threads, rank, container_hook
+        )
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -149,9 +159,10 @@ class WorkerProcess:
     pickled explicitly. A reply that does not come within ``reply_timeout_s``
     (a wait for saves: its own timeout more) is an error, never a hang: the
     process, in an unknown state, is stopped. ``rank`` makes it one rank of
-    a parallel engine; ``wait_started`` False returns once it is spawned
-    (the ranks of an engine start together: each waits for the others), and
-    :meth:`wait_started` waits for it.
+    a parallel engine; ``container_hook`` runs on the process's container
+    (its rank injected) before its connector is built; ``wait_started``
+    False returns once it is spawned (the ranks of an engine start together:
+    each waits for the others), and :meth:`wait_started` waits for it.
     """
 
     def __init__(
@@ -163,6 +174,7 @@ class WorkerProcess:
         torch_threads: int | None = 1,
         reply_timeout_s: float = 600.0,
         rank: RankSetup | None = None,
+        container_hook: ContainerHook | None = None,
         wait_started: bool = True,
     ) -> None:
         self._reply_timeout_s = reply_timeout_s
@@ -179,6 +191,7 @@ class WorkerProcess:
                 connector_hook,
                 torch_threads,
                 rank,
+                container_hook,
             ),
             name="kvwire-worker" if rank is None else f"kvwire-worker-{rank.share.parallel.rank}",
             daemon=True,

@@ -107,6 +107,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the worker in its own process (metadata pickled every step)",
     )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        metavar="N",
+        help="split the KV heads over N worker processes (replaces the profile's "
+        "parallel_config.tensor_parallel_size; N must divide the model's KV heads)",
+    )
+    engine.add_argument(
+        "--pipeline-parallel-size",
+        type=_positive_int,
+        metavar="N",
+        help="split the layers over N stages, each in its own worker processes (replaces "
+        "the profile's parallel_config.pipeline_parallel_size)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the figures as JSON")
     output.add_argument(
@@ -137,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
 
     secrets = _profile_secrets(args.profile)
     try:
-        config = _load_config(args.profile, args.preset)
+        config = _with_parallel_sizes(
+            _load_config(args.profile, args.preset),
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+        )
         workload = _build_workload(args, config)
     except (ValueError, OSError) as error:
         _print_error(error, secrets)
@@ -149,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         report = compare_passes(
             config,
             workload,
-            worker_mode="process" if args.worker_process else "inline",
+            # Unset: inline, or one process per rank when the model is split.
+            worker_mode="process" if args.worker_process else None,
             on_request_done=None if progress is None else progress.advance,
         )
     except ValueError as error:
@@ -213,6 +232,27 @@ def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
             "kvwire run compares a connector against none, so the profile must name one"
         )
     return config if preset is None else apply_preset(config, preset)
+
+
+def _with_parallel_sizes(
+    config: EngineConfig, tensor_size: int | None, pipeline_size: int | None
+) -> EngineConfig:
+    """``config`` with the parallel sizes the flags give (None: the profile's)."""
+    import attrs
+
+    from kvwire.config import ParallelConfig
+
+    if tensor_size is None and pipeline_size is None:
+        return config
+    parallel = config.parallel_config
+    # A new layout: the engine splits the stages and counts the ranks itself.
+    return attrs.evolve(
+        config,
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tensor_size or parallel.tensor_parallel_size,
+            pipeline_parallel_size=pipeline_size or parallel.pipeline_parallel_size,
+        ),
+    )
 
 
 def _build_workload(args: argparse.Namespace, config: EngineConfig) -> list[GenerationRequest]:

@@ -28,7 +28,7 @@ def compare_passes(
     config: EngineConfig,
     workload: Sequence[GenerationRequest],
     *,
-    worker_mode: WorkerMode = "inline",
+    worker_mode: WorkerMode | None = None,
     on_request_done: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The figures of each pass, and whether all outputs equal the no-connector ones."""
@@ -39,6 +39,12 @@ def compare_passes(
         # No reset: the pass just run left every prefix in the engine's own cache.
         local = _run_pass(engine, _renamed(workload, "local"), "local", on_request_done)
     with LLMEngine(config, worker_mode=worker_mode) as engine:
+        parallel = config.parallel_config
+        ranks = {
+            "tensor_parallel_size": parallel.tensor_parallel_size,
+            "pipeline_parallel_size": parallel.pipeline_parallel_size,
+            "worker_processes": len(engine.shares) or int(worker_mode == "process"),
+        }
         hma = {
             "enabled": engine.hma_enabled,
             "reason": engine.hma.reason,
@@ -71,7 +77,8 @@ def compare_passes(
         "connector": transfer.kv_connector if transfer else None,
         "model": attrs.asdict(config.model_config),
         "block_size": config.cache_config.block_size,
-        "worker_mode": worker_mode,
+        "worker_mode": "process" if ranks["worker_processes"] else "inline",
+        "parallel": ranks,
         "hma": hma,
         "passes": figures,
         # The issue's goal figure: warm TTFT from the connector over TTFT with

@@ -58,6 +58,18 @@ _ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 )
 
 
+def _workers(report: dict[str, Any]) -> str:
+    parallel = report["parallel"]
+    processes = int(parallel["worker_processes"])
+    if processes <= 1:
+        return f"{report['worker_mode']} worker"
+    return (
+        f"{processes} worker processes: tensor_parallel_size "
+        f"{parallel['tensor_parallel_size']} x pipeline_parallel_size "
+        f"{parallel['pipeline_parallel_size']}"
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table, with a one-line verdict under it."""
     passes = report["passes"]
@@ -74,7 +86,7 @@ def format_table(report: dict[str, Any]) -> str:
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
-    title = f"kvwire run: {report['connector']} ({report['worker_mode']} worker)"
+    title = f"kvwire run: {report['connector']} ({_workers(report)})"
     hma = report["hma"]
     groups = hma["kv_cache_groups"]
     hma_line = (

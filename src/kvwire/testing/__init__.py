@@ -14,9 +14,10 @@ if TYPE_CHECKING:
         hybrid_engine_config,
         with_load_failure_policy,
     )
-    from kvwire.testing.faults import with_load_faults
+    from kvwire.testing.faults import LoadFaultsHook, with_load_faults
     from kvwire.testing.idle import IdleConnector
     from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
+    from kvwire.testing.parallel_suite import ParallelConformanceSuite
     from kvwire.testing.suite import ConnectorConformanceSuite
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "ConnectorConformanceSuite",
     "IdleConnector",
     "Instruments",
+    "LoadFaultsHook",
+    "ParallelConformanceSuite",
     "RoleViolationError",
     "conformance_engine_config",
     "hybrid_engine_config",
@@ -36,6 +39,8 @@ _WHERE = {
     "Instruments": "kvwire.testing.instruments",
     "RoleViolationError": "kvwire.testing.instruments",
     "ConnectorConformanceSuite": "kvwire.testing.suite",
+    "ParallelConformanceSuite": "kvwire.testing.parallel_suite",
+    "LoadFaultsHook": "kvwire.testing.faults",
     "IdleConnector": "kvwire.testing.idle",
     "conformance_engine_config": "kvwire.testing.configs",
     "hybrid_engine_config": "kvwire.testing.configs",

@@ -20,8 +20,11 @@ every call to it, except that:
   (``skip_saves_computed_from``) before it saves the step; an asynchronous
   load's once it is reported finished.
 
-The wrapper lives in the engine's process only: use it with the worker
-inline (a worker process builds its connector from the config alone).
+The wrapper lives in the container it is applied to: the engine's, for the
+worker inline. A worker process builds its connector from its own
+container: hand the engine a :class:`LoadFaultsHook` as its
+``worker_container_hook`` (each rank of a parallel engine applies it to its
+container), and ``ranks`` limits the garbage and the reports to those ranks.
 """
 
 from __future__ import annotations
@@ -69,7 +72,13 @@ if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.kv_cache_config import KVCacheConfig
 
-__all__ = ["LoadFault", "LoadFaultConnector", "LoadFaultMetadata", "with_load_faults"]
+__all__ = [
+    "LoadFault",
+    "LoadFaultConnector",
+    "LoadFaultMetadata",
+    "LoadFaultsHook",
+    "with_load_faults",
+]
 
 
 @attrs.frozen
@@ -104,6 +113,8 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
     """The requests whose first load fails; None: every request's."""
     fail_block_index: ClassVar[int] = 0
     """Which block of the loaded range fails (negative: from the end)."""
+    fail_ranks: ClassVar[frozenset[int] | None] = None
+    """The ranks whose worker side fails the loads (``parallel_config.rank``); None: every rank."""
 
     def __init__(
         self,
@@ -130,6 +141,9 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
         self._step_faults: tuple[LoadFault, ...] = ()
         self._async_faults: dict[str, LoadFault] = {}
         self._unreported: set[int] = set()
+        self._fails_here = self.fail_ranks is None or (
+            vllm_config.parallel_config.rank in self.fail_ranks
+        )
 
     # ------------------------------------------------------- class questions
 
@@ -220,6 +234,8 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
         metadata = self._unwrap(connector_metadata)
         super().bind_connector_metadata(metadata)
         self.inner.bind_connector_metadata(metadata.inner)
+        if not self._fails_here:
+            return
         self._step_faults = tuple(fault for fault in metadata.faults if not fault.is_async)
         self._unreported |= {fault.block_id for fault in self._step_faults}
         self._async_faults.update(
@@ -423,12 +439,15 @@ def with_load_faults(
     *,
     block_index: int = 0,
     request_ids: frozenset[str] | None = None,
+    ranks: frozenset[int] | None = None,
 ) -> KVConnectorContainer:
     """``container``, its ``connector_class`` overridden by a :class:`LoadFaultConnector` around it.
 
     Each request in ``request_ids`` (every request when None) has its first
-    load fail at the block at ``block_index`` of the loaded range. Hand the
-    container to the engine (``LLMEngine(config, container=...)``, worker inline).
+    load fail at the block at ``block_index`` of the loaded range, on the
+    workers of ``ranks`` (None: all). Hand the container to the engine
+    (``LLMEngine(config, container=...)``); worker processes need a
+    :class:`LoadFaultsHook` too.
     """
     wrapped_class = container.connector_class()
 
@@ -436,7 +455,30 @@ def with_load_faults(
         wrapped = wrapped_class
         fail_request_ids = request_ids
         fail_block_index = block_index
+        fail_ranks = ranks
 
     Faulty.__name__ = Faulty.__qualname__ = f"LoadFaults({wrapped_class.__name__})"
     container.connector_class.override(providers.Object(Faulty))
     return container
+
+
+@attrs.frozen
+class LoadFaultsHook:
+    """:func:`with_load_faults` as a picklable container hook, for the engine's worker processes.
+
+    ``LLMEngine(config, container=with_load_faults(..., ranks=r),
+    worker_container_hook=LoadFaultsHook(ranks=r))``: the scheduler side
+    picks the faults, the workers of ``ranks`` leave garbage and report them.
+    """
+
+    block_index: int = 0
+    request_ids: frozenset[str] | None = None
+    ranks: frozenset[int] | None = None
+
+    def __call__(self, container: KVConnectorContainer) -> None:
+        with_load_faults(
+            container,
+            block_index=self.block_index,
+            request_ids=self.request_ids,
+            ranks=self.ranks,
+        )

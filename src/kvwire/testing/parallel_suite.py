@@ -1,0 +1,195 @@
+"""The conformance kit's parallel section: a connector under tensor parallelism, in seconds.
+
+Subclass :class:`ParallelConformanceSuite` as you subclass
+:class:`~kvwire.testing.suite.ConnectorConformanceSuite`, overriding
+``engine_config``; each test runs the kvwire engine at
+``tensor_parallel_size`` 2 (two worker processes, each holding one of the
+kit model's two KV heads, its connector built there for its rank) against
+the unsplit engine without a connector:
+
+- shards: a TP=2 engine's warm pass is served by its own entries, its
+  loaded KV (both ranks' heads put together) bit-identical to the KV
+  computed without a connector, its tokens equal;
+- cross-size loads: what a TP=1 engine stored loads into a TP=2 engine, and
+  what a TP=2 engine stored loads into a TP=1 engine (a connector whose
+  entries do not outlive its engine, like CPU offload, sets
+  ``loads_across_engines = False``: its engines then load nothing of each
+  other's, and only equal tokens are asked). A store must name entries so
+  that both sizes read them (kvwire's store media: ``entry_kv_heads: 1``);
+- all or none: a load failed on one rank only (garbage left in the block
+  there, the block reported failed) is computed again on every rank, and
+  the tokens stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from kvwire.config import EngineConfig, ParallelConfig
+from kvwire.container import container_for_profile
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from kvwire.testing.faults import LoadFaultsHook, with_load_faults
+from kvwire.testing.instruments import Instruments
+
+TENSOR_PARALLEL_SIZE = 2
+
+
+@attrs.frozen
+class Computed:
+    """A workload's tokens and prompt KV from the unsplit engine without a connector."""
+
+    tokens: list[tuple[int, ...]]
+    kv: dict[str, torch.Tensor]
+
+
+def tensor_parallel(config: EngineConfig, size: int = TENSOR_PARALLEL_SIZE) -> EngineConfig:
+    """``config`` split over ``size`` tensor-parallel ranks."""
+    return attrs.evolve(config, parallel_config=ParallelConfig(tensor_parallel_size=size))
+
+
+def _tokens(outputs: Sequence[RequestOutput]) -> list[tuple[int, ...]]:
+    return [output.output_token_ids for output in outputs]
+
+
+def _served(outputs: Sequence[RequestOutput]) -> int:
+    return sum(output.external_tokens for output in outputs)
+
+
+def _renamed(workload: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:
+    return [attrs.evolve(r, request_id=f"{r.request_id}/{suffix}") for r in workload]
+
+
+class ParallelConformanceSuite:
+    """Reusable tests of a connector at tensor parallelism; see the module docstring."""
+
+    loads_across_engines: ClassVar[bool] = True
+    """Whether one engine loads what another engine stored (False: entries live in the engine)."""
+
+    @pytest.fixture
+    def engine_config(self, tmp_path: Any) -> EngineConfig:
+        raise NotImplementedError(
+            f"{type(self).__name__} must override the engine_config(self, tmp_path) fixture "
+            "to return an EngineConfig whose kv_transfer_config names the connector"
+        )
+
+    @pytest.fixture
+    def parallel_workloads(
+        self, engine_config: EngineConfig
+    ) -> tuple[list[GenerationRequest], list[GenerationRequest]]:
+        """Two workloads of four requests sharing a prefix, sharing nothing with each other."""
+        block_size = engine_config.cache_config.block_size
+
+        def workload(seed: int, name: str) -> list[GenerationRequest]:
+            spec = WorkloadSpec(
+                num_requests=4,
+                prompt_len=4 * block_size + block_size // 2 + 1,
+                output_len=3,
+                shared_prefix_ratio=0.7,
+                vocab_size=engine_config.model_config.vocab_size,
+                seed=seed,
+            )
+            return _renamed(synthetic_workload(spec), name)
+
+        return workload(21, "first"), workload(22, "second")
+
+    @pytest.fixture
+    def parallel_reference(
+        self,
+        engine_config: EngineConfig,
+        parallel_workloads: tuple[list[GenerationRequest], list[GenerationRequest]],
+    ) -> Computed:
+        """Both workloads' tokens and KV, unsplit and without a connector."""
+        with LLMEngine(
+            attrs.evolve(engine_config, kv_transfer_config=None), capture_kv=True
+        ) as engine:
+            outputs = engine.generate([*parallel_workloads[0], *parallel_workloads[1]])
+            return Computed(_tokens(outputs), dict(engine.captured_kv))
+
+    @staticmethod
+    def loads_expected(config: EngineConfig) -> bool:
+        transfer = config.kv_transfer_config
+        return transfer is not None and transfer.is_kv_producer and transfer.is_kv_consumer
+
+    def test_parallel_ranks_serve_their_shards_and_load_across_sizes(
+        self,
+        engine_config: EngineConfig,
+        parallel_workloads: tuple[list[GenerationRequest], list[GenerationRequest]],
+        parallel_reference: Computed,
+        kvwire_strict_roles: bool,
+    ) -> None:
+        first, second = parallel_workloads
+        expected = dict(
+            zip([r.request_id for r in (*first, *second)], parallel_reference.tokens, strict=True)
+        )
+        loads = self.loads_expected(engine_config)
+        across = loads and self.loads_across_engines
+        hook = Instruments(strict_roles=kvwire_strict_roles)
+
+        with LLMEngine(engine_config, connector_hook=hook) as unsplit:
+            assert _tokens(unsplit.generate(first)) == [expected[r.request_id] for r in first]
+        with LLMEngine(
+            tensor_parallel(engine_config), connector_hook=hook, capture_kv=True
+        ) as split:
+            from_unsplit = split.generate(first)
+            cold = split.generate(second)
+            split.wait_for_saves()
+            assert split.reset_prefix_cache(), "blocks still held after the cold pass"
+            warm = split.generate(_renamed(second, "warm"))
+            captured = dict(split.captured_kv)
+        assert _tokens(from_unsplit) == [expected[r.request_id] for r in first]
+        assert _tokens(cold) == _tokens(warm) == [expected[r.request_id] for r in second]
+        if across:
+            assert _served(from_unsplit) > 0, "TP=2 loaded nothing a TP=1 engine stored"
+        if loads:
+            assert _served(warm) > 0, "the TP=2 warm pass loaded nothing"
+        for output in warm:
+            if output.external_tokens:
+                request_id = output.request_id.removesuffix("/warm")
+                assert torch.equal(
+                    captured[output.request_id], parallel_reference.kv[request_id]
+                ), f"{request_id}: the KV the ranks loaded differs from the KV computed unsplit"
+
+        with LLMEngine(engine_config, connector_hook=hook) as unsplit:
+            from_split = unsplit.generate(_renamed(second, "unsplit"))
+        assert _tokens(from_split) == [expected[r.request_id] for r in second]
+        if across:
+            assert _served(from_split) > 0, "TP=1 loaded nothing a TP=2 engine stored"
+
+    def test_parallel_a_load_failed_on_one_rank_is_computed_again_on_every_rank(
+        self,
+        engine_config: EngineConfig,
+        parallel_workloads: tuple[list[GenerationRequest], list[GenerationRequest]],
+        parallel_reference: Computed,
+        kvwire_strict_roles: bool,
+    ) -> None:
+        config = tensor_parallel(engine_config)
+        workload = parallel_workloads[0]
+        # The scheduler side picks each request's first load's first block;
+        # only rank 1 leaves garbage in it and reports it failed.
+        rank_one = frozenset({1})
+        with LLMEngine(
+            config,
+            connector_hook=Instruments(strict_roles=kvwire_strict_roles),
+            container=with_load_faults(container_for_profile(config), ranks=rank_one),
+            worker_container_hook=LoadFaultsHook(ranks=rank_one),
+        ) as engine:
+            cold = engine.generate(workload)
+            engine.wait_for_saves()
+            assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
+            warm = engine.generate(_renamed(workload, "warm"))
+        reference = parallel_reference.tokens[: len(workload)]
+        assert _tokens(cold) == reference
+        if self.loads_expected(engine_config):
+            assert any(output.num_load_failures for output in warm), (
+                "no load happened, so no failure could be injected"
+            )
+        assert all(output.error is None for output in warm)
+        assert _tokens(warm) == reference, (
+            "a block whose load failed on one rank was not computed again on every rank"
+        )

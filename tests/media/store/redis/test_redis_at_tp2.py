@@ -1,0 +1,30 @@
+"""RedisConnector through the kit's parallel section: two tensor-parallel ranks, a real server."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from kvwire.config import EngineConfig
+from kvwire.testing import ParallelConformanceSuite, conformance_engine_config
+from tests.support.redis_servers import RedisServer
+
+pytestmark = pytest.mark.slow
+
+
+class TestRedisConnectorAtTP2(ParallelConformanceSuite):
+    @pytest.fixture
+    def engine_config(
+        self, tmp_path: pathlib.Path, redis_server: RedisServer, key_prefix: str
+    ) -> EngineConfig:
+        return conformance_engine_config(
+            "RedisConnector",
+            extra_config={
+                "url": redis_server.url,
+                "key_prefix": key_prefix,
+                "staging_buffer_bytes": "1MiB",
+                # One KV head an entry: TP=1 and TP=2 engines read each other's.
+                "entry_kv_heads": 1,
+            },
+        )
