@@ -5,7 +5,8 @@ Two kinds of small keys, both with an expiry (``directory_ttl_s``):
 - an *entry* per block a peer holds,
   ``<key_prefix>peer/<layout fingerprint>/<block hash>`` ->
   ``<peer name> <slot> <generation>``: written by the holder's scheduler
-  side once the block's store completed, deleted when the holder evicts
+  side once the block's store completed (and written again while its pool
+  holds the block, before it expires), deleted when the holder evicts
   the block, and deleted by a reader whose read of it failed. The layout
   fingerprint (model, dtype, shape, cache layout, KV cache group) is in
   the name, so engines of another model or layout never find each other's
@@ -129,6 +130,11 @@ class PeerDirectory:
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
         self._failures = 0
+
+    @property
+    def ttl_s(self) -> float:
+        """How long an entry or a peer record lasts unless written again."""
+        return self._ttl_ms / 1000
 
     # ------------------------------------------------------------ names
 

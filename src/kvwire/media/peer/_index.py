@@ -4,9 +4,15 @@ The engine's own saves go to its CPU pool exactly as the CPU pool medium's
 do (the same index decides slots and evicts the least recently used); once
 a save completed, its blocks are announced in the directory under this
 peer's name with their slot and that slot's *generation* (how many times
-the slot was given out), and blocks evicted are withdrawn. Lookups ask the
-directory alone, once per request and KV cache group: a block counts when
-some peer (this one included) announced it.
+the slot was given out), and blocks evicted are withdrawn. Entries expire
+in the directory (a peer that died leaves none behind for long), so each
+scheduler step announces again those of the blocks the pool still holds
+that were last announced half an expiry ago or more (at most
+``REFRESH_BATCH`` a step, oldest first). Lookups ask the directory alone,
+once per request and KV cache group: a block counts when some peer (this
+one included) announced it; a block this pool holds counts too, its entry
+written again, when the directory lost it (expired before a step came,
+withdrawn by a reader whose read of it stalled).
 
 Loads read by key (:meth:`PeerIndex.prepare_load` gives no slots): the
 worker asks the directory again where each block is and verifies every
@@ -15,12 +21,16 @@ byte it pulls, since a peer's slot may be reused at any time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.connector.types import BlockHash, BlockRemoved
 from kvwire.media.cpu_pool._index_half import _CPUPoolIndexHalf
 from kvwire.media.peer._directory import Location, PeerDirectory
+
+# Entries announced again per scheduler step, at most: one pipelined round trip.
+REFRESH_BATCH = 1024
 
 
 class PeerIndex(_CPUPoolIndexHalf):
@@ -43,16 +53,26 @@ class PeerIndex(_CPUPoolIndexHalf):
         # (group, hash) -> where its store writes it / where it was announced.
         self._storing: dict[tuple[int, BlockHash], Location] = {}
         self._announced: dict[tuple[int, BlockHash], Location] = {}
+        # (group, hash) -> when last announced (monotonic), oldest first.
+        self._announced_at: dict[tuple[int, BlockHash], float] = {}
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """How many blocks, from the first, some peer announced; one directory round trip."""
+        """How many blocks, from the first, some peer announced or this pool holds.
+
+        One directory round trip, and one more only when the directory lost
+        entries of blocks this pool holds: those are announced again.
+        """
         fingerprint = self._fingerprints[group]
         keys = [self._directory.entry_key(fingerprint, block_hash) for block_hash in block_hashes]
         count = 0
-        for location in self._directory.look_up(keys):
+        lost: list[tuple[int, BlockHash]] = []
+        for block_hash, location in zip(block_hashes, self._directory.look_up(keys), strict=True):
             if location is None:
-                break
+                if (group, block_hash) not in self._announced:
+                    break
+                lost.append((group, block_hash))
             count += 1
+        self._announce_again(lost)
         return count
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
@@ -84,11 +104,37 @@ class PeerIndex(_CPUPoolIndexHalf):
             return
         fingerprint = self._fingerprints[group]
         entries = []
+        now = time.monotonic()
         for block_hash, location in zip(block_hashes, locations, strict=True):
             if location is not None:
                 self._announced[group, block_hash] = location
+                self._announced_at.pop((group, block_hash), None)  # to the end: newest
+                self._announced_at[group, block_hash] = now
                 entries.append((self._directory.entry_key(fingerprint, block_hash), location))
         self._directory.announce(entries)
+
+    def _announce_again(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Write these held blocks' entries again, with a fresh expiry; one round trip."""
+        if not blocks:
+            return
+        now = time.monotonic()
+        entries = []
+        for group, block_hash in blocks:
+            self._announced_at.pop((group, block_hash), None)
+            self._announced_at[group, block_hash] = now
+            key = self._directory.entry_key(self._fingerprints[group], block_hash)
+            entries.append((key, self._announced[group, block_hash]))
+        self._directory.announce(entries)
+
+    def _refresh_expiring(self) -> None:
+        """Announce again the oldest entries, those announced half an expiry ago or more."""
+        due_before = time.monotonic() - self._directory.ttl_s / 2
+        due: list[tuple[int, BlockHash]] = []
+        for block, announced_at in self._announced_at.items():
+            if announced_at > due_before or len(due) == REFRESH_BATCH:
+                break
+            due.append(block)
+        self._announce_again(due)
 
     def _record_evictions(self) -> int:
         """The pool's removed events, and the removed blocks withdrawn from the directory."""
@@ -101,6 +147,7 @@ class PeerIndex(_CPUPoolIndexHalf):
             group = event.group or 0
             fingerprint = self._fingerprints[group]
             for block_hash in event.block_hashes:
+                self._announced_at.pop((group, block_hash), None)
                 location = self._announced.pop((group, block_hash), None)
                 if location is not None:
                     key = self._directory.entry_key(fingerprint, block_hash)
@@ -111,6 +158,8 @@ class PeerIndex(_CPUPoolIndexHalf):
         return count
 
     def take_counters(self) -> dict[str, int]:
+        """The step's counters; first, the step's refresh of entries about to expire."""
+        self._refresh_expiring()
         counters = dict(super().take_counters())
         failures = self._directory.take_failures()
         if failures:
@@ -126,4 +175,5 @@ class PeerIndex(_CPUPoolIndexHalf):
             ]
         )
         self._announced.clear()
+        self._announced_at.clear()
         self._directory.close()
