@@ -102,7 +102,7 @@ class VLLMConfigError(KVWireError, ValueError):
 _DEFINED_ELSEWHERE = {
     "ConnectorBuildTimeout": "kvwire.container",
     "CorruptBlockError": "kvwire.blocks.format",
-    "DeadlineExceeded": "kvwire.media.redis._wire",
+    "DeadlineExceeded": "kvwire.media.store.redis._wire",
     "ExtraConfigError": "kvwire.extra_config",
     "JobAbandoned": "kvwire.media._transfer_jobs",
     "LateWriteError": "kvwire.media.store.base",
@@ -110,7 +110,7 @@ _DEFINED_ELSEWHERE = {
     "ModelIdentityError": "kvwire.model_identity",
     "NIXLUnavailableError": "kvwire.media.peer._agent",
     "ProfileYAMLError": "kvwire.profile_yaml",
-    "RedisSettingsError": "kvwire.media.redis._settings",
+    "RedisSettingsError": "kvwire.media.store.redis._settings",
     "RoleViolationError": "kvwire.testing.instruments",
     "UnknownMediumError": "kvwire.medium_registry",
     "ValueRefused": "kvwire.extra_config",
@@ -125,9 +125,9 @@ if TYPE_CHECKING:
     from kvwire.extra_config import ExtraConfigError, ValueRefused
     from kvwire.media._transfer_jobs import JobAbandoned
     from kvwire.media.peer._agent import NIXLUnavailableError
-    from kvwire.media.redis._settings import RedisSettingsError
-    from kvwire.media.redis._wire import DeadlineExceeded
     from kvwire.media.store.base import LateWriteError
+    from kvwire.media.store.redis._settings import RedisSettingsError
+    from kvwire.media.store.redis._wire import DeadlineExceeded
     from kvwire.medium_registry import UnknownMediumError
     from kvwire.model_identity import ModelIdentityError
     from kvwire.profile_yaml import ProfileYAMLError

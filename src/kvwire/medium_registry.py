@@ -41,9 +41,9 @@ MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
 
 BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
     "cpu_pool": ("kvwire.media.cpu_pool.medium", "CPUPoolMedium"),
-    "directory": ("kvwire.media.directory.medium", "DirectoryMedium"),
+    "directory": ("kvwire.media.store.directory.medium", "DirectoryMedium"),
     "peer": ("kvwire.media.peer.medium", "PeerMedium"),
-    "redis": ("kvwire.media.redis.medium", "RedisMedium"),
+    "redis": ("kvwire.media.store.redis.medium", "RedisMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""
 

@@ -65,7 +65,7 @@ def test_an_import_point_imports_no_torch_and_no_built_in_medium(module_name: st
     probe = (
         f"import sys, {module_name}\n"
         "print(sorted(m for m in sys.modules if m in ('torch', 'redis') or m.startswith("
-        "('kvwire.media.cpu_pool', 'kvwire.media.directory', 'kvwire.media.redis', "
+        "('kvwire.media.cpu_pool', 'kvwire.media.store.directory', 'kvwire.media.store.redis', "
         "'kvwire.connectors'))))\n"
     )
 

@@ -24,8 +24,8 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.extra_config import ExtraConfigKey, bool_key
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
-from kvwire.media.directory import DirectoryMedium
 from kvwire.media.faulty import FaultInjectingHandler, FaultInjectingMedium
+from kvwire.media.store.directory import DirectoryMedium
 from tests.support.engines import generate, tiny_config, tokens
 from tests.support.faulty_media import (
     FailEveryFirstBlock,

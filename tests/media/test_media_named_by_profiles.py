@@ -29,8 +29,8 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connector.types import BlockStored
 from kvwire.connectors.offload import OffloadConnector
 from kvwire.extra_config import ExtraConfigError
-from kvwire.media.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.faulty import FaultInjectingMedium
+from kvwire.media.store.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.store.medium import StoreMedium
 from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry import ConnectorRegistry
@@ -162,13 +162,13 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="kvwire.medium_registry"):
         entries = {entry.name: entry.target for entry in registry.entries()}
 
-    assert entries["directory"] == "kvwire.media.directory.medium:DirectoryMedium"
+    assert entries["directory"] == "kvwire.media.store.directory.medium:DirectoryMedium"
     assert entries["tape"] == "tape_media:Tape"
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 2
     assert warnings[0].startswith(
         "Ignoring entry point 'directory = shadowing_media:Directory' of distribution unknown: "
-        "medium 'directory' is already registered (built in, kvwire.media.directory.medium:"
+        "medium 'directory' is already registered (built in, kvwire.media.store.directory.medium:"
     )
     assert warnings[1].startswith("Ignoring entry point 'tape = other_tape_media:Tape'")
 

@@ -11,7 +11,7 @@ import redis
 
 from kvwire.connector.types import Request
 from kvwire.connectors.redis import RedisConnector
-from kvwire.media.redis import RedisMedium
+from kvwire.media.store.redis import RedisMedium
 
 
 class EvictingRedisConnector(RedisConnector):

@@ -18,8 +18,8 @@ from dependency_injector import providers
 from kvwire.config import EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.media.base import Medium
-from kvwire.media.directory import DirectoryMedium
 from kvwire.media.faulty import FaultInjectingMedium
+from kvwire.media.store.directory import DirectoryMedium
 from kvwire.registry import default_registry
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.extra_config import ExtraConfigKey, str_key
-from kvwire.media.directory import DirectoryMedium
 from kvwire.media.store.base import BlockStore
+from kvwire.media.store.directory import DirectoryMedium
 
 HOLD_LIMIT_S = 60.0
 """A test that never removes the file fails its writes after this, rather than hanging."""

@@ -22,7 +22,7 @@ from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.media.base import MediumContext
-from kvwire.media.directory import DirectoryMedium
+from kvwire.media.store.directory import DirectoryMedium
 
 
 class EveryBlockCPUOffloadConnector(CPUOffloadConnector):

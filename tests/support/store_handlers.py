@@ -8,7 +8,7 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore
 
 NUM_BLOCKS = 4
@@ -29,9 +29,9 @@ def layout_caches(
 
 def store_worker(
     store: BlockStore, layout: BlockLayout, caches: dict[str, torch.Tensor]
-) -> StoreWorker:
+) -> StoreTransferHandler:
     """A one-thread worker, keyed by the layout's own keys."""
-    return StoreWorker(
+    return StoreTransferHandler(
         store=store,
         layouts=(layout,),
         memories=(BlockMemory(caches, layout, sorted(caches)),),

@@ -14,8 +14,8 @@ from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
-from kvwire.media.directory import DirectoryMedium
 from kvwire.media.store.base import BlockStore
+from kvwire.media.store.directory import DirectoryMedium
 
 
 class NeverHitIndex(MediumIndex):

@@ -2,8 +2,8 @@
 
 :class:`~kvwire.connectors.offload._planner.BlockPlanner` makes them, the
 connectors send them in their step metadata (pickled across the worker
-process), and :class:`~kvwire.media.store._handler.StoreWorker` and
-:class:`~kvwire.media.cpu_pool._handler.CPUPoolWorker` move their blocks.
+process), and :class:`~kvwire.media.store._handler.StoreTransferHandler` and
+:class:`~kvwire.media.cpu_pool._handler.CPUPoolTransferHandler` move their blocks.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from kvwire.connectors.cpu_offload import CPUOffloadConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset
-from kvwire.media.cpu_pool._handler import CPUPoolWorker
+from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from tests.support.connector_pairs import make_request
 from tests.support.engines import (
     generate,
@@ -56,12 +56,12 @@ from tests.support.hybrid_pairs import (
 )
 
 
-def pool_worker(connector: CPUOffloadConnector) -> CPUPoolWorker:
+def pool_worker(connector: CPUOffloadConnector) -> CPUPoolTransferHandler:
     """A worker-role ``connector``'s CPU pool handler (built once its caches are registered)."""
     half = connector._worker
     assert half is not None, f"{connector!r} has no worker half"
     handler = half.handler
-    assert isinstance(handler, CPUPoolWorker), handler
+    assert isinstance(handler, CPUPoolTransferHandler), handler
     return handler
 
 
@@ -69,7 +69,7 @@ class CPUOffloadPair(HybridPair[CPUOffloadConnector]):
     """A scheduler-role and a worker-role CPU-offload connector over a hybrid cache."""
 
     @property
-    def pool_worker(self) -> CPUPoolWorker:
+    def pool_worker(self) -> CPUPoolTransferHandler:
         return pool_worker(self.worker)
 
     def __init__(self, **extra: object) -> None:
@@ -284,9 +284,9 @@ HOLD_LIMIT_S = 60.0
 """A gate never opened lets its copies go after this, rather than hanging the test."""
 
 
-def hold_copies(worker: CPUPoolWorker) -> threading.Event:
+def hold_copies(worker: CPUPoolTransferHandler) -> threading.Event:
     """Stores submitted from now on wait, before copying anything, until the gate opens."""
-    copy = CPUPoolWorker._store.__get__(worker)
+    copy = CPUPoolTransferHandler._store.__get__(worker)
     gate = threading.Event()
 
     def held(job: Any) -> None:
@@ -332,7 +332,7 @@ def test_a_store_reading_a_block_given_to_another_request_is_released_and_never_
     assert pair.lookup(make_request("f", PROMPT, BLOCK)) == (0, False)
     # The same blocks saved again, by a request whose stores end in time, hit.
     d = make_request("d", PROMPT, BLOCK)
-    pair.pool_worker._store = CPUPoolWorker._store.__get__(pair.pool_worker)
+    pair.pool_worker._store = CPUPoolTransferHandler._store.__get__(pair.pool_worker)
     d_ids = ([51, 52, 53, 54, 55, 56, 57], [58, 59, 60, 61, 62, 63, 39])
     assert pair.prefill_groups(d, d_ids) == (0, False)
     assert pair.finish_groups(d, d_ids) is True

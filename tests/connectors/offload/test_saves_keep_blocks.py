@@ -29,10 +29,10 @@ from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
 from kvwire.media.base import MediumContext
-from kvwire.media.directory import DirectoryMedium
-from kvwire.media.directory._store import DirectoryBlockStore
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.directory import DirectoryMedium
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
 from tests.support.engines import generate as generate_without
 from tests.support.engines import (
@@ -156,7 +156,7 @@ class HeldWritesConnector(SharedStorageConnector):
         super().register_kv_caches(kv_caches)
         assert self._worker is not None
         handler = self._worker.handler
-        assert isinstance(handler, StoreWorker)
+        assert isinstance(handler, StoreTransferHandler)
         release_saves_reading = handler.release_saves_reading
 
         def waited_for(request_ids: Iterable[str], block_ids: Set[int]) -> list[BlockTransfer]:
@@ -294,7 +294,7 @@ def test_the_saves_reading_blocks_given_out_again_are_released_without_waiting_f
     store = _HeldForever()
     counters = Counters()
     caches = layout_caches(LAYOUT, seed=1)
-    worker = StoreWorker(
+    worker = StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
@@ -369,8 +369,8 @@ class _WritesWhenLetGo(DirectoryBlockStore):
 
 def _directory_worker(
     store: BlockStore, caches: dict[str, Any], counters: Counters, timeout_s: float
-) -> StoreWorker:
-    return StoreWorker(
+) -> StoreTransferHandler:
+    return StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvwire.media.cpu_pool._index import CPUPoolIndex
+from kvwire.media.cpu_pool._slot_table import SlotTable
 
 
-def _ready(index: CPUPoolIndex, group: int, block_hash: bytes) -> bool:
+def _ready(index: SlotTable, group: int, block_hash: bytes) -> bool:
     return index.count_ready_prefix(group, [block_hash]) == 1
 
 
@@ -13,14 +13,14 @@ def h(n: int) -> bytes:
     return bytes([n]) * 32
 
 
-def stored(index: CPUPoolIndex, *numbers: int) -> None:
+def stored(index: SlotTable, *numbers: int) -> None:
     hashes = [h(n) for n in numbers]
     index.prepare_store(0, hashes)
     index.complete_store(0, hashes)
 
 
 def test_a_block_is_invisible_until_its_store_completes():
-    index = CPUPoolIndex(4)
+    index = SlotTable(4)
     index.prepare_store(0, [h(1)])
     assert index.count_ready_prefix(0, [h(1)]) == 0
     index.complete_store(0, [h(1)])
@@ -28,13 +28,13 @@ def test_a_block_is_invisible_until_its_store_completes():
 
 
 def test_the_ready_prefix_stops_at_the_first_missing_block():
-    index = CPUPoolIndex(4)
+    index = SlotTable(4)
     stored(index, 1, 3)
     assert index.count_ready_prefix(0, [h(1), h(2), h(3)]) == 1
 
 
 def test_the_least_recently_used_block_is_evicted_first():
-    index = CPUPoolIndex(2)
+    index = SlotTable(2)
     stored(index, 1, 2)
     index.start_load(0, [h(1)])
     index.finish_load(0, [h(1)])  # 1 is now more recent than 2
@@ -44,7 +44,7 @@ def test_the_least_recently_used_block_is_evicted_first():
 
 
 def test_a_block_being_loaded_is_never_evicted():
-    index = CPUPoolIndex(1)
+    index = SlotTable(1)
     stored(index, 1)
     index.start_load(0, [h(1)])
     assert index.prepare_store(0, [h(2)]) == []
@@ -52,27 +52,27 @@ def test_a_block_being_loaded_is_never_evicted():
 
 
 def test_a_block_being_stored_is_never_evicted():
-    index = CPUPoolIndex(1)
+    index = SlotTable(1)
     index.prepare_store(0, [h(1)])
     assert index.prepare_store(0, [h(2)]) == []
     assert index.holds(0, h(1))
 
 
 def test_storing_a_present_block_again_takes_no_slot():
-    index = CPUPoolIndex(2)
+    index = SlotTable(2)
     stored(index, 1)
     assert index.prepare_store(0, [h(1), h(2)]) == [(h(2), 1)]
 
 
 def test_an_abandoned_store_frees_its_slot():
-    index = CPUPoolIndex(1)
+    index = SlotTable(1)
     index.prepare_store(0, [h(1)])
     index.abandon_store(0, [h(1)])
     assert index.prepare_store(0, [h(2)]) == [(h(2), 0)]
 
 
 def test_clear_keeps_blocks_in_use():
-    index = CPUPoolIndex(3)
+    index = SlotTable(3)
     stored(index, 1, 2)
     index.start_load(0, [h(2)])
     assert index.clear() is False
@@ -80,7 +80,7 @@ def test_clear_keeps_blocks_in_use():
 
 
 def test_a_hash_in_one_group_is_not_held_in_another():
-    index = CPUPoolIndex(4, num_groups=2)
+    index = SlotTable(4, num_groups=2)
     index.prepare_store(0, [h(1)])
     index.complete_store(0, [h(1)])
     assert index.count_ready_prefix(0, [h(1)]) == 1
@@ -89,14 +89,14 @@ def test_a_hash_in_one_group_is_not_held_in_another():
 
 
 def test_each_group_stores_a_hash_in_a_slot_of_its_own():
-    index = CPUPoolIndex(4, num_groups=2)
+    index = SlotTable(4, num_groups=2)
     assert index.prepare_store(0, [h(1)]) == [(h(1), 0)]
     assert index.prepare_store(1, [h(1)]) == [(h(1), 1)]
     assert len(index) == 2
 
 
 def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
-    index = CPUPoolIndex(2, num_groups=2)
+    index = SlotTable(2, num_groups=2)
     for group in (1, 0):
         index.prepare_store(group, [h(1)])
         index.complete_store(group, [h(1)])
@@ -108,7 +108,7 @@ def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
 
 
 def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
-    index = CPUPoolIndex(2, num_groups=2)
+    index = SlotTable(2, num_groups=2)
     for group in (0, 1):
         index.prepare_store(group, [h(1)])
         index.complete_store(group, [h(1)])

@@ -26,7 +26,7 @@ from kvwire.extra_config import ExtraConfigError, read_extra_config
 from kvwire.media.base import MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import _handler as cpu_pool_handler_module
-from kvwire.media.cpu_pool._handler import CPUPoolWorker
+from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S
 
@@ -58,8 +58,8 @@ def handlers() -> Iterator[list[TransferHandler]]:
         handler.close()
 
 
-def pool_of(handler: TransferHandler) -> CPUPoolWorker:
-    assert isinstance(handler, CPUPoolWorker)
+def pool_of(handler: TransferHandler) -> CPUPoolTransferHandler:
+    assert isinstance(handler, CPUPoolTransferHandler)
     return handler
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout
-from kvwire.media.cpu_pool._slots import PoolSlots
+from kvwire.media.cpu_pool._pool_memory import PoolSlots
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_size=4, dtype="float32")
 

@@ -21,7 +21,7 @@ from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
 from kvwire.media.cpu_pool import _handler as cpu_pool_worker_module
-from kvwire.media.cpu_pool._handler import CPUPoolWorker
+from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
@@ -39,8 +39,8 @@ def copies_go_on() -> Iterator[threading.Event]:
         event.set()
 
 
-def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorker:
-    return CPUPoolWorker(
+def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolTransferHandler:
+    return CPUPoolTransferHandler(
         layouts=(LAYOUT,),
         caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
         num_slots=4,
@@ -50,7 +50,7 @@ def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolWorke
     )
 
 
-def _stored(worker: CPUPoolWorker) -> None:
+def _stored(worker: CPUPoolTransferHandler) -> None:
     """Blocks 0 and 1 stored, whole, in slots 0 and 1 under ``HASHES``."""
     worker.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]

@@ -25,7 +25,7 @@ from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockStored
 from kvwire.extra_config import read_extra_config
 from kvwire.media.base import MediumContext, TransferHandler
-from kvwire.media.directory import DirectoryMedium
+from kvwire.media.store.directory import DirectoryMedium
 from tests.support.store_handlers import layout_caches
 
 CONNECTOR = "TestStoreConnector"

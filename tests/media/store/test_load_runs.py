@@ -18,10 +18,10 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
-from kvwire.media.directory._store import DirectoryBlockStore
 from kvwire.media.store import _handler as store_worker_module
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.store_handlers import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -56,8 +56,8 @@ def _worker(
     *,
     io_threads: int,
     batch_blocks: int,
-) -> StoreWorker:
-    return StoreWorker(
+) -> StoreTransferHandler:
+    return StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),

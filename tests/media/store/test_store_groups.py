@@ -21,10 +21,10 @@ from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
 from kvwire.extra_config import ExtraConfigError
-from kvwire.media.directory import DirectoryMedium
-from kvwire.media.directory._store import DirectoryBlockStore
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
+from kvwire.media.store.directory import DirectoryMedium
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import blocks_equal, engine_config
 from tests.support.engines import (
     generate,
@@ -210,8 +210,8 @@ def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Pat
 
     counters = Counters()
 
-    def worker(caches: list[dict[str, torch.Tensor]]) -> StoreWorker:
-        return StoreWorker(
+    def worker(caches: list[dict[str, torch.Tensor]]) -> StoreTransferHandler:
+        return StoreTransferHandler(
             store=store,
             layouts=layouts,
             memories=[BlockMemory(group, base, sorted(group)) for group in caches],

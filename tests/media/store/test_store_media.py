@@ -23,10 +23,10 @@ from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockRemoved, BlockStored
 from kvwire.extra_config import ExtraConfigError, read_extra_config
 from kvwire.media.base import MediumContext
-from kvwire.media.directory import DirectoryBlockStore, DirectoryMedium
-from kvwire.media.directory import medium as directory
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
+from kvwire.media.store.directory import DirectoryBlockStore, DirectoryMedium
+from kvwire.media.store.directory import medium as directory
 from tests.support.store_handlers import layout_caches
 
 CONNECTOR = "TestStoreConnector"
@@ -73,13 +73,15 @@ def closing() -> Iterator[list[Any]]:
 
 def handler_over(
     medium: DirectoryMedium, caches: dict[str, torch.Tensor], closing: list[Any]
-) -> StoreWorker:
+) -> StoreTransferHandler:
     handler = medium.build_handler(caches, Counters())
     closing.append(handler)
     return handler
 
 
-def save(handler: StoreWorker, block_ids: tuple[int, ...], hashes: tuple[bytes, ...]) -> None:
+def save(
+    handler: StoreTransferHandler, block_ids: tuple[int, ...], hashes: tuple[bytes, ...]
+) -> None:
     handler.save([BlockTransfer(request_id="p", block_ids=block_ids, block_hashes=hashes)])
     assert handler.wait_for_saves(30)
 

@@ -32,9 +32,9 @@ from kvwire.engine.engine import LLMEngine
 from kvwire.extra_config import ExtraConfigError
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._transfer_jobs import JobAbandoned
-from kvwire.media.directory import DirectoryMedium
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
+from kvwire.media.store.directory import DirectoryMedium
 from tests.support.engines import (
     shared_storage,
     tiny_config,
@@ -180,8 +180,8 @@ def _worker(
     counters: Counters,
     timeout_s: float,
     grace_s: float = TEST_LIMIT_S,
-) -> StoreWorker:
-    return StoreWorker(
+) -> StoreTransferHandler:
+    return StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
@@ -202,7 +202,7 @@ def _saved_store() -> MemoryStore:
     return store
 
 
-def _worker_with_a_stuck_save(counters: Counters, timeout_s: float) -> StoreWorker:
+def _worker_with_a_stuck_save(counters: Counters, timeout_s: float) -> StoreTransferHandler:
     """A worker whose save of blocks 0 and 1 (request "p") hangs in the store's write."""
     worker = _worker(
         StuckStore(MemoryStore(), stuck_writes=True),

@@ -4,7 +4,7 @@ The pool is allocated once: ``num_slots`` entries, each a ``block_format``
 header followed by one block of every layer of one KV cache group
 (cross-layer layout); every group's entries have the same size, so one pool
 serves them all, and each entry's header names its group's layout. Which slot
-holds what is decided by the scheduler side (:mod:`kvwire.media.cpu_pool._index`);
+holds what is decided by the scheduler side (:mod:`kvwire.media.cpu_pool._slot_table`);
 this side only copies. Stores run on a background thread and complete
 asynchronously; loads verify each slot's header and checksum before
 copying it into the cache.
@@ -17,7 +17,7 @@ chunk is copied under the job's lock after checking it was not abandoned. A
 store abandoned mid-way leaves slots whose headers do not match their
 blocks, which a later load reports instead of copying.
 
-A store may also be released (:meth:`CPUPoolWorker.release_saves_reading`):
+A store may also be released (:meth:`CPUPoolTransferHandler.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
 store copies nothing more and never commits: the scheduler side frees its
@@ -52,7 +52,7 @@ from kvwire.media._job_threads import JobThreads
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
 from kvwire.media.base import TransferHandler
-from kvwire.media.cpu_pool._slots import PoolSlots
+from kvwire.media.cpu_pool._pool_memory import PoolSlots
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class _AsyncPoolLoad:
     failed: list[int] = attrs.field(factory=list)
 
 
-class CPUPoolWorker(TransferHandler):
+class CPUPoolTransferHandler(TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
     ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
@@ -122,7 +122,7 @@ class CPUPoolWorker(TransferHandler):
     ) -> None:
         if not layouts or len(layouts) != len(caches):
             raise ValueError(
-                f"CPUPoolWorker: got {len(layouts)} layouts and {len(caches)} caches; "
+                f"CPUPoolTransferHandler: got {len(layouts)} layouts and {len(caches)} caches; "
                 "expected one of each per KV cache group (at least one)"
             )
         self._layouts = tuple(layouts)

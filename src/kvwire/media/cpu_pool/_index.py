@@ -1,172 +1,120 @@
-"""The scheduler side's index of the CPU pool: which block lives in which slot.
+"""The CPU pool medium's scheduler side: the pool's index behind the MediumIndex calls.
 
-Pure bookkeeping, no tensors: the worker side owns the pool memory and does
-what this index decides. A slot holds one block of one KV cache group (every
-layer of the group, cross-layer layout); every group's entries have the same
-size, so one pool serves them all. A block hash names an entry only together
-with its group: group 0's entry for a hash and group 1's are two entries,
-stored, loaded and evicted on their own.
-
-Blocks are evicted least recently used first, whatever their group, but never
-while a load reads them (``load_refs``) or a store writes them (not yet
-``ready``).
+:class:`~kvwire.media.cpu_pool._slot_table.SlotTable` decides which slot holds
+which block; this half adds what the block connector expects of a medium:
+the KV cache events (one per KV cache group that changed, in the order the
+changes happened) and the counts of blocks evicted and of stores the pool had
+no room for.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-import attrs
-
-from kvwire.connector.types import BlockHash
-
-
-@attrs.define
-class _Slot:
-    slot: int
-    group: int
-    block_hash: BlockHash
-    ready: bool = False
-    load_refs: int = 0
+from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from kvwire.media.base import MediumIndex
+from kvwire.media.cpu_pool._slot_table import SlotTable
 
 
-class CPUPoolIndex:
-    """An LRU over ``num_slots`` pool slots, keyed by (group, block hash).
+class CPUPoolIndex(MediumIndex):
+    """The pool's index over ``num_slots`` slots shared by ``num_groups`` KV cache groups.
 
-    One dict per group finds an entry by its hash without building a key per
-    lookup; one LRU over the slots orders all groups' entries for eviction.
+    ``medium`` names the pool in the KV cache events.
     """
 
-    def __init__(self, num_slots: int, num_groups: int = 1) -> None:
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        self.num_slots = num_slots
-        self._by_group: tuple[dict[BlockHash, _Slot], ...] = tuple({} for _ in range(num_groups))
-        # Keyed by slot, least recently used first.
-        self._lru: OrderedDict[int, _Slot] = OrderedDict()
-        self._free_slots = list(range(num_slots - 1, -1, -1))
-        # Per group: blocks evicted (or discarded) since the last take_evicted.
-        self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
+    def __init__(self, num_slots: int, num_groups: int, medium: str) -> None:
+        self._index = SlotTable(num_slots, num_groups)
+        self._medium = medium
+        self._events: list[KVCacheEvent] = []
+        self._counters: dict[str, int] = {}
 
-    def __len__(self) -> int:
-        return len(self._lru)
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """Blocks being stored count only once their store completed."""
+        return self._index.count_ready_prefix(group, block_hashes)
 
-    def holds(self, group: int, block_hash: BlockHash) -> bool:
-        """Whether ``group``'s entry for ``block_hash`` is stored or being stored."""
-        return block_hash in self._by_group[group]
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """Pin the blocks (no eviction until :meth:`complete_load`); their slots, in order."""
+        ready = self._index.count_ready_prefix(group, block_hashes)
+        if ready < len(block_hashes):
+            # Checked before pinning anything, so a refused load pins nothing.
+            raise ValueError(
+                f"prepare_load: the CPU pool holds {ready} of the {len(block_hashes)} blocks "
+                f"asked for in KV cache group {group} (block {block_hashes[ready].hex()[:16]} "
+                "is missing or still being stored); a load is prepared only for blocks "
+                "count_held_prefix just counted"
+            )
+        return tuple(self._index.start_load(group, block_hashes))
 
-    def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
-        """How many of ``group``'s ``hashes``, from the first, are stored and complete."""
-        entries = self._by_group[group]
-        count = 0
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or not entry.ready:
-                break
-            count += 1
-        return count
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        """Unpin the blocks; a corrupt one would fail every later load, so it is forgotten."""
+        self._index.finish_load(group, block_hashes)
+        if corrupt:
+            self._index.discard(group, corrupt)
+            # Removed from the pool, yet not an eviction: not counted as one.
+            self._record_evictions()
 
-    def start_load(self, group: int, hashes: Sequence[BlockHash]) -> list[int]:
-        """Pin ready blocks for a load and mark them recently used; their slots."""
-        entries = self._by_group[group]
-        slots = []
-        for block_hash in hashes:
-            entry = entries[block_hash]
-            if not entry.ready:
-                raise KeyError(
-                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
-                )
-            entry.load_refs += 1
-            self._lru.move_to_end(entry.slot)
-            slots.append(entry.slot)
-        return slots
+    def prepare_store(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        """A slot for each block the pool lacks, evicting the least recently used as needed.
 
-    def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and entry.load_refs > 0:
-                entry.load_refs -= 1
-
-    def prepare_store(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Slots for ``group``'s blocks not stored yet, evicting old blocks as needed.
-
-        Blocks already in the pool (or being stored) are only refreshed. When
-        every slot is pinned, the remaining blocks are not stored (the pool is
-        a cache: skipping is correct, only less useful).
+        Blocks the pool holds (or is storing) are not copied again; blocks
+        left out otherwise found every slot pinned, and count as
+        ``stores_skipped_pool_full``.
         """
-        entries = self._by_group[group]
-        placed: list[tuple[BlockHash, int]] = []
-        for block_hash in hashes:
-            existing = entries.get(block_hash)
-            if existing is not None:
-                self._lru.move_to_end(existing.slot)
-                continue
-            slot = self._take_slot()
-            if slot is None:
-                break
-            entry = _Slot(slot, group, block_hash)
-            entries[block_hash] = entry
-            self._lru[slot] = entry
-            placed.append((block_hash, slot))
-        return placed
+        placed = self._index.prepare_store(group, block_hashes)
+        placed_hashes = {block_hash for block_hash, _ in placed}
+        skipped = sum(
+            1
+            for block_hash in block_hashes
+            if block_hash not in placed_hashes and not self._index.holds(group, block_hash)
+        )
+        self._count("stores_skipped_pool_full", skipped)
+        self._count("evicted_blocks", self._record_evictions())
+        return [(block_hash, slot) for block_hash, slot in placed]
 
-    def complete_store(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Mark ``group``'s stored blocks ready for lookups; those that became ready."""
-        entries = self._by_group[group]
-        completed = []
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and not entry.ready:
-                entry.ready = True
-                completed.append(block_hash)
-        return completed
+    def complete_store(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        """Made: the blocks become hits (a stored event). Not made: their slots are freed."""
+        if not success:
+            self._index.abandon_store(group, block_hashes)
+            return
+        completed = self._index.complete_store(group, block_hashes)
+        if completed:
+            self._events.append(
+                BlockStored(block_hashes=tuple(completed), medium=self._medium, group=group)
+            )
 
-    def abandon_store(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        """Forget ``group``'s blocks whose store failed; their slots become free."""
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and not entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._free_slots.append(entry.slot)
+    def take_events(self) -> list[KVCacheEvent]:
+        """Blocks removed (evicted, discarded, cleared) and stored, in the order it happened."""
+        events, self._events = self._events, []
+        return events
 
-    def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._free_slots.append(entry.slot)
-                self.evicted[group].append(block_hash)
+    def take_counters(self) -> Mapping[str, int]:
+        """``evicted_blocks`` and ``stores_skipped_pool_full`` since the last call, when not 0."""
+        counters, self._counters = self._counters, {}
+        return counters
 
-    def take_evicted(self) -> tuple[list[BlockHash], ...]:
-        """Per group, the blocks evicted or discarded since the last call, in that order."""
-        taken = self.evicted
-        self.evicted = tuple([] for _ in taken)
-        return taken
+    def reset(self) -> bool:
+        """Forget every block no transfer uses; True when the pool is empty after."""
+        emptied = self._index.clear()
+        self._record_evictions()
+        return emptied
 
-    def clear(self) -> bool:
-        """Drop every block that no transfer uses; True when the pool is empty after."""
-        for entry in list(self._lru.values()):
-            if entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._free_slots.append(entry.slot)
-                self.evicted[entry.group].append(entry.block_hash)
-        return not self._lru
+    def _count(self, name: str, amount: int) -> None:
+        if amount:
+            self._counters[name] = self._counters.get(name, 0) + amount
 
-    def _remove(self, entry: _Slot) -> None:
-        del self._by_group[entry.group][entry.block_hash]
-        del self._lru[entry.slot]
-
-    def _take_slot(self) -> int | None:
-        if self._free_slots:
-            return self._free_slots.pop()
-        for entry in self._lru.values():
-            if entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self.evicted[entry.group].append(entry.block_hash)
-                return entry.slot
-        return None
+    def _record_evictions(self) -> int:
+        """A removed event per group whose blocks left the pool since the last call; how many."""
+        count = 0
+        for group, evicted in enumerate(self._index.take_evicted()):
+            if evicted:
+                self._events.append(
+                    BlockRemoved(block_hashes=tuple(evicted), medium=self._medium, group=group)
+                )
+                count += len(evicted)
+        return count

@@ -1,6 +1,6 @@
 """The CPU pool medium: preallocated slots in this host's memory.
 
-The scheduler side's index (:mod:`kvwire.media.cpu_pool._index`) decides
+The scheduler side's index (:mod:`kvwire.media.cpu_pool._slot_table`) decides
 which slot holds which block, evicting the least recently used; the worker
 side (:mod:`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
@@ -37,7 +37,7 @@ from kvwire.extra_config import (
     seconds_key,
 )
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
-from kvwire.media.cpu_pool._index_half import _CPUPoolIndexHalf
+from kvwire.media.cpu_pool._index import CPUPoolIndex
 
 if TYPE_CHECKING:
     import torch
@@ -74,17 +74,17 @@ class CPUPoolMedium(Medium):
         )
 
     def build_index(self) -> MediumIndex:
-        return _CPUPoolIndexHalf(self.num_slots, len(self.context.groups), self.event_medium)
+        return CPUPoolIndex(self.num_slots, len(self.context.groups), self.event_medium)
 
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
         # Imported here: they need torch, which the scheduler side never imports.
         from kvwire.blocks.paged_cache import group_caches
-        from kvwire.media.cpu_pool._handler import CPUPoolWorker
+        from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 
         context = self.context
-        handler = CPUPoolWorker(
+        handler = CPUPoolTransferHandler(
             layouts=self.group_layouts,
             caches=group_caches(kv_caches, context.layout, context.groups),
             num_slots=self.num_slots,

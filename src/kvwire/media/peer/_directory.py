@@ -37,7 +37,7 @@ import redis
 
 from kvwire.connector.types import BlockHash
 from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis._settings import RedisStoreSettings
 
 logger = logging.getLogger(__name__)
 

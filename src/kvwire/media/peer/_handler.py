@@ -1,6 +1,6 @@
 """The peer medium's worker side: its pool exposed to NIXL, and loads pulled from any peer.
 
-Saves are the CPU pool's (:class:`~kvwire.media.cpu_pool._handler.CPUPoolWorker`
+Saves are the CPU pool's (:class:`~kvwire.media.cpu_pool._handler.CPUPoolTransferHandler`
 copies blocks into this worker's pool slots). The pool and a staging area
 are registered with a NIXL agent named after this peer, and the agent's
 record is published in the directory and refreshed every
@@ -47,8 +47,8 @@ from kvwire.media._job_threads import JobThreads
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
 from kvwire.media.base import TransferHandler
-from kvwire.media.cpu_pool._handler import CPUPoolWorker
-from kvwire.media.cpu_pool._slots import PoolSlots
+from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool._pool_memory import PoolSlots
 from kvwire.media.peer._agent import PeerAgent
 from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
 
@@ -70,7 +70,7 @@ class _LoadJob(TransferJob):
 
 
 @attrs.frozen
-class PeerWorkerSettings:
+class PeerTransferSettings:
     peer: str
     staging_blocks: int
     io_threads: int
@@ -78,7 +78,7 @@ class PeerWorkerSettings:
     heartbeat_s: float
 
 
-class PeerWorker(TransferHandler):
+class PeerTransferHandler(TransferHandler):
     """This peer's pool (saves), its NIXL agent, and loads from whichever peer holds a block."""
 
     def __init__(
@@ -89,7 +89,7 @@ class PeerWorker(TransferHandler):
         num_slots: int,
         counters: Counters,
         directory: PeerDirectory,
-        settings: PeerWorkerSettings,
+        settings: PeerTransferSettings,
     ) -> None:
         self._layouts = tuple(layouts)
         self._caches = tuple(caches)
@@ -99,7 +99,7 @@ class PeerWorker(TransferHandler):
         self._counters = counters
         self._directory = directory
         self._warn = RateLimitedWarning(logger)
-        self._pool = CPUPoolWorker(
+        self._pool = CPUPoolTransferHandler(
             layouts=layouts,
             caches=caches,
             num_slots=num_slots,

@@ -26,14 +26,14 @@ from collections.abc import Sequence
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.connector.types import BlockHash, BlockRemoved
-from kvwire.media.cpu_pool._index_half import _CPUPoolIndexHalf
+from kvwire.media.cpu_pool._index import CPUPoolIndex
 from kvwire.media.peer._directory import Location, PeerDirectory
 
 # Entries announced again per scheduler step, at most: one pipelined round trip.
 REFRESH_BATCH = 1024
 
 
-class PeerIndex(_CPUPoolIndexHalf):
+class PeerIndex(CPUPoolIndex):
     """This peer's pool index over ``num_slots`` slots, announcing its blocks in ``directory``."""
 
     def __init__(

@@ -23,7 +23,7 @@ match: the layout fingerprint names every directory entry.
 
 - ``url`` and the Redis medium's other connection keys (``password_env``,
   ``key_prefix``, ``socket_timeout_s``, TLS...; see
-  :class:`~kvwire.media.redis.RedisStoreSettings`): the directory's server.
+  :class:`~kvwire.media.store.redis.RedisStoreSettings`): the directory's server.
   One server (``redis://``, ``rediss://``, ``unix://``); a cluster URL is
   refused;
 - ``cpu_pool_bytes`` (default ``"256MiB"``), ``io_threads`` (default 2) and
@@ -62,8 +62,8 @@ from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandle
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.peer._directory import PeerDirectory, check_peer_name
 from kvwire.media.peer._index import PeerIndex
-from kvwire.media.redis import RedisMedium
-from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis import RedisMedium
+from kvwire.media.store.redis._settings import RedisStoreSettings
 
 if TYPE_CHECKING:
     import torch
@@ -149,16 +149,16 @@ class PeerMedium(Medium):
     ) -> TransferHandler:
         # Imported here: they need torch and NIXL, which the scheduler side never imports.
         from kvwire.blocks.paged_cache import group_caches
-        from kvwire.media.peer._handler import PeerWorker, PeerWorkerSettings
+        from kvwire.media.peer._handler import PeerTransferHandler, PeerTransferSettings
 
         context, options = self.context, self.context.options
-        handler = PeerWorker(
+        handler = PeerTransferHandler(
             layouts=self.group_layouts,
             caches=group_caches(kv_caches, context.layout, context.groups),
             num_slots=self.num_slots,
             counters=counters,
             directory=self._directory(),
-            settings=PeerWorkerSettings(
+            settings=PeerTransferSettings(
                 peer=self.peer_name,
                 staging_blocks=options["staging_blocks"],
                 io_threads=options["io_threads"],

@@ -1,1 +1,6 @@
-"""Byte-addressed media: a BlockStore, the handler moving blocks to and from it, StoreMedium."""
+"""Media over a key-value store: the BlockStore interface, StoreMedium and its transfer handler.
+
+The stores kvwire ships live beneath: :mod:`kvwire.media.store.directory`
+(one file per entry) and :mod:`kvwire.media.store.redis` (one key per entry
+on a Redis/Valkey server or cluster).
+"""

@@ -1,6 +1,6 @@
 """The worker side of a store medium: it moves bytes, nothing else.
 
-:class:`StoreWorker`, the :class:`~kvwire.media.base.TransferHandler` of
+:class:`StoreTransferHandler`, the :class:`~kvwire.media.base.TransferHandler` of
 every store medium (:class:`~kvwire.media.store.medium.StoreMedium`),
 moves blocks straight between the KV cache and the :class:`BlockStore`, on
 background threads: a load reads each entry's payload into the block's
@@ -21,9 +21,9 @@ cache.
 
 The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
-until :meth:`StoreWorker.saves_running` turns False (reported then as
+until :meth:`StoreTransferHandler.saves_running` turns False (reported then as
 finished sending), and before each forward pass
-:meth:`StoreWorker.release_saves_reading` releases the saves of preempted
+:meth:`StoreTransferHandler.release_saves_reading` releases the saves of preempted
 requests and of blocks given to a request since the last step (the engine
 frees a block without telling the connector when a sliding window moves on
 or a request is preempted, and may give it out again at once): one not
@@ -143,7 +143,7 @@ class _Headers(threading.local):
         return [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
 
 
-class StoreWorker(TransferHandler):
+class StoreTransferHandler(TransferHandler):
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
     It serves every KV cache group of the engine: ``layouts`` and ``memories``
@@ -193,8 +193,8 @@ class StoreWorker(TransferHandler):
     ) -> None:
         if not layouts or len(layouts) != len(memories):
             raise ValueError(
-                f"StoreWorker: got {len(layouts)} layouts and {len(memories)} block memories; "
-                "expected one of each per KV cache group (at least one)"
+                f"StoreTransferHandler: got {len(layouts)} layouts and {len(memories)} block "
+                "memories; expected one of each per KV cache group (at least one)"
             )
         self._store = store
         self._transfer_timeout_s = transfer_timeout_s

@@ -3,7 +3,7 @@
 A rank that stores entries of groups of KV heads (see
 :mod:`kvwire.blocks.shards`) moves ``per_group`` entries per block of each
 KV cache group, one per head group it holds. Its
-:class:`~kvwire.media.store._handler.StoreWorker` serves them as groups of
+:class:`~kvwire.media.store._handler.StoreTransferHandler` serves them as groups of
 their own, ``(cache group, head group)`` pairs numbered ``cache_group *
 per_group + head_group``; :class:`HeadGroupsHandler` turns the connector's
 transfers (one per cache group) into theirs and its reports back:

@@ -4,7 +4,7 @@ A store medium names each block's entry by key; the store finds it by key
 alone, so the scheduler side's index only asks the store how many
 consecutive blocks it holds (``BlockStore.count_prefix``: only a prefix that
 is really present counts) and decides nothing else. The worker side's
-handler (:class:`~kvwire.media.store._handler.StoreWorker`) moves blocks
+handler (:class:`~kvwire.media.store._handler.StoreTransferHandler`) moves blocks
 straight between the KV cache's block ranges and the store (an entry is the
 ``block_format`` header, then every layer's block), on background threads:
 the forward pass only submits. A loaded entry is verified where it landed,
@@ -116,7 +116,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvwire.blocks.memory import BlockMemory
-    from kvwire.media.store._handler import StoreWorker
+    from kvwire.media.store._handler import StoreTransferHandler
 
 __all__ = ["StoreMedium"]
 
@@ -291,7 +291,7 @@ class StoreMedium(Medium, Generic[_Store]):
         """Forget this engine's entries; True when done, False if some stayed, None if unknown."""
         return None
 
-    def start_worker(self, handler: StoreWorker) -> None:
+    def start_worker(self, handler: StoreTransferHandler) -> None:
         """Start the worker side's own work once ``handler`` is built (a sweep); none by default."""
 
     def stop_worker(self) -> None:
@@ -398,7 +398,7 @@ class StoreMedium(Medium, Generic[_Store]):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        """The worker side: a :class:`StoreWorker` over the caches; it owns closing the store.
+        """The worker side: a :class:`StoreTransferHandler` over the caches, which closes the store.
 
         The caches are checked against the groups before the store is opened.
         A rank that stores entries of groups of KV heads gets the worker
@@ -407,7 +407,7 @@ class StoreMedium(Medium, Generic[_Store]):
         # Imported here: they need torch, which the scheduler side never imports.
         from kvwire.blocks.memory import BlockMemory, group_memories
         from kvwire.blocks.paged_cache import group_caches
-        from kvwire.media.store._handler import StoreWorker
+        from kvwire.media.store._handler import StoreTransferHandler
         from kvwire.media.store._head_groups import HeadGroupsHandler
 
         options = self.context.options
@@ -454,7 +454,7 @@ class StoreMedium(Medium, Generic[_Store]):
                 found = block_of_key(flat, key)
                 return None if found is None else found[1] // len(own)
 
-        worker = StoreWorker(
+        worker = StoreTransferHandler(
             store=self._open_store(),
             layouts=layouts,
             memories=memories,

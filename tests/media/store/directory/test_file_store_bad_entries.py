@@ -17,7 +17,7 @@ import pytest
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
-from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
 from tests.support.pair_fixtures import PairFactory
 from tests.support.store_handlers import (

@@ -20,8 +20,8 @@ import pytest
 from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.extra_config import ExtraConfigError
-from kvwire.media.directory._modes import GROUP, PRIVATE, process_umask
-from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory._modes import GROUP, PRIVATE, process_umask
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import cache_config_for, engine_config
 
 LAYOUT = "0123456789abcdef" * 2

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from kvwire.media.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory._store import DirectoryBlockStore
 
 LAYOUT = "0123456789abcdef" * 2
 ENTRY_BYTES = 100

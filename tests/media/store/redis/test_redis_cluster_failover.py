@@ -15,9 +15,9 @@ import pytest
 from kvwire.config import EngineConfig, SchedulerConfig
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.media.redis import RedisMedium
-from kvwire.media.redis._cluster import RedisClusterBlockStore
-from kvwire.media.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis import RedisMedium
+from kvwire.media.store.redis._cluster import RedisClusterBlockStore
+from kvwire.media.store.redis._settings import RedisStoreSettings
 from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_engines import (
     BLOCK_SIZE,

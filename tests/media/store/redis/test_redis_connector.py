@@ -8,7 +8,7 @@ from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
 from kvwire.extra_config import ExtraConfigError
-from kvwire.media.redis import RedisMedium
+from kvwire.media.store.redis import RedisMedium
 from tests.support.redis_engines import tiny_config, with_redis
 from tests.support.redis_entries import block_hash
 from tests.support.redis_servers import RedisServer

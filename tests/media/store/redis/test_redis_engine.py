@@ -17,7 +17,7 @@ from kvwire.config import EngineConfig, ModelConfig, SchedulerConfig
 from kvwire.connector.types import BlockStored
 from kvwire.connectors.redis import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.media.redis import RedisMedium
+from kvwire.media.store.redis import RedisMedium
 from tests.support.redis_engines import (
     BLOCK_SIZE,
     distinct_full_blocks,

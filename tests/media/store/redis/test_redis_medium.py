@@ -19,8 +19,8 @@ from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockStored
 from kvwire.extra_config import ExtraConfigError, read_extra_config
 from kvwire.media.base import MediumContext
-from kvwire.media.redis import RedisBlockStore, RedisClusterBlockStore, RedisMedium
-from kvwire.media.store._handler import StoreWorker
+from kvwire.media.store._handler import StoreTransferHandler
+from kvwire.media.store.redis import RedisBlockStore, RedisClusterBlockStore, RedisMedium
 from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_servers import RedisServer
 from tests.support.store_handlers import layout_caches
@@ -57,13 +57,13 @@ def closing() -> Iterator[list[Any]]:
 
 def handler_over(
     medium: RedisMedium, caches: dict[str, torch.Tensor], closing: list[Any]
-) -> StoreWorker:
+) -> StoreTransferHandler:
     handler = medium.build_handler(caches, Counters())
     closing.append(handler)
     return handler
 
 
-def save(handler: StoreWorker, hashes: tuple[bytes, ...]) -> None:
+def save(handler: StoreTransferHandler, hashes: tuple[bytes, ...]) -> None:
     block_ids = tuple(range(1, len(hashes) + 1))
     handler.save([BlockTransfer(request_id="p", block_ids=block_ids, block_hashes=hashes)])
     assert handler.wait_for_saves(30)

@@ -13,14 +13,14 @@ import pytest
 import redis
 
 from kvwire.media._transfer_jobs import JobAbandoned
-from kvwire.media.redis._wire import (
+from kvwire.media.store.base import CacheWrites
+from kvwire.media.store.redis._wire import (
     SHORT_REPLY_BYTES,
     Deadline,
     DeadlineExceeded,
     RespStream,
     ZeroCopyCommandPacker,
 )
-from kvwire.media.store.base import CacheWrites
 
 VALUE_BYTES = 300 * 1024
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("kvwire.media.redis._store")
+logger = logging.getLogger("kvwire.media.store.redis._store")
 
 
 class OutageTracker:

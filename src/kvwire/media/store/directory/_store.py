@@ -2,7 +2,7 @@
 
 One file per entry, named by its key in sharded sub-folders
 (``<root>/<layout fingerprint>/<2 hex digits>/<block hash>``, see
-:mod:`kvwire.media.directory._layout`). A writer writes a hidden
+:mod:`kvwire.media.store.directory._layout`). A writer writes a hidden
 temporary file (created exclusively, never through a link) and renames it
 into place, so a reader (in any process) sees a whole entry or none, even if
 the writer is killed mid-way. Disk full, permission denied or a vanished
@@ -12,7 +12,7 @@ exception. An optional size cap evicts the least recently used entries
 temporary files remove only files that are provably kvwire's: the root may
 hold the user's own files.
 
-Entries and folders get the modes of :mod:`kvwire.media.directory._modes`
+Entries and folders get the modes of :mod:`kvwire.media.store.directory._modes`
 (owner-only by default). A reader opens an entry without following a link
 and without blocking (a FIFO put in an entry's place must not hang a load),
 and reads only a regular file no larger than an entry; anything else is a
@@ -41,7 +41,8 @@ from typing import TypeVar
 
 from kvwire.connector.counters import Counters
 from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media.directory._layout import (
+from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.directory._layout import (
     FolderIdentity,
     ScannedFile,
     Shard,
@@ -55,8 +56,7 @@ from kvwire.media.directory._layout import (
     shards,
     temporary_name,
 )
-from kvwire.media.directory._modes import PRIVATE, FileModes, make_folder, process_umask
-from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.directory._modes import PRIVATE, FileModes, make_folder, process_umask
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)

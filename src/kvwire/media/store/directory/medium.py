@@ -46,7 +46,8 @@ from kvwire.extra_config import (
     str_key,
 )
 from kvwire.media.base import MediumContext
-from kvwire.media.directory._modes import (
+from kvwire.media.store.base import BlockStore
+from kvwire.media.store.directory._modes import (
     FILE_MODE_NAMES,
     FileModes,
     file_modes,
@@ -54,13 +55,12 @@ from kvwire.media.directory._modes import (
     owner_problem,
     writers_beyond,
 )
-from kvwire.media.directory._store import DirectoryBlockStore
-from kvwire.media.store.base import BlockStore
+from kvwire.media.store.directory._store import DirectoryBlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.redaction import shown
 
 if TYPE_CHECKING:
-    from kvwire.media.store._handler import StoreWorker
+    from kvwire.media.store._handler import StoreTransferHandler
 
 __all__ = ["SWEEP_JOIN_S", "DirectoryBlockStore", "DirectoryMedium"]
 
@@ -178,7 +178,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
         assert self._directory is not None, "create_store did not build the directory store"
         return self._directory
 
-    def start_worker(self, handler: StoreWorker) -> None:
+    def start_worker(self, handler: StoreTransferHandler) -> None:
         # Writers killed mid-save leave hidden temporary files (never read as
         # entries); clear old ones off the forward pass's thread.
         self._sweeper = threading.Thread(

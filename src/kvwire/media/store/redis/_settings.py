@@ -18,7 +18,7 @@ import redis
 
 from kvwire.exceptions import KVWireError
 from kvwire.extra_config import parse_size
-from kvwire.media.redis._cluster_url import (
+from kvwire.media.store.redis._cluster_url import (
     ClusterSeed,
     cluster_credentials,
     cluster_seeds,

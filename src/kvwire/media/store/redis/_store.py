@@ -7,7 +7,7 @@ One key per block: ``key_prefix`` + the store key the connector hands over
 
 Every call is pipelined in batches. Values go out zero-copy and replies are
 read straight into the caller's buffers (see
-:mod:`kvwire.media.redis._wire`). The connector's data path
+:mod:`kvwire.media.store.redis._wire`). The connector's data path
 (:meth:`RedisBlockStore.read_into_ranges`, :meth:`RedisBlockStore.write_ranges`)
 gives each entry as its byte ranges in the KV cache: a ``SET`` sends them as
 they are (``sendmsg``), a ``GET`` reply is scattered over them
@@ -28,7 +28,7 @@ An unreachable or dying server is an *outage*, not an error: lookups count as
 misses, saves are dropped and counted, loads return None (the connector
 reports them as load errors). While it lasts, calls answer at once and a
 background probe waits for the server to come back (see
-:mod:`kvwire.media.redis._outage`); the connection pool then reconnects
+:mod:`kvwire.media.store.redis._outage`); the connection pool then reconnects
 by itself. The password never appears in a log line, an error or a repr.
 """
 
@@ -45,9 +45,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvwire.media.redis._outage import OutageTracker
-from kvwire.media.redis._settings import RedisStoreSettings
-from kvwire.media.redis._wire import (
+from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.redis._outage import OutageTracker
+from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis._wire import (
     Deadline,
     DeadlineExceeded,
     Ranges,
@@ -55,7 +56,6 @@ from kvwire.media.redis._wire import (
     RespStream,
     ZeroCopyCommandPacker,
 )
-from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ class RedisBlockStore(BlockStore):
         """Whether an error reply only says the key lives on another server (a cluster's MOVED).
 
         A single server never says so; a cluster node's store (see
-        :mod:`kvwire.media.redis._cluster`) does: there the reply
+        :mod:`kvwire.media.store.redis._cluster`) does: there the reply
         is a stale slot map, not a refusal to warn about. The key then counts
         as not stored, or missing.
         """

@@ -5,7 +5,7 @@ hash tag), so a fleet's blocks use every master's memory and network card.
 redis-py's ``RedisCluster`` keeps the slot map (``CLUSTER SLOTS`` from any
 seed or known node); each call groups its keys by the master serving their
 slot and sends each group to its master through a
-:class:`~kvwire.media.redis._store.RedisBlockStore` of that node: the
+:class:`~kvwire.media.store.redis._store.RedisBlockStore` of that node: the
 same pipelines, zero-copy reads into the caller's buffers (or scattered over
 a block's ranges in the KV cache, and values sent from them), checksummed
 values, deadlines (``load_timeout_s``...) and outage handling as a single
@@ -36,10 +36,10 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from kvwire.media._transfer_jobs import JobAbandoned
-from kvwire.media.redis._settings import RedisStoreSettings
-from kvwire.media.redis._store import RedisBlockStore
-from kvwire.media.redis._wire import Deadline, Reply
 from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis._wire import Deadline, Reply
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class RedisClusterBlockStore(BlockStore):
     """Encoded KV blocks spread over a Redis Cluster's masters, one key per block.
 
     Safe to share between threads, processes and hosts, like
-    :class:`~kvwire.media.redis._store.RedisBlockStore`. Each master
+    :class:`~kvwire.media.store.redis._store.RedisBlockStore`. Each master
     has its own connection pool of ``settings.pool_size`` connections.
     """
 

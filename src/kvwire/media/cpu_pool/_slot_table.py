@@ -1,0 +1,172 @@
+"""The CPU pool's slot table: which block lives in which slot (the scheduler side's bookkeeping).
+
+Pure bookkeeping, no tensors: the worker side owns the pool memory and does
+what this index decides. A slot holds one block of one KV cache group (every
+layer of the group, cross-layer layout); every group's entries have the same
+size, so one pool serves them all. A block hash names an entry only together
+with its group: group 0's entry for a hash and group 1's are two entries,
+stored, loaded and evicted on their own.
+
+Blocks are evicted least recently used first, whatever their group, but never
+while a load reads them (``load_refs``) or a store writes them (not yet
+``ready``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import attrs
+
+from kvwire.connector.types import BlockHash
+
+
+@attrs.define
+class _Slot:
+    slot: int
+    group: int
+    block_hash: BlockHash
+    ready: bool = False
+    load_refs: int = 0
+
+
+class SlotTable:
+    """An LRU over ``num_slots`` pool slots, keyed by (group, block hash).
+
+    One dict per group finds an entry by its hash without building a key per
+    lookup; one LRU over the slots orders all groups' entries for eviction.
+    """
+
+    def __init__(self, num_slots: int, num_groups: int = 1) -> None:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_slots = num_slots
+        self._by_group: tuple[dict[BlockHash, _Slot], ...] = tuple({} for _ in range(num_groups))
+        # Keyed by slot, least recently used first.
+        self._lru: OrderedDict[int, _Slot] = OrderedDict()
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        # Per group: blocks evicted (or discarded) since the last take_evicted.
+        self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def holds(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether ``group``'s entry for ``block_hash`` is stored or being stored."""
+        return block_hash in self._by_group[group]
+
+    def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
+        """How many of ``group``'s ``hashes``, from the first, are stored and complete."""
+        entries = self._by_group[group]
+        count = 0
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is None or not entry.ready:
+                break
+            count += 1
+        return count
+
+    def start_load(self, group: int, hashes: Sequence[BlockHash]) -> list[int]:
+        """Pin ready blocks for a load and mark them recently used; their slots."""
+        entries = self._by_group[group]
+        slots = []
+        for block_hash in hashes:
+            entry = entries[block_hash]
+            if not entry.ready:
+                raise KeyError(
+                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
+                )
+            entry.load_refs += 1
+            self._lru.move_to_end(entry.slot)
+            slots.append(entry.slot)
+        return slots
+
+    def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
+        entries = self._by_group[group]
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None and entry.load_refs > 0:
+                entry.load_refs -= 1
+
+    def prepare_store(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """Slots for ``group``'s blocks not stored yet, evicting old blocks as needed.
+
+        Blocks already in the pool (or being stored) are only refreshed. When
+        every slot is pinned, the remaining blocks are not stored (the pool is
+        a cache: skipping is correct, only less useful).
+        """
+        entries = self._by_group[group]
+        placed: list[tuple[BlockHash, int]] = []
+        for block_hash in hashes:
+            existing = entries.get(block_hash)
+            if existing is not None:
+                self._lru.move_to_end(existing.slot)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                break
+            entry = _Slot(slot, group, block_hash)
+            entries[block_hash] = entry
+            self._lru[slot] = entry
+            placed.append((block_hash, slot))
+        return placed
+
+    def complete_store(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Mark ``group``'s stored blocks ready for lookups; those that became ready."""
+        entries = self._by_group[group]
+        completed = []
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None and not entry.ready:
+                entry.ready = True
+                completed.append(block_hash)
+        return completed
+
+    def abandon_store(self, group: int, hashes: Sequence[BlockHash]) -> None:
+        """Forget ``group``'s blocks whose store failed; their slots become free."""
+        entries = self._by_group[group]
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None and not entry.ready and entry.load_refs == 0:
+                self._remove(entry)
+                self._free_slots.append(entry.slot)
+
+    def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
+        """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
+        entries = self._by_group[group]
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None and entry.ready and entry.load_refs == 0:
+                self._remove(entry)
+                self._free_slots.append(entry.slot)
+                self.evicted[group].append(block_hash)
+
+    def take_evicted(self) -> tuple[list[BlockHash], ...]:
+        """Per group, the blocks evicted or discarded since the last call, in that order."""
+        taken = self.evicted
+        self.evicted = tuple([] for _ in taken)
+        return taken
+
+    def clear(self) -> bool:
+        """Drop every block that no transfer uses; True when the pool is empty after."""
+        for entry in list(self._lru.values()):
+            if entry.ready and entry.load_refs == 0:
+                self._remove(entry)
+                self._free_slots.append(entry.slot)
+                self.evicted[entry.group].append(entry.block_hash)
+        return not self._lru
+
+    def _remove(self, entry: _Slot) -> None:
+        del self._by_group[entry.group][entry.block_hash]
+        del self._lru[entry.slot]
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for entry in self._lru.values():
+            if entry.ready and entry.load_refs == 0:
+                self._remove(entry)
+                self.evicted[entry.group].append(entry.block_hash)
+                return entry.slot
+        return None
