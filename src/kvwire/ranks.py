@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import attrs
+
 from kvwire.connector.types import (
     BlockHash,
     BlockStored,
@@ -29,17 +31,21 @@ _PARTLY_STORED_LIMIT = 65536
 
 
 class EveryRank:
-    """Worker events of an engine of ``world_size`` ranks, each block stored once all stored it.
+    """Worker events of an engine of ``world_size`` ranks: each block stored, and removed, once.
 
     Each rank stores its share of a block (its heads, its layers) and reports
     it; the block is in the store, for a lookup, only when every share is.
-    A removal passes at once (one share gone is the block gone), and resets
-    the block's count.
+    A removal passes at the first rank's report (one share gone is the block
+    gone) and resets the block's count; the other ranks' removals of the
+    block that follow are the same removal, dropped, until the block is
+    stored again.
     """
 
     def __init__(self, world_size: int) -> None:
         self._world_size = world_size
         self._reported: OrderedDict[tuple[str, int | None, BlockHash], int] = OrderedDict()
+        # Blocks removed, and how many ranks' reports of that removal may still come.
+        self._removed: OrderedDict[tuple[str, int | None, BlockHash], int] = OrderedDict()
 
     def whole(self, events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
         if self._world_size == 1:
@@ -51,11 +57,12 @@ class EveryRank:
                 if stored:
                     kept.append(BlockStored(stored, event.medium, event.group))
             else:
-                for block_hash in event.block_hashes:
-                    self._reported.pop((event.medium, event.group, block_hash), None)
-                kept.append(event)
-        while len(self._reported) > _PARTLY_STORED_LIMIT:
-            self._reported.popitem(last=False)
+                removed = tuple(h for h in event.block_hashes if self._first_removal(event, h))
+                if removed:
+                    kept.append(attrs.evolve(event, block_hashes=removed))
+        for pending in (self._reported, self._removed):
+            while len(pending) > _PARTLY_STORED_LIMIT:
+                pending.popitem(last=False)
         return kept
 
     def _all_reported(self, event: BlockStored, block_hash: BlockHash) -> bool:
@@ -64,7 +71,19 @@ class EveryRank:
         if count < self._world_size:
             self._reported[key] = count
             return False
+        self._removed.pop(key, None)
         return True
+
+    def _first_removal(self, event: KVCacheEvent, block_hash: BlockHash) -> bool:
+        key = (event.medium, event.group, block_hash)
+        left = self._removed.pop(key, None)
+        if left is None:
+            self._reported.pop(key, None)
+            self._removed[key] = self._world_size - 1
+            return True
+        if left > 1:
+            self._removed[key] = left - 1
+        return False
 
 
 class RankOutputs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+from typing import Any
 
 import attrs
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from kvwire.blocks.format import HEADER_SIZE
 from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
-from kvwire.engine.engine import LLMEngine
+from kvwire.engine.engine import LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import generate, served, shared_storage, tiny_config, tokens
 
@@ -92,13 +93,24 @@ def test_a_tp2_engine_is_served_its_own_entries_and_tp1_loads_them(
     tp2_store: pathlib.Path, tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
 ) -> None:
     storage = _copy(tp2_store, tmp_path)
-    warm = generate(shared_storage(_model(tensor_parallel_size=2), storage), WORKLOAD)
+    warm, split_stats = _with_stats(shared_storage(_model(tensor_parallel_size=2), storage))
     assert tokens(warm) == reference
     assert served(warm) > 0
     # Entries of one head each: an unsplit engine that sets that reads them.
-    unsplit = generate(shared_storage(_model(), storage, entry_kv_heads=1), WORKLOAD)
+    unsplit, unsplit_stats = _with_stats(shared_storage(_model(), storage, entry_kv_heads=1))
     assert tokens(unsplit) == reference
     assert served(unsplit) == served(warm)
+    # Stats are the ranks' summed: each entry moved counts once, on the rank that moved
+    # it (the same entries either way), and each lookup once (the scheduler made it).
+    assert split_stats["lookup_hit_blocks"] > 0
+    for counter in ("blocks_loaded", "bytes_loaded", "lookup_hit_blocks", "lookup_miss_blocks"):
+        assert split_stats.get(counter) == unsplit_stats.get(counter), counter
+
+
+def _with_stats(config: EngineConfig) -> tuple[list[RequestOutput], dict[str, Any]]:
+    with LLMEngine(config) as engine:
+        outputs = engine.generate(WORKLOAD)
+    return outputs, dict(engine.connector_stats.data)
 
 
 def test_a_pp2_engine_s_entries_load_into_pp1(

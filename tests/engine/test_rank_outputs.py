@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvwire.connector.types import BlockStored, KVConnectorOutput, KVConnectorStats
-from kvwire.ranks import RankOutputs
+from kvwire.connector.types import BlockRemoved, BlockStored, KVConnectorOutput, KVConnectorStats
+from kvwire.ranks import EveryRank, RankOutputs
 
 A, B = b"a" * 32, b"b" * 32
 
@@ -53,3 +53,12 @@ def test_failed_blocks_unite_stats_add_and_a_block_is_stored_once_every_rank_sto
 
 def test_no_rank_with_a_connector_is_no_report() -> None:
     assert RankOutputs(world_size=2).merge([None, None]) is None
+
+
+def test_a_block_every_rank_removed_is_removed_once_until_it_is_stored_again() -> None:
+    every_rank = EveryRank(world_size=2)
+    removed = BlockRemoved((A, B), "cpu", 0)
+    assert every_rank.whole([removed, BlockRemoved((A, B), "cpu", 0)]) == [removed]
+    # Stored again by both ranks, then removed again: a new removal, passed once.
+    assert every_rank.whole([BlockStored((A,), "cpu", 0)] * 2) == [BlockStored((A,), "cpu", 0)]
+    assert every_rank.whole([BlockRemoved((A,), "cpu", 0)] * 2) == [BlockRemoved((A,), "cpu", 0)]

@@ -178,8 +178,11 @@ def test_tp2_tokens_equal_tp1_and_the_warm_pass_is_served_by_cpu_offload(
     assert warm == tokens_without_connector
     assert tp2_run["cached"][1] == [LOADABLE_TOKENS] * len(PROMPTS)
     loadable_blocks = LOADABLE_TOKENS // BLOCK_SIZE * len(PROMPTS)
-    # Each rank loaded every block from its CPU pool (the ranks' counters are summed).
+    # Each rank loaded every block from its CPU pool (the ranks' counters are summed:
+    # an entry counts on the rank that moved it) ...
     assert tp2_run["stats"]["CPUOffloadConnector.blocks_loaded"] == 2 * loadable_blocks
+    # ... and each lookup once (the scheduler side made it; only rank 0 reports it).
+    assert tp2_run["stats"]["CPUOffloadConnector.lookup_hit_blocks"] == loadable_blocks
 
 
 @pytest.mark.slow

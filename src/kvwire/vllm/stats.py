@@ -1,7 +1,11 @@
 """kvwire's counters as vLLM's ``KVConnectorStats``, and as Prometheus counters.
 
 Only the worker side reports stats (kvwire's scheduler side sends its lookup
-counts to the worker in the step's metadata), so nothing is counted twice.
+counts to the workers in the step's metadata), so nothing is counted twice.
+vLLM sums its ranks' stats (``aggregate``): with tensor or pipeline
+parallelism, what a rank moved counts on that rank (``blocks_loaded`` is
+the entries every rank loaded, one per rank's share of a block), and the
+lookup counts come from rank 0 alone, once per block looked up.
 A MultiConnector's children nest under their connector's name; vLLM's log
 line and ``/metrics`` see them flattened as ``<child>.<counter>``.
 """

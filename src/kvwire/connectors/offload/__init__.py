@@ -149,7 +149,11 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             )
         else:
             self._set_worker_half(
-                OffloadWorker(connector_name=type(self).__name__, medium=self._medium)
+                OffloadWorker(
+                    connector_name=type(self).__name__,
+                    medium=self._medium,
+                    reports_lookups=config.parallel_config.rank == 0,
+                )
             )
 
     # ------------------------------------------------------------- options

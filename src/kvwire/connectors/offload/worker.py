@@ -36,10 +36,19 @@ __all__ = ["OffloadWorker"]
 
 
 class OffloadWorker:
-    """The worker-side state of one block connector; its handler is built with the caches."""
+    """The worker-side state of one block connector; its handler is built with the caches.
 
-    def __init__(self, *, connector_name: str, medium: Medium) -> None:
+    ``reports_lookups``: whether this worker's stats carry the scheduler
+    side's lookup counts (sent in each step's metadata to every rank): only
+    rank 0's do, so an engine that sums its ranks' stats counts each lookup
+    once.
+    """
+
+    def __init__(
+        self, *, connector_name: str, medium: Medium, reports_lookups: bool = True
+    ) -> None:
         self._connector_name = connector_name
+        self._reports_lookups = reports_lookups
         self._medium = medium
         self._counters = Counters()
         self._handler: TransferHandler | None = None
@@ -88,7 +97,8 @@ class OffloadWorker:
     def start_load_kv(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metadata = self.metadata(kv_connector_metadata)
         handler = self._require_handler()
-        self._counters.add_many(dict(metadata.counters))
+        if self._reports_lookups:
+            self._counters.add_many(dict(metadata.counters))
         self._pending_release.add(metadata.release_req_ids)
         if kv_connector_metadata is not self._released_for:
             self.handle_preemptions(kv_connector_metadata)
