@@ -38,6 +38,8 @@ OTHER_PROMPTS = [
     {"prompt_token_ids": [(index * 11 + position) % 1000 + 5 for position in range(300)]}
     for index in range(3)
 ]
+# A prompt a TP=1 engine stores in Redis alone, for the TP=1 -> TP=2 direction there.
+REDIS_PROMPTS = [{"prompt_token_ids": [(position * 13) % 1000 + 7 for position in range(300)]}]
 LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -135,17 +137,29 @@ def tp1_tokens_of_other_prompts(tiny_model: str, stores: Stores) -> list[list[in
 
 
 @pytest.fixture(scope="module")
+def tp1_tokens_in_redis(tiny_model: str, stores: Stores) -> list[list[int]]:
+    """A TP=1 engine stores REDIS_PROMPTS in Redis (one entry per KV head)."""
+    connector = redis(stores.redis_url, stores.key_prefix)
+    with running_llm(tiny_model, kvwire_transfer_config(profile(connector))) as llm:
+        tokens, _cached = generate(llm, REDIS_PROMPTS)
+        kvwire.vllm.wait_for_saves(llm)
+    return tokens
+
+
+@pytest.fixture(scope="module")
 def tp2_run(
     tiny_model: str,
     stores: Stores,
     tp1_tokens_of_other_prompts: list[list[int]],
+    tp1_tokens_in_redis: list[list[int]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Any:
     """A TP=2 engine, CPU offload in front of shared storage and Redis, in two passes.
 
-    The first pass asks for OTHER_PROMPTS (stored at TP=1, some shards
-    damaged or missing) and PROMPTS (new: every tier stores them); the second,
-    after vLLM's prefix cache was emptied, for PROMPTS again: CPU offload (the
+    The first pass asks for OTHER_PROMPTS (stored at TP=1 in shared storage,
+    some shards damaged or missing), PROMPTS (new: every tier stores them)
+    and REDIS_PROMPTS (stored at TP=1 in Redis only); the second, after
+    vLLM's prefix cache was emptied, for PROMPTS again: CPU offload (the
     first tier) serves it on both ranks.
     """
     connectors = (
@@ -164,7 +178,7 @@ def tp2_run(
         tmp_path_factory.mktemp("tp2-engine"),
         env=TP2_ENV,
         engine_args=TP2,
-        prompt_passes=[OTHER_PROMPTS + PROMPTS, PROMPTS],
+        prompt_passes=[OTHER_PROMPTS + PROMPTS + REDIS_PROMPTS, PROMPTS],
         timeout_s=TP2_TIMEOUT_S,
     )
 
@@ -174,7 +188,7 @@ def test_tp2_tokens_equal_tp1_and_the_warm_pass_is_served_by_cpu_offload(
     tp2_run: Any, tokens_without_connector: list[list[int]]
 ) -> None:
     first, warm = tp2_run["tokens"]
-    assert first[len(OTHER_PROMPTS) :] == tokens_without_connector
+    assert first[len(OTHER_PROMPTS) : len(OTHER_PROMPTS) + len(PROMPTS)] == tokens_without_connector
     assert warm == tokens_without_connector
     assert tp2_run["cached"][1] == [LOADABLE_TOKENS] * len(PROMPTS)
     loadable_blocks = LOADABLE_TOKENS // BLOCK_SIZE * len(PROMPTS)
@@ -183,6 +197,15 @@ def test_tp2_tokens_equal_tp1_and_the_warm_pass_is_served_by_cpu_offload(
     assert tp2_run["stats"]["CPUOffloadConnector.blocks_loaded"] == 2 * loadable_blocks
     # ... and each lookup once (the scheduler side made it; only rank 0 reports it).
     assert tp2_run["stats"]["CPUOffloadConnector.lookup_hit_blocks"] == loadable_blocks
+
+
+@pytest.mark.slow
+def test_tp2_loads_what_tp1_stored_in_redis(
+    tp2_run: Any, tp1_tokens_in_redis: list[list[int]]
+) -> None:
+    start = len(OTHER_PROMPTS) + len(PROMPTS)
+    assert tp2_run["tokens"][0][start:] == tp1_tokens_in_redis
+    assert tp2_run["cached"][0][start:] == [LOADABLE_TOKENS] * len(REDIS_PROMPTS)
 
 
 @pytest.mark.slow
