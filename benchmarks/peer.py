@@ -15,14 +15,18 @@ Both engines run in this process: the peer medium's two NIXL agents are
 still two agents, connected through UCX as two processes would be
 (``UCX_TLS``, default here ``tcp,self,sm``: loopback TCP and shared
 memory); the directory and Redis run on one redis-server started here;
-shared storage is a temporary directory. vLLM's NixlConnector is not
-measured here (it needs two vLLM engines and a router passing its transfer
-parameters). ``python -m benchmarks.peer [--quick]`` or ``python -m
-benchmarks --only peer``; writes ``peer.json``.
+shared storage is a temporary directory. vLLM's NixlConnector needs vLLM
+engines and a router passing its transfer parameters: where vLLM is
+installed, :mod:`benchmarks.peer_vllm` then compares it with the peer medium
+between two vLLM engines in the same run (``results["vllm"]``).
+``python -m benchmarks.peer [--quick]`` or ``python -m benchmarks --only
+peer`` (``.venv-vllm/bin/python`` for the comparison with NixlConnector);
+writes ``peer.json``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import statistics
@@ -169,8 +173,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     redis_gbps = best["redis"]["load_gbps"]
     results["peer_load_gbps_over_redis"] = best["peer"]["load_gbps"] / redis_gbps
     results["prompt_mib"] = count * length * results["block_bytes"] / BLOCK_TOKENS / MIB
-    write_json(output_dir, "peer.json", results)
-    return {
+    summary: dict[str, Any] = {
         "ttft_over_no_connector": {
             name: round(ratio, 3) for name, ratio in results["ttft_over_no_connector"].items()
         },
@@ -181,6 +184,21 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         },
         "peer_load_gbps_over_redis": round(results["peer_load_gbps_over_redis"], 3),
     }
+    if importlib.util.find_spec("vllm") is None:
+        summary["vllm"] = "not run: needs vLLM (.venv-vllm/bin/python -m benchmarks --only peer)"
+    else:
+        from benchmarks.peer_vllm import run_vllm
+
+        results["vllm"] = vllm = run_vllm(quick)
+        summary["vllm"] = {
+            "ttft_over_no_connector": {
+                name: round(measured["ttft_over_no_connector"], 3)
+                for name, measured in vllm["configurations"].items()
+            },
+            "peer_ttft_over_nixl": round(vllm["peer_ttft_over_nixl"], 3),
+        }
+    write_json(output_dir, "peer.json", results)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,17 +227,10 @@ def run_engine_process(
             }
         )
     )
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
-    }
     print(f"    {name} ...", flush=True)
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.vllm", "--engine", str(job)],
-        env=env,
+        env=engine_environment(scratch),
         capture_output=True,
         text=True,
         timeout=1800,
@@ -248,20 +241,14 @@ def run_engine_process(
     return result
 
 
-def measure_engine(job_path: str) -> None:
-    """The engine process: cold pass, saves settled, prefix cache emptied, warm pass.
+def start_llm(model: str, kv_transfer_config: dict[str, Any] | None, **engine_args: Any) -> Any:
+    """The benchmarks' vLLM engine: float32, eager, prefix caching on, in this process."""
+    from vllm import LLM
 
-    Without a connector, a third pass keeps the prefix cache: the floor.
-    """
-    from vllm import LLM, SamplingParams
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from kvwire.vllm import WORKER_EXTENSION
 
-    from kvwire.vllm import WORKER_EXTENSION, kvwire_stats, wait_for_saves
-
-    job = json.loads(pathlib.Path(job_path).read_text())
-    config = job["kv_transfer_config"]
-    llm = LLM(
-        job["model"],
+    return LLM(
+        model,
         dtype="float32",
         block_size=BLOCK_SIZE,
         max_model_len=4096,
@@ -269,9 +256,36 @@ def measure_engine(job_path: str) -> None:
         enforce_eager=True,
         distributed_executor_backend="uni",
         seed=0,
-        kv_transfer_config=config,
+        kv_transfer_config=kv_transfer_config,
         worker_extension_cls=WORKER_EXTENSION,
+        **engine_args,
     )
+
+
+def engine_environment(scratch: pathlib.Path) -> dict[str, str]:
+    """An engine process's environment: its core in that process, offline, a 2 GiB KV cache."""
+    return {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+    }
+
+
+def measure_engine(job_path: str) -> None:
+    """The engine process: cold pass, saves settled, prefix cache emptied, warm pass.
+
+    Without a connector, a third pass keeps the prefix cache: the floor.
+    """
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from kvwire.vllm import kvwire_stats, wait_for_saves
+
+    job = json.loads(pathlib.Path(job_path).read_text())
+    config = job["kv_transfer_config"]
+    llm = start_llm(job["model"], config)
     one_token = SamplingParams(max_tokens=1, temperature=0)
     load_wait = [0.0]
     if has_kv_transfer_group():
