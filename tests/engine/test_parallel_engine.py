@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import shutil
+import time
 from typing import Any
 
 import attrs
@@ -19,8 +20,16 @@ import torch
 from kvwire.blocks.format import HEADER_SIZE
 from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
 from kvwire.engine.engine import LLMEngine, RequestOutput
+from kvwire.engine.worker_process import WorkerProcessError
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.support.engines import generate, served, shared_storage, tiny_config, tokens
+from tests.support.engines import (
+    generate,
+    served,
+    shared_storage,
+    tiny_config,
+    tokens,
+    with_connector,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +172,22 @@ def test_a_shard_missing_on_one_rank_is_a_miss_for_the_whole_block(
     assert served(outputs) == 0
     assert sum(output.num_load_failures for output in outputs) == 0
     assert tokens(outputs) == reference
+
+
+def test_a_rank_that_fails_stops_every_rank_at_once(tmp_path: pathlib.Path) -> None:
+    config = with_connector(
+        _model(tensor_parallel_size=2),
+        "RankOneFailingConnector",
+        {"store_dir": str(tmp_path)},
+        module_path="tests.support.misbehaving_connectors",
+    )
+    engine = LLMEngine(config, worker_reply_timeout_s=120)
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerProcessError, match="rank 1's connector broke"):
+            engine.generate(WORKLOAD[:1])
+        # Rank 0 waits for rank 1's heads in the step's first layer: left running, it
+        # would answer only when that exchange timed out (120 s here, as the replies).
+        assert time.monotonic() - started < 60
+    finally:
+        engine.close()

@@ -80,3 +80,12 @@ class HangingSaveConnector(DirectoryConnector):
 
     def wait_for_save(self) -> None:
         threading.Event().wait(600)  # far past any reply deadline of a test
+
+
+class RankOneFailingConnector(DirectoryConnector):
+    """Its worker side on rank 1 (of a parallel engine) raises as the first step starts."""
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._vllm_config.parallel_config.rank == 1:
+            raise RuntimeError("rank 1's connector broke")
+        super().start_load_kv(forward_context, **kwargs)

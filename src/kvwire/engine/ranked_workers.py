@@ -21,7 +21,13 @@ from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
-from kvwire.engine.worker_process import RankSetup, WorkerProcess, call_each
+from kvwire.engine.worker_process import (
+    START_TIMEOUT_S,
+    RankSetup,
+    WorkerProcess,
+    call_each,
+    gather_replies,
+)
 from kvwire.ranks import RankOutputs
 
 
@@ -70,8 +76,9 @@ class RankedWorkers:
                         wait_started=False,
                     )
                 )
-            for process in self._processes:
-                process.wait_started()
+            # In any order: a rank that fails to start stops the others at once
+            # (they would wait for it to join their group).
+            gather_replies(self._processes, "start", max(reply_timeout_s, START_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise

@@ -15,7 +15,9 @@ ranks' process group (:mod:`kvwire.engine.rank_group`).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import pickle
+import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -266,6 +268,10 @@ class WorkerProcess:
                 f"the worker process sent no reply to {command!r} within {timeout_s:g} s "
                 "(reply_timeout_s); it was stopped"
             )
+        return self._read_reply()
+
+    def _read_reply(self) -> Any:
+        """The reply waiting on the pipe (``WorkerProcessError`` for an error or an exit)."""
         try:
             status, reply = pickle.loads(self._connection.recv_bytes())
         except EOFError:
@@ -291,9 +297,40 @@ def call_each(
     pickled = pickle.dumps((command, payload))  # once, whatever the number of ranks
     for process in processes:
         process._send(command, payload, pickled)
-    return [
-        process._receive(
-            command, process._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
-        )
-        for process in processes
-    ]
+    return gather_replies(processes, command, reply_timeout_s)
+
+
+def gather_replies(
+    processes: Sequence[WorkerProcess], command: str, reply_timeout_s: float | None = None
+) -> list[Any]:
+    """Each process's reply to ``command``, taken as they come, in the processes' order.
+
+    A rank that fails (or exits) leaves the others waiting for it in an
+    exchange, for as long as its timeout: so the first failure stops every
+    process at once and raises, as does a process silent past the deadline.
+    """
+    timeout_s = processes[0]._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+    deadline = time.monotonic() + timeout_s
+    replies: list[Any] = [None] * len(processes)
+    waiting = {process._connection: index for index, process in enumerate(processes)}
+    try:
+        while waiting:
+            ready = multiprocessing.connection.wait(
+                list(waiting), timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise WorkerProcessError(
+                    f"worker processes {sorted(waiting.values())} sent no reply to {command!r} "
+                    f"within {timeout_s:g} s (reply_timeout_s); every one was stopped"
+                )
+            for connection in ready:
+                index = waiting.pop(connection)  # type: ignore[call-overload]
+                replies[index] = processes[index]._read_reply()
+    except BaseException:
+        for process in processes:
+            if not process._closed:
+                # In an unknown state (perhaps waiting for the failed one): stopped now.
+                process._process.kill()
+                process._stop()
+        raise
+    return replies
