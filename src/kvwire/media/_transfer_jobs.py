@@ -12,6 +12,7 @@ gave up" exclusive, under one lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from kvwire.exceptions import KVWireError
@@ -68,3 +69,16 @@ class TransferJob:
                 return False
             self.ended = True
             return True
+
+
+class BlockJob(TransferJob):
+    """A job over blocks of the KV cache: the ids it reads or writes, and those that failed.
+
+    :attr:`failed` is the job's to set before it ends; once the job was
+    given up on, every block of it counts failed instead.
+    """
+
+    def __init__(self, deadline: float, block_ids: Sequence[int]) -> None:
+        super().__init__(deadline)
+        self.block_ids = block_ids
+        self.failed: Sequence[int] = ()

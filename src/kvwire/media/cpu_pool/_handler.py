@@ -26,7 +26,6 @@ slots (``saves_released`` counts its blocks).
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import threading
@@ -49,8 +48,10 @@ from kvwire.blocks.paged_cache import (
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
 from kvwire.media._job_threads import JobThreads
+from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media._shutdown import close_in_steps
+from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import TransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 _MIN_BLOCKS_PER_PIECE = 4
 
 
-class _PoolJob(TransferJob):
+class _PoolJob(BlockJob):
     """One piece of a transfer, copied by one thread; ``async_load`` is its request's load."""
 
     def __init__(
@@ -69,13 +70,12 @@ class _PoolJob(TransferJob):
         deadline: float,
         *,
         is_store: bool,
-        async_load: _AsyncPoolLoad | None = None,
+        async_load: AsyncLoad[_PoolJob] | None = None,
     ) -> None:
-        super().__init__(deadline)
+        super().__init__(deadline, piece.block_ids)
         self.piece = piece
         self.is_store = is_store
         self.async_load = async_load
-        self.failed: list[int] = []
         self.released = False
 
     def release(self) -> bool:
@@ -91,18 +91,7 @@ class _PoolJob(TransferJob):
             return True
 
 
-@attrs.define(eq=False)
-class _AsyncPoolLoad:
-    """A request's asynchronous load, all groups: its pieces, and the blocks failed so far."""
-
-    request_id: str
-    deadline: float
-    jobs: list[_PoolJob] = attrs.field(factory=list)
-    pieces_left: int = 0
-    failed: list[int] = attrs.field(factory=list)
-
-
-class CPUPoolTransferHandler(TransferHandler):
+class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
     ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
@@ -137,14 +126,16 @@ class CPUPoolTransferHandler(TransferHandler):
         self._store_pool = JobThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
         self._load_pool = JobThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
         self._changed = threading.Condition()
-        # Stores and asynchronous loads still using each request's blocks.
+        # Stores still reading each request's blocks.
         self._jobs_per_request: dict[str, set[_PoolJob]] = {}
-        self._sync_loads: list[_PoolJob] = []
-        self._async_loads: dict[str, _AsyncPoolLoad] = {}
-        self._finished_async: dict[str, list[int]] = {}
-        self._load_errors: set[int] = set()
+        self._loads: LoadLedger[_PoolJob] = LoadLedger(
+            counters=counters,
+            warn=self._warn,
+            label="CPU offload: ",
+            transfer_timeout_s=transfer_timeout_s,
+        )
 
-    # --------------------------------------------------- per-request jobs
+    # --------------------------------------------------- per-request stores
 
     def _job_started(self, job: _PoolJob) -> None:
         with self._changed:
@@ -165,6 +156,8 @@ class CPUPoolTransferHandler(TransferHandler):
 
         Its stores past their deadline are given up on first.
         """
+        if self._loads.is_loading(request_id):
+            return True
         now = time.monotonic()
         with self._changed:
             jobs = self._jobs_per_request.get(request_id)
@@ -182,9 +175,11 @@ class CPUPoolTransferHandler(TransferHandler):
         """Block until no transfer of these requests runs (their blocks are about to be reused).
 
         At most until their deadlines: a transfer still running then is given
-        up on, and copies nothing more to or from the blocks.
+        up on, and copies nothing more to or from the blocks (an asynchronous
+        load is then reported finished, its blocks failed).
         """
         wanted = set(request_ids)
+        self._loads.wait_out(wanted)
 
         def running() -> list[_PoolJob]:
             with self._changed:
@@ -202,7 +197,7 @@ class CPUPoolTransferHandler(TransferHandler):
         self._give_up(running())
 
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every store and asynchronous load ended or ran past its deadline.
+        """Block until every store ended or ran past its deadline.
 
         False if ``timeout_s`` ran out first; without it, it still ends, at
         the latest when the last job's own deadline passes.
@@ -229,11 +224,9 @@ class CPUPoolTransferHandler(TransferHandler):
                 )
 
     def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
-        """Stop waiting for ``jobs``: stores count failed, asynchronous loads finish failed."""
+        """Stop waiting for the stores ``jobs``: they count failed."""
         for job in jobs:
-            if job.async_load is not None:
-                self._give_up_async(job.async_load)
-            elif job.abandon():
+            if job.abandon():
                 if job.released:  # counted when released
                     self._forget_job(job)
                     continue
@@ -372,108 +365,29 @@ class CPUPoolTransferHandler(TransferHandler):
         for transfer in loads:
             for piece in self._split(transfer):
                 job = _PoolJob(piece, deadline, is_store=False)
-                self._sync_loads.append(job)
+                self._loads.add_sync(job)
                 job.future = self._load_pool.submit(self._load, job)
-        # A request loads in several groups at once: one state per request,
+        # A request loads in several groups at once: one load per request,
         # finished when the pieces of all its transfers are.
-        states: dict[str, _AsyncPoolLoad] = {}
+        states: dict[str, AsyncLoad[_PoolJob]] = {}
         for transfer in async_loads:
             state = states.get(transfer.request_id)
             if state is None:
-                state = states[transfer.request_id] = _AsyncPoolLoad(transfer.request_id, deadline)
-            state.jobs += [
-                _PoolJob(piece, deadline, is_store=False, async_load=state)
-                for piece in self._split(transfer)
-            ]
-        for request_id, state in states.items():
-            state.pieces_left = len(state.jobs)
-            with self._changed:
-                self._async_loads[request_id] = state
-            for job in state.jobs:
-                self._job_started(job)
-            for job in state.jobs:
+                state = states[transfer.request_id] = self._loads.begin_async(
+                    transfer.request_id, deadline
+                )
+            for piece in self._split(transfer):
+                job = _PoolJob(piece, deadline, is_store=False, async_load=state)
+                self._loads.add_async(state, job)
                 job.future = self._load_pool.submit(self._load_async, job)
-
-    def wait_for_loads(self) -> None:
-        """Block until this step's synchronous loads are in the cache, failed, or overdue."""
-        pending, self._sync_loads = self._sync_loads, []
-        if not pending:
-            return
-        concurrent.futures.wait(
-            [job.future for job in pending if job.future is not None],
-            timeout=max(0.0, max(job.deadline for job in pending) - time.monotonic()),
-        )
-        for job in pending:
-            if job.abandon():
-                self._load_errors.update(job.piece.block_ids)
-                self._count_overdue_load(len(job.piece.block_ids))
-            else:
-                self._load_errors.update(job.failed)
-
-    def _count_overdue_load(self, blocks: int) -> None:
-        self._counters.add_many({"load_errors": blocks, "load_timeouts": blocks})
-        self._warn.warn(
-            "load-timeout",
-            "CPU offload: loads of %d blocks still running after %g s (transfer_timeout_s): "
-            "reported as load errors, to be computed again",
-            blocks,
-            self._transfer_timeout_s,
-        )
-
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads completed (or ran past their deadline)."""
-        now = time.monotonic()
-        with self._changed:
-            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
-        for state in overdue:
-            self._give_up_async(state)
-        with self._changed:
-            finished, self._finished_async = self._finished_async, {}
-        for failed in finished.values():
-            self._load_errors.update(failed)
-        return set(finished)
-
-    def _give_up_async(self, state: _AsyncPoolLoad) -> None:
-        """Report ``state``'s request finished now, every block of an abandoned piece failed."""
-        abandoned = [job for job in state.jobs if job.abandon()]
-        with self._changed:
-            if self._async_loads.get(state.request_id) is not state:
-                return  # its last piece ended meanwhile
-            del self._async_loads[state.request_id]
-            failed = list(state.failed)
-            for job in state.jobs:
-                if job in abandoned:
-                    failed.extend(job.piece.block_ids)
-                elif job.ended:
-                    failed.extend(job.failed)
-            self._finished_async[state.request_id] = failed
-        if abandoned:
-            self._count_overdue_load(sum(len(job.piece.block_ids) for job in abandoned))
-        for job in state.jobs:
-            self._forget_job(job)
-
-    def load_errors_so_far(self) -> set[int]:
-        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
-        return set(self._load_errors)
-
-    def take_load_errors(self) -> set[int]:
-        self.wait_for_loads()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        for state in states.values():
+            self._loads.submitted(state)
 
     def _load_async(self, job: _PoolJob) -> None:
         self._load(job)
-        state = job.async_load
-        assert state is not None
-        with self._changed:
-            if not job.ended or self._async_loads.get(state.request_id) is not state:
-                return  # given up on at its deadline, and reported then
-            state.failed.extend(job.failed)
-            state.pieces_left -= 1
-            if not state.pieces_left:  # the request's last piece
-                del self._async_loads[state.request_id]
-                self._finished_async[state.request_id] = state.failed
-        self._forget_job(job)
+        if job.ended:  # not given up on at its deadline (reported then)
+            assert job.async_load is not None
+            self._loads.job_ended(job.async_load, job)
 
     def _load(self, job: _PoolJob) -> None:
         """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
@@ -521,31 +435,22 @@ class CPUPoolTransferHandler(TransferHandler):
         if not job.end():
             return
         loaded = len(transfer.block_ids) - len(failed)
-        self._counters.add_many(
-            {
-                "blocks_loaded": loaded,
-                "bytes_loaded": loaded * self._layout.payload_bytes,
-                "load_errors": len(failed),
-                "load_seconds": time.perf_counter() - started,
-            }
-        )
+        self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the copies in flight (up to ``timeout_s``), then stop the threads.
 
         Every step runs even when one fails (logged).
         """
+        deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
             ("waiting for loads", self.wait_for_loads),
             ("waiting for transfers", lambda: self._wait_at_close(timeout_s)),
+            ("ending loads", lambda: self._loads.end_async(deadline)),
             ("stopping the store threads", self._store_pool.shutdown),
             ("stopping the load threads", self._load_pool.shutdown),
         ]
-        for what, step in steps:
-            try:
-                step()
-            except Exception:
-                logger.exception("CPU offload: shutdown: %s failed", what)
+        close_in_steps(logger, "CPU offload: ", steps)
 
     def _wait_at_close(self, timeout_s: float) -> None:
         if not self.wait_for_saves(timeout_s):

@@ -30,12 +30,11 @@ that could not be read: no live record, NIXL error, deadline),
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 
 import attrs
 
@@ -44,8 +43,10 @@ from kvwire.blocks.paged_cache import PagedKVCaches, copy_on_this_thread_only
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
 from kvwire.media._job_threads import JobThreads
+from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media._shutdown import close_in_steps
+from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import TransferHandler
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
@@ -55,18 +56,15 @@ from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
 logger = logging.getLogger(__name__)
 
 
-class _LoadJob(TransferJob):
+class _LoadJob(BlockJob):
     """The loads of one request in one step (every KV cache group's), pulled by one thread."""
 
     def __init__(self, request_id: str, transfers: list[BlockTransfer], deadline: float) -> None:
-        super().__init__(deadline)
+        super().__init__(
+            deadline, [block_id for transfer in transfers for block_id in transfer.block_ids]
+        )
         self.request_id = request_id
         self.transfers = transfers
-        self.failed: list[int] = []
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [block_id for transfer in self.transfers for block_id in transfer.block_ids]
 
 
 @attrs.frozen
@@ -78,7 +76,7 @@ class PeerTransferSettings:
     heartbeat_s: float
 
 
-class PeerTransferHandler(TransferHandler):
+class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
     """This peer's pool (saves), its NIXL agent, and loads from whichever peer holds a block."""
 
     def __init__(
@@ -128,9 +126,12 @@ class PeerTransferHandler(TransferHandler):
             settings.io_threads, "kvwire-peer-load", copy_on_this_thread_only
         )
         self._changed = threading.Condition()
-        self._sync_loads: list[_LoadJob] = []
-        self._async_loads: dict[str, _LoadJob] = {}
-        self._load_errors: set[int] = set()
+        self._loads: LoadLedger[_LoadJob] = LoadLedger(
+            counters=counters,
+            warn=self._warn,
+            label="peer medium: ",
+            transfer_timeout_s=settings.transfer_timeout_s,
+        )
         # Peers' records, and when each was fetched: one directory round trip per
         # peer and heartbeat, not per read.
         self._records: dict[str, tuple[float, PeerRecord]] = {}
@@ -151,19 +152,13 @@ class PeerTransferHandler(TransferHandler):
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
         request_ids = list(request_ids)
-        # A preempted request's asynchronous load must not write blocks about to be reused.
-        for request_id in request_ids:
-            with self._changed:
-                job = self._async_loads.get(request_id)
-            if job is not None:
-                # Reported with take_finished_loads, which finds it ended or given up on.
-                self._load_errors.update(self._wait_out(job))
+        # A preempted request's asynchronous load must not write blocks about
+        # to be reused: reported with take_finished_loads, ended or given up on.
+        self._loads.wait_out(request_ids)
         return self._pool.release_saves_reading(request_ids, block_ids)
 
     def is_busy(self, request_id: str) -> bool:
-        with self._changed:
-            loading = request_id in self._async_loads
-        return loading or self._pool.is_busy(request_id)
+        return self._loads.is_loading(request_id) or self._pool.is_busy(request_id)
 
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
         return self._pool.wait_for_saves(timeout_s)
@@ -176,59 +171,16 @@ class PeerTransferHandler(TransferHandler):
         deadline = time.monotonic() + self._settings.transfer_timeout_s
         for request_id, transfers in _by_request(loads).items():
             job = _LoadJob(request_id, transfers, deadline)
-            self._sync_loads.append(job)
-            job.future = self._threads.submit(self._run, job)
+            self._loads.add_sync(job)
+            job.future = self._threads.submit(self._run, job, None)
         for request_id, transfers in _by_request(async_loads).items():
             job = _LoadJob(request_id, transfers, deadline)
-            with self._changed:
-                self._async_loads[request_id] = job
-            job.future = self._threads.submit(self._run, job)
+            state = self._loads.begin_async(request_id, deadline)
+            self._loads.add_async(state, job)
+            job.future = self._threads.submit(self._run, job, state)
+            self._loads.submitted(state)
 
-    def wait_for_loads(self) -> None:
-        pending, self._sync_loads = self._sync_loads, []
-        for job in pending:
-            self._load_errors.update(self._wait_out(job))
-
-    def _wait_out(self, job: _LoadJob) -> list[int]:
-        """Wait for ``job`` until its deadline; its failed block ids (all of it if given up on)."""
-        if job.future is not None:
-            concurrent.futures.wait([job.future], timeout=max(0.0, job.deadline - time.monotonic()))
-        if job.abandon():
-            blocks = job.block_ids
-            self._counters.add_many({"load_errors": len(blocks), "load_timeouts": len(blocks)})
-            self._warn.warn(
-                "load-timeout",
-                "peer medium: a load of %d blocks still running after %g s "
-                "(transfer_timeout_s): load errors, computed again",
-                len(blocks),
-                self._settings.transfer_timeout_s,
-            )
-            return blocks
-        return job.failed
-
-    def take_finished_loads(self) -> set[str]:
-        now = time.monotonic()
-        with self._changed:
-            done = [
-                job
-                for job in self._async_loads.values()
-                if job.ended or job.deadline <= now or job.never_ran()
-            ]
-            for job in done:
-                del self._async_loads[job.request_id]
-        for job in done:
-            self._load_errors.update(self._wait_out(job))
-        return {job.request_id for job in done}
-
-    def load_errors_so_far(self) -> set[int]:
-        return set(self._load_errors)
-
-    def take_load_errors(self) -> set[int]:
-        self.wait_for_loads()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def _run(self, job: _LoadJob) -> None:
+    def _run(self, job: _LoadJob, state: AsyncLoad[_LoadJob] | None) -> None:
         started = time.perf_counter()
         failed: list[int] = []
         loaded = 0
@@ -241,19 +193,14 @@ class PeerTransferHandler(TransferHandler):
             return  # every block of it was reported failed
         except Exception:
             logger.exception("peer medium: load of request %r failed", job.request_id[:64])
-            failed = job.block_ids
+            failed = list(job.block_ids)
             loaded = 0
         job.failed = failed
         if not job.end():
             return
-        self._counters.add_many(
-            {
-                "blocks_loaded": loaded,
-                "bytes_loaded": loaded * self._layout.payload_bytes,
-                "load_errors": len(failed),
-                "load_seconds": time.perf_counter() - started,
-            }
-        )
+        self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
+        if state is not None:
+            self._loads.job_ended(state, job)
 
     def _load_transfer(self, job: _LoadJob, transfer: BlockTransfer) -> tuple[int, list[int]]:
         """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
@@ -457,20 +404,25 @@ class PeerTransferHandler(TransferHandler):
         return {"peer_directory_failures": failures} if failures else {}
 
     def close(self) -> None:
-        """Stop announcing this peer, let the transfers end, then release NIXL and the pool."""
+        """Stop announcing this peer, let the transfers end, then release NIXL and the pool.
+
+        Every step runs even when one fails (logged).
+        """
         self._stop.set()
-        self._directory.withdraw_peer(self._settings.peer)
-        self.wait_for_loads()
-        with self._changed:
-            async_jobs = list(self._async_loads.values())
-            self._async_loads.clear()
-        for job in async_jobs:
-            self._wait_out(job)
-        self._threads.shutdown()
-        self._pool.close()
-        self._heartbeat.join(timeout=self._settings.heartbeat_s + 1)
-        self._agent.close()
-        self._directory.close()
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("withdrawing this peer", lambda: self._directory.withdraw_peer(self._settings.peer)),
+            ("waiting for loads", self.wait_for_loads),
+            ("ending loads", self._loads.end_async),
+            ("stopping the load threads", self._threads.shutdown),
+            ("closing the pool", self._pool.close),
+            (
+                "stopping the heartbeat",
+                lambda: self._heartbeat.join(timeout=self._settings.heartbeat_s + 1),
+            ),
+            ("closing the NIXL agent", self._agent.close),
+            ("closing the directory", self._directory.close),
+        ]
+        close_in_steps(logger, "peer medium: ", steps)
 
 
 def _by_request(transfers: Sequence[BlockTransfer]) -> dict[str, list[BlockTransfer]]:

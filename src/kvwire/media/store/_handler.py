@@ -60,13 +60,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TypeGuard
 
-import attrs
-
 from kvwire.blocks.format import (
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
-    block_of_key,
     encode_header,
     verify_parts,
 )
@@ -76,9 +73,12 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connector.counters import Counters
 from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media._job_threads import JobThreads
+from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._transfer_jobs import JobAbandoned, TransferJob
+from kvwire.media._shutdown import close_in_steps
+from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import TransferHandler
+from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore, CacheWrites, LateWriteError
 from kvwire.redaction import shown
 
@@ -97,7 +97,7 @@ def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Job(TransferJob):
+class _Job(BlockJob):
     """A load run or a save batch: blocks of one group, and the gate on its cache access."""
 
     def __init__(
@@ -108,26 +108,14 @@ class _Job(TransferJob):
         hashes: tuple[BlockHash, ...],
         deadline: float,
     ) -> None:
-        super().__init__(deadline)
+        super().__init__(deadline, block_ids)
         self.request_id = request_id
         self.group = group
-        self.block_ids = block_ids
+        self.block_ids: tuple[int, ...] = block_ids
         self.hashes = hashes
         self.cache_access = CacheWrites()
-        self.failed: list[int] = []
         # A save given up on because its blocks were given out again (not its deadline).
         self.released = False
-
-
-@attrs.define(eq=False)
-class _AsyncLoad:
-    """A request's asynchronous load: its runs, how many have not ended, what failed so far."""
-
-    request_id: str
-    deadline: float
-    remaining_jobs: int = 1
-    runs: list[_Job] = attrs.field(factory=list)
-    failed_block_ids: set[int] = attrs.field(factory=set)
 
 
 class _Headers(threading.local):
@@ -143,7 +131,7 @@ class _Headers(threading.local):
         return [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
 
 
-class StoreTransferHandler(TransferHandler):
+class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
     It serves every KV cache group of the engine: ``layouts`` and ``memories``
@@ -154,13 +142,10 @@ class StoreTransferHandler(TransferHandler):
     with that group's layout, so an entry of one group never loads into
     another.
 
-    ``key_of(group, block_hash)`` names a block's entry in the store (the
-    medium's choice; by default the group layout's key), ``hash_of`` turns
-    a key back into its block hash (None for another layout's; by default,
-    the hash any group's layout made the key from), ``group_of`` tells the
-    KV cache group of a key (None when unknown; by default, the group whose
-    layout made it), and ``medium`` names the
-    store in the KV cache events (:meth:`take_events`). Saves in flight hold
+    ``keys`` names a block's entry in the store and tells which block and KV
+    cache group a key names (the medium's choice; by default each group
+    layout's keys, :class:`~kvwire.media.store._entry_keys.LayoutKeys`), and
+    ``medium`` names the store in the KV cache events (:meth:`take_events`). Saves in flight hold
     at most ``max_save_bytes`` of entries: past that, a save is dropped and
     counted (``saves_dropped``), never waited for. A transfer still running
     ``transfer_timeout_s`` after it started is given up on (see the module).
@@ -183,9 +168,7 @@ class StoreTransferHandler(TransferHandler):
         counters: Counters,
         medium: str,
         max_save_bytes: int,
-        key_of: Callable[[int, BlockHash], str] | None = None,
-        hash_of: Callable[[str], BlockHash | None] | None = None,
-        group_of: Callable[[str], int | None] | None = None,
+        keys: EntryKeys | None = None,
         transfer_timeout_s: float = 30.0,
         late_write_grace_s: float = LATE_WRITE_GRACE_S,
         store_counters: Callable[[], Mapping[str, float]] | None = None,
@@ -208,9 +191,7 @@ class StoreTransferHandler(TransferHandler):
         # (`--only redis`, docs/performance.md); other threads serve other transfers.
         self._runs_per_transfer = max(1, min(io_threads, usable_cores()))
         self._counters = counters
-        self._key_of = key_of if key_of is not None else self._layout_key
-        self._hash_of = hash_of if hash_of is not None else self._layout_hash
-        self._group_of = group_of if group_of is not None else self._layout_group
+        self._keys = keys if keys is not None else LayoutKeys(self._layouts)
         self._medium = medium
         self._store_counters = store_counters
         self._on_close = on_close
@@ -219,10 +200,14 @@ class StoreTransferHandler(TransferHandler):
         self._headers = _Headers()
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
-        self._sync_loads: list[_Job] = []
-        self._async_loads: dict[str, _AsyncLoad] = {}
-        self._finished_async: dict[str, set[int]] = {}
-        self._load_errors: set[int] = set()
+        self._loads: LoadLedger[_Job] = LoadLedger(
+            counters=counters,
+            warn=self._warn,
+            label="",
+            transfer_timeout_s=transfer_timeout_s,
+            # A read already in a system call: waited for, up to the grace period.
+            after_abandon=lambda run: run.cache_access.close(self._late_write_grace_s),
+        )
         # Saves not settled yet: running, queued, or given up on while a
         # checksum of theirs may still read the cache.
         self._saves_in_flight: set[_Job] = set()
@@ -231,17 +216,6 @@ class StoreTransferHandler(TransferHandler):
         self._save_bytes_in_flight = 0
         self._jobs_running = 0
         self._events: list[KVCacheEvent] = []
-
-    def _layout_key(self, group: int, block_hash: BlockHash) -> str:
-        return self._layouts[group].key(block_hash)
-
-    def _layout_hash(self, key: str) -> BlockHash | None:
-        found = block_of_key(self._layouts, key)
-        return None if found is None else found[0]
-
-    def _layout_group(self, key: str) -> int | None:
-        found = block_of_key(self._layouts, key)
-        return None if found is None else found[1]
 
     def idle(self) -> bool:
         """Whether no job runs on any thread, jobs given up on included."""
@@ -271,22 +245,19 @@ class StoreTransferHandler(TransferHandler):
         deadline = time.monotonic() + self._transfer_timeout_s
         for transfer in loads:
             self._submit_runs(transfer, deadline, None)
-        states: dict[str, _AsyncLoad] = {}
+        states: dict[str, AsyncLoad[_Job]] = {}
         for transfer in async_loads:
-            # The state's one initial "job" stands for the submission itself,
-            # so the request cannot be reported finished before its last run
-            # is submitted.
-            if transfer.request_id not in states:
-                state = _AsyncLoad(transfer.request_id, deadline)
-                with self._lock:
-                    self._async_loads[transfer.request_id] = state
-                states[transfer.request_id] = state
-            self._submit_runs(transfer, deadline, states[transfer.request_id])
+            state = states.get(transfer.request_id)
+            if state is None:
+                state = states[transfer.request_id] = self._loads.begin_async(
+                    transfer.request_id, deadline
+                )
+            self._submit_runs(transfer, deadline, state)
         for state in states.values():
-            self._complete_async(state, ())
+            self._loads.submitted(state)
 
     def _submit_runs(
-        self, transfer: BlockTransfer, deadline: float, state: _AsyncLoad | None
+        self, transfer: BlockTransfer, deadline: float, state: AsyncLoad[_Job] | None
     ) -> None:
         """Submit the transfer's runs: one job, one ``read_into_ranges`` each.
 
@@ -307,142 +278,12 @@ class StoreTransferHandler(TransferHandler):
                 deadline,
             )
             if state is None:
-                self._sync_loads.append(run)
+                self._loads.add_sync(run)
             else:
-                with self._lock:
-                    state.runs.append(run)
-                    state.remaining_jobs += 1
+                self._loads.add_async(state, run)
             self._submit(self._load_pool, run, functools.partial(self._load, state=state))
 
-    def wait_for_loads(self) -> None:
-        """Block until this step's synchronous loads are verified, failed, or overdue.
-
-        A run still going at its deadline is given up on: its blocks are load
-        errors, and it writes nothing more into the cache.
-        """
-        pending, self._sync_loads = self._sync_loads, []
-        if not pending:
-            return
-        deadline = max(run.deadline for run in pending)
-        concurrent.futures.wait(
-            [run.future for run in pending if run.future is not None],
-            timeout=max(0.0, deadline - time.monotonic()),
-        )
-        abandoned, late = self._abandon_loads(pending)
-        for run in pending:
-            self._load_errors.update(run.block_ids if run in abandoned else run.failed)
-        if late is not None:
-            raise late
-
-    def _abandon_loads(self, runs: Sequence[_Job]) -> tuple[set[_Job], LateWriteError | None]:
-        """Give up on each of ``runs`` that has not ended; those given up on, now or before.
-
-        Every run is given up on before any error is raised: a run after one
-        whose read outlived the grace period must not go on writing into the
-        cache. The first such :class:`~kvwire.media.store.base.LateWriteError`
-        is returned, for the caller to raise once it has recorded the runs.
-        """
-        abandoned: set[_Job] = set()
-        late: LateWriteError | None = None
-        for run in runs:
-            try:
-                # A run an earlier call gave up on (one that raised) stays given
-                # up on: its blocks never loaded, whatever it left in run.failed.
-                if self._abandon_load(run) or run.abandoned:
-                    abandoned.add(run)
-            except LateWriteError as error:
-                abandoned.add(run)
-                late = late or error
-        return abandoned, late
-
-    def _abandon_load(self, run: _Job) -> bool:
-        """Give up on ``run`` unless it has ended; whether it was given up on now (and counted).
-
-        Returns once nothing of the run writes into the cache any more (or
-        raises :class:`~kvwire.media.store.base.LateWriteError`).
-        """
-        if not run.abandon():
-            return False
-        self._fail_overdue(run.block_ids)
-        run.cache_access.close(self._late_write_grace_s)
-        return True
-
-    def _fail_overdue(self, block_ids: Sequence[int]) -> None:
-        """Count blocks whose load was given up on at its deadline."""
-        if not block_ids:
-            return
-        self._counters.add_many({"load_errors": len(block_ids), "load_timeouts": len(block_ids)})
-        self._warn.warn(
-            "load-timeout",
-            "loads of %d blocks still running after %g s (transfer_timeout_s): "
-            "reported as load errors, to be computed again",
-            len(block_ids),
-            self._transfer_timeout_s,
-        )
-
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads completed (or ran past their deadline).
-
-        Their failures join the load errors; every block of an overdue load is one.
-        """
-        now = time.monotonic()
-        with self._lock:
-            overdue = [state for state in self._async_loads.values() if state.deadline <= now]
-        for state in overdue:
-            self._give_up_async(state)
-        with self._lock:
-            finished, self._finished_async = self._finished_async, {}
-        for failed in finished.values():
-            self._load_errors.update(failed)
-        return set(finished)
-
-    def _give_up_async(self, state: _AsyncLoad) -> None:
-        """Report ``state``'s request finished now, every block of an abandoned run failed.
-
-        Should a run's read outlive the grace period, every run is still given
-        up on, the request stays unfinished (its blocks kept), and the
-        :class:`~kvwire.media.store.base.LateWriteError` is raised; a later
-        call reports it finished, with those runs' blocks failed.
-        """
-        with self._lock:
-            runs = list(state.runs)
-        abandoned, late = self._abandon_loads(runs)
-        if late is not None:
-            raise late
-        with self._lock:
-            if self._async_loads.get(state.request_id) is not state:
-                return  # its last run ended meanwhile
-            del self._async_loads[state.request_id]
-            failed = state.failed_block_ids
-            for run in runs:
-                failed.update(run.block_ids if run in abandoned else run.failed)
-            self._finished_async[state.request_id] = failed
-
-    def is_loading(self, request_id: str) -> bool:
-        """Whether an asynchronous load still writes into ``request_id``'s blocks."""
-        with self._lock:
-            return request_id in self._async_loads
-
-    def load_errors_so_far(self) -> set[int]:
-        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
-        return set(self._load_errors)
-
-    def take_load_errors(self) -> set[int]:
-        self.wait_for_loads()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def _complete_async(self, state: _AsyncLoad, failed: Iterable[int]) -> None:
-        with self._lock:
-            if self._async_loads.get(state.request_id) is not state:
-                return  # given up on at its deadline, and reported then
-            state.failed_block_ids.update(failed)
-            state.remaining_jobs -= 1
-            if state.remaining_jobs <= 0:
-                del self._async_loads[state.request_id]
-                self._finished_async[state.request_id] = state.failed_block_ids
-
-    def _load(self, run: _Job, state: _AsyncLoad | None) -> None:
+    def _load(self, run: _Job, state: AsyncLoad[_Job] | None) -> None:
         """Read one run straight into its cache blocks, verifying each entry where it landed.
 
         Failed block ids go to ``run.failed``; an asynchronous run then
@@ -477,16 +318,9 @@ class StoreTransferHandler(TransferHandler):
         run.failed = failed
         if not run.end():
             return  # abandoned at its deadline: counted and reported then
-        self._counters.add_many(
-            {
-                "blocks_loaded": loaded,
-                "bytes_loaded": loaded * self._layouts[run.group].payload_bytes,
-                "load_errors": len(failed),
-                "load_seconds": time.perf_counter() - started,
-            }
-        )
+        self._loads.count_ended(run, loaded, self._layouts[run.group].payload_bytes, started)
         if state is not None:
-            self._complete_async(state, failed)
+            self._loads.job_ended(state, run)
 
     def _read_and_verify(self, run: _Job, failed: list[int], corrupt: list[BlockHash]) -> int:
         """Read the run's entries into header buffers and the blocks' ranges; blocks verified.
@@ -516,7 +350,7 @@ class StoreTransferHandler(TransferHandler):
             [header, *memory.ranges(block_id)]
             for header, block_id in zip(headers, block_ids, strict=True)
         ]
-        keys = [self._key_of(run.group, block_hash) for block_hash in hashes]
+        keys = [self._keys.key(run.group, block_hash) for block_hash in hashes]
         # Per key: None until the store reports it, then whether it verified.
         outcomes: list[bool | None] = [None] * len(keys)
         landed = self._store.read_into_ranges(keys, ranges_per_key, run.cache_access)
@@ -579,7 +413,7 @@ class StoreTransferHandler(TransferHandler):
 
     def _discard(self, group: int, hashes: list[BlockHash]) -> None:
         try:
-            self._store.discard([self._key_of(group, block_hash) for block_hash in hashes])
+            self._store.discard([self._keys.key(group, block_hash) for block_hash in hashes])
         except Exception:
             logger.exception("discarding %d corrupt entries failed", len(hashes))
         self._record_events()
@@ -608,9 +442,9 @@ class StoreTransferHandler(TransferHandler):
             # once written is reported removed after it was reported stored.
             removed: dict[int | None, list[BlockHash]] = {}
             for key in self._store.take_removed_keys():
-                block_hash = self._hash_of(key)
-                if block_hash is not None:
-                    removed.setdefault(self._group_of(key), []).append(block_hash)
+                block = self._keys.block_of(key)
+                if block is not None:
+                    removed.setdefault(block[1], []).append(block[0])
             for removed_group, hashes in removed.items():
                 self._events.append(BlockRemoved(tuple(hashes), self._medium, removed_group))
 
@@ -704,7 +538,7 @@ class StoreTransferHandler(TransferHandler):
                 # all its bytes have left the cache: a save given up on (its
                 # blocks may be given out and overwritten) commits nothing more.
                 results = self._store.write_ranges(
-                    [self._key_of(job.group, h) for h in chunk_hashes],
+                    [self._keys.key(job.group, h) for h in chunk_hashes],
                     ranges_per_key,
                     commit_gate=job.cache_access,
                 )
@@ -874,7 +708,8 @@ class StoreTransferHandler(TransferHandler):
         steps: list[tuple[str, Callable[[], object]]] = [
             ("waiting for loads", self.wait_for_loads),
             ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
-            ("ending loads", lambda: self._end_loads(deadline)),
+            # The asynchronous ones, up to their deadlines (or this one), then given up on.
+            ("ending loads", lambda: self._loads.end_async(deadline)),
             # Not waiting for the threads: a job still blocked in the store
             # was given up on, and writes nothing more into the cache.
             ("stopping the load threads", self._load_pool.shutdown),
@@ -882,30 +717,9 @@ class StoreTransferHandler(TransferHandler):
         ]
         if self._on_close is not None:
             steps.append(("closing the medium", self._on_close))
-        for what, step in steps:
-            try:
-                step()
-            except Exception:
-                logger.exception("shutdown: %s failed", what)
+        close_in_steps(logger, "", steps)
 
     def _wait_for_saves_at_close(self, deadline: float) -> None:
         timeout_s = max(0.0, deadline - time.monotonic())
         if not self.wait_for_saves(timeout_s):
             logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)
-
-    def _end_loads(self, deadline: float) -> None:
-        """Wait for the asynchronous loads up to their deadlines (or ``deadline``), then give up.
-
-        The synchronous ones ended or were given up on in :meth:`wait_for_loads`.
-        """
-        with self._lock:
-            states = list(self._async_loads.values())
-        if not states:
-            return
-        until = min(deadline, max(state.deadline for state in states))
-        concurrent.futures.wait(
-            [run.future for state in states for run in state.runs if run.future is not None],
-            timeout=max(0.0, until - time.monotonic()),
-        )
-        for state in states:
-            self._give_up_async(state)

@@ -109,6 +109,7 @@ from kvwire.extra_config import (
     size_key,
 )
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore
 from kvwire.plugin_calls import call_plugin
 
@@ -417,7 +418,7 @@ class StoreMedium(Medium, Generic[_Store]):
         if self._whole:
             layouts: Sequence[BlockLayout] = self._group_layouts
             memories: Sequence[BlockMemory] = group_memories(kv_caches, self._layout, groups)
-            key_of, hash_of, group_of = self._key_of, self.block_hash_of, self.block_group_of
+            keys: EntryKeys = _MediumKeys(self)
         else:
             # The worker's groups are (KV cache group, entry of a block)
             # pairs, in that order; HeadGroupsHandler turns a cache group's
@@ -441,18 +442,7 @@ class StoreMedium(Medium, Generic[_Store]):
                             heads=self._heads.local_heads(heads),
                         )
                     )
-            flat = tuple(layouts)
-
-            def key_of(entry_group: int, block_hash: BlockHash) -> str:
-                return flat[entry_group].key(block_hash)
-
-            def hash_of(key: str) -> BlockHash | None:
-                found = block_of_key(flat, key)
-                return None if found is None else found[0]
-
-            def group_of(key: str) -> int | None:
-                found = block_of_key(flat, key)
-                return None if found is None else found[1] // len(own)
+            keys = LayoutKeys(layouts, per_cache_group=len(own))
 
         worker = StoreTransferHandler(
             store=self._open_store(),
@@ -462,9 +452,7 @@ class StoreMedium(Medium, Generic[_Store]):
             batch_blocks=options["batch_blocks"],
             max_save_bytes=max_save_bytes,
             counters=counters,
-            key_of=key_of,
-            hash_of=hash_of,
-            group_of=group_of,
+            keys=keys,
             medium=self.event_medium,
             transfer_timeout_s=options["transfer_timeout_s"],
             late_write_grace_s=self.late_write_grace_s(),
@@ -493,6 +481,20 @@ class StoreMedium(Medium, Generic[_Store]):
             self.stop_worker()
         finally:
             self._release_store()
+
+
+class _MediumKeys(EntryKeys):
+    """A store medium's own key scheme: :meth:`StoreMedium.store_key` and its inverses."""
+
+    def __init__(self, medium: StoreMedium[Any]) -> None:
+        self._medium = medium
+
+    def key(self, group: int, block_hash: BlockHash) -> str:
+        return self._medium._key_of(group, block_hash)
+
+    def block_of(self, key: str) -> tuple[BlockHash, int | None] | None:
+        block_hash = self._medium.block_hash_of(key)
+        return None if block_hash is None else (block_hash, self._medium.block_group_of(key))
 
 
 class _StoreIndex(MediumIndex):
