@@ -1,7 +1,7 @@
 """The CPU-offload connector, kvwire's default: KV blocks kept in a CPU memory pool.
 
 The block connector (:mod:`kvwire.connectors.offload`) over the CPU pool
-medium (:mod:`kvwire.media.cpu_pool`, whose docstring lists its
+medium (:mod:`kvwire.media.cpu_pool.medium`, whose docstring lists its
 ``kv_connector_extra_config`` keys: ``cpu_pool_bytes``, ``io_threads``,
 ``transfer_timeout_s``), beside the connector's own ``async_load``. The
 scheduler half owns the pool's index and decides every slot; the worker half

@@ -1,7 +1,7 @@
 """The shared-storage connector: KV blocks as files in a directory many engines share.
 
 The block connector (:mod:`kvwire.connectors.offload`) over the directory
-medium (:mod:`kvwire.media.store.directory`, whose docstring lists its
+medium (:mod:`kvwire.media.store.directory.medium`, whose docstring lists its
 ``kv_connector_extra_config`` keys: ``shared_storage_path``, ``fsync``,
 ``max_bytes``, ``file_mode``, ``allow_other_owner``, and the store keys of
 :mod:`kvwire.media.store.medium`), beside the connector's own ``async_load``.
