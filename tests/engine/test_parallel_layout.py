@@ -8,6 +8,7 @@ import pytest
 from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.parallel import rank_share, stage_bounds
+from kvwire.engine.presets import apply_preset
 from kvwire.kv_cache_config import build_kv_cache_config
 from tests.support.engines import tiny_config
 
@@ -80,3 +81,15 @@ def test_a_layout_the_engine_cannot_run_is_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         LLMEngine(config, **options)  # type: ignore[arg-type]
+
+
+def test_pipeline_stages_over_several_kv_cache_groups_are_refused_by_name() -> None:
+    config = attrs.evolve(
+        apply_preset(tiny_config(), "tiny-hybrid"),
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+    )
+    hybrid_cache = build_kv_cache_config(config, hma_enabled=True)
+    with pytest.raises(ValueError, match=r"set scheduler_config.disable_hybrid_kv_cache_manager"):
+        rank_share(config, hybrid_cache, 0)
+    # One group of every layer (HMA off): each stage holds its layers.
+    assert rank_share(config, build_kv_cache_config(config, False), 1).layers == range(2, 4)
