@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata
-from kvwire.connector.types import ForwardContext
+from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata
+from kvwire.interface.types import ForwardContext
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -50,11 +50,10 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import copy_on_this_thread_only
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 # One token of every layer is 32 KiB: 4 layers x (keys + values) x 8 heads x 128 x fp32.

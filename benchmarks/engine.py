@@ -46,13 +46,13 @@ import attrs
 from benchmarks.common import main as run_from_command_line
 from benchmarks.common import pyplot, write_json
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.model import torch_dtype
 from kvwire.engine.presets import apply_preset
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.profile import load_profile
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.run.passes import compare_passes
 
 CPU_OFFLOAD_PROFILE = pathlib.Path(__file__).parents[1] / "containers" / "cpu-offload.yaml"

@@ -87,8 +87,7 @@ from kvwire.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.presets import apply_preset

@@ -46,7 +46,7 @@ from benchmarks.connectors import (
 )
 from kvwire.blocks.format import BlockLayout, verify_entry, write_header
 from kvwire.blocks.mac import EntryMac
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.offload import SharedStorageConnector
 
 BARE_BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
 STORE_BLOCK_SIZES = (256 * KIB, 1 * MIB)

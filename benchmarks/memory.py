@@ -135,9 +135,9 @@ def measure(
     import torch
 
     from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-    from kvwire.connector.base import KVConnectorRole
-    from kvwire.connector.types import ForwardContext
-    from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+    from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+    from kvwire.interface.base import KVConnectorRole
+    from kvwire.interface.types import ForwardContext
     from kvwire.registry import default_registry
 
     count = transfer_bytes // BLOCK_BYTES

@@ -12,7 +12,7 @@ back against one redis-server started here on loopback:
   from memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks, and one
   ``get_into`` of each thread's share into preallocated buffers (which asks
   for its next group of GETs while it reads the current one);
-- the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
+- the connector: :class:`~kvwire.connectors.offload.RedisConnector`'s worker
   side over real paged caches (gather into staging, header and checksum,
   put; get, verify, scatter into the caches), ``batch_blocks`` =
   ``BATCH_BLOCKS``. It decides itself how to spread one transfer over its
@@ -59,10 +59,10 @@ from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_lab
 from benchmarks.common import main as run_from_command_line
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+from kvwire.connectors.offload import RedisConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.connectors.redis import RedisConnector
-from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis._store import READ_GROUP_BYTES, RedisBlockStore

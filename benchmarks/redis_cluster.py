@@ -11,7 +11,7 @@ for each block size, the same payloads are written and read back by:
 - the store: :class:`~kvwire.media.store.redis._cluster.RedisClusterBlockStore`,
   ``put`` of memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks and
   ``get_into`` of each thread's share, ``THREADS`` threads;
-- the connector: :class:`~kvwire.connectors.redis.RedisConnector`'s worker
+- the connector: :class:`~kvwire.connectors.offload.RedisConnector`'s worker
   side over real paged caches (gather, header, checksum, put; get, verify,
   scatter) with ``THREADS`` I/O threads, as in :mod:`benchmarks.redis`.
 

@@ -31,9 +31,9 @@ from typing import Any
 import attrs
 
 from kvwire.config import EngineConfig
+from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
-from kvwire.profile import load_profile
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
 PROFILES = {

@@ -13,9 +13,9 @@ import sys
 from dependency_injector.wiring import Provide, inject
 
 from kvwire import KVConnectorBase, KVConnectorContainer
-from kvwire.connector.types import Request
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import container_for_profile
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.types import Request
 
 PROFILE = pathlib.Path(__file__).resolve().parents[2] / "containers" / "cpu-offload.yaml"
 

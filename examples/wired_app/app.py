@@ -34,10 +34,10 @@ from kvwire import (
     KVConnectorContainer,
     KVConnectorRole,
 )
-from kvwire.connector.types import ForwardContext, ScheduledRequest, SchedulerOutput
+from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+from kvwire.config.profile import load_profile, unstructure_engine_config
 from kvwire.container import container_for_profile
-from kvwire.kv_cache_config import build_full_attention_kv_cache_config
-from kvwire.profile import load_profile, unstructure_engine_config
+from kvwire.interface.types import ForwardContext, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     import torch

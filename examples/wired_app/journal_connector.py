@@ -20,7 +20,7 @@ from kvwire import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
 
 if TYPE_CHECKING:
     import torch

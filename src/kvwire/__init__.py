@@ -8,26 +8,26 @@ conformance kit), :mod:`kvwire.vllm` (the vLLM adapter) and
 """
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.connector.base import (
+from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.config.profile import load_profile
+from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
+from kvwire.exceptions import KVWireError
+from kvwire.factory import KVConnectorFactory
+from kvwire.hma import HMADecision
+from kvwire.interface.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
     supports_hma,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     ForwardContext,
     KVCacheBlocks,
     Request,
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
-from kvwire.exceptions import KVWireError
-from kvwire.factory import KVConnectorFactory
-from kvwire.hma import HMADecision
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
-from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry, default_registry
 
 __all__ = [

@@ -25,12 +25,12 @@ from types import ModuleType
 from typing import TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorBase, validates_extra_config
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.config.profile import profile_origin, read_profile_file, structure_engine_config
 from kvwire.exceptions import KVWireError, kind_of
-from kvwire.extra_config import ExtraConfigError
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
+from kvwire.interface.base import KVConnectorBase, validates_extra_config
 from kvwire.plugin_calls import plugin_message
-from kvwire.profile import profile_origin, read_profile_file, structure_engine_config
 from kvwire.redaction import RedactingFilter, scrub, secret_values
 from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
 

@@ -31,11 +31,11 @@ import attrs
 from dependency_injector import containers, providers, resources
 
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.config.profile import load_profile
 from kvwire.exceptions import ContainerSetupError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
-from kvwire.kv_cache_config import KVCacheConfig
-from kvwire.profile import load_profile
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.registry import ConnectorRegistry, default_registry
 
 T = TypeVar("T")

@@ -103,34 +103,34 @@ _DEFINED_ELSEWHERE = {
     "ConnectorBuildTimeout": "kvwire.container",
     "CorruptBlockError": "kvwire.blocks.format",
     "DeadlineExceeded": "kvwire.media.store.redis._wire",
-    "ExtraConfigError": "kvwire.extra_config",
+    "ExtraConfigError": "kvwire.config.extra_config",
     "JobAbandoned": "kvwire.media._transfer_jobs",
     "LateWriteError": "kvwire.media.store.base",
     "MacKeyError": "kvwire.blocks.mac",
     "ModelIdentityError": "kvwire.model_identity",
     "NIXLUnavailableError": "kvwire.media.peer._agent",
-    "ProfileYAMLError": "kvwire.profile_yaml",
+    "ProfileYAMLError": "kvwire.config.profile_yaml",
     "RedisSettingsError": "kvwire.media.store.redis._settings",
     "RoleViolationError": "kvwire.testing.instruments",
-    "UnknownMediumError": "kvwire.medium_registry",
-    "ValueRefused": "kvwire.extra_config",
+    "UnknownMediumError": "kvwire.registry.media",
+    "ValueRefused": "kvwire.config.extra_config",
     "WorkerProcessError": "kvwire.engine.worker_process",
 }
 
 if TYPE_CHECKING:
     from kvwire.blocks.format import CorruptBlockError
     from kvwire.blocks.mac import MacKeyError
+    from kvwire.config.extra_config import ExtraConfigError, ValueRefused
+    from kvwire.config.profile_yaml import ProfileYAMLError
     from kvwire.container import ConnectorBuildTimeout
     from kvwire.engine.worker_process import WorkerProcessError
-    from kvwire.extra_config import ExtraConfigError, ValueRefused
     from kvwire.media._transfer_jobs import JobAbandoned
     from kvwire.media.peer._agent import NIXLUnavailableError
     from kvwire.media.store.base import LateWriteError
     from kvwire.media.store.redis._settings import RedisSettingsError
     from kvwire.media.store.redis._wire import DeadlineExceeded
-    from kvwire.medium_registry import UnknownMediumError
     from kvwire.model_identity import ModelIdentityError
-    from kvwire.profile_yaml import ProfileYAMLError
+    from kvwire.registry.media import UnknownMediumError
     from kvwire.testing.instruments import RoleViolationError
 
 __all__ = [

@@ -18,8 +18,8 @@ from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
-    from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
+    from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 
 class KVConnectorFactory:

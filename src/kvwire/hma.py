@@ -18,7 +18,7 @@ import attrs
 from kvwire.config import EngineConfig, SchedulerConfig
 
 if TYPE_CHECKING:
-    from kvwire.connector.base import KVConnectorBase
+    from kvwire.interface.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
     A class with its own ``supports_hma_for_config`` (a composite) decides
     per configuration: the first line of that hook's docstring says how.
     """
-    from kvwire.connector.base import KVConnectorBase, supports_hma
+    from kvwire.interface.base import KVConnectorBase, supports_hma
 
     hook = connector_cls.supports_hma_for_config
     if getattr(hook, "__func__", hook) is not getattr(
@@ -105,7 +105,7 @@ def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
 
 def describe_kv_cache_groups(engine_config: EngineConfig, decision: HMADecision) -> str:
     """What the gate's decision means for the model's KV cache, for ``kvwire check``."""
-    from kvwire.kv_cache_config import build_kv_cache_config, sliding_window_of
+    from kvwire.config.kv_cache import build_kv_cache_config, sliding_window_of
 
     if not engine_config.model_config.is_hybrid:
         return "KV cache groups: 1 (every layer full attention: HMA changes nothing for this model)"

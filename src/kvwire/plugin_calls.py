@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import KVWireError
-from kvwire.extra_config import ExtraConfigError
 from kvwire.redaction import SHOWN_LENGTH, redact_text
 
 _Result = TypeVar("_Result")

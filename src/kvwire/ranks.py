@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     BlockHash,
     BlockStored,
     KVCacheEvent,

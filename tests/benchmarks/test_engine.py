@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from benchmarks import engine as bench
-from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.interface.base import KVConnectorRole
 
 
 def test_the_forward_share_counts_the_saving_steps_connector_calls() -> None:

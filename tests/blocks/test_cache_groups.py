@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwire.blocks.groups import CacheGroup, cache_groups, layers_per_group
-from kvwire.kv_cache_config import (
+from kvwire.config.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

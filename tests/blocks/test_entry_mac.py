@@ -20,8 +20,8 @@ from kvwire.blocks.format import (
 )
 from kvwire.blocks.mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
 from kvwire.cli import check_profile
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.extra_config import ExtraConfigError
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import SharedStorageConnector
 from tests.support.connector_pairs import engine_config
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"

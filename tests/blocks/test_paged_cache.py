@@ -71,9 +71,9 @@ def test_a_missing_layer_is_refused():
 
 
 def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused():
-    from kvwire.connector.base import KVConnectorRole
-    from kvwire.connectors.cpu_offload import CPUOffloadConnector
-    from kvwire.kv_cache_config import build_full_attention_kv_cache_config
+    from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+    from kvwire.connectors.offload import CPUOffloadConnector
+    from kvwire.interface.base import KVConnectorRole
     from tests.support.connector_pairs import engine_config
 
     config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "1MiB"}, head_size=16)

@@ -9,9 +9,9 @@ import pytest
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig
+from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.config.profile import load_profile
 from kvwire.container import KVConnectorContainer
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
-from kvwire.profile import load_profile
 from kvwire.registry import ConnectorRegistry
 
 SAMPLES = "tests.support.sample_connectors"

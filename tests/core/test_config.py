@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from kvwire.config import KVTransferConfig, SchedulerConfig
-from kvwire.kv_cache_config import FullAttentionSpec, SlidingWindowSpec
+from kvwire.config.kv_cache import FullAttentionSpec, SlidingWindowSpec
 
 ROLES = "('kv_producer', 'kv_consumer', 'kv_both')"
 

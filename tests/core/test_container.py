@@ -12,11 +12,11 @@ from dependency_injector import providers
 from dependency_injector.wiring import Provide, inject
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
+from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
 from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
 from kvwire.exceptions import ContainerSetupError, ProfileError
 from kvwire.hma import HMADecision
-from kvwire.kv_cache_config import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.registry import ConnectorRegistry, default_registry
 from tests.core.conftest import SAMPLES
 from tests.support.sample_connectors import (

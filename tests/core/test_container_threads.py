@@ -18,14 +18,14 @@ import pytest
 from dependency_injector import providers, resources
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import (
     ConnectorBuildTimeout,
     KVConnectorContainer,
     ThreadSafeResource,
     declare_role,
 )
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import ConnectorRegistry
 from tests.support.sample_connectors import RecordingConnector
 

@@ -9,9 +9,9 @@ import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout, write_header
 from kvwire.config import ModelConfig
-from kvwire.dtypes import DTYPE_NAMES, DTYPES
+from kvwire.config.dtypes import DTYPE_NAMES, DTYPES
+from kvwire.config.kv_cache import FullAttentionSpec
 from kvwire.engine.model import torch_dtype
-from kvwire.kv_cache_config import FullAttentionSpec
 
 pytestmark = pytest.mark.torch
 

@@ -11,8 +11,8 @@ def test_configuration_and_the_dtype_table_import_without_torch() -> None:
     # venv without the torch extra.
     script = (
         "import sys; sys.modules['torch'] = None\n"
-        "import kvwire.config, kvwire.dtypes, kvwire.kv_cache_config\n"
-        "assert kvwire.dtypes.DTYPES['bfloat16'].size == 2\n"
+        "import kvwire.config, kvwire.config.dtypes, kvwire.config.kv_cache\n"
+        "assert kvwire.config.dtypes.DTYPES['bfloat16'].size == 2\n"
         "assert kvwire.config.ModelConfig(dtype='float8_e5m2').dtype_size == 1\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)

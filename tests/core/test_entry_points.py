@@ -16,7 +16,7 @@ import pytest
 
 from kvwire.config import KVTransferConfig
 from kvwire.exceptions import ConnectorEntryPointError
-from kvwire.registry import ConnectorRegistry, ConnectorSource
+from kvwire.registry import ConnectorRegistry, PluginSource
 
 PluginRegistry = Callable[..., ConnectorRegistry]
 
@@ -59,7 +59,7 @@ def test_an_entry_point_is_listed_without_importing_its_module(
     (entry,) = registry.entries()
 
     assert entry.name == "Sample"
-    assert entry.source is ConnectorSource.ENTRY_POINT
+    assert entry.source is PluginSource.ENTRY_POINT
     assert entry.distribution == "'kvwire-sample-plugin 1.2'"
     assert plugin_module not in sys.modules
 
@@ -142,7 +142,7 @@ def test_an_entry_point_cannot_shadow_a_built_in(
     with caplog.at_level(logging.WARNING, logger="kvwire.registry"):
         entry = registry.entry("Shadow")
 
-    assert entry.source is ConnectorSource.BUILT_IN
+    assert entry.source is PluginSource.BUILT_IN
     assert caplog.records[0].getMessage() == (
         f"Ignoring entry point 'Shadow = {plugin_module}:PluginConnector' of distribution "
         "'kvwire-sample-plugin 1.2': connector 'Shadow' is already registered (built in, "

@@ -64,9 +64,9 @@ def test_every_exception_kvwire_defines_derives_from_kvwire_error() -> None:
 
 def test_kvwire_errors_keep_the_builtin_base_callers_catch() -> None:
     from kvwire.blocks.format import CorruptBlockError
+    from kvwire.config.extra_config import ExtraConfigError
+    from kvwire.config.profile_yaml import ProfileYAMLError
     from kvwire.engine.worker_process import WorkerProcessError
-    from kvwire.extra_config import ExtraConfigError
-    from kvwire.profile_yaml import ProfileYAMLError
 
     assert issubclass(CorruptBlockError, ValueError)
     assert issubclass(ExtraConfigError, ValueError)

@@ -138,8 +138,8 @@ def test_the_external_connector_moves_through_the_container_by_entry_point(
     script = (
         "import torch\n"
         "from kvwire.container import container_for_profile\n"
-        "from kvwire.connector.base import KVConnectorRole\n"
-        "from kvwire.kv_cache_config import build_full_attention_kv_cache_config\n"
+        "from kvwire.interface.base import KVConnectorRole\n"
+        "from kvwire.config.kv_cache import build_full_attention_kv_cache_config\n"
         "cache = build_full_attention_kv_cache_config(num_layers=1, num_blocks=4, block_size=2,"
         " num_kv_heads=1, head_size=4, dtype='float32')\n"
         f"container = container_for_profile({str(EXTERNAL / 'by-entry-point.yaml')!r},"

@@ -11,9 +11,9 @@ import yaml
 
 from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
-from kvwire.connector.base import ConnectorResolver, KVConnectorBase, validates_extra_config
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.extra_config import ExtraConfigError, int_key, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, int_key, read_extra_config
+from kvwire.connectors.offload import CPUOffloadConnector
+from kvwire.interface.base import ConnectorResolver, KVConnectorBase, validates_extra_config
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 from tests.support.sample_connectors import RecordingConnector

@@ -10,8 +10,8 @@ import pytest
 
 from kvwire import KVConnectorFactory
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import default_registry
 from tests.core.conftest import SAMPLES
 from tests.support.sample_connectors import CompositeConnector, HMAConnector, RecordingConnector

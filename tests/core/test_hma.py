@@ -18,9 +18,9 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.factory import KVConnectorFactory
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from kvwire.config import ModelConfig
+from kvwire.config.profile import load_profile
 from kvwire.model_identity import (
     HEAD_BYTES,
     SAMPLE_BYTES,
@@ -16,7 +17,6 @@ from kvwire.model_identity import (
     model_identity,
     sample_ranges,
 )
-from kvwire.profile import load_profile
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # Larger than WHOLE_FILE_BYTES, so it is sampled, not read whole.

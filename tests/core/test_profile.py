@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
+from kvwire.config.profile import load_profile, unstructure_engine_config
 from kvwire.exceptions import ProfileError
-from kvwire.profile import load_profile, unstructure_engine_config
 
 KV_TRANSFER_KEYS = (
     "kv_connector, engine_id, kv_buffer_device, kv_buffer_size, kv_role, kv_rank, "

@@ -14,7 +14,7 @@ from kvwire.exceptions import ConnectorImportError, NotAConnectorError
 from kvwire.registry import (
     BUILT_IN_CONNECTORS,
     ConnectorRegistry,
-    ConnectorSource,
+    PluginSource,
     accepts_connector_builder,
     default_registry,
 )
@@ -76,9 +76,9 @@ def test_a_new_registry_knows_the_built_ins_without_importing_them() -> None:
     registry = ConnectorRegistry(entry_point_group=None)
 
     assert [entry.name for entry in registry.entries()] == list(BUILT_IN_CONNECTORS)
-    assert {entry.source for entry in registry.entries()} == {ConnectorSource.BUILT_IN}
+    assert {entry.source for entry in registry.entries()} == {PluginSource.BUILT_IN}
     assert registry.entry("CPUOffloadConnector").target == (
-        "kvwire.connectors.cpu_offload:CPUOffloadConnector"
+        "kvwire.connectors.offload.presets:CPUOffloadConnector"
     )
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from kvwire.cli import check_profile, main
 from kvwire.config import KVTransferConfig
+from kvwire.config.profile import load_profile
 from kvwire.exceptions import ProfileError
-from kvwire.profile import load_profile
 from kvwire.redaction import (
     RedactingFilter,
     is_secret_key,
@@ -143,7 +143,7 @@ def test_a_child_with_a_field_of_the_wrong_type_shows_its_type_only(
 def test_a_plugin_error_quoting_the_password_is_scrubbed_by_check(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvwire.connectors.redis import RedisConnector
+    from kvwire.connectors.offload import RedisConnector
 
     def quoting(cls: type, kv_transfer_config: KVTransferConfig, resolve: object) -> None:
         extra = kv_transfer_config.kv_connector_extra_config

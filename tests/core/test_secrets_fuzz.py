@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvwire.cli import check_profile
-from kvwire.profile import load_profile
+from kvwire.config.profile import load_profile
 
 # Characters a password holds, '/', '@' and '%' among them (forms that broke
 # URL parsing); not spaces or quotes, which end a value in any text format.

@@ -60,7 +60,7 @@ def test_a_store_profile_takes_a_whole_vllm_step_of_saves_in_flight(name: str) -
     # A step of 8192 tokens (vLLM's --max-num-batched-tokens for long prompts) at
     # 32 KiB of KV per token computes 256 MiB; a smaller cap drops saves the next
     # request would load (--only serve counted 9-11 per run at 64 MiB).
-    from kvwire.extra_config import parse_size
+    from kvwire.config.extra_config import parse_size
 
     profile = yaml.safe_load((REPO / "containers" / name).read_text())
     cap = profile["kv_transfer_config"]["kv_connector_extra_config"]["staging_buffer_bytes"]

@@ -15,13 +15,13 @@ import pytest
 
 from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig, ModelConfig
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config.extra_config import ExtraConfigError, parse_size
+from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+from kvwire.config.memory_limits import describe_bytes, machine_memory_bytes, memory_shortfall
+from kvwire.config.profile import load_profile
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ProfileError
-from kvwire.extra_config import ExtraConfigError, parse_size
-from kvwire.kv_cache_config import build_full_attention_kv_cache_config
-from kvwire.memory_limits import describe_bytes, machine_memory_bytes, memory_shortfall
-from kvwire.profile import load_profile
+from kvwire.interface.base import KVConnectorRole
 
 HUNDRED_TIB = 100 * 1024**4
 THREE_HUNDRED_DIGITS = int("9" * 300)
@@ -108,7 +108,7 @@ def test_a_size_of_300_digits_from_a_mapping_is_refused_by_name() -> None:
         kv_role="kv_both",
         kv_connector_extra_config={"cpu_pool_bytes": THREE_HUNDRED_DIGITS},
     )
-    from kvwire.connectors.cpu_offload import CPUOffloadConnector
+    from kvwire.connectors.offload import CPUOffloadConnector
 
     with pytest.raises(ExtraConfigError) as caught:
         CPUOffloadConnector.read_options(transfer)

@@ -17,13 +17,15 @@ import pytest
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import (
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.container import KVConnectorContainer
+from kvwire.interface.base import (
     KVConnectorBase,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     CacheHitSource,
     ForwardContext,
     KVCacheBlocks,
@@ -31,8 +33,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.container import KVConnectorContainer
-from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import ConnectorRegistry
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvwire.connector.types import Request
 from kvwire.engine.block_hash import extend_block_hashes
 from kvwire.engine.block_manager import BlockManager
+from kvwire.interface.types import Request
 
 
 def _request(request_id: str, tokens: list[int]) -> Request:

@@ -148,7 +148,7 @@ def test_the_engine_takes_its_connectors_from_the_containers_providers(
 def test_closing_the_engine_shuts_down_both_connectors_once(
     config: EngineConfig, tmp_path: pathlib.Path
 ) -> None:
-    from kvwire.connector.base import KVConnectorRole
+    from kvwire.interface.base import KVConnectorRole
     from kvwire.testing.instruments import CallLog
 
     log = CallLog()

@@ -12,9 +12,9 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import RequestStatus
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import RequestStatus
 from kvwire.testing.instruments import CallLog, Instruments
 from tests.support.engines import generate, served, tiny_config, tokens, with_directory_connector
 from tests.support.faulty_media import FailEverySecondBlock, over_medium, shared_storage

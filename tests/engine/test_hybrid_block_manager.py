@@ -6,9 +6,9 @@ blocks [n - 2, n) (w = ceil((8 - 1) / 4) = 2).
 
 from __future__ import annotations
 
-from kvwire.connector.types import Request
 from kvwire.engine.block_hash import extend_block_hashes
 from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
+from kvwire.interface.types import Request
 
 FULL, SLIDING = 0, 1
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from kvwire.config import EngineConfig, ModelConfig
-from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.kv_cache_config import (
+from kvwire.config.kv_cache import (
     FullAttentionSpec,
     SlidingWindowSpec,
     build_kv_cache_config,
 )
-from kvwire.profile import load_profile
+from kvwire.config.profile import load_profile
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import tokens
 from tests.support.hybrid_engines import tiny_hybrid_config
 

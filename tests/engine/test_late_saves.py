@@ -19,8 +19,8 @@ import pytest
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.connector.types import BlockStored, KVCacheEvent, Request
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
+from kvwire.interface.types import BlockStored, KVCacheEvent, Request
 from kvwire.run.passes import compare_passes
 from tests.support.engines import generate
 from tests.support.redis_engines import distinct_full_blocks

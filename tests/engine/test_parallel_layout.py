@@ -6,10 +6,10 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
+from kvwire.config.kv_cache import build_kv_cache_config
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.parallel import rank_share, stage_bounds
 from kvwire.engine.presets import apply_preset
-from kvwire.kv_cache_config import build_kv_cache_config
 from tests.support.engines import tiny_config
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.connector.types import BlockRemoved, BlockStored, KVConnectorOutput, KVConnectorStats
+from kvwire.interface.types import BlockRemoved, BlockStored, KVConnectorOutput, KVConnectorStats
 from kvwire.ranks import EveryRank, RankOutputs
 
 A, B = b"a" * 32, b"b" * 32

@@ -18,11 +18,11 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockHash
+from kvwire.config.extra_config import ExtraConfigKey, bool_key
 from kvwire.connectors.offload import OffloadConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.extra_config import ExtraConfigKey, bool_key
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.faulty import FaultInjectingHandler, FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryMedium

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._load_ledger import AsyncLoad, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning

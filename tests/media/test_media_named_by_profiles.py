@@ -25,15 +25,15 @@ import pytest
 import yaml
 
 from kvwire.cli import check_profile
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import BlockStored
+from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import OffloadConnector
-from kvwire.extra_config import ExtraConfigError
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import BlockStored
 from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.store.medium import StoreMedium
-from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry import ConnectorRegistry
+from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from tests.support.connector_pairs import cache_config_for, engine_config, make_request
 
 SECRET = "hunter2-review-secret"
@@ -156,10 +156,10 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     # As for connectors: the built-in (or first) name wins, and the operator is told.
-    monkeypatch.setattr("kvwire.medium_registry.metadata", _InstalledMedia)
+    monkeypatch.setattr("kvwire.registry._names.metadata", _InstalledMedia)
     registry = MediumRegistry()
 
-    with caplog.at_level(logging.WARNING, logger="kvwire.medium_registry"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.registry"):
         entries = {entry.name: entry.target for entry in registry.entries()}
 
     assert entries["directory"] == "kvwire.media.store.directory.medium:DirectoryMedium"
@@ -167,7 +167,8 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
     warnings = [record.getMessage() for record in caplog.records]
     assert len(warnings) == 2
     assert warnings[0].startswith(
-        "Ignoring entry point 'directory = shadowing_media:Directory' of distribution unknown: "
+        "Ignoring entry point 'directory = shadowing_media:Directory' of distribution "
+        "'<unknown distribution>': "
         "medium 'directory' is already registered (built in, kvwire.media.store.directory.medium:"
     )
     assert warnings[1].startswith("Ignoring entry point 'tape = other_tape_media:Tape'")

@@ -20,23 +20,22 @@ from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.cli import check_profile
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import BlockHash, ForwardContext, Request
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.offload import OffloadConnector
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import CPUOffloadConnector, OffloadConnector
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import LLMEngine
 from kvwire.exceptions import ConnectorRoleError
-from kvwire.extra_config import ExtraConfigError
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import BlockHash, ForwardContext, Request
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
-from kvwire.medium_registry import UnknownMediumError
 from kvwire.registry import default_registry
+from kvwire.registry.media import UnknownMediumError
 from tests.support.connector_pairs import cache_config_for, engine_config, make_caches
 from tests.support.engines import (
     generate,

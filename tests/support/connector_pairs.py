@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import (
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.engine.engine import build_kv_cache_config as cache_config_for
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.types import (
     ForwardContext,
     KVCacheBlocks,
     KVConnectorOutput,
@@ -26,8 +28,6 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.engine.engine import build_kv_cache_config as cache_config_for
-from kvwire.kv_cache_config import KVCacheConfig
 
 
 def engine_config(

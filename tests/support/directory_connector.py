@@ -24,8 +24,9 @@ import attrs
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvwire.connector.types import (
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvwire.interface.types import (
     BlockHash,
     ForwardContext,
     KVCacheBlocks,
@@ -33,7 +34,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.kv_cache_config import KVCacheConfig
 
 _FLAGS = ("load_async", "answer_none_first", "fail_loads", "keep_blocks_until_sent")
 

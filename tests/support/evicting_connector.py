@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import redis
 
-from kvwire.connector.types import Request
-from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.offload import RedisConnector
+from kvwire.interface.types import Request
 from kvwire.media.store.redis import RedisMedium
 
 

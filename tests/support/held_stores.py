@@ -14,8 +14,8 @@ import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.extra_config import ExtraConfigKey, str_key
+from kvwire.config.extra_config import ExtraConfigKey, str_key
+from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.directory import DirectoryMedium
 

@@ -14,13 +14,12 @@ import attrs
 from kvwire.blocks.groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import SchedulerOutput
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.scheduler import OffloadScheduler
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import SchedulerOutput
 from kvwire.media.base import MediumContext
 from kvwire.media.store.directory import DirectoryMedium
 

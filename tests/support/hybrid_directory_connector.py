@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvwire.connector.base import KVConnectorMetadata, SupportsHMA
-from kvwire.connector.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.base import KVConnectorMetadata, SupportsHMA
+from kvwire.interface.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
 from tests.support.directory_connector import (
     BlockTransfer,
     DirectoryConnector,

@@ -7,9 +7,9 @@ from typing import Any
 import attrs
 
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.connector.base import KVConnectorMetadata, SupportsHMA
-from kvwire.connector.types import KVCacheBlocks, Request, SchedulerOutput
 from kvwire.engine.presets import MODEL_PRESETS
+from kvwire.interface.base import KVConnectorMetadata, SupportsHMA
+from kvwire.interface.types import KVCacheBlocks, Request, SchedulerOutput
 from kvwire.testing import IdleConnector
 
 BLOCK_SIZE = 4

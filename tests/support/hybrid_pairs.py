@@ -20,19 +20,19 @@ import attrs
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import KVCacheBlocks, Request, ScheduledRequest, SchedulerOutput
-from kvwire.connectors.offload import OffloadConnector
-from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.engine.presets import apply_preset
-from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.kv_cache_config import (
+from kvwire.config.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvwire.connectors.offload import OffloadConnector
+from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.engine.presets import apply_preset
+from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import KVCacheBlocks, Request, ScheduledRequest, SchedulerOutput
 from kvwire.media.base import MediumIndex
 from tests.support.connector_pairs import ConnectorPair, engine_config, make_caches
 from tests.support.engines import (

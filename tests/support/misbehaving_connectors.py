@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvwire.connector.base import KVConnectorRole, SupportsHMA
-from kvwire.connector.types import ForwardContext, Request
+from kvwire.interface.base import KVConnectorRole, SupportsHMA
+from kvwire.interface.types import ForwardContext, Request
 from tests.support.directory_connector import BlockTransfer, DirectoryConnector
 
 

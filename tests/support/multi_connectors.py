@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import KVConnectorRole
 from kvwire.connectors.multi import MultiConnector
+from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import default_registry
 from tests.support.connector_pairs import cache_config_for, engine_config
 

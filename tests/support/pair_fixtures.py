@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.offload import SharedStorageConnector
+from kvwire.interface.base import KVConnectorBase
 from tests.support.connector_pairs import (
     ConnectorPair,
     cache_config_for,

@@ -12,7 +12,8 @@ from typing import Any
 import attrs
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import (
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.interface.base import (
     ConnectorBuilder,
     HMAResolver,
     KVConnectorBase,
@@ -20,8 +21,7 @@ from kvwire.connector.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
 
 
 class StepMetadata(KVConnectorMetadata):

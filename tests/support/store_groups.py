@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvwire.connector.types import BlockStored, Request, SchedulerOutput
 from kvwire.connectors.offload import OffloadConnector
+from kvwire.interface.types import BlockStored, Request, SchedulerOutput
 from kvwire.media.store.medium import StoreMedium
 from tests.support.connector_pairs import make_request
 from tests.support.hybrid_pairs import (

@@ -9,9 +9,8 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from kvwire.connector.types import BlockHash, KVCacheEvent
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
+from kvwire.interface.types import BlockHash, KVCacheEvent
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.store.base import BlockStore

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, SupportsHMA
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata, SupportsHMA
+from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
 
 MODULE = __name__
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connector.base import KVConnectorRole
 from kvwire.engine.engine import build_kv_cache_config
+from kvwire.interface.base import KVConnectorRole
 from kvwire.testing.instruments import RoleViolationError, enforce_roles
 from tests.support.directory_connector import DirectoryConnector
 from tests.support.engines import tiny_config, with_directory_connector

@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus as VLLMRequestStatus
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
-from kvwire.connector.types import BlockRemoved, BlockStored
+from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.ranks import EveryRank
 from kvwire.vllm.config_bridge import (
     VLLMConfigError,
@@ -308,7 +308,7 @@ def test_events_carry_their_kv_cache_group_as_vllm_s_group_idx() -> None:
 
 def test_importing_kvwire_and_building_its_connectors_never_imports_vllm() -> None:
     probe = (
-        "import sys, kvwire, kvwire.container, kvwire.connectors.cpu_offload; "
+        "import sys, kvwire, kvwire.container, kvwire.connectors.offload; "
         "sys.exit('vllm' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0

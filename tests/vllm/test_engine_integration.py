@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
+from kvwire.connectors.offload import CPUOffloadConnector
 from kvwire.vllm import wait_for_saves
 from tests.support.vllm_engines import (
     BLOCK_SIZE,

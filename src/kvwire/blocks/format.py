@@ -41,9 +41,9 @@ import xxhash
 
 from kvwire.blocks.mac import MAC_SIZE, EntryMac
 from kvwire.config import EngineConfig
-from kvwire.connector.types import BlockHash
-from kvwire.dtypes import DTYPES
+from kvwire.config.dtypes import DTYPES
 from kvwire.exceptions import KVWireError
+from kvwire.interface.types import BlockHash
 
 MAGIC = b"KVWB"
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvwire.kv_cache_config import KVCacheConfig, SlidingWindowSpec
+from kvwire.config.kv_cache import KVCacheConfig, SlidingWindowSpec
 
 NULL_BLOCK_ID = 0
 """The block id a hybrid engine gives positions that left a sliding window: never moved."""

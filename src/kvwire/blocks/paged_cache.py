@@ -23,8 +23,8 @@ import torch
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
-from kvwire.dtypes import DTYPES
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.config.dtypes import DTYPES
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.redaction import shown
 
 # Blocks are copied and checksummed a few at a time, so that the checksum

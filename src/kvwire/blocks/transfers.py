@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvwire.connector.types import BlockHash
+from kvwire.interface.types import BlockHash
 
 __all__ = ["BlockTransfer"]
 

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Sequence
 
 from kvwire.config import ModelConfig
-from kvwire.connector.types import BlockHash
+from kvwire.interface.types import BlockHash
 
 
 def root_hash(model_config: ModelConfig) -> BlockHash:

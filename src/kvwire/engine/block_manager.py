@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvwire.connector.types import BlockHash, KVCacheBlocks, Request
+from kvwire.interface.types import BlockHash, KVCacheBlocks, Request
 
 NULL_BLOCK = 0
 """The block a sliding-window group holds for positions outside its window (hybrid pools only)."""

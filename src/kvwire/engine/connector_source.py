@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import KVConnectorStats
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import KVConnectorContainer, role_connector_provider
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.types import KVConnectorStats
 
 ConnectorHook = Callable[[KVConnectorBase], None]
 """Called with every connector the source builds (e.g. the conformance kit's instruments)."""

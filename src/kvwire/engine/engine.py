@@ -18,8 +18,7 @@ import torch
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
+from kvwire.config.kv_cache import build_kv_cache_config
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
@@ -29,7 +28,8 @@ from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
 from kvwire.hma import HMADecision
-from kvwire.kv_cache_config import build_kv_cache_config
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
 
 __all__ = [
     "EngineCounters",

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from kvwire.config import ModelConfig
-from kvwire.dtypes import DTYPES
+from kvwire.config.dtypes import DTYPES
 from kvwire.engine.paged_attention import (
     COMPUTE_DTYPE,
     AttentionMetadata,

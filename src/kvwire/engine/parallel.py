@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from kvwire.config import SLIDING_ATTENTION, EngineConfig, ParallelConfig
-from kvwire.kv_cache_config import LAYER_NAME_FORMAT, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvwire.config.kv_cache import LAYER_NAME_FORMAT, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
 
 def stage_bounds(num_layers: int, pipeline_size: int) -> tuple[int, ...]:

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
 from kvwire.engine.connector_source import ConnectorHook, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
@@ -28,6 +27,7 @@ from kvwire.engine.worker_process import (
     call_each,
     gather_replies,
 )
+from kvwire.interface.types import KVConnectorOutput, KVConnectorStats
 from kvwire.ranks import RankOutputs
 
 

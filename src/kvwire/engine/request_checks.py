@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvwire.config import EngineConfig
-from kvwire.connector.types import Request
 from kvwire.engine.block_manager import window_blocks
+from kvwire.interface.types import Request
 
 
 def check_request(

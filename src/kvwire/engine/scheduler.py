@@ -26,8 +26,13 @@ from collections import deque
 import attrs
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata, supports_hma
-from kvwire.connector.types import (
+from kvwire.config.kv_cache import KVCacheConfig, sliding_window_of
+from kvwire.engine.block_hash import extend_block_hashes
+from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
+from kvwire.engine.request_checks import check_request
+from kvwire.engine.step import ScheduledChunk, StepResult, WorkerStep
+from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata, supports_hma
+from kvwire.interface.types import (
     BlockHash,
     KVCacheEvent,
     KVConnectorOutput,
@@ -36,11 +41,6 @@ from kvwire.connector.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.engine.block_hash import extend_block_hashes
-from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
-from kvwire.engine.request_checks import check_request
-from kvwire.engine.step import ScheduledChunk, StepResult, WorkerStep
-from kvwire.kv_cache_config import KVCacheConfig, sliding_window_of
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from kvwire.connector.base import KVConnectorMetadata
-from kvwire.connector.types import KVConnectorOutput
+from kvwire.interface.base import KVConnectorMetadata
+from kvwire.interface.types import KVConnectorOutput
 
 
 @attrs.frozen

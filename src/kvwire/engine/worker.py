@@ -15,14 +15,14 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
-from kvwire.connector.types import ForwardContext, KVConnectorOutput
+from kvwire.config.kv_cache import LAYER_NAME_FORMAT, KVCacheConfig
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
 from kvwire.engine.model import AttentionMetadata, RankExchange, TinyTransformer, torch_dtype
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
-from kvwire.kv_cache_config import LAYER_NAME_FORMAT, KVCacheConfig
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.types import ForwardContext, KVConnectorOutput
 
 
 class Worker:

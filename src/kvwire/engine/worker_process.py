@@ -28,14 +28,14 @@ import torch
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig
-from kvwire.connector.types import KVConnectorOutput, KVConnectorStats
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
 from kvwire.exceptions import KVWireError
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.types import KVConnectorOutput, KVConnectorStats
 
 START_TIMEOUT_S = 300.0
 """The least time a worker process gets to start: spawn, import torch, build the connector."""

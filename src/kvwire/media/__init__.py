@@ -10,7 +10,7 @@ raises. Importing this package imports neither torch nor any built-in medium.
 from kvwire.blocks.format import BlockLayout, CorruptBlockError
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigKey,
     ValueRefused,
     bool_key,

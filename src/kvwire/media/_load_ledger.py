@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import BlockJob
 

@@ -32,9 +32,9 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockHash, KVCacheEvent
-from kvwire.extra_config import ExtraConfigKey
+from kvwire.config.extra_config import ExtraConfigKey
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash, KVCacheEvent
 
 if TYPE_CHECKING:
     import torch

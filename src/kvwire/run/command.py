@@ -191,7 +191,7 @@ def _profile_secrets(profile: str | None) -> set[str]:
 
     A profile that cannot be read holds none to blank: loading it reports why.
     """
-    from kvwire.profile import read_profile_file
+    from kvwire.config.profile import read_profile_file
     from kvwire.redaction import secret_values
 
     if profile is None:
@@ -211,8 +211,8 @@ def _print_error(error: Exception, secrets: set[str]) -> None:
 
 
 def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
+    from kvwire.config.profile import load_profile
     from kvwire.engine.presets import apply_preset
-    from kvwire.profile import load_profile
 
     if profile is None:
         default = resources.files("kvwire").joinpath(DEFAULT_PROFILE)

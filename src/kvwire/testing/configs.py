@@ -38,7 +38,7 @@ def conformance_engine_config(
     if isinstance(connector, os.PathLike) or (
         isinstance(connector, str) and connector.endswith((".yaml", ".yml"))
     ):
-        from kvwire.profile import load_profile
+        from kvwire.config.profile import load_profile
 
         return load_profile(os.fspath(connector))
     if isinstance(connector, type):

@@ -38,7 +38,8 @@ from dependency_injector import providers
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import NULL_BLOCK_ID, cache_groups
-from kvwire.connector.base import (
+from kvwire.container import KVConnectorContainer
+from kvwire.interface.base import (
     ConnectorBuilder,
     ConnectorResolver,
     CopyBlocksOp,
@@ -51,7 +52,7 @@ from kvwire.connector.base import (
     SupportsHMA,
     supports_hma,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     CacheHitSource,
     ForwardContext,
     KVCacheBlocks,
@@ -62,7 +63,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.container import KVConnectorContainer
 from kvwire.media.faulty import LoadFaults, poison_block
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
     from kvwire.blocks.memory import BlockMemory
     from kvwire.config import EngineConfig, KVTransferConfig
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
 
 __all__ = [
     "LoadFault",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorMetadata
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata
+from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
 
 
 class IdleConnector(KVConnectorBase):

@@ -13,8 +13,8 @@ from typing import Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.exceptions import KVWireError
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 WORKER_SIDE_METHODS: tuple[str, ...] = (
     "register_kv_caches",

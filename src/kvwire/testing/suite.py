@@ -58,15 +58,15 @@ import pytest
 import torch
 
 from kvwire.config import EngineConfig, LoadFailurePolicy
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import RequestStatus
+from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import container_for_profile
 from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.worker import Worker
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.hma import HMADecision
-from kvwire.kv_cache_config import KVCacheConfig
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import RequestStatus
 from kvwire.testing.configs import (
     hybrid_engine_config,
     with_hma_disabled,

@@ -31,9 +31,8 @@ from kvwire.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kvwire.dtypes import DTYPE_NAMES, DTYPES
-from kvwire.exceptions import VLLMConfigError
-from kvwire.kv_cache_config import (
+from kvwire.config.dtypes import DTYPE_NAMES, DTYPES
+from kvwire.config.kv_cache import (
     AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -41,9 +40,10 @@ from kvwire.kv_cache_config import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvwire.config.profile import load_profile
+from kvwire.exceptions import VLLMConfigError
 from kvwire.model_identity import ModelIdentityError, default_hub_caches, model_identity
 from kvwire.plugin_calls import plugin_message
-from kvwire.profile import load_profile
 from kvwire.redaction import shown
 
 if TYPE_CHECKING:

@@ -77,14 +77,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvwire.blocks.groups import NULL_BLOCK_ID
-from kvwire.connector.base import KVConnectorBase
-from kvwire.connector.base import KVConnectorMetadata as KVWireMetadata
-from kvwire.connector.base import KVConnectorRole as KVWireRole
-from kvwire.connector.base import SupportsHMA as KVWireSupportsHMA
-from kvwire.connector.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.exceptions import VLLMConfigError
 from kvwire.hma import describe_class_support
+from kvwire.interface.base import KVConnectorBase
+from kvwire.interface.base import KVConnectorMetadata as KVWireMetadata
+from kvwire.interface.base import KVConnectorRole as KVWireRole
+from kvwire.interface.base import SupportsHMA as KVWireSupportsHMA
+from kvwire.interface.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
 from kvwire.ranks import EveryRank
 from kvwire.vllm.config_bridge import (
     container_hook,
@@ -103,7 +103,7 @@ from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 if TYPE_CHECKING:
     import torch
 
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 

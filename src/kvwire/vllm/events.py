@@ -24,10 +24,10 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 
-from kvwire.connector.types import BlockHash
-from kvwire.connector.types import BlockRemoved as KVWireBlockRemoved
-from kvwire.connector.types import BlockStored as KVWireBlockStored
-from kvwire.connector.types import KVCacheEvent as KVWireEvent
+from kvwire.interface.types import BlockHash
+from kvwire.interface.types import BlockRemoved as KVWireBlockRemoved
+from kvwire.interface.types import BlockStored as KVWireBlockStored
+from kvwire.interface.types import KVCacheEvent as KVWireEvent
 
 # kvwire's media as vLLM names them; others keep kvwire's name, upper-cased.
 _MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import attrs
 
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     BlockHash,
     Request,
     RequestStatus,
@@ -37,7 +37,7 @@ _STATUSES = {status.name: status for status in RequestStatus}
 
 
 class RequestView:
-    """kvwire's :class:`~kvwire.connector.types.Request`, read from a vLLM request when asked.
+    """kvwire's :class:`~kvwire.interface.types.Request`, read from a vLLM request when asked.
 
     Only what kvwire's connectors read is offered; every attribute reflects
     the vLLM request at the moment it is read.

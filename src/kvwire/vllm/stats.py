@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvwire.connector.types import KVConnectorStats as KVWireCounters
+from kvwire.interface.types import KVConnectorStats as KVWireCounters
 
 METRIC_PREFIX = "vllm:kvwire_"
 

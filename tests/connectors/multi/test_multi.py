@@ -12,26 +12,25 @@ import pytest
 from dependency_injector import providers
 
 from kvwire.config import EngineConfig, KVTransferConfig
-from kvwire.connector.base import (
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
+from kvwire.connectors.multi._children import child_transfer_configs
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
+from kvwire.container import KVConnectorContainer
+from kvwire.interface.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     supports_hma,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     KVConnectorOutput,
     KVConnectorStats,
     KVConnectorTransferResults,
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
-from kvwire.connectors.multi._children import child_transfer_configs
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.container import KVConnectorContainer
-from kvwire.extra_config import ExtraConfigError
 from kvwire.registry import default_registry
 from kvwire.testing import IdleConnector
 from tests.support.connector_pairs import (

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.connectors.multi import MultiConnector
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.testing import IdleConnector
 from tests.support.connector_pairs import make_request
 from tests.support.multi_connectors import build_multi

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.connectors.multi import MultiConnector
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.testing import IdleConnector
 from tests.support.connector_pairs import engine_config
 from tests.support.multi_connectors import build_multi

@@ -14,13 +14,18 @@ import pytest
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.connector.base import (
+from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
+from kvwire.connectors.multi.scheduler import MultiScheduler
+from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.exceptions import ConnectorRoleError
+from kvwire.interface.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     ForwardContext,
     KVCacheBlocks,
     KVConnectorOutput,
@@ -28,11 +33,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
-from kvwire.connectors.multi.scheduler import MultiScheduler
-from kvwire.connectors.multi.worker import MultiWorker
-from kvwire.exceptions import ConnectorRoleError
-from kvwire.kv_cache_config import KVCacheConfig
 from kvwire.registry import default_registry
 from kvwire.testing import IdleConnector
 from tests.support.connector_pairs import cache_config_for, engine_config, make_request

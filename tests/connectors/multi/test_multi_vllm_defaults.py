@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.connectors.multi import MultiConnector
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.testing import IdleConnector
 from tests.support.multi_connectors import build_multi
 

@@ -8,14 +8,14 @@ import pytest
 
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.types import (
+from kvwire.connectors.offload._planner import BlockPlanner, HitCounter
+from kvwire.interface.types import (
     BlockHash,
     KVCacheBlocks,
     Request,
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.offload._planner import BlockPlanner, HitCounter
 
 BLOCK = 4
 FULL = CacheGroup(0, ("layers.0",), BLOCK)

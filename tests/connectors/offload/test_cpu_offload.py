@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.extra_config import ExtraConfigError
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import CPUOffloadConnector
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
 from tests.support.connector_pairs import (
     ConnectorPair,
     blocks_equal,

@@ -16,17 +16,17 @@ import torch
 
 from kvwire.blocks.format import CorruptBlockError, verify_entry
 from kvwire.config import EngineConfig
-from kvwire.connector.base import KVConnectorMetadata
-from kvwire.connector.types import (
+from kvwire.connectors.offload import CPUOffloadConnector
+from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+from kvwire.engine.presets import apply_preset
+from kvwire.interface.base import KVConnectorMetadata
+from kvwire.interface.types import (
     BlockStored,
     Request,
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.presets import apply_preset
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from tests.support.connector_pairs import make_request
 from tests.support.engines import (

@@ -9,8 +9,7 @@ import pytest
 import yaml
 
 from kvwire.cli import check_profile
-from kvwire.connector.base import KVConnectorRole
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigError,
     bool_key,
     int_key,
@@ -19,6 +18,7 @@ from kvwire.extra_config import (
     size_key,
     str_key,
 )
+from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import default_registry
 from tests.support.connector_pairs import cache_config_for, engine_config
 

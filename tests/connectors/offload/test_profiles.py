@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvwire.connector.base import KVConnectorRole
+from kvwire.config.profile import load_profile
 from kvwire.engine.engine import LLMEngine
-from kvwire.profile import load_profile
+from kvwire.interface.base import KVConnectorRole
 from tests.support.engines import generate, renamed, served, tokens, workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]

@@ -22,17 +22,17 @@ from kvwire.blocks.format import HEADER_SIZE, BlockLayout, HeadShard, verify_ent
 from kvwire.blocks.shards import entry_layout
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import ForwardContext
-from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.container import container_for_profile
-from kvwire.kv_cache_config import (
+from kvwire.config.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from kvwire.profile import load_profile
+from kvwire.config.profile import load_profile
+from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.container import container_for_profile
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import ForwardContext
 
 LAYERS = ("layers.0", "layers.1")
 BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS = 4, 8, 6

@@ -22,12 +22,12 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockStored, KVCacheBlocks, SchedulerOutput
+from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.connectors.shared_storage import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.presets import apply_preset
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockStored, KVCacheBlocks, SchedulerOutput
 from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites

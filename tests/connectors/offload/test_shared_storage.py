@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from kvwire.cli import check_profile
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.extra_config import ExtraConfigError, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, read_extra_config
+from kvwire.connectors.offload import SharedStorageConnector
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import (

@@ -13,8 +13,8 @@ import pytest
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.config import EngineConfig
-from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.engine.engine import LLMEngine, WorkerMode
+from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from tests.support.engines import (
     renamed,
     shared_storage,

@@ -8,18 +8,17 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.base import KVConnectorMetadata, KVConnectorRole
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import ForwardContext
-from kvwire.connector.worker_steps import (
+from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
+from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.interface.base import KVConnectorMetadata, KVConnectorRole
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import ForwardContext
+from kvwire.interface.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
     saves_from_good_context,
 )
-from kvwire.connectors.cpu_offload import CPUOffloadConnector
-from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.connectors.shared_storage import SharedStorageConnector
 from tests.support.connector_pairs import cache_config_for, engine_config
 
 

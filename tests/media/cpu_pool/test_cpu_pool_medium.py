@@ -20,9 +20,9 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockRemoved, BlockStored
-from kvwire.extra_config import ExtraConfigError, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, read_extra_config
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.media.base import MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import _handler as cpu_pool_handler_module

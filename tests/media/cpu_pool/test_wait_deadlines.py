@@ -19,7 +19,7 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media.cpu_pool import _handler as cpu_pool_worker_module
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from tests.support.store_handlers import HASHES, layout_caches

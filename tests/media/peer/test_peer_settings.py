@@ -9,12 +9,12 @@ import yaml
 
 from kvwire import cli
 from kvwire.blocks.format import BlockLayout
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.config.profile import load_profile
 from kvwire.connectors.offload import OffloadConnector
-from kvwire.extra_config import ExtraConfigError
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._directory import Location, PeerRecord
-from kvwire.profile import load_profile
 from tests.support.peer_engines import peer_config
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "containers"

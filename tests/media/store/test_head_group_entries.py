@@ -21,9 +21,9 @@ from kvwire.blocks.format import HEADER_SIZE, BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockStored
-from kvwire.extra_config import read_extra_config
+from kvwire.config.extra_config import read_extra_config
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext, TransferHandler
 from kvwire.media.store.directory import DirectoryMedium
 from tests.support.store_handlers import layout_caches

@@ -17,7 +17,7 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites

@@ -18,8 +18,8 @@ import pytest
 
 from kvwire.cli import check_profile
 from kvwire.config import EngineConfig
+from kvwire.config.extra_config import ExtraConfigError
 from kvwire.engine.engine import LLMEngine, RequestOutput
-from kvwire.extra_config import ExtraConfigError
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
 from tests.support.engines import (

@@ -14,13 +14,13 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockHash
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine, build_kv_cache_config
 from kvwire.engine.presets import apply_preset
-from kvwire.extra_config import ExtraConfigError
+from kvwire.interface.base import KVConnectorRole
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryMedium

@@ -19,9 +19,9 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockRemoved, BlockStored
-from kvwire.extra_config import ExtraConfigError, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, read_extra_config
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites

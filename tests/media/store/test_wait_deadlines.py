@@ -26,10 +26,10 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connectors.shared_storage import SharedStorageConnector
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
-from kvwire.extra_config import ExtraConfigError
+from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._transfer_jobs import JobAbandoned
 from kvwire.media.store._handler import StoreTransferHandler
@@ -575,7 +575,7 @@ _EXIT_WITH_A_JOB_STUCK = """
 import threading
 from tests.media.store import test_wait_deadlines as t
 from tests.support.store_handlers import HASHES, layout_caches
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.blocks.transfers import BlockTransfer
 
 t.STORE_ANSWERS.clear()  # and nobody ever sets it: the read stays stuck

@@ -20,7 +20,7 @@ from kvwire import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     ForwardContext,
     KVCacheBlocks,
     KVConnectorStats,

@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvwire.config import KVTransferConfig
+from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import kind_of
-from kvwire.extra_config import ExtraConfigError
 from kvwire.redaction import shown_key
-from kvwire.registry import default_registry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig
-    from kvwire.connector.base import ConnectorResolver, HMAResolver
+    from kvwire.interface.base import ConnectorResolver, HMAResolver
 
 
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
@@ -71,6 +70,7 @@ def child_names(configs: Sequence[KVTransferConfig]) -> list[str]:
 
 
 def children_prom_metrics(
+    resolve_child: ConnectorResolver,
     vllm_config: EngineConfig,
     metric_types: dict[type, type],
     labelnames: list[str],
@@ -85,7 +85,7 @@ def children_prom_metrics(
     built: dict[type, Any] = {}
     by_child: dict[str, Any] = {}
     for name, child_config in zip(child_names(configs), configs, strict=True):
-        child_cls = default_registry().resolve(child_config)
+        child_cls = resolve_child(child_config)
         if child_cls not in built:
             built[child_cls] = child_cls.build_prom_metrics(
                 attrs.evolve(vllm_config, kv_transfer_config=child_config),
@@ -135,12 +135,14 @@ def children_support_hma(parent: KVTransferConfig, resolve_child: HMAResolver) -
     return all(resolve_child(config) for config in child_transfer_configs(parent))
 
 
-def children_kv_cache_layout(vllm_config: EngineConfig) -> str | None:
+def children_kv_cache_layout(
+    resolve_child: ConnectorResolver, vllm_config: EngineConfig
+) -> str | None:
     """The KV cache layout the children need, or None; different needs are an error."""
     assert vllm_config.kv_transfer_config is not None
     layouts = set()
     for child_config in child_transfer_configs(vllm_config.kv_transfer_config):
-        child_cls = default_registry().resolve(child_config)
+        child_cls = resolve_child(child_config)
         layout = child_cls.get_required_kvcache_layout(
             attrs.evolve(vllm_config, kv_transfer_config=child_config)
         )
@@ -154,15 +156,15 @@ def children_kv_cache_layout(vllm_config: EngineConfig) -> str | None:
     return next(iter(layouts), None)
 
 
-def any_child_requires_piecewise(connector_name: str, extra_config: dict[str, Any]) -> bool:
+def any_child_requires_piecewise(
+    resolve_child: ConnectorResolver, connector_name: str, extra_config: dict[str, Any]
+) -> bool:
     """Whether a child needs piecewise CUDA graphs, given the parent's extra config."""
     parent = KVTransferConfig(
         kv_connector=connector_name, kv_role="kv_both", kv_connector_extra_config=extra_config
     )
     return any(
-        default_registry()
-        .resolve(child)
-        .requires_piecewise_for_cudagraph(child.kv_connector_extra_config)
+        resolve_child(child).requires_piecewise_for_cudagraph(child.kv_connector_extra_config)
         for child in child_transfer_configs(parent)
     )
 

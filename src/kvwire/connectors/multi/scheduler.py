@@ -15,8 +15,10 @@ from typing import Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorHandshakeMetadata, supports_hma
-from kvwire.connector.types import (
+from kvwire.connectors.multi._finishing import merge_finished_answers
+from kvwire.connectors.multi.records import MultiKVConnectorMetadata, per_child_worker_meta
+from kvwire.interface.base import KVConnectorBase, KVConnectorHandshakeMetadata, supports_hma
+from kvwire.interface.types import (
     KVCacheBlocks,
     KVCacheEvent,
     KVConnectorOutput,
@@ -24,8 +26,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.multi._finishing import merge_finished_answers
-from kvwire.connectors.multi._records import MultiKVConnectorMetadata, per_child_worker_meta
 
 
 class MultiScheduler:

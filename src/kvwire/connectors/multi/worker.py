@@ -12,14 +12,14 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvwire.connector.base import CopyBlocksOp, KVConnectorBase, KVConnectorMetadata
-from kvwire.connector.types import ForwardContext, KVCacheEvent, KVConnectorTransferResults
-from kvwire.connector.worker_steps import metadata_of_type
 from kvwire.connectors.multi._finishing import FinishedSendingTally
-from kvwire.connectors.multi._records import (
+from kvwire.connectors.multi.records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
 )
+from kvwire.interface.base import CopyBlocksOp, KVConnectorBase, KVConnectorMetadata
+from kvwire.interface.types import ForwardContext, KVCacheEvent, KVConnectorTransferResults
+from kvwire.interface.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch

@@ -35,7 +35,7 @@ import attrs
 
 from kvwire.blocks.groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
 
 HitCounter = Callable[[int, Sequence[BlockHash]], int]
 """Counts how many of the given block hashes, from the first, the medium holds for a group.

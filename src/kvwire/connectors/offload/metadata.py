@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvwire.interface.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 __all__ = ["OffloadMetadata", "OffloadWorkerMetadata"]
 

@@ -22,7 +22,9 @@ from collections.abc import Sequence
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.types import (
+from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
+from kvwire.interface.types import (
     BlockHash,
     KVCacheBlocks,
     KVCacheEvent,
@@ -30,8 +32,6 @@ from kvwire.connector.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.connectors.offload._planner import BlockPlanner
-from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media.base import MediumIndex
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown

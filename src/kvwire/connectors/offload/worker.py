@@ -16,16 +16,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.base import KVConnectorMetadata
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import KVCacheEvent, KVConnectorStats
-from kvwire.connector.worker_steps import (
+from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
+from kvwire.interface.base import KVConnectorMetadata
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import KVCacheEvent, KVConnectorStats
+from kvwire.interface.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
     saves_from_good_context,
 )
-from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvwire.media.base import Medium, TransferHandler
 from kvwire.plugin_calls import call_plugin
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool._slot_table import SlotTable
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout
-from kvwire.dtypes import DTYPES
+from kvwire.config.dtypes import DTYPES
 
 
 class PoolSlots:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvwire.connector.types import BlockHash
+from kvwire.interface.types import BlockHash
 
 
 @attrs.define

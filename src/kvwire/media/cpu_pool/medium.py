@@ -28,14 +28,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from kvwire.blocks.format import HEADER_SIZE
-from kvwire.connector.counters import Counters
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     int_key,
     memory_size_key,
     seconds_key,
 )
+from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool._index import CPUPoolIndex
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.types import KVCacheEvent
+from kvwire.interface.types import KVCacheEvent
 from kvwire.media.base import TransferHandler
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ Everything but the worker side's transfers is the wrapped medium's: its
 class is configured by attributes only, so a profile may name it
 (``kv_connector_extra_config.medium: package.module:Class``) and a worker
 process build it from that name; or a registry's medium provider may be
-overridden with it (:mod:`kvwire.medium_registry`).
+overridden with it (:mod:`kvwire.registry.media`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvwire.blocks.format import BlockLayout
-from kvwire.connector.counters import Counters
-from kvwire.extra_config import ExtraConfigKey
+from kvwire.config.extra_config import ExtraConfigKey
+from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex
 from kvwire.media.faulty.handler import FaultInjectingHandler, LoadFaults
 from kvwire.redaction import shown

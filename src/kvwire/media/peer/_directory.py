@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import attrs
 import redis
 
-from kvwire.connector.types import BlockHash
+from kvwire.interface.types import BlockHash
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media.store.redis._settings import RedisStoreSettings
 

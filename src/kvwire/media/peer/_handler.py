@@ -41,7 +41,7 @@ import attrs
 from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.blocks.paged_cache import PagedKVCaches, copy_on_this_thread_only
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 
 from kvwire.blocks.format import BlockLayout
-from kvwire.connector.types import BlockHash, BlockRemoved
+from kvwire.interface.types import BlockHash, BlockRemoved
 from kvwire.media.cpu_pool._index import CPUPoolIndex
 from kvwire.media.peer._directory import Location, PeerDirectory
 

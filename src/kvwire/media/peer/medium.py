@@ -50,14 +50,14 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvwire.connector.counters import Counters
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     int_key,
     seconds_key,
     str_key,
 )
+from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.peer._directory import PeerDirectory, check_peer_name

@@ -12,7 +12,7 @@ import abc
 from collections.abc import Sequence
 
 from kvwire.blocks.format import BlockLayout, block_of_key
-from kvwire.connector.types import BlockHash
+from kvwire.interface.types import BlockHash
 
 __all__ = ["EntryKeys", "LayoutKeys"]
 

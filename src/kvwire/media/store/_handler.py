@@ -70,8 +70,8 @@ from kvwire.blocks.format import (
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.paged_cache import cache_sized_chunks
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning

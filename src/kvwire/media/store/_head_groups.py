@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.types import BlockHash, BlockStored, KVCacheEvent
+from kvwire.interface.types import BlockHash, BlockStored, KVCacheEvent
 from kvwire.media.base import TransferHandler
 
 # Blocks some but not all of whose entries were reported stored: bounded, the

@@ -99,15 +99,15 @@ import attrs
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
 from kvwire.blocks.shards import entry_layout, plan_heads, plan_layers
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockHash
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     int_key,
     seconds_key,
     size_key,
 )
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore

@@ -16,7 +16,7 @@ import pathlib
 import pytest
 
 from kvwire.blocks.format import BlockLayout
-from kvwire.connector.types import KVCacheBlocks, SchedulerOutput
+from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
 from tests.support.pair_fixtures import PairFactory

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.shared_storage import SharedStorageConnector
-from kvwire.extra_config import ExtraConfigError
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import SharedStorageConnector
+from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.directory._modes import GROUP, PRIVATE, process_umask
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import cache_config_for, engine_config

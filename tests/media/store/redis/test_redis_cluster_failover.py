@@ -13,7 +13,7 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, SchedulerConfig
-from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.store.redis import RedisMedium
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore

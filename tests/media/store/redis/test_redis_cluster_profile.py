@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 from kvwire import cli
-from kvwire.profile import load_profile
+from kvwire.config.profile import load_profile
 from tests.media.store.redis.test_redis_profiles import CONTAINERS, _pointed_at, _workload
 from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_engines import (

@@ -10,8 +10,8 @@ import pytest
 
 from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
-from kvwire.connectors.redis import RedisConnector
-from kvwire.extra_config import ExtraConfigError
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._cluster_url import ClusterSeed
 from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.connector.base import KVConnectorRole
-from kvwire.connectors.redis import RedisConnector
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
-from kvwire.extra_config import ExtraConfigError
+from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.redis import RedisMedium
 from tests.support.redis_engines import tiny_config, with_redis
 from tests.support.redis_entries import block_hash

@@ -14,9 +14,9 @@ import attrs
 import pytest
 
 from kvwire.config import EngineConfig, ModelConfig, SchedulerConfig
-from kvwire.connector.types import BlockStored
-from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.interface.types import BlockStored
 from kvwire.media.store.redis import RedisMedium
 from tests.support.redis_engines import (
     BLOCK_SIZE,

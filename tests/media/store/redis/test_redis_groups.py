@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.offload import RedisConnector
 from tests.support.hybrid_pairs import hybrid_engine_config
 from tests.support.redis_servers import RedisServer
 from tests.support.store_groups import HybridFactory, HybridStorePair, StoreGroupsContract

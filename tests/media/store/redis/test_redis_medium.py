@@ -15,9 +15,9 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.counters import Counters
-from kvwire.connector.types import BlockStored
-from kvwire.extra_config import ExtraConfigError, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, read_extra_config
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.redis import RedisBlockStore, RedisClusterBlockStore, RedisMedium

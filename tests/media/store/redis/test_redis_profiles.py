@@ -11,9 +11,9 @@ import yaml
 
 from kvwire import cli
 from kvwire.config import EngineConfig
+from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from kvwire.profile import load_profile
 from tests.support.redis_engines import (
     distinct_prompt_blocks,
     generate,

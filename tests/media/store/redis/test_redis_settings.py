@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvwire.config import KVTransferConfig
-from kvwire.connectors.redis import RedisConnector
+from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
 from kvwire.media.store.redis._store import RedisBlockStore
 from tests.support.redis_entries import SMALL_LAYOUT, store_keys

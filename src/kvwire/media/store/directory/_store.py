@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
-from kvwire.connector.counters import Counters
+from kvwire.interface.counters import Counters
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.directory._layout import (

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from kvwire.extra_config import (
+from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     bool_key,

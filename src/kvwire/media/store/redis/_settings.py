@@ -16,8 +16,9 @@ from urllib.parse import parse_qs, urlparse
 import attrs
 import redis
 
+from kvwire.config.extra_config import parse_size
+from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import KVWireError
-from kvwire.extra_config import parse_size
 from kvwire.media.store.redis._cluster_url import (
     ClusterSeed,
     cluster_credentials,
@@ -26,7 +27,6 @@ from kvwire.media.store.redis._cluster_url import (
     has_hash_tag,
     is_cluster_url,
 )
-from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import scrub, shown
 
 EXTRA_CONFIG = "kv_connector_extra_config"

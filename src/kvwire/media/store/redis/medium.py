@@ -84,7 +84,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvwire.extra_config import ExtraConfigError, ExtraConfigKey
+from kvwire.config.extra_config import ExtraConfigError, ExtraConfigKey
 from kvwire.media.base import MediumContext
 from kvwire.media.store.medium import StoreMedium
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore

@@ -7,13 +7,16 @@ the child's name, rebuilt by the child's own stats class.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvwire.connector.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-from kvwire.connector.types import KVConnectorStats
-from kvwire.registry import default_registry
+from kvwire.interface.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvwire.interface.types import KVConnectorStats
+
+if TYPE_CHECKING:
+    from kvwire.interface.base import KVConnectorBase
 
 
 @attrs.frozen
@@ -98,8 +101,10 @@ class MultiKVConnectorStats(KVConnectorStats):
             stats.reset()
 
 
-def rebuild_child_stats(data: dict[str, Any] | None) -> MultiKVConnectorStats:
-    """Each child's counters (by child name) rebuilt by its class, found in the default registry.
+def rebuild_child_stats(
+    data: dict[str, Any] | None, child_class: Callable[[str], type[KVConnectorBase]]
+) -> MultiKVConnectorStats:
+    """Each child's counters (by child name) rebuilt by its class, as ``child_class`` names it.
 
     A child is named by its ``kv_connector``, with ``#<index>`` after a
     repeated one; an unknown name raises ``Connector '<name>' is not registered.``.
@@ -110,7 +115,7 @@ def rebuild_child_stats(data: dict[str, Any] | None) -> MultiKVConnectorStats:
         if isinstance(child_data, KVConnectorStats):
             rebuilt[name] = child_data
             continue
-        child_cls = default_registry().get_class(name.partition("#")[0])
+        child_cls = child_class(name.partition("#")[0])
         child_stats = child_cls.build_kv_connector_stats(data=child_data)
         if child_stats is not None:
             rebuilt[name] = child_stats

@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 from attrs import validators
 
-from kvwire.config import EngineConfig
-from kvwire.dtypes import DTYPES, check_dtype
+from kvwire.config.dtypes import DTYPES, check_dtype
+from kvwire.config.engine_config import EngineConfig
 from kvwire.redaction import shown
 
 LAYER_NAME_FORMAT = "layers.{}.attn"

@@ -4,12 +4,12 @@ Every class here is a frozen attrs record with validators on its fields: an
 invalid value never makes it into a running engine. Counts have upper bounds
 no real model reaches, and an :class:`EngineConfig` whose KV cache, weights
 and batch logits could not fit in this machine's memory is refused when it is built
-(:mod:`kvwire.memory_limits`), so an absurd profile fails ``kvwire check``
+(:mod:`kvwire.config.memory_limits`), so an absurd profile fails ``kvwire check``
 rather than the engine. Errors and reprs show values through
 :mod:`kvwire.redaction`: bounded, and never a secret of
 ``kv_connector_extra_config``. Use ``attrs.evolve`` to get an edited copy.
 Structuring from a dict or a YAML profile (with every bad field reported by
-its dotted path) lives in :mod:`kvwire.profile`.
+its dotted path) lives in :mod:`kvwire.config.profile`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Literal
 import attrs
 from attrs import validators
 
-from kvwire.dtypes import DTYPES, check_dtype
+from kvwire.config.dtypes import DTYPES, check_dtype
+from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import kind_of
-from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.model_identity import check_explicit_identity
 from kvwire.redaction import shown, shown_key
 

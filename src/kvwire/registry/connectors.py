@@ -3,9 +3,11 @@
 Every known connector is a ``providers.Singleton`` in a dependency-injector
 container (:attr:`ConnectorRegistry.providers`): calling it imports the
 connector's module and returns its class, once; registering imports nothing.
-Names come from three places, listed by :class:`ConnectorSource`: the
-connectors kvwire ships, the ``kvwire.connectors`` entry-point group of
-installed distributions (``Name = package.module:Class``), and
+Names come from three places (:class:`~kvwire.registry._names.PluginSource`),
+kept by the mechanism the medium registry shares
+(:class:`~kvwire.registry._names.PluginNames`): the connectors kvwire ships,
+the ``kvwire.connectors`` entry-point group of installed distributions
+(``Name = package.module:Class``), and
 :meth:`ConnectorRegistry.register_connector` at run time.
 
 :meth:`ConnectorRegistry.resolve` turns a ``KVTransferConfig`` into a class in
@@ -17,25 +19,24 @@ checks the constructor of every class it hands out, so a plugin with the old
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-import attrs
-from dependency_injector import containers, providers
+from dependency_injector import containers
+from dependency_injector.providers import Provider
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole, supports_kw
 from kvwire.exceptions import ConnectorEntryPointError, ConnectorImportError, NotAConnectorError
-from kvwire.medium_registry import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
+from kvwire.registry._names import PluginNames, PluginSource, RegisteredPlugin, is_module_path
+from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,40 +44,13 @@ ENTRY_POINT_GROUP = "kvwire.connectors"
 MAX_COMPOSITE_DEPTH = 16
 
 BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
-    "CPUOffloadConnector": ("kvwire.connectors.cpu_offload", "CPUOffloadConnector"),
-    "OffloadConnector": ("kvwire.connectors.offload", "OffloadConnector"),
-    "SharedStorageConnector": ("kvwire.connectors.shared_storage", "SharedStorageConnector"),
-    "MultiConnector": ("kvwire.connectors.multi", "MultiConnector"),
-    "RedisConnector": ("kvwire.connectors.redis", "RedisConnector"),
+    "CPUOffloadConnector": ("kvwire.connectors.offload.presets", "CPUOffloadConnector"),
+    "OffloadConnector": ("kvwire.connectors.offload.connector", "OffloadConnector"),
+    "SharedStorageConnector": ("kvwire.connectors.offload.presets", "SharedStorageConnector"),
+    "MultiConnector": ("kvwire.connectors.multi.connector", "MultiConnector"),
+    "RedisConnector": ("kvwire.connectors.offload.presets", "RedisConnector"),
 }
 """The connectors kvwire ships: name -> (module path, class name)."""
-
-
-class ConnectorSource(enum.Enum):
-    """Where a registered connector name comes from."""
-
-    BUILT_IN = "built in"
-    ENTRY_POINT = "entry point"
-    RUNTIME = "registered at run time"
-
-
-@attrs.frozen
-class RegisteredConnector:
-    """What the registry knows about a name without importing anything (read-only).
-
-    ``distribution`` is ``"name version"`` of the distribution that declares
-    an entry point, else None.
-    """
-
-    name: str
-    module_path: str
-    class_name: str
-    source: ConnectorSource
-    distribution: str | None = None
-
-    @property
-    def target(self) -> str:
-        return f"{self.module_path}:{self.class_name}"
 
 
 def accepts_connector_builder(connector_cls: type) -> bool:
@@ -133,10 +107,12 @@ class ConnectorRegistry:
         built_ins: dict[str, tuple[str, str]] | None = None,
         entry_point_group: str | None = ENTRY_POINT_GROUP,
     ) -> None:
-        self.providers = containers.DynamicContainer()
-        self._entries: dict[str, RegisteredConnector] = {}
-        self._entry_point_group = entry_point_group
-        self._entry_points_read = entry_point_group is None
+        self._names = PluginNames(
+            "connector",
+            self._load,
+            built_ins=BUILT_IN_CONNECTORS if built_ins is None else built_ins,
+            entry_point_group=entry_point_group,
+        )
         self._lock = threading.RLock()
         self._nesting = threading.local()
         # Classes found through a module path, so that a by-name lookup (e.g.
@@ -147,9 +123,6 @@ class ConnectorRegistry:
         self.media = MediumRegistry(
             entry_point_group=None if entry_point_group is None else MEDIA_ENTRY_POINT_GROUP
         )
-        chosen = BUILT_IN_CONNECTORS if built_ins is None else built_ins
-        for name, (module_path, class_name) in chosen.items():
-            self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.BUILT_IN))
 
     # ----------------------------------------------------------- registering
 
@@ -163,11 +136,8 @@ class ConnectorRegistry:
         time, and names registered here afterwards.
         """
         with self._lock:
-            self._read_entry_points()
-            copied = ConnectorRegistry(built_ins={}, entry_point_group=self._entry_point_group)
-            copied._entry_points_read = True
-            for entry in self._entries.values():
-                copied._add(entry)
+            copied = ConnectorRegistry(built_ins={}, entry_point_group=None)
+            copied._names = self._names.copy(copied._load)
             copied._module_path_classes = dict(self._module_path_classes)
             copied.media = self.media.copy()
         return copied
@@ -175,73 +145,32 @@ class ConnectorRegistry:
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:
         """Register ``name`` lazily: ``module_path`` is imported only when it is resolved."""
         _check_registration(name, module_path, class_name)
-        with self._lock:
-            self._read_entry_points()
-            if name in self._entries:
-                raise ValueError(f"Connector '{name}' is already registered.")
-            self._add(RegisteredConnector(name, module_path, class_name, ConnectorSource.RUNTIME))
+        self._names.register(name, module_path, class_name)
 
-    def _add(self, entry: RegisteredConnector) -> None:
-        self._entries[entry.name] = entry
-        self.providers.set_provider(entry.name, providers.Singleton(self._load, entry))
-
-    def _read_entry_points(self) -> None:
-        with self._lock:
-            if self._entry_points_read:
-                return
-            self._entry_points_read = True
-            assert self._entry_point_group is not None
-            for entry_point in metadata.entry_points(group=self._entry_point_group):
-                self._add_entry_point(entry_point)
-
-    def _add_entry_point(self, entry_point: metadata.EntryPoint) -> None:
-        distribution = _distribution_label(entry_point)
-        existing = self._entries.get(entry_point.name)
-        if existing is not None:
-            logger.warning(
-                "Ignoring entry point '%s = %s' of distribution %s: connector '%s' is "
-                "already registered (%s, %s)",
-                entry_point.name,
-                entry_point.value,
-                distribution,
-                entry_point.name,
-                existing.source.value,
-                existing.target,
-            )
-            return
-        # .module and .attr parse the value as importlib does ("pkg.mod:Cls [extra]").
-        self._add(
-            RegisteredConnector(
-                entry_point.name,
-                entry_point.module,
-                entry_point.attr or "",
-                ConnectorSource.ENTRY_POINT,
-                distribution,
-            )
-        )
+    @property
+    def providers(self) -> containers.DynamicContainer:
+        """One lazy provider per connector name (override one to swap its class)."""
+        return self._names.providers
 
     # -------------------------------------------------------------- looking up
 
-    def entries(self) -> list[RegisteredConnector]:
+    def entries(self) -> list[RegisteredPlugin]:
         """Every registered name, built-ins first; imports nothing."""
-        self._read_entry_points()
-        return list(self._entries.values())
+        return self._names.entries()
 
-    def entry(self, name: str) -> RegisteredConnector:
-        self._read_entry_points()
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise ValueError(f"Connector '{name}' is not registered.") from None
+    def entry(self, name: str) -> RegisteredPlugin:
+        entry = self._names.get(name)
+        if entry is None:
+            raise ValueError(f"Connector '{name}' is not registered.")
+        return entry
 
     def __contains__(self, name: object) -> bool:
-        self._read_entry_points()
-        return name in self._entries
+        return name in self._names
 
-    def provider(self, name: str) -> providers.Provider[type[KVConnectorBase]]:
+    def provider(self, name: str) -> Provider[type[KVConnectorBase]]:
         """The lazy provider of ``name``'s class (override it to swap the class)."""
         self.entry(name)
-        provider: providers.Provider[type[KVConnectorBase]] = self.providers.providers[name]
+        provider: Provider[type[KVConnectorBase]] = self._names.provider(name)
         return provider
 
     def get_class(self, name: str) -> type[KVConnectorBase]:
@@ -250,20 +179,19 @@ class ConnectorRegistry:
         A class found earlier through a module path is found by its name too,
         when no registered connector has that name.
         """
-        self._read_entry_points()
-        if name not in self._entries and name in self._module_path_classes:
+        if name not in self._names and name in self._module_path_classes:
             return self._module_path_classes[name]
         connector_cls = self.provider(name)()
         return check_connector_class(connector_cls, name, self._describe_origin(name))
 
     def _describe_origin(self, name: str) -> str:
-        entry = self._entries[name]
-        if entry.source is ConnectorSource.ENTRY_POINT:
+        entry = self.entry(name)
+        if entry.source is PluginSource.ENTRY_POINT:
             return f"entry point '{name} = {entry.target}' of distribution {entry.distribution}"
         return f"{entry.source.value} as {entry.target}"
 
-    def _load(self, entry: RegisteredConnector) -> Any:
-        if entry.source is ConnectorSource.ENTRY_POINT:
+    def _load(self, entry: RegisteredPlugin) -> Any:
+        if entry.source is PluginSource.ENTRY_POINT:
             return self._load_entry_point(entry)
         try:
             module = importlib.import_module(entry.module_path)
@@ -278,9 +206,10 @@ class ConnectorRegistry:
             message = f"Class {entry.class_name} not found in {entry.module_path}"
             raise AttributeError(message) from error
 
-    def _load_entry_point(self, entry: RegisteredConnector) -> Any:
+    def _load_entry_point(self, entry: RegisteredPlugin) -> Any:
         where = (
-            f"entry point '{entry.name} = {entry.target}' (group '{self._entry_point_group}') "
+            f"entry point '{entry.name} = {entry.target}' "
+            f"(group '{self._names.entry_point_group}') "
             f"of distribution {entry.distribution}"
         )
         if not entry.module_path or not entry.class_name:
@@ -406,9 +335,7 @@ class ConnectorRegistry:
 def _check_registration(name: object, module_path: object, class_name: object) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_connector: name must be a non-empty string, got {name!r}")
-    if not isinstance(module_path, str) or not all(
-        part.isidentifier() for part in module_path.split(".")
-    ):
+    if not isinstance(module_path, str) or not is_module_path(module_path):
         raise ValueError(
             "register_connector: module_path must be a dotted module name such as "
             f"'package.module', got {module_path!r}"
@@ -417,13 +344,6 @@ def _check_registration(name: object, module_path: object, class_name: object) -
         raise ValueError(
             f"register_connector: class_name must be a Python identifier, got {class_name!r}"
         )
-
-
-def _distribution_label(entry_point: metadata.EntryPoint) -> str:
-    distribution = getattr(entry_point, "dist", None)
-    if distribution is None:
-        return "'<unknown distribution>'"
-    return f"'{distribution.name} {distribution.version}'"
 
 
 _default_registry: ConnectorRegistry | None = None

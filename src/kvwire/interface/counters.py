@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 
-from kvwire.connector.types import KVConnectorStats
+from kvwire.interface.types import KVConnectorStats
 
 
 class Counters:

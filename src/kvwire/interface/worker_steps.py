@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.connector.base import KVConnectorMetadata
+from kvwire.interface.base import KVConnectorMetadata
 
 _Worker = TypeVar("_Worker")
 _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)

@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvwire.connector.types import (
+from kvwire.interface.types import (
     CacheHitSource,
     ForwardContext,
     KVCacheBlocks,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvwire.config import EngineConfig, KVTransferConfig
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
 
 
 class KVConnectorRole(enum.Enum):

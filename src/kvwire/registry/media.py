@@ -1,7 +1,8 @@
 """The registry of media: one lazy provider per medium name, beside the connectors'.
 
 A medium (:class:`~kvwire.media.base.Medium`) is where a block connector
-keeps blocks. Like connectors, media are named, and a name is imported only
+keeps blocks. Like connectors, media are named through the same mechanism
+(:class:`~kvwire.registry._names.PluginNames`), and a name is imported only
 when a connector asks for it: the media kvwire ships, the ``kvwire.media``
 entry-point group of installed distributions (``name = package.module:Class``)
 and :meth:`MediumRegistry.register_medium` at run time. A profile may also
@@ -21,21 +22,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
-import threading
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-import attrs
-from dependency_injector import containers, providers
+from dependency_injector import containers
+from dependency_injector.providers import Provider
 
 from kvwire.exceptions import KVWireError
 from kvwire.redaction import redact_text, shown
+from kvwire.registry._names import PluginNames, RegisteredPlugin, is_module_path
 
 if TYPE_CHECKING:
     from kvwire.media.base import Medium
-
-logger = logging.getLogger(__name__)
 
 MEDIA_ENTRY_POINT_GROUP = "kvwire.media"
 
@@ -48,28 +45,8 @@ BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
 """The media kvwire ships: name -> (module path, class name)."""
 
 
-def _is_module_path(text: str) -> bool:
-    """Whether ``text`` is an absolute dotted module path such as ``package.module``."""
-    return all(part.isidentifier() for part in text.split("."))
-
-
 class UnknownMediumError(KVWireError, ValueError):
     """A medium name that is not registered, or a ``module:Class`` that is not a medium."""
-
-
-@attrs.frozen
-class RegisteredMedium:
-    """A medium name and where its class lives, known without importing it."""
-
-    name: str
-    module_path: str
-    class_name: str
-    origin: str
-    """``built in``, ``registered at run time``, or the entry point and its distribution."""
-
-    @property
-    def target(self) -> str:
-        return f"{self.module_path}:{self.class_name}"
 
 
 class MediumRegistry:
@@ -81,29 +58,29 @@ class MediumRegistry:
         built_ins: dict[str, tuple[str, str]] | None = None,
         entry_point_group: str | None = MEDIA_ENTRY_POINT_GROUP,
     ) -> None:
-        self.providers = containers.DynamicContainer()
-        self._entries: dict[str, RegisteredMedium] = {}
-        self._entry_point_group = entry_point_group
-        self._entry_points_read = entry_point_group is None
-        self._lock = threading.RLock()
-        chosen = BUILT_IN_MEDIA if built_ins is None else built_ins
-        for name, (module_path, class_name) in chosen.items():
-            self._add(RegisteredMedium(name, module_path, class_name, "built in"))
+        self._names = PluginNames(
+            "medium",
+            self._load,
+            built_ins=BUILT_IN_MEDIA if built_ins is None else built_ins,
+            entry_point_group=entry_point_group,
+        )
+
+    @property
+    def providers(self) -> containers.DynamicContainer:
+        """One lazy provider per medium name (override one to swap its class)."""
+        return self._names.providers
 
     def copy(self) -> MediumRegistry:
         """A registry with the names this one knows, each with a fresh provider (no overrides)."""
-        with self._lock:
-            self._read_entry_points()
-            copied = MediumRegistry(built_ins={}, entry_point_group=None)
-            for entry in self._entries.values():
-                copied._add(entry)
+        copied = MediumRegistry(built_ins={}, entry_point_group=None)
+        copied._names = self._names.copy(copied._load)
         return copied
 
     def register_medium(self, name: str, module_path: str, class_name: str) -> None:
         """Register ``name`` lazily: ``module_path`` is imported only once a connector needs it."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"register_medium: name must be an identifier, got {shown(name)}")
-        if not isinstance(module_path, str) or not _is_module_path(module_path):
+        if not isinstance(module_path, str) or not is_module_path(module_path):
             raise ValueError(
                 "register_medium: module_path must be a dotted module name such as "
                 f"'package.module', got {shown(module_path)}"
@@ -112,27 +89,21 @@ class MediumRegistry:
             raise ValueError(
                 f"register_medium: class_name must be a Python identifier, got {shown(class_name)}"
             )
-        with self._lock:
-            self._read_entry_points()
-            if name in self._entries:
-                raise ValueError(f"Medium '{name}' is already registered.")
-            self._add(RegisteredMedium(name, module_path, class_name, "registered at run time"))
+        self._names.register(name, module_path, class_name)
 
     def names(self) -> list[str]:
         """Every registered medium name, built-ins first; imports nothing."""
-        self._read_entry_points()
-        return list(self._entries)
+        return self._names.names()
 
-    def entries(self) -> list[RegisteredMedium]:
-        self._read_entry_points()
-        return list(self._entries.values())
+    def entries(self) -> list[RegisteredPlugin]:
+        """Every registered medium, built-ins first; imports nothing."""
+        return self._names.entries()
 
-    def provider(self, name: str) -> providers.Provider[type[Medium]]:
+    def provider(self, name: str) -> Provider[type[Medium]]:
         """The lazy provider of ``name``'s class; override it to swap the medium."""
-        self._read_entry_points()
-        if name not in self._entries:
+        if name not in self._names:
             raise UnknownMediumError(self._unknown(name))
-        provider: providers.Provider[type[Medium]] = self.providers.providers[name]
+        provider: Provider[type[Medium]] = self._names.provider(name)
         return provider
 
     def get_class(self, spec: str) -> type[Medium]:
@@ -144,7 +115,7 @@ class MediumRegistry:
             # Checked before anything is imported: a relative or malformed
             # path would fail inside importlib with a message that echoes it
             # raw (a URL typed here, password and all).
-            if not (_is_module_path(module_path) and class_name.isidentifier()):
+            if not (is_module_path(module_path) and class_name.isidentifier()):
                 raise UnknownMediumError(
                     f"medium {shown(spec)} is no registered name and not of the form "
                     "'package.module:Class' (a dotted module path of identifiers, then one "
@@ -153,11 +124,7 @@ class MediumRegistry:
             return self._check(self._import(module_path, class_name, spec), spec)
         return self._check(self.provider(spec)(), spec)
 
-    def _add(self, entry: RegisteredMedium) -> None:
-        self._entries[entry.name] = entry
-        self.providers.set_provider(entry.name, providers.Singleton(self._load, entry))
-
-    def _load(self, entry: RegisteredMedium) -> Any:
+    def _load(self, entry: RegisteredPlugin) -> Any:
         return self._import(entry.module_path, entry.class_name, f"{entry.name} ({entry.origin})")
 
     @staticmethod
@@ -195,36 +162,3 @@ class MediumRegistry:
             f"unknown medium {shown(name)}; expected one of {', '.join(self.names())}, "
             "or a class as 'package.module:Class'"
         )
-
-    def _read_entry_points(self) -> None:
-        with self._lock:
-            if self._entry_points_read:
-                return
-            self._entry_points_read = True
-            assert self._entry_point_group is not None
-            for entry_point in metadata.entry_points(group=self._entry_point_group):
-                distribution = getattr(entry_point, "dist", None)
-                label = "unknown" if distribution is None else distribution.name
-                existing = self._entries.get(entry_point.name)
-                if existing is not None:
-                    # Said, as for connectors: an operator who installed a
-                    # distribution for its medium must learn it is not used.
-                    logger.warning(
-                        "Ignoring entry point '%s = %s' of distribution %s: medium '%s' is "
-                        "already registered (%s, %s)",
-                        entry_point.name,
-                        entry_point.value,
-                        label,
-                        entry_point.name,
-                        existing.origin,
-                        existing.target,
-                    )
-                    continue
-                self._add(
-                    RegisteredMedium(
-                        entry_point.name,
-                        entry_point.module,
-                        entry_point.attr or "",
-                        f"entry point of distribution {label}",
-                    )
-                )

@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
+from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import KVWireError
-from kvwire.memory_limits import describe_bytes, memory_shortfall
 from kvwire.redaction import shown, shown_key
 
 _SIZE_UNITS: dict[str, int] = {

@@ -11,7 +11,7 @@ validators. Nothing stops at the first problem: :class:`ProfileError` lists
 every one, each with its dotted path and what would be accepted. Unknown keys
 are problems too, so a typo is never silently ignored. YAML is read with
 PyYAML's safe loader only, bounded against alias bombs
-(:mod:`kvwire.profile_yaml`). Values are shown in errors through
+(:mod:`kvwire.config.profile_yaml`). Values are shown in errors through
 :func:`kvwire.redaction.shown`: bounded, secrets blanked.
 """
 
@@ -28,9 +28,9 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
-from kvwire.config import EngineConfig
+from kvwire.config.engine_config import EngineConfig
+from kvwire.config.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.exceptions import KVWireError, ProfileError, kind_of
-from kvwire.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.redaction import SHOWN_LENGTH, scrub, secrets_in_text, shown, shown_key
 
 MAPPING_ORIGIN = "<mapping>"

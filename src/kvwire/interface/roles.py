@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvwire.connector.base import KVConnectorBase, KVConnectorRole
 from kvwire.exceptions import ConnectorRoleError
+from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig
-    from kvwire.kv_cache_config import KVCacheConfig
+    from kvwire.config.kv_cache import KVCacheConfig
 
 _SchedulerHalf = TypeVar("_SchedulerHalf")
 _WorkerHalf = TypeVar("_WorkerHalf")

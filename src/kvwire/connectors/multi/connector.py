@@ -1,0 +1,458 @@
+"""MultiConnector: several connectors behind one, e.g. CPU offload in front of shared storage.
+
+Children come from ``kv_connector_extra_config["connectors"]``
+(:mod:`kvwire.connectors.multi._children` reads them and words their errors).
+Each child gets its own copy of the engine config and is built by the
+``connector_builder`` the container (or the factory) hands in, so it
+resolves through the same registry: provider overrides, module paths and
+entry points all apply. Each instance builds its children in its own role
+and keeps its role's state in one half (:mod:`kvwire.connectors.multi.scheduler`
+or :mod:`kvwire.connectors.multi.worker`), so a call of the other role raises
+:class:`~kvwire.exceptions.ConnectorRoleError`; the calls both roles make
+(shutdown, binding the step metadata, stats, the children) stay here. What
+crosses between the two halves is in :mod:`kvwire.connectors.multi.records`;
+how a finished request's answers are merged and its sends awaited, in
+:mod:`kvwire.connectors.multi._finishing`.
+
+Semantics (vLLM's): lookups ask children in order (any None means
+"ask again"); the first child with a hit loads, the others get 0; saves go to
+every child; worker calls go to every child; a request is finished sending
+once every child that kept its blocks reported it; load errors are united,
+events chained, stats nested per child, ``kv_transfer_params`` merged (a key
+clash is an error); HMA only when every child supports it. The child that
+serves a request's load answers for its hit sources until the request
+finishes. The children's worker-side KV cache events are concatenated; the
+scheduler side keeps them itself (a child that got them would report them as
+its own, each child again) and reports them before its children's own events.
+A child's None where vLLM's base answers None (events, stats, finished
+transfers, worker metadata) counts as nothing to report.
+
+Every optional hook of the base class reaches the children: preemptions and
+worker metadata (one entry per child), new requests, handshakes, the block
+pool, the one KV tensor of all layers (preferred only when every child
+prefers it, then given to each), each child class's Prometheus metrics.
+The rule that no child saves KV computed from a block whose load failed
+in another child goes through the base-class hooks
+(:meth:`~kvwire.interface.base.KVConnectorBase.load_errors_this_step`), so it
+holds for any child. Shutdown reaches every child even when one fails; each
+failure is logged and the first is raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.config import KVTransferConfig
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.connectors.multi._children import (
+    any_child_requires_piecewise,
+    child_config_error,
+    child_names,
+    child_transfer_configs,
+    children_kv_cache_layout,
+    children_prom_metrics,
+    children_support_hma,
+    validate_children,
+)
+from kvwire.connectors.multi.records import (
+    MultiKVConnectorMetadata,
+    MultiKVConnectorStats,
+    MultiKVConnectorWorkerMetadata,
+    MultiPromMetrics,
+    rebuild_child_stats,
+)
+from kvwire.connectors.multi.scheduler import MultiScheduler
+from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.interface.base import (
+    ConnectorBuilder,
+    ConnectorResolver,
+    CopyBlocksOp,
+    HMAResolver,
+    KVConnectorBase,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from kvwire.interface.roles import RoleSplitConnector
+from kvwire.interface.types import (
+    CacheHitSource,
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVConnectorOutput,
+    KVConnectorStats,
+    KVConnectorTransferResults,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.interface.worker_steps import metadata_of_type
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig
+    from kvwire.config.kv_cache import KVCacheConfig
+    from kvwire.registry.connectors import ConnectorRegistry
+
+__all__ = ["MultiConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+def _class_level_registry() -> ConnectorRegistry:
+    """The registry the class-level hooks resolve children through: the process-wide one.
+
+    vLLM calls ``build_kv_connector_stats``, ``build_prom_metrics``,
+    ``get_required_kvcache_layout`` and ``requires_piecewise_for_cudagraph``
+    on the class, with no instance and no way to hand a registry in; its own
+    factory resolves connector names through one process-wide table too. An
+    instance resolves its children through the ``connector_builder`` the
+    registry that built it passes in, so a container's overrides reach them.
+    """
+    from kvwire.registry import default_registry
+
+    return default_registry()
+
+
+class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHMA):
+    """Drives every child connector as one; see the module docstring for the rules.
+
+    It builds its children in its own role and only that role's half
+    (:class:`MultiScheduler` or :class:`MultiWorker`); the calls both roles
+    make (shutdown, the step metadata's binding, the stats, the children)
+    are its own.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        connector_builder: ConnectorBuilder,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self._children: list[KVConnectorBase] = []
+        child_configs = child_transfer_configs(self.kv_transfer_config)
+        self._child_names = child_names(child_configs)
+        try:
+            for index, child_config in enumerate(child_configs):
+                child_engine_config = attrs.evolve(config, kv_transfer_config=child_config)
+                try:
+                    child = connector_builder(child_engine_config, role, kv_cache_config)
+                except ExtraConfigError as error:
+                    # Worded as validate_extra_config words it, so that
+                    # `kvwire check` and the engine report the same text.
+                    raise child_config_error(index, error) from error
+                self._children.append(child)
+        except BaseException:
+            # The children built so far are released; their own shutdown
+            # errors are logged, and the error that stopped the build is raised.
+            self._shutdown_children()
+            raise
+        owner = type(self).__name__
+        if role is KVConnectorRole.SCHEDULER:
+            self._set_scheduler_half(MultiScheduler(owner, self._children, self._child_names))
+        else:
+            self._set_worker_half(MultiWorker(owner, self._children, self._child_names))
+
+    @property
+    def children(self) -> tuple[KVConnectorBase, ...]:
+        return tuple(self._children)
+
+    @property
+    def sub_connectors(self) -> list[KVConnectorBase]:
+        """The children, as vLLM's MultiConnector names them."""
+        return list(self._children)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(child.requires_kv_delivery for child in self._children)
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return bool(self._children) and all(
+            child.supports_divergent_local_hybrid_hits for child in self._children
+        )
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """True when every child prefers one tensor of all layers: all of them are given it."""
+        return bool(self._children) and all(
+            child.prefer_cross_layer_blocks for child in self._children
+        )
+
+    @classmethod
+    def supports_hma_for_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
+    ) -> bool:
+        """HMA when every child in kv_connector_extra_config.connectors supports it."""
+        return children_support_hma(kv_transfer_config, resolve_child)
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        """Its own keys, then each child's through the child's class; stops at the first bad one.
+
+        The constructor stops at the first bad child too, with the same words.
+        """
+        validate_children(kv_transfer_config, resolve_child)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> MultiKVConnectorStats | None:
+        """Each child's stats rebuilt by its class (see :func:`rebuild_child_stats`).
+
+        A child is named as in :meth:`get_kv_connector_stats`.
+        """
+        return rebuild_child_stats(data, _class_level_registry().get_class)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: EngineConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> MultiPromMetrics:
+        """Each child class's metrics (built once per class), fed each child's counters."""
+        return MultiPromMetrics(
+            children_prom_metrics(
+                _class_level_registry().resolve,
+                vllm_config,
+                metric_types,
+                labelnames,
+                per_engine_labelvalues,
+            )
+        )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
+        """The layout the children need, or None; children needing different ones are an error."""
+        return children_kv_cache_layout(_class_level_registry().resolve, vllm_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return any_child_requires_piecewise(
+            _class_level_registry().resolve, cls.__name__, extra_config
+        )
+
+    # -------------------------------------------------------- scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        scheduler = self._scheduler_half("bind_kv_cache_manager")
+        self._kv_cache_manager = kv_cache_manager
+        scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._scheduler_half("bind_gpu_block_pool").bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_half("on_new_request").on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        scheduler = self._scheduler_half("get_loaded_kv_cache_group_ids")
+        chosen = scheduler.loading_child(request.request_id)
+        if chosen is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return chosen.get_loaded_kv_cache_group_ids(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_half("get_num_new_matched_tokens").get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_half("update_state_after_alloc").update_state_after_alloc(
+            request, blocks, num_external_tokens
+        )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tiers of the child serving the request's load, as that child reports them."""
+        scheduler = self._scheduler_half("get_external_cache_hit_sources")
+        chosen = scheduler.loading_child(request.request_id)
+        if chosen is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return chosen.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiKVConnectorMetadata:
+        return self._scheduler_half("build_connector_meta").build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_half("update_connector_output").update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_half("request_finished").request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        scheduler = self._scheduler_half("request_finished_all_groups")
+        return scheduler.request_finished_all_groups(request, block_ids)
+
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        scheduler = self._scheduler_half("register_finished_partial_tail")
+        return scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_half("take_events").take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler_half("has_pending_block_frees").has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler_half("has_pending_push_work").has_pending_push_work()
+
+    def get_finished_count(self) -> int | None:
+        return self._scheduler_half("get_finished_count").get_finished_count()
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._scheduler_half("set_xfer_handshake_metadata").set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        scheduler = self._scheduler_half("set_xfer_handshake_metadata_pp_aware")
+        scheduler.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler_half("reset_cache").reset_cache()
+
+    # ----------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
+        worker = self._worker_half("register_cross_layers_kv_cache")
+        worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
+        """The one child's memory pool context: the KV cache lives in one pool only."""
+        return self._worker_half("get_mem_pool_context").get_mem_pool_context()
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        self._worker_half("set_host_xfer_buffer_ops").set_host_xfer_buffer_ops(copy_operation)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker_half("handle_preemptions").handle_preemptions(kv_connector_metadata)
+
+    def finish_forward(self) -> None:
+        self._worker_half("finish_forward").finish_forward()
+
+    def reset_capture_state(self) -> None:
+        self._worker_half("reset_capture_state").reset_capture_state()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_half("start_load_kv").start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_half("wait_for_layer_load").wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._worker_half("save_kv_layer").save_kv_layer(
+            layer_name, kv_layer, attn_metadata, **kwargs
+        )
+
+    def wait_for_save(self) -> None:
+        self._worker_half("wait_for_save").wait_for_save()
+
+    def load_errors_this_step(self) -> set[int]:
+        return self._worker_half("load_errors_this_step").load_errors_this_step()
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        self._worker_half("skip_saves_computed_from").skip_saves_computed_from(block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_half("get_finished").get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker_half("get_transfer_results").get_transfer_results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._worker_half("get_block_ids_with_load_errors")
+        return worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        worker = self._worker_half("get_kv_connector_kv_cache_events")
+        return worker.get_kv_connector_kv_cache_events()
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Every child's saves, within one ``timeout_s`` for them all."""
+        return self._worker_half("wait_for_pending_saves").wait_for_pending_saves(timeout_s)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker_half("get_handshake_metadata").get_handshake_metadata()
+
+    def build_connector_worker_meta(self) -> MultiKVConnectorWorkerMetadata | None:
+        return self._worker_half("build_connector_worker_meta").build_connector_worker_meta()
+
+    # ------------------------------------------------------------ both roles
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        metadata = metadata_of_type(
+            type(self).__name__, connector_metadata, MultiKVConnectorMetadata
+        )
+        for child, child_metadata in zip(self._children, metadata.children, strict=True):
+            child.bind_connector_metadata(child_metadata)
+        if self._worker is not None:
+            # Only the worker side reports sends finished; its tally holds them back.
+            self._worker.expect_finished_sending(metadata.extra_async_saves)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self._children:
+            child.clear_connector_metadata()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Both roles: vLLM's scheduler asks its connector too, beside each worker.
+        nested = {}
+        for name, child in zip(self._child_names, self._children, strict=True):
+            stats = child.get_kv_connector_stats()
+            if stats is not None and not stats.is_empty():
+                nested[name] = stats.reduce()
+        return KVConnectorStats(data=nested) if nested else None
+
+    def shutdown(self) -> None:
+        first_error = self._shutdown_children()
+        if first_error is not None:
+            raise first_error
+
+    def _shutdown_children(self) -> Exception | None:
+        """Shut every child down, logging each failure; the first failure, or None."""
+        first_error: Exception | None = None
+        for name, child in zip(self._child_names, self._children, strict=False):
+            try:
+                child.shutdown()
+            except Exception as error:
+                logger.exception(
+                    "MultiConnector: child %s failed to shut down; shutting down the others", name
+                )
+                first_error = first_error or error
+        return first_error

@@ -1,0 +1,356 @@
+"""The block connector: whole blocks of every layer, keyed by block hash, kept in any medium.
+
+kvwire's CPU offload, shared storage and Redis connectors are this one
+connector over three media (:mod:`kvwire.media`); a new place to keep
+blocks is a new :class:`~kvwire.media.base.Medium`, named in a profile by
+``kv_connector_extra_config.medium`` (a registered name such as
+``directory``, or ``package.module:Class``), never a new connector.
+
+Each instance builds only its role's half (:class:`~kvwire.interface.roles.RoleSplitConnector`):
+
+- the scheduler half (:mod:`~kvwire.connectors.offload.scheduler`) looks up
+  the request's ``block_hashes`` in the medium's index beyond what the engine
+  has locally, plans loads and saves (per KV cache group on hybrid models:
+  a sliding-window group moves only the blocks its window reaches), and
+  ships them each step in an :class:`~kvwire.connectors.offload.metadata.OffloadMetadata`;
+- the worker half (:mod:`~kvwire.connectors.offload.worker`) drives the
+  medium's transfer handler: loads verified in the cache before a block
+  counts as loaded (a failed one is a load error, computed again), saves
+  read straight from the cache's blocks in the background.
+
+Loads happen only for ``kv_consumer``/``kv_both`` engines, saves only for
+``kv_producer``/``kv_both`` ones. Its own ``kv_connector_extra_config``
+keys are ``medium`` and ``async_load`` (loads reported through
+``get_finished``); the medium declares the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.groups import cache_groups, layers_per_group
+from kvwire.blocks.paged_cache import check_cache_layout
+from kvwire.config.extra_config import (
+    ExtraConfigError,
+    ExtraConfigKey,
+    bool_key,
+    read_extra_config,
+)
+from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.connectors.offload.scheduler import OffloadScheduler
+from kvwire.connectors.offload.worker import OffloadWorker
+from kvwire.interface.base import (
+    ConnectorResolver,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from kvwire.interface.roles import RoleSplitConnector
+from kvwire.interface.types import (
+    ForwardContext,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVConnectorOutput,
+    KVConnectorStats,
+    Request,
+    SchedulerOutput,
+)
+from kvwire.media.base import Medium, MediumContext
+from kvwire.plugin_calls import call_plugin
+from kvwire.redaction import shown
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvwire.config import EngineConfig, KVTransferConfig
+    from kvwire.config.kv_cache import KVCacheConfig
+
+__all__ = ["MediumResolver", "OffloadConnector"]
+
+MEDIUM_FIELD = "kv_connector_extra_config.medium"
+
+MediumResolver = Callable[[str], type[Medium]]
+"""The medium class a name (or ``package.module:Class``) stands for, through a registry."""
+
+
+def _default_medium_resolver(spec: str) -> type[Medium]:
+    # For a connector built without a registry (constructed directly, or
+    # asked at class level by ``validate_extra_config``): the process-wide
+    # media are then the ones vLLM's factory would find. A registry that
+    # builds the connector passes its own ``medium_resolver`` instead.
+    from kvwire.registry import default_registry
+
+    return default_registry().media.get_class(spec)
+
+
+class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], SupportsHMA):
+    """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
+
+    ``default_medium`` is the medium used when the profile names none; the
+    constructor's keyword-only ``medium_resolver`` turns a name into a class
+    (the registry that builds the connector passes its own, so an override
+    of a medium there reaches this connector).
+    """
+
+    default_medium: ClassVar[str] = "cpu_pool"
+
+    # False: a sliding-window group saves every block, as a connector unaware
+    # of windows would (the figure ``--only hybrid`` measures against).
+    window_aware_saves: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        medium_resolver: MediumResolver | None = None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        groups = cache_groups(kv_cache_config)
+        layout = attrs.evolve(
+            BlockLayout.from_engine_config(config), num_layers=layers_per_group(groups)
+        )
+        check_cache_layout(layout, kv_cache_config)
+        medium_cls, options = self.read_options(self.kv_transfer_config, medium_resolver)
+        context = MediumContext(
+            type(self).__name__,
+            options,
+            groups,
+            layout,
+            engine_id=self.kv_transfer_config.engine_id,
+            parallel=config.parallel_config,
+        )
+        self._medium = call_plugin(
+            MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
+        )
+        if role is KVConnectorRole.SCHEDULER:
+            planner = BlockPlanner(
+                layout.block_size,
+                groups,
+                loads=self.kv_transfer_config.is_kv_consumer,
+                window_aware=self.window_aware_saves,
+                saves=self.kv_transfer_config.is_kv_producer,
+            )
+            self._set_scheduler_half(
+                OffloadScheduler(
+                    index=call_plugin(
+                        MEDIUM_FIELD,
+                        f"{medium_cls.__name__}.build_index",
+                        self._medium.build_index,
+                    ),
+                    planner=planner,
+                    num_groups=len(groups),
+                    async_load=options["async_load"],
+                    medium=f"medium {shown(options['medium'])}",
+                )
+            )
+        else:
+            self._set_worker_half(
+                OffloadWorker(
+                    connector_name=type(self).__name__,
+                    medium=self._medium,
+                    reports_lookups=config.parallel_config.rank == 0,
+                )
+            )
+
+    # ------------------------------------------------------------- options
+
+    @classmethod
+    def read_options(
+        cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver | None = None
+    ) -> tuple[type[Medium], dict[str, Any]]:
+        """The medium class and the checked extra config, defaults filled (or ``ExtraConfigError``).
+
+        The constructor and :meth:`validate_extra_config` both read through
+        it, so ``kvwire check`` and the engine reject the same values.
+        """
+        extra = kv_transfer_config.kv_connector_extra_config
+        spec = extra.get("medium", cls.default_medium)
+        try:
+            medium_cls = (medium_resolver or _default_medium_resolver)(spec)
+        except ValueError as error:
+            raise ExtraConfigError(f"kv_connector_extra_config.medium: {error}") from None
+        name = medium_cls.__name__
+        # A medium class not configured for use (a FaultInjectingMedium
+        # without inner) raises here too.
+        medium_keys = call_plugin(
+            MEDIUM_FIELD,
+            f"{name} cannot be used: {name}.extra_config_keys",
+            medium_cls.extra_config_keys,
+        )
+        if not (
+            isinstance(medium_keys, tuple | list)
+            and all(isinstance(key, ExtraConfigKey) for key in medium_keys)
+        ):
+            raise ExtraConfigError(
+                f"{MEDIUM_FIELD}: {name}.extra_config_keys returned {shown(medium_keys)}, not a "
+                "tuple of ExtraConfigKey (the keys it reads from kv_connector_extra_config)"
+            )
+        keys: tuple[ExtraConfigKey, ...] = (
+            bool_key("async_load", False),
+            ExtraConfigKey(
+                "medium",
+                cls.default_medium,
+                lambda value: value if isinstance(value, str) else None,
+                "a medium's name or 'package.module:Class'",
+            ),
+            *medium_keys,
+        )
+        options = read_extra_config(cls.__name__, extra, keys)
+        finished = call_plugin(
+            MEDIUM_FIELD,
+            f"{name}.finish_options",
+            lambda: medium_cls.finish_options(cls.__name__, options),
+        )
+        if not isinstance(finished, dict):
+            raise ExtraConfigError(
+                f"{MEDIUM_FIELD}: {name}.finish_options returned {shown(finished)}, not the "
+                "options dict (it must return the options it was given, completed)"
+            )
+        return medium_cls, finished
+
+    @classmethod
+    def validate_extra_config(
+        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+    ) -> None:
+        """Reads the options as the constructor does, and drops them: nothing is built.
+
+        The medium is resolved through the registry ``resolve_child`` belongs
+        to (``kvwire check`` passes its registry's ``resolve``), so a medium
+        registered or overridden there is the one checked.
+        """
+        registry = getattr(resolve_child, "__self__", None)
+        media = getattr(registry, "media", None)
+        cls.read_options(kv_transfer_config, getattr(media, "get_class", None))
+
+    @property
+    def medium(self) -> Medium:
+        """The medium this connector keeps blocks in."""
+        return self._medium
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The layout of one entry, whatever its group (the groups differ only in their name)."""
+        return self._medium.layout
+
+    @property
+    def group_layouts(self) -> tuple[BlockLayout, ...]:
+        """Each KV cache group's entry layout, as the medium names them."""
+        return self._medium.group_layouts
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role.name}, medium={type(self._medium).__name__})"
+
+    # -------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        half = self._scheduler_half("get_num_new_matched_tokens")
+        return half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        half = self._scheduler_half("update_state_after_alloc")
+        half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        return self._scheduler_half("build_connector_meta").build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_half("request_finished").request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Not through request_finished: the engine makes one finishing call per
+        # request, and a wrapper recording calls must see one.
+        return self._scheduler_half("request_finished_all_groups").request_finished(request), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_half("update_connector_output").update_connector_output(connector_output)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._scheduler_half("take_events").take_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler_half("reset_cache").reset_cache()
+
+    # ----------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Release the saves still reading blocks this step may write."""
+        self._worker_half("handle_preemptions").handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        half = self._worker_half("start_load_kv")
+        half.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_half("wait_for_layer_load").wait_for_layer_load()
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # Blocks are read in wait_for_save, all layers at once, so each block
+        # is read once, into one contiguous entry.
+        self._worker_half("save_kv_layer")
+
+    def wait_for_save(self) -> None:
+        half = self._worker_half("wait_for_save")
+        half.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_half("get_finished").get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        half = self._worker_half("get_block_ids_with_load_errors")
+        return half.get_block_ids_with_load_errors()
+
+    def load_errors_this_step(self) -> set[int]:
+        """Block ids whose synchronous loads failed this step; waits for the loads to end.
+
+        A composite asks each child, and tells every child
+        (:meth:`skip_saves_computed_from`): whichever child loaded a block,
+        no child saves what was computed from it.
+        """
+        return self._worker_half("load_errors_this_step").load_errors_this_step()
+
+    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
+        self._worker_half("skip_saves_computed_from").skip_saves_computed_from(block_ids)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_half("build_connector_worker_meta").build_connector_worker_meta()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Asked of both roles (vLLM's scheduler merges its connector's stats):
+        # the scheduler half's counts travel in the metadata, so it has none.
+        if self.role is KVConnectorRole.SCHEDULER:
+            return None
+        return self._worker_half("get_kv_connector_stats").get_kv_connector_stats()
+
+    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
+        return self._worker_half("get_kv_connector_kv_cache_events").take_events()
+
+    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
+        """Block until every save started so far is in the medium (or failed)."""
+        return self._worker_half("wait_for_pending_saves").wait_for_pending_saves(timeout_s)
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
