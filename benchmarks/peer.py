@@ -135,6 +135,11 @@ def _decode(
 
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    with_vllm = importlib.util.find_spec("vllm") is not None
+    if with_vllm:
+        from benchmarks.peer_vllm import require_nixl
+
+        require_nixl()  # before the first part's minutes, not after
     count, length = (2, 512) if quick else (4, 1024)
     results: dict[str, Any] = {
         "prompts": count,
@@ -184,7 +189,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         },
         "peer_load_gbps_over_redis": round(results["peer_load_gbps_over_redis"], 3),
     }
-    if importlib.util.find_spec("vllm") is None:
+    if not with_vllm:
         summary["vllm"] = "not run: needs vLLM (.venv-vllm/bin/python -m benchmarks --only peer)"
     else:
         from benchmarks.peer_vllm import run_vllm

@@ -30,6 +30,7 @@ and prompts for all.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -63,8 +64,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ENGINE_TIMEOUT_S = 1200
 
 
+def require_nixl() -> None:
+    """Stop, saying what to install, where vLLM's NixlConnector would find no NIXL."""
+    if importlib.util.find_spec("nixl") is None:
+        raise SystemExit(
+            "vLLM's NixlConnector imports NIXL as `nixl`: make .venv-vllm/.nixl-installed "
+            "(the nixl meta-package beside the peer extra's nixl-cu12)"
+        )
+
+
 def run_vllm(quick: bool) -> dict[str, Any]:
     """The decode engine's TTFT per configuration, and each against no connector's."""
+    require_nixl()
     count, length = (2, 1024) if quick else (4, 2048)
     shape = GQA_SHAPE | ({"num_hidden_layers": 4} if quick else {})
     warm_up = [(position * 13) % (VOCAB - 3) + 3 for position in range(4 * 32 + 1)]
