@@ -24,7 +24,7 @@ pytestmark = pytest.mark.torch
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_PROFILES = [
     *sorted((REPO / "containers").glob("*.yaml")),
-    REPO / "src" / "kvwire" / "profiles" / "default.yaml",
+    REPO / "src" / "kvwire" / "run" / "default_profile.yaml",
 ]
 UNSET_VARIABLE = "KVWIRE_TEST_UNSET_PASSWORD"
 # Checks never create it: a constructor would, and would fail on this root.

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata, SupportsHMA
-from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.interface.types import Request, SchedulerOutput
+from kvwire.testing import IdleConnector
 
 MODULE = __name__
 
 
-class PlainConnector(KVConnectorBase):
-    """A connector without HMA, recording what it is handed.
+class PlainConnector(IdleConnector):
+    """A connector without HMA that holds no KV, recording what it is handed.
 
     ``finished``: each ``request_finished`` call; ``scheduled``: each
     request's block ids in the last step that scheduled it.
@@ -26,30 +27,6 @@ class PlainConnector(KVConnectorBase):
         super().__init__(*args, **kwargs)
         self.finished: list[tuple[str, Any]] = []
         self.scheduled: dict[str, tuple[list[int], ...]] = {}
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return
-
-    def wait_for_save(self) -> None:
-        return
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return 0, False
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        return
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         for item in scheduler_output.scheduled:

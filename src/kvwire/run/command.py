@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvwire.config import EngineConfig
     from kvwire.engine.engine import GenerationRequest
 
-DEFAULT_PROFILE = "profiles/default.yaml"
+DEFAULT_PROFILE = "run/default_profile.yaml"
 
 # What each row means, for ``kvwire run --help``.
 COLUMN_HELP = """\

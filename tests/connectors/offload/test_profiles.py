@@ -17,7 +17,7 @@ from tests.support.engines import generate, renamed, served, tokens, workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PROFILES = {
-    "default": importlib.resources.files("kvwire") / "profiles" / "default.yaml",
+    "default": importlib.resources.files("kvwire") / "run" / "default_profile.yaml",
     "cpu-offload": ROOT / "containers" / "cpu-offload.yaml",
     "shared-storage": ROOT / "containers" / "shared-storage.yaml",
     "tiered-disk": ROOT / "containers" / "tiered-disk.yaml",

@@ -1,4 +1,4 @@
-"""The CPU pool's LRU index: what the scheduler side decides."""
+"""The CPU pool's slot table: which slot holds which block, in LRU order."""
 
 from __future__ import annotations
 
