@@ -25,7 +25,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from dependency_injector import containers, providers, resources
@@ -36,7 +36,10 @@ from kvwire.config.profile import load_profile
 from kvwire.exceptions import ContainerSetupError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
-from kvwire.registry import ConnectorRegistry, default_registry
+from kvwire.registry import ConnectorRegistry, accepts_keyword_only, default_registry
+
+if TYPE_CHECKING:
+    from kvwire.media.base import Medium
 
 T = TypeVar("T")
 
@@ -83,6 +86,19 @@ def _resolve_connector_class(
     registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
 ) -> type[KVConnectorBase]:
     return registry.resolve(kv_transfer_config)
+
+
+def _resolve_medium_class(
+    registry: ConnectorRegistry,
+    connector_class: type[KVConnectorBase],
+    kv_transfer_config: KVTransferConfig,
+) -> type[Medium] | None:
+    """The medium a block connector keeps blocks in; None for a connector that takes none."""
+    if not accepts_keyword_only(connector_class, "medium_resolver"):
+        return None
+    extra = kv_transfer_config.kv_connector_extra_config
+    spec = extra.get("medium", getattr(connector_class, "default_medium", ""))
+    return registry.media.get_class(spec)
 
 
 def _apply_hma_gate(
@@ -173,6 +189,7 @@ class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
         engine_config: EngineConfig,
         role: KVConnectorRole,
         kv_cache_config: providers.Dependency[KVCacheConfig],
+        medium_class: providers.Provider[type[Medium] | None],
     ) -> KVConnectorBase:
         sized_cache = _required(
             kv_cache_config,
@@ -180,7 +197,18 @@ class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
             "call container.kv_cache_config.override(kv_cache_config) once the engine "
             "has sized its KV cache",
         )
-        return registry.instantiate(connector_class, engine_config, role, sized_cache)
+
+        def medium_resolver(spec: str) -> type[Medium]:
+            # The connector asks for the medium its own config names, the one
+            # ``medium_class`` resolves: asked lazily, so that a bad name is
+            # the connector's configuration error, worded as ``kvwire check``'s.
+            resolved = medium_class()
+            assert resolved is not None, "only a block connector asks for a medium"
+            return resolved
+
+        return registry.instantiate(
+            connector_class, engine_config, role, sized_cache, medium_resolver=medium_resolver
+        )
 
     def shutdown(self, connector: KVConnectorBase | None) -> None:
         if connector is not None:
@@ -212,6 +240,10 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       give the container a ``default_registry().copy()`` first to keep the
       override to it);
     - ``kv_transfer_config`` and ``connector_class``: what the config names;
+    - ``medium_class``: the medium a block connector keeps blocks in (None
+      for another connector), resolved through the registry; override it to
+      swap the medium of this container's connectors:
+      ``container.medium_class.override(providers.Object(MyDirectory))``;
     - ``hma_gate``: the :class:`~kvwire.hma.HMADecision` (raises for HMA
       demanded from a connector that cannot serve it);
     - ``parallel_config``: the :class:`~kvwire.config.ParallelConfig` (this
@@ -240,6 +272,9 @@ class KVConnectorContainer(containers.DeclarativeContainer):
 
     kv_transfer_config = providers.Callable(_require_kv_transfer_config, engine_config)
     connector_class = providers.Callable(_resolve_connector_class, registry, kv_transfer_config)
+    medium_class = providers.Callable(
+        _resolve_medium_class, registry, connector_class, kv_transfer_config
+    )
     hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
     parallel_config = providers.Callable(_parallel_config_of, engine_config)
     connector_engine_config = providers.Callable(
@@ -255,6 +290,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         connector_engine_config,
         KVConnectorRole.SCHEDULER,
         kv_cache_config.provider,
+        medium_class.provider,
     )
     worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
@@ -263,6 +299,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         connector_engine_config,
         KVConnectorRole.WORKER,
         kv_cache_config.provider,
+        medium_class.provider,
     )
 
     process_role = providers.Dependency(instance_of=KVConnectorRole)

@@ -37,6 +37,7 @@ from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.config.kv_cache import KVCacheConfig
+    from kvwire.connectors.offload.connector import MediumResolver
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +293,14 @@ class ConnectorRegistry:
         config: EngineConfig,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
+        *,
+        medium_resolver: MediumResolver | None = None,
     ) -> KVConnectorBase:
-        """Call ``connector_cls`` as vLLM does, handing a composite its builder."""
+        """Call ``connector_cls`` as vLLM does, handing a composite its builder.
+
+        A block connector gets ``medium_resolver`` (a container's, which its
+        ``medium_class`` override reaches), else this registry's media.
+        """
         engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
         logger.info(
             "Creating v1 connector with name: %s and engine_id: %s",
@@ -310,7 +317,10 @@ class ConnectorRegistry:
             # A block connector resolves the medium it keeps blocks in here,
             # so that an override of this registry's medium reaches it.
             return connector_cls(  # type: ignore[call-arg]
-                config, role, kv_cache_config, medium_resolver=self.media.get_class
+                config,
+                role,
+                kv_cache_config,
+                medium_resolver=medium_resolver or self.media.get_class,
             )
         return connector_cls(config, role, kv_cache_config)
 
