@@ -29,6 +29,10 @@ from tests.support.vllm_engines import (
 os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
+# Three vLLM engines (the session's no-connector one included when this module runs
+# alone) take over 300 s to start on two loaded cores.
+pytestmark = pytest.mark.timeout(600)
+
 PROMPTS = shared_prompts()
 PROMPT_TOKENS = 300
 LOADABLE_BLOCKS = (PROMPT_TOKENS - 1) // BLOCK_SIZE
