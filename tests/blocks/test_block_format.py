@@ -6,15 +6,18 @@ import logging
 import pathlib
 import struct
 
+import attrs
 import pytest
 
 from kvwire.blocks.format import (
+    FLAG_NO_CHECKSUM,
     HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
     verify_entry,
     write_header,
 )
+from kvwire.blocks.mac import EntryMac
 from kvwire.config import EngineConfig, ModelConfig
 from tests.support.connector_pairs import make_request
 from tests.support.pair_fixtures import PairFactory
@@ -23,6 +26,7 @@ LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dt
 BLOCK_HASH = bytes(range(32))
 BLOCK_TOKENS = 4
 PROMPT = list(range(100, 109))  # two full blocks, one token left to compute
+CHECKSUM_AT = struct.calcsize("<4sHH16s32s5IQ")
 
 
 def encoded(layout: BlockLayout = LAYOUT, block_hash: bytes = BLOCK_HASH) -> bytearray:
@@ -128,6 +132,65 @@ def test_unknown_header_flags_are_refused() -> None:
     entry[92] |= 0x80
     with pytest.raises(CorruptBlockError, match="unknown header flags 0x80"):
         verify_entry(memoryview(entry), LAYOUT, BLOCK_HASH)
+
+
+# What the CPU pool writes: this process's own memory, no payload checksum.
+IN_PROCESS = attrs.evolve(LAYOUT, payload_checksum=False)
+
+
+def test_an_in_process_entry_is_written_without_a_payload_checksum() -> None:
+    entry = encoded(IN_PROCESS)
+    assert entry[92] == FLAG_NO_CHECKSUM
+    assert struct.unpack_from("<Q", entry, CHECKSUM_AT) == (0,)
+    # Not named apart: the pool's slots are not found by name.
+    assert IN_PROCESS.fingerprint == LAYOUT.fingerprint
+
+
+def test_an_in_process_entry_verifies_without_a_pass_over_its_payload() -> None:
+    entry = encoded(IN_PROCESS)
+    entry[HEADER_SIZE + 5] ^= 0x01  # unseen: only kvwire writes this memory
+    verify_entry(memoryview(entry), IN_PROCESS, BLOCK_HASH)
+
+
+@pytest.mark.parametrize(
+    ("offset", "reason"),
+    [
+        (8, "layout fingerprint differs"),
+        (24, "entry was stored under another block hash"),
+        (56, "shape"),
+    ],
+)
+def test_an_in_process_entry_still_names_its_block_and_layout(offset: int, reason: str) -> None:
+    entry = encoded(IN_PROCESS)
+    entry[offset] ^= 0x01
+    with pytest.raises(CorruptBlockError, match=reason):
+        verify_entry(memoryview(entry), IN_PROCESS, BLOCK_HASH)
+
+
+def test_an_entry_without_a_payload_checksum_is_refused_where_payloads_are_checked() -> None:
+    # A store (directory, Redis) or a pool read from another process never
+    # loads such an entry, whatever its payload holds.
+    with pytest.raises(CorruptBlockError, match="carries no payload checksum") as refused:
+        verify_entry(memoryview(encoded(IN_PROCESS)), LAYOUT, BLOCK_HASH)
+    assert "only a pool in the writer's own process" in refused.value.reason
+
+
+def test_a_checksummed_entry_is_not_taken_for_an_in_process_one() -> None:
+    with pytest.raises(CorruptBlockError, match="carries a payload checksum"):
+        verify_entry(memoryview(encoded()), IN_PROCESS, BLOCK_HASH)
+
+
+def test_no_checksum_and_a_mac_together_are_refused() -> None:
+    with pytest.raises(ValueError, match="payload_checksum=False is for this process"):
+        BlockLayout(
+            num_layers=2,
+            block_size=4,
+            num_kv_heads=2,
+            head_size=8,
+            dtype="float16",
+            mac=EntryMac(b"k" * 32, variable="KVWIRE_TEST_KEY"),
+            payload_checksum=False,
+        )
 
 
 def test_the_load_warning_names_the_found_and_the_expected_dtype(

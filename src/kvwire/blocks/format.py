@@ -12,6 +12,15 @@ header and the payload, and the layout fingerprint names the key's id: such
 entries and unsealed ones never share a name, and one found under the other's
 name is a load error.
 
+An entry in memory kvwire allocated in this process, which only kvwire
+writes (the CPU pool), carries no payload checksum
+(:attr:`BlockLayout.payload_checksum` false, the header flag
+``FLAG_NO_CHECKSUM``): such memory does not rot or tear between a store and a
+load, so a pass over every byte would guard against nothing; the header
+still names the block and its layout, so a slot reused or mixed up is never
+loaded as another block. A layout that checksums (every store, and a pool
+other processes read) refuses such an entry as corrupt.
+
 The payload of a block is every layer's keys and values for that block, in
 the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
 "cross-layer" layout: one entry per block, so transfers are large).
@@ -65,8 +74,10 @@ _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 # checksum, flags; the MAC (or zeros) fills the rest of the header.
 _HEADER = struct.Struct("<4sHH16s32s5IQQI")
 assert _HEADER.size + MAC_SIZE == HEADER_SIZE
-# Entries written before flags existed have zeros there: unsealed.
+# Entries written before flags existed have zeros there: unsealed, checksummed.
 FLAG_SEALED = 0x1
+# The payload carries no checksum: written only into this process's own memory.
+FLAG_NO_CHECKSUM = 0x2
 _UNSEALED_MAC = bytes(MAC_SIZE)
 
 
@@ -142,6 +153,17 @@ class BlockLayout:
     # The layers an entry holds when not all of the model's (``num_layers`` is
     # then their count; a pipeline stage holds some); None: all of them.
     layers: LayerShard | None = attrs.field(default=None, kw_only=True)
+    # False only for entries in memory kvwire allocated in this process and
+    # only kvwire writes (the CPU pool): their payload is neither checksummed
+    # nor verified (see the module docstring). Not part of the fingerprint.
+    payload_checksum: bool = attrs.field(default=True, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.mac is not None and not self.payload_checksum:
+            raise ValueError(
+                "BlockLayout: a MAC seals entries another writer could reach; "
+                "payload_checksum=False is for this process's own memory only"
+            )
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> BlockLayout:
@@ -202,7 +224,9 @@ class BlockLayout:
 
     @functools.cached_property
     def header_flags(self) -> int:
-        return FLAG_SEALED if self.mac is not None else 0
+        if self.mac is not None:
+            return FLAG_SEALED
+        return 0 if self.payload_checksum else FLAG_NO_CHECKSUM
 
     @functools.cached_property
     def expected_header_fields(self) -> tuple[bytes, bytes, bytes]:
@@ -296,7 +320,7 @@ def encode_header(
     """Fill ``header`` (``HEADER_SIZE`` bytes) for the payload made of ``payload``'s parts.
 
     The parts are a block's ranges in the KV cache (see
-    :mod:`kvwire.blocks.memory`): checksum and MAC are computed
+    :mod:`kvwire.blocks.memory`): checksum (unless the layout has none) and MAC are computed
     over them where they lie, equal to those of the joined payload, so the
     entry ``header + parts`` is the one :func:`write_header` makes.
     """
@@ -310,7 +334,7 @@ def encode_header(
         block_hash.ljust(32, b"\0")[:32],
         *layout.shape,
         layout.payload_bytes,
-        parts_checksum(payload),
+        parts_checksum(payload) if layout.payload_checksum else 0,
         layout.header_flags,
     )
     if layout.mac is None:
@@ -332,6 +356,7 @@ def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
 
     With a MAC, the MAC alone decides (it covers the checksum and all the
     rest); only an entry that fails it is checksummed, to tell damage from forgery.
+    A layout without payload checksum checks the header alone.
     """
     if len(entry) < HEADER_SIZE:
         raise CorruptBlockError(f"entry is {len(entry)} bytes, shorter than its header")
@@ -371,6 +396,8 @@ def verify_parts(
     ):
         _raise_header_error(header, size, layout, block_hash)
     # The usual case, in four comparisons; only the payload's integrity is left.
+    if not layout.payload_checksum:
+        return  # this process's own memory: the header is all there is to check
     mac = layout.mac
     if mac is not None and mac.matches(
         header[_MAC_START:HEADER_SIZE], header[:_MAC_START], *payload
@@ -419,8 +446,15 @@ def _raise_header_error(
 
 
 def _flags_error(flags: int, layout: BlockLayout) -> str:
-    if flags & ~FLAG_SEALED:
+    if flags & ~(FLAG_SEALED | FLAG_NO_CHECKSUM) or flags == FLAG_SEALED | FLAG_NO_CHECKSUM:
         return f"unknown header flags {flags:#x}"
+    if flags & FLAG_NO_CHECKSUM:
+        return (
+            "entry carries no payload checksum, which only a pool in the writer's own "
+            "process may hold; not loaded from a medium that checks every payload"
+        )
+    if not layout.payload_checksum:
+        return "entry carries a payload checksum: not written by this process's pool"
     if layout.mac is not None:
         return (
             "entry is not sealed with a MAC, and this engine requires one (MAC key from "

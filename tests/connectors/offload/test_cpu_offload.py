@@ -15,6 +15,7 @@ from tests.support.connector_pairs import (
     engine_config,
     make_request,
 )
+from tests.support.mixed_up_slots import name_another_block, name_another_layout
 from tests.support.pair_fixtures import OpenPair, PairFactory
 
 BLOCK = 4
@@ -88,11 +89,10 @@ def test_the_pool_evicts_the_least_recently_used_blocks(make_pair):
     assert len(events[1].block_hashes) == 4
 
 
-def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
+def test_a_pool_slot_naming_another_block_is_reported_and_never_copied(make_pair):
     pair = make_pair()
     offload(pair)
-    pool = pair.worker._worker.handler.pool
-    pool.payload(0).view(-1)[5] += 1.0  # one value of the first stored block
+    name_another_block(pair.worker._worker.handler.pool, 0)  # the first stored block's slot
     for block in SECOND:
         for cache in pair.caches.values():
             cache[:, block] = 0
@@ -101,10 +101,10 @@ def test_a_corrupted_pool_slot_is_reported_and_never_copied(make_pair):
     assert all(not cache[:, SECOND[0]].any() for cache in pair.caches.values())
 
 
-def test_a_corrupted_pool_slot_is_forgotten_after_its_failed_load(make_pair):
+def test_a_mixed_up_pool_slot_is_forgotten_after_its_failed_load(make_pair):
     pair = make_pair()
     offload(pair)
-    pair.worker._worker.handler.pool.payload(1).view(-1)[0] += 1.0  # the second stored block
+    name_another_layout(pair.worker._worker.handler.pool, 1)  # the second stored block's slot
     pair.prefill(make_request("b", PROMPT, BLOCK), SECOND)
     assert pair.load_errors == {SECOND[1]}
     assert pair.lookup(make_request("c", PROMPT, BLOCK)) == (BLOCK, False)

@@ -54,6 +54,7 @@ from tests.support.hybrid_pairs import (
     hybrid_engine_config,
     zero,
 )
+from tests.support.mixed_up_slots import name_another_block
 
 
 def pool_worker(connector: CPUOffloadConnector) -> CPUPoolTransferHandler:
@@ -218,11 +219,11 @@ def test_a_request_that_stored_nothing_in_any_group_frees_its_blocks_at_once(hyb
     assert pair.finish_groups(b, B_IDS) is False
 
 
-def test_a_corrupted_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
+def test_a_mixed_up_slot_of_one_group_is_forgotten_in_that_group_only(hybrid):
     pair = hybrid()
     a = offload(pair)
     # Slots go to the full group's six blocks first, then the sliding group's two.
-    pair.pool_worker.pool.payload(7).view(-1)[0] += 1.0  # sliding position 5
+    name_another_block(pair.pool_worker.pool, 7)  # sliding position 5
     b = make_request("b", PROMPT, BLOCK)
     pair.prefill_groups(b, B_IDS)
     assert pair.load_errors == {33}
@@ -234,10 +235,13 @@ def test_each_groups_entries_are_named_by_that_groups_layout(hybrid):
     pair = hybrid()
     a = offload(pair)
     pool = pair.pool_worker.pool
-    full_layout, sliding_layout = pair.worker.group_layouts
+    # As the pool writes them: in this process's memory, no payload checksum.
+    full_layout, sliding_layout = (
+        attrs.evolve(layout, payload_checksum=False) for layout in pair.worker.group_layouts
+    )
     assert full_layout.fingerprint != sliding_layout.fingerprint
     verify_entry(pool.entry(6), sliding_layout, a.block_hashes[4])  # sliding position 4
-    with pytest.raises(CorruptBlockError):
+    with pytest.raises(CorruptBlockError, match="layout fingerprint differs"):
         verify_entry(pool.entry(6), full_layout, a.block_hashes[4])
 
 
@@ -345,7 +349,7 @@ def test_a_hybrid_engine_whose_copies_outlive_a_step_never_saves_another_request
     # sliding group's window and the block before; a's next step moves its
     # window past that block and frees it, and b, admitted then, takes every
     # free block: it writes that block while a's copy of it is held. Without
-    # the release, a's entry holds b's bytes under a valid checksum and the
+    # the release, a's entry holds b's bytes under a's own header and the
     # warm pass of a, loading it, goes wrong.
     a = GenerationRequest("a", tuple((7 * i + 3) % 300 for i in range(32)), 8)
     b = GenerationRequest("b", tuple((11 * i + 5) % 300 for i in range(20)), 2)

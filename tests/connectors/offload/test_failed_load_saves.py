@@ -14,6 +14,7 @@ import contextlib
 import pathlib
 from typing import Any
 
+import attrs
 import pytest
 
 from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
@@ -27,6 +28,7 @@ from tests.support.engines import (
     tiny_config,
     with_connector,
 )
+from tests.support.mixed_up_slots import name_another_block
 
 BLOCK_SIZE = 4
 PREFIX = tuple(range(10, 22))  # three full blocks
@@ -53,12 +55,13 @@ def flip_a_byte(path: pathlib.Path) -> None:
 
 
 def corrupt_pool_entry(pool: PoolSlots, layout: BlockLayout, block: bytes) -> None:
-    """Flip a payload byte of the CPU pool slot that holds ``block``."""
+    """Make the CPU pool slot that holds ``block`` name another block: a mixed-up slot."""
+    # As the pool writes its entries: in this process's memory, no payload checksum.
+    in_pool = attrs.evolve(layout, payload_checksum=False)
     for slot in range(pool.num_slots):
-        entry = pool.entry(slot)
         with contextlib.suppress(CorruptBlockError):
-            verify_entry(entry, layout, block)
-            entry[len(entry) // 2] ^= 0x01
+            verify_entry(pool.entry(slot), in_pool, block)
+            name_another_block(pool, slot)
             return
     raise AssertionError("no pool slot holds the block")
 

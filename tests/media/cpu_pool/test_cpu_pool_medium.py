@@ -10,14 +10,15 @@ slot is forgotten, and a pool too small for one block is refused by name.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.format import FLAG_NO_CHECKSUM, BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config.extra_config import ExtraConfigError, read_extra_config
@@ -27,10 +28,15 @@ from kvwire.media.base import MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import _handler as cpu_pool_handler_module
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from tests.support.mixed_up_slots import name_another_block, name_another_layout
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+# Where an entry's header holds its payload checksum and its flags.
+CHECKSUM_AT = struct.calcsize("<4sHH16s32s5IQ")
+FLAGS_AT = CHECKSUM_AT + 8
 H1, H2 = HASHES
 H3, H4, H5 = (bytes([n]) * 32 for n in (3, 4, 5))
 
@@ -238,17 +244,25 @@ def test_evictions_are_counted_and_reported_once_per_group() -> None:
     assert index.count_held_prefix(1, [H1]) == 0
 
 
-def test_a_corrupt_slot_found_by_a_load_is_discarded(handlers: list[TransferHandler]) -> None:
+@pytest.mark.parametrize("mix_up", [name_another_block, name_another_layout])
+def test_a_slot_naming_another_block_or_layout_is_never_loaded_and_is_discarded(
+    handlers: list[TransferHandler], mix_up: Callable[[PoolSlots, int], None]
+) -> None:
     pool = medium(4)
     counters = Counters()
     index = pool.build_index()
-    handler = pool.build_handler(layout_caches(LAYOUT, seed=4), counters)
+    caches = layout_caches(LAYOUT, seed=4)
+    handler = pool.build_handler(caches, counters)
     handlers.append(handler)
     slots = stored(index, handler)
     index.take_events()
-    pool_of(handler).pool.payload(slots[1]).view(-1)[0] += 1.0
+    before = [bits(cache, 3).clone() for cache in caches.values()]
+    mix_up(pool_of(handler).pool, slots[1])
 
     assert load_into_2_and_3(index, handler) == {3}
+    assert all(
+        torch.equal(bits(cache, 3), old) for cache, old in zip(caches.values(), before, strict=True)
+    )
     index.complete_load(0, HASHES, corrupt=[H2])
 
     assert counters.take()["corrupt_entries"] == 1
@@ -259,6 +273,26 @@ def test_a_corrupt_slot_found_by_a_load_is_discarded(handlers: list[TransferHand
     # Its slot is free again: storing H2 anew evicts nothing.
     assert index.prepare_store(0, [H2]) == [(H2, slots[1])]
     assert index.take_counters() == {}
+
+
+def test_the_pool_writes_no_payload_checksum_and_loads_its_own_payload_as_written(
+    handlers: list[TransferHandler],
+) -> None:
+    # Memory this process allocated and only kvwire writes: a checksum pass
+    # would guard against nothing, so none is made (the header still is checked).
+    pool = medium(4)
+    index = pool.build_index()
+    caches = layout_caches(LAYOUT, seed=4)
+    handler = pool.build_handler(caches, Counters())
+    handlers.append(handler)
+    slots = stored(index, handler)
+    entry = pool_of(handler).pool.entry(slots[0])
+    assert entry[FLAGS_AT] == FLAG_NO_CHECKSUM
+    assert bytes(entry[CHECKSUM_AT : CHECKSUM_AT + 8]) == bytes(8)
+
+    assert load_into_2_and_3(index, handler) == set()
+    for cache in caches.values():
+        assert torch.equal(bits(cache, 2), bits(cache, 0))
 
 
 def test_a_block_being_loaded_is_not_evicted_until_its_load_completes() -> None:

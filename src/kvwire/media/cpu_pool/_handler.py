@@ -6,16 +6,21 @@ header followed by one block of every layer of one KV cache group
 serves them all, and each entry's header names its group's layout. Which slot
 holds what is decided by the scheduler side (:mod:`kvwire.media.cpu_pool._slot_table`);
 this side only copies. Stores run on a background thread and complete
-asynchronously; loads verify each slot's header and checksum before
-copying it into the cache.
+asynchronously; loads verify each slot's header (and, when its layout
+checksums payloads, the checksum) before copying it into the cache. The CPU
+pool medium's layouts carry no payload checksum: only kvwire writes this
+memory, in this process, so a slot's header naming its block and layout is
+what tells a reused or mixed-up slot; the peer medium, whose pool other
+processes read while it may be rewritten, keeps the checksum.
 
 Every copy job has a deadline (``transfer_timeout_s`` from its start), so
 that no wait of the forward pass's thread is unbounded: a load still running
 then is abandoned and its blocks are load errors; a store still running then
 is abandoned and counts failed. An abandoned job copies nothing more: each
 chunk is copied under the job's lock after checking it was not abandoned. A
-store abandoned mid-way leaves slots whose headers do not match their
-blocks, which a later load reports instead of copying.
+store abandoned or failed mid-way leaves slots whose headers do not name
+their blocks (a chunk's headers are cleared before its payloads are
+written), which a later load reports instead of copying.
 
 A store may also be released (:meth:`CPUPoolTransferHandler.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
@@ -35,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence, Set
 import attrs
 
 from kvwire.blocks.format import (
+    HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
     verify_entry,
@@ -59,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 # Smaller pieces are not worth a thread hand-off.
 _MIN_BLOCKS_PER_PIECE = 4
+# What a slot's header holds while its payload is being written: no block.
+_NO_HEADER = bytes(HEADER_SIZE)
 
 
 class _PoolJob(BlockJob):
@@ -314,15 +322,19 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         started = time.perf_counter()
         stored = 0
         try:
-            # Chunk by chunk, so each checksum reads entries the copy has just
-            # written while they are still in the CPU cache; under the job's
-            # lock, so that once abandoned it reads no block the engine reuses.
+            # Chunk by chunk, so each checksum (where the layout has one) reads
+            # entries the copy has just written while they are still in the CPU
+            # cache; under the job's lock, so that once abandoned it reads no
+            # block the engine reuses.
             for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
                 slots = transfer.slots[chunk.start : chunk.stop]
                 with job.lock:
                     job.check()
                     if job.released:
                         break
+                    # A slot whose payload stops half-written names no block.
+                    for slot in slots:
+                        self.pool.entry(slot)[:HEADER_SIZE] = _NO_HEADER
                     caches.gather_many(
                         transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
                     )

@@ -5,7 +5,9 @@ which slot holds which block, evicting the least recently used; the worker
 side (:mod:`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
 header; every group's entries have the same size, so the groups share the
-pool. A block becomes a hit only once its store is complete.
+pool. A block becomes a hit only once its store is complete. Entries carry
+no payload checksum (see :mod:`kvwire.blocks.format`): their headers name
+their block and layout, and nothing but kvwire writes this memory.
 
 ``kv_connector_extra_config`` keys:
 
@@ -26,6 +28,8 @@ import itertools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
+
+import attrs
 
 from kvwire.blocks.format import HEADER_SIZE
 from kvwire.config.extra_config import (
@@ -85,7 +89,11 @@ class CPUPoolMedium(Medium):
 
         context = self.context
         handler = CPUPoolTransferHandler(
-            layouts=self.group_layouts,
+            # Memory this process allocated and only kvwire writes: the
+            # headers name each slot's block, a payload checksum would buy nothing.
+            layouts=tuple(
+                attrs.evolve(layout, payload_checksum=False) for layout in self.group_layouts
+            ),
             caches=group_caches(kv_caches, context.layout, context.groups),
             num_slots=self.num_slots,
             io_threads=context.options["io_threads"],

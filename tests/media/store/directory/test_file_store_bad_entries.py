@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import struct
 
 import pytest
 
-from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.format import FLAG_NO_CHECKSUM, HEADER_SIZE, BlockLayout
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
@@ -31,6 +32,8 @@ PROMPT = list(range(100, 117))  # 4 full blocks
 PRODUCER_BLOCKS = [3, 7, 1, 9, 12]
 CONSUMER_BLOCKS = [20, 21, 22, 23, 24]
 # Entries of 4 MiB: read with more than one call.
+# Where an entry's header holds its payload checksum (its flags follow).
+CHECKSUM_AT = struct.calcsize("<4sHH16s32s5IQ")
 LARGE = BlockLayout(num_layers=2, block_size=256, num_kv_heads=8, head_size=128, dtype="float32")
 
 
@@ -157,3 +160,22 @@ def test_a_read_only_reader_under_a_size_cap_still_loads(
     assert errors == set()
     for name, cache in saved.items():
         assert (loaded[name][:, 2:4] == cache[:, 0:2]).all()
+
+
+def test_an_entry_without_a_payload_checksum_is_refused_as_corrupt(
+    shared_storage_pair: PairFactory, storage_dir: pathlib.Path
+):
+    # Only a pool in the writer's own process may skip the payload checksum:
+    # such an entry on disk, whatever its payload holds, is never loaded.
+    produce(shared_storage_pair)
+    victim = entry_of_block(storage_dir, 1)
+    unchecked = bytearray(victim.read_bytes())
+    struct.pack_into("<QI", unchecked, CHECKSUM_AT, 0, FLAG_NO_CHECKSUM)
+    unchecked[HEADER_SIZE] ^= 0x01  # other KV than the block's
+
+    consumer = load_after_lookup(
+        shared_storage_pair, victim, lambda path: path.write_bytes(bytes(unchecked))
+    )
+
+    assert consumer.load_errors == {CONSUMER_BLOCKS[1]}
+    assert consumer.stats["corrupt_entries"] == 1

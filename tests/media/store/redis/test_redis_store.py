@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
+import attrs
 import pytest
 
 from kvwire.blocks.format import HEADER_SIZE, CorruptBlockError, verify_entry
@@ -235,6 +236,20 @@ def test_a_byte_flipped_in_the_server_is_caught_by_the_checksum(
 
     assert redis_store.get_into([LAYOUT.key(block_hash(0))], [buffer]) == [LAYOUT.entry_bytes]
     with pytest.raises(CorruptBlockError, match="checksum"):
+        verify_entry(buffer, LAYOUT, block_hash(0))
+
+
+def test_an_entry_without_a_payload_checksum_is_refused_as_corrupt(
+    redis_server: RedisServer, redis_store: RedisBlockStore
+) -> None:
+    # What the CPU pool writes into its own memory; never loaded from a server.
+    key = LAYOUT.key(block_hash(0))
+    unchecked = encoded_entry(attrs.evolve(LAYOUT, payload_checksum=False), 0)
+    redis_server.client().set(redis_store.redis_key(key), bytes(unchecked))
+    buffer = _buffers(1)[0]
+
+    assert redis_store.get_into([key], [buffer]) == [LAYOUT.entry_bytes]
+    with pytest.raises(CorruptBlockError, match="carries no payload checksum"):
         verify_entry(buffer, LAYOUT, block_hash(0))
 
 
