@@ -1,4 +1,8 @@
-"""RedisConnector through the kit's parallel section: two tensor-parallel ranks, a real server."""
+"""RedisConnector through the kit's parallel section: two tensor-parallel ranks, real servers.
+
+On one redis-server and on a local Redis Cluster (six processes): entries of
+one KV head each, so TP=1 and TP=2 engines read each other's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ParallelConformanceSuite, conformance_engine_config
+from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_servers import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -25,6 +30,20 @@ class TestRedisConnectorAtTP2(ParallelConformanceSuite):
                 "key_prefix": key_prefix,
                 "staging_buffer_bytes": "1MiB",
                 # One KV head an entry: TP=1 and TP=2 engines read each other's.
+                "entry_kv_heads": 1,
+            },
+        )
+
+
+class TestRedisClusterConnectorAtTP2(ParallelConformanceSuite):
+    @pytest.fixture
+    def engine_config(self, redis_cluster: LocalCluster, key_prefix: str) -> EngineConfig:
+        return conformance_engine_config(
+            "RedisConnector",
+            extra_config={
+                "url": redis_cluster.url,
+                "key_prefix": key_prefix,
+                "staging_buffer_bytes": "1MiB",
                 "entry_kv_heads": 1,
             },
         )
