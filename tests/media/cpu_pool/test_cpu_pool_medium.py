@@ -20,6 +20,7 @@ import torch
 
 from kvwire.blocks.format import FLAG_NO_CHECKSUM, BlockLayout
 from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config.extra_config import ExtraConfigError, read_extra_config
 from kvwire.interface.counters import Counters
@@ -293,6 +294,40 @@ def test_the_pool_writes_no_payload_checksum_and_loads_its_own_payload_as_writte
     assert load_into_2_and_3(index, handler) == set()
     for cache in caches.values():
         assert torch.equal(bits(cache, 2), bits(cache, 0))
+
+
+def test_a_store_that_fails_half_way_leaves_slots_that_name_no_block(
+    handlers: list[TransferHandler], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No payload checksum would notice a slot half rewritten under a header
+    # still naming its block: the store clears the headers before it copies.
+    pool = medium(4)
+    index = pool.build_index()
+    caches = layout_caches(LAYOUT, seed=4)
+    handler = pool.build_handler(caches, Counters())
+    handlers.append(handler)
+    slots = stored(index, handler)
+
+    def fails_half_way(
+        self: PagedKVCaches, block_ids: Any, slots: Any, entries: torch.Tensor
+    ) -> None:
+        entries[slots[0]].fill_(7.0)  # the first block copied, then a fault
+        raise RuntimeError("copy failed half way")
+
+    monkeypatch.setattr(PagedKVCaches, "gather_many", fails_half_way)
+    handler.save(
+        [BlockTransfer(request_id="again", block_ids=(0, 1), block_hashes=HASHES, slots=slots)]
+    )
+    assert handler.wait_for_saves(TEST_LIMIT_S)
+    before = [bits(cache, 2).clone() for cache in caches.values()]
+    handler.start_loads(
+        [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES, slots=slots)], []
+    )
+
+    assert handler.take_load_errors() == {2, 3}
+    assert all(
+        torch.equal(bits(cache, 2), old) for cache, old in zip(caches.values(), before, strict=True)
+    )
 
 
 def test_a_block_being_loaded_is_not_evicted_until_its_load_completes() -> None:
