@@ -13,8 +13,9 @@ Three measurements, each in one run:
    bound's) are removed, untimed, before each save, so that neither writes
    into a page cache fuller of dirty pages than the other. Beside the CPU
    pool, a reference that only checksums each block and then copies it
-   (``checksum_then_copy_gbps``): what any load that verifies before copying
-   costs on this machine, whatever its design.
+   (``checksum_then_copy_gbps``): what a load that checksums before copying
+   (a store's, a peer's) costs on this machine, whatever its design; the CPU
+   pool itself checks only each header.
 2. The reference's example-connector strategy (one safetensors file per layer
    per request, synchronous) on the same requests as the shared-storage
    connector: the ratio of their throughputs.
