@@ -16,7 +16,7 @@ Three measurements, each in one run:
    (``checksum_then_copy_gbps``): what a load that checksums before copying
    (a store's, a peer's) costs on this machine, whatever its design; the CPU
    pool itself checks only each header.
-2. The reference's example-connector strategy (one safetensors file per layer
+2. vLLM's ExampleConnector strategy (one safetensors file per layer
    per request, synchronous) on the same requests as the shared-storage
    connector: the ratio of their throughputs.
 3. Time to first token on long shared prompts through the engine, warm CPU

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class KVConnectorFactory:
-    """The reference's class-level connector factory, with its behaviour and messages."""
+    """vLLM's class-level connector factory, with its behaviour and messages."""
 
     @classmethod
     def register_connector(cls, name: str, module_path: str, class_name: str) -> None:
