@@ -19,6 +19,7 @@ import pytest
 import kvwire.vllm
 from kvwire.exceptions import VLLMConfigError
 from tests.support import vllm_hybrid_connectors as hybrid_connectors
+from tests.support.mixed_up_slots import name_another_block
 from tests.support.vllm_engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
@@ -169,12 +170,16 @@ def test_a_failed_asynchronous_load_on_a_hybrid_model_is_recomputed_with_identic
 
 
 def _damage_every_pool_slot() -> int:
-    """Flip one payload byte of every slot of the in-process worker's CPU pool; how many."""
+    """Make every slot of the in-process worker's CPU pool name another block; how many.
+
+    The pool's payloads carry no checksum (only kvwire writes that memory), so
+    a slot mixed up with another block is the damage a load must refuse.
+    """
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     pool = get_kv_transfer_group().connector._worker.handler.pool
     for slot in range(pool.num_slots):
-        pool.payload(slot).view(-1)[0] += 1.0
+        name_another_block(pool, slot)
     return pool.num_slots
 
 
