@@ -24,6 +24,18 @@ every connector's warm pass must compute too: the floor no connector can
 go below. ``load_wait_ms_p50`` is the time the engine's thread spent in the
 connector's ``start_load_kv`` and ``wait_for_layer_load`` (the load as the
 forward pass sees it).
+
+The GQA model also runs at tensor parallelism 2 (vLLM's multiprocessing
+executor, each rank bound to a core of its own by
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``), against stores of one KV head per
+entry (``entry_kv_heads: 1``, what lets sizes share entries): a TP=1
+engine writes the prompts' entries (and gives its own warm pass, the TP=1
+bound), then one TP=2 engine loads them (the cross-size load, every rank
+reading its head of entries written by one rank), computes other prompts of
+the same shape, saves them and loads them back (the same-size load); a TP=2
+engine without a connector computes those other prompts warm (the TP=2
+bound). At TP=2 the load wait is not measured: the ranks' connectors live in
+the worker processes.
 """
 
 from __future__ import annotations
@@ -63,6 +75,10 @@ GQA_SHAPE = {
 # KV heads = attention heads, as in Llama-2-7B, and twice the layers.
 MHA_SHAPE = GQA_SHAPE | {"num_hidden_layers": 16, "num_key_value_heads": 8}
 MODELS = {"GQA, 8 layers": GQA_SHAPE, "MHA, 16 layers": MHA_SHAPE}
+PARALLEL_MODEL = "GQA, 8 layers"
+TP2_ENGINE_ARGS = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+# vLLM refuses TP=2 on a CPU unless each rank is given a core of its own.
+TP2_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def kv_bytes_per_token(shape: dict[str, int]) -> int:
@@ -86,6 +102,11 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         [(index * 7919 + position * 31) % (VOCAB - 3) + 3 for position in range(prompt_tokens)]
         for index in range(num_prompts)
     ]
+    # Prompts of the same shape that no TP=1 engine stores: the TP=2 engines' same-size pass.
+    other_prompts = [
+        [(index * 7919 + position * 37 + 1) % (VOCAB - 3) + 3 for position in range(prompt_tokens)]
+        for index in range(num_prompts)
+    ]
     summary: dict[str, Any] = {"prompt_tokens": prompt_tokens, "prompts": num_prompts, "models": {}}
     for model_name, full_shape in MODELS.items():
         shape = full_shape | ({"num_hidden_layers": 4} if quick else {})
@@ -94,16 +115,112 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
             root = pathlib.Path(scratch)
             model = build_model(root / "model", shape)
             prompt_kv_bytes = kv_bytes_per_token(shape) * prompt_tokens
-            results = {
-                name: run_engine_process(
+            results: dict[str, dict[str, Any]] = {}
+            for name in CONFIGURATIONS:
+                results[name] = run_engine_process(
                     name, model, prompts, root, prompt_kv_bytes * num_prompts, prompt_kv_bytes
                 )
-                for name in CONFIGURATIONS
-            }
+                if name == "no connector" and model_name == PARALLEL_MODEL:
+                    summary["tensor_parallel"] = run_tensor_parallel(
+                        model, prompts, other_prompts, root, prompt_kv_bytes, results[name]
+                    )
         summary["models"][model_name] = summarize(shape, prompt_tokens, results)
     write_json(output_dir, "vllm.json", summary)
     plot(summary, output_dir / "vllm.png")
     return summary
+
+
+def run_tensor_parallel(
+    model: str,
+    prompts: list[list[int]],
+    other_prompts: list[list[int]],
+    scratch: pathlib.Path,
+    prompt_kv_bytes: int,
+    tp1_no_connector: dict[str, Any],
+) -> dict[str, Any]:
+    """The TP=2 rows (see the module): three engines, one store of one KV head per entry."""
+    kv_bytes = prompt_kv_bytes * len(prompts)
+    store = scratch / "kvwire-per-head-store"
+    per_head = {"entry_kv_heads": 1, "shared_storage_path": str(store)}
+    tp1 = run_engine_process(
+        "TP=1 kvwire shared storage, one head per entry",
+        model,
+        prompts,
+        scratch,
+        kv_bytes,
+        prompt_kv_bytes,
+        options=per_head,
+    )
+    tp2_bound = run_engine_process(
+        "TP=2 no connector",
+        model,
+        other_prompts,
+        scratch,
+        kv_bytes,
+        prompt_kv_bytes,
+        engine_args=TP2_ENGINE_ARGS,
+        environment=TP2_ENVIRONMENT,
+    )
+    tp2 = run_engine_process(
+        "TP=2 kvwire shared storage, one head per entry",
+        model,
+        other_prompts,
+        scratch,
+        kv_bytes,
+        prompt_kv_bytes,
+        options=per_head,
+        engine_args=TP2_ENGINE_ARGS,
+        environment=TP2_ENVIRONMENT,
+        stored_prompts=prompts,
+    )
+    return summarize_tensor_parallel(tp1_no_connector, tp1, tp2_bound, tp2)
+
+
+def summarize_tensor_parallel(
+    tp1_no_connector: dict[str, Any],
+    tp1: dict[str, Any],
+    tp2_bound: dict[str, Any],
+    tp2: dict[str, Any],
+) -> dict[str, Any]:
+    """The TP=2 table: each engine's warm p50, and the ratios the README and docs quote."""
+    p50 = statistics.median
+    rows = {
+        "TP=1 no connector": p50(tp1_no_connector["warm_seconds"]),
+        "TP=1 kvwire, written and loaded at TP=1": p50(tp1["warm_seconds"]),
+        "TP=2 no connector": p50(tp2_bound["warm_seconds"]),
+        "TP=2 kvwire, written and loaded at TP=2": p50(tp2["warm_seconds"]),
+        "TP=2 kvwire, written at TP=1, loaded at TP=2": p50(tp2["stored_seconds"]),
+    }
+    same_size = rows["TP=2 kvwire, written and loaded at TP=2"]
+    cross_size = rows["TP=2 kvwire, written at TP=1, loaded at TP=2"]
+    return {
+        "warm_ttft_p50_s": rows,
+        "tp2_warm_vs_tp2_no_connector": same_size / rows["TP=2 no connector"],
+        "tp2_warm_vs_tp1_warm": same_size / rows["TP=1 kvwire, written and loaded at TP=1"],
+        "tp2_no_connector_vs_tp1_no_connector": rows["TP=2 no connector"]
+        / rows["TP=1 no connector"],
+        "cross_size_vs_same_size": cross_size / same_size,
+        "cross_size_vs_tp2_no_connector": cross_size / rows["TP=2 no connector"],
+        # TP=2 tokens are TP=1's: the cross-size pass is checked against TP=1 on its prompts.
+        "tp2_warm_tokens_equal_tp2_no_connector": same_tokens(
+            tp2["warm_tokens"], tp2_bound["warm_tokens"]
+        ),
+        "cross_size_tokens_equal_tp1_no_connector": same_tokens(
+            tp2["stored_tokens"], tp1_no_connector["warm_tokens"]
+        ),
+        "tp1_warm_tokens_equal_tp1_no_connector": same_tokens(
+            tp1["warm_tokens"], tp1_no_connector["warm_tokens"]
+        ),
+        "cached_tokens": {
+            "TP=1 warm": sorted(set(tp1["warm_cached"])),
+            "TP=2 warm": sorted(set(tp2["warm_cached"])),
+            "TP=2 cross-size": sorted(set(tp2["stored_cached"])),
+        },
+        "kvwire_stats_tp2": {
+            name: tp2["kvwire_stats"].get(name, 0)
+            for name in ("blocks_loaded", "load_errors", "saves_dropped")
+        },
+    }
 
 
 def same_tokens(rounds: list[list[int]], expected: list[list[int]]) -> bool:
@@ -166,7 +283,11 @@ def build_model(directory: pathlib.Path, shape: dict[str, int]) -> str:
 
 
 def transfer_config(
-    name: str, scratch: pathlib.Path, kv_bytes: int, save_bytes: int
+    name: str,
+    scratch: pathlib.Path,
+    kv_bytes: int,
+    save_bytes: int,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """vLLM's kv_transfer_config for a configuration.
 
@@ -174,8 +295,9 @@ def transfer_config(
     pool is set to hold every prompt's KV (``kv_bytes``, a quarter more for
     headers and rounding), the shared storage's staging buffers to two
     prompts' (``save_bytes`` each), so that no save is dropped for room.
+    ``options`` are set on the kvwire connector over the preset's.
     """
-    if name == "no connector":
+    if name.endswith("no connector"):
         return None
     if name == "vLLM ExampleConnector":
         return {
@@ -188,15 +310,16 @@ def transfer_config(
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     mib = 2**20
-    if name == "kvwire CPU offload":
+    if "CPU offload" in name:
         mapping = yaml.safe_load((repo / "containers" / "cpu-offload.yaml").read_text())
-        options = mapping["kv_transfer_config"]["kv_connector_extra_config"]
-        options["cpu_pool_bytes"] = f"{-(-kv_bytes * 5 // 4 // mib)}MiB"
+        preset = mapping["kv_transfer_config"]["kv_connector_extra_config"]
+        preset["cpu_pool_bytes"] = f"{-(-kv_bytes * 5 // 4 // mib)}MiB"
     else:
         mapping = yaml.safe_load((repo / "containers" / "shared-storage.yaml").read_text())
-        options = mapping["kv_transfer_config"]["kv_connector_extra_config"]
-        options["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
-        options["staging_buffer_bytes"] = f"{-(-save_bytes * 2 // mib)}MiB"
+        preset = mapping["kv_transfer_config"]["kv_connector_extra_config"]
+        preset["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
+        preset["staging_buffer_bytes"] = f"{-(-save_bytes * 2 // mib)}MiB"
+    mapping["kv_transfer_config"]["kv_connector_extra_config"].update(options or {})
     extra = {"kvwire": mapping}
     return {
         "kv_connector": "KVWireConnector",
@@ -214,15 +337,25 @@ def run_engine_process(
     scratch: pathlib.Path,
     kv_bytes: int,
     save_bytes: int,
+    options: dict[str, Any] | None = None,
+    engine_args: dict[str, Any] | None = None,
+    environment: dict[str, str] | None = None,
+    stored_prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Run one configuration's engine in a new process; its measurements."""
-    job = scratch / f"{name.replace(' ', '-')}.json"
+    """Run one configuration's engine in a new process; its measurements.
+
+    ``stored_prompts``, prompts an earlier engine stored, are loaded first
+    (``WARM_ROUNDS`` times, the prefix cache emptied before each).
+    """
+    job = scratch / f"{name.replace(' ', '-').replace(',', '')}.json"
     job.write_text(
         json.dumps(
             {
                 "model": model,
                 "prompts": prompts,
-                "kv_transfer_config": transfer_config(name, scratch, kv_bytes, save_bytes),
+                "stored_prompts": stored_prompts or [],
+                "engine_args": engine_args or {},
+                "kv_transfer_config": transfer_config(name, scratch, kv_bytes, save_bytes, options),
                 "output": str(job.with_suffix(".out")),
             }
         )
@@ -230,7 +363,7 @@ def run_engine_process(
     print(f"    {name} ...", flush=True)
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.vllm", "--engine", str(job)],
-        env=engine_environment(scratch),
+        env={**engine_environment(scratch), **(environment or {})},
         capture_output=True,
         text=True,
         timeout=1800,
@@ -242,23 +375,26 @@ def run_engine_process(
 
 
 def start_llm(model: str, kv_transfer_config: dict[str, Any] | None, **engine_args: Any) -> Any:
-    """The benchmarks' vLLM engine: float32, eager, prefix caching on, in this process."""
+    """The benchmarks' vLLM engine: float32, eager, prefix caching on, in this process
+    (``engine_args`` over these: a TP=2 engine's ranks run in processes of their own)."""
     from vllm import LLM
 
     from kvwire.vllm import WORKER_EXTENSION
 
     return LLM(
         model,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=4096,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        seed=0,
-        kv_transfer_config=kv_transfer_config,
-        worker_extension_cls=WORKER_EXTENSION,
-        **engine_args,
+        **{
+            "dtype": "float32",
+            "block_size": BLOCK_SIZE,
+            "max_model_len": 4096,
+            "enable_prefix_caching": True,
+            "enforce_eager": True,
+            "distributed_executor_backend": "uni",
+            "seed": 0,
+            "kv_transfer_config": kv_transfer_config,
+            "worker_extension_cls": WORKER_EXTENSION,
+            **engine_args,
+        },
     )
 
 
@@ -285,16 +421,16 @@ def measure_engine(job_path: str) -> None:
 
     job = json.loads(pathlib.Path(job_path).read_text())
     config = job["kv_transfer_config"]
-    llm = start_llm(job["model"], config)
+    llm = start_llm(job["model"], config, **job["engine_args"])
     one_token = SamplingParams(max_tokens=1, temperature=0)
     load_wait = [0.0]
-    if has_kv_transfer_group():
+    if has_kv_transfer_group() and not job["engine_args"]:
         # In-process engine (no multiprocessing): this is the worker's connector.
         time_loads(get_kv_transfer_group(), load_wait)
 
-    def timed_pass() -> dict[str, list[Any]]:
+    def timed_pass(prompts: list[list[int]] = job["prompts"]) -> dict[str, list[Any]]:
         measured: dict[str, list[Any]] = {"seconds": [], "tokens": [], "cached": [], "wait": []}
-        for prompt in job["prompts"]:
+        for prompt in prompts:
             load_wait[0] = 0.0
             started = time.perf_counter()
             (output,) = llm.generate([{"prompt_token_ids": prompt}], one_token, use_tqdm=False)
@@ -305,8 +441,16 @@ def measure_engine(job_path: str) -> None:
         return measured
 
     llm.generate([{"prompt_token_ids": [5] * 64}], one_token, use_tqdm=False)  # warm-up
-    cold = timed_pass()
     uses_kvwire = config is not None and config["kv_connector"] == "KVWireConnector"
+    stored: dict[str, list[Any]] = {}
+    for _ in range(WARM_ROUNDS if job["stored_prompts"] else 0):
+        if uses_kvwire:
+            wait_for_saves(llm)  # a save still held (the warm-up's) keeps the cache from emptying
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not empty its prefix cache")
+        for key, values in timed_pass(job["stored_prompts"]).items():
+            stored.setdefault(key, []).extend(values)
+    cold = timed_pass()
     if uses_kvwire:
         wait_for_saves(llm)
     if not llm.reset_prefix_cache():
@@ -337,6 +481,9 @@ def measure_engine(job_path: str) -> None:
                 "floor_seconds": floor.get("seconds", []),
                 "floor_tokens": floor.get("tokens", []),
                 "floor_cached": floor.get("cached", []),
+                "stored_seconds": stored.get("seconds", []),
+                "stored_tokens": stored.get("tokens", []),
+                "stored_cached": stored.get("cached", []),
                 "kvwire_stats": stats,
             }
         )
