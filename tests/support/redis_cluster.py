@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import redis
@@ -178,8 +178,10 @@ class LocalCluster:
         self._wait(lambda: _answers(node), f"{node.address} to answer PING")
         self.wait_until_healthy()
 
-    def move_keys_slots(self, source: ClusterNode, target: ClusterNode, pattern: str) -> int:
-        """Move the slots of ``source``'s keys matching ``pattern`` to ``target``, keys and all.
+    def move_keys_slots(
+        self, source: ClusterNode, target: ClusterNode, names: Iterable[str]
+    ) -> int:
+        """Move the slots of the keys ``names`` (keys ``source`` holds) to ``target``, keys and all.
 
         Redis Cluster's resharding, step by step (as ``redis-cli --cluster
         reshard`` does it): mark each slot importing and migrating, MIGRATE its
@@ -188,10 +190,7 @@ class LocalCluster:
         source_client, target_client = source.client(), target.client()
         source_id = source_client.execute_command("CLUSTER", "MYID")
         target_id = target_client.execute_command("CLUSTER", "MYID")
-        slots = {
-            int(source_client.execute_command("CLUSTER", "KEYSLOT", name))
-            for name in source_client.keys(pattern)
-        }
+        slots = {int(source_client.execute_command("CLUSTER", "KEYSLOT", name)) for name in names}
         for slot in slots:
             target_client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
             source_client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)

@@ -18,7 +18,7 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.store.redis import RedisMedium
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from tests.support.redis_cluster import LocalCluster
+from tests.support.redis_cluster import ClusterNode, LocalCluster
 from tests.support.redis_engines import (
     BLOCK_SIZE,
     distinct_prompt_blocks,
@@ -48,6 +48,16 @@ def cluster_stores(engine: LLMEngine) -> list[RedisClusterBlockStore]:
         assert isinstance(store, RedisClusterBlockStore)
         stores.append(store)
     return stores
+
+
+def node_keys(node: ClusterNode, key_prefix: str) -> set[str]:
+    """The names of this test's keys that ``node`` holds."""
+    return {name.decode() for name in node.client().keys(f"{key_prefix}*")}
+
+
+def cluster_keys(cluster: LocalCluster, key_prefix: str) -> set[str]:
+    """The names of this test's keys on every master."""
+    return set().union(*(node_keys(node, key_prefix) for node in cluster.masters()))
 
 
 def fresh_requests(seed: int, tag: str) -> list[GenerationRequest]:
@@ -186,14 +196,24 @@ def test_slots_moved_between_masters_mid_run_leave_outputs_identical_and_hits_re
     expected_before = tokens(generate(tiny_config(), before))
     expected_after = tokens(generate(tiny_config(), after))
     config = with_redis(one_at_a_time(), fault_cluster.url, key_prefix)
+    generate(config, before[:1])
+    first_keys = cluster_keys(fault_cluster, key_prefix)
     generate(config, before)
-    source, target = fault_cluster.masters()[:2]
+    # Keys only the later requests read: the first step reads none of them,
+    # so a read after the move is sure to reach a slot that moved.
+    later_keys = cluster_keys(fault_cluster, key_prefix) - first_keys
+    source = next(
+        node for node in fault_cluster.masters() if later_keys & node_keys(node, key_prefix)
+    )
+    target = next(node for node in fault_cluster.masters() if node is not source)
 
     with LLMEngine(config) as engine:
         for request in before:
             engine.add_request(request)
         engine.step()
-        moved = fault_cluster.move_keys_slots(source, target, f"{key_prefix}*")
+        moved = fault_cluster.move_keys_slots(
+            source, target, later_keys & node_keys(source, key_prefix)
+        )
         engine.run_until_done()
         outputs = [engine.output_of(request.request_id) for request in before]
         assert tokens(engine.generate(after)) == expected_after
