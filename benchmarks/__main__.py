@@ -24,9 +24,10 @@ BENCHMARKS = (
     "peer",
     "vllm",
     "serve",
+    "serve-chunked",
 )
-# vllm and serve need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
-NEEDS_VLLM = ("vllm", "serve")
+# These need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
+NEEDS_VLLM = ("vllm", "serve", "serve-chunked")
 DEFAULT_BENCHMARKS = tuple(
     name
     for name in BENCHMARKS

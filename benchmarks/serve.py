@@ -140,35 +140,48 @@ QUICK = attrs.evolve(FULL, num_prefixes=8, num_prompts=24, kv_cache_bytes=160 * 
 
 
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    return measure_serving(output_dir, QUICK if quick else FULL, SINGLE, FLEET, "serve")
+
+
+def measure_serving(
+    output_dir: pathlib.Path,
+    workload: Workload,
+    single_names: Sequence[str],
+    fleet_names: Sequence[str],
+    name: str,
+) -> dict[str, Any]:
+    """Run each configuration named (the limit among them); write ``<name>.json/.md/.png``."""
     try:
         import vllm  # noqa: F401
     except ImportError as error:
         raise SystemExit(
-            "the serve benchmark runs in the vLLM venv: .venv-vllm/bin/python -m benchmarks "
-            "--only serve"
+            f"the {name} benchmark runs in the vLLM venv: .venv-vllm/bin/python -m benchmarks "
+            f"--only {name}"
         ) from error
     from benchmarks.redis import redis_server
     from benchmarks.vllm import build_model
 
-    workload = QUICK if quick else FULL
     if workload.prefix_kv_bytes <= workload.kv_cache_bytes:
         raise RuntimeError("the workload must not fit vLLM's KV cache")
     started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="kvwire-bench-serve-", dir=output_dir)
+    scratch = tempfile.mkdtemp(prefix=f"kvwire-bench-{name}-", dir=output_dir)
+    root = pathlib.Path(scratch)
+    # Started first: it imports vLLM's client while the model is built.
+    client = BenchClient(root / "client.log")
     try:
-        root = pathlib.Path(scratch)
         model = build_model(root / "model", MODEL_SHAPE)
         with redis_server() as redis_url:
-            bench = Bench(model, workload, root, redis_url)
-            single = {name: bench.single(name) for name in SINGLE}
-            fleet = {name: bench.fleet(name) for name in FLEET}
+            bench = Bench(model, workload, root, redis_url, client)
+            single = {config: bench.single(config) for config in single_names}
+            fleet = {config: bench.fleet(config) for config in fleet_names}
     finally:
+        client.close()
         shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(workload, single, fleet)
     summary["seconds"] = round(time.monotonic() - started)
-    write_json(output_dir, "serve.json", summary)
-    (output_dir / "serve.md").write_text(table(summary))
-    plot(summary, output_dir / "serve.png")
+    write_json(output_dir, f"{name}.json", summary)
+    (output_dir / f"{name}.md").write_text(table(summary))
+    plot(summary, output_dir / f"{name}.png")
     return headline(summary)
 
 
@@ -176,9 +189,15 @@ class Bench:
     """Starts each configuration's servers and runs vLLM's client against them."""
 
     def __init__(
-        self, model: str, workload: Workload, scratch: pathlib.Path, redis_url: str
+        self,
+        model: str,
+        workload: Workload,
+        scratch: pathlib.Path,
+        redis_url: str,
+        client: BenchClient,
     ) -> None:
         self.model = model
+        self.client = client
         self.workload = workload
         self.scratch = scratch
         self.redis_url = redis_url
@@ -261,7 +280,7 @@ class Bench:
         """One run of vLLM's client against ``target``; the servers' counters over it."""
         before = [scrape(url) for url in servers]
         result_path = self.scratch / f"client-{len(os.listdir(self.scratch))}.json"
-        client(self.model, target, self.workload, seed, result_path)
+        self.client.run(client_args(self.model, target, self.workload, seed, result_path))
         # The servers count a request's tokens once it ends: the client has seen every end.
         after = [scrape(url) for url in servers]
         counters = [difference(old, new) for old, new in zip(before, after, strict=True)]
@@ -299,11 +318,11 @@ CLIENT_FIGURES = (
 )
 
 
-def client(
+def client_args(
     model: str, target: str, workload: Workload, seed: int, result_path: pathlib.Path
-) -> None:
-    """vLLM's ``vllm bench serve`` against ``target``, in a process of its own."""
-    args = [
+) -> list[str]:
+    """The arguments of ``vllm bench serve`` for one run against ``target``."""
+    return [
         *("--backend", "openai", "--base-url", target, "--endpoint", "/v1/completions"),
         *("--model", model, "--tokenizer", model, "--seed", str(seed)),
         *("--dataset-name", "prefix_repetition", "--num-prompts", str(workload.num_prompts)),
@@ -318,25 +337,80 @@ def client(
         *("--metric-percentiles", "50,99", "--save-result", "--save-detailed"),
         *("--result-dir", str(result_path.parent), "--result-filename", result_path.name),
     ]
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serve", "--vllm-bench-serve", *args],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=CLIENT_DEADLINE_S,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed:\n{completed.stderr[-4000:]}")
 
 
-def vllm_bench_serve(argv: list[str]) -> None:
-    """What ``vllm bench serve ARGS`` runs (its subcommand calls this main)."""
+class BenchClient:
+    """vLLM's ``vllm bench serve`` in one process of its own, for every run.
+
+    Importing vLLM's client takes about 17 s on this host: one process that
+    imports it once and runs each run's arguments as they come (one JSON
+    line in, one out) spares that for every run but the first. Each run
+    starts from its own seed (vLLM's client seeds ``random`` and numpy
+    itself) and its own event loop, so runs share nothing but the imports.
+    """
+
+    def __init__(self, log_path: pathlib.Path) -> None:
+        self._log = log_path.open("w")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.serve", "--vllm-bench-serve-loop"],
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self._log_path = log_path
+
+    def run(self, args: list[str]) -> None:
+        """One run of the client; raises with its log's tail if it failed or overran."""
+        stdin, stdout = self._process.stdin, self._process.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps(args) + "\n")
+        stdin.flush()
+        answer: list[str] = []
+        reader = threading.Thread(target=lambda: answer.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(CLIENT_DEADLINE_S)
+        if reader.is_alive():
+            self.close()
+            raise RuntimeError(f"vllm bench serve did not finish within {CLIENT_DEADLINE_S} s")
+        reply = json.loads(answer[0]) if answer and answer[0] else {"error": "the client exited"}
+        if "error" in reply:
+            self._log.flush()
+            tail = self._log_path.read_text()[-4000:]
+            raise RuntimeError(f"vllm bench serve failed: {reply['error']}\n{tail}")
+
+    def close(self) -> None:
+        process = self._process
+        if process.poll() is None:
+            assert process.stdin is not None
+            process.stdin.close()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
+        self._log.close()
+
+
+def vllm_bench_serve_loop() -> None:
+    """Run ``vllm bench serve`` once per JSON argument list read from stdin (see BenchClient)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
-    main(parser.parse_args(argv))
+    # vLLM's client prints its report to stdout: the answers go to the real one alone.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        try:
+            main(parser.parse_args(json.loads(line)))
+        except Exception as error:  # reported to the benchmark, which stops
+            answers.write(json.dumps({"error": f"{type(error).__name__}: {error}"[:2000]}) + "\n")
+        else:
+            answers.write(json.dumps({"done": True}) + "\n")
+        answers.flush()
 
 
 def free_port() -> int:
@@ -562,7 +636,7 @@ def summarize(
                 }
             )
         configurations[name] = rows
-    for name in FLEET:
+    for name in fleet:
         for index, row in enumerate(configurations[name]):
             without = configurations[FLEET_NONE][index]
             row["throughput_vs_fleet_without_kvwire"] = round(
@@ -664,7 +738,8 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
         axes.set_xlabel(label)
     workload = summary["workload"]
     figure.suptitle(
-        f"vllm serve (vLLM 0.32 CPU, 1 core), vllm bench serve: {workload['num_prompts']} "
+        f"vllm serve (vLLM 0.32 CPU, 1 core, max_num_batched_tokens "
+        f"{workload['max_num_batched_tokens']}), vllm bench serve: {workload['num_prompts']} "
         f"requests, {workload['num_prefixes']} prefixes of {workload['prefix_len']} tokens "
         f"({summary['prefix_kv_mib']:.0f} MiB of KV; vLLM's cache "
         f"{summary['kv_cache_mib']:.0f} MiB)",
@@ -676,8 +751,8 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--vllm-bench-serve":
-        vllm_bench_serve(sys.argv[2:])
+    if sys.argv[1:] == ["--vllm-bench-serve-loop"]:
+        vllm_bench_serve_loop()
     else:
         from benchmarks.common import main
 

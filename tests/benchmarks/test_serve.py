@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+from benchmarks.serve_chunked import SINGLE
+
 from benchmarks import serve
 
 METRICS = """\
@@ -101,3 +104,18 @@ def test_the_full_workload_does_not_fit_vllm_s_cache_but_its_running_requests_do
         request_tokens = workload.prefix_len + workload.suffix_len + workload.output_len
         running_bytes = workload.concurrency * request_tokens * serve.KV_BYTES_PER_TOKEN
         assert running_bytes < workload.kv_cache_bytes < workload.prefix_kv_bytes
+
+
+def test_the_chunked_prefill_run_sets_the_media_against_its_own_limit_without_fleets() -> None:
+    single = {name: [a_run(0, 3.0, 60.0, [500.0]), a_run(1, 3.0, 60.0, [400.0])] for name in SINGLE}
+    single[serve.LIMIT] = [a_run(0, 4.0, 50.0, [500.0]), a_run(1, 3.0, 40.0, [400.0])]
+    workload = attrs.evolve(serve.QUICK, max_num_batched_tokens=2048)
+
+    summary = serve.summarize(workload, single, {})
+
+    assert list(summary["configurations"]) == list(SINGLE)
+    assert summary["workload"]["max_num_batched_tokens"] == 2048
+    offload = summary["configurations"]["kvwire CPU offload"]
+    assert [row["throughput_vs_limit"] for row in offload] == [0.75, 1.0]
+    assert [row["mean_ttft_vs_limit"] for row in offload] == [1.2, 1.5]
+    assert len(serve.table(summary).splitlines()) == 2 + len(SINGLE)

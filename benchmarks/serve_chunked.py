@@ -1,0 +1,40 @@
+"""Serving speed at vLLM's default ``max_num_batched_tokens`` (2048: chunked prefill).
+
+``.venv-vllm/bin/python -m benchmarks --only serve-chunked``: the serving
+benchmark (:mod:`benchmarks.serve`: the same model, workload, client, core
+pinning and seeds) with each server's steps capped at 2048 tokens, so a
+1056-token prompt's prefill spans steps and a load lands while other
+requests' chunks run. Configurations: the limit (vLLM with a KV cache that
+holds everything, measured in the same run) and kvwire's three media, the
+rows the goals are set on; ``--only serve`` has the other rows at 8192.
+Kept apart from ``--only serve`` so each stays within about 15 minutes.
+
+Writes ``serve-chunked.json``, ``serve-chunked.png`` and ``serve-chunked.md``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+import attrs
+
+from benchmarks.serve import FULL, LIMIT, QUICK, measure_serving
+
+# vLLM's default for an online server (its --max-num-batched-tokens).
+VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+SINGLE = (LIMIT, "kvwire CPU offload", "kvwire shared storage", "kvwire Redis")
+
+
+def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    workload = attrs.evolve(
+        QUICK if quick else FULL, max_num_batched_tokens=VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
+    return measure_serving(output_dir, workload, SINGLE, (), "serve-chunked")
+
+
+if __name__ == "__main__":
+    from benchmarks.common import main
+
+    sys.exit(main("python -m benchmarks.serve_chunked", run, sys.argv[1:]))
