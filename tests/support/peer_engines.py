@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from kvwire.config import EngineConfig, KVRole
+from kvwire.config import EngineConfig, KVRole, ParallelConfig
 from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import tiny_config, with_connector
@@ -20,9 +20,16 @@ def peer_config(
     *,
     kv_role: KVRole = "kv_both",
     peer_name: str | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     **extra: Any,
 ) -> EngineConfig:
-    """The tiny engine with the peer medium, its directory at ``url`` under ``key_prefix``."""
+    """The tiny engine with the peer medium, its directory at ``url`` under ``key_prefix``.
+
+    Split over ``tensor_parallel_size`` x ``pipeline_parallel_size`` worker
+    processes when either is above 1 (the tiny model has two KV heads and
+    two layers: one of each a rank at size 2).
+    """
     options: dict[str, Any] = {
         "medium": "peer",
         "url": url,
@@ -35,9 +42,15 @@ def peer_config(
     }
     if peer_name is not None:
         options["peer_name"] = peer_name
-    return with_connector(
+    config = with_connector(
         tiny_config(block_size=BLOCK_SIZE), "OffloadConnector", options, kv_role=kv_role
     )
+    if tensor_parallel_size == pipeline_parallel_size == 1:
+        return config
+    parallel = ParallelConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size
+    )
+    return attrs.evolve(config, parallel_config=parallel)
 
 
 def prompts(seed: int, num_requests: int = 4, prompt_len: int = 30) -> list[GenerationRequest]:

@@ -34,7 +34,11 @@ def directories(redis_server: RedisServer, key_prefix: str) -> Iterator[list[Pee
 def holding(directory: PeerDirectory) -> PeerIndex:
     """A peer whose pool holds ``BLOCKS``, announced."""
     index = PeerIndex(
-        num_slots=4, layouts=[LAYOUT], medium="peer", peer="holder", directory=directory
+        num_slots=4,
+        fingerprints=[LAYOUT.fingerprint_hex],
+        medium="peer",
+        peer="holder",
+        directory=directory,
     )
     assert len(index.prepare_store(0, BLOCKS)) == len(BLOCKS)
     index.complete_store(0, BLOCKS, success=True)
@@ -43,7 +47,11 @@ def holding(directory: PeerDirectory) -> PeerIndex:
 
 def reader(directory: PeerDirectory) -> PeerIndex:
     return PeerIndex(
-        num_slots=1, layouts=[LAYOUT], medium="peer", peer="reader", directory=directory
+        num_slots=1,
+        fingerprints=[LAYOUT.fingerprint_hex],
+        medium="peer",
+        peer="reader",
+        directory=directory,
     )
 
 

@@ -9,9 +9,11 @@ Two kinds of small keys, both with an expiry (``directory_ttl_s``):
   holds the block, before it expires), deleted when the holder evicts
   the block, and deleted by a reader whose read of it failed. The layout
   fingerprint (model, dtype, shape, cache layout, KV cache group) is in
-  the name, so engines of another model or layout never find each other's
+  the name (of a split engine, the whole split's: every rank's share), so
+  engines of another model, layout or split never find each other's
   blocks;
-- a *peer record* per live worker, ``<key_prefix>peer-agent/<peer name>``:
+- a *peer record* per live worker, ``<key_prefix>peer-agent/<agent name>``
+  (the peer's name; each rank's, ``<peer name> rank<r>``, in a split engine):
   its NIXL agent's metadata and where its pool lies, refreshed by the
   worker while it runs. A peer that died stops refreshing it: its record
   expires, and readers then treat its entries as gone (and delete them).

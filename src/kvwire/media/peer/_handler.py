@@ -2,9 +2,10 @@
 
 Saves are the CPU pool's (:class:`~kvwire.media.cpu_pool._handler.CPUPoolTransferHandler`
 copies blocks into this worker's pool slots). The pool and a staging area
-are registered with a NIXL agent named after this peer, and the agent's
-record is published in the directory and refreshed every
-``peer_heartbeat_s`` (it expires after three of them unrefreshed).
+are registered with a NIXL agent named after this peer (and this rank, in
+a split engine), and the agent's record is published in the directory and
+refreshed every ``peer_heartbeat_s`` (it expires after three of them
+unrefreshed). A rank reads other peers' same rank: the share it holds.
 
 A load asks the directory where each of its blocks is (one round trip per
 transfer), then pulls each entry, header and payload, into staging: with
@@ -41,6 +42,7 @@ import attrs
 from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.blocks.paged_cache import PagedKVCaches, copy_on_this_thread_only
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.config import ParallelConfig
 from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
@@ -52,6 +54,7 @@ from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
 from kvwire.media.peer._agent import PeerAgent
 from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
+from kvwire.media.peer._split import agent_name
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class _LoadJob(BlockJob):
 @attrs.frozen
 class PeerTransferSettings:
     peer: str
+    parallel: ParallelConfig
+    """This rank, and how its engine is split: a rank reads the same rank of other peers."""
     staging_blocks: int
     io_threads: int
     transfer_timeout_s: float
@@ -83,6 +88,7 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         self,
         *,
         layouts: Sequence[BlockLayout],
+        directory_names: Sequence[str],
         caches: Sequence[PagedKVCaches],
         num_slots: int,
         counters: Counters,
@@ -92,7 +98,7 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         self._layouts = tuple(layouts)
         self._caches = tuple(caches)
         self._layout = self._layouts[0]
-        self._fingerprints = tuple(layout.fingerprint_hex for layout in layouts)
+        self._fingerprints = tuple(directory_names)
         self._settings = settings
         self._counters = counters
         self._directory = directory
@@ -113,8 +119,10 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         ]
         for region in range(settings.io_threads):
             self._regions_free.put(region)
+        # This rank's agent and record: each rank exposes its own pool.
+        self._agent_name = self._rank_agent(settings.peer)
         self._agent = PeerAgent(
-            settings.peer, [self._pool.pool.memory, *(s.memory for s in self._staging)]
+            self._agent_name, [self._pool.pool.memory, *(s.memory for s in self._staging)]
         )
         self._record = PeerRecord(
             agent_metadata=self._agent.metadata,
@@ -136,8 +144,10 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         # peer and heartbeat, not per read.
         self._records: dict[str, tuple[float, PeerRecord]] = {}
         self._stop = threading.Event()
-        if not directory.publish_peer(settings.peer, self._record):
-            logger.warning("peer medium: peer %r could not publish its record yet", settings.peer)
+        if not directory.publish_peer(self._agent_name, self._record):
+            logger.warning(
+                "peer medium: peer %r could not publish its record yet", self._agent_name
+            )
         self._heartbeat = threading.Thread(
             target=self._keep_record, name="kvwire-peer-heartbeat", daemon=True
         )
@@ -337,7 +347,8 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         run_start: int,
         job: _LoadJob,
     ) -> tuple[bool, bool]:
-        """Read these blocks from ``peer`` into staging; (all arrived, staging still ours)."""
+        """Read these blocks from ``peer``'s rank into staging; (all arrived, staging ours)."""
+        peer = self._rank_agent(peer)
         record = self._peer_record(peer)
         if record is None or record.entry_bytes != self._layout.entry_bytes:
             # Gone (its record expired or never was), or of another layout.
@@ -395,9 +406,14 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
 
     # -------------------------------------------------------------- upkeep
 
+    def _rank_agent(self, peer: str) -> str:
+        """The agent (and record) of ``peer``'s rank holding this rank's share."""
+        parallel = self._settings.parallel
+        return agent_name(peer, parallel, parallel.rank)
+
     def _keep_record(self) -> None:
         while not self._stop.wait(self._settings.heartbeat_s):
-            self._directory.publish_peer(self._settings.peer, self._record)
+            self._directory.publish_peer(self._agent_name, self._record)
 
     def take_counters(self) -> dict[str, float]:
         failures = self._directory.take_failures()
@@ -410,7 +426,7 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         """
         self._stop.set()
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("withdrawing this peer", lambda: self._directory.withdraw_peer(self._settings.peer)),
+            ("withdrawing this peer", lambda: self._directory.withdraw_peer(self._agent_name)),
             ("waiting for loads", self.wait_for_loads),
             ("ending loads", self._loads.end_async),
             ("stopping the load threads", self._threads.shutdown),

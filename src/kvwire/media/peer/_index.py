@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvwire.blocks.format import BlockLayout
 from kvwire.interface.types import BlockHash, BlockRemoved
 from kvwire.media.cpu_pool._index import CPUPoolIndex
 from kvwire.media.peer._directory import Location, PeerDirectory
@@ -34,19 +33,24 @@ REFRESH_BATCH = 1024
 
 
 class PeerIndex(CPUPoolIndex):
-    """This peer's pool index over ``num_slots`` slots, announcing its blocks in ``directory``."""
+    """This peer's pool index over ``num_slots`` slots, announcing its blocks in ``directory``.
+
+    ``fingerprints``: each KV cache group's name in the directory (the
+    split's, :func:`~kvwire.media.peer._split.split_fingerprints`). A block
+    is announced once, for every rank: its slot is the same on each.
+    """
 
     def __init__(
         self,
         *,
         num_slots: int,
-        layouts: Sequence[BlockLayout],
+        fingerprints: Sequence[str],
         medium: str,
         peer: str,
         directory: PeerDirectory,
     ) -> None:
-        super().__init__(num_slots, len(layouts), medium)
-        self._fingerprints = tuple(layout.fingerprint_hex for layout in layouts)
+        super().__init__(num_slots, len(fingerprints), medium)
+        self._fingerprints = tuple(fingerprints)
         self._peer = peer
         self._directory = directory
         self._generations = [0] * num_slots

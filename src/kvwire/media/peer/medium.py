@@ -30,7 +30,8 @@ match: the layout fingerprint names every directory entry.
   ``transfer_timeout_s`` (default 30): the pool's, as for the CPU pool
   medium; ``transfer_timeout_s`` also bounds each load, pulls included;
 - ``peer_name`` (default ``kvwire-<engine_id>``): this peer's name in the
-  directory and its NIXL agent's; unique among the peers;
+  directory and its NIXL agent's (each rank's, with `` rank<r>`` added,
+  when the engine is split); unique among the peers;
 - ``staging_blocks`` (default 64): entries each load thread pulls at once;
 - ``directory_ttl_s`` (default 3600): a directory entry's expiry;
 - ``peer_heartbeat_s`` (default 5): how often a worker refreshes its peer
@@ -40,7 +41,19 @@ match: the layout fingerprint names every directory entry.
 NIXL's transport is UCX's to choose: on hosts without RDMA, set
 ``UCX_TLS=tcp,self,sm`` (add ``UCX_NET_DEVICES=lo`` for loopback only).
 Install the ``peer`` extra (``nixl-cu12``, which runs without CUDA).
-Designed for one worker per engine (tensor parallel size 1).
+
+Split engines (tensor and pipeline parallelism; :mod:`kvwire.media.peer._split`):
+each rank keeps its share of a block (its KV heads, its stage's layers) in
+its own pool, in the slot the scheduler side gave the block (the same on
+every rank), behind its own NIXL agent and peer record, named
+``<peer_name> rank<r>``; the scheduler side announces the block once. A
+reader's rank ``r`` pulls from the holder's rank ``r``. The directory names
+entries by the whole split, so engines split differently (TP=1 and TP=2,
+PP=1 and PP=2) find none of each other's blocks: a miss, computed, never
+a load of another split's bytes. A block is announced once every rank
+reported its save ended (a share a rank failed to write is refused by the
+reader), and a pull failed on one rank fails the block on every rank
+(computed again there).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvwire.blocks.format import BlockLayout
 from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -62,6 +76,7 @@ from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandle
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.peer._directory import PeerDirectory, check_peer_name
 from kvwire.media.peer._index import PeerIndex
+from kvwire.media.peer._split import rank_layout, split_fingerprints
 from kvwire.media.store.redis import RedisMedium
 from kvwire.media.store.redis._settings import RedisStoreSettings
 
@@ -89,6 +104,17 @@ class PeerMedium(Medium):
         options = context.options
         given = options["peer_name"]
         self.peer_name: str = given if given is not None else _default_name(context.engine_id)
+        try:
+            self._rank_layout = rank_layout(context.layout, context.parallel, context.parallel.rank)
+        except ValueError as error:
+            raise ExtraConfigError(f"{context.connector_name}: {error}") from None
+        # The directory names each block once for every rank: by the whole split.
+        self.directory_names = split_fingerprints(self.group_layouts, context.parallel)
+
+    @property
+    def layout(self) -> BlockLayout:
+        """This rank's share of a block, its heads and layers named when the engine is split."""
+        return self._rank_layout
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -138,7 +164,7 @@ class PeerMedium(Medium):
     def build_index(self) -> MediumIndex:
         return PeerIndex(
             num_slots=self.num_slots,
-            layouts=self.group_layouts,
+            fingerprints=self.directory_names,
             medium=self.event_medium,
             peer=self.peer_name,
             directory=self._directory(),
@@ -154,12 +180,14 @@ class PeerMedium(Medium):
         context, options = self.context, self.context.options
         handler = PeerTransferHandler(
             layouts=self.group_layouts,
+            directory_names=self.directory_names,
             caches=group_caches(kv_caches, context.layout, context.groups),
             num_slots=self.num_slots,
             counters=counters,
             directory=self._directory(),
             settings=PeerTransferSettings(
                 peer=self.peer_name,
+                parallel=context.parallel,
                 staging_blocks=options["staging_blocks"],
                 io_threads=options["io_threads"],
                 transfer_timeout_s=options["transfer_timeout_s"],
@@ -167,11 +195,12 @@ class PeerMedium(Medium):
             ),
         )
         logger.info(
-            "%s: peer %r exposes a pool of %d blocks (%.1f MiB) over NIXL",
+            "%s: peer %r (rank %d) exposes a pool of %d blocks (%.1f MiB) over NIXL",
             context.connector_name,
             self.peer_name,
+            context.parallel.rank,
             self.num_slots,
-            self.num_slots * context.layout.entry_bytes / 2**20,
+            self.num_slots * self.layout.entry_bytes / 2**20,
         )
         return handler
 

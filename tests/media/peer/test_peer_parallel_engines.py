@@ -1,0 +1,154 @@
+"""Split engines sharing KV peer to peer: TP=2 and PP=2 peers in processes of their own.
+
+A producer split over two ranks runs in its own process for the module
+(each rank a worker process with its own pool, NIXL agent and peer record);
+each test's reader is an engine in the test's process. A reader split the
+same way pulls each rank's share from the producer's matching rank; one
+split otherwise finds nothing (the directory names the split) and computes.
+Whatever happens, the reader's tokens are the unsplit model's without a
+connector.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvwire.engine.engine import GenerationRequest
+from tests.media.peer.test_peer_engines import entries, read_as, reference
+from tests.support.peer_engines import BLOCK_SIZE, peer_config, prompts
+from tests.support.peers import PeerProcess
+from tests.support.redis_engines import distinct_prompt_blocks
+from tests.support.redis_servers import RedisServer
+
+pytestmark = pytest.mark.slow
+
+SPLITS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"kvwire-test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="module", params=sorted(SPLITS))
+def split(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def producer(redis_server: RedisServer, prefix: str, split: str) -> Iterator[PeerProcess]:
+    # A slow heartbeat: a record a test removes stays removed for the test.
+    peer = PeerProcess(
+        url=redis_server.url,
+        key_prefix=prefix,
+        peer_name=f"{prefix}{split}",
+        kv_role="kv_producer",
+        peer_heartbeat_s=120,
+        **SPLITS[split],
+    )
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+def produced(producer: PeerProcess, seed: int) -> list[GenerationRequest]:
+    requests = prompts(seed=seed, num_requests=3)
+    reply = producer.generate(requests)
+    assert reply["stats"]["blocks_saved"] > 0
+    return requests
+
+
+def test_each_rank_pulls_its_share_from_the_producers_matching_rank(
+    redis_server: RedisServer, prefix: str, split: str, producer: PeerProcess
+) -> None:
+    requests = produced(producer, seed=31)
+    reader = peer_config(
+        redis_server.url,
+        prefix,
+        kv_role="kv_consumer",
+        peer_name=f"{prefix}reader",
+        **SPLITS[split],
+    )
+    outputs, stats, _ = read_as(reader, requests)
+
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    # Every full prompt block came from the producer, each rank pulling its share.
+    full = (len(requests[0].prompt_token_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert outputs[0].external_tokens == full
+    blocks = distinct_prompt_blocks(requests, BLOCK_SIZE)
+    assert stats["peer_blocks_pulled"] == stats["blocks_loaded"] == 2 * blocks
+    assert "load_errors" not in stats and "peer_stale_entries" not in stats
+    # One directory entry per block, for both ranks; a record per rank.
+    holders = [location.peer for location in entries(redis_server, prefix).values()]
+    assert holders.count(f"{prefix}{split}") >= blocks
+    records = {key.decode() for key in redis_server.client().scan_iter(f"{prefix}peer-agent/*")}
+    assert records >= {f"{prefix}peer-agent/{prefix}{split} rank{r}" for r in (0, 1)}
+
+
+def test_an_unsplit_reader_finds_nothing_of_a_split_producer_and_computes(
+    redis_server: RedisServer, prefix: str, split: str, producer: PeerProcess
+) -> None:
+    requests = produced(producer, seed=32)
+    reader = peer_config(
+        redis_server.url, prefix, kv_role="kv_consumer", peer_name=f"{prefix}unsplit"
+    )
+    outputs, stats, _ = read_as(reader, requests)
+
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    assert sum(o.external_tokens for o in outputs) == 0
+    assert "blocks_loaded" not in stats and "load_errors" not in stats
+
+
+def test_a_split_reader_finds_nothing_of_an_unsplit_producer_and_computes(
+    redis_server: RedisServer, prefix: str, split: str
+) -> None:
+    requests = prompts(seed=33, num_requests=3)
+    unsplit = PeerProcess(
+        url=redis_server.url, key_prefix=prefix, peer_name=f"{prefix}one", kv_role="kv_producer"
+    )
+    try:
+        assert unsplit.generate(requests)["stats"]["blocks_saved"] > 0
+        reader = peer_config(
+            redis_server.url,
+            prefix,
+            kv_role="kv_consumer",
+            peer_name=f"{prefix}reader",
+            **SPLITS[split],
+        )
+        outputs, stats, _ = read_as(reader, requests)
+    finally:
+        unsplit.stop()
+
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    assert sum(o.external_tokens for o in outputs) == 0
+    assert "blocks_loaded" not in stats and "load_errors" not in stats
+
+
+def test_a_pull_failed_on_one_rank_fails_the_block_on_every_rank(
+    redis_server: RedisServer, prefix: str, split: str, producer: PeerProcess
+) -> None:
+    requests = produced(producer, seed=34)
+    reader = peer_config(
+        redis_server.url,
+        prefix,
+        kv_role="kv_consumer",
+        peer_name=f"{prefix}reader",
+        **SPLITS[split],
+    )
+    # The producer's rank 1 is gone for readers (its record expired, as a dead
+    # rank's does); rank 0 is there and serves its share.
+    redis_server.client().delete(f"{prefix}peer-agent/{prefix}{split} rank1")
+    outputs, stats, seconds = read_as(reader, requests)
+
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    assert all(o.error is None for o in outputs)
+    # Rank 0 pulled its share, rank 1 could not: the blocks failed, computed again.
+    assert stats["peer_blocks_pulled"] > 0
+    assert stats["peer_read_failures"] == stats["load_errors"] > 0
+    assert sum(o.num_load_failures for o in outputs) > 0
+    assert seconds < 60
