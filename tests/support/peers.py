@@ -64,6 +64,16 @@ class PeerProcess:
                     reply: dict[str, Any] = json.loads(line)
                     return reply
 
+    def worker_pids(self) -> list[int]:
+        """The process ids of its engine's worker processes (one per rank of a split engine)."""
+        pid = self._process.pid
+        children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [
+            int(child)
+            for child in children
+            if b"spawn_main" in pathlib.Path(f"/proc/{child}/cmdline").read_bytes()
+        ]
+
     def stall(self) -> None:
         """SIGSTOP: alive, holding its connections, answering nothing."""
         os.kill(self._process.pid, signal.SIGSTOP)
