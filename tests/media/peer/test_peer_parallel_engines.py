@@ -106,6 +106,7 @@ def test_an_unsplit_reader_finds_nothing_of_a_split_producer_and_computes(
     assert "blocks_loaded" not in stats and "load_errors" not in stats
 
 
+@pytest.mark.parametrize("split", ["tp2"], indirect=True)  # its own producer: once is enough
 def test_a_split_reader_finds_nothing_of_an_unsplit_producer_and_computes(
     redis_server: RedisServer, prefix: str, split: str
 ) -> None:
@@ -131,6 +132,8 @@ def test_a_split_reader_finds_nothing_of_an_unsplit_producer_and_computes(
     assert "blocks_loaded" not in stats and "load_errors" not in stats
 
 
+# Each one-rank fault at one split (the ranks' faults do not depend on how they split).
+@pytest.mark.parametrize("split", ["tp2"], indirect=True)
 def test_a_pull_failed_on_one_rank_fails_the_block_on_every_rank(
     redis_server: RedisServer, prefix: str, split: str, producer: PeerProcess
 ) -> None:
@@ -165,6 +168,7 @@ def test_a_pull_failed_on_one_rank_fails_the_block_on_every_rank(
     assert seconds < 60
 
 
+@pytest.mark.parametrize("split", ["pp2"], indirect=True)
 def test_a_rank_stalled_mid_read_costs_a_deadline_and_fails_the_block_on_every_rank(
     redis_server: RedisServer, prefix: str, split: str, producer: PeerProcess
 ) -> None:
