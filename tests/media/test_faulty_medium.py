@@ -23,9 +23,17 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash
-from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.base import (
+    JobResult,
+    Medium,
+    MediumContext,
+    MediumIndex,
+    TransferHandler,
+    TransferJob,
+)
 from kvwire.media.faulty import FaultInjectingHandler, FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryMedium
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate, tiny_config, tokens
 from tests.support.faulty_media import (
     FailEveryFirstBlock,
@@ -50,47 +58,41 @@ class StubIndex(MediumIndex):
 
 
 class StubHandler(TransferHandler):
-    """Loads end in ``wait_for_loads`` (writing :data:`LOADED`), or when ``finish`` says so."""
+    """Loads end when waited for (writing :data:`LOADED`), or once ``finished`` names them."""
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
-        self.pending: list[BlockTransfer] = []
+        self.running: dict[int, TransferJob] = {}
+        self.ended: list[JobResult] = []
         self.finished: set[str] = set()
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        self.pending += loads
+    def submit(self, job: TransferJob) -> None:
+        self.running[job.job_id] = job
 
-    def wait_for_loads(self) -> None:
-        for transfer in self.pending:
+    def poll(self) -> list[JobResult]:
+        for job_id, job in list(self.running.items()):
+            if {transfer.request_id for transfer in job.transfers} <= self.finished:
+                self._end(job_id)
+        ended, self.ended = self.ended, []
+        return ended
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        for job_id in job_ids:
+            if job_id in self.running:
+                self._end(job_id)
+        return True
+
+    def _end(self, job_id: int) -> None:
+        job = self.running.pop(job_id)
+        for transfer in job.transfers:
             for name in GROUPS[transfer.group].layer_names:
                 self.kv_caches[name][:, list(transfer.block_ids)] = LOADED
-        self.pending = []
-
-    def load_errors_so_far(self) -> set[int]:
-        return set()
-
-    def take_load_errors(self) -> set[int]:
-        return set()
-
-    def take_finished_loads(self) -> set[str]:
-        finished, self.finished = self.finished, set()
-        return finished
-
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        pass
+        self.ended.append(JobResult(job_id))
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
         return []
-
-    def is_busy(self, request_id: str) -> bool:
-        return False
-
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        return True
 
     def close(self) -> None:
         pass
@@ -139,9 +141,9 @@ def _caches() -> dict[str, torch.Tensor]:
 
 def _handler(
     medium_class: type[FaultInjectingMedium], caches: dict[str, torch.Tensor]
-) -> FaultInjectingHandler:
+) -> DrivenHandler[FaultInjectingHandler]:
     medium = medium_class(MediumContext("TestConnector", {}, GROUPS, LAYOUT))
-    return medium.build_handler(caches, Counters())
+    return DrivenHandler(medium.build_handler(caches, Counters()))
 
 
 def _load(request_id: str, group: int, *block_ids: int) -> BlockTransfer:
@@ -214,7 +216,7 @@ def test_an_index_from_the_end_or_past_it_picks_the_last_groups_last_block(
 def test_a_chosen_asynchronous_load_fails_when_reported_finished() -> None:
     caches = _caches()
     handler = _handler(FailRsFirstBlock, caches)
-    inner = handler.inner
+    inner = handler.handler.inner
     assert isinstance(inner, StubHandler)
     handler.start_loads([], [_load("r", 0, 2, 3)])
     assert handler.take_finished_loads() == set()

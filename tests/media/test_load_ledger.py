@@ -1,4 +1,4 @@
-"""The load bookkeeping every transfer handler shares: deadlines, give-up and the error ledger.
+"""The load jobs every transfer handler keeps: pieces, deadlines, giving up, outcomes.
 
 Real jobs on real threads (:class:`~kvwire.media._job_threads.JobThreads`);
 a job "loads" by waiting for an event, so a test decides when it ends.
@@ -15,9 +15,10 @@ import pytest
 
 from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import AsyncLoad, LoadLedger
+from kvwire.media._load_ledger import LoadJob, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import BlockJob
+from kvwire.media.base import JobResult
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
 logger = logging.getLogger(__name__)
@@ -43,130 +44,127 @@ def _ledger(counters: Counters, **kwargs: object) -> LoadLedger[BlockJob]:
 def _run(
     ledger: LoadLedger[BlockJob],
     threads: JobThreads,
-    job: BlockJob,
+    load_job: LoadJob[BlockJob],
+    piece: BlockJob,
     go_on: threading.Event,
     failed: Sequence[int] = (),
-    state: AsyncLoad[BlockJob] | None = None,
 ) -> None:
     def load() -> None:
         go_on.wait(TEST_LIMIT_S)
-        job.failed = list(failed)
-        if job.end() and state is not None:
-            ledger.job_ended(state, job)
+        piece.failed = list(failed)
+        if piece.end():
+            ledger.piece_ended(load_job, piece)
 
-    job.future = threads.submit(load)
+    ledger.add(load_job, piece)
+    piece.future = threads.submit(load)
 
 
-def test_a_synchronous_job_past_its_deadline_fails_every_block_and_is_counted(
+def test_a_job_past_its_deadline_fails_every_block_of_its_running_pieces_and_is_counted(
     threads: JobThreads,
 ) -> None:
     counters = Counters()
     ledger = _ledger(counters)
     stuck, done = threading.Event(), threading.Event()
     done.set()
-    deadline = time.monotonic() + 0.1
-    slow, quick = BlockJob(deadline, (0, 1)), BlockJob(deadline, (2, 3))
-    for job, go_on, failed in ((slow, stuck, ()), (quick, done, (3,))):
-        ledger.add_sync(job)
-        _run(ledger, threads, job, go_on, failed)
+    load_job = ledger.begin(7, time.monotonic() + 0.1)
+    slow, quick = BlockJob(load_job.deadline, (0, 1)), BlockJob(load_job.deadline, (2, 3))
+    _run(ledger, threads, load_job, slow, stuck)
+    _run(ledger, threads, load_job, quick, done, (3,))
+    ledger.submitted(load_job)
 
-    errors = returns_within(5, ledger.take_errors)
+    assert returns_within(5, lambda: ledger.wait([7]))
 
-    assert errors == {0, 1, 3}  # the overdue job's every block, the ended job's failures
+    # The overdue piece's every block, the ended piece's failures.
+    assert ledger.take_ended() == [JobResult(7, frozenset({0, 1, 3}))]
     assert slow.abandoned and quick.ended
     taken = counters.take()
     assert taken["load_errors"] == 2 and taken["load_timeouts"] == 2
-    assert ledger.take_errors() == set()
+    assert ledger.take_ended() == []  # reported once
     stuck.set()
 
 
-def test_an_asynchronous_load_finishes_only_once_submitted_and_every_job_ended(
-    threads: JobThreads,
-) -> None:
+def test_a_job_ends_only_once_submitted_and_every_piece_ended(threads: JobThreads) -> None:
     ledger = _ledger(Counters())
-    state = ledger.begin_async("r", time.monotonic() + TEST_LIMIT_S)
+    load_job = ledger.begin(3, time.monotonic() + TEST_LIMIT_S)
     first, second = threading.Event(), threading.Event()
-    jobs = [BlockJob(state.deadline, (0,)), BlockJob(state.deadline, (1,))]
-    for job, go_on, failed in ((jobs[0], first, ()), (jobs[1], second, (1,))):
-        ledger.add_async(state, job)
-        _run(ledger, threads, job, go_on, failed, state)
+    pieces = [BlockJob(load_job.deadline, (0,)), BlockJob(load_job.deadline, (1,))]
+    _run(ledger, threads, load_job, pieces[0], first)
+    _run(ledger, threads, load_job, pieces[1], second, (1,))
     first.set()
-    wait_until(lambda: jobs[0].ended, "the first job to end")
+    wait_until(lambda: pieces[0].ended, "the first piece to end")
     second.set()
-    wait_until(lambda: jobs[1].ended, "the second job to end")
+    wait_until(lambda: pieces[1].ended, "the second piece to end")
 
-    # Not submitted yet: a request whose last transfer is not submitted is not finished.
-    assert ledger.take_finished() == set()
-    assert ledger.is_loading("r")
-    ledger.submitted(state)
+    # Not submitted yet: a job whose last piece is not submitted has not ended.
+    assert ledger.take_ended() == []
+    assert ledger.is_running(3)
+    ledger.submitted(load_job)
 
-    assert ledger.take_finished() == {"r"}
-    assert not ledger.is_loading("r")
-    assert ledger.take_errors() == {1}
-    assert ledger.take_finished() == set()  # reported once
+    assert ledger.take_ended() == [JobResult(3, frozenset({1}))]
+    assert not ledger.is_running(3)
+    assert ledger.take_ended() == []
 
 
-def test_an_overdue_asynchronous_load_is_reported_finished_with_its_running_jobs_failed(
+def test_an_overdue_job_is_given_up_on_when_the_ended_jobs_are_taken(
     threads: JobThreads,
 ) -> None:
     counters = Counters()
     ledger = _ledger(counters)
-    state = ledger.begin_async("r", time.monotonic() + 0.1)
+    load_job = ledger.begin(1, time.monotonic() + 0.1)
     stuck, done = threading.Event(), threading.Event()
     done.set()
-    slow, quick = BlockJob(state.deadline, (4, 5)), BlockJob(state.deadline, (6,))
-    for job, go_on in ((slow, stuck), (quick, done)):
-        ledger.add_async(state, job)
-        _run(ledger, threads, job, go_on, (), state)
-    ledger.submitted(state)
+    slow, quick = BlockJob(load_job.deadline, (4, 5)), BlockJob(load_job.deadline, (6,))
+    _run(ledger, threads, load_job, slow, stuck)
+    _run(ledger, threads, load_job, quick, done)
+    ledger.submitted(load_job)
 
-    assert wait_until(ledger.take_finished, "the overdue load to finish") == {"r"}
-    assert ledger.take_errors() == {4, 5}
+    ended = wait_until(ledger.take_ended, "the overdue job to end")
+
+    assert ended == [JobResult(1, frozenset({4, 5}))]
     assert counters.take()["load_timeouts"] == 2
     stuck.set()
 
 
-def test_an_after_abandon_error_is_raised_once_every_job_was_given_up_on(
+def test_an_after_abandon_error_is_raised_once_every_piece_was_given_up_on(
     threads: JobThreads,
 ) -> None:
     closed: list[BlockJob] = []
 
-    def close_gate(job: BlockJob) -> None:
-        closed.append(job)
+    def close_gate(piece: BlockJob) -> None:
+        closed.append(piece)
         if len(closed) == 1:
             raise OSError("a read still in a system call")
 
     ledger = _ledger(Counters(), after_abandon=close_gate)
     stuck = threading.Event()
-    deadline = time.monotonic() + 0.05
-    jobs = [BlockJob(deadline, (0,)), BlockJob(deadline, (1,))]
-    for job in jobs:
-        ledger.add_sync(job)
-        _run(ledger, threads, job, stuck)
+    load_job = ledger.begin(0, time.monotonic() + 0.05)
+    pieces = [BlockJob(load_job.deadline, (0,)), BlockJob(load_job.deadline, (1,))]
+    for piece in pieces:
+        _run(ledger, threads, load_job, piece, stuck)
+    ledger.submitted(load_job)
 
     with pytest.raises(OSError, match="system call"):
-        ledger.wait_for_sync()
+        ledger.wait([0])
 
-    assert closed == jobs  # the second job's gate closed too, before the error
-    assert all(job.abandoned for job in jobs)
-    assert ledger.take_errors() == {0, 1}
+    assert closed == pieces  # the second piece's gate closed too, before the error
+    assert all(piece.abandoned for piece in pieces)
+    # Still running (its blocks kept) until a later call ends it, every block failed.
+    assert ledger.is_running(0)
+    assert ledger.take_ended() == [JobResult(0, frozenset({0, 1}))]
     stuck.set()
 
 
-def test_waiting_out_a_preempted_request_gives_its_load_up_at_its_deadline(
-    threads: JobThreads,
-) -> None:
+def test_a_wait_until_before_the_deadline_gives_nothing_up(threads: JobThreads) -> None:
     ledger = _ledger(Counters())
-    state = ledger.begin_async("r", time.monotonic() + 0.1)
     stuck = threading.Event()
-    job = BlockJob(state.deadline, (7,))
-    ledger.add_async(state, job)
-    _run(ledger, threads, job, stuck, (), state)
-    ledger.submitted(state)
+    load_job = ledger.begin(5, time.monotonic() + TEST_LIMIT_S)
+    piece = BlockJob(load_job.deadline, (7,))
+    _run(ledger, threads, load_job, piece, stuck)
+    ledger.submitted(load_job)
 
-    returns_within(5, lambda: ledger.wait_out(["r", "unknown"]))
+    assert not ledger.wait([5, 99], until=time.monotonic() + 0.05)
 
-    assert not ledger.is_loading("r") and job.abandoned
-    assert ledger.take_finished() == {"r"}
-    assert ledger.take_errors() == {7}
+    assert ledger.is_running(5) and not piece.abandoned
     stuck.set()
+    assert ledger.wait([5])
+    assert ledger.take_ended() == [JobResult(5, frozenset())]

@@ -10,6 +10,7 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore
+from tests.support.driven_handlers import DrivenHandler
 
 NUM_BLOCKS = 4
 
@@ -29,9 +30,9 @@ def layout_caches(
 
 def store_worker(
     store: BlockStore, layout: BlockLayout, caches: dict[str, torch.Tensor]
-) -> StoreTransferHandler:
-    """A one-thread worker, keyed by the layout's own keys."""
-    return StoreTransferHandler(
+) -> DrivenHandler[StoreTransferHandler]:
+    """A one-thread worker, keyed by the layout's own keys, driven as the connector drives it."""
+    handler = StoreTransferHandler(
         store=store,
         layouts=(layout,),
         memories=(BlockMemory(caches, layout, sorted(caches)),),
@@ -41,6 +42,7 @@ def store_worker(
         counters=Counters(),
         medium="test",
     )
+    return DrivenHandler(handler)
 
 
 HASHES = (b"\x01" * 32, b"\x02" * 32)

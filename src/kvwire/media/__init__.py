@@ -21,7 +21,15 @@ from kvwire.config.extra_config import (
     str_key,
 )
 from kvwire.media._transfer_jobs import JobAbandoned
-from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
+from kvwire.media.base import (
+    JobResult,
+    Medium,
+    MediumContext,
+    MediumIndex,
+    TransferHandler,
+    TransferJob,
+    TransferKind,
+)
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.medium import StoreMedium
 
@@ -34,12 +42,15 @@ __all__ = [
     "CorruptBlockError",
     "ExtraConfigKey",
     "JobAbandoned",
+    "JobResult",
     "LateWriteError",
     "Medium",
     "MediumContext",
     "MediumIndex",
     "StoreMedium",
     "TransferHandler",
+    "TransferJob",
+    "TransferKind",
     "ValueRefused",
     "bool_key",
     "int_key",

@@ -1,20 +1,18 @@
-"""The load bookkeeping every transfer handler shares: what a load is waited for, and what failed.
+"""The load jobs of a transfer handler: their pieces, their outcomes, giving up at a deadline.
 
-A handler splits each load into jobs (:class:`~kvwire.media._transfer_jobs.TransferJob`
-with the block ids they write, and those that failed) and runs them on its
-threads; :class:`LoadLedger` keeps the rest. A step's synchronous loads are
-waited for, each at most until its deadline, before the forward pass; a
-request's asynchronous load (its jobs of every KV cache group) is reported
-finished once its last job ended, or once its deadline passed, when every
-block of a job still running is a load error. Either way, a job given up on
-writes nothing more into the cache: :meth:`TransferJob.abandon` stops its
-writes under the job's lock, and a medium whose writes are system calls the
-lock cannot stop closes its own gate in ``after_abandon`` (which may raise,
-as :class:`~kvwire.media.store.base.LateWriteError` does, once every job
-was given up on).
+A handler runs each load :class:`~kvwire.media.base.TransferJob` as pieces
+(:class:`~kvwire.media._transfer_jobs.BlockJob`, with the block ids they
+write, and those that failed) on its threads; :class:`LoadLedger` keeps the
+rest. A job ends once its last piece ended, or once its deadline passed,
+when every block of a piece still running is failed. Either way, a piece
+given up on writes nothing more into the cache: :meth:`BlockJob.abandon`
+stops its writes under the piece's lock, and a medium whose writes are
+system calls the lock cannot stop closes its own gate in ``after_abandon``
+(which may raise, as :class:`~kvwire.media.store.base.LateWriteError`
+does, once every piece was given up on).
 
-The block ids that failed, synchronous or asynchronous, are kept until the
-connector takes them (``get_block_ids_with_load_errors``).
+Which request a job serves and which step waits for it is the connector's
+bookkeeping (:class:`~kvwire.connectors.offload.transfer_book.TransferBook`).
 """
 
 from __future__ import annotations
@@ -23,44 +21,45 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import attrs
 
 from kvwire.interface.counters import Counters
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._transfer_jobs import BlockJob
+from kvwire.media.base import JobResult
 
-__all__ = ["AsyncLoad", "LedgerLoadCalls", "LoadLedger"]
+__all__ = ["LoadJob", "LoadLedger"]
 
 
-JobT = TypeVar("JobT", bound=BlockJob)
+PieceT = TypeVar("PieceT", bound=BlockJob)
 
 
 @attrs.define(eq=False)
-class AsyncLoad(Generic[JobT]):
-    """A request's asynchronous load: its jobs, how many have not ended, what failed so far.
+class LoadJob(Generic[PieceT]):
+    """A load job in flight: its pieces, how many have not ended, what failed so far.
 
-    ``remaining`` starts at one for the submission itself, so the load
-    cannot finish before its last job is submitted (:meth:`LoadLedger.submitted`).
+    ``remaining`` starts at one for the submission itself, so the job
+    cannot end before its last piece is submitted (:meth:`LoadLedger.submitted`).
     """
 
-    request_id: str
+    job_id: int
     deadline: float
-    jobs: list[JobT] = attrs.field(factory=list)
+    pieces: list[PieceT] = attrs.field(factory=list)
     remaining: int = 1
     failed: set[int] = attrs.field(factory=set)
 
 
-class LoadLedger(Generic[JobT]):
-    """A handler's loads: this step's synchronous jobs, each request's asynchronous load, errors.
+class LoadLedger(Generic[PieceT]):
+    """A handler's load jobs in flight, and those ended but not yet reported by ``poll``.
 
     ``counters`` gets ``load_errors`` and ``load_timeouts`` for the blocks of
-    jobs given up on at their deadline, warned about (rate-limited, through
-    ``warn``) with ``label`` before the message. ``after_abandon(job)`` runs
-    for each job given up on (see the module). The handler calls
-    :meth:`add_sync` or :meth:`begin_async`/:meth:`add_async`/:meth:`submitted`
-    as it submits, and :meth:`job_ended` from a job that ended by itself.
+    pieces given up on at their deadline, warned about (rate-limited, through
+    ``warn``) with ``label`` before the message. ``after_abandon(piece)`` runs
+    for each piece given up on (see the module). The handler calls
+    :meth:`begin`, :meth:`add` and :meth:`submitted` as it submits a job, and
+    :meth:`piece_ended` from a piece that ended by itself.
     """
 
     def __init__(
@@ -70,7 +69,7 @@ class LoadLedger(Generic[JobT]):
         warn: RateLimitedWarning,
         label: str,
         transfer_timeout_s: float,
-        after_abandon: Callable[[JobT], None] | None = None,
+        after_abandon: Callable[[PieceT], None] | None = None,
     ) -> None:
         self._counters = counters
         self._warn = warn
@@ -78,158 +77,113 @@ class LoadLedger(Generic[JobT]):
         self._transfer_timeout_s = transfer_timeout_s
         self._after_abandon = after_abandon
         self._lock = threading.Lock()
-        self._sync: list[JobT] = []
-        self._async: dict[str, AsyncLoad[JobT]] = {}
-        self._finished: dict[str, set[int]] = {}
-        self._errors: set[int] = set()
+        self._running: dict[int, LoadJob[PieceT]] = {}
+        self._ended: list[JobResult] = []
 
-    # ------------------------------------------------------ synchronous loads
+    # ------------------------------------------------------------ submitting
 
-    def add_sync(self, job: JobT) -> None:
-        """A job of this step's synchronous loads (waited for by :meth:`wait_for_sync`)."""
-        self._sync.append(job)
-
-    def wait_for_sync(self) -> None:
-        """Block until this step's synchronous jobs ended, or their deadline passed.
-
-        A job still running then is given up on: its blocks are load errors.
-        """
-        pending, self._sync = self._sync, []
-        if not pending:
-            return
-        deadline = max(job.deadline for job in pending)
-        concurrent.futures.wait(
-            [job.future for job in pending if job.future is not None],
-            timeout=max(0.0, deadline - time.monotonic()),
-        )
-        abandoned, late = self._abandon(pending)
-        for job in pending:
-            self._errors.update(job.block_ids if job in abandoned else job.failed)
-        if late is not None:
-            raise late
-
-    # ----------------------------------------------------- asynchronous loads
-
-    def begin_async(self, request_id: str, deadline: float) -> AsyncLoad[JobT]:
-        """The asynchronous load of ``request_id`` this step, to add jobs to."""
-        state: AsyncLoad[JobT] = AsyncLoad(request_id, deadline)
+    def begin(self, job_id: int, deadline: float) -> LoadJob[PieceT]:
+        """The load job ``job_id``, to add pieces to."""
+        job: LoadJob[PieceT] = LoadJob(job_id, deadline)
         with self._lock:
-            self._async[request_id] = state
-        return state
+            self._running[job_id] = job
+        return job
 
-    def add_async(self, state: AsyncLoad[JobT], job: JobT) -> None:
-        """``job`` is one of ``state``'s; add it before submitting it."""
+    def add(self, job: LoadJob[PieceT], piece: PieceT) -> None:
+        """``piece`` is one of ``job``'s; add it before submitting it."""
         with self._lock:
-            state.jobs.append(job)
-            state.remaining += 1
+            job.pieces.append(piece)
+            job.remaining += 1
 
-    def submitted(self, state: AsyncLoad[JobT]) -> None:
-        """Every job of ``state`` is submitted: it finishes once they all ended."""
-        self._count_down(state, ())
+    def submitted(self, job: LoadJob[PieceT]) -> None:
+        """Every piece of ``job`` is submitted: it ends once they all ended."""
+        self._count_down(job, ())
 
-    def job_ended(self, state: AsyncLoad[JobT], job: JobT) -> None:
-        """``job`` of ``state`` ended by itself (its ``end()`` won): its failures count."""
-        self._count_down(state, job.failed)
+    def piece_ended(self, job: LoadJob[PieceT], piece: PieceT) -> None:
+        """``piece`` of ``job`` ended by itself (its ``end()`` won): its failures count."""
+        self._count_down(job, piece.failed)
 
-    def _count_down(self, state: AsyncLoad[JobT], failed: Iterable[int]) -> None:
+    def _count_down(self, job: LoadJob[PieceT], failed: Iterable[int]) -> None:
         with self._lock:
-            if self._async.get(state.request_id) is not state:
+            if self._running.get(job.job_id) is not job:
                 return  # given up on at its deadline, and reported then
-            state.failed.update(failed)
-            state.remaining -= 1
-            if state.remaining <= 0:
-                del self._async[state.request_id]
-                self._finished[state.request_id] = state.failed
+            job.failed.update(failed)
+            job.remaining -= 1
+            if job.remaining <= 0:
+                self._finish(job)
 
-    def is_loading(self, request_id: str) -> bool:
-        """Whether an asynchronous load still writes into ``request_id``'s blocks."""
+    def _finish(self, job: LoadJob[PieceT]) -> None:
+        """Under the lock: ``job`` ended; :meth:`take_ended` reports it."""
+        del self._running[job.job_id]
+        self._ended.append(JobResult(job.job_id, frozenset(job.failed)))
+
+    # ------------------------------------------------------------- reporting
+
+    def is_running(self, job_id: int) -> bool:
+        """Whether the load job ``job_id`` has not ended."""
         with self._lock:
-            return request_id in self._async
+            return job_id in self._running
 
-    def take_finished(self) -> set[str]:
-        """Requests whose asynchronous loads ended (or were given up on) since the last call.
-
-        A load past its deadline is given up on first; its failures join the
-        load errors.
-        """
+    def take_ended(self) -> list[JobResult]:
+        """The jobs ended since the last call; those past their deadline are given up on first."""
         now = time.monotonic()
         with self._lock:
             overdue = [
-                state
-                for state in self._async.values()
-                if state.deadline <= now or any(job.never_ran() for job in state.jobs)
+                job
+                for job in self._running.values()
+                if job.deadline <= now or any(piece.never_ran() for piece in job.pieces)
             ]
-        for state in overdue:
-            self.give_up_async(state)
+        for job in overdue:
+            self._give_up(job)
         with self._lock:
-            finished, self._finished = self._finished, {}
-        for failed in finished.values():
-            self._errors.update(failed)
-        return set(finished)
+            ended, self._ended = self._ended, []
+        return ended
 
-    def give_up_async(self, state: AsyncLoad[JobT]) -> None:
-        """Report ``state``'s request finished now, every block of a job given up on failed.
+    # --------------------------------------------------------------- waiting
 
-        Should ``after_abandon`` raise, every job is still given up on, the
-        request stays unfinished (its blocks kept) and the error is raised; a
-        later call reports it finished.
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """Wait for these jobs up to their deadlines (or ``until``); whether they all ended.
+
+        A job still running at its deadline (or whose pieces never ran) is
+        given up on; one still running at ``until``, before its deadline, is not.
         """
+        wanted = set(job_ids)
         with self._lock:
-            jobs = list(state.jobs)
-        abandoned, late = self._abandon(jobs)
-        if late is not None:
-            raise late
-        with self._lock:
-            if self._async.get(state.request_id) is not state:
-                return  # its last job ended meanwhile
-            del self._async[state.request_id]
-            for job in jobs:
-                state.failed.update(job.block_ids if job in abandoned else job.failed)
-            self._finished[state.request_id] = state.failed
-
-    def wait_out(self, request_ids: Iterable[str]) -> None:
-        """Wait for these requests' asynchronous loads up to their deadlines, then give up.
-
-        For requests whose blocks are about to be reused (preempted): they are
-        reported finished by the next :meth:`take_finished`.
-        """
-        with self._lock:
-            states = [self._async[rid] for rid in set(request_ids) if rid in self._async]
-        self._end(states, None)
-
-    def end_async(self, until: float | None = None) -> None:
-        """At shutdown: wait for asynchronous loads to their deadlines (or ``until``); give up."""
-        with self._lock:
-            states = list(self._async.values())
-        self._end(states, until)
-
-    def _end(self, states: Sequence[AsyncLoad[JobT]], until: float | None) -> None:
-        if not states:
-            return
-        deadline = max(state.deadline for state in states)
+            jobs = [job for job_id, job in self._running.items() if job_id in wanted]
+        if not jobs:
+            return True
+        deadline = max(job.deadline for job in jobs)
         if until is not None:
             deadline = min(deadline, until)
         concurrent.futures.wait(
-            [job.future for state in states for job in state.jobs if job.future is not None],
+            [piece.future for job in jobs for piece in job.pieces if piece.future is not None],
             timeout=max(0.0, deadline - time.monotonic()),
         )
-        for state in states:
-            self.give_up_async(state)
+        now = time.monotonic()
+        for job in jobs:
+            if until is None or job.deadline <= now or any(p.never_ran() for p in job.pieces):
+                self._give_up(job)
+        with self._lock:
+            return wanted.isdisjoint(self._running)
 
-    # ----------------------------------------------------------------- errors
+    def end_all(self, until: float | None = None) -> None:
+        """At shutdown: wait for every job up to its deadline (or ``until``), then give up on it."""
+        with self._lock:
+            jobs = list(self._running.values())
+        if not jobs:
+            return
+        deadline = max(job.deadline for job in jobs)
+        if until is not None:
+            deadline = min(deadline, until)
+        concurrent.futures.wait(
+            [piece.future for job in jobs for piece in job.pieces if piece.future is not None],
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+        for job in jobs:
+            self._give_up(job)
 
-    def errors_so_far(self) -> set[int]:
-        """The block ids whose loads failed and are not taken yet (after :meth:`wait_for_sync`)."""
-        return set(self._errors)
-
-    def take_errors(self) -> set[int]:
-        """The block ids whose loads failed since the last call (the step's loads waited for)."""
-        self.wait_for_sync()
-        errors, self._errors = self._errors, set()
-        return errors
-
-    def count_ended(self, job: JobT, loaded: int, payload_bytes: int, started: float) -> None:
-        """Count a job that ended by itself: ``loaded`` blocks of ``payload_bytes`` each.
+    def count_ended(self, piece: PieceT, loaded: int, payload_bytes: int, started: float) -> None:
+        """Count a piece that ended by itself: ``loaded`` blocks of ``payload_bytes`` each.
 
         Its blocks not loaded (:attr:`~kvwire.media._transfer_jobs.BlockJob.failed`)
         count as load errors; ``started`` is its ``time.perf_counter()`` at start.
@@ -238,35 +192,54 @@ class LoadLedger(Generic[JobT]):
             {
                 "blocks_loaded": loaded,
                 "bytes_loaded": loaded * payload_bytes,
-                "load_errors": len(job.failed),
+                "load_errors": len(piece.failed),
                 "load_seconds": time.perf_counter() - started,
             }
         )
 
     # ------------------------------------------------------------- giving up
 
-    def _abandon(self, jobs: Sequence[JobT]) -> tuple[set[JobT], Exception | None]:
-        """Give up on each of ``jobs`` not ended; those given up on, now or before, and an error.
+    def _give_up(self, job: LoadJob[PieceT]) -> None:
+        """End ``job`` now, every block of a piece given up on failed.
 
-        Every job is given up on before any error is raised: a job after one
-        whose ``after_abandon`` raised must not go on writing into the cache.
-        The first error is returned, for the caller to raise once it has
-        recorded the jobs.
+        Should ``after_abandon`` raise, every piece is still given up on, the
+        job stays running (its blocks kept) and the error is raised; a later
+        call ends it.
         """
-        abandoned: set[JobT] = set()
+        with self._lock:
+            pieces = list(job.pieces)
+        abandoned, late = self._abandon(pieces)
+        if late is not None:
+            raise late
+        with self._lock:
+            if self._running.get(job.job_id) is not job:
+                return  # its last piece ended meanwhile
+            for piece in pieces:
+                job.failed.update(piece.block_ids if piece in abandoned else piece.failed)
+            self._finish(job)
+
+    def _abandon(self, pieces: Sequence[PieceT]) -> tuple[set[PieceT], Exception | None]:
+        """Give up on each of ``pieces`` not ended; those given up on, now or before, and an error.
+
+        Every piece is given up on before any error is raised: a piece after
+        one whose ``after_abandon`` raised must not go on writing into the
+        cache. The first error is returned, for the caller to raise once it
+        has recorded the pieces.
+        """
+        abandoned: set[PieceT] = set()
         late: Exception | None = None
         overdue = 0
-        for job in jobs:
+        for piece in pieces:
             try:
-                if job.abandon():
-                    overdue += len(job.block_ids)
-                    abandoned.add(job)
+                if piece.abandon():
+                    overdue += len(piece.block_ids)
+                    abandoned.add(piece)
                     if self._after_abandon is not None:
-                        self._after_abandon(job)
-                elif job.abandoned:
+                        self._after_abandon(piece)
+                elif piece.abandoned:
                     # Given up on before (by a call that raised): its blocks never
                     # loaded, whatever it left in its failures.
-                    abandoned.add(job)
+                    abandoned.add(piece)
             except Exception as error:
                 late = late or error
         if overdue:
@@ -280,34 +253,3 @@ class LoadLedger(Generic[JobT]):
                 self._transfer_timeout_s,
             )
         return abandoned, late
-
-
-class LedgerLoadCalls:
-    """The :class:`~kvwire.media.base.TransferHandler` load calls, answered by a ledger.
-
-    For a handler that keeps its loads in ``self._loads``: it then implements
-    only the transfers themselves (starting loads, saves, releasing saves,
-    what is busy, closing).
-    """
-
-    _loads: LoadLedger[Any]
-
-    def wait_for_loads(self) -> None:
-        """Block until this step's synchronous loads ended, failed or ran past their deadline."""
-        self._loads.wait_for_sync()
-
-    def load_errors_so_far(self) -> set[int]:
-        """The block ids whose loads failed and are not yet taken (after :meth:`wait_for_loads`)."""
-        return self._loads.errors_so_far()
-
-    def take_load_errors(self) -> set[int]:
-        """The block ids whose loads failed since the last call (this step's loads waited for)."""
-        return self._loads.take_errors()
-
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads ended (or ran past their deadline) since last asked."""
-        return self._loads.take_finished()
-
-    def is_loading(self, request_id: str) -> bool:
-        """Whether an asynchronous load still writes into ``request_id``'s blocks."""
-        return self._loads.is_loading(request_id)

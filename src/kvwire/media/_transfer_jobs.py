@@ -5,7 +5,7 @@ drives the forward pass waits for them. A job stuck in a store (a server
 that never answers, a blocked file) must not hang that thread: past the
 job's deadline the caller abandons it and reports its blocks failed. The
 job may still be running; it then writes nothing more where the caller
-could see it. :class:`TransferJob` makes "the job ended" and "the caller
+could see it. :class:`BackgroundJob` makes "the job ended" and "the caller
 gave up" exclusive, under one lock.
 """
 
@@ -22,7 +22,7 @@ class JobAbandoned(KVWireError):
     """Raised inside a job whose caller gave up on it: it must write nothing more."""
 
 
-class TransferJob:
+class BackgroundJob:
     """One background job, its deadline (``time.monotonic()``), and who settled it.
 
     The job ends itself (:meth:`end`) or the caller gives up on it
@@ -71,7 +71,7 @@ class TransferJob:
             return True
 
 
-class BlockJob(TransferJob):
+class BlockJob(BackgroundJob):
     """A job over blocks of the KV cache: the ids it reads or writes, and those that failed.
 
     :attr:`failed` is the job's to set before it ends; once the job was

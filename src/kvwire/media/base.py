@@ -6,9 +6,9 @@ A medium is a pair of halves, one per connector role, built from one
 - the scheduler side's :class:`MediumIndex` answers lookups and keeps the
   bookkeeping of transfers (which slots a load reads, which blocks a store
   writes and whether it succeeded), and reports the KV cache events it sees;
-- the worker side's :class:`TransferHandler` moves blocks between the paged
-  KV cache and the medium, off the forward pass, and reports what finished,
-  what failed and the saves it did not make.
+- the worker side's :class:`TransferHandler` runs transfer jobs between the
+  paged KV cache and the medium, off the forward pass, and reports which
+  ended and which of their blocks failed.
 
 The block connector (:mod:`kvwire.connectors.offload`) drives both halves
 through this interface only, so a new place to keep blocks is a new medium,
@@ -23,6 +23,7 @@ Every record of blocks to move is a :class:`~kvwire.blocks.transfers.BlockTransf
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,7 +40,15 @@ from kvwire.interface.types import BlockHash, KVCacheEvent
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Medium", "MediumContext", "MediumIndex", "TransferHandler"]
+__all__ = [
+    "JobResult",
+    "Medium",
+    "MediumContext",
+    "MediumIndex",
+    "TransferHandler",
+    "TransferJob",
+    "TransferKind",
+]
 
 
 @attrs.frozen
@@ -125,41 +134,70 @@ class MediumIndex(abc.ABC):
         """Release connections and files; called once at shutdown."""
 
 
-class TransferHandler(abc.ABC):
-    """The worker side of a medium: moves blocks between the paged KV cache and the medium.
+class TransferKind(enum.Enum):
+    """Which way a :class:`TransferJob` moves blocks."""
 
-    Transfers run off the forward pass. Loads verify every block before it
-    counts as loaded: a block that fails is a load error (the engine
-    computes it again), never reported loaded. Saves read the cache's blocks
-    in place until they end; :meth:`release_saves_reading` stops those
-    reading blocks about to be written. Every wait has a deadline.
+    LOAD = "load"
+    """From the medium into the KV cache."""
+    SAVE = "save"
+    """From the KV cache into the medium."""
+
+
+@attrs.frozen
+class TransferJob:
+    """Blocks to move in one direction, under an id the connector chose (unique per handler)."""
+
+    job_id: int
+    kind: TransferKind
+    transfers: tuple[BlockTransfer, ...]
+
+
+@attrs.frozen
+class JobResult:
+    """A job that ended: by itself, or given up on at its deadline."""
+
+    job_id: int
+    failed: frozenset[int] = frozenset()
+    """A load's block ids not loaded (the engine computes them again); empty for a save."""
+
+
+class TransferHandler(abc.ABC):
+    """The worker side of a medium: runs transfer jobs between the paged KV cache and the medium.
+
+    The connector submits jobs (:meth:`submit`), learns which ended and
+    which blocks of them failed (:meth:`poll`), and waits for the ones the
+    forward pass needs (:meth:`wait`). Which request a job serves, which
+    loads a step waits for and when a request's blocks are free again is the
+    connector's bookkeeping, not the medium's.
+
+    Jobs run off the forward pass. A load verifies every block before it
+    counts as loaded: a block that fails is reported in
+    :attr:`JobResult.failed` (the engine computes it again), never loaded. A
+    save reads the cache's blocks in place until it ends;
+    :meth:`release_saves_reading` stops those reading blocks about to be
+    written. Every job has a deadline, the medium's ``transfer_timeout_s``
+    from its submission: a job still running then is given up on, writes
+    nothing more into the cache and ends with every block failed. Every wait
+    has a deadline.
     """
 
     @abc.abstractmethod
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        """Start this step's loads: ``loads`` before the forward pass, ``async_loads`` beyond it."""
+    def submit(self, job: TransferJob) -> None:
+        """Start ``job`` in the background; only submits (the forward pass never waits for I/O)."""
 
     @abc.abstractmethod
-    def wait_for_loads(self) -> None:
-        """Block until this step's synchronous loads ended (or their deadline passed)."""
+    def poll(self) -> list[JobResult]:
+        """The jobs ended since the last call, each once; jobs past their deadline end first."""
 
     @abc.abstractmethod
-    def load_errors_so_far(self) -> set[int]:
-        """Block ids whose loads failed and were not taken yet (not cleared)."""
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """Block until each of ``job_ids`` ended, or until ``until`` (``time.monotonic()``).
 
-    @abc.abstractmethod
-    def take_load_errors(self) -> set[int]:
-        """Block ids whose loads failed since the last call, then cleared."""
-
-    @abc.abstractmethod
-    def take_finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads all ended since the last call."""
-
-    @abc.abstractmethod
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        """Start these saves; only submits (the forward pass never waits for I/O)."""
+        Whether they all ended. A job past its deadline is given up on and
+        counts as ended; so does an id this handler has already reported.
+        Without ``until`` it still returns, by the last job's deadline. The
+        jobs stay to be reported by :meth:`poll`.
+        """
 
     @abc.abstractmethod
     def release_saves_reading(
@@ -172,14 +210,6 @@ class TransferHandler(abc.ABC):
         stopped so, so the scheduler side never publishes them.
         """
 
-    @abc.abstractmethod
-    def is_busy(self, request_id: str) -> bool:
-        """Whether a transfer still reads or writes ``request_id``'s blocks."""
-
-    @abc.abstractmethod
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save submitted so far ended; False if ``timeout_s`` ran out."""
-
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events this side saw since the last call (media whose index sees none)."""
         return []
@@ -190,7 +220,7 @@ class TransferHandler(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Let the transfers in flight end (each within its deadline), then release everything."""
+        """Let the jobs in flight end (each within its deadline), then release everything."""
 
 
 class Medium(abc.ABC):

@@ -407,7 +407,8 @@ class HeldCopiesCPUOffload(CPUOffloadConnector):
     def wait_for_save(self) -> None:
         worker = pool_worker(self)
         self._open_gate()
-        assert worker.wait_for_saves(HOLD_LIMIT_S)
+        assert self._worker is not None and self._worker.transfers is not None
+        assert self._worker.transfers.wait_for_saves(HOLD_LIMIT_S)
         self._gate = hold_copies(worker)
         super().wait_for_save()
 

@@ -34,6 +34,7 @@ from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate as generate_without
 from tests.support.engines import (
     renamed,
@@ -294,16 +295,18 @@ def test_the_saves_reading_blocks_given_out_again_are_released_without_waiting_f
     store = _HeldForever()
     counters = Counters()
     caches = layout_caches(LAYOUT, seed=1)
-    worker = StoreTransferHandler(
-        store=store,
-        layouts=(LAYOUT,),
-        memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
-        io_threads=1,
-        batch_blocks=2,
-        counters=counters,
-        medium="memory",
-        max_save_bytes=4 * LAYOUT.entry_bytes,
-        transfer_timeout_s=HOLD_LIMIT_S,
+    worker = DrivenHandler(
+        StoreTransferHandler(
+            store=store,
+            layouts=(LAYOUT,),
+            memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
+            io_threads=1,
+            batch_blocks=2,
+            counters=counters,
+            medium="memory",
+            max_save_bytes=4 * LAYOUT.entry_bytes,
+            transfer_timeout_s=HOLD_LIMIT_S,
+        )
     )
     try:
         # "p" holds the one save thread in its write; "q" waits for the thread.
@@ -311,19 +314,19 @@ def test_the_saves_reading_blocks_given_out_again_are_released_without_waiting_f
         assert store.entered.wait(HOLD_LIMIT_S)
         worker.save([BlockTransfer(request_id="q", block_ids=(2, 3), block_hashes=HASHES)])
         # Blocks 4 and 5 are no save's: nothing is released.
-        worker.release_saves_reading(block_ids={4, 5})
+        worker.release_saves_reading((), {4, 5})
         assert "saves_released" not in counters.take()
         # Block 3 was given out again: "q", not started, is cancelled.
-        worker.release_saves_reading(block_ids={3, 5})
+        worker.release_saves_reading((), {3, 5})
         assert counters.take() == {"saves_released": 2}
-        assert not worker.saves_running("q")
-        assert worker.saves_running("p")
+        assert not worker.is_busy("q")
+        assert worker.is_busy("p")
         # Block 1 too: "p" is given up on while its write is still held.
-        worker.release_saves_reading(block_ids={1})
-        assert not worker.saves_running("p")
+        worker.release_saves_reading((), {1})
+        assert not worker.is_busy("p")
     finally:
         store.release.set()
-    wait_until(worker.idle, "the held write to return")
+    wait_until(worker.handler.idle, "the held write to return")
     # Its gate closed before it copied a byte: nothing of it is stored.
     assert store.stored == []
     assert counters.take()["saves_released"] == 2
@@ -369,8 +372,8 @@ class _WritesWhenLetGo(DirectoryBlockStore):
 
 def _directory_worker(
     store: BlockStore, caches: dict[str, Any], counters: Counters, timeout_s: float
-) -> StoreTransferHandler:
-    return StoreTransferHandler(
+) -> DrivenHandler[StoreTransferHandler]:
+    handler = StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
@@ -381,6 +384,7 @@ def _directory_worker(
         max_save_bytes=4 * LAYOUT.entry_bytes,
         transfer_timeout_s=timeout_s,
     )
+    return DrivenHandler(handler)
 
 
 def test_a_save_given_up_on_whose_block_is_overwritten_never_replaces_the_stored_entry(
@@ -400,11 +404,11 @@ def test_a_save_given_up_on_whose_block_is_overwritten_never_replaces_the_stored
     assert store.entered.wait(HOLD_LIMIT_S)
 
     # Block 0 was given to another request: the save is given up on, then the block written.
-    worker.release_saves_reading(block_ids={0})
+    worker.release_saves_reading((), {0})
     for cache in caches.values():
         cache[:, 0] = 123.0
     store.go.set()
-    wait_until(worker.idle, "the given-up save to return")
+    wait_until(worker.handler.idle, "the given-up save to return")
 
     assert not any(isinstance(event, BlockStored) for event in worker.take_events())
     loaded = layout_caches(LAYOUT, None)

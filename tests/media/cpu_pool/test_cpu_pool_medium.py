@@ -30,6 +30,7 @@ from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import _handler as cpu_pool_handler_module
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.mixed_up_slots import name_another_block, name_another_layout
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S
@@ -57,20 +58,20 @@ def medium(slots: int, num_groups: int = 1, **extra: Any) -> CPUPoolMedium:
 
 
 @pytest.fixture
-def handlers() -> Iterator[list[TransferHandler]]:
+def handlers() -> Iterator[list[DrivenHandler[TransferHandler]]]:
     """Handlers the test built; closed at teardown, so no copy thread outlives it."""
-    built: list[TransferHandler] = []
+    built: list[DrivenHandler[TransferHandler]] = []
     yield built
     for handler in built:
         handler.close()
 
 
-def pool_of(handler: TransferHandler) -> CPUPoolTransferHandler:
+def pool_of(handler: DrivenHandler[TransferHandler]) -> CPUPoolTransferHandler:
     assert isinstance(handler, CPUPoolTransferHandler)
     return handler
 
 
-def stored(index: MediumIndex, handler: TransferHandler) -> tuple[int, ...]:
+def stored(index: MediumIndex, handler: DrivenHandler[TransferHandler]) -> tuple[int, ...]:
     """Blocks 0 and 1 stored and published under ``HASHES`` in group 0; their slots."""
     placed = index.prepare_store(0, HASHES)
     assert [block_hash for block_hash, _ in placed] == list(HASHES)
@@ -83,7 +84,7 @@ def stored(index: MediumIndex, handler: TransferHandler) -> tuple[int, ...]:
     return slots
 
 
-def load_into_2_and_3(index: MediumIndex, handler: TransferHandler) -> set[int]:
+def load_into_2_and_3(index: MediumIndex, handler: DrivenHandler[TransferHandler]) -> set[int]:
     """Load ``HASHES`` of group 0 into blocks 2 and 3; the block ids that failed."""
     slots = index.prepare_load(0, HASHES)
     handler.start_loads(
@@ -136,10 +137,12 @@ def test_async_load_is_the_connectors_key_not_the_mediums() -> None:
 
 
 def test_the_handler_logs_the_pool_it_allocated(
-    caplog: pytest.LogCaptureFixture, handlers: list[TransferHandler]
+    caplog: pytest.LogCaptureFixture, handlers: list[DrivenHandler[TransferHandler]]
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kvwire.media.cpu_pool"):
-        handlers.append(medium(4).build_handler(layout_caches(LAYOUT, seed=1), Counters()))
+        handlers.append(
+            DrivenHandler(medium(4).build_handler(layout_caches(LAYOUT, seed=1), Counters()))
+        )
     assert (
         f"TestConnector: a pool of 4 blocks of {LAYOUT.payload_bytes} bytes (0.0 MiB), "
         "1 KV cache groups" in caplog.text
@@ -150,12 +153,12 @@ def test_the_handler_logs_the_pool_it_allocated(
 
 
 def test_a_store_then_a_load_round_trips_the_blocks_bit_exact(
-    handlers: list[TransferHandler],
+    handlers: list[DrivenHandler[TransferHandler]],
 ) -> None:
     pool = medium(4)
     caches = layout_caches(LAYOUT, seed=3)
     index = pool.build_index()
-    handler = pool.build_handler(caches, Counters())
+    handler = DrivenHandler(pool.build_handler(caches, Counters()))
     handlers.append(handler)
 
     stored(index, handler)
@@ -247,18 +250,18 @@ def test_evictions_are_counted_and_reported_once_per_group() -> None:
 
 @pytest.mark.parametrize("mix_up", [name_another_block, name_another_layout])
 def test_a_slot_naming_another_block_or_layout_is_never_loaded_and_is_discarded(
-    handlers: list[TransferHandler], mix_up: Callable[[PoolSlots, int], None]
+    handlers: list[DrivenHandler[TransferHandler]], mix_up: Callable[[PoolSlots, int], None]
 ) -> None:
     pool = medium(4)
     counters = Counters()
     index = pool.build_index()
     caches = layout_caches(LAYOUT, seed=4)
-    handler = pool.build_handler(caches, counters)
+    handler = DrivenHandler(pool.build_handler(caches, counters))
     handlers.append(handler)
     slots = stored(index, handler)
     index.take_events()
     before = [bits(cache, 3).clone() for cache in caches.values()]
-    mix_up(pool_of(handler).pool, slots[1])
+    mix_up(pool_of(handler.handler).pool, slots[1])
 
     assert load_into_2_and_3(index, handler) == {3}
     assert all(
@@ -277,17 +280,17 @@ def test_a_slot_naming_another_block_or_layout_is_never_loaded_and_is_discarded(
 
 
 def test_the_pool_writes_no_payload_checksum_and_loads_its_own_payload_as_written(
-    handlers: list[TransferHandler],
+    handlers: list[DrivenHandler[TransferHandler]],
 ) -> None:
     # Memory this process allocated and only kvwire writes: a checksum pass
     # would guard against nothing, so none is made (the header still is checked).
     pool = medium(4)
     index = pool.build_index()
     caches = layout_caches(LAYOUT, seed=4)
-    handler = pool.build_handler(caches, Counters())
+    handler = DrivenHandler(pool.build_handler(caches, Counters()))
     handlers.append(handler)
     slots = stored(index, handler)
-    entry = pool_of(handler).pool.entry(slots[0])
+    entry = pool_of(handler.handler).pool.entry(slots[0])
     assert entry[FLAGS_AT] == FLAG_NO_CHECKSUM
     assert bytes(entry[CHECKSUM_AT : CHECKSUM_AT + 8]) == bytes(8)
 
@@ -297,14 +300,14 @@ def test_the_pool_writes_no_payload_checksum_and_loads_its_own_payload_as_writte
 
 
 def test_a_store_that_fails_half_way_leaves_slots_that_name_no_block(
-    handlers: list[TransferHandler], monkeypatch: pytest.MonkeyPatch
+    handlers: list[DrivenHandler[TransferHandler]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No payload checksum would notice a slot half rewritten under a header
     # still naming its block: the store clears the headers before it copies.
     pool = medium(4)
     index = pool.build_index()
     caches = layout_caches(LAYOUT, seed=4)
-    handler = pool.build_handler(caches, Counters())
+    handler = DrivenHandler(pool.build_handler(caches, Counters()))
     handlers.append(handler)
     slots = stored(index, handler)
 
@@ -373,7 +376,7 @@ def copies_go_on() -> Iterator[threading.Event]:
 def test_a_save_reading_a_block_given_away_is_released_and_copies_nothing(
     monkeypatch: pytest.MonkeyPatch,
     copies_go_on: threading.Event,
-    handlers: list[TransferHandler],
+    handlers: list[DrivenHandler[TransferHandler]],
 ) -> None:
     chunks = cpu_pool_handler_module.cache_sized_chunks
 
@@ -385,7 +388,7 @@ def test_a_save_reading_a_block_given_away_is_released_and_copies_nothing(
     pool = medium(4)
     counters = Counters()
     index = pool.build_index()
-    handler = pool.build_handler(layout_caches(LAYOUT, seed=5), counters)
+    handler = DrivenHandler(pool.build_handler(layout_caches(LAYOUT, seed=5), counters))
     handlers.append(handler)
     placed = index.prepare_store(0, HASHES)
     save = BlockTransfer(

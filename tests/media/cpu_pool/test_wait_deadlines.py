@@ -22,6 +22,7 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
 from kvwire.media.cpu_pool import _handler as cpu_pool_worker_module
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
@@ -39,8 +40,10 @@ def copies_go_on() -> Iterator[threading.Event]:
         event.set()
 
 
-def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolTransferHandler:
-    return CPUPoolTransferHandler(
+def _worker(
+    caches: dict[str, torch.Tensor], counters: Counters
+) -> DrivenHandler[CPUPoolTransferHandler]:
+    handler = CPUPoolTransferHandler(
         layouts=(LAYOUT,),
         caches=(PagedKVCaches(caches, LAYOUT, sorted(caches)),),
         num_slots=4,
@@ -48,9 +51,10 @@ def _worker(caches: dict[str, torch.Tensor], counters: Counters) -> CPUPoolTrans
         counters=counters,
         transfer_timeout_s=DEADLINE_S,
     )
+    return DrivenHandler(handler)
 
 
-def _stored(worker: CPUPoolTransferHandler) -> None:
+def _stored(worker: DrivenHandler[CPUPoolTransferHandler]) -> None:
     """Blocks 0 and 1 stored, whole, in slots 0 and 1 under ``HASHES``."""
     worker.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), slots=(0, 1), block_hashes=HASHES)]
@@ -177,14 +181,14 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 ) -> None:
     worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
 
-    def broken_wait(timeout_s: float | None = None) -> bool:
+    def broken_wait(job_ids: object, until: float | None) -> bool:
         raise RuntimeError("a bug in the wait")
 
-    monkeypatch.setattr(worker, "wait_for_saves", broken_wait)
+    monkeypatch.setattr(worker.handler, "_wait_for_stores", broken_wait)
     with caplog.at_level(logging.ERROR):
         worker.close()
 
-    assert "shutdown: waiting for transfers failed" in caplog.text
+    assert "shutdown: waiting for stores failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.save(
             [BlockTransfer(request_id="p", block_ids=(0,), slots=(0,), block_hashes=HASHES[:1])]

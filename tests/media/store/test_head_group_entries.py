@@ -26,6 +26,7 @@ from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext, TransferHandler
 from kvwire.media.store.directory import DirectoryMedium
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import layout_caches
 
 CONNECTOR = "TestStoreConnector"
@@ -73,13 +74,15 @@ def closing() -> Iterator[list[Any]]:
 
 def handler(
     of: DirectoryMedium, caches: dict[str, torch.Tensor], closing: list[Any]
-) -> TransferHandler:
-    built = of.build_handler(caches, Counters())
+) -> DrivenHandler[TransferHandler]:
+    built = DrivenHandler(of.build_handler(caches, Counters()))
     closing.append(built)
     return built
 
 
-def save(worker: TransferHandler, block_ids: tuple[int, ...], hashes: tuple[bytes, ...]) -> None:
+def save(
+    worker: DrivenHandler[TransferHandler], block_ids: tuple[int, ...], hashes: tuple[bytes, ...]
+) -> None:
     worker.save([BlockTransfer(request_id="p", block_ids=block_ids, block_hashes=hashes)])
     assert worker.wait_for_saves(30)
 

@@ -22,6 +22,7 @@ from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory._store import DirectoryBlockStore
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -56,8 +57,8 @@ def _worker(
     *,
     io_threads: int,
     batch_blocks: int,
-) -> StoreTransferHandler:
-    return StoreTransferHandler(
+) -> DrivenHandler[StoreTransferHandler]:
+    handler = StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
@@ -67,6 +68,7 @@ def _worker(
         counters=Counters(),
         medium="test",
     )
+    return DrivenHandler(handler)
 
 
 def _saved_caches(store: DirectoryBlockStore) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import blocks_equal, engine_config
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     generate,
     renamed,
@@ -210,16 +211,18 @@ def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Pat
 
     counters = Counters()
 
-    def worker(caches: list[dict[str, torch.Tensor]]) -> StoreTransferHandler:
-        return StoreTransferHandler(
-            store=store,
-            layouts=layouts,
-            memories=[BlockMemory(group, base, sorted(group)) for group in caches],
-            io_threads=2,
-            batch_blocks=2,
-            max_save_bytes=8 * base.entry_bytes,
-            counters=counters,
-            medium="test",
+    def worker(caches: list[dict[str, torch.Tensor]]) -> DrivenHandler[StoreTransferHandler]:
+        return DrivenHandler(
+            StoreTransferHandler(
+                store=store,
+                layouts=layouts,
+                memories=[BlockMemory(group, base, sorted(group)) for group in caches],
+                io_threads=2,
+                batch_blocks=2,
+                max_save_bytes=8 * base.entry_bytes,
+                counters=counters,
+                medium="test",
+            )
         )
 
     producer = worker(producer_caches)
@@ -248,13 +251,13 @@ def test_a_requests_async_loads_in_two_groups_end_together(tmp_path: pathlib.Pat
             loaded += counters.take().get("blocks_loaded", 0)
             assert time.monotonic() < deadline, "the ungated load never ended"
             time.sleep(0.005)
-        assert consumer.is_loading("c")
+        assert consumer.is_busy("c")
         assert consumer.take_finished_loads() == set()
         store.gate.set()
         while not consumer.take_finished_loads():
             assert time.monotonic() < deadline, "the gated load never ended"
             time.sleep(0.005)
-        assert not consumer.is_loading("c")
+        assert not consumer.is_busy("c")
         for group in (0, 1):
             assert blocks_equal(producer_caches[group], [0, 1], consumer_caches[group], [2, 3])
     finally:

@@ -27,6 +27,7 @@ from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.store.directory import medium as directory
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import layout_caches
 
 CONNECTOR = "TestStoreConnector"
@@ -73,14 +74,16 @@ def closing() -> Iterator[list[Any]]:
 
 def handler_over(
     medium: DirectoryMedium, caches: dict[str, torch.Tensor], closing: list[Any]
-) -> StoreTransferHandler:
-    handler = medium.build_handler(caches, Counters())
+) -> DrivenHandler[StoreTransferHandler]:
+    handler = DrivenHandler(medium.build_handler(caches, Counters()))
     closing.append(handler)
     return handler
 
 
 def save(
-    handler: StoreTransferHandler, block_ids: tuple[int, ...], hashes: tuple[bytes, ...]
+    handler: DrivenHandler[StoreTransferHandler],
+    block_ids: tuple[int, ...],
+    hashes: tuple[bytes, ...],
 ) -> None:
     handler.save([BlockTransfer(request_id="p", block_ids=block_ids, block_hashes=hashes)])
     assert handler.wait_for_saves(30)

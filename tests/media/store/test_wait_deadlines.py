@@ -35,6 +35,7 @@ from kvwire.media._transfer_jobs import JobAbandoned
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory import DirectoryMedium
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     shared_storage,
     tiny_config,
@@ -180,8 +181,8 @@ def _worker(
     counters: Counters,
     timeout_s: float,
     grace_s: float = TEST_LIMIT_S,
-) -> StoreTransferHandler:
-    return StoreTransferHandler(
+) -> DrivenHandler[StoreTransferHandler]:
+    handler = StoreTransferHandler(
         store=store,
         layouts=(LAYOUT,),
         memories=(BlockMemory(caches, LAYOUT, sorted(caches)),),
@@ -193,6 +194,7 @@ def _worker(
         transfer_timeout_s=timeout_s,
         late_write_grace_s=grace_s,
     )
+    return DrivenHandler(handler)
 
 
 def _saved_store() -> MemoryStore:
@@ -202,7 +204,9 @@ def _saved_store() -> MemoryStore:
     return store
 
 
-def _worker_with_a_stuck_save(counters: Counters, timeout_s: float) -> StoreTransferHandler:
+def _worker_with_a_stuck_save(
+    counters: Counters, timeout_s: float
+) -> DrivenHandler[StoreTransferHandler]:
     """A worker whose save of blocks 0 and 1 (request "p") hangs in the store's write."""
     worker = _worker(
         StuckStore(MemoryStore(), stuck_writes=True),
@@ -254,7 +258,7 @@ def test_a_stuck_load_that_returns_late_writes_nothing_into_the_cache(
         cache[:, 2:4] = 7.0
 
     store_answers.set()  # the store answers at last, with good entries
-    wait_until(lambda: worker.idle(), "the stuck job to end")
+    wait_until(lambda: worker.handler.idle(), "the stuck job to end")
 
     for cache in caches.values():
         assert bool((cache[:, 2:4] == 7.0).all())
@@ -281,7 +285,7 @@ def test_a_given_up_load_waits_for_its_read_under_way_and_then_writes_nothing_mo
     # The engine computes both blocks again; the load writes nothing more into them.
     for cache in caches.values():
         cache[:, 2:4] = 7.0
-    wait_until(worker.idle, "the load job to end")
+    wait_until(worker.handler.idle, "the load job to end")
     for cache in caches.values():
         assert bool((cache[:, 2:4] == 7.0).all())
     worker.close()
@@ -322,7 +326,7 @@ def test_runs_after_one_whose_read_outlived_the_grace_are_given_up_on_before_the
         store.returns.set()
     # Both runs' blocks are load errors, and the second never writes into the cache.
     assert worker.take_load_errors() == {0, 1, 2, 3}
-    wait_until(worker.idle, "the stuck run to end")
+    wait_until(worker.handler.idle, "the stuck run to end")
     assert not any(bool(cache[:, 0:2].any()) for cache in caches.values())
     worker.close()
 
@@ -343,7 +347,7 @@ def test_an_async_load_whose_give_up_raised_is_later_finished_with_its_blocks_fa
 
     try:
         wait_until(given_up, "the load past its deadline to be given up on")
-        assert worker.is_loading("c")  # its blocks stay kept until reported
+        assert worker.is_busy("c")  # its blocks stay kept until reported
         # A later call (close, or a caller that logged the error) reports it: nothing loaded.
         assert worker.take_finished_loads() == {"c"}
         assert worker.take_load_errors() == {2, 3}
@@ -409,15 +413,15 @@ def test_an_asynchronous_load_stuck_past_its_deadline_is_finished_with_every_blo
     caches = layout_caches(LAYOUT, None)
     worker = _worker(StuckStore(_saved_store()), caches, Counters(), DEADLINE_S)
     worker.start_loads([], [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES)])
-    assert worker.is_loading("c")
+    assert worker.is_busy("c")
 
     finished = wait_until(worker.take_finished_loads, "the load to finish")
 
     assert finished == {"c"}
-    assert not worker.is_loading("c")  # its blocks may be freed
+    assert not worker.is_busy("c")  # its blocks may be freed
     assert worker.take_load_errors() == {2, 3}
     store_answers.set()
-    wait_until(lambda: worker.idle(), "the stuck job to end")
+    wait_until(lambda: worker.handler.idle(), "the stuck job to end")
     assert not any(bool(cache[:, 2:4].any()) for cache in caches.values())
     assert worker.take_finished_loads() == set()  # reported once
     worker.close()
@@ -499,7 +503,7 @@ def test_a_save_stuck_past_its_deadline_counts_failed_and_is_no_longer_waited_fo
     assert taken["save_timeouts"] == 2
     assert taken["save_errors"] == 2
     store_answers.set()
-    wait_until(lambda: worker.idle(), "the stuck save to end")
+    wait_until(lambda: worker.handler.idle(), "the stuck save to end")
     assert "blocks_saved" not in counters.take()  # counted once, as failed
     worker.close()
 
@@ -557,10 +561,10 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 ) -> None:
     worker = _worker(MemoryStore(), layout_caches(LAYOUT, None), Counters(), 30)
 
-    def broken_wait(timeout_s: float | None = None) -> bool:
+    def broken_wait(job_ids: object, until: float | None) -> bool:
         raise OSError("the store vanished")
 
-    monkeypatch.setattr(worker, "wait_for_saves", broken_wait)
+    monkeypatch.setattr(worker.handler, "_wait_for_saves", broken_wait)
     with caplog.at_level(logging.ERROR):
         worker.close()
 

@@ -1,5 +1,8 @@
 """The block connector's worker half: drives the medium's transfer handler around the forward pass.
 
+The handler only runs transfer jobs; which request and which step each job
+serves is kept here, in a :class:`~kvwire.connectors.offload.transfer_book.TransferBook`.
+
 Loads write every layer of a block at once, so the first layer waits for
 them; saves read every layer after the forward pass, so ``save_kv_layer``
 does nothing and ``wait_for_save`` only submits. Before anything of a step
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
+from kvwire.connectors.offload.transfer_book import TransferBook
 from kvwire.interface.base import KVConnectorMetadata
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import KVCacheEvent, KVConnectorStats
@@ -51,7 +55,7 @@ class OffloadWorker:
         self._reports_lookups = reports_lookups
         self._medium = medium
         self._counters = Counters()
-        self._handler: TransferHandler | None = None
+        self._transfers: TransferBook | None = None
         self._pending_release = PendingRelease()
         self._failed_elsewhere: set[int] = set()
         self._released_for: KVConnectorMetadata | None = None
@@ -61,23 +65,29 @@ class OffloadWorker:
     @property
     def handler(self) -> TransferHandler | None:
         """The medium's transfer handler, once the caches are registered."""
-        return self._handler
+        return self._transfers.handler if self._transfers is not None else None
+
+    @property
+    def transfers(self) -> TransferBook | None:
+        """The jobs given to the handler, per step and request, once the caches are registered."""
+        return self._transfers
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        if self._handler is not None:
+        if self._transfers is not None:
             # A second handler would leave the first one's threads and store open.
             raise RuntimeError(
                 f"{self._connector_name}: register_kv_caches() was called twice; the caches "
                 "are registered once per connector, before the first step"
             )
-        self._handler = call_plugin(
+        handler = call_plugin(
             "kv_connector_extra_config.medium",
             f"{type(self._medium).__name__}.build_handler",
             lambda: self._medium.build_handler(kv_caches, self._counters),
         )
+        self._transfers = TransferBook(handler)
 
-    def _require_handler(self) -> TransferHandler:
-        return registered_worker(self._connector_name, self._handler)
+    def _require_transfers(self) -> TransferBook:
+        return registered_worker(self._connector_name, self._transfers)
 
     def metadata(self, metadata: KVConnectorMetadata) -> OffloadMetadata:
         return metadata_of_type(self._connector_name, metadata, OffloadMetadata)
@@ -90,36 +100,36 @@ class OffloadWorker:
         """
         metadata = self.metadata(kv_connector_metadata)
         self._released_for = kv_connector_metadata
-        self._released_saves += self._require_handler().release_saves_reading(
+        self._released_saves += self._require_transfers().release_saves_reading(
             metadata.preempted_req_ids, metadata.new_block_ids
         )
 
     def start_load_kv(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metadata = self.metadata(kv_connector_metadata)
-        handler = self._require_handler()
+        transfers = self._require_transfers()
         if self._reports_lookups:
             self._counters.add_many(dict(metadata.counters))
         self._pending_release.add(metadata.release_req_ids)
         if kv_connector_metadata is not self._released_for:
             self.handle_preemptions(kv_connector_metadata)
         if metadata.loads or metadata.async_loads:
-            handler.start_loads(metadata.loads, metadata.async_loads)
+            transfers.start_loads(metadata.loads, metadata.async_loads)
 
     def wait_for_layer_load(self) -> None:
         # Synchronous loads write every layer at once; the first layer waits.
-        if self._handler is not None:
-            self._handler.wait_for_loads()
+        if self._transfers is not None:
+            self._transfers.wait_for_loads()
 
     def wait_for_save(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         metadata = self.metadata(kv_connector_metadata)
-        handler = self._require_handler()
+        transfers = self._require_transfers()
         saves, left_out = self._saves_from_good_context(metadata.saves)
         # Reported, so that the scheduler half never publishes them: the
         # blocks, computed again, are saved anew.
         self._left_out_saves += left_out
         if saves:
             # Only submits: the saves read the blocks in place, in the background.
-            handler.save(saves)
+            transfers.save(saves)
 
     def _saves_from_good_context(
         self, saves: Sequence[BlockTransfer]
@@ -135,23 +145,23 @@ class OffloadWorker:
 
     def load_errors_this_step(self) -> set[int]:
         """Block ids whose synchronous loads failed this step; waits for the loads to end."""
-        handler = self._require_handler()
-        handler.wait_for_loads()
-        return handler.load_errors_so_far()
+        transfers = self._require_transfers()
+        transfers.wait_for_loads()
+        return transfers.load_errors_so_far()
 
     def skip_saves_computed_from(self, block_ids: set[int]) -> None:
         self._failed_elsewhere |= block_ids
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        handler = self._handler
-        if handler is None:
+        transfers = self._transfers
+        if transfers is None:
             return None, None
-        received = handler.take_finished_loads()
-        sent = self._pending_release.take_released(handler.is_busy)
+        received = transfers.take_finished_loads()
+        sent = self._pending_release.take_released(transfers.is_busy)
         return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._handler.take_load_errors() if self._handler is not None else set()
+        return self._transfers.take_load_errors() if self._transfers is not None else set()
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         released, self._released_saves = self._released_saves, []
@@ -161,16 +171,16 @@ class OffloadWorker:
         return OffloadWorkerMetadata(tuple(released), tuple(left_out))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._handler is not None:
-            self._counters.add_many(self._handler.take_counters())
+        if self._transfers is not None:
+            self._counters.add_many(self._transfers.take_counters())
         return self._counters.take_stats()
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self._handler.take_events() if self._handler is not None else []
+        return self._transfers.take_events() if self._transfers is not None else []
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        return self._handler.wait_for_saves(timeout_s) if self._handler is not None else True
+        return self._transfers.wait_for_saves(timeout_s) if self._transfers is not None else True
 
     def close(self) -> None:
-        if self._handler is not None:
-            self._handler.close()
+        if self._transfers is not None:
+            self._transfers.close()

@@ -54,11 +54,11 @@ from kvwire.blocks.paged_cache import (
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
+from kvwire.media._load_ledger import LoadJob, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._shutdown import close_in_steps
 from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
-from kvwire.media.base import TransferHandler
+from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
 
 logger = logging.getLogger(__name__)
@@ -70,20 +70,22 @@ _NO_HEADER = bytes(HEADER_SIZE)
 
 
 class _PoolJob(BlockJob):
-    """One piece of a transfer, copied by one thread; ``async_load`` is its request's load."""
+    """One piece of a transfer job, copied by one thread; a load's ``load_job`` is its job's."""
 
     def __init__(
         self,
+        job_id: int,
         piece: BlockTransfer,
         deadline: float,
         *,
         is_store: bool,
-        async_load: AsyncLoad[_PoolJob] | None = None,
+        load_job: LoadJob[_PoolJob] | None = None,
     ) -> None:
         super().__init__(deadline, piece.block_ids)
+        self.job_id = job_id
         self.piece = piece
         self.is_store = is_store
-        self.async_load = async_load
+        self.load_job = load_job
         self.released = False
 
     def release(self) -> bool:
@@ -99,7 +101,7 @@ class _PoolJob(BlockJob):
             return True
 
 
-class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
+class CPUPoolTransferHandler(TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
     ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
@@ -134,8 +136,10 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         self._store_pool = JobThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
         self._load_pool = JobThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
         self._changed = threading.Condition()
-        # Stores still reading each request's blocks.
-        self._jobs_per_request: dict[str, set[_PoolJob]] = {}
+        # The pieces of each store job still reading the cache's blocks.
+        self._stores: dict[int, set[_PoolJob]] = {}
+        # Store jobs ended, not yet reported by poll().
+        self._stores_ended: list[JobResult] = []
         self._loads: LoadLedger[_PoolJob] = LoadLedger(
             counters=counters,
             warn=self._warn,
@@ -143,100 +147,103 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
             transfer_timeout_s=transfer_timeout_s,
         )
 
-    # --------------------------------------------------- per-request stores
+    # ------------------------------------------------------- store jobs
 
-    def _job_started(self, job: _PoolJob) -> None:
+    def _store_started(self, job_id: int, piece: _PoolJob | None) -> None:
         with self._changed:
-            self._jobs_per_request.setdefault(job.piece.request_id, set()).add(job)
+            pieces = self._stores.setdefault(job_id, set())
+            if piece is not None:
+                pieces.add(piece)
 
-    def _forget_job(self, job: _PoolJob) -> None:
+    def _forget_store(self, job_id: int, piece: _PoolJob | None) -> None:
+        """``piece`` of store job ``job_id`` settled (None: the job had no piece)."""
         with self._changed:
-            request_id = job.piece.request_id
-            jobs = self._jobs_per_request.get(request_id)
-            if jobs is not None:
-                jobs.discard(job)
-                if not jobs:
-                    del self._jobs_per_request[request_id]
+            pieces = self._stores.get(job_id)
+            if pieces is not None:
+                if piece is not None:
+                    pieces.discard(piece)
+                if not pieces:
+                    del self._stores[job_id]
+                    self._stores_ended.append(JobResult(job_id))
             self._changed.notify_all()
 
-    def is_busy(self, request_id: str) -> bool:
-        """Whether a store or asynchronous load of ``request_id`` is still running.
+    def _store_pieces(self, wanted: Callable[[int, _PoolJob], bool]) -> list[_PoolJob]:
+        with self._changed:
+            return [
+                piece
+                for job_id, pieces in self._stores.items()
+                for piece in pieces
+                if wanted(job_id, piece)
+            ]
 
-        Its stores past their deadline are given up on first.
-        """
-        if self._loads.is_loading(request_id):
-            return True
+    def poll(self) -> list[JobResult]:
+        """The jobs ended since the last call; stores past their deadline count failed first."""
         now = time.monotonic()
+        self._give_up(self._store_pieces(lambda _, piece: piece.deadline <= now))
+        ended = self._loads.take_ended()
         with self._changed:
-            jobs = self._jobs_per_request.get(request_id)
-            if not jobs:
-                return False
-            overdue = [job for job in jobs if job.is_store and job.deadline <= now]
-            if not overdue:
-                return True
-        # Outside the lock: giving up on a job waits for its copy under way.
-        self._give_up(overdue)
-        with self._changed:
-            return request_id in self._jobs_per_request
+            stores, self._stores_ended = self._stores_ended, []
+        return ended + stores
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """Block until these jobs ended (past its deadline, a job is given up on), or ``until``."""
+        wanted = set(job_ids)
+        loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
+        loads_ended = self._loads.wait(loads, until)
+        return self._wait_for_stores(wanted, until) and loads_ended
 
     def _wait_for_requests(self, request_ids: Iterable[str]) -> None:
-        """Block until no transfer of these requests runs (their blocks are about to be reused).
+        """Block until no store of these requests runs (their blocks are about to be reused).
 
-        At most until their deadlines: a transfer still running then is given
-        up on, and copies nothing more to or from the blocks (an asynchronous
-        load is then reported finished, its blocks failed).
+        At most until their deadlines: a store still running then is given
+        up on, and copies nothing more from the blocks.
         """
         wanted = set(request_ids)
-        self._loads.wait_out(wanted)
 
         def running() -> list[_PoolJob]:
-            with self._changed:
-                return [job for rid in wanted for job in self._jobs_per_request.get(rid, ())]
+            return self._store_pieces(lambda _, piece: piece.piece.request_id in wanted)
 
-        jobs = running()
-        if not jobs:
+        pieces = running()
+        if not pieces:
             return
-        until = max(job.deadline for job in jobs)
+        until = max(piece.deadline for piece in pieces)
         with self._changed:
-            self._changed.wait_for(
-                lambda: not wanted & self._jobs_per_request.keys(),
-                max(0.0, until - time.monotonic()),
-            )
+            self._changed.wait_for(lambda: not running(), max(0.0, until - time.monotonic()))
         self._give_up(running())
 
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every store ended or ran past its deadline.
+    def _wait_for_stores(self, job_ids: Set[int], until: float | None) -> bool:
+        """Block until these store jobs ended or ran past their deadline; False if ``until`` came.
 
-        False if ``timeout_s`` ran out first; without it, it still ends, at
-        the latest when the last job's own deadline passes.
+        Without ``until`` it still ends, at the latest when the last piece's
+        own deadline passes.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def running() -> list[_PoolJob]:
+            return self._store_pieces(lambda job_id, _: job_id in job_ids)
+
         while True:
-            with self._changed:
-                jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
+            pieces = running()
             now = time.monotonic()
-            overdue = [job for job in jobs if job.deadline <= now]
+            overdue = [piece for piece in pieces if piece.deadline <= now]
             if overdue:
                 self._give_up(overdue)
                 continue
-            if not jobs:
+            if not pieces:
                 return True
-            if deadline is not None and now >= deadline:
+            if until is not None and now >= until:
                 return False
-            wake = min(job.deadline for job in jobs)
-            if deadline is not None:
-                wake = min(wake, deadline)
+            wake = min(piece.deadline for piece in pieces)
+            if until is not None:
+                wake = min(wake, until)
             with self._changed:
-                self._changed.wait_for(
-                    lambda: not self._jobs_per_request, max(0.0, wake - time.monotonic())
-                )
+                self._changed.wait_for(lambda: not running(), max(0.0, wake - time.monotonic()))
 
     def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
         """Stop waiting for the stores ``jobs``: they count failed."""
         for job in jobs:
             if job.abandon():
                 if job.released:  # counted when released
-                    self._forget_job(job)
+                    self._forget_store(job.job_id, job)
                     continue
                 blocks = len(job.piece.block_ids)
                 self._counters.add_many({"save_errors": blocks, "save_timeouts": blocks})
@@ -247,18 +254,27 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
                     blocks,
                     self._transfer_timeout_s,
                 )
-                self._forget_job(job)
+                self._forget_store(job.job_id, job)
 
     # -------------------------------------------------------------- stores
 
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        """Start copying blocks into their pool slots; completion shows in :meth:`is_busy`."""
+    def submit(self, job: TransferJob) -> None:
+        """Start copying the job's blocks, into their pool slots or out of them into the cache."""
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in saves:
+        if job.kind is TransferKind.SAVE:
+            self._submit_stores(job, deadline)
+        else:
+            self._submit_loads(job, deadline)
+
+    def _submit_stores(self, job: TransferJob, deadline: float) -> None:
+        self._store_started(job.job_id, None)
+        for transfer in job.transfers:
             for piece in self._split(transfer):
-                job = _PoolJob(piece, deadline, is_store=True)
-                self._job_started(job)
-                job.future = self._store_pool.submit(self._store, job)
+                store = _PoolJob(job.job_id, piece, deadline, is_store=True)
+                self._store_started(job.job_id, store)
+                store.future = self._store_pool.submit(self._store, store)
+        # Ends the job at once if it had no piece.
+        self._forget_store(job.job_id, None)
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
@@ -271,7 +287,8 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         about to be reused. Returns the pieces released (their slots must
         never be published). The stores of ``request_ids`` are not released
         but waited for, each at most until its deadline: one still running
-        then is given up on and counts failed.
+        then is given up on and counts failed. (The connector waits out the
+        requests' loads itself.)
         """
         released = self._release_stores_reading(block_ids)
         if request_ids:  # most steps preempt nothing: nothing to build then
@@ -285,13 +302,9 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         """
         if not block_ids:
             return []
-        with self._changed:
-            reading = [
-                job
-                for jobs in self._jobs_per_request.values()
-                for job in jobs
-                if job.is_store and not block_ids.isdisjoint(job.piece.block_ids)
-            ]
+        reading = self._store_pieces(
+            lambda _, piece: not block_ids.isdisjoint(piece.piece.block_ids)
+        )
         # The flag is set before anything can write the blocks, and a chunk is
         # copied only under the job's lock with it unset: every byte copied
         # was read before the flag was set, and nothing is copied after.
@@ -354,7 +367,7 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         if job.released:
             # Final once ended. Counted when released; the scheduler side frees
             # its slots, whatever they hold, so it never commits.
-            self._forget_job(job)
+            self._forget_store(job.job_id, job)
             return
         # Counted before the job is forgotten, so whoever waits for it sees them.
         self._counters.add_many(
@@ -365,41 +378,25 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
                 "save_seconds": time.perf_counter() - started,
             }
         )
-        self._forget_job(job)
+        self._forget_store(job.job_id, job)
 
     # --------------------------------------------------------------- loads
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        """Start verifying and copying pool slots into the cache; ``loads`` end within the step."""
-        deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in loads:
+    def _submit_loads(self, job: TransferJob, deadline: float) -> None:
+        """Start verifying and copying pool slots into the cache, a piece per thread."""
+        load_job = self._loads.begin(job.job_id, deadline)
+        for transfer in job.transfers:
             for piece in self._split(transfer):
-                job = _PoolJob(piece, deadline, is_store=False)
-                self._loads.add_sync(job)
-                job.future = self._load_pool.submit(self._load, job)
-        # A request loads in several groups at once: one load per request,
-        # finished when the pieces of all its transfers are.
-        states: dict[str, AsyncLoad[_PoolJob]] = {}
-        for transfer in async_loads:
-            state = states.get(transfer.request_id)
-            if state is None:
-                state = states[transfer.request_id] = self._loads.begin_async(
-                    transfer.request_id, deadline
-                )
-            for piece in self._split(transfer):
-                job = _PoolJob(piece, deadline, is_store=False, async_load=state)
-                self._loads.add_async(state, job)
-                job.future = self._load_pool.submit(self._load_async, job)
-        for state in states.values():
-            self._loads.submitted(state)
+                load = _PoolJob(job.job_id, piece, deadline, is_store=False, load_job=load_job)
+                self._loads.add(load_job, load)
+                load.future = self._load_pool.submit(self._load_piece, load)
+        self._loads.submitted(load_job)
 
-    def _load_async(self, job: _PoolJob) -> None:
+    def _load_piece(self, job: _PoolJob) -> None:
         self._load(job)
         if job.ended:  # not given up on at its deadline (reported then)
-            assert job.async_load is not None
-            self._loads.job_ended(job.async_load, job)
+            assert job.load_job is not None
+            self._loads.piece_ended(job.load_job, job)
 
     def _load(self, job: _PoolJob) -> None:
         """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
@@ -456,19 +453,18 @@ class CPUPoolTransferHandler(LedgerLoadCalls, TransferHandler):
         """
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("waiting for loads", self.wait_for_loads),
-            ("waiting for transfers", lambda: self._wait_at_close(timeout_s)),
-            ("ending loads", lambda: self._loads.end_async(deadline)),
+            ("waiting for stores", lambda: self._wait_at_close(deadline, timeout_s)),
+            ("ending loads", lambda: self._loads.end_all(deadline)),
             ("stopping the store threads", self._store_pool.shutdown),
             ("stopping the load threads", self._load_pool.shutdown),
         ]
         close_in_steps(logger, "CPU offload: ", steps)
 
-    def _wait_at_close(self, timeout_s: float) -> None:
-        if not self.wait_for_saves(timeout_s):
+    def _wait_at_close(self, deadline: float, timeout_s: float) -> None:
+        with self._changed:
+            stores = set(self._stores)
+        if not self._wait_for_stores(stores, deadline):
             logger.warning(
                 "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
             )
-        with self._changed:
-            jobs = [job for jobs in self._jobs_per_request.values() for job in jobs]
-        self._give_up(jobs)
+        self._give_up(self._store_pieces(lambda _, __: True))

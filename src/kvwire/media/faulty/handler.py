@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.types import KVCacheEvent
-from kvwire.media.base import TransferHandler
+from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 
 if TYPE_CHECKING:
     from kvwire.blocks.memory import BlockMemory
@@ -74,60 +74,37 @@ class FaultInjectingHandler(TransferHandler):
         self.inner = inner
         self._memories = tuple(memories)
         self._faults = faults
-        # Synchronous loads of this step to fail once the wrapped loads ended.
-        self._sync_failures: list[tuple[int, int]] = []
-        # Asynchronous loads to fail when reported finished, by request.
-        self._async_failures: dict[str, tuple[int, int]] = {}
-        self._failed: set[int] = set()
+        # The blocks to fail of each load job, once the wrapped job ended.
+        self._failures: dict[int, list[tuple[int, int]]] = {}
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        self.inner.start_loads(loads, async_loads)
-        for request_id, blocks in _loaded_ranges(loads).items():
+    def submit(self, job: TransferJob) -> None:
+        self.inner.submit(job)
+        if job.kind is not TransferKind.LOAD:
+            return
+        for request_id, blocks in _loaded_ranges(job.transfers).items():
             chosen = self._faults.choose(request_id, blocks)
             if chosen is not None:
-                self._sync_failures.append(chosen)
-        for request_id, blocks in _loaded_ranges(async_loads).items():
-            chosen = self._faults.choose(request_id, blocks)
-            if chosen is not None:
-                self._async_failures[request_id] = chosen
+                self._failures.setdefault(job.job_id, []).append(chosen)
 
-    def wait_for_loads(self) -> None:
-        self.inner.wait_for_loads()
-        # Only now: the wrapped load, still running before, would overwrite the garbage.
-        failures, self._sync_failures = self._sync_failures, []
-        for group, block_id in failures:
-            self._fail(group, block_id)
+    def poll(self) -> list[JobResult]:
+        results = self.inner.poll()
+        for index, result in enumerate(results):
+            failures = self._failures.pop(result.job_id, None)
+            if failures:
+                # Only now: the wrapped load, still running before, would overwrite the garbage.
+                for group, block_id in failures:
+                    poison_block(self._memories[group], block_id)
+                failed = result.failed | {block_id for _, block_id in failures}
+                results[index] = JobResult(result.job_id, failed)
+        return results
 
-    def load_errors_so_far(self) -> set[int]:
-        return self.inner.load_errors_so_far() | self._failed
-
-    def take_load_errors(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return self.inner.take_load_errors() | failed
-
-    def take_finished_loads(self) -> set[str]:
-        finished = self.inner.take_finished_loads()
-        for request_id in finished:
-            failure = self._async_failures.pop(request_id, None)
-            if failure is not None:
-                self._fail(*failure)
-        return finished
-
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        self.inner.save(saves)
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        return self.inner.wait(job_ids, until)
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
         return self.inner.release_saves_reading(request_ids, block_ids)
-
-    def is_busy(self, request_id: str) -> bool:
-        return self.inner.is_busy(request_id)
-
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        return self.inner.wait_for_saves(timeout_s)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.inner.take_events()
@@ -137,10 +114,6 @@ class FaultInjectingHandler(TransferHandler):
 
     def close(self) -> None:
         self.inner.close()
-
-    def _fail(self, group: int, block_id: int) -> None:
-        poison_block(self._memories[group], block_id)
-        self._failed.add(block_id)
 
 
 def _loaded_ranges(transfers: Sequence[BlockTransfer]) -> dict[str, list[tuple[int, int]]]:

@@ -45,11 +45,11 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
 from kvwire.interface.counters import Counters
 from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
+from kvwire.media._load_ledger import LoadJob, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._shutdown import close_in_steps
 from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
-from kvwire.media.base import TransferHandler
+from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
 from kvwire.media.peer._agent import PeerAgent
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 class _LoadJob(BlockJob):
-    """The loads of one request in one step (every KV cache group's), pulled by one thread."""
+    """A load job's transfers of one request (every KV cache group's), pulled by one thread."""
 
     def __init__(self, request_id: str, transfers: list[BlockTransfer], deadline: float) -> None:
         super().__init__(
@@ -81,7 +81,7 @@ class PeerTransferSettings:
     heartbeat_s: float
 
 
-class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
+class PeerTransferHandler(TransferHandler):
     """This peer's pool (saves), its NIXL agent, and loads from whichever peer holds a block."""
 
     def __init__(
@@ -153,44 +153,38 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         )
         self._heartbeat.start()
 
-    # -------------------------------------------------------------- saves
+    # ---------------------------------------------------------- transfer jobs
 
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        self._pool.save(saves)
+    def submit(self, job: TransferJob) -> None:
+        """A save goes to the pool; a load is pulled, one request's blocks per thread."""
+        if job.kind is TransferKind.SAVE:
+            self._pool.submit(job)
+            return
+        deadline = time.monotonic() + self._settings.transfer_timeout_s
+        load_job = self._loads.begin(job.job_id, deadline)
+        for request_id, transfers in _by_request(job.transfers).items():
+            piece = _LoadJob(request_id, transfers, deadline)
+            self._loads.add(load_job, piece)
+            piece.future = self._threads.submit(self._run, piece, load_job)
+        self._loads.submitted(load_job)
+
+    def poll(self) -> list[JobResult]:
+        return self._loads.take_ended() + self._pool.poll()
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        wanted = set(job_ids)
+        loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
+        loads_ended = self._loads.wait(loads, until)
+        return self._pool.wait(wanted.difference(loads), until) and loads_ended
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
-        request_ids = list(request_ids)
-        # A preempted request's asynchronous load must not write blocks about
-        # to be reused: reported with take_finished_loads, ended or given up on.
-        self._loads.wait_out(request_ids)
         return self._pool.release_saves_reading(request_ids, block_ids)
-
-    def is_busy(self, request_id: str) -> bool:
-        return self._loads.is_loading(request_id) or self._pool.is_busy(request_id)
-
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        return self._pool.wait_for_saves(timeout_s)
 
     # -------------------------------------------------------------- loads
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        deadline = time.monotonic() + self._settings.transfer_timeout_s
-        for request_id, transfers in _by_request(loads).items():
-            job = _LoadJob(request_id, transfers, deadline)
-            self._loads.add_sync(job)
-            job.future = self._threads.submit(self._run, job, None)
-        for request_id, transfers in _by_request(async_loads).items():
-            job = _LoadJob(request_id, transfers, deadline)
-            state = self._loads.begin_async(request_id, deadline)
-            self._loads.add_async(state, job)
-            job.future = self._threads.submit(self._run, job, state)
-            self._loads.submitted(state)
-
-    def _run(self, job: _LoadJob, state: AsyncLoad[_LoadJob] | None) -> None:
+    def _run(self, job: _LoadJob, load_job: LoadJob[_LoadJob]) -> None:
         started = time.perf_counter()
         failed: list[int] = []
         loaded = 0
@@ -209,8 +203,7 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         if not job.end():
             return
         self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
-        if state is not None:
-            self._loads.job_ended(state, job)
+        self._loads.piece_ended(load_job, job)
 
     def _load_transfer(self, job: _LoadJob, transfer: BlockTransfer) -> tuple[int, list[int]]:
         """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
@@ -427,8 +420,7 @@ class PeerTransferHandler(LedgerLoadCalls, TransferHandler):
         self._stop.set()
         steps: list[tuple[str, Callable[[], object]]] = [
             ("withdrawing this peer", lambda: self._directory.withdraw_peer(self._agent_name)),
-            ("waiting for loads", self.wait_for_loads),
-            ("ending loads", self._loads.end_async),
+            ("ending loads", self._loads.end_all),
             ("stopping the load threads", self._threads.shutdown),
             ("closing the pool", self._pool.close),
             (

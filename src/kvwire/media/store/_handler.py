@@ -21,8 +21,8 @@ cache.
 
 The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
-until :meth:`StoreTransferHandler.saves_running` turns False (reported then as
-finished sending), and before each forward pass
+until :meth:`StoreTransferHandler.poll` reports its save job ended (it is
+then finished sending), and before each forward pass
 :meth:`StoreTransferHandler.release_saves_reading` releases the saves of preempted
 requests and of blocks given to a request since the last step (the engine
 frees a block without telling the connector when a sliding window moves on
@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from typing import TypeGuard
 
@@ -73,11 +73,11 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import AsyncLoad, LedgerLoadCalls, LoadLedger
+from kvwire.media._load_ledger import LoadJob, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
 from kvwire.media._shutdown import close_in_steps
 from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
-from kvwire.media.base import TransferHandler
+from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore, CacheWrites, LateWriteError
 from kvwire.redaction import shown
@@ -98,10 +98,11 @@ def _is_count(value: object) -> TypeGuard[int]:
 
 
 class _Job(BlockJob):
-    """A load run or a save batch: blocks of one group, and the gate on its cache access."""
+    """A load run or a save batch of one transfer job: blocks of one group, and their gate."""
 
     def __init__(
         self,
+        job_id: int,
         request_id: str,
         group: int,
         block_ids: tuple[int, ...],
@@ -109,6 +110,7 @@ class _Job(BlockJob):
         deadline: float,
     ) -> None:
         super().__init__(deadline, block_ids)
+        self.job_id = job_id
         self.request_id = request_id
         self.group = group
         self.block_ids: tuple[int, ...] = block_ids
@@ -131,7 +133,7 @@ class _Headers(threading.local):
         return [whole[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(count)]
 
 
-class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
+class StoreTransferHandler(TransferHandler):
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
     It serves every KV cache group of the engine: ``layouts`` and ``memories``
@@ -211,8 +213,10 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         # Saves not settled yet: running, queued, or given up on while a
         # checksum of theirs may still read the cache.
         self._saves_in_flight: set[_Job] = set()
-        # How many of them each request has: asked for every kept request, every step.
-        self._saves_per_request: dict[str, int] = {}
+        # How many of them each save job has; a job ends when none is left.
+        self._saves_per_job: dict[int, int] = {}
+        # Save jobs ended, not yet reported by poll().
+        self._saves_ended: list[JobResult] = []
         self._save_bytes_in_flight = 0
         self._jobs_running = 0
         self._events: list[KVCacheEvent] = []
@@ -234,30 +238,34 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
 
     # ----------------------------------------------------------------- loads
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        """Submit this step's loads; synchronous ones are awaited by :meth:`wait_for_loads`.
-
-        A request's asynchronous transfers (one per KV cache group it loads)
-        are one load: the request is finished once all of them are.
-        """
+    def submit(self, job: TransferJob) -> None:
+        """Submit the job's runs or batches to the load or save threads; returns at once."""
+        if job.kind is TransferKind.SAVE:
+            self._submit_saves(job)
+            return
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in loads:
-            self._submit_runs(transfer, deadline, None)
-        states: dict[str, AsyncLoad[_Job]] = {}
-        for transfer in async_loads:
-            state = states.get(transfer.request_id)
-            if state is None:
-                state = states[transfer.request_id] = self._loads.begin_async(
-                    transfer.request_id, deadline
-                )
-            self._submit_runs(transfer, deadline, state)
-        for state in states.values():
-            self._loads.submitted(state)
+        load_job = self._loads.begin(job.job_id, deadline)
+        for transfer in job.transfers:
+            self._submit_runs(job.job_id, transfer, deadline, load_job)
+        self._loads.submitted(load_job)
+
+    def poll(self) -> list[JobResult]:
+        """The jobs that ended since the last call; overdue ones are given up on first."""
+        self.expire_overdue_saves()
+        ended = self._loads.take_ended()
+        with self._lock:
+            saves, self._saves_ended = self._saves_ended, []
+        return ended + saves
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """Block until these jobs ended (past its deadline, a job is given up on), or ``until``."""
+        wanted = set(job_ids)
+        loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
+        loads_ended = self._loads.wait(loads, until)
+        return self._wait_for_saves(wanted, until) and loads_ended
 
     def _submit_runs(
-        self, transfer: BlockTransfer, deadline: float, state: AsyncLoad[_Job] | None
+        self, job_id: int, transfer: BlockTransfer, deadline: float, load_job: LoadJob[_Job]
     ) -> None:
         """Submit the transfer's runs: one job, one ``read_into_ranges`` each.
 
@@ -271,23 +279,20 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         for start in range(0, count, run_blocks):
             end = min(start + run_blocks, count)
             run = _Job(
+                job_id,
                 transfer.request_id,
                 transfer.group,
                 transfer.block_ids[start:end],
                 transfer.block_hashes[start:end],
                 deadline,
             )
-            if state is None:
-                self._loads.add_sync(run)
-            else:
-                self._loads.add_async(state, run)
-            self._submit(self._load_pool, run, functools.partial(self._load, state=state))
+            self._loads.add(load_job, run)
+            self._submit(self._load_pool, run, functools.partial(self._load, load_job=load_job))
 
-    def _load(self, run: _Job, state: AsyncLoad[_Job] | None) -> None:
+    def _load(self, run: _Job, load_job: LoadJob[_Job]) -> None:
         """Read one run straight into its cache blocks, verifying each entry where it landed.
 
-        Failed block ids go to ``run.failed``; an asynchronous run then
-        counts towards its request's ``state``.
+        Failed block ids go to ``run.failed``, then count towards its ``load_job``.
         """
         started = time.perf_counter()
         failed: list[int] = []
@@ -319,8 +324,7 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         if not run.end():
             return  # abandoned at its deadline: counted and reported then
         self._loads.count_ended(run, loaded, self._layouts[run.group].payload_bytes, started)
-        if state is not None:
-            self._loads.job_ended(state, run)
+        self._loads.piece_ended(load_job, run)
 
     def _read_and_verify(self, run: _Job, failed: list[int], corrupt: list[BlockHash]) -> int:
         """Read the run's entries into header buffers and the blocks' ranges; blocks verified.
@@ -450,8 +454,8 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
 
     # ----------------------------------------------------------------- saves
 
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        """Submit the blocks' saves to the background threads; returns at once.
+    def _submit_saves(self, job: TransferJob) -> None:
+        """Submit the job's saves to the background threads, in batches; returns at once.
 
         Nothing is copied here: the saves read the cache blocks themselves,
         which the connector keeps unchanged until they end (see the module).
@@ -465,7 +469,10 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         self.expire_overdue_saves()
         dropped = 0
         deadline = time.monotonic() + self._transfer_timeout_s
-        for transfer in saves:
+        with self._lock:
+            # One for the submission itself: the job cannot end before its last batch is in.
+            self._saves_per_job[job.job_id] = 1
+        for transfer in job.transfers:
             entry_bytes = self._layouts[transfer.group].entry_bytes
             with self._lock:
                 room = (self._max_save_bytes - self._save_bytes_in_flight) // entry_bytes
@@ -474,7 +481,8 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
             dropped += len(transfer.block_ids) - taken
             for start in range(0, taken, self._batch_blocks):
                 end = min(start + self._batch_blocks, taken)
-                job = _Job(
+                batch = _Job(
+                    job.job_id,
                     transfer.request_id,
                     transfer.group,
                     transfer.block_ids[start:end],
@@ -482,12 +490,13 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
                     deadline,
                 )
                 with self._lock:
-                    self._saves_in_flight.add(job)
-                    count = self._saves_per_request.get(job.request_id, 0)
-                    self._saves_per_request[job.request_id] = count + 1
-                self._submit(self._save_pool, job, self._save)
-                assert job.future is not None
-                job.future.add_done_callback(functools.partial(self._save_ended, job))
+                    self._saves_in_flight.add(batch)
+                    self._saves_per_job[job.job_id] += 1
+                self._submit(self._save_pool, batch, self._save)
+                assert batch.future is not None
+                batch.future.add_done_callback(functools.partial(self._save_ended, batch))
+        with self._lock:
+            self._count_down_save_job(job.job_id)
         if dropped:
             self._counters.add("saves_dropped", dropped)
             self._warn.warn(
@@ -507,11 +516,16 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
                 self._save_bytes_in_flight -= (
                     len(job.block_ids) * self._layouts[job.group].entry_bytes
                 )
-                left = self._saves_per_request[job.request_id] - 1
-                if left:
-                    self._saves_per_request[job.request_id] = left
-                else:
-                    del self._saves_per_request[job.request_id]
+                self._count_down_save_job(job.job_id)
+
+    def _count_down_save_job(self, job_id: int) -> None:
+        """Under the lock: one batch of save job ``job_id`` settled (or it is all submitted)."""
+        left = self._saves_per_job[job_id] - 1
+        if left:
+            self._saves_per_job[job_id] = left
+        else:
+            del self._saves_per_job[job_id]
+            self._saves_ended.append(JobResult(job_id))
 
     def _save(self, job: _Job) -> None:
         layout = self._layouts[job.group]
@@ -601,11 +615,6 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         job.cache_access.close(self._late_write_grace_s)
         self._forget_save(job)
 
-    def saves_running(self, request_id: str) -> bool:
-        """Whether a save still reads ``request_id``'s blocks (they must be kept until it ends)."""
-        with self._lock:
-            return request_id in self._saves_per_request
-
     def release_saves_reading(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
     ) -> list[BlockTransfer]:
@@ -659,10 +668,6 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         self._forget_save(job)
         return stopped
 
-    def is_busy(self, request_id: str) -> bool:
-        """Whether an asynchronous load or a save still uses ``request_id``'s blocks."""
-        return self.is_loading(request_id) or self.saves_running(request_id)
-
     def take_counters(self) -> Mapping[str, float]:
         """The store's counts since the last call, once overdue saves are counted failed.
 
@@ -672,17 +677,19 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         self.expire_overdue_saves()
         return self._store_counters() if self._store_counters is not None else {}
 
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every submitted save is written or overdue; False if ``timeout_s`` ran out.
+    def _wait_for_saves(self, job_ids: Set[int] | None, until: float | None) -> bool:
+        """Block until these save jobs' batches (all, for None) are written or overdue.
 
-        Without ``timeout_s`` it still ends: at the latest when the last
-        save's own deadline passes.
+        False if ``until`` came first; without it, it still ends: at the
+        latest when the last batch's own deadline passes.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = until
         while True:
             self.expire_overdue_saves()
             with self._lock:
-                pending = list(self._saves_in_flight)
+                pending = [
+                    job for job in self._saves_in_flight if job_ids is None or job.job_id in job_ids
+                ]
             if not pending:
                 return True
             now = time.monotonic()
@@ -706,10 +713,9 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
         """
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("waiting for loads", self.wait_for_loads),
             ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
-            # The asynchronous ones, up to their deadlines (or this one), then given up on.
-            ("ending loads", lambda: self._loads.end_async(deadline)),
+            # Up to their deadlines (or this one), then given up on.
+            ("ending loads", lambda: self._loads.end_all(deadline)),
             # Not waiting for the threads: a job still blocked in the store
             # was given up on, and writes nothing more into the cache.
             ("stopping the load threads", self._load_pool.shutdown),
@@ -721,5 +727,5 @@ class StoreTransferHandler(LedgerLoadCalls, TransferHandler):
 
     def _wait_for_saves_at_close(self, deadline: float) -> None:
         timeout_s = max(0.0, deadline - time.monotonic())
-        if not self.wait_for_saves(timeout_s):
+        if not self._wait_for_saves(None, deadline):
             logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)

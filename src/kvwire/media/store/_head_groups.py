@@ -8,9 +8,9 @@ their own, ``(cache group, head group)`` pairs numbered ``cache_group *
 per_group + head_group``; :class:`HeadGroupsHandler` turns the connector's
 transfers (one per cache group) into theirs and its reports back:
 
-- block ids, failed loads and finished requests are the same whatever the
-  entry, so they pass as they are (a block any of whose entries failed is a
-  load error: the engine computes it again);
+- jobs, block ids and failed loads are the same whatever the entry, so
+  they pass as they are (a block any of whose entries failed is a load
+  error: the engine computes it again);
 - a save stopped in any of its entries is reported once, in its cache group;
 - a block counts as stored (``BlockStored``) once every entry of it on this
   rank is, and as removed at the first of its entries removed.
@@ -25,7 +25,7 @@ import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.types import BlockHash, BlockStored, KVCacheEvent
-from kvwire.media.base import TransferHandler
+from kvwire.media.base import JobResult, TransferHandler, TransferJob
 
 # Blocks some but not all of whose entries were reported stored: bounded, the
 # oldest forgotten first (a block whose other entries never come is not an event).
@@ -40,32 +40,21 @@ class HeadGroupsHandler(TransferHandler):
         self._per_group = per_group
         self._partly_stored: OrderedDict[tuple[str, int, BlockHash], int] = OrderedDict()
 
-    def _expand(self, transfers: Sequence[BlockTransfer]) -> list[BlockTransfer]:
-        return [
+    def _expand(self, transfers: Sequence[BlockTransfer]) -> tuple[BlockTransfer, ...]:
+        return tuple(
             attrs.evolve(transfer, group=transfer.group * self._per_group + head_group)
             for transfer in transfers
             for head_group in range(self._per_group)
-        ]
+        )
 
-    def start_loads(
-        self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
-    ) -> None:
-        self._inner.start_loads(self._expand(loads), self._expand(async_loads))
+    def submit(self, job: TransferJob) -> None:
+        self._inner.submit(attrs.evolve(job, transfers=self._expand(job.transfers)))
 
-    def wait_for_loads(self) -> None:
-        self._inner.wait_for_loads()
+    def poll(self) -> list[JobResult]:
+        return self._inner.poll()
 
-    def load_errors_so_far(self) -> set[int]:
-        return self._inner.load_errors_so_far()
-
-    def take_load_errors(self) -> set[int]:
-        return self._inner.take_load_errors()
-
-    def take_finished_loads(self) -> set[str]:
-        return self._inner.take_finished_loads()
-
-    def save(self, saves: Sequence[BlockTransfer]) -> None:
-        self._inner.save(self._expand(saves))
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        return self._inner.wait(job_ids, until)
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
@@ -74,12 +63,6 @@ class HeadGroupsHandler(TransferHandler):
         for piece in self._inner.release_saves_reading(request_ids, block_ids):
             released[attrs.evolve(piece, group=piece.group // self._per_group)] = None
         return list(released)
-
-    def is_busy(self, request_id: str) -> bool:
-        return self._inner.is_busy(request_id)
-
-    def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        return self._inner.wait_for_saves(timeout_s)
 
     def take_events(self) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []

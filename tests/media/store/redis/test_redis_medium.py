@@ -21,6 +21,7 @@ from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.redis import RedisBlockStore, RedisClusterBlockStore, RedisMedium
+from tests.support.driven_handlers import DrivenHandler
 from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_servers import RedisServer
 from tests.support.store_handlers import layout_caches
@@ -57,13 +58,13 @@ def closing() -> Iterator[list[Any]]:
 
 def handler_over(
     medium: RedisMedium, caches: dict[str, torch.Tensor], closing: list[Any]
-) -> StoreTransferHandler:
-    handler = medium.build_handler(caches, Counters())
+) -> DrivenHandler[StoreTransferHandler]:
+    handler = DrivenHandler(medium.build_handler(caches, Counters()))
     closing.append(handler)
     return handler
 
 
-def save(handler: StoreTransferHandler, hashes: tuple[bytes, ...]) -> None:
+def save(handler: DrivenHandler[StoreTransferHandler], hashes: tuple[bytes, ...]) -> None:
     block_ids = tuple(range(1, len(hashes) + 1))
     handler.save([BlockTransfer(request_id="p", block_ids=block_ids, block_hashes=hashes)])
     assert handler.wait_for_saves(30)
