@@ -74,9 +74,9 @@ class TransferBook:
     def wait_for_loads(self) -> None:
         """Block until this step's synchronous loads ended (or their deadline passed)."""
         pending, self._sync = self._sync, []
-        if pending:
+        if pending:  # called once per layer: the later calls have nothing to do
             self.handler.wait(pending)
-        self._poll()
+            self._poll()
 
     def load_errors_so_far(self) -> set[int]:
         """Block ids whose loads failed and were not taken yet (after :meth:`wait_for_loads`)."""
