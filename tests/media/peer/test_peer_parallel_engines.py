@@ -153,7 +153,7 @@ def test_a_pull_failed_on_one_rank_fails_the_block_on_every_rank(
     assert value is not None
     client.delete(record)
     try:
-        outputs, stats, seconds = read_as(reader, requests)
+        outputs, stats, _ = read_as(reader, requests)
     finally:
         client.set(record, value, px=expiry_ms)  # for the module's other tests
 
@@ -165,7 +165,6 @@ def test_a_pull_failed_on_one_rank_fails_the_block_on_every_rank(
     assert stats["peer_read_failures"] > 0
     assert stats["load_errors"] == stats["peer_read_failures"] + stats.get("peer_lookup_misses", 0)
     assert sum(o.num_load_failures for o in outputs) > 0
-    assert seconds < 60
 
 
 @pytest.mark.parametrize("split", ["pp2"], indirect=True)
@@ -186,7 +185,9 @@ def test_a_rank_stalled_mid_read_costs_a_deadline_and_fails_the_block_on_every_r
     # One of the producer's ranks stops answering, its record still live; the other serves.
     os.kill(workers[0], signal.SIGSTOP)
     try:
-        outputs, stats, seconds = read_as(reader, requests)
+        # The stopped rank resumes only after the read returned: it returns
+        # at all only because each pull gave up at its deadline.
+        outputs, stats, _ = read_as(reader, requests)
     finally:
         os.kill(workers[0], signal.SIGCONT)
 
@@ -195,5 +196,3 @@ def test_a_rank_stalled_mid_read_costs_a_deadline_and_fails_the_block_on_every_r
     assert stats["load_timeouts"] > 0
     assert stats["peer_blocks_pulled"] > 0
     assert sum(o.num_load_failures for o in outputs) > 0
-    # Each load waited out its deadline at most (the reader's run is a few steps).
-    assert seconds < 30
