@@ -31,6 +31,13 @@ class BlockTransfer:
     """The blocks' hashes: what names each block's entry in the medium."""
     slots: tuple[int, ...] = ()
     """The CPU pool's entry slots the blocks are copied to or from; empty for store media."""
+    sources: tuple[str, ...] = ()
+    """For a load: where the scheduler side's lookup found each block, in the medium's own
+    words (the peer medium's directory entries); empty when the worker finds them itself.
+
+    A hint, not a promise: the block may have moved since, so the worker
+    still verifies what it reads there.
+    """
     context_block_ids: tuple[int, ...] = ()
     """For a save: the request's blocks, in every group, up to the last one saved; empty for a load.
 

@@ -97,6 +97,17 @@ class MediumIndex(abc.ABC):
         """
         return ()
 
+    def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
+        """Where the lookup just found each block, for the worker: the load's ``sources``.
+
+        A medium whose worker would otherwise ask its server again where each
+        block is passes what :meth:`count_held_prefix` learnt instead (see
+        :attr:`~kvwire.blocks.transfers.BlockTransfer.sources`): one round
+        trip per load. Empty strings for blocks it has nothing on, or () to
+        let the worker find every block itself (the default).
+        """
+        return ()
+
     def complete_load(
         self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
     ) -> None:

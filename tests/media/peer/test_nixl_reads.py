@@ -80,6 +80,26 @@ def test_a_read_from_another_process_brings_its_bytes(holder: Holder) -> None:
         agent.close()
 
 
+def test_adjacent_pieces_read_as_one_run_bring_every_byte(holder: Holder) -> None:
+    _, name, held = holder
+    local = torch.zeros(SIZE, dtype=torch.uint8)
+    agent = PeerAgent(f"reader-{uuid.uuid4().hex[:8]}", [local])
+    try:
+        assert agent.knows(name, bytes.fromhex(held["metadata"]))
+        # Three adjacent quarters (one run), then the first quarter again elsewhere.
+        quarter = SIZE // 4
+        pieces = [(local.data_ptr() + i * quarter, held["address"] + i * quarter) for i in range(3)]
+        pieces.append((local.data_ptr() + 3 * quarter, held["address"]))
+        status = agent.read(name, pieces, quarter, time.monotonic() + 30, on_late_end=lambda: None)
+
+        assert status == "done"
+        expected = pattern(SIZE)
+        assert torch.equal(local[: 3 * quarter], expected[: 3 * quarter])
+        assert torch.equal(local[3 * quarter :], expected[:quarter])
+    finally:
+        agent.close()
+
+
 def test_reads_outside_the_holders_memory_or_from_a_dead_holder_fail_at_once(
     own_holder: Holder,
 ) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.blocks.format import BlockLayout
-from kvwire.media.peer._directory import PeerDirectory
+from kvwire.media.peer._directory import Location, PeerDirectory
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.store.redis._settings import RedisStoreSettings
 from tests.support.redis_servers import RedisServer
@@ -87,3 +87,38 @@ def test_an_evicted_block_is_neither_counted_nor_announced_again(
     holder.take_counters()
     assert holder.count_held_prefix(0, BLOCKS) == 0
     assert other.count_held_prefix(0, BLOCKS) == 0
+
+
+def test_a_lookups_locations_go_to_the_load_and_only_for_the_blocks_it_counted(
+    directories: list[PeerDirectory],
+) -> None:
+    holding(directories[0])
+    other = reader(directories[1])
+    fingerprint = LAYOUT.fingerprint_hex
+    announced = directories[1].look_up([directories[1].entry_key(fingerprint, b) for b in BLOCKS])
+    missing = b"\xff" * 32
+    assert other.count_held_prefix(0, [*BLOCKS, missing]) == len(BLOCKS)
+
+    sources = other.load_sources(0, [*BLOCKS, missing])
+
+    assert [Location.decode(s.encode()) for s in sources[:-1]] == announced
+    assert {location.peer for location in announced if location} == {"holder"}
+    assert sources[-1] == ""
+    # The next lookup replaces what the load is given: nothing of another request's.
+    assert other.count_held_prefix(0, [missing]) == 0
+    assert other.load_sources(0, BLOCKS) == ()
+
+
+def test_a_block_whose_entry_the_directory_lost_goes_to_the_load_from_the_pool(
+    directories: list[PeerDirectory],
+) -> None:
+    holder = holding(directories[0])
+    fingerprint = LAYOUT.fingerprint_hex
+    keys = [directories[0].entry_key(fingerprint, b) for b in BLOCKS]
+    announced = directories[0].look_up(keys)
+    directories[0].withdraw([(k, a) for k, a in zip(keys, announced, strict=True) if a])
+    assert holder.count_held_prefix(0, BLOCKS) == len(BLOCKS)
+
+    sources = holder.load_sources(0, BLOCKS)
+
+    assert [Location.decode(s.encode()) for s in sources] == announced

@@ -136,6 +136,24 @@ def test_a_third_engine_pulls_each_block_from_whichever_peer_holds_it(
     assert holders == {f"{prefix}a", f"{prefix}b"}
 
 
+def test_a_load_asks_the_directory_once_where_its_blocks_are(
+    redis_server: RedisServer, prefix: str, peers: dict[str, PeerProcess]
+) -> None:
+    requests = prompts(seed=7, num_requests=1, prompt_len=70)
+    peers["a"].generate(requests)
+    client = redis_server.client()
+    client.config_resetstat()
+
+    reader = peer_config(redis_server.url, prefix, peer_name=f"{prefix}c", kv_role="kv_consumer")
+    outputs, stats, _ = read_as(reader, requests)
+
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    assert stats["peer_blocks_pulled"] == stats["blocks_loaded"] == 70 // BLOCK_SIZE
+    # The scheduler side's lookup is the only one: the worker reads where it found them.
+    lookups = client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+    assert lookups == 1
+
+
 def test_a_slot_reused_between_lookup_and_read_is_refused_and_computed_again(
     redis_server: RedisServer, prefix: str, peers: dict[str, PeerProcess]
 ) -> None:

@@ -148,7 +148,10 @@ class OffloadScheduler:
         try:
             for load in self._planner.allocate(request, blocks, num_external_tokens):
                 slots = self._index.prepare_load(load.group, load.block_hashes)
-                transfers.append(attrs.evolve(load, slots=slots) if slots else load)
+                sources = self._index.load_sources(load.group, load.block_hashes)
+                if slots or sources:
+                    load = attrs.evolve(load, slots=slots, sources=sources)
+                transfers.append(load)
         except ValueError as error:
             # Every group's blocks or none: the groups prepared already let go.
             for transfer in transfers:

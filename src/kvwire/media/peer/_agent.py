@@ -48,6 +48,25 @@ def _nixl_api() -> Any:
     )
 
 
+def coalesce(pieces: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int, int]]:
+    """``pieces`` of ``length`` bytes as (local, remote, size) runs, adjacent pieces joined.
+
+    A piece that follows the previous one both here and at the peer (the
+    usual case: a request's blocks were stored in consecutive slots and land
+    in consecutive staging) extends its run, so a load is a few large
+    descriptors rather than one per block.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for local, remote in pieces:
+        if runs:
+            start_local, start_remote, size = runs[-1]
+            if local == start_local + size and remote == start_remote + size:
+                runs[-1] = (start_local, start_remote, size + length)
+                continue
+        runs.append((local, remote, length))
+    return runs
+
+
 class PendingRead:
     """A read that ran past its deadline and that NIXL could not cancel yet."""
 
@@ -147,8 +166,9 @@ class PeerAgent:
         self.reap()
         agent = self._agent
         try:
-            local = agent.get_xfer_descs([(address, length, 0) for address, _ in pieces], "DRAM")
-            remote = agent.get_xfer_descs([(address, length, 0) for _, address in pieces], "DRAM")
+            runs = coalesce(pieces, length)
+            local = agent.get_xfer_descs([(at, size, 0) for at, _, size in runs], "DRAM")
+            remote = agent.get_xfer_descs([(at, size, 0) for _, at, size in runs], "DRAM")
             handle = agent.initialize_xfer("READ", local, remote, peer)
             state = agent.transfer(handle)
         except Exception as error:

@@ -7,10 +7,12 @@ a split engine), and the agent's record is published in the directory and
 refreshed every ``peer_heartbeat_s`` (it expires after three of them
 unrefreshed). A rank reads other peers' same rank: the share it holds.
 
-A load asks the directory where each of its blocks is (one round trip per
-transfer), then pulls each entry, header and payload, into staging: with
-one NIXL read per peer holding some of them (its record fetched at most
-once a heartbeat, and afresh after a failure), or a copy from this worker's
+A load reads each block where the scheduler side's lookup found it (the
+transfer's ``sources``; the directory is asked, in one round trip, only
+about blocks it came without), then pulls each entry, header and payload,
+into staging: with one NIXL read per peer holding some of them (blocks
+adjacent in both pools as one descriptor; its record fetched at most once
+a heartbeat, and afresh after a failure), or a copy from this worker's
 own pool. Each staged entry is verified (layout fingerprint, block hash,
 checksum) and only then scattered into the KV cache. So bytes that moved
 under the read (the holder evicted the block and reused the slot, or is
@@ -40,7 +42,11 @@ from collections.abc import Callable, Iterable, Sequence, Set
 import attrs
 
 from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
-from kvwire.blocks.paged_cache import PagedKVCaches, copy_on_this_thread_only
+from kvwire.blocks.paged_cache import (
+    PagedKVCaches,
+    cache_sized_chunks,
+    copy_on_this_thread_only,
+)
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
 from kvwire.interface.counters import Counters
@@ -209,7 +215,7 @@ class PeerTransferHandler(TransferHandler):
         """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
         fingerprint = self._fingerprints[transfer.group]
         keys = [self._directory.entry_key(fingerprint, h) for h in transfer.block_hashes]
-        locations = self._directory.look_up(keys)
+        locations = self._locate(keys, transfer.sources)
         region = self._take_region(job.deadline)
         if region is None:
             return 0, list(transfer.block_ids)
@@ -234,6 +240,18 @@ class PeerTransferHandler(TransferHandler):
             if keep_region:
                 self._regions_free.put(region)
         return loaded, failed
+
+    def _locate(self, keys: Sequence[str], sources: Sequence[str]) -> list[Location | None]:
+        """Each block's location: the scheduler side's, else the directory's (one round trip)."""
+        found = [Location.decode(source.encode()) if source else None for source in sources]
+        if len(found) != len(keys):
+            found = [None] * len(keys)  # none given (or not one per block): all looked up
+        missing = [index for index, location in enumerate(found) if location is None]
+        if missing:
+            looked_up = self._directory.look_up([keys[index] for index in missing])
+            for index, location in zip(missing, looked_up, strict=True):
+                found[index] = location
+        return found
 
     def _take_region(self, deadline: float) -> int | None:
         self._agent.reap()
@@ -296,39 +314,50 @@ class PeerTransferHandler(TransferHandler):
         if not keep_region:
             # A read into this staging may still land: nothing of it is used.
             return 0, sorted(set(failed) | {transfer.block_ids[i] for i in staged}), False
-        verified_ids: list[int] = []
-        verified_slots: list[int] = []
         stale: list[tuple[str, Location | None]] = []
-        pulled = local = 0
-        for index in sorted(staged):
-            block_id = transfer.block_ids[index]
-            try:
-                verify_entry(staging.entry(index - run.start), layout, transfer.block_hashes[index])
-                caches.check_block_id(block_id)
-            except (CorruptBlockError, IndexError) as error:
-                self._warn.warn("stale", "peer medium: not loading a pulled block: %s", error)
-                self._counters.add("peer_stale_entries")
-                stale.append((keys[index], locations[index]))
-                failed.append(block_id)
-                continue
-            verified_ids.append(block_id)
-            verified_slots.append(index - run.start)
-            if locations[index].peer == self._settings.peer:  # type: ignore[union-attr]
-                local += 1
-            else:
-                pulled += 1
-        self._withdraw(stale)
-        with job.lock:
-            job.check()
-            caches.scatter_many(staging.payloads, verified_slots, verified_ids)
-        self._counters.add_many(
-            {
-                "peer_blocks_pulled": pulled,
-                "peer_bytes_pulled": pulled * layout.entry_bytes,
-                "peer_blocks_local": local,
-            }
-        )
-        return len(verified_ids), failed, True
+        loaded = pulled = local = 0
+        order = sorted(staged)
+        try:
+            # A cache-sized chunk at a time: the scatter copies what the check
+            # has just read while it is still in the CPU's cache.
+            for chunk in cache_sized_chunks(len(order), layout.entry_bytes):
+                verified_ids: list[int] = []
+                verified_slots: list[int] = []
+                for index in order[chunk.start : chunk.stop]:
+                    block_id = transfer.block_ids[index]
+                    try:
+                        verify_entry(
+                            staging.entry(index - run.start), layout, transfer.block_hashes[index]
+                        )
+                        caches.check_block_id(block_id)
+                    except (CorruptBlockError, IndexError) as error:
+                        self._warn.warn(
+                            "stale", "peer medium: not loading a pulled block: %s", error
+                        )
+                        self._counters.add("peer_stale_entries")
+                        stale.append((keys[index], locations[index]))
+                        failed.append(block_id)
+                        continue
+                    verified_ids.append(block_id)
+                    verified_slots.append(index - run.start)
+                    if locations[index].peer == self._settings.peer:  # type: ignore[union-attr]
+                        local += 1
+                    else:
+                        pulled += 1
+                with job.lock:
+                    job.check()
+                    caches.scatter_many(staging.payloads, verified_slots, verified_ids)
+                loaded += len(verified_ids)
+        finally:
+            self._withdraw(stale)
+            self._counters.add_many(
+                {
+                    "peer_blocks_pulled": pulled,
+                    "peer_bytes_pulled": pulled * layout.entry_bytes,
+                    "peer_blocks_local": local,
+                }
+            )
+        return loaded, failed, True
 
     def _pull(
         self,

@@ -14,9 +14,12 @@ one included) announced it; a block this pool holds counts too, its entry
 written again, when the directory lost it (expired before a step came,
 withdrawn by a reader whose read of it stalled).
 
-Loads read by key (:meth:`PeerIndex.prepare_load` gives no slots): the
-worker asks the directory again where each block is and verifies every
-byte it pulls, since a peer's slot may be reused at any time.
+Loads need no second round trip: the locations the last lookup found for
+a group are handed to the worker with the load
+(:meth:`PeerIndex.load_sources`; the scheduler allocates a request's
+blocks right after looking it up). The worker asks the directory only for
+blocks it was given no location for, and verifies every byte it pulls,
+since a peer's slot may be reused at any time.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class PeerIndex(CPUPoolIndex):
         self._announced: dict[tuple[int, BlockHash], Location] = {}
         # (group, hash) -> when last announced (monotonic), oldest first.
         self._announced_at: dict[tuple[int, BlockHash], float] = {}
+        # Per group, where the last lookup found each block it counted: one
+        # request's blocks at most, replaced by the next lookup.
+        self._found: list[dict[BlockHash, Location]] = [{} for _ in self._fingerprints]
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """How many blocks, from the first, some peer announced or this pool holds.
@@ -70,18 +76,31 @@ class PeerIndex(CPUPoolIndex):
         keys = [self._directory.entry_key(fingerprint, block_hash) for block_hash in block_hashes]
         count = 0
         lost: list[tuple[int, BlockHash]] = []
+        found: dict[BlockHash, Location] = {}
         for block_hash, location in zip(block_hashes, self._directory.look_up(keys), strict=True):
             if location is None:
-                if (group, block_hash) not in self._announced:
+                location = self._announced.get((group, block_hash))
+                if location is None:
                     break
                 lost.append((group, block_hash))
+            found[block_hash] = location
             count += 1
+        self._found[group] = found
         self._announce_again(lost)
         return count
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Nothing to pin: the worker finds each block by key, and verifies what it pulls."""
+        """Nothing to pin: the worker reads each block where it was found, and verifies it."""
         return ()
+
+    def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
+        """Each block's location as the last lookup of ``group`` found it; "" where it has none."""
+        found = self._found[group]
+        sources = tuple(
+            location.encode().decode("ascii") if (location := found.get(h)) else ""
+            for h in block_hashes
+        )
+        return sources if any(sources) else ()
 
     def complete_load(
         self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
