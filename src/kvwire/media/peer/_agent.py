@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 # Polling a read in flight: short at first (a loopback read of a few blocks
 # takes well under a millisecond), then backing off to this.
 _MAX_POLL_S = 0.002
+# How often this agent's UCX worker is progressed between reads (connection
+# set-up, and serving peers' reads where the transport needs the holder).
+_PROGRESS_S = 0.001
 
 
 class NIXLUnavailableError(KVWireError, RuntimeError):
@@ -82,6 +85,10 @@ class PeerAgent:
         api = _nixl_api()
         config = api.nixl_agent_config(
             backends=["UCX"],
+            # NIXL's own progress thread polls UCX without pause, a whole core
+            # taken from the forward pass; this agent's thread below sleeps
+            # between polls, and a read is progressed by the thread waiting on it.
+            enable_prog_thread=False,
             # Several load threads use the agent at once.
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
@@ -101,6 +108,18 @@ class PeerAgent:
         self._lock = threading.Lock()
         self._remotes: dict[str, bytes] = {}
         self._pending: list[PendingRead] = []
+        self._stop = threading.Event()
+        self._progress = threading.Thread(
+            target=self._keep_progressing, name="kvwire-peer-progress", daemon=True
+        )
+        self._progress.start()
+
+    def _keep_progressing(self) -> None:
+        while not self._stop.wait(_PROGRESS_S):
+            try:
+                self._agent.get_new_notifs()  # progresses the UCX worker
+            except Exception as error:
+                logger.debug("peer medium: progressing NIXL: %s", str(error)[:200])
 
     @property
     def metadata(self) -> bytes:
@@ -222,6 +241,8 @@ class PeerAgent:
 
     def close(self) -> None:
         """Forget every peer and deregister the memory (reads still in flight are dropped)."""
+        self._stop.set()
+        self._progress.join(timeout=1.0)
         with self._lock:
             for peer in list(self._remotes):
                 self._forget_locked(peer)
