@@ -75,8 +75,12 @@ class TransferBook:
         """Block until this step's synchronous loads ended (or their deadline passed)."""
         pending, self._sync = self._sync, []
         if pending:  # called once per layer: the later calls have nothing to do
-            self.handler.wait(pending)
-            self._poll()
+            try:
+                self.handler.wait(pending)
+            finally:
+                # A wait that raised (a read still writing past its grace) has
+                # given the jobs up: their failed blocks are errors all the same.
+                self._poll()
 
     def load_errors_so_far(self) -> set[int]:
         """Block ids whose loads failed and were not taken yet (after :meth:`wait_for_loads`)."""
