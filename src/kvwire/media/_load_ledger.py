@@ -21,7 +21,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 
@@ -152,13 +152,7 @@ class LoadLedger(Generic[PieceT]):
             jobs = [job for job_id, job in self._running.items() if job_id in wanted]
         if not jobs:
             return True
-        deadline = max(job.deadline for job in jobs)
-        if until is not None:
-            deadline = min(deadline, until)
-        concurrent.futures.wait(
-            [piece.future for job in jobs for piece in job.pieces if piece.future is not None],
-            timeout=max(0.0, deadline - time.monotonic()),
-        )
+        _wait_for_pieces(jobs, until)
         now = time.monotonic()
         for job in jobs:
             if until is None or job.deadline <= now or any(p.never_ran() for p in job.pieces):
@@ -172,13 +166,7 @@ class LoadLedger(Generic[PieceT]):
             jobs = list(self._running.values())
         if not jobs:
             return
-        deadline = max(job.deadline for job in jobs)
-        if until is not None:
-            deadline = min(deadline, until)
-        concurrent.futures.wait(
-            [piece.future for job in jobs for piece in job.pieces if piece.future is not None],
-            timeout=max(0.0, deadline - time.monotonic()),
-        )
+        _wait_for_pieces(jobs, until)
         for job in jobs:
             self._give_up(job)
 
@@ -253,3 +241,14 @@ class LoadLedger(Generic[PieceT]):
                 self._transfer_timeout_s,
             )
         return abandoned, late
+
+
+def _wait_for_pieces(jobs: Sequence[LoadJob[Any]], until: float | None) -> None:
+    """Wait for every piece of ``jobs`` to end, up to the last job's deadline (or ``until``)."""
+    deadline = max(job.deadline for job in jobs)
+    if until is not None:
+        deadline = min(deadline, until)
+    concurrent.futures.wait(
+        [piece.future for job in jobs for piece in job.pieces if piece.future is not None],
+        timeout=max(0.0, deadline - time.monotonic()),
+    )
