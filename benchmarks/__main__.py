@@ -25,9 +25,10 @@ BENCHMARKS = (
     "vllm",
     "serve",
     "serve-chunked",
+    "serve-tp2",
 )
 # These need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
-NEEDS_VLLM = ("vllm", "serve", "serve-chunked")
+NEEDS_VLLM = ("vllm", "serve", "serve-chunked", "serve-tp2")
 DEFAULT_BENCHMARKS = tuple(
     name
     for name in BENCHMARKS

@@ -90,6 +90,8 @@ SINGLE = (
     "kvwire Redis",
     "vLLM ExampleConnector",
 )
+# A medium's configuration with ", async load": loads run beside other requests' steps.
+ASYNC_LOAD = "async load"
 FLEET_NONE = "fleet: 2 servers, no connector"
 FLEET = (FLEET_NONE, "fleet: 2 servers, kvwire Redis", "fleet: 2 servers, kvwire shared storage")
 
@@ -106,6 +108,8 @@ class Workload:
     concurrency: int
     kv_cache_bytes: int
     max_num_batched_tokens: int
+    # Ranks of each server; at 2, one core each (both cores: nothing is reserved).
+    tensor_parallel_size: int = 1
 
     @property
     def tokens_per_run(self) -> int:
@@ -208,7 +212,12 @@ class Bench:
             self.workload.store_bytes(RUNS) if name == LIMIT else self.workload.kv_cache_bytes
         )
         transfer = self.transfer_config(name, name.replace(" ", "-").replace(":", ""))
-        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+        env = (
+            {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+            if self.workload.tensor_parallel_size == 1
+            # vLLM binds a CPU rank only to a core of its own, named here.
+            else {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        )
         spec = ServerSpec(self.server_args(kv_cache_bytes, transfer), env, self.log(name))
         with vllm_servers([spec]) as (url,):
             return [self.measure(name, [url], url, seed) for seed in range(RUNS)]
@@ -230,12 +239,16 @@ class Bench:
             return [self.measure(name, urls, proxy, seed) for seed in range(RUNS)]
 
     def server_args(self, kv_cache_bytes: int, transfer: dict[str, Any] | None) -> list[str]:
+        ranks = self.workload.tensor_parallel_size
         args = [
             *("--model", self.model, "--seed", "0", "--dtype", "float32"),
             *("--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching"),
-            *("--kv-cache-memory-bytes", str(kv_cache_bytes)),
+            # Per rank: each holds its share of the heads, so the cache holds as many tokens.
+            *("--kv-cache-memory-bytes", str(kv_cache_bytes // ranks)),
             *("--max-num-batched-tokens", str(self.workload.max_num_batched_tokens)),
         ]
+        if ranks > 1:
+            args += ["--tensor-parallel-size", str(ranks), "--distributed-executor-backend", "mp"]
         if transfer is not None:
             args += ["--kv-transfer-config", json.dumps(transfer)]
         return args
@@ -255,10 +268,14 @@ class Bench:
 
         profiles = pathlib.Path(__file__).resolve().parents[1] / "containers"
         store_mib = f"{-(-self.workload.store_bytes(RUNS) // MIB)}MiB"
-        medium = name.removeprefix("kvwire ")
+        medium, _, variant = name.removeprefix("kvwire ").partition(", ")
         file = {"CPU offload": "cpu-offload", "shared storage": "shared-storage", "Redis": "redis"}
         profile = yaml.safe_load((profiles / f"{file[medium]}.yaml").read_text())
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]
+        if variant == ASYNC_LOAD:
+            options["async_load"] = True
+        elif variant:
+            raise ValueError(f"unknown variant {variant!r} of {medium!r}: expected {ASYNC_LOAD!r}")
         if medium == "CPU offload":
             options["cpu_pool_bytes"] = store_mib
         elif medium == "shared storage":
@@ -738,7 +755,8 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
         axes.set_xlabel(label)
     workload = summary["workload"]
     figure.suptitle(
-        f"vllm serve (vLLM 0.32 CPU, 1 core, max_num_batched_tokens "
+        f"vllm serve (vLLM 0.32 CPU, TP={workload['tensor_parallel_size']} over "
+        f"{workload['tensor_parallel_size']} core(s), max_num_batched_tokens "
         f"{workload['max_num_batched_tokens']}), vllm bench serve: {workload['num_prompts']} "
         f"requests, {workload['num_prefixes']} prefixes of {workload['prefix_len']} tokens "
         f"({summary['prefix_kv_mib']:.0f} MiB of KV; vLLM's cache "

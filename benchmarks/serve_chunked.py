@@ -6,7 +6,10 @@ pinning and seeds) with each server's steps capped at 2048 tokens, so a
 1056-token prompt's prefill spans steps and a load lands while other
 requests' chunks run. Configurations: the limit (vLLM with a KV cache that
 holds everything, measured in the same run) and kvwire's three media, the
-rows the goals are set on; ``--only serve`` has the other rows at 8192.
+rows the goals are set on; the two stores again with ``async_load`` (a
+request's load runs in the background while other requests' steps go on,
+and vLLM schedules the request once the load ended); ``--only serve`` has
+the other rows at 8192.
 Kept apart from ``--only serve`` so each stays within about 15 minutes.
 
 Writes ``serve-chunked.json``, ``serve-chunked.png`` and ``serve-chunked.md``.
@@ -20,11 +23,18 @@ from typing import Any
 
 import attrs
 
-from benchmarks.serve import FULL, LIMIT, QUICK, measure_serving
+from benchmarks.serve import ASYNC_LOAD, FULL, LIMIT, QUICK, measure_serving
 
 # vLLM's default for an online server (its --max-num-batched-tokens).
 VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-SINGLE = (LIMIT, "kvwire CPU offload", "kvwire shared storage", "kvwire Redis")
+SINGLE = (
+    LIMIT,
+    "kvwire CPU offload",
+    "kvwire shared storage",
+    "kvwire Redis",
+    f"kvwire shared storage, {ASYNC_LOAD}",
+    f"kvwire Redis, {ASYNC_LOAD}",
+)
 
 
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:

@@ -6,12 +6,18 @@ The servers and vLLM's client run only in the benchmark itself (``--only serve``
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import attrs
+import pytest
+from benchmarks.common import MIB
 from benchmarks.serve_chunked import SINGLE
+from benchmarks.serve_tp2 import TENSOR_PARALLEL_SIZE
 
 from benchmarks import serve
+
+SERVE_TP2_WORKLOAD = attrs.evolve(serve.FULL, tensor_parallel_size=TENSOR_PARALLEL_SIZE)
 
 METRICS = """\
 # HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
@@ -119,3 +125,39 @@ def test_the_chunked_prefill_run_sets_the_media_against_its_own_limit_without_fl
     assert [row["throughput_vs_limit"] for row in offload] == [0.75, 1.0]
     assert [row["mean_ttft_vs_limit"] for row in offload] == [1.2, 1.5]
     assert len(serve.table(summary).splitlines()) == 2 + len(SINGLE)
+
+
+def a_bench(workload: serve.Workload, scratch: pathlib.Path) -> serve.Bench:
+    # The client is never started: these tests only ask for arguments.
+    return serve.Bench("/m", workload, scratch, "redis://127.0.0.1:1/0", client=None)  # type: ignore[arg-type]
+
+
+def test_an_async_load_configuration_is_its_medium_s_profile_with_async_load_on(
+    tmp_path: pathlib.Path,
+) -> None:
+    bench = a_bench(serve.FULL, tmp_path)
+
+    plain = bench.transfer_config("kvwire Redis", "plain")
+    background = bench.transfer_config(f"kvwire Redis, {serve.ASYNC_LOAD}", "background")
+
+    assert plain is not None and background is not None
+    plain_options = plain["kv_connector_extra_config"]["kvwire"]["kv_transfer_config"]
+    options = background["kv_connector_extra_config"]["kvwire"]["kv_transfer_config"]
+    assert "async_load" not in plain_options["kv_connector_extra_config"]
+    assert options["kv_connector_extra_config"]["async_load"] is True
+    assert options["kv_connector"] == plain_options["kv_connector"] == "RedisConnector"
+    with pytest.raises(ValueError, match="unknown variant 'eager' of 'Redis'"):
+        bench.transfer_config("kvwire Redis, eager", "eager")
+
+
+def test_at_tensor_parallelism_2_each_rank_gets_half_the_cache_and_a_core_of_its_own(
+    tmp_path: pathlib.Path,
+) -> None:
+    split = a_bench(SERVE_TP2_WORKLOAD, tmp_path).server_args(256 * MIB, None)
+    whole = a_bench(serve.FULL, tmp_path).server_args(256 * MIB, None)
+
+    assert split[split.index("--kv-cache-memory-bytes") + 1] == str(128 * MIB)
+    assert whole[whole.index("--kv-cache-memory-bytes") + 1] == str(256 * MIB)
+    assert split[split.index("--tensor-parallel-size") + 1] == "2"
+    assert "--distributed-executor-backend" in split
+    assert "--tensor-parallel-size" not in whole
