@@ -32,7 +32,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from kvwire.media._transfer_jobs import JobAbandoned
@@ -436,7 +436,7 @@ class RedisClusterBlockStore(BlockStore):
         try:
             cluster = self._cluster
             if cluster is None:
-                cluster = self._cluster = RedisCluster(**self._client_kwargs())
+                cluster = self._cluster = RedisCluster(**self._settings.cluster_client_kwargs())
             else:
                 cluster.nodes_manager.initialize()
             slots = dict(cluster.nodes_manager.slots_cache)
@@ -477,32 +477,3 @@ class RedisClusterBlockStore(BlockStore):
             # A call still using it fails its keys as in an outage.
             store.close()
         return True
-
-    def _client_kwargs(self) -> dict[str, Any]:
-        settings = self._settings
-        seed = settings.cluster_seeds[0]
-        # The credentials every node is given: explicit keys, else the URL's.
-        node = settings.node_settings(seed.host, seed.port)
-        kwargs: dict[str, Any] = {
-            "startup_nodes": [
-                ClusterNode(seed.host, seed.port)  # type: ignore[no-untyped-call]
-                for seed in settings.cluster_seeds
-            ],
-            "socket_timeout": settings.socket_timeout_s,
-            "socket_connect_timeout": settings.connect_timeout_s,
-            "protocol": 2,
-            # Slots without a master (mid-failover) are misses, not an error.
-            "require_full_coverage": False,
-            "username": node.username,
-            "password": node.password,
-        }
-        if settings.url.startswith("rediss"):
-            kwargs.update(
-                ssl=True,
-                ssl_ca_certs=settings.tls_ca_certs,
-                ssl_certfile=settings.tls_certfile,
-                ssl_keyfile=settings.tls_keyfile,
-                ssl_cert_reqs="required" if settings.tls_verify else "none",
-                ssl_check_hostname=settings.tls_verify,
-            )
-        return kwargs

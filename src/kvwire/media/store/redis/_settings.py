@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlparse
 
 import attrs
 import redis
+from redis.cluster import ClusterNode
 
 from kvwire.config.extra_config import parse_size
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
@@ -173,6 +174,35 @@ class RedisStoreSettings:
                 kwargs[name] = getattr(self, name)
         if self.url.startswith("rediss://"):
             kwargs.update(
+                ssl_ca_certs=self.tls_ca_certs,
+                ssl_certfile=self.tls_certfile,
+                ssl_keyfile=self.tls_keyfile,
+                ssl_cert_reqs="required" if self.tls_verify else "none",
+                ssl_check_hostname=self.tls_verify,
+            )
+        return kwargs
+
+    def cluster_client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for redis-py's ``RedisCluster``: seeds, timeouts, credentials, TLS."""
+        seed = self.cluster_seeds[0]
+        # The credentials every node is given: explicit keys, else the URL's.
+        node = self.node_settings(seed.host, seed.port)
+        kwargs: dict[str, Any] = {
+            "startup_nodes": [
+                ClusterNode(seed.host, seed.port)  # type: ignore[no-untyped-call]
+                for seed in self.cluster_seeds
+            ],
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "protocol": 2,
+            # Slots without a master (mid-failover) are misses, not an error.
+            "require_full_coverage": False,
+            "username": node.username,
+            "password": node.password,
+        }
+        if self.url.startswith("rediss"):
+            kwargs.update(
+                ssl=True,
                 ssl_ca_certs=self.tls_ca_certs,
                 ssl_certfile=self.tls_certfile,
                 ssl_keyfile=self.tls_keyfile,
