@@ -26,7 +26,9 @@ class PeerProcess:
 
     def __init__(self, **settings: Any) -> None:
         self.settings = settings
-        env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+        # The tests' own path after the root's: the process imports the same kvwire as the tests.
+        path = [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tests.support.peer_process", json.dumps(settings)],
             stdin=subprocess.PIPE,
