@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 
+from tests.support.redis_cluster import redis_cluster
 from tests.support.redis_servers import key_prefix, redis_server, redis_server_process
 
 os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-__all__ = ["key_prefix", "redis_server", "redis_server_process"]
+__all__ = ["key_prefix", "redis_cluster", "redis_server", "redis_server_process"]

@@ -83,21 +83,23 @@ def rewrite(client: redis.Redis, rewritten: dict[bytes, Location]) -> None:
         client.set(key, location.encode(), keepttl=True)
 
 
+# The directory on one server, or on a Redis Cluster: each entry and peer
+# record then on the master of its slot.
+@pytest.mark.parametrize("directory", ["redis_server", "redis_cluster"])
 def test_the_decode_engine_pulls_the_prefill_engines_blocks_and_continues_identically(
-    redis_server: RedisServer, prefix: str
+    request: pytest.FixtureRequest, directory: str, prefix: str
 ) -> None:
+    url = request.getfixturevalue(directory).url
     requests = prompts(seed=21, num_requests=3)
     producer = PeerProcess(
-        url=redis_server.url,
+        url=url,
         key_prefix=prefix,
         peer_name=f"{prefix}prefill",
         kv_role="kv_producer",
     )
     try:
         prefill = producer.generate([attrs.evolve(r, max_tokens=1) for r in requests])
-        consumer = peer_config(
-            redis_server.url, prefix, kv_role="kv_consumer", peer_name=f"{prefix}decode"
-        )
+        consumer = peer_config(url, prefix, kv_role="kv_consumer", peer_name=f"{prefix}decode")
         outputs, stats, _ = read_as(consumer, requests)
     finally:
         producer.stop()

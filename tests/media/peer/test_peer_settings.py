@@ -21,8 +21,10 @@ CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "containers"
 PROFILES = ("peer.yaml", "peer-prefill.yaml", "peer-decode.yaml")
 
 
-def read(url: str = "redis://127.0.0.1:6379/0", **extra: object) -> dict[str, object]:
-    config = peer_config(url, "test:", **extra)
+def read(
+    url: str = "redis://127.0.0.1:6379/0", key_prefix: str = "test:", **extra: object
+) -> dict[str, object]:
+    config = peer_config(url, key_prefix, **extra)
     assert config.kv_transfer_config is not None
     medium, options = OffloadConnector.read_options(config.kv_transfer_config)
     assert medium is PeerMedium
@@ -47,9 +49,16 @@ def test_the_prefill_and_decode_profiles_share_a_directory_and_differ_in_role() 
         assert prefill["kv_connector_extra_config"][key] == decode["kv_connector_extra_config"][key]
 
 
-def test_a_cluster_url_is_refused_naming_the_url() -> None:
-    with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.url: .*one Redis"):
-        read(url="redis+cluster://127.0.0.1:7000")
+def test_a_cluster_url_is_accepted_as_the_directory_and_checked_as_the_redis_medium_does() -> None:
+    settings = read(url="redis+cluster://127.0.0.1:7000,127.0.0.1:7001")["peer_directory_settings"]
+    assert settings.is_cluster
+    assert [seed.port for seed in settings.cluster_seeds] == [7000, 7001]
+    # A cluster has only database 0, and a {hash tag} would put the whole
+    # directory on one master: both refused, naming the key.
+    with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.url: .*database 0"):
+        read(url="redis+cluster://127.0.0.1:7000/3")
+    with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.key_prefix: .*hash"):
+        read(url="redis+cluster://127.0.0.1:7000", key_prefix="{job}:")
 
 
 @pytest.mark.parametrize("name", ["has space", "", "x" * 201, "caf\u00e9"])

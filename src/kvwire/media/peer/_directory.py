@@ -33,9 +33,13 @@ import logging
 import struct
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 from kvwire.interface.types import BlockHash
 from kvwire.media._rate_limited import RateLimitedWarning
@@ -55,6 +59,13 @@ return 0
 _RECORD = struct.Struct("<QQQ")
 # A peer name in an entry's value ends at the first space: none may hold one.
 _NAME_LIMIT = 200
+# What a call that could not reach the directory raises. redis-py's cluster
+# errors (no slot map, a slot no master serves) are not RedisErrors.
+_FAILURES: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 
 
 @attrs.frozen
@@ -116,18 +127,26 @@ def check_peer_name(name: str) -> str | None:
 
 
 class PeerDirectory:
-    """The directory on one Redis/Valkey server; every call bounded by the socket timeout.
+    """The directory on a Redis/Valkey server or a Redis Cluster; calls bounded by socket timeouts.
 
-    Thread-safe: redis-py's pool hands each call a connection of its own.
+    On a cluster (a ``redis+cluster://`` URL) each key lives on the master
+    serving its slot; redis-py's ``RedisCluster`` keeps the slot map, groups
+    a call's commands by master (one pipeline to each) and follows the
+    ``MOVED``/``ASK`` replies of a failover or a resharding. It is built at
+    the first call (and again at the next call while no seed answers), so a
+    cluster that is down at start makes misses, not an engine that fails to
+    start. Thread-safe: each call takes pooled connections of its own.
     """
 
     def __init__(self, settings: RedisStoreSettings, ttl_s: float) -> None:
         self._settings = settings
         self._ttl_ms = max(1, int(ttl_s * 1000))
-        kwargs = settings.connection_pool_kwargs()
-        self._pool = redis.BlockingConnectionPool(**kwargs)  # type: ignore[no-untyped-call]
-        self._client = redis.Redis(connection_pool=self._pool)
-        self._compare_and_delete = self._client.register_script(_COMPARE_AND_DELETE)
+        self._pool: redis.BlockingConnectionPool | None = None
+        self._client: redis.Redis | RedisCluster | None = None
+        if not settings.is_cluster:
+            kwargs = settings.connection_pool_kwargs()
+            self._pool = redis.BlockingConnectionPool(**kwargs)  # type: ignore[no-untyped-call]
+            self._client = redis.Redis(connection_pool=self._pool)
         self._prefix = settings.key_prefix
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
@@ -149,26 +168,30 @@ class PeerDirectory:
     # ------------------------------------------------------------ entries
 
     def look_up(self, keys: Sequence[str]) -> list[Location | None]:
-        """Each key's location, None where no peer announced it; one round trip."""
+        """Each key's location, None where no peer announced it; one round trip to each server."""
         if not keys:
             return []
         try:
-            values = self._client.mget(list(keys))
-        except (redis.exceptions.RedisError, OSError) as error:
+            client = self._connected()
+            # On a cluster the keys span slots: one MGET per slot, pipelined to each master.
+            if isinstance(client, RedisCluster):
+                values = client.mget_nonatomic(list(keys))
+            else:
+                values = client.mget(list(keys))
+        except _FAILURES as error:
             self._failed("look-up", error)
             return [None] * len(keys)
         return [Location.decode(value) if isinstance(value, bytes) else None for value in values]
 
     def announce(self, entries: Sequence[tuple[str, Location]]) -> None:
-        """Write these entries (each with the directory's expiry); one round trip."""
+        """Write these entries (each with the directory's expiry); one round trip to each server."""
         if not entries:
             return
         try:
-            pipeline = self._client.pipeline(transaction=False)
-            for key, location in entries:
-                pipeline.set(key, location.encode(), px=self._ttl_ms)
-            pipeline.execute()
-        except (redis.exceptions.RedisError, OSError) as error:
+            self._execute(
+                [("SET", key, location.encode(), "PX", self._ttl_ms) for key, location in entries]
+            )
+        except _FAILURES as error:
             self._failed("announcement", error)
 
     def withdraw(self, entries: Sequence[tuple[str, Location]]) -> int:
@@ -176,39 +199,71 @@ class PeerDirectory:
         if not entries:
             return 0
         try:
-            pipeline = self._client.pipeline(transaction=False)
-            for key, location in entries:
-                self._compare_and_delete(keys=[key], args=[location.encode()], client=pipeline)
-            return sum(int(deleted) for deleted in pipeline.execute())
-        except (redis.exceptions.RedisError, OSError) as error:
+            replies = self._execute(
+                [
+                    ("EVAL", _COMPARE_AND_DELETE, 1, key, location.encode())
+                    for key, location in entries
+                ]
+            )
+        except _FAILURES as error:
             self._failed("withdrawal", error)
             return 0
+        return sum(reply for reply in replies if isinstance(reply, int))
 
     # ------------------------------------------------------------ peers
 
     def publish_peer(self, peer: str, record: PeerRecord) -> bool:
         """Write (or refresh) ``peer``'s record, with the directory's expiry; False on failure."""
         try:
-            self._client.set(self.peer_key(peer), record.encode(), px=self._ttl_ms)
+            self._execute([("SET", self.peer_key(peer), record.encode(), "PX", self._ttl_ms)])
             return True
-        except (redis.exceptions.RedisError, OSError) as error:
+        except _FAILURES as error:
             self._failed("peer record", error)
             return False
 
     def fetch_peer(self, peer: str) -> PeerRecord | None:
         """``peer``'s record, None when it has none (never was, or expired) or it cannot be read."""
         try:
-            value = self._client.get(self.peer_key(peer))
-        except (redis.exceptions.RedisError, OSError) as error:
+            (value,) = self._execute([("GET", self.peer_key(peer))])
+        except _FAILURES as error:
             self._failed("peer look-up", error)
             return None
         return PeerRecord.decode(value) if isinstance(value, bytes) else None
 
     def withdraw_peer(self, peer: str) -> None:
         try:
-            self._client.delete(self.peer_key(peer))
-        except (redis.exceptions.RedisError, OSError) as error:
+            self._execute([("DEL", self.peer_key(peer))])
+        except _FAILURES as error:
             self._failed("peer withdrawal", error)
+
+    def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The replies to ``commands``, each naming one key, pipelined; raises on any failure.
+
+        Every command names one key, so on a cluster each goes to the master
+        of its slot. A reply that is an error (a slot no master serves, a
+        node that failed mid-call) fails the whole call: a directory that
+        answers only in part is treated as one that did not answer.
+        """
+        pipeline = self._connected().pipeline(transaction=False)
+        for command in commands:
+            pipeline.execute_command(*command)
+        replies: list[Any] = pipeline.execute(raise_on_error=True)
+        return replies
+
+    def _connected(self) -> redis.Redis | RedisCluster:
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is None:
+                # Reads the slot map from the seeds: raises when none answers.
+                self._client = RedisCluster(
+                    **self._settings.cluster_client_kwargs(),
+                    # One try: a failed call is a miss, not a wait for the
+                    # cluster to come back (redis-py's default retries).
+                    retry=Retry(NoBackoff(), 0),
+                )
+            return self._client
 
     # ------------------------------------------------------------ upkeep
 
@@ -219,7 +274,10 @@ class PeerDirectory:
         return failures
 
     def close(self) -> None:
-        self._pool.disconnect()
+        if self._pool is not None:
+            self._pool.disconnect()
+        elif self._client is not None:
+            self._client.close()
 
     def _failed(self, what: str, error: BaseException) -> None:
         with self._lock:

@@ -3,8 +3,8 @@
 Each engine keeps the blocks it saves in a CPU pool of its own, as the CPU
 pool medium does, and exposes that pool to a NIXL agent. Once a save
 completed, the engine announces its blocks in a *directory* kept in a
-Redis/Valkey server (:mod:`kvwire.media.peer._directory`): block key ->
-this peer, the slot, the slot's generation. Any engine of the same model
+Redis/Valkey server or a Redis Cluster (:mod:`kvwire.media.peer._directory`):
+block key -> this peer, the slot, the slot's generation. Any engine of the same model
 and layout then finds a block by its hash, whichever peer holds it, and
 its worker pulls the entry straight from that peer's memory with a NIXL
 read, verifies it and scatters it into its KV cache. No store holds KV
@@ -23,9 +23,10 @@ match: the layout fingerprint names every directory entry.
 
 - ``url`` and the Redis medium's other connection keys (``password_env``,
   ``key_prefix``, ``socket_timeout_s``, TLS...; see
-  :class:`~kvwire.media.store.redis.RedisStoreSettings`): the directory's server.
-  One server (``redis://``, ``rediss://``, ``unix://``); a cluster URL is
-  refused;
+  :class:`~kvwire.media.store.redis.RedisStoreSettings`): the directory's server:
+  one server (``redis://``, ``rediss://``, ``unix://``), or a Redis Cluster
+  (``redis+cluster://``, ``rediss+cluster://``), each entry and peer record on
+  the master of its slot, such as the one a Redis medium of the same job uses;
 - ``cpu_pool_bytes`` (default ``"256MiB"``), ``io_threads`` (default 2) and
   ``transfer_timeout_s`` (default 30): the pool's, as for the CPU pool
   medium; ``transfer_timeout_s`` also bounds each load, pulls included;
@@ -144,12 +145,6 @@ class PeerMedium(Medium):
             settings = RedisStoreSettings.from_extra_config(given)
         except ValueError as error:
             raise ExtraConfigError(f"{connector_name}: {error}") from None
-        if settings.is_cluster:
-            raise ExtraConfigError(
-                f"{connector_name}: kv_connector_extra_config.url: the peer medium's directory "
-                "lives on one Redis/Valkey server (redis://, rediss:// or unix://); a cluster "
-                "URL is not accepted"
-            )
         name = options.get("peer_name")
         if name is not None and (problem := check_peer_name(name)) is not None:
             raise ExtraConfigError(
