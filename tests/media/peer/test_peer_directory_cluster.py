@@ -1,10 +1,11 @@
 """The peer medium's directory on a real local Redis Cluster: entries and peer records on the
-master of each key's slot, withdrawals that keep a newer entry, and an unreachable cluster
-counted as directory failures whose calls are misses."""
+master of each key's slot, withdrawals that keep a newer entry, expiries, and an unreachable
+cluster counted as directory failures whose calls are misses."""
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -86,6 +87,26 @@ def test_peer_records_round_trip_and_are_withdrawn(
     assert directory.fetch_peer("a") is None
     assert directory.fetch_peer("b") == records["b"]
     assert directory.take_failures() == 0
+
+
+def test_entries_and_peer_records_last_until_their_expiry(
+    redis_cluster: LocalCluster, key_prefix: str
+) -> None:
+    settings = RedisStoreSettings.from_extra_config(
+        {"url": redis_cluster.url, "key_prefix": key_prefix}
+    )
+    directory = PeerDirectory(settings, 0.3)
+    try:
+        keys = keys_on_every_master(redis_cluster, directory, count=12)
+        directory.announce([(key, Location("a", n, 1)) for n, key in enumerate(keys)])
+        assert directory.publish_peer("a", PeerRecord(b"m", 0, 1, 1))
+        assert None not in directory.look_up(keys)
+        time.sleep(0.6)
+        assert directory.look_up(keys) == [None] * len(keys)
+        assert directory.fetch_peer("a") is None
+        assert directory.take_failures() == 0
+    finally:
+        directory.close()
 
 
 def unused_port() -> int:
