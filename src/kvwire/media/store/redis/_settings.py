@@ -173,13 +173,7 @@ class RedisStoreSettings:
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         if self.url.startswith("rediss://"):
-            kwargs.update(
-                ssl_ca_certs=self.tls_ca_certs,
-                ssl_certfile=self.tls_certfile,
-                ssl_keyfile=self.tls_keyfile,
-                ssl_cert_reqs="required" if self.tls_verify else "none",
-                ssl_check_hostname=self.tls_verify,
-            )
+            kwargs.update(self._tls_kwargs())
         return kwargs
 
     def cluster_client_kwargs(self) -> dict[str, Any]:
@@ -201,15 +195,18 @@ class RedisStoreSettings:
             "password": node.password,
         }
         if self.url.startswith("rediss"):
-            kwargs.update(
-                ssl=True,
-                ssl_ca_certs=self.tls_ca_certs,
-                ssl_certfile=self.tls_certfile,
-                ssl_keyfile=self.tls_keyfile,
-                ssl_cert_reqs="required" if self.tls_verify else "none",
-                ssl_check_hostname=self.tls_verify,
-            )
+            kwargs.update(ssl=True, **self._tls_kwargs())
         return kwargs
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        """redis-py's TLS arguments, the same for one server's pool and a cluster's nodes."""
+        return {
+            "ssl_ca_certs": self.tls_ca_certs,
+            "ssl_certfile": self.tls_certfile,
+            "ssl_keyfile": self.tls_keyfile,
+            "ssl_cert_reqs": "required" if self.tls_verify else "none",
+            "ssl_check_hostname": self.tls_verify,
+        }
 
 
 _EXPECTED: dict[str, str] = {
