@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwire.config.extra_config import ExtraConfigError
-from kvwire.connectors.offload import CPUOffloadConnector
+from kvwire.connectors.offload import CPUOffloadConnector, worker
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
 from tests.support.connector_pairs import (
@@ -17,6 +17,7 @@ from tests.support.connector_pairs import (
 )
 from tests.support.mixed_up_slots import name_another_block, name_another_layout
 from tests.support.pair_fixtures import OpenPair, PairFactory
+from tests.support.waits import TEST_LIMIT_S
 
 BLOCK = 4
 PROMPT = list(range(100, 117))  # 4 full blocks and one token to compute
@@ -75,6 +76,32 @@ def test_async_loads_are_reported_through_get_finished(make_pair):
     assert pair.prefill(make_request("b", PROMPT, BLOCK), SECOND) == (16, True)
     pair.step_until(lambda: "b" in pair.finished_recving)
     assert blocks_equal(pair.caches, FIRST[:4], pair.caches, SECOND[:4])
+
+
+def test_a_step_that_computes_nothing_waits_in_get_finished_for_the_loads_it_holds(
+    make_pair, monkeypatch
+):
+    # An engine whose only request waits for its load would otherwise step
+    # again at once, holding the GIL the load threads need.
+    monkeypatch.setattr(worker, "IDLE_STEP_WAIT_S", TEST_LIMIT_S)
+    pair = make_pair(async_load=True)
+    offload(pair)
+    plans = []
+    build = pair.scheduler.build_connector_meta
+
+    def recorded(output):
+        plans.append(build(output))
+        return plans[-1]
+
+    monkeypatch.setattr(pair.scheduler, "build_connector_meta", recorded)
+
+    assert pair.prefill(make_request("b", PROMPT, BLOCK), SECOND) == (16, True)
+
+    assert [plan.idle for plan in plans] == [True]
+    assert pair.finished_recving == {"b"}  # reported by the step that started it
+    assert blocks_equal(pair.caches, FIRST[:4], pair.caches, SECOND[:4])
+    pair.prefill(make_request("c", [t + 500 for t in PROMPT], BLOCK), FIRST)
+    assert [plan.idle for plan in plans] == [True, False]  # a step that computes
 
 
 def test_the_pool_evicts_the_least_recently_used_blocks(make_pair):

@@ -135,6 +135,23 @@ def test_a_requests_asynchronous_load_finishes_once_its_job_ended_and_only_then_
     assert book.take_finished_loads() == set()  # reported once
 
 
+def test_waiting_for_asynchronous_loads_ends_with_them_or_at_the_timeout_not_with_saves(
+    handler: GatedHandler,
+) -> None:
+    book = TransferBook(handler)
+    returns_within(5, lambda: book.wait_for_async_loads(TEST_LIMIT_S))  # none in flight
+    book.start_loads([], [_transfer("r", 1)])
+    book.save([_transfer("q", 2)])
+
+    returns_within(5, lambda: book.wait_for_async_loads(0.05))
+    assert book.take_finished_loads() == set()
+    threading.Timer(0.05, handler.open, ["r"]).start()
+    returns_within(5, lambda: book.wait_for_async_loads(TEST_LIMIT_S))
+
+    assert book.take_finished_loads() == {"r"}
+    assert book.is_busy("q")  # its save was not waited for
+
+
 def test_a_request_keeps_its_blocks_while_a_save_or_a_load_of_it_runs(
     handler: GatedHandler,
 ) -> None:

@@ -21,7 +21,11 @@ class OffloadMetadata(KVConnectorMetadata):
     ``new_block_ids``: block ids given to requests since the last step, to be
     written from this step on; saves still reading one are released.
     ``counters``: the scheduler side's counts (lookups, the medium index's
-    own), reported with the worker's stats.
+    own), reported with the worker's stats. ``idle``: the step computes no
+    token (what it holds waits for asynchronous loads); the worker then waits
+    for those loads a little in ``get_finished`` instead of handing the engine
+    back at once to a loop that would step again and again, holding the GIL
+    the load threads need.
     """
 
     loads: tuple[BlockTransfer, ...] = ()
@@ -31,6 +35,7 @@ class OffloadMetadata(KVConnectorMetadata):
     preempted_req_ids: tuple[str, ...] = ()
     new_block_ids: frozenset[int] = frozenset()
     counters: tuple[tuple[str, int], ...] = ()
+    idle: bool = False
 
 
 @attrs.frozen

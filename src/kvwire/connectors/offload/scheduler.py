@@ -185,6 +185,7 @@ class OffloadScheduler:
             preempted_req_ids=tuple(sorted(scheduler_output.preempted_req_ids)),
             new_block_ids=frozenset(self._planner.take_new_block_ids()),
             counters=tuple(sorted((name, n) for name, n in counters.items() if n)),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._sync_loads_in_flight.extend(self._step_loads)
         self._step_loads = []

@@ -92,6 +92,11 @@ class TransferBook:
         errors, self._errors = self._errors, set()
         return errors
 
+    def wait_for_async_loads(self, timeout_s: float) -> None:
+        """Block until every asynchronous load in flight ended, for at most ``timeout_s``."""
+        if self._async_loads:
+            self.handler.wait(list(self._async_loads), time.monotonic() + timeout_s)
+
     def take_finished_loads(self) -> set[str]:
         """Requests whose asynchronous loads all ended (or were given up on) since the last call."""
         self._poll()
