@@ -56,6 +56,12 @@ def test_a_block_id_outside_the_cache_is_an_error_not_a_silent_no_op():
         paged.gather_many([10], [0], torch.zeros(1, *LAYOUT.shape))
 
 
+def test_the_cache_holds_block_ids_only_inside_it():
+    paged = PagedKVCaches(caches(), LAYOUT)
+    assert paged.holds_block_ids([0, 9, 4]) and paged.holds_block_ids([])
+    assert not paged.holds_block_ids([3, 10]) and not paged.holds_block_ids([-1, 2])
+
+
 def test_caches_of_another_dtype_are_refused():
     wrong = {name: cache.half() for name, cache in caches().items()}
     with pytest.raises(

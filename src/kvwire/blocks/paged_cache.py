@@ -88,6 +88,10 @@ class PagedKVCaches:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} is outside the cache (0..{self.num_blocks - 1})")
 
+    def holds_block_ids(self, block_ids: Sequence[int]) -> bool:
+        """Whether every id is a block of this cache (checked in two passes, not one call each)."""
+        return not block_ids or (min(block_ids) >= 0 and max(block_ids) < self.num_blocks)
+
     def gather_many(
         self, block_ids: Sequence[int], slots: Sequence[int], entries: torch.Tensor
     ) -> None:

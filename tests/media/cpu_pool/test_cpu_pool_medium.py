@@ -299,6 +299,29 @@ def test_the_pool_writes_no_payload_checksum_and_loads_its_own_payload_as_writte
         assert torch.equal(bits(cache, 2), bits(cache, 0))
 
 
+def test_a_load_into_a_block_outside_the_cache_fails_that_block_alone(
+    handlers: list[DrivenHandler[TransferHandler]],
+) -> None:
+    # The headers of a chunk are checked with one comparison; any block that
+    # does not pass it is checked alone, and only that one fails.
+    pool = medium(4)
+    index = pool.build_index()
+    caches = layout_caches(LAYOUT, seed=4)
+    handler = DrivenHandler(pool.build_handler(caches, Counters()))
+    handlers.append(handler)
+    slots = stored(index, handler)
+    outside = next(iter(caches.values())).shape[1]  # one past the last block
+
+    handler.start_loads(
+        [BlockTransfer(request_id="c", block_ids=(2, outside), block_hashes=HASHES, slots=slots)],
+        [],
+    )
+
+    assert handler.take_load_errors() == {outside}
+    for cache in caches.values():
+        assert torch.equal(bits(cache, 2), bits(cache, 0))
+
+
 def test_a_store_that_fails_half_way_leaves_slots_that_name_no_block(
     handlers: list[DrivenHandler[TransferHandler]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterable, Sequence, Set
 import attrs
 
 from kvwire.blocks.format import (
-    HEADER_SIZE,
     BlockLayout,
     CorruptBlockError,
+    headers_without_checksum,
     verify_entry,
     write_header,
 )
@@ -53,6 +53,7 @@ from kvwire.blocks.paged_cache import (
 )
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash
 from kvwire.media._job_threads import JobThreads
 from kvwire.media._load_ledger import LoadJob, LoadLedger
 from kvwire.media._rate_limited import RateLimitedWarning
@@ -65,8 +66,9 @@ logger = logging.getLogger(__name__)
 
 # Smaller pieces are not worth a thread hand-off.
 _MIN_BLOCKS_PER_PIECE = 4
-# What a slot's header holds while its payload is being written: no block.
-_NO_HEADER = bytes(HEADER_SIZE)
+# Entries copied per chunk without a payload checksum: 16 MiB is 3-4 ms of
+# one thread's copy, what a release of the store may wait.
+_HEADER_ONLY_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class _PoolJob(BlockJob):
@@ -339,23 +341,20 @@ class CPUPoolTransferHandler(TransferHandler):
             # entries the copy has just written while they are still in the CPU
             # cache; under the job's lock, so that once abandoned it reads no
             # block the engine reuses.
-            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
+            for chunk in _chunks(len(transfer.slots), layout):
                 slots = transfer.slots[chunk.start : chunk.stop]
                 with job.lock:
                     job.check()
                     if job.released:
                         break
                     # A slot whose payload stops half-written names no block.
-                    for slot in slots:
-                        self.pool.entry(slot)[:HEADER_SIZE] = _NO_HEADER
+                    self.pool.clear_headers(slots)
                     caches.gather_many(
                         transfer.block_ids[chunk.start : chunk.stop], slots, self.pool.payloads
                     )
-                    for slot, block_hash in zip(
-                        slots, transfer.block_hashes[chunk.start : chunk.stop], strict=True
-                    ):
-                        write_header(self.pool.entry(slot), layout, block_hash)
-                        stored += 1
+                    hashes = transfer.block_hashes[chunk.start : chunk.stop]
+                    self._write_headers(layout, slots, hashes)
+                    stored += len(slots)
         except JobAbandoned:
             pass  # counted failed when it was given up on
         except Exception:
@@ -408,27 +407,15 @@ class CPUPoolTransferHandler(TransferHandler):
         try:
             # Chunk by chunk, so the copy into the cache reads entries that
             # verification has just read, while they are still in the CPU cache.
-            for chunk in cache_sized_chunks(len(transfer.slots), self._layout.entry_bytes):
-                verified_ids: list[int] = []
-                verified_slots: list[int] = []
-                for block_id, slot, block_hash in zip(
+            for chunk in _chunks(len(transfer.slots), layout):
+                verified_ids, verified_slots, failed_here = self._verify(
+                    layout,
+                    caches,
                     transfer.block_ids[chunk.start : chunk.stop],
                     transfer.slots[chunk.start : chunk.stop],
                     transfer.block_hashes[chunk.start : chunk.stop],
-                    strict=True,
-                ):
-                    try:
-                        verify_entry(self.pool.entry(slot), layout, block_hash)
-                        caches.check_block_id(block_id)
-                    except (CorruptBlockError, IndexError) as error:
-                        self._warn.warn(
-                            "corrupt", "CPU offload: not loading slot %d: %s", slot, error
-                        )
-                        self._counters.add("corrupt_entries")
-                        failed.append(block_id)
-                        continue
-                    verified_ids.append(block_id)
-                    verified_slots.append(slot)
+                )
+                failed += failed_here
                 # Only verified entries reach the cache, and only while the
                 # caller still waits for them.
                 with job.lock:
@@ -445,6 +432,48 @@ class CPUPoolTransferHandler(TransferHandler):
             return
         loaded = len(transfer.block_ids) - len(failed)
         self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
+
+    def _write_headers(
+        self, layout: BlockLayout, slots: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Name each slot's block, its payload already written (checksummed where the layout is)."""
+        if layout.payload_checksum:
+            for slot, block_hash in zip(slots, block_hashes, strict=True):
+                write_header(self.pool.entry(slot), layout, block_hash)
+        else:
+            self.pool.set_headers(slots, headers_without_checksum(layout, block_hashes))
+
+    def _verify(
+        self,
+        layout: BlockLayout,
+        caches: PagedKVCaches,
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(block ids, slots) of the entries fit to load, and the block ids that are not."""
+        if (
+            not layout.payload_checksum
+            and caches.holds_block_ids(block_ids)
+            and self.pool.headers(slots) == headers_without_checksum(layout, block_hashes)
+        ):
+            # Every header is what the store wrote for its block: one comparison.
+            return list(block_ids), list(slots), []
+        verified_ids: list[int] = []
+        verified_slots: list[int] = []
+        failed: list[int] = []
+        for block_id, slot, block_hash in zip(block_ids, slots, block_hashes, strict=True):
+            try:
+                verify_entry(self.pool.entry(slot), layout, block_hash)
+                caches.check_block_id(block_id)
+            except (CorruptBlockError, IndexError) as error:
+                self._warn.warn("corrupt", "CPU offload: not loading slot %d: %s", slot, error)
+                self._counters.add("corrupt_entries")
+                failed.append(block_id)
+                continue
+            verified_ids.append(block_id)
+            verified_slots.append(slot)
+        return verified_ids, verified_slots, failed
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the copies in flight (up to ``timeout_s``), then stop the threads.
@@ -468,3 +497,16 @@ class CPUPoolTransferHandler(TransferHandler):
                 "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
             )
         self._give_up(self._store_pieces(lambda _, __: True))
+
+
+def _chunks(count: int, layout: BlockLayout) -> list[range]:
+    """Consecutive ranges of a transfer's entries, each copied under the job's lock.
+
+    Cache-sized where payloads are checksummed (the checksum reads what the
+    copy just wrote); larger without: a chunk then costs a few calls whatever
+    its size, and its size only bounds how long a release waits for it.
+    """
+    if layout.payload_checksum:
+        return cache_sized_chunks(count, layout.entry_bytes)
+    per_chunk = max(1, _HEADER_ONLY_CHUNK_BYTES // layout.entry_bytes)
+    return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]

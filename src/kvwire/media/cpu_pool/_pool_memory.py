@@ -11,6 +11,8 @@ between the cache and the medium (:mod:`kvwire.blocks.memory`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout
@@ -52,6 +54,32 @@ class PoolSlots:
         """Every slot's payload: ``[num_slots, num_layers, 2, block_size, heads, head_size]``."""
         return self._payloads
 
+    def clear_headers(self, slots: Sequence[int]) -> None:
+        """Zero these slots' headers: until rewritten, they name no block."""
+        if not slots:
+            return
+        self._raw[_index(slots), :HEADER_SIZE] = 0
+
+    def set_headers(self, slots: Sequence[int], headers: bytes) -> None:
+        """Write ``headers`` (``HEADER_SIZE`` bytes per slot, in order) into these slots."""
+        if not slots:
+            return
+        rows = torch.frombuffer(bytearray(headers), dtype=torch.uint8).view(len(slots), HEADER_SIZE)
+        self._raw[_index(slots), :HEADER_SIZE] = rows
+
+    def headers(self, slots: Sequence[int]) -> bytearray:
+        """These slots' headers, one after the other."""
+        if not slots:
+            return bytearray()
+        copied = bytearray(len(slots) * HEADER_SIZE)
+        rows = torch.frombuffer(copied, dtype=torch.uint8).view(len(slots), HEADER_SIZE)
+        rows.copy_(self._raw[_index(slots), :HEADER_SIZE])
+        return copied
+
     def payload(self, slot: int) -> torch.Tensor:
         """The payload of ``slot`` as a cross-layer tensor."""
         return self._payloads[slot]
+
+
+def _index(slots: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.long)
