@@ -184,9 +184,11 @@ def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int
     return runs
 
 
-def cache_sized_chunks(count: int, entry_bytes: int) -> list[range]:
-    """Split ``count`` entries into consecutive ranges of about :data:`CACHE_CHUNK_BYTES`."""
-    per_chunk = max(1, CACHE_CHUNK_BYTES // entry_bytes)
+def cache_sized_chunks(
+    count: int, entry_bytes: int, chunk_bytes: int = CACHE_CHUNK_BYTES
+) -> list[range]:
+    """Split ``count`` entries into consecutive ranges of about ``chunk_bytes``."""
+    per_chunk = max(1, chunk_bytes // entry_bytes)
     return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
 

@@ -508,5 +508,4 @@ def _chunks(count: int, layout: BlockLayout) -> list[range]:
     """
     if layout.payload_checksum:
         return cache_sized_chunks(count, layout.entry_bytes)
-    per_chunk = max(1, _HEADER_ONLY_CHUNK_BYTES // layout.entry_bytes)
-    return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
+    return cache_sized_chunks(count, layout.entry_bytes, _HEADER_ONLY_CHUNK_BYTES)
