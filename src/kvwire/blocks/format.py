@@ -314,7 +314,7 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
     encode_header(entry[:HEADER_SIZE], (payload,), layout, block_hash)
 
 
-def headers_without_checksum(layout: BlockLayout, block_hashes: Sequence[BlockHash]) -> bytes:
+def headers_without_checksum(layout: BlockLayout, block_hashes: Sequence[BlockHash]) -> bytearray:
     """The headers :func:`write_header` gives these blocks' entries, one after the other.
 
     Only for a layout with no payload checksum (and so no MAC): each header
@@ -325,7 +325,8 @@ def headers_without_checksum(layout: BlockLayout, block_hashes: Sequence[BlockHa
         raise ValueError("headers_without_checksum: this layout checksums its payloads")
     before_hash, before_checksum, flags = layout.expected_header_fields
     after_hash = before_checksum + bytes(_CHECKSUM_END - _CHECKSUM_START) + flags + _UNSEALED_MAC
-    return b"".join(
+    # A bytearray, so that a pool can copy it into its slots without another copy.
+    return bytearray().join(
         before_hash + block_hash.ljust(32, b"\0")[:32] + after_hash for block_hash in block_hashes
     )
 

@@ -60,11 +60,11 @@ class PoolSlots:
             return
         self._raw[_index(slots), :HEADER_SIZE] = 0
 
-    def set_headers(self, slots: Sequence[int], headers: bytes) -> None:
+    def set_headers(self, slots: Sequence[int], headers: bytearray) -> None:
         """Write ``headers`` (``HEADER_SIZE`` bytes per slot, in order) into these slots."""
         if not slots:
             return
-        rows = torch.frombuffer(bytearray(headers), dtype=torch.uint8).view(len(slots), HEADER_SIZE)
+        rows = torch.frombuffer(headers, dtype=torch.uint8).view(len(slots), HEADER_SIZE)
         self._raw[_index(slots), :HEADER_SIZE] = rows
 
     def headers(self, slots: Sequence[int]) -> bytearray:
