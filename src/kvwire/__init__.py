@@ -7,6 +7,7 @@ conformance kit), :mod:`kvwire.vllm` (the vLLM adapter) and
 :mod:`kvwire.exceptions` (every error kvwire raises).
 """
 
+from kvwire._moved import install_moved_module_finder
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
 from kvwire.config.profile import load_profile
@@ -56,3 +57,6 @@ __all__ = [
     "load_profile",
     "supports_hma",
 ]
+
+# Old module names keep importing, with a DeprecationWarning, for one release.
+install_moved_module_finder()
