@@ -7,6 +7,8 @@ conformance kit), :mod:`kvwire.vllm` (the vLLM adapter) and
 :mod:`kvwire.exceptions` (every error kvwire raises).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kvwire._moved import install_moved_module_finder
 from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
@@ -30,6 +32,12 @@ from kvwire.interface.types import (
     SchedulerOutput,
 )
 from kvwire.registry import ConnectorRegistry, default_registry
+
+try:
+    # The one place the version is written is pyproject.toml; installed, it is the metadata's.
+    __version__ = version("kvwire")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConnectorRegistry",
