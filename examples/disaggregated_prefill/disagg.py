@@ -16,8 +16,12 @@ Redis/Valkey server::
   its tokens are what ``decode`` must produce.
 
 Each writes a JSON report (tokens, tokens served by the connector, stats) to
-``--output`` or stdout. Prompts are synthetic (``--num-requests``,
-``--prompt-len``, ``--seed``) or read from a JSONL file (``--prompts``).
+``--output`` or stdout, and says on stderr what it did. Prompts are synthetic
+(``--num-requests``, ``--prompt-len``, ``--seed``) or read from a JSONL file
+(``--prompts``). ``prefill`` and ``decode`` exit 1 when Redis cannot be
+reached, before the run or during it: kvwire's Redis medium rides out an
+outage (lookups miss, saves are dropped), which would make a run without a
+server look like a success.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kvwire.config import EngineConfig
 from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
+from kvwire.redaction import redact_text
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
 PROFILES = {
@@ -77,13 +82,47 @@ def requests_for(args: argparse.Namespace, config: EngineConfig) -> list[Generat
     return synthetic_workload(spec)
 
 
+class RedisUnreachable(Exception):
+    """The role's Redis server did not answer: the run would move nothing."""
+
+
+def redis_url_of(config: EngineConfig) -> str | None:
+    transfer = config.kv_transfer_config
+    return None if transfer is None else str(transfer.kv_connector_extra_config["url"])
+
+
+def check_reachable(url: str) -> None:
+    """PING the server, with a short deadline, before an engine is built for it."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as error:
+        raise RedisUnreachable(
+            f"cannot reach Redis at {redact_text(url)} ({type(error).__name__}); start one "
+            "(redis-server --port 6390 --save '') and pass its URL with --redis-url"
+        ) from None
+    finally:
+        client.close()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args.role, args.redis_url, args.key_prefix)
+    url = redis_url_of(config)
+    if url is not None:
+        check_reachable(url)
     requests = requests_for(args, config)
     # Closing the engine waits until every save is in Redis.
     with LLMEngine(config) as engine:
         outputs = engine.generate(requests)
         stats = engine.connector_stats.data
+    outage = {name: stats.get(name, 0) for name in ("lookup_failures", "saves_dropped")}
+    if url is not None and any(outage.values()):
+        raise RedisUnreachable(
+            f"Redis at {redact_text(url)} stopped answering during the run ({outage}): the "
+            "report would not show what a working server gives"
+        )
     return {
         "role": args.role,
         "requests": [
@@ -112,12 +151,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=pathlib.Path, help="where to write the JSON report")
     args = parser.parse_args(argv)
-    report = json.dumps(run(args), indent=2)
+    try:
+        result = run(args)
+    except RedisUnreachable as error:
+        print(f"disagg.py {args.role}: {error}", file=sys.stderr)
+        return 1
+    report = json.dumps(result, indent=2)
     if args.output is None:
         print(report)
     else:
         args.output.write_text(report)
+    print(f"disagg.py {args.role}: {summary(result)}", file=sys.stderr)
     return 0
+
+
+def summary(result: dict[str, Any]) -> str:
+    """One line: what the role computed and what moved through Redis."""
+    requests = result["requests"]
+    stats = result["connector_stats"]
+    finished = sum(1 for request in requests if request["error"] is None)
+    line = f"{finished} of {len(requests)} requests finished"
+    if result["role"] == "prefill":
+        line += f"; {stats.get('blocks_saved', 0)} prompt blocks saved to Redis"
+    elif result["role"] == "decode":
+        external = sum(request["external_tokens"] for request in requests)
+        line += f"; {external} prompt tokens loaded from Redis instead of computed"
+    return line
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -27,7 +28,7 @@ BLOCK_SIZE = 16
 
 def run_engine(role: str, tmp_path: pathlib.Path, *options: str) -> dict[str, Any]:
     output = tmp_path / f"{role}.json"
-    subprocess.run(
+    result = subprocess.run(
         [
             sys.executable,
             str(EXAMPLE),
@@ -44,8 +45,12 @@ def run_engine(role: str, tmp_path: pathlib.Path, *options: str) -> dict[str, An
         ],
         check=True,
         timeout=240,
+        capture_output=True,
+        text=True,
     )
     report: dict[str, Any] = json.loads(output.read_text())
+    # What the role did, said on stderr.
+    assert f"disagg.py {role}: 3 of 3 requests finished" in result.stderr
     return report
 
 
@@ -92,3 +97,29 @@ def test_a_decode_engine_without_the_prefill_computes_everything_itself(
         r["output_token_ids"] for r in single["requests"]
     ]
     assert [r["external_tokens"] for r in decode["requests"]] == [0, 0, 0]
+
+
+def test_a_role_whose_redis_cannot_be_reached_fails_and_says_how_to_start_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A port nothing listens on: bound, then released.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+
+    for role in ("prefill", "decode"):
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLE), role, "--redis-url", url, "--output", "x.json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+        assert result.returncode == 1, result.stderr
+        assert f"disagg.py {role}: cannot reach Redis at redis://" in result.stderr
+        assert f"127.0.0.1:{port}/0" in result.stderr and "--redis-url" in result.stderr
+        assert "hunter2" not in result.stderr
+        assert not (tmp_path / "x.json").exists()
