@@ -33,9 +33,10 @@ from dependency_injector import containers, providers, resources
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.config.profile import load_profile
-from kvwire.exceptions import ContainerSetupError
+from kvwire.exceptions import ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.redaction import shown
 from kvwire.registry import ConnectorRegistry, accepts_keyword_only, default_registry
 
 if TYPE_CHECKING:
@@ -86,6 +87,22 @@ def _resolve_connector_class(
     registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
 ) -> type[KVConnectorBase]:
     return registry.resolve(kv_transfer_config)
+
+
+def _a_connector_class(provided: object) -> type[KVConnectorBase]:
+    """What ``connector_class`` provides, checked before anything builds with it.
+
+    The registry checks the classes names lead to; an override is the one
+    way around it, and a class that is no connector would otherwise fail
+    deep inside the HMA gate or the constructor with an AttributeError.
+    """
+    if isinstance(provided, type) and issubclass(provided, KVConnectorBase):
+        return provided
+    raise NotAConnectorError(
+        f"KVConnectorContainer.connector_class provides {shown(provided)}, not a connector "
+        "class: override it with a subclass of kvwire.KVConnectorBase "
+        "(kvwire.testing.IdleConnector is a complete one that does nothing, to subclass)"
+    )
 
 
 def _resolve_medium_class(
@@ -239,7 +256,9 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       (``registry().media.provider("directory").override(...)`` swaps one;
       give the container a ``default_registry().copy()`` first to keep the
       override to it);
-    - ``kv_transfer_config`` and ``connector_class``: what the config names;
+    - ``kv_transfer_config`` and ``connector_class``: what the config names
+      (an override that is no subclass of ``KVConnectorBase`` is refused
+      with :class:`~kvwire.exceptions.NotAConnectorError` when first used);
     - ``medium_class``: the medium a block connector keeps blocks in (None
       for another connector), resolved through the registry; override it to
       swap the medium of this container's connectors:
@@ -272,10 +291,14 @@ class KVConnectorContainer(containers.DeclarativeContainer):
 
     kv_transfer_config = providers.Callable(_require_kv_transfer_config, engine_config)
     connector_class = providers.Callable(_resolve_connector_class, registry, kv_transfer_config)
+    # What the providers below build with: connector_class, overrides included, checked.
+    _checked_connector_class = providers.Callable(_a_connector_class, connector_class)
     medium_class = providers.Callable(
-        _resolve_medium_class, registry, connector_class, kv_transfer_config
+        _resolve_medium_class, registry, _checked_connector_class, kv_transfer_config
     )
-    hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
+    hma_gate = providers.Callable(
+        _apply_hma_gate, engine_config, _checked_connector_class, registry
+    )
     parallel_config = providers.Callable(_parallel_config_of, engine_config)
     connector_engine_config = providers.Callable(
         _with_parallel_config,
@@ -286,7 +309,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
         registry,
-        connector_class,
+        _checked_connector_class,
         connector_engine_config,
         KVConnectorRole.SCHEDULER,
         kv_cache_config.provider,
@@ -295,7 +318,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
         registry,
-        connector_class,
+        _checked_connector_class,
         connector_engine_config,
         KVConnectorRole.WORKER,
         kv_cache_config.provider,

@@ -14,7 +14,7 @@ from dependency_injector.wiring import Provide, inject
 from kvwire.config import EngineConfig
 from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
 from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
-from kvwire.exceptions import ContainerSetupError, ProfileError
+from kvwire.exceptions import ContainerSetupError, NotAConnectorError, ProfileError
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.registry import ConnectorRegistry, default_registry
@@ -227,6 +227,29 @@ def test_overriding_the_connector_class_lasts_until_the_block_ends(container: An
 def test_an_overriding_class_builds_the_connectors(container: Any) -> None:
     with container.connector_class.override(providers.Object(HMAConnector)):
         assert isinstance(container.worker_connector(), HMAConnector)
+
+
+class NotAConnector:
+    """What a test might write by mistake: a class with a connector's methods, no base."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return 0, False
+
+
+@pytest.mark.parametrize("provided", [NotAConnector, NotAConnector(), "RecordingConnector"])
+@pytest.mark.parametrize("asked", ["worker_connector", "scheduler_connector", "hma_gate"])
+def test_an_override_of_the_connector_class_that_is_no_connector_class_is_refused(
+    container: Any, provided: object, asked: str
+) -> None:
+    with container.connector_class.override(provided), pytest.raises(NotAConnectorError) as refused:
+        getattr(container, asked)()
+
+    message = str(refused.value)
+    assert message.startswith("KVConnectorContainer.connector_class provides ")
+    assert "subclass of kvwire.KVConnectorBase" in message
+    assert "kvwire.testing.IdleConnector" in message
+    # Undone with the block: the configured class builds again.
+    assert isinstance(container.worker_connector(), RecordingConnector)
 
 
 def test_overriding_one_registry_entry_reaches_the_container(
