@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,7 +33,12 @@ from dependency_injector import containers, providers, resources
 
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvwire.config.kv_cache import KVCacheConfig
-from kvwire.config.profile import load_profile
+from kvwire.config.profile import (
+    load_profile,
+    profile_origin,
+    read_profile_file,
+    structure_engine_config,
+)
 from kvwire.exceptions import ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
@@ -360,14 +366,32 @@ def container_for_profile(
 ) -> KVConnectorContainer:
     """A container for ``profile`` (a YAML path, a mapping or a built ``EngineConfig``).
 
-    The profile is validated here, so a bad one fails before anything else;
+    The profile is validated here, so a bad one fails before anything else.
+    A path or a mapping becomes the container's ``config``: an override of
+    any of its options
+    (``container.config.kv_transfer_config.kv_connector.override(...)``)
+    takes effect; a built ``EngineConfig`` is ``engine_config`` as it is.
     ``role`` and ``kv_cache_config`` are declared when given. ``registry``
     replaces the process-wide one (e.g. ``default_registry().copy()``, whose
     overrides reach no other container).
     """
-    engine_config = profile if isinstance(profile, EngineConfig) else load_profile(profile)
     container = KVConnectorContainer()
-    container.engine_config.override(providers.Object(engine_config))
+    # The profile goes into ``config``, the one source ``engine_config`` is
+    # built from, so that an override of any of its options takes effect as
+    # it does for a container loaded with ``config.from_dict``.
+    if isinstance(profile, EngineConfig):
+        # Built already, and handed on as it is (the engine compares it by
+        # identity): change it with attrs.evolve, or override engine_config.
+        container.engine_config.override(providers.Object(profile))
+    elif isinstance(profile, str | os.PathLike):
+        path = pathlib.Path(profile)
+        document = read_profile_file(path)
+        # Checked here, naming the file, so that a bad profile fails before anything else.
+        structure_engine_config(document, origin=profile_origin(path))
+        container.config.from_dict(document)
+    else:
+        structure_engine_config(profile)
+        container.config.from_dict(dict(profile))
     if kv_cache_config is not None:
         container.kv_cache_config.override(providers.Object(kv_cache_config))
     if role is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import uuid
 from collections.abc import Callable
@@ -212,6 +213,51 @@ def test_container_for_profile_validates_and_declares(
 
     assert container.engine_config() is config
     assert container.process_role() is KVConnectorRole.WORKER
+
+
+PROFILE = {
+    "kv_transfer_config": {"kv_connector": "RecordingConnector", "kv_role": "kv_both"},
+}
+
+
+def profile_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text("kv_transfer_config:\n  kv_connector: RecordingConnector\n  kv_role: kv_both\n")
+    return path
+
+
+@pytest.mark.parametrize("source", ["mapping", "file"])
+def test_an_override_of_a_config_option_after_container_for_profile_takes_effect(
+    source: str,
+    tmp_path: pathlib.Path,
+    registry: ConnectorRegistry,
+    kv_cache_config: KVCacheConfig,
+) -> None:
+    profile = PROFILE if source == "mapping" else profile_file(tmp_path)
+    container = container_for_profile(profile, kv_cache_config=kv_cache_config, registry=registry)
+
+    with container.config.kv_transfer_config.kv_connector.override("HMAConnector"):
+        assert container.engine_config().kv_transfer_config.kv_connector == "HMAConnector"
+        assert container.connector_class() is HMAConnector
+        assert isinstance(container.worker_connector(), HMAConnector)
+    container.shutdown_resources()
+
+    assert container.connector_class() is RecordingConnector
+    assert isinstance(container.worker_connector(), RecordingConnector)
+    container.shutdown_resources()
+
+
+def test_a_profile_file_container_for_profile_refuses_is_named_in_the_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "profile.yaml"
+    path.write_text("kv_transfer_config:\n  kv_conector: RecordingConnector\n")
+
+    with pytest.raises(ProfileError) as refused:
+        container_for_profile(path)
+
+    assert str(path) in str(refused.value)
+    assert "kv_conector" in str(refused.value)
 
 
 # ----------------------------------------------------------------- overrides
