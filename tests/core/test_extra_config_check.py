@@ -162,7 +162,8 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
         "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, cpu_pool_bytes, io_threads, medium, transfer_timeout_s",
+        "accepted keys are: async_load, cpu_pool_bytes, io_threads, load_failures_to_pause, "
+        "load_pause_s, medium, transfer_timeout_s",
         id="cpu-offload-typo",
     ),
     pytest.param(
@@ -184,7 +185,8 @@ BAD_EXTRA_CONFIGS = [
         {"shared_storage_path": STORE, "fsynch": True},
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
         "keys are: allow_other_owner, async_load, batch_blocks, entry_kv_heads, entry_layers, "
-        "file_mode, fsync, io_threads, mac_key_env, max_bytes, medium, shared_storage_path, "
+        "file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, mac_key_env, "
+        "max_bytes, medium, shared_storage_path, "
         "staging_buffer_bytes, transfer_timeout_s",
         id="shared-storage-typo",
     ),
@@ -214,7 +216,7 @@ BAD_EXTRA_CONFIGS = [
         {"ttl": 60},
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
         "async_load, batch_blocks, connect_timeout_s, db, entry_kv_heads, entry_layers, "
-        "io_threads, key_prefix, "
+        "io_threads, key_prefix, load_failures_to_pause, load_pause_s, "
         "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, medium, password, "
         "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
         "socket_timeout_s, staging_buffer_bytes, tls_ca_certs, tls_certfile, tls_keyfile, "
@@ -299,7 +301,7 @@ BAD_EXTRA_CONFIGS = [
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
         "an option of CPUOffloadConnector; accepted keys are: async_load, cpu_pool_bytes, "
-        "io_threads, medium, transfer_timeout_s",
+        "io_threads, load_failures_to_pause, load_pause_s, medium, transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(

@@ -37,6 +37,9 @@ from kvwire.blocks.groups import NULL_BLOCK_ID, CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
 
+MAX_FAILED_LOAD_REQUESTS = 65536
+"""The most requests whose failed load a planner remembers (one position each) at once."""
+
 HitCounter = Callable[[int, Sequence[BlockHash]], int]
 """Counts how many of the given block hashes, from the first, the medium holds for a group.
 
@@ -65,6 +68,8 @@ class _SaveCursor:
     # Per sliding-window group: branch-window positions not saved yet (those
     # the request has not computed yet wait for the step that computes them).
     branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
+    # The block positions this planner's last load of the request filled.
+    loaded: range = range(0)
 
 
 class BlockPlanner:
@@ -87,6 +92,7 @@ class BlockPlanner:
         loads: bool,
         saves: bool,
         window_aware: bool = True,
+        max_failed_load_requests: int = MAX_FAILED_LOAD_REQUESTS,
     ) -> None:
         self._block_size = block_size
         self._groups = tuple(groups)
@@ -102,6 +108,10 @@ class BlockPlanner:
         self._window_aware = window_aware
         self._lookups: dict[str, _Lookup] = {}
         self._save_cursors: dict[str, _SaveCursor] = {}
+        # Per request whose load from this medium failed: the first failed
+        # block's position. Nothing from there on is offered to it again.
+        self._failed_load_starts: dict[str, int] = {}
+        self._max_failed_load_requests = max_failed_load_requests
         self._new_block_ids: set[int] = set()
         self.lookup_hit_blocks = 0
         self.lookup_miss_blocks = 0
@@ -118,6 +128,9 @@ class BlockPlanner:
         # At least one prompt token is always left to compute: the engine needs
         # logits for it.
         last_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        # A load that failed would fail again (a load slower than its deadline)
+        # and have the engine recompute, then ask again, without end.
+        last_block = min(last_block, self._failed_load_starts.get(request.request_id, last_block))
         branches = self._missing_local_branch_windows(hashes, first_block, count_hits)
         if not self._loads or last_block <= first_block:
             self._lookups[request.request_id] = _Lookup(first_block, 0, 0, branches)
@@ -221,6 +234,7 @@ class BlockPlanner:
                 f"{lookup.hit_blocks * self._block_size}"
             )
         start, end = lookup.first_block, lookup.first_block + num_blocks
+        self._save_cursors[request.request_id].loaded = range(start, end)
         loads = []
         for group in self._groups:
             needed = group.needed_positions(end)
@@ -236,11 +250,15 @@ class BlockPlanner:
         The engine computes a request again from its first failed block, in
         every group; the medium no longer holds a good copy of it (the
         connector drops a corrupt entry), so that block and the following
-        ones are saved anew.
+        ones are saved anew. A failed block this planner loaded, and every
+        block after it, is never offered to that request again (see
+        :meth:`look_up`): the engine may look the request up again at once
+        (vLLM does after a failed asynchronous load), and a load that failed
+        for want of time or of a sound entry would fail again.
         """
         if not block_ids:
             return
-        for cursor in self._save_cursors.values():
+        for request_id, cursor in self._save_cursors.items():
             # By the request's block ids, not by what this planner loaded: in a
             # composite, another connector may have made the failed load.
             failed = [
@@ -254,6 +272,23 @@ class BlockPlanner:
                 cursor.next_block_to_save = [
                     min(position, first_failed) for position in cursor.next_block_to_save
                 ]
+                # Only this planner's own load: another medium in a composite may
+                # still serve the blocks another one failed to load.
+                own = [position for position in failed if position in cursor.loaded]
+                if own:
+                    self._remember_failed_load(request_id, min(own))
+                cursor.loaded = range(0)
+
+    def _remember_failed_load(self, request_id: str, position: int) -> None:
+        starts = self._failed_load_starts
+        starts[request_id] = min(position, starts.pop(request_id, position))
+        if len(starts) > self._max_failed_load_requests:
+            # Bounded whatever the engine forgets to finish: the oldest entry goes.
+            del starts[next(iter(starts))]
+
+    def failed_load_start(self, request_id: str) -> int | None:
+        """The first block position no longer offered to ``request_id``, if a load of it failed."""
+        return self._failed_load_starts.get(request_id)
 
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
         """The blocks to save this step: per request with new full blocks, one per group."""
@@ -379,6 +414,7 @@ class BlockPlanner:
         """Drop a finished request's lookup and save plan."""
         self._lookups.pop(request_id, None)
         self._save_cursors.pop(request_id, None)
+        self._failed_load_starts.pop(request_id, None)
 
     def take_lookup_counts(self) -> tuple[int, int]:
         """The hit and miss block counts since the last call, then reset them."""

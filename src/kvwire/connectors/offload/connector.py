@@ -20,8 +20,11 @@ Each instance builds only its role's half (:class:`~kvwire.interface.roles.RoleS
 
 Loads happen only for ``kv_consumer``/``kv_both`` engines, saves only for
 ``kv_producer``/``kv_both`` ones. Its own ``kv_connector_extra_config``
-keys are ``medium`` and ``async_load`` (loads reported through
-``get_finished``); the medium declares the rest.
+keys are ``medium``, ``async_load`` (loads reported through
+``get_finished``), ``load_failures_to_pause`` (default 5) and ``load_pause_s``
+(default 10): after that many loads in a row failed, the medium's hits are
+withheld for that long, then one load probes it
+(:mod:`~kvwire.connectors.offload._load_breaker`); the medium declares the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     bool_key,
+    int_key,
     read_extra_config,
+    seconds_key,
+)
+from kvwire.connectors.offload._load_breaker import (
+    DEFAULT_FAILURES_TO_PAUSE,
+    DEFAULT_PAUSE_S,
+    LoadBreaker,
 )
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.metadata import OffloadMetadata
@@ -149,6 +159,11 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                     num_groups=len(groups),
                     async_load=options["async_load"],
                     medium=f"medium {shown(options['medium'])}",
+                    load_breaker=LoadBreaker(
+                        f"medium {shown(options['medium'])}",
+                        failures_to_pause=options["load_failures_to_pause"],
+                        pause_s=options["load_pause_s"],
+                    ),
                 )
             )
         else:
@@ -195,6 +210,8 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             )
         keys: tuple[ExtraConfigKey, ...] = (
             bool_key("async_load", False),
+            int_key("load_failures_to_pause", DEFAULT_FAILURES_TO_PAUSE, minimum=1, maximum=10**6),
+            seconds_key("load_pause_s", DEFAULT_PAUSE_S, maximum=24 * 3600),
             ExtraConfigKey(
                 "medium",
                 cls.default_medium,

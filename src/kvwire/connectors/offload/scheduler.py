@@ -12,6 +12,12 @@ only then does the index publish its saved blocks. Saves the worker did not
 make (released, or left out after a failed load) come back in
 :class:`~kvwire.connectors.offload.metadata.OffloadWorkerMetadata` and are
 settled as failed: the index never publishes them.
+
+A load that failed is never offered to its request again, from its first
+failed block on (the planner remembers where, until the request finishes):
+vLLM looks a request up again as soon as its asynchronous load failed, and
+the same load would fail the same way. A medium whose loads keep failing
+has its hits withheld for a while (:mod:`kvwire.connectors.offload._load_breaker`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connectors.offload._load_breaker import LoadBreaker
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
 from kvwire.interface.types import (
@@ -68,11 +75,13 @@ class OffloadScheduler:
         num_groups: int,
         async_load: bool,
         medium: str = "the medium",
+        load_breaker: LoadBreaker | None = None,
     ) -> None:
         self._index = index
         # Names the medium in warnings about its index's answers.
         self._medium = medium
         self._warn = RateLimitedWarning(logger)
+        self._breaker = load_breaker if load_breaker is not None else LoadBreaker(medium)
         self._planner = planner
         self._num_groups = num_groups
         self._async_load = async_load
@@ -99,7 +108,8 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        hits = self._planner.look_up(request, num_computed_tokens, self._count_held_prefix)
+        count = self._count_held_prefix if self._breaker.offers_hits() else _held_nowhere
+        hits = self._planner.look_up(request, num_computed_tokens, count)
         return hits * self._planner.block_size, self._async_load and hits > 0
 
     def _count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
@@ -160,6 +170,8 @@ class OffloadScheduler:
                 f"update_state_after_alloc: request {request.request_id!r} asks for "
                 f"{num_external_tokens} external tokens; {error}"
             ) from None
+        if transfers:
+            self._breaker.load_started()
         if self._async_load:
             state.async_loads.extend(transfers)
             self._step_async_loads.extend(transfers)
@@ -177,6 +189,7 @@ class OffloadScheduler:
         hit_blocks, miss_blocks = self._planner.take_lookup_counts()
         counters = {"lookup_hit_blocks": hit_blocks, "lookup_miss_blocks": miss_blocks}
         counters.update(self._index.take_counters())
+        counters.update(self._breaker.take_counters())
         metadata = OffloadMetadata(
             loads=tuple(self._step_loads),
             async_loads=tuple(self._step_async_loads),
@@ -250,21 +263,20 @@ class OffloadScheduler:
             report = of_worker_metadata(worker_meta)
             for save in (*report.left_out_saves, *report.released_saves):
                 self._drop_save(save)
-        for transfer in self._sync_loads_in_flight:
-            self._end_load(transfer, invalid)
-        self._sync_loads_in_flight = []
+        if self._sync_loads_in_flight:
+            self._end_loads(self._sync_loads_in_flight, invalid)
+            self._sync_loads_in_flight = []
         for request_id in connector_output.finished_recving or ():
             state = self._requests.get(request_id) or self._finished.get(request_id)
-            if state is not None:
-                for load in state.async_loads:
-                    self._end_load(load, invalid)
+            if state is not None and state.async_loads:
+                self._end_loads(state.async_loads, invalid)
                 state.async_loads = []
         for request_id in connector_output.finished_sending or ():
             state = self._finished.pop(request_id, None)
             if state is None:
                 continue
-            for load in state.async_loads:
-                self._end_load(load, invalid)
+            if state.async_loads:
+                self._end_loads(state.async_loads, invalid)
             for group, hashes in enumerate(state.unsettled_saves):
                 if hashes:
                     self._index.complete_store(group, hashes, success=True)
@@ -280,13 +292,28 @@ class OffloadScheduler:
             unsettled = state.unsettled_saves[save.group]
             unsettled[:] = [h for h in unsettled if h not in dropped]
 
-    def _end_load(self, transfer: BlockTransfer, invalid_block_ids: set[int]) -> None:
-        corrupt: Sequence[BlockHash] = [
-            block_hash
-            for block_id, block_hash in zip(transfer.block_ids, transfer.block_hashes, strict=True)
-            if block_id in invalid_block_ids
-        ]
-        self._index.complete_load(transfer.group, transfer.block_hashes, corrupt)
+    def _end_loads(self, transfers: Sequence[BlockTransfer], invalid_block_ids: set[int]) -> None:
+        """Settle ended loads with the index; tell the breaker how each request's load ended."""
+        failed_by_request: dict[str, bool] = {}
+        for transfer in transfers:
+            corrupt: Sequence[BlockHash] = [
+                block_hash
+                for block_id, block_hash in zip(
+                    transfer.block_ids, transfer.block_hashes, strict=True
+                )
+                if block_id in invalid_block_ids
+            ]
+            self._index.complete_load(transfer.group, transfer.block_hashes, corrupt)
+            request_id = transfer.request_id
+            failed_by_request[request_id] = failed_by_request.get(request_id, False) or bool(
+                corrupt
+            )
+        for failed in failed_by_request.values():
+            self._breaker.load_ended(failed=failed)
+
+    @property
+    def load_breaker(self) -> LoadBreaker:
+        return self._breaker
 
     def take_events(self) -> list[KVCacheEvent]:
         events = self._index.take_events()
@@ -300,3 +327,8 @@ class OffloadScheduler:
 
     def close(self) -> None:
         self._index.close()
+
+
+def _held_nowhere(group: int, block_hashes: Sequence[BlockHash]) -> int:
+    """The count of a medium whose hits are withheld (see :class:`LoadBreaker`)."""
+    return 0
