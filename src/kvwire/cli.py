@@ -30,11 +30,18 @@ from kvwire.config.profile import profile_origin, read_profile_file, structure_e
 from kvwire.exceptions import KVWireError, kind_of
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.interface.base import KVConnectorBase, validates_extra_config
-from kvwire.plugin_calls import plugin_message
+from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import RedactingFilter, scrub, secret_values
-from kvwire.registry import ConnectorRegistry, accepts_connector_builder, default_registry
+from kvwire.registry import (
+    ConnectorRegistry,
+    ModulePathError,
+    accepts_connector_builder,
+    default_registry,
+)
 
 RUN_MODULE = "kvwire.run"
+# The shell's status for a program ended by SIGINT (128 + 2).
+INTERRUPTED = 130
 
 # What a user can get wrong in a profile or a plugin; anything else is a bug
 # and keeps its traceback.
@@ -54,7 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
     command: Callable[[argparse.Namespace], int] = args.command
-    return command(args)
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        # The user's Ctrl-C (a plug-in raising KeyboardInterrupt itself is
+        # reported as the plug-in's error, kvwire.plugin_calls.contained_exits):
+        # stop at once, as a shell expects, without a traceback.
+        print("kvwire: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
@@ -204,6 +218,7 @@ def _check_lines(
     if transfer is None or transfer.kv_connector is None:
         lines.append("connector: none (kv_transfer_config names no connector); nothing to resolve")
         return lines
+    registry.check_module_path(transfer)
     connector_cls = registry.resolve(transfer)
     lines.append(
         f"connector: {transfer.kv_connector} -> {_origin(transfer, connector_cls, registry)}"
@@ -224,9 +239,15 @@ def _check_lines(
     # After the children were resolved, so that a child that cannot be
     # resolved is reported as _child_lines words it.
     try:
-        connector_cls.validate_extra_config(transfer, registry.resolve)
-    except _USER_ERRORS:
-        raise
+        with contained_exits():
+            connector_cls.validate_extra_config(transfer, registry.resolve)
+    except _USER_ERRORS as error:
+        if not isinstance(error, PluginExit):
+            raise
+        raise ExtraConfigError(
+            f"kv_connector_extra_config: {connector_cls.__name__}.validate_extra_config raised "
+            f"{plugin_message(error)}"
+        ) from None
     except Exception as error:
         # A plug-in's hook that raises anything else: its error, not a traceback of check's.
         raise ExtraConfigError(
@@ -274,8 +295,11 @@ def _child_lines(
             # engine_id and kv_role default to the parent's, as vLLM's composite does.
             inherited = {"engine_id": transfer.engine_id, "kv_role": transfer.kv_role}
             child_config = KVTransferConfig(**{**inherited, **child})
+            registry.check_module_path(child_config, where)
             child_cls = registry.resolve(child_config)
             supported = registry.class_supports_hma(child_cls, child_config)
+        except ModulePathError:
+            raise  # it names the child's field already
         except _USER_ERRORS as error:
             raise ValueError(f"{where}: {error}") from error
         line = (

@@ -104,14 +104,18 @@ _DEFINED_ELSEWHERE = {
     "CorruptBlockError": "kvwire.blocks.format",
     "DeadlineExceeded": "kvwire.media.store.redis._wire",
     "ExtraConfigError": "kvwire.config.extra_config",
+    "FileRefused": "kvwire.config.bounded_file",
     "JobAbandoned": "kvwire.media._transfer_jobs",
     "LateWriteError": "kvwire.media.store.base",
     "MacKeyError": "kvwire.blocks.mac",
     "ModelIdentityError": "kvwire.model_identity",
+    "ModulePathError": "kvwire.registry.connectors",
     "NIXLUnavailableError": "kvwire.media.peer._agent",
+    "PluginExit": "kvwire.plugin_calls",
     "ProfileYAMLError": "kvwire.config.profile_yaml",
     "RedisSettingsError": "kvwire.media.store.redis._settings",
     "RoleViolationError": "kvwire.testing.instruments",
+    "StoreReplyError": "kvwire.media.store.base",
     "UnknownMediumError": "kvwire.registry.media",
     "ValueRefused": "kvwire.config.extra_config",
     "WorkerProcessError": "kvwire.engine.worker_process",
@@ -120,16 +124,19 @@ _DEFINED_ELSEWHERE = {
 if TYPE_CHECKING:
     from kvwire.blocks.format import CorruptBlockError
     from kvwire.blocks.mac import MacKeyError
+    from kvwire.config.bounded_file import FileRefused
     from kvwire.config.extra_config import ExtraConfigError, ValueRefused
     from kvwire.config.profile_yaml import ProfileYAMLError
     from kvwire.container import ConnectorBuildTimeout
     from kvwire.engine.worker_process import WorkerProcessError
     from kvwire.media._transfer_jobs import JobAbandoned
     from kvwire.media.peer._agent import NIXLUnavailableError
-    from kvwire.media.store.base import LateWriteError
+    from kvwire.media.store.base import LateWriteError, StoreReplyError
     from kvwire.media.store.redis._settings import RedisSettingsError
     from kvwire.media.store.redis._wire import DeadlineExceeded
     from kvwire.model_identity import ModelIdentityError
+    from kvwire.plugin_calls import PluginExit
+    from kvwire.registry.connectors import ModulePathError
     from kvwire.registry.media import UnknownMediumError
     from kvwire.testing.instruments import RoleViolationError
 
@@ -142,17 +149,21 @@ __all__ = [
     "CorruptBlockError",
     "DeadlineExceeded",
     "ExtraConfigError",
+    "FileRefused",
     "JobAbandoned",
     "KVWireError",
     "LateWriteError",
     "MacKeyError",
     "ModelIdentityError",
+    "ModulePathError",
     "NIXLUnavailableError",
     "NotAConnectorError",
+    "PluginExit",
     "ProfileError",
     "ProfileYAMLError",
     "RedisSettingsError",
     "RoleViolationError",
+    "StoreReplyError",
     "UnknownMediumError",
     "VLLMConfigError",
     "ValueRefused",

@@ -11,7 +11,11 @@ traceback printed later would quote the original message raw.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import TypeVar
 
 from kvwire.config.extra_config import ExtraConfigError
@@ -25,8 +29,77 @@ _Result = TypeVar("_Result")
 LONGEST_REFUSAL = 1000
 
 
+class PluginExit(KVWireError, RuntimeError):
+    """Plug-in code that raised ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit`` itself.
+
+    Those would end the process (or escape every ``except Exception``) with
+    a traceback; raised by a module at import or by a hook, they are the
+    plug-in's failure, so :func:`contained_exits` turns them into this
+    ordinary error. ``original`` is what the plug-in raised (read-only).
+    """
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+@contextlib.contextmanager
+def contained_exits() -> Iterator[None]:
+    """Around a call into plug-in code: a ``BaseException`` it raises becomes :class:`PluginExit`.
+
+    Except a ``KeyboardInterrupt`` that the user's Ctrl-C caused: it stops
+    the program as it always does. The two are told apart by the signal:
+    on the main thread, a SIGINT that arrives during the call is noted
+    before the handler that was in place runs; a ``KeyboardInterrupt``
+    with no SIGINT behind it was raised by the plug-in. (Off the main
+    thread no signal is delivered, so any is the plug-in's.)
+    """
+    sigint = _SigintNoted()
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt) and sigint.arrived:
+            raise
+        raise PluginExit(error) from None
+    finally:
+        sigint.stop()
+
+
+class _SigintNoted:
+    """Notes a SIGINT while installed, then hands it to the handler it replaced."""
+
+    def __init__(self) -> None:
+        self.arrived = False
+        self._previous: Callable[[int, FrameType | None], object] | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        if not callable(previous):
+            return  # ignored, or the default: no KeyboardInterrupt can come of a SIGINT
+        self._previous = previous
+        signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> object:
+        self.arrived = True
+        if self._previous is None:
+            raise KeyboardInterrupt
+        return self._previous(signum, frame)
+
+    def stop(self) -> None:
+        # Restored only if still ours: plug-in code may have installed its own.
+        if self._previous is not None and signal.getsignal(signal.SIGINT) == self._note:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
-    """``error``'s type and message, redacted, then cut to about ``limit`` characters."""
+    """``error``'s type and message, redacted, then cut to about ``limit`` characters.
+
+    A :class:`PluginExit` is shown as what the plug-in raised (``SystemExit: 3``).
+    """
+    if isinstance(error, PluginExit):
+        error = error.original
     text = redact_text(str(error))
     if len(text) > limit:
         text = f"{text[:limit]}... ({len(text)} characters)"
@@ -42,7 +115,10 @@ def call_plugin(field: str, what: str, call: Callable[[], _Result]) -> _Result:
     else shown redacted and bounded.
     """
     try:
-        return call()
+        with contained_exits():
+            return call()
+    except PluginExit as error:
+        raise ExtraConfigError(f"{field}: {what} raised {plugin_message(error)}") from None
     except KVWireError as error:
         text = str(error)
         if len(text) <= LONGEST_REFUSAL and redact_text(text) == text:

@@ -564,3 +564,119 @@ def test_run_blanks_a_secret_quoted_by_value_in_an_error_as_check_does(
     error = capsys.readouterr().err
     assert "kv_connector_extra_config.key_prefix" in error
     assert "pasted-in-the-wrong-field" not in error
+
+
+def _module_path_profile(module_path: str) -> str:
+    return (
+        "kv_transfer_config:\n"
+        "  kv_connector: RecordingConnector\n"
+        "  kv_role: kv_both\n"
+        f"  kv_connector_module_path: {module_path}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("module_path", "problem"),
+    [
+        ("os", "Class RecordingConnector not found in os; expected a module defining the class "),
+        ("no.such.mod", "cannot import 'no.such.mod': ModuleNotFoundError: No module named 'no'"),
+        ("'.relative'", "'.relative' is not a module path; expected an absolute dotted module"),
+        (
+            "tests.support.exiting_module",
+            "cannot import 'tests.support.exiting_module': SystemExit: plugin settings from "
+            "redis://u:***@h",
+        ),
+    ],
+)
+def test_check_names_the_module_path_field_that_cannot_be_loaded(
+    module_path: str, problem: str, tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(tmp_path, _module_path_profile(module_path), registry)
+
+    assert status == 1
+    assert f"error: kv_transfer_config.kv_connector_module_path: {problem}" in err
+    assert "hunter2" not in err
+
+
+def test_check_names_a_childs_module_path_field(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry
+) -> None:
+    status, _, err = run_check(
+        tmp_path,
+        "kv_transfer_config:\n"
+        "  kv_connector: CompositeConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    connectors:\n"
+        "    - {kv_connector: HMAConnector}\n"
+        "    - {kv_connector: HMAConnector, kv_connector_module_path: os}\n",
+        registry,
+    )
+
+    assert status == 1
+    assert err.endswith(
+        "error: kv_transfer_config.kv_connector_extra_config.connectors[1]"
+        ".kv_connector_module_path: Class HMAConnector not found in os; expected a module "
+        "defining the class kv_transfer_config.kv_connector_extra_config.connectors[1]"
+        ".kv_connector names\n"
+    )
+
+
+def test_check_reports_a_keyboard_interrupt_a_module_raises_at_import_as_its_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    # No Ctrl-C behind it: the plug-in's failure, reported, not an interrupted check.
+    # In a subprocess: a KeyboardInterrupt that escaped would stop this test session.
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(_module_path_profile("tests.support.interrupting_module"))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", "check", str(profile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+    assert result.returncode == 1, result.stderr
+    assert (
+        "error: kv_transfer_config.kv_connector_module_path: cannot import "
+        "'tests.support.interrupting_module': KeyboardInterrupt: plugin gave up on "
+        "redis://u:***@h"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr and "hunter2" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("connector", "problem"),
+    [
+        (
+            "RaisingHMAHookConnector",
+            "kv_transfer_config.kv_connector: RaisingHMAHookConnector.supports_hma_for_config "
+            "raised RuntimeError: lost redis://u:***@h",
+        ),
+        (
+            "ExitingHMAHookConnector",
+            "kv_transfer_config.kv_connector: ExitingHMAHookConnector.supports_hma_for_config "
+            "raised SystemExit: lost redis://u:***@h",
+        ),
+        (
+            "ExitingValidationConnector",
+            "kv_connector_extra_config: ExitingValidationConnector.validate_extra_config raised "
+            "SystemExit: lost redis://u:***@h",
+        ),
+    ],
+)
+def test_check_names_a_connector_hook_that_raises_or_exits_redacted(
+    connector: str, problem: str, tmp_path: pathlib.Path
+) -> None:
+    status, _, err = run_check(
+        tmp_path,
+        "kv_transfer_config:\n"
+        f"  kv_connector: {connector}\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.raising_hook_connectors\n",
+    )
+
+    assert status == 1
+    assert f"error: {problem}" in err
+    assert "hunter2" not in err

@@ -157,3 +157,19 @@ def test_registering_a_name_an_entry_point_declared_is_an_error(
 
     with pytest.raises(ValueError, match=r"^Connector 'Sample' is already registered\.$"):
         registry.register_connector("Sample", "anywhere", "Anything")
+
+
+def test_an_entry_point_whose_module_calls_sys_exit_is_its_error_redacted(
+    plugin_registry: PluginRegistry,
+) -> None:
+    registry = plugin_registry({"Exiting": "tests.support.exiting_module:Thing"})
+
+    with pytest.raises(ConnectorEntryPointError) as caught:
+        registry.resolve(transfer("Exiting"))
+
+    assert str(caught.value) == (
+        "The entry point 'Exiting = tests.support.exiting_module:Thing' (group "
+        "'kvwire.connectors') of distribution 'kvwire-sample-plugin 1.2' cannot be loaded: "
+        "SystemExit: plugin settings from redis://u:***@h (password=***"
+    )
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import socket
+import subprocess
+import sys
 import uuid
 
 import attrs
@@ -470,7 +474,92 @@ def test_a_profile_path_with_a_nul_byte_is_a_profile_error() -> None:
     )
 
 
-def test_a_profile_larger_than_a_megabyte_is_refused_without_reading_it_all() -> None:
+def test_dev_zero_as_a_profile_is_refused_as_a_character_device() -> None:
     assert problems_of("/dev/zero") == (
-        "the profile is larger than 1048576 bytes; no profile needs that",
+        "cannot read the profile: it is a character device, not a regular file; a profile is "
+        "a regular YAML file",
     )
+
+
+def test_a_profile_larger_than_a_megabyte_is_refused_by_its_size(tmp_path: pathlib.Path) -> None:
+    # Sparse: a terabyte that takes no disk, refused by its size before a byte is read.
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as file:
+        file.truncate(2**40)
+
+    assert problems_of(path) == (
+        "cannot read the profile: it holds 1099511627776 bytes, more than the 1048576 "
+        "accepted; a profile is a regular YAML file",
+    )
+
+
+def test_a_directory_as_a_profile_is_refused_as_one(tmp_path: pathlib.Path) -> None:
+    assert problems_of(tmp_path) == (
+        "cannot read the profile: it is a directory, not a regular file; a profile is a "
+        "regular YAML file",
+    )
+
+
+def test_a_socket_as_a_profile_is_refused_as_one(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "profile.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(path))
+        assert problems_of(path) == (
+            "cannot read the profile: it is a socket, not a regular file; a profile is a "
+            "regular YAML file",
+        )
+
+
+def test_a_fifo_as_a_profile_is_refused_at_once_without_waiting_for_a_writer(
+    tmp_path: pathlib.Path,
+) -> None:
+    fifo = tmp_path / "profile.yaml"
+    os.mkfifo(fifo)
+    # In a subprocess: reading a FIFO with no writer would block this test forever.
+    code = (
+        "import sys; from kvwire.config.profile import load_profile\n"
+        "try: load_profile(sys.argv[1])\n"
+        "except Exception as error: print(error)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60
+    )
+    assert "cannot read the profile: it is a FIFO (named pipe), not a regular file" in (
+        result.stdout
+    )
+
+
+def test_a_key_written_twice_in_one_mapping_is_refused_with_both_lines(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: CPUOffloadConnector\n"
+        "  kv_role: kv_producer\n"
+        "  kv_role: kv_both\n"
+    )
+
+    assert problems_of(path) == (
+        "not valid YAML: line 4, column 3: the key kv_role appears twice in one mapping "
+        "(first at line 3); a mapping holds each key once",
+    )
+
+
+def test_a_key_a_merge_brings_in_may_be_overridden(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "merged.yaml"
+    path.write_text(
+        "cache_config:\n"
+        "  block_size: 4\n"
+        "  num_gpu_blocks: 64\n"
+        "kv_transfer_config:\n"
+        "  kv_connector: CPUOffloadConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    <<: {io_threads: 1, cpu_pool_bytes: 1MiB}\n"
+        "    io_threads: 2\n"
+    )
+
+    transfer = load_profile(path).kv_transfer_config
+    assert transfer is not None
+    assert transfer.kv_connector_extra_config == {"io_threads": 2, "cpu_pool_bytes": "1MiB"}

@@ -14,7 +14,9 @@ from kvwire.exceptions import ConnectorImportError, NotAConnectorError
 from kvwire.registry import (
     BUILT_IN_CONNECTORS,
     ConnectorRegistry,
+    ModulePathError,
     PluginSource,
+    UnknownMediumError,
     accepts_connector_builder,
     default_registry,
 )
@@ -362,3 +364,57 @@ def test_a_malformed_registration_is_refused_before_anything_is_stored(
 
     assert str(caught.value) == message
     assert "X" not in registry
+
+
+@pytest.mark.parametrize(
+    "module", ["tests.support.exiting_module", "tests.support.raising_hook_module"]
+)
+def test_a_registered_module_that_raises_at_import_names_the_connector_redacted(
+    module: str,
+) -> None:
+    # sys.exit() and a RuntimeError at import alike: the plug-in's failure, not kvwire's exit.
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector("Broken", module, "Broken")
+
+    with pytest.raises(ConnectorImportError) as caught:
+        registry.resolve(transfer("Broken"))
+
+    message = str(caught.value)
+    assert message.startswith(
+        f"Connector 'Broken' is registered at run time as {module}:Broken, but its module "
+        "raised at import: "
+    )
+    assert "redis://u:***@h" in message and "hunter2" not in message
+    assert caught.value.__cause__ is None
+
+
+def test_a_medium_module_that_calls_sys_exit_is_the_mediums_error_redacted() -> None:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+
+    with pytest.raises(UnknownMediumError) as caught:
+        registry.media.get_class("tests.support.exiting_module:Medium")
+
+    assert str(caught.value) == (
+        "medium 'tests.support.exiting_module:Medium' cannot be loaded: SystemExit: plugin "
+        "settings from redis://u:***@h (password=***"
+    )
+
+
+def test_check_module_path_leaves_an_unset_path_and_a_good_one_alone(
+    registry: ConnectorRegistry,
+) -> None:
+    registry.check_module_path(transfer("RecordingConnector"))
+    registry.check_module_path(
+        transfer("RecordingConnector", kv_connector_module_path="tests.support.sample_connectors")
+    )
+
+
+def test_resolve_keeps_vllms_error_for_a_class_missing_from_its_module_path(
+    registry: ConnectorRegistry,
+) -> None:
+    # check_module_path names the field; resolve itself stays as vLLM's factory is.
+    config = transfer("Missing", kv_connector_module_path="os")
+    with pytest.raises(ModulePathError, match=r"^kv_transfer_config\.kv_connector_module_path: "):
+        registry.check_module_path(config)
+    with pytest.raises(AttributeError, match=r"^Class Missing not found in os$"):
+        registry.resolve(config)

@@ -12,6 +12,7 @@ from dependency_injector import providers
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.container import KVConnectorContainer
 from kvwire.engine.engine import GenerationRequest, LLMEngine
+from kvwire.registry import ModulePathError
 from kvwire.testing.instruments import Instruments, RoleViolationError
 from tests.support.directory_connector import DirectoryConnector
 from tests.support.engines import generate, tiny_config, with_directory_connector
@@ -226,3 +227,26 @@ def test_an_unknown_connector_name_fails_with_the_registry_error(config: EngineC
     )
     with pytest.raises(ValueError, match=r"Unsupported connector type: NoSuchConnector"):
         LLMEngine(unknown)
+
+
+@pytest.mark.parametrize(
+    ("module_path", "problem"),
+    [
+        ("os", "Class CPUOffloadConnector not found in os"),
+        ("no.such.mod", "cannot import 'no.such.mod': ModuleNotFoundError"),
+    ],
+)
+def test_an_engine_names_the_module_path_field_it_cannot_load(
+    module_path: str, problem: str
+) -> None:
+    config = attrs.evolve(
+        tiny_config(),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CPUOffloadConnector",
+            kv_connector_module_path=module_path,
+            kv_role="kv_both",
+        ),
+    )
+    with pytest.raises(ModulePathError) as caught:
+        LLMEngine(config)
+    assert str(caught.value).startswith(f"kv_transfer_config.kv_connector_module_path: {problem}")

@@ -129,6 +129,46 @@ def test_container_hook_whose_module_raises_at_import_is_an_error_naming_the_key
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
+def test_container_hook_whose_module_calls_sys_exit_is_an_error_naming_the_key() -> None:
+    with pytest.raises(VLLMConfigError) as raised:
+        container_hook({"kvwire_container_hook": "tests.support.exiting_module:hook"})
+    message = str(raised.value)
+    assert message.startswith(
+        "kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: cannot import "
+        "'tests.support.exiting_module': SystemExit: plugin settings from redis://u:***@h"
+    ), message
+    assert "hunter2" not in message
+
+
+@pytest.mark.slow
+def test_container_hook_whose_module_raises_keyboard_interrupt_is_an_error_naming_the_key() -> None:
+    # In a subprocess: a KeyboardInterrupt that escaped would stop this test session.
+    code = (
+        "from kvwire.vllm.config_bridge import container_hook\n"
+        "try:\n"
+        "    container_hook({'kvwire_container_hook': 'tests.support.interrupting_module:hook'})\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.startswith(
+        "VLLMConfigError kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: "
+        "cannot import 'tests.support.interrupting_module': KeyboardInterrupt: plugin gave up "
+        "on redis://u:***@h"
+    ), result.stdout + result.stderr
+
+
+def exiting_hook(container: Any) -> None:
+    raise SystemExit("no such provider")
+
+
+def test_container_hook_that_calls_sys_exit_is_an_error_naming_the_hook() -> None:
+    with pytest.raises(VLLMConfigError, match=r"exiting_hook raised SystemExit: no such provider"):
+        run_container_hook(exiting_hook, containers.DynamicContainer())
+
+
 @pytest.mark.parametrize("timeout_s", [0, -1.0, math.nan, math.inf, "5", True, None])
 def test_wait_for_saves_refuses_a_timeout_that_is_not_finite_seconds(timeout_s: Any) -> None:
     with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):

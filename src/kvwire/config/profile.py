@@ -28,6 +28,7 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
+from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
 from kvwire.config.engine_config import EngineConfig
 from kvwire.config.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.exceptions import KVWireError, ProfileError, kind_of
@@ -55,8 +56,7 @@ def load_profile(source: ProfileSource) -> EngineConfig:
 
 def profile_origin(path: str | os.PathLike[str]) -> str:
     """How errors name the profile at ``path``: as given, or escaped and cut when unprintable."""
-    text = os.fspath(path)
-    return text if text.isprintable() and len(text) <= 4096 else shown(text, limit=200)
+    return shown_path(path)
 
 
 def read_profile_file(path: pathlib.Path) -> Any:
@@ -68,15 +68,13 @@ def read_profile_file(path: pathlib.Path) -> Any:
             origin, ["the profile path contains a NUL byte (\\x00), which no file name can hold"]
         )
     try:
-        # Read no more than a profile can be: /dev/zero must not fill memory.
-        with path.open("rb") as file:
-            content = file.read(MAX_PROFILE_BYTES + 1)
-        if len(content) > MAX_PROFILE_BYTES:
-            raise ProfileError(
-                origin,
-                [f"the profile is larger than {MAX_PROFILE_BYTES} bytes; no profile needs that"],
-            )
-        text = content.decode("utf-8")
+        # A regular file, read no further than a profile can be: a FIFO must
+        # not block, /dev/zero must not fill memory.
+        text = read_regular_file(path, MAX_PROFILE_BYTES).decode("utf-8")
+    except FileRefused as error:
+        raise ProfileError(
+            origin, [f"cannot read the profile: {error}; a profile is a regular YAML file"]
+        ) from None
     except OSError as error:
         raise ProfileError(origin, [f"cannot read the profile: {error.strerror}"]) from None
     except UnicodeDecodeError as error:

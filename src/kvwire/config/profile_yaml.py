@@ -9,8 +9,9 @@ message, ``json.dumps``) then takes minutes and gigabytes, or never ends.
 This loader refuses a document whose expansion holds more than
 :data:`MAX_EXPANDED_NODES` values, a recursive alias, an integer with more
 than :data:`MAX_INTEGER_DIGITS` digits and nesting deeper than
-:data:`MAX_DEPTH` (directly or through aliases), each with the line and
-column at fault.
+:data:`MAX_DEPTH` (directly or through aliases), and a mapping that
+holds one key twice (PyYAML would keep the last silently), each with the
+line and column at fault.
 
 Error texts never quote the document: PyYAML's own messages include the
 offending source line, which may hold a password.
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from kvwire.exceptions import KVWireError
+from kvwire.redaction import shown_key
 
 # A real profile holds a few hundred values; ten thousand leaves room for
 # long lists of composite children while keeping any walk instant.
@@ -70,6 +72,30 @@ class _BoundedLoader(yaml.SafeLoader):
             )
         value: int = super().construct_yaml_int(node)
         return value
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # PyYAML keeps the last of two equal keys; in a profile the first
+        # would be silently ignored (a kv_role written twice, the first one
+        # meant), so a mapping must hold each key once. Keys a merge (<<)
+        # brings in may be overridden: that is what a merge is for.
+        first_seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = first_seen.setdefault(key, key_node.start_mark)
+            except TypeError:
+                continue  # unhashable: the safe constructor refuses it with its own error
+            if earlier is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {shown_key(key)} appears twice in one mapping (first at line "
+                    f"{earlier.line + 1}); a mapping holds each key once",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)

@@ -106,6 +106,10 @@ def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> 
     """
     transfer = config.kv_transfer_config
     if transfer is not None and transfer.kv_connector is not None:
+        if not container.connector_class.overridden:
+            # A bad module path is the profile's error, named by its field,
+            # not an ImportError from deep in the gate.
+            container.registry().check_module_path(transfer)
         decision: HMADecision = container.hma_gate()
     elif config.scheduler_config.disable_hybrid_kv_cache_manager is True:
         decision = HMADecision(

@@ -15,7 +15,16 @@ from collections.abc import Sequence
 import attrs
 from attrs import validators
 
+from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
 from kvwire.engine.engine import GenerationRequest
+from kvwire.exceptions import kind_of
+from kvwire.redaction import shown
+
+# A prompts file is read whole: bounded so that a wrong path (a log, a disk
+# image, /dev/zero) is refused, not read into memory. 16 MiB holds 100,000
+# prompts of about 160 bytes, or a few of the longest any model takes.
+MAX_PROMPTS_BYTES = 16 * 1024 * 1024
+MAX_PROMPTS_LINES = 100_000
 
 
 class ByteTokenizer:
@@ -70,30 +79,92 @@ def synthetic_workload(spec: WorkloadSpec) -> list[GenerationRequest]:
 
 
 def load_prompts_jsonl(
-    path: str | os.PathLike[str], default_max_tokens: int, vocab_size: int
+    path: str | os.PathLike[str],
+    default_max_tokens: int,
+    vocab_size: int,
+    max_model_len: int | None = None,
 ) -> list[GenerationRequest]:
-    """The requests in a JSONL prompt file; errors name the line and the field."""
+    """The requests in a JSONL prompt file; errors name the file, the line and the field.
+
+    The file must be a regular file of at most :data:`MAX_PROMPTS_BYTES`
+    bytes and :data:`MAX_PROMPTS_LINES` lines (a FIFO, ``/dev/zero`` or
+    ``/dev/stdin`` is refused before anything is read). With
+    ``max_model_len``, a request whose prompt and ``max_tokens`` together
+    exceed it is refused by its line.
+    """
+    where_file = shown_path(path)
+    try:
+        content = read_regular_file(path, MAX_PROMPTS_BYTES)
+    except FileRefused as error:
+        raise ValueError(f"{where_file}: {error}; a prompts file is a regular JSONL file") from None
+    except OSError as error:
+        raise ValueError(f"{where_file}: cannot read it: {error.strerror}") from None
+    lines = content.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # what the last newline ends is no line
+    if len(lines) > MAX_PROMPTS_LINES:
+        raise ValueError(
+            f"{where_file}: more than {MAX_PROMPTS_LINES} lines; a prompts file holds at most "
+            f"{MAX_PROMPTS_LINES} prompts, one a line"
+        )
     tokenizer = ByteTokenizer()
     requests: list[GenerationRequest] = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{os.fspath(path)}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            requests.append(
-                _request_from_record(
-                    record, where, len(requests), default_max_tokens, vocab_size, tokenizer
-                )
-            )
+    for number, raw in enumerate(lines, start=1):
+        where = f"{where_file}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{where}: not UTF-8 text ({error.reason})") from None
+        if not line.strip():
+            continue
+        record = _parse_record(line, where)
+        request = _request_from_record(
+            record, where, len(requests), default_max_tokens, vocab_size, tokenizer
+        )
+        if max_model_len is not None:
+            _check_length(request, where, max_model_len)
+        requests.append(request)
     if not requests:
-        raise ValueError(f"{os.fspath(path)}: no prompts in the file")
+        raise ValueError(f"{where_file}: no prompts in the file")
     return requests
+
+
+def _parse_record(line: str, where: str) -> dict[str, object]:
+    try:
+        record = json.loads(line, object_pairs_hook=_refusing_duplicates)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deep to be a prompt record") from None
+    except ValueError as error:
+        # json's own refusals that are not decode errors (an integer of more
+        # than Python's 4300 digits; a key given twice): the message names no value.
+        raise ValueError(f"{where}: {error}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {kind_of(record)}")
+    return record
+
+
+def _refusing_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    # json keeps the last of two equal keys; the first would be silently ignored.
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(
+                f"the field {shown(key)} appears twice in one object; give each field once"
+            )
+        seen.add(key)
+    return dict(pairs)
+
+
+def _check_length(request: GenerationRequest, where: str, max_model_len: int) -> None:
+    prompt_len = len(request.prompt_token_ids)
+    if prompt_len + request.max_tokens > max_model_len:
+        raise ValueError(
+            f"{where}: the prompt ({prompt_len} tokens) and max_tokens ({request.max_tokens}) "
+            f"exceed model_config.max_model_len ({max_model_len}); shorten the prompt or "
+            "max_tokens, or raise max_model_len in the profile"
+        )
 
 
 def _request_from_record(
@@ -107,7 +178,7 @@ def _request_from_record(
     unknown = set(record) - {"prompt", "prompt_token_ids", "max_tokens", "request_id"}
     if unknown:
         raise ValueError(
-            f"{where}: unknown field {sorted(unknown)[0]!r}; accepted fields are "
+            f"{where}: unknown field {shown(sorted(unknown)[0])}; accepted fields are "
             "prompt, prompt_token_ids, max_tokens, request_id"
         )
     if ("prompt" in record) == ("prompt_token_ids" in record):
@@ -135,8 +206,8 @@ def _request_from_record(
         token_ids = token_ids_value
     max_tokens = record.get("max_tokens", default_max_tokens)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"{where}: max_tokens must be an int >= 1, got {max_tokens!r}")
+        raise ValueError(f"{where}: max_tokens must be an int >= 1, got {shown(max_tokens)}")
     request_id = record.get("request_id", f"req-{index}")
     if not isinstance(request_id, str):
-        raise ValueError(f"{where}: request_id must be a string, got {request_id!r}")
+        raise ValueError(f"{where}: request_id must be a string, got {shown(request_id)}")
     return GenerationRequest(request_id, tuple(token_ids), max_tokens)

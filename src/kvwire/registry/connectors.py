@@ -29,8 +29,16 @@ from typing import TYPE_CHECKING, Any
 from dependency_injector import containers
 from dependency_injector.providers import Provider
 
-from kvwire.exceptions import ConnectorEntryPointError, ConnectorImportError, NotAConnectorError
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.exceptions import (
+    ConnectorEntryPointError,
+    ConnectorImportError,
+    KVWireError,
+    NotAConnectorError,
+)
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
+from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
+from kvwire.redaction import shown
 from kvwire.registry._names import PluginNames, PluginSource, RegisteredPlugin, is_module_path
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
@@ -52,6 +60,14 @@ BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
     "RedisConnector": ("kvwire.connectors.offload.presets", "RedisConnector"),
 }
 """The connectors kvwire ships: name -> (module path, class name)."""
+
+
+class ModulePathError(ConnectorImportError):
+    """A ``kv_connector_module_path`` that cannot be imported, or lacks the class named.
+
+    The message starts with the field's dotted path in the profile
+    (:meth:`ConnectorRegistry.check_module_path`).
+    """
 
 
 def accepts_connector_builder(connector_cls: type) -> bool:
@@ -195,12 +211,20 @@ class ConnectorRegistry:
         if entry.source is PluginSource.ENTRY_POINT:
             return self._load_entry_point(entry)
         try:
-            module = importlib.import_module(entry.module_path)
+            with contained_exits():
+                module = importlib.import_module(entry.module_path)
         except ImportError as error:
             raise ConnectorImportError(
                 f"Connector '{entry.name}' is {entry.source.value} as {entry.target}, "
                 f"but its module cannot be imported: {error}"
             ) from error
+        # Whatever else its module raises at import (a RuntimeError, a
+        # sys.exit()): the plug-in's failure, its message redacted.
+        except Exception as error:
+            raise ConnectorImportError(
+                f"Connector '{entry.name}' is {entry.source.value} as {entry.target}, "
+                f"but its module raised at import: {plugin_message(error)}"
+            ) from None
         try:
             return getattr(module, entry.class_name)
         except AttributeError as error:
@@ -218,8 +242,13 @@ class ConnectorRegistry:
                 f"The {where} must name a class as 'package.module:Class'"
             )
         try:
-            module = importlib.import_module(entry.module_path)
-            return getattr(module, entry.class_name)
+            with contained_exits():
+                module = importlib.import_module(entry.module_path)
+                return getattr(module, entry.class_name)
+        except PluginExit as error:
+            raise ConnectorEntryPointError(
+                f"The {where} cannot be loaded: {plugin_message(error)}"
+            ) from None
         except Exception as error:
             raise ConnectorEntryPointError(
                 f"The {where} cannot be loaded: {type(error).__name__}: {error}"
@@ -255,6 +284,46 @@ class ConnectorRegistry:
             return self.get_class(connector_name)
         raise ValueError(f"Unsupported connector type: {connector_name}")
 
+    def check_module_path(
+        self, kv_transfer_config: KVTransferConfig, where: str = "kv_transfer_config"
+    ) -> None:
+        """Import ``kv_connector_module_path`` and find the class there, or say why not by field.
+
+        :meth:`resolve` keeps vLLM's behaviour (an import error propagates
+        unchanged, ``Class X not found in M``); a profile's reader (``kvwire
+        check``, ``kvwire run``, the engine) calls this first, so that a bad
+        module path is a :class:`ModulePathError` naming ``where``'s
+        ``kv_connector_module_path``, with the module's message redacted,
+        whatever the module raised at import (a ``sys.exit()`` included).
+        Nothing happens when the field is unset or empty (:meth:`resolve`
+        refuses an empty one in vLLM's words).
+        """
+        module_path = kv_transfer_config.kv_connector_module_path
+        if not module_path:
+            return
+        field = f"{where}.kv_connector_module_path"
+        name_field = f"{where}.kv_connector"
+        if not is_module_path(module_path):
+            # importlib would echo it raw, or read a leading dot as a relative import.
+            raise ModulePathError(
+                f"{field}: {shown(module_path)} is not a module path; expected an absolute "
+                "dotted module name such as 'package.module'"
+            )
+        try:
+            with contained_exits():
+                module = importlib.import_module(module_path)
+                found = hasattr(module, str(kv_transfer_config.kv_connector))
+        except Exception as error:
+            raise ModulePathError(
+                f"{field}: cannot import {shown(module_path)}: {plugin_message(error)}; "
+                f"expected an importable module defining the class {name_field} names"
+            ) from None
+        if not found:
+            raise ModulePathError(
+                f"{field}: Class {kv_transfer_config.kv_connector} not found in {module_path}; "
+                f"expected a module defining the class {name_field} names"
+            )
+
     def supports_hma_config(self, kv_transfer_config: KVTransferConfig) -> bool:
         """Whether the connector ``kv_transfer_config`` names supports HMA as configured.
 
@@ -269,9 +338,25 @@ class ConnectorRegistry:
     ) -> bool:
         """Whether ``connector_cls`` (resolved already, perhaps an override) supports HMA here."""
         with self._nested(connector_cls):
-            return connector_cls.supports_hma_for_config(
-                kv_transfer_config, self.supports_hma_config
-            )
+            try:
+                with contained_exits():
+                    return connector_cls.supports_hma_for_config(
+                        kv_transfer_config, self.supports_hma_config
+                    )
+            # Refusals in kvwire's and vLLM's words (a child that cannot be
+            # resolved, a composite nested too deep) pass as they are.
+            except (ValueError, ImportError, KVWireError) as error:
+                if not isinstance(error, PluginExit):
+                    raise
+                failure: BaseException = error
+            # Anything else is the plug-in's hook failing: its error, redacted,
+            # never a traceback quoting its message raw.
+            except Exception as error:
+                failure = error
+        raise ExtraConfigError(
+            f"kv_transfer_config.kv_connector: {connector_cls.__name__}.supports_hma_for_config "
+            f"raised {plugin_message(failure)}"
+        ) from None
 
     # -------------------------------------------------------------- building
 

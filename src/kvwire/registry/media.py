@@ -28,6 +28,7 @@ from dependency_injector import containers
 from dependency_injector.providers import Provider
 
 from kvwire.exceptions import KVWireError
+from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import redact_text, shown
 from kvwire.registry._names import PluginNames, RegisteredPlugin, is_module_path
 
@@ -130,10 +131,15 @@ class MediumRegistry:
     @staticmethod
     def _import(module_path: str, class_name: str, what: str) -> Any:
         try:
-            module = importlib.import_module(module_path)
-            return getattr(module, class_name)
-        # Whatever a module raises at import (a RuntimeError, a SyntaxError):
-        # a profile names it, so it is the profile's error, shown bounded.
+            with contained_exits():
+                module = importlib.import_module(module_path)
+                return getattr(module, class_name)
+        # Whatever a module raises at import (a RuntimeError, a SyntaxError, a
+        # sys.exit()): a profile names it, so it is the profile's error, shown bounded.
+        except PluginExit as error:
+            raise UnknownMediumError(
+                f"medium {shown(what)} cannot be loaded: {plugin_message(error, 200)}"
+            ) from None
         except Exception as error:
             raise UnknownMediumError(
                 f"medium {shown(what)} cannot be loaded: {type(error).__name__}: "

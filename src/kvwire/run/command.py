@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, TextIO
 
@@ -27,6 +26,18 @@ if TYPE_CHECKING:
     from kvwire.engine.engine import GenerationRequest
 
 DEFAULT_PROFILE = "run/default_profile.yaml"
+
+# The workload is built in memory before it runs, and kept (every pass's
+# outputs are compared): these bounds keep it to a few GiB at most. A run
+# at any bound takes days on a CPU engine; nothing larger would finish.
+MAX_REQUESTS = 100_000
+# Prompt and output tokens, summed over the requests.
+MAX_WORKLOAD_TOKENS = 2**24
+# No model's max_model_len is longer (kvwire.config's limit on it).
+MAX_LENGTH = 2**24
+MAX_PARALLEL_SIZE = 2**16
+MAX_SEED = 2**64
+_LONGEST_NUMBER = 40
 
 # What each row means, for ``kvwire run --help``.
 COLUMN_HELP = """\
@@ -78,10 +89,23 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="a profile (YAML) naming the connector; default: the embedded CPU-offload profile",
     )
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--requests", type=_positive_int, default=16, help="number of requests")
-    workload.add_argument("--prompt-len", type=_positive_int, default=256, help="tokens per prompt")
     workload.add_argument(
-        "--output-len", type=_positive_int, default=16, help="tokens to generate per request"
+        "--requests",
+        type=_count(MAX_REQUESTS),
+        default=16,
+        help=f"number of requests (at most {MAX_REQUESTS})",
+    )
+    workload.add_argument(
+        "--prompt-len",
+        type=_count(MAX_LENGTH),
+        default=256,
+        help="tokens per prompt (with --output-len, at most the model's max_model_len)",
+    )
+    workload.add_argument(
+        "--output-len",
+        type=_count(MAX_LENGTH),
+        default=16,
+        help="tokens to generate per request",
     )
     workload.add_argument(
         "--shared-prefix-ratio",
@@ -89,12 +113,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=0.75,
         help="share of each prompt that all prompts have in common (0..1)",
     )
-    workload.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    workload.add_argument("--seed", type=_seed, default=0, help="seed of the synthetic prompts")
     workload.add_argument(
         "--prompts",
         type=pathlib.Path,
         metavar="FILE.jsonl",
-        help='prompts, one JSON object a line: {"prompt": "text"} or {"prompt_token_ids": [...]}',
+        help='prompts, one JSON object a line: {"prompt": "text"} or {"prompt_token_ids": [...]}; '
+        "a regular file of at most 16 MiB and 100000 lines",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument(
@@ -109,14 +134,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--tensor-parallel-size",
-        type=_positive_int,
+        type=_count(MAX_PARALLEL_SIZE),
         metavar="N",
         help="split the KV heads over N worker processes (replaces the profile's "
         "parallel_config.tensor_parallel_size; N must divide the model's KV heads)",
     )
     engine.add_argument(
         "--pipeline-parallel-size",
-        type=_positive_int,
+        type=_count(MAX_PARALLEL_SIZE),
         metavar="N",
         help="split the layers over N stages, each in its own worker processes (replaces "
         "the profile's parallel_config.pipeline_parallel_size)",
@@ -130,15 +155,53 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+def _count(limit: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to ``limit``; its error shows the text bounded."""
+
+    def count(text: str) -> int:
+        value = _whole_number(text)
+        if value is None or not 1 <= value <= limit:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number from 1 to {limit}, got {_shown_text(text)}"
+            )
+        return value
+
+    return count
+
+
+def _seed(text: str) -> int:
+    value = _whole_number(text)
+    if value is None or abs(value) > MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from {-MAX_SEED} to {MAX_SEED}, got {_shown_text(text)}"
+        )
     return value
 
 
+def _whole_number(text: str) -> int | None:
+    # Digits counted before int(): past Python's 4300-digit limit int()
+    # raises, and a long number is no count a run can take anyway.
+    if len(text.strip()) > _LONGEST_NUMBER:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _shown_text(text: str) -> str:
+    from kvwire.redaction import shown
+
+    return shown(text, limit=40)
+
+
 def _ratio(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text) if len(text) <= _LONGEST_NUMBER else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {_shown_text(text)}")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
     return value
@@ -146,6 +209,7 @@ def _ratio(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvwire run``; the process exit status."""
+    from kvwire.registry import default_registry
     from kvwire.run.passes import PASSES, compare_passes
     from kvwire.run.report import format_table
 
@@ -156,8 +220,11 @@ def run(args: argparse.Namespace) -> int:
             args.tensor_parallel_size,
             args.pipeline_parallel_size,
         )
+        # Before the workload is built: a bad module path is named by its field at once.
+        if config.kv_transfer_config is not None:
+            default_registry().check_module_path(config.kv_transfer_config)
         workload = _build_workload(args, config)
-    except (ValueError, OSError) as error:
+    except (ValueError, ImportError, OSError) as error:
         _print_error(error, secrets)
         return 2
     progress = None
@@ -171,9 +238,10 @@ def run(args: argparse.Namespace) -> int:
             worker_mode="process" if args.worker_process else None,
             on_request_done=None if progress is None else progress.advance,
         )
-    except ValueError as error:
+    except (ValueError, ImportError) as error:
         # Configuration the profile check cannot see until the connector is built:
-        # an unknown name, the HMA gate, the connector's own extra-config checks.
+        # an unknown name, a registered connector whose module fails to import,
+        # the HMA gate, the connector's own extra-config checks.
         _print_error(error, secrets)
         return 2
     finally:
@@ -256,17 +324,36 @@ def _with_parallel_sizes(
 
 
 def _build_workload(args: argparse.Namespace, config: EngineConfig) -> list[GenerationRequest]:
+    """The requests the flags describe, refused by flag before anything is built past a bound."""
     from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
 
-    vocab_size = config.model_config.vocab_size
+    model = config.model_config
     if args.prompts is not None:
-        return load_prompts_jsonl(os.fspath(args.prompts), args.output_len, vocab_size)
+        try:
+            return load_prompts_jsonl(
+                args.prompts, args.output_len, model.vocab_size, model.max_model_len
+            )
+        except ValueError as error:
+            raise ValueError(f"--prompts: {error}") from None
+    if args.prompt_len + args.output_len > model.max_model_len:
+        raise ValueError(
+            f"--prompt-len ({args.prompt_len}) + --output-len ({args.output_len}) exceeds "
+            f"model_config.max_model_len ({model.max_model_len}); give shorter lengths, or "
+            "a profile whose max_model_len holds them"
+        )
+    tokens = args.requests * (args.prompt_len + args.output_len)
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise ValueError(
+            f"--requests ({args.requests}) x (--prompt-len + --output-len) is {tokens} tokens, "
+            f"more than the {MAX_WORKLOAD_TOKENS} a run holds; give fewer requests or "
+            "shorter lengths"
+        )
     spec = WorkloadSpec(
         num_requests=args.requests,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         shared_prefix_ratio=args.shared_prefix_ratio,
-        vocab_size=vocab_size,
+        vocab_size=model.vocab_size,
         seed=args.seed,
     )
     return synthetic_workload(spec)

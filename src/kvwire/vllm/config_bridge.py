@@ -43,7 +43,7 @@ from kvwire.config.kv_cache import (
 from kvwire.config.profile import load_profile
 from kvwire.exceptions import VLLMConfigError
 from kvwire.model_identity import ModelIdentityError, default_hub_caches, model_identity
-from kvwire.plugin_calls import plugin_message
+from kvwire.plugin_calls import contained_exits, plugin_message
 from kvwire.redaction import shown
 
 if TYPE_CHECKING:
@@ -114,9 +114,11 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
         )
     module_name, function_name = spec.split(":")
     try:
-        module = importlib.import_module(module_name)
+        with contained_exits():
+            module = importlib.import_module(module_name)
     # Whatever a module raises at import (a RuntimeError of its own, a
-    # SyntaxError): the profile's error, its message redacted, nothing chained.
+    # SyntaxError, a sys.exit()): the profile's error, its message redacted,
+    # nothing chained.
     except Exception as error:
         raise VLLMConfigError(
             f"{_HOOK_FIELD}: cannot import {shown(module_name)}: {plugin_message(error)}"
@@ -132,7 +134,8 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
 def run_container_hook(hook: ContainerHook, container: containers.Container) -> None:
     """Call ``hook`` on ``container``; what it raises becomes an error naming the hook."""
     try:
-        hook(container)
+        with contained_exits():
+            hook(container)
     except Exception as error:
         name = f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', '?')}"
         raise VLLMConfigError(

@@ -56,9 +56,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import Future
-from typing import TypeGuard
+from typing import TypeGuard, TypeVar, cast
 
 from kvwire.blocks.format import (
     HEADER_SIZE,
@@ -70,6 +70,7 @@ from kvwire.blocks.format import (
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.paged_cache import cache_sized_chunks
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.exceptions import KVWireError
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media._job_threads import JobThreads
@@ -79,10 +80,31 @@ from kvwire.media._shutdown import close_in_steps
 from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
-from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore, CacheWrites, LateWriteError
+from kvwire.media.store.base import (
+    LATE_WRITE_GRACE_S,
+    BlockStore,
+    CacheWrites,
+    LateWriteError,
+    StoreReplyError,
+    checked_write_results,
+)
+from kvwire.plugin_calls import contained_exits, plugin_message
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
+
+_Answer = TypeVar("_Answer")
+# What the store's iterator gives once it has no more answers.
+_NO_MORE = object()
+
+
+class _StoreCallFailed(KVWireError, RuntimeError):
+    """A call into the store raised, or answered other than one result per key.
+
+    The store's failure, not kvwire's: its transfer fails (load errors, or
+    blocks not stored) with a one-line warning that names the call and shows
+    the store's message redacted, and the engine carries on.
+    """
 
 
 def usable_cores() -> int:
@@ -302,9 +324,19 @@ class StoreTransferHandler(TransferHandler):
             loaded = self._read_and_verify(run, failed, corrupt)
         except JobAbandoned:
             pass  # its caller has reported every block of it failed
-        except Exception:
-            # A store that raises (a bug, an unforeseen error) fails the run, not the engine.
-            logger.exception("load of %d blocks failed", len(run.block_ids))
+        except Exception as error:
+            # A store that raises fails the run, not the engine: warned in one
+            # line. Anything else is kvwire's own bug, and keeps its traceback.
+            if isinstance(error, _StoreCallFailed):
+                self._warn.warn(
+                    "load-raised",
+                    "%s store: %s; its %d blocks are load errors, to be computed again",
+                    self._medium,
+                    error,
+                    len(run.block_ids),
+                )
+            else:
+                logger.exception("load of %d blocks failed", len(run.block_ids))
             failed = list(run.block_ids)
             loaded = 0
             # A thread of the store may still write into the blocks (a cluster's
@@ -357,9 +389,12 @@ class StoreTransferHandler(TransferHandler):
         keys = [self._keys.key(run.group, block_hash) for block_hash in hashes]
         # Per key: None until the store reports it, then whether it verified.
         outcomes: list[bool | None] = [None] * len(keys)
-        landed = self._store.read_into_ranges(keys, ranges_per_key, run.cache_access)
+        call = f"{type(self._store).__name__}.read_into_ranges"
+        landed = self._store_call(
+            call, lambda: self._store.read_into_ranges(keys, ranges_per_key, run.cache_access)
+        )
         with contextlib.closing(landed):
-            for index, size in landed:
+            for index, size in self._answers(landed, call):
                 if not self._is_new_report(index, size, outcomes):
                     continue
                 block_hash = hashes[index]
@@ -391,6 +426,44 @@ class StoreTransferHandler(TransferHandler):
             )
         failed.extend(block_id for block_id, ok in zip(block_ids, outcomes, strict=True) if not ok)
         return outcomes.count(True)
+
+    @staticmethod
+    def _store_call(call: str, action: Callable[[], _Answer]) -> _Answer:
+        """``action()``, a call into the store; what it raises becomes :class:`_StoreCallFailed`.
+
+        ``JobAbandoned`` passes: the gate raises it to stop a store's writes.
+        A ``sys.exit()`` or ``KeyboardInterrupt`` inside the store is its
+        failure too (these threads take no signal).
+        """
+        try:
+            with contained_exits():
+                return action()
+        except JobAbandoned:
+            raise
+        except StoreReplyError as error:
+            raise _StoreCallFailed(str(error)) from None
+        except Exception as error:
+            raise _StoreCallFailed(f"{call} raised {plugin_message(error)}") from None
+
+    def _answers(
+        self, landed: Iterable[tuple[int, int | None]], call: str
+    ) -> Iterator[tuple[int, int | None]]:
+        """The store's ``(index, size)`` answers, as it yields them.
+
+        What it raises is handled as in :meth:`_store_call`; an answer that is
+        no pair fails the whole read.
+        """
+        answers = iter(landed)
+        while True:
+            answer: object = self._store_call(call, lambda: next(answers, _NO_MORE))
+            if answer is _NO_MORE:
+                return
+            if not (isinstance(answer, tuple) and len(answer) == 2):
+                raise _StoreCallFailed(
+                    f"{call} yielded {shown(answer)}, not an (index, size or None) pair"
+                )
+            # What the pair holds is checked by _is_new_report.
+            yield cast(tuple[int, int | None], answer)
 
     def _is_new_report(self, index: object, size: object, outcomes: list[bool | None]) -> bool:
         """Whether the store's ``(index, size)`` is the first answer for one of its keys.
@@ -551,10 +624,19 @@ class StoreTransferHandler(TransferHandler):
                 # The store commits an entry only while the gate is open once
                 # all its bytes have left the cache: a save given up on (its
                 # blocks may be given out and overwritten) commits nothing more.
-                results = self._store.write_ranges(
-                    [self._keys.key(job.group, h) for h in chunk_hashes],
-                    ranges_per_key,
-                    commit_gate=job.cache_access,
+                call = f"{type(self._store).__name__}.write_ranges"
+                keys = [self._keys.key(job.group, h) for h in chunk_hashes]
+                reply = self._store_call(
+                    call,
+                    functools.partial(
+                        self._store.write_ranges,
+                        keys,
+                        ranges_per_key,
+                        commit_gate=job.cache_access,
+                    ),
+                )
+                results = self._store_call(
+                    call, functools.partial(checked_write_results, reply, len(keys), call)
                 )
                 written = [h for h, ok in zip(chunk_hashes, results, strict=True) if ok]
                 stored += len(written)
@@ -562,6 +644,14 @@ class StoreTransferHandler(TransferHandler):
                 self._record_events(written, job.group)
         except JobAbandoned:
             pass  # given up on: counted below, or at its deadline
+        except _StoreCallFailed as error:
+            self._warn.warn(
+                "save-raised",
+                "%s store: %s; %d blocks of the save are not stored",
+                self._medium,
+                error,
+                len(job.hashes) - stored,
+            )
         except Exception:
             logger.exception("save of %d blocks failed", len(job.hashes))
         if not job.end():

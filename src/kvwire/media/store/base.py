@@ -25,7 +25,7 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from typing import TypeGuard
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import KVWireError, kind_of
 from kvwire.media._transfer_jobs import JobAbandoned
 
 # The default range I/O goes through scratch of about this size per thread
@@ -108,6 +108,29 @@ class CacheWrites:
             f"{grace_s:g} s later (a read blocked in the medium); stopping rather than "
             "risk that it lands in blocks the engine has taken back"
         )
+
+
+class StoreReplyError(KVWireError, ValueError):
+    """A store's answer that is not one result per key it was given (a short ``put`` reply).
+
+    Which keys the answer is about cannot be told, so none of them counts as
+    stored.
+    """
+
+
+def checked_write_results(reply: object, count: int, call: str) -> list[bool]:
+    """``reply`` if it holds ``count`` booleans, one per key of ``call``; else StoreReplyError."""
+    if isinstance(reply, list) and len(reply) == count and all(type(ok) is bool for ok in reply):
+        return reply
+    if isinstance(reply, list):
+        what = f"a list of {len(reply)} results"
+        if len(reply) == count:
+            what += " that are not all true or false"
+    else:
+        what = kind_of(reply)
+    raise StoreReplyError(
+        f"{call} answered {what} for {count} entries; expected one true or false per entry"
+    )
 
 
 class _Scratch(threading.local):
@@ -277,7 +300,10 @@ class BlockStore(abc.ABC):
             except JobAbandoned:
                 break  # the rest is never copied, never stored
             # The copies stay whole whatever happens to the ranges now.
-            results[chunk.start : chunk.stop] = self.put([keys[i] for i in chunk], entries)
+            reply = self.put([keys[i] for i in chunk], entries)
+            results[chunk.start : chunk.stop] = checked_write_results(
+                reply, len(chunk), f"{type(self).__name__}.put"
+            )
         return results
 
     def discard(self, keys: Sequence[str]) -> None:

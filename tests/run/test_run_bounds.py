@@ -1,0 +1,307 @@
+"""``kvwire run``'s input is bounded: each refusal names its flag, comes before anything is
+built, and shows no unbounded value.
+
+Runs that a missing bound would let grow (``/dev/zero``, a terabyte file,
+a hundred million tokens) run in a subprocess with a 2 GiB address space
+and a timeout, so that a regression fails the test instead of the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from kvwire import cli
+from kvwire.engine.workload import MAX_PROMPTS_BYTES, MAX_PROMPTS_LINES
+from kvwire.run.command import MAX_REQUESTS, MAX_WORKLOAD_TOKENS
+
+REPO = pathlib.Path(__file__).parents[2]
+ADDRESS_SPACE = 2 * 2**30
+KVWIRE = "import sys; from kvwire.cli import main; sys.exit(main())"
+
+
+def _limited() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+
+def kvwire(
+    *arguments: str, stdin: int | None = subprocess.DEVNULL, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``kvwire ARGUMENTS`` in a subprocess of bounded memory and time."""
+    return subprocess.run(
+        [sys.executable, "-c", KVWIRE, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=stdin,
+        preexec_fn=_limited,
+        cwd=REPO,
+        env=env,
+    )
+
+
+def refusal(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+# ------------------------------------------------------------ the prompts file
+
+
+@pytest.mark.slow
+def test_dev_zero_as_prompts_is_refused_as_a_character_device_before_reading() -> None:
+    err = refusal(kvwire("run", "--prompts", "/dev/zero", "--no-progress"))
+    assert "kvwire run: error: --prompts: /dev/zero: it is a character device, not a regular " in (
+        err
+    )
+
+
+@pytest.mark.slow
+def test_a_fifo_as_prompts_is_refused_without_waiting_for_a_writer(
+    tmp_path: pathlib.Path,
+) -> None:
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    err = refusal(kvwire("run", "--prompts", str(fifo), "--no-progress"))
+    assert f"--prompts: {fifo}: it is a FIFO (named pipe), not a regular file" in err
+
+
+@pytest.mark.slow
+def test_dev_stdin_as_prompts_is_refused_as_the_pipe_it_is() -> None:
+    result = kvwire("run", "--prompts", "/dev/stdin", "--no-progress", stdin=subprocess.PIPE)
+    assert "--prompts: /dev/stdin: it is a FIFO (named pipe), not a regular file" in (
+        refusal(result)
+    )
+
+
+def test_a_directory_as_prompts_is_refused_as_one(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["run", "--prompts", str(tmp_path), "--no-progress"]) == 2
+    assert f"--prompts: {tmp_path}: it is a directory, not a regular file" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_a_prompts_file_over_the_bound_is_refused_by_its_size_without_reading_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Sparse: a terabyte of zeros that takes no disk; read, it would take all memory.
+    prompts = tmp_path / "prompts.jsonl"
+    with prompts.open("wb") as file:
+        file.truncate(2**40)
+    err = refusal(kvwire("run", "--prompts", str(prompts), "--no-progress"))
+    assert (
+        f"--prompts: {prompts}: it holds {2**40} bytes, more than the {MAX_PROMPTS_BYTES} "
+        "accepted; a prompts file is a regular JSONL file"
+    ) in err
+
+
+@pytest.mark.slow
+def test_a_prompts_file_of_too_many_lines_is_refused_before_any_request_runs(
+    tmp_path: pathlib.Path,
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a question"}\n' * (MAX_PROMPTS_LINES + 1))
+    err = refusal(kvwire("run", "--prompts", str(prompts), "--no-progress"))
+    assert f"--prompts: {prompts}: more than {MAX_PROMPTS_LINES} lines" in err
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_file_and_line(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    assert cli.main(["run", "--prompts", str(prompts), "--no-progress"]) == 2
+    assert f"kvwire run: error: --prompts: {prompts}:2: not UTF-8 text (invalid continuation" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_prompt_longer_than_the_models_max_model_len_names_its_line(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "short"}, {"prompt_token_ids": [7] * 2040, "max_tokens": 9}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # The embedded profile: max_model_len 2048.
+    assert cli.main(["run", "--prompts", str(prompts), "--no-progress"]) == 2
+    assert (
+        f"--prompts: {prompts}:2: the prompt (2040 tokens) and max_tokens (9) exceed "
+        "model_config.max_model_len (2048)"
+    ) in capsys.readouterr().err
+
+
+def test_a_prompt_field_given_twice_on_one_line_is_refused(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "kept?", "prompt": "or this?"}\n')
+    assert cli.main(["run", "--prompts", str(prompts), "--no-progress"]) == 2
+    assert f"--prompts: {prompts}:1: the field 'prompt' appears twice in one object" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_prompts_error_shows_no_unbounded_value(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a", "max_tokens": "9" * 100_000}) + "\n")
+    assert cli.main(["run", "--prompts", str(prompts), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts: {prompts}:1: max_tokens must be an int >= 1, got '999" in err
+    assert len(err) < 1000
+
+
+# ------------------------------------------------------------------- the flags
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "accepted"),
+    [
+        ("--requests", str(MAX_REQUESTS + 1), f"from 1 to {MAX_REQUESTS}"),
+        ("--requests", "1e11", f"from 1 to {MAX_REQUESTS}"),
+        ("--prompt-len", "100000000", f"from 1 to {2**24}"),
+        ("--output-len", "0", f"from 1 to {2**24}"),
+        ("--tensor-parallel-size", "9" * 5000, f"from 1 to {2**16}"),
+        ("--seed", "9" * 5000, f"from {-(2**64)} to {2**64}"),
+    ],
+)
+def test_a_count_no_run_can_hold_is_a_usage_error_naming_its_flag_and_the_range(
+    flag: str, value: str, accepted: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser(wants_run=True).parse_args(["run", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a whole number {accepted}, got '{value[:10]}" in err
+    # The value is shown bounded, however long it was.
+    assert len(err) < 1500
+
+
+def test_lengths_past_the_models_max_model_len_are_refused_naming_both_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = cli.main(["run", "--prompt-len", "2040", "--output-len", "9", "--no-progress"])
+    assert status == 2
+    assert (
+        "kvwire run: error: --prompt-len (2040) + --output-len (9) exceeds "
+        "model_config.max_model_len (2048)"
+    ) in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_workload_of_more_tokens_than_a_run_holds_is_refused_before_it_is_built(
+    tmp_path: pathlib.Path,
+) -> None:
+    profile = tmp_path / "long.yaml"
+    default = REPO / "src" / "kvwire" / "run" / "default_profile.yaml"
+    document = yaml.safe_load(default.read_text())
+    document["model_config"]["max_model_len"] = 2**20
+    profile.write_text(yaml.safe_dump(document))
+    # 100,000 prompts of 100,000 tokens: ten billion tokens, built, would fill any memory.
+    err = refusal(kvwire("run", str(profile), "--requests", "100000", "--prompt-len", "100000"))
+    assert (
+        "kvwire run: error: --requests (100000) x (--prompt-len + --output-len) is "
+        f"10001600000 tokens, more than the {MAX_WORKLOAD_TOKENS} a run holds"
+    ) in err
+
+
+# -------------------------------------------------------- a connector's module
+
+
+@pytest.mark.parametrize(
+    ("module_path", "problem"),
+    [
+        ("os", "Class CPUOffloadConnector not found in os; expected a module defining"),
+        (
+            "no.such.mod",
+            "cannot import 'no.such.mod': ModuleNotFoundError: No module named 'no'",
+        ),
+        (
+            "tests.support.exiting_module",
+            "cannot import 'tests.support.exiting_module': SystemExit: plugin settings from "
+            "redis://u:***@h",
+        ),
+    ],
+)
+def test_a_bad_module_path_is_named_by_its_field_without_a_traceback(
+    module_path: str, problem: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: CPUOffloadConnector\n"
+        "  kv_role: kv_both\n"
+        f"  kv_connector_module_path: {module_path}\n"
+    )
+    assert cli.main(["run", str(profile), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvwire run: error: kv_transfer_config.kv_connector_module_path: {problem}" in err
+    assert "hunter2" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.Path) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: SlowConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.slow_importing_module\n"
+    )
+    ready = tmp_path / "ready"
+    env = {**os.environ, "KVWIRE_TEST_READY": str(ready)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", KVWIRE, "run", str(profile), "--no-progress"],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_limited,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "kvwire run never reached the module's import"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip() == "kvwire: interrupted"
+
+
+def test_a_connector_hook_that_raises_is_named_without_a_traceback(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: RaisingHMAHookConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.raising_hook_connectors\n"
+    )
+    assert cli.main(["run", str(profile), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvwire run: error: kv_transfer_config.kv_connector: RaisingHMAHookConnector."
+        "supports_hma_for_config raised RuntimeError: lost redis://u:***@h\n"
+    )

@@ -1,0 +1,101 @@
+"""Plug-in stores that fail mid-run as a third-party store can, each named after how.
+
+Each keeps entries in one process-wide dict like an honest store, and
+misbehaves in one call: the engine must carry on with the outputs it would
+have without a connector, warn in one line naming the store's call, and
+never show the secret the store's message quotes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from kvwire.media.store.base import BlockStore
+from kvwire.media.store.medium import StoreMedium
+
+SECRET = "hunter2-secret"
+LEAKY_MESSAGE = f"lost redis://u:{SECRET}@h (password={SECRET})"
+
+
+class DictStore(BlockStore):
+    """Entries in one process-wide dict, answered truthfully; subclasses misbehave."""
+
+    entries: ClassVar[dict[str, bytes]] = {}
+    lock = threading.Lock()
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        with self.lock:
+            held = 0
+            while held < len(keys) and keys[held] in self.entries:
+                held += 1
+            return held
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        with self.lock:
+            for key, entry in zip(keys, entries, strict=True):
+                self.entries[key] = bytes(entry)
+        return [True] * len(keys)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        sizes: list[int | None] = []
+        with self.lock:
+            for key, buffer in zip(keys, buffers, strict=True):
+                entry = self.entries.get(key)
+                if entry is None or len(entry) > len(buffer):
+                    sizes.append(None)
+                    continue
+                buffer[: len(entry)] = entry
+                sizes.append(len(entry))
+        return sizes
+
+
+class RaisingStore(DictStore):
+    """Its ``put`` and ``get_into`` raise, quoting a URL with its password."""
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        raise ConnectionError(LEAKY_MESSAGE)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        raise ConnectionError(LEAKY_MESSAGE)
+
+
+class ExitingStore(DictStore):
+    """Its ``put`` and ``get_into`` call ``sys.exit()``, as a careless client library might."""
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        sys.exit(LEAKY_MESSAGE)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        sys.exit(LEAKY_MESSAGE)
+
+
+class ShortReplyStore(DictStore):
+    """Stores every entry, but its ``put`` answers one result fewer than the keys it got."""
+
+    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
+        return super().put(keys, entries)[:-1]
+
+
+class DictMedium(StoreMedium[DictStore]):
+    """A third-party medium over whichever store class ``store_class`` names."""
+
+    event_medium = "plugin-store"
+    store_class: ClassVar[type[DictStore]] = DictStore
+
+    def create_store(self, options: Mapping[str, Any]) -> DictStore:
+        return self.store_class()
+
+
+class RaisingMedium(DictMedium):
+    store_class = RaisingStore
+
+
+class ExitingMedium(DictMedium):
+    store_class = ExitingStore
+
+
+class ShortReplyMedium(DictMedium):
+    store_class = ShortReplyStore
