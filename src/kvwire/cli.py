@@ -19,10 +19,11 @@ import argparse
 import importlib
 import logging
 import pathlib
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
@@ -31,7 +32,7 @@ from kvwire.exceptions import KVWireError, kind_of
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.interface.base import KVConnectorBase, validates_extra_config
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import RedactingFilter, scrub, secret_values
+from kvwire.redaction import SHOWN_LENGTH, RedactingFilter, scrub, secret_values, shown
 from kvwire.registry import (
     ConnectorRegistry,
     ModulePathError,
@@ -71,9 +72,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with what its usage errors quote cut short.
+
+    argparse quotes a wrong value whole (an invalid choice, an unknown
+    command, unrecognized arguments), however long it is.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        super().error(_LONG_RUN.sub(_cut_short, message))
+
+
+# Longer than any option, choice or path a usage error needs to show whole.
+_LONG_RUN = re.compile(rf"\S{{{SHOWN_LENGTH + 1},}}")
+
+
+def _cut_short(run: re.Match[str]) -> str:
+    text = run.group(0)
+    if text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]  # argparse's own quotes; shown() quotes it again
+    return shown(text)
+
+
 def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     """The argument parser; :mod:`kvwire.run` adds ``run``'s options only when ``wants_run``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
     )
     parser.add_argument(

@@ -680,3 +680,23 @@ def test_check_names_a_connector_hook_that_raises_or_exits_redacted(
     assert status == 1
     assert f"error: {problem}" in err
     assert "hunter2" not in err
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["--log-level", "x" * 100_000, "check", "profile.yaml"],
+        ["y" * 100_000],
+        ["check", "profile.yaml", "--bogus", "z" * 100_000],
+    ],
+)
+def test_a_usage_error_shows_a_long_value_cut_short(
+    arguments: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "... (a str of 100000 characters)" in err
+    assert len(err) < 1500

@@ -305,3 +305,10 @@ def test_a_connector_hook_that_raises_is_named_without_a_traceback(
         "kvwire run: error: kv_transfer_config.kv_connector: RaisingHMAHookConnector."
         "supports_hma_for_config raised RuntimeError: lost redis://u:***@h\n"
     )
+
+
+def test_an_unknown_preset_is_shown_cut_short(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--preset", "p" * 100_000, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is not one of tiny, bench" in err and "(a str of 100000 characters)" in err
+    assert len(err) < 1000

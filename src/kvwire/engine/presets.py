@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from kvwire.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
+from kvwire.redaction import shown
 
 HYBRID_LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)
 """The hybrid presets' layers: sliding-window and full attention alternating."""
@@ -48,6 +49,8 @@ def apply_preset(config: EngineConfig, preset: str) -> EngineConfig:
     try:
         shape = MODEL_PRESETS[preset]
     except KeyError:
-        raise ValueError(f"preset: {preset!r} is not one of {', '.join(MODEL_PRESETS)}") from None
+        raise ValueError(
+            f"preset: {shown(preset)} is not one of {', '.join(MODEL_PRESETS)}"
+        ) from None
     model = attrs.evolve(shape, seed=config.model_config.seed, dtype=config.model_config.dtype)
     return attrs.evolve(config, model_config=model)

@@ -1,0 +1,81 @@
+"""Plug-in code that exits or interrupts: its own error, unless the user pressed Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import pytest
+
+from kvwire.config.extra_config import ExtraConfigError
+from kvwire.plugin_calls import PluginExit, call_plugin, contained_exits, plugin_message
+
+
+@pytest.mark.parametrize(
+    "raised", [SystemExit(3), KeyboardInterrupt("gave up"), GeneratorExit("closed")]
+)
+def test_what_plug_in_code_raises_that_is_no_exception_becomes_its_error(
+    raised: BaseException,
+) -> None:
+    # Caught as BaseException: one that escaped would otherwise stop the test session.
+    try:
+        with contained_exits():
+            raise raised
+    except BaseException as error:
+        caught = error
+
+    assert isinstance(caught, PluginExit), repr(caught)
+    assert caught.original is raised
+    assert plugin_message(caught) == f"{type(raised).__name__}: {raised}"
+    # Nothing chained: a traceback printed later would show the plug-in's message raw.
+    assert caught.__suppress_context__
+
+
+def test_a_ctrl_c_during_plug_in_code_still_interrupts() -> None:
+    with pytest.raises(KeyboardInterrupt), contained_exits():
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_the_sigint_handler_in_place_is_back_after_the_call() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    with contained_exits():
+        assert signal.getsignal(signal.SIGINT) is not before
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_off_the_main_thread_a_keyboard_interrupt_is_the_plug_ins() -> None:
+    caught: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            with contained_exits():
+                raise KeyboardInterrupt
+        except BaseException as error:
+            caught.append(error)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert [type(error) for error in caught] == [PluginExit]
+
+
+def test_an_ordinary_exception_passes_unchanged() -> None:
+    error = RuntimeError("plain")
+    with pytest.raises(RuntimeError) as caught, contained_exits():
+        raise error
+    assert caught.value is error
+
+
+def test_a_plug_in_hook_that_calls_sys_exit_is_an_error_naming_its_field_redacted() -> None:
+    def create_store() -> None:
+        sys.exit("cannot reach redis://u:hunter2-secret@h")
+
+    with pytest.raises(ExtraConfigError) as caught:
+        call_plugin("kv_connector_extra_config.medium", "MyMedium.create_store", create_store)
+
+    assert str(caught.value) == (
+        "kv_connector_extra_config.medium: MyMedium.create_store raised SystemExit: cannot "
+        "reach redis://u:***@h"
+    )
