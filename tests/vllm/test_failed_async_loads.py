@@ -20,6 +20,7 @@ import pytest
 import kvwire.vllm
 from tests.support.bounded_generation import counting_recoveries, generate_within
 from tests.support.vllm_engines import (
+    BLOCK_SIZE,
     kvwire_transfer_config,
     load_profile_mapping,
     profile_with_directory,
@@ -31,6 +32,7 @@ from tests.support.vllm_engines import (
 # Generous for 3-8 tiny requests on a loaded 2-core host (a pass takes 1-3 s);
 # the failures this guards against never finish.
 PASS_LIMIT_S = 90.0
+LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
 
 
 def redis_async_profile(redis_url: str, **extra: Any) -> dict[str, Any]:
@@ -139,3 +141,32 @@ def test_asynchronous_loads_past_their_deadline_on_a_hybrid_model_finish_every_r
     assert failed == len(prompts)
     # vLLM recomputes the failed requests of a hybrid model without a warning.
     assert recoveries.count == 0
+
+
+@pytest.mark.slow
+def test_a_tier_whose_load_failed_lets_the_next_tier_serve_the_request_on_a_hybrid_model(
+    tiny_hybrid_model: str, redis_url: str, tmp_path: pathlib.Path
+) -> None:
+    # kvwire's MultiConnector: Redis first (every load past its deadline),
+    # then a directory. The request looked up again after Redis's failed
+    # load is served by the directory: only Redis stops offering it.
+    redis = redis_async_profile(redis_url, load_timeout_s=1e-6)["kv_transfer_config"]
+    directory = profile_with_directory("shared-storage.yaml", tmp_path)["kv_transfer_config"]
+    directory["kv_connector_extra_config"]["async_load"] = True
+    tiers = {
+        "kv_transfer_config": {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [redis, directory]},
+        }
+    }
+    prompts = shared_prompts()
+    with running_llm(tiny_hybrid_model, kvwire_transfer_config(tiers)) as llm:
+        cold = cold_pass(llm, prompts)
+        warm, cached = generate_within(llm, prompts, PASS_LIMIT_S)
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert warm == cold
+    assert cached == [LOADABLE_TOKENS] * len(prompts)
+    failed = {key: value for key, value in stats.items() if key.endswith(".loads_failed")}
+    assert failed == {"RedisConnector.loads_failed": len(prompts)}, stats
