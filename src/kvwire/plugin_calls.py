@@ -47,12 +47,15 @@ class PluginExit(KVWireError, RuntimeError):
 def contained_exits() -> Iterator[None]:
     """Around a call into plug-in code: a ``BaseException`` it raises becomes :class:`PluginExit`.
 
-    Except a ``KeyboardInterrupt`` that the user's Ctrl-C caused: it stops
-    the program as it always does. The two are told apart by the signal:
-    on the main thread, a SIGINT that arrives during the call is noted
-    before the handler that was in place runs; a ``KeyboardInterrupt``
-    with no SIGINT behind it was raised by the plug-in. (Off the main
-    thread no signal is delivered, so any is the plug-in's.)
+    Except what the user's Ctrl-C caused (Python's ``KeyboardInterrupt``,
+    or whatever the SIGINT handler in place raises): it stops the program
+    as it always does. The two are told apart by the signal: on the main
+    thread, a SIGINT that arrives during the call is noted before the
+    handler that was in place runs; a ``KeyboardInterrupt`` with no SIGINT
+    behind it was raised by the plug-in. (Off the main thread no signal is
+    delivered, so any is the plug-in's.) Other signals' handlers are not
+    told apart: a ``SystemExit`` one raises during the call is taken for
+    the plug-in's.
     """
     sigint = _SigintNoted()
     try:
@@ -60,7 +63,9 @@ def contained_exits() -> Iterator[None]:
     except Exception:
         raise
     except BaseException as error:
-        if isinstance(error, KeyboardInterrupt) and sigint.arrived:
+        if sigint.arrived:
+            # Whatever the SIGINT handler in place raised (KeyboardInterrupt,
+            # or an engine's own handler's SystemExit): the user's, not the plug-in's.
             raise
         raise PluginExit(error) from None
     finally:

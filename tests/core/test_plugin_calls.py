@@ -79,3 +79,20 @@ def test_a_plug_in_hook_that_calls_sys_exit_is_an_error_naming_its_field_redacte
         "kv_connector_extra_config.medium: MyMedium.create_store raised SystemExit: cannot "
         "reach redis://u:***@h"
     )
+
+
+def test_what_the_sigint_handler_in_place_raises_is_not_taken_for_the_plug_ins() -> None:
+    def engine_handler(signum: int, frame: object) -> None:
+        raise SystemExit("the engine shuts down")
+
+    previous = signal.signal(signal.SIGINT, engine_handler)
+    try:
+        try:
+            with contained_exits():
+                signal.raise_signal(signal.SIGINT)
+        except BaseException as error:
+            caught = error
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    assert type(caught) is SystemExit
