@@ -12,18 +12,21 @@ wins, as:
 1. the operator's: ``model_config.identity`` in the kvwire profile, taken as
    given (for weights kvwire cannot read, or several copies an operator
    knows are the same);
-2. a Hugging Face hub snapshot directory (``.../models--org--name/snapshots/
-   <commit>``): its commit, ``hub-commit:<commit>``;
-3. any other local directory or file: ``weights:<digest>``, a digest of its
-   configuration files whole (``config.json``, ``params.json``, the weight
-   index files, remote code) and of each weight file's name, size and a
-   fixed sample of its bytes (the start, where safetensors keeps its tensor
-   table, the end, and evenly spaced pieces between): a few MiB read per
-   file, however large. A directory with no weight file of a format known
-   here has every file digested so;
-4. a hub id: its revision when that is a commit hash, else the commit the
+2. any local directory or file, a hub snapshot directory included:
+   ``weights:<digest>``, a digest of its configuration files (``config.json``,
+   ``params.json``, a LoRA adapter's ``adapter_config.json``, the weight
+   index files, remote code) and of every byte of
+   each weight file, with their names. A directory with no weight file of a
+   format known here has every file digested so. Each file's digest is
+   computed once and remembered while the file is unchanged
+   (:mod:`kvwire._file_digests`). A snapshot's commit is not believed: its
+   files are links into the hub cache's blobs, which can be edited in place
+   or pointed elsewhere;
+3. a hub id: its revision when that is a commit hash, else the commit the
    local hub cache says the revision (``main`` by default) was downloaded
-   at; an id whose commit cannot be found locally is refused
+   at, ``hub-commit:<commit>``: the files may not be downloaded yet when a
+   worker starts, and the hub names a commit's files by their content. An
+   id whose commit cannot be found locally is refused
    (:class:`ModelIdentityError`), as a branch name alone can stand for
    other weights tomorrow.
 
@@ -36,8 +39,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+from kvwire._file_digests import FileDigests
 from kvwire.exceptions import KVWireError
 from kvwire.redaction import shown
 
@@ -47,19 +52,22 @@ LONGEST_IDENTITY = 256
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # Read whole: small, and any change in them changes what the weights compute.
-_CONFIG_FILES = frozenset({"config.json", "params.json"})
+_CONFIG_FILES = frozenset({"config.json", "params.json", "adapter_config.json"})
 _CONFIG_SUFFIXES = (".index.json", ".py")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors")
-# A file up to this size is read whole; past it, sampled.
-WHOLE_FILE_BYTES = 4 * 1024 * 1024
-HEAD_BYTES = 1024 * 1024
-SAMPLE_BYTES = 64 * 1024
-SAMPLES = 16
-_DIGEST_VERSION = b"kvwire-weights-v1"
+# Weight files digested at once: hashlib frees the GIL while it digests, so
+# the shards of a large model are read side by side.
+PARALLEL_FILES = 4
+# v2: every byte of each weight file (v1 sampled them).
+_DIGEST_VERSION = b"kvwire-weights-v2"
 
 
 class ModelIdentityError(KVWireError, ValueError):
     """A model kvwire cannot identify by its weights; the message says how to name it."""
+
+
+class UnreadableWeightsError(ModelIdentityError):
+    """A file at the model's path that kvwire cannot read whole: no identity can be sure."""
 
 
 def check_explicit_identity(value: object) -> None:
@@ -80,21 +88,22 @@ def model_identity(
     *,
     explicit: str = "",
     hub_caches: Sequence[str] = (),
+    file_digests: FileDigests | None = None,
 ) -> str:
     """The identity of the weights ``model`` (a local path or a hub id) names; see the module.
 
     ``hub_caches`` are the hub cache directories to look a hub id up in
     (default: :func:`default_hub_caches`). A relative path is taken from the
     working directory; only what it holds counts, never its name.
+    ``file_digests`` remembers each weight file's digest (default: the
+    per-user cache). Raises :class:`UnreadableWeightsError` when a file
+    there cannot be read.
     """
     if explicit:
         check_explicit_identity(explicit)
         return f"explicit:{explicit}"
     if os.path.exists(model):
-        commit = snapshot_commit(model)
-        if commit is not None:
-            return f"hub-commit:{commit}"
-        return f"weights:{weights_digest(model)}"
+        return f"weights:{weights_digest(model, file_digests)}"
     commit = _hub_commit(model, revision, hub_caches or default_hub_caches())
     if commit is None:
         raise ModelIdentityError(
@@ -105,21 +114,6 @@ def model_identity(
             "changes whenever the weights do"
         )
     return f"hub-commit:{commit}"
-
-
-def snapshot_commit(path: str) -> str | None:
-    """The commit of a hub snapshot directory (``models--*/snapshots/<commit>``); None otherwise."""
-    absolute = os.path.abspath(path)
-    snapshots = os.path.dirname(absolute)
-    name = os.path.basename(absolute)
-    if (
-        os.path.isdir(absolute)
-        and os.path.basename(snapshots) == "snapshots"
-        and os.path.basename(os.path.dirname(snapshots)).startswith("models--")
-        and _COMMIT.fullmatch(name)
-    ):
-        return name
-    return None
 
 
 def default_hub_caches() -> list[str]:
@@ -150,12 +144,15 @@ def _hub_commit(model: str, revision: str | None, caches: Iterable[str]) -> str 
     return None
 
 
-def weights_digest(path: str) -> str:
+def weights_digest(path: str, file_digests: FileDigests | None = None) -> str:
     """A digest of the configuration and weight files at ``path`` (a directory or one file).
 
     Only file names (not the directory's) and contents count, so copies on
-    other hosts or under other names digest the same.
+    other hosts or under other names digest the same. Every byte of each
+    file is digested; ``file_digests`` remembers each file's digest while it
+    is unchanged (default: the per-user cache).
     """
+    digests = file_digests if file_digests is not None else FileDigests()
     digest = hashlib.sha256(_DIGEST_VERSION)
     try:
         if os.path.isdir(path):
@@ -166,46 +163,23 @@ def weights_digest(path: str) -> str:
                 # so that no other format's weights are left out.
                 names = [name for name in listed if not name.startswith(".")]
             files = [(name, os.path.join(path, name)) for name in names]
-            # A dangling link among them raises here: a model kvwire cannot read whole.
+            # A dangling link among them fails when read: a model kvwire cannot read whole.
             files = [(name, full) for name, full in files if not os.path.isdir(full)]
         else:
             files = [(os.path.basename(path), path)]
-        for name, full in files:
-            _digest_file(digest.update, name, full)
+        with ThreadPoolExecutor(min(PARALLEL_FILES, max(1, len(files)))) as pool:
+            file_digests_in_order = list(pool.map(digests.digest, [full for _, full in files]))
     except OSError as error:
-        raise ModelIdentityError(
+        raise UnreadableWeightsError(
             f"{IDENTITY_FIELD}: cannot read the model's files at {shown(path)} to tell its "
-            f"weights apart ({error.strerror or type(error).__name__}); make them readable, "
-            "or set model_config.identity in the kvwire profile"
+            f"weights apart ({error.strerror or type(error).__name__}"
+            f"{f': {shown(os.path.basename(str(error.filename)))}' if error.filename else ''}); "
+            "make them readable, or set model_config.identity in the kvwire profile"
         ) from None
+    for (name, _), file_digest in zip(files, file_digests_in_order, strict=True):
+        digest.update(f"\0{name}\0{file_digest}\0".encode())
     return digest.hexdigest()[:32]
 
 
 def _counts(name: str) -> bool:
     return name in _CONFIG_FILES or name.endswith(_CONFIG_SUFFIXES + _WEIGHT_SUFFIXES)
-
-
-def _digest_file(update: Callable[[bytes], object], name: str, path: str) -> None:
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        update(f"\0{name}\0{size}\0".encode())
-        if size <= WHOLE_FILE_BYTES:
-            update(file.read(size))
-            return
-        for offset, length in sample_ranges(size):
-            file.seek(offset)
-            update(file.read(length))
-
-
-def sample_ranges(size: int) -> list[tuple[int, int]]:
-    """The ``(offset, length)`` pieces of a file of ``size`` bytes (> WHOLE_FILE_BYTES) digested.
-
-    The head, :data:`SAMPLES` pieces evenly spaced after it, and the tail;
-    fixed by the size alone, so equal files are read at equal places.
-    """
-    ranges = [(0, HEAD_BYTES)]
-    span = size - HEAD_BYTES - SAMPLE_BYTES
-    for index in range(1, SAMPLES + 1):
-        ranges.append((HEAD_BYTES + span * index // (SAMPLES + 1), SAMPLE_BYTES))
-    ranges.append((size - SAMPLE_BYTES, SAMPLE_BYTES))
-    return ranges

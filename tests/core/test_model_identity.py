@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -10,17 +11,20 @@ import pytest
 from kvwire.config import ModelConfig
 from kvwire.config.profile import load_profile
 from kvwire.model_identity import (
-    HEAD_BYTES,
-    SAMPLE_BYTES,
-    WHOLE_FILE_BYTES,
     ModelIdentityError,
+    UnreadableWeightsError,
     model_identity,
-    sample_ranges,
 )
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-# Larger than WHOLE_FILE_BYTES, so it is sampled, not read whole.
-WEIGHTS_BYTES = WHOLE_FILE_BYTES + 3 * 1024 * 1024 + 17
+# Several MiB, past what is read at each call (UNCACHED_BYTES), so its digest is remembered.
+WEIGHTS_BYTES = 7 * 1024 * 1024 + 17
+
+
+@pytest.fixture(autouse=True)
+def private_digest_cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's remembered file digests in its own directory, not the user's cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
 
 
 def save_model(directory: pathlib.Path, weights: bytes | None = None) -> pathlib.Path:
@@ -50,7 +54,7 @@ def test_relative_path_model_in_two_working_directories_differs(
 ) -> None:
     first = save_model(tmp_path / "a" / "model")
     weights = weights_of(first)
-    weights[HEAD_BYTES // 2] ^= 1
+    weights[1024 * 1024 // 2] ^= 1
     save_model(tmp_path / "b" / "model", bytes(weights))
     monkeypatch.chdir(tmp_path / "a")
     in_a = model_identity("model")
@@ -58,23 +62,41 @@ def test_relative_path_model_in_two_working_directories_differs(
     assert model_identity("model") != in_a
 
 
-def test_one_byte_changed_in_any_sampled_piece_changes_the_identity(
+def flip_byte(path: pathlib.Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_one_byte_changed_anywhere_in_a_weight_file_changes_the_identity(
     tmp_path: pathlib.Path,
 ) -> None:
+    # Offsets between any fixed sample's pieces, as a fine-tune of a few
+    # tensors changes, and the file's first and last bytes.
+    offsets = [0, 2 * 1024 * 1024 + 5, 3 * 1024 * 1024 + 70_001, WEIGHTS_BYTES - 1]
     model = save_model(tmp_path / "model")
     original = model_identity(str(model))
-    with open(model / "model.safetensors", "r+b") as weights:
-        for offset, length in sample_ranges(WEIGHTS_BYTES):
-            weights.seek(offset + length // 2)
-            byte = weights.read(1)
-            weights.seek(offset + length // 2)
-            weights.write(bytes([byte[0] ^ 0xFF]))
-            weights.flush()
-            assert model_identity(str(model)) != original, (offset, length)
-            weights.seek(offset + length // 2)
-            weights.write(byte)
-            weights.flush()
+    seen = {original}
+    for offset in offsets:
+        flip_byte(model / "model.safetensors", offset)
+        changed = model_identity(str(model))
+        assert changed not in seen, offset
+        seen.add(changed)
+        flip_byte(model / "model.safetensors", offset)
     assert model_identity(str(model)) == original
+
+
+def test_a_fine_tune_saved_fresh_that_changes_middle_tensors_differs_from_its_base(
+    tmp_path: pathlib.Path,
+) -> None:
+    base = save_model(tmp_path / "base")
+    tuned_weights = weights_of(base)
+    middle = WEIGHTS_BYTES // 2 + 12_345
+    tuned_weights[middle : middle + 4096] = bytes(4096)
+    tuned = save_model(tmp_path / "tuned", bytes(tuned_weights))
+    assert model_identity(str(base)) != model_identity(str(tuned))
 
 
 def test_a_changed_size_or_config_changes_the_identity(tmp_path: pathlib.Path) -> None:
@@ -111,13 +133,6 @@ def test_weights_of_a_format_not_known_here_are_digested_too(tmp_path: pathlib.P
     assert len(identities) == 2
 
 
-def test_sampling_reads_a_few_mib_whatever_the_size() -> None:
-    for size in (WHOLE_FILE_BYTES + 1, 100 * 1024**3, 2**50):
-        ranges = sample_ranges(size)
-        assert sum(length for _, length in ranges) <= HEAD_BYTES + 18 * SAMPLE_BYTES
-        assert all(offset >= 0 and offset + length <= size for offset, length in ranges)
-
-
 def test_the_explicit_identity_wins_over_files_and_hub_ids(tmp_path: pathlib.Path) -> None:
     first = save_model(tmp_path / "first")
     second = save_model(tmp_path / "second", b"other weights")
@@ -136,11 +151,17 @@ def hub_cache(tmp_path: pathlib.Path, repo: str, refs: dict[str, str]) -> pathli
     return cache
 
 
-def test_a_hub_snapshot_directory_is_its_commit(tmp_path: pathlib.Path) -> None:
+def test_a_hub_snapshot_directory_is_identified_by_its_files_not_its_commit(
+    tmp_path: pathlib.Path,
+) -> None:
     cache = hub_cache(tmp_path, "org/model", {"main": COMMIT})
     snapshot = cache / "models--org--model" / "snapshots" / COMMIT
-    assert model_identity(str(snapshot)) == f"hub-commit:{COMMIT}"
-    # The hub id resolved through the cache names the same weights.
+    copy = save_model(tmp_path / "copy")
+    assert model_identity(str(snapshot)) == model_identity(str(copy))
+    # A snapshot edited in place keeps its commit's name, not its identity.
+    flip_byte(snapshot / "model.safetensors", WEIGHTS_BYTES // 2)
+    assert model_identity(str(snapshot)) != model_identity(str(copy))
+    # A hub id is its commit: a worker may start before its files are downloaded.
     assert model_identity("org/model", hub_caches=[str(cache)]) == f"hub-commit:{COMMIT}"
 
 
@@ -169,12 +190,36 @@ def test_a_hub_id_without_a_local_commit_is_refused_naming_the_field(
         model_identity("org/model", hub_caches=[str(cache)])
 
 
-def test_unreadable_weights_are_refused_naming_the_field(tmp_path: pathlib.Path) -> None:
+def test_unreadable_weights_are_refused_naming_the_field_and_the_file(
+    tmp_path: pathlib.Path,
+) -> None:
     model = save_model(tmp_path / "model", b"weights")
     (model / "model.safetensors").unlink()
     (model / "model.safetensors").symlink_to(tmp_path / "gone")
-    with pytest.raises(ModelIdentityError, match=r"model_config\.identity: cannot read"):
+    with pytest.raises(
+        UnreadableWeightsError, match=r"model_config\.identity: cannot read.*'model.safetensors'"
+    ):
         model_identity(str(model))
+
+
+def test_a_fifo_named_like_a_weight_file_is_refused_without_waiting(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model", b"weights")
+    os.mkfifo(model / "extra.safetensors")
+    with pytest.raises(UnreadableWeightsError, match="not a regular file"):
+        model_identity(str(model))
+
+
+def test_an_adapter_s_config_is_part_of_its_identity(tmp_path: pathlib.Path) -> None:
+    identities = set()
+    for name, alpha in (("a", 16), ("b", 32)):
+        adapter = tmp_path / name
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": alpha}))
+        (adapter / "adapter_model.safetensors").write_bytes(b"the same adapter weights")
+        identities.add(model_identity(str(adapter)))
+    assert len(identities) == 2
 
 
 @pytest.mark.parametrize("identity", ["a\nb", " padded", "x" * 257, "tab\there"])

@@ -22,7 +22,7 @@ MAX_TOKENS = 8
 SLIDING_WINDOW = 64
 
 
-def build_tiny_llama(directory: pathlib.Path, seed: int = 0) -> str:
+def build_tiny_llama(directory: pathlib.Path, seed: int = 0, num_layers: int = 2) -> str:
     """Save a random-weight Llama (head_size 32: vLLM's CPU attention needs it) and a tokenizer.
 
     ``seed`` draws the weights: two seeds, two models of one shape.
@@ -35,7 +35,7 @@ def build_tiny_llama(directory: pathlib.Path, seed: int = 0) -> str:
         vocab_size=1024,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,

@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import json
 import logging
+import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -42,7 +43,13 @@ from kvwire.config.kv_cache import (
 )
 from kvwire.config.profile import load_profile
 from kvwire.exceptions import VLLMConfigError
-from kvwire.model_identity import ModelIdentityError, default_hub_caches, model_identity
+from kvwire.model_identity import (
+    LONGEST_IDENTITY,
+    ModelIdentityError,
+    UnreadableWeightsError,
+    default_hub_caches,
+    model_identity,
+)
 from kvwire.plugin_calls import contained_exits, plugin_message
 from kvwire.redaction import shown
 
@@ -322,6 +329,30 @@ def wrapped_hma_setting(
     return vllm_disable_hma
 
 
+# Load formats whose weights are the files at ``model`` as they are on disk
+# (vLLM's default loader, its pre-sharded and streaming loaders of the same
+# safetensors): the identity digested from those files is theirs. Any other
+# format (dummy's random values, tensorizer's or ipc_cache's or
+# modelexpress's weights from elsewhere, a plug-in loader) computes with
+# weights kvwire has not read.
+ON_DISK_LOAD_FORMATS = frozenset(
+    {
+        "auto",
+        "hf",
+        "safetensors",
+        "pt",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+        "sharded_state",
+        "runai_streamer",
+        "runai_streamer_sharded",
+    }
+)
+_LOAD_FORMAT_FIELD = "load_config.load_format"
+
+
 def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     """Which weights produce the KV, and how vLLM computes with them.
 
@@ -329,19 +360,46 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     ``explicit``, the profile's ``model_config.identity``, when set; else the
     hub commit or a digest of the files vLLM's ``model`` names, never the
     name itself), then what vLLM changes in the computation: the model's
-    dtype, its quantization and any ``hf_overrides`` or ``quantization_config``.
+    dtype, its quantization, any ``hf_overrides`` or ``quantization_config``,
+    a ``hf_config_path`` and a ``model_impl`` other than ``auto``.
+
+    Weights kvwire cannot be sure of get an identity of this engine alone
+    (:func:`engine_only_identity`), with a warning: a load format that does
+    not read the files as they are (``dummy``'s random values included)
+    unless ``explicit`` names them, and files that cannot be read.
     """
     model_config = vllm_config.model_config
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    try:
-        weights = model_identity(
-            str(model_config.model),
-            model_config.revision,
-            explicit=explicit,
-            hub_caches=[*([download_dir] if download_dir else []), *default_hub_caches()],
+    load_config = getattr(vllm_config, "load_config", None)
+    download_dir = getattr(load_config, "download_dir", None)
+    load_format = str(getattr(load_config, "load_format", "auto") or "auto").lower()
+    hub_caches = [*([download_dir] if download_dir else []), *default_hub_caches()]
+    if load_format not in ON_DISK_LOAD_FORMATS and not explicit:
+        logger.warning(
+            "KVWireConnector: vLLM's %s is %s, which does not compute with the weights as "
+            "they are at the model's path, so this engine shares KV with no other; set "
+            "model_config.identity in the kvwire profile to a name for the weights it loads "
+            "to share them (load formats read from the files as they are: %s)",
+            _LOAD_FORMAT_FIELD,
+            shown(load_format),
+            ", ".join(sorted(ON_DISK_LOAD_FORMATS)),
         )
-    except ModelIdentityError as error:
-        raise VLLMConfigError(str(error)) from None
+        weights = engine_only_identity(vllm_config, f"load_format={load_format}")
+    else:
+        try:
+            weights = model_identity(
+                str(model_config.model),
+                model_config.revision,
+                explicit=explicit,
+                hub_caches=hub_caches,
+            )
+        except UnreadableWeightsError as error:
+            logger.warning("KVWireConnector: %s; this engine shares KV with no other", error)
+            weights = engine_only_identity(vllm_config, "unreadable-weights")
+        except ModelIdentityError as error:
+            raise VLLMConfigError(str(error)) from None
+        if load_format == "dummy":
+            # The operator's name for random weights: never the real weights' blocks.
+            weights += ";load_format=dummy"
     computed = f"dtype={model_config.dtype};quantization={model_config.quantization}"
     for name in ("hf_overrides", "quantization_config"):
         value = getattr(model_config, name, None)
@@ -351,7 +409,45 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
         elif value:
             described = json.dumps(value, sort_keys=True, default=repr).encode()
             computed += f";{name}={hashlib.sha256(described).hexdigest()[:32]}"
-    return f"{weights};{computed}"
+    model_impl = str(getattr(model_config, "model_impl", "auto") or "auto")
+    if model_impl != "auto":
+        computed += f";model_impl={model_impl}"
+    hf_config_path = getattr(model_config, "hf_config_path", None)
+    if hf_config_path and str(hf_config_path) != str(model_config.model):
+        computed += f";hf_config={_config_identity(str(hf_config_path), hub_caches)}"
+    identity = f"{weights};{computed}"
+    if len(identity) > LONGEST_IDENTITY:
+        # The identity names entries in a bounded field: a long one is named by its digest.
+        identity = f"digest:{hashlib.sha256(identity.encode()).hexdigest()}"
+    return identity
+
+
+def engine_only_identity(vllm_config: Any, why: str) -> str:
+    """An identity no other engine has: every process of this engine shares vLLM's ids for it.
+
+    vLLM's ``kv_transfer_config.engine_id`` (a new UUID per engine unless
+    an operator names it) and ``instance_id`` (new per start) reach the
+    scheduler and each worker in the same ``VllmConfig``.
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    engine_id = str(getattr(transfer, "engine_id", "") or "")
+    instance_id = str(getattr(vllm_config, "instance_id", "") or "")
+    if not engine_id and not instance_id:
+        # No ids to agree on: this process alone.
+        instance_id = uuid.uuid4().hex
+    unique = hashlib.sha256(f"{engine_id}\0{instance_id}".encode()).hexdigest()[:32]
+    return f"engine-only:{unique};{why}"
+
+
+def _config_identity(path: str, hub_caches: list[str]) -> str:
+    try:
+        return model_identity(path, hub_caches=hub_caches)
+    except ModelIdentityError:
+        raise VLLMConfigError(
+            f"model_config.hf_config_path: kvwire cannot read the configuration at "
+            f"{shown(path)} that vLLM computes with; make it readable, or give it as a local "
+            "directory or a hub id whose commit is in the local hub cache"
+        ) from None
 
 
 def _cache_dtype(vllm_config: Any) -> str:

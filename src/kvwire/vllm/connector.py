@@ -76,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvwire.adapter_keys import AdapterKeys
 from kvwire.blocks.groups import NULL_BLOCK_ID
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.exceptions import VLLMConfigError
@@ -85,6 +86,7 @@ from kvwire.interface.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.interface.base import KVConnectorRole as KVWireRole
 from kvwire.interface.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.interface.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
+from kvwire.model_identity import default_hub_caches
 from kvwire.ranks import EveryRank
 from kvwire.vllm.config_bridge import (
     container_hook,
@@ -97,7 +99,7 @@ from kvwire.vllm.config_bridge import (
 )
 from kvwire.vllm.cores import threads_started_on_engine_cores
 from kvwire.vllm.events import BlockTokens, KVWireKVEvents
-from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestView
+from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestViews
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 
 if TYPE_CHECKING:
@@ -161,6 +163,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
         # Scheduler side.
+        self._views = RequestViews(
+            _adapter_keys(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        )
         self._block_tables = BlockTables()
         self._allocations = AllocationFilter()
         self._block_tokens = BlockTokens(engine_config.cache_config.block_size)
@@ -286,8 +291,14 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        view = RequestView(request).as_request()
-        tokens, load_async = self.connector.get_num_new_matched_tokens(view, num_computed_tokens)
+        view = self._views.view(request)
+        if not view.shares:
+            # An adapter kvwire cannot identify: nothing is looked up for it.
+            self._allocations.looked_up(request.request_id, False)
+            return 0, False
+        tokens, load_async = self.connector.get_num_new_matched_tokens(
+            view.as_request(), num_computed_tokens
+        )
         self._allocations.looked_up(request.request_id, load_async)
         return tokens, load_async
 
@@ -301,7 +312,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
                 block for group in block_ids for block in group if block != NULL_BLOCK_ID
             )
         self.connector.update_state_after_alloc(
-            RequestView(request).as_request(),
+            self._views.view(request).as_request(),
             KVCacheBlocks(block_ids=block_ids),
             num_external_tokens,
         )
@@ -322,10 +333,19 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         if live is None:
             return
         request, remembered = live
-        hashes = request.block_hashes
-        if len(hashes) > remembered:
-            self._block_tokens.remember(hashes, request.all_token_ids, remembered)
-            self._live[request_id] = (request, len(hashes))
+        # The keys the wrapped connector stores the blocks under (folded with a LoRA adapter's).
+        keys = self._views.view(request).block_hashes
+        if len(keys) > remembered:
+            adapter = getattr(request, "lora_request", None)
+            self._block_tokens.remember(
+                request.block_hashes,
+                request.all_token_ids,
+                remembered,
+                keys=keys,
+                lora_id=adapter.lora_int_id if adapter else None,
+                lora_name=adapter.lora_name if adapter else None,
+            )
+            self._live[request_id] = (request, len(keys))
 
     def update_connector_output(self, connector_output: Any) -> None:
         events = connector_output.kv_cache_events
@@ -371,7 +391,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         request_id = request.request_id
         self._allocations.forget(request_id)
         self._live.pop(request_id, None)
-        view = RequestView(request).as_request()
+        view = self._views.view(request).as_request()
+        self._views.forget(request_id)
         group_ids = tuple(list(ids) for ids in block_ids)
         wrapped = self.connector
         if isinstance(wrapped, KVWireSupportsHMA):
@@ -415,6 +436,14 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVWirePromMetrics:
         return KVWirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _adapter_keys(vllm_config: Any) -> AdapterKeys:
+    """Identifies the LoRA adapters of requests; a hub id is looked up where vLLM downloads."""
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    return AdapterKeys(
+        hub_caches=[*([download_dir] if download_dir else []), *default_hub_caches()]
+    )
 
 
 def _inner(metadata: KVConnectorMetadata) -> KVWireMetadata:

@@ -6,7 +6,9 @@ The worker side hands kvwire's events (picklable records) to vLLM in a
 scheduler side's ``take_events`` reports is vLLM's ``BlockStored`` /
 ``BlockRemoved``, with vLLM's block hashes (kvwire keys blocks by them) and,
 for the blocks of requests the connector saw, their token ids and parent
-hash (:class:`BlockTokens`).
+hash (:class:`BlockTokens`). A LoRA adapter's blocks, which kvwire keys by
+vLLM's hash folded with the adapter's key, are reported by vLLM's hash and
+the adapter's id and name, as vLLM reports its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -66,6 +69,17 @@ class KVWireKVEvents(KVConnectorKVEvents):
         return f"<KVWireKVEvents: {len(self._events)} events>"
 
 
+@attrs.frozen
+class _Block:
+    """A block as vLLM names it: its hash, its parent's, its tokens, its LoRA adapter."""
+
+    block_hash: BlockHash
+    parent: BlockHash | None
+    tokens: list[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
 class BlockTokens:
     """The token ids and parent hash of recently seen blocks, to fill vLLM's ``BlockStored``.
 
@@ -76,20 +90,34 @@ class BlockTokens:
     def __init__(self, block_size: int, capacity: int = 65536) -> None:
         self._block_size = block_size
         self._capacity = capacity
-        self._blocks: OrderedDict[BlockHash, tuple[BlockHash | None, list[int]]] = OrderedDict()
+        self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()
 
     def remember(
-        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        start: int,
+        *,
+        keys: Sequence[BlockHash] | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Remember blocks ``start..`` of a request (its hashes and all its token ids)."""
+        """Remember blocks ``start..`` of a request (its hashes and all its token ids).
+
+        ``keys``: what the connector keys each block by, when not vLLM's hash
+        (a LoRA adapter's request, whose ``lora_id`` and ``lora_name`` are given).
+        """
         size = self._block_size
-        for index in range(start, len(block_hashes)):
+        keys = block_hashes if keys is None else keys
+        for index in range(start, min(len(block_hashes), len(keys))):
             tokens = list(token_ids[index * size : (index + 1) * size])
             if len(tokens) < size:
                 break
             parent = block_hashes[index - 1] if index else None
-            self._blocks[block_hashes[index]] = (parent, tokens)
-            self._blocks.move_to_end(block_hashes[index])
+            self._blocks[keys[index]] = _Block(
+                block_hashes[index], parent, tokens, lora_id, lora_name
+            )
+            self._blocks.move_to_end(keys[index])
         while len(self._blocks) > self._capacity:
             self._blocks.popitem(last=False)
 
@@ -101,7 +129,9 @@ class BlockTokens:
             if isinstance(event, KVWireBlockRemoved):
                 converted.append(
                     BlockRemoved(
-                        block_hashes=list(event.block_hashes), medium=medium, group_idx=event.group
+                        block_hashes=[self._vllm_hash(key) for key in event.block_hashes],
+                        medium=medium,
+                        group_idx=event.group,
                     )
                 )
             elif isinstance(event, KVWireBlockStored):
@@ -111,15 +141,19 @@ class BlockTokens:
                 )
         return converted
 
-    def _stored(self, block_hash: BlockHash, medium: str, group: int | None) -> BlockStored:
-        parent, tokens = self._blocks.get(block_hash, (None, []))
+    def _vllm_hash(self, key: BlockHash) -> BlockHash:
+        block = self._blocks.get(key)
+        return key if block is None else block.block_hash
+
+    def _stored(self, key: BlockHash, medium: str, group: int | None) -> BlockStored:
+        block = self._blocks.get(key) or _Block(key, None, [])
         return BlockStored(
-            block_hashes=[block_hash],
-            parent_block_hash=parent,
-            token_ids=tokens,
+            block_hashes=[block.block_hash],
+            parent_block_hash=block.parent,
+            token_ids=block.tokens,
             block_size=self._block_size,
-            lora_id=None,
+            lora_id=block.lora_id,
             medium=medium,
-            lora_name=None,
+            lora_name=block.lora_name,
             group_idx=group,
         )

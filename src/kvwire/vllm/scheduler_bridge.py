@@ -4,7 +4,14 @@
   which keeps the request and re-reads ``block_hashes`` and ``num_tokens``
   each step, sees the hashes vLLM appends as blocks fill up. vLLM's block
   hashes (32-byte sha256 values, the same in every process) are the keys
-  as they are; the layout fingerprint namespaces them in the store.
+  as they are; the layout fingerprint namespaces them in the store. A
+  request with a LoRA adapter gets its hashes folded with the adapter's
+  key (:mod:`kvwire.adapter_keys`): vLLM's hash names the adapter only by
+  its name and path. One with an adapter kvwire cannot identify offers no
+  hash: nothing is looked up or saved for it. The workers receive the
+  keys the scheduler side planned with, in the step's metadata.
+- :class:`RequestViews`: one view per request, its adapter's key decided
+  when it is first seen.
 - :class:`BlockTables`: vLLM sends each request's block ids once and then
   only the new ones (a resumed request gets its whole list again); kvwire's
   connectors want every step's full lists. It also turns vLLM's
@@ -25,6 +32,7 @@ from typing import Any, cast
 
 import attrs
 
+from kvwire.adapter_keys import AdapterKeys, fold_block_hash
 from kvwire.interface.types import (
     BlockHash,
     Request,
@@ -40,13 +48,26 @@ class RequestView:
     """kvwire's :class:`~kvwire.interface.types.Request`, read from a vLLM request when asked.
 
     Only what kvwire's connectors read is offered; every attribute reflects
-    the vLLM request at the moment it is read.
+    the vLLM request at the moment it is read. ``adapter_key``: the key of
+    the request's LoRA adapter, folded into each of its block hashes; None
+    for a request without one. ``shares``: False for a request whose
+    adapter kvwire cannot identify; it offers no block hash.
     """
 
-    __slots__ = ("_request",)
+    __slots__ = ("_adapter_key", "_folded", "_request", "shares")
 
-    def __init__(self, vllm_request: Any) -> None:
+    def __init__(
+        self, vllm_request: Any, adapter_key: bytes | None = None, *, shares: bool = True
+    ) -> None:
         self._request = vllm_request
+        self._adapter_key = adapter_key
+        # The folded hashes so far: vLLM only ever appends to its list.
+        self._folded: list[BlockHash] = []
+        self.shares = shares
+
+    @property
+    def vllm_request(self) -> Any:
+        return self._request
 
     @property
     def request_id(self) -> str:
@@ -60,7 +81,17 @@ class RequestView:
     def block_hashes(self) -> list[BlockHash]:
         # vLLM appends to this very list as blocks fill up.
         hashes: list[BlockHash] = self._request.block_hashes
-        return hashes
+        if not self.shares:
+            return []
+        if self._adapter_key is None:
+            return hashes
+        folded = self._folded
+        if len(hashes) < len(folded):
+            folded.clear()
+        folded.extend(
+            fold_block_hash(self._adapter_key, block_hash) for block_hash in hashes[len(folded) :]
+        )
+        return folded
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +129,48 @@ class RequestView:
     def as_request(self) -> Request:
         """This view, typed as kvwire's ``Request`` (it offers what connectors read of one)."""
         return cast(Request, self)
+
+
+class RequestViews:
+    """One :class:`RequestView` per request the scheduler side holds, until it finishes.
+
+    A request's adapter key is decided when its view is made, so every
+    lookup and save of the request uses the same keys. ``adapter_keys``
+    identifies adapters (None: an engine that serves none).
+    """
+
+    def __init__(self, adapter_keys: AdapterKeys | None) -> None:
+        self._adapter_keys = adapter_keys
+        self._views: dict[str, RequestView] = {}
+
+    def view(self, vllm_request: Any) -> RequestView:
+        """The view of ``vllm_request``, made the first time it is asked for."""
+        request_id = str(vllm_request.request_id)
+        view = self._views.get(request_id)
+        if view is not None and view.vllm_request is vllm_request:
+            return view
+        view = self._new_view(vllm_request)
+        self._views[request_id] = view
+        return view
+
+    def forget(self, request_id: str) -> None:
+        self._views.pop(request_id, None)
+
+    def _new_view(self, vllm_request: Any) -> RequestView:
+        adapter = getattr(vllm_request, "lora_request", None)
+        if not adapter:
+            return RequestView(vllm_request)
+        key = (
+            self._adapter_keys.key(
+                int(adapter.lora_int_id), str(adapter.lora_name), str(adapter.lora_path)
+            )
+            if self._adapter_keys is not None
+            else None
+        )
+        return RequestView(vllm_request, key, shares=key is not None)
+
+    def __len__(self) -> int:
+        return len(self._views)
 
 
 LiveBlockIds = Callable[[str], tuple[list[int], ...]]
