@@ -5,16 +5,18 @@ holds the blocks but cannot send them within ``load_timeout_s``, a disk
 whose entries all fail their checksum, a peer that vanished. Each such load
 costs its request the wait, then the recomputation. After
 ``failures_to_pause`` loads in a row failed, :class:`LoadBreaker` says to
-offer no hits (the lookups answer "miss" at once, as a store's do during an
-outage, see :mod:`kvwire.media.store.redis._outage`) for ``pause_s``; then
+offer no hits (the lookups answer "miss" at once, as the Redis store's and
+the peer directory's calls do while their server is down) for ``pause_s``; then
 the next load is a probe: the lookups miss again until it ends, a sound
 probe ends the pause, a failed one starts the next. Warnings are
 rate-limited; :meth:`LoadBreaker.take_counters` counts the requests' loads
 that failed (``loads_failed``), the pauses (``load_pauses``) and the lookups
 answered "miss" during them (``lookups_paused``).
 
-Scheduler-side bookkeeping on the engine's scheduling thread: no lock, no
-thread, a clock read per call.
+Unlike a server's outage, there is nothing to probe but a load, and loads
+are the engine's to schedule: so no probe thread, the probe is the next load
+the engine plans. Scheduler-side bookkeeping on the engine's scheduling
+thread: no lock, no thread, a clock read per lookup.
 """
 
 from __future__ import annotations
