@@ -236,3 +236,20 @@ def test_a_long_identity_is_named_by_its_digest_within_the_field_s_bound(tiny_mo
     assert identity != vllm_model_identity(
         identity_config(tiny_model), "x" * (LONGEST_IDENTITY - 1)
     )
+
+
+def test_longrope_s_long_factors_at_a_long_max_model_len_change_the_identity(
+    tiny_model: str,
+) -> None:
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 4096}
+
+    def identity(max_model_len: int, parameters: Any = rope) -> str:
+        text_config = types.SimpleNamespace(rope_parameters=parameters)
+        return vllm_model_identity(
+            identity_config(tiny_model, max_model_len=max_model_len, hf_text_config=text_config)
+        )
+
+    assert identity(2048) == identity(4096) == vllm_model_identity(identity_config(tiny_model))
+    assert identity(8192) != identity(4096)
+    assert identity(8192, {"full_attention": rope}) == identity(8192)
+    assert identity(8192, {"rope_type": "default"}) == identity(4096)

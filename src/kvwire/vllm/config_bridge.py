@@ -361,7 +361,9 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     hub commit or a digest of the files vLLM's ``model`` names, never the
     name itself), then what vLLM changes in the computation: the model's
     dtype, its quantization, any ``hf_overrides`` or ``quantization_config``,
-    a ``hf_config_path`` and a ``model_impl`` other than ``auto``.
+    a ``hf_config_path`` and a ``model_impl`` other than ``auto``, and
+    whether LongRoPE's long factors apply to every position (they do once
+    ``max_model_len`` passes the model's original context).
 
     Weights kvwire cannot be sure of get an identity of this engine alone
     (:func:`engine_only_identity`), with a warning: a load format that does
@@ -412,6 +414,11 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     model_impl = str(getattr(model_config, "model_impl", "auto") or "auto")
     if model_impl != "auto":
         computed += f";model_impl={model_impl}"
+    if _uses_long_rope_factors(model_config):
+        # LongRoPE (Phi-3): vLLM rotates keys with the long factors at every
+        # position once max_model_len passes the original context, so the
+        # same model computes other keys at other max_model_len.
+        computed += ";long_rope_factors"
     hf_config_path = getattr(model_config, "hf_config_path", None)
     if hf_config_path and str(hf_config_path) != str(model_config.model):
         computed += f";hf_config={_config_identity(str(hf_config_path), hub_caches)}"
@@ -420,6 +427,20 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
         # The identity names entries in a bounded field: a long one is named by its digest.
         identity = f"digest:{hashlib.sha256(identity.encode()).hexdigest()}"
     return identity
+
+
+def _uses_long_rope_factors(model_config: Any) -> bool:
+    """Whether vLLM's LongRoPE uses its long factors for every position of this engine."""
+    parameters = getattr(getattr(model_config, "hf_text_config", None), "rope_parameters", None)
+    if not isinstance(parameters, Mapping):
+        return False
+    # Per attention type ({"full_attention": {...}, ...}) or one for all layers.
+    nested = [value for value in parameters.values() if isinstance(value, Mapping)]
+    for rope in nested or [parameters]:
+        original = rope.get("original_max_position_embeddings")
+        if rope.get("rope_type") == "longrope" and isinstance(original, int):
+            return int(model_config.max_model_len) > original
+    return False
 
 
 def engine_only_identity(vllm_config: Any, why: str) -> str:
