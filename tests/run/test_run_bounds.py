@@ -264,6 +264,13 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.P
     )
     ready = tmp_path / "ready"
     env = {**os.environ, "KVWIRE_TEST_READY": str(ready)}
+
+    def as_in_a_terminal() -> None:
+        # A shell's background job (a CI runner's, make's) may have SIGINT
+        # ignored, which the child would inherit: give it the default back.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _limited()
+
     process = subprocess.Popen(
         [sys.executable, "-c", KVWIRE, "run", str(profile), "--no-progress"],
         cwd=REPO,
@@ -272,7 +279,7 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.P
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_limited,
+        preexec_fn=as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 60
@@ -312,3 +319,55 @@ def test_an_unknown_preset_is_shown_cut_short(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert "is not one of tiny, bench" in err and "(a str of 100000 characters)" in err
     assert len(err) < 1000
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            # The parent's pid is the second field after the command's closing ')'.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_traceback() -> None:
+    def as_in_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _limited()
+
+    # Long enough (minutes) that the interrupt lands while the passes run.
+    arguments = ["--worker-process", "--requests", "2000", "--prompt-len", "1024"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=as_in_a_terminal,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # The worker process (and multiprocessing's resource tracker) started.
+        while len(_children(process.pid)) < 2:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "kvwire run never started its worker process"
+            time.sleep(0.1)
+        time.sleep(2)
+        # As a terminal's Ctrl-C: SIGINT to the whole process group, workers included.
+        os.killpg(process.pid, signal.SIGINT)
+        _out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert process.returncode == 130, err
+    assert err.splitlines()[-1] == "kvwire: interrupted"
+    assert "Traceback" not in err

@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -114,6 +115,9 @@ def _serve(
     rank: RankSetup | None,
     container_hook: ContainerHook | None,
 ) -> None:
+    # Ctrl-C reaches the whole process group: the parent handles it and stops
+    # this process; here it would only end a step half-way, with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker, source, group = _build_worker(
             config, kv_cache_config, hook, torch_threads, rank, container_hook
@@ -260,7 +264,15 @@ class WorkerProcess:
         )
 
     def _receive(self, command: str, timeout_s: float) -> Any:
-        if not self._connection.poll(timeout_s):
+        try:
+            answered = self._connection.poll(timeout_s)
+        except BaseException:
+            # Interrupted while waiting (Ctrl-C): the reply would come later and
+            # answer the next command, so this process is stopped at once.
+            self._process.kill()
+            self._stop()
+            raise
+        if not answered:
             # A late reply would answer the next command: this process is done.
             self._process.kill()
             self._stop()
