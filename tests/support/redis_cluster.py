@@ -94,6 +94,15 @@ class ClusterNode:
         assert self.process is not None
         self.process.send_signal(signal.SIGCONT)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """:meth:`pause` for the block, :meth:`resume` when it ends, whatever happened in it."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return

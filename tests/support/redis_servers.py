@@ -10,8 +10,10 @@ order (running, no limit, empty) before and after each test.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import shutil
+import signal
 import socket
 import time
 import uuid
@@ -66,6 +68,20 @@ class RedisServer:
     def kill(self) -> None:
         """SIGKILL: no shutdown, no snapshot, every connection reset."""
         self.executor.kill()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP for the block: connections stay open and accepted, nothing answers.
+
+        SIGCONT when the block ends, whatever happened in it.
+        """
+        process = self.executor.process
+        assert process is not None and process.poll() is None
+        process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            process.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Start the server again, empty, on the same port."""

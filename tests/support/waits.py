@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -27,3 +28,27 @@ def returns_within(seconds: float, action: Callable[[], T]) -> T:
     result = action()
     assert time.monotonic() - started < seconds
     return result
+
+
+def finishes_within(seconds: float, action: Callable[[], T]) -> T:
+    """What ``action`` returns, run on a thread of its own, once it has returned within ``seconds``.
+
+    Unlike :func:`returns_within`, an action that hangs fails the test at
+    ``seconds`` instead of holding it: the thread is a daemon, left behind.
+    """
+    outcome: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(action())
+        except BaseException as error:  # handed to the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="finishes-within", daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"still running after {seconds:g} s"
+    if errors:
+        raise errors[0]
+    return outcome[0]

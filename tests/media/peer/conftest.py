@@ -1,7 +1,8 @@
 """Peers for the peer medium's tests: engine processes, a real redis-server, NIXL over loopback.
 
 The directory lives on the Redis tests' server (started by pytest-redis on a
-free port); each test works under a key prefix of its own. NIXL's UCX runs
+free port); each test works under a key prefix of its own. Tests that stop
+the directory's server use ``fault_server``, a server of their own. NIXL's UCX runs
 over loopback TCP and shared memory: the environment is set before any
 agent starts, here and in every peer process (they inherit it).
 """
@@ -11,9 +12,22 @@ from __future__ import annotations
 import os
 
 from tests.support.redis_cluster import redis_cluster
-from tests.support.redis_servers import key_prefix, redis_server, redis_server_process
+from tests.support.redis_servers import (
+    fault_server,
+    fault_server_process,
+    key_prefix,
+    redis_server,
+    redis_server_process,
+)
 
 os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-__all__ = ["key_prefix", "redis_cluster", "redis_server", "redis_server_process"]
+__all__ = [
+    "fault_server",
+    "fault_server_process",
+    "key_prefix",
+    "redis_cluster",
+    "redis_server",
+    "redis_server_process",
+]

@@ -125,8 +125,8 @@ def test_an_unreachable_cluster_is_counted_as_failures_and_every_call_is_a_miss(
         location = Location("a", 0, 1)
         key = directory.entry_key("f" * 16, b"\x01" * 16)
         assert directory.look_up([key, key]) == [None, None]
-        directory.announce([(key, location)])
-        assert directory.withdraw([(key, location)]) == 0
+        assert not directory.announce([(key, location)])
+        assert directory.withdraw([(key, location)]) is None  # not made: owed, not done
         assert not directory.publish_peer("a", PeerRecord(b"m", 0, 1, 1))
         assert directory.fetch_peer("a") is None
         directory.withdraw_peer("a")

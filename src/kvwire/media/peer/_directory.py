@@ -22,18 +22,26 @@ Deletes are compare-and-delete (a server-side script): an entry is
 deleted only while it still names the same peer, slot and generation, so a
 reader's late delete never removes a newer announcement of the block.
 
-The directory is a cache's index, not a source of truth: when the server
-cannot be reached, lookups miss and announcements are dropped (counted as
-``peer_directory_failures``); a read always verifies the bytes it pulled.
+The directory is a cache's index, not a source of truth: a read always
+verifies the bytes it pulled. Its calls are made from the scheduler's
+thread (lookups, announcements, withdrawals) and the worker's (a load's
+lookups and peer records, the heartbeat), so none may wait on a hung server:
+each runs on a thread of the directory's and is waited for at most
+``lookup_timeout_s``. A call that fails or is not answered by then starts an
+*outage* (:mod:`kvwire.media._outage`): until a background probe (every
+``retry_interval_s``) is answered, every call answers at once without asking
+(lookups miss, writes report that they were not made). Each call not made is
+counted as ``peer_directory_failures``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import redis
@@ -42,10 +50,13 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvwire.interface.types import BlockHash
-from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media._outage import OutageTracker, _ServerUnavailable
 from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Deletes KEYS[1] only while it still holds ARGV[1].
 _COMPARE_AND_DELETE = """
@@ -127,7 +138,7 @@ def check_peer_name(name: str) -> str | None:
 
 
 class PeerDirectory:
-    """The directory on a Redis/Valkey server or a Redis Cluster; calls bounded by socket timeouts.
+    """The directory on a Redis/Valkey server or a Redis Cluster; no call waits past a deadline.
 
     On a cluster (a ``redis+cluster://`` URL) each key lives on the master
     serving its slot; redis-py's ``RedisCluster`` keeps the slot map, groups
@@ -136,6 +147,10 @@ class PeerDirectory:
     the first call (and again at the next call while no seed answers), so a
     cluster that is down at start makes misses, not an engine that fails to
     start. Thread-safe: each call takes pooled connections of its own.
+
+    Every call is waited for at most ``lookup_timeout_s``; one that fails or
+    runs past it starts an outage, during which calls answer at once
+    (see the module's docstring). :attr:`is_available` says whether one lasts.
     """
 
     def __init__(self, settings: RedisStoreSettings, ttl_s: float) -> None:
@@ -145,17 +160,43 @@ class PeerDirectory:
         self._client: redis.Redis | RedisCluster | None = None
         if not settings.is_cluster:
             kwargs = settings.connection_pool_kwargs()
-            self._pool = redis.BlockingConnectionPool(**kwargs)  # type: ignore[no-untyped-call]
+            self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
+                **kwargs,
+                # One try: a failed call starts an outage, and the probe tries again.
+                retry=Retry(NoBackoff(), 0),
+            )
             self._client = redis.Redis(connection_pool=self._pool)
         self._prefix = settings.key_prefix
-        self._warn = RateLimitedWarning(logger)
-        self._lock = threading.Lock()
+        # Held while a cluster client is built (a slot-map fetch, bounded by
+        # the seeds' timeouts): never by a caller that only counts.
+        self._client_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._failures = 0
+        # A cluster URL may name hundreds of seeds: shown bounded.
+        server = shown(settings.display_url) if settings.is_cluster else settings.display_url
+        self._outage = OutageTracker(
+            f"peer directory at {server}",
+            while_down="lookups miss, and announcements and withdrawals wait",
+            probe=self._probe,
+            errors=_FAILURES,
+            describe=lambda error: shown(
+                settings.redact(f"{type(error).__name__}: {error}"), limit=200
+            ),
+            retry_interval_s=settings.retry_interval_s,
+            warning_interval_s=settings.warning_interval_s,
+            logger=logger,
+            thread_name="kvwire-peer-directory",
+        )
 
     @property
     def ttl_s(self) -> float:
         """How long an entry or a peer record lasts unless written again."""
         return self._ttl_ms / 1000
+
+    @property
+    def is_available(self) -> bool:
+        """False during an outage: calls answer at once without asking the server."""
+        return not self._outage.is_down
 
     # ------------------------------------------------------------ names
 
@@ -168,73 +209,96 @@ class PeerDirectory:
     # ------------------------------------------------------------ entries
 
     def look_up(self, keys: Sequence[str]) -> list[Location | None]:
-        """Each key's location, None where no peer announced it; one round trip to each server."""
+        """Each key's location, None where no peer announced it (or the directory is down);
+        one round trip to each server."""
         if not keys:
             return []
-        try:
+
+        def mget() -> list[Any]:
             client = self._connected()
             # On a cluster the keys span slots: one MGET per slot, pipelined to each master.
             if isinstance(client, RedisCluster):
-                values = client.mget_nonatomic(list(keys))
-            else:
-                values = client.mget(list(keys))
-        except _FAILURES as error:
-            self._failed("look-up", error)
+                return list(client.mget_nonatomic(list(keys)))
+            return list(client.mget(list(keys)))
+
+        try:
+            values = self._call("look-up", mget)
+        except _ServerUnavailable:
             return [None] * len(keys)
         return [Location.decode(value) if isinstance(value, bytes) else None for value in values]
 
-    def announce(self, entries: Sequence[tuple[str, Location]]) -> None:
-        """Write these entries (each with the directory's expiry); one round trip to each server."""
-        if not entries:
-            return
-        try:
-            self._execute(
-                [("SET", key, location.encode(), "PX", self._ttl_ms) for key, location in entries]
-            )
-        except _FAILURES as error:
-            self._failed("announcement", error)
+    def announce(self, entries: Sequence[tuple[str, Location]]) -> bool:
+        """Write these entries (each with the directory's expiry); one round trip to each server.
 
-    def withdraw(self, entries: Sequence[tuple[str, Location]]) -> int:
-        """Delete these entries where they still name the same location; how many went."""
+        False when they may not have been written (the directory is down,
+        failed, or did not answer in time): the caller announces them again later.
+        """
+        if not entries:
+            return True
+        commands = [
+            ("SET", key, location.encode(), "PX", self._ttl_ms) for key, location in entries
+        ]
+        try:
+            self._call("announcement", lambda: self._execute(commands))
+        except _ServerUnavailable:
+            return False
+        return True
+
+    def withdraw(self, entries: Sequence[tuple[str, Location]]) -> int | None:
+        """Delete these entries where they still name the same location; how many went.
+
+        None when the directory could not be asked (down, failed, or no
+        answer in time): the entries may still be there. A withdrawal can be
+        made again at any later time, as it deletes only an entry that still
+        names the same peer, slot and generation.
+        """
         if not entries:
             return 0
+        commands = [
+            ("EVAL", _COMPARE_AND_DELETE, 1, key, location.encode()) for key, location in entries
+        ]
         try:
-            replies = self._execute(
-                [
-                    ("EVAL", _COMPARE_AND_DELETE, 1, key, location.encode())
-                    for key, location in entries
-                ]
-            )
-        except _FAILURES as error:
-            self._failed("withdrawal", error)
-            return 0
+            replies = self._call("withdrawal", lambda: self._execute(commands))
+        except _ServerUnavailable:
+            return None
         return sum(reply for reply in replies if isinstance(reply, int))
 
     # ------------------------------------------------------------ peers
 
     def publish_peer(self, peer: str, record: PeerRecord) -> bool:
         """Write (or refresh) ``peer``'s record, with the directory's expiry; False on failure."""
+        command = ("SET", self.peer_key(peer), record.encode(), "PX", self._ttl_ms)
         try:
-            self._execute([("SET", self.peer_key(peer), record.encode(), "PX", self._ttl_ms)])
-            return True
-        except _FAILURES as error:
-            self._failed("peer record", error)
+            self._call("peer record", lambda: self._execute([command]))
+        except _ServerUnavailable:
             return False
+        return True
 
     def fetch_peer(self, peer: str) -> PeerRecord | None:
         """``peer``'s record, None when it has none (never was, or expired) or it cannot be read."""
         try:
-            (value,) = self._execute([("GET", self.peer_key(peer))])
-        except _FAILURES as error:
-            self._failed("peer look-up", error)
+            (value,) = self._call(
+                "peer look-up", lambda: self._execute([("GET", self.peer_key(peer))])
+            )
+        except _ServerUnavailable:
             return None
         return PeerRecord.decode(value) if isinstance(value, bytes) else None
 
     def withdraw_peer(self, peer: str) -> None:
+        with contextlib.suppress(_ServerUnavailable):
+            self._call("peer withdrawal", lambda: self._execute([("DEL", self.peer_key(peer))]))
+
+    def _call(self, what: str, work: Callable[[], _T]) -> _T:
+        """``work()``, waited for at most ``lookup_timeout_s``; every call not made is counted."""
         try:
-            self._execute([("DEL", self.peer_key(peer))])
-        except _FAILURES as error:
-            self._failed("peer withdrawal", error)
+            seconds = self._settings.lookup_timeout_s
+            return self._outage.call(
+                what, work, timeout_s=seconds, setting=f"lookup_timeout_s={seconds:g}s"
+            )
+        except _ServerUnavailable:
+            with self._count_lock:
+                self._failures += 1
+            raise
 
     def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """The replies to ``commands``, each naming one key, pipelined; raises on any failure.
@@ -254,7 +318,7 @@ class PeerDirectory:
         client = self._client
         if client is not None:
             return client
-        with self._lock:
+        with self._client_lock:
             if self._client is None:
                 # Reads the slot map from the seeds: raises when none answers.
                 self._client = RedisCluster(
@@ -265,27 +329,30 @@ class PeerDirectory:
                 )
             return self._client
 
+    def _probe(self) -> None:
+        """The reconnect probe, on the tracker's thread: raises unless every master answers.
+
+        Bounded by the socket and connect timeouts. On a cluster, a node that
+        fails makes redis-py fetch the slot map again, so the probe after a
+        failover asks the promoted replica.
+        """
+        client = self._connected()
+        if isinstance(client, RedisCluster):
+            client.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            client.ping()
+
     # ------------------------------------------------------------ upkeep
 
     def take_failures(self) -> int:
-        """How many calls failed (server unreachable, refused) since the last call."""
-        with self._lock:
+        """How many calls were not made or not answered since the last call."""
+        with self._count_lock:
             failures, self._failures = self._failures, 0
         return failures
 
     def close(self) -> None:
+        self._outage.close()
         if self._pool is not None:
             self._pool.disconnect()
         elif self._client is not None:
             self._client.close()
-
-    def _failed(self, what: str, error: BaseException) -> None:
-        with self._lock:
-            self._failures += 1
-        self._warn.warn(
-            f"directory-{what}",
-            "peer medium: directory %s failed at %s: %s",
-            what,
-            self._settings.display_url,
-            self._settings.redact(f"{type(error).__name__}: {error}")[:200],
-        )

@@ -22,6 +22,12 @@ error, computed again. A read that failed withdraws the entries it relied
 on from the directory (only while they still name the same slot and
 generation), and a peer with no live record is forgotten.
 
+Every directory call here (a load's lookups and peer records, the
+heartbeat, withdrawals) waits at most the directory's ``lookup_timeout_s``,
+and none is made while the directory is down: a load then finds no location
+for the blocks it came without, and its reads of peers whose record it has
+not fetched fail; both are load errors, computed again.
+
 Counts reported with the stats, beside the pool's: ``peer_blocks_pulled``
 and ``peer_bytes_pulled`` (blocks loaded from another peer over NIXL),
 ``peer_blocks_local`` (from this worker's own pool), ``peer_lookup_misses``

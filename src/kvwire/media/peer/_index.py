@@ -14,6 +14,19 @@ one included) announced it; a block this pool holds counts too, its entry
 written again, when the directory lost it (expired before a step came,
 withdrawn by a reader whose read of it stalled).
 
+Every directory call here is on the scheduler's thread, and waits at most
+the directory's deadline (see :class:`~kvwire.media.peer._directory.PeerDirectory`);
+while the directory is down they answer at once. A lookup then finds only
+this pool's own blocks. An announcement that was not made is made again at
+the first step once the directory is back, so hits resume at once. A
+withdrawal that was not made is kept (up to ``WITHDRAWAL_BACKLOG``) and made
+at the first step once the directory is back: as a compare-and-delete it is
+safe at any later time. One dropped from a full backlog leaves an entry
+naming a slot the pool may reuse until it expires; a reader that follows
+it pulls bytes that fail verification, so it computes the block and
+withdraws the entry. Nothing wrong is ever loaded. Withdrawals dropped so
+are counted as ``peer_withdrawals_dropped``.
+
 Loads need no second round trip: the locations the last lookup found for
 a group are handed to the worker with the load
 (:meth:`PeerIndex.load_sources`; the scheduler allocates a request's
@@ -24,6 +37,8 @@ since a peer's slot may be reused at any time.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -33,6 +48,8 @@ from kvwire.media.peer._directory import Location, PeerDirectory
 
 # Entries announced again per scheduler step, at most: one pipelined round trip.
 REFRESH_BATCH = 1024
+# Withdrawals kept while the directory is down, at most (about 100 bytes each).
+WITHDRAWAL_BACKLOG = 65536
 
 
 class PeerIndex(CPUPoolIndex):
@@ -65,6 +82,11 @@ class PeerIndex(CPUPoolIndex):
         # Per group, where the last lookup found each block it counted: one
         # request's blocks at most, replaced by the next lookup.
         self._found: list[dict[BlockHash, Location]] = [{} for _ in self._fingerprints]
+        # Held blocks whose announcement may not have been made, oldest first.
+        self._unannounced: dict[tuple[int, BlockHash], None] = {}
+        # Withdrawals not made yet (key, location), oldest first.
+        self._unwithdrawn: collections.deque[tuple[str, Location]] = collections.deque()
+        self._withdrawals_dropped = 0
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """How many blocks, from the first, some peer announced or this pool holds.
@@ -86,7 +108,7 @@ class PeerIndex(CPUPoolIndex):
             found[block_hash] = location
             count += 1
         self._found[group] = found
-        self._announce_again(lost)
+        self._announce(lost)
         return count
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
@@ -125,29 +147,61 @@ class PeerIndex(CPUPoolIndex):
         super().complete_store(group, block_hashes, success=success)
         if not success:
             return
-        fingerprint = self._fingerprints[group]
-        entries = []
-        now = time.monotonic()
+        made = []
         for block_hash, location in zip(block_hashes, locations, strict=True):
             if location is not None:
                 self._announced[group, block_hash] = location
-                self._announced_at.pop((group, block_hash), None)  # to the end: newest
-                self._announced_at[group, block_hash] = now
-                entries.append((self._directory.entry_key(fingerprint, block_hash), location))
-        self._directory.announce(entries)
+                made.append((group, block_hash))
+        self._announce(made)
 
-    def _announce_again(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        """Write these held blocks' entries again, with a fresh expiry; one round trip."""
+    def _announce(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Write these held blocks' entries, with a fresh expiry; one round trip.
+
+        Blocks whose announcement may not have been made are kept, and
+        announced again at the first step once the directory is back.
+        """
         if not blocks:
             return
         now = time.monotonic()
         entries = []
         for group, block_hash in blocks:
-            self._announced_at.pop((group, block_hash), None)
+            self._announced_at.pop((group, block_hash), None)  # to the end: newest
             self._announced_at[group, block_hash] = now
+            self._unannounced.pop((group, block_hash), None)
             key = self._directory.entry_key(self._fingerprints[group], block_hash)
             entries.append((key, self._announced[group, block_hash]))
-        self._directory.announce(entries)
+        if not self._directory.announce(entries):
+            self._unannounced.update(dict.fromkeys(blocks))
+
+    def _catch_up(self) -> None:
+        """Once the directory answers again: the withdrawals, then the announcements, it missed.
+
+        Withdrawals first: a reader then finds no entry for a slot the pool
+        reused, rather than one it would refuse. At most ``REFRESH_BATCH`` of
+        each per step, one round trip each.
+        """
+        if not self._directory.is_available:
+            return
+        if self._unwithdrawn:
+            batch = [
+                self._unwithdrawn.popleft()
+                for _ in range(min(REFRESH_BATCH, len(self._unwithdrawn)))
+            ]
+            self._withdraw(batch)
+        if self._unannounced and self._directory.is_available:
+            blocks = list(itertools.islice(self._unannounced, REFRESH_BATCH))
+            self._announce(blocks)
+
+    def _withdraw(self, entries: Sequence[tuple[str, Location]]) -> None:
+        """Withdraw these entries; keep them for later when the directory could not be asked."""
+        if self._directory.withdraw(entries) is not None:
+            return
+        # Oldest first out: those are the likeliest to have expired already.
+        self._unwithdrawn.extend(entries)
+        excess = len(self._unwithdrawn) - WITHDRAWAL_BACKLOG
+        for _ in range(max(0, excess)):
+            self._unwithdrawn.popleft()
+        self._withdrawals_dropped += max(0, excess)
 
     def _refresh_expiring(self) -> None:
         """Announce again the oldest entries, those announced half an expiry ago or more."""
@@ -157,7 +211,7 @@ class PeerIndex(CPUPoolIndex):
             if announced_at > due_before or len(due) == REFRESH_BATCH:
                 break
             due.append(block)
-        self._announce_again(due)
+        self._announce(due)
 
     def _record_evictions(self) -> int:
         """The pool's removed events, and the removed blocks withdrawn from the directory."""
@@ -171,32 +225,45 @@ class PeerIndex(CPUPoolIndex):
             fingerprint = self._fingerprints[group]
             for block_hash in event.block_hashes:
                 self._announced_at.pop((group, block_hash), None)
+                self._unannounced.pop((group, block_hash), None)
                 location = self._announced.pop((group, block_hash), None)
                 if location is not None:
                     key = self._directory.entry_key(fingerprint, block_hash)
                     withdrawn.append((key, location))
         # Before the slots are handed to new stores: a reader then finds no entry,
         # rather than one whose bytes are being overwritten (which it would refuse).
-        self._directory.withdraw(withdrawn)
+        if withdrawn:
+            self._withdraw(withdrawn)
         return count
 
     def take_counters(self) -> dict[str, int]:
-        """The step's counters; first, the step's refresh of entries about to expire."""
+        """The step's counters; first, what the directory missed, and the step's refresh of
+        entries about to expire."""
+        self._catch_up()
         self._refresh_expiring()
         counters = dict(super().take_counters())
         failures = self._directory.take_failures()
         if failures:
             counters["peer_directory_failures"] = failures
+        if self._withdrawals_dropped:
+            counters["peer_withdrawals_dropped"] = self._withdrawals_dropped
+            self._withdrawals_dropped = 0
         return counters
 
     def close(self) -> None:
-        """Withdraw every block this peer announced, then drop the connections."""
+        """Withdraw every block this peer announced (and the withdrawals it still owes), then
+        drop the connections. With the directory down, the entries are left to expire."""
         self._directory.withdraw(
             [
-                (self._directory.entry_key(self._fingerprints[group], block_hash), location)
-                for (group, block_hash), location in self._announced.items()
+                *self._unwithdrawn,
+                *(
+                    (self._directory.entry_key(self._fingerprints[group], block_hash), location)
+                    for (group, block_hash), location in self._announced.items()
+                ),
             ]
         )
+        self._unwithdrawn.clear()
+        self._unannounced.clear()
         self._announced.clear()
         self._announced_at.clear()
         self._directory.close()

@@ -27,6 +27,14 @@ match: the layout fingerprint names every directory entry.
   one server (``redis://``, ``rediss://``, ``unix://``), or a Redis Cluster
   (``redis+cluster://``, ``rediss+cluster://``), each entry and peer record on
   the master of its slot, such as the one a Redis medium of the same job uses;
+- ``lookup_timeout_s`` (default 1), ``retry_interval_s`` (default 1) and
+  ``warning_interval_s`` (default 30): no directory call (a lookup, an
+  announcement, a withdrawal, a peer record) waits longer than
+  ``lookup_timeout_s``, on a hung server too; one that fails or is not
+  answered by then starts an outage, during which calls answer at once
+  (lookups miss) until a probe, every ``retry_interval_s``, is answered.
+  The announcements and withdrawals the outage held back are made at the
+  first scheduler step after it (see :mod:`kvwire.media.peer._index`);
 - ``cpu_pool_bytes`` (default ``"256MiB"``), ``io_threads`` (default 2) and
   ``transfer_timeout_s`` (default 30): the pool's, as for the CPU pool
   medium; ``transfer_timeout_s`` also bounds each load, pulls included;

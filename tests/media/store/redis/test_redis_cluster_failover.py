@@ -30,6 +30,7 @@ from tests.support.redis_engines import (
     with_redis,
 )
 from tests.support.redis_servers import wait_until_available
+from tests.support.waits import finishes_within, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,40 @@ def test_a_hung_master_costs_a_load_its_deadline_and_the_other_masters_keys_load
     finally:
         store.close()
     fault_cluster.wait_until_healthy()
+
+
+def test_lookups_with_a_hung_master_wait_one_lookup_timeout_and_hit_again_once_it_answers(
+    fault_cluster: LocalCluster, key_prefix: str
+) -> None:
+    settings = RedisStoreSettings(
+        url=fault_cluster.url,
+        key_prefix=key_prefix,
+        socket_timeout_s=10,
+        connect_timeout_s=10,
+        retry_interval_s=0.05,
+    )
+    keys = [f"layout/{index:03d}" for index in range(30)]
+    writer = RedisClusterBlockStore(settings)
+    try:
+        assert writer.put(keys, [memoryview(bytes([n]) * 64) for n in range(30)]) == [True] * 30
+    finally:
+        writer.close()
+    replicate(fault_cluster)
+    # A store with the slot map and no connection yet: its first lookup on the
+    # hung master opens one, which a stopped server accepts and never answers.
+    store = RedisClusterBlockStore(settings)
+    hung = fault_cluster.node_of_key(key_prefix + keys[0])
+    try:
+        with hung.paused():
+            # Eight requests' lookups: far within a socket timeout each (80 s).
+            counts = finishes_within(
+                5.0, lambda: [store.count_prefix(keys[n : n + 2]) for n in range(8)]
+            )
+        assert counts[0] == 0  # keys[0] is on the hung master
+        fault_cluster.wait_until_healthy()
+        wait_until(lambda: store.count_prefix(keys) == len(keys), "every key to hit again")
+    finally:
+        store.close()
 
 
 def test_a_master_killed_mid_run_leaves_outputs_identical_and_hits_resume_after_failover(

@@ -57,7 +57,7 @@ def test_the_overall_deadlines_are_read_with_sane_defaults() -> None:
     assert (defaults.load_timeout_s, defaults.save_timeout_s, defaults.lookup_timeout_s) == (
         20.0,
         30.0,
-        5.0,
+        1.0,
     )
     assert (settings.load_timeout_s, settings.save_timeout_s, settings.lookup_timeout_s) == (
         3.0,

@@ -13,6 +13,7 @@ from kvwire.media.store.redis._store import RedisBlockStore
 from tests.support.dribbling_server import DribblingServer
 from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 from tests.support.redis_servers import RedisServer, wait_until_available
+from tests.support.waits import finishes_within
 
 LAYOUT = SMALL_LAYOUT
 
@@ -244,6 +245,28 @@ def test_after_a_server_hangs_calls_stop_waiting_on_it(fault_server: RedisServer
     admin.ping()  # held until the pause ends
     opened = int(admin.info("stats")["total_connections_received"]) - connections_before
     assert opened <= 2  # the first call's connection and its one retry, nothing after
+    store.close()
+
+
+@pytest.mark.slow
+def test_lookups_on_a_hung_server_wait_one_lookup_timeout_then_miss_until_it_answers_again(
+    fault_server: RedisServer,
+) -> None:
+    # Socket and connect timeouts of 10 s: the first lookup opens the store's
+    # first connection, which a stopped server accepts and never answers.
+    store = _store(fault_server, socket_timeout_s=10, connect_timeout_s=10, retry_interval_s=0.05)
+    keys = store_keys(LAYOUT, 1)
+    fault_server.client().set(store.redis_key(keys[0]), b"present")
+
+    with fault_server.paused():
+        # Eight lookups: far within a socket timeout each (80 s), one lookup_timeout_s (1 s).
+        counts = finishes_within(5.0, lambda: [store.count_prefix(keys) for _ in range(8)])
+        assert not store.is_available
+    assert counts == [0] * 8
+    assert store.counters()["lookup_failures"] == 1  # one asked; seven answered at once
+
+    wait_until_available(store)
+    assert store.count_prefix(keys) == 1
     store.close()
 
 

@@ -13,7 +13,11 @@ server. The groups of one call go to their masters in parallel.
 
 Faults stay per node. A master that is down, or past a deadline, makes its
 keys misses, dropped saves or load errors, never a hang; the other masters'
-keys are served as usual. A master that answers ``MOVED`` or ``ASK`` (its
+keys are served as usual. A lookup asks every master at once, each on a
+thread of its node store's, and waits for them under one deadline
+(``lookup_timeout_s``): a hung master costs the scheduler that deadline once,
+then its keys miss at once until its store's probe hears it again (see
+:mod:`kvwire.media._outage`). A master that answers ``MOVED`` or ``ASK`` (its
 slot moved: a failover or a resharding) has its keys treated the same way,
 never as another key's value. Either asks a background thread to fetch the
 slot map again (at most once per ``retry_interval_s``); the calls after it
@@ -164,18 +168,30 @@ class RedisClusterBlockStore(BlockStore):
     # ------------------------------------------------------------ BlockStore
 
     def count_prefix(self, keys: Sequence[str]) -> int:
+        """How many keys, from the first, the masters hold; within ``lookup_timeout_s``.
+
+        Not through the fan-out threads, which loads and saves may all hold
+        on a hung master: each master's lookup runs on its store's own
+        lookup threads, and all are waited for under one deadline.
+        """
         if not keys:
             return 0
         found = [False] * len(keys)
-
-        def look_up(store: RedisBlockStore, indices: list[int]) -> None:
+        groups, stores = self._route(keys, "lookup_failures")
+        deadline = time.monotonic() + self._settings.lookup_timeout_s
+        lookups = [
+            (indices, stores[owner], stores[owner].begin_count_prefix([keys[i] for i in indices]))
+            for owner, indices in groups.items()
+        ]
+        for indices, store, lookup in lookups:
             # Each node answers for its keys in the order given; the prefix
             # of its keys that it holds is all a lookup needs from it.
-            present = store.count_prefix([keys[index] for index in indices])
+            present = store.end_count_prefix(lookup, deadline)
             for index in indices[:present]:
                 found[index] = True
-
-        self._each_node(keys, look_up, "lookup_failures", self._settings.lookup_timeout_s)
+        if any(not store.is_available for store in stores.values()):
+            # A master is down: perhaps a replica has taken over its slots.
+            self._request_refresh()
         present = 0
         while present < len(keys) and found[present]:
             present += 1
@@ -360,20 +376,7 @@ class RedisClusterBlockStore(BlockStore):
         Keys whose slot has no known master are left as they are (misses,
         not stored) and counted under ``unmapped_counter``; a new map is asked for.
         """
-        groups: dict[str, list[int]] = {}
-        unmapped = 0
-        with self._lock:
-            owners = self._owners
-            for index, key in enumerate(keys):
-                owner = owners[key_slot(self.redis_key(key).encode())]
-                if owner is None:
-                    unmapped += 1
-                else:
-                    groups.setdefault(owner, []).append(index)
-            stores = {owner: self._node_store(owner) for owner in groups}
-        if unmapped:
-            self._request_refresh()
-            self._count_unrouted(unmapped_counter, unmapped)
+        groups, stores = self._route(keys, unmapped_counter)
         jobs = list(groups.items())
         if not jobs:
             return
@@ -399,6 +402,30 @@ class RedisClusterBlockStore(BlockStore):
         if any(not stores[owner].is_available for owner, _ in jobs):
             # A master is down: perhaps a replica has taken over its slots.
             self._request_refresh()
+
+    def _route(
+        self, keys: Sequence[str], unmapped_counter: str | None
+    ) -> tuple[dict[str, list[int]], dict[str, _NodeStore]]:
+        """The indices of ``keys`` by the master serving their slot, and each master's store.
+
+        Keys whose slot has no known master are in no group: counted under
+        ``unmapped_counter``, and a new map is asked for.
+        """
+        groups: dict[str, list[int]] = {}
+        unmapped = 0
+        with self._lock:
+            owners = self._owners
+            for index, key in enumerate(keys):
+                owner = owners[key_slot(self.redis_key(key).encode())]
+                if owner is None:
+                    unmapped += 1
+                else:
+                    groups.setdefault(owner, []).append(index)
+            stores = {owner: self._node_store(owner) for owner in groups}
+        if unmapped:
+            self._request_refresh()
+            self._count_unrouted(unmapped_counter, unmapped)
+        return groups, stores
 
     def _count_unrouted(self, counter: str | None, amount: int) -> None:
         if counter is not None:

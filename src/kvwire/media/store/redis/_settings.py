@@ -60,7 +60,7 @@ class RedisStoreSettings:
     connect_timeout_s: float = 2.0
     load_timeout_s: float = 20.0
     save_timeout_s: float = 30.0
-    lookup_timeout_s: float = 5.0
+    lookup_timeout_s: float = 1.0
     pipeline_bytes: int = 64 * 1024 * 1024
     lookup_batch_size: int = 64
     retry_interval_s: float = 1.0
@@ -225,7 +225,8 @@ _EXPECTED: dict[str, str] = {
     "load_timeout_s": "a number of seconds > 0 that one load (a run of blocks) may take in all",
     "save_timeout_s": "a number of seconds > 0 that one save (a run of blocks) may take in all",
     "lookup_timeout_s": (
-        "a number of seconds > 0 that one lookup (or delete, probe, clear step) may take in all"
+        "a number of seconds > 0 that one lookup (or directory call, delete, probe, clear step) "
+        "may take in all"
     ),
     "pipeline_bytes": (
         'a byte count per save/load pipeline > 0, as an int or a string such as "64MiB"'

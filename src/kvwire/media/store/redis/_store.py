@@ -24,20 +24,25 @@ A value longer than the entry it should hold is refused from its length
 before its bytes are read: it is drained, never held in memory, warned
 about and deleted like any other corrupt entry.
 
-An unreachable or dying server is an *outage*, not an error: lookups count as
-misses, saves are dropped and counted, loads return None (the connector
-reports them as load errors). While it lasts, calls answer at once and a
-background probe waits for the server to come back (see
-:mod:`kvwire.media.store.redis._outage`); the connection pool then reconnects
-by itself. The password never appears in a log line, an error or a repr.
+An unreachable, dying or hung server is an *outage*, not an error: lookups
+count as misses, saves are dropped and counted, loads return None (the
+connector reports them as load errors). A lookup runs on the scheduler's
+thread, so the scheduler waits for it at most ``lookup_timeout_s``, on the
+first call to a hung server too: the lookup runs on a thread of its own and
+is given up on at its deadline (see :mod:`kvwire.media._outage`). While the
+outage lasts, calls answer at once and a background probe waits for the
+server to come back; the connection pool then reconnects by itself. The
+password never appears in a log line, an error or a repr.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
@@ -45,8 +50,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvwire.media._outage import OutageTracker, _ServerUnavailable
 from kvwire.media.store.base import BlockStore, CacheWrites
-from kvwire.media.store.redis._outage import OutageTracker
 from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis._wire import (
     Deadline,
@@ -98,11 +103,15 @@ class RedisBlockStore(BlockStore):
             redis_connect_func=self._handshake,
         )
         self._outage = OutageTracker(
-            settings.display_url,
+            f"Redis at {settings.display_url}",
+            while_down="lookups miss, saves are dropped and loads fail",
             probe=self._ping,
-            probe_errors=_OUTAGE_ERRORS,
+            errors=_OUTAGE_ERRORS,
+            describe=lambda error: _scrub(error, settings),
             retry_interval_s=settings.retry_interval_s,
             warning_interval_s=settings.warning_interval_s,
+            logger=logger,
+            thread_name="kvwire-redis",
         )
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = {
@@ -159,22 +168,55 @@ class RedisBlockStore(BlockStore):
     # ------------------------------------------------------------ BlockStore
 
     def count_prefix(self, keys: Sequence[str]) -> int:
-        if not keys or self._outage.is_down:
+        """How many keys, from the first, the server holds; 0 in an outage.
+
+        Waits at most ``lookup_timeout_s`` whatever the server does (see
+        :meth:`begin_count_prefix`).
+        """
+        lookup = self.begin_count_prefix(keys)
+        return self.end_count_prefix(lookup, time.monotonic() + self._settings.lookup_timeout_s)
+
+    def begin_count_prefix(self, keys: Sequence[str]) -> concurrent.futures.Future[int] | None:
+        """The first half of :meth:`count_prefix`: the lookup, started on a thread of its own.
+
+        None when there is nothing to ask (no keys, or the server is down).
+        Lookups run on the scheduler's thread: it waits for the answer only
+        until a deadline (:meth:`end_count_prefix`), and a server that hangs
+        costs the first lookup that deadline, not its socket timeouts. Two
+        halves, so a cluster asks every master at once.
+        """
+        if not keys:
+            return None
+        try:
+            return self._outage.begin("lookup", lambda: self._count_present(keys))
+        except _ServerUnavailable:
+            return None
+
+    def end_count_prefix(
+        self, lookup: concurrent.futures.Future[int] | None, deadline: float
+    ) -> int:
+        """The answer to a lookup :meth:`begin_count_prefix` started, by ``deadline``
+        (``time.monotonic()``); 0 when it failed or is not answered by then (an outage)."""
+        if lookup is None:
             return 0
+        try:
+            seconds = self._settings.lookup_timeout_s
+            return self._outage.wait("lookup", lookup, deadline, f"lookup_timeout_s={seconds:g}s")
+        except _ServerUnavailable as unavailable:
+            if unavailable.asked:
+                self._count("lookup_failures", 1)
+            return 0
+
+    def _count_present(self, keys: Sequence[str]) -> int:
+        """How many keys, from the first, exist: ``EXISTS`` in pipelines; raises on an outage."""
         present = 0
         deadline = self._lookup_deadline()
-        try:
-            for batch in _batches(len(keys), self._settings.lookup_batch_size):
-                commands = [("EXISTS", self.redis_key(keys[index])) for index in batch]
-                for found in self._execute(commands, deadline):
-                    if found != 1:
-                        self._outage.succeeded()
-                        return present
-                    present += 1
-        except _OUTAGE_ERRORS as error:
-            self._on_outage("lookup", error, "lookup_failures", 1)
-            return 0
-        self._outage.succeeded()
+        for batch in _batches(len(keys), self._settings.lookup_batch_size):
+            commands = [("EXISTS", self.redis_key(keys[index])) for index in batch]
+            for found in self._execute(commands, deadline):
+                if found != 1:
+                    return present
+                present += 1
         return present
 
     def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:

@@ -23,8 +23,10 @@ scatters a loaded one straight into it (no staging copy on either side).
   ``connect_timeout_s`` (connecting, and then the handshake in all),
   ``lookup_batch_size``;
 - ``load_timeout_s`` (default 20), ``save_timeout_s`` (default 30) and
-  ``lookup_timeout_s`` (default 5; also deletes, the reconnect probe and each
-  step of a cache reset): how long one call may take in all. The socket
+  ``lookup_timeout_s`` (default 1; also deletes, the reconnect probe and each
+  step of a cache reset): how long one call may take in all. A lookup runs
+  on the scheduler's thread, which waits for it no longer than that even
+  when the server hangs (it is made on a thread of the store's). The socket
   timeout bounds each read, not a reply: without these, a server answering a
   byte every few seconds would hold a load, and the engine waiting for it,
   forever. Past its deadline a call fails as in an outage (below): the
