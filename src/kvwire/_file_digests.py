@@ -41,6 +41,8 @@ from typing import Any
 
 import attrs
 
+from kvwire.redaction import shown
+
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "sha256"
@@ -193,7 +195,7 @@ class FileDigests:
             logger.warning(
                 "kvwire: the weight digest cache %s cannot be used: %s; every weight file is "
                 "read whole at each start",
-                self._directory,
+                shown(self._directory),
                 why,
             )
 
