@@ -371,3 +371,15 @@ def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_trac
     assert process.returncode == 130, err
     assert err.splitlines()[-1] == "kvwire: interrupted"
     assert "Traceback" not in err
+
+
+def test_python_m_kvwire_run_is_kvwire_run_with_its_bounded_usage_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvwire.run import main as run_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(["profile.yaml", "z" * 100_000])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: 'zzz" in err and len(err) < 1500

@@ -386,7 +386,7 @@ class _ProgressBar:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvwire.run``: the same as ``kvwire run``."""
-    parser = argparse.ArgumentParser(prog="kvwire run")
-    configure_parser(parser)
-    return run(parser.parse_args(argv))
+    """``python -m kvwire.run``: the same as ``kvwire run`` (its usage errors, its Ctrl-C)."""
+    from kvwire.cli import main as kvwire_main
+
+    return kvwire_main(["run", *(sys.argv[1:] if argv is None else argv)])
