@@ -383,3 +383,20 @@ def test_python_m_kvwire_run_is_kvwire_run_with_its_bounded_usage_errors(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: 'zzz" in err and len(err) < 1500
+
+
+def test_a_connector_constructor_that_calls_sys_exit_is_its_error_not_the_runs_exit(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: ExitingConstructorConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.raising_hook_connectors\n"
+    )
+    assert cli.main(["run", str(profile), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "kvwire run: error: kv_transfer_config.kv_connector: ExitingConstructorConnector() "
+        "raised SystemExit: lost redis://u:***@h\n"
+    )

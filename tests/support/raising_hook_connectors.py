@@ -37,3 +37,10 @@ class ExitingValidationConnector(IdleConnector):
     @classmethod
     def validate_extra_config(cls, config: Any, resolve: Callable[[Any], Any]) -> None:
         sys.exit(LEAKY_MESSAGE)
+
+
+class ExitingConstructorConnector(IdleConnector):
+    """Its constructor calls ``sys.exit()``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        sys.exit(LEAKY_MESSAGE)

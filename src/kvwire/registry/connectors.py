@@ -392,6 +392,26 @@ class ConnectorRegistry:
             connector_cls.__name__,
             engine_id,
         )
+        try:
+            with contained_exits():
+                return self._construct(
+                    connector_cls, config, role, kv_cache_config, medium_resolver
+                )
+        except PluginExit as error:
+            # A constructor that calls sys.exit(): the connector's failure, not the engine's exit.
+            raise ExtraConfigError(
+                f"kv_transfer_config.kv_connector: {connector_cls.__name__}() raised "
+                f"{plugin_message(error)}"
+            ) from None
+
+    def _construct(
+        self,
+        connector_cls: type[KVConnectorBase],
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        medium_resolver: MediumResolver | None,
+    ) -> KVConnectorBase:
         if accepts_connector_builder(connector_cls):
             builder: Callable[..., KVConnectorBase] = self.build_connector
             with self._nested(connector_cls):
