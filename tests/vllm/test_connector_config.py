@@ -128,6 +128,30 @@ def test_vllm_s_fail_policy_is_warned_about_once_naming_the_field(
         assert '"kv_load_failure_policy": "recompute"' in message
 
 
+def test_each_role_logs_one_line_saying_what_kvwire_runs(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config(tiny_model, load_profile_mapping("cpu-offload.yaml"))
+    with caplog.at_level(logging.INFO, logger="kvwire.vllm.connector"):
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            KVWireConnector(config, role, vllm_kv_cache_config()).shutdown()
+    started = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "kvwire.vllm.connector" and "connector: " in record.getMessage()
+    ]
+
+    assert [line.split(" connector: ")[0] for line in started] == [
+        "kvwire scheduler",
+        "kvwire worker",
+    ]
+    for line in started:
+        assert "CPUOffloadConnector over the CPUPoolMedium medium" in line
+        assert "'cpu_pool_bytes'" in line and "profile given inline" in line
+
+
 def test_a_best_effort_cache_never_requires_kv_delivery(tiny_model: str) -> None:
     connector = scheduler_connector(KVWireConnector, vllm_config(tiny_model, kv_role="kv_producer"))
     assert connector.requires_kv_delivery is False

