@@ -3,7 +3,8 @@
 The environment is set before vLLM is imported: the engine core runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the one test of the default
 multi-process mode starts its own process), nothing is fetched from the hub,
-the KV cache takes 1 GiB and vLLM's caches live in a temporary directory.
+the KV cache takes 1 GiB and vLLM's caches and kvwire's weight digests live
+in temporary directories.
 Collected only where vLLM is installed (tests/conftest.py): ``make test-vllm``
 builds ``.venv-vllm`` and runs them there, or says why it cannot.
 """
@@ -22,6 +23,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvwire-vllm-cache-"))
+# kvwire remembers weight digests under $XDG_CACHE_HOME: the tests' own, not the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwire-vllm-xdg-cache-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tests.support.vllm_engines import (
