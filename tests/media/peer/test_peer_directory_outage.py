@@ -133,6 +133,36 @@ def test_a_holders_announcements_and_withdrawals_on_a_hung_directory_are_made_on
     assert found_by(reader, old) == [False] * REQUESTS
 
 
+def test_withdrawals_past_the_backlog_are_dropped_oldest_first_and_counted(
+    fault_server: RedisServer, directories: list[PeerDirectory]
+) -> None:
+    holder_directory, reader_directory = directories
+    holder = PeerIndex(
+        num_slots=4,
+        fingerprints=[LAYOUT.fingerprint_hex],
+        medium="peer",
+        peer="holder",
+        directory=holder_directory,
+        withdrawal_backlog=2,
+    )
+    reader = peer_index(reader_directory, "reader")
+    old = [bytes([1, n]) * 16 for n in range(4)]
+    store(holder, old)
+
+    with fault_server.paused():
+        # Four saves, each evicting an old block (least recently used first).
+        finishes_within(BOUND_S, lambda: [store(holder, [bytes([2, n]) * 16]) for n in range(4)])
+    wait_until(lambda: holder_directory.is_available, "the probe to find the directory back")
+    counters = holder.take_counters()  # the first step with the directory back
+
+    assert counters["peer_withdrawals_dropped"] == 2
+    # The two oldest withdrawals were dropped: those entries stay until they
+    # expire (a reader refuses what it pulls from them); the others went. The
+    # oldest was sent first, given up on at its deadline, and may have been
+    # made once the server answered again.
+    assert found_by(reader, old)[1:] == [True, False, False]
+
+
 def test_a_hung_directory_is_warned_about_once_by_its_server_without_the_password(
     fault_server: RedisServer, key_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:

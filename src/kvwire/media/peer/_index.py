@@ -58,6 +58,7 @@ class PeerIndex(CPUPoolIndex):
     ``fingerprints``: each KV cache group's name in the directory (the
     split's, :func:`~kvwire.media.peer._split.split_fingerprints`). A block
     is announced once, for every rank: its slot is the same on each.
+    ``withdrawal_backlog``: how many withdrawals an outage may hold back.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class PeerIndex(CPUPoolIndex):
         medium: str,
         peer: str,
         directory: PeerDirectory,
+        withdrawal_backlog: int = WITHDRAWAL_BACKLOG,
     ) -> None:
         super().__init__(num_slots, len(fingerprints), medium)
         self._fingerprints = tuple(fingerprints)
@@ -86,6 +88,7 @@ class PeerIndex(CPUPoolIndex):
         self._unannounced: dict[tuple[int, BlockHash], None] = {}
         # Withdrawals not made yet (key, location), oldest first.
         self._unwithdrawn: collections.deque[tuple[str, Location]] = collections.deque()
+        self._withdrawal_backlog = withdrawal_backlog
         self._withdrawals_dropped = 0
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
@@ -198,7 +201,7 @@ class PeerIndex(CPUPoolIndex):
             return
         # Oldest first out: those are the likeliest to have expired already.
         self._unwithdrawn.extend(entries)
-        excess = len(self._unwithdrawn) - WITHDRAWAL_BACKLOG
+        excess = len(self._unwithdrawn) - self._withdrawal_backlog
         for _ in range(max(0, excess)):
             self._unwithdrawn.popleft()
         self._withdrawals_dropped += max(0, excess)
