@@ -124,32 +124,14 @@ def test_failed_asynchronous_loads_in_a_small_kv_cache_are_computed_and_every_re
 
 
 @pytest.mark.slow
-def test_asynchronous_loads_past_their_deadline_on_a_hybrid_model_finish_every_request(
-    tiny_hybrid_model: str, redis_url: str
-) -> None:
-    # vLLM recomputes a failed asynchronous load of a hybrid model from its
-    # first token and looks it up again: the sliding-window groups' path.
-    config = kvwire_transfer_config(redis_async_profile(redis_url, load_timeout_s=1e-6))
-    prompts = shared_prompts()
-    with running_llm(tiny_hybrid_model, config) as llm:
-        cold = cold_pass(llm, prompts)
-        with counting_recoveries() as recoveries:
-            warm, cached = generate_within(llm, prompts, PASS_LIMIT_S)
-        failed = counter(llm, "loads_failed")
-    assert warm == cold
-    assert cached == [0] * len(prompts)
-    assert failed == len(prompts)
-    # vLLM recomputes the failed requests of a hybrid model without a warning.
-    assert recoveries.count == 0
-
-
-@pytest.mark.slow
 def test_a_tier_whose_load_failed_lets_the_next_tier_serve_the_request_on_a_hybrid_model(
     tiny_hybrid_model: str, redis_url: str, tmp_path: pathlib.Path
 ) -> None:
-    # kvwire's MultiConnector: Redis first (every load past its deadline),
-    # then a directory. The request looked up again after Redis's failed
-    # load is served by the directory: only Redis stops offering it.
+    # vLLM recomputes a failed asynchronous load of a hybrid model from its
+    # first token and looks the request up again: the sliding-window groups'
+    # path. kvwire's MultiConnector: Redis first (every load past its
+    # deadline), then a directory. The request looked up again after Redis's
+    # failed load is served by the directory: only Redis stops offering it.
     redis = redis_async_profile(redis_url, load_timeout_s=1e-6)["kv_transfer_config"]
     directory = profile_with_directory("shared-storage.yaml", tmp_path)["kv_transfer_config"]
     directory["kv_connector_extra_config"]["async_load"] = True

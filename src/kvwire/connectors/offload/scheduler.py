@@ -82,6 +82,8 @@ class OffloadScheduler:
         self._medium = medium
         self._warn = RateLimitedWarning(logger)
         self._breaker = load_breaker if load_breaker is not None else LoadBreaker(medium)
+        # Bound once: a lookup per request and step passes one of the two.
+        self._count_held = self._count_held_prefix
         self._planner = planner
         self._num_groups = num_groups
         self._async_load = async_load
@@ -108,7 +110,7 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        count = self._count_held_prefix if self._breaker.offers_hits() else _held_nowhere
+        count = self._count_held if self._breaker.offers_hits() else _held_nowhere
         hits = self._planner.look_up(request, num_computed_tokens, count)
         return hits * self._planner.block_size, self._async_load and hits > 0
 
