@@ -199,3 +199,11 @@ def test_a_request_s_load_over_several_groups_counts_as_one_load():
         KVConnectorOutput(invalid_block_ids={FULL_IDS[0], SLIDING_IDS[5]})
     )
     assert load_breaker.take_counters()["loads_failed"] == 1
+
+
+def test_a_load_planned_before_the_pause_that_ends_sound_ends_it():
+    clock = Clock()
+    load_breaker = breaker(clock)
+    fail(load_breaker, 3)
+    load_breaker.load_ended(failed=False)
+    assert load_breaker.offers_hits()

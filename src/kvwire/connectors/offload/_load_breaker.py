@@ -8,7 +8,8 @@ costs its request the wait, then the recomputation. After
 offer no hits (the lookups answer "miss" at once, as the Redis store's and
 the peer directory's calls do while their server is down) for ``pause_s``; then
 the next load is a probe: the lookups miss again until it ends, a sound
-probe ends the pause, a failed one starts the next. Warnings are
+probe ends the pause, a failed one starts the next (a load planned before
+the pause that ends sound ends it too). Warnings are
 rate-limited; :meth:`LoadBreaker.take_counters` counts the requests' loads
 that failed (``loads_failed``), the pauses (``load_pauses``) and the lookups
 answered "miss" during them (``lookups_paused``).
