@@ -41,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from kvwire.exceptions import KVWireError
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ _ABANDONED_NS = 3600 * 1_000_000_000
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
-class FileChangedError(OSError):
+class FileChangedError(KVWireError, OSError):
     """The file changed while it was being read: its digest names no one version of it."""
 
 

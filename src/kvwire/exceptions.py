@@ -104,6 +104,7 @@ _DEFINED_ELSEWHERE = {
     "CorruptBlockError": "kvwire.blocks.format",
     "DeadlineExceeded": "kvwire.media.store.redis._wire",
     "ExtraConfigError": "kvwire.config.extra_config",
+    "FileChangedError": "kvwire._file_digests",
     "FileRefused": "kvwire.config.bounded_file",
     "JobAbandoned": "kvwire.media._transfer_jobs",
     "LateWriteError": "kvwire.media.store.base",
@@ -117,11 +118,13 @@ _DEFINED_ELSEWHERE = {
     "RoleViolationError": "kvwire.testing.instruments",
     "StoreReplyError": "kvwire.media.store.base",
     "UnknownMediumError": "kvwire.registry.media",
+    "UnreadableWeightsError": "kvwire.model_identity",
     "ValueRefused": "kvwire.config.extra_config",
     "WorkerProcessError": "kvwire.engine.worker_process",
 }
 
 if TYPE_CHECKING:
+    from kvwire._file_digests import FileChangedError
     from kvwire.blocks.format import CorruptBlockError
     from kvwire.blocks.mac import MacKeyError
     from kvwire.config.bounded_file import FileRefused
@@ -134,7 +137,7 @@ if TYPE_CHECKING:
     from kvwire.media.store.base import LateWriteError, StoreReplyError
     from kvwire.media.store.redis._settings import RedisSettingsError
     from kvwire.media.store.redis._wire import DeadlineExceeded
-    from kvwire.model_identity import ModelIdentityError
+    from kvwire.model_identity import ModelIdentityError, UnreadableWeightsError
     from kvwire.plugin_calls import PluginExit
     from kvwire.registry.connectors import ModulePathError
     from kvwire.registry.media import UnknownMediumError
@@ -149,6 +152,7 @@ __all__ = [
     "CorruptBlockError",
     "DeadlineExceeded",
     "ExtraConfigError",
+    "FileChangedError",
     "FileRefused",
     "JobAbandoned",
     "KVWireError",
@@ -165,6 +169,7 @@ __all__ = [
     "RoleViolationError",
     "StoreReplyError",
     "UnknownMediumError",
+    "UnreadableWeightsError",
     "VLLMConfigError",
     "ValueRefused",
     "WorkerProcessError",
