@@ -1,43 +1,100 @@
 """kvwire: KV-cache connectors for LLM inference engines, built through dependency injection.
 
-This package only re-exports the public names; importing it imports neither
-torch nor any connector module. The other import points are
-:mod:`kvwire.media` (writing a medium), :mod:`kvwire.testing` (the
-conformance kit), :mod:`kvwire.vllm` (the vLLM adapter) and
-:mod:`kvwire.exceptions` (every error kvwire raises).
+This package only re-exports the public names, each imported on first use:
+importing it imports nothing else of kvwire, and never torch or a connector.
+The other import points are :mod:`kvwire.media` (writing a medium),
+:mod:`kvwire.testing` (the conformance kit), :mod:`kvwire.vllm` (the vLLM
+adapter) and :mod:`kvwire.exceptions` (every error kvwire raises).
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from kvwire._moved import install_moved_module_finder
-from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
-from kvwire.config.profile import load_profile
-from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
-from kvwire.exceptions import KVWireError
-from kvwire.factory import KVConnectorFactory
-from kvwire.hma import HMADecision
-from kvwire.interface.base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    SupportsHMA,
-    supports_hma,
-)
-from kvwire.interface.types import (
-    ForwardContext,
-    KVCacheBlocks,
-    Request,
-    ScheduledRequest,
-    SchedulerOutput,
-)
-from kvwire.registry import ConnectorRegistry, default_registry
 
-try:
+# Each public name and the module that defines it, imported on first use: a
+# project that has kvwire installed pays nothing for it (pytest loads
+# kvwire's plugin in every such project) until it uses a name.
+_EXPORTS = {
+    "ConnectorRegistry": "kvwire.registry",
+    "EngineConfig": "kvwire.config",
+    "ForwardContext": "kvwire.interface.types",
+    "HMADecision": "kvwire.hma",
+    "KVCacheBlocks": "kvwire.interface.types",
+    "KVCacheConfig": "kvwire.config.kv_cache",
+    "KVConnectorBase": "kvwire.interface.base",
+    "KVConnectorContainer": "kvwire.container",
+    "KVConnectorFactory": "kvwire.factory",
+    "KVConnectorMetadata": "kvwire.interface.base",
+    "KVConnectorRole": "kvwire.interface.base",
+    "KVTransferConfig": "kvwire.config",
+    "KVWireError": "kvwire.exceptions",
+    "Request": "kvwire.interface.types",
+    "ScheduledRequest": "kvwire.interface.types",
+    "SchedulerConfig": "kvwire.config",
+    "SchedulerOutput": "kvwire.interface.types",
+    "SupportsHMA": "kvwire.interface.base",
+    "build_full_attention_kv_cache_config": "kvwire.config.kv_cache",
+    "container_for_profile": "kvwire.container",
+    "declare_role": "kvwire.container",
+    "default_registry": "kvwire.registry",
+    "load_profile": "kvwire.config.profile",
+    "supports_hma": "kvwire.interface.base",
+}
+
+if TYPE_CHECKING:
+    from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
+    from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
+    from kvwire.config.profile import load_profile
+    from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
+    from kvwire.exceptions import KVWireError
+    from kvwire.factory import KVConnectorFactory
+    from kvwire.hma import HMADecision
+    from kvwire.interface.base import (
+        KVConnectorBase,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        SupportsHMA,
+        supports_hma,
+    )
+    from kvwire.interface.types import (
+        ForwardContext,
+        KVCacheBlocks,
+        Request,
+        ScheduledRequest,
+        SchedulerOutput,
+    )
+    from kvwire.registry import ConnectorRegistry, default_registry
+
+    __version__: str
+
+
+def __getattr__(name: str) -> object:
+    if name == "__version__":
+        value: object = _installed_version()
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'kvwire' has no attribute {name!r}")
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, "__version__"})
+
+
+def _installed_version() -> str:
     # The one place the version is written is pyproject.toml; installed, it is the metadata's.
-    __version__ = version("kvwire")
-except PackageNotFoundError:  # imported from a source tree that was never installed
-    __version__ = "0+unknown"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvwire")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
 
 __all__ = [
     "ConnectorRegistry",

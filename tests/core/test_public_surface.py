@@ -94,3 +94,37 @@ def test_every_public_exception_kvwire_defines_is_reachable_from_kvwire_exceptio
     )
     assert unreachable == []
     assert {cls.__name__ for cls in public} <= set(kvwire.exceptions.__all__)
+
+
+def test_kvwires_pytest_plugin_costs_a_project_that_does_not_use_it_nothing(
+    tmp_path: Path,
+) -> None:
+    # pytest loads the plugin (entry point pytest11) in every project that has
+    # kvwire installed: it imports no more of kvwire than the package itself.
+    probe = (
+        "import sys, kvwire.testing.plugin\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('kvwire', 'torch', 'redis', 'dependency_injector', 'attrs', 'cattrs', 'yaml')))\n"
+    )
+    imported = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    (tmp_path / "test_unrelated.py").write_text("def test_nothing():\n    pass\n")
+    session = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_unrelated.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+    assert imported.stdout.split() == [
+        "['kvwire',",
+        "'kvwire._moved',",
+        "'kvwire.testing',",
+        "'kvwire.testing.plugin']",
+    ]
+    # Nothing of the plugin's own in the output (pytest's header, left out by -q,
+    # lists every installed plugin by name).
+    assert "kvwire" not in session.stdout.lower().replace(str(tmp_path).lower(), "")
