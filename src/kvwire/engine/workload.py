@@ -163,7 +163,8 @@ def _check_length(request: GenerationRequest, where: str, max_model_len: int) ->
         raise ValueError(
             f"{where}: the prompt ({prompt_len} tokens) and max_tokens ({request.max_tokens}) "
             f"exceed model_config.max_model_len ({max_model_len}); shorten the prompt or "
-            "max_tokens, or raise max_model_len in the profile"
+            "max_tokens (the default of a line without one), or raise max_model_len in the "
+            "profile"
         )
 
 

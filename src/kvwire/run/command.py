@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 DEFAULT_PROFILE = "run/default_profile.yaml"
 
 # The workload is built in memory before it runs, and kept (every pass's
-# outputs are compared): these bounds keep it to a few GiB at most. A run
-# at any bound takes days on a CPU engine; nothing larger would finish.
+# outputs are compared): these bounds keep it to a few GiB at most, and a
+# run at them already takes hours on the CPU engine.
 MAX_REQUESTS = 100_000
 # Prompt and output tokens, summed over the requests.
 MAX_WORKLOAD_TOKENS = 2**24
