@@ -79,6 +79,20 @@ class ShortReplyStore(DictStore):
         return super().put(keys, entries)[:-1]
 
 
+class RaisingRemovedKeysStore(DictStore):
+    """Its ``take_removed_keys``, asked after every save, raises."""
+
+    def take_removed_keys(self) -> list[str]:
+        raise ConnectionError(LEAKY_MESSAGE)
+
+
+class RaisingDiscardStore(DictStore):
+    """Its ``discard``, asked to drop the entries a reader found corrupt, raises."""
+
+    def discard(self, keys: Sequence[str]) -> None:
+        raise ConnectionError(LEAKY_MESSAGE)
+
+
 class DictMedium(StoreMedium[DictStore]):
     """A third-party medium over whichever store class ``store_class`` names."""
 
@@ -99,3 +113,11 @@ class ExitingMedium(DictMedium):
 
 class ShortReplyMedium(DictMedium):
     store_class = ShortReplyStore
+
+
+class RaisingRemovedKeysMedium(DictMedium):
+    store_class = RaisingRemovedKeysStore
+
+
+class RaisingDiscardMedium(DictMedium):
+    store_class = RaisingDiscardStore

@@ -21,7 +21,9 @@ from tests.support.misbehaving_stores import (
     DictMedium,
     DictStore,
     ExitingMedium,
+    RaisingDiscardMedium,
     RaisingMedium,
+    RaisingRemovedKeysMedium,
     ShortReplyMedium,
 )
 
@@ -110,3 +112,44 @@ def test_a_short_put_reply_counts_its_blocks_unsaved_and_says_what_the_store_ans
     # kvwire's own zip() never sees the reply: no error of kvwire's about lengths.
     assert not any("zip()" in message for message in messages)
     assert all(record.exc_info is None for record in store_warnings(caplog))
+
+
+def test_a_store_whose_take_removed_keys_raises_still_saves_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        _outputs, stats = run(RaisingRemovedKeysMedium)
+    # The entries were written: only the report of what the store removed is lost.
+    assert stats["blocks_saved"] > 0 and stats.get("save_errors", 0) == 0
+    records = store_warnings(caplog)
+    messages = [record.getMessage() for record in records]
+    assert any(
+        "plugin-store store: RaisingRemovedKeysStore.take_removed_keys raised ConnectionError: "
+        "lost redis://u:***@h" in message
+        for message in messages
+    ), messages
+    assert all(record.exc_info is None for record in records), messages
+    assert not any(SECRET in message for message in messages)
+
+
+def test_a_store_whose_discard_raises_leaves_its_corrupt_entries_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reference = tokens(generate(tiny_config(), workload()))
+    generate(plugin_config(DictMedium), workload())
+    # Every stored entry damaged: each load fails its check, and is to be discarded.
+    for key, entry in list(DictStore.entries.items()):
+        DictStore.entries[key] = entry[:-1] + bytes([entry[-1] ^ 0xFF])
+    with caplog.at_level(logging.WARNING):
+        outputs, stats = run(RaisingDiscardMedium)
+    assert tokens(outputs) == reference
+    assert stats["corrupt_entries"] > 0
+    records = store_warnings(caplog)
+    messages = [record.getMessage() for record in records]
+    assert any(
+        "plugin-store store: RaisingDiscardStore.discard raised ConnectionError: "
+        "lost redis://u:***@h" in message
+        for message in messages
+    ), messages
+    assert all(record.exc_info is None for record in records), messages
+    assert not any(SECRET in message for message in messages)

@@ -489,10 +489,18 @@ class StoreTransferHandler(TransferHandler):
         return False
 
     def _discard(self, group: int, hashes: list[BlockHash]) -> None:
+        keys = [self._keys.key(group, block_hash) for block_hash in hashes]
+        call = f"{type(self._store).__name__}.discard"
         try:
-            self._store.discard([self._keys.key(group, block_hash) for block_hash in hashes])
-        except Exception:
-            logger.exception("discarding %d corrupt entries failed", len(hashes))
+            self._store_call(call, functools.partial(self._store.discard, keys))
+        except _StoreCallFailed as error:
+            self._warn.warn(
+                "discard-raised",
+                "%s store: %s; %d corrupt entries stay (each fails its check again when read)",
+                self._medium,
+                error,
+                len(keys),
+            )
         self._record_events()
 
     # ---------------------------------------------------------------- events
@@ -518,12 +526,25 @@ class StoreTransferHandler(TransferHandler):
             # Under the same lock, after this write's blocks: an entry evicted
             # once written is reported removed after it was reported stored.
             removed: dict[int | None, list[BlockHash]] = {}
-            for key in self._store.take_removed_keys():
+            for key in self._removed_keys():
                 block = self._keys.block_of(key)
                 if block is not None:
                     removed.setdefault(block[1], []).append(block[0])
             for removed_group, hashes in removed.items():
                 self._events.append(BlockRemoved(tuple(hashes), self._medium, removed_group))
+
+    def _removed_keys(self) -> list[str]:
+        call = f"{type(self._store).__name__}.take_removed_keys"
+        try:
+            return self._store_call(call, lambda: list(self._store.take_removed_keys()))
+        except _StoreCallFailed as error:
+            self._warn.warn(
+                "removed-keys-raised",
+                "%s store: %s; the entries it removed are not reported in the KV cache events",
+                self._medium,
+                error,
+            )
+            return []
 
     # ----------------------------------------------------------------- saves
 
