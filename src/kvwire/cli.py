@@ -35,7 +35,6 @@ from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import SHOWN_LENGTH, RedactingFilter, scrub, secret_values, shown
 from kvwire.registry import (
     ConnectorRegistry,
-    ModulePathError,
     accepts_connector_builder,
     default_registry,
 )
@@ -318,11 +317,9 @@ def _child_lines(
             # engine_id and kv_role default to the parent's, as vLLM's composite does.
             inherited = {"engine_id": transfer.engine_id, "kv_role": transfer.kv_role}
             child_config = KVTransferConfig(**{**inherited, **child})
-            registry.check_module_path(child_config, where)
+            # Its module path was checked with its parent's (check_module_path).
             child_cls = registry.resolve(child_config)
             supported = registry.class_supports_hma(child_cls, child_config)
-        except ModulePathError:
-            raise  # it names the child's field already
         except _USER_ERRORS as error:
             raise ValueError(f"{where}: {error}") from error
         line = (

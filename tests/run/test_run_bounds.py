@@ -400,3 +400,24 @@ def test_a_connector_constructor_that_calls_sys_exit_is_its_error_not_the_runs_e
         "kvwire run: error: kv_transfer_config.kv_connector: ExitingConstructorConnector() "
         "raised SystemExit: lost redis://u:***@h\n"
     )
+
+
+def test_a_composite_childs_bad_module_path_is_named_by_the_childs_field(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: MultiConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config:\n"
+        "    connectors:\n"
+        "    - {kv_connector: CPUOffloadConnector, kv_connector_extra_config: "
+        "{cpu_pool_bytes: 1MiB}}\n"
+        "    - {kv_connector: SharedStorageConnector, kv_connector_module_path: no.such.mod}\n"
+    )
+    assert cli.main(["run", str(profile), "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "kvwire run: error: kv_transfer_config.kv_connector_extra_config.connectors[1]"
+        ".kv_connector_module_path: cannot import 'no.such.mod': ModuleNotFoundError"
+    )

@@ -23,7 +23,7 @@ import importlib
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers
@@ -38,7 +38,7 @@ from kvwire.exceptions import (
 )
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import shown
+from kvwire.redaction import shown, shown_key
 from kvwire.registry._names import PluginNames, PluginSource, RegisteredPlugin, is_module_path
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
@@ -295,10 +295,33 @@ class ConnectorRegistry:
         module path is a :class:`ModulePathError` naming ``where``'s
         ``kv_connector_module_path``, with the module's message redacted,
         whatever the module raised at import (a ``sys.exit()`` included).
-        Nothing happens when the field is unset or empty (:meth:`resolve`
-        refuses an empty one in vLLM's words).
+        The children a composite lists vLLM's way (``connectors`` in its
+        extra config) are checked too, each named by its own path. Nothing
+        happens for a field unset or empty (:meth:`resolve` refuses an empty
+        one in vLLM's words).
         """
-        module_path = kv_transfer_config.kv_connector_module_path
+        self._check_module_path(
+            kv_transfer_config.kv_connector_module_path, kv_transfer_config.kv_connector, where
+        )
+        self._check_children_module_paths(kv_transfer_config.kv_connector_extra_config, where, 1)
+
+    def _check_children_module_paths(self, extra_config: object, where: str, depth: int) -> None:
+        children = extra_config.get("connectors") if isinstance(extra_config, Mapping) else None
+        if not isinstance(children, list) or depth > MAX_COMPOSITE_DEPTH:
+            return  # no children, or nested past what resolving them will refuse
+        for index, child in enumerate(children):
+            if not isinstance(child, Mapping):
+                continue  # the composite's own checks say what is wrong with it
+            child_where = f"{where}.kv_connector_extra_config.connectors[{index}]"
+            module_path = child.get("kv_connector_module_path")
+            if isinstance(module_path, str):
+                self._check_module_path(module_path, child.get("kv_connector"), child_where)
+            self._check_children_module_paths(
+                child.get("kv_connector_extra_config"), child_where, depth + 1
+            )
+
+    @staticmethod
+    def _check_module_path(module_path: str | None, class_name: object, where: str) -> None:
         if not module_path:
             return
         field = f"{where}.kv_connector_module_path"
@@ -312,7 +335,8 @@ class ConnectorRegistry:
         try:
             with contained_exits():
                 module = importlib.import_module(module_path)
-                found = hasattr(module, str(kv_transfer_config.kv_connector))
+                # A name that is no string is the composite's own checks' to report.
+                found = not isinstance(class_name, str) or hasattr(module, class_name)
         except Exception as error:
             raise ModulePathError(
                 f"{field}: cannot import {shown(module_path)}: {plugin_message(error)}; "
@@ -320,7 +344,7 @@ class ConnectorRegistry:
             ) from None
         if not found:
             raise ModulePathError(
-                f"{field}: Class {kv_transfer_config.kv_connector} not found in {module_path}; "
+                f"{field}: Class {shown_key(class_name)} not found in {shown_key(module_path)}; "
                 f"expected a module defining the class {name_field} names"
             )
 
