@@ -68,8 +68,8 @@ class _SaveCursor:
     # Per sliding-window group: branch-window positions not saved yet (those
     # the request has not computed yet wait for the step that computes them).
     branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
-    # The block positions this planner's last load of the request filled.
-    loaded: range = range(0)
+    # Blocks before this position were the engine's own at allocation (its local hit).
+    local_blocks: int = 0
 
 
 class BlockPlanner:
@@ -222,7 +222,11 @@ class BlockPlanner:
         else:
             first_unsaved = lookup.first_block + lookup.hit_blocks
             self._save_cursors[request.request_id] = _SaveCursor(
-                request, [first_unsaved] * len(self._groups), all_block_ids, lookup.branch_windows
+                request,
+                [first_unsaved] * len(self._groups),
+                all_block_ids,
+                lookup.branch_windows,
+                local_blocks=lookup.first_block,
             )
         num_blocks = num_external_tokens // self._block_size
         if num_blocks <= 0:
@@ -234,7 +238,6 @@ class BlockPlanner:
                 f"{lookup.hit_blocks * self._block_size}"
             )
         start, end = lookup.first_block, lookup.first_block + num_blocks
-        self._save_cursors[request.request_id].loaded = range(start, end)
         loads = []
         for group in self._groups:
             needed = group.needed_positions(end)
@@ -250,11 +253,16 @@ class BlockPlanner:
         The engine computes a request again from its first failed block, in
         every group; the medium no longer holds a good copy of it (the
         connector drops a corrupt entry), so that block and the following
-        ones are saved anew. A failed block this planner loaded, and every
-        block after it, is never offered to that request again (see
-        :meth:`look_up`): the engine may look the request up again at once
-        (vLLM does after a failed asynchronous load), and a load that failed
-        for want of time or of a sound entry would fail again.
+        ones are saved anew. The first failed block beyond the request's
+        local hit, and every block after it, is never offered to that
+        request again (see :meth:`look_up`), whichever connector loaded it:
+        the engine may look the request up again at once (vLLM does after a
+        failed asynchronous load, keeping the request at the head of its
+        queue of requests that hold blocks), a load that failed for want of
+        time or of a sound entry would fail again, and a new asynchronous
+        load of it, from any medium, can stall vLLM's admission there when
+        the KV cache is short (it reserves blocks for the loads queued
+        behind the request, and stops at the first request it cannot admit).
         """
         if not block_ids:
             return
@@ -272,12 +280,11 @@ class BlockPlanner:
                 cursor.next_block_to_save = [
                     min(position, first_failed) for position in cursor.next_block_to_save
                 ]
-                # Only this planner's own load: another medium in a composite may
-                # still serve the blocks another one failed to load.
-                own = [position for position in failed if position in cursor.loaded]
-                if own:
-                    self._remember_failed_load(request_id, min(own))
-                cursor.loaded = range(0)
+                # Blocks of the local hit are reported with a failed request's
+                # others (vLLM's adapter on a hybrid model): they loaded nothing.
+                loaded = [position for position in failed if position >= cursor.local_blocks]
+                if loaded:
+                    self._remember_failed_load(request_id, min(loaded))
 
     def _remember_failed_load(self, request_id: str, position: int) -> None:
         starts = self._failed_load_starts

@@ -14,10 +14,13 @@ make (released, or left out after a failed load) come back in
 settled as failed: the index never publishes them.
 
 A load that failed is never offered to its request again, from its first
-failed block on (the planner remembers where, until the request finishes):
-vLLM looks a request up again as soon as its asynchronous load failed, and
-the same load would fail the same way. A medium whose loads keep failing
-has its hits withheld for a while (:mod:`kvwire.connectors.offload._load_breaker`).
+failed block on, whichever medium made it (the planner remembers where,
+until the request finishes): vLLM looks a request up again as soon as its
+asynchronous load failed, the same load would fail the same way, and any
+new asynchronous load of it can stall vLLM's admission when the KV cache is
+short (see :meth:`~kvwire.connectors.offload._planner.BlockPlanner.loads_failed`).
+A medium whose loads keep failing has its hits withheld for a while
+(:mod:`kvwire.connectors.offload._load_breaker`).
 """
 
 from __future__ import annotations
