@@ -5,15 +5,15 @@ holds the blocks but cannot send them within ``load_timeout_s``, a disk
 whose entries all fail their checksum, a peer that vanished. Each such load
 costs its request the wait, then the recomputation. After
 ``failures_to_pause`` loads in a row failed, :class:`LoadBreaker` says to
-offer no hits (the lookups answer "miss" at once, without asking the medium,
-as :class:`~kvwire.media._outage.OutageTracker` answers for a server that is
-down) for ``pause_s``; then
-the next load is a probe: the lookups miss again until it ends, a sound
-probe ends the pause, a failed one starts the next (a load planned before
-the pause that ends sound ends it too). Warnings are
-rate-limited; :meth:`LoadBreaker.take_counters` counts the requests' loads
-that failed (``loads_failed``), the pauses (``load_pauses``) and the lookups
-answered "miss" during them (``lookups_paused``).
+offer no hits for ``pause_s``: the lookups answer "miss" at once, without
+asking the medium, as :class:`~kvwire.media._outage.OutageTracker` answers
+for a server that is down. Then the next load is a probe: the lookups miss
+again until it ends, a sound probe ends the pause, a failed one starts the
+next (a load planned before the pause that ends sound ends it too).
+Warnings are rate-limited; :meth:`LoadBreaker.take_counters` counts the
+requests' loads that failed (``loads_failed``), the pauses
+(``load_pauses``) and the lookups answered "miss" during them
+(``lookups_paused``).
 
 Unlike a server's outage, there is nothing to probe but a load, and loads
 are the engine's to schedule: so no probe callable and no thread (which the
