@@ -88,7 +88,7 @@ from kvwire.media.store.base import (
     StoreReplyError,
     checked_write_results,
 )
-from kvwire.plugin_calls import contained_exits, plugin_message
+from kvwire.plugin_calls import plugin_message
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -432,17 +432,23 @@ class StoreTransferHandler(TransferHandler):
         """``action()``, a call into the store; what it raises becomes :class:`_StoreCallFailed`.
 
         ``JobAbandoned`` passes: the gate raises it to stop a store's writes.
-        A ``sys.exit()`` or ``KeyboardInterrupt`` inside the store is its
-        failure too (these threads take no signal).
+        A ``sys.exit()`` inside the store is its failure too. Called once per
+        entry read, so no signal bookkeeping (:func:`kvwire.plugin_calls.contained_exits`):
+        these threads take no signal, and on the main thread a
+        ``KeyboardInterrupt`` is left to the program, as a Ctrl-C.
         """
         try:
-            with contained_exits():
-                return action()
+            return action()
         except JobAbandoned:
             raise
         except StoreReplyError as error:
             raise _StoreCallFailed(str(error)) from None
         except Exception as error:
+            raise _StoreCallFailed(f"{call} raised {plugin_message(error)}") from None
+        except BaseException as error:
+            on_main_thread = threading.current_thread() is threading.main_thread()
+            if on_main_thread and isinstance(error, KeyboardInterrupt):
+                raise
             raise _StoreCallFailed(f"{call} raised {plugin_message(error)}") from None
 
     def _answers(
