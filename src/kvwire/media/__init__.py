@@ -1,10 +1,10 @@
 """Media: where block connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
 
 What a medium author needs is importable from here: the interface
-(:class:`Medium` and its two halves), the key-value store base
-(:class:`StoreMedium` over a :class:`BlockStore`), the typed
-``kv_connector_extra_config`` keys a medium declares, and the errors a store
-raises. Importing this package imports neither torch nor any built-in medium.
+([`Medium`][kvwire.media.Medium] and its two halves), the key-value store base
+([`StoreMedium`][kvwire.media.StoreMedium] over a [`BlockStore`][kvwire.media.BlockStore]), the
+typed `kv_connector_extra_config` keys a medium declares, and the errors a store raises. Importing
+this package imports neither torch nor any built-in medium.
 """
 
 from kvwire.blocks.format import BlockLayout, CorruptBlockError

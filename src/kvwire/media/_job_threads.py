@@ -1,12 +1,12 @@
 """A pool of daemon threads for transfer jobs, which never holds up the process's exit.
 
-``concurrent.futures.ThreadPoolExecutor`` joins its threads when the
+`concurrent.futures.ThreadPoolExecutor` joins its threads when the
 interpreter exits, without a deadline: one job stuck in a store that never
-answers (given up on long before, see :mod:`kvwire.media._transfer_jobs`)
+answers (given up on long before, see `kvwire.media._transfer_jobs`)
 would keep the process from ever exiting. These threads are daemons: at exit
 a job still running is dropped, as its caller has already counted it failed.
-Same calls as the executor: :meth:`JobThreads.submit` returns a
-:class:`~concurrent.futures.Future`, :meth:`JobThreads.shutdown` cancels what
+Same calls as the executor: `JobThreads.submit` returns a
+`Future`, `JobThreads.shutdown` cancels what
 has not started.
 """
 
@@ -27,7 +27,7 @@ _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
 class JobThreads:
-    """``num_threads`` daemon threads named ``name-N``; each runs ``initializer`` first."""
+    """`num_threads` daemon threads named `name-N`; each runs `initializer` first."""
 
     def __init__(
         self, num_threads: int, name: str, initializer: Callable[[], object] | None = None
@@ -44,7 +44,7 @@ class JobThreads:
             thread.start()
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
-        """Run ``fn(*args)`` on a free thread; its future."""
+        """Run `fn(*args)` on a free thread; its future."""
         future: Future[_T] = Future()
         with self._lock:
             if self._shut_down:

@@ -1,18 +1,18 @@
 """The load jobs of a transfer handler: their pieces, their outcomes, giving up at a deadline.
 
-A handler runs each load :class:`~kvwire.media.base.TransferJob` as pieces
-(:class:`~kvwire.media._transfer_jobs.BlockJob`, with the block ids they
-write, and those that failed) on its threads; :class:`LoadLedger` keeps the
+A handler runs each load [`TransferJob`][kvwire.media.TransferJob] as pieces
+(`BlockJob`, with the block ids they
+write, and those that failed) on its threads; `LoadLedger` keeps the
 rest. A job ends once its last piece ended, or once its deadline passed,
 when every block of a piece still running is failed. Either way, a piece
-given up on writes nothing more into the cache: :meth:`BlockJob.abandon`
+given up on writes nothing more into the cache: `BlockJob.abandon`
 stops its writes under the piece's lock, and a medium whose writes are
-system calls the lock cannot stop closes its own gate in ``after_abandon``
-(which may raise, as :class:`~kvwire.media.store.base.LateWriteError`
+system calls the lock cannot stop closes its own gate in `after_abandon`
+(which may raise, as [`LateWriteError`][kvwire.media.LateWriteError]
 does, once every piece was given up on).
 
 Which request a job serves and which step waits for it is the connector's
-bookkeeping (:class:`~kvwire.connectors.offload.transfer_book.TransferBook`).
+bookkeeping (`TransferBook`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ PieceT = TypeVar("PieceT", bound=BlockJob)
 class LoadJob(Generic[PieceT]):
     """A load job in flight: its pieces, how many have not ended, what failed so far.
 
-    ``remaining`` starts at one for the submission itself, so the job
-    cannot end before its last piece is submitted (:meth:`LoadLedger.submitted`).
+    `remaining` starts at one for the submission itself, so the job
+    cannot end before its last piece is submitted (`LoadLedger.submitted`).
     """
 
     job_id: int
@@ -52,14 +52,14 @@ class LoadJob(Generic[PieceT]):
 
 
 class LoadLedger(Generic[PieceT]):
-    """A handler's load jobs in flight, and those ended but not yet reported by ``poll``.
+    """A handler's load jobs in flight, and those ended but not yet reported by `poll`.
 
-    ``counters`` gets ``load_errors`` and ``load_timeouts`` for the blocks of
+    `counters` gets `load_errors` and `load_timeouts` for the blocks of
     pieces given up on at their deadline, warned about (rate-limited, through
-    ``warn``) with ``label`` before the message. ``after_abandon(piece)`` runs
+    `warn`) with `label` before the message. `after_abandon(piece)` runs
     for each piece given up on (see the module). The handler calls
-    :meth:`begin`, :meth:`add` and :meth:`submitted` as it submits a job, and
-    :meth:`piece_ended` from a piece that ended by itself.
+    `begin`, `add` and `submitted` as it submits a job, and
+    `piece_ended` from a piece that ended by itself.
     """
 
     def __init__(
@@ -83,24 +83,24 @@ class LoadLedger(Generic[PieceT]):
     # ------------------------------------------------------------ submitting
 
     def begin(self, job_id: int, deadline: float) -> LoadJob[PieceT]:
-        """The load job ``job_id``, to add pieces to."""
+        """The load job `job_id`, to add pieces to."""
         job: LoadJob[PieceT] = LoadJob(job_id, deadline)
         with self._lock:
             self._running[job_id] = job
         return job
 
     def add(self, job: LoadJob[PieceT], piece: PieceT) -> None:
-        """``piece`` is one of ``job``'s; add it before submitting it."""
+        """`piece` is one of `job`'s; add it before submitting it."""
         with self._lock:
             job.pieces.append(piece)
             job.remaining += 1
 
     def submitted(self, job: LoadJob[PieceT]) -> None:
-        """Every piece of ``job`` is submitted: it ends once they all ended."""
+        """Every piece of `job` is submitted: it ends once they all ended."""
         self._count_down(job, ())
 
     def piece_ended(self, job: LoadJob[PieceT], piece: PieceT) -> None:
-        """``piece`` of ``job`` ended by itself (its ``end()`` won): its failures count."""
+        """`piece` of `job` ended by itself (its `end()` won): its failures count."""
         self._count_down(job, piece.failed)
 
     def _count_down(self, job: LoadJob[PieceT], failed: Iterable[int]) -> None:
@@ -113,14 +113,14 @@ class LoadLedger(Generic[PieceT]):
                 self._finish(job)
 
     def _finish(self, job: LoadJob[PieceT]) -> None:
-        """Under the lock: ``job`` ended; :meth:`take_ended` reports it."""
+        """Under the lock: `job` ended; `take_ended` reports it."""
         del self._running[job.job_id]
         self._ended.append(JobResult(job.job_id, frozenset(job.failed)))
 
     # ------------------------------------------------------------- reporting
 
     def is_running(self, job_id: int) -> bool:
-        """Whether the load job ``job_id`` has not ended."""
+        """Whether the load job `job_id` has not ended."""
         with self._lock:
             return job_id in self._running
 
@@ -142,10 +142,10 @@ class LoadLedger(Generic[PieceT]):
     # --------------------------------------------------------------- waiting
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """Wait for these jobs up to their deadlines (or ``until``); whether they all ended.
+        """Wait for these jobs up to their deadlines (or `until`); whether they all ended.
 
         A job still running at its deadline (or whose pieces never ran) is
-        given up on; one still running at ``until``, before its deadline, is not.
+        given up on; one still running at `until`, before its deadline, is not.
         """
         wanted = set(job_ids)
         with self._lock:
@@ -161,7 +161,7 @@ class LoadLedger(Generic[PieceT]):
             return wanted.isdisjoint(self._running)
 
     def end_all(self, until: float | None = None) -> None:
-        """At shutdown: wait for every job up to its deadline (or ``until``), then give up on it."""
+        """At shutdown: wait for every job up to its deadline (or `until`), then give up on it."""
         with self._lock:
             jobs = list(self._running.values())
         if not jobs:
@@ -171,10 +171,10 @@ class LoadLedger(Generic[PieceT]):
             self._give_up(job)
 
     def count_ended(self, piece: PieceT, loaded: int, payload_bytes: int, started: float) -> None:
-        """Count a piece that ended by itself: ``loaded`` blocks of ``payload_bytes`` each.
+        """Count a piece that ended by itself: `loaded` blocks of `payload_bytes` each.
 
-        Its blocks not loaded (:attr:`~kvwire.media._transfer_jobs.BlockJob.failed`)
-        count as load errors; ``started`` is its ``time.perf_counter()`` at start.
+        Its blocks not loaded (`failed`)
+        count as load errors; `started` is its `time.perf_counter()` at start.
         """
         self._counters.add_many(
             {
@@ -188,9 +188,9 @@ class LoadLedger(Generic[PieceT]):
     # ------------------------------------------------------------- giving up
 
     def _give_up(self, job: LoadJob[PieceT]) -> None:
-        """End ``job`` now, every block of a piece given up on failed.
+        """End `job` now, every block of a piece given up on failed.
 
-        Should ``after_abandon`` raise, every piece is still given up on, the
+        Should `after_abandon` raise, every piece is still given up on, the
         job stays running (its blocks kept) and the error is raised; a later
         call ends it.
         """
@@ -207,10 +207,10 @@ class LoadLedger(Generic[PieceT]):
             self._finish(job)
 
     def _abandon(self, pieces: Sequence[PieceT]) -> tuple[set[PieceT], Exception | None]:
-        """Give up on each of ``pieces`` not ended; those given up on, now or before, and an error.
+        """Give up on each of `pieces` not ended; those given up on, now or before, and an error.
 
         Every piece is given up on before any error is raised: a piece after
-        one whose ``after_abandon`` raised must not go on writing into the
+        one whose `after_abandon` raised must not go on writing into the
         cache. The first error is returned, for the caller to raise once it
         has recorded the pieces.
         """
@@ -244,7 +244,7 @@ class LoadLedger(Generic[PieceT]):
 
 
 def _wait_for_pieces(jobs: Sequence[LoadJob[Any]], until: float | None) -> None:
-    """Wait for every piece of ``jobs`` to end, up to the last job's deadline (or ``until``)."""
+    """Wait for every piece of `jobs` to end, up to the last job's deadline (or `until`)."""
     deadline = max(job.deadline for job in jobs)
     if until is not None:
         deadline = min(deadline, until)

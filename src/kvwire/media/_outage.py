@@ -6,12 +6,12 @@ Redis store (each master's, on a cluster) and the peer medium's directory.
 An outage is found by the call that fails, or that is not answered within
 its deadline. A server that is hung rather than gone (stopped, its host
 unreachable) keeps a connection open and answers nothing, so a socket
-timeout alone would cost every call its full length; :meth:`OutageTracker.call`
+timeout alone would cost every call its full length; `OutageTracker.call`
 therefore runs the call on a thread of the tracker's and waits for it only
 until its deadline. From the first failure on, every call answers at once
 without touching the network (the caller's fallback: a miss, a dropped or
 queued write), and a background thread probes the server every
-``retry_interval_s``, each probe bounded by the caller's own timeouts. The
+`retry_interval_s`, each probe bounded by the caller's own timeouts. The
 outage ends as soon as a probe is answered, or a call made meanwhile
 succeeds. Warnings are rate-limited and name the server as the caller
 shows it (without credentials).
@@ -44,7 +44,7 @@ _PROBER_JOIN_S = 5.0
 class _ServerUnavailable(KVWireError, ConnectionError):
     """A call the server did not answer: it is down (not asked), failed, or ran past its deadline.
 
-    ``asked`` is False when the call was not made because the server is
+    `asked` is False when the call was not made because the server is
     known to be down, True when it was made and failed or went unanswered.
     """
 
@@ -56,11 +56,11 @@ class _ServerUnavailable(KVWireError, ConnectionError):
 class OutageTracker:
     """Whether a server is considered down; bounded calls; the reconnect probe; warnings.
 
-    ``server`` names it in warnings (``"Redis at redis://host:6379/0"``), with
-    no credentials; ``while_down`` says what callers do meanwhile ("lookups
-    miss, ..."). ``probe`` raises one of ``errors`` while the server cannot
-    be reached; ``errors`` are also what a failing call raises, shown through
-    ``describe``, which must keep secrets out. Warnings go to ``logger``.
+    `server` names it in warnings (`"Redis at redis://host:6379/0"`), with
+    no credentials; `while_down` says what callers do meanwhile ("lookups
+    miss, ..."). `probe` raises one of `errors` while the server cannot
+    be reached; `errors` are also what a failing call raises, shown through
+    `describe`, which must keep secrets out. Warnings go to `logger`.
     """
 
     def __init__(
@@ -100,10 +100,10 @@ class OutageTracker:
     # ------------------------------------------------------------ bounded calls
 
     def call(self, what: str, work: Callable[[], _T], *, timeout_s: float, setting: str) -> _T:
-        """``work()``'s result, waited for at most ``timeout_s`` (``setting`` names it in warnings).
+        """`work()`'s result, waited for at most `timeout_s` (`setting` names it in warnings).
 
-        Raises :class:`_ServerUnavailable` at once while the server is down,
-        and when ``work`` raises one of the tracker's errors or is still
+        Raises `_ServerUnavailable` at once while the server is down,
+        and when `work` raises one of the tracker's errors or is still
         running at the deadline: the outage then starts. A call given up on
         goes on in the background until its own timeouts end it; its outcome
         is dropped.
@@ -111,9 +111,9 @@ class OutageTracker:
         return self.wait(what, self.begin(what, work), time.monotonic() + timeout_s, setting)
 
     def begin(self, what: str, work: Callable[[], _T]) -> concurrent.futures.Future[_T]:
-        """Start ``work`` on a thread of the tracker's; :meth:`wait` for it.
+        """Start `work` on a thread of the tracker's; `wait` for it.
 
-        Two halves of :meth:`call`, so a caller can ask several servers at
+        Two halves of `call`, so a caller can ask several servers at
         once and wait for all of them under one deadline.
         """
         if self._down:
@@ -136,7 +136,7 @@ class OutageTracker:
         deadline: float,
         setting: str,
     ) -> _T:
-        """The result of a call :meth:`begin` started, waited for until ``deadline`` (monotonic)."""
+        """The result of a call `begin` started, waited for until `deadline` (monotonic)."""
         concurrent.futures.wait([future], timeout=max(0.0, deadline - time.monotonic()))
         if not future.done():
             future.cancel()
@@ -178,7 +178,7 @@ class OutageTracker:
             self._end_outage()
 
     def warn(self, message: str, *, force: bool = False) -> None:
-        """Log ``message`` unless another warning went out less than the interval ago."""
+        """Log `message` unless another warning went out less than the interval ago."""
         now = time.monotonic()
         with self._lock:
             if not force and now < self._next_warning_at:

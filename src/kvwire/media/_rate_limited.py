@@ -8,7 +8,7 @@ import time
 
 
 class RateLimitedWarning:
-    """Logs a warning per ``reason`` at most once every ``interval_s``, counting the rest."""
+    """Logs a warning per `reason` at most once every `interval_s`, counting the rest."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
         self._logger = logger

@@ -15,7 +15,7 @@ __all__ = ["close_in_steps"]
 def close_in_steps(
     logger: logging.Logger, label: str, steps: Sequence[tuple[str, Callable[[], object]]]
 ) -> None:
-    """Run each ``(what, step)`` in order; one that raises is logged as ``label`` + what failed."""
+    """Run each `(what, step)` in order; one that raises is logged as `label` + what failed."""
     for what, step in steps:
         try:
             step()

@@ -5,7 +5,7 @@ drives the forward pass waits for them. A job stuck in a store (a server
 that never answers, a blocked file) must not hang that thread: past the
 job's deadline the caller abandons it and reports its blocks failed. The
 job may still be running; it then writes nothing more where the caller
-could see it. :class:`BackgroundJob` makes "the job ended" and "the caller
+could see it. `BackgroundJob` makes "the job ended" and "the caller
 gave up" exclusive, under one lock.
 """
 
@@ -23,12 +23,12 @@ class JobAbandoned(KVWireError):
 
 
 class BackgroundJob:
-    """One background job, its deadline (``time.monotonic()``), and who settled it.
+    """One background job, its deadline (`time.monotonic()`), and who settled it.
 
-    The job ends itself (:meth:`end`) or the caller gives up on it
-    (:meth:`abandon`); exactly one of them wins. A job writes where the
-    caller can see it only under :attr:`lock` after :meth:`check`, so once
-    :meth:`abandon` has returned, no such write is under way or starts.
+    The job ends itself (`end`) or the caller gives up on it
+    (`abandon`); exactly one of them wins. A job writes where the
+    caller can see it only under `lock` after `check`, so once
+    `abandon` has returned, no such write is under way or starts.
     """
 
     def __init__(self, deadline: float) -> None:
@@ -39,14 +39,15 @@ class BackgroundJob:
         self.future: Future[None] | None = None
 
     def check(self) -> None:
-        """Raise :class:`JobAbandoned` if the caller gave up; call it holding :attr:`lock`."""
+        """Raise [`JobAbandoned`][kvwire.media.JobAbandoned] if the caller gave up; call it holding
+        `lock`."""
         if self.abandoned:
             raise JobAbandoned
 
     def abandon(self) -> bool:
         """Give up on the job unless it has ended; whether it was given up on now.
 
-        Waits at most for a write under way under :attr:`lock` (a memory
+        Waits at most for a write under way under `lock` (a memory
         copy), never for the job's I/O.
         """
         with self.lock:
@@ -74,7 +75,7 @@ class BackgroundJob:
 class BlockJob(BackgroundJob):
     """A job over blocks of the KV cache: the ids it reads or writes, and those that failed.
 
-    :attr:`failed` is the job's to set before it ends; once the job was
+    `failed` is the job's to set before it ends; once the job was
     given up on, every block of it counts failed instead.
     """
 

@@ -1,23 +1,24 @@
 """The medium interface: where a block connector keeps blocks, as a plug-in.
 
 A medium is a pair of halves, one per connector role, built from one
-:class:`Medium` object per connector instance:
+[`Medium`][kvwire.media.Medium] object per connector instance:
 
-- the scheduler side's :class:`MediumIndex` answers lookups and keeps the
+- the scheduler side's [`MediumIndex`][kvwire.media.MediumIndex] answers lookups and keeps the
   bookkeeping of transfers (which slots a load reads, which blocks a store
   writes and whether it succeeded), and reports the KV cache events it sees;
-- the worker side's :class:`TransferHandler` runs transfer jobs between the
+- the worker side's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
   paged KV cache and the medium, off the forward pass, and reports which
   ended and which of their blocks failed.
 
-The block connector (:mod:`kvwire.connectors.offload`) drives both halves
+The block connector (`kvwire.connectors.offload`) drives both halves
 through this interface only, so a new place to keep blocks is a new medium,
-registered by name like a connector (:meth:`kvwire.registry.ConnectorRegistry.register_medium`,
-or the ``kvwire.media`` entry-point group), never a new connector. A medium
-declares its own ``kv_connector_extra_config`` keys; a connector's profile
-names it with ``kv_connector_extra_config.medium``.
+registered by name like a connector (`registry.media.register_medium` on a
+[`ConnectorRegistry`][kvwire.ConnectorRegistry], or the `kvwire.media` entry-point
+group), never a new connector. A medium declares its own
+`kv_connector_extra_config` keys; a connector's profile names it with
+`kv_connector_extra_config.medium`.
 
-Every record of blocks to move is a :class:`~kvwire.blocks.transfers.BlockTransfer`.
+Every record of blocks to move is a [`BlockTransfer`][kvwire.media.BlockTransfer].
 """
 
 from __future__ import annotations
@@ -58,32 +59,31 @@ class MediumContext:
     connector_name: str
     """The connector's class name, for messages and logs."""
     options: Mapping[str, Any] = attrs.field(repr=False)
-    """The validated ``kv_connector_extra_config``, defaults filled in, the medium's keys too."""
+    """The validated `kv_connector_extra_config`, defaults filled in, the medium's keys too."""
     groups: tuple[CacheGroup, ...]
     """The engine's KV cache groups, in group order."""
     layout: BlockLayout
     """The layout of one entry of any group (one block of every layer of a group)."""
     engine_id: str = ""
-    """The engine's ``kv_transfer_config.engine_id``: the same in both roles and every process."""
+    """The engine's `kv_transfer_config.engine_id`: the same in both roles and every process."""
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
-    """This rank and how the engine is split: ``layout`` is one rank's share of a block."""
+    """This rank and how the engine is split: `layout` is one rank's share of a block."""
 
 
 class MediumIndex(abc.ABC):
     """The scheduler side of a medium: what it holds, and each transfer's bookkeeping.
 
-    Only :meth:`count_held_prefix` is required. A medium that decides where
-    each block goes (the CPU pool's slots) overrides the ``prepare_*`` and
-    ``complete_*`` calls; one whose entries are found by key alone keeps the
-    defaults. The connector calls them in order: ``prepare_load`` once a
-    lookup's blocks are allocated, ``complete_load`` once the load ended;
-    ``prepare_store`` when it plans a save, ``complete_store`` with
-    ``success`` once the worker reported the save made or not made.
+    Only [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix] is required. A medium
+    that decides where each block goes (the CPU pool's slots) overrides the `prepare_*` and
+    `complete_*` calls; one whose entries are found by key alone keeps the defaults. The connector
+    calls them in order: `prepare_load` once a lookup's blocks are allocated, `complete_load` once
+    the load ended; `prepare_store` when it plans a save, `complete_store` with `success` once the
+    worker reported the save made or not made.
     """
 
     @abc.abstractmethod
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """How many of ``block_hashes``, from the first, the medium holds for ``group``.
+        """How many of `block_hashes`, from the first, the medium holds for `group`.
 
         Only blocks a load can read now count. A sliding-window group's
         window is asked for last block first.
@@ -92,26 +92,26 @@ class MediumIndex(abc.ABC):
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
         """Pin these blocks for a load; where the worker reads each (slots), or () to read by key.
 
-        Called only for blocks :meth:`count_held_prefix` just counted; a
-        block gone meanwhile is an error the caller reports.
+        Called only for blocks [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix]
+        just counted; a block gone meanwhile is an error the caller reports.
         """
         return ()
 
     def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
-        """Where the lookup just found each block, for the worker: the load's ``sources``.
+        """Where the lookup just found each block, for the worker: the load's `sources`.
 
         A medium whose worker would otherwise ask its server again where each
-        block is passes what :meth:`count_held_prefix` learnt instead (see
-        :attr:`~kvwire.blocks.transfers.BlockTransfer.sources`): one round
-        trip per load. Empty strings for blocks it has nothing on, or () to
-        let the worker find every block itself (the default).
+        block is passes what [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix]
+        learnt instead (see [`sources`][kvwire.media.BlockTransfer.sources]): one round trip per
+        load. Empty strings for blocks it has nothing on, or () to let the worker find every block
+        itself (the default).
         """
         return ()
 
     def complete_load(
         self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
     ) -> None:
-        """The load of these blocks ended; ``corrupt`` ones failed verification."""
+        """The load of these blocks ended; `corrupt` ones failed verification."""
 
     def prepare_store(
         self, group: int, block_hashes: Sequence[BlockHash]
@@ -119,8 +119,8 @@ class MediumIndex(abc.ABC):
         """Which of these blocks to store, and where (a slot, or None to store by key).
 
         Blocks left out are not stored: the medium holds them already, or
-        has no room (count those in :meth:`take_counters`). The default
-        stores every one by key.
+        has no room (count those in [`take_counters`][kvwire.media.MediumIndex.take_counters]). The
+        default stores every one by key.
         """
         return [(block_hash, None) for block_hash in block_hashes]
 
@@ -146,7 +146,7 @@ class MediumIndex(abc.ABC):
 
 
 class TransferKind(enum.Enum):
-    """Which way a :class:`TransferJob` moves blocks."""
+    """Which way a [`TransferJob`][kvwire.media.TransferJob] moves blocks."""
 
     LOAD = "load"
     """From the medium into the KV cache."""
@@ -175,26 +175,25 @@ class JobResult:
 class TransferHandler(abc.ABC):
     """The worker side of a medium: runs transfer jobs between the paged KV cache and the medium.
 
-    The connector submits jobs (:meth:`submit`), learns which ended and
-    which blocks of them failed (:meth:`poll`), and waits for the ones the
-    forward pass needs (:meth:`wait`). Which request a job serves, which
-    loads a step waits for and when a request's blocks are free again is the
+    The connector submits jobs ([`submit`][kvwire.media.TransferHandler.submit]), learns which ended
+    and which blocks of them failed ([`poll`][kvwire.media.TransferHandler.poll]), and waits for the
+    ones the forward pass needs ([`wait`][kvwire.media.TransferHandler.wait]). Which request a job
+    serves, which loads a step waits for and when a request's blocks are free again is the
     connector's bookkeeping, not the medium's.
 
     Jobs run off the forward pass. A load verifies every block before it
     counts as loaded: a block that fails is reported in
-    :attr:`JobResult.failed` (the engine computes it again), never loaded. A
-    save reads the cache's blocks in place until it ends;
-    :meth:`release_saves_reading` stops those reading blocks about to be
-    written. Every job has a deadline, the medium's ``transfer_timeout_s``
-    from its submission: a job still running then is given up on, writes
-    nothing more into the cache and ends with every block failed. Every wait
-    has a deadline.
+    [`JobResult.failed`][kvwire.media.JobResult.failed] (the engine computes it again), never
+    loaded. A save reads the cache's blocks in place until it ends;
+    [`release_saves_reading`][kvwire.media.TransferHandler.release_saves_reading] stops those
+    reading blocks about to be written. Every job has a deadline, the medium's `transfer_timeout_s`
+    from its submission: a job still running then is given up on, writes nothing more into the cache
+    and ends with every block failed. Every wait has a deadline.
     """
 
     @abc.abstractmethod
     def submit(self, job: TransferJob) -> None:
-        """Start ``job`` in the background; only submits (the forward pass never waits for I/O)."""
+        """Start `job` in the background; only submits (the forward pass never waits for I/O)."""
 
     @abc.abstractmethod
     def poll(self) -> list[JobResult]:
@@ -202,19 +201,19 @@ class TransferHandler(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """Block until each of ``job_ids`` ended, or until ``until`` (``time.monotonic()``).
+        """Block until each of `job_ids` ended, or until `until` (`time.monotonic()`).
 
         Whether they all ended. A job past its deadline is given up on and
         counts as ended; so does an id this handler has already reported.
-        Without ``until`` it still returns, by the last job's deadline. The
-        jobs stay to be reported by :meth:`poll`.
+        Without `until` it still returns, by the last job's deadline. The
+        jobs stay to be reported by [`poll`][kvwire.media.TransferHandler.poll].
         """
 
     @abc.abstractmethod
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
-        """Stop the saves reading blocks of ``request_ids`` or any of ``block_ids``.
+        """Stop the saves reading blocks of `request_ids` or any of `block_ids`.
 
         Called before a forward pass that may write those blocks. A stopped
         save commits nothing more. Returns the saves (or their pieces)
@@ -238,14 +237,15 @@ class Medium(abc.ABC):
     """A place to keep blocks: its options, and a factory of its two halves.
 
     One object per connector instance, built in both roles from the same
-    :class:`MediumContext`; a scheduler-role connector asks it for
-    :meth:`build_index` only, a worker-role one for :meth:`build_handler`
-    only. Subclasses name themselves in KV cache events (:attr:`event_medium`)
-    and declare their ``kv_connector_extra_config`` keys.
+    [`MediumContext`][kvwire.media.MediumContext]; a scheduler-role connector asks it for
+    [`build_index`][kvwire.media.Medium.build_index] only, a worker-role one for
+    [`build_handler`][kvwire.media.Medium.build_handler] only. Subclasses name themselves in KV
+    cache events ([`event_medium`][kvwire.media.Medium.event_medium]) and declare their
+    `kv_connector_extra_config` keys.
     """
 
     event_medium: ClassVar[str] = "medium"
-    """The ``medium`` of the KV cache events this medium's blocks appear in (``cpu``, ``disk``)."""
+    """The `medium` of the KV cache events this medium's blocks appear in (`cpu`, `disk`)."""
 
     def __init__(self, context: MediumContext) -> None:
         self.context = context
@@ -253,14 +253,14 @@ class Medium(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
-        """The ``kv_connector_extra_config`` keys this medium accepts."""
+        """The `kv_connector_extra_config` keys this medium accepts."""
 
     @classmethod
     def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
-        """Check what the keys alone cannot, and derive values; ``ExtraConfigError`` if bad.
+        """Check what the keys alone cannot, and derive values; `ExtraConfigError` if bad.
 
-        Runs at ``kvwire check`` too: no side effects (no file, no
-        connection). The default returns ``options`` as they are.
+        Runs at `kvwire check` too: no side effects (no file, no
+        connection). The default returns `options` as they are.
         """
         return options
 
@@ -291,5 +291,5 @@ class Medium(abc.ABC):
     ) -> TransferHandler:
         """The worker side's half over the registered caches; built once, by a worker connector.
 
-        ``counters`` collects the counts the connector reports as stats.
+        `counters` collects the counts the connector reports as stats.
         """

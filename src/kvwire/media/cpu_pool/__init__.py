@@ -1,4 +1,4 @@
-"""The CPU pool medium: preallocated slots in this host's memory (:mod:`.medium`)."""
+"""The CPU pool medium: preallocated slots in this host's memory (`medium`)."""
 
 from kvwire.media.cpu_pool.medium import CPUPoolMedium
 

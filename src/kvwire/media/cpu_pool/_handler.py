@@ -1,10 +1,10 @@
 """The CPU pool medium's worker side: the pool memory and the copies.
 
-The pool is allocated once: ``num_slots`` entries, each a ``block_format``
+The pool is allocated once: `num_slots` entries, each a `block_format`
 header followed by one block of every layer of one KV cache group
 (cross-layer layout); every group's entries have the same size, so one pool
 serves them all, and each entry's header names its group's layout. Which slot
-holds what is decided by the scheduler side (:mod:`kvwire.media.cpu_pool._slot_table`);
+holds what is decided by the scheduler side (`kvwire.media.cpu_pool._slot_table`);
 this side only copies. Stores run on a background thread and complete
 asynchronously; loads verify each slot's header (and, when its layout
 checksums payloads, the checksum) before copying it into the cache. The CPU
@@ -13,7 +13,7 @@ memory, in this process, so a slot's header naming its block and layout is
 what tells a reused or mixed-up slot; the peer medium, whose pool other
 processes read while it may be rewritten, keeps the checksum.
 
-Every copy job has a deadline (``transfer_timeout_s`` from its start), so
+Every copy job has a deadline (`transfer_timeout_s` from its start), so
 that no wait of the forward pass's thread is unbounded: a load still running
 then is abandoned and its blocks are load errors; a store still running then
 is abandoned and counts failed. An abandoned job copies nothing more: each
@@ -22,11 +22,11 @@ store abandoned or failed mid-way leaves slots whose headers do not name
 their blocks (a chunk's headers are cleared before its payloads are
 written), which a later load reports instead of copying.
 
-A store may also be released (:meth:`CPUPoolTransferHandler.release_saves_reading`):
+A store may also be released (`CPUPoolTransferHandler.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
 store copies nothing more and never commits: the scheduler side frees its
-slots (``saves_released`` counts its blocks).
+slots (`saves_released` counts its blocks).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ _HEADER_ONLY_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 class _PoolJob(BlockJob):
-    """One piece of a transfer job, copied by one thread; a load's ``load_job`` is its job's."""
+    """One piece of a transfer job, copied by one thread; a load's `load_job` is its job's."""
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class _PoolJob(BlockJob):
         """Drop this store: it copies nothing more and never commits.
 
         False if it ended, or was given up on, first. Waits at most for the
-        chunk being copied under :attr:`lock` (a memory copy).
+        chunk being copied under `lock` (a memory copy).
         """
         with self.lock:
             if self.ended or self.abandoned or self.released:
@@ -106,9 +106,9 @@ class _PoolJob(BlockJob):
 class CPUPoolTransferHandler(TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
-    ``layouts`` and ``caches`` have one item per KV cache group: a transfer of
-    group ``g`` reads or writes group ``g``'s layers, with its block ids, and
-    its entries carry group ``g``'s layout in their headers.
+    `layouts` and `caches` have one item per KV cache group: a transfer of
+    group `g` reads or writes group `g`'s layers, with its block ids, and
+    its entries carry group `g`'s layout in their headers.
     """
 
     def __init__(
@@ -158,7 +158,7 @@ class CPUPoolTransferHandler(TransferHandler):
                 pieces.add(piece)
 
     def _forget_store(self, job_id: int, piece: _PoolJob | None) -> None:
-        """``piece`` of store job ``job_id`` settled (None: the job had no piece)."""
+        """`piece` of store job `job_id` settled (None: the job had no piece)."""
         with self._changed:
             pieces = self._stores.get(job_id)
             if pieces is not None:
@@ -188,7 +188,7 @@ class CPUPoolTransferHandler(TransferHandler):
         return ended + stores
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """Block until these jobs ended (past its deadline, a job is given up on), or ``until``."""
+        """Block until these jobs ended (past its deadline, a job is given up on), or `until`."""
         wanted = set(job_ids)
         loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
         loads_ended = self._loads.wait(loads, until)
@@ -214,9 +214,9 @@ class CPUPoolTransferHandler(TransferHandler):
         self._give_up(running())
 
     def _wait_for_stores(self, job_ids: Set[int], until: float | None) -> bool:
-        """Block until these store jobs ended or ran past their deadline; False if ``until`` came.
+        """Block until these store jobs ended or ran past their deadline; False if `until` came.
 
-        Without ``until`` it still ends, at the latest when the last piece's
+        Without `until` it still ends, at the latest when the last piece's
         own deadline passes.
         """
 
@@ -241,7 +241,7 @@ class CPUPoolTransferHandler(TransferHandler):
                 self._changed.wait_for(lambda: not running(), max(0.0, wake - time.monotonic()))
 
     def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
-        """Stop waiting for the stores ``jobs``: they count failed."""
+        """Stop waiting for the stores `jobs`: they count failed."""
         for job in jobs:
             if job.abandon():
                 if job.released:  # counted when released
@@ -281,13 +281,13 @@ class CPUPoolTransferHandler(TransferHandler):
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
-        """Release the stores reading any of ``block_ids``; wait out ``request_ids``' transfers.
+        """Release the stores reading any of `block_ids`; wait out `request_ids`' transfers.
 
-        Called at the start of a step, before anything writes: ``block_ids``
+        Called at the start of a step, before anything writes: `block_ids`
         were just given to requests, and may have been freed while a store
-        still read them; ``request_ids`` were preempted, and their blocks are
+        still read them; `request_ids` were preempted, and their blocks are
         about to be reused. Returns the pieces released (their slots must
-        never be published). The stores of ``request_ids`` are not released
+        never be published). The stores of `request_ids` are not released
         but waited for, each at most until its deadline: one still running
         then is given up on and counts failed. (The connector waits out the
         requests' loads itself.)
@@ -298,7 +298,7 @@ class CPUPoolTransferHandler(TransferHandler):
         return released
 
     def _release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
-        """Release the stores in flight that read any of ``block_ids``; the pieces released.
+        """Release the stores in flight that read any of `block_ids`; the pieces released.
 
         No waiting beyond a chunk's copy under way.
         """
@@ -398,7 +398,7 @@ class CPUPoolTransferHandler(TransferHandler):
             self._loads.piece_ended(job.load_job, job)
 
     def _load(self, job: _PoolJob) -> None:
-        """Verify and copy one piece into the cache; its failed block ids go to ``job.failed``."""
+        """Verify and copy one piece into the cache; its failed block ids go to `job.failed`."""
         transfer = job.piece
         caches = self._caches[transfer.group]
         layout = self._layouts[transfer.group]
@@ -476,7 +476,7 @@ class CPUPoolTransferHandler(TransferHandler):
         return verified_ids, verified_slots, failed
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the copies in flight (up to ``timeout_s``), then stop the threads.
+        """Finish the copies in flight (up to `timeout_s`), then stop the threads.
 
         Every step runs even when one fails (logged).
         """

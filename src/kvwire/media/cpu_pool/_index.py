@@ -1,6 +1,6 @@
 """The CPU pool medium's scheduler side: the pool's index behind the MediumIndex calls.
 
-:class:`~kvwire.media.cpu_pool._slot_table.SlotTable` decides which slot holds
+`SlotTable` decides which slot holds
 which block; this half adds what the block connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
 changes happened) and the counts of blocks evicted and of stores the pool had
@@ -17,9 +17,9 @@ from kvwire.media.cpu_pool._slot_table import SlotTable
 
 
 class CPUPoolIndex(MediumIndex):
-    """The pool's index over ``num_slots`` slots shared by ``num_groups`` KV cache groups.
+    """The pool's index over `num_slots` slots shared by `num_groups` KV cache groups.
 
-    ``medium`` names the pool in the KV cache events.
+    `medium` names the pool in the KV cache events.
     """
 
     def __init__(self, num_slots: int, num_groups: int, medium: str) -> None:
@@ -33,7 +33,7 @@ class CPUPoolIndex(MediumIndex):
         return self._index.count_ready_prefix(group, block_hashes)
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Pin the blocks (no eviction until :meth:`complete_load`); their slots, in order."""
+        """Pin the blocks (no eviction until `complete_load`); their slots, in order."""
         ready = self._index.count_ready_prefix(group, block_hashes)
         if ready < len(block_hashes):
             # Checked before pinning anything, so a refused load pins nothing.
@@ -62,7 +62,7 @@ class CPUPoolIndex(MediumIndex):
 
         Blocks the pool holds (or is storing) are not copied again; blocks
         left out otherwise found every slot pinned, and count as
-        ``stores_skipped_pool_full``.
+        `stores_skipped_pool_full`.
         """
         placed = self._index.prepare_store(group, block_hashes)
         placed_hashes = {block_hash for block_hash, _ in placed}
@@ -94,7 +94,7 @@ class CPUPoolIndex(MediumIndex):
         return events
 
     def take_counters(self) -> Mapping[str, int]:
-        """``evicted_blocks`` and ``stores_skipped_pool_full`` since the last call, when not 0."""
+        """`evicted_blocks` and `stores_skipped_pool_full` since the last call, when not 0."""
         counters, self._counters = self._counters, {}
         return counters
 

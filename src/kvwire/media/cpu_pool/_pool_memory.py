@@ -1,12 +1,12 @@
 """The CPU pool medium's memory: preallocated entry slots, reused.
 
 A slot holds one whole entry (the 128-byte header, then the cross-layer
-payload), seen both as one ``memoryview`` and, for copies to and from the
+payload), seen both as one `memoryview` and, for copies to and from the
 paged cache, as a typed tensor. The memory is allocated and committed once,
 when the worker side registers the caches; which slot holds which block is
-the scheduler side's business (:mod:`kvwire.media.cpu_pool._slot_table`).
+the scheduler side's business (`kvwire.media.cpu_pool._slot_table`).
 The store connectors need no such buffers: they move blocks straight
-between the cache and the medium (:mod:`kvwire.blocks.memory`).
+between the cache and the medium (`kvwire.blocks.memory`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvwire.config.dtypes import DTYPES
 
 
 class PoolSlots:
-    """``num_slots`` entry-sized buffers in one allocation."""
+    """`num_slots` entry-sized buffers in one allocation."""
 
     def __init__(self, layout: BlockLayout, num_slots: int) -> None:
         if num_slots < 1:
@@ -42,16 +42,16 @@ class PoolSlots:
 
     @property
     def memory(self) -> torch.Tensor:
-        """The whole allocation, ``[num_slots, entry_bytes]`` bytes (to register for RDMA)."""
+        """The whole allocation, `[num_slots, entry_bytes]` bytes (to register for RDMA)."""
         return self._raw
 
     def entry(self, slot: int) -> memoryview:
-        """The whole entry (header and payload) of ``slot``."""
+        """The whole entry (header and payload) of `slot`."""
         return self._views[slot]
 
     @property
     def payloads(self) -> torch.Tensor:
-        """Every slot's payload: ``[num_slots, num_layers, 2, block_size, heads, head_size]``."""
+        """Every slot's payload: `[num_slots, num_layers, 2, block_size, heads, head_size]`."""
         return self._payloads
 
     def clear_headers(self, slots: Sequence[int]) -> None:
@@ -61,7 +61,7 @@ class PoolSlots:
         self._raw[_index(slots), :HEADER_SIZE] = 0
 
     def set_headers(self, slots: Sequence[int], headers: bytearray) -> None:
-        """Write ``headers`` (``HEADER_SIZE`` bytes per slot, in order) into these slots."""
+        """Write `headers` (`HEADER_SIZE` bytes per slot, in order) into these slots."""
         if not slots:
             return
         rows = torch.frombuffer(headers, dtype=torch.uint8).view(len(slots), HEADER_SIZE)
@@ -77,7 +77,7 @@ class PoolSlots:
         return copied
 
     def payload(self, slot: int) -> torch.Tensor:
-        """The payload of ``slot`` as a cross-layer tensor."""
+        """The payload of `slot` as a cross-layer tensor."""
         return self._payloads[slot]
 
 

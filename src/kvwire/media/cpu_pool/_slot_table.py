@@ -8,8 +8,8 @@ with its group: group 0's entry for a hash and group 1's are two entries,
 stored, loaded and evicted on their own.
 
 Blocks are evicted least recently used first, whatever their group, but never
-while a load reads them (``load_refs``) or a store writes them (not yet
-``ready``).
+while a load reads them (`load_refs`) or a store writes them (not yet
+`ready`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class _Slot:
 
 
 class SlotTable:
-    """An LRU over ``num_slots`` pool slots, keyed by (group, block hash).
+    """An LRU over `num_slots` pool slots, keyed by (group, block hash).
 
     One dict per group finds an entry by its hash without building a key per
     lookup; one LRU over the slots orders all groups' entries for eviction.
@@ -53,11 +53,11 @@ class SlotTable:
         return len(self._lru)
 
     def holds(self, group: int, block_hash: BlockHash) -> bool:
-        """Whether ``group``'s entry for ``block_hash`` is stored or being stored."""
+        """Whether `group`'s entry for `block_hash` is stored or being stored."""
         return block_hash in self._by_group[group]
 
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
-        """How many of ``group``'s ``hashes``, from the first, are stored and complete."""
+        """How many of `group`'s `hashes`, from the first, are stored and complete."""
         entries = self._by_group[group]
         count = 0
         for block_hash in hashes:
@@ -90,7 +90,7 @@ class SlotTable:
                 entry.load_refs -= 1
 
     def prepare_store(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Slots for ``group``'s blocks not stored yet, evicting old blocks as needed.
+        """Slots for `group`'s blocks not stored yet, evicting old blocks as needed.
 
         Blocks already in the pool (or being stored) are only refreshed. When
         every slot is pinned, the remaining blocks are not stored (the pool is
@@ -113,7 +113,7 @@ class SlotTable:
         return placed
 
     def complete_store(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Mark ``group``'s stored blocks ready for lookups; those that became ready."""
+        """Mark `group`'s stored blocks ready for lookups; those that became ready."""
         entries = self._by_group[group]
         completed = []
         for block_hash in hashes:
@@ -124,7 +124,7 @@ class SlotTable:
         return completed
 
     def abandon_store(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        """Forget ``group``'s blocks whose store failed; their slots become free."""
+        """Forget `group`'s blocks whose store failed; their slots become free."""
         entries = self._by_group[group]
         for block_hash in hashes:
             entry = entries.get(block_hash)

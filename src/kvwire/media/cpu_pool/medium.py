@@ -1,24 +1,24 @@
 """The CPU pool medium: preallocated slots in this host's memory.
 
-The scheduler side's index (:mod:`kvwire.media.cpu_pool._slot_table`) decides
+The scheduler side's index (`kvwire.media.cpu_pool._slot_table`) decides
 which slot holds which block, evicting the least recently used; the worker
-side (:mod:`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
+side (`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
 header; every group's entries have the same size, so the groups share the
 pool. A block becomes a hit only once its store is complete. Entries carry
-no payload checksum (see :mod:`kvwire.blocks.format`): their headers name
+no payload checksum (see `kvwire.blocks.format`): their headers name
 their block and layout, and nothing but kvwire writes this memory.
 
-``kv_connector_extra_config`` keys:
+`kv_connector_extra_config` keys:
 
-- ``cpu_pool_bytes`` (default ``"256MiB"``): pool size, at least one entry;
-- ``io_threads`` (default 2): copy threads per direction;
-- ``transfer_timeout_s`` (default 30): the deadline of each copy; a load
+- `cpu_pool_bytes` (default `"256MiB"`): pool size, at least one entry;
+- `io_threads` (default 2): copy threads per direction;
+- `transfer_timeout_s` (default 30): the deadline of each copy; a load
   still running then is a load error (computed again), a store still
   running then counts failed.
 
-Counts reported with the stats: ``evicted_blocks`` (blocks the pool dropped
-to make room) and ``stores_skipped_pool_full`` (blocks not stored because
+Counts reported with the stats: `evicted_blocks` (blocks the pool dropped
+to make room) and `stores_skipped_pool_full` (blocks not stored because
 every slot was in use by a transfer).
 """
 
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 class CPUPoolMedium(Medium):
-    """Blocks kept in a preallocated CPU memory pool of :attr:`num_slots` entries."""
+    """Blocks kept in a preallocated CPU memory pool of `num_slots` entries."""
 
     event_medium: ClassVar[str] = "cpu"
 
@@ -70,7 +70,7 @@ class CPUPoolMedium(Medium):
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
-        """The ``kv_connector_extra_config`` keys: see the module docstring."""
+        """The `kv_connector_extra_config` keys: see the module docstring."""
         return (
             memory_size_key("cpu_pool_bytes", 256 * 1024**2),
             int_key("io_threads", 2, minimum=1, maximum=64),

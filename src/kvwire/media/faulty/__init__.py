@@ -1,4 +1,4 @@
-"""A fault-injecting medium: another medium whose chosen loads fail (:mod:`.medium`)."""
+"""A fault-injecting medium: another medium whose chosen loads fail (`medium`)."""
 
 from kvwire.media.faulty.handler import FaultInjectingHandler, LoadFaults, poison_block
 from kvwire.media.faulty.medium import FaultInjectingMedium

@@ -1,8 +1,8 @@
 """The fault-injecting medium's worker side: the wrapped medium's handler, whose chosen loads fail.
 
-:class:`LoadFaults` chooses which loads fail (each chosen request's first
-one, at one block of its range); :class:`FaultInjectingHandler` fails them
-after the wrapped medium's loads ended (see :mod:`kvwire.media.faulty.medium`).
+`LoadFaults` chooses which loads fail (each chosen request's first
+one, at one block of its range); `FaultInjectingHandler` fails them
+after the wrapped medium's loads ended (see `kvwire.media.faulty.medium`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ POISON_BYTE = 0xFF
 
 
 def poison_block(memory: BlockMemory, block_id: int) -> None:
-    """Fill block ``block_id`` of every layer in ``memory`` with :data:`POISON_BYTE`."""
+    """Fill block `block_id` of every layer in `memory` with `POISON_BYTE`."""
     for byte_range in memory.ranges(block_id):
         byte_range[:] = bytes([POISON_BYTE]) * len(byte_range)
 
@@ -42,9 +42,9 @@ class LoadFaults:
         self._failed_requests: set[str] = set()
 
     def choose(self, request_id: str, blocks: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-        """The ``(group, block id)`` of ``blocks`` to fail for this load of ``request_id``, if any.
+        """The `(group, block id)` of `blocks` to fail for this load of `request_id`, if any.
 
-        ``blocks`` is the loaded range, group after group. Only a chosen
+        `blocks` is the loaded range, group after group. Only a chosen
         request's first load with blocks fails.
         """
         if (
@@ -61,8 +61,8 @@ class LoadFaults:
 class FaultInjectingHandler(TransferHandler):
     """The wrapped medium's transfer handler, with the chosen loads failed after they end.
 
-    ``memories`` holds each KV cache group's blocks as byte ranges, in group
-    order (:func:`kvwire.blocks.memory.group_memories`).
+    `memories` holds each KV cache group's blocks as byte ranges, in group
+    order (`kvwire.blocks.memory.group_memories`).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class FaultInjectingHandler(TransferHandler):
 
 
 def _loaded_ranges(transfers: Sequence[BlockTransfer]) -> dict[str, list[tuple[int, int]]]:
-    """Each request's loaded blocks as ``(group, block id)``, group after group, in block order."""
+    """Each request's loaded blocks as `(group, block id)`, group after group, in block order."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for transfer in sorted(transfers, key=lambda transfer: transfer.group):
         ranges.setdefault(transfer.request_id, []).extend(

@@ -1,16 +1,18 @@
 """A fault-injecting medium: another medium whose chosen loads fail, to exercise recovery.
 
-Subclass :class:`FaultInjectingMedium` and say, with class attributes, which
-medium it wraps and which loads fail::
+Subclass `FaultInjectingMedium` and say, with class attributes, which
+medium it wraps and which loads fail:
 
-    class FailFirstDirectory(FaultInjectingMedium):
-        inner = DirectoryMedium
-        fail_request_ids = frozenset({"first"})
-        fail_block_index = 0
+```python
+class FailFirstDirectory(FaultInjectingMedium):
+    inner = DirectoryMedium
+    fail_request_ids = frozenset({"first"})
+    fail_block_index = 0
+```
 
-For each request in ``fail_request_ids`` (every request when None), its
+For each request in `fail_request_ids` (every request when None), its
 first load leaves garbage in one block of the loaded range, the one at
-``fail_block_index`` (the range is the request's blocks of every KV cache
+`fail_block_index` (the range is the request's blocks of every KV cache
 group, group after group; an index past either end picks the block at that
 end), and that block is reported as a load error, as a medium whose load
 failed would: 0xFF bytes (NaN in every float dtype) in each layer of the
@@ -20,11 +22,11 @@ rule leaves out the saves computed from it; an asynchronous one fails when
 it is reported finished.
 
 Everything but the worker side's transfers is the wrapped medium's: its
-``kv_connector_extra_config`` keys, KV cache events, layouts and index. The
+`kv_connector_extra_config` keys, KV cache events, layouts and index. The
 class is configured by attributes only, so a profile may name it
-(``kv_connector_extra_config.medium: package.module:Class``) and a worker
+(`kv_connector_extra_config.medium: package.module:Class`) and a worker
 process build it from that name; or a registry's medium provider may be
-overridden with it (:mod:`kvwire.registry.media`).
+overridden with it (`kvwire.registry.media`).
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ __all__ = ["FaultInjectingMedium"]
 
 
 class FaultInjectingMedium(Medium):
-    """The medium :attr:`inner`, whose chosen loads fail; configured by subclassing.
+    """The medium `inner`, whose chosen loads fail; configured by subclassing.
 
-    See the module docstring. A subclass must set :attr:`inner`; the class
+    See the module docstring. A subclass must set `inner`; the class
     itself, without one, cannot be built.
     """
 
@@ -92,7 +94,7 @@ class FaultInjectingMedium(Medium):
 
     @classmethod
     def inner_class(cls) -> type[Medium]:
-        """:attr:`inner`, or a ``TypeError`` saying how to set it."""
+        """`inner`, or a `TypeError` saying how to set it."""
         inner: type[Medium] | None = getattr(cls, "inner", None)
         if inner is None:
             raise TypeError(

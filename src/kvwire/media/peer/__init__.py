@@ -1,4 +1,4 @@
-"""The peer medium: engines read each other's CPU pools over NIXL (:mod:`.medium`)."""
+"""The peer medium: engines read each other's CPU pools over NIXL (`medium`)."""
 
 from kvwire.media.peer.medium import PeerMedium
 

@@ -1,9 +1,9 @@
 """One NIXL agent per worker: its memory registered, other peers' reads into it.
 
-NIXL (``nixl-cu12``, imported without CUDA) moves bytes between registered
+NIXL (`nixl-cu12`, imported without CUDA) moves bytes between registered
 memory regions of two agents over UCX: RDMA where there is some, TCP or
-shared memory otherwise (``UCX_TLS``, ``UCX_NET_DEVICES`` choose, e.g.
-``UCX_TLS=tcp,self,sm`` on loopback). A peer learns another's agent from
+shared memory otherwise (`UCX_TLS`, `UCX_NET_DEVICES` choose, e.g.
+`UCX_TLS=tcp,self,sm` on loopback). A peer learns another's agent from
 its metadata (in the directory's peer record) and then *reads* the other's
 pool slots into its own staging memory: with RDMA the holder's CPU does
 nothing; over TCP the holder's UCX worker, progressed by NIXL's thread,
@@ -41,7 +41,7 @@ class NIXLUnavailableError(KVWireError, RuntimeError):
 
 
 def _nixl_api() -> Any:
-    """NIXL's Python API module, ``nixl_cu12``'s, else the ``nixl`` meta-package's."""
+    """NIXL's Python API module, `nixl_cu12`'s, else the `nixl` meta-package's."""
     for module in ("nixl_cu12._api", "nixl._api"):
         try:
             return importlib.import_module(module)
@@ -54,7 +54,7 @@ def _nixl_api() -> Any:
 
 
 def coalesce(pieces: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int, int]]:
-    """``pieces`` of ``length`` bytes as (local, remote, size) runs, adjacent pieces joined.
+    """`pieces` of `length` bytes as (local, remote, size) runs, adjacent pieces joined.
 
     A piece that follows the previous one both here and at the peer (the
     usual case: a request's blocks were stored in consecutive slots and land
@@ -77,7 +77,7 @@ def _start_agent(api: Any, name: str) -> Any:
 
     Over TCP a read needs both sides' UCX workers progressed: the holder's to
     send, the reader's to take the bytes in. NIXL's progress thread does it
-    without the GIL, waiting in ``poll()`` on the workers' event descriptors
+    without the GIL, waiting in `poll()` on the workers' event descriptors
     for at most its delay, so it wakes as soon as there is work. (Progressed
     from a Python thread every millisecond instead, a pull between two vLLM
     engines took 0.09-0.12 s against 0.08-0.10 s, and an idle agent cost
@@ -109,7 +109,7 @@ class PendingRead:
 
 
 class PeerAgent:
-    """A NIXL agent named ``name`` with ``regions`` (contiguous CPU tensors) registered."""
+    """A NIXL agent named `name` with `regions` (contiguous CPU tensors) registered."""
 
     def __init__(self, name: str, regions: Sequence[Any]) -> None:
         api = _nixl_api()
@@ -137,7 +137,7 @@ class PeerAgent:
         return metadata
 
     def knows(self, peer: str, metadata: bytes) -> bool:
-        """Load ``peer``'s agent from ``metadata`` unless known as is; False if unusable."""
+        """Load `peer`'s agent from `metadata` unless known as is; False if unusable."""
         with self._lock:
             if self._remotes.get(peer) == metadata:
                 return True
@@ -162,7 +162,7 @@ class PeerAgent:
             return True
 
     def forget(self, peer: str) -> None:
-        """Drop ``peer``'s agent (it died, or reads from it fail): a later read loads it again."""
+        """Drop `peer`'s agent (it died, or reads from it fail): a later read loads it again."""
         with self._lock:
             self._forget_locked(peer)
 
@@ -182,12 +182,12 @@ class PeerAgent:
         deadline: float,
         on_late_end: Callable[[], None],
     ) -> str:
-        """Read ``length`` bytes from each remote address into its local one, by ``deadline``.
+        """Read `length` bytes from each remote address into its local one, by `deadline`.
 
-        ``pieces`` are (local address, remote address) pairs. Returns
-        ``"done"`` once every byte arrived, ``"failed"`` on an error or
-        past the deadline with the read cancelled, ``"late"`` past the
-        deadline with the read still in flight: ``on_late_end`` is then
+        `pieces` are (local address, remote address) pairs. Returns
+        `"done"` once every byte arrived, `"failed"` on an error or
+        past the deadline with the read cancelled, `"late"` past the
+        deadline with the read still in flight: `on_late_end` is then
         called once it ended, and until then its local memory must not be
         given to another read.
         """

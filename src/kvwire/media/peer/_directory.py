@@ -1,10 +1,10 @@
 """The peers' directory: which peer holds which block, and how to reach each peer, in Redis.
 
-Two kinds of small keys, both with an expiry (``directory_ttl_s``):
+Two kinds of small keys, both with an expiry (`directory_ttl_s`):
 
 - an *entry* per block a peer holds,
-  ``<key_prefix>peer/<layout fingerprint>/<block hash>`` ->
-  ``<peer name> <slot> <generation>``: written by the holder's scheduler
+  `<key_prefix>peer/<layout fingerprint>/<block hash>` ->
+  `<peer name> <slot> <generation>`: written by the holder's scheduler
   side once the block's store completed (and written again while its pool
   holds the block, before it expires), deleted when the holder evicts
   the block, and deleted by a reader whose read of it failed. The layout
@@ -12,8 +12,8 @@ Two kinds of small keys, both with an expiry (``directory_ttl_s``):
   the name (of a split engine, the whole split's: every rank's share), so
   engines of another model, layout or split never find each other's
   blocks;
-- a *peer record* per live worker, ``<key_prefix>peer-agent/<agent name>``
-  (the peer's name; each rank's, ``<peer name> rank<r>``, in a split engine):
+- a *peer record* per live worker, `<key_prefix>peer-agent/<agent name>`
+  (the peer's name; each rank's, `<peer name> rank<r>`, in a split engine):
   its NIXL agent's metadata and where its pool lies, refreshed by the
   worker while it runs. A peer that died stops refreshing it: its record
   expires, and readers then treat its entries as gone (and delete them).
@@ -27,11 +27,11 @@ verifies the bytes it pulled. Its calls are made from the scheduler's
 thread (lookups, announcements, withdrawals) and the worker's (a load's
 lookups and peer records, the heartbeat), so none may wait on a hung server:
 each runs on a thread of the directory's and is waited for at most
-``lookup_timeout_s``. A call that fails or is not answered by then starts an
-*outage* (:mod:`kvwire.media._outage`): until a background probe (every
-``retry_interval_s``) is answered, every call answers at once without asking
+`lookup_timeout_s`. A call that fails or is not answered by then starts an
+*outage* (`kvwire.media._outage`): until a background probe (every
+`retry_interval_s`) is answered, every call answers at once without asking
 (lookups miss, writes report that they were not made). Each call not made is
-counted as ``peer_directory_failures``.
+counted as `peer_directory_failures`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Location:
 
     @classmethod
     def decode(cls, value: bytes) -> Location | None:
-        """The location ``value`` names, or None for a value no peer writes."""
+        """The location `value` names, or None for a value no peer writes."""
         try:
             peer, slot, generation = value.decode("ascii").split(" ")
             return cls(peer, int(slot), int(generation))
@@ -122,14 +122,14 @@ class PeerRecord:
         return cls(bytes(value[_RECORD.size :]), base, entry_bytes, num_slots)
 
     def slot_address(self, slot: int) -> int | None:
-        """The address of ``slot``'s entry in the peer's memory; None if it has no such slot."""
+        """The address of `slot`'s entry in the peer's memory; None if it has no such slot."""
         if not 0 <= slot < self.num_slots:
             return None
         return self.base_address + slot * self.entry_bytes
 
 
 def check_peer_name(name: str) -> str | None:
-    """None when ``name`` can name a peer, else what is accepted."""
+    """None when `name` can name a peer, else what is accepted."""
     if not name or len(name) > _NAME_LIMIT or not name.isascii() or not name.isprintable():
         return f"printable ASCII of 1 to {_NAME_LIMIT} characters"
     if " " in name:
@@ -140,17 +140,17 @@ def check_peer_name(name: str) -> str | None:
 class PeerDirectory:
     """The directory on a Redis/Valkey server or a Redis Cluster; no call waits past a deadline.
 
-    On a cluster (a ``redis+cluster://`` URL) each key lives on the master
-    serving its slot; redis-py's ``RedisCluster`` keeps the slot map, groups
+    On a cluster (a `redis+cluster://` URL) each key lives on the master
+    serving its slot; redis-py's `RedisCluster` keeps the slot map, groups
     a call's commands by master (one pipeline to each) and follows the
-    ``MOVED``/``ASK`` replies of a failover or a resharding. It is built at
+    `MOVED`/`ASK` replies of a failover or a resharding. It is built at
     the first call (and again at the next call while no seed answers), so a
     cluster that is down at start makes misses, not an engine that fails to
     start. Thread-safe: each call takes pooled connections of its own.
 
-    Every call is waited for at most ``lookup_timeout_s``; one that fails or
+    Every call is waited for at most `lookup_timeout_s`; one that fails or
     runs past it starts an outage, during which calls answer at once
-    (see the module's docstring). :attr:`is_available` says whether one lasts.
+    (see the module's docstring). `is_available` says whether one lasts.
     """
 
     def __init__(self, settings: RedisStoreSettings, ttl_s: float) -> None:
@@ -266,7 +266,7 @@ class PeerDirectory:
     # ------------------------------------------------------------ peers
 
     def publish_peer(self, peer: str, record: PeerRecord) -> bool:
-        """Write (or refresh) ``peer``'s record, with the directory's expiry; False on failure."""
+        """Write (or refresh) `peer`'s record, with the directory's expiry; False on failure."""
         command = ("SET", self.peer_key(peer), record.encode(), "PX", self._ttl_ms)
         try:
             self._call("peer record", lambda: self._execute([command]))
@@ -275,7 +275,7 @@ class PeerDirectory:
         return True
 
     def fetch_peer(self, peer: str) -> PeerRecord | None:
-        """``peer``'s record, None when it has none (never was, or expired) or it cannot be read."""
+        """`peer`'s record, None when it has none (never was, or expired) or it cannot be read."""
         try:
             (value,) = self._call(
                 "peer look-up", lambda: self._execute([("GET", self.peer_key(peer))])
@@ -289,7 +289,7 @@ class PeerDirectory:
             self._call("peer withdrawal", lambda: self._execute([("DEL", self.peer_key(peer))]))
 
     def _call(self, what: str, work: Callable[[], _T]) -> _T:
-        """``work()``, waited for at most ``lookup_timeout_s``; every call not made is counted."""
+        """`work()`, waited for at most `lookup_timeout_s`; every call not made is counted."""
         try:
             seconds = self._settings.lookup_timeout_s
             return self._outage.call(
@@ -301,7 +301,7 @@ class PeerDirectory:
             raise
 
     def _execute(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """The replies to ``commands``, each naming one key, pipelined; raises on any failure.
+        """The replies to `commands`, each naming one key, pipelined; raises on any failure.
 
         Every command names one key, so on a cluster each goes to the master
         of its slot. A reply that is an error (a slot no master serves, a

@@ -1,14 +1,14 @@
 """The peer medium's worker side: its pool exposed to NIXL, and loads pulled from any peer.
 
-Saves are the CPU pool's (:class:`~kvwire.media.cpu_pool._handler.CPUPoolTransferHandler`
+Saves are the CPU pool's (`CPUPoolTransferHandler`
 copies blocks into this worker's pool slots). The pool and a staging area
 are registered with a NIXL agent named after this peer (and this rank, in
 a split engine), and the agent's record is published in the directory and
-refreshed every ``peer_heartbeat_s`` (it expires after three of them
+refreshed every `peer_heartbeat_s` (it expires after three of them
 unrefreshed). A rank reads other peers' same rank: the share it holds.
 
 A load reads each block where the scheduler side's lookup found it (the
-transfer's ``sources``; the directory is asked, in one round trip, only
+transfer's `sources`; the directory is asked, in one round trip, only
 about blocks it came without), then pulls each entry, header and payload,
 into staging: with one NIXL read per peer holding some of them (blocks
 adjacent in both pools as one descriptor; its record fetched at most once
@@ -17,24 +17,24 @@ own pool. Each staged entry is verified (layout fingerprint, block hash,
 checksum) and only then scattered into the KV cache. So bytes that moved
 under the read (the holder evicted the block and reused the slot, or is
 writing it right now) are refused, never loaded: a block refused, missing,
-or on a peer that is gone or slower than ``transfer_timeout_s`` is a load
+or on a peer that is gone or slower than `transfer_timeout_s` is a load
 error, computed again. A read that failed withdraws the entries it relied
 on from the directory (only while they still name the same slot and
 generation), and a peer with no live record is forgotten.
 
 Every directory call here (a load's lookups and peer records, the
-heartbeat, withdrawals) waits at most the directory's ``lookup_timeout_s``,
+heartbeat, withdrawals) waits at most the directory's `lookup_timeout_s`,
 and none is made while the directory is down: a load then finds no location
 for the blocks it came without, and its reads of peers whose record it has
 not fetched fail; both are load errors, computed again.
 
-Counts reported with the stats, beside the pool's: ``peer_blocks_pulled``
-and ``peer_bytes_pulled`` (blocks loaded from another peer over NIXL),
-``peer_blocks_local`` (from this worker's own pool), ``peer_lookup_misses``
-(no entry any more at load time), ``peer_read_failures`` (blocks on a peer
+Counts reported with the stats, beside the pool's: `peer_blocks_pulled`
+and `peer_bytes_pulled` (blocks loaded from another peer over NIXL),
+`peer_blocks_local` (from this worker's own pool), `peer_lookup_misses`
+(no entry any more at load time), `peer_read_failures` (blocks on a peer
 that could not be read: no live record, NIXL error, deadline),
-``peer_stale_entries`` (pulled bytes that were not the block) and
-``peer_entries_withdrawn``.
+`peer_stale_entries` (pulled bytes that were not the block) and
+`peer_entries_withdrawn`.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class PeerTransferHandler(TransferHandler):
         staging: PoolSlots,
         region: int,
     ) -> tuple[int, list[int], bool]:
-        """One run of blocks through ``staging``; (loaded, failed ids, staging still ours)."""
+        """One run of blocks through `staging`; (loaded, failed ids, staging still ours)."""
         layout = self._layouts[transfer.group]
         caches = self._caches[transfer.group]
         by_peer: dict[str, list[int]] = {}
@@ -375,7 +375,7 @@ class PeerTransferHandler(TransferHandler):
         run_start: int,
         job: _LoadJob,
     ) -> tuple[bool, bool]:
-        """Read these blocks from ``peer``'s rank into staging; (all arrived, staging ours)."""
+        """Read these blocks from `peer`'s rank into staging; (all arrived, staging ours)."""
         peer = self._rank_agent(peer)
         record = self._peer_record(peer)
         if record is None or record.entry_bytes != self._layout.entry_bytes:
@@ -406,7 +406,7 @@ class PeerTransferHandler(TransferHandler):
         return False, status != "late"
 
     def _peer_record(self, peer: str) -> PeerRecord | None:
-        """``peer``'s record: the one fetched within a heartbeat, else the directory's now."""
+        """`peer`'s record: the one fetched within a heartbeat, else the directory's now."""
         now = time.monotonic()
         with self._changed:
             cached = self._records.get(peer)
@@ -421,7 +421,7 @@ class PeerTransferHandler(TransferHandler):
         return record
 
     def _forget(self, peer: str) -> None:
-        """After a failure with ``peer``: its agent and record are fetched afresh next time."""
+        """After a failure with `peer`: its agent and record are fetched afresh next time."""
         with self._changed:
             self._records.pop(peer, None)
         self._agent.forget(peer)
@@ -435,7 +435,7 @@ class PeerTransferHandler(TransferHandler):
     # -------------------------------------------------------------- upkeep
 
     def _rank_agent(self, peer: str) -> str:
-        """The agent (and record) of ``peer``'s rank holding this rank's share."""
+        """The agent (and record) of `peer`'s rank holding this rank's share."""
         parallel = self._settings.parallel
         return agent_name(peer, parallel, parallel.rank)
 

@@ -8,28 +8,28 @@ the slot was given out), and blocks evicted are withdrawn. Entries expire
 in the directory (a peer that died leaves none behind for long), so each
 scheduler step announces again those of the blocks the pool still holds
 that were last announced half an expiry ago or more (at most
-``REFRESH_BATCH`` a step, oldest first). Lookups ask the directory alone,
+`REFRESH_BATCH` a step, oldest first). Lookups ask the directory alone,
 once per request and KV cache group: a block counts when some peer (this
 one included) announced it; a block this pool holds counts too, its entry
 written again, when the directory lost it (expired before a step came,
 withdrawn by a reader whose read of it stalled).
 
 Every directory call here is on the scheduler's thread, and waits at most
-the directory's deadline (see :class:`~kvwire.media.peer._directory.PeerDirectory`);
+the directory's deadline (see `PeerDirectory`);
 while the directory is down they answer at once. A lookup then finds only
 this pool's own blocks. An announcement that was not made is made again at
 the first step once the directory is back, so hits resume at once. A
-withdrawal that was not made is kept (up to ``WITHDRAWAL_BACKLOG``) and made
+withdrawal that was not made is kept (up to `WITHDRAWAL_BACKLOG`) and made
 at the first step once the directory is back: as a compare-and-delete it is
 safe at any later time. One dropped from a full backlog leaves an entry
 naming a slot the pool may reuse until it expires; a reader that follows
 it pulls bytes that fail verification, so it computes the block and
 withdraws the entry. Nothing wrong is ever loaded. Withdrawals dropped so
-are counted as ``peer_withdrawals_dropped``.
+are counted as `peer_withdrawals_dropped`.
 
 Loads need no second round trip: the locations the last lookup found for
 a group are handed to the worker with the load
-(:meth:`PeerIndex.load_sources`; the scheduler allocates a request's
+(`PeerIndex.load_sources`; the scheduler allocates a request's
 blocks right after looking it up). The worker asks the directory only for
 blocks it was given no location for, and verifies every byte it pulls,
 since a peer's slot may be reused at any time.
@@ -53,12 +53,12 @@ WITHDRAWAL_BACKLOG = 65536
 
 
 class PeerIndex(CPUPoolIndex):
-    """This peer's pool index over ``num_slots`` slots, announcing its blocks in ``directory``.
+    """This peer's pool index over `num_slots` slots, announcing its blocks in `directory`.
 
-    ``fingerprints``: each KV cache group's name in the directory (the
-    split's, :func:`~kvwire.media.peer._split.split_fingerprints`). A block
+    `fingerprints`: each KV cache group's name in the directory (the
+    split's, `split_fingerprints`). A block
     is announced once, for every rank: its slot is the same on each.
-    ``withdrawal_backlog``: how many withdrawals an outage may hold back.
+    `withdrawal_backlog`: how many withdrawals an outage may hold back.
     """
 
     def __init__(
@@ -119,7 +119,7 @@ class PeerIndex(CPUPoolIndex):
         return ()
 
     def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
-        """Each block's location as the last lookup of ``group`` found it; "" where it has none."""
+        """Each block's location as the last lookup of `group` found it; "" where it has none."""
         found = self._found[group]
         sources = tuple(
             location.encode().decode("ascii") if (location := found.get(h)) else ""
@@ -180,7 +180,7 @@ class PeerIndex(CPUPoolIndex):
         """Once the directory answers again: the withdrawals, then the announcements, it missed.
 
         Withdrawals first: a reader then finds no entry for a slot the pool
-        reused, rather than one it would refuse. At most ``REFRESH_BATCH`` of
+        reused, rather than one it would refuse. At most `REFRESH_BATCH` of
         each per step, one round trip each.
         """
         if not self._directory.is_available:

@@ -4,16 +4,16 @@ A tensor-parallel rank holds a share of every layer's KV heads, a pipeline
 stage some of the layers; block ids, and so the pool slot the scheduler
 side gives a block, are the same on every rank. So each rank keeps its
 share of a block in its own pool's slot, behind its own NIXL agent and
-peer record (:func:`agent_name`), and the scheduler side announces the
-block once. A reader's rank ``r`` pulls the share of the writer's rank
-``r``: the same heads and layers, when both engines are split alike.
+peer record (`agent_name`), and the scheduler side announces the
+block once. A reader's rank `r` pulls the share of the writer's rank
+`r`: the same heads and layers, when both engines are split alike.
 
 Engines split differently must never mix shares. The directory names a
-block's entry by the fingerprint of the whole split (:func:`split_fingerprints`:
+block's entry by the fingerprint of the whole split (`split_fingerprints`:
 every rank's share, in rank order), so a reader of another layout (TP=1
 reading a TP=2 writer, or the reverse) finds no entry at all: a clean
 miss, computed. Each rank's entries carry its share in their layout
-fingerprint (:func:`rank_layout`), so bytes of another rank's share are
+fingerprint (`rank_layout`), so bytes of another rank's share are
 refused even if a pull ever reached them. An unsplit engine's names are
 those of an unsplit layout: its entries stay what they were.
 """
@@ -33,9 +33,9 @@ def is_split(parallel: ParallelConfig) -> bool:
 
 
 def rank_layout(layout: BlockLayout, parallel: ParallelConfig, rank: int) -> BlockLayout:
-    """Rank ``rank``'s share of a block, named; ``layout`` is any rank's (one rank's heads).
+    """Rank `rank`'s share of a block, named; `layout` is any rank's (one rank's heads).
 
-    Raises ``ValueError`` naming ``pipeline_layers`` for pipeline stages
+    Raises `ValueError` naming `pipeline_layers` for pipeline stages
     whose layers are not given.
     """
     tensor_size = parallel.tensor_parallel_size
@@ -67,7 +67,7 @@ def split_fingerprints(
 ) -> tuple[str, ...]:
     """Each KV cache group's name in the directory: its layout's, over every rank's share.
 
-    ``group_layouts`` are any one rank's. Unsplit, the layout's own fingerprint.
+    `group_layouts` are any one rank's. Unsplit, the layout's own fingerprint.
     """
     if not is_split(parallel):
         return tuple(layout.fingerprint_hex for layout in group_layouts)
@@ -80,7 +80,7 @@ def split_fingerprints(
 
 
 def agent_name(peer: str, parallel: ParallelConfig, rank: int) -> str:
-    """The NIXL agent and peer record of ``peer``'s rank ``rank``.
+    """The NIXL agent and peer record of `peer`'s rank `rank`.
 
     Unsplit, the peer's own name. A rank's name holds a space, which no peer
     name does, so it never equals another peer's.

@@ -3,60 +3,60 @@
 Each engine keeps the blocks it saves in a CPU pool of its own, as the CPU
 pool medium does, and exposes that pool to a NIXL agent. Once a save
 completed, the engine announces its blocks in a *directory* kept in a
-Redis/Valkey server or a Redis Cluster (:mod:`kvwire.media.peer._directory`):
+Redis/Valkey server or a Redis Cluster (`kvwire.media.peer._directory`):
 block key -> this peer, the slot, the slot's generation. Any engine of the same model
 and layout then finds a block by its hash, whichever peer holds it, and
 its worker pulls the entry straight from that peer's memory with a NIXL
 read, verifies it and scatters it into its KV cache. No store holds KV
 in between, and no router passes transfer parameters: disaggregated
-prefill is a ``kv_producer`` and a ``kv_consumer`` given the same prompt,
-and any group of ``kv_both`` engines pools its CPU memory into one cache.
+prefill is a `kv_producer` and a `kv_consumer` given the same prompt,
+and any group of `kv_both` engines pools its CPU memory into one cache.
 
 Bytes that move under a reader are never loaded (see
-:mod:`kvwire.media.peer._handler`): every pulled entry is verified before
+`kvwire.media.peer._handler`): every pulled entry is verified before
 it reaches the cache, a failed read is a load error (computed again) and
 withdraws the directory entries it relied on, and a read never outlives
-``transfer_timeout_s``. Peers of another model, dtype or layout never
+`transfer_timeout_s`. Peers of another model, dtype or layout never
 match: the layout fingerprint names every directory entry.
 
-``kv_connector_extra_config`` keys:
+`kv_connector_extra_config` keys:
 
-- ``url`` and the Redis medium's other connection keys (``password_env``,
-  ``key_prefix``, ``socket_timeout_s``, TLS...; see
-  :class:`~kvwire.media.store.redis.RedisStoreSettings`): the directory's server:
-  one server (``redis://``, ``rediss://``, ``unix://``), or a Redis Cluster
-  (``redis+cluster://``, ``rediss+cluster://``), each entry and peer record on
+- `url` and the Redis medium's other connection keys (`password_env`,
+  `key_prefix`, `socket_timeout_s`, TLS...; see
+  `RedisStoreSettings`): the directory's server:
+  one server (`redis://`, `rediss://`, `unix://`), or a Redis Cluster
+  (`redis+cluster://`, `rediss+cluster://`), each entry and peer record on
   the master of its slot, such as the one a Redis medium of the same job uses;
-- ``lookup_timeout_s`` (default 1), ``retry_interval_s`` (default 1) and
-  ``warning_interval_s`` (default 30): no directory call (a lookup, an
+- `lookup_timeout_s` (default 1), `retry_interval_s` (default 1) and
+  `warning_interval_s` (default 30): no directory call (a lookup, an
   announcement, a withdrawal, a peer record) waits longer than
-  ``lookup_timeout_s``, on a hung server too; one that fails or is not
+  `lookup_timeout_s`, on a hung server too; one that fails or is not
   answered by then starts an outage, during which calls answer at once
-  (lookups miss) until a probe, every ``retry_interval_s``, is answered.
+  (lookups miss) until a probe, every `retry_interval_s`, is answered.
   The announcements and withdrawals the outage held back are made at the
-  first scheduler step after it (see :mod:`kvwire.media.peer._index`);
-- ``cpu_pool_bytes`` (default ``"256MiB"``), ``io_threads`` (default 2) and
-  ``transfer_timeout_s`` (default 30): the pool's, as for the CPU pool
-  medium; ``transfer_timeout_s`` also bounds each load, pulls included;
-- ``peer_name`` (default ``kvwire-<engine_id>``): this peer's name in the
-  directory and its NIXL agent's (each rank's, with `` rank<r>`` added,
+  first scheduler step after it (see `kvwire.media.peer._index`);
+- `cpu_pool_bytes` (default `"256MiB"`), `io_threads` (default 2) and
+  `transfer_timeout_s` (default 30): the pool's, as for the CPU pool
+  medium; `transfer_timeout_s` also bounds each load, pulls included;
+- `peer_name` (default `kvwire-<engine_id>`): this peer's name in the
+  directory and its NIXL agent's (each rank's, with ` rank<r>` added,
   when the engine is split); unique among the peers;
-- ``staging_blocks`` (default 64): entries each load thread pulls at once;
-- ``directory_ttl_s`` (default 3600): a directory entry's expiry;
-- ``peer_heartbeat_s`` (default 5): how often a worker refreshes its peer
+- `staging_blocks` (default 64): entries each load thread pulls at once;
+- `directory_ttl_s` (default 3600): a directory entry's expiry;
+- `peer_heartbeat_s` (default 5): how often a worker refreshes its peer
   record, which expires after three of these unrefreshed: readers then
   stop trying a peer that died.
 
 NIXL's transport is UCX's to choose: on hosts without RDMA, set
-``UCX_TLS=tcp,self,sm`` (add ``UCX_NET_DEVICES=lo`` for loopback only).
-Install the ``peer`` extra (``nixl-cu12``, which runs without CUDA).
+`UCX_TLS=tcp,self,sm` (add `UCX_NET_DEVICES=lo` for loopback only).
+Install the `peer` extra (`nixl-cu12`, which runs without CUDA).
 
-Split engines (tensor and pipeline parallelism; :mod:`kvwire.media.peer._split`):
+Split engines (tensor and pipeline parallelism; `kvwire.media.peer._split`):
 each rank keeps its share of a block (its KV heads, its stage's layers) in
 its own pool, in the slot the scheduler side gave the block (the same on
 every rank), behind its own NIXL agent and peer record, named
-``<peer_name> rank<r>``; the scheduler side announces the block once. A
-reader's rank ``r`` pulls from the holder's rank ``r``. The directory names
+`<peer_name> rank<r>`; the scheduler side announces the block once. A
+reader's rank `r` pulls from the holder's rank `r`. The directory names
 entries by the whole split, so engines split differently (TP=1 and TP=2,
 PP=1 and PP=2) find none of each other's blocks: a miss, computed, never
 a load of another split's bytes. A block is announced once every rank

@@ -22,22 +22,22 @@ class EntryKeys(abc.ABC):
 
     @abc.abstractmethod
     def key(self, group: int, block_hash: BlockHash) -> str:
-        """The store key of the entry of ``block_hash`` in ``group``."""
+        """The store key of the entry of `block_hash` in `group`."""
 
     @abc.abstractmethod
     def block_of(self, key: str) -> tuple[BlockHash, int | None] | None:
-        """The block hash ``key`` names and its KV cache group (None if unknown).
+        """The block hash `key` names and its KV cache group (None if unknown).
 
         None for a key that names no block of this engine (another layout's).
         """
 
 
 class LayoutKeys(EntryKeys):
-    """Each group's entries under its layout's keys (``layout.key``).
+    """Each group's entries under its layout's keys (`layout.key`).
 
-    ``layouts`` are the handler's groups in order; with ``per_cache_group``
+    `layouts` are the handler's groups in order; with `per_cache_group`
     of them to each KV cache group (entries of groups of KV heads or
-    layers), :meth:`block_of` names the KV cache group.
+    layers), `block_of` names the KV cache group.
     """
 
     def __init__(self, layouts: Sequence[BlockLayout], per_cache_group: int = 1) -> None:

@@ -1,15 +1,14 @@
 """The worker side of a store medium: it moves bytes, nothing else.
 
-:class:`StoreTransferHandler`, the :class:`~kvwire.media.base.TransferHandler` of
-every store medium (:class:`~kvwire.media.store.medium.StoreMedium`),
-moves blocks straight between the KV cache and the :class:`BlockStore`, on
+`StoreTransferHandler`, the [`TransferHandler`][kvwire.media.TransferHandler] of
+every store medium ([`StoreMedium`][kvwire.media.StoreMedium]),
+moves blocks straight between the KV cache and the [`BlockStore`][kvwire.media.BlockStore], on
 background threads: a load reads each entry's payload into the block's
-ranges in the cache (:meth:`BlockStore.read_into_ranges`; see
-:mod:`kvwire.blocks.memory`), a save writes the entry from them
-(:meth:`BlockStore.write_ranges`). There is no staging copy, and the
-forward pass's thread only submits jobs. Loads and saves have separate
-thread pools, so a backlog of saves never delays a load the forward pass is
-waiting for.
+ranges in the cache ([`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]; see
+`kvwire.blocks.memory`), a save writes the entry from them
+([`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]). There is no staging copy, and
+the forward pass's thread only submits jobs. Loads and saves have separate thread pools, so a
+backlog of saves never delays a load the forward pass is waiting for.
 
 Integrity: a loaded entry's header, checksum (and MAC) are verified over the
 bytes where they landed, in the cache, and only a block that passes is
@@ -21,28 +20,27 @@ cache.
 
 The blocks a save reads must not change until it has written them. The
 connector keeps them: a finished request whose saves run keeps its blocks
-until :meth:`StoreTransferHandler.poll` reports its save job ended (it is
+until `StoreTransferHandler.poll` reports its save job ended (it is
 then finished sending), and before each forward pass
-:meth:`StoreTransferHandler.release_saves_reading` releases the saves of preempted
+`StoreTransferHandler.release_saves_reading` releases the saves of preempted
 requests and of blocks given to a request since the last step (the engine
 frees a block without telling the connector when a sliding window moves on
 or a request is preempted, and may give it out again at once): one not
-started is cancelled, one under way is given up on (``saves_released``
+started is cancelled, one under way is given up on (`saves_released`
 counts their blocks). A save given up on, released or past its deadline,
 closes its gate: the store commits none of its entries whose bytes had not
-all left the cache by then (a file is not renamed into place, a ``SET`` is
-never completed; see :meth:`BlockStore.write_ranges`), so no entry is ever
-made of bytes being overwritten, and one another engine stored under the
-same hash stays.
+all left the cache by then (a file is not renamed into place, a `SET` is
+never completed; see [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]), so no entry
+is ever made of bytes being overwritten, and one another engine stored under the same hash stays.
 
-Every transfer has a deadline (``transfer_timeout_s`` from its start): a
+Every transfer has a deadline (`transfer_timeout_s` from its start): a
 load still running past it is given up on and its blocks are load errors; a
 save still running past it is given up on and counted failed. Once a load is
 given up on, nothing writes into its cache blocks: every write into them goes
-through the job's :class:`~kvwire.media.store.base.CacheWrites` gate, which
+through the job's [`CacheWrites`][kvwire.media.CacheWrites] gate, which
 then refuses new writes; a write already in a syscall cannot be cancelled,
-so the waiter waits for it (``late_write_grace_s``) and, should it not
-return, raises :class:`~kvwire.media.store.base.LateWriteError`: the engine
+so the waiter waits for it (`late_write_grace_s`) and, should it not
+return, raises [`LateWriteError`][kvwire.media.LateWriteError]: the engine
 stops rather than risk wrong KV. A save given up on computes no further
 checksum and commits no further entry: the gate covers both.
 """
@@ -158,25 +156,24 @@ class _Headers(threading.local):
 class StoreTransferHandler(TransferHandler):
     """Saves and loads blocks of the registered caches through a store, off the forward pass.
 
-    It serves every KV cache group of the engine: ``layouts`` and ``memories``
-    hold one layout and one :class:`BlockMemory` per group, in group order (a
+    It serves every KV cache group of the engine: `layouts` and `memories`
+    hold one layout and one `BlockMemory` per group, in group order (a
     single-group engine passes one of each). A transfer names its group
-    (:attr:`BlockTransfer.group`); its blocks are read from or written to
-    that group's layers only, and its entries are headed, checked and keyed
-    with that group's layout, so an entry of one group never loads into
-    another.
+    ([`BlockTransfer.group`][kvwire.media.BlockTransfer.group]); its blocks are read from or written
+    to that group's layers only, and its entries are headed, checked and keyed with that group's
+    layout, so an entry of one group never loads into another.
 
-    ``keys`` names a block's entry in the store and tells which block and KV
+    `keys` names a block's entry in the store and tells which block and KV
     cache group a key names (the medium's choice; by default each group
-    layout's keys, :class:`~kvwire.media.store._entry_keys.LayoutKeys`), and
-    ``medium`` names the store in the KV cache events (:meth:`take_events`). Saves in flight hold
-    at most ``max_save_bytes`` of entries: past that, a save is dropped and
-    counted (``saves_dropped``), never waited for. A transfer still running
-    ``transfer_timeout_s`` after it started is given up on (see the module).
+    layout's keys, `LayoutKeys`), and
+    `medium` names the store in the KV cache events (`take_events`). Saves in flight hold
+    at most `max_save_bytes` of entries: past that, a save is dropped and
+    counted (`saves_dropped`), never waited for. A transfer still running
+    `transfer_timeout_s` after it started is given up on (see the module).
 
-    ``store_counters`` returns the store's own counts since its last call
-    (:meth:`take_counters` reports them); ``on_close`` runs last in
-    :meth:`close`, once the transfers ended and the threads stopped: a
+    `store_counters` returns the store's own counts since its last call
+    (`take_counters` reports them); `on_close` runs last in
+    `close`, once the transfers ended and the threads stopped: a
     medium closes its store there. Without it the store stays open (it is
     the caller's).
     """
@@ -280,7 +277,7 @@ class StoreTransferHandler(TransferHandler):
         return ended + saves
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """Block until these jobs ended (past its deadline, a job is given up on), or ``until``."""
+        """Block until these jobs ended (past its deadline, a job is given up on), or `until`."""
         wanted = set(job_ids)
         loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
         loads_ended = self._loads.wait(loads, until)
@@ -289,12 +286,12 @@ class StoreTransferHandler(TransferHandler):
     def _submit_runs(
         self, job_id: int, transfer: BlockTransfer, deadline: float, load_job: LoadJob[_Job]
     ) -> None:
-        """Submit the transfer's runs: one job, one ``read_into_ranges`` each.
+        """Submit the transfer's runs: one job, one `read_into_ranges` each.
 
         A store that reads ahead (a server sending the next entries while
         this thread verifies) does so across the whole run. A transfer is
         split between the I/O threads (no more ways than there are cores), in
-        runs of at least ``batch_blocks``.
+        runs of at least `batch_blocks`.
         """
         count = len(transfer.block_ids)
         run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
@@ -314,7 +311,7 @@ class StoreTransferHandler(TransferHandler):
     def _load(self, run: _Job, load_job: LoadJob[_Job]) -> None:
         """Read one run straight into its cache blocks, verifying each entry where it landed.
 
-        Failed block ids go to ``run.failed``, then count towards its ``load_job``.
+        Failed block ids go to `run.failed`, then count towards its `load_job`.
         """
         started = time.perf_counter()
         failed: list[int] = []
@@ -429,13 +426,13 @@ class StoreTransferHandler(TransferHandler):
 
     @staticmethod
     def _store_call(call: str, action: Callable[[], _Answer]) -> _Answer:
-        """``action()``, a call into the store; what it raises becomes :class:`_StoreCallFailed`.
+        """`action()`, a call into the store; what it raises becomes `_StoreCallFailed`.
 
-        ``JobAbandoned`` passes: the gate raises it to stop a store's writes.
-        A ``sys.exit()`` inside the store is its failure too. Called once per
-        entry read, so no signal bookkeeping (:func:`kvwire.plugin_calls.contained_exits`):
+        `JobAbandoned` passes: the gate raises it to stop a store's writes.
+        A `sys.exit()` inside the store is its failure too. Called once per
+        entry read, so no signal bookkeeping (`kvwire.plugin_calls.contained_exits`):
         these threads take no signal, and on the main thread a
-        ``KeyboardInterrupt`` is left to the program, as a Ctrl-C.
+        `KeyboardInterrupt` is left to the program, as a Ctrl-C.
         """
         try:
             return action()
@@ -454,9 +451,9 @@ class StoreTransferHandler(TransferHandler):
     def _answers(
         self, landed: Iterable[tuple[int, int | None]], call: str
     ) -> Iterator[tuple[int, int | None]]:
-        """The store's ``(index, size)`` answers, as it yields them.
+        """The store's `(index, size)` answers, as it yields them.
 
-        What it raises is handled as in :meth:`_store_call`; an answer that is
+        What it raises is handled as in `_store_call`; an answer that is
         no pair fails the whole read.
         """
         answers = iter(landed)
@@ -472,7 +469,7 @@ class StoreTransferHandler(TransferHandler):
             yield cast(tuple[int, int | None], answer)
 
     def _is_new_report(self, index: object, size: object, outcomes: list[bool | None]) -> bool:
-        """Whether the store's ``(index, size)`` is the first answer for one of its keys.
+        """Whether the store's `(index, size)` is the first answer for one of its keys.
 
         Anything else (no index of the call, a size that is no byte count, a
         second answer for a key, after which its block may hold other bytes
@@ -520,10 +517,10 @@ class StoreTransferHandler(TransferHandler):
     def _record_events(self, stored: Sequence[BlockHash] = (), group: int = 0) -> None:
         """Events after a store call: the blocks it stored, then the entries the store removed.
 
-        A store reports only what it really removed: one without ``discard``
+        A store reports only what it really removed: one without `discard`
         keeps a corrupt entry, and reports nothing. Keys of another layout (a
         shared medium) are no blocks of this engine. Each event names the KV
-        cache group of its blocks (``stored`` are ``group``'s); removed
+        cache group of its blocks (`stored` are `group`'s); removed
         entries are grouped by the group their key names.
         """
         with self._lock:
@@ -559,12 +556,12 @@ class StoreTransferHandler(TransferHandler):
 
         Nothing is copied here: the saves read the cache blocks themselves,
         which the connector keeps unchanged until they end (see the module).
-        When saves in flight already hold ``max_save_bytes``, the blocks that
-        do not fit are not saved (counted as ``saves_dropped``), because a
+        When saves in flight already hold `max_save_bytes`, the blocks that
+        do not fit are not saved (counted as `saves_dropped`), because a
         slow medium must not pin ever more blocks; the next request that
         computes them saves them again. A save still running
-        ``transfer_timeout_s`` after it was submitted is counted failed
-        (``save_timeouts``) and writes no more of its entries.
+        `transfer_timeout_s` after it was submitted is counted failed
+        (`save_timeouts`) and writes no more of its entries.
         """
         self.expire_overdue_saves()
         dropped = 0
@@ -619,7 +616,7 @@ class StoreTransferHandler(TransferHandler):
                 self._count_down_save_job(job.job_id)
 
     def _count_down_save_job(self, job_id: int) -> None:
-        """Under the lock: one batch of save job ``job_id`` settled (or it is all submitted)."""
+        """Under the lock: one batch of save job `job_id` settled (or it is all submitted)."""
         left = self._saves_per_job[job_id] - 1
         if left:
             self._saves_per_job[job_id] = left
@@ -735,20 +732,20 @@ class StoreTransferHandler(TransferHandler):
     def release_saves_reading(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
     ) -> list[BlockTransfer]:
-        """Release every save that reads blocks of ``request_ids``, or any of ``block_ids``.
+        """Release every save that reads blocks of `request_ids`, or any of `block_ids`.
 
         Before a forward pass that may write those blocks (preempted
         requests'; blocks given out again since the last step). Nothing is
         waited for but a checksum under way: a save not started yet is
         cancelled, and one under way has its gate closed, so it commits none
         of its entries not committed yet (see the module). Their blocks not
-        stored count as ``saves_released``; they are not saved again (a later
+        stored count as `saves_released`; they are not saved again (a later
         lookup misses them, it never loads wrong KV).
 
         Returns the save jobs this call stopped (one record per job: a batch
-        of at most ``batch_blocks`` blocks of one group), not those that had
+        of at most `batch_blocks` blocks of one group), not those that had
         ended or were given up on before. Entries a job committed before its
-        gate closed stay stored, and were reported in :meth:`take_events`.
+        gate closed stay stored, and were reported in `take_events`.
         """
         requests, blocks = set(request_ids), set(block_ids)
         if not requests and not blocks:
@@ -771,7 +768,7 @@ class StoreTransferHandler(TransferHandler):
         ]
 
     def _release_save(self, job: _Job) -> bool:
-        """Give up on the save ``job`` before its blocks change; whether this call stopped it."""
+        """Give up on the save `job` before its blocks change; whether this call stopped it."""
         with job.lock:
             # Read by the save once its end() has failed, under the same lock.
             job.released = not (job.ended or job.abandoned)
@@ -797,7 +794,7 @@ class StoreTransferHandler(TransferHandler):
     def _wait_for_saves(self, job_ids: Set[int] | None, until: float | None) -> bool:
         """Block until these save jobs' batches (all, for None) are written or overdue.
 
-        False if ``until`` came first; without it, it still ends: at the
+        False if `until` came first; without it, it still ends: at the
         latest when the last batch's own deadline passes.
         """
         deadline = until
@@ -822,7 +819,7 @@ class StoreTransferHandler(TransferHandler):
             )
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Finish the transfers in flight (up to ``timeout_s``), stop the threads, run ``on_close``.
+        """Finish the transfers in flight (up to `timeout_s`), stop the threads, run `on_close`.
 
         Every step runs even when one fails (logged): a stuck save or load
         must not keep the thread pools from shutting down, nor the medium

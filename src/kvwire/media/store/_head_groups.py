@@ -1,18 +1,18 @@
 """A rank's store worker, as the connector sees it, when each block is several entries.
 
 A rank that stores entries of groups of KV heads (see
-:mod:`kvwire.blocks.shards`) moves ``per_group`` entries per block of each
+`kvwire.blocks.shards`) moves `per_group` entries per block of each
 KV cache group, one per head group it holds. Its
-:class:`~kvwire.media.store._handler.StoreTransferHandler` serves them as groups of
-their own, ``(cache group, head group)`` pairs numbered ``cache_group *
-per_group + head_group``; :class:`HeadGroupsHandler` turns the connector's
+`StoreTransferHandler` serves them as groups of
+their own, `(cache group, head group)` pairs numbered `cache_group *
+per_group + head_group`; `HeadGroupsHandler` turns the connector's
 transfers (one per cache group) into theirs and its reports back:
 
 - jobs, block ids and failed loads are the same whatever the entry, so
   they pass as they are (a block any of whose entries failed is a load
   error: the engine computes it again);
 - a save stopped in any of its entries is reported once, in its cache group;
-- a block counts as stored (``BlockStored``) once every entry of it on this
+- a block counts as stored (`BlockStored`) once every entry of it on this
   rank is, and as removed at the first of its entries removed.
 """
 
@@ -33,7 +33,7 @@ _PARTLY_STORED_LIMIT = 65536
 
 
 class HeadGroupsHandler(TransferHandler):
-    """``inner``'s transfers per cache group, ``per_group`` entries per block."""
+    """`inner`'s transfers per cache group, `per_group` entries per block."""
 
     def __init__(self, inner: TransferHandler, per_group: int) -> None:
         self._inner = inner
@@ -77,7 +77,7 @@ class HeadGroupsHandler(TransferHandler):
         return events
 
     def _wholly_stored(self, event: BlockStored) -> tuple[BlockHash, ...]:
-        """The blocks of ``event`` whose every entry on this rank is now stored."""
+        """The blocks of `event` whose every entry on this rank is now stored."""
         if self._per_group == 1:
             return tuple(event.block_hashes)
         group = -1 if event.group is None else event.group // self._per_group

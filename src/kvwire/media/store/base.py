@@ -1,20 +1,21 @@
 """Where a store-backed connector keeps its encoded blocks.
 
-A :class:`BlockStore` is a key-value store of whole entries (header plus
-payload, see :mod:`kvwire.blocks.format`): a directory shared by
+A [`BlockStore`][kvwire.media.BlockStore] is a key-value store of whole entries (header plus
+payload, see `kvwire.blocks.format`): a directory shared by
 engines, a Redis/Valkey server. The connector owns the threads and the
 memory; a store only moves bytes between that memory and its medium, in
 batches, and reports failures per key instead of raising, so that one bad
 entry or a dead server never reaches the engine as an exception.
 
-The connector's data path (:meth:`BlockStore.read_into_ranges`,
-:meth:`BlockStore.write_ranges`) hands a store each entry as a list of byte
-ranges: a small header buffer, then the block's ranges in the KV cache
-itself (:mod:`kvwire.blocks.memory`). A store that can do scattered
-I/O (``preadv``/``pwritev``, ``recv_into``/``sendmsg``) overrides both and
-moves the bytes with no copy; any other store keeps the defaults, which go
-through a per-thread scratch buffer and :meth:`BlockStore.read_each` /
-:meth:`BlockStore.put` (one copy).
+The connector's data path
+([`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges],
+[`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]) hands a store each entry as a
+list of byte ranges: a small header buffer, then the block's ranges in the KV cache itself
+(`kvwire.blocks.memory`). A store that can do scattered I/O (`preadv`/`pwritev`,
+`recv_into`/`sendmsg`) overrides both and moves the bytes with no copy; any other store keeps the
+defaults, which go through a per-thread scratch buffer and
+[`BlockStore.read_each`][kvwire.media.BlockStore.read_each] /
+[`BlockStore.put`][kvwire.media.BlockStore.put] (one copy).
 """
 
 from __future__ import annotations
@@ -51,17 +52,18 @@ class CacheWrites:
     """The gate on a transfer's access to its cache ranges.
 
     A load: the store wraps each call that writes into the caller's ranges
-    (one ``preadv``, one ``recv_into``, one copy) in :meth:`writing`; once
-    the connector has given up on the load (:meth:`close`), :meth:`writing`
-    raises :class:`~kvwire.media._transfer_jobs.JobAbandoned` instead of
-    letting the write start, and the store lets that exception end its
-    generator. :meth:`close` waits for a write already under way to return.
+    (one `preadv`, one `recv_into`, one copy) in [`writing`][kvwire.media.CacheWrites.writing]; once
+    the connector has given up on the load ([`close`][kvwire.media.CacheWrites.close]),
+    [`writing`][kvwire.media.CacheWrites.writing] raises [`JobAbandoned`][kvwire.media.JobAbandoned]
+    instead of letting the write start, and the store lets that exception end its generator.
+    [`close`][kvwire.media.CacheWrites.close] waits for a write already under way to return.
 
-    A save (its ``commit_gate``, see :meth:`BlockStore.write_ranges`): the
-    connector closes it when the save's blocks may change under it (given
-    out again, or the save given up on); an entry then commits only if all
-    its bytes had left the ranges while the gate was still open
-    (:meth:`is_open`), so no entry is ever made from bytes being overwritten.
+    A save (its `commit_gate`, see
+    [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]): the connector closes it when
+    the save's blocks may change under it (given out again, or the save given up on); an entry then
+    commits only if all its bytes had left the ranges while the gate was still open
+    ([`is_open`][kvwire.media.CacheWrites.is_open]), so no entry is ever made from bytes being
+    overwritten.
     """
 
     def __init__(self) -> None:
@@ -71,7 +73,7 @@ class CacheWrites:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
-        """Around one write into the ranges; raises ``JobAbandoned`` once the load is given up."""
+        """Around one write into the ranges; raises `JobAbandoned` once the load is given up."""
         with self._changed:
             if self._closed:
                 raise JobAbandoned
@@ -88,7 +90,8 @@ class CacheWrites:
         return self._closed
 
     def is_open(self) -> bool:
-        """Whether the gate is open, asked under its lock: a :meth:`close` returns after or before.
+        """Whether the gate is open, asked under its lock: a
+        [`close`][kvwire.media.CacheWrites.close] returns after or before.
 
         A save asks it once all of an entry's bytes have left the ranges
         (handed to the kernel, or copied): open, the bytes were read before
@@ -98,7 +101,8 @@ class CacheWrites:
             return not self._closed
 
     def close(self, grace_s: float) -> None:
-        """Let no write start; wait ``grace_s`` for one under way, or :class:`LateWriteError`."""
+        """Let no write start; wait `grace_s` for one under way, or
+        [`LateWriteError`][kvwire.media.LateWriteError]."""
         with self._changed:
             self._closed = True
             if self._changed.wait_for(lambda: self._in_flight == 0, max(0.0, grace_s)):
@@ -111,7 +115,7 @@ class CacheWrites:
 
 
 class StoreReplyError(KVWireError, ValueError):
-    """A store's answer that is not one result per key it was given (a short ``put`` reply).
+    """A store's answer that is not one result per key it was given (a short `put` reply).
 
     Which keys the answer is about cannot be told, so none of them counts as
     stored.
@@ -119,7 +123,7 @@ class StoreReplyError(KVWireError, ValueError):
 
 
 def checked_write_results(reply: object, count: int, call: str) -> list[bool]:
-    """``reply`` if it holds ``count`` booleans, one per key of ``call``; else StoreReplyError."""
+    """`reply` if it holds `count` booleans, one per key of `call`; else StoreReplyError."""
     if isinstance(reply, list) and len(reply) == count and all(type(ok) is bool for ok in reply):
         return reply
     if isinstance(reply, list):
@@ -140,7 +144,7 @@ class _Scratch(threading.local):
         self.buffer = bytearray()
 
     def views(self, sizes: Sequence[int]) -> list[memoryview]:
-        """Consecutive views of ``sizes`` bytes each, in this thread's buffer (grown if needed)."""
+        """Consecutive views of `sizes` bytes each, in this thread's buffer (grown if needed)."""
         total = sum(sizes)
         if len(self.buffer) < total:
             self.buffer = bytearray(total)
@@ -156,7 +160,7 @@ _scratch = _Scratch()
 
 
 def _scratch_chunks(sizes: Sequence[int]) -> list[range]:
-    """Consecutive index ranges of entries whose sizes add up to about :data:`SCRATCH_BYTES`."""
+    """Consecutive index ranges of entries whose sizes add up to about `SCRATCH_BYTES`."""
     chunks: list[range] = []
     start = total = 0
     for index, size in enumerate(sizes):
@@ -181,7 +185,7 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def count_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, are present consecutively.
+        """How many of `keys`, from the first, are present consecutively.
 
         An unreachable medium counts as 0 (a miss), never as an error.
         """
@@ -205,7 +209,8 @@ class BlockStore(abc.ABC):
     def read_each(
         self, keys: Sequence[str], buffers: Sequence[memoryview]
     ) -> Generator[tuple[int, int | None], None, None]:
-        """Read entries as :meth:`get_into` does, yielding ``(index, size or None)`` as each lands.
+        """Read entries as [`get_into`][kvwire.media.BlockStore.get_into] does, yielding
+        `(index, size or None)` as each lands.
 
         Every index is yielded once, in order. A caller verifies and copies
         each entry out while it is still in the CPU cache, and, with a server,
@@ -224,26 +229,25 @@ class BlockStore(abc.ABC):
         ranges_per_key: Sequence[Sequence[memoryview]],
         writes: CacheWrites | None = None,
     ) -> Generator[tuple[int, int | None], None, None]:
-        """Read each key's entry into its ranges, yielding ``(index, size or None)`` as each lands.
+        """Read each key's entry into its ranges, yielding `(index, size or None)` as each lands.
 
-        ``ranges_per_key[i]`` is key ``i``'s entry split into writable byte
-        ranges, in order: the entry's first ``len(ranges[0])`` bytes go into
-        ``ranges[0]``, the next into ``ranges[1]``, and so on (the connector
+        `ranges_per_key[i]` is key `i`'s entry split into writable byte
+        ranges, in order: the entry's first `len(ranges[0])` bytes go into
+        `ranges[0]`, the next into `ranges[1]`, and so on (the connector
         passes a header buffer, then the block's ranges in the KV cache). The
         size yielded is the entry's length; an entry longer than its ranges
         together is a failure (None) and writes nothing; a shorter one fills
         what it covers and reports its length (the caller's check rejects it).
 
-        As :meth:`read_each`: every index is yielded once, in order; the
-        caller checks each entry as it lands; a caller that stops early closes
-        the iterator. The store may write into key ``i``'s ranges at any time
-        between the call and yielding ``i``, never after. Every write into the
-        ranges goes through ``writes.writing()`` (when ``writes`` is given),
-        one call (syscall, copy) at a time, and a ``JobAbandoned`` it raises
-        ends the generator (let it propagate): that is how a load given up on
-        stops writing into the cache. This default reads a few MiB of entries at a time into a
-        per-thread scratch buffer with :meth:`read_each`, then copies each
-        into its ranges; stores that can read into scattered memory override it.
+        As [`read_each`][kvwire.media.BlockStore.read_each]: every index is yielded once, in order;
+        the caller checks each entry as it lands; a caller that stops early closes the iterator. The
+        store may write into key `i`'s ranges at any time between the call and yielding `i`, never
+        after. Every write into the ranges goes through `writes.writing()` (when `writes` is given),
+        one call (syscall, copy) at a time, and a `JobAbandoned` it raises ends the generator (let
+        it propagate): that is how a load given up on stops writing into the cache. This default
+        reads a few MiB of entries at a time into a per-thread scratch buffer with
+        [`read_each`][kvwire.media.BlockStore.read_each], then copies each into its ranges; stores
+        that can read into scattered memory override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
         for chunk in _scratch_chunks(sizes):
@@ -269,22 +273,21 @@ class BlockStore(abc.ABC):
     ) -> list[bool]:
         """Store each key's entry, given as its ranges in order; True where it is now stored whole.
 
-        As :meth:`put`, with each entry the concatenation of its ranges (a
+        As [`put`][kvwire.media.BlockStore.put], with each entry the concatenation of its ranges (a
         header, then the block's ranges in the KV cache). The ranges are only
         read, and not after the call returns.
 
-        With ``commit_gate``, an entry is committed (made visible to readers)
+        With `commit_gate`, an entry is committed (made visible to readers)
         only if all its bytes left the ranges while the gate was open: the
         connector closes it when the blocks may change under the save, and
         an entry made of bytes being overwritten would be torn. A store that
-        writes from the ranges in place checks :meth:`CacheWrites.is_open`
-        once the medium (the kernel) holds all of an entry's bytes, just
-        before it commits (a rename, the end of a command), and otherwise
-        drops the entry (False); once the gate is closed it starts no entry.
-        This default copies a few MiB of entries at a time into a per-thread
-        scratch buffer, each copy under ``commit_gate.writing()``, and calls
-        :meth:`put` on the copies; stores that can write scattered memory
-        override it.
+        writes from the ranges in place checks
+        [`CacheWrites.is_open`][kvwire.media.CacheWrites.is_open] once the medium (the kernel) holds
+        all of an entry's bytes, just before it commits (a rename, the end of a command), and
+        otherwise drops the entry (False); once the gate is closed it starts no entry. This default
+        copies a few MiB of entries at a time into a per-thread scratch buffer, each copy under
+        `commit_gate.writing()`, and calls [`put`][kvwire.media.BlockStore.put] on the copies;
+        stores that can write scattered memory override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
         results = [False] * len(keys)
@@ -327,7 +330,7 @@ def _is_count(value: object) -> TypeGuard[int]:
 
 
 def _copy_into(entry: memoryview, ranges: Sequence[memoryview]) -> None:
-    """Copy ``entry`` into ``ranges`` in order, as far as it reaches."""
+    """Copy `entry` into `ranges` in order, as far as it reaches."""
     offset = 0
     for part in ranges:
         if offset >= len(entry):

@@ -1,89 +1,96 @@
-"""Store media: each block one entry in a :class:`~kvwire.media.store.base.BlockStore`.
+"""Store media: each block one entry in a [`BlockStore`][kvwire.media.BlockStore].
 
 A store medium names each block's entry by key; the store finds it by key
 alone, so the scheduler side's index only asks the store how many
-consecutive blocks it holds (``BlockStore.count_prefix``: only a prefix that
+consecutive blocks it holds (`BlockStore.count_prefix`: only a prefix that
 is really present counts) and decides nothing else. The worker side's
-handler (:class:`~kvwire.media.store._handler.StoreTransferHandler`) moves blocks
+handler (`StoreTransferHandler`) moves blocks
 straight between the KV cache's block ranges and the store (an entry is the
-``block_format`` header, then every layer's block), on background threads:
+`block_format` header, then every layer's block), on background threads:
 the forward pass only submits. A loaded entry is verified where it landed,
 in the cache, before its block counts as loaded; a block that fails is a
 load error, which the engine computes again.
 
 How a medium supplies its store
 -------------------------------
-Subclass :class:`StoreMedium` and implement :meth:`StoreMedium.create_store`;
-declare your own ``kv_connector_extra_config`` keys by extending
-:meth:`StoreMedium.extra_config_keys` (and check them together, or derive
-values, in :meth:`StoreMedium.finish_options`). The store is created once
-per medium object, when its first half is built, with the validated
-options::
+Subclass [`StoreMedium`][kvwire.media.StoreMedium] and implement
+[`StoreMedium.create_store`][kvwire.media.StoreMedium.create_store]; declare your own
+`kv_connector_extra_config` keys by extending
+[`StoreMedium.extra_config_keys`][kvwire.media.StoreMedium.extra_config_keys] (and check them
+together, or derive values, in
+[`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options]). The store is created once
+per medium object, when its first half is built, with the validated options:
 
-    class MyMedium(StoreMedium[MyStore]):
-        event_medium = "mystore"
+```python
+class MyMedium(StoreMedium[MyStore]):
+    event_medium = "mystore"
 
-        @classmethod
-        def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
-            return (*super().extra_config_keys(), str_key("url", None, required=True))
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        return (*super().extra_config_keys(), str_key("url", None, required=True))
 
-        def create_store(self, options: Mapping[str, Any]) -> MyStore:
-            return MyStore(options["url"])
+    def create_store(self, options: Mapping[str, Any]) -> MyStore:
+        return MyStore(options["url"])
+```
 
-Optionally override :meth:`StoreMedium.store_key` (the default is
-``group_layouts[group].key(block_hash)``: the KV cache group's layout
-fingerprint + block hash; override :meth:`StoreMedium.block_hash_of`, its
-inverse, with it), :meth:`StoreMedium.store_counters` (extra stats from your
-store), :meth:`StoreMedium.reset_store` (forget this engine's entries) and
-:meth:`StoreMedium.start_worker`/:meth:`StoreMedium.stop_worker` (work of the
-worker side's own, such as a sweep), and give your store a ``discard(keys)``
-so entries found corrupt stop being hits. The store must never raise into
-the engine: misses and failures are results.
+Optionally override [`StoreMedium.store_key`][kvwire.media.StoreMedium.store_key] (the
+default is `group_layouts[group].key(block_hash)`: the KV cache group's layout
+fingerprint + block hash; override
+[`StoreMedium.block_hash_of`][kvwire.media.StoreMedium.block_hash_of], its inverse,
+with it), [`StoreMedium.store_counters`][kvwire.media.StoreMedium.store_counters]
+(extra stats from your store),
+[`StoreMedium.reset_store`][kvwire.media.StoreMedium.reset_store] (forget this
+engine's entries) and
+[`StoreMedium.start_worker`][kvwire.media.StoreMedium.start_worker] /
+[`StoreMedium.stop_worker`][kvwire.media.StoreMedium.stop_worker] (work of the
+worker side's own, such as a sweep), and give your store a `discard(keys)` so
+entries found corrupt stop being hits. The store must never raise into the
+engine: misses and failures are results.
 
 Hybrid models (several KV cache groups): an entry holds one block of every
 layer of one group, keyed and headed with that group's layout (its name is
 in the fingerprint), so two groups' entries for one block hash never share a
 key and one never loads into the other. With a single group the keys are
-those of earlier versions. ``store_key(block_hash)`` overrides written for
+those of earlier versions. `store_key(block_hash)` overrides written for
 one group keep working with one group; a hybrid engine calls
-``store_key(block_hash, group)``, and refuses at construction an override
-that cannot take ``group``.
+`store_key(block_hash, group)`, and refuses at construction an override
+that cannot take `group`.
 
-KV cache events (``event_medium`` names the store in them): the worker side
-reports ``BlockStored`` for the blocks each save really stored (not the
-dropped or failed ones) and ``BlockRemoved`` for the corrupt entries it
-discarded and for those the store's ``take_removed_keys`` reports (a size
+KV cache events (`event_medium` names the store in them): the worker side
+reports `BlockStored` for the blocks each save really stored (not the
+dropped or failed ones) and `BlockRemoved` for the corrupt entries it
+discarded and for those the store's `take_removed_keys` reports (a size
 cap).
 
-Common ``kv_connector_extra_config`` keys of every store medium:
+Common `kv_connector_extra_config` keys of every store medium:
 
-- ``staging_buffer_bytes`` (default 64 MiB; no staging memory any more: the
+- `staging_buffer_bytes` (default 64 MiB; no staging memory any more: the
   bytes of entries that saves in flight may hold; a save beyond it is
   dropped and counted, never waited for);
-- ``io_threads`` (default 4, per direction);
-- ``batch_blocks`` (default 8: blocks per save job, and the shortest load
+- `io_threads` (default 4, per direction);
+- `batch_blocks` (default 8: blocks per save job, and the shortest load
   run: a load is shared between the I/O threads in runs of at least this
   many blocks, one store call each);
-- ``transfer_timeout_s`` (default 30: the deadline of each load and save,
+- `transfer_timeout_s` (default 30: the deadline of each load and save,
   from its start; a load still running then is abandoned and its blocks are
   load errors, which the engine computes again, and never writes into the
   cache afterwards; a save still running then counts failed);
-- ``entry_kv_heads`` (KV heads per entry; default: a rank's heads, all of
+- `entry_kv_heads` (KV heads per entry; default: a rank's heads, all of
   them at tensor-parallel size 1): each block is one entry per group of that
   many heads, named apart, so engines of different tensor-parallel sizes
-  that set it alike share entries (see :mod:`kvwire.blocks.shards`); a
+  that set it alike share entries (see `kvwire.blocks.shards`); a
   lookup counts a block only when every group's entry is stored;
-- ``entry_layers`` (layers per entry; default: a pipeline stage's layers,
+- `entry_layers` (layers per entry; default: a pipeline stage's layers,
   all of them without pipeline parallelism): the same for layers, so
   engines of different pipeline-parallel sizes that set it alike share
   entries;
-- ``mac_key_env`` (the name of an environment variable holding a MAC key:
+- `mac_key_env` (the name of an environment variable holding a MAC key:
   every entry is then sealed with HMAC-SHA256 and one whose MAC does not
-  match is a load error, see :mod:`kvwire.blocks.mac`; the key itself is
+  match is a load error, see `kvwire.blocks.mac`; the key itself is
   never accepted in a profile).
 
-The connector declares ``async_load`` (loads reported through
-``get_finished``) itself.
+The connector declares `async_load` (loads reported through
+`get_finished`) itself.
 """
 
 from __future__ import annotations
@@ -131,7 +138,8 @@ _Store = TypeVar("_Store", bound=BlockStore)
 
 @attrs.frozen
 class _Unchecked:
-    """``mac_key_env`` as given: checked by :meth:`StoreMedium.finish_options`, never echoed.
+    """`mac_key_env` as given: checked by
+    [`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options], never echoed.
 
     The generic reader would print a bad value, and a bad value here may be
     the key itself.
@@ -141,13 +149,13 @@ class _Unchecked:
 
 
 class StoreMedium(Medium, Generic[_Store]):
-    """A medium that keeps encoded KV blocks in a :class:`BlockStore`, one entry per block.
+    """A medium that keeps encoded KV blocks in a [`BlockStore`][kvwire.media.BlockStore], one entry
+    per block.
 
-    Abstract: a subclass supplies the store through :meth:`create_store`
-    (``_Store`` is its type). The store is created once per medium object,
-    by whichever half is built first; the halves built close it, the last
-    one to close closing the store (a connector builds one half, so that
-    half owns it).
+    Abstract: a subclass supplies the store through
+    [`create_store`][kvwire.media.StoreMedium.create_store] (`_Store` is its type). The store is
+    created once per medium object, by whichever half is built first; the halves built close it, the
+    last one to close closing the store (a connector builds one half, so that half owns it).
     """
 
     # A subclass names its store ("disk", "redis"); one that does not is
@@ -235,10 +243,10 @@ class StoreMedium(Medium, Generic[_Store]):
 
     @classmethod
     def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
-        """The options, and the MAC keyed from ``mac_key_env`` as ``options["entry_mac"]``.
+        """The options, and the MAC keyed from `mac_key_env` as `options["entry_mac"]`.
 
-        An unset, empty or too short variable is an error here, so ``kvwire
-        check`` (run in the engine's environment) finds it before the engine.
+        An unset, empty or too short variable is an error here, so `kvwire
+        check` (run in the engine's environment) finds it before the engine.
         A subclass that extends this calls it.
         """
         given = options["mac_key_env"]
@@ -250,27 +258,29 @@ class StoreMedium(Medium, Generic[_Store]):
 
     @abc.abstractmethod
     def create_store(self, options: Mapping[str, Any]) -> _Store:
-        """The store this medium uses, from the validated extra-config ``options``."""
+        """The store this medium uses, from the validated extra-config `options`."""
 
     def store_key(self, block_hash: BlockHash, group: int = 0) -> str:
-        """The store key of a block of KV cache ``group``: its layout's fingerprint, then the hash.
+        """The store key of a block of KV cache `group`: its layout's fingerprint, then the hash.
 
-        With a single group, the key is ``layout.key(block_hash)``, the key
-        of a model without groups. An override for hybrid engines must take ``group``
+        With a single group, the key is `layout.key(block_hash)`, the key
+        of a model without groups. An override for hybrid engines must take `group`
         (see the module).
         """
         return self._group_layouts[group].key(block_hash)
 
     def block_hash_of(self, key: str) -> BlockHash | None:
-        """The block hash :meth:`store_key` made ``key`` from, in any group; None for another's."""
+        """The block hash [`store_key`][kvwire.media.StoreMedium.store_key] made `key` from, in any
+        group; None for another's."""
         found = block_of_key(self._group_layouts, key)
         return None if found is None else found[0]
 
     def block_group_of(self, key: str) -> int | None:
-        """The KV cache group whose layout made ``key``; None for another's.
+        """The KV cache group whose layout made `key`; None for another's.
 
-        A medium that overrides :meth:`store_key` and :meth:`block_hash_of`
-        overrides this too, or its events name no group.
+        A medium that overrides [`store_key`][kvwire.media.StoreMedium.store_key] and
+        [`block_hash_of`][kvwire.media.StoreMedium.block_hash_of] overrides this too, or its events
+        name no group.
         """
         found = block_of_key(self._group_layouts, key)
         return None if found is None else found[1]
@@ -283,7 +293,7 @@ class StoreMedium(Medium, Generic[_Store]):
         """How long a given-up load's read already under way may take to return.
 
         Longer than any single read the store can make: past it the engine
-        stops (``LateWriteError``) rather than let the read land late. A
+        stops (`LateWriteError`) rather than let the read land late. A
         store whose reads are bounded by a longer timeout raises it.
         """
         return LATE_WRITE_GRACE_S
@@ -293,10 +303,11 @@ class StoreMedium(Medium, Generic[_Store]):
         return None
 
     def start_worker(self, handler: StoreTransferHandler) -> None:
-        """Start the worker side's own work once ``handler`` is built (a sweep); none by default."""
+        """Start the worker side's own work once `handler` is built (a sweep); none by default."""
 
     def stop_worker(self) -> None:
-        """Stop what :meth:`start_worker` started; called at close, before the store closes."""
+        """Stop what [`start_worker`][kvwire.media.StoreMedium.start_worker] started; called at
+        close, before the store closes."""
 
     # ------------------------------------------------------------- the store
 
@@ -314,7 +325,8 @@ class StoreMedium(Medium, Generic[_Store]):
     def stored_layouts(self) -> tuple[BlockLayout, ...]:
         """The layouts of every entry this engine's ranks store, of every group and head group.
 
-        What a reset removes; with a single group of whole blocks, :attr:`group_layouts`.
+        What a reset removes; with a single group of whole blocks,
+        [`group_layouts`][kvwire.media.StoreMedium.group_layouts].
         """
         return tuple(layout for group in self._every_entry_layouts for layout in group)
 
@@ -330,7 +342,7 @@ class StoreMedium(Medium, Generic[_Store]):
         return self._store
 
     def _open_store(self) -> _Store:
-        """The store, for one more half that closes it through :meth:`_release_store`."""
+        """The store, for one more half that closes it through `_release_store`."""
         store = self.store
         self._store_users += 1
         return store
@@ -342,11 +354,12 @@ class StoreMedium(Medium, Generic[_Store]):
             self._store.close()
 
     def _group_key_function(self) -> Callable[[int, BlockHash], str]:
-        """How this medium names a block of a group: through :meth:`store_key`, overrides too.
+        """How this medium names a block of a group: through
+        [`store_key`][kvwire.media.StoreMedium.store_key], overrides too.
 
-        A single-group engine calls ``store_key(block_hash)``, so an override
+        A single-group engine calls `store_key(block_hash)`, so an override
         written before groups existed keeps its keys; a hybrid engine needs
-        one that takes ``group``.
+        one that takes `group`.
         """
         groups = self.context.groups
         if not self._whole:
@@ -399,11 +412,11 @@ class StoreMedium(Medium, Generic[_Store]):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        """The worker side: a :class:`StoreTransferHandler` over the caches, which closes the store.
+        """The worker side: a `StoreTransferHandler` over the caches, which closes the store.
 
         The caches are checked against the groups before the store is opened.
         A rank that stores entries of groups of KV heads gets the worker
-        behind a :class:`~kvwire.media.store._head_groups.HeadGroupsHandler`.
+        behind a `HeadGroupsHandler`.
         """
         # Imported here: they need torch, which the scheduler side never imports.
         from kvwire.blocks.memory import BlockMemory, group_memories
@@ -484,7 +497,8 @@ class StoreMedium(Medium, Generic[_Store]):
 
 
 class _MediumKeys(EntryKeys):
-    """A store medium's own key scheme: :meth:`StoreMedium.store_key` and its inverses."""
+    """A store medium's own key scheme:
+    [`StoreMedium.store_key`][kvwire.media.StoreMedium.store_key] and its inverses."""
 
     def __init__(self, medium: StoreMedium[Any]) -> None:
         self._medium = medium
@@ -500,8 +514,8 @@ class _MediumKeys(EntryKeys):
 class _StoreIndex(MediumIndex):
     """A store medium's scheduler side: the store finds entries by key, so it only counts.
 
-    ``entry_keys(group, hashes)`` names the entries of those blocks, block
-    after block, ``per_block`` entries each (every rank's head groups).
+    `entry_keys(group, hashes)` names the entries of those blocks, block
+    after block, `per_block` entries each (every rank's head groups).
     """
 
     def __init__(
@@ -519,7 +533,7 @@ class _StoreIndex(MediumIndex):
         self._release_store = release_store
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Only a consecutive prefix that is really in the store, under ``group``'s keys, counts.
+        """Only a consecutive prefix that is really in the store, under `group`'s keys, counts.
 
         One store call, whatever the number of entries per block; a block
         counts only when all of them are there.

@@ -1,4 +1,4 @@
-"""The directory medium: one file per entry under a directory engines share (:mod:`.medium`)."""
+"""The directory medium: one file per entry under a directory engines share (`medium`)."""
 
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from kvwire.media.store.directory.medium import DirectoryMedium

@@ -1,11 +1,11 @@
 """Where a directory store keeps its files, and which files under its root are provably its own.
 
-The entry of key ``<layout>/<block hash>`` is the file
-``<root>/<layout>/<shard>/<block hash>``: the layout is a fingerprint in 32
+The entry of key `<layout>/<block hash>` is the file
+`<root>/<layout>/<shard>/<block hash>`: the layout is a fingerprint in 32
 lowercase hex digits, the block hash is in lowercase hex, and the shard
 folder is its first two digits (so that no folder holds too many files). A
 writer's temporary file lies beside the entry, as
-``.<block hash>.<pid>.<serial>.tmp``.
+`.<block hash>.<pid>.<serial>.tmp`.
 
 The root is the user's directory, and may hold the user's own files. kvwire
 removes (evicts, sweeps, discards) only regular files whose names parse as
@@ -47,25 +47,25 @@ FolderIdentity: TypeAlias = tuple[int, int]
 
 
 def temporary_name(name: str, pid: int, serial: int) -> str:
-    """The name of a temporary file that becomes the entry ``name`` once complete."""
+    """The name of a temporary file that becomes the entry `name` once complete."""
     return f".{name}.{pid}.{serial}.tmp"
 
 
 @attrs.frozen
 class Shard:
-    """A shard folder of kvwire's: ``<root>/<layout>/<name>``."""
+    """A shard folder of kvwire's: `<root>/<layout>/<name>`."""
 
     layout: str
     name: str
     path: str
 
     def key_of(self, entry_name: str) -> str:
-        """The store key of the entry called ``entry_name`` in this shard."""
+        """The store key of the entry called `entry_name` in this shard."""
         return f"{self.layout}/{entry_name}"
 
 
 def entry_location(root: str, key: str) -> tuple[Shard, str]:
-    """The shard folder of ``key``'s entry and the entry's file name; ``ValueError`` for a
+    """The shard folder of `key`'s entry and the entry's file name; `ValueError` for a
     key of another form."""
     match = _KEY.fullmatch(key)
     if match is None:
@@ -78,7 +78,7 @@ def entry_location(root: str, key: str) -> tuple[Shard, str]:
 
 
 def entry_path(root: str, key: str) -> str:
-    """The file that holds ``key``'s entry; ``ValueError`` for a key of another form."""
+    """The file that holds `key`'s entry; `ValueError` for a key of another form."""
     shard, name = entry_location(root, key)
     return os.path.join(shard.path, name)
 
@@ -104,10 +104,10 @@ class OpenShard:
 def open_shard(
     root: str, shard: Shard, scanned: FolderIdentity | None = None
 ) -> Iterator[OpenShard | None]:
-    """``shard``'s folder and its layout folder, opened from ``root`` through real folders only.
+    """`shard`'s folder and its layout folder, opened from `root` through real folders only.
 
     None when either is missing or is not a real folder (a link to one
-    included), or, given ``scanned``, when the shard folder is no longer the
+    included), or, given `scanned`, when the shard folder is no longer the
     folder that was scanned.
     """
     opened: list[int] = []
@@ -133,7 +133,7 @@ def open_shard(
 class ShardContents:
     """What one scan of a shard folder found: kvwire's regular files, and a count of the rest.
 
-    ``folder`` is the identity of the folder listed (None: there was no real
+    `folder` is the identity of the folder listed (None: there was no real
     folder); only files of that folder may be removed on the scan's word.
     """
 
@@ -144,7 +144,7 @@ class ShardContents:
 
 
 def layout_folders(root: str) -> Iterator[os.DirEntry[str]]:
-    """kvwire's layout folders under ``root`` (real folders, never links to one)."""
+    """kvwire's layout folders under `root` (real folders, never links to one)."""
     with contextlib.suppress(OSError), os.scandir(root) as found:
         for entry in found:
             if _LAYOUT.fullmatch(entry.name) and _is_real_folder(entry):
@@ -152,7 +152,7 @@ def layout_folders(root: str) -> Iterator[os.DirEntry[str]]:
 
 
 def shards(root: str, layout: str | None = None) -> Iterator[Shard]:
-    """kvwire's shard folders under ``root``: of every layout, or of ``layout`` only."""
+    """kvwire's shard folders under `root`: of every layout, or of `layout` only."""
     if layout is None:
         layouts = [(entry.name, entry.path) for entry in layout_folders(root)]
     elif _LAYOUT.fullmatch(layout):
@@ -195,9 +195,9 @@ def scan_shard(root: str, shard: Shard) -> ShardContents:
 
 
 def remove_empty_shard(root: str, shard: Shard, unchanged_since: float | None = None) -> bool:
-    """Remove ``shard``'s folder if it is empty; whether it went (never raises).
+    """Remove `shard`'s folder if it is empty; whether it went (never raises).
 
-    With ``unchanged_since`` (a time), only a folder whose contents have not
+    With `unchanged_since` (a time), only a folder whose contents have not
     changed since then: a writer that has just created a folder is about to
     put its file in it, and must not find it gone.
     """
@@ -214,7 +214,7 @@ def remove_empty_shard(root: str, shard: Shard, unchanged_since: float | None = 
 
 
 def remove_empty_layout(root: str, layout: str) -> bool:
-    """Remove the layout folder ``layout`` if it is empty; whether it went (never raises)."""
+    """Remove the layout folder `layout` if it is empty; whether it went (never raises)."""
     try:
         # rmdir never follows a link in the last place: one there fails.
         os.rmdir(os.path.join(root, layout))
@@ -231,7 +231,7 @@ def _is_real_folder(entry: os.DirEntry[str]) -> bool:
 
 
 def _kind_of(entry: os.DirEntry[str], shard: Shard) -> str | None:
-    """ "entry" or "temporary" for a file of kvwire's in ``shard``; None for anything else."""
+    """ "entry" or "temporary" for a file of kvwire's in `shard`; None for anything else."""
     try:
         if not entry.is_file(follow_symlinks=False):
             return None

@@ -1,8 +1,8 @@
 """Who may read the KV files of a shared-storage directory: their modes and the directory's owner.
 
 KV blocks can reveal the prompts they were computed from, so by default
-kvwire's files are its user's alone (``private``: entries 0600, folders 0700).
-``group`` shares them with the group of the directory, for engines that run
+kvwire's files are its user's alone (`private`: entries 0600, folders 0700).
+`group` shares them with the group of the directory, for engines that run
 as different users of one group: entries 0660 and folders 2770, so that
 every member's engine reads, replaces and evicts the others' entries, and
 the set-group-ID bit keeps the folders kvwire creates in that group. The
@@ -33,7 +33,7 @@ FILE_MODE_NAMES = tuple(_MODES)
 
 
 def file_modes(name: str) -> FileModes:
-    """The modes called ``name`` (one of :data:`FILE_MODE_NAMES`)."""
+    """The modes called `name` (one of `FILE_MODE_NAMES`)."""
     try:
         return _MODES[name]
     except KeyError:
@@ -56,9 +56,9 @@ def process_umask() -> int:
 
 
 def make_folder(path: str, modes: FileModes) -> None:
-    """Create the folder ``path`` with exactly ``modes.folder`` (``FileExistsError`` if present).
+    """Create the folder `path` with exactly `modes.folder` (`FileExistsError` if present).
 
-    ``mkdir`` drops the umask's bits and, on Linux, the set-group-ID bit;
+    `mkdir` drops the umask's bits and, on Linux, the set-group-ID bit;
     the chmod sets what was asked for. Folders are few (one per layout and
     shard), so the second call costs nothing that counts.
     """
@@ -67,7 +67,7 @@ def make_folder(path: str, modes: FileModes) -> None:
 
 
 def writers_beyond(path: str, modes: FileModes) -> str | None:
-    """Who, beyond those ``modes`` share with, may write in the directory ``path``; or None."""
+    """Who, beyond those `modes` share with, may write in the directory `path`; or None."""
     mode = os.stat(path).st_mode
     if mode & stat.S_IWOTH:
         return "every user"
@@ -77,7 +77,7 @@ def writers_beyond(path: str, modes: FileModes) -> str | None:
 
 
 def owner_problem(path: str) -> str | None:
-    """Why this process should not trust the directory ``path`` (another user owns it), or None."""
+    """Why this process should not trust the directory `path` (another user owns it), or None."""
     owner = os.stat(path).st_uid
     if owner == os.geteuid():
         return None

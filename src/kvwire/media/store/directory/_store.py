@@ -1,8 +1,8 @@
-"""A :class:`BlockStore` in a directory that several engines share.
+"""A [`BlockStore`][kvwire.media.BlockStore] in a directory that several engines share.
 
 One file per entry, named by its key in sharded sub-folders
-(``<root>/<layout fingerprint>/<2 hex digits>/<block hash>``, see
-:mod:`kvwire.media.store.directory._layout`). A writer writes a hidden
+(`<root>/<layout fingerprint>/<2 hex digits>/<block hash>`, see
+`kvwire.media.store.directory._layout`). A writer writes a hidden
 temporary file (created exclusively, never through a link) and renames it
 into place, so a reader (in any process) sees a whole entry or none, even if
 the writer is killed mid-way. Disk full, permission denied or a vanished
@@ -12,16 +12,16 @@ exception. An optional size cap evicts the least recently used entries
 temporary files remove only files that are provably kvwire's: the root may
 hold the user's own files.
 
-Entries and folders get the modes of :mod:`kvwire.media.store.directory._modes`
+Entries and folders get the modes of `kvwire.media.store.directory._modes`
 (owner-only by default). A reader opens an entry without following a link
 and without blocking (a FIFO put in an entry's place must not hang a load),
 and reads only a regular file no larger than an entry; anything else is a
 bad entry: warned about, counted, a failed load.
 
 The connector's data path reads an entry straight into the KV cache's block
-ranges (:meth:`DirectoryBlockStore.read_into_ranges`: ``preadv`` of the header
+ranges (`DirectoryBlockStore.read_into_ranges`: `preadv` of the header
 buffer and the ranges, a few MiB per call) and writes one straight from them
-(:meth:`DirectoryBlockStore.write_ranges`: ``pwritev`` into the temporary
+(`DirectoryBlockStore.write_ranges`: `pwritev` into the temporary
 file): no staging copy on either side. The file rules above hold for both.
 """
 
@@ -100,13 +100,13 @@ _ERROR_KINDS: dict[int, str] = {
 
 
 class DirectoryBlockStore(BlockStore):
-    """Entries as files under ``root``; safe for many threads and processes at once.
+    """Entries as files under `root`; safe for many threads and processes at once.
 
-    ``entry_bytes`` is the size of an entry: a larger file is a bad entry
+    `entry_bytes` is the size of an entry: a larger file is a bad entry
     and is never read (a smaller one reaches the reader, whose check reports
-    it). ``fsync`` makes each entry durable before it becomes visible;
-    ``max_bytes`` (0: no cap) bounds the bytes of kvwire's entries under
-    ``root``; ``modes`` are the permissions of the files and folders it creates.
+    it). `fsync` makes each entry durable before it becomes visible;
+    `max_bytes` (0: no cap) bounds the bytes of kvwire's entries under
+    `root`; `modes` are the permissions of the files and folders it creates.
     """
 
     medium = "disk"
@@ -149,7 +149,7 @@ class DirectoryBlockStore(BlockStore):
         self._removed_keys: list[str] = []
 
     def path_of(self, key: str) -> str:
-        """The file that holds ``key``'s entry (``ValueError`` for a key of another form)."""
+        """The file that holds `key`'s entry (`ValueError` for a key of another form)."""
         return entry_path(self.root, key)
 
     def take_counters(self) -> dict[str, float]:
@@ -201,10 +201,11 @@ class DirectoryBlockStore(BlockStore):
         ranges_per_key: Sequence[Sequence[memoryview]],
         writes: CacheWrites | None = None,
     ) -> Generator[tuple[int, int | None], None, None]:
-        """Read each entry file straight into its ranges with ``preadv``, a few MiB per call.
+        """Read each entry file straight into its ranges with `preadv`, a few MiB per call.
 
         One file at a time, so the caller checks each entry while it is hot;
-        each call goes through ``writes`` (see :meth:`BlockStore.read_into_ranges`).
+        each call goes through `writes` (see
+        [`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]).
         """
         for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
             yield index, self._read_ranges(key, ranges, writes)
@@ -235,9 +236,9 @@ class DirectoryBlockStore(BlockStore):
     def _with_entry_file(
         self, key: str, use: Callable[[int, int], _Result | None]
     ) -> _Result | None:
-        """``use(fd, size)`` on ``key``'s open entry file; None on a miss or a failure (counted).
+        """`use(fd, size)` on `key`'s open entry file; None on a miss or a failure (counted).
 
-        ``size`` is at most ``entry_bytes``: a larger file is a bad entry, and
+        `size` is at most `entry_bytes`: a larger file is a bad entry, and
         so is a link or anything but a regular file.
         """
         try:
@@ -289,7 +290,7 @@ class DirectoryBlockStore(BlockStore):
         )
 
     def _discard_opened(self, key: str, opened: os.stat_result) -> None:
-        """Remove the entry file that was opened as ``opened``, unless another has replaced it."""
+        """Remove the entry file that was opened as `opened`, unless another has replaced it."""
         shard, name = entry_location(self.root, key)
         with open_shard(self.root, shard) as folder:
             if folder is None:
@@ -314,11 +315,12 @@ class DirectoryBlockStore(BlockStore):
         ranges_per_key: Sequence[Sequence[memoryview]],
         commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """Write each entry straight from its ranges with ``pwritev`` into a new temporary file.
+        """Write each entry straight from its ranges with `pwritev` into a new temporary file.
 
-        The file is renamed into place only if ``commit_gate`` is still open
-        once every byte was written (see :meth:`BlockStore.write_ranges`);
-        otherwise it is removed, and the entry already there stays.
+        The file is renamed into place only if `commit_gate` is still open
+        once every byte was written (see
+        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]); otherwise it is removed,
+        and the entry already there stays.
         """
         results = [False] * len(keys)
         for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
@@ -397,7 +399,7 @@ class DirectoryBlockStore(BlockStore):
         return os.open(temporary, _CREATE_FLAGS, self._modes.entry)
 
     def _make_folders(self, shard_folder: str) -> None:
-        """Create the layout and shard folders of ``shard_folder`` that are missing.
+        """Create the layout and shard folders of `shard_folder` that are missing.
 
         A folder that another process removes meanwhile (a reset) is left to
         the next attempt.
@@ -445,7 +447,7 @@ class DirectoryBlockStore(BlockStore):
         self._counters.add("discarded_entries", discarded)
 
     def remove_layout(self, layout: str) -> bool:
-        """Remove every entry of ``layout``, and its folders once empty; whether none is left.
+        """Remove every entry of `layout`, and its folders once empty; whether none is left.
 
         Files that are not kvwire's stay, and so do the folders that hold them.
         """
@@ -462,7 +464,7 @@ class DirectoryBlockStore(BlockStore):
     def _remove_scanned(
         self, shard: Shard, folder: FolderIdentity | None, files: Sequence[ScannedFile]
     ) -> set[str]:
-        """Remove ``files`` from the shard folder scanned as ``folder``; the names removed.
+        """Remove `files` from the shard folder scanned as `folder`; the names removed.
 
         Nothing when the folder is no longer the one scanned: its names may then
         be anyone's files.
@@ -568,11 +570,11 @@ class DirectoryBlockStore(BlockStore):
 
 
 def _io_batches(ranges: Sequence[memoryview], size: int) -> list[list[memoryview]]:
-    """The first ``size`` bytes of ``ranges``: lists of views, one ``preadv``/``pwritev`` each.
+    """The first `size` bytes of `ranges`: lists of views, one `preadv`/`pwritev` each.
 
-    Each list holds at most :data:`MAX_IO_BYTES` and at most the system's
+    Each list holds at most `MAX_IO_BYTES` and at most the system's
     limit of buffers per call. A range goes in as it is, sliced only where it
-    crosses a call's byte limit or the end of ``size``: a block has hundreds
+    crosses a call's byte limit or the end of `size`: a block has hundreds
     of ranges, and slicing each costs more than the syscalls.
     """
     batches: list[list[memoryview]] = []
@@ -603,7 +605,7 @@ def _io_batches(ranges: Sequence[memoryview], size: int) -> list[list[memoryview
 
 
 def _after(batch: list[memoryview], done: int) -> list[memoryview]:
-    """What of ``batch`` is left once a call moved its first ``done`` bytes."""
+    """What of `batch` is left once a call moved its first `done` bytes."""
     while batch and done >= len(batch[0]):
         done -= len(batch[0])
         batch = batch[1:]
@@ -613,7 +615,7 @@ def _after(batch: list[memoryview], done: int) -> list[memoryview]:
 
 
 def _error_text(error: Exception) -> str:
-    """What went wrong, without the file name an ``OSError`` quotes (the root, at full length)."""
+    """What went wrong, without the file name an `OSError` quotes (the root, at full length)."""
     if isinstance(error, OSError) and error.strerror:
         return f"[Errno {error.errno}] {error.strerror}"
     return shown(str(error))
@@ -625,7 +627,7 @@ def _file_count(contents: ShardContents) -> int:
 
 
 def _unlink_regular_file(name: str, folder_fd: int) -> bool:
-    """Remove ``name`` from the open folder if it is a regular file (a link or a FIFO is not
+    """Remove `name` from the open folder if it is a regular file (a link or a FIFO is not
     kvwire's)."""
     try:
         if not stat.S_ISREG(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode):

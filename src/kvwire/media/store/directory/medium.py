@@ -2,24 +2,24 @@
 
 A producer engine saves the blocks it computes; a consumer engine (on the
 same host, or over a shared filesystem) loads the longest prefix it finds.
-The data path is every store medium's (:mod:`kvwire.media.store.medium`);
-the store is :class:`DirectoryBlockStore`, which reads and writes an entry's
-ranges straight from and into the KV cache (``preadv``/``pwritev``). Its
-blocks appear in KV cache events as medium ``disk``.
+The data path is every store medium's (`kvwire.media.store.medium`);
+the store is `DirectoryBlockStore`, which reads and writes an entry's
+ranges straight from and into the KV cache (`preadv`/`pwritev`). Its
+blocks appear in KV cache events as medium `disk`.
 
-``kv_connector_extra_config`` keys, beside the common ones of
-:class:`~kvwire.media.store.medium.StoreMedium`:
+`kv_connector_extra_config` keys, beside the common ones of
+[`StoreMedium`][kvwire.media.StoreMedium]:
 
-- ``shared_storage_path`` (required): the directory; created if missing
-  (with the folder mode of ``file_mode``). It may hold other files: kvwire
+- `shared_storage_path` (required): the directory; created if missing
+  (with the folder mode of `file_mode`). It may hold other files: kvwire
   only ever removes its own entries and temporary files, in its own folders;
-- ``fsync`` (default false): make every entry durable before it is visible;
-- ``max_bytes`` (default 0, no cap): evict least recently used entries above it;
-- ``file_mode`` (default ``private``): who may read the entries, which can
-  reveal prompts. ``private``: this user only (entries 0600, folders 0700);
-  ``group``: also the directory's group, for engines that run as different
+- `fsync` (default false): make every entry durable before it is visible;
+- `max_bytes` (default 0, no cap): evict least recently used entries above it;
+- `file_mode` (default `private`): who may read the entries, which can
+  reveal prompts. `private`: this user only (entries 0600, folders 0700);
+  `group`: also the directory's group, for engines that run as different
   users of one group (entries 0660, folders 2770). Exact whatever the umask;
-- ``allow_other_owner`` (default false): use a directory that another user
+- `allow_other_owner` (default false): use a directory that another user
   owns. Refused otherwise: whoever owns it can read every entry and plant
   forged ones.
 
@@ -94,7 +94,7 @@ def _file_mode_key(name: str) -> ExtraConfigKey:
 
 
 def _make_directory(path: str, modes: FileModes) -> None:
-    """Create the directory ``path`` if missing (itself with ``modes``, its parents as usual)."""
+    """Create the directory `path` if missing (itself with `modes`, its parents as usual)."""
     if os.path.isdir(path):
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -107,9 +107,9 @@ def _make_directory(path: str, modes: FileModes) -> None:
 
 
 class DirectoryMedium(StoreMedium[BlockStore]):
-    """KV blocks as files under ``shared_storage_path``, one per entry.
+    """KV blocks as files under `shared_storage_path`, one per entry.
 
-    A subclass may wrap the store :meth:`create_store` returns (a test's
+    A subclass may wrap the store `create_store` returns (a test's
     fault, a hold); the directory's own operations (the sweep, its counters,
     a reset) still reach the directory store itself.
     """
@@ -134,7 +134,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
         )
 
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
-        """The store over ``shared_storage_path``, created if missing, its owner checked."""
+        """The store over `shared_storage_path`, created if missing, its owner checked."""
         path = options["shared_storage_path"]
         modes = file_modes(options["file_mode"])
         try:

@@ -1,4 +1,4 @@
-"""The Redis medium: one key per entry on a Redis/Valkey server or cluster (:mod:`.medium`)."""
+"""The Redis medium: one key per entry on a Redis/Valkey server or cluster (`medium`)."""
 
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings

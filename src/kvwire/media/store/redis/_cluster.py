@@ -1,26 +1,26 @@
-"""A :class:`~kvwire.media.store.base.BlockStore` on a Redis Cluster (or Valkey cluster).
+"""A [`BlockStore`][kvwire.media.BlockStore] on a Redis Cluster (or Valkey cluster).
 
 Keys are spread over every master by hash slot (CRC16 of the whole key, no
 hash tag), so a fleet's blocks use every master's memory and network card.
-redis-py's ``RedisCluster`` keeps the slot map (``CLUSTER SLOTS`` from any
+redis-py's `RedisCluster` keeps the slot map (`CLUSTER SLOTS` from any
 seed or known node); each call groups its keys by the master serving their
 slot and sends each group to its master through a
-:class:`~kvwire.media.store.redis._store.RedisBlockStore` of that node: the
+`RedisBlockStore` of that node: the
 same pipelines, zero-copy reads into the caller's buffers (or scattered over
 a block's ranges in the KV cache, and values sent from them), checksummed
-values, deadlines (``load_timeout_s``...) and outage handling as a single
+values, deadlines (`load_timeout_s`...) and outage handling as a single
 server. The groups of one call go to their masters in parallel.
 
 Faults stay per node. A master that is down, or past a deadline, makes its
 keys misses, dropped saves or load errors, never a hang; the other masters'
 keys are served as usual. A lookup asks every master at once, each on a
 thread of its node store's, and waits for them under one deadline
-(``lookup_timeout_s``): a hung master costs the scheduler that deadline once,
+(`lookup_timeout_s`): a hung master costs the scheduler that deadline once,
 then its keys miss at once until its store's probe hears it again (see
-:mod:`kvwire.media._outage`). A master that answers ``MOVED`` or ``ASK`` (its
+`kvwire.media._outage`). A master that answers `MOVED` or `ASK` (its
 slot moved: a failover or a resharding) has its keys treated the same way,
 never as another key's value. Either asks a background thread to fetch the
-slot map again (at most once per ``retry_interval_s``); the calls after it
+slot map again (at most once per `retry_interval_s`); the calls after it
 go to the new owners, so hits resume once a replica has taken over or the
 slots have moved. No call waits for the map: a call in flight during a
 failover fails its keys at once, and the engine computes those blocks.
@@ -98,8 +98,8 @@ class RedisClusterBlockStore(BlockStore):
     """Encoded KV blocks spread over a Redis Cluster's masters, one key per block.
 
     Safe to share between threads, processes and hosts, like
-    :class:`~kvwire.media.store.redis._store.RedisBlockStore`. Each master
-    has its own connection pool of ``settings.pool_size`` connections.
+    `RedisBlockStore`. Each master
+    has its own connection pool of `settings.pool_size` connections.
     """
 
     medium = "redis"
@@ -157,7 +157,7 @@ class RedisClusterBlockStore(BlockStore):
         return self._map_version
 
     def masters(self) -> list[str]:
-        """The ``host:port`` of every master in the slot map."""
+        """The `host:port` of every master in the slot map."""
         with self._lock:
             return sorted({owner for owner in self._owners if owner is not None})
 
@@ -168,7 +168,7 @@ class RedisClusterBlockStore(BlockStore):
     # ------------------------------------------------------------ BlockStore
 
     def count_prefix(self, keys: Sequence[str]) -> int:
-        """How many keys, from the first, the masters hold; within ``lookup_timeout_s``.
+        """How many keys, from the first, the masters hold; within `lookup_timeout_s`.
 
         Not through the fan-out threads, which loads and saves may all hold
         on a hung master: each master's lookup runs on its store's own
@@ -230,10 +230,10 @@ class RedisClusterBlockStore(BlockStore):
         ranges_per_key: Sequence[Sequence[memoryview]],
         commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """As :meth:`put`: each master's store sends its values straight from their ranges.
+        """As `put`: each master's store sends its values straight from their ranges.
 
-        Each ends its values only while ``commit_gate`` is open (see
-        :meth:`RedisBlockStore.write_ranges`).
+        Each ends its values only while `commit_gate` is open (see
+        `RedisBlockStore.write_ranges`).
         """
         if len(keys) != len(ranges_per_key):
             raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
@@ -258,9 +258,9 @@ class RedisClusterBlockStore(BlockStore):
         """Each master's store scatters its replies over their ranges, the masters in parallel.
 
         Every master's reads end before the first index is yielded (as
-        :meth:`get_into`), so nothing is written into a range after it is
-        yielded. Once the load is given up on, ``writes`` stops every master's
-        reads, and the ``JobAbandoned`` is raised here once all have returned.
+        `get_into`), so nothing is written into a range after it is
+        yielded. Once the load is given up on, `writes` stops every master's
+        reads, and the `JobAbandoned` is raised here once all have returned.
         """
         if len(keys) != len(ranges_per_key):
             raise ValueError(
@@ -286,7 +286,7 @@ class RedisClusterBlockStore(BlockStore):
         yield from enumerate(sizes)
 
     def delete(self, keys: Sequence[str]) -> int:
-        """Remove ``keys``; how many existed. Keys on an unreachable master count as not removed."""
+        """Remove `keys`; how many existed. Keys on an unreachable master count as not removed."""
         removed = [0]
         removed_lock = threading.Lock()
 
@@ -313,7 +313,7 @@ class RedisClusterBlockStore(BlockStore):
         return removed
 
     def clear(self, under: str = "") -> int:
-        """Remove every key under the prefix (+ ``under``) on every master; how many."""
+        """Remove every key under the prefix (+ `under`) on every master; how many."""
         with self._lock:
             nodes = list(self._nodes.values())
         return sum(node.clear(under) for node in nodes)
@@ -371,10 +371,10 @@ class RedisClusterBlockStore(BlockStore):
         unmapped_counter: str | None,
         timeout_s: float,
     ) -> None:
-        """Run ``work`` once per master with the indices of its keys, the masters in parallel.
+        """Run `work` once per master with the indices of its keys, the masters in parallel.
 
         Keys whose slot has no known master are left as they are (misses,
-        not stored) and counted under ``unmapped_counter``; a new map is asked for.
+        not stored) and counted under `unmapped_counter`; a new map is asked for.
         """
         groups, stores = self._route(keys, unmapped_counter)
         jobs = list(groups.items())
@@ -406,10 +406,10 @@ class RedisClusterBlockStore(BlockStore):
     def _route(
         self, keys: Sequence[str], unmapped_counter: str | None
     ) -> tuple[dict[str, list[int]], dict[str, _NodeStore]]:
-        """The indices of ``keys`` by the master serving their slot, and each master's store.
+        """The indices of `keys` by the master serving their slot, and each master's store.
 
         Keys whose slot has no known master are in no group: counted under
-        ``unmapped_counter``, and a new map is asked for.
+        `unmapped_counter`, and a new map is asked for.
         """
         groups: dict[str, list[int]] = {}
         unmapped = 0
@@ -433,7 +433,7 @@ class RedisClusterBlockStore(BlockStore):
                 self._unmapped_counters[counter] += amount
 
     def _node_store(self, owner: str) -> _NodeStore:
-        """The store of the master at ``owner`` ("host:port"); call with the lock held."""
+        """The store of the master at `owner` ("host:port"); call with the lock held."""
         store = self._nodes.get(owner)
         if store is None:
             host, _, port = owner.rpartition(":")

@@ -1,14 +1,14 @@
-"""``redis+cluster://`` URLs: the seed nodes of a Redis Cluster (or Valkey cluster).
+"""`redis+cluster://` URLs: the seed nodes of a Redis Cluster (or Valkey cluster).
 
-``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``
+`redis+cluster://[user:password@]host:port[,host:port...]` (`rediss+cluster://`
 for TLS) names one or more nodes of a cluster (an IPv6 address in brackets,
-``[::1]:7000``); the credentials, once, come before the first. Any one that answers is
-enough: the store asks it for the slot map (``CLUSTER SLOTS``, through
-redis-py's ``RedisCluster``) and finds every master from there, so a few seeds
+`[::1]:7000`); the credentials, once, come before the first. Any one that answers is
+enough: the store asks it for the slot map (`CLUSTER SLOTS`, through
+redis-py's `RedisCluster`) and finds every master from there, so a few seeds
 on different machines let the store start while some are down. A cluster
 has only database 0, so the URL names no other.
 
-The seeds and credentials are parsed here by hand: ``urllib.parse`` reads one
+The seeds and credentials are parsed here by hand: `urllib.parse` reads one
 host per URL, and would take what precedes the last '@' of all the seeds for
 the credentials.
 """
@@ -41,10 +41,10 @@ def is_cluster_url(url: str) -> bool:
 
 
 def has_hash_tag(key_prefix: str) -> bool:
-    """Whether keys under ``key_prefix`` would all hash by a ``{tag}`` (one slot for them all).
+    """Whether keys under `key_prefix` would all hash by a `{tag}` (one slot for them all).
 
-    Redis Cluster hashes only what lies between the first ``{`` and the next
-    ``}`` when that is not empty.
+    Redis Cluster hashes only what lies between the first `{` and the next
+    `}` when that is not empty.
     """
     start = key_prefix.find("{")
     end = key_prefix.find("}", start + 1)
@@ -52,7 +52,7 @@ def has_hash_tag(key_prefix: str) -> bool:
 
 
 def cluster_url_problems(url: str, where: str) -> list[str]:
-    """What is wrong with a ``redis+cluster://`` URL, each naming ``where``; none if it is good."""
+    """What is wrong with a `redis+cluster://` URL, each naming `where`; none if it is good."""
     _, _, rest = url.partition("://")
     if _credentials_run_past_the_authority(rest):
         # Quoting any seed would quote a piece of the password.
@@ -104,7 +104,7 @@ def cluster_seeds(url: str) -> list[ClusterSeed]:
 def cluster_credentials(url: str) -> tuple[str | None, str | None]:
     """The user name and password of a valid cluster URL (percent-decoded); None where absent.
 
-    Read by hand, as the seeds are: ``urllib.parse`` would take everything
+    Read by hand, as the seeds are: `urllib.parse` would take everything
     before the last '@' of all the seeds for them.
     """
     credentials = _credentials(url.partition("://")[2])
@@ -115,7 +115,7 @@ def cluster_credentials(url: str) -> tuple[str | None, str | None]:
 
 
 def _seed_problem(seed: str) -> str | None:
-    """What is wrong with one ``host:port`` seed (``[v6 address]:port`` for IPv6), to follow
+    """What is wrong with one `host:port` seed (`[v6 address]:port` for IPv6), to follow
     the seed in a message; None if it is good."""
     if seed.startswith("["):
         close = seed.find("]")
@@ -160,6 +160,6 @@ def _after_credentials(rest: str) -> str:
 
 
 def _credentials(rest: str) -> str:
-    """What comes before the last '@' of the authority: ``user:password``, or ""."""
+    """What comes before the last '@' of the authority: `user:password`, or ""."""
     authority = rest.partition("/")[0]
     return authority[: max(authority.rfind("@"), 0)]

@@ -1,9 +1,9 @@
-"""Settings of the Redis/Valkey block store, read from ``kv_connector_extra_config``.
+"""Settings of the Redis/Valkey block store, read from `kv_connector_extra_config`.
 
 Every key is validated up front, and every problem is reported at once, by
-its dotted name (``kv_connector_extra_config.ttl_seconds``) with what would
+its dotted name (`kv_connector_extra_config.ttl_seconds`) with what would
 be accepted. Passwords are never echoed: they are kept out of reprs, and
-:meth:`RedisStoreSettings.redact` blanks them in any text meant for a person.
+`RedisStoreSettings.redact` blanks them in any text meant for a person.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class RedisSettingsError(KVWireError, ValueError):
 class RedisStoreSettings:
     """Where the Redis/Valkey server is and how the store talks to it.
 
-    Built from ``kv_connector_extra_config`` by :meth:`from_extra_config`,
-    which validates every key. ``password`` is kept out of the repr; use
-    ``display_url`` and :meth:`redact` for anything shown to a person. All
+    Built from `kv_connector_extra_config` by `from_extra_config`,
+    which validates every key. `password` is kept out of the repr; use
+    `display_url` and `redact` for anything shown to a person. All
     attributes are read-only.
     """
 
@@ -72,14 +72,14 @@ class RedisStoreSettings:
 
     @classmethod
     def extra_config_keys(cls) -> tuple[str, ...]:
-        """The ``kv_connector_extra_config`` keys these settings read."""
+        """The `kv_connector_extra_config` keys these settings read."""
         return (*(field.name for field in attrs.fields(cls)), "password_env")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> RedisStoreSettings:
-        """Validate the Redis keys of ``extra`` (others are left to the caller).
+        """Validate the Redis keys of `extra` (others are left to the caller).
 
-        Raises :class:`RedisSettingsError` listing every bad key.
+        Raises [`RedisSettingsError`][kvwire.exceptions.RedisSettingsError] listing every bad key.
         """
         problems: list[str] = []
         values: dict[str, Any] = {}
@@ -127,7 +127,7 @@ class RedisStoreSettings:
 
     @property
     def is_cluster(self) -> bool:
-        """True for a ``redis+cluster://`` URL: keys are spread over the cluster's masters."""
+        """True for a `redis+cluster://` URL: keys are spread over the cluster's masters."""
         return is_cluster_url(self.url)
 
     @property
@@ -147,18 +147,18 @@ class RedisStoreSettings:
 
     @property
     def display_url(self) -> str:
-        """The URL with any password replaced by ``***``: safe to log."""
+        """The URL with any password replaced by `***`: safe to log."""
         return self.redact(self.url)
 
     def redact(self, text: str) -> str:
-        """``text`` with every password these settings know of replaced by ``***``."""
+        """`text` with every password these settings know of replaced by `***`."""
         secrets = _url_secrets(self.url)
         if self.password:
             secrets.append(self.password)
         return scrub(text, secrets)
 
     def connection_pool_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``redis.BlockingConnectionPool``: URL first, explicit keys win."""
+        """Keyword arguments for `redis.BlockingConnectionPool`: URL first, explicit keys win."""
         kwargs: dict[str, Any] = redis.connection.parse_url(self.url)  # type: ignore[no-untyped-call]
         kwargs.update(
             max_connections=self.pool_size,
@@ -177,7 +177,7 @@ class RedisStoreSettings:
         return kwargs
 
     def cluster_client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for redis-py's ``RedisCluster``: seeds, timeouts, credentials, TLS."""
+        """Keyword arguments for redis-py's `RedisCluster`: seeds, timeouts, credentials, TLS."""
         seed = self.cluster_seeds[0]
         # The credentials every node is given: explicit keys, else the URL's.
         node = self.node_settings(seed.host, seed.port)
@@ -242,7 +242,7 @@ _EXPECTED: dict[str, str] = {
 
 
 def _check_value(name: str, value: Any, default: Any) -> str | None:
-    """None when ``value`` is acceptable for ``name``, else what would be."""
+    """None when `value` is acceptable for `name`, else what would be."""
     expected = f"expected {_EXPECTED[name]}"
     if value is None:
         return None if default is None and name != "url" else expected
@@ -270,7 +270,7 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
 
 
 def _converted(name: str, value: Any) -> Any:
-    """An accepted ``value`` as its field holds it: seconds as floats, sizes in bytes."""
+    """An accepted `value` as its field holds it: seconds as floats, sizes in bytes."""
     if name.endswith("_s"):
         return float(value)
     if name == "pipeline_bytes":

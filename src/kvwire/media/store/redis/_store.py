@@ -1,21 +1,21 @@
-"""A :class:`~kvwire.media.store.base.BlockStore` on a Redis or Valkey server.
+"""A [`BlockStore`][kvwire.media.BlockStore] on a Redis or Valkey server.
 
-One key per block: ``key_prefix`` + the store key the connector hands over
+One key per block: `key_prefix` + the store key the connector hands over
 (layout fingerprint / block hash); the value is the whole encoded entry
-(header plus payload, see :mod:`kvwire.blocks.format`). Redis
-``SET`` is atomic, so a reader sees a whole entry or none.
+(header plus payload, see `kvwire.blocks.format`). Redis
+`SET` is atomic, so a reader sees a whole entry or none.
 
 Every call is pipelined in batches. Values go out zero-copy and replies are
 read straight into the caller's buffers (see
-:mod:`kvwire.media.store.redis._wire`). The connector's data path
-(:meth:`RedisBlockStore.read_into_ranges`, :meth:`RedisBlockStore.write_ranges`)
-gives each entry as its byte ranges in the KV cache: a ``SET`` sends them as
-they are (``sendmsg``), a ``GET`` reply is scattered over them
-(``recvmsg_into``), so a block moves between the cache and the server with
+`kvwire.media.store.redis._wire`). The connector's data path
+(`RedisBlockStore.read_into_ranges`, `RedisBlockStore.write_ranges`)
+gives each entry as its byte ranges in the KV cache: a `SET` sends them as
+they are (`sendmsg`), a `GET` reply is scattered over them
+(`recvmsg_into`), so a block moves between the cache and the server with
 no staging copy.
 
-Every call has an overall deadline (``load_timeout_s``, ``save_timeout_s``,
-``lookup_timeout_s``): the socket timeout bounds each read, not a reply, so a
+Every call has an overall deadline (`load_timeout_s`, `save_timeout_s`,
+`lookup_timeout_s`): the socket timeout bounds each read, not a reply, so a
 server that sends a byte every few seconds would otherwise hold a load, and
 the engine waiting for it, forever. Past its deadline a call fails as in an
 outage, and its connection, left mid-reply, is dropped, never reused.
@@ -27,9 +27,9 @@ about and deleted like any other corrupt entry.
 An unreachable, dying or hung server is an *outage*, not an error: lookups
 count as misses, saves are dropped and counted, loads return None (the
 connector reports them as load errors). A lookup runs on the scheduler's
-thread, so the scheduler waits for it at most ``lookup_timeout_s``, on the
+thread, so the scheduler waits for it at most `lookup_timeout_s`, on the
 first call to a hung server too: the lookup runs on a thread of its own and
-is given up on at its deadline (see :mod:`kvwire.media._outage`). While the
+is given up on at its deadline (see `kvwire.media._outage`). While the
 outage lasts, calls answer at once and a background probe waits for the
 server to come back; the connection pool then reconnects by itself. The
 password never appears in a log line, an error or a repr.
@@ -84,9 +84,9 @@ class RedisBlockStore(BlockStore):
     """Encoded KV blocks in a Redis/Valkey server, one key per block.
 
     Safe to share between threads (a blocking connection pool of
-    ``settings.pool_size`` connections) and between processes and hosts (the
-    server is the only shared state). ``counters()`` reports what was
-    dropped or failed during outages; ``settings`` is read-only.
+    `settings.pool_size` connections) and between processes and hosts (the
+    server is the only shared state). `counters()` reports what was
+    dropped or failed during outages; `settings` is read-only.
     """
 
     medium = "redis"
@@ -170,18 +170,18 @@ class RedisBlockStore(BlockStore):
     def count_prefix(self, keys: Sequence[str]) -> int:
         """How many keys, from the first, the server holds; 0 in an outage.
 
-        Waits at most ``lookup_timeout_s`` whatever the server does (see
-        :meth:`begin_count_prefix`).
+        Waits at most `lookup_timeout_s` whatever the server does (see
+        `begin_count_prefix`).
         """
         lookup = self.begin_count_prefix(keys)
         return self.end_count_prefix(lookup, time.monotonic() + self._settings.lookup_timeout_s)
 
     def begin_count_prefix(self, keys: Sequence[str]) -> concurrent.futures.Future[int] | None:
-        """The first half of :meth:`count_prefix`: the lookup, started on a thread of its own.
+        """The first half of `count_prefix`: the lookup, started on a thread of its own.
 
         None when there is nothing to ask (no keys, or the server is down).
         Lookups run on the scheduler's thread: it waits for the answer only
-        until a deadline (:meth:`end_count_prefix`), and a server that hangs
+        until a deadline (`end_count_prefix`), and a server that hangs
         costs the first lookup that deadline, not its socket timeouts. Two
         halves, so a cluster asks every master at once.
         """
@@ -195,8 +195,8 @@ class RedisBlockStore(BlockStore):
     def end_count_prefix(
         self, lookup: concurrent.futures.Future[int] | None, deadline: float
     ) -> int:
-        """The answer to a lookup :meth:`begin_count_prefix` started, by ``deadline``
-        (``time.monotonic()``); 0 when it failed or is not answered by then (an outage)."""
+        """The answer to a lookup `begin_count_prefix` started, by `deadline`
+        (`time.monotonic()`); 0 when it failed or is not answered by then (an outage)."""
         if lookup is None:
             return 0
         try:
@@ -208,7 +208,7 @@ class RedisBlockStore(BlockStore):
             return 0
 
     def _count_present(self, keys: Sequence[str]) -> int:
-        """How many keys, from the first, exist: ``EXISTS`` in pipelines; raises on an outage."""
+        """How many keys, from the first, exist: `EXISTS` in pipelines; raises on an outage."""
         present = 0
         deadline = self._lookup_deadline()
         for batch in _batches(len(keys), self._settings.lookup_batch_size):
@@ -230,11 +230,11 @@ class RedisBlockStore(BlockStore):
         ranges_per_key: Sequence[Sequence[memoryview]],
         commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """As :meth:`put`, each value sent straight from its ranges: never joined or copied.
+        """As `put`, each value sent straight from its ranges: never joined or copied.
 
-        A value's final CRLF goes out only while ``commit_gate`` is open (see
-        :meth:`BlockStore.write_ranges`); once it is closed the connection is
-        dropped before it, so the server never runs that ``SET``, nor any after it.
+        A value's final CRLF goes out only while `commit_gate` is open (see
+        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]); once it is closed the
+        connection is dropped before it, so the server never runs that `SET`, nor any after it.
         """
         if len(keys) != len(ranges_per_key):
             raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
@@ -250,9 +250,9 @@ class RedisBlockStore(BlockStore):
         sizes: Sequence[int],
         commit_gate: CacheWrites | None = None,
     ) -> list[bool]:
-        """``SET`` each value (a memoryview, or ranges sent in order) in pipelines of at most
-        ``pipeline_bytes``; True where the server stored it (each value's end sent through
-        ``commit_gate``)."""
+        """`SET` each value (a memoryview, or ranges sent in order) in pipelines of at most
+        `pipeline_bytes`; True where the server stored it (each value's end sent through
+        `commit_gate`)."""
         stored = [False] * len(keys)
         if not keys:
             return stored
@@ -301,7 +301,7 @@ class RedisBlockStore(BlockStore):
     ) -> Generator[tuple[int, int | None], None, None]:
         """Pipelined GETs on one connection; each reply is yielded as soon as it is in its buffer.
 
-        See :meth:`_read`.
+        See `_read`.
         """
         if len(keys) != len(buffers):
             raise ValueError(f"read_each: {len(keys)} keys but {len(buffers)} buffers")
@@ -317,13 +317,12 @@ class RedisBlockStore(BlockStore):
         ranges_per_key: Sequence[Sequence[memoryview]],
         writes: CacheWrites | None = None,
     ) -> Generator[tuple[int, int | None], None, None]:
-        """As :meth:`read_each`, each reply scattered from the socket over its key's ranges.
+        """As `read_each`, each reply scattered from the socket over its key's ranges.
 
-        Every write into the ranges goes through ``writes`` (see
-        :meth:`BlockStore.read_into_ranges`): once the load is given up on,
-        the ``JobAbandoned`` it raises ends the call and its connection is
-        dropped, so nothing more lands in the cache; a read already in
-        flight returns within the socket timeout.
+        Every write into the ranges goes through `writes` (see
+        [`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]): once the load is
+        given up on, the `JobAbandoned` it raises ends the call and its connection is dropped, so
+        nothing more lands in the cache; a read already in flight returns within the socket timeout.
         """
         if len(keys) != len(ranges_per_key):
             raise ValueError(
@@ -342,10 +341,10 @@ class RedisBlockStore(BlockStore):
         sizes: Sequence[int],
         read_reply: Callable[[RespStream, int], int | redis.exceptions.ResponseError | None],
     ) -> Generator[tuple[int, int | None], None, None]:
-        """Pipelined GETs of ``keys`` on one connection, yielding ``(index, size or None)``.
+        """Pipelined GETs of `keys` on one connection, yielding `(index, size or None)`.
 
-        ``read_reply(stream, index)`` reads key ``index``'s reply where it
-        belongs; ``sizes`` are the room each has. The GETs go out in groups,
+        `read_reply(stream, index)` reads key `index`'s reply where it
+        belongs; `sizes` are the room each has. The GETs go out in groups,
         and the next group goes out as soon as the first reply of the current
         one is read (the server answers a group only once it has run all of
         its GETs): while the caller checks one entry, the server runs the
@@ -408,7 +407,7 @@ class RedisBlockStore(BlockStore):
         """Whether an error reply only says the key lives on another server (a cluster's MOVED).
 
         A single server never says so; a cluster node's store (see
-        :mod:`kvwire.media.store.redis._cluster`) does: there the reply
+        `kvwire.media.store.redis._cluster`) does: there the reply
         is a stale slot map, not a refusal to warn about. The key then counts
         as not stored, or missing.
         """
@@ -421,11 +420,11 @@ class RedisBlockStore(BlockStore):
         read_reply: Callable[[RespStream, int], int | redis.exceptions.ResponseError | None],
         deadline: Deadline,
     ) -> Generator[int | redis.exceptions.ResponseError | None, None, None]:
-        """GETs of ``names`` on one connection, each reply read from the socket by ``read_reply``.
+        """GETs of `names` on one connection, each reply read from the socket by `read_reply`.
 
         Yields the replies one by one. At most two groups of GETs are
         unanswered at a time, so the replies waiting in the server stay under
-        ``pipeline_bytes``. The connection is held until the last reply is
+        `pipeline_bytes`. The connection is held until the last reply is
         read; one left unread (the caller stopped early, an error, the
         deadline, a load given up on) means the stream is out of step, so the
         connection is dropped.
@@ -469,13 +468,13 @@ class RedisBlockStore(BlockStore):
         deadline: Deadline,
         commit_gate: CacheWrites | None = None,
     ) -> list[Reply]:
-        """Send ``commands`` in one pipeline and read their short replies (errors as values).
+        """Send `commands` in one pipeline and read their short replies (errors as values).
 
         Every command sent here is idempotent, so a failure before the first
         reply (a pooled connection gone stale when the server restarted) is
         retried once on a fresh connection, within the same deadline. With
-        ``commit_gate``, each command ends only while it is open
-        (:meth:`RespStream.send_gated`): the replies are then those of the
+        `commit_gate`, each command ends only while it is open
+        (`RespStream.send_gated`): the replies are then those of the
         commands sent whole, and a connection left mid-command is dropped.
         """
         replies: list[Reply] = []
@@ -525,7 +524,7 @@ class RedisBlockStore(BlockStore):
     def _stream(self, connection: Any, deadline: Deadline) -> RespStream:
         """The connection's socket (connected again if a retry dropped it) as a RespStream.
 
-        ``connection`` is a redis-py connection (untyped there).
+        `connection` is a redis-py connection (untyped there).
         """
         deadline.check()
         connection.connect()
@@ -575,7 +574,7 @@ class RedisBlockStore(BlockStore):
         return self._deadline(self._settings.lookup_timeout_s, "lookup_timeout_s")
 
     def _ping(self) -> None:
-        """The reconnect probe: raises unless the server answers ``PING``."""
+        """The reconnect probe: raises unless the server answers `PING`."""
         reply = self._execute([("PING",)], self._lookup_deadline())[0]
         if isinstance(reply, redis.exceptions.ResponseError):
             raise reply
@@ -587,7 +586,7 @@ class RedisBlockStore(BlockStore):
         return scratch
 
     def delete(self, keys: Sequence[str]) -> int:
-        """Remove ``keys``; how many existed. An outage counts as 0 removed."""
+        """Remove `keys`; how many existed. An outage counts as 0 removed."""
         if not keys or self._outage.is_down:
             return 0
         try:
@@ -601,8 +600,8 @@ class RedisBlockStore(BlockStore):
     def discard(self, keys: Sequence[str]) -> None:
         """Delete entries a reader found corrupt, so they stop being hits for every engine.
 
-        One ``UNLINK`` per key in a pipeline, so each answer says whether that
-        key still existed: only those are reported by :meth:`take_removed_keys`.
+        One `UNLINK` per key in a pipeline, so each answer says whether that
+        key still existed: only those are reported by `take_removed_keys`.
         During an outage nothing is deleted; the next reader finds them again.
         """
         if not keys or self._outage.is_down:
@@ -626,7 +625,7 @@ class RedisBlockStore(BlockStore):
         return removed
 
     def clear(self, under: str = "") -> int:
-        """Remove every key under this store's prefix (+ ``under``); how many. Outages give 0."""
+        """Remove every key under this store's prefix (+ `under`); how many. Outages give 0."""
         if self._outage.is_down:
             return 0
         removed = 0
@@ -653,7 +652,7 @@ class RedisBlockStore(BlockStore):
         self._pool.disconnect()
 
     def _unlink(self, names: Sequence[str | bytes], deadline: Deadline) -> int:
-        """Delete ``names`` in one command; how many existed."""
+        """Delete `names` in one command; how many existed."""
         return _count_of(self._execute([("UNLINK", *names)], deadline)[0])
 
     # -------------------------------------------------------------- helpers
@@ -678,7 +677,7 @@ def _batches(count: int, batch_size: int) -> Iterator[range]:
 
 
 def _batches_by_bytes(sizes: Sequence[int], max_bytes: int) -> Iterator[range]:
-    """Consecutive ranges of at most ``max_bytes`` (a larger single item is a range alone).
+    """Consecutive ranges of at most `max_bytes` (a larger single item is a range alone).
 
     Bounds what one pipeline holds in flight: the server queues every reply
     of a pipeline in its memory while the client works through them.

@@ -1,22 +1,22 @@
 """RESP on the wire without extra copies: commands out of, and replies into, caller buffers.
 
 redis-py (with hiredis) copies every large value twice on the way out (to
-``bytes``, then into the packed command) and, on the way in, reassembles each
-reply from 64 KiB reads into a fresh ``bytes`` object. For KV blocks of
+`bytes`, then into the packed command) and, on the way in, reassembles each
+reply from 64 KiB reads into a fresh `bytes` object. For KV blocks of
 megabytes that is most of the cost. Here:
 
-- :class:`ZeroCopyCommandPacker` is given to redis-py's connections as their
-  ``command_packer``: a memoryview argument goes out untouched, and so does
+- `ZeroCopyCommandPacker` is given to redis-py's connections as their
+  `command_packer`: a memoryview argument goes out untouched, and so does
   a list of memoryviews (a value made of byte ranges, e.g. a KV block's
   ranges in the paged cache): the ranges are never joined;
-- :class:`RespStream` sends those pieces (``sendmsg``: many pieces per
-  system call) and reads the replies of a pipeline of ``GET`` straight from
+- `RespStream` sends those pieces (`sendmsg`: many pieces per
+  system call) and reads the replies of a pipeline of `GET` straight from
   the connection's socket into the caller's buffers, or scattered over a
-  value's byte ranges (``recvmsg_into``): each byte is copied once, from
+  value's byte ranges (`recvmsg_into`): each byte is copied once, from
   the kernel into the memory that keeps it. It reads the short replies of
   the other commands too.
 
-Every socket wait of a call is bounded by the call's :class:`Deadline`, so a
+Every socket wait of a call is bounded by the call's `Deadline`, so a
 server that answers a byte at a time cannot hold a call longer than that.
 Only RESP2 (the default protocol) replies are read here.
 """
@@ -60,18 +60,18 @@ _MAX_PIECES_PER_CALL = 512
 # Around each write into a load's ranges when no CacheWrites gate is given.
 _UNGATED = contextlib.nullcontext()
 
-#: A value made of byte ranges, in order: what :class:`ZeroCopyCommandPacker`
-#: sends as one argument and :meth:`RespStream.read_into_ranges` fills.
+#: A value made of byte ranges, in order: what `ZeroCopyCommandPacker`
+#: sends as one argument and `RespStream.read_into_ranges` fills.
 Ranges: TypeAlias = "list[memoryview] | tuple[memoryview, ...]"
 
-#: What :meth:`RespStream.read_reply` returns.
+#: What `RespStream.read_reply` returns.
 Reply: TypeAlias = "bytes | int | redis.exceptions.ResponseError | list[Reply] | None"
 
 
 class ZeroCopyCommandPacker:
     """Encodes commands in RESP without copying large values.
 
-    redis-py calls ``pack(*args)``, and :meth:`RespStream.send` sends each
+    redis-py calls `pack(*args)`, and `RespStream.send` sends each
     returned piece in order. A memoryview argument is passed through
     untouched; a list (or tuple) of memoryviews is one argument, the
     concatenation of its ranges, each range passed through untouched.
@@ -115,7 +115,7 @@ class ZeroCopyCommandPacker:
 
 
 def _bytes_view(view: memoryview) -> memoryview:
-    """``view`` as flat bytes (a typed or shaped view of contiguous memory is cast, not copied)."""
+    """`view` as flat bytes (a typed or shaped view of contiguous memory is cast, not copied)."""
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
@@ -153,7 +153,7 @@ class Deadline:
         self._expires_at = time.monotonic() + seconds
 
     def arm(self, sock: socket.socket) -> None:
-        """Let ``sock``'s next wait last no longer than the socket timeout and the time left."""
+        """Let `sock`'s next wait last no longer than the socket timeout and the time left."""
         left = self._expires_at - time.monotonic()
         if left <= 0:
             raise self.exceeded()
@@ -164,7 +164,7 @@ class Deadline:
             sock.settimeout(timeout)
 
     def check(self) -> None:
-        """Raise :class:`DeadlineExceeded` if no time is left."""
+        """Raise [`DeadlineExceeded`][kvwire.exceptions.DeadlineExceeded] if no time is left."""
         if self.expired:
             raise self.exceeded()
 
@@ -179,18 +179,17 @@ class Deadline:
 class RespStream:
     """Commands out of, and RESP2 replies into, caller buffers, on one socket, under a deadline.
 
-    A ``GET`` reply goes into one buffer (:meth:`read_into`) or is scattered
-    over a value's byte ranges (:meth:`read_into_ranges`).
+    A `GET` reply goes into one buffer (`read_into`) or is scattered
+    over a value's byte ranges (`read_into_ranges`).
 
-    ``scratch`` holds reply headers, short replies and the bytes that arrive
+    `scratch` holds reply headers, short replies and the bytes that arrive
     with them; it is reused across calls (one per thread). Every socket wait
-    is bounded by ``deadline`` (see :class:`Deadline`); past it the stream
-    raises :class:`DeadlineExceeded` and is out of step: the caller must drop
-    the connection. Malformed replies raise ``InvalidResponse``, never a
-    bare ``ValueError``.
+    is bounded by `deadline` (see `Deadline`); past it the stream
+    raises [`DeadlineExceeded`][kvwire.exceptions.DeadlineExceeded] and is out of step: the caller
+    must drop the connection. Malformed replies raise `InvalidResponse`, never a bare `ValueError`.
     """
 
-    #: :meth:`read_into`'s answer for a value longer than its buffer.
+    #: `read_into`'s answer for a value longer than its buffer.
     OVERSIZED = -1
 
     def __init__(self, sock: socket.socket, scratch: bytearray, deadline: Deadline) -> None:
@@ -209,8 +208,8 @@ class RespStream:
         """Send packed commands; large values go to the socket untouched.
 
         Each system call is armed with what is left of the deadline (a
-        ``sendall`` gets a whole timeout per piece, and on a TLS socket per
-        record). A plain socket takes many pieces per call (``sendmsg``).
+        `sendall` gets a whole timeout per piece, and on a TLS socket per
+        record). A plain socket takes many pieces per call (`sendmsg`).
         """
         if not self._vectored:
             for piece in pieces:
@@ -238,10 +237,10 @@ class RespStream:
     def send_gated(
         self, commands: Sequence[Sequence[bytes | memoryview]], commit_gate: CacheWrites
     ) -> int:
-        """Send commands packed one by one, each ending only while ``commit_gate`` is open.
+        """Send commands packed one by one, each ending only while `commit_gate` is open.
 
         A command's last piece starts with the CRLF that ends its value
-        (:class:`ZeroCopyCommandPacker` packs a ranges value so): it goes
+        (`ZeroCopyCommandPacker` packs a ranges value so): it goes
         out, together with the next command's pieces, only if the gate is
         open once the kernel holds every byte before it; the server runs no
         command it has not received whole. Returns how many commands went
@@ -267,11 +266,11 @@ class RespStream:
                 raise self._timed_out("writing to") from None
 
     def read_into(self, target: memoryview) -> int | redis.exceptions.ResponseError | None:
-        """The next ``GET`` reply: its length (now in ``target``), None for nil, or an error.
+        """The next `GET` reply: its length (now in `target`), None for nil, or an error.
 
-        A value longer than ``target`` is refused from its length, before a
+        A value longer than `target` is refused from its length, before a
         byte of it is read: it is drained through the scratch buffer (never
-        held in memory) and :attr:`OVERSIZED` is returned.
+        held in memory) and `OVERSIZED` is returned.
         """
         line = self._read_line()
         kind = line[:1]
@@ -292,16 +291,16 @@ class RespStream:
     def read_into_ranges(
         self, ranges: Ranges, writes: CacheWrites | None = None
     ) -> int | redis.exceptions.ResponseError | None:
-        """The next ``GET`` reply scattered over ``ranges``: its length, None for nil, or an error.
+        """The next `GET` reply scattered over `ranges`: its length, None for nil, or an error.
 
-        The value's first bytes go into ``ranges[0]``, the next into
-        ``ranges[1]``, and so on, straight from the socket (``recvmsg_into``,
+        The value's first bytes go into `ranges[0]`, the next into
+        `ranges[1]`, and so on, straight from the socket (`recvmsg_into`,
         many ranges per call). A value longer than the ranges together is
-        refused from its length (:attr:`OVERSIZED`) and drained through the
+        refused from its length (`OVERSIZED`) and drained through the
         scratch buffer: not a byte of it lands in the ranges. A shorter one
         fills what it covers (the caller's check rejects it). Each write into
         the ranges (a system call, or a copy of bytes already buffered) goes
-        through ``writes.writing()``, whose ``JobAbandoned`` (the load was
+        through `writes.writing()`, whose `JobAbandoned` (the load was
         given up on) propagates: nothing more is written, and the stream is
         out of step.
         """
@@ -331,8 +330,8 @@ class RespStream:
     def read_reply(self) -> Reply:
         """The next short reply: a status, an integer, a short string, nil, an error or an array.
 
-        For the answers to ``EXISTS``, ``SET``, ``UNLINK``, ``SCAN`` and
-        ``PING``; a reply larger than :data:`SHORT_REPLY_BYTES` in all is
+        For the answers to `EXISTS`, `SET`, `UNLINK`, `SCAN` and
+        `PING`; a reply larger than `SHORT_REPLY_BYTES` in all is
         refused rather than held in memory.
         """
         self._short_reply_left = SHORT_REPLY_BYTES
@@ -389,7 +388,7 @@ class RespStream:
         return redis.exceptions.TimeoutError(f"Timeout {doing} socket")
 
     def _fill(self, limit: int = _HEADER_READ_BYTES) -> None:
-        """Receive up to ``limit`` more bytes into the scratch buffer."""
+        """Receive up to `limit` more bytes into the scratch buffer."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._scratch):
@@ -419,9 +418,9 @@ class RespStream:
             position += self._recv_into(target[position:])
 
     def _receive(self, ranges: Ranges, writes: CacheWrites | None, tail: int) -> None:
-        """Fill ``ranges`` in order: the bytes already buffered first, then from the socket.
+        """Fill `ranges` in order: the bytes already buffered first, then from the socket.
 
-        A scattered read that reaches the last range also asks for ``tail``
+        A scattered read that reaches the last range also asks for `tail`
         more bytes, into the scratch buffer.
         """
         index, offset = 0, 0
@@ -452,10 +451,10 @@ class RespStream:
             self._start, self._end = 0, offset
 
     def _recv_scattered(self, ranges: Ranges, index: int, offset: int, tail: int) -> int:
-        """One ``recvmsg_into`` from ``ranges[index][offset:]`` on; how many bytes it received.
+        """One `recvmsg_into` from `ranges[index][offset:]` on; how many bytes it received.
 
         The buffer is empty here. When the pieces reach the last range, the
-        scratch buffer's first ``tail`` bytes follow it.
+        scratch buffer's first `tail` bytes follow it.
         """
         last = min(len(ranges), index + _MAX_PIECES_PER_CALL - 1)
         pieces = [ranges[index][offset:], *ranges[index + 1 : last]]
@@ -481,7 +480,7 @@ class RespStream:
             count -= skipped
 
     def _expect_crlf(self, limit: int = _HEADER_READ_BYTES) -> None:
-        """Consume the CRLF after a value; a read for it asks for at most ``limit`` bytes."""
+        """Consume the CRLF after a value; a read for it asks for at most `limit` bytes."""
         while self._end - self._start < 2:
             self._fill(limit)
         if self._view[self._start : self._start + 2] != _CRLF:
@@ -490,7 +489,7 @@ class RespStream:
 
 
 def _first_bytes(ranges: Ranges, length: int) -> list[memoryview]:
-    """The ranges that the first ``length`` bytes of their concatenation fill (the last cut)."""
+    """The ranges that the first `length` bytes of their concatenation fill (the last cut)."""
     covered: list[memoryview] = []
     for view in ranges:
         if length <= 0:
@@ -505,7 +504,7 @@ def _length(piece: bytes | memoryview) -> int:
 
 
 def _integer(text: bytes) -> int:
-    """A RESP integer or length; anything else is an invalid reply, not a ``ValueError``."""
+    """A RESP integer or length; anything else is an invalid reply, not a `ValueError`."""
     digits = text[1:] if text[:1] == b"-" else text
     if not digits.isdigit() or len(digits) > _MAX_INTEGER_DIGITS:
         raise redis.exceptions.InvalidResponse(

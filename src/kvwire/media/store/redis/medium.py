@@ -2,28 +2,28 @@
 
 Engines on different hosts share blocks through a Redis (or Valkey) server
 they already run. The data path is every store medium's
-(:mod:`kvwire.media.store.medium`: background I/O threads, every entry
+(`kvwire.media.store.medium`: background I/O threads, every entry
 verified before its block is reported loaded); the store is
-:class:`RedisBlockStore` (:class:`RedisClusterBlockStore` for a cluster),
+`RedisBlockStore` (`RedisClusterBlockStore` for a cluster),
 which sends a block's bytes to the server straight from the KV cache and
 scatters a loaded one straight into it (no staging copy on either side).
 
-``kv_connector_extra_config`` keys, beside the common ones of
-:class:`~kvwire.media.store.medium.StoreMedium` (see
-:class:`RedisStoreSettings`):
+`kv_connector_extra_config` keys, beside the common ones of
+[`StoreMedium`][kvwire.media.StoreMedium] (see
+`RedisStoreSettings`):
 
-- ``url``: ``redis://host:port/db``, ``rediss://`` (TLS) or ``unix:///path``
-  for one server; ``redis+cluster://host:port[,host:port...]`` (or
-  ``rediss+cluster://``) for a Redis Cluster or Valkey cluster (see below);
-- ``username``, ``password`` or ``password_env`` (the name of an environment
-  variable holding it: keeps the secret out of profiles), ``db``;
-- ``key_prefix`` (default ``kvwire:``), ``ttl_seconds`` (default: no expiry; a
+- `url`: `redis://host:port/db`, `rediss://` (TLS) or `unix:///path`
+  for one server; `redis+cluster://host:port[,host:port...]` (or
+  `rediss+cluster://`) for a Redis Cluster or Valkey cluster (see below);
+- `username`, `password` or `password_env` (the name of an environment
+  variable holding it: keeps the secret out of profiles), `db`;
+- `key_prefix` (default `kvwire:`), `ttl_seconds` (default: no expiry; a
   load restarts a block's TTL, so blocks in use stay and idle ones expire);
-- ``pool_size``, ``socket_timeout_s`` (one read or write),
-  ``connect_timeout_s`` (connecting, and then the handshake in all),
-  ``lookup_batch_size``;
-- ``load_timeout_s`` (default 20), ``save_timeout_s`` (default 30) and
-  ``lookup_timeout_s`` (default 1; also deletes, the reconnect probe and each
+- `pool_size`, `socket_timeout_s` (one read or write),
+  `connect_timeout_s` (connecting, and then the handshake in all),
+  `lookup_batch_size`;
+- `load_timeout_s` (default 20), `save_timeout_s` (default 30) and
+  `lookup_timeout_s` (default 1; also deletes, the reconnect probe and each
   step of a cache reset): how long one call may take in all. A lookup runs
   on the scheduler's thread, which waits for it no longer than that even
   when the server hangs (it is made on a thread of the store's). The socket
@@ -32,50 +32,50 @@ scatters a loaded one straight into it (no staging copy on either side).
   forever. Past its deadline a call fails as in an outage (below): the
   blocks of a load not yet read are load errors, computed again, and the
   connection, left mid-reply, is dropped. A load is one run of blocks, so
-  ``load_timeout_s`` must cover the largest run at the network's speed;
-- ``pipeline_bytes`` (default 64 MiB): the most one connection has in flight.
+  `load_timeout_s` must cover the largest run at the network's speed;
+- `pipeline_bytes` (default 64 MiB): the most one connection has in flight.
   A save sends its SETs in pipelines of at most this many bytes; a load asks
   for its GETs in groups of 4 MiB (or half of this, if smaller) and asks for
   the next group as soon as the current one is answered, so the server runs
   the next GETs while the worker verifies and scatters. Replies waiting in
-  the server count toward its ``maxmemory``: on a server at its limit with
+  the server count toward its `maxmemory`: on a server at its limit with
   an eviction policy, they make it evict that much more (a block evicted
   between lookup and load is a load error, computed again);
-- ``retry_interval_s`` (during an outage, how often a background probe asks the server),
-  ``warning_interval_s`` (at most one outage warning per interval);
-- ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``.
+- `retry_interval_s` (during an outage, how often a background probe asks the server),
+  `warning_interval_s` (at most one outage warning per interval);
+- `tls_ca_certs`, `tls_certfile`, `tls_keyfile`, `tls_verify`.
 
 When the server is down, lookups miss, saves are dropped and loads are
 reported as load errors; the engine's outputs stay those of an engine
 without a connector, and the store reconnects by itself when the server is
 back. Beside the store media's counters, the stats report
-``redis_lookup_failures``, ``redis_saves_dropped`` (outage),
-``redis_saves_rejected`` (e.g. out of memory under ``noeviction``),
-``redis_load_failures`` (outage or deadline), ``redis_loads_oversized`` (a
+`redis_lookup_failures`, `redis_saves_dropped` (outage),
+`redis_saves_rejected` (e.g. out of memory under `noeviction`),
+`redis_load_failures` (outage or deadline), `redis_loads_oversized` (a
 value longer than its entry: refused from its length, never read into memory,
-warned about and deleted like a corrupt entry) and ``redis_loads_refused``
-(e.g. ``NOPERM``), each only when not zero.
+warned about and deleted like a corrupt entry) and `redis_loads_refused`
+(e.g. `NOPERM`), each only when not zero.
 
 A cluster URL names seed nodes: any node of the cluster, the URL's
-credentials used for every node (what redis-py's ``RedisCluster`` is given as
-``startup_nodes``; one that answers is enough). Keys are spread over every
-master by hash slot, so ``key_prefix`` may hold no ``{hash tag}``, and there is
+credentials used for every node (what redis-py's `RedisCluster` is given as
+`startup_nodes`; one that answers is enough). Keys are spread over every
+master by hash slot, so `key_prefix` may hold no `{hash tag}`, and there is
 no database but 0. Each call sends each master its keys (same pipelines,
-zero-copy reads, deadlines, ``pool_size`` connections per master), the masters
-in parallel (see :mod:`kvwire.media.store.redis._cluster`). When a master
+zero-copy reads, deadlines, `pool_size` connections per master), the masters
+in parallel (see `kvwire.media.store.redis._cluster`). When a master
 dies, its keys are misses, dropped saves or load errors (the other masters'
 keys still hit) until its replica takes over; the store then finds the new
-master by itself (it asks for the slot map every ``retry_interval_s`` while a
-master is down, and at once on ``MOVED``), and those keys hit again if the
+master by itself (it asks for the slot map every `retry_interval_s` while a
+master is down, and at once on `MOVED`), and those keys hit again if the
 replica had them. Slots moved between masters (resharding) are followed the
 same way; no call ever waits for a new map.
 
-KV cache events (medium ``redis``): ``BlockStored`` for the blocks a save
-stored, ``BlockRemoved`` for corrupt or too-long values a load found and
+KV cache events (medium `redis`): `BlockStored` for the blocks a save
+stored, `BlockRemoved` for corrupt or too-long values a load found and
 deleted (so they stop being hits for every engine). Entries the server drops by itself
-(``ttl_seconds`` expiry, ``maxmemory`` eviction under an
-``allkeys-*``/``volatile-*`` policy) are never seen by the connector, so no
-``BlockRemoved`` reports them: a router may think such a block is still
+(`ttl_seconds` expiry, `maxmemory` eviction under an
+`allkeys-*`/`volatile-*` policy) are never seen by the connector, so no
+`BlockRemoved` reports them: a router may think such a block is still
 held, and the lookup then simply misses.
 """
 
@@ -98,7 +98,7 @@ __all__ = ["RedisBlockStore", "RedisClusterBlockStore", "RedisMedium", "RedisSto
 
 @attrs.frozen
 class _Given:
-    """A Redis key's raw value, passed through to :class:`RedisStoreSettings` to validate."""
+    """A Redis key's raw value, passed through to `RedisStoreSettings` to validate."""
 
     value: Any = attrs.field(repr=False)
 
@@ -133,10 +133,10 @@ class RedisMedium(StoreMedium[RedisBlockStore | RedisClusterBlockStore]):
 
     @classmethod
     def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
-        """The common options, and the Redis ones as ``options["redis_settings"]``.
+        """The common options, and the Redis ones as `options["redis_settings"]`.
 
-        Only checks: no server is asked, so ``kvwire check`` runs it too. A
-        ``password_env`` that names an unset variable is an error here, as
+        Only checks: no server is asked, so `kvwire check` runs it too. A
+        `password_env` that names an unset variable is an error here, as
         the medium could not authenticate without it.
         """
         options = super().finish_options(connector_name, options)
