@@ -1,7 +1,7 @@
 """A small paged-KV inference engine that drives connectors through their real lifecycle.
 
-``from kvwire.engine import LLMEngine`` imports torch; importing the package
-alone does not (``kvwire run`` applies a preset before anything needs torch).
+`from kvwire.engine import LLMEngine` imports torch; importing the package
+alone does not (`kvwire run` applies a preset before anything needs torch).
 """
 
 from __future__ import annotations

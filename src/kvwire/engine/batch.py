@@ -1,10 +1,10 @@
 """The worker's per-step inputs, laid into tensors allocated once.
 
 A step's token ids, positions, slot mapping, block tables and sample rows
-live in buffers sized from the scheduler's limits (``max_num_batched_tokens``
-tokens, ``max_num_seqs`` sequences, ``max_model_len`` tokens of context), so
+live in buffers sized from the scheduler's limits (`max_num_batched_tokens`
+tokens, `max_num_seqs` sequences, `max_model_len` tokens of context), so
 filling them allocates no tensor storage. The integers arrive as Python tuples
-(the step crossed a pipe as plain records); ``struct.pack_into`` writes each
+(the step crossed a pipe as plain records); `struct.pack_into` writes each
 tuple straight into the memory the tensors share, one C call per sequence.
 """
 
@@ -37,8 +37,8 @@ class StepBatch:
 
     Each KV cache group has its own block tables and slot mapping (its
     blocks are its own); positions, token ids and sample rows are shared.
-    The :class:`AttentionMetadata` (one per group) that :meth:`fill` returns
-    views these buffers, so it is valid until the next :meth:`fill` (the
+    The `AttentionMetadata` (one per group) that `fill` returns
+    views these buffers, so it is valid until the next `fill` (the
     connector sees it only during the step, as in vLLM).
     """
 
@@ -74,7 +74,7 @@ class StepBatch:
     def fill(
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[tuple[AttentionMetadata, ...], torch.Tensor, torch.Tensor]:
-        """Lay ``chunks`` into the buffers; the attention metadata (one per group),
+        """Lay `chunks` into the buffers; the attention metadata (one per group),
         token ids and sample rows."""
         self._check_fits(chunks)
         block_size, width = self.block_size, self.max_blocks_per_seq

@@ -2,7 +2,7 @@
 
 A block's hash is the sha256 of its parent's hash, its token ids and any
 extra keys, so equal hashes mean equal prefixes. It is stable across
-processes, machines and runs (never Python's ``hash()``), which is what lets
+processes, machines and runs (never Python's `hash()`), which is what lets
 one engine load blocks another engine stored.
 """
 
@@ -43,7 +43,7 @@ def extend_block_hashes(
     root: BlockHash,
     extra_keys: Sequence[str] = (),
 ) -> None:
-    """Append the hash of every block of ``token_ids`` that became full."""
+    """Append the hash of every block of `token_ids` that became full."""
     for block_index in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[-1] if block_hashes else root
         start = block_index * block_size

@@ -9,8 +9,8 @@ hash (eviction).
 Several groups (the hybrid KV cache manager: full-attention layers beside
 sliding-window ones) draw from the one pool, so a block id names one block
 of one group at a time. Each request holds, per group, a list aligned with
-its positions: entry ``i`` holds tokens ``[i * block_size, (i + 1) *
-block_size)``. A sliding-window group gives back the blocks that left its
+its positions: entry `i` holds tokens `[i * block_size, (i + 1) *
+block_size)`. A sliding-window group gives back the blocks that left its
 window and holds the null block (id 0, never allocated) in their place. The
 prefix cache is keyed by (group, block hash).
 """
@@ -27,11 +27,11 @@ NULL_BLOCK = 0
 
 
 def window_blocks(sliding_window: int, block_size: int) -> int:
-    """How many full blocks before position ``n * block_size`` its attention still reads.
+    """How many full blocks before position `n * block_size` its attention still reads.
 
-    The token at position p attends ``[p - window + 1, p]``, so after ``n``
-    full blocks only blocks ``[n - w, n)`` are still needed, ``w =
-    ceil((window - 1) / block_size)``.
+    The token at position p attends `[p - window + 1, p]`, so after `n`
+    full blocks only blocks `[n - w, n)` are still needed, `w =
+    ceil((window - 1) / block_size)`.
     """
     return -(-(sliding_window - 1) // block_size)
 
@@ -39,9 +39,9 @@ def window_blocks(sliding_window: int, block_size: int) -> int:
 class BlockManager:
     """Allocates cache blocks to requests and keeps the local prefix cache.
 
-    ``enable_prefix_caching=False`` turns local hits off; hashes are still
+    `enable_prefix_caching=False` turns local hits off; hashes are still
     kept for the connector, which decides by them what to load and save.
-    ``group_windows`` has one entry per KV cache group: its sliding window in
+    `group_windows` has one entry per KV cache group: its sliding window in
     tokens, or None for full attention. When any group has a window, block
     id 0 is the null block and never allocated.
     """
@@ -100,11 +100,11 @@ class BlockManager:
         return {block for blocks in held for block in blocks if not self._is_null(block)}
 
     def find_cached_prefix(self, request: Request) -> tuple[tuple[list[int], ...], int]:
-        """The locally cached blocks of ``request``'s longest known prefix, and its tokens.
+        """The locally cached blocks of `request`'s longest known prefix, and its tokens.
 
-        The prefix is the longest number ``n`` of full blocks valid in every
-        group: a full group has blocks ``[0, n)`` cached, a sliding-window
-        group those of its window, ``[max(0, n - w), n)``; below its window
+        The prefix is the longest number `n` of full blocks valid in every
+        group: a full group has blocks `[0, n)` cached, a sliding-window
+        group those of its window, `[max(0, n - w), n)`; below its window
         it gets null blocks. At least one token is always left to compute,
         since the step that computes it produces the next token's logits.
         """
@@ -144,11 +144,11 @@ class BlockManager:
         num_tokens_total: int,
         num_computed_tokens: int | None = None,
     ) -> KVCacheBlocks | None:
-        """Give ``request`` enough blocks to hold ``num_tokens_total`` tokens.
+        """Give `request` enough blocks to hold `num_tokens_total` tokens.
 
-        ``cached_blocks`` (per group, from :meth:`find_cached_prefix`, only
+        `cached_blocks` (per group, from `find_cached_prefix`, only
         for a request that holds no blocks yet; empty for none) are taken
-        first. ``num_computed_tokens`` (default: the request's) are known
+        first. `num_computed_tokens` (default: the request's) are known
         before this allocation's work: a sliding-window group first gives
         back the blocks that left the window of what comes after them, and
         gets null blocks for positions below it. None, and nothing else
@@ -196,9 +196,9 @@ class BlockManager:
         return KVCacheBlocks(tuple(list(blocks) for blocks in held))
 
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
-        """Publish the request's full blocks of its first ``num_tokens`` tokens.
+        """Publish the request's full blocks of its first `num_tokens` tokens.
 
-        ``num_tokens`` (default: the computed tokens) may count tokens that
+        `num_tokens` (default: the computed tokens) may count tokens that
         this step computes or loads synchronously: their keys and values are
         in the cache before any attention of the step reads them, so a request
         admitted later in the same step can share the blocks.
@@ -224,7 +224,7 @@ class BlockManager:
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
     def valid_prefix_blocks(self, request_id: str, limit: int) -> int:
-        """The most full blocks, at most ``limit``, whose contents every group still holds.
+        """The most full blocks, at most `limit`, whose contents every group still holds.
 
         After a failed load rolls a request back, a sliding-window group may
         have given back blocks the shorter prefix needs again; the request
@@ -244,7 +244,7 @@ class BlockManager:
         return limit
 
     def uncache_from(self, request_id: str, block_index: int) -> None:
-        """Take the request's blocks from ``block_index`` on out of the prefix cache.
+        """Take the request's blocks from `block_index` on out of the prefix cache.
 
         For a rollback: those blocks were computed from (or are) bad data, so
         no request may hit them until they are computed again.
@@ -289,7 +289,7 @@ class BlockManager:
         return self.uses_null_block and block == NULL_BLOCK
 
     def _num_skipped(self, group: int, num_computed_tokens: int) -> int:
-        """Leading blocks of ``group`` no attention after ``num_computed_tokens`` reads."""
+        """Leading blocks of `group` no attention after `num_computed_tokens` reads."""
         window = self.group_windows[group]
         if window is None:
             return 0
@@ -306,7 +306,7 @@ class BlockManager:
                 index -= 1
 
     def _num_missing(self, group: int, blocks: list[int], skipped: int, num_target: int) -> int:
-        """Blocks to take so that ``blocks`` covers ``num_target`` positions from ``skipped`` on."""
+        """Blocks to take so that `blocks` covers `num_target` positions from `skipped` on."""
         missing = max(0, num_target - max(len(blocks), skipped))
         if self.group_windows[group] is None:
             return missing  # a full group holds no null block
@@ -316,7 +316,7 @@ class BlockManager:
         return missing + sum(1 for index in range(skipped, end) if self._is_null(blocks[index]))
 
     def _fill(self, group: int, blocks: list[int], skipped: int, num_target: int) -> None:
-        """Give ``blocks`` real blocks at positions ``[skipped, num_target)``, null below."""
+        """Give `blocks` real blocks at positions `[skipped, num_target)`, null below."""
         if self.group_windows[group] is not None:
             for index in range(skipped, min(len(blocks), num_target)):
                 if self._is_null(blocks[index]):
@@ -340,7 +340,7 @@ class BlockManager:
         return block
 
     def _cached_run(self, group: int, hashes: Sequence[BlockHash], limit: int) -> int:
-        """How many of the first ``limit`` blocks ``group`` has cached, from the start."""
+        """How many of the first `limit` blocks `group` has cached, from the start."""
         for index in range(limit):
             if (group, hashes[index]) not in self._cached:
                 return index
@@ -359,7 +359,7 @@ class BlockManager:
 
 
 def _longest_valid_end(present: Sequence[bool], limit: int, window: int) -> int:
-    """The largest ``n <= limit`` with ``present[max(0, n - window):n]`` all true."""
+    """The largest `n <= limit` with `present[max(0, n - window):n]` all true."""
     end = limit
     for index in range(limit - 1, -1, -1):
         if end - index > window:

@@ -1,8 +1,8 @@
 """Where the engine gets its connectors: the container's role-scoped providers.
 
 The engine asks for one connector per role. They come from a
-:class:`kvwire.container.KVConnectorContainer` set up with the engine's
-config and sized ``kv_cache_config``, so the registry, module paths, entry
+[`kvwire.container.KVConnectorContainer`][kvwire.KVConnectorContainer] set up with the engine's
+config and sized `kv_cache_config`, so the registry, module paths, entry
 points, provider overrides and the HMA gate all apply exactly as they do for
 any application wired to the container.
 """
@@ -29,10 +29,10 @@ ContainerHook = Callable[[KVConnectorContainer], None]
 class ConnectorSource:
     """The connectors of one engine process, from one container.
 
-    ``connector(role)`` returns the same instance for a role every time, or
-    None when the config names no connector. ``hook`` sees each connector
+    `connector(role)` returns the same instance for a role every time, or
+    None when the config names no connector. `hook` sees each connector
     once, right after it is built; it must be picklable when the worker runs
-    in its own process. ``container`` may be given to use one a caller has
+    in its own process. `container` may be given to use one a caller has
     already overridden.
     """
 

@@ -1,8 +1,8 @@
 """The engine: a scheduler and a worker, stepped until every request is done.
 
 Both get their connector (one per role) from a
-:class:`~kvwire.engine.connector_source.ConnectorSource`; with
-``worker_mode="process"`` the worker and its connector live in another
+`ConnectorSource`; with
+`worker_mode="process"` the worker and its connector live in another
 process and each step's instructions cross by pickling.
 """
 
@@ -56,7 +56,7 @@ class _WorkerHandle(Protocol):
 
 @attrs.frozen
 class GenerationRequest:
-    """One prompt to complete: ``max_tokens`` greedy tokens after ``prompt_token_ids``."""
+    """One prompt to complete: `max_tokens` greedy tokens after `prompt_token_ids`."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -67,8 +67,8 @@ class GenerationRequest:
 class RequestOutput:
     """A finished request: its tokens, where its prefix came from, and its timings.
 
-    ``error`` is set (and ``status`` is FINISHED_ERROR) when the request
-    failed, e.g. a load error under ``kv_load_failure_policy="fail"``.
+    `error` is set (and `status` is FINISHED_ERROR) when the request
+    failed, e.g. a load error under `kv_load_failure_policy="fail"`.
     """
 
     request_id: str
@@ -99,8 +99,8 @@ class EngineCounters:
 def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> HMADecision:
     """Whether the engine runs the hybrid KV cache manager, and why.
 
-    With a connector, the container's ``hma_gate`` decides (and raises for
-    ``disable_hybrid_kv_cache_manager: false`` with a connector that cannot
+    With a connector, the container's `hma_gate` decides (and raises for
+    `disable_hybrid_kv_cache_manager: false` with a connector that cannot
     serve HMA). Without one, HMA is on unless that setting is true. Either
     way it only changes the cache layout of a model with sliding-window layers.
     """
@@ -126,41 +126,41 @@ def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> 
 class LLMEngine:
     """A paged-KV inference engine on CPU that drives a connector like a server would.
 
-    ``connector_hook`` sees each connector once it is built (the conformance
-    kit instruments them this way); ``capture_kv`` keeps each finished
-    request's prompt KV in :attr:`captured_kv`. ``container`` is a
-    :class:`~kvwire.container.KVConnectorContainer` whose providers the caller
+    `connector_hook` sees each connector once it is built (the conformance
+    kit instruments them this way); `capture_kv` keeps each finished
+    request's prompt KV in `captured_kv`. `container` is a
+    [`KVConnectorContainer`][kvwire.KVConnectorContainer] whose providers the caller
     has overridden (the worker process, if any, builds its own from
-    ``config``): e.g. a registry whose medium makes loads fail on purpose
-    (:mod:`kvwire.media.faulty`). ``worker_container_hook`` (picklable) runs on
+    `config`): e.g. a registry whose medium makes loads fail on purpose
+    (`kvwire.media.faulty`). `worker_container_hook` (picklable) runs on
     each worker process's own container, its rank injected, before its
     connector is built: the way to override providers there (the inline
-    worker uses ``container``). ``torch_threads`` sets the worker process's torch threads
+    worker uses `container`). `torch_threads` sets the worker process's torch threads
     (None leaves them alone); a worker process that does not answer a call
-    within ``worker_reply_timeout_s`` is stopped, and the call raises.
+    within `worker_reply_timeout_s` is stopped, and the call raises.
     Requests admitted in one step share their common prefix's blocks, as
     vLLM's scheduler does, except blocks being loaded: a request waits for a
     prefix another request is loading (asynchronously, or synchronously in
     this step) rather than loading a copy or computing on a failed load. Use as a context
-    manager, or call :meth:`close`.
+    manager, or call `close`.
 
-    :attr:`connector_stats` sums the worker connector's stats over the steps;
-    saves still running when :meth:`generate` returns join it at
-    :meth:`wait_for_saves` or :meth:`close`.
+    `connector_stats` sums the worker connector's stats over the steps;
+    saves still running when `generate` returns join it at
+    `wait_for_saves` or `close`.
 
-    A hybrid model (``model_config.layer_types`` with sliding-window
+    A hybrid model (`model_config.layer_types` with sliding-window
     layers) runs with one KV cache group per kind of layer when the HMA
-    gate keeps HMA on, else with one group of every layer; :attr:`hma`
+    gate keeps HMA on, else with one group of every layer; `hma`
     says which, and why. Outputs are the same either way.
 
-    Tensor and pipeline parallelism: a config whose ``parallel_config`` sets
-    ``tensor_parallel_size`` and ``pipeline_parallel_size`` runs one worker
-    process per rank (``worker_mode`` must then be ``"process"`` or None,
+    Tensor and pipeline parallelism: a config whose `parallel_config` sets
+    `tensor_parallel_size` and `pipeline_parallel_size` runs one worker
+    process per rank (`worker_mode` must then be `"process"` or None,
     which picks it), each holding its share of the KV heads and layers
-    (:mod:`kvwire.engine.parallel`), with the worker connector built there
-    for its rank; :attr:`shares` lists them. The scheduler connector is
+    (`kvwire.engine.parallel`), with the worker connector built there
+    for its rank; `shares` lists them. The scheduler connector is
     rank 0's share's, as in vLLM; the ranks' reports merge as vLLM merges
-    them (:mod:`kvwire.ranks`). The tokens are the same at every parallel
+    them (`kvwire.ranks`). The tokens are the same at every parallel
     size.
     """
 
@@ -278,7 +278,7 @@ class LLMEngine:
 
     @property
     def hma_enabled(self) -> bool:
-        """Whether the hybrid KV cache manager is on (see :attr:`hma` for why)."""
+        """Whether the hybrid KV cache manager is on (see `hma` for why)."""
         return self.hma.enabled
 
     @property
@@ -353,7 +353,7 @@ class LLMEngine:
         requests: Iterable[GenerationRequest],
         on_finished: Callable[[Request], None] | None = None,
     ) -> list[RequestOutput]:
-        """Run ``requests`` to completion; their outputs, in the order given."""
+        """Run `requests` to completion; their outputs, in the order given."""
         request_ids = []
         for request in requests:
             self.add_request(request)
@@ -384,14 +384,14 @@ class LLMEngine:
         )
 
     def wait_for_saves(self) -> None:
-        """Wait for the connector's saves still running, and add them to :attr:`connector_stats`.
+        """Wait for the connector's saves still running, and add them to `connector_stats`.
 
         A save may outlive the request that made it (store-backed connectors
         write in the background, after the blocks were freed), so the stats
-        at the end of :meth:`generate` may miss some; after this call they
+        at the end of `generate` may miss some; after this call they
         count every save of the requests run so far, and the KV cache events
-        those saves caused are in the scheduler's ``kv_events``. Raises
-        ``RuntimeError`` when saves are still running after ``idle_timeout_s``.
+        those saves caused are in the scheduler's `kv_events`. Raises
+        `RuntimeError` when saves are still running after `idle_timeout_s`.
         """
         finished, output = self.worker.wait_for_saves(self.idle_timeout_s)
         if output is not None:
@@ -410,12 +410,12 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the worker and shut down both connectors, once.
 
-        Saves still running are waited for first (as :meth:`wait_for_saves`
-        does, up to ``idle_timeout_s``), so their stats go to
-        :attr:`connector_stats` and their KV cache events to the scheduler's
-        ``kv_events`` like any step's. The worker connector's shutdown then
+        Saves still running are waited for first (as `wait_for_saves`
+        does, up to `idle_timeout_s`), so their stats go to
+        `connector_stats` and their KV cache events to the scheduler's
+        `kv_events` like any step's. The worker connector's shutdown then
         lets whatever is still in flight finish; its counts, reported after
-        it, still go to :attr:`connector_stats`.
+        it, still go to `connector_stats`.
         """
         if self._closed:
             return

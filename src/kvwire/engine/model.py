@@ -1,7 +1,7 @@
 """A small decoder-only transformer that reads and writes a paged KV cache.
 
 Embedding, RMSNorm, rotary positions, grouped-query attention and a gated
-MLP, with weights drawn from ``ModelConfig.seed``; greedy decoding happens in
+MLP, with weights drawn from `ModelConfig.seed`; greedy decoding happens in
 the worker.
 
 Why the arithmetic is float64 with rounding to the model dtype: a CPU matmul
@@ -68,10 +68,10 @@ LayerHook = Callable[[str], None]
 class RankExchange(Protocol):
     """How one rank of a parallel model trades activations with the others.
 
-    ``gather_heads``: this rank's attention output (its query heads, ``[tokens,
-    local heads * head_size]``) beside every tensor rank's, as ``[tokens,
-    heads * head_size]`` in head order (a buffer the next call overwrites).
-    ``send_hidden`` / ``receive_hidden``: the residual stream to the next
+    `gather_heads`: this rank's attention output (its query heads, `[tokens,
+    local heads * head_size]`) beside every tensor rank's, as `[tokens,
+    heads * head_size]` in head order (a buffer the next call overwrites).
+    `send_hidden` / `receive_hidden`: the residual stream to the next
     pipeline stage, from the previous one.
     """
 
@@ -89,19 +89,19 @@ def _round(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TinyTransformer:
     """A deterministic decoder-only transformer over a paged KV cache.
 
-    Weights are drawn once from ``config.seed``; two instances built from
-    equal configs (in any process) compute the same bits. ``max_num_tokens``
-    (the most rows a forward batch holds; default ``config.max_model_len``)
+    Weights are drawn once from `config.seed`; two instances built from
+    equal configs (in any process) compute the same bits. `max_num_tokens`
+    (the most rows a forward batch holds; default `config.max_model_len`)
     sizes the attention buffers reused by every layer and step.
-    ``layer_names`` are in model order; ``layer_groups`` gives each layer's
+    `layer_names` are in model order; `layer_groups` gives each layer's
     KV cache group (default: all in group 0), whose attention metadata it
-    reads. A layer ``config.layer_types`` names sliding attends only within
-    ``config.sliding_window``, whatever its group.
+    reads. A layer `config.layer_types` names sliding attends only within
+    `config.sliding_window`, whatever its group.
 
     One rank of a parallel engine computes a share: the KV heads
-    ``kv_heads`` (and the query heads that attend to them) of the model's
-    ``layers`` (``layer_names`` names them), trading activations through
-    ``exchange``. Its weights are the whole model's, drawn the same way and
+    `kv_heads` (and the query heads that attend to them) of the model's
+    `layers` (`layer_names` names them), trading activations through
+    `exchange`. Its weights are the whole model's, drawn the same way and
     sliced, and every rank computes each head exactly as an unsplit model
     does: the heads' attention outputs are gathered before the output
     projection, so the tokens are the same at every parallel size. A stage
@@ -198,11 +198,11 @@ class TinyTransformer:
         before_attention: LayerHook | None = None,
         after_attention: LayerHook | None = None,
     ) -> torch.Tensor | None:
-        """Run the batch through every layer; the logits of ``sample_rows``.
+        """Run the batch through every layer; the logits of `sample_rows`.
 
-        Writes this step's keys and values into ``kv_caches`` (one tensor per
-        layer, ``[2, num_blocks, block_size, num_kv_heads, head_size]``, of
-        this rank's heads). ``metadata`` is one per KV cache group (a single
+        Writes this step's keys and values into `kv_caches` (one tensor per
+        layer, `[2, num_blocks, block_size, num_kv_heads, head_size]`, of
+        this rank's heads). `metadata` is one per KV cache group (a single
         one serves group 0). The logits live in a buffer the next call
         overwrites; a pipeline stage before the last returns None.
         """
@@ -255,7 +255,7 @@ class TinyTransformer:
     def _add_rounded(
         self, hidden: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor
     ) -> None:
-        """``hidden += inputs @ weight``, then rounded to the model dtype (the residual stream)."""
+        """`hidden += inputs @ weight`, then rounded to the model dtype (the residual stream)."""
         num_tokens = hidden.shape[0]
         hidden.add_(torch.matmul(inputs, weight, out=self._rows.take("projected", num_tokens)))
         rounding = self._rows.take("rounding", num_tokens)
@@ -271,7 +271,7 @@ class TinyTransformer:
         torch.sin(angles, out=rows.take("sin", num_tokens))
 
     def _apply_rotary(self, states: torch.Tensor) -> None:
-        """Rotate ``states`` (``[tokens, heads, head_size]``) in place by their positions."""
+        """Rotate `states` (`[tokens, heads, head_size]`) in place by their positions."""
         rows = self._rows
         num_tokens, heads, _head_size = states.shape
         half = self._inverse_frequencies.shape[0]
@@ -342,10 +342,10 @@ class TinyTransformer:
 class _RowBuffers:
     """A forward pass's per-row activations, allocated once and reused by every layer and step.
 
-    Each buffer holds ``max_num_tokens`` rows; :meth:`take` gives the first
-    ``num_rows``. A buffer's contents are consumed before it is taken again.
-    ``heads`` is the model as this rank's attention sees it (its heads),
-    ``config`` the whole model.
+    Each buffer holds `max_num_tokens` rows; `take` gives the first
+    `num_rows`. A buffer's contents are consumed before it is taken again.
+    `heads` is the model as this rank's attention sees it (its heads),
+    `config` the whole model.
     """
 
     def __init__(
@@ -380,15 +380,15 @@ class _RowBuffers:
         self._buffers["kv_narrow"] = torch.empty(max_num_tokens, kv_width, dtype=dtype)
 
     def take(self, name: str, num_rows: int) -> torch.Tensor:
-        """The first ``num_rows`` rows of buffer ``name``."""
+        """The first `num_rows` rows of buffer `name`."""
         return self._buffers[name][:num_rows]
 
     def take_flat(self, name: str, num_elements: int) -> torch.Tensor:
-        """The first ``num_elements`` elements of buffer ``name``, for reshaping."""
+        """The first `num_elements` elements of buffer `name`, for reshaping."""
         return self._buffers[name].view(-1)[:num_elements]
 
     def rms_norm(self, states: torch.Tensor, into: str = "normed") -> torch.Tensor:
-        """``states`` RMS-normalised into buffer ``into``."""
+        """`states` RMS-normalised into buffer `into`."""
         num_rows = states.shape[0]
         normed = self.take(into, num_rows)
         variance = self.take("variance", num_rows)

@@ -1,7 +1,7 @@
 """Paged attention: each sequence's queries against the keys and values in its blocks.
 
 The cache holds keys and values in the model dtype; a sequence's context is
-gathered from its blocks and widened to float64 (see :mod:`kvwire.engine.model`
+gathered from its blocks and widened to float64 (see `kvwire.engine.model`
 for why) in buffers allocated once, and the attention runs per sequence,
 since sequences of one batch have different context lengths.
 
@@ -27,9 +27,9 @@ COMPUTE_DTYPE = torch.float64
 class SequenceSlice:
     """One request's tokens in a forward batch.
 
-    Rows ``[query_start, query_start + num_query_tokens)`` of the batch are
-    the request's tokens at positions ``[context_len - num_query_tokens,
-    context_len)``; its keys and values live in ``block_table``.
+    Rows `[query_start, query_start + num_query_tokens)` of the batch are
+    the request's tokens at positions `[context_len - num_query_tokens,
+    context_len)`; its keys and values live in `block_table`.
     """
 
     query_start: int
@@ -42,8 +42,8 @@ class SequenceSlice:
 class DecodeBatch:
     """The sequences with a single query token, attended to in one batched operation.
 
-    Decode sequence ``i`` is batch row ``rows[i]``, with ``context_lens[i]``
-    tokens of context in the first blocks of ``block_tables[i]``; a row's
+    Decode sequence `i` is batch row `rows[i]`, with `context_lens[i]`
+    tokens of context in the first blocks of `block_tables[i]`; a row's
     blocks past its context are padding (valid block ids whose keys are
     masked out).
     """
@@ -57,9 +57,9 @@ class DecodeBatch:
 class AttentionMetadata:
     """Where a forward pass reads and writes the paged cache.
 
-    ``slot_mapping[i]`` is the flat slot (``block_id * block_size + offset``)
-    of batch row ``i``; ``sequences`` (several query tokens each) and
-    ``decodes`` (one query token each) say which rows belong to which request.
+    `slot_mapping[i]` is the flat slot (`block_id * block_size + offset`)
+    of batch row `i`; `sequences` (several query tokens each) and
+    `decodes` (one query token each) say which rows belong to which request.
     The engine's worker refills the tensors behind it every step, so it is
     only valid during the step it was made for.
     """
@@ -75,7 +75,7 @@ class PagedAttention:
 
     One instance serves every sequence, layer and step.
 
-    Sized from the model's limits (``max_model_len`` tokens of context, the
+    Sized from the model's limits (`max_model_len` tokens of context, the
     largest batch) except the score matrix, which grows to the largest
     query-by-context product seen: its worst case (a whole batch of queries
     against a whole context) is rarely reached and would be large.
@@ -129,10 +129,10 @@ class PagedAttention:
         output: torch.Tensor,
         window: int | None = None,
     ) -> None:
-        """Causal attention of ``sequence``'s query rows over its context, into ``output``.
+        """Causal attention of `sequence`'s query rows over its context, into `output`.
 
-        With ``window``, the query at position p sees only positions
-        ``[p - window + 1, p]``; blocks wholly before the first query's
+        With `window`, the query at position p sees only positions
+        `[p - window + 1, p]`; blocks wholly before the first query's
         window are not read at all (a sliding-window group holds the null
         block there).
         """
@@ -195,7 +195,7 @@ class PagedAttention:
     ) -> None:
         """Attention of every single-token sequence at once, padded to the longest context.
 
-        With ``window``, a sequence's token sees only its last ``window``
+        With `window`, a sequence's token sees only its last `window`
         positions (what lies before is masked: a sliding-window group holds
         the null block there).
         """
@@ -249,8 +249,8 @@ class PagedAttention:
         widened: torch.Tensor,
         start_block: int = 0,
     ) -> torch.Tensor:
-        """The sequence's keys (or values) from block ``start_block`` on, as
-        ``[kv_heads, tokens, dim]`` in float64."""
+        """The sequence's keys (or values) from block `start_block` on, as
+        `[kv_heads, tokens, dim]` in float64."""
         block_table = sequence.block_table[start_block:]
         num_tokens = sequence.context_len - start_block * self.block_size
         gathered = self.gathered[: block_table.shape[0]]

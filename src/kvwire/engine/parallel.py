@@ -1,14 +1,14 @@
 """The engine's parallel layout: the KV heads and layers each rank holds, and its connector's view.
 
-An engine config whose ``parallel_config`` asks for ``tensor_parallel_size``
-``tp`` and ``pipeline_parallel_size`` ``pp`` runs ``tp * pp`` worker
-processes. Rank ``r`` is tensor rank ``r % tp`` of stage ``r // tp`` (as
-vLLM numbers its workers): it holds KV heads ``[t * H / tp, (t + 1) * H /
-tp)`` (and their query heads) of its stage's layers, in a KV cache of that
+An engine config whose `parallel_config` asks for `tensor_parallel_size`
+`tp` and `pipeline_parallel_size` `pp` runs `tp * pp` worker
+processes. Rank `r` is tensor rank `r % tp` of stage `r // tp` (as
+vLLM numbers its workers): it holds KV heads `[t * H / tp, (t + 1) * H /
+tp)` (and their query heads) of its stage's layers, in a KV cache of that
 share. Its connector sees what a vLLM worker's does: a model config of its
 share (its heads, its stage's layer count, the whole model's identity, so
 entries name the same weights at every parallel size), the cache config of
-its layers, and its rank in ``parallel_config``.
+its layers, and its rank in `parallel_config`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvwire.config.kv_cache import LAYER_NAME_FORMAT, KVCacheConfig, KVCacheGrou
 
 
 def stage_bounds(num_layers: int, pipeline_size: int) -> tuple[int, ...]:
-    """Each stage's first layer, then ``num_layers``: an even split, as vLLM splits.
+    """Each stage's first layer, then `num_layers`: an even split, as vLLM splits.
 
     The layers left over go one each to the stages just before the last (the
     last stage also computes the logits).
@@ -35,10 +35,10 @@ def stage_bounds(num_layers: int, pipeline_size: int) -> tuple[int, ...]:
 
 
 def engine_parallel_config(config: EngineConfig) -> ParallelConfig:
-    """``config``'s parallel layout at rank 0, stages filled in; ``ValueError`` naming the field.
+    """`config`'s parallel layout at rank 0, stages filled in; `ValueError` naming the field.
 
-    The engine runs ``tensor_parallel_size * pipeline_parallel_size`` ranks
-    and numbers them itself, so ``rank`` stays 0 and ``world_size`` is that
+    The engine runs `tensor_parallel_size * pipeline_parallel_size` ranks
+    and numbers them itself, so `rank` stays 0 and `world_size` is that
     product.
     """
     parallel, model = config.parallel_config, config.model_config
@@ -80,7 +80,7 @@ def engine_parallel_config(config: EngineConfig) -> ParallelConfig:
 
 @attrs.frozen
 class RankShare:
-    """What rank ``parallel.rank`` holds and what its connector is built from."""
+    """What rank `parallel.rank` holds and what its connector is built from."""
 
     parallel: ParallelConfig
     kv_heads: range
@@ -108,9 +108,9 @@ class RankShare:
 
 
 def rank_share(config: EngineConfig, kv_cache_config: KVCacheConfig, rank: int) -> RankShare:
-    """Rank ``rank``'s share of an engine of ``config`` whose whole cache is ``kv_cache_config``.
+    """Rank `rank`'s share of an engine of `config` whose whole cache is `kv_cache_config`.
 
-    Raises ``ValueError`` (naming the field) for a parallel layout the engine
+    Raises `ValueError` (naming the field) for a parallel layout the engine
     cannot run, and for pipeline stages over several KV cache groups (a
     hybrid model under HMA), whose layers a stage would not hold in order.
     """

@@ -1,6 +1,6 @@
 """Model sizes for the engine: tiny for tests, larger ones for benchmarks.
 
-A preset replaces a profile's ``model_config`` (``kvwire run --preset``);
+A preset replaces a profile's `model_config` (`kvwire run --preset`);
 the seed and dtype of the profile are kept.
 """
 
@@ -45,7 +45,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 
 
 def apply_preset(config: EngineConfig, preset: str) -> EngineConfig:
-    """``config`` with the preset's model shape (keeping its seed and dtype)."""
+    """`config` with the preset's model shape (keeping its seed and dtype)."""
     try:
         shape = MODEL_PRESETS[preset]
     except KeyError:

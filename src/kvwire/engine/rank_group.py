@@ -5,7 +5,7 @@ created (so no port is chosen or shared); tensor ranks of a stage gather
 their heads' attention outputs each layer, and a stage sends its residual
 stream to the next stage's rank of the same tensor rank, as a real tensor-
 and pipeline-parallel model does. Every collective waits at most
-``timeout_s``: a rank that died or hangs fails the step, never blocks it.
+`timeout_s`: a rank that died or hangs fails the step, never blocks it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from kvwire.config import ParallelConfig
 
 
 class RankGroup:
-    """This process's place in the engine's process group: a ``RankExchange`` over gloo.
+    """This process's place in the engine's process group: a `RankExchange` over gloo.
 
-    ``max_num_tokens`` and ``local_width`` (this rank's query heads times
+    `max_num_tokens` and `local_width` (this rank's query heads times
     the head size) size the buffers the gathers reuse every layer.
     """
 

@@ -3,7 +3,7 @@
 Every rank gets every step (block ids are the same on every rank) and runs
 it together with the others: its heads of its stage's layers, its
 connector moving only those. The replies merge as vLLM merges its workers'
-(:class:`~kvwire.ranks.RankOutputs`): tokens from the last stage, a request
+(`RankOutputs`): tokens from the last stage, a request
 finished transferring once every rank says so, failed blocks united.
 """
 
@@ -32,12 +32,12 @@ from kvwire.ranks import RankOutputs
 
 
 class RankedWorkers:
-    """One :class:`~kvwire.engine.worker_process.WorkerProcess` per share in ``shares``.
+    """One `WorkerProcess` per share in `shares`.
 
-    ``finished_count``: how many ranks report a finished transfer before it
-    counts (the scheduler connector's ``get_finished_count()``; None: all).
+    `finished_count`: how many ranks report a finished transfer before it
+    counts (the scheduler connector's `get_finished_count()`; None: all).
     An exchange between ranks, like a reply, waits at most
-    ``reply_timeout_s``.
+    `reply_timeout_s`.
     """
 
     def __init__(

@@ -16,9 +16,9 @@ from kvwire.interface.types import Request
 def check_request(
     request: Request, config: EngineConfig, group_windows: Sequence[int | None] = (None,)
 ) -> None:
-    """Raise ValueError when ``request`` cannot run on an engine built from ``config``.
+    """Raise ValueError when `request` cannot run on an engine built from `config`.
 
-    ``group_windows`` has one entry per KV cache group: its sliding window,
+    `group_windows` has one entry per KV cache group: its sliding window,
     or None for full attention.
     """
     model, cache = config.model_config, config.cache_config

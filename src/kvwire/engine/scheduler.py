@@ -3,8 +3,8 @@
 Per step: running requests first (decode and prefill chunks), preempting
 the newest running request when the pool runs dry; then waiting requests,
 each asking the local prefix cache and then the connector
-(``get_num_new_matched_tokens``) what is already known, allocating blocks,
-telling the connector (``update_state_after_alloc``), and parking those whose
+(`get_num_new_matched_tokens`) what is already known, allocating blocks,
+telling the connector (`update_state_after_alloc`), and parking those whose
 load is asynchronous. A scheduled chunk's full blocks enter the local
 prefix cache at once (as in vLLM), so requests admitted later in the same
 step share a common prefix instead of each loading or computing a copy,
@@ -12,9 +12,9 @@ and a request whose prefix a parked request is loading waits for that load.
 Blocks loaded synchronously, and those computed after them, are published
 only once the step shows the load sound: a request needing them waits a
 step rather than compute on (and save) KV of a load that may have failed.
-The step ends with ``build_connector_meta``. After the worker's step: load
+The step ends with `build_connector_meta`. After the worker's step: load
 errors first (roll back or fail), then the sampled tokens, finished
-receives and sends, and ``update_connector_output``.
+receives and sends, and `update_connector_output`.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class RequestMetrics:
 class Scheduler:
     """Decides each step's work and keeps every request's state.
 
-    ``connector`` is the SCHEDULER-role connector, or None to run without one.
-    Each group of ``kv_cache_config`` gets its own blocks from one pool;
+    `connector` is the SCHEDULER-role connector, or None to run without one.
+    Each group of `kv_cache_config` gets its own blocks from one pool;
     block ids are given per group everywhere (one list per group).
     """
 
@@ -205,7 +205,7 @@ class Scheduler:
         return budget
 
     def _next_block_is_loading(self, request: Request) -> bool:
-        """Whether the first block ``request`` lacks is being loaded, or computed from a load.
+        """Whether the first block `request` lacks is being loaded, or computed from a load.
 
         The load is a parked request's, or a synchronous one of this step.
         Such a request waits for that load and then shares its blocks, rather
@@ -398,7 +398,7 @@ class Scheduler:
         """Worker-side events reported between steps (saves that ended after the last one).
 
         They reach the connector as a step's would, in an otherwise empty
-        ``update_connector_output``, and what it then reports joins :attr:`kv_events`.
+        `update_connector_output`, and what it then reports joins `kv_events`.
         """
         if self.connector is None or not events:
             return
@@ -413,7 +413,7 @@ class Scheduler:
         now: float,
         finished: list[Request],
     ) -> None:
-        """Count a step's computed tokens and its sampled token, if any, for ``request``."""
+        """Count a step's computed tokens and its sampled token, if any, for `request`."""
         request.num_computed_tokens += num_computed
         if token is not None:
             request.output_token_ids.append(token)
@@ -443,7 +443,7 @@ class Scheduler:
     def _first_bad(
         self, block_ids: tuple[list[int], ...], num_blocks: int, invalid: set[int]
     ) -> tuple[int, list[int]]:
-        """The first of ``num_blocks`` positions whose block failed in any group, and those."""
+        """The first of `num_blocks` positions whose block failed in any group, and those."""
         first_bad, bad = num_blocks, []
         for group_blocks in block_ids:
             for index, block in enumerate(group_blocks[:num_blocks]):
@@ -481,7 +481,7 @@ class Scheduler:
     def _recover(
         self, request: Request, first_bad_index: int, bad: list[int], finished: list[Request]
     ) -> None:
-        """A load into ``bad`` failed: roll back to the valid prefix, or fail the request."""
+        """A load into `bad` failed: roll back to the valid prefix, or fail the request."""
         self.block_manager.invalidate(bad)
         self._failed_async_blocks.difference_update(bad)
         # A sliding-window group may no longer hold the window the shorter

@@ -16,9 +16,9 @@ from kvwire.interface.types import KVConnectorOutput
 class ScheduledChunk:
     """One request's tokens to compute in a step.
 
-    ``token_ids`` are the tokens at positions ``[start_position,
-    start_position + len(token_ids))``; ``block_ids`` holds the request's
-    blocks, one tuple per KV cache group; ``sample`` is True when the chunk
+    `token_ids` are the tokens at positions `[start_position,
+    start_position + len(token_ids))`; `block_ids` holds the request's
+    blocks, one tuple per KV cache group; `sample` is True when the chunk
     ends the known tokens, so its last row's logits give the next token.
     """
 

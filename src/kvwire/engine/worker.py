@@ -1,11 +1,11 @@
 """The worker: the paged KV cache, the model, and the worker-side connector calls.
 
 Per step, in vLLM's order: bind the step's metadata,
-``handle_preemptions`` and ``start_load_kv`` before the forward pass,
-``wait_for_layer_load`` before and ``save_kv_layer`` after each layer's
-attention, ``wait_for_save`` when the pass ends, then ``get_finished``, the
+`handle_preemptions` and `start_load_kv` before the forward pass,
+`wait_for_layer_load` before and `save_kv_layer` after each layer's
+attention, `wait_for_save` when the pass ends, then `get_finished`, the
 load errors, the stats and the KV cache events, and finally
-``clear_connector_metadata``.
+`clear_connector_metadata`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from kvwire.interface.types import ForwardContext, KVConnectorOutput
 class Worker:
     """Owns the KV cache tensors and the model, and drives the worker-side connector.
 
-    The worker-side connector comes from ``connector_source``; in process
+    The worker-side connector comes from `connector_source`; in process
     mode that source lives in the worker's process.
 
-    One rank of a parallel engine holds its ``share`` (its heads of its
-    stage's layers; ``kv_cache_config`` is then the share's) and trades
-    activations with the other ranks through ``exchange``; only the last
+    One rank of a parallel engine holds its `share` (its heads of its
+    stage's layers; `kv_cache_config` is then the share's) and trades
+    activations with the other ranks through `exchange`; only the last
     stage samples tokens.
     """
 
@@ -177,9 +177,9 @@ class Worker:
         )
 
     def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor:
-        """A request's first ``num_tokens`` tokens of KV: ``[layers, 2, tokens, heads, dim]``.
+        """A request's first `num_tokens` tokens of KV: `[layers, 2, tokens, heads, dim]`.
 
-        ``block_ids`` has one list per group; each layer is read with its
+        `block_ids` has one list per group; each layer is read with its
         group's. A sliding-window group's positions that left the window
         read the null block, which is never written: zeros.
         """
@@ -207,7 +207,7 @@ class Worker:
             self.connector.save_kv_layer(layer_name, self.kv_caches[layer_name], layer_metadata)
 
     def _forward_metadata(self) -> object:
-        """The step's attention metadata as connectors see it in ``ForwardContext``.
+        """The step's attention metadata as connectors see it in `ForwardContext`.
 
         One group: its metadata. Several: a mapping of layer name to the
         metadata of the layer's group, as vLLM gives per layer.

@@ -2,14 +2,14 @@
 
 The worker process builds its own connector (WORKER role) from its own
 connector source; the only thing it shares with the scheduler is the bytes
-of each :class:`~kvwire.engine.step.WorkerStep` and
-:class:`~kvwire.engine.step.StepResult`. That proves the connector metadata
+of each `WorkerStep` and
+`StepResult`. That proves the connector metadata
 is picklable and that the two roles keep no common state.
 
-One rank of a parallel engine (:class:`RankSetup`) builds its connector in a
-container whose ``parallel_config`` provider is overridden with its rank,
+One rank of a parallel engine (`RankSetup`) builds its connector in a
+container whose `parallel_config` provider is overridden with its rank,
 the way any application injects a worker's rank, and joins the other
-ranks' process group (:mod:`kvwire.engine.rank_group`).
+ranks' process group (`kvwire.engine.rank_group`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class WorkerProcessError(KVWireError, RuntimeError):
 class RankSetup:
     """What one rank's process needs besides the engine config: its share, and its group.
 
-    ``store_path``: the file (in a directory the engine made) through which
-    the ranks meet; ``timeout_s``: the most any exchange between them waits.
+    `store_path`: the file (in a directory the engine made) through which
+    the ranks meet; `timeout_s`: the most any exchange between them waits.
     """
 
     share: RankShare
@@ -134,7 +134,7 @@ def _serve(
 
 
 def _answer(connection: Connection, worker: Worker, source: ConnectorSource) -> None:
-    """Carry out the engine's commands until it sends ``shutdown``."""
+    """Carry out the engine's commands until it sends `shutdown`."""
     while True:
         command, payload = pickle.loads(connection.recv_bytes())
         try:
@@ -157,18 +157,18 @@ def _answer(connection: Connection, worker: Worker, source: ConnectorSource) -> 
 
 
 class WorkerProcess:
-    """A :class:`Worker` in a spawned process, driven over a pipe.
+    """A `Worker` in a spawned process, driven over a pipe.
 
-    Same calls as the in-process worker: :meth:`execute`, :meth:`gather_kv`,
-    :meth:`wait_for_saves`, and :meth:`shutdown` (which returns the
+    Same calls as the in-process worker: `execute`, `gather_kv`,
+    `wait_for_saves`, and `shutdown` (which returns the
     connector's last stats, taken after its shutdown). Each message is
-    pickled explicitly. A reply that does not come within ``reply_timeout_s``
+    pickled explicitly. A reply that does not come within `reply_timeout_s`
     (a wait for saves: its own timeout more) is an error, never a hang: the
-    process, in an unknown state, is stopped. ``rank`` makes it one rank of
-    a parallel engine; ``container_hook`` runs on the process's container
-    (its rank injected) before its connector is built; ``wait_started``
+    process, in an unknown state, is stopped. `rank` makes it one rank of
+    a parallel engine; `container_hook` runs on the process's container
+    (its rank injected) before its connector is built; `wait_started`
     False returns once it is spawned (the ranks of an engine start together:
-    each waits for the others), and :meth:`wait_started` waits for it.
+    each waits for the others), and `wait_started` waits for it.
     """
 
     def __init__(
@@ -283,7 +283,7 @@ class WorkerProcess:
         return self._read_reply()
 
     def _read_reply(self) -> Any:
-        """The reply waiting on the pipe (``WorkerProcessError`` for an error or an exit)."""
+        """The reply waiting on the pipe (`WorkerProcessError` for an error or an exit)."""
         try:
             status, reply = pickle.loads(self._connection.recv_bytes())
         except EOFError:
@@ -301,7 +301,7 @@ def call_each(
     payload: Any,
     reply_timeout_s: float | None = None,
 ) -> list[Any]:
-    """``command`` sent to every process, then each one's reply, in order.
+    """`command` sent to every process, then each one's reply, in order.
 
     Sent to all before any reply is awaited: the ranks of a parallel engine
     work on a step together, each waiting for the others.
@@ -315,7 +315,7 @@ def call_each(
 def gather_replies(
     processes: Sequence[WorkerProcess], command: str, reply_timeout_s: float | None = None
 ) -> list[Any]:
-    """Each process's reply to ``command``, taken as they come, in the processes' order.
+    """Each process's reply to `command`, taken as they come, in the processes' order.
 
     A rank that fails (or exits) leaves the others waiting for it in an
     exchange, for as long as its timeout: so the first failure stops every

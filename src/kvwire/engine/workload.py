@@ -1,8 +1,8 @@
 """Workloads for the engine: synthetic prompts with a shared prefix, or a JSONL file.
 
-A JSONL prompt file has one object per line, either ``{"prompt": "text"}``
-(encoded by :class:`ByteTokenizer`) or ``{"prompt_token_ids": [1, 2, 3]}``,
-each optionally with ``"max_tokens"`` and ``"request_id"``.
+A JSONL prompt file has one object per line, either `{"prompt": "text"}`
+(encoded by `ByteTokenizer`) or `{"prompt_token_ids": [1, 2, 3]}`,
+each optionally with `"max_tokens"` and `"request_id"`.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def _ratio(instance: object, attribute: attrs.Attribute[float], value: float) ->
 
 @attrs.frozen(kw_only=True)
 class WorkloadSpec:
-    """A synthetic workload: ``num_requests`` prompts of ``prompt_len`` tokens.
+    """A synthetic workload: `num_requests` prompts of `prompt_len` tokens.
 
-    The first ``round(prompt_len * shared_prefix_ratio)`` tokens are the same
+    The first `round(prompt_len * shared_prefix_ratio)` tokens are the same
     in every prompt (a system prompt, a shared document); the rest is drawn
-    per request from ``seed``.
+    per request from `seed`.
     """
 
     num_requests: int = attrs.field(default=16, validator=[validators.instance_of(int), _positive])
@@ -67,7 +67,7 @@ class WorkloadSpec:
 
 
 def synthetic_workload(spec: WorkloadSpec) -> list[GenerationRequest]:
-    """The requests ``spec`` describes; equal specs give equal requests."""
+    """The requests `spec` describes; equal specs give equal requests."""
     rng = random.Random(spec.seed)
     shared_len = round(spec.prompt_len * spec.shared_prefix_ratio)
     prefix = [rng.randrange(spec.vocab_size) for _ in range(shared_len)]
@@ -86,10 +86,10 @@ def load_prompts_jsonl(
 ) -> list[GenerationRequest]:
     """The requests in a JSONL prompt file; errors name the file, the line and the field.
 
-    The file must be a regular file of at most :data:`MAX_PROMPTS_BYTES`
-    bytes and :data:`MAX_PROMPTS_LINES` lines (a FIFO, ``/dev/zero`` or
-    ``/dev/stdin`` is refused before anything is read). With
-    ``max_model_len``, a request whose prompt and ``max_tokens`` together
+    The file must be a regular file of at most `MAX_PROMPTS_BYTES`
+    bytes and `MAX_PROMPTS_LINES` lines (a FIFO, `/dev/zero` or
+    `/dev/stdin` is refused before anything is read). With
+    `max_model_len`, a request whose prompt and `max_tokens` together
     exceed it is refused by its line.
     """
     where_file = shown_path(path)

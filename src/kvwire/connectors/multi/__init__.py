@@ -1,4 +1,4 @@
-"""The MultiConnector (:mod:`~kvwire.connectors.multi.connector`) and the records it exchanges."""
+"""The MultiConnector (`connector`) and the records it exchanges."""
 
 from kvwire.connectors.multi.connector import MultiConnector
 from kvwire.connectors.multi.records import (

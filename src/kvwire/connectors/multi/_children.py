@@ -1,10 +1,10 @@
 """A MultiConnector's children as configured: their transfer configs and their errors' wording.
 
-Children come from ``kv_connector_extra_config["connectors"]``, a list of
-``KVTransferConfig`` keyword mappings (``engine_id`` and ``kv_role`` default
+Children come from `kv_connector_extra_config["connectors"]`, a list of
+`KVTransferConfig` keyword mappings (`engine_id` and `kv_role` default
 to the parent's). A problem is named by the child's path
-(``kv_connector_extra_config.connectors[1].kv_connector_extra_config.<key>``),
-so the constructor and ``kvwire check`` report the same words.
+(`kv_connector_extra_config.connectors[1].kv_connector_extra_config.<key>`),
+so the constructor and `kvwire check` report the same words.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
-    """The children's transfer configs; errors name ``kv_connector_extra_config.connectors[i]``."""
+    """The children's transfer configs; errors name `kv_connector_extra_config.connectors[i]`."""
     extra = parent.kv_connector_extra_config
     # Sorted and named as read_extra_config does: keys may be of mixed types, long or unprintable.
     unknown = sorted((key for key in extra if key != "connectors"), key=shown_key)
@@ -61,7 +61,7 @@ def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
 
 
 def child_names(configs: Sequence[KVTransferConfig]) -> list[str]:
-    """Each child's name: its ``kv_connector``, with ``#<index>`` after a repeated one."""
+    """Each child's name: its `kv_connector`, with `#<index>` after a repeated one."""
     names: list[str] = []
     for config in configs:
         name = str(config.kv_connector)
@@ -99,13 +99,13 @@ def children_prom_metrics(
 
 
 def child_config_error(index: int, error: ValueError) -> ExtraConfigError:
-    """``error``, raised for child ``index``'s config, with its keys named from the parent.
+    """`error`, raised for child `index`'s config, with its keys named from the parent.
 
-    A line that names a key as ``kv_connector_extra_config.<key>`` (every
+    A line that names a key as `kv_connector_extra_config.<key>` (every
     problem line of kvwire's connectors does) gets the child's path in front
     of it, so each problem still says which child it is about; a first line
     that names no key (a heading, or a third party's wording) gets
-    ``<path>: `` in front.
+    `<path>: ` in front.
     """
     where = _child_path(index)
     first, *rest = str(error).split("\n")

@@ -1,24 +1,24 @@
 """MultiConnector: several connectors behind one, e.g. CPU offload in front of shared storage.
 
-Children come from ``kv_connector_extra_config["connectors"]``
-(:mod:`kvwire.connectors.multi._children` reads them and words their errors).
+Children come from `kv_connector_extra_config["connectors"]`
+(`kvwire.connectors.multi._children` reads them and words their errors).
 Each child gets its own copy of the engine config and is built by the
-``connector_builder`` the container (or the factory) hands in, so it
+`connector_builder` the container (or the factory) hands in, so it
 resolves through the same registry: provider overrides, module paths and
 entry points all apply. Each instance builds its children in its own role
-and keeps its role's state in one half (:mod:`kvwire.connectors.multi.scheduler`
-or :mod:`kvwire.connectors.multi.worker`), so a call of the other role raises
-:class:`~kvwire.exceptions.ConnectorRoleError`; the calls both roles make
+and keeps its role's state in one half (`kvwire.connectors.multi.scheduler`
+or `kvwire.connectors.multi.worker`), so a call of the other role raises
+[`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError]; the calls both roles make
 (shutdown, binding the step metadata, stats, the children) stay here. What
-crosses between the two halves is in :mod:`kvwire.connectors.multi.records`;
+crosses between the two halves is in `kvwire.connectors.multi.records`;
 how a finished request's answers are merged and its sends awaited, in
-:mod:`kvwire.connectors.multi._finishing`.
+`kvwire.connectors.multi._finishing`.
 
 Semantics (vLLM's): lookups ask children in order (any None means
 "ask again"); the first child with a hit loads, the others get 0; saves go to
 every child; worker calls go to every child; a request is finished sending
 once every child that kept its blocks reported it; load errors are united,
-events chained, stats nested per child, ``kv_transfer_params`` merged (a key
+events chained, stats nested per child, `kv_transfer_params` merged (a key
 clash is an error); HMA only when every child supports it. The child that
 serves a request's load answers for its hit sources until the request
 finishes. The children's worker-side KV cache events are concatenated; the
@@ -33,7 +33,7 @@ pool, the one KV tensor of all layers (preferred only when every child
 prefers it, then given to each), each child class's Prometheus metrics.
 The rule that no child saves KV computed from a block whose load failed
 in another child goes through the base-class hooks
-(:meth:`~kvwire.interface.base.KVConnectorBase.load_errors_this_step`), so it
+([`load_errors_this_step`][kvwire.KVConnectorBase.load_errors_this_step]), so it
 holds for any child. Shutdown reaches every child even when one fails; each
 failure is logged and the first is raised.
 """
@@ -108,11 +108,11 @@ logger = logging.getLogger(__name__)
 def _class_level_registry() -> ConnectorRegistry:
     """The registry the class-level hooks resolve children through: the process-wide one.
 
-    vLLM calls ``build_kv_connector_stats``, ``build_prom_metrics``,
-    ``get_required_kvcache_layout`` and ``requires_piecewise_for_cudagraph``
+    vLLM calls `build_kv_connector_stats`, `build_prom_metrics`,
+    `get_required_kvcache_layout` and `requires_piecewise_for_cudagraph`
     on the class, with no instance and no way to hand a registry in; its own
     factory resolves connector names through one process-wide table too. An
-    instance resolves its children through the ``connector_builder`` the
+    instance resolves its children through the `connector_builder` the
     registry that built it passes in, so a container's overrides reach them.
     """
     from kvwire.registry import default_registry
@@ -124,7 +124,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
     """Drives every child connector as one; see the module docstring for the rules.
 
     It builds its children in its own role and only that role's half
-    (:class:`MultiScheduler` or :class:`MultiWorker`); the calls both roles
+    (`MultiScheduler` or `MultiWorker`); the calls both roles
     make (shutdown, the step metadata's binding, the stats, the children)
     are its own.
     """
@@ -209,9 +209,9 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> MultiKVConnectorStats | None:
-        """Each child's stats rebuilt by its class (see :func:`rebuild_child_stats`).
+        """Each child's stats rebuilt by its class (see `rebuild_child_stats`).
 
-        A child is named as in :meth:`get_kv_connector_stats`.
+        A child is named as in `get_kv_connector_stats`.
         """
         return rebuild_child_stats(data, _class_level_registry().get_class)
 
@@ -403,7 +403,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
         return worker.get_kv_connector_kv_cache_events()
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Every child's saves, within one ``timeout_s`` for them all."""
+        """Every child's saves, within one `timeout_s` for them all."""
         return self._worker_half("wait_for_pending_saves").wait_for_pending_saves(timeout_s)
 
     def get_handshake_metadata(self) -> Any:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class MultiKVConnectorMetadata(KVConnectorMetadata):
     """Each child's metadata, in child order, and the extra saves to wait for.
 
-    ``extra_async_saves`` maps a finished request to how many more children
+    `extra_async_saves` maps a finished request to how many more children
     than one must report it finished sending before the engine may free it.
     """
 
@@ -58,7 +58,7 @@ def per_child_worker_meta(
 ) -> tuple[KVConnectorWorkerMetadata | None, ...]:
     """The workers' merged report (or None) split into one entry per child, in child order.
 
-    ``owner`` names the connector in the error about a report of another shape.
+    `owner` names the connector in the error about a report of another shape.
     """
     if worker_meta is None:
         return (None,) * num_children
@@ -77,7 +77,7 @@ def per_child_worker_meta(
 class MultiKVConnectorStats(KVConnectorStats):
     """Each child's stats by child name, each rebuilt by the child's own class.
 
-    ``data`` maps a child's name to its :class:`KVConnectorStats` (or the
+    `data` maps a child's name to its `KVConnectorStats` (or the
     subclass its connector builds); merging merges child by child.
     """
 
@@ -104,10 +104,10 @@ class MultiKVConnectorStats(KVConnectorStats):
 def rebuild_child_stats(
     data: dict[str, Any] | None, child_class: Callable[[str], type[KVConnectorBase]]
 ) -> MultiKVConnectorStats:
-    """Each child's counters (by child name) rebuilt by its class, as ``child_class`` names it.
+    """Each child's counters (by child name) rebuilt by its class, as `child_class` names it.
 
-    A child is named by its ``kv_connector``, with ``#<index>`` after a
-    repeated one; an unknown name raises ``Connector '<name>' is not registered.``.
+    A child is named by its `kv_connector`, with `#<index>` after a
+    repeated one; an unknown name raises `Connector '<name>' is not registered.`.
     A child whose class builds no stats (None, vLLM's default) is left out.
     """
     rebuilt: dict[str, Any] = {}
@@ -126,8 +126,8 @@ def rebuild_child_stats(
 class MultiPromMetrics:
     """Each child's Prometheus metrics, by child name (a class's built once, as vLLM builds them).
 
-    :meth:`observe` hands each child's counters, keyed by child name as
-    :meth:`~kvwire.connectors.multi.MultiConnector.get_kv_connector_stats`
+    `observe` hands each child's counters, keyed by child name as
+    `get_kv_connector_stats`
     keys them, to that child's metrics; a child whose class has none is left out.
     """
 

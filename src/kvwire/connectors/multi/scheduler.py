@@ -3,8 +3,8 @@
 Finishing: the children's answers for a finished request are merged, and the
 extra sends to await go to the worker side in the next step's metadata.
 
-A scheduler-role :class:`~kvwire.connectors.multi.MultiConnector` builds one
-:class:`MultiScheduler` over its (scheduler-role) children and passes every
+A scheduler-role `MultiConnector` builds one
+`MultiScheduler` over its (scheduler-role) children and passes every
 scheduler-side call to it.
 """
 
@@ -31,8 +31,8 @@ from kvwire.interface.types import (
 class MultiScheduler:
     """A MultiConnector's scheduler-side state and calls, over its children in order.
 
-    ``owner`` names the connector in errors about what its workers reported;
-    ``child_names`` name the children as their nested stats do.
+    `owner` names the connector in errors about what its workers reported;
+    `child_names` name the children as their nested stats do.
     """
 
     def __init__(
@@ -60,7 +60,7 @@ class MultiScheduler:
             child.on_new_request(request)
 
     def loading_child(self, request_id: str) -> KVConnectorBase | None:
-        """The child serving ``request_id``'s load, or None when no child had a hit for it."""
+        """The child serving `request_id`'s load, or None when no child had a hit for it."""
         chosen = self._loading_child.get(request_id)
         return None if chosen is None else self._children[chosen]
 

@@ -1,7 +1,7 @@
 """MultiConnector's worker half: every worker call to every child, and the finished sends held back.
 
-A worker-role :class:`~kvwire.connectors.multi.MultiConnector` builds one
-:class:`MultiWorker` over its (worker-role) children and passes every
+A worker-role `MultiConnector` builds one
+`MultiWorker` over its (worker-role) children and passes every
 worker-side call to it.
 """
 
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 class MultiWorker:
     """A MultiConnector's worker-side state and calls, over its children in order.
 
-    ``owner`` names the connector in errors about the metadata it was given;
-    ``child_names`` name the children in errors about them.
+    `owner` names the connector in errors about the metadata it was given;
+    `child_names` name the children in errors about them.
     """
 
     def __init__(
@@ -81,7 +81,7 @@ class MultiWorker:
             child.reset_capture_state()
 
     def expect_finished_sending(self, extra_async_saves: Iterable[tuple[str, int]]) -> None:
-        """A step's ``extra_async_saves``: the reports to hold back before a request is sent."""
+        """A step's `extra_async_saves`: the reports to hold back before a request is sent."""
         self._finished_sending.expect(extra_async_saves)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -144,7 +144,7 @@ class MultiWorker:
         return events
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Every child's saves, within one ``timeout_s`` for them all."""
+        """Every child's saves, within one `timeout_s` for them all."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         finished = True
         for child in self._children:

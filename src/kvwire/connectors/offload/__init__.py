@@ -1,4 +1,4 @@
-"""The block connector (:mod:`~kvwire.connectors.offload.connector`) and its presets by medium."""
+"""The block connector (`connector`) and its presets by medium."""
 
 from kvwire.connectors.offload.connector import MediumResolver, OffloadConnector
 from kvwire.connectors.offload.presets import (

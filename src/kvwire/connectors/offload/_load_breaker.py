@@ -1,19 +1,19 @@
 """When a medium's loads keep failing: offer no hits for a while, then let one load probe it.
 
 A medium can answer lookups and still fail every load: a Redis server that
-holds the blocks but cannot send them within ``load_timeout_s``, a disk
+holds the blocks but cannot send them within `load_timeout_s`, a disk
 whose entries all fail their checksum, a peer that vanished. Each such load
 costs its request the wait, then the recomputation. After
-``failures_to_pause`` loads in a row failed, :class:`LoadBreaker` says to
-offer no hits for ``pause_s``: the lookups answer "miss" at once, without
-asking the medium, as :class:`~kvwire.media._outage.OutageTracker` answers
+`failures_to_pause` loads in a row failed, `LoadBreaker` says to
+offer no hits for `pause_s`: the lookups answer "miss" at once, without
+asking the medium, as `OutageTracker` answers
 for a server that is down. Then the next load is a probe: the lookups miss
 again until it ends, a sound probe ends the pause, a failed one starts the
 next (a load planned before the pause that ends sound ends it too).
-Warnings are rate-limited; :meth:`LoadBreaker.take_counters` counts the
-requests' loads that failed (``loads_failed``), the pauses
-(``load_pauses``) and the lookups answered "miss" during them
-(``lookups_paused``).
+Warnings are rate-limited; `LoadBreaker.take_counters` counts the
+requests' loads that failed (`loads_failed`), the pauses
+(`load_pauses`) and the lookups answered "miss" during them
+(`lookups_paused`).
 
 Unlike a server's outage, there is nothing to probe but a load, and loads
 are the engine's to schedule: so no probe callable and no thread (which the
@@ -41,7 +41,7 @@ DEFAULT_PAUSE_S = 10.0
 class LoadBreaker:
     """Whether to offer a medium's hits, from how its recent loads ended; not thread-safe.
 
-    ``medium`` names the medium in warnings; ``clock`` is monotonic seconds.
+    `medium` names the medium in warnings; `clock` is monotonic seconds.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class LoadBreaker:
             self._probe_until = self._clock() + self._pause_s
 
     def load_ended(self, *, failed: bool) -> None:
-        """A request's load ended; ``failed`` when any of its blocks failed."""
+        """A request's load ended; `failed` when any of its blocks failed."""
         if not failed:
             self._failures_in_a_row = 0
             if self._paused_until is not None:

@@ -6,7 +6,7 @@ per request, whatever holds the blocks:
 - what to load: at lookup, the longest prefix of the request's full blocks
   beyond the engine's local ones that the medium holds in every KV cache
   group (all its blocks in a full-attention group, the last ones its window
-  reaches in a sliding-window group, see :mod:`kvwire.blocks.groups`);
+  reaches in a sliding-window group, see `kvwire.blocks.groups`);
   at allocation, the cache block ids those blocks go to, per group;
 - what to save: each step, the full blocks that this step computes and that
   were neither loaded nor saved before. A sliding-window group saves only
@@ -21,9 +21,9 @@ per request, whatever holds the blocks:
   engine, so it is saved again: the medium, which dropped the bad entry,
   gets a good one back in the same run.
 
-:class:`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
+`BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and sends the planned
-:class:`~kvwire.blocks.transfers.BlockTransfer` records to its worker side
+[`BlockTransfer`][kvwire.media.BlockTransfer] records to its worker side
 (the CPU pool adds the slots).
 """
 
@@ -75,13 +75,13 @@ class _SaveCursor:
 class BlockPlanner:
     """Which full blocks of each request to load and to save, per KV cache group (scheduler side).
 
-    ``loads``/``saves`` say whether the engine is a KV consumer/producer; a
+    `loads`/`saves` say whether the engine is a KV consumer/producer; a
     planner that does not load finds no hits, one that does not save plans
-    no saves. ``lookup_hit_blocks``/``lookup_miss_blocks`` count the blocks
+    no saves. `lookup_hit_blocks`/`lookup_miss_blocks` count the blocks
     found and not found by the lookups of the requests allocated since the
-    last :meth:`take_lookup_counts`. ``window_aware=False`` saves every
+    last `take_lookup_counts`. `window_aware=False` saves every
     block of a sliding-window group too, as a connector unaware of windows
-    would (what ``python -m benchmarks --only hybrid`` compares against).
+    would (what `python -m benchmarks --only hybrid` compares against).
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class BlockPlanner:
         if end < full_end and self._window_aware and self._saves:
             # The full groups match further than any saved window reaches: the
             # request branches there from a saved one. It computes that window
-            # (all of it from ``end`` on), so it can save it for the next one.
+            # (all of it from `end` on), so it can save it for the next one.
             for group in self._sliding_groups:
                 window = group.needed_positions(full_end)
                 branches.setdefault(group.index, []).extend(range(max(end, window.start), full_end))
@@ -174,9 +174,9 @@ class BlockPlanner:
     def _sliding_prefix_end(
         self, hashes: Sequence[BlockHash], first_block: int, end: int, count_hits: HitCounter
     ) -> int:
-        """The largest prefix end, at most ``end``, whose window every sliding group holds.
+        """The largest prefix end, at most `end`, whose window every sliding group holds.
 
-        Blocks before ``first_block`` are the engine's own. A window with a
+        Blocks before `first_block` are the engine's own. A window with a
         gap rules out every end whose window covers the gap, so the next
         candidate ends just before it: one question per gap, not per end.
         """
@@ -200,8 +200,8 @@ class BlockPlanner:
         with no lookup in between has had an asynchronous load end; the
         blocks it loaded are saved unless this medium's lookup found them
         (another connector beside this one may have loaded them: vLLM's
-        ``MultiConnector`` hands the others no external tokens). Raises
-        ``ValueError`` when the engine asks for more external tokens than the
+        `MultiConnector` hands the others no external tokens). Raises
+        `ValueError` when the engine asks for more external tokens than the
         lookup found, or gives block ids for another number of groups.
         """
         lookup = self._lookups.pop(request.request_id, None)
@@ -255,7 +255,7 @@ class BlockPlanner:
         connector drops a corrupt entry), so that block and the following
         ones are saved anew. The first failed block beyond the request's
         local hit, and every block after it, is never offered to that
-        request again (see :meth:`look_up`), whichever connector loaded it:
+        request again (see `look_up`), whichever connector loaded it:
         the engine may look the request up again at once (vLLM does after a
         failed asynchronous load, keeping the request at the head of its
         queue of requests that hold blocks), a load that failed for want of
@@ -294,7 +294,7 @@ class BlockPlanner:
             del starts[next(iter(starts))]
 
     def failed_load_start(self, request_id: str) -> int | None:
-        """The first block position no longer offered to ``request_id``, if a load of it failed."""
+        """The first block position no longer offered to `request_id`, if a load of it failed."""
         return self._failed_load_starts.get(request_id)
 
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
@@ -350,7 +350,7 @@ class BlockPlanner:
     def _sliding_save_positions(
         self, group: CacheGroup, cursor: _SaveCursor, start: int, end: int, aligned: bool
     ) -> list[int]:
-        """A sliding group's saves for a step ending at ``end``; see the module docstring.
+        """A sliding group's saves for a step ending at `end`; see the module docstring.
 
         Blocks that left the window are never read again, except by a later
         request whose hit ends where this one's prefix did.
@@ -372,7 +372,7 @@ class BlockPlanner:
         positions: Sequence[int],
         context_block_ids: tuple[int, ...] = (),
     ) -> BlockTransfer | None:
-        """The blocks at ``positions`` of one group, null blocks left out; None if none is left."""
+        """The blocks at `positions` of one group, null blocks left out; None if none is left."""
         kept = [p for p in positions if block_ids[p] != self._null_block]
         if not kept:
             return None

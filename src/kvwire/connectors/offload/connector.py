@@ -1,30 +1,30 @@
 """The block connector: whole blocks of every layer, keyed by block hash, kept in any medium.
 
 kvwire's CPU offload, shared storage and Redis connectors are this one
-connector over three media (:mod:`kvwire.media`); a new place to keep
-blocks is a new :class:`~kvwire.media.base.Medium`, named in a profile by
-``kv_connector_extra_config.medium`` (a registered name such as
-``directory``, or ``package.module:Class``), never a new connector.
+connector over three media ([`kvwire.media`][kvwire.media]); a new place to keep
+blocks is a new [`Medium`][kvwire.media.Medium], named in a profile by
+`kv_connector_extra_config.medium` (a registered name such as
+`directory`, or `package.module:Class`), never a new connector.
 
-Each instance builds only its role's half (:class:`~kvwire.interface.roles.RoleSplitConnector`):
+Each instance builds only its role's half (`RoleSplitConnector`):
 
-- the scheduler half (:mod:`~kvwire.connectors.offload.scheduler`) looks up
-  the request's ``block_hashes`` in the medium's index beyond what the engine
+- the scheduler half (`scheduler`) looks up
+  the request's `block_hashes` in the medium's index beyond what the engine
   has locally, plans loads and saves (per KV cache group on hybrid models:
   a sliding-window group moves only the blocks its window reaches), and
-  ships them each step in an :class:`~kvwire.connectors.offload.metadata.OffloadMetadata`;
-- the worker half (:mod:`~kvwire.connectors.offload.worker`) drives the
+  ships them each step in an `OffloadMetadata`;
+- the worker half (`worker`) drives the
   medium's transfer handler: loads verified in the cache before a block
   counts as loaded (a failed one is a load error, computed again), saves
   read straight from the cache's blocks in the background.
 
-Loads happen only for ``kv_consumer``/``kv_both`` engines, saves only for
-``kv_producer``/``kv_both`` ones. Its own ``kv_connector_extra_config``
-keys are ``medium``, ``async_load`` (loads reported through
-``get_finished``), ``load_failures_to_pause`` (default 5) and ``load_pause_s``
+Loads happen only for `kv_consumer`/`kv_both` engines, saves only for
+`kv_producer`/`kv_both` ones. Its own `kv_connector_extra_config`
+keys are `medium`, `async_load` (loads reported through
+`get_finished`), `load_failures_to_pause` (default 5) and `load_pause_s`
 (default 10): after that many loads in a row failed, the medium's hits are
 withheld for that long, then one load probes it
-(:mod:`~kvwire.connectors.offload._load_breaker`); the medium declares the rest.
+(`_load_breaker`); the medium declares the rest.
 """
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ __all__ = ["MediumResolver", "OffloadConnector"]
 MEDIUM_FIELD = "kv_connector_extra_config.medium"
 
 MediumResolver = Callable[[str], type[Medium]]
-"""The medium class a name (or ``package.module:Class``) stands for, through a registry."""
+"""The medium class a name (or `package.module:Class`) stands for, through a registry."""
 
 
 def _default_medium_resolver(spec: str) -> type[Medium]:
     # For a connector built without a registry (constructed directly, or
-    # asked at class level by ``validate_extra_config``): the process-wide
+    # asked at class level by `validate_extra_config`): the process-wide
     # media are then the ones vLLM's factory would find. A registry that
-    # builds the connector passes its own ``medium_resolver`` instead.
+    # builds the connector passes its own `medium_resolver` instead.
     from kvwire.registry import default_registry
 
     return default_registry().media.get_class(spec)
@@ -102,8 +102,8 @@ def _default_medium_resolver(spec: str) -> type[Medium]:
 class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], SupportsHMA):
     """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
 
-    ``default_medium`` is the medium used when the profile names none; the
-    constructor's keyword-only ``medium_resolver`` turns a name into a class
+    `default_medium` is the medium used when the profile names none; the
+    constructor's keyword-only `medium_resolver` turns a name into a class
     (the registry that builds the connector passes its own, so an override
     of a medium there reaches this connector).
     """
@@ -111,7 +111,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     default_medium: ClassVar[str] = "cpu_pool"
 
     # False: a sliding-window group saves every block, as a connector unaware
-    # of windows would (the figure ``--only hybrid`` measures against).
+    # of windows would (the figure `--only hybrid` measures against).
     window_aware_saves: ClassVar[bool] = True
 
     def __init__(
@@ -181,10 +181,10 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     def read_options(
         cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver | None = None
     ) -> tuple[type[Medium], dict[str, Any]]:
-        """The medium class and the checked extra config, defaults filled (or ``ExtraConfigError``).
+        """The medium class and the checked extra config, defaults filled (or `ExtraConfigError`).
 
-        The constructor and :meth:`validate_extra_config` both read through
-        it, so ``kvwire check`` and the engine reject the same values.
+        The constructor and `validate_extra_config` both read through
+        it, so `kvwire check` and the engine reject the same values.
         """
         extra = kv_transfer_config.kv_connector_extra_config
         spec = extra.get("medium", cls.default_medium)
@@ -239,8 +239,8 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     ) -> None:
         """Reads the options as the constructor does, and drops them: nothing is built.
 
-        The medium is resolved through the registry ``resolve_child`` belongs
-        to (``kvwire check`` passes its registry's ``resolve``), so a medium
+        The medium is resolved through the registry `resolve_child` belongs
+        to (`kvwire check` passes its registry's `resolve`), so a medium
         registered or overridden there is the one checked.
         """
         registry = getattr(resolve_child, "__self__", None)
@@ -341,7 +341,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         """Block ids whose synchronous loads failed this step; waits for the loads to end.
 
         A composite asks each child, and tells every child
-        (:meth:`skip_saves_computed_from`): whichever child loaded a block,
+        (`skip_saves_computed_from`): whichever child loaded a block,
         no child saves what was computed from it.
         """
         return self._worker_half("load_errors_this_step").load_errors_this_step()

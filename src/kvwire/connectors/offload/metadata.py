@@ -14,16 +14,16 @@ __all__ = ["OffloadMetadata", "OffloadWorkerMetadata"]
 class OffloadMetadata(KVConnectorMetadata):
     """One step's plan, from the scheduler half to the worker half.
 
-    ``release_req_ids``: finished requests that kept their blocks (a save or
+    `release_req_ids`: finished requests that kept their blocks (a save or
     an asynchronous load may still use them); the worker reports each
-    finished sending once none does. ``preempted_req_ids``: requests whose
+    finished sending once none does. `preempted_req_ids`: requests whose
     blocks the engine took back; their saves end before the forward pass.
-    ``new_block_ids``: block ids given to requests since the last step, to be
+    `new_block_ids`: block ids given to requests since the last step, to be
     written from this step on; saves still reading one are released.
-    ``counters``: the scheduler side's counts (lookups, the medium index's
-    own), reported with the worker's stats. ``idle``: the step computes no
+    `counters`: the scheduler side's counts (lookups, the medium index's
+    own), reported with the worker's stats. `idle`: the step computes no
     token (what it holds waits for asynchronous loads); the worker then waits
-    for those loads a little in ``get_finished`` instead of handing the engine
+    for those loads a little in `get_finished` instead of handing the engine
     back at once to a loop that would step again and again, holding the GIL
     the load threads need.
     """
@@ -42,8 +42,8 @@ class OffloadMetadata(KVConnectorMetadata):
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """One step's report from the worker half: the planned saves it did not make.
 
-    ``released_saves``: stopped because a block they read was given to
-    another request. ``left_out_saves``: never started, because they were
+    `released_saves`: stopped because a block they read was given to
+    another request. `left_out_saves`: never started, because they were
     computed from a block whose load failed. Either way the scheduler half
     tells the medium's index the store did not succeed, so it is never published.
     """
@@ -61,7 +61,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def of_worker_metadata(worker_meta: object) -> OffloadWorkerMetadata:
-    """``worker_meta``, or a ``TypeError`` when another connector's worker made it."""
+    """`worker_meta`, or a `TypeError` when another connector's worker made it."""
     if not isinstance(worker_meta, OffloadWorkerMetadata):
         raise TypeError(
             f"got worker metadata of type {type(worker_meta).__name__}, "

@@ -1,9 +1,9 @@
 """The block connector with a medium chosen: the names profiles and vLLM configurations use.
 
-Each is :class:`~kvwire.connectors.offload.connector.OffloadConnector` with
-its ``default_medium`` set, and takes that medium's
-``kv_connector_extra_config`` keys (listed in the medium's docstring) beside
-the connector's own ``async_load``; ``medium`` still picks another.
+Each is `OffloadConnector` with
+its `default_medium` set, and takes that medium's
+`kv_connector_extra_config` keys (listed in the medium's docstring) beside
+the connector's own `async_load`; `medium` still picks another.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ __all__ = ["CPUOffloadConnector", "RedisConnector", "SharedStorageConnector"]
 class CPUOffloadConnector(OffloadConnector):
     """Offloads full KV blocks to a preallocated CPU pool and loads them back; kvwire's default.
 
-    The medium is :mod:`kvwire.media.cpu_pool.medium` (``cpu_pool_bytes``,
-    ``io_threads``, ``transfer_timeout_s``): the scheduler half owns the
+    The medium is `kvwire.media.cpu_pool.medium` (`cpu_pool_bytes`,
+    `io_threads`, `transfer_timeout_s`): the scheduler half owns the
     pool's index and decides every slot, the worker half owns the pool
     memory and copies. A saved block becomes visible to lookups once its
     request is reported finished sending.
@@ -27,11 +27,11 @@ class CPUOffloadConnector(OffloadConnector):
 
 
 class SharedStorageConnector(OffloadConnector):
-    """Saves and loads KV blocks as files under ``shared_storage_path``, a directory engines share.
+    """Saves and loads KV blocks as files under `shared_storage_path`, a directory engines share.
 
-    The medium is :mod:`kvwire.media.store.directory.medium` (``shared_storage_path``,
-    ``fsync``, ``max_bytes``, ``file_mode``, ``allow_other_owner``, and the
-    store keys of :mod:`kvwire.media.store.medium`).
+    The medium is `kvwire.media.store.directory.medium` (`shared_storage_path`,
+    `fsync`, `max_bytes`, `file_mode`, `allow_other_owner`, and the
+    store keys of `kvwire.media.store.medium`).
     """
 
     default_medium = "directory"
@@ -40,7 +40,7 @@ class SharedStorageConnector(OffloadConnector):
 class RedisConnector(OffloadConnector):
     """Saves and loads KV blocks in a Redis/Valkey server or cluster, one key per block.
 
-    The medium is :mod:`kvwire.media.store.redis.medium`, whose docstring lists its keys
+    The medium is `kvwire.media.store.redis.medium`, whose docstring lists its keys
     (a single server or a Redis Cluster) and what happens in an outage.
     """
 

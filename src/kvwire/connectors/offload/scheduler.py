@@ -1,16 +1,16 @@
 """The block connector's scheduler half: lookups, the plan of each step, the medium's bookkeeping.
 
 Pure bookkeeping, no tensors and no transfers: it asks the medium's
-:class:`~kvwire.media.base.MediumIndex` what it holds, plans loads and saves
-with the :class:`~kvwire.connectors.offload._planner.BlockPlanner`, and ships
-them to the worker half in an :class:`~kvwire.connectors.offload.metadata.OffloadMetadata`.
+[`MediumIndex`][kvwire.media.MediumIndex] what it holds, plans loads and saves
+with the `BlockPlanner`, and ships
+them to the worker half in an `OffloadMetadata`.
 
 A save's blocks are read in place in the background, so a request with
 saves not yet settled (or an asynchronous load still writing) keeps its
 blocks when it finishes, until the worker half reports it finished sending;
 only then does the index publish its saved blocks. Saves the worker did not
 make (released, or left out after a failed load) come back in
-:class:`~kvwire.connectors.offload.metadata.OffloadWorkerMetadata` and are
+`OffloadWorkerMetadata` and are
 settled as failed: the index never publishes them.
 
 A load that failed is never offered to its request again, from its first
@@ -18,9 +18,9 @@ failed block on, whichever medium made it (the planner remembers where,
 until the request finishes): vLLM looks a request up again as soon as its
 asynchronous load failed, the same load would fail the same way, and any
 new asynchronous load of it can stall vLLM's admission when the KV cache is
-short (see :meth:`~kvwire.connectors.offload._planner.BlockPlanner.loads_failed`).
+short (see `loads_failed`).
 A medium whose loads keep failing has its hits withheld for a while
-(:mod:`kvwire.connectors.offload._load_breaker`).
+(`kvwire.connectors.offload._load_breaker`).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 class _RequestState:
     """A request's transfers the medium's index has not settled yet.
 
-    ``unsettled_saves`` holds, per KV cache group, the hashes of blocks whose
-    save was planned and not yet settled; ``async_loads`` its background loads.
+    `unsettled_saves` holds, per KV cache group, the hashes of blocks whose
+    save was planned and not yet settled; `async_loads` its background loads.
     """
 
     unsettled_saves: tuple[list[BlockHash], ...]
@@ -120,7 +120,7 @@ class OffloadScheduler:
     def _count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """The index's count, checked: an error or an answer that is no count of them is a miss.
 
-        The index may be a plug-in's (or its store's ``count_prefix``): a
+        The index may be a plug-in's (or its store's `count_prefix`): a
         count beyond the blocks asked, a string, a float or an exception must
         neither reach the planner nor print the plug-in's message raw.
         """
@@ -212,7 +212,7 @@ class OffloadScheduler:
         return metadata
 
     def _place_save(self, save: BlockTransfer) -> BlockTransfer | None:
-        """The part of ``save`` the medium takes, with its places; None when it takes nothing."""
+        """The part of `save` the medium takes, with its places; None when it takes nothing."""
         wanted = save.block_hashes
         state = self._requests.get(save.request_id)
         if not self._places_saves:
@@ -243,7 +243,7 @@ class OffloadScheduler:
         )
 
     def request_finished(self, request: Request) -> bool:
-        """Forget the finished ``request``; whether its blocks, in every group, must be kept.
+        """Forget the finished `request`; whether its blocks, in every group, must be kept.
 
         True while a save may still read them or a background load write
         them; the worker half then reports the request finished sending
@@ -335,5 +335,5 @@ class OffloadScheduler:
 
 
 def _held_nowhere(group: int, block_hashes: Sequence[BlockHash]) -> int:
-    """The count of a medium whose hits are withheld (see :class:`LoadBreaker`)."""
+    """The count of a medium whose hits are withheld (see `LoadBreaker`)."""
     return 0

@@ -1,13 +1,13 @@
 """What the block connector's worker half knows of the jobs it gave a medium's transfer handler.
 
-A :class:`~kvwire.media.base.TransferHandler` only runs jobs: it is told
+A [`TransferHandler`][kvwire.media.TransferHandler] only runs jobs: it is told
 to start one, says which ended and which of their blocks failed, and waits
-for some. :class:`TransferBook` turns that into what the connector reports
+for some. `TransferBook` turns that into what the connector reports
 to the engine, the same for every medium:
 
 - a step's synchronous loads are one job, waited for before the forward
   pass; the block ids that failed are the step's load errors, kept until
-  the engine takes them (``get_block_ids_with_load_errors``);
+  the engine takes them (`get_block_ids_with_load_errors`);
 - a request's asynchronous load is one job (every KV cache group's blocks
   of it); the request is finished receiving once the job ended, and only
   then do its failed blocks join the load errors;
@@ -35,7 +35,7 @@ __all__ = ["TransferBook"]
 
 
 class TransferBook:
-    """The jobs one connector gave ``handler``: per step, per request; not thread-safe.
+    """The jobs one connector gave `handler`: per step, per request; not thread-safe.
 
     Called from the thread that drives the engine's steps only, as the
     connector's calls are.
@@ -62,7 +62,7 @@ class TransferBook:
     def start_loads(
         self, loads: Sequence[BlockTransfer], async_loads: Sequence[BlockTransfer]
     ) -> None:
-        """Submit this step's loads: ``loads`` before the forward pass, ``async_loads`` after."""
+        """Submit this step's loads: `loads` before the forward pass, `async_loads` after."""
         if loads:
             self._sync.append(self._submit(TransferKind.LOAD, tuple(loads)))
         for request_id, transfers in _by_request(async_loads).items():
@@ -83,7 +83,7 @@ class TransferBook:
                 self._poll()
 
     def load_errors_so_far(self) -> set[int]:
-        """Block ids whose loads failed and were not taken yet (after :meth:`wait_for_loads`)."""
+        """Block ids whose loads failed and were not taken yet (after `wait_for_loads`)."""
         return set(self._errors)
 
     def take_load_errors(self) -> set[int]:
@@ -93,7 +93,7 @@ class TransferBook:
         return errors
 
     def wait_for_async_loads(self, timeout_s: float) -> None:
-        """Block until every asynchronous load in flight ended, for at most ``timeout_s``."""
+        """Block until every asynchronous load in flight ended, for at most `timeout_s`."""
         if self._async_loads:
             self.handler.wait(list(self._async_loads), time.monotonic() + timeout_s)
 
@@ -117,11 +117,11 @@ class TransferBook:
     ) -> list[BlockTransfer]:
         """Before a forward pass writes these blocks: wait out loads, release saves reading them.
 
-        The asynchronous loads of ``request_ids`` (preempted: their blocks
+        The asynchronous loads of `request_ids` (preempted: their blocks
         are about to be reused) are waited for up to their deadline, then
         given up on; they are reported finished by the next
-        :meth:`take_finished_loads`. Returns the saves the handler stopped.
-        Polls the handler last, so :meth:`is_busy` counts what ended.
+        `take_finished_loads`. Returns the saves the handler stopped.
+        Polls the handler last, so `is_busy` counts what ended.
         """
         request_ids = set(request_ids)
         loading = [job_id for rid in request_ids for job_id in self._async_loads_of.get(rid, ())]
@@ -132,9 +132,9 @@ class TransferBook:
         return released
 
     def wait_for_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save submitted so far ended; False if ``timeout_s`` ran out.
+        """Block until every save submitted so far ended; False if `timeout_s` ran out.
 
-        Without ``timeout_s`` it still ends, by the last save's deadline.
+        Without `timeout_s` it still ends, by the last save's deadline.
         """
         until = None if timeout_s is None else time.monotonic() + timeout_s
         saves = [job_id for job_id in self._request_of if job_id not in self._async_loads]
@@ -145,9 +145,9 @@ class TransferBook:
     # ------------------------------------------------------------ requests
 
     def is_busy(self, request_id: str) -> bool:
-        """Whether a save or asynchronous load of ``request_id`` had not ended when last polled.
+        """Whether a save or asynchronous load of `request_id` had not ended when last polled.
 
-        :meth:`take_finished_loads` polls, and the connector asks right after it.
+        `take_finished_loads` polls, and the connector asks right after it.
         """
         return self._busy[request_id] > 0
 

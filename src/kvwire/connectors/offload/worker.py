@@ -1,15 +1,15 @@
 """The block connector's worker half: drives the medium's transfer handler around the forward pass.
 
 The handler only runs transfer jobs; which request and which step each job
-serves is kept here, in a :class:`~kvwire.connectors.offload.transfer_book.TransferBook`.
+serves is kept here, in a `TransferBook`.
 
 Loads write every layer of a block at once, so the first layer waits for
-them; saves read every layer after the forward pass, so ``save_kv_layer``
-does nothing and ``wait_for_save`` only submits. Before anything of a step
+them; saves read every layer after the forward pass, so `save_kv_layer`
+does nothing and `wait_for_save` only submits. Before anything of a step
 writes the cache, the saves still reading blocks given out again (or blocks
 of preempted requests) are released; a save computed from a block whose
 load failed is left out. Both are reported to the scheduler half
-(:class:`~kvwire.connectors.offload.metadata.OffloadWorkerMetadata`), which
+(`OffloadWorkerMetadata`), which
 never publishes them.
 """
 
@@ -47,7 +47,7 @@ IDLE_STEP_WAIT_S = 0.005
 class OffloadWorker:
     """The worker-side state of one block connector; its handler is built with the caches.
 
-    ``reports_lookups``: whether this worker's stats carry the scheduler
+    `reports_lookups`: whether this worker's stats carry the scheduler
     side's lookup counts (sent in each step's metadata to every rank): only
     rank 0's do, so an engine that sums its ranks' stats counts each lookup
     once.
@@ -102,7 +102,7 @@ class OffloadWorker:
         """Release the saves reading blocks this step may write; once per step.
 
         vLLM and kvwire's engine call it before the forward pass; an engine
-        that does not gets it from ``start_load_kv``.
+        that does not gets it from `start_load_kv`.
         """
         metadata = self.metadata(kv_connector_metadata)
         self._released_for = kv_connector_metadata
