@@ -4,9 +4,9 @@ Every stored block carries a header that says what it is (layout
 fingerprint, dtype, shape, the block hash it was stored under) and a checksum
 of its payload, so that a missing, torn, corrupted or foreign entry is
 recognised before a single byte of it reaches the KV cache. No pickle: the
-header is a fixed ``struct`` and the payload is the cache's own bytes.
+header is a fixed `struct` and the payload is the cache's own bytes.
 
-With a MAC key (:mod:`kvwire.blocks.mac`), the header's flags say
+With a MAC key (`kvwire.blocks.mac`), the header's flags say
 that the entry is sealed, its last 32 bytes hold the MAC of the rest of the
 header and the payload, and the layout fingerprint names the key's id: such
 entries and unsealed ones never share a name, and one found under the other's
@@ -14,23 +14,23 @@ name is a load error.
 
 An entry in memory kvwire allocated in this process, which only kvwire
 writes (the CPU pool), carries no payload checksum
-(:attr:`BlockLayout.payload_checksum` false, the header flag
-``FLAG_NO_CHECKSUM``): such memory does not rot or tear between a store and a
+(`BlockLayout.payload_checksum` false, the header flag
+`FLAG_NO_CHECKSUM`): such memory does not rot or tear between a store and a
 load, so a pass over every byte would guard against nothing; the header
 still names the block and its layout, so a slot reused or mixed up is never
 loaded as another block. A layout that checksums (every store, and a pool
 other processes read) refuses such an entry as corrupt.
 
 The payload of a block is every layer's keys and values for that block, in
-the order ``[num_layers, 2, block_size, num_kv_heads, head_size]`` (the
+the order `[num_layers, 2, block_size, num_kv_heads, head_size]` (the
 "cross-layer" layout: one entry per block, so transfers are large).
 
-An entry may hold only some of the model's KV heads (:class:`HeadShard`)
-and layers (:class:`LayerShard`): a tensor-parallel engine's rank holds a
+An entry may hold only some of the model's KV heads (`HeadShard`)
+and layers (`LayerShard`): a tensor-parallel engine's rank holds a
 share of every layer's heads, a pipeline stage some of the layers, and a
 store keeps one entry per block, group of heads and group of layers, at a
 granularity that does not depend on how the writer was split (see
-:mod:`kvwire.blocks.shards`). The heads and layers an entry holds are in its
+`kvwire.blocks.shards`). The heads and layers an entry holds are in its
 layout's fingerprint (so in its key and header): an entry of others is
 never found under this one's name, and one found there anyway is a load
 error. An entry of all the model's heads and layers keeps the fingerprint
@@ -61,7 +61,7 @@ FORMAT_VERSION = 1
 HEADER_SIZE = 128
 CACHE_LAYOUT = "layers,2,block_size,num_kv_heads,head_size"
 # What a payload's bytes mean, by the engine's paged cache layout
-# (``CacheConfig.kv_cache_layout``). vLLM's CPU blocks are copied whole, packing
+# (`CacheConfig.kv_cache_layout`). vLLM's CPU blocks are copied whole, packing
 # and all: the payload is each layer's block as vLLM holds it.
 PAYLOAD_LAYOUTS: dict[str, str] = {
     "kvwire": CACHE_LAYOUT,
@@ -83,7 +83,7 @@ _UNSEALED_MAC = bytes(MAC_SIZE)
 
 @attrs.frozen
 class HeadShard:
-    """Which of the model's KV heads an entry holds: ``[start, stop)`` of ``total``."""
+    """Which of the model's KV heads an entry holds: `[start, stop)` of `total`."""
 
     start: int
     stop: int
@@ -117,7 +117,7 @@ class LayerShard(HeadShard):
 
 
 class CorruptBlockError(KVWireError, ValueError):
-    """A stored entry that must not be loaded; ``reason`` says why."""
+    """A stored entry that must not be loaded; `reason` says why."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -144,13 +144,13 @@ class BlockLayout:
     # bytes mean the same thing.
     cache_layout: str = attrs.field(default="kvwire", kw_only=True)
     model_identity: str = attrs.field(default="", kw_only=True)
-    # The KV cache group whose layers an entry holds (``CacheGroup.name``), in
+    # The KV cache group whose layers an entry holds (`CacheGroup.name`), in
     # a hybrid engine; "" with a single group.
     group: str = attrs.field(default="", kw_only=True)
-    # The KV heads an entry holds when not all of the model's (``num_kv_heads``
+    # The KV heads an entry holds when not all of the model's (`num_kv_heads`
     # is then their count); None: all of them.
     kv_heads: HeadShard | None = attrs.field(default=None, kw_only=True)
-    # The layers an entry holds when not all of the model's (``num_layers`` is
+    # The layers an entry holds when not all of the model's (`num_layers` is
     # then their count; a pipeline stage holds some); None: all of them.
     layers: LayerShard | None = attrs.field(default=None, kw_only=True)
     # False only for entries in memory kvwire allocated in this process and
@@ -258,7 +258,8 @@ class BlockLayout:
         return f"{self.fingerprint_hex}/{block_hash.hex()}"
 
     def block_hash_of(self, key: str) -> BlockHash | None:
-        """The block hash whose :meth:`key` is ``key``; None for another layout's key."""
+        """The block hash whose [`key`][kvwire.media.BlockLayout.key] is `key`; None for another
+        layout's key."""
         fingerprint, _, hash_hex = key.partition("/")
         if fingerprint != self.fingerprint_hex:
             return None
@@ -271,7 +272,7 @@ class BlockLayout:
 
 
 def block_of_key(layouts: Sequence[BlockLayout], key: str) -> tuple[BlockHash, int] | None:
-    """The block hash ``key`` names and which of ``layouts`` made it (its KV cache group).
+    """The block hash `key` names and which of `layouts` made it (its KV cache group).
 
     None for a key none of them made (another engine's layout, a foreign key).
     """
@@ -283,9 +284,9 @@ def block_of_key(layouts: Sequence[BlockLayout], key: str) -> tuple[BlockHash, i
 
 
 def payload_checksum(payload: memoryview) -> int:
-    """XXH3-64 of ``payload``.
+    """XXH3-64 of `payload`.
 
-    The hasher object is used rather than ``xxh3_64_intdigest`` because its
+    The hasher object is used rather than `xxh3_64_intdigest` because its
     constructor releases the GIL while it hashes (the one-shot function does
     not), so checksums on I/O threads overlap with the forward pass's thread.
     The value is the same.
@@ -294,8 +295,8 @@ def payload_checksum(payload: memoryview) -> int:
 
 
 def parts_checksum(parts: Sequence[memoryview]) -> int:
-    """XXH3-64 of the concatenation of ``parts``, read where they lie (the same value as
-    :func:`payload_checksum` of the joined bytes; ``update`` releases the GIL too)."""
+    """XXH3-64 of the concatenation of `parts`, read where they lie (the same value as
+    `payload_checksum` of the joined bytes; `update` releases the GIL too)."""
     if len(parts) == 1:
         return payload_checksum(parts[0])
     hasher = xxhash.xxh3_64()
@@ -305,7 +306,7 @@ def parts_checksum(parts: Sequence[memoryview]) -> int:
 
 
 def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
-    """Fill ``entry[:HEADER_SIZE]`` for the payload already in ``entry[HEADER_SIZE:]``.
+    """Fill `entry[:HEADER_SIZE]` for the payload already in `entry[HEADER_SIZE:]`.
 
     With a MAC, the header (checksum included) and the payload are sealed
     here too, read where they lie, while the payload is still in the CPU cache.
@@ -315,7 +316,7 @@ def write_header(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) 
 
 
 def headers_without_checksum(layout: BlockLayout, block_hashes: Sequence[BlockHash]) -> bytearray:
-    """The headers :func:`write_header` gives these blocks' entries, one after the other.
+    """The headers `write_header` gives these blocks' entries, one after the other.
 
     Only for a layout with no payload checksum (and so no MAC): each header
     then depends on its block hash alone, so a pool writes or checks many
@@ -334,12 +335,12 @@ def headers_without_checksum(layout: BlockLayout, block_hashes: Sequence[BlockHa
 def encode_header(
     header: memoryview, payload: Sequence[memoryview], layout: BlockLayout, block_hash: BlockHash
 ) -> None:
-    """Fill ``header`` (``HEADER_SIZE`` bytes) for the payload made of ``payload``'s parts.
+    """Fill `header` (`HEADER_SIZE` bytes) for the payload made of `payload`'s parts.
 
     The parts are a block's ranges in the KV cache (see
-    :mod:`kvwire.blocks.memory`): checksum (unless the layout has none) and MAC are computed
+    `kvwire.blocks.memory`): checksum (unless the layout has none) and MAC are computed
     over them where they lie, equal to those of the joined payload, so the
-    entry ``header + parts`` is the one :func:`write_header` makes.
+    entry `header + parts` is the one `write_header` makes.
     """
     _HEADER.pack_into(
         header,
@@ -369,7 +370,8 @@ _MAC_START = _HEADER.size
 
 
 def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
-    """Raise :class:`CorruptBlockError` unless ``entry`` is this block, whole and intact.
+    """Raise [`CorruptBlockError`][kvwire.media.CorruptBlockError] unless `entry` is this block,
+    whole and intact.
 
     With a MAC, the MAC alone decides (it covers the checksum and all the
     rest); only an entry that fails it is checksummed, to tell damage from forgery.
@@ -393,10 +395,10 @@ def verify_parts(
     layout: BlockLayout,
     block_hash: BlockHash,
 ) -> None:
-    """:func:`verify_entry` of an entry read as ``header`` then ``payload``'s parts, ``size`` bytes.
+    """`verify_entry` of an entry read as `header` then `payload`'s parts, `size` bytes.
 
     The parts are where a load read the payload (the block's ranges in the KV
-    cache); they are checked where they lie, nothing is joined. ``size`` is
+    cache); they are checked where they lie, nothing is joined. `size` is
     the entry's length as read: one shorter than header and payload is
     corrupt whatever the parts hold.
     """

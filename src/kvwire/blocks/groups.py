@@ -1,17 +1,17 @@
 """The KV cache groups a connector serves, and which of a request's blocks each one needs.
 
-A hybrid model's ``KVCacheConfig`` has several groups: full-attention layers
+A hybrid model's `KVCacheConfig` has several groups: full-attention layers
 in one, sliding-window layers in another. Each group has its own block
 table; a request's blocks are position-aligned in every group (the block at
-position ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``, whose
-hash is ``request.block_hashes[i]``), but a sliding-window group keeps only
+position `i` holds tokens `[i * block_size, (i + 1) * block_size)`, whose
+hash is `request.block_hashes[i]`), but a sliding-window group keeps only
 the blocks its window still reaches: the others are the null block.
 
-The token at position ``p`` of a sliding-window layer attends to positions
-``[p - sliding_window + 1, p]``. A prefix of ``n`` full blocks is thus usable
+The token at position `p` of a sliding-window layer attends to positions
+`[p - sliding_window + 1, p]`. A prefix of `n` full blocks is thus usable
 in a sliding-window group when the group holds its last
-``ceil((sliding_window - 1) / block_size)`` blocks; a full-attention group
-needs all ``n``. A connector moves only those, and a lookup's hit is the
+`ceil((sliding_window - 1) / block_size)` blocks; a full-attention group
+needs all `n`. A connector moves only those, and a lookup's hit is the
 longest prefix usable in every group.
 """
 
@@ -44,7 +44,7 @@ class CacheGroup:
         return -(-(self.sliding_window - 1) // self.block_size)
 
     def needed_positions(self, num_blocks: int) -> range:
-        """The block positions a prefix of ``num_blocks`` full blocks needs in this group."""
+        """The block positions a prefix of `num_blocks` full blocks needs in this group."""
         window_blocks = self.window_blocks
         if window_blocks is None:
             return range(num_blocks)
@@ -58,7 +58,7 @@ class CacheGroup:
 
 
 def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
-    """The groups of ``kv_cache_config``, checked to have the same number of layers each.
+    """The groups of `kv_cache_config`, checked to have the same number of layers each.
 
     Every group's blocks then have the same size, so one stored entry (one
     block of every layer of a group) has one size whatever the group: the
@@ -90,5 +90,5 @@ def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
 
 
 def layers_per_group(groups: Sequence[CacheGroup]) -> int:
-    """The number of layers in each group (the same for all: see :func:`cache_groups`)."""
+    """The number of layers in each group (the same for all: see `cache_groups`)."""
     return len(groups[0].layer_names)

@@ -7,7 +7,7 @@ sealed with HMAC-SHA256 over its header and payload, and an entry whose MAC
 does not match (forged, or written without the key) is never loaded.
 
 The key comes only from an environment variable that the profile names
-(``mac_key_env``), never from the profile itself; it never appears in a
+(`mac_key_env`), never from the profile itself; it never appears in a
 repr, a log line or an error. HMAC-SHA256 rather than keyed BLAKE2b: where
 the CPU has SHA instructions it is the faster of the two (`--only mac`,
 docs/performance.md), and both release the GIL while they hash, so I/O
@@ -43,10 +43,10 @@ class MacKeyError(KVWireError, ValueError):
 class EntryMac:
     """HMAC-SHA256 with a secret key, for sealing and checking stored entries.
 
-    ``key_id`` names the key without revealing it (an HMAC of a constant
+    `key_id` names the key without revealing it (an HMAC of a constant
     under it): entries sealed with another key are stored under other names,
     so engines with different keys miss each other's entries instead of
-    discarding them as forged. ``variable`` is where the key came from; it
+    discarding them as forged. `variable` is where the key came from; it
     is all that a repr shows.
     """
 
@@ -67,10 +67,10 @@ class EntryMac:
     def from_environment(
         cls, variable: object, environment: Mapping[str, str] = os.environ
     ) -> EntryMac:
-        """The MAC keyed with the bytes of ``environment[variable]``.
+        """The MAC keyed with the bytes of `environment[variable]`.
 
         The bytes as the environment holds them: Python decodes them with
-        ``surrogateescape``, so a key that is not UTF-8 is taken as it is,
+        `surrogateescape`, so a key that is not UTF-8 is taken as it is,
         never refused with an error that would quote it.
         """
         if not isinstance(variable, str) or not _VARIABLE_NAME.fullmatch(variable):
@@ -88,7 +88,7 @@ class EntryMac:
         return cls(value.encode("utf-8", "surrogateescape"), variable)
 
     def seal(self, header: memoryview, *payload: memoryview) -> bytes:
-        """The MAC of ``header`` then the ``payload`` parts, read where they lie."""
+        """The MAC of `header` then the `payload` parts, read where they lie."""
         mac = self._sealer.copy()
         mac.update(header)
         for part in payload:
@@ -96,7 +96,7 @@ class EntryMac:
         return mac.digest()
 
     def matches(self, stored: memoryview, header: memoryview, *payload: memoryview) -> bool:
-        """Whether ``stored`` is the MAC of ``header`` then ``payload`` (in constant time)."""
+        """Whether `stored` is the MAC of `header` then `payload` (in constant time)."""
         return hmac.compare_digest(stored, self.seal(header, *payload))
 
     def __repr__(self) -> str:

@@ -2,22 +2,22 @@
 
 A stored entry's payload is one block of every layer of a KV cache group, in
 layer order, each layer's share as the cache holds it (see
-:data:`~kvwire.blocks.format.PAYLOAD_LAYOUTS`). In the cache, one
+`PAYLOAD_LAYOUTS`). In the cache, one
 layer's block is a few contiguous byte ranges: the tensor's dimensions after
-the block dimension are contiguous, so block ``b`` occupies, for each index of
+the block dimension are contiguous, so block `b` occupies, for each index of
 the dimensions before the block dimension (a "plane"), one range. kvwire's
-layout ``[2, num_blocks, block_size, heads, head_size]`` has two planes per
-layer (keys, values); vLLM's CPU layout ``[num_blocks, heads, block_size,
-2 * head_size]`` has one. A block's ranges, layer after layer and plane after
+layout `[2, num_blocks, block_size, heads, head_size]` has two planes per
+layer (keys, values); vLLM's CPU layout `[num_blocks, heads, block_size,
+2 * head_size]` has one. A block's ranges, layer after layer and plane after
 plane, are therefore exactly its entry's payload, byte for byte: a store can
-read an entry's payload straight into them (``preadv``, ``recv_into``) and
-write it straight from them (``pwritev``, ``sendmsg``), with no copy in
+read an entry's payload straight into them (`preadv`, `recv_into`) and
+write it straight from them (`pwritev`, `sendmsg`), with no copy in
 between and no change to the stored format.
 
-:class:`BlockMemory` makes one writable ``memoryview`` per plane when the
+`BlockMemory` makes one writable `memoryview` per plane when the
 caches are registered; a block's ranges are slices of those, so moving a
 block allocates no buffer. The views point into the tensors' memory: they
-stay valid while the :class:`BlockMemory` (which holds the tensors) lives.
+stay valid while the `BlockMemory` (which holds the tensors) lives.
 """
 
 from __future__ import annotations
@@ -33,22 +33,22 @@ from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.paged_cache import PagedKVCaches, group_caches
 from kvwire.redaction import shown
 
-# The block dimension of each declared cache layout (``BlockLayout.cache_layout``).
+# The block dimension of each declared cache layout (`BlockLayout.cache_layout`).
 BLOCK_DIMENSIONS: dict[str, int] = {"kvwire": 1, "vllm_cpu": 0}
 
 
 class BlockMemory:
     """One KV cache group's blocks as byte ranges of its layers' tensors, in payload order.
 
-    The tensors are checked as :class:`~kvwire.blocks.paged_cache.PagedKVCaches`
+    The tensors are checked as `PagedKVCaches`
     checks them (layer count, shape of the declared layout, dtype); besides,
     they must live in CPU memory and be contiguous after the block dimension.
-    ``layer_order`` fixes which layer comes first in a payload (the engine's
+    `layer_order` fixes which layer comes first in a payload (the engine's
     order); layers not in it follow in registration order.
 
-    ``heads`` (indices into the caches' KV heads) makes the ranges those of
+    `heads` (indices into the caches' KV heads) makes the ranges those of
     these heads only, an entry of a group of heads (see
-    :mod:`kvwire.blocks.shards`): in vLLM's CPU layout a head's share of a
+    `kvwire.blocks.shards`): in vLLM's CPU layout a head's share of a
     block is one range, in kvwire's one range per token; all heads by default.
     """
 
@@ -96,10 +96,10 @@ class BlockMemory:
             raise IndexError(f"block id {block_id} is outside the cache (0..{self.num_blocks - 1})")
 
     def ranges(self, block_id: int) -> list[memoryview]:
-        """Block ``block_id``'s bytes, writable, in payload order (layer, then plane).
+        """Block `block_id`'s bytes, writable, in payload order (layer, then plane).
 
         Slices of views made at registration: no buffer is allocated. An id
-        outside the cache is an ``IndexError``, never an empty range.
+        outside the cache is an `IndexError`, never an empty range.
         """
         self.check_block_id(block_id)
         return [
@@ -112,9 +112,9 @@ class BlockMemory:
 def group_memories(
     kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout, groups: Sequence[CacheGroup]
 ) -> tuple[BlockMemory, ...]:
-    """One :class:`BlockMemory` per KV cache group, over that group's layers, in group order.
+    """One `BlockMemory` per KV cache group, over that group's layers, in group order.
 
-    The groups are checked as :func:`~kvwire.blocks.paged_cache.group_caches`
+    The groups are checked as `group_caches`
     checks them (every layer in exactly one group, every group's layers registered).
     """
     group_caches(kv_caches, layout, groups)
@@ -127,10 +127,10 @@ def group_memories(
 
 
 def _planes(name: str, tensor: torch.Tensor, block_dim: int) -> list[tuple[memoryview, int]]:
-    """Each plane of ``tensor`` as a writable byte view from its first block, and its block stride.
+    """Each plane of `tensor` as a writable byte view from its first block, and its block stride.
 
-    A plane is one index of the dimensions before ``block_dim``; its view
-    spans every block, so a block's range is a slice at ``block * stride``.
+    A plane is one index of the dimensions before `block_dim`; its view
+    spans every block, so a block's range is a slice at `block * stride`.
     """
     if tensor.device.type != "cpu":
         raise ValueError(

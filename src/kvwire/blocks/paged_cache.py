@@ -1,14 +1,14 @@
 """The engine's paged KV caches as a connector's worker side sees them.
 
-The engine registers one tensor per layer, ``[2, num_blocks, block_size,
-num_kv_heads, head_size]`` (kvwire's layout) or vLLM's CPU layout
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (the block layout's
-``cache_layout`` says which). Stored blocks use the cross-layer layout
-``[num_layers, 2, block_size, num_kv_heads, head_size]`` (see
-:mod:`kvwire.blocks.format`); a vLLM CPU block is copied into its
+The engine registers one tensor per layer, `[2, num_blocks, block_size,
+num_kv_heads, head_size]` (kvwire's layout) or vLLM's CPU layout
+`[num_blocks, num_kv_heads, block_size, 2 * head_size]` (the block layout's
+`cache_layout` says which). Stored blocks use the cross-layer layout
+`[num_layers, 2, block_size, num_kv_heads, head_size]` (see
+`kvwire.blocks.format`); a vLLM CPU block is copied into its
 layer's share of an entry as a whole byte range, whatever its packing.
-:class:`PagedKVCaches` checks the registered tensors against the connector's
-:class:`BlockLayout` once, and then copies whole blocks between the caches and
+`PagedKVCaches` checks the registered tensors against the connector's
+[`BlockLayout`][kvwire.media.BlockLayout] once, and then copies whole blocks between the caches and
 cross-layer tensors without allocating anything.
 """
 
@@ -38,8 +38,8 @@ CACHE_CHUNK_BYTES = 4 * 1024 * 1024
 class PagedKVCaches:
     """Every layer's paged cache, in layer order, checked against a block layout.
 
-    ``layer_order`` fixes which cache is layer 0, 1, ... in the cross-layer
-    layout (the engine's own order, from its ``KVCacheConfig``); layers not in
+    `layer_order` fixes which cache is layer 0, 1, ... in the cross-layer
+    layout (the engine's own order, from its `KVCacheConfig`); layers not in
     it follow in registration order.
     """
 
@@ -95,7 +95,7 @@ class PagedKVCaches:
     def gather_many(
         self, block_ids: Sequence[int], slots: Sequence[int], entries: torch.Tensor
     ) -> None:
-        """Copy each block into ``entries[slot]`` (a cross-layer tensor per slot).
+        """Copy each block into `entries[slot]` (a cross-layer tensor per slot).
 
         Consecutive block ids going to consecutive slots move as one strided
         copy per layer, so large transfers cost a few calls, not one per block
@@ -113,7 +113,7 @@ class PagedKVCaches:
     def scatter_many(
         self, entries: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]
     ) -> None:
-        """Copy ``entries[slot]`` into each block: the reverse of :meth:`gather_many`."""
+        """Copy `entries[slot]` into each block: the reverse of `gather_many`."""
         for block_start, slot_start, count in _runs(block_ids, slots):
             source = entries[slot_start : slot_start + count]
             for layer, cache in enumerate(self._caches):
@@ -123,7 +123,7 @@ class PagedKVCaches:
 def group_caches(
     kv_caches: Mapping[str, torch.Tensor], layout: BlockLayout, groups: Sequence[CacheGroup]
 ) -> tuple[PagedKVCaches, ...]:
-    """One :class:`PagedKVCaches` per KV cache group, over that group's layers, in group order.
+    """One `PagedKVCaches` per KV cache group, over that group's layers, in group order.
 
     Layers of different groups may share memory (a hybrid engine gives each
     block id to one group at a time); each group's caches are indexed only
@@ -187,7 +187,7 @@ def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int
 def cache_sized_chunks(
     count: int, entry_bytes: int, chunk_bytes: int = CACHE_CHUNK_BYTES
 ) -> list[range]:
-    """Split ``count`` entries into consecutive ranges of about ``chunk_bytes``."""
+    """Split `count` entries into consecutive ranges of about `chunk_bytes`."""
     per_chunk = max(1, chunk_bytes // entry_bytes)
     return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
 
@@ -198,7 +198,7 @@ def copy_on_this_thread_only() -> None:
     For a connector's background copy threads. With OpenMP, torch splits each
     large copy over every core and waits for the slowest part; several I/O
     threads doing that at once, next to the forward pass, mostly wait for each
-    other, and the copies take several times longer. ``torch.set_num_threads``
+    other, and the copies take several times longer. `torch.set_num_threads`
     would also change every thread started later in the process (the engine's
     included), so only this thread's OpenMP setting is changed. Where torch
     does not run on its bundled libgomp this does nothing.

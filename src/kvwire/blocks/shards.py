@@ -1,23 +1,23 @@
 """Entries that outlive the parallel layout: which groups of KV heads a rank stores and reads.
 
 A tensor-parallel engine splits every layer's KV heads over its ranks: of a
-model's ``H`` heads, tensor rank ``r`` of ``tp`` holds ``[r * H / tp,
-(r + 1) * H / tp)``, and block ids are the same on every rank. A store
-medium keeps one entry per block and group of ``entry_kv_heads``
-consecutive heads (:class:`~kvwire.blocks.format.HeadShard`, named in the
+model's `H` heads, tensor rank `r` of `tp` holds `[r * H / tp,
+(r + 1) * H / tp)`, and block ids are the same on every rank. A store
+medium keeps one entry per block and group of `entry_kv_heads`
+consecutive heads (`HeadShard`, named in the
 entry's fingerprint), so what is stored depends on that setting only, never
 on how the writer was split: engines that share a store and set the same
-``entry_kv_heads`` read each other's entries whatever their
-``tensor_parallel_size``, as long as each rank's heads are whole groups
-(``entry_kv_heads`` divides ``H / tp``; 1 always does). Unset, an entry
-holds what one rank holds (all heads at ``tp`` 1, as entries always did).
+`entry_kv_heads` read each other's entries whatever their
+`tensor_parallel_size`, as long as each rank's heads are whole groups
+(`entry_kv_heads` divides `H / tp`; 1 always does). Unset, an entry
+holds what one rank holds (all heads at `tp` 1, as entries always did).
 
-Pipeline parallelism splits the layers the same way: stage ``s`` holds the
-layers ``parallel.stage_layers(s)``, and an entry holds ``entry_layers``
-consecutive layers (:class:`~kvwire.blocks.format.LayerShard`, by index in
+Pipeline parallelism splits the layers the same way: stage `s` holds the
+layers `parallel.stage_layers(s)`, and an entry holds `entry_layers`
+consecutive layers (`LayerShard`, by index in
 the whole model, read from the layer's name). Unset, an entry holds a
 stage's layers (all of them without pipeline parallelism); engines of
-different pipeline sizes share entries when they set ``entry_layers`` alike
+different pipeline sizes share entries when they set `entry_layers` alike
 (1 always works).
 
 Each rank writes and reads only its own groups; a lookup (the scheduler
@@ -53,17 +53,17 @@ class HeadPlan:
         return len(self.every) == 1
 
     def local_heads(self, shard: HeadShard) -> range:
-        """``shard``'s heads as indices into this rank's KV cache."""
+        """`shard`'s heads as indices into this rank's KV cache."""
         return range(shard.start - self.first_own_head, shard.stop - self.first_own_head)
 
 
 def plan_heads(
     local_kv_heads: int, parallel: ParallelConfig, entry_kv_heads: int | None
 ) -> HeadPlan:
-    """The head groups of a rank holding ``local_kv_heads`` heads, at ``entry_kv_heads`` a group.
+    """The head groups of a rank holding `local_kv_heads` heads, at `entry_kv_heads` a group.
 
-    ``entry_kv_heads`` None: a rank's heads per group. Raises ``ValueError``
-    naming ``entry_kv_heads`` when a rank's heads are not whole groups.
+    `entry_kv_heads` None: a rank's heads per group. Raises `ValueError`
+    naming `entry_kv_heads` when a rank's heads are not whole groups.
     """
     tensor_size = parallel.tensor_parallel_size
     total = local_kv_heads * tensor_size
@@ -97,7 +97,7 @@ class LayerPlan:
         return len(self.every) == 1
 
     def local_layers(self, shard: LayerShard) -> range:
-        """``shard``'s layers as positions in this stage's (a group's) layer list."""
+        """`shard`'s layers as positions in this stage's (a group's) layer list."""
         return range(shard.start - self.first_own_layer, shard.stop - self.first_own_layer)
 
 
@@ -105,7 +105,7 @@ _LAYER_INDEX = re.compile(r"\d+")
 
 
 def layer_index(name: str) -> int | None:
-    """The model layer a KV cache layer's name numbers (``model.layers.3.self_attn.attn``: 3)."""
+    """The model layer a KV cache layer's name numbers (`model.layers.3.self_attn.attn`: 3)."""
     numbers = _LAYER_INDEX.findall(name)
     return int(numbers[0]) if len(numbers) == 1 else None
 
@@ -113,9 +113,9 @@ def layer_index(name: str) -> int | None:
 def plan_layers(
     layer_names: Sequence[str], parallel: ParallelConfig, entry_layers: int | None
 ) -> LayerPlan:
-    """The layer groups of a stage holding ``layer_names``, at ``entry_layers`` layers a group.
+    """The layer groups of a stage holding `layer_names`, at `entry_layers` layers a group.
 
-    Raises ``ValueError`` naming ``entry_layers`` when a stage's layers are
+    Raises `ValueError` naming `entry_layers` when a stage's layers are
     not whole groups, or when the layers' names do not number them in a row
     from the stage's first.
     """
@@ -156,7 +156,7 @@ def plan_layers(
 def entry_layout(
     layout: BlockLayout, shard: HeadShard, layers: LayerShard | None = None
 ) -> BlockLayout:
-    """The layout of an entry of ``shard``'s heads (and ``layers``), from ``layout`` (a rank's)."""
+    """The layout of an entry of `shard`'s heads (and `layers`), from `layout` (a rank's)."""
     layout = attrs.evolve(
         layout, num_kv_heads=shard.count, kv_heads=None if shard.is_whole else shard
     )

@@ -1,9 +1,9 @@
 """The one record of blocks to move, from the scheduler side's plan to the worker that moves them.
 
-:class:`~kvwire.connectors.offload._planner.BlockPlanner` makes them, the
+`BlockPlanner` makes them, the
 connectors send them in their step metadata (pickled across the worker
-process), and :class:`~kvwire.media.store._handler.StoreTransferHandler` and
-:class:`~kvwire.media.cpu_pool._handler.CPUPoolTransferHandler` move their blocks.
+process), and `StoreTransferHandler` and
+`CPUPoolTransferHandler` move their blocks.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ __all__ = ["BlockTransfer"]
 class BlockTransfer:
     """Blocks of one request in one KV cache group to load or save, in block order.
 
-    ``block_ids``, ``block_hashes`` and, when given, ``slots`` are parallel:
+    `block_ids`, `block_hashes` and, when given, `slots` are parallel:
     the i-th of each describes the same block.
     """
 
     request_id: str
     """The request the blocks belong to: finished, failed and kept blocks are reported by it."""
     block_ids: tuple[int, ...]
-    """The blocks' ids in the paged KV cache of :attr:`group` (never the null block)."""
+    """The blocks' ids in the paged KV cache of [`group`][kvwire.media.BlockTransfer.group] (never
+    the null block)."""
     block_hashes: tuple[BlockHash, ...]
     """The blocks' hashes: what names each block's entry in the medium."""
     slots: tuple[int, ...] = ()

@@ -1,13 +1,13 @@
 """Configuration: the engine's config records, and how kvwire reads, checks and sizes them.
 
-- :mod:`kvwire.config.engine_config`: the engine's configuration as a connector sees it
-  (``EngineConfig`` and its parts), re-exported here;
-- :mod:`kvwire.config.kv_cache`: how the sized KV cache is laid out (``KVCacheConfig``);
-- :mod:`kvwire.config.profile` and :mod:`kvwire.config.profile_yaml`: profiles, an
-  ``EngineConfig`` written as YAML or a mapping, read bounded;
-- :mod:`kvwire.config.extra_config`: the keys a connector takes in
-  ``kv_connector_extra_config``;
-- :mod:`kvwire.config.memory_limits` and :mod:`kvwire.config.dtypes`: sizes checked against
+- `kvwire.config.engine_config`: the engine's configuration as a connector sees it
+  (`EngineConfig` and its parts), re-exported here;
+- `kvwire.config.kv_cache`: how the sized KV cache is laid out (`KVCacheConfig`);
+- `kvwire.config.profile` and `kvwire.config.profile_yaml`: profiles, an
+  `EngineConfig` written as YAML or a mapping, read bounded;
+- `kvwire.config.extra_config`: the keys a connector takes in
+  `kv_connector_extra_config`;
+- `kvwire.config.memory_limits` and `kvwire.config.dtypes`: sizes checked against
   the machine, and the dtypes a KV cache may hold.
 """
 

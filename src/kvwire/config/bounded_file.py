@@ -1,8 +1,8 @@
 """Reading a file a user names (a profile, a prompts file): a regular file, bounded in size.
 
 A path may name something that is not a file to read once: a FIFO blocks
-``open()`` until a writer comes (forever, if none does), ``/dev/zero`` never
-ends, ``/dev/stdin`` may be a terminal, a directory or a socket cannot be read.
+`open()` until a writer comes (forever, if none does), `/dev/zero` never
+ends, `/dev/stdin` may be a terminal, a directory or a socket cannot be read.
 So the path is opened without blocking, refused unless it is a regular file,
 refused by its size before a byte is read, and read no further than the bound
 (a file that grows while it is read is cut off there and refused).
@@ -30,11 +30,11 @@ class FileRefused(KVWireError, ValueError):
 
 
 def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The bytes of the regular file at ``path``, at most ``limit`` of them.
+    """The bytes of the regular file at `path`, at most `limit` of them.
 
-    Raises :class:`FileRefused` for anything but a regular file and for a
-    file longer than ``limit`` (checked by its size first, without reading
-    it), ``OSError`` when it cannot be opened or read.
+    Raises [`FileRefused`][kvwire.exceptions.FileRefused] for anything but a regular file and for a
+    file longer than `limit` (checked by its size first, without reading
+    it), `OSError` when it cannot be opened or read.
     """
     # Checked by name first: a socket cannot even be opened (ENXIO says nothing).
     _check_regular(os.stat(path), limit)
@@ -66,7 +66,7 @@ def _check_regular(status: os.stat_result, limit: int) -> None:
 
 
 def shown_path(path: str | os.PathLike[str]) -> str:
-    """How an error names ``path``: as given, or escaped and cut when unprintable or long."""
+    """How an error names `path`: as given, or escaped and cut when unprintable or long."""
     text = os.fspath(path)
     return text if text.isprintable() and len(text) <= 4096 else shown(text, limit=200)
 

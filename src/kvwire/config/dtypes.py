@@ -3,7 +3,7 @@
 Configuration names a dtype by string, so that it never needs torch: the
 torch dtype is looked up only when asked for, and a torch-free install
 imports this module. The stored code goes into every entry's header
-(:mod:`kvwire.blocks.format`); entries outlive the code that wrote
+(`kvwire.blocks.format`); entries outlive the code that wrote
 them, so a code, once given, never changes or gets reused.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["DTYPES", "DTYPE_NAMES", "KVDtype", "check_dtype"]
 class KVDtype:
     """One dtype a KV cache may hold."""
 
-    # The name configuration uses, which is also torch's (``torch.<name>``).
+    # The name configuration uses, which is also torch's (`torch.<name>`).
     name: str
     # Bytes of one element.
     size: int
@@ -58,6 +58,6 @@ DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
 
 
 def check_dtype(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """An attrs validator: ``value`` names a dtype of the table; the error names the field."""
+    """An attrs validator: `value` names a dtype of the table; the error names the field."""
     if not isinstance(value, str) or value not in DTYPES:
         raise ValueError(f"{attribute.name}: {shown(value)} is not one of {', '.join(DTYPE_NAMES)}")

@@ -2,14 +2,14 @@
 
 Every class here is a frozen attrs record with validators on its fields: an
 invalid value never makes it into a running engine. Counts have upper bounds
-no real model reaches, and an :class:`EngineConfig` whose KV cache, weights
+no real model reaches, and an [`EngineConfig`][kvwire.EngineConfig] whose KV cache, weights
 and batch logits could not fit in this machine's memory is refused when it is built
-(:mod:`kvwire.config.memory_limits`), so an absurd profile fails ``kvwire check``
+(`kvwire.config.memory_limits`), so an absurd profile fails `kvwire check`
 rather than the engine. Errors and reprs show values through
-:mod:`kvwire.redaction`: bounded, and never a secret of
-``kv_connector_extra_config``. Use ``attrs.evolve`` to get an edited copy.
+`kvwire.redaction`: bounded, and never a secret of
+`kv_connector_extra_config`. Use `attrs.evolve` to get an edited copy.
 Structuring from a dict or a YAML profile (with every bad field reported by
-its dotted path) lives in :mod:`kvwire.config.profile`.
+its dotted path) lives in `kvwire.config.profile`.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: int) -
 
 
 def _of_kind(kind: type, description: str) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    """Like ``validators.instance_of``, but the error shows the value's type, never the value.
+    """Like `validators.instance_of`, but the error shows the value's type, never the value.
 
     attrs' own error carries the value and the whole attribute in its
     arguments: unbounded, and a secret typed into the wrong field.
@@ -167,7 +167,7 @@ def _of_kind(kind: type, description: str) -> Callable[[object, attrs.Attribute[
 
 
 def _text(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """A name or path: a string without NUL bytes, of at most :data:`LONGEST_NAME` characters.
+    """A name or path: a string without NUL bytes, of at most `LONGEST_NAME` characters.
 
     Names and paths reach open() and the import machinery, and errors quote
     them (an unknown connector's name): neither takes a NUL or a megabyte.
@@ -182,7 +182,7 @@ def _text(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None
 
 
 def _count(*more: Callable[[object, attrs.Attribute[Any], Any], None]) -> list[Any]:
-    """The validators of a positive count with an upper bound (:data:`COUNT_LIMITS`)."""
+    """The validators of a positive count with an upper bound (`COUNT_LIMITS`)."""
     return [_of_kind(int, "an integer"), _positive, _at_most_count_limit, *more]
 
 
@@ -193,7 +193,7 @@ def _check_extra_config(instance: object, attribute: attrs.Attribute[Any], value
 
 
 def _paths_with_nul(value: Any, path: str) -> Iterator[str]:
-    """Dotted paths of the strings (keys and values) in ``value`` that hold a NUL byte.
+    """Dotted paths of the strings (keys and values) in `value` that hold a NUL byte.
 
     Each list or mapping is visited once, however often it is referred to:
     a structure shared many times over (or containing itself) costs what
@@ -233,7 +233,7 @@ def _bounded_repr(value: object) -> str:
 class KVTransferConfig:
     """Which connector an engine uses and how it talks to its peers.
 
-    ``engine_id`` is a fresh uuid4 string when left unset, so two configs
+    `engine_id` is a fresh uuid4 string when left unset, so two configs
     never share one by accident. All attributes are read-only.
     """
 
@@ -280,7 +280,7 @@ class KVTransferConfig:
         return self.kv_connector is not None and self.kv_role in KV_CONSUMER_ROLES
 
     def get_from_extra_config(self, key: str, default: Any) -> Any:
-        """The value of ``key`` in ``kv_connector_extra_config``, or ``default``."""
+        """The value of `key` in `kv_connector_extra_config`, or `default`."""
         return self.kv_connector_extra_config.get(key, default)
 
 
@@ -288,7 +288,7 @@ class KVTransferConfig:
 class SchedulerConfig:
     """Scheduling limits, and whether the hybrid KV cache manager (HMA) is off.
 
-    ``disable_hybrid_kv_cache_manager`` is ``None`` for "decide from the
+    `disable_hybrid_kv_cache_manager` is `None` for "decide from the
     connector": HMA stays on when the connector supports it.
     """
 
@@ -351,10 +351,10 @@ def _window_limit(instance: object, attribute: attrs.Attribute[Any], value: int)
 class ModelConfig:
     """The shape of the model whose KV cache is moved.
 
-    ``hidden_size`` must equal ``num_attention_heads * head_size`` and the
+    `hidden_size` must equal `num_attention_heads * head_size` and the
     query heads must be a multiple of the KV heads (grouped-query attention).
-    A hybrid model names each layer's kind in ``layer_types`` (one entry per
-    layer) and the window of its sliding-window layers in ``sliding_window``.
+    A hybrid model names each layer's kind in `layer_types` (one entry per
+    layer) and the window of its sliding-window layers in `sliding_window`.
     """
 
     num_layers: int = attrs.field(default=2, validator=_count())
@@ -372,7 +372,7 @@ class ModelConfig:
     # load each other's blocks.
     identity: str = attrs.field(default="", validator=_check_identity, repr=_bounded_repr)
     # Per layer, as Hugging Face's Gemma 2/3 configs name them: "full_attention"
-    # or "sliding_attention" (attends to the last ``sliding_window`` tokens).
+    # or "sliding_attention" (attends to the last `sliding_window` tokens).
     # Empty: every layer full attention.
     layer_types: tuple[str, ...] = attrs.field(
         default=(), converter=_as_tuple, validator=_check_layer_types, repr=_bounded_repr
@@ -415,7 +415,7 @@ class ModelConfig:
         return SLIDING_ATTENTION in self.layer_types
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer ``layer``, or None for full attention."""
+        """The sliding window of layer `layer`, or None for full attention."""
         if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
             return self.sliding_window
         return None
@@ -439,8 +439,8 @@ class ModelConfig:
 
     @property
     def weights_identity(self) -> str:
-        """The identity that names this model's stored blocks: ``identity`` when set, else
-        that of kvwire's engine's weights, drawn from :attr:`weights_description`."""
+        """The identity that names this model's stored blocks: `identity` when set, else
+        that of kvwire's engine's weights, drawn from `weights_description`."""
         return self.identity or f"kvwire-engine:{self.weights_description}"
 
     @property
@@ -458,7 +458,7 @@ class ModelConfig:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights at ``dtype``: embedding, LM head and each layer's projections."""
+        """Bytes of the weights at `dtype`: embedding, LM head and each layer's projections."""
         hidden = self.hidden_size
         kv_width = self.num_kv_heads * self.head_size
         per_layer = (
@@ -472,12 +472,12 @@ class ModelConfig:
 class ParallelConfig:
     """Where this engine process sits among its peers: its rank, and how the model is split.
 
-    ``tensor_parallel_size`` ranks split each layer's KV heads (rank ``r``
-    holds heads ``[r * H / tp, (r + 1) * H / tp)`` of the model's ``H``);
-    ``pipeline_parallel_size`` stages split the layers. Ranks count tensor
-    ranks first: rank ``r`` is tensor rank ``r % tp`` of pipeline stage
-    ``r // tp``, as vLLM numbers its workers. ``world_size`` defaults to
-    ``tp * pp``. ``pipeline_layers``: each stage's first layer, then the
+    `tensor_parallel_size` ranks split each layer's KV heads (rank `r`
+    holds heads `[r * H / tp, (r + 1) * H / tp)` of the model's `H`);
+    `pipeline_parallel_size` stages split the layers. Ranks count tensor
+    ranks first: rank `r` is tensor rank `r % tp` of pipeline stage
+    `r // tp`, as vLLM numbers its workers. `world_size` defaults to
+    `tp * pp`. `pipeline_layers`: each stage's first layer, then the
     model's layer count (vLLM's split); empty when not split in stages.
     """
 
@@ -529,7 +529,7 @@ class ParallelConfig:
         return (self.rank // self.tensor_parallel_size) % self.pipeline_parallel_size
 
     def stage_layers(self, stage: int) -> range | None:
-        """The model's layers stage ``stage`` holds; None when ``pipeline_layers`` is unset."""
+        """The model's layers stage `stage` holds; None when `pipeline_layers` is unset."""
         if not self.pipeline_layers:
             return None
         return range(self.pipeline_layers[stage], self.pipeline_layers[stage + 1])

@@ -1,12 +1,12 @@
-"""Validation of a connector's ``kv_connector_extra_config``.
+"""Validation of a connector's `kv_connector_extra_config`.
 
-Each connector declares the keys it understands as :class:`ExtraConfigKey`
-records; :func:`read_extra_config` checks a user's mapping against them and
+Each connector declares the keys it understands as [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]
+records; `read_extra_config` checks a user's mapping against them and
 returns the values with defaults filled in. Every error names
-``kv_connector_extra_config.<key>`` and says what would be accepted, and an
+`kv_connector_extra_config.<key>` and says what would be accepted, and an
 unknown key is an error (a typo must not silently fall back to a default).
-Values are shown bounded and with secrets blanked (:mod:`kvwire.redaction`);
-a size that is allocated in memory (:func:`memory_size_key`) is checked
+Values are shown bounded and with secrets blanked (`kvwire.redaction`);
+a size that is allocated in memory ([`memory_size_key`][kvwire.media.memory_size_key]) is checked
 against what this machine holds.
 """
 
@@ -48,11 +48,12 @@ LARGEST_SIZE = 2**63 - 1
 
 
 class ExtraConfigError(KVWireError, ValueError):
-    """A ``kv_connector_extra_config`` value or key that a connector does not accept."""
+    """A `kv_connector_extra_config` value or key that a connector does not accept."""
 
 
 class ValueRefused(KVWireError):
-    """Raised by an :class:`ExtraConfigKey`'s ``convert`` to refuse a value with its own reason.
+    """Raised by an [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]'s `convert` to refuse a value
+    with its own reason.
 
     The reason replaces the key's generic "expected ..." text, for a value
     of the right form that still cannot work (more memory than the machine has).
@@ -60,7 +61,7 @@ class ValueRefused(KVWireError):
 
 
 def parse_size(value: object) -> int | None:
-    """Bytes from an int or a string such as ``"512MiB"`` or ``"2GB"``; None if unreadable."""
+    """Bytes from an int or a string such as `"512MiB"` or `"2GB"`; None if unreadable."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -82,8 +83,8 @@ def parse_size(value: object) -> int | None:
 class ExtraConfigKey:
     """One key a connector accepts: its default and how a value is checked.
 
-    ``convert`` returns the accepted value, or None when the value is not
-    acceptable; ``accepted`` describes acceptable values for the error text.
+    `convert` returns the accepted value, or None when the value is not
+    acceptable; `accepted` describes acceptable values for the error text.
     """
 
     name: str
@@ -110,7 +111,7 @@ def size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
 def memory_size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
     """A byte count the connector allocates in memory: also no more than this machine holds.
 
-    Checked when the extra config is read, so ``kvwire check`` and the
+    Checked when the extra config is read, so `kvwire check` and the
     connector's constructor both refuse it, by name, before anything is
     allocated.
     """
@@ -148,7 +149,7 @@ def bool_key(name: str, default: bool) -> ExtraConfigKey:
 
 
 def seconds_key(name: str, default: float, maximum: float) -> ExtraConfigKey:
-    """A duration in seconds: a number > 0 and <= ``maximum`` (a deadline must be finite)."""
+    """A duration in seconds: a number > 0 and <= `maximum` (a deadline must be finite)."""
 
     def convert(value: Any) -> float | None:
         if isinstance(value, bool) or not isinstance(value, int | float):

@@ -1,8 +1,8 @@
 """How the engine's KV cache memory is laid out, once it has been sized.
 
-The engine builds a :class:`KVCacheConfig` after it has measured how many
+The engine builds a [`KVCacheConfig`][kvwire.KVCacheConfig] after it has measured how many
 blocks fit; connectors receive it as their third constructor argument. More
-than one :class:`KVCacheGroupSpec` (full-attention layers beside
+than one `KVCacheGroupSpec` (full-attention layers beside
 sliding-window layers) is what the hybrid KV cache manager serves.
 """
 
@@ -19,7 +19,7 @@ from kvwire.config.engine_config import EngineConfig
 from kvwire.redaction import shown
 
 LAYER_NAME_FORMAT = "layers.{}.attn"
-"""How the engine names layer ``i`` in its cache config and its ``kv_caches``."""
+"""How the engine names layer `i` in its cache config and its `kv_caches`."""
 
 
 def _positive(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
@@ -53,14 +53,14 @@ class FullAttentionSpec(AttentionSpec):
 
 @attrs.frozen(kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
-    """A layer that attends to the last ``sliding_window`` tokens only."""
+    """A layer that attends to the last `sliding_window` tokens only."""
 
     sliding_window: int = attrs.field(validator=[validators.instance_of(int), _positive])
 
 
 @attrs.frozen(kw_only=True)
 class KVCacheTensor:
-    """One allocation of ``size_bytes``, shared by the layers named in ``shared_by``."""
+    """One allocation of `size_bytes`, shared by the layers named in `shared_by`."""
 
     size_bytes: int = attrs.field(validator=[validators.instance_of(int), _positive])
     shared_by: list[str] = attrs.field(factory=list)
@@ -123,21 +123,21 @@ def sliding_window_of(spec: AttentionSpec) -> int | None:
 
 
 def build_kv_cache_config(config: EngineConfig, hma_enabled: bool | None = None) -> KVCacheConfig:
-    """The kvwire engine's cache layout for ``config``; layer ``i`` is ``layers.{i}.attn``.
+    """The kvwire engine's cache layout for `config`; layer `i` is `layers.{i}.attn`.
 
-    ``hma_enabled`` is the HMA gate's decision (None: on unless
-    ``scheduler_config.disable_hybrid_kv_cache_manager`` is true). With HMA on,
-    a hybrid model gets one :class:`KVCacheGroupSpec` per kind of layer, full
+    `hma_enabled` is the HMA gate's decision (None: on unless
+    `scheduler_config.disable_hybrid_kv_cache_manager` is true). With HMA on,
+    a hybrid model gets one `KVCacheGroupSpec` per kind of layer, full
     attention first, then sliding window; otherwise (HMA off, or no
     sliding-window layer) one group of every layer with a
-    :class:`FullAttentionSpec`, as vLLM does when HMA is off.
+    `FullAttentionSpec`, as vLLM does when HMA is off.
 
     Every group holds the same number of layers, as in vLLM: each
     kind's layers (in model order) are cut into groups of the greatest common
     divisor of the kinds' layer counts (5 sliding and 1 full layers: six
-    groups of one layer). Group ``g``'s ``j``-th layer shares its
-    :class:`KVCacheTensor` with the ``j``-th layer of every other group, and
-    all groups draw block ids from one pool of ``num_blocks``.
+    groups of one layer). Group `g`'s `j`-th layer shares its
+    `KVCacheTensor` with the `j`-th layer of every other group, and
+    all groups draw block ids from one pool of `num_blocks`.
     """
     model, cache = config.model_config, config.cache_config
     if hma_enabled is None:

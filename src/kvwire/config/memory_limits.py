@@ -1,10 +1,10 @@
 """What this machine's memory can hold, for checking configured sizes before they are allocated.
 
 A buffer or cache sized beyond the machine's memory does not fail cleanly
-when it is allocated: it ends in a ``MemoryError`` traceback, or the kernel
+when it is allocated: it ends in a `MemoryError` traceback, or the kernel
 kills the process after it has pushed everything else into swap. Sizes are
-compared with :func:`machine_memory_bytes` when a configuration is read
-(``kvwire check`` and engine start read it the same way), and the error
+compared with `machine_memory_bytes` when a configuration is read
+(`kvwire check` and engine start read it the same way), and the error
 names the field, the bytes it would need and the bytes there are.
 """
 
@@ -33,9 +33,9 @@ def machine_memory_bytes() -> int | None:
 
 
 def memory_shortfall(needed_bytes: int) -> str | None:
-    """None when ``needed_bytes`` fits in this machine's memory, else the sentence that says not.
+    """None when `needed_bytes` fits in this machine's memory, else the sentence that says not.
 
-    ``"more than this machine's memory, 15.5 GiB (16,642,998,272 bytes)"``.
+    `"more than this machine's memory, 15.5 GiB (16,642,998,272 bytes)"`.
     """
     available = machine_memory_bytes()
     if available is None or needed_bytes <= available:
@@ -44,7 +44,7 @@ def memory_shortfall(needed_bytes: int) -> str | None:
 
 
 def describe_bytes(count: int) -> str:
-    """``"1.5 GiB (1,610,612,736 bytes)"``; an absurd count is described by its size alone."""
+    """`"1.5 GiB (1,610,612,736 bytes)"`; an absurd count is described by its size alone."""
     if count.bit_length() > 128:
         # Formatting every digit of a 300-digit count helps no one (and is
         # refused past 4300 digits).

@@ -1,18 +1,17 @@
-"""Profiles: an ``EngineConfig`` written as YAML or as a plain mapping.
+"""Profiles: an `EngineConfig` written as YAML or as a plain mapping.
 
-A profile mirrors :class:`~kvwire.config.EngineConfig`: its top-level keys are
-the engine config's sections (``model_config``, ``cache_config``,
-``parallel_config``, ``scheduler_config``, ``kv_transfer_config``), each a
+A profile mirrors [`EngineConfig`][kvwire.EngineConfig]: its top-level keys are
+the engine config's sections (`model_config`, `cache_config`,
+`parallel_config`, `scheduler_config`, `kv_transfer_config`), each a
 mapping of that record's fields; everything is optional.
 
-Values are structured with cattrs under strict rules (``"false"`` is not a
-boolean, ``3.5`` is not an integer), then checked by the records' own
-validators. Nothing stops at the first problem: :class:`ProfileError` lists
-every one, each with its dotted path and what would be accepted. Unknown keys
-are problems too, so a typo is never silently ignored. YAML is read with
-PyYAML's safe loader only, bounded against alias bombs
-(:mod:`kvwire.config.profile_yaml`). Values are shown in errors through
-:func:`kvwire.redaction.shown`: bounded, secrets blanked.
+Values are structured with cattrs under strict rules (`"false"` is not a
+boolean, `3.5` is not an integer), then checked by the records' own
+validators. Nothing stops at the first problem: [`ProfileError`][kvwire.exceptions.ProfileError]
+lists every one, each with its dotted path and what would be accepted. Unknown keys are problems
+too, so a typo is never silently ignored. YAML is read with PyYAML's safe loader only, bounded
+against alias bombs (`kvwire.config.profile_yaml`). Values are shown in errors through
+`kvwire.redaction.shown`: bounded, secrets blanked.
 """
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ ProfileSource = str | os.PathLike[str] | Mapping[str, Any]
 
 
 def load_profile(source: ProfileSource) -> EngineConfig:
-    """Build the :class:`EngineConfig` a profile describes.
+    """Build the [`EngineConfig`][kvwire.EngineConfig] a profile describes.
 
-    ``source`` is a path to a YAML file (``str`` or path-like) or an already
-    parsed mapping. Raises :class:`ProfileError` listing every problem.
+    `source` is a path to a YAML file (`str` or path-like) or an already
+    parsed mapping. Raises [`ProfileError`][kvwire.exceptions.ProfileError] listing every problem.
     """
     if not isinstance(source, str | os.PathLike):
         # A mapping, or something that is neither: the structuring says which.
@@ -55,12 +54,12 @@ def load_profile(source: ProfileSource) -> EngineConfig:
 
 
 def profile_origin(path: str | os.PathLike[str]) -> str:
-    """How errors name the profile at ``path``: as given, or escaped and cut when unprintable."""
+    """How errors name the profile at `path`: as given, or escaped and cut when unprintable."""
     return shown_path(path)
 
 
 def read_profile_file(path: pathlib.Path) -> Any:
-    """The parsed YAML document at ``path`` (an empty file is an empty mapping)."""
+    """The parsed YAML document at `path` (an empty file is an empty mapping)."""
     origin = profile_origin(path)
     if "\x00" in os.fspath(path):
         # open() would only say "embedded null byte", naming nothing.
@@ -90,7 +89,7 @@ def read_profile_file(path: pathlib.Path) -> Any:
 
 
 def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> EngineConfig:
-    """Structure a parsed profile; ``origin`` names it in the error."""
+    """Structure a parsed profile; `origin` names it in the error."""
     problems: list[str] = []
     sections = _section_types()
     if not isinstance(data, Mapping):
@@ -123,9 +122,10 @@ def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> Engin
 
 
 def unstructure_engine_config(engine_config: EngineConfig) -> dict[str, Any]:
-    """The profile mapping of ``engine_config``: what :func:`load_profile` turns back into it.
+    """The profile mapping of `engine_config`: what [`load_profile`][kvwire.load_profile] turns back
+    into it.
 
-    Useful to hand an engine's exact configuration (``engine_id`` included)
+    Useful to hand an engine's exact configuration (`engine_id` included)
     to another process.
     """
     unstructured: dict[str, Any] = _converter.unstructure(engine_config)
@@ -204,7 +204,7 @@ def _section_types() -> dict[str, type]:
 
 
 def _structure_record(record_type: type, data: Any, path: str, problems: list[str]) -> Any:
-    """One section's record, or None after appending its problems to ``problems``."""
+    """One section's record, or None after appending its problems to `problems`."""
     if not isinstance(data, Mapping):
         problems.append(
             f"{path}: expected a mapping of {record_type.__name__} fields, got {kind_of(data)}"
@@ -290,7 +290,7 @@ def _is_optional(kind: Any) -> bool:
 
 
 def _describe(kind: Any) -> str:
-    """What a value of type ``kind`` looks like, in a user's words."""
+    """What a value of type `kind` looks like, in a user's words."""
     if kind is bool:
         return "true or false"
     if kind is int:

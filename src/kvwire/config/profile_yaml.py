@@ -1,15 +1,15 @@
 """Reading a profile's YAML text, bounded against hostile documents.
 
 PyYAML's safe loader builds only plain values, but it still lets a small
-document describe a huge one: aliases (``*name``) reuse a node, so nine
+document describe a huge one: aliases (`*name`) reuse a node, so nine
 levels of nine aliases each expand to 387 million values in a few hundred
 bytes (an "alias bomb"), and a recursive alias builds a structure that
 contains itself. Anything that walks such a value (a check, an error
-message, ``json.dumps``) then takes minutes and gigabytes, or never ends.
+message, `json.dumps`) then takes minutes and gigabytes, or never ends.
 This loader refuses a document whose expansion holds more than
-:data:`MAX_EXPANDED_NODES` values, a recursive alias, an integer with more
-than :data:`MAX_INTEGER_DIGITS` digits and nesting deeper than
-:data:`MAX_DEPTH` (directly or through aliases), and a mapping that
+`MAX_EXPANDED_NODES` values, a recursive alias, an integer with more
+than `MAX_INTEGER_DIGITS` digits and nesting deeper than
+`MAX_DEPTH` (directly or through aliases), and a mapping that
 holds one key twice (PyYAML would keep the last silently), each with the
 line and column at fault.
 
@@ -41,7 +41,8 @@ class ProfileYAMLError(KVWireError, ValueError):
 
 
 def parse_profile_text(text: str) -> Any:
-    """The document in ``text`` (None when empty); raises :class:`ProfileYAMLError`."""
+    """The document in `text` (None when empty); raises
+    [`ProfileYAMLError`][kvwire.exceptions.ProfileYAMLError]."""
     loader = _BoundedLoader(text)
     try:
         _check_nesting(text)
@@ -102,7 +103,7 @@ _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct
 
 
 def _check_nesting(text: str) -> None:
-    """Refuse nesting deeper than :data:`MAX_DEPTH` from the event stream, before composing.
+    """Refuse nesting deeper than `MAX_DEPTH` from the event stream, before composing.
 
     PyYAML's parser keeps its own stack, but its composer recurses once per
     level: a few thousand brackets would end in a RecursionError.

@@ -1,16 +1,16 @@
 """The KV connector interface: what every connector implements.
 
-A connector is built twice per engine, once per :class:`KVConnectorRole`.
+A connector is built twice per engine, once per [`KVConnectorRole`][kvwire.KVConnectorRole].
 The SCHEDULER instance decides what to load and save (pure bookkeeping); the
 WORKER instance moves bytes between the paged KV cache and the connector's
 store. The two never share state: everything the worker needs crosses in the
-:class:`KVConnectorMetadata` the scheduler side builds each step.
+[`KVConnectorMetadata`][kvwire.KVConnectorMetadata] the scheduler side builds each step.
 
-The interface is vLLM's ``KVConnectorBase_V1``: the constructor's keywords,
-the ``_vllm_config`` / ``_kv_transfer_config`` / ``_kv_cache_config``
+The interface is vLLM's `KVConnectorBase_V1`: the constructor's keywords,
+the `_vllm_config` / `_kv_transfer_config` / `_kv_cache_config`
 attributes and every optional hook with vLLM's default, so a connector
 written for vLLM runs here once its imports name kvwire
-(``KVConnectorBase_V1`` is an alias of :class:`KVConnectorBase`).
+(`KVConnectorBase_V1` is an alias of [`KVConnectorBase`][kvwire.KVConnectorBase]).
 """
 
 from __future__ import annotations
@@ -59,14 +59,14 @@ class KVConnectorMetadata:
 class KVConnectorWorkerMetadata(abc.ABC):
     """What one worker tells the scheduler side for one step (the reverse of the metadata).
 
-    The engine merges every worker's with :meth:`aggregate` and hands the
-    result to ``update_connector_output`` in
-    ``KVConnectorOutput.kv_connector_worker_meta``. It must be picklable.
+    The engine merges every worker's with `aggregate` and hands the
+    result to `update_connector_output` in
+    `KVConnectorOutput.kv_connector_worker_meta`. It must be picklable.
     """
 
     @abc.abstractmethod
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """This worker's metadata merged with ``other``'s."""
+        """This worker's metadata merged with `other`'s."""
 
 
 class KVConnectorHandshakeMetadata:
@@ -95,8 +95,8 @@ ConnectorResolver = Callable[["KVTransferConfig"], "type[KVConnectorBase]"]
 ConnectorBuilder = Callable[["EngineConfig", "KVConnectorRole", "KVCacheConfig"], "KVConnectorBase"]
 """Builds the connector a (child) engine config names, through the same registry.
 
-A composite connector declares a keyword-only ``connector_builder`` constructor
-parameter; whoever builds it (the container, ``KVConnectorFactory``) passes one,
+A composite connector declares a keyword-only `connector_builder` constructor
+parameter; whoever builds it (the container, `KVConnectorFactory`) passes one,
 so the children honour provider overrides, module paths and entry points.
 """
 
@@ -106,11 +106,11 @@ class KVConnectorBase(abc.ABC):
 
     Subclasses implement the abstract scheduler-side and worker-side calls;
     the rest have vLLM's defaults (most do nothing). The constructor takes the
-    engine config, the role and the sized ``kv_cache_config``, positionally
-    or as vLLM's keywords ``vllm_config=``, ``role=``, ``kv_cache_config=``
-    (keep the 3-argument signature and call ``super().__init__``). It keeps
-    them as vLLM's base does: ``_vllm_config``, ``_kv_transfer_config``,
-    ``_kv_cache_config``, ``_role``; the properties below read them.
+    engine config, the role and the sized `kv_cache_config`, positionally
+    or as vLLM's keywords `vllm_config=`, `role=`, `kv_cache_config=`
+    (keep the 3-argument signature and call `super().__init__`). It keeps
+    them as vLLM's base does: `_vllm_config`, `_kv_transfer_config`,
+    `_kv_cache_config`, `_role`; the properties below read them.
     """
 
     _cache_hit_source: CacheHitSource = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -168,10 +168,10 @@ class KVConnectorBase(abc.ABC):
     def supports_hma_for_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
     ) -> bool:
-        """Whether this class, configured by ``kv_transfer_config``, supports HMA.
+        """Whether this class, configured by `kv_transfer_config`, supports HMA.
 
-        The default is the class's own marker (:func:`supports_hma`).
-        Composite connectors override it and ask ``resolve_child`` about each
+        The default is the class's own marker ([`supports_hma`][kvwire.supports_hma]).
+        Composite connectors override it and ask `resolve_child` about each
         child config, so the answer goes through the same registry.
         """
         return supports_hma(cls)
@@ -180,22 +180,22 @@ class KVConnectorBase(abc.ABC):
     def validate_extra_config(
         cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
     ) -> None:
-        """Reject a ``kv_connector_extra_config`` this class would reject, without building it.
+        """Reject a `kv_connector_extra_config` this class would reject, without building it.
 
-        ``kvwire check`` calls it, so that a typo in a profile fails there and
+        `kvwire check` calls it, so that a typo in a profile fails there and
         not at engine start. It must not allocate, open files or connect:
         building a connector to check it would (CPU offload allocates its
-        pool). Raise a ``ValueError`` subclass (kvwire's connectors raise
-        ``ExtraConfigError``) whose message names each bad key as
-        ``kv_connector_extra_config.<key>``, one per line, and says what is
-        accepted. Validate with the code the constructor uses, so ``check``
+        pool). Raise a `ValueError` subclass (kvwire's connectors raise
+        `ExtraConfigError`) whose message names each bad key as
+        `kv_connector_extra_config.<key>`, one per line, and says what is
+        accepted. Validate with the code the constructor uses, so `check`
         and the engine never disagree. A composite validates each child's
-        config through the class ``resolve_child`` returns: the registry that
+        config through the class `resolve_child` returns: the registry that
         will build the child.
 
         The default checks nothing, so connectors written before this hook
-        keep working; ``kvwire check`` then says their extra config was not
-        checked (:func:`validates_extra_config`).
+        keep working; `kvwire check` then says their extra config was not
+        checked (`validates_extra_config`).
         """
 
     # ------------------------------------------------------------ worker side
@@ -204,9 +204,11 @@ class KVConnectorBase(abc.ABC):
         """Called once with every layer's KV cache tensor, before the first step."""
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
-        """Called instead of :meth:`register_kv_caches` with one tensor for every layer.
+        """Called instead of [`register_kv_caches`][kvwire.KVConnectorBase.register_kv_caches] with
+        one tensor for every layer.
 
-        Only when :attr:`prefer_cross_layer_blocks` is true and the layers are uniform.
+        Only when [`prefer_cross_layer_blocks`][kvwire.KVConnectorBase.prefer_cross_layer_blocks] is
+        true and the layers are uniform.
         """
 
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
@@ -250,13 +252,13 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s KV for this step is in the cache."""
+        """Block until `layer_name`'s KV for this step is in the cache."""
 
     @abc.abstractmethod
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Start saving ``layer_name``'s KV; called after the layer's attention."""
+        """Start saving `layer_name`'s KV; called after the layer's attention."""
 
     @abc.abstractmethod
     def wait_for_save(self) -> None:
@@ -269,7 +271,8 @@ class KVConnectorBase(abc.ABC):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished sends and receives (and failed receives) in one snapshot.
 
-        The default reads :meth:`get_finished` and knows of no failed receive.
+        The default reads [`get_finished`][kvwire.KVConnectorBase.get_finished] and knows of no
+        failed receive.
         """
         sending, receiving = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(
@@ -283,16 +286,18 @@ class KVConnectorBase(abc.ABC):
     def load_errors_this_step(self) -> set[int]:
         """Block ids whose loads failed this step, known by the end of the forward pass.
 
-        A composite asks each child before their :meth:`wait_for_save` and
-        tells every child (:meth:`skip_saves_computed_from`), so that no
-        child saves KV computed from a block whose load failed, whichever
-        child loaded it. Unlike :meth:`get_block_ids_with_load_errors` it
+        A composite asks each child before their
+        [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save] and tells every child
+        ([`skip_saves_computed_from`][kvwire.KVConnectorBase.skip_saves_computed_from]), so that no
+        child saves KV computed from a block whose load failed, whichever child loaded it. Unlike
+        [`get_block_ids_with_load_errors`][kvwire.KVConnectorBase.get_block_ids_with_load_errors] it
         reports without clearing. The default knows of none.
         """
         return set()
 
     def skip_saves_computed_from(self, block_ids: set[int]) -> None:
-        """In this step's :meth:`wait_for_save`, save nothing computed from these blocks.
+        """In this step's [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save], save nothing
+        computed from these blocks.
 
         The default saves as planned: a connector that saves the blocks of a
         request whose load failed elsewhere must override it.
@@ -302,8 +307,8 @@ class KVConnectorBase(abc.ABC):
         """Counters since the last call (then reset), or None.
 
         The engine calls it after each step and once more after
-        :meth:`shutdown`, for the transfers that finished while shutdown
-        waited for them: it must still answer then.
+        [`shutdown`][kvwire.KVConnectorBase.shutdown], for the transfers that finished while
+        shutdown waited for them: it must still answer then.
         """
         return None
 
@@ -311,24 +316,24 @@ class KVConnectorBase(abc.ABC):
         """KV cache events the worker side saw since the last call, then cleared.
 
         Blocks its saves stored, entries it removed. The engine calls it
-        after each step (and after :meth:`wait_for_pending_saves`) and hands
-        them to the scheduler side in ``KVConnectorOutput.kv_cache_events``,
-        whose :meth:`take_events` reports them. A connector whose scheduler
-        side knows its events itself reports none here. They cross to the
-        scheduler's process: they must be picklable.
+        after each step (and after
+        [`wait_for_pending_saves`][kvwire.KVConnectorBase.wait_for_pending_saves]) and hands them to
+        the scheduler side in `KVConnectorOutput.kv_cache_events`, whose
+        [`take_events`][kvwire.KVConnectorBase.take_events] reports them. A connector whose
+        scheduler side knows its events itself reports none here. They cross to the scheduler's
+        process: they must be picklable.
         """
         return []
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save started so far is complete; False if ``timeout_s`` ran out.
+        """Block until every save started so far is complete; False if `timeout_s` ran out.
 
         Saves may outlive the step, and the request, that started them (a
         background write). The engine waits on this between workloads
-        (``kvwire run`` after each pass) and when it closes, before
-        :meth:`shutdown`, then reads the stats and the KV cache events, so
-        that they count every save of the workload. The default has nothing
-        to wait for: it suits connectors whose saves end within
-        :meth:`wait_for_save`.
+        (`kvwire run` after each pass) and when it closes, before
+        [`shutdown`][kvwire.KVConnectorBase.shutdown], then reads the stats and the KV cache events,
+        so that they count every save of the workload. The default has nothing to wait for: it suits
+        connectors whose saves end within [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save].
         """
         return True
 
@@ -337,14 +342,15 @@ class KVConnectorBase(abc.ABC):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's report for the scheduler side (see :class:`KVConnectorWorkerMetadata`)."""
+        """This step's report for the scheduler side (see `KVConnectorWorkerMetadata`)."""
         return None
 
     def shutdown(self) -> None:
         """Let the transfers in flight finish, then release threads, files and connections.
 
-        Called once at teardown. Only :meth:`get_kv_connector_stats` follows
-        it, and it reports what those last transfers did.
+        Called once at teardown. Only
+        [`get_kv_connector_stats`][kvwire.KVConnectorBase.get_kv_connector_stats] follows it, and it
+        reports what those last transfers did.
         """
 
     # --------------------------------------------------------- scheduler side
@@ -358,19 +364,19 @@ class KVConnectorBase(abc.ABC):
         """The engine's block pool, for connectors that track blocks (ref counts, prefix cache)."""
 
     def on_new_request(self, request: Request) -> None:
-        """The scheduler took in ``request``; a place for per-request bookkeeping."""
+        """The scheduler took in `request`; a place for per-request bookkeeping."""
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        """The KV cache groups a load for ``request`` restores: every group, by default."""
+        """The KV cache groups a load for `request` restores: every group, by default."""
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens loadable beyond ``num_computed_tokens``, and whether the load is async.
+        """Tokens loadable beyond `num_computed_tokens`, and whether the load is async.
 
-        ``None`` means "still looking, ask again next step". No side effects:
+        `None` means "still looking, ask again next step". No side effects:
         it may be called several times for one request.
         """
 
@@ -378,7 +384,7 @@ class KVConnectorBase(abc.ABC):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Blocks were allocated for ``request``; load into them if ``num_external_tokens``."""
+        """Blocks were allocated for `request`; load into them if `num_external_tokens`."""
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -387,7 +393,7 @@ class KVConnectorBase(abc.ABC):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        """``num_external_tokens`` split by the tier that holds them (non-zero counts only)."""
+        """`num_external_tokens` split by the tier that holds them (non-zero counts only)."""
         if num_external_tokens == 0:
             return {}
         return {self._cache_hit_source: num_external_tokens}
@@ -398,7 +404,7 @@ class KVConnectorBase(abc.ABC):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``request`` finished; True keeps its blocks until it is reported finished sending."""
+        """`request` finished; True keeps its blocks until it is reported finished sending."""
         return False, None
 
     def register_finished_partial_tail(
@@ -433,7 +439,7 @@ class KVConnectorBase(abc.ABC):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Whether its layer-by-layer calls need piecewise CUDA graphs with ``extra_config``."""
+        """Whether its layer-by-layer calls need piecewise CUDA graphs with `extra_config`."""
         return False
 
     def get_finished_count(self) -> int | None:
@@ -448,7 +454,7 @@ class KVConnectorBase(abc.ABC):
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        """Rebuild this connector's stats from their serialized ``data``.
+        """Rebuild this connector's stats from their serialized `data`.
 
         kvwire's default keeps the counters as they are (vLLM's returns None);
         a connector with its own stats class returns one here.
@@ -491,15 +497,15 @@ KVConnectorBase_V1 = KVConnectorBase
 class SupportsHMA(abc.ABC):
     """Marks a connector that serves several KV cache groups (the hybrid KV cache manager).
 
-    Derive from it beside :class:`KVConnectorBase`. The engine then calls
-    ``request_finished_all_groups`` instead of ``request_finished``.
+    Derive from it beside [`KVConnectorBase`][kvwire.KVConnectorBase]. The engine then calls
+    `request_finished_all_groups` instead of `request_finished`.
     """
 
     @abc.abstractmethod
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Like ``request_finished``, with the request's block ids for every group."""
+        """Like `request_finished`, with the request's block ids for every group."""
 
 
 def supports_hma(connector: type | object) -> bool:
@@ -510,19 +516,20 @@ def supports_hma(connector: type | object) -> bool:
 
 
 def validates_extra_config(connector_cls: type[KVConnectorBase]) -> bool:
-    """Whether ``connector_cls`` has a ``validate_extra_config`` of its own (or inherits one).
+    """Whether `connector_cls` has a `validate_extra_config` of its own (or inherits one).
 
-    False when the one it gets is :class:`KVConnectorBase`'s, which checks nothing.
+    False when the one it gets is [`KVConnectorBase`][kvwire.KVConnectorBase]'s, which checks
+    nothing.
     """
     own = inspect.getattr_static(connector_cls, "validate_extra_config")
     return own is not inspect.getattr_static(KVConnectorBase, "validate_extra_config")
 
 
 def supports_kw(callable_: Callable[..., Any], kw_name: str) -> bool:
-    """Whether ``callable_`` accepts a parameter named ``kw_name``.
+    """Whether `callable_` accepts a parameter named `kw_name`.
 
-    True when the signature names it (in any position but ``*args``), or,
-    failing that, when its last parameter is ``**kwargs``.
+    True when the signature names it (in any position but `*args`), or,
+    failing that, when its last parameter is `**kwargs`.
     """
     parameters = inspect.signature(callable_).parameters
     if not parameters:

@@ -1,12 +1,12 @@
 """Connectors split by role: each instance builds only the half its role serves.
 
-The engine builds a connector twice, once per :class:`KVConnectorRole`, and
+The engine builds a connector twice, once per [`KVConnectorRole`][kvwire.KVConnectorRole], and
 the interface (vLLM's) puts both roles' calls on one class. A connector that
-derives from :class:`RoleSplitConnector` keeps each role's state in an object
+derives from `RoleSplitConnector` keeps each role's state in an object
 of its own, built only for that role: a scheduler-role instance has no
 worker half at all, so a worker-side call on it cannot touch worker state by
-mistake; it raises :class:`~kvwire.exceptions.ConnectorRoleError` naming the
-call. The halves are plain classes (``scheduler.py`` / ``worker.py`` in a
+mistake; it raises [`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError] naming the
+call. The halves are plain classes (`scheduler.py` / `worker.py` in a
 connector's package), typed apart, so the type checker keeps the scheduler
 half's code from reaching into the worker's.
 """
@@ -29,10 +29,10 @@ _WorkerHalf = TypeVar("_WorkerHalf")
 class RoleSplitConnector(KVConnectorBase, Generic[_SchedulerHalf, _WorkerHalf]):
     """A connector whose state lives in one half per role; only its own role's half is built.
 
-    A subclass builds its half in its constructor, after ``super().__init__``,
-    with :meth:`_set_scheduler_half` or :meth:`_set_worker_half` as
-    :attr:`role` says, and reaches it in each call through
-    :meth:`_scheduler_half` / :meth:`_worker_half`, which name the call when
+    A subclass builds its half in its constructor, after `super().__init__`,
+    with `_set_scheduler_half` or `_set_worker_half` as
+    `role` says, and reaches it in each call through
+    `_scheduler_half` / `_worker_half`, which name the call when
     the role is the other one.
     """
 
@@ -52,13 +52,13 @@ class RoleSplitConnector(KVConnectorBase, Generic[_SchedulerHalf, _WorkerHalf]):
         self._worker = half
 
     def _scheduler_half(self, call: str) -> _SchedulerHalf:
-        """The scheduler half, for ``call``; a ``ConnectorRoleError`` on a worker-role connector."""
+        """The scheduler half, for `call`; a `ConnectorRoleError` on a worker-role connector."""
         if self._scheduler is None:
             raise self._wrong_role(call, KVConnectorRole.SCHEDULER)
         return self._scheduler
 
     def _worker_half(self, call: str) -> _WorkerHalf:
-        """The worker half, for ``call``; a ``ConnectorRoleError`` on a scheduler-role connector."""
+        """The worker half, for `call`; a `ConnectorRoleError` on a scheduler-role connector."""
         if self._worker is None:
             raise self._wrong_role(call, KVConnectorRole.WORKER)
         return self._worker

@@ -37,9 +37,9 @@ class RequestStatus(enum.Enum):
 class Request:
     """One generation request as the scheduler tracks it.
 
-    ``block_hashes`` holds the chained hash of every *full* block of
-    ``all_token_ids``; the engine appends to it as blocks fill up.
-    ``num_computed_tokens`` counts tokens whose KV is in the engine's cache.
+    `block_hashes` holds the chained hash of every *full* block of
+    `all_token_ids`; the engine appends to it as blocks fill up.
+    `num_computed_tokens` counts tokens whose KV is in the engine's cache.
     """
 
     request_id: str
@@ -89,9 +89,9 @@ class KVCacheBlocks:
 class ScheduledRequest:
     """One request's share of a step.
 
-    ``block_ids`` are all of the request's blocks after this step's
-    allocation; ``num_computed_tokens`` is what was computed before the step
-    (loaded tokens included); the step computes ``num_scheduled_tokens`` more.
+    `block_ids` are all of the request's blocks after this step's
+    allocation; `num_computed_tokens` is what was computed before the step
+    (loaded tokens included); the step computes `num_scheduled_tokens` more.
     """
 
     request_id: str
@@ -123,7 +123,7 @@ class SchedulerOutput:
 class ForwardContext:
     """What the worker knows about the forward pass it is about to run.
 
-    ``attn_metadata`` is the engine's attention metadata (slot mappings, block
+    `attn_metadata` is the engine's attention metadata (slot mappings, block
     tables); connectors that drive their transfers from their own metadata
     may ignore it.
     """
@@ -136,7 +136,7 @@ class ForwardContext:
 class KVConnectorStats:
     """Counters a connector reports; merged across workers and steps.
 
-    ``data`` maps a counter name to a number, or to a nested ``dict`` for a
+    `data` maps a counter name to a number, or to a nested `dict` for a
     composite connector's children. Merging adds numbers key by key.
     """
 
@@ -170,9 +170,9 @@ def _merge_counters(left: Mapping[str, Any], right: Mapping[str, Any]) -> dict[s
 
 @attrs.frozen
 class BlockStored:
-    """Blocks became available in a connector's store (``medium`` names it).
+    """Blocks became available in a connector's store (`medium` names it).
 
-    ``group``: the KV cache group whose blocks they are (on a hybrid model a
+    `group`: the KV cache group whose blocks they are (on a hybrid model a
     block hash names one entry per group); None when the store cannot tell.
     """
 
@@ -183,7 +183,7 @@ class BlockStored:
 
 @attrs.frozen
 class BlockRemoved:
-    """Blocks were evicted from or invalidated in a connector's store (``group`` as stored)."""
+    """Blocks were evicted from or invalidated in a connector's store (`group` as stored)."""
 
     block_hashes: tuple[BlockHash, ...]
     medium: str
@@ -197,8 +197,8 @@ KVCacheEvent = BlockStored | BlockRemoved
 class KVConnectorOutput:
     """The worker side's report for one step, merged over workers.
 
-    ``kv_connector_worker_meta`` is what the workers' ``build_connector_worker_meta``
-    returned, merged with its ``aggregate`` (None when no worker returned any).
+    `kv_connector_worker_meta` is what the workers' `build_connector_worker_meta`
+    returned, merged with its `aggregate` (None when no worker returned any).
     """
 
     finished_sending: set[str] | None = None
@@ -223,7 +223,7 @@ class KVConnectorOutput:
 class KVConnectorTransferResults:
     """One worker's finished transfers, in one snapshot.
 
-    A failed receive is in ``failed_recving`` and in ``finished_recving``
+    A failed receive is in `failed_recving` and in `finished_recving`
     too, so that the scheduler stops waiting for the request.
     """
 

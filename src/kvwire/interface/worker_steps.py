@@ -19,7 +19,7 @@ _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
-    """``worker``, or a ``RuntimeError`` when ``register_kv_caches`` has not made one yet."""
+    """`worker`, or a `RuntimeError` when `register_kv_caches` has not made one yet."""
     if worker is None:
         raise RuntimeError(
             f"{connector_name}: register_kv_caches() must be called before the first step"
@@ -30,7 +30,7 @@ def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
 def metadata_of_type(
     connector_name: str, metadata: KVConnectorMetadata, expected: type[_Metadata]
 ) -> _Metadata:
-    """``metadata``, or a ``TypeError`` when another connector's scheduler side built it."""
+    """`metadata`, or a `TypeError` when another connector's scheduler side built it."""
     if not isinstance(metadata, expected):
         raise TypeError(
             f"{connector_name} got {type(metadata).__name__}, expected {expected.__name__}"

@@ -1,7 +1,7 @@
 """Plug-in registries: connector names and medium names, each a lazy provider.
 
-:mod:`~kvwire.registry.connectors` resolves a ``KVTransferConfig`` to a
-connector class as vLLM's factory does; :mod:`~kvwire.registry.media` names
+`connectors` resolves a `KVTransferConfig` to a
+connector class as vLLM's factory does; `media` names
 the media a block connector keeps blocks in. Both serve names from the same
 three places (kvwire's own, installed entry points, registered at run time).
 """

@@ -1,11 +1,11 @@
 """Plug-in names: the one mechanism behind the connector registry and the medium registry.
 
 A name stands for a class that lives in a module, known without importing
-it. Names come from three places (:class:`PluginSource`): what kvwire ships,
+it. Names come from three places (`PluginSource`): what kvwire ships,
 the entry points of installed distributions (read once, the first time a
 name is looked up) and registrations at run time. Each name is a
-``providers.Singleton`` in a dependency-injector container
-(:attr:`PluginNames.providers`): calling it imports the module and returns
+`providers.Singleton` in a dependency-injector container
+(`PluginNames.providers`): calling it imports the module and returns
 the class, once; overriding it swaps the class for everything built through
 this table. What a class must be, and the words of each error, belong to the
 registry that owns the table.
@@ -38,7 +38,7 @@ class PluginSource(enum.Enum):
 class RegisteredPlugin:
     """What a registry knows about a name without importing anything (read-only).
 
-    ``distribution`` is ``'name version'`` of the distribution that declares
+    `distribution` is `'name version'` of the distribution that declares
     an entry point, else None.
     """
 
@@ -54,14 +54,14 @@ class RegisteredPlugin:
 
     @property
     def origin(self) -> str:
-        """Where the name comes from, in words: ``built in``, or the entry point's distribution."""
+        """Where the name comes from, in words: `built in`, or the entry point's distribution."""
         if self.distribution is None:
             return self.source.value
         return f"{self.source.value} of distribution {self.distribution}"
 
 
 def is_module_path(text: str) -> bool:
-    """Whether ``text`` is an absolute dotted module path such as ``package.module``."""
+    """Whether `text` is an absolute dotted module path such as `package.module`."""
     return all(part.isidentifier() for part in text.split("."))
 
 
@@ -77,7 +77,7 @@ Loader = Callable[[RegisteredPlugin], Any]
 
 
 class PluginNames:
-    """The names of one kind of plug-in (``kind``: ``connector`` or ``medium``), each lazy."""
+    """The names of one kind of plug-in (`kind`: `connector` or `medium`), each lazy."""
 
     def __init__(
         self,
@@ -110,7 +110,7 @@ class PluginNames:
         return copied
 
     def register(self, name: str, module_path: str, class_name: str) -> None:
-        """Add ``name`` at run time; its module is imported only when the name is first used."""
+        """Add `name` at run time; its module is imported only when the name is first used."""
         with self._lock:
             self._read_entry_points()
             if name in self._entries:
@@ -134,7 +134,7 @@ class PluginNames:
         return [entry.name for entry in self.entries()]
 
     def provider(self, name: str) -> providers.Provider[Any]:
-        """The lazy provider of a registered ``name`` (the caller checks that it is registered)."""
+        """The lazy provider of a registered `name` (the caller checks that it is registered)."""
         self._read_entry_points()
         provider: providers.Provider[Any] = self.providers.providers[name]
         return provider

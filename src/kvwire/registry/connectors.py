@@ -1,19 +1,17 @@
 """The registry of connectors: one lazy provider per connector name.
 
-Every known connector is a ``providers.Singleton`` in a dependency-injector
-container (:attr:`ConnectorRegistry.providers`): calling it imports the
-connector's module and returns its class, once; registering imports nothing.
-Names come from three places (:class:`~kvwire.registry._names.PluginSource`),
-kept by the mechanism the medium registry shares
-(:class:`~kvwire.registry._names.PluginNames`): the connectors kvwire ships,
-the ``kvwire.connectors`` entry-point group of installed distributions
-(``Name = package.module:Class``), and
-:meth:`ConnectorRegistry.register_connector` at run time.
+Every known connector is a `providers.Singleton` in a dependency-injector
+container ([`ConnectorRegistry.providers`][kvwire.ConnectorRegistry.providers]): calling it imports
+the connector's module and returns its class, once; registering imports nothing. Names come from
+three places (`PluginSource`), kept by the mechanism the medium registry shares (`PluginNames`): the
+connectors kvwire ships, the `kvwire.connectors` entry-point group of installed distributions
+(`Name = package.module:Class`), and
+[`ConnectorRegistry.register_connector`][kvwire.ConnectorRegistry.register_connector] at run time.
 
-:meth:`ConnectorRegistry.resolve` turns a ``KVTransferConfig`` into a class in
-vLLM's factory's order and with its messages; unlike vLLM's, it
-checks the constructor of every class it hands out, so a plugin with the old
-2-argument signature fails here, clearly, rather than with a TypeError later.
+[`ConnectorRegistry.resolve`][kvwire.ConnectorRegistry.resolve] turns a `KVTransferConfig` into a
+class in vLLM's factory's order and with its messages; unlike vLLM's, it checks the constructor of
+every class it hands out, so a plugin with the old 2-argument signature fails here, clearly, rather
+than with a TypeError later.
 """
 
 from __future__ import annotations
@@ -63,20 +61,20 @@ BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
 
 
 class ModulePathError(ConnectorImportError):
-    """A ``kv_connector_module_path`` that cannot be imported, or lacks the class named.
+    """A `kv_connector_module_path` that cannot be imported, or lacks the class named.
 
     The message starts with the field's dotted path in the profile
-    (:meth:`ConnectorRegistry.check_module_path`).
+    ([`ConnectorRegistry.check_module_path`][kvwire.ConnectorRegistry.check_module_path]).
     """
 
 
 def accepts_connector_builder(connector_cls: type) -> bool:
-    """Whether ``connector_cls`` is a composite: it takes a keyword-only ``connector_builder``."""
+    """Whether `connector_cls` is a composite: it takes a keyword-only `connector_builder`."""
     return accepts_keyword_only(connector_cls, "connector_builder")
 
 
 def accepts_keyword_only(connector_cls: type, name: str) -> bool:
-    """Whether ``connector_cls``'s constructor declares ``name`` as a keyword-only parameter."""
+    """Whether `connector_cls`'s constructor declares `name` as a keyword-only parameter."""
     try:
         parameters = inspect.signature(connector_cls).parameters
     except (TypeError, ValueError):
@@ -86,10 +84,10 @@ def accepts_keyword_only(connector_cls: type, name: str) -> bool:
 
 
 def check_connector_class(connector_cls: Any, name: str, origin: str) -> type[KVConnectorBase]:
-    """``connector_cls`` if it is a usable connector class, else the error saying why.
+    """`connector_cls` if it is a usable connector class, else the error saying why.
 
-    ``origin`` says where the name led (``module path kvwire_echo``,
-    ``entry point ...``) for the message.
+    `origin` says where the name led (`module path kvwire_echo`,
+    `entry point ...`) for the message.
     """
     if not (isinstance(connector_cls, type) and issubclass(connector_cls, KVConnectorBase)):
         raise NotAConnectorError(
@@ -111,8 +109,8 @@ def check_connector_class(connector_cls: Any, name: str, origin: str) -> type[KV
 class ConnectorRegistry:
     """Connector names mapped to lazy class providers.
 
-    ``providers`` is the dependency-injector container of those providers, one
-    per name (``registry.provider("CPUOffloadConnector").override(...)``
+    `providers` is the dependency-injector container of those providers, one
+    per name (`registry.provider("CPUOffloadConnector").override(...)`
     swaps one entry for a test). Entry points are read from the installed
     distributions' metadata the first time a name is looked up; nothing is
     imported before a name is resolved.
@@ -160,7 +158,7 @@ class ConnectorRegistry:
         return copied
 
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:
-        """Register ``name`` lazily: ``module_path`` is imported only when it is resolved."""
+        """Register `name` lazily: `module_path` is imported only when it is resolved."""
         _check_registration(name, module_path, class_name)
         self._names.register(name, module_path, class_name)
 
@@ -185,13 +183,13 @@ class ConnectorRegistry:
         return name in self._names
 
     def provider(self, name: str) -> Provider[type[KVConnectorBase]]:
-        """The lazy provider of ``name``'s class (override it to swap the class)."""
+        """The lazy provider of `name`'s class (override it to swap the class)."""
         self.entry(name)
         provider: Provider[type[KVConnectorBase]] = self._names.provider(name)
         return provider
 
     def get_class(self, name: str) -> type[KVConnectorBase]:
-        """The class registered as ``name`` (imported on first use), checked.
+        """The class registered as `name` (imported on first use), checked.
 
         A class found earlier through a module path is found by its name too,
         when no registered connector has that name.
@@ -257,7 +255,7 @@ class ConnectorRegistry:
     # ------------------------------------------------------------- resolving
 
     def resolve(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
-        """The connector class ``kv_transfer_config`` names, in vLLM's order.
+        """The connector class `kv_transfer_config` names, in vLLM's order.
 
         Name unset; empty module path; a module path wins over the registry
         (import errors propagate unchanged); then the registry; else unknown.
@@ -287,18 +285,17 @@ class ConnectorRegistry:
     def check_module_path(
         self, kv_transfer_config: KVTransferConfig, where: str = "kv_transfer_config"
     ) -> None:
-        """Import ``kv_connector_module_path`` and find the class there, or say why not by field.
+        """Import `kv_connector_module_path` and find the class there, or say why not by field.
 
-        :meth:`resolve` keeps vLLM's behaviour (an import error propagates
-        unchanged, ``Class X not found in M``); a profile's reader (``kvwire
-        check``, ``kvwire run``, the engine) calls this first, so that a bad
-        module path is a :class:`ModulePathError` naming ``where``'s
-        ``kv_connector_module_path``, with the module's message redacted,
-        whatever the module raised at import (a ``sys.exit()`` included).
-        The children a composite lists vLLM's way (``connectors`` in its
-        extra config) are checked too, each named by its own path. Nothing
-        happens for a field unset or empty (:meth:`resolve` refuses an empty
-        one in vLLM's words).
+        [`resolve`][kvwire.ConnectorRegistry.resolve] keeps vLLM's behaviour (an import error
+        propagates unchanged, `Class X not found in M`); a profile's reader (`kvwire check`,
+        `kvwire run`, the engine) calls this first, so that a bad module path is a
+        [`ModulePathError`][kvwire.exceptions.ModulePathError] naming `where`'s
+        `kv_connector_module_path`, with the module's message redacted, whatever the module raised
+        at import (a `sys.exit()` included). The children a composite lists vLLM's way (`connectors`
+        in its extra config) are checked too, each named by its own path. Nothing happens for a
+        field unset or empty ([`resolve`][kvwire.ConnectorRegistry.resolve] refuses an empty one in
+        vLLM's words).
         """
         self._check_module_path(
             kv_transfer_config.kv_connector_module_path, kv_transfer_config.kv_connector, where
@@ -349,9 +346,9 @@ class ConnectorRegistry:
             )
 
     def supports_hma_config(self, kv_transfer_config: KVTransferConfig) -> bool:
-        """Whether the connector ``kv_transfer_config`` names supports HMA as configured.
+        """Whether the connector `kv_transfer_config` names supports HMA as configured.
 
-        The class answers through its ``supports_hma_for_config`` hook, so a
+        The class answers through its `supports_hma_for_config` hook, so a
         composite (and any subclass of one) asks about each child through
         this same registry.
         """
@@ -360,7 +357,7 @@ class ConnectorRegistry:
     def class_supports_hma(
         self, connector_cls: type[KVConnectorBase], kv_transfer_config: KVTransferConfig
     ) -> bool:
-        """Whether ``connector_cls`` (resolved already, perhaps an override) supports HMA here."""
+        """Whether `connector_cls` (resolved already, perhaps an override) supports HMA here."""
         with self._nested(connector_cls):
             try:
                 with contained_exits():
@@ -387,9 +384,9 @@ class ConnectorRegistry:
     def build_connector(
         self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> KVConnectorBase:
-        """Build the connector ``config.kv_transfer_config`` names (no HMA gate).
+        """Build the connector `config.kv_transfer_config` names (no HMA gate).
 
-        This is the ``connector_builder`` composites receive for their children.
+        This is the `connector_builder` composites receive for their children.
         """
         if config.kv_transfer_config is None:
             raise ValueError("kv_transfer_config must be set to create a connector")
@@ -405,10 +402,10 @@ class ConnectorRegistry:
         *,
         medium_resolver: MediumResolver | None = None,
     ) -> KVConnectorBase:
-        """Call ``connector_cls`` as vLLM does, handing a composite its builder.
+        """Call `connector_cls` as vLLM does, handing a composite its builder.
 
-        A block connector gets ``medium_resolver`` (a container's, which its
-        ``medium_class`` override reaches), else this registry's media.
+        A block connector gets `medium_resolver` (a container's, which its
+        `medium_class` override reaches), else this registry's media.
         """
         engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
         logger.info(
@@ -490,7 +487,7 @@ _default_registry_lock = threading.Lock()
 
 
 def default_registry() -> ConnectorRegistry:
-    """The process-wide registry that ``KVConnectorFactory`` and new containers share."""
+    """The process-wide registry that `KVConnectorFactory` and new containers share."""
     global _default_registry
     with _default_registry_lock:
         if _default_registry is None:

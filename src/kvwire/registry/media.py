@@ -1,21 +1,23 @@
 """The registry of media: one lazy provider per medium name, beside the connectors'.
 
-A medium (:class:`~kvwire.media.base.Medium`) is where a block connector
+A medium ([`Medium`][kvwire.media.Medium]) is where a block connector
 keeps blocks. Like connectors, media are named through the same mechanism
-(:class:`~kvwire.registry._names.PluginNames`), and a name is imported only
-when a connector asks for it: the media kvwire ships, the ``kvwire.media``
-entry-point group of installed distributions (``name = package.module:Class``)
-and :meth:`MediumRegistry.register_medium` at run time. A profile may also
-name a class directly, as ``package.module:Class``.
+(`PluginNames`), and a name is imported only
+when a connector asks for it: the media kvwire ships, the `kvwire.media`
+entry-point group of installed distributions (`name = package.module:Class`)
+and `MediumRegistry.register_medium` at run time. A profile may also
+name a class directly, as `package.module:Class`.
 
-Every :class:`~kvwire.registry.ConnectorRegistry` holds one
-(``registry.media``), and a container's connectors resolve their medium
+Every [`ConnectorRegistry`][kvwire.ConnectorRegistry] holds one
+(`registry.media`), and a container's connectors resolve their medium
 through it: overriding a medium's provider swaps it for every connector
-built through that registry, as overriding a connector's provider does::
+built through that registry, as overriding a connector's provider does:
 
-    registry = default_registry().copy()
-    with registry.media.provider("directory").override(providers.Object(FaultyDirectory)):
-        ...  # containers given ``registry`` build their connectors over FaultyDirectory
+```python
+registry = default_registry().copy()
+with registry.media.provider("directory").override(providers.Object(FaultyDirectory)):
+    ...  # containers given `registry` build their connectors over FaultyDirectory
+```
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
 
 
 class UnknownMediumError(KVWireError, ValueError):
-    """A medium name that is not registered, or a ``module:Class`` that is not a medium."""
+    """A medium name that is not registered, or a `module:Class` that is not a medium."""
 
 
 class MediumRegistry:
-    """Medium names mapped to lazy class providers (``providers``, one per name)."""
+    """Medium names mapped to lazy class providers (`providers`, one per name)."""
 
     def __init__(
         self,
@@ -78,7 +80,7 @@ class MediumRegistry:
         return copied
 
     def register_medium(self, name: str, module_path: str, class_name: str) -> None:
-        """Register ``name`` lazily: ``module_path`` is imported only once a connector needs it."""
+        """Register `name` lazily: `module_path` is imported only once a connector needs it."""
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"register_medium: name must be an identifier, got {shown(name)}")
         if not isinstance(module_path, str) or not is_module_path(module_path):
@@ -101,14 +103,14 @@ class MediumRegistry:
         return self._names.entries()
 
     def provider(self, name: str) -> Provider[type[Medium]]:
-        """The lazy provider of ``name``'s class; override it to swap the medium."""
+        """The lazy provider of `name`'s class; override it to swap the medium."""
         if name not in self._names:
             raise UnknownMediumError(self._unknown(name))
         provider: Provider[type[Medium]] = self._names.provider(name)
         return provider
 
     def get_class(self, spec: str) -> type[Medium]:
-        """The medium class ``spec`` names: a registered name, or ``package.module:Class``."""
+        """The medium class `spec` names: a registered name, or `package.module:Class`."""
         if not isinstance(spec, str) or not spec:
             raise UnknownMediumError(self._unknown(spec))
         if ":" in spec:
@@ -155,7 +157,7 @@ class MediumRegistry:
                 "kvwire.media.base.Medium"
             )
         if inspect.isabstract(found):
-            # Refused here, so that ``kvwire check`` refuses what the engine cannot build.
+            # Refused here, so that `kvwire check` refuses what the engine cannot build.
             missing = ", ".join(sorted(found.__abstractmethods__))
             raise UnknownMediumError(
                 f"medium {shown(spec)} is abstract (it does not implement {missing}); "

@@ -1,9 +1,9 @@
-"""``kvwire run``: the command that measures what a connector buys, apart from the engine core.
+"""`kvwire run`: the command that measures what a connector buys, apart from the engine core.
 
-:mod:`kvwire.cli` calls :func:`configure_parser` and :func:`run` (both in
-:mod:`~kvwire.run.command`); :mod:`~kvwire.run.passes` runs the workload on
-the engine four ways and :mod:`~kvwire.run.report` prints their table.
-Importing this package does not import torch: ``kvwire --help`` must stay fast.
+`kvwire.cli` calls `configure_parser` and `run` (both in
+`command`); `passes` runs the workload on
+the engine four ways and `report` prints their table.
+Importing this package does not import torch: `kvwire --help` must stay fast.
 """
 
 from __future__ import annotations

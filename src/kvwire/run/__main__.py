@@ -1,4 +1,4 @@
-"""``python -m kvwire.run``: the same as ``kvwire run``."""
+"""`python -m kvwire.run`: the same as `kvwire run`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
-"""``kvwire run [PROFILE]``: what a connector buys on a workload, measured four ways.
+"""`kvwire run [PROFILE]`: what a connector buys on a workload, measured four ways.
 
 The workload runs without a connector, then with it cold (filling it), then
 warm (the engine's local prefix cache emptied, so shared prefixes must come
 back from the connector), and local (the workload again without a connector,
 its prefix cache kept: nothing to move, the best a warm connector could
-match). A table compares the passes; ``--json`` prints the
+match). A table compares the passes; `--json` prints the
 same figures for machines. The exit status is 1 when any pass's outputs
 differ from the no-connector pass or a request failed.
 
-No torch at import time: ``kvwire --help`` must stay fast.
+No torch at import time: `kvwire --help` must stay fast.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ MAX_PARALLEL_SIZE = 2**16
 MAX_SEED = 2**64
 _LONGEST_NUMBER = 40
 
-# What each row means, for ``kvwire run --help``.
+# What each row means, for `kvwire run --help`.
 COLUMN_HELP = """\
 table rows (one column per pass: no connector, cold = filling the connector,
 warm = local prefix cache emptied, so shared prefixes come from the connector,
@@ -76,7 +76,7 @@ connector, why (the HMA gate), and how many KV cache groups the cache had."""
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add ``kvwire run``'s arguments to ``parser``, and what its table's rows mean."""
+    """Add `kvwire run`'s arguments to `parser`, and what its table's rows mean."""
     parser.description = (
         "Run a workload without a connector, then with it cold, then warm, and again "
         "without it with the local prefix cache kept; compare."
@@ -156,7 +156,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _count(limit: int) -> Callable[[str], int]:
-    """An argparse type: a whole number from 1 to ``limit``; its error shows the text bounded."""
+    """An argparse type: a whole number from 1 to `limit`; its error shows the text bounded."""
 
     def count(text: str) -> int:
         value = _whole_number(text)
@@ -208,7 +208,7 @@ def _ratio(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``kvwire run``; the process exit status."""
+    """Execute `kvwire run`; the process exit status."""
     from kvwire.registry import default_registry
     from kvwire.run.passes import PASSES, compare_passes
     from kvwire.run.report import format_table
@@ -305,7 +305,7 @@ def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
 def _with_parallel_sizes(
     config: EngineConfig, tensor_size: int | None, pipeline_size: int | None
 ) -> EngineConfig:
-    """``config`` with the parallel sizes the flags give (None: the profile's)."""
+    """`config` with the parallel sizes the flags give (None: the profile's)."""
     import attrs
 
     from kvwire.config import ParallelConfig
@@ -386,7 +386,7 @@ class _ProgressBar:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvwire.run``: the same as ``kvwire run`` (its usage errors, its Ctrl-C)."""
+    """`python -m kvwire.run`: the same as `kvwire run` (its usage errors, its Ctrl-C)."""
     from kvwire.cli import main as kvwire_main
 
     return kvwire_main(["run", *(sys.argv[1:] if argv is None else argv)])

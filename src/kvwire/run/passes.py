@@ -204,7 +204,7 @@ def _throughput(counters: Mapping[str, float | None]) -> float | None:
 
 
 def _sum_counter(stats: Mapping[str, Any], name: str) -> float | None:
-    """``name`` summed over a stats tree (a composite nests its children's counters)."""
+    """`name` summed over a stats tree (a composite nests its children's counters)."""
     found = False
     total = 0.0
     for key, value in stats.items():

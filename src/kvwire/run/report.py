@@ -1,4 +1,4 @@
-"""The table ``kvwire run`` prints: one column per pass, one row per figure."""
+"""The table `kvwire run` prints: one column per pass, one row per figure."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """kvwire's conformance kit for KV connectors: a pytest plugin and a reusable suite.
 
-``from kvwire.testing import ConnectorConformanceSuite`` imports the engine
-(and torch); the pytest plugin itself (:mod:`kvwire.testing.plugin`) does not.
+`from kvwire.testing import ConnectorConformanceSuite` imports the engine
+(and torch); the pytest plugin itself (`kvwire.testing.plugin`) does not.
 """
 
 from __future__ import annotations

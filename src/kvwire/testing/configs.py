@@ -29,9 +29,9 @@ def conformance_engine_config(
     block_size: int = 4,
     num_gpu_blocks: int = 128,
 ) -> EngineConfig:
-    """A small engine config naming ``connector``.
+    """A small engine config naming `connector`.
 
-    ``connector`` is a registered name (``"CPUOffloadConnector"``), a
+    `connector` is a registered name (`"CPUOffloadConnector"`), a
     connector class (found by its module path), or a path to a profile (YAML,
     whose model and cache shapes are kept as they are).
     """
@@ -59,7 +59,7 @@ def conformance_engine_config(
 
 
 def with_load_failure_policy(config: EngineConfig, policy: LoadFailurePolicy) -> EngineConfig:
-    """``config`` whose connector answers load failures by ``policy`` ("recompute" or "fail")."""
+    """`config` whose connector answers load failures by `policy` ("recompute" or "fail")."""
     assert config.kv_transfer_config is not None
     transfer = attrs.evolve(config.kv_transfer_config, kv_load_failure_policy=policy)
     return attrs.evolve(config, kv_transfer_config=transfer)
@@ -70,11 +70,11 @@ HYBRID_LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL
 
 
 def hybrid_engine_config(config: EngineConfig) -> EngineConfig:
-    """``config`` with a tiny hybrid model, and the HMA gate left to decide.
+    """`config` with a tiny hybrid model, and the HMA gate left to decide.
 
     Four layers, sliding-window and full attention alternating; the window is
     two blocks, shorter than the kit's prompts, so a sliding-window group's
-    first blocks leave it. ``disable_hybrid_kv_cache_manager`` is unset, as a
+    first blocks leave it. `disable_hybrid_kv_cache_manager` is unset, as a
     user leaves it: HMA stays on exactly when the connector serves it.
     """
     model = attrs.evolve(
@@ -88,6 +88,6 @@ def hybrid_engine_config(config: EngineConfig) -> EngineConfig:
 
 
 def with_hma_disabled(config: EngineConfig) -> EngineConfig:
-    """``config`` with ``disable_hybrid_kv_cache_manager: true``: one group of every layer."""
+    """`config` with `disable_hybrid_kv_cache_manager: true`: one group of every layer."""
     scheduler = attrs.evolve(config.scheduler_config, disable_hybrid_kv_cache_manager=True)
     return attrs.evolve(config, scheduler_config=scheduler)

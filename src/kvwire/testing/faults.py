@@ -1,30 +1,29 @@
 """The kit's load failures on purpose: any connector, wrapped, has chosen loads fail.
 
 A connector under test may keep its blocks anywhere (a medium or not), so
-the kit fails its loads from outside: :func:`with_load_faults` overrides a
-container's ``connector_class`` with a :class:`LoadFaultConnector` around
-the class the config names. In each role it builds the wrapped connector
-through the registry (as a composite builds its children) and delegates
-every call to it, except that:
+the kit fails its loads from outside: [`with_load_faults`][kvwire.testing.with_load_faults]
+overrides a container's `connector_class` with a `LoadFaultConnector` around the class the config
+names. In each role it builds the wrapped connector through the registry (as a composite builds its
+children) and delegates every call to it, except that:
 
 - its scheduler side learns the blocks each load fills from
-  ``update_state_after_alloc`` and picks, for each chosen request's first
-  load, the block at ``fail_block_index`` of the loaded range (every KV
+  `update_state_after_alloc` and picks, for each chosen request's first
+  load, the block at `fail_block_index` of the loaded range (every KV
   cache group's blocks, group after group, null blocks left out), which it
   sends to the worker side inside the step's metadata
-  (:class:`LoadFaultMetadata`, the wrapped connector's metadata within);
+  (`LoadFaultMetadata`, the wrapped connector's metadata within);
 - its worker side leaves garbage (0xFF bytes: NaN in every float dtype) in
   that block after the wrapped connector loaded it, and reports the block
   as a load error: a synchronous load's in that step, layer by layer once
-  ``wait_for_layer_load`` returned, telling the wrapped connector
-  (``skip_saves_computed_from``) before it saves the step; an asynchronous
+  `wait_for_layer_load` returned, telling the wrapped connector
+  (`skip_saves_computed_from`) before it saves the step; an asynchronous
   load's once it is reported finished.
 
 The wrapper lives in the container it is applied to: the engine's, for the
 worker inline. A worker process builds its connector from its own
-container: hand the engine a :class:`LoadFaultsHook` as its
-``worker_container_hook`` (each rank of a parallel engine applies it to its
-container), and ``ranks`` limits the garbage and the reports to those ranks.
+container: hand the engine a [`LoadFaultsHook`][kvwire.testing.LoadFaultsHook] as its
+`worker_container_hook` (each rank of a parallel engine applies it to its
+container), and `ranks` limits the garbage and the reports to those ranks.
 """
 
 from __future__ import annotations
@@ -100,11 +99,12 @@ class LoadFaultMetadata(KVConnectorMetadata):
 
 
 class LoadFaultConnector(KVConnectorBase, SupportsHMA):
-    """:attr:`wrapped`, whose chosen loads fail; build it through :func:`with_load_faults`.
+    """`wrapped`, whose chosen loads fail; build it through
+    [`with_load_faults`][kvwire.testing.with_load_faults].
 
     Serves HMA exactly when the wrapped class does (the engine's HMA gate
-    asks it); with HMA off, ``request_finished_all_groups`` reaches the
-    wrapped connector as ``request_finished`` with the one group's blocks.
+    asks it); with HMA off, `request_finished_all_groups` reaches the
+    wrapped connector as `request_finished` with the one group's blocks.
     """
 
     wrapped: ClassVar[type[KVConnectorBase]]
@@ -114,7 +114,7 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
     fail_block_index: ClassVar[int] = 0
     """Which block of the loaded range fails (negative: from the end)."""
     fail_ranks: ClassVar[frozenset[int] | None] = None
-    """The ranks whose worker side fails the loads (``parallel_config.rank``); None: every rank."""
+    """The ranks whose worker side fails the loads (`parallel_config.rank`); None: every rank."""
 
     def __init__(
         self,
@@ -441,13 +441,13 @@ def with_load_faults(
     request_ids: frozenset[str] | None = None,
     ranks: frozenset[int] | None = None,
 ) -> KVConnectorContainer:
-    """``container``, its ``connector_class`` overridden by a :class:`LoadFaultConnector` around it.
+    """`container`, its `connector_class` overridden by a `LoadFaultConnector` around it.
 
-    Each request in ``request_ids`` (every request when None) has its first
-    load fail at the block at ``block_index`` of the loaded range, on the
-    workers of ``ranks`` (None: all). Hand the container to the engine
-    (``LLMEngine(config, container=...)``); worker processes need a
-    :class:`LoadFaultsHook` too.
+    Each request in `request_ids` (every request when None) has its first
+    load fail at the block at `block_index` of the loaded range, on the
+    workers of `ranks` (None: all). Hand the container to the engine
+    (`LLMEngine(config, container=...)`); worker processes need a
+    [`LoadFaultsHook`][kvwire.testing.LoadFaultsHook] too.
     """
     wrapped_class = container.connector_class()
 
@@ -464,11 +464,12 @@ def with_load_faults(
 
 @attrs.frozen
 class LoadFaultsHook:
-    """:func:`with_load_faults` as a picklable container hook, for the engine's worker processes.
+    """[`with_load_faults`][kvwire.testing.with_load_faults] as a picklable container hook, for the
+    engine's worker processes.
 
-    ``LLMEngine(config, container=with_load_faults(..., ranks=r),
-    worker_container_hook=LoadFaultsHook(ranks=r))``: the scheduler side
-    picks the faults, the workers of ``ranks`` leave garbage and report them.
+    `LLMEngine(config, container=with_load_faults(..., ranks=r),
+    worker_container_hook=LoadFaultsHook(ranks=r))`: the scheduler side
+    picks the faults, the workers of `ranks` leave garbage and report them.
     """
 
     block_index: int = 0

@@ -2,7 +2,7 @@
 
 Both work by shadowing the connector's interface methods on the instance, so
 they see calls from the engine *and* calls a connector makes on itself: a
-scheduler-role instance that calls its own ``start_load_kv`` is caught too.
+scheduler-role instance that calls its own `start_load_kv` is caught too.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ class RoleViolationError(KVWireError, RuntimeError):
 class CallRecord:
     """One call into a connector: its role, the method, a detail and the result.
 
-    ``detail`` is the request id for per-request calls, the layer name for
-    per-layer calls, and the scheduled request ids for ``build_connector_meta``.
-    ``block_ids`` is a copy of the block ids the call hands over, one tuple
-    per KV cache group: the request's for ``update_state_after_alloc``,
-    ``request_finished`` (one group) and ``request_finished_all_groups``;
-    for ``build_connector_meta``, ``(request id, per-group ids)`` of each
+    `detail` is the request id for per-request calls, the layer name for
+    per-layer calls, and the scheduled request ids for `build_connector_meta`.
+    `block_ids` is a copy of the block ids the call hands over, one tuple
+    per KV cache group: the request's for `update_state_after_alloc`,
+    `request_finished` (one group) and `request_finished_all_groups`;
+    for `build_connector_meta`, `(request id, per-group ids)` of each
     scheduled request; else empty.
     """
 
@@ -114,7 +114,7 @@ def _block_ids(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def record_calls(connector: KVConnectorBase, log: CallLog) -> None:
-    """Append every interface call on ``connector`` (and its result) to ``log``."""
+    """Append every interface call on `connector` (and its result) to `log`."""
     role = connector.role
     for name in (*WORKER_SIDE_METHODS, *SCHEDULER_SIDE_METHODS, *_BOTH_SIDES):
         original = getattr(connector, name, None)
@@ -140,7 +140,8 @@ def _recording(
 
 
 def enforce_roles(connector: KVConnectorBase) -> None:
-    """Make every call of the other role's side raise :class:`RoleViolationError`."""
+    """Make every call of the other role's side raise
+    [`RoleViolationError`][kvwire.testing.RoleViolationError]."""
     role = connector.role
     forbidden = SCHEDULER_SIDE_METHODS if role is KVConnectorRole.WORKER else WORKER_SIDE_METHODS
     side = "scheduler" if role is KVConnectorRole.WORKER else "worker"
@@ -162,7 +163,7 @@ def enforce_roles(connector: KVConnectorBase) -> None:
 class Instruments:
     """The engine's connector hook for the kit: strict roles and/or a call log.
 
-    Picklable when ``log`` is None, so it can go to a worker process.
+    Picklable when `log` is None, so it can go to a worker process.
     """
 
     strict_roles: bool = True

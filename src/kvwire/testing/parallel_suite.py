@@ -1,9 +1,9 @@
 """The conformance kit's parallel section: a connector under tensor parallelism, in seconds.
 
-Subclass :class:`ParallelConformanceSuite` as you subclass
-:class:`~kvwire.testing.suite.ConnectorConformanceSuite`, overriding
-``engine_config``; each test runs the kvwire engine at
-``tensor_parallel_size`` 2 (two worker processes, each holding one of the
+Subclass [`ParallelConformanceSuite`][kvwire.testing.ParallelConformanceSuite] as you subclass
+[`ConnectorConformanceSuite`][kvwire.testing.ConnectorConformanceSuite], overriding
+`engine_config`; each test runs the kvwire engine at
+`tensor_parallel_size` 2 (two worker processes, each holding one of the
 kit model's two KV heads, its connector built there for its rank) against
 the unsplit engine without a connector:
 
@@ -13,9 +13,9 @@ the unsplit engine without a connector:
 - cross-size loads: what a TP=1 engine stored loads into a TP=2 engine, and
   what a TP=2 engine stored loads into a TP=1 engine (a connector whose
   entries do not outlive its engine, like CPU offload, sets
-  ``loads_across_engines = False``: its engines then load nothing of each
+  `loads_across_engines = False`: its engines then load nothing of each
   other's, and only equal tokens are asked). A store must name entries so
-  that both sizes read them (kvwire's store media: ``entry_kv_heads: 1``);
+  that both sizes read them (kvwire's store media: `entry_kv_heads: 1`);
 - all or none: a load failed on one rank only (garbage left in the block
   there, the block reported failed) is computed again on every rank, and
   the tokens stay equal.
@@ -49,7 +49,7 @@ class Computed:
 
 
 def tensor_parallel(config: EngineConfig, size: int = TENSOR_PARALLEL_SIZE) -> EngineConfig:
-    """``config`` split over ``size`` tensor-parallel ranks."""
+    """`config` split over `size` tensor-parallel ranks."""
     return attrs.evolve(config, parallel_config=ParallelConfig(tensor_parallel_size=size))
 
 

@@ -1,4 +1,4 @@
-"""kvwire's pytest plugin (entry point ``pytest11``): options and fixtures of the kit.
+"""kvwire's pytest plugin (entry point `pytest11`): options and fixtures of the kit.
 
 Loaded by pytest in every project that has kvwire installed, so it imports
 nothing heavy: the engine (and torch) is imported only by the tests that use

@@ -1,35 +1,37 @@
 """The conformance suite: any connector, taken through the engine as a server would.
 
-Subclass :class:`ConnectorConformanceSuite` in a ``Test*`` class and override
-the ``engine_config`` fixture to name your connector::
+Subclass [`ConnectorConformanceSuite`][kvwire.testing.ConnectorConformanceSuite] in a `Test*` class
+and override the `engine_config` fixture to name your connector:
 
-    from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
+```python
+from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
 
-    class TestMyConnector(ConnectorConformanceSuite):
-        @pytest.fixture
-        def engine_config(self, tmp_path):
-            return conformance_engine_config(
-                "MyConnector", extra_config={"path": str(tmp_path)}
-            )
+class TestMyConnector(ConnectorConformanceSuite):
+    @pytest.fixture
+    def engine_config(self, tmp_path):
+        return conformance_engine_config(
+            "MyConnector", extra_config={"path": str(tmp_path)}
+        )
+```
 
-pytest then runs every ``test_*`` below on it: the call order of both roles,
+pytest then runs every `test_*` below on it: the call order of both roles,
 equal outputs with and without the connector (cold and warm), a bit-exact
 round trip of KV blocks, the async-load path, load failures under both
 policies, preemption, the worker in its own process, and shutdown. Strict
-roles are on (``--kvwire-no-strict-roles`` turns them off).
+roles are on (`--kvwire-no-strict-roles` turns them off).
 
-Hybrid models (the ``test_hybrid_*`` tests): the same connector config runs
+Hybrid models (the `test_hybrid_*` tests): the same connector config runs
 a tiny model whose layers alternate sliding-window and full attention
-(:func:`~kvwire.testing.configs.hybrid_engine_config`, the HMA gate left to
-decide). For a connector that serves HMA (``SupportsHMA``, or a composite
-whose ``supports_hma_for_config`` says so) the engine keeps one KV cache
+([`hybrid_engine_config`][kvwire.testing.hybrid_engine_config], the HMA gate left to
+decide). For a connector that serves HMA (`SupportsHMA`, or a composite
+whose `supports_hma_for_config` says so) the engine keeps one KV cache
 group per kind of layer, and the kit checks:
 
 - every group's KV round trips bit-exactly (warm, loaded, against the same
   model computed without a connector), and outputs are equal;
 - only blocks inside a sliding-window group's window move: the null block
   (id 0, the positions that left the window) is never written, and where
-  the connector reports ``bytes_saved`` / ``bytes_loaded`` in its stats
+  the connector reports `bytes_saved` / `bytes_loaded` in its stats
   (summed through a composite's children), each is smaller with HMA on
   than with HMA off (one group of every layer, every block moved), as a
   connector that moved every block of every group would not be;
@@ -37,7 +39,7 @@ group per kind of layer, and the kit checks:
   on as with HMA off, a prompt of whole blocks included (the engine
   recomputes its last token, so its hit ends a block before the saved
   prefix's end, and a sliding-window group must hold the window there);
-- blocks a connector keeps at ``request_finished_all_groups`` stay
+- blocks a connector keeps at `request_finished_all_groups` stay
   allocated in every group (no other request gets one) until the connector
   reports the request finished sending, and it does report every one.
 
@@ -112,9 +114,9 @@ class PassResult:
 class HybridRun:
     """A cold and a warm pass on a hybrid config, and what the engine made of it.
 
-    ``layer_groups`` is each layer's KV cache group (model order, as captured
-    KV stacks layers); ``stats`` the connector's summed stats;
-    ``null_block_written``: whether any layer's null block (id 0) holds
+    `layer_groups` is each layer's KV cache group (model order, as captured
+    KV stacks layers); `stats` the connector's summed stats;
+    `null_block_written`: whether any layer's null block (id 0) holds
     anything but zeros afterwards (only with a null block, i.e. HMA on).
     """
 
@@ -132,7 +134,7 @@ class HybridRun:
 
 
 def summed_counter(stats: Any, name: str) -> float | None:
-    """``name``'s value in connector stats, summed over a composite's children; else None."""
+    """`name`'s value in connector stats, summed over a composite's children; else None."""
     if not isinstance(stats, dict):
         return None
     found = [stats[name]] if isinstance(stats.get(name), (int, float)) else []
@@ -178,7 +180,7 @@ class ConnectorConformanceSuite:
 
     @pytest.fixture
     def hybrid_config(self, engine_config: EngineConfig) -> EngineConfig:
-        """``engine_config`` with the kit's tiny hybrid model; the HMA gate decides."""
+        """`engine_config` with the kit's tiny hybrid model; the HMA gate decides."""
         return hybrid_engine_config(engine_config)
 
     # ------------------------------------------------------------ helpers
@@ -190,7 +192,7 @@ class ConnectorConformanceSuite:
         hook: Instruments,
         **engine_options: Any,
     ) -> tuple[PassResult, PassResult]:
-        """Run ``workload`` twice on one engine, emptying its local cache in between.
+        """Run `workload` twice on one engine, emptying its local cache in between.
 
         The cold pass's saves are waited for before the warm pass starts: a
         save may outlive its request (written in the background), and a
@@ -214,7 +216,8 @@ class ConnectorConformanceSuite:
     def hybrid_cold_then_warm(
         cls, config: EngineConfig, workload: Sequence[GenerationRequest], hook: Instruments
     ) -> HybridRun:
-        """:meth:`cold_then_warm` on a hybrid config (worker inline), with what HMA decided."""
+        """[`cold_then_warm`][kvwire.testing.ConnectorConformanceSuite.cold_then_warm] on a hybrid
+        config (worker inline), with what HMA decided."""
         with LLMEngine(config, connector_hook=hook, capture_kv=True) as engine:
             cold = engine.generate(workload)
             engine.wait_for_saves()
@@ -256,7 +259,7 @@ class ConnectorConformanceSuite:
     def logged_pass(
         config: EngineConfig, workload: Sequence[GenerationRequest], strict_roles: bool
     ) -> tuple[CallLog, LLMEngine]:
-        """Run ``workload`` once with every connector call logged; the engine comes back closed."""
+        """Run `workload` once with every connector call logged; the engine comes back closed."""
         log = CallLog()
         with LLMEngine(
             config, connector_hook=Instruments(strict_roles=strict_roles, log=log)

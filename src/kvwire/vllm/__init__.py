@@ -1,13 +1,15 @@
-"""kvwire inside vLLM: ``KVWireConnector`` serves a vLLM engine with any kvwire connector.
+"""kvwire inside vLLM: `KVWireConnector` serves a vLLM engine with any kvwire connector.
 
-Importing this package imports vLLM; ``import kvwire`` never does. In vLLM's
-``kv_transfer_config``::
+Importing this package imports vLLM; `import kvwire` never does. In vLLM's
+`kv_transfer_config`:
 
-    {"kv_connector": "KVWireConnector", "kv_role": "kv_both",
-     "kv_connector_extra_config": {"kvwire_profile": "containers/cpu-offload.yaml"}}
+```python
+{"kv_connector": "KVWireConnector", "kv_role": "kv_both",
+ "kv_connector_extra_config": {"kvwire_profile": "containers/cpu-offload.yaml"}}
+```
 
-(``"kv_connector_module_path": "kvwire.vllm"`` is optional once kvwire is
-installed: its ``vllm.general_plugins`` entry point registers the name.)
+(`"kv_connector_module_path": "kvwire.vllm"` is optional once kvwire is
+installed: its `vllm.general_plugins` entry point registers the name.)
 """
 
 from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata

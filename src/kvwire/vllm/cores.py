@@ -1,8 +1,8 @@
 """Which cores kvwire's I/O threads run on in a vLLM CPU worker: the engine's, not the model's.
 
 vLLM's CPU executor gives each worker's model its own cores
-(``VLLM_CPU_OMP_THREADS_BIND``) and keeps the rest of the engine's
-(``VLLM_CPU_NUM_OF_RESERVED_CPU``) for its engine-core process: it sets
+(`VLLM_CPU_OMP_THREADS_BIND`) and keeps the rest of the engine's
+(`VLLM_CPU_NUM_OF_RESERVED_CPU`) for its engine-core process: it sets
 OpenMP's places for the worker, and libgomp pins the worker's main thread to
 them as torch loads. A thread starts with the affinity of the thread that
 starts it, so kvwire's save and load threads, started from that main thread,
@@ -14,8 +14,8 @@ thread's affinity widened, for that while, to its parent's, the engine-core
 process vLLM does not pin; the main thread's pin is put back at once.
 
 Nothing changes where the calling thread is not pinned narrower than its
-parent (an in-process engine, ``taskset`` over the whole engine, a platform
-without ``sched_setaffinity``).
+parent (an in-process engine, `taskset` over the whole engine, a platform
+without `sched_setaffinity`).
 """
 
 from __future__ import annotations

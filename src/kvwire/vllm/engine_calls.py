@@ -1,24 +1,24 @@
-"""Calls an application makes on a vLLM ``LLM`` served by KVWireConnector.
+"""Calls an application makes on a vLLM `LLM` served by KVWireConnector.
 
-Both reach the worker's connector through vLLM's worker RPC, so the ``LLM``
-must be started with ``worker_extension_cls=WORKER_EXTENSION`` (vLLM mixes
-:class:`KVWireWorkerExtension` into its worker class, in whichever process
-the worker runs).
+Both reach the worker's connector through vLLM's worker RPC, so the `LLM`
+must be started with `worker_extension_cls=WORKER_EXTENSION` (vLLM mixes
+[`KVWireWorkerExtension`][kvwire.vllm.KVWireWorkerExtension] into its worker class, in whichever
+process the worker runs).
 
-:func:`kvwire_stats`: kvwire's counters since the engine started (vLLM's own
+[`kvwire_stats`][kvwire.vllm.kvwire_stats]: kvwire's counters since the engine started (vLLM's own
 stats interval takes them step by step; this keeps the totals), summed over
 the engine's KVWireConnectors: its connector, or those among the children of
-vLLM's ``MultiConnector``.
+vLLM's `MultiConnector`.
 
-:func:`wait_for_saves`: kvwire's connectors save in the background: when
-``LLM.generate()`` returns, the last steps' saves may still run, and a
+[`wait_for_saves`][kvwire.vllm.wait_for_saves]: kvwire's connectors save in the background: when
+`LLM.generate()` returns, the last steps' saves may still run, and a
 connector that keeps a finished request's blocks while its save reads them
 (CPU offload) confirms the save only once the engine steps again. The engine
 core's own loop does that when vLLM runs it in a process of its own (the
-default); an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps
-only inside ``generate()``. :func:`wait_for_saves` settles both, so that the
+default); an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) steps
+only inside `generate()`. [`wait_for_saves`][kvwire.vllm.wait_for_saves] settles both, so that the
 next lookup finds every block saved so far (call it before
-``llm.reset_prefix_cache()``, which cannot free blocks a save still holds).
+`llm.reset_prefix_cache()`, which cannot free blocks a save still holds).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ WORKER_EXTENSION = "kvwire.vllm.engine_calls.KVWireWorkerExtension"
 
 
 class KVWireWorkerExtension:
-    """Worker methods vLLM's ``collective_rpc`` can call by name (vLLM's worker extension)."""
+    """Worker methods vLLM's `collective_rpc` can call by name (vLLM's worker extension)."""
 
     def kvwire_wait_for_saves(self, timeout_s: float) -> bool:
         return all([c.wait_for_pending_saves(timeout_s) for c in _worker_kvwire_connectors()])
@@ -49,9 +49,9 @@ class KVWireWorkerExtension:
 
 
 def wait_for_saves(llm: Any, timeout_s: float = 60.0) -> None:
-    """Block until every save started by ``llm``'s KVWireConnector is complete and confirmed.
+    """Block until every save started by `llm`'s KVWireConnector is complete and confirmed.
 
-    Raises ``TimeoutError`` if that takes longer than ``timeout_s``.
+    Raises `TimeoutError` if that takes longer than `timeout_s`.
     """
     _check_timeout(timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -84,7 +84,7 @@ def _check_timeout(timeout_s: object) -> None:
 
 
 def kvwire_stats(llm: Any) -> dict[str, int | float]:
-    """kvwire's counters since ``llm`` started, flattened (``<child>.<counter>`` for composites)."""
+    """kvwire's counters since `llm` started, flattened (`<child>.<counter>` for composites)."""
     merged: dict[str, int | float] = {}
     for worker_totals in _call_workers(llm, "kvwire_stats"):
         for name, value in worker_totals.items():

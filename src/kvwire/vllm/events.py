@@ -1,12 +1,12 @@
 """kvwire's KV cache events on their way through vLLM, and as vLLM's events at the end.
 
 The worker side hands kvwire's events (picklable records) to vLLM in a
-:class:`KVWireKVEvents`; vLLM carries it to the scheduler side in the step's
-``KVConnectorOutput``, where the wrapped connector takes them back. What the
-scheduler side's ``take_events`` reports is vLLM's ``BlockStored`` /
-``BlockRemoved``, with vLLM's block hashes (kvwire keys blocks by them) and,
+`KVWireKVEvents`; vLLM carries it to the scheduler side in the step's
+`KVConnectorOutput`, where the wrapped connector takes them back. What the
+scheduler side's `take_events` reports is vLLM's `BlockStored` /
+`BlockRemoved`, with vLLM's block hashes (kvwire keys blocks by them) and,
 for the blocks of requests the connector saw, their token ids and parent
-hash (:class:`BlockTokens`). A LoRA adapter's blocks, which kvwire keys by
+hash (`BlockTokens`). A LoRA adapter's blocks, which kvwire keys by
 vLLM's hash folded with the adapter's key, are reported by vLLM's hash and
 the adapter's id and name, as vLLM reports its own.
 """
@@ -39,8 +39,8 @@ _MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 class KVWireKVEvents(KVConnectorKVEvents):
     """kvwire's events from the workers of one engine, for the scheduler side.
 
-    vLLM's output aggregator concatenates every rank's (``add_events``);
-    :class:`~kvwire.ranks.EveryRank` then keeps a block stored once all ranks stored it.
+    vLLM's output aggregator concatenates every rank's (`add_events`);
+    `EveryRank` then keeps a block stored once all ranks stored it.
     """
 
     def __init__(self, events: Sequence[KVWireEvent] = (), num_workers: int = 1) -> None:
@@ -81,7 +81,7 @@ class _Block:
 
 
 class BlockTokens:
-    """The token ids and parent hash of recently seen blocks, to fill vLLM's ``BlockStored``.
+    """The token ids and parent hash of recently seen blocks, to fill vLLM's `BlockStored`.
 
     Bounded: the oldest entries go first; an event for a block no longer
     remembered carries no token ids.
@@ -102,10 +102,10 @@ class BlockTokens:
         lora_id: int | None = None,
         lora_name: str | None = None,
     ) -> None:
-        """Remember blocks ``start..`` of a request (its hashes and all its token ids).
+        """Remember blocks `start..` of a request (its hashes and all its token ids).
 
-        ``keys``: what the connector keys each block by, when not vLLM's hash
-        (a LoRA adapter's request, whose ``lora_id`` and ``lora_name`` are given).
+        `keys`: what the connector keys each block by, when not vLLM's hash
+        (a LoRA adapter's request, whose `lora_id` and `lora_name` are given).
         """
         size = self._block_size
         keys = block_hashes if keys is None else keys

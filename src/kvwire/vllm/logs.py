@@ -1,14 +1,14 @@
 """kvwire's log records inside vLLM: through vLLM's logging configuration.
 
-vLLM configures only its own ``vllm`` logger (a handler with its format, its
-level from ``VLLM_LOGGING_LEVEL`` or ``--log-level``, its stream). kvwire's
+vLLM configures only its own `vllm` logger (a handler with its format, its
+level from `VLLM_LOGGING_LEVEL` or `--log-level`, its stream). kvwire's
 loggers are outside it: left alone, their INFO lines are dropped and their
 warnings come out bare, without vLLM's level, time and process. So in a vLLM
-process kvwire hands each record of its ``kvwire`` logger to vLLM's, and
+process kvwire hands each record of its `kvwire` logger to vLLM's, and
 takes vLLM's level, unless vLLM configured no logging
-(``VLLM_CONFIGURE_LOGGING=0``: the ``vllm`` logger has no handler) or the
+(`VLLM_CONFIGURE_LOGGING=0`: the `vllm` logger has no handler) or the
 application configured logging that shows kvwire's records already (a
-handler on the ``kvwire`` logger or on the root logger): then it is left as
+handler on the `kvwire` logger or on the root logger): then it is left as
 the application set it. Records still propagate, so a handler the
 application adds to the root logger later sees them too.
 """
@@ -33,7 +33,7 @@ class _ToVLLMLogger(logging.Handler):
 
 
 def follow_vllm_logging() -> bool:
-    """Route the ``kvwire`` logger through vLLM's, at vLLM's level; whether it now is.
+    """Route the `kvwire` logger through vLLM's, at vLLM's level; whether it now is.
 
     Called again (each connector built in a process), it takes vLLM's level
     once more: vLLM may have configured logging since.

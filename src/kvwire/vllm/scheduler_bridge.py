@@ -1,25 +1,25 @@
 """vLLM's scheduler-side objects as kvwire's connectors expect them.
 
-- :class:`RequestView`: a vLLM request read live, so that kvwire's planner,
-  which keeps the request and re-reads ``block_hashes`` and ``num_tokens``
+- `RequestView`: a vLLM request read live, so that kvwire's planner,
+  which keeps the request and re-reads `block_hashes` and `num_tokens`
   each step, sees the hashes vLLM appends as blocks fill up. vLLM's block
   hashes (32-byte sha256 values, the same in every process) are the keys
   as they are; the layout fingerprint namespaces them in the store. A
   request with a LoRA adapter gets its hashes folded with the adapter's
-  key (:mod:`kvwire.adapter_keys`): vLLM's hash names the adapter only by
+  key (`kvwire.adapter_keys`): vLLM's hash names the adapter only by
   its name and path. One with an adapter kvwire cannot identify offers no
   hash: nothing is looked up or saved for it. The workers receive the
   keys the scheduler side planned with, in the step's metadata.
-- :class:`RequestViews`: one view per request, its adapter's key decided
+- `RequestViews`: one view per request, its adapter's key decided
   when it is first seen.
-- :class:`BlockTables`: vLLM sends each request's block ids once and then
+- `BlockTables`: vLLM sends each request's block ids once and then
   only the new ones (a resumed request gets its whole list again); kvwire's
   connectors want every step's full lists. It also turns vLLM's
-  ``SchedulerOutput`` into kvwire's. On a hybrid cache the lists are read
+  `SchedulerOutput` into kvwire's. On a hybrid cache the lists are read
   from vLLM's live block table instead: vLLM frees the blocks that leave a
   sliding window without telling the workers, so lists kept from the deltas
   would still name blocks that another request may hold by now.
-- :class:`AllocationFilter`: vLLM calls ``update_state_after_alloc`` twice
+- `AllocationFilter`: vLLM calls `update_state_after_alloc` twice
   for an asynchronous load (the load's blocks, then, once the load is done,
   all blocks with 0 external tokens); kvwire's connectors plan once per
   allocation, so the second call is not passed on.
@@ -45,12 +45,12 @@ _STATUSES = {status.name: status for status in RequestStatus}
 
 
 class RequestView:
-    """kvwire's :class:`~kvwire.interface.types.Request`, read from a vLLM request when asked.
+    """kvwire's [`Request`][kvwire.Request], read from a vLLM request when asked.
 
     Only what kvwire's connectors read is offered; every attribute reflects
-    the vLLM request at the moment it is read. ``adapter_key``: the key of
+    the vLLM request at the moment it is read. `adapter_key`: the key of
     the request's LoRA adapter, folded into each of its block hashes; None
-    for a request without one. ``shares``: False for a request whose
+    for a request without one. `shares`: False for a request whose
     adapter kvwire cannot identify; it offers no block hash.
     """
 
@@ -127,15 +127,15 @@ class RequestView:
         return params
 
     def as_request(self) -> Request:
-        """This view, typed as kvwire's ``Request`` (it offers what connectors read of one)."""
+        """This view, typed as kvwire's `Request` (it offers what connectors read of one)."""
         return cast(Request, self)
 
 
 class RequestViews:
-    """One :class:`RequestView` per request the scheduler side holds, until it finishes.
+    """One `RequestView` per request the scheduler side holds, until it finishes.
 
     A request's adapter key is decided when its view is made, so every
-    lookup and save of the request uses the same keys. ``adapter_keys``
+    lookup and save of the request uses the same keys. `adapter_keys`
     identifies adapters (None: an engine that serves none).
     """
 
@@ -144,7 +144,7 @@ class RequestViews:
         self._views: dict[str, RequestView] = {}
 
     def view(self, vllm_request: Any) -> RequestView:
-        """The view of ``vllm_request``, made the first time it is asked for."""
+        """The view of `vllm_request`, made the first time it is asked for."""
         request_id = str(vllm_request.request_id)
         view = self._views.get(request_id)
         if view is not None and view.vllm_request is vllm_request:
@@ -174,7 +174,7 @@ class RequestViews:
 
 
 LiveBlockIds = Callable[[str], tuple[list[int], ...]]
-"""A request's block ids now, a list per KV cache group (``KVCacheManager.get_block_ids``)."""
+"""A request's block ids now, a list per KV cache group (`KVCacheManager.get_block_ids`)."""
 
 
 class BlockTables:
@@ -186,9 +186,9 @@ class BlockTables:
     def to_kvwire(
         self, scheduler_output: Any, live_block_ids: LiveBlockIds | None = None
     ) -> SchedulerOutput:
-        """kvwire's ``SchedulerOutput`` for vLLM's, with full block lists.
+        """kvwire's `SchedulerOutput` for vLLM's, with full block lists.
 
-        With ``live_block_ids`` (a hybrid cache), each scheduled request's
+        With `live_block_ids` (a hybrid cache), each scheduled request's
         lists are what it returns (positions that left a sliding window hold
         the null block, 0), not the lists kept from the deltas.
         """
@@ -257,14 +257,14 @@ class BlockTables:
 
 
 class AllocationFilter:
-    """Which of vLLM's ``update_state_after_alloc`` calls to pass on to a kvwire connector."""
+    """Which of vLLM's `update_state_after_alloc` calls to pass on to a kvwire connector."""
 
     def __init__(self) -> None:
         self._async_lookups: set[str] = set()
         self._loading_async: set[str] = set()
 
     def looked_up(self, request_id: str, load_async: bool) -> None:
-        """Note what ``get_num_new_matched_tokens`` answered for the request."""
+        """Note what `get_num_new_matched_tokens` answered for the request."""
         if load_async:
             self._async_lookups.add(request_id)
         else:

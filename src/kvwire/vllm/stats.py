@@ -1,13 +1,13 @@
-"""kvwire's counters as vLLM's ``KVConnectorStats``, and as Prometheus counters.
+"""kvwire's counters as vLLM's `KVConnectorStats`, and as Prometheus counters.
 
 Only the worker side reports stats (kvwire's scheduler side sends its lookup
 counts to the workers in the step's metadata), so nothing is counted twice.
-vLLM sums its ranks' stats (``aggregate``): with tensor or pipeline
-parallelism, what a rank moved counts on that rank (``blocks_loaded`` is
+vLLM sums its ranks' stats (`aggregate`): with tensor or pipeline
+parallelism, what a rank moved counts on that rank (`blocks_loaded` is
 the entries every rank loaded, one per rank's share of a block), and the
 lookup counts come from rank 0 alone, once per block looked up.
 A MultiConnector's children nest under their connector's name; vLLM's log
-line and ``/metrics`` see them flattened as ``<child>.<counter>``.
+line and `/metrics` see them flattened as `<child>.<counter>`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class KVWireStats(KVConnectorStats):
 
 
 def flatten_counters(data: Mapping[str, Any], prefix: str = "") -> dict[str, int | float]:
-    """Nested counters as one level: ``{"cpu": {"blocks": 2}}`` -> ``{"cpu.blocks": 2}``."""
+    """Nested counters as one level: `{"cpu": {"blocks": 2}}` -> `{"cpu.blocks": 2}`."""
     flat: dict[str, int | float] = {}
     for name, value in data.items():
         if isinstance(value, Mapping):
@@ -59,7 +59,7 @@ def flatten_counters(data: Mapping[str, Any], prefix: str = "") -> dict[str, int
 
 
 def metric_name(counter: str) -> str:
-    """The Prometheus name of a kvwire counter: ``vllm:kvwire_<counter>`` in [a-z0-9_]."""
+    """The Prometheus name of a kvwire counter: `vllm:kvwire_<counter>` in [a-z0-9_]."""
     return METRIC_PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", counter)
 
 
