@@ -1,26 +1,26 @@
 """A digest of every byte of a file, computed once and remembered while the file is unchanged.
 
-A model's and an adapter's identity (:mod:`kvwire.model_identity`) digest
+A model's and an adapter's identity (`kvwire.model_identity`) digest
 each weight file whole: a sample would let a fine-tune that changes only
 unsampled bytes pass for its base. Reading 100 GB takes minutes, so each
 file's digest is remembered in a per-user cache, keyed by what the kernel
 says of the open file: its device, inode, size, modification and change
-times (``st_ctime_ns``, which no unprivileged process can set back). Any
-write, truncation, rename over it or ``touch`` changes the key, and the file
+times (`st_ctime_ns`, which no unprivileged process can set back). Any
+write, truncation, rename over it or `touch` changes the key, and the file
 is read again.
 
 The cache is one small JSON file per weight file in
-``$XDG_CACHE_HOME/kvwire/file-digests`` (``~/.cache/...``): a directory
+`$XDG_CACHE_HOME/kvwire/file-digests` (`~/.cache/...`): a directory
 kvwire creates owner-only (0700) and uses only while it is a real directory
 (not a link), owned by this user, that no one else can write. Entries are
 written to a temporary file and renamed into place (0600), named by a digest
 of their key (so never a path of anyone's choosing), and believed only when
 they parse, their key is the file's, and their digest has the right form;
-anything else is read again and written over. At most :data:`MAX_ENTRIES`
+anything else is read again and written over. At most `MAX_ENTRIES`
 are kept: the least recently written go first. A directory kvwire cannot
 use costs the cache, never the digest.
 
-A file whose change time is within :data:`SETTLE_NS` of the digest's start
+A file whose change time is within `SETTLE_NS` of the digest's start
 is digested but not remembered: a file system whose clock is coarse could
 give a write that follows the same change time.
 """
@@ -94,7 +94,7 @@ class FileStamp:
 
 
 def default_cache_directory() -> str:
-    """``$XDG_CACHE_HOME/kvwire/file-digests``, or ``~/.cache/kvwire/file-digests``."""
+    """`$XDG_CACHE_HOME/kvwire/file-digests`, or `~/.cache/kvwire/file-digests`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, *CACHE_FOLDER)
 
@@ -102,9 +102,9 @@ def default_cache_directory() -> str:
 class FileDigests:
     """Whole-file digests (hex sha256), each remembered while its file's stamp stays the same.
 
-    ``cache_directory``: where they are remembered (empty: the default,
-    :func:`default_cache_directory`; None: nowhere, every file is read).
-    ``settle_ns``: how long ago a file must have last changed for its digest
+    `cache_directory`: where they are remembered (empty: the default,
+    `default_cache_directory`; None: nowhere, every file is read).
+    `settle_ns`: how long ago a file must have last changed for its digest
     to be remembered.
     """
 
@@ -114,7 +114,7 @@ class FileDigests:
         self._warned = False
 
     def digest(self, path: str) -> str:
-        """The digest of every byte of the file at ``path``; raises OSError if it cannot be read."""
+        """The digest of every byte of the file at `path`; raises OSError if it cannot be read."""
         started = time.time_ns()
         # Non-blocking: a FIFO named like a weight file must not hang the start.
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -202,7 +202,7 @@ class FileDigests:
 
 
 def digest_open_file(file: Any) -> str:
-    """The hex digest of what is left to read of a binary ``file``, read in large pieces."""
+    """The hex digest of what is left to read of a binary `file`, read in large pieces."""
     digest = hashlib.new(ALGORITHM)
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
@@ -255,7 +255,7 @@ def _write_entry(directory: int, name: str, body: bytes) -> None:
 
 
 def _keep_newest(directory: int, limit: int) -> None:
-    """Delete the oldest entries past ``limit``, and abandoned temporary ones.
+    """Delete the oldest entries past `limit`, and abandoned temporary ones.
 
     Only files named as kvwire names what it writes here are deleted.
     """

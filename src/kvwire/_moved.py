@@ -1,13 +1,13 @@
-"""Old module names that still import, for one release, with a ``DeprecationWarning``.
+"""Old module names that still import, for one release, with a `DeprecationWarning`.
 
 When a public module moves, code that imports it by its old name keeps
 working until the release after the one that moved it: the old name imports
 a stand-in whose attributes are the new module's, and the import warns with
-the new name. :data:`MOVED_MODULES` is the one list of such names;
+the new name. `MOVED_MODULES` is the one list of such names;
 CHANGELOG.md says in which release each goes.
 
 A stand-in, not the new module itself under a second name: the import system
-would otherwise rewrite the new module's ``__spec__`` with the old name.
+would otherwise rewrite the new module's `__spec__` with the old name.
 """
 
 from __future__ import annotations
@@ -105,6 +105,6 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install_moved_module_finder() -> None:
-    """Let the old names in :data:`MOVED_MODULES` import (once per process; last in line)."""
+    """Let the old names in `MOVED_MODULES` import (once per process; last in line)."""
     if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
         sys.meta_path.append(_MovedModuleFinder())

@@ -2,21 +2,21 @@
 
 A request served with a LoRA adapter computes other KV than the base model
 for the same tokens. The engine's block hash names the adapter only by what
-the request calls it (vLLM: its name and path, ``lora`` in two working
+the request calls it (vLLM: its name and path, `lora` in two working
 directories is two adapters), and the layout's fingerprint names only the
 base model. So every block hash of such a request is re-derived as
-:func:`fold_block_hash` of the adapter's key, a digest of its identity:
-decided as a model's is (:func:`kvwire.model_identity.model_identity`: every
-byte of its weights and ``adapter_config.json``, each file's digest computed
+`fold_block_hash` of the adapter's key, a digest of its identity:
+decided as a model's is (`kvwire.model_identity.model_identity`: every
+byte of its weights and `adapter_config.json`, each file's digest computed
 once and remembered while the file is unchanged; a hub id's commit).
 
-An adapter is pinned by the engine's id for it (vLLM's ``lora_int_id``),
+An adapter is pinned by the engine's id for it (vLLM's `lora_int_id`),
 which is what a worker keeps it loaded under: the first time an id is seen,
 its files' stamps and identity are remembered. If that id later names
 another path, or the files there change, the weights a worker holds may be
 either: the id's requests share nothing from then on (warned). An adapter
 whose files cannot be read has no key (warned, at most every
-:data:`WARNING_INTERVAL_S`): its requests look nothing up and save nothing;
+`WARNING_INTERVAL_S`): its requests look nothing up and save nothing;
 it is tried again at its next request (a hub adapter is downloaded when a
 worker first loads it).
 """
@@ -62,8 +62,8 @@ class _Pinned:
 class AdapterKeys:
     """Each adapter's key (32 bytes), by the id the engine loads it under; None: unknown.
 
-    ``file_digests`` remembers weight files' digests (default: the per-user
-    cache); ``hub_caches`` are where a hub id's commit is looked up.
+    `file_digests` remembers weight files' digests (default: the per-user
+    cache); `hub_caches` are where a hub id's commit is looked up.
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class AdapterKeys:
         self._unwarned = 0
 
     def key(self, adapter_id: int, name: str, path: str) -> bytes | None:
-        """The key of adapter ``adapter_id`` (found at ``path``); None if it cannot be sure."""
+        """The key of adapter `adapter_id` (found at `path`); None if it cannot be sure."""
         local = os.path.expanduser(path)
         try:
             stamps = _stamps(local) if os.path.exists(local) else ()
@@ -122,7 +122,7 @@ class AdapterKeys:
         return key
 
     def _warn(self, name: str, path: str, why: str) -> None:
-        # ``why`` is kvwire's own bounded text (values in it already shown).
+        # `why` is kvwire's own bounded text (values in it already shown).
         now = self._clock()
         if self._warned_at is not None and now - self._warned_at < WARNING_INTERVAL_S:
             self._unwarned += 1
@@ -142,7 +142,7 @@ class AdapterKeys:
 
 
 def _stamps(path: str) -> Stamps:
-    """The stamps of ``path`` and, for a directory, of every file in it: they change with it."""
+    """The stamps of `path` and, for a directory, of every file in it: they change with it."""
     stamps = [("", FileStamp.of(os.stat(path)))]
     if os.path.isdir(path):
         for name in sorted(os.listdir(path)):

@@ -1,16 +1,16 @@
-"""The ``kvwire`` command: ``check``, ``connectors`` and ``run``.
+"""The `kvwire` command: `check`, `connectors` and `run`.
 
-``kvwire check PROFILE`` validates a profile, resolves its connector (with the
-constructor check), validates its ``kv_connector_extra_config`` through the
-class's ``validate_extra_config`` (a composite's covers its children; nothing
+`kvwire check PROFILE` validates a profile, resolves its connector (with the
+constructor check), validates its `kv_connector_extra_config` through the
+class's `validate_extra_config` (a composite's covers its children; nothing
 is built), applies the HMA gate and says what it decided and why; any failure
 is printed as its error text and the exit status is 1. Checking imports the
 connector's module (and each child's): that runs the plugin's code, so check
 only profiles and plugins you trust. Nothing it prints shows a secret
-(:mod:`kvwire.redaction`).
-``kvwire connectors`` lists every known connector without importing any;
-``--resolve`` imports each one to say whether it supports HMA. ``kvwire run``
-lives in its own package (:mod:`kvwire.run`), imported only when asked for.
+(`kvwire.redaction`).
+`kvwire connectors` lists every known connector without importing any;
+`--resolve` imports each one to say whether it supports HMA. `kvwire run`
+lives in its own package (`kvwire.run`), imported only when asked for.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _USER_ERRORS = (KVWireError, ValueError, TypeError, AttributeError, ImportError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvwire`` console script; returns the exit status."""
+    """Entry point of the `kvwire` console script; returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(wants_run=_first_command(arguments) == "run")
     with_nul = _argument_with_nul(arguments)
@@ -94,7 +94,7 @@ def _cut_short(run: re.Match[str]) -> str:
 
 
 def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
-    """The argument parser; :mod:`kvwire.run` adds ``run``'s options only when ``wants_run``."""
+    """The argument parser; `kvwire.run` adds `run`'s options only when `wants_run`."""
     parser = _Parser(
         prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
     )
@@ -211,7 +211,7 @@ def check_profile(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
 ) -> int:
-    """What ``kvwire check`` does: 0 when the profile is usable, else 1 with the error.
+    """What `kvwire check` does: 0 when the profile is usable, else 1 with the error.
 
     Every line printed has the profile's secrets blanked, even where a
     plugin's error quotes one by value.
@@ -296,10 +296,10 @@ def _check_lines(
 def _child_lines(
     transfer: KVTransferConfig, registry: ConnectorRegistry, checks_children: bool
 ) -> list[str]:
-    """One line per child a composite lists vLLM's way (``connectors`` in extra config).
+    """One line per child a composite lists vLLM's way (`connectors` in extra config).
 
     Each child is resolved as its composite will resolve it, so a child that
-    cannot be built fails the check here, with its index. ``checks_children``:
+    cannot be built fails the check here, with its index. `checks_children`:
     the composite validates each child's extra config, so each line says how.
     """
     children = transfer.kv_connector_extra_config.get("connectors")
@@ -333,7 +333,7 @@ def _child_lines(
 
 
 def _extra_config_summary(connector_cls: type[KVConnectorBase], transfer: KVTransferConfig) -> str:
-    """What checking ``transfer``'s extra config through ``connector_cls`` established.
+    """What checking `transfer`'s extra config through `connector_cls` established.
 
     Key names only: values may be secrets (a Redis password).
     """
@@ -374,7 +374,7 @@ def _connectors_command(args: argparse.Namespace) -> int:
 def list_connectors(
     *, resolve: bool, registry: ConnectorRegistry | None = None, out: TextIO = sys.stdout
 ) -> int:
-    """What ``kvwire connectors`` does; imports connector modules only when ``resolve``."""
+    """What `kvwire connectors` does; imports connector modules only when `resolve`."""
     registry = registry or default_registry()
     header = ["NAME", "SOURCE", "MODULE"] + (["HMA"] if resolve else [])
     rows = [header]

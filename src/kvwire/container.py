@@ -1,20 +1,22 @@
-"""The ``KVConnectorContainer``: the one place that knows how connectors are built.
+"""The `KVConnectorContainer`: the one place that knows how connectors are built.
 
-Connector code never imports this module; engines and applications do::
+Connector code never imports this module; engines and applications do:
 
-    container = KVConnectorContainer()
-    container.config.from_dict(profile)               # or engine_config.override(...)
-    container.kv_cache_config.override(kv_cache_config)  # once memory is sized
-    scheduler_side = container.scheduler_connector()
-    ...
-    container.shutdown_resources()                     # each built connector's shutdown()
+```python
+container = KVConnectorContainer()
+container.config.from_dict(profile)               # or engine_config.override(...)
+container.kv_cache_config.override(kv_cache_config)  # once memory is sized
+scheduler_side = container.scheduler_connector()
+...
+container.shutdown_resources()                     # each built connector's shutdown()
+```
 
 Each role-scoped provider builds at most one connector per container and hands
-it ``(config, role, kv_cache_config)``; a process that serves one role declares
-it once (:func:`declare_role`) and asks ``container.connector()``. Every part a
-test may want to swap (``engine_config``, ``kv_cache_config``, ``registry``,
-``connector_class``, ``hma_gate``, a connector) is a provider, so
-dependency-injector's ``override`` does it and undoes it when its ``with``
+it `(config, role, kv_cache_config)`; a process that serves one role declares
+it once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
+test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
+`connector_class`, `hma_gate`, a connector) is a provider, so
+dependency-injector's `override` does it and undoes it when its `with`
 block ends.
 """
 
@@ -56,7 +58,7 @@ def _engine_config_from(
 ) -> EngineConfig:
     # One EngineConfig per distinct profile and container: both roles then
     # share one engine_id (a fresh uuid when the profile has none), and an
-    # override of ``config`` is undone when its ``with`` block ends, which a
+    # override of `config` is undone when its `with` block ends, which a
     # Singleton caching the first answer would not do.
     #
     # Threads that race here may each structure the profile, but setdefault
@@ -96,7 +98,7 @@ def _resolve_connector_class(
 
 
 def _a_connector_class(provided: object) -> type[KVConnectorBase]:
-    """What ``connector_class`` provides, checked before anything builds with it.
+    """What `connector_class` provides, checked before anything builds with it.
 
     The registry checks the classes names lead to; an override is the one
     way around it, and a class that is no connector would otherwise fail
@@ -152,16 +154,16 @@ class ConnectorBuildTimeout(ContainerSetupError, TimeoutError):
 
 
 class ThreadSafeResource(providers.Resource[T]):
-    """A ``providers.Resource`` that builds its resource once, whichever threads ask at once.
+    """A `providers.Resource` that builds its resource once, whichever threads ask at once.
 
-    dependency-injector's ``Resource`` checks and sets its state without a
+    dependency-injector's `Resource` checks and sets its state without a
     lock: threads racing on a constructor that releases the GIL (a connect,
     an allocation) each build one, and all but the last are never shut down.
     Here the first caller builds while the others wait for it, at most
-    ``build_wait_s`` (then :class:`ConnectorBuildTimeout`); a failed build
-    leaves nothing behind, so the next caller tries again. Overrides answer
-    before the lock is taken, and ``shutdown()`` takes it too, so a resource
-    is never shut down while it is being built.
+    `build_wait_s` (then [`ConnectorBuildTimeout`][kvwire.container.ConnectorBuildTimeout]); a
+    failed build leaves nothing behind, so the next caller tries again. Overrides answer before the
+    lock is taken, and `shutdown()` takes it too, so a resource is never shut down while it is being
+    built.
     """
 
     build_wait_s: float = 600.0
@@ -199,7 +201,7 @@ class ThreadSafeResource(providers.Resource[T]):
 
 
 class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
-    """Builds one role's connector; ``shutdown_resources()`` calls its ``shutdown()``.
+    """Builds one role's connector; `shutdown_resources()` calls its `shutdown()`.
 
     A class-based resource rather than a generator: a container that is
     garbage-collected must not shut down a connector its owner still uses.
@@ -223,8 +225,8 @@ class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
 
         def medium_resolver(spec: str) -> type[Medium]:
             # The connector asks for the medium its own config names, the one
-            # ``medium_class`` resolves: asked lazily, so that a bad name is
-            # the connector's configuration error, worded as ``kvwire check``'s.
+            # `medium_class` resolves: asked lazily, so that a bad name is
+            # the connector's configuration error, worded as `kvwire check`'s.
             resolved = medium_class()
             assert resolved is not None, "only a block connector asks for a medium"
             return resolved
@@ -249,41 +251,41 @@ def _role_key(process_role: providers.Dependency[KVConnectorRole]) -> str:
 
 
 class KVConnectorContainer(containers.DeclarativeContainer):
-    """Builds an engine's KV connectors: one per role, from a profile or an ``EngineConfig``.
+    """Builds an engine's KV connectors: one per role, from a profile or an `EngineConfig`.
 
     Providers, in the order a connector is built:
 
-    - ``config``: the profile as a mapping (``config.from_dict(profile)``);
-    - ``engine_config``: the validated ``EngineConfig`` (override it with a
-      ready one: ``engine_config.override(providers.Object(config))``);
-    - ``kv_cache_config``: a ``Dependency``, known once the engine sized its memory;
-    - ``registry``: the lazy connector registry (the process-wide one), and
+    - `config`: the profile as a mapping (`config.from_dict(profile)`);
+    - `engine_config`: the validated `EngineConfig` (override it with a
+      ready one: `engine_config.override(providers.Object(config))`);
+    - `kv_cache_config`: a `Dependency`, known once the engine sized its memory;
+    - `registry`: the lazy connector registry (the process-wide one), and
       through it the media block connectors keep blocks in
-      (``registry().media.provider("directory").override(...)`` swaps one;
-      give the container a ``default_registry().copy()`` first to keep the
+      (`registry().media.provider("directory").override(...)` swaps one;
+      give the container a `default_registry().copy()` first to keep the
       override to it);
-    - ``kv_transfer_config`` and ``connector_class``: what the config names
-      (an override that is no subclass of ``KVConnectorBase`` is refused
-      with :class:`~kvwire.exceptions.NotAConnectorError` when first used);
-    - ``medium_class``: the medium a block connector keeps blocks in (None
+    - `kv_transfer_config` and `connector_class`: what the config names
+      (an override that is no subclass of `KVConnectorBase` is refused
+      with [`NotAConnectorError`][kvwire.exceptions.NotAConnectorError] when first used);
+    - `medium_class`: the medium a block connector keeps blocks in (None
       for another connector), resolved through the registry; override it to
       swap the medium of this container's connectors:
-      ``container.medium_class.override(providers.Object(MyDirectory))``;
-    - ``hma_gate``: the :class:`~kvwire.hma.HMADecision` (raises for HMA
+      `container.medium_class.override(providers.Object(MyDirectory))`;
+    - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
       demanded from a connector that cannot serve it);
-    - ``parallel_config``: the :class:`~kvwire.config.ParallelConfig` (this
+    - `parallel_config`: the `ParallelConfig` (this
       process's rank, the tensor and pipeline parallel sizes): the engine
       config's by default; an engine's worker process (or a test building
       rank 1's connector) overrides it with its own rank;
-    - ``connector_engine_config``: the engine config with the gate's decision
+    - `connector_engine_config`: the engine config with the gate's decision
       and the parallel layout;
-    - ``scheduler_connector`` / ``worker_connector``: one connector per role,
-      shut down by ``shutdown_resources()``;
-    - ``process_role`` and ``connector``: the connector of the role this
+    - `scheduler_connector` / `worker_connector`: one connector per role,
+      shut down by `shutdown_resources()`;
+    - `process_role` and `connector`: the connector of the role this
       process declared.
 
     Connectors are built when first asked for; do not call
-    ``init_resources()``, which would build both roles' connectors in one
+    `init_resources()`, which would build both roles' connectors in one
     process.
     """
 
@@ -340,7 +342,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
 
 
 def declare_role(container: containers.Container, role: KVConnectorRole) -> None:
-    """Declare, once, which role this process serves; ``container.connector()`` follows it."""
+    """Declare, once, which role this process serves; `container.connector()` follows it."""
     if not isinstance(role, KVConnectorRole):
         raise TypeError(f"role must be a KVConnectorRole (SCHEDULER or WORKER), got {role!r}")
     container.process_role.override(providers.Object(role))
@@ -349,7 +351,7 @@ def declare_role(container: containers.Container, role: KVConnectorRole) -> None
 def role_connector_provider(
     container: containers.Container, role: KVConnectorRole
 ) -> providers.Provider[KVConnectorBase]:
-    """The role-scoped provider of ``role``: ``scheduler_connector`` or ``worker_connector``."""
+    """The role-scoped provider of `role`: `scheduler_connector` or `worker_connector`."""
     if role is KVConnectorRole.SCHEDULER:
         return container.scheduler_connector
     if role is KVConnectorRole.WORKER:
@@ -364,21 +366,21 @@ def container_for_profile(
     kv_cache_config: KVCacheConfig | None = None,
     registry: ConnectorRegistry | None = None,
 ) -> KVConnectorContainer:
-    """A container for ``profile`` (a YAML path, a mapping or a built ``EngineConfig``).
+    """A container for `profile` (a YAML path, a mapping or a built `EngineConfig`).
 
     The profile is validated here, so a bad one fails before anything else.
-    A path or a mapping becomes the container's ``config``: an override of
+    A path or a mapping becomes the container's `config`: an override of
     any of its options
-    (``container.config.kv_transfer_config.kv_connector.override(...)``)
-    takes effect; a built ``EngineConfig`` is ``engine_config`` as it is.
-    ``role`` and ``kv_cache_config`` are declared when given. ``registry``
-    replaces the process-wide one (e.g. ``default_registry().copy()``, whose
+    (`container.config.kv_transfer_config.kv_connector.override(...)`)
+    takes effect; a built `EngineConfig` is `engine_config` as it is.
+    `role` and `kv_cache_config` are declared when given. `registry`
+    replaces the process-wide one (e.g. `default_registry().copy()`, whose
     overrides reach no other container).
     """
     container = KVConnectorContainer()
-    # The profile goes into ``config``, the one source ``engine_config`` is
+    # The profile goes into `config`, the one source `engine_config` is
     # built from, so that an override of any of its options takes effect as
-    # it does for a container loaded with ``config.from_dict``.
+    # it does for a container loaded with `config.from_dict`.
     if isinstance(profile, EngineConfig):
         # Built already, and handed on as it is (the engine compares it by
         # identity): change it with attrs.evolve, or override engine_config.

@@ -2,11 +2,11 @@
 
 The errors kept from vLLM (an unknown connector name, a deprecated
 constructor, HMA enabled for a connector that cannot serve it) stay plain
-``ValueError``/``AttributeError`` with vLLM's exact texts, so code
+`ValueError`/`AttributeError` with vLLM's exact texts, so code
 written against it keeps catching them. Every other exception class kvwire
-defines, here or in the module that raises it (``CorruptBlockError``,
-``ExtraConfigError``, ...), derives from :class:`KVWireError` and from the
-builtin a caller would naturally catch, so ``except KVWireError`` catches
+defines, here or in the module that raises it (`CorruptBlockError`,
+`ExtraConfigError`, ...), derives from [`KVWireError`][kvwire.KVWireError] and from the
+builtin a caller would naturally catch, so `except KVWireError` catches
 whatever kvwire raises on its own account.
 """
 
@@ -24,11 +24,11 @@ class KVWireError(Exception):
 
 
 class ProfileError(KVWireError, ValueError):
-    """A profile (YAML file or mapping) that does not describe a valid ``EngineConfig``.
+    """A profile (YAML file or mapping) that does not describe a valid `EngineConfig`.
 
-    ``problems`` lists every problem found, each starting with the dotted path
-    of the field at fault (``kv_transfer_config.kv_role: ...``); ``origin``
-    names the file, or ``<mapping>`` for a profile given as a dict. Both are
+    `problems` lists every problem found, each starting with the dotted path
+    of the field at fault (`kv_transfer_config.kv_role: ...`); `origin`
+    names the file, or `<mapping>` for a profile given as a dict. Both are
     read-only.
     """
 
@@ -49,21 +49,21 @@ class ConnectorImportError(KVWireError, ImportError):
 
 
 class ConnectorEntryPointError(KVWireError, ImportError):
-    """An entry point of the ``kvwire.connectors`` group that is malformed or cannot be loaded.
+    """An entry point of the `kvwire.connectors` group that is malformed or cannot be loaded.
 
     The message names the distribution that declares it and the entry point
-    itself (``Name = package.module:Class``).
+    itself (`Name = package.module:Class`).
     """
 
 
 class NotAConnectorError(KVWireError, TypeError):
-    """A name that resolves to something other than a ``KVConnectorBase`` subclass."""
+    """A name that resolves to something other than a `KVConnectorBase` subclass."""
 
 
 class ContainerSetupError(KVWireError, RuntimeError):
-    """A ``KVConnectorContainer`` asked for a connector before it was told what it needs.
+    """A `KVConnectorContainer` asked for a connector before it was told what it needs.
 
-    For example the process's role was never declared, or ``kv_cache_config``
+    For example the process's role was never declared, or `kv_cache_config`
     was never provided.
     """
 
@@ -71,7 +71,7 @@ class ContainerSetupError(KVWireError, RuntimeError):
 def kind_of(value: object) -> str:
     """How an error names a value it must not echo, a possible secret: by its type alone.
 
-    ``"a str"``, ``"an int"``, ``"None"``.
+    `"a str"`, `"an int"`, `"None"`.
     """
     if value is None:
         return "None"
@@ -91,13 +91,13 @@ class ConnectorRoleError(KVWireError, RuntimeError):
 class VLLMConfigError(KVWireError, ValueError):
     """vLLM's configuration asks for something kvwire cannot serve; the message says what.
 
-    Defined here rather than in :mod:`kvwire.vllm`, so that code without vLLM
+    Defined here rather than in [`kvwire.vllm`][kvwire.vllm], so that code without vLLM
     installed can name it.
     """
 
 
 # The errors defined beside the code that raises them, reachable from here too:
-# ``from kvwire.exceptions import CorruptBlockError``. They load on first use,
+# `from kvwire.exceptions import CorruptBlockError`. They load on first use,
 # so importing this module imports neither torch nor redis nor any medium.
 _DEFINED_ELSEWHERE = {
     "ConnectorBuildTimeout": "kvwire.container",

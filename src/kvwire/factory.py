@@ -1,9 +1,9 @@
-"""``KVConnectorFactory``: vLLM's factory's API, served by kvwire's registry.
+"""`KVConnectorFactory`: vLLM's factory's API, served by kvwire's registry.
 
 Code written against vLLM moves over by changing its import. Every
-call goes to the process-wide :func:`~kvwire.registry.default_registry` (the
-one new containers use too), and ``create_connector`` builds through a
-:class:`~kvwire.container.KVConnectorContainer`, so there is one registry and
+call goes to the process-wide [`default_registry`][kvwire.default_registry] (the
+one new containers use too), and `create_connector` builds through a
+[`KVConnectorContainer`][kvwire.KVConnectorContainer], so there is one registry and
 one way of building, whichever API is used.
 """
 
@@ -32,22 +32,22 @@ class KVConnectorFactory:
 
     @classmethod
     def get_connector_class_by_name(cls, connector_name: str) -> type[KVConnectorBase]:
-        """The class registered as ``connector_name`` (or found by module path earlier).
+        """The class registered as `connector_name` (or found by module path earlier).
 
-        An unknown name raises ``Connector '<name>' is not registered.``.
+        An unknown name raises `Connector '<name>' is not registered.`.
         """
         return default_registry().get_class(connector_name)
 
     @classmethod
     def get_connector_class(cls, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
-        """The class ``kv_transfer_config`` names (module path first, then the registry)."""
+        """The class `kv_transfer_config` names (module path first, then the registry)."""
         return default_registry().resolve(kv_transfer_config)
 
     @classmethod
     def create_connector(
         cls, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> KVConnectorBase:
-        """Build the connector for ``role``; the caller owns it and calls its ``shutdown()``."""
+        """Build the connector for `role`; the caller owns it and calls its `shutdown()`."""
         container = KVConnectorContainer()
         container.engine_config.override(providers.Object(config))
         container.kv_cache_config.override(providers.Object(kv_cache_config))

@@ -1,9 +1,9 @@
 """The HMA gate: whether the hybrid KV cache manager runs with the configured connector.
 
-``SchedulerConfig.disable_hybrid_kv_cache_manager`` is read as vLLM
-reads it: ``True`` turns HMA off without asking the connector; ``False``
+`SchedulerConfig.disable_hybrid_kv_cache_manager` is read as vLLM
+reads it: `True` turns HMA off without asking the connector; `False`
 demands HMA, so a connector that cannot serve several KV cache groups is an
-error; ``None`` ("auto") keeps HMA on exactly when the connector supports it,
+error; `None` ("auto") keeps HMA on exactly when the connector supports it,
 and says so in the log.
 """
 
@@ -34,7 +34,7 @@ class HMADecision:
 def decide_hma(
     scheduler_config: SchedulerConfig, connector_name: str, is_supported: Callable[[], bool]
 ) -> HMADecision:
-    """Apply the gate. ``is_supported`` is asked only when the answer matters."""
+    """Apply the gate. `is_supported` is asked only when the answer matters."""
     disable = scheduler_config.disable_hybrid_kv_cache_manager
     if disable is True:
         return HMADecision(
@@ -66,9 +66,9 @@ def decide_hma(
 
 
 def with_hma_decision(engine_config: EngineConfig, decision: HMADecision) -> EngineConfig:
-    """``engine_config`` with an "auto" HMA setting replaced by the gate's decision.
+    """`engine_config` with an "auto" HMA setting replaced by the gate's decision.
 
-    Connectors then see a definite ``disable_hybrid_kv_cache_manager``, as
+    Connectors then see a definite `disable_hybrid_kv_cache_manager`, as
     they do in vLLM once the engine has decided.
     """
     scheduler_config = engine_config.scheduler_config
@@ -79,9 +79,9 @@ def with_hma_decision(engine_config: EngineConfig, decision: HMADecision) -> Eng
 
 
 def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
-    """Whether a connector class serves HMA, and why, for ``kvwire connectors --resolve``.
+    """Whether a connector class serves HMA, and why, for `kvwire connectors --resolve`.
 
-    A class with its own ``supports_hma_for_config`` (a composite) decides
+    A class with its own `supports_hma_for_config` (a composite) decides
     per configuration: the first line of that hook's docstring says how.
     """
     from kvwire.interface.base import KVConnectorBase, supports_hma
@@ -104,7 +104,7 @@ def describe_class_support(connector_cls: type[KVConnectorBase]) -> str:
 
 
 def describe_kv_cache_groups(engine_config: EngineConfig, decision: HMADecision) -> str:
-    """What the gate's decision means for the model's KV cache, for ``kvwire check``."""
+    """What the gate's decision means for the model's KV cache, for `kvwire check`."""
     from kvwire.config.kv_cache import build_kv_cache_config, sliding_window_of
 
     if not engine_config.model_config.is_hybrid:

@@ -1,34 +1,34 @@
 """Which weights a model's KV comes from: the identity that names its stored entries.
 
 Engines load each other's blocks only when their block layouts' fingerprints
-match (:class:`kvwire.blocks.format.BlockLayout`), and the model's identity
+match ([`kvwire.blocks.format.BlockLayout`][kvwire.media.BlockLayout]), and the model's identity
 is part of the fingerprint. It must change whenever the weights do, and stay
 the same for the same weights wherever they live, so that engines on several
-hosts share one store. A model's path or hub id is neither: ``model`` in two
-working directories, ``/models/x`` on two hosts, or a hub id whose branch
+hosts share one store. A model's path or hub id is neither: `model` in two
+working directories, `/models/x` on two hosts, or a hub id whose branch
 moved can each hold other weights. So the identity is decided, first match
 wins, as:
 
-1. the operator's: ``model_config.identity`` in the kvwire profile, taken as
+1. the operator's: `model_config.identity` in the kvwire profile, taken as
    given (for weights kvwire cannot read, or several copies an operator
    knows are the same);
 2. any local directory or file, a hub snapshot directory included:
-   ``weights:<digest>``, a digest of its configuration files (``config.json``,
-   ``params.json``, a LoRA adapter's ``adapter_config.json``, the weight
+   `weights:<digest>`, a digest of its configuration files (`config.json`,
+   `params.json`, a LoRA adapter's `adapter_config.json`, the weight
    index files, remote code) and of every byte of
    each weight file, with their names. A directory with no weight file of a
    format known here has every file digested so. Each file's digest is
    computed once and remembered while the file is unchanged
-   (:mod:`kvwire._file_digests`). A snapshot's commit is not believed: its
+   (`kvwire._file_digests`). A snapshot's commit is not believed: its
    files are links into the hub cache's blobs, which can be edited in place
    or pointed elsewhere;
 3. a hub id: its revision when that is a commit hash, else the commit the
-   local hub cache says the revision (``main`` by default) was downloaded
-   at, ``hub-commit:<commit>``: the files may not be downloaded yet when a
+   local hub cache says the revision (`main` by default) was downloaded
+   at, `hub-commit:<commit>`: the files may not be downloaded yet when a
    worker starts, and the hub names a commit's files by their content. An
    id whose commit cannot be found locally is refused
-   (:class:`ModelIdentityError`), as a branch name alone can stand for
-   other weights tomorrow.
+   ([`ModelIdentityError`][kvwire.exceptions.ModelIdentityError]), as a branch name alone can stand
+   for other weights tomorrow.
 
 The tokenizer takes no part: a block's hash is over token ids, and the KV of
 given token ids depends only on the weights and the model's configuration.
@@ -90,14 +90,14 @@ def model_identity(
     hub_caches: Sequence[str] = (),
     file_digests: FileDigests | None = None,
 ) -> str:
-    """The identity of the weights ``model`` (a local path or a hub id) names; see the module.
+    """The identity of the weights `model` (a local path or a hub id) names; see the module.
 
-    ``hub_caches`` are the hub cache directories to look a hub id up in
-    (default: :func:`default_hub_caches`). A relative path is taken from the
+    `hub_caches` are the hub cache directories to look a hub id up in
+    (default: `default_hub_caches`). A relative path is taken from the
     working directory; only what it holds counts, never its name.
-    ``file_digests`` remembers each weight file's digest (default: the
-    per-user cache). Raises :class:`UnreadableWeightsError` when a file
-    there cannot be read.
+    `file_digests` remembers each weight file's digest (default: the
+    per-user cache). Raises [`UnreadableWeightsError`][kvwire.exceptions.UnreadableWeightsError]
+    when a file there cannot be read.
     """
     if explicit:
         check_explicit_identity(explicit)
@@ -117,7 +117,7 @@ def model_identity(
 
 
 def default_hub_caches() -> list[str]:
-    """Where the hub client keeps downloads: ``$HF_HUB_CACHE``, or ``$HF_HOME/hub``."""
+    """Where the hub client keeps downloads: `$HF_HUB_CACHE`, or `$HF_HOME/hub`."""
     if os.environ.get("HF_HUB_CACHE"):
         return [os.environ["HF_HUB_CACHE"]]
     home = os.environ.get("HF_HOME") or os.path.join(
@@ -145,11 +145,11 @@ def _hub_commit(model: str, revision: str | None, caches: Iterable[str]) -> str 
 
 
 def weights_digest(path: str, file_digests: FileDigests | None = None) -> str:
-    """A digest of the configuration and weight files at ``path`` (a directory or one file).
+    """A digest of the configuration and weight files at `path` (a directory or one file).
 
     Only file names (not the directory's) and contents count, so copies on
     other hosts or under other names digest the same. Every byte of each
-    file is digested; ``file_digests`` remembers each file's digest while it
+    file is digested; `file_digests` remembers each file's digest while it
     is unchanged (default: the per-user cache).
     """
     digests = file_digests if file_digests is not None else FileDigests()

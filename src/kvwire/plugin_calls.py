@@ -1,11 +1,11 @@
 """Calls into plug-in code a profile names: what it raises becomes an error naming the field.
 
 A profile chooses plug-in code (a medium class through
-``kv_connector_extra_config.medium``, a container hook); an exception from
+`kv_connector_extra_config.medium`, a container hook); an exception from
 it is a problem of the profile, not a crash of the engine, and its message
 may quote what the plug-in was given (a URL and its password). So the error
 raised instead names the field and the call, shows the plug-in's message
-redacted and bounded (:mod:`kvwire.redaction`), and chains nothing: a
+redacted and bounded (`kvwire.redaction`), and chains nothing: a
 traceback printed later would quote the original message raw.
 """
 
@@ -30,12 +30,12 @@ LONGEST_REFUSAL = 1000
 
 
 class PluginExit(KVWireError, RuntimeError):
-    """Plug-in code that raised ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit`` itself.
+    """Plug-in code that raised `SystemExit`, `KeyboardInterrupt` or `GeneratorExit` itself.
 
-    Those would end the process (or escape every ``except Exception``) with
+    Those would end the process (or escape every `except Exception`) with
     a traceback; raised by a module at import or by a hook, they are the
-    plug-in's failure, so :func:`contained_exits` turns them into this
-    ordinary error. ``original`` is what the plug-in raised (read-only).
+    plug-in's failure, so `contained_exits` turns them into this
+    ordinary error. `original` is what the plug-in raised (read-only).
     """
 
     def __init__(self, original: BaseException) -> None:
@@ -45,16 +45,17 @@ class PluginExit(KVWireError, RuntimeError):
 
 @contextlib.contextmanager
 def contained_exits() -> Iterator[None]:
-    """Around a call into plug-in code: a ``BaseException`` it raises becomes :class:`PluginExit`.
+    """Around a call into plug-in code: a `BaseException` it raises becomes
+    [`PluginExit`][kvwire.exceptions.PluginExit].
 
-    Except what the user's Ctrl-C caused (Python's ``KeyboardInterrupt``,
+    Except what the user's Ctrl-C caused (Python's `KeyboardInterrupt`,
     or whatever the SIGINT handler in place raises): it stops the program
     as it always does. The two are told apart by the signal: on the main
     thread, a SIGINT that arrives during the call is noted before the
-    handler that was in place runs; a ``KeyboardInterrupt`` with no SIGINT
+    handler that was in place runs; a `KeyboardInterrupt` with no SIGINT
     behind it was raised by the plug-in. (Off the main thread no signal is
     delivered, so any is the plug-in's.) Other signals' handlers are not
-    told apart: a ``SystemExit`` one raises during the call is taken for
+    told apart: a `SystemExit` one raises during the call is taken for
     the plug-in's.
     """
     sigint = _SigintNoted()
@@ -99,9 +100,10 @@ class _SigintNoted:
 
 
 def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
-    """``error``'s type and message, redacted, then cut to about ``limit`` characters.
+    """`error`'s type and message, redacted, then cut to about `limit` characters.
 
-    A :class:`PluginExit` is shown as what the plug-in raised (``SystemExit: 3``).
+    A [`PluginExit`][kvwire.exceptions.PluginExit] is shown as what the plug-in raised
+    (`SystemExit: 3`).
     """
     if isinstance(error, PluginExit):
         error = error.original
@@ -112,12 +114,13 @@ def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
 
 
 def call_plugin(field: str, what: str, call: Callable[[], _Result]) -> _Result:
-    """``call()``; what it raises becomes an :class:`ExtraConfigError` naming ``field``, ``what``.
+    """`call()`; what it raises becomes an [`ExtraConfigError`][kvwire.exceptions.ExtraConfigError]
+    naming `field`, `what`.
 
-    ``what`` says which call failed (``"MyMedium.create_store"``). A
-    kvwire error the plug-in raised on purpose (an :class:`ExtraConfigError`
-    naming its key) is kept as it is when it shows no secret and is short,
-    else shown redacted and bounded.
+    `what` says which call failed (`"MyMedium.create_store"`). A
+    kvwire error the plug-in raised on purpose (an
+    [`ExtraConfigError`][kvwire.exceptions.ExtraConfigError] naming its key) is kept as it is when
+    it shows no secret and is short, else shown redacted and bounded.
     """
     try:
         with contained_exits():

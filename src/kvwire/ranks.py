@@ -1,13 +1,13 @@
 """What the ranks of a parallel engine report, merged into one engine's report.
 
-Each rank's worker connector reports its own step (:class:`KVConnectorOutput`);
-the scheduler side sees one. :class:`RankOutputs` merges them the way vLLM's
-``KVOutputAggregator`` does: a request finished sending or receiving once
-every rank reported it (the scheduler connector's ``get_finished_count()``,
+Each rank's worker connector reports its own step (`KVConnectorOutput`);
+the scheduler side sees one. `RankOutputs` merges them the way vLLM's
+`KVOutputAggregator` does: a request finished sending or receiving once
+every rank reported it (the scheduler connector's `get_finished_count()`,
 else the world size), failed block ids united (a load failed on one rank
 fails that block on every rank: it is computed again everywhere), stats
-and worker metadata merged with their ``aggregate``. KV cache events pass
-through :class:`EveryRank`, which vLLM's adapter uses too.
+and worker metadata merged with their `aggregate`. KV cache events pass
+through `EveryRank`, which vLLM's adapter uses too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _PARTLY_STORED_LIMIT = 65536
 
 
 class EveryRank:
-    """Worker events of an engine of ``world_size`` ranks: each block stored, and removed, once.
+    """Worker events of an engine of `world_size` ranks: each block stored, and removed, once.
 
     Each rank stores its share of a block (its heads, its layers) and reports
     it; the block is in the store, for a lookup, only when every share is.
@@ -89,7 +89,7 @@ class EveryRank:
 class RankOutputs:
     """Merges each step's per-rank reports into the one the scheduler side gets.
 
-    ``finished_count`` ranks must report a request finished sending (or
+    `finished_count` ranks must report a request finished sending (or
     receiving) before it counts; a rank may report it steps after another.
     """
 

@@ -1,12 +1,12 @@
 """How kvwire shows a user's value: never a secret, never more than a line.
 
 Everything an error, a log line or a repr says about a configuration value
-goes through here. A value under a secret-like key (``password``,
-``*_password``, ``token``, ``secret``...) is shown as ``***``, and so is the
-password of a URL (``redis://user:***@host``) wherever it appears. What is
+goes through here. A value under a secret-like key (`password`,
+`*_password`, `token`, `secret`...) is shown as `***`, and so is the
+password of a URL (`redis://user:***@host`) wherever it appears. What is
 left is cut to a bounded length, with the size of what was cut, so that a
 huge value (an expanded YAML alias bomb, a megabyte string) costs no more to
-show than a small one: :func:`shown` walks only as much of a value as it
+show than a small one: `shown` walks only as much of a value as it
 prints.
 """
 
@@ -82,7 +82,7 @@ _SECRET_LINE = re.compile(
 
 
 def is_secret_key(name: object) -> bool:
-    """Whether a mapping key names a secret: ``password``, ``redis_password``, ``token``..."""
+    """Whether a mapping key names a secret: `password`, `redis_password`, `token`..."""
     if not isinstance(name, str):
         return False
     normalized = name.strip().lower().replace("-", "_")
@@ -90,7 +90,7 @@ def is_secret_key(name: object) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with URL passwords and ``name=value`` or ``name: value`` secrets blanked."""
+    """`text` with URL passwords and `name=value` or `name: value` secrets blanked."""
     text = _RUN.sub(_blank_url_credentials, text)
     return _NAMED_SECRET.sub(_blank_named, text)
 
@@ -127,11 +127,11 @@ def _blank_named(match: re.Match[str]) -> str:
 
 
 def shown(value: object, *, key: object = None, limit: int = SHOWN_LENGTH) -> str:
-    """``repr(value)`` for a message: secrets blanked, at most about ``limit`` characters.
+    """`repr(value)` for a message: secrets blanked, at most about `limit` characters.
 
-    ``key`` is the name the value was given under: a secret-like one shows
-    ``***`` whatever the value. A cut repr ends with ``...`` and says how big
-    the value was (``'aaaa...' (a str of 1000000 characters)``).
+    `key` is the name the value was given under: a secret-like one shows
+    `***` whatever the value. A cut repr ends with `...` and says how big
+    the value was (`'aaaa...' (a str of 1000000 characters)`).
     """
     if is_secret_key(key):
         return REDACTED
@@ -151,9 +151,9 @@ def shown_key(key: object) -> str:
 
 
 def _write(value: object, pieces: list[str], budget: int) -> bool:
-    """Append ``value``'s redacted repr to ``pieces`` until ``budget`` characters; True if whole.
+    """Append `value`'s redacted repr to `pieces` until `budget` characters; True if whole.
 
-    Walks containers lazily: a value with a billion elements costs ``budget``
+    Walks containers lazily: a value with a billion elements costs `budget`
     characters of work, not a billion.
     """
     written = sum(len(piece) for piece in pieces)
@@ -236,10 +236,10 @@ def _digits(value: int) -> int:
 
 
 def secret_values(value: Any) -> set[str]:
-    """Every secret ``value`` holds: values under secret-like keys, URL passwords, and the
-    values of environment variables named by ``<secret>_env`` keys (``password_env``).
+    """Every secret `value` holds: values under secret-like keys, URL passwords, and the
+    values of environment variables named by `<secret>_env` keys (`password_env`).
 
-    For scrubbing text that may quote them by value, whatever the key (see :func:`scrub`).
+    For scrubbing text that may quote them by value, whatever the key (see `scrub`).
     """
     found: set[str] = set()
     # Iterative, with a visited set: a structure may contain itself.
@@ -269,7 +269,7 @@ def secret_values(value: Any) -> set[str]:
 
 
 def secrets_in_text(text: str) -> set[str]:
-    """The values of secret-like keys on the lines of ``text``, and its URL passwords.
+    """The values of secret-like keys on the lines of `text`, and its URL passwords.
 
     For text that could not be parsed (a YAML syntax error): what a message
     about it must not quote.
@@ -299,7 +299,7 @@ def _url_passwords(text: str, *, whole_value: bool = False) -> list[str]:
 
 
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with each of ``secrets`` and every recognisable secret replaced by ``***``."""
+    """`text` with each of `secrets` and every recognisable secret replaced by `***`."""
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
     return redact_text(text)
