@@ -152,6 +152,54 @@ def test_each_role_logs_one_line_saying_what_kvwire_runs(
         assert "'cpu_pool_bytes'" in line and "profile given inline" in line
 
 
+def test_each_profile_value_vllm_overrides_is_warned_about_once_naming_both_values(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    profile = load_profile_mapping("cpu-offload.yaml")
+    profile["model_config"]["num_kv_heads"] = 4
+    profile["cache_config"]["block_size"] = 64
+    profile["kv_transfer_config"].update(engine_id="prefill-0", kv_load_failure_policy="fail")
+    config = vllm_config(
+        tiny_model, profile, kv_role="kv_producer", kv_load_failure_policy="recompute"
+    )
+    with caplog.at_level(logging.WARNING, logger="kvwire.vllm"):
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            KVWireConnector(config, role, vllm_kv_cache_config()).shutdown()
+    warned = sorted(
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "kvwire.vllm.overrides" and record.levelno == logging.WARNING
+    )
+
+    engine_id = config.kv_transfer_config.engine_id
+    assert warned == [
+        f"cache_config.block_size: the kvwire profile says 64, vLLM's configuration says "
+        f"{BLOCK_SIZE}; vLLM's applies",
+        f"kv_transfer_config.engine_id: the kvwire profile says 'prefill-0', vLLM's "
+        f"configuration says '{engine_id}'; vLLM's applies",
+        "kv_transfer_config.kv_load_failure_policy: the kvwire profile says 'fail', vLLM's "
+        "configuration says 'recompute'; vLLM's applies",
+        "kv_transfer_config.kv_role: the kvwire profile says 'kv_both', vLLM's configuration "
+        "says 'kv_producer'; vLLM's applies",
+        "model_config.num_kv_heads: the kvwire profile says 4, vLLM's configuration says 2; "
+        "vLLM's applies",
+    ]
+
+
+def test_profile_values_left_at_kvwire_s_defaults_are_replaced_quietly(
+    tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The shipped profile's model and cache sections are kvwire's defaults, and
+    # its engine_id is unset: vLLM's values replace them without a word.
+    config = vllm_config(tiny_model, load_profile_mapping("cpu-offload.yaml"))
+    with caplog.at_level(logging.WARNING, logger="kvwire.vllm"):
+        scheduler_connector(KVWireConnector, config).shutdown()
+
+    assert [record for record in caplog.records if record.name == "kvwire.vllm.overrides"] == []
+
+
 def test_a_best_effort_cache_never_requires_kv_delivery(tiny_model: str) -> None:
     connector = scheduler_connector(KVWireConnector, vllm_config(tiny_model, kv_role="kv_producer"))
     assert connector.requires_kv_delivery is False

@@ -8,8 +8,10 @@ already knows (the model's shape and identity, the KV dtype, the block size,
 the kv_role, engine_id and load-failure policy) comes from vLLM. The
 profile's ``model_config``, ``cache_config`` and ``parallel_config`` describe
 kvwire's own engine (the shipped profiles have them) and are replaced; a
-``kv_role`` or ``kv_load_failure_policy`` in the profile that differs from
-vLLM's is logged as a warning naming both values, since vLLM's applies.
+value the profile sets that vLLM's replaces is logged
+(`kvwire.vllm.overrides`). What can be checked before vLLM has built
+its KV cache (`config_before_kv_cache`) is checked before vLLM loads
+the model (`kvwire.vllm.startup_check`).
 """
 
 from __future__ import annotations
@@ -191,8 +193,9 @@ def engine_config_from_vllm(
     share of the KV heads (tensor parallelism) and of the layers (pipeline
     parallelism); the parallel layout is :func:`parallel_config_from_vllm`'s,
     rank 0's (a worker's connector overrides it with its own rank). Raises
-    :class:`VLLMConfigError` for what kvwire cannot serve inside vLLM; profile
-    fields that contradict vLLM's are logged.
+    `VLLMConfigError` for what kvwire cannot serve inside vLLM. The
+    scheduler side logs the profile's values this replaces
+    (`kvwire.vllm.overrides.log_overridden_values`).
     """
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -490,27 +493,29 @@ def _transfer_config_from_vllm(vllm_transfer: Any, profile: EngineConfig) -> KVT
             "the kvwire profile must name the connector to wrap in "
             "kv_transfer_config.kv_connector (e.g. CPUOffloadConnector)"
         )
-    from_vllm = {
-        "kv_role": vllm_transfer.kv_role,
-        "kv_load_failure_policy": vllm_transfer.kv_load_failure_policy,
-    }
-    for name, vllm_value in from_vllm.items():
-        profile_value = getattr(wrapped, name)
-        if profile_value != vllm_value and _set_in_profile(wrapped, name):
-            logger.warning(
-                "kv_transfer_config.%s: the kvwire profile says %r, vLLM's kv_transfer_config "
-                "says %r; vLLM's applies",
-                name,
-                profile_value,
-                vllm_value,
-            )
-    return attrs.evolve(wrapped, engine_id=vllm_transfer.engine_id, **from_vllm)
+    return attrs.evolve(
+        wrapped,
+        engine_id=vllm_transfer.engine_id,
+        kv_role=vllm_transfer.kv_role,
+        kv_load_failure_policy=vllm_transfer.kv_load_failure_policy,
+    )
 
 
-def _set_in_profile(transfer: KVTransferConfig, name: str) -> bool:
-    # A field left at its default was not set by the profile: vLLM's value applies quietly.
-    default = attrs.fields_dict(KVTransferConfig)[name].default
-    return bool(getattr(transfer, name) != default)
+def config_before_kv_cache(vllm_config: Any, profile: EngineConfig) -> EngineConfig:
+    """`profile` with what vLLM decides before its KV cache exists, checked as the connector does.
+
+    vLLM's role, engine id and failure policy, its parallel layout (rank
+    0's), and its KV dtype checked: `engine_config_from_vllm` refuses
+    the same things, but only once vLLM has loaded the model and sized its
+    cache. The model's identity (a digest of its weights) and whether a
+    hybrid cache is served wait for that.
+    """
+    _cache_dtype(vllm_config)
+    return attrs.evolve(
+        profile,
+        parallel_config=parallel_config_from_vllm(vllm_config),
+        kv_transfer_config=_transfer_config_from_vllm(vllm_config.kv_transfer_config, profile),
+    )
 
 
 def kv_cache_config_from_vllm(vllm_kv_cache_config: Any) -> KVCacheConfig:

@@ -102,6 +102,7 @@ from kvwire.vllm.config_bridge import (
 from kvwire.vllm.cores import threads_started_on_engine_cores
 from kvwire.vllm.events import BlockTokens, KVWireKVEvents
 from kvwire.vllm.logs import follow_vllm_logging
+from kvwire.vllm.overrides import log_overridden_values
 from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestViews
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
 
@@ -142,12 +143,11 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         # vLLM has configured its logging in this process by now.
         follow_vllm_logging()
-        _require_cpu_platform()
+        require_cpu_platform()
         extra_config = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         kvwire_cache_config = kv_cache_config_from_vllm(kv_cache_config)
-        engine_config = engine_config_from_vllm(
-            vllm_config, read_kvwire_profile(extra_config), kvwire_cache_config
-        )
+        profile = read_kvwire_profile(extra_config)
+        engine_config = engine_config_from_vllm(vllm_config, profile, kvwire_cache_config)
         self.container: KVConnectorContainer = container_for_profile(
             engine_config, role=_ROLES[role], kv_cache_config=kvwire_cache_config
         )
@@ -168,6 +168,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._hybrid = has_hybrid_groups(kvwire_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
+            log_overridden_values(profile, engine_config, extra_config)
         # Scheduler side.
         self._views = RequestViews(
             _adapter_keys(vllm_config) if role == KVConnectorRole.SCHEDULER else None
@@ -491,7 +492,8 @@ def _warn_if_loads_fail_requests(policy: str) -> None:
         )
 
 
-def _require_cpu_platform() -> None:
+def require_cpu_platform() -> None:
+    """Refuse a vLLM that runs on anything but the CPU: kvwire moves its CPU cache layout only."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
