@@ -360,10 +360,13 @@ def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_trac
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "kvwire run never started its worker process"
             time.sleep(0.1)
-        time.sleep(2)
+        time.sleep(2)  # the passes run
         # As a terminal's Ctrl-C: SIGINT to the whole process group, workers included.
         os.killpg(process.pid, signal.SIGINT)
+        interrupted = time.monotonic()
         _out, err = process.communicate(timeout=60)
+        # At once: nothing waits for a worker process to finish what it was doing.
+        assert time.monotonic() - interrupted < 20
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -421,3 +424,51 @@ def test_a_composite_childs_bad_module_path_is_named_by_the_childs_field(
         "kvwire run: error: kv_transfer_config.kv_connector_extra_config.connectors[1]"
         ".kv_connector_module_path: cannot import 'no.such.mod': ModuleNotFoundError"
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_worker_process_starts_stops_it_at_once(tmp_path: pathlib.Path) -> None:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: SlowInWorkerConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.slow_in_worker_module\n"
+    )
+    ready = tmp_path / "ready"
+
+    def as_in_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        _limited()
+
+    # A tiny workload: the connector's engine, and its worker, start at once.
+    arguments = [str(profile), "--worker-process", "--requests", "1", "--prompt-len", "16"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
+        cwd=REPO,
+        env={**os.environ, "KVWIRE_TEST_READY": str(ready)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=as_in_a_terminal,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the worker never imported the connector"
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        _out, err = process.communicate(timeout=90)
+        # The worker, still starting (and leaving SIGINT to its parent), is not waited for.
+        assert time.monotonic() - interrupted < 20
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert process.returncode == 130, err
+    assert err.splitlines()[-1] == "kvwire: interrupted"
+    assert "Traceback" not in err

@@ -212,8 +212,13 @@ class WorkerProcess:
         """Wait until the process has built its worker (or raise its error, stopping it)."""
         try:
             self._receive("start", max(self._reply_timeout_s, START_TIMEOUT_S))
-        except BaseException:
+        except Exception:
             self._stop()
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C) while it starts: it leaves SIGINT to this
+            # process and would finish starting first, so it is stopped now.
+            _stop_interrupted([self])
             raise
 
     def execute(self, step: WorkerStep) -> StepResult:
@@ -251,10 +256,16 @@ class WorkerProcess:
         self._connection.close()
 
     def _call(self, command: str, payload: Any, reply_timeout_s: float | None = None) -> Any:
-        self._send(command, payload)
-        return self._receive(
-            command, self._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
-        )
+        try:
+            self._send(command, payload)
+            return self._receive(
+                command, self._reply_timeout_s if reply_timeout_s is None else reply_timeout_s
+            )
+        except Exception:
+            raise  # in step: it answered (perhaps its own error), or was stopped already
+        except BaseException:
+            _stop_interrupted([self])
+            raise
 
     def _send(self, command: str, payload: Any, pickled: bytes | None = None) -> None:
         if self._closed:
@@ -264,15 +275,7 @@ class WorkerProcess:
         )
 
     def _receive(self, command: str, timeout_s: float) -> Any:
-        try:
-            answered = self._connection.poll(timeout_s)
-        except BaseException:
-            # Interrupted while waiting (Ctrl-C): the reply would come later and
-            # answer the next command, so this process is stopped at once.
-            self._process.kill()
-            self._stop()
-            raise
-        if not answered:
+        if not self._connection.poll(timeout_s):
             # A late reply would answer the next command: this process is done.
             self._process.kill()
             self._stop()
@@ -307,9 +310,27 @@ def call_each(
     work on a step together, each waiting for the others.
     """
     pickled = pickle.dumps((command, payload))  # once, whatever the number of ranks
-    for process in processes:
-        process._send(command, payload, pickled)
+    try:
+        for process in processes:
+            process._send(command, payload, pickled)
+    except Exception:
+        raise
+    except BaseException:
+        _stop_interrupted(processes)
+        raise
     return gather_replies(processes, command, reply_timeout_s)
+
+
+def _stop_interrupted(processes: Sequence[WorkerProcess]) -> None:
+    """Stop processes whose call was interrupted (Ctrl-C) half-way, at once.
+
+    A command half sent, or a reply still to come, would answer the next
+    command: their pipes are out of step.
+    """
+    for process in processes:
+        if not process._closed:
+            process._process.kill()
+            process._stop()
 
 
 def gather_replies(
