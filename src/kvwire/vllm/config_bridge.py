@@ -1,12 +1,12 @@
-"""kvwire's configuration from vLLM's: the profile, the ``EngineConfig``, the ``KVCacheConfig``.
+"""kvwire's configuration from vLLM's: the profile, the `EngineConfig`, the `KVCacheConfig`.
 
-vLLM's ``kv_connector_extra_config`` names the kvwire profile, as a path
-(``"kvwire_profile"``) or inline (``"kvwire"``, a profile mapping), plus
-optionally ``"kvwire_container_hook"``. Any other key is an error naming it.
+vLLM's `kv_connector_extra_config` names the kvwire profile, as a path
+(`"kvwire_profile"`) or inline (`"kvwire"`, a profile mapping), plus
+optionally `"kvwire_container_hook"`. Any other key is an error naming it.
 The profile says which kvwire connector to wrap and its settings; what vLLM
 already knows (the model's shape and identity, the KV dtype, the block size,
 the kv_role, engine_id and load-failure policy) comes from vLLM. The
-profile's ``model_config``, ``cache_config`` and ``parallel_config`` describe
+profile's `model_config`, `cache_config` and `parallel_config` describe
 kvwire's own engine (the shipped profiles have them) and are replaced; a
 value the profile sets that vLLM's replaces is logged
 (`kvwire.vllm.overrides`). What can be checked before vLLM has built
@@ -71,7 +71,7 @@ ContainerHook = Callable[["containers.Container"], None]
 
 
 def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
-    """The kvwire profile vLLM's ``kv_connector_extra_config`` names, validated."""
+    """The kvwire profile vLLM's `kv_connector_extra_config` names, validated."""
     # Shown bounded and sorted as text: keys may be long, or not all str.
     unknown = sorted(shown(key) for key in extra_config if key not in EXTRA_CONFIG_KEYS)
     if unknown:
@@ -107,7 +107,7 @@ def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
 
 
 def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
-    """The ``"module:function"`` named by ``kvwire_container_hook``, imported; None if unset.
+    """The `"module:function"` named by `kvwire_container_hook`, imported; None if unset.
 
     It is called with the container before the connector is built, so a
     deployment (or a test) overrides providers there, in whichever process
@@ -141,7 +141,7 @@ def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
 
 
 def run_container_hook(hook: ContainerHook, container: containers.Container) -> None:
-    """Call ``hook`` on ``container``; what it raises becomes an error naming the hook."""
+    """Call `hook` on `container`; what it raises becomes an error naming the hook."""
     try:
         with contained_exits():
             hook(container)
@@ -167,9 +167,9 @@ def _is_hook_spec(spec: object) -> TypeGuard[str]:
 
 
 def kv_dtype_name(dtype: Any, field: str) -> str:
-    """kvwire's name of a torch dtype (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``).
+    """kvwire's name of a torch dtype (`torch.float8_e4m3fn` -> `"float8_e4m3fn"`).
 
-    ``field`` names where vLLM's configuration holds it, for the error.
+    `field` names where vLLM's configuration holds it, for the error.
     """
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -183,15 +183,15 @@ def kv_dtype_name(dtype: Any, field: str) -> str:
 def engine_config_from_vllm(
     vllm_config: Any, profile: EngineConfig, kv_cache_config: KVCacheConfig
 ) -> EngineConfig:
-    """``profile`` with the engine's facts taken from vLLM's ``VllmConfig``.
+    """`profile` with the engine's facts taken from vLLM's `VllmConfig`.
 
-    ``kv_connector`` and its extra config stay the profile's: they name the
-    kvwire connector to wrap. ``kv_cache_config`` is the cache vLLM built
-    (:func:`kv_cache_config_from_vllm`): whether the wrapped connector must
+    `kv_connector` and its extra config stay the profile's: they name the
+    kvwire connector to wrap. `kv_cache_config` is the cache vLLM built
+    (`kv_cache_config_from_vllm`): whether the wrapped connector must
     serve the hybrid KV cache manager depends on it
-    (:func:`wrapped_hma_setting`). The model's shape is one rank's: its
+    (`wrapped_hma_setting`). The model's shape is one rank's: its
     share of the KV heads (tensor parallelism) and of the layers (pipeline
-    parallelism); the parallel layout is :func:`parallel_config_from_vllm`'s,
+    parallelism); the parallel layout is `parallel_config_from_vllm`'s,
     rank 0's (a worker's connector overrides it with its own rank). Raises
     `VLLMConfigError` for what kvwire cannot serve inside vLLM. The
     scheduler side logs the profile's values this replaces
@@ -245,13 +245,13 @@ def engine_config_from_vllm(
 
 
 def parallel_config_from_vllm(vllm_config: Any, rank: int = 0) -> ParallelConfig:
-    """The tensor and pipeline parallel sizes of vLLM's ``parallel_config``, at ``rank``.
+    """The tensor and pipeline parallel sizes of vLLM's `parallel_config`, at `rank`.
 
     Read from the config alone: the scheduler side is built where no process
     group exists. A tensor-parallel size above the model's KV heads (vLLM
     then gives several ranks the same head) is refused: each rank's entries
     would not be a share of the heads. Each pipeline stage's layers are
-    vLLM's split (``get_pp_indices``).
+    vLLM's split (`get_pp_indices`).
     """
     parallel = vllm_config.parallel_config
     tensor_size = int(parallel.tensor_parallel_size)
@@ -285,7 +285,7 @@ def worker_parallel_config(vllm_config: Any) -> ParallelConfig:
 
     vLLM builds a worker's connector once its process groups exist; a
     connector built without them (by hand, in a test) is the rank vLLM's
-    ``parallel_config.rank`` says, as a worker sets it.
+    `parallel_config.rank` says, as a worker sets it.
     """
     from vllm.distributed.parallel_state import (
         get_pp_group,
@@ -316,13 +316,13 @@ def has_hybrid_groups(kv_cache_config: KVCacheConfig) -> bool:
 def wrapped_hma_setting(
     vllm_disable_hma: bool | None, kv_cache_config: KVCacheConfig
 ) -> bool | None:
-    """The ``disable_hybrid_kv_cache_manager`` the wrapped kvwire connector is built with.
+    """The `disable_hybrid_kv_cache_manager` the wrapped kvwire connector is built with.
 
     vLLM's own, except where HMA is on but the cache vLLM built is the one
     full-attention group it would build with HMA off (a model without
     sliding-window layers): HMA then changes nothing, so it is left unset and
     kvwire's gate decides from the wrapped connector, as in kvwire's engine.
-    ``KVWireConnector`` declares ``SupportsHMA`` whatever it wraps (vLLM
+    `KVWireConnector` declares `SupportsHMA` whatever it wraps (vLLM
     asks its class before the profile is read), so vLLM keeps HMA on unless
     told otherwise, for every model; False here means a hybrid cache the
     wrapped connector must serve.
@@ -332,7 +332,7 @@ def wrapped_hma_setting(
     return vllm_disable_hma
 
 
-# Load formats whose weights are the files at ``model`` as they are on disk
+# Load formats whose weights are the files at `model` as they are on disk
 # (vLLM's default loader, its pre-sharded and streaming loaders of the same
 # safetensors): the identity digested from those files is theirs. Any other
 # format (dummy's random values, tensorizer's or ipc_cache's or
@@ -359,19 +359,19 @@ _LOAD_FORMAT_FIELD = "load_config.load_format"
 def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     """Which weights produce the KV, and how vLLM computes with them.
 
-    The weights' identity (:func:`kvwire.model_identity.model_identity`:
-    ``explicit``, the profile's ``model_config.identity``, when set; else the
-    hub commit or a digest of the files vLLM's ``model`` names, never the
+    The weights' identity (`kvwire.model_identity.model_identity`:
+    `explicit`, the profile's `model_config.identity`, when set; else the
+    hub commit or a digest of the files vLLM's `model` names, never the
     name itself), then what vLLM changes in the computation: the model's
-    dtype, its quantization, any ``hf_overrides`` or ``quantization_config``,
-    a ``hf_config_path`` and a ``model_impl`` other than ``auto``, and
+    dtype, its quantization, any `hf_overrides` or `quantization_config`,
+    a `hf_config_path` and a `model_impl` other than `auto`, and
     whether LongRoPE's long factors apply to every position (they do once
-    ``max_model_len`` passes the model's original context).
+    `max_model_len` passes the model's original context).
 
     Weights kvwire cannot be sure of get an identity of this engine alone
-    (:func:`engine_only_identity`), with a warning: a load format that does
-    not read the files as they are (``dummy``'s random values included)
-    unless ``explicit`` names them, and files that cannot be read.
+    (`engine_only_identity`), with a warning: a load format that does
+    not read the files as they are (`dummy`'s random values included)
+    unless `explicit` names them, and files that cannot be read.
     """
     model_config = vllm_config.model_config
     load_config = getattr(vllm_config, "load_config", None)
@@ -449,9 +449,9 @@ def _uses_long_rope_factors(model_config: Any) -> bool:
 def engine_only_identity(vllm_config: Any, why: str) -> str:
     """An identity no other engine has: every process of this engine shares vLLM's ids for it.
 
-    vLLM's ``kv_transfer_config.engine_id`` (a new UUID per engine unless
-    an operator names it) and ``instance_id`` (new per start) reach the
-    scheduler and each worker in the same ``VllmConfig``.
+    vLLM's `kv_transfer_config.engine_id` (a new UUID per engine unless
+    an operator names it) and `instance_id` (new per start) reach the
+    scheduler and each worker in the same `VllmConfig`.
     """
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     engine_id = str(getattr(transfer, "engine_id", "") or "")
@@ -519,7 +519,7 @@ def config_before_kv_cache(vllm_config: Any, profile: EngineConfig) -> EngineCon
 
 
 def kv_cache_config_from_vllm(vllm_kv_cache_config: Any) -> KVCacheConfig:
-    """kvwire's ``KVCacheConfig`` from vLLM's (``KVCacheTensor.size``/``layers`` included)."""
+    """kvwire's `KVCacheConfig` from vLLM's (`KVCacheTensor.size`/`layers` included)."""
     groups = [
         KVCacheGroupSpec(
             layer_names=list(group.layer_names), kv_cache_spec=_attention_spec(group.kv_cache_spec)

@@ -1,63 +1,63 @@
-"""``KVWireConnector``: a vLLM KV connector that serves vLLM with a kvwire connector.
+"""`KVWireConnector`: a vLLM KV connector that serves vLLM with a kvwire connector.
 
 vLLM builds it once per role, as it builds any connector; it builds the kvwire
-connector of that role through a :class:`~kvwire.container.KVConnectorContainer`
-(``self.container``), from the kvwire profile vLLM's
-``kv_connector_extra_config`` names, with kvwire's ``EngineConfig`` and
-``KVCacheConfig`` derived from vLLM's (:mod:`kvwire.vllm.config_bridge`). Every
+connector of that role through a [`KVConnectorContainer`][kvwire.KVConnectorContainer]
+(`self.container`), from the kvwire profile vLLM's
+`kv_connector_extra_config` names, with kvwire's `EngineConfig` and
+`KVCacheConfig` derived from vLLM's (`kvwire.vllm.config_bridge`). Every
 call vLLM makes is passed on, translated where the two interfaces differ:
 
 - scheduler side: vLLM's requests as live views, its block-id deltas as full
-  block lists, its double ``update_state_after_alloc`` for asynchronous loads
-  (:mod:`kvwire.vllm.scheduler_bridge`); events as vLLM's ``BlockStored`` /
-  ``BlockRemoved`` (:mod:`kvwire.vllm.events`);
+  block lists, its double `update_state_after_alloc` for asynchronous loads
+  (`kvwire.vllm.scheduler_bridge`); events as vLLM's `BlockStored` /
+  `BlockRemoved` (`kvwire.vllm.events`);
 - worker side: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
   byte ranges, on I/O threads free to run off the model's pinned cores
-  (:mod:`kvwire.vllm.cores`); ``handle_preemptions`` before the forward pass (vLLM starts
+  (`kvwire.vllm.cores`); `handle_preemptions` before the forward pass (vLLM starts
   loads after it when the step has no synchronous load); stats as
-  :class:`~kvwire.vllm.stats.KVWireStats`.
+  [`KVWireStats`][kvwire.vllm.KVWireStats].
 
 Tensor and pipeline parallelism: each rank's worker connector is built in
-its rank's process, with the container's ``parallel_config`` set to its
+its rank's process, with the container's `parallel_config` set to its
 rank (from vLLM's process groups); the scheduler side's comes from vLLM's
-``parallel_config``. Each rank moves only its share of the KV heads and its
+`parallel_config`. Each rank moves only its share of the KV heads and its
 stage's layers; vLLM
 counts a request finished once every rank reported it and unions the ranks'
 failed block ids; a block is reported stored once every rank's report says
-so (:class:`~kvwire.ranks.EveryRank`).
+so (`EveryRank`).
 
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
-so ``requires_kv_delivery`` is False whatever the role; a failed load follows
-vLLM's ``kv_load_failure_policy``. vLLM's default for it is ``fail`` (the
+so `requires_kv_delivery` is False whatever the role; a failed load follows
+vLLM's `kv_load_failure_policy`. vLLM's default for it is `fail` (the
 request fails with the load), which throws away what a cache is for: the
 scheduler side warns once at start, naming the field, when vLLM's policy is
-``fail``.
+`fail`.
 
 Hybrid models (the hybrid KV cache manager, HMA): vLLM's gate asks the
-connector's class whether it supports HMA (``issubclass(cls, SupportsHMA)``
-in ``KVConnectorFactory.supports_hma_config``) while it builds its config,
+connector's class whether it supports HMA (`issubclass(cls, SupportsHMA)`
+in `KVConnectorFactory.supports_hma_config`) while it builds its config,
 before any connector exists and without reading the kvwire profile. So
-``KVWireConnector`` declares ``SupportsHMA`` whatever it wraps, and decides
+`KVWireConnector` declares `SupportsHMA` whatever it wraps, and decides
 once vLLM has built its KV cache: a model whose cache has only the one
 full-attention group (no sliding-window layers, or HMA disabled) is served
 by any kvwire connector; a hybrid cache (several groups, or a sliding-window
 group) needs a wrapped connector that supports HMA, and with one that does
-not, building fails with an error naming ``--disable-hybrid-kv-cache-manager``.
+not, building fails with an error naming `--disable-hybrid-kv-cache-manager`.
 Each group's block ids reach the wrapped connector as they are (one list per
 group, block id 0 is vLLM's null block).
 
 Load errors on a hybrid cache: vLLM stops the engine when a connector
-reports failed block ids there (``Scheduler._handle_invalid_blocks``); it
+reports failed block ids there (`Scheduler._handle_invalid_blocks`); it
 takes, instead, the requests whose asynchronous loads failed
-(``KVConnectorTransferResults.failed_recving``), and recomputes them or
-fails them as ``kv_load_failure_policy`` says. So the scheduler side sends
+(`KVConnectorTransferResults.failed_recving`), and recomputes them or
+fails them as `kv_load_failure_policy` says. So the scheduler side sends
 each asynchronous load's block ids in the step's metadata, and the worker
 side reports a load whose blocks failed as a failed request; the scheduler
 side then tells the wrapped connector that load's blocks failed (vLLM's
 output no longer names them), so a medium forgets what it could not load
 and the blocks computed again are saved again. A failed
 synchronous load has no such report in vLLM: its block ids still go to
-vLLM, which stops, after an error logged here that names ``async_load``.
+vLLM, which stops, after an error logged here that names `async_load`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ _ROLES = {
 class KVWireConnectorMetadata(KVConnectorMetadata):
     """The wrapped kvwire connector's metadata for one step, as vLLM carries it.
 
-    ``async_loads``: on a hybrid cache, the block ids (every group's, the
+    `async_loads`: on a hybrid cache, the block ids (every group's, the
     null block left out) of each asynchronous load planned this step.
     """
 
@@ -134,8 +134,8 @@ class KVWireConnectorMetadata(KVConnectorMetadata):
 class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     """Serves vLLM with the kvwire connector a kvwire profile names.
 
-    ``container`` is the container that built the wrapped connector
-    (``connector``); ``kvwire_container_hook`` in the extra config runs on it
+    `container` is the container that built the wrapped connector
+    (`connector`); `kvwire_container_hook` in the extra config runs on it
     before the build, to override providers.
     """
 
@@ -282,11 +282,11 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         return KVWireKVEvents(events) if events else None
 
     def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save started so far is complete (``kvwire.vllm.wait_for_saves``)."""
+        """Block until every save started so far is complete (`kvwire.vllm.wait_for_saves`)."""
         return self.connector.wait_for_pending_saves(timeout_s)
 
     def build_connector_worker_meta(self) -> Any:
-        # vLLM merges the workers' with their ``aggregate`` and hands the
+        # vLLM merges the workers' with their `aggregate` and hands the
         # result back in update_connector_output.
         return self.connector.build_connector_worker_meta()
 
