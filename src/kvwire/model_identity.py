@@ -23,12 +23,12 @@ wins, as:
    files are links into the hub cache's blobs, which can be edited in place
    or pointed elsewhere;
 3. a hub id: its revision when that is a commit hash, else the commit the
-   local hub cache says the revision (`main` by default) was downloaded
-   at, `hub-commit:<commit>`: the files may not be downloaded yet when a
-   worker starts, and the hub names a commit's files by their content. An
-   id whose commit cannot be found locally is refused
-   ([`ModelIdentityError`][kvwire.exceptions.ModelIdentityError]), as a branch name alone can stand
-   for other weights tomorrow.
+   local hub cache says the revision (`main` by default) was downloaded at,
+   `hub-commit:<commit>`: the files may not be downloaded yet when a worker
+   starts, and the hub names a commit's files by their content. An id whose
+   commit cannot be found locally is refused
+   ([`ModelIdentityError`][kvwire.exceptions.ModelIdentityError]), as a branch
+   name alone can stand for other weights tomorrow.
 
 The tokenizer takes no part: a block's hash is over token ids, and the KV of
 given token ids depends only on the weights and the model's configuration.

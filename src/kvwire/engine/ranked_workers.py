@@ -1,10 +1,10 @@
 """A parallel engine's worker processes, one per rank, driven as one worker.
 
-Every rank gets every step (block ids are the same on every rank) and runs
-it together with the others: its heads of its stage's layers, its
-connector moving only those. The replies merge as vLLM merges its workers'
-(`RankOutputs`): tokens from the last stage, a request
-finished transferring once every rank says so, failed blocks united.
+Every rank gets every step (block ids are the same on every rank) and runs it
+together with the others: its heads of its stage's layers, its connector moving
+only those. The replies merge as vLLM merges its workers' (`RankOutputs`):
+tokens from the last stage, a request finished transferring once every rank
+says so, failed blocks united.
 """
 
 from __future__ import annotations

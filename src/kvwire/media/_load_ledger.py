@@ -1,15 +1,15 @@
 """The load jobs of a transfer handler: their pieces, their outcomes, giving up at a deadline.
 
 A handler runs each load [`TransferJob`][kvwire.media.TransferJob] as pieces
-(`BlockJob`, with the block ids they
-write, and those that failed) on its threads; `LoadLedger` keeps the
-rest. A job ends once its last piece ended, or once its deadline passed,
-when every block of a piece still running is failed. Either way, a piece
-given up on writes nothing more into the cache: `BlockJob.abandon`
-stops its writes under the piece's lock, and a medium whose writes are
-system calls the lock cannot stop closes its own gate in `after_abandon`
-(which may raise, as [`LateWriteError`][kvwire.media.LateWriteError]
-does, once every piece was given up on).
+(`BlockJob`, with the block ids they write, and those that failed) on its
+threads; `LoadLedger` keeps the rest. A job ends once its last piece ended, or
+once its deadline passed, when every block of a piece still running is failed.
+Either way, a piece given up on writes nothing more into the cache:
+`BlockJob.abandon` stops its writes under the piece's lock, and a medium whose
+writes are system calls the lock cannot stop closes its own gate in
+`after_abandon` (which may raise, as
+[`LateWriteError`][kvwire.media.LateWriteError] does, once every piece was
+given up on).
 
 Which request a job serves and which step waits for it is the connector's
 bookkeeping (`TransferBook`).

@@ -1,12 +1,15 @@
 """The registry of connectors: one lazy provider per connector name.
 
 Every known connector is a `providers.Singleton` in a dependency-injector
-container ([`ConnectorRegistry.providers`][kvwire.ConnectorRegistry.providers]): calling it imports
-the connector's module and returns its class, once; registering imports nothing. Names come from
-three places (`PluginSource`), kept by the mechanism the medium registry shares (`PluginNames`): the
-connectors kvwire ships, the `kvwire.connectors` entry-point group of installed distributions
+container
+([`ConnectorRegistry.providers`][kvwire.ConnectorRegistry.providers]): calling
+it imports the connector's module and returns its class, once; registering
+imports nothing. Names come from three places (`PluginSource`), kept by the
+mechanism the medium registry shares (`PluginNames`): the connectors kvwire
+ships, the `kvwire.connectors` entry-point group of installed distributions
 (`Name = package.module:Class`), and
-[`ConnectorRegistry.register_connector`][kvwire.ConnectorRegistry.register_connector] at run time.
+[`ConnectorRegistry.register_connector`][kvwire.ConnectorRegistry.register_connector]
+at run time.
 
 [`ConnectorRegistry.resolve`][kvwire.ConnectorRegistry.resolve] turns a `KVTransferConfig` into a
 class in vLLM's factory's order and with its messages; unlike vLLM's, it checks the constructor of

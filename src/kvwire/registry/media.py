@@ -1,12 +1,12 @@
 """The registry of media: one lazy provider per medium name, beside the connectors'.
 
-A medium ([`Medium`][kvwire.media.Medium]) is where a block connector
-keeps blocks. Like connectors, media are named through the same mechanism
-(`PluginNames`), and a name is imported only
-when a connector asks for it: the media kvwire ships, the `kvwire.media`
-entry-point group of installed distributions (`name = package.module:Class`)
-and `MediumRegistry.register_medium` at run time. A profile may also
-name a class directly, as `package.module:Class`.
+A medium ([`Medium`][kvwire.media.Medium]) is where a block connector keeps
+blocks. Like connectors, media are named through the same mechanism
+(`PluginNames`), and a name is imported only when a connector asks for it: the
+media kvwire ships, the `kvwire.media` entry-point group of installed
+distributions (`name = package.module:Class`) and
+`MediumRegistry.register_medium` at run time. A profile may also name a class
+directly, as `package.module:Class`.
 
 Every [`ConnectorRegistry`][kvwire.ConnectorRegistry] holds one
 (`registry.media`), and a container's connectors resolve their medium

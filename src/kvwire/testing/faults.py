@@ -7,11 +7,11 @@ names. In each role it builds the wrapped connector through the registry (as a c
 children) and delegates every call to it, except that:
 
 - its scheduler side learns the blocks each load fills from
-  `update_state_after_alloc` and picks, for each chosen request's first
-  load, the block at `fail_block_index` of the loaded range (every KV
-  cache group's blocks, group after group, null blocks left out), which it
-  sends to the worker side inside the step's metadata
-  (`LoadFaultMetadata`, the wrapped connector's metadata within);
+  `update_state_after_alloc` and picks, for each chosen request's first load,
+  the block at `fail_block_index` of the loaded range (every KV cache group's
+  blocks, group after group, null blocks left out), which it sends to the
+  worker side inside the step's metadata (`LoadFaultMetadata`, the wrapped
+  connector's metadata within);
 - its worker side leaves garbage (0xFF bytes: NaN in every float dtype) in
   that block after the wrapped connector loaded it, and reports the block
   as a load error: a synchronous load's in that step, layer by layer once

@@ -1,11 +1,12 @@
 """`KVWireConnector`: a vLLM KV connector that serves vLLM with a kvwire connector.
 
 vLLM builds it once per role, as it builds any connector; it builds the kvwire
-connector of that role through a [`KVConnectorContainer`][kvwire.KVConnectorContainer]
-(`self.container`), from the kvwire profile vLLM's
-`kv_connector_extra_config` names, with kvwire's `EngineConfig` and
-`KVCacheConfig` derived from vLLM's (`kvwire.vllm.config_bridge`). Every
-call vLLM makes is passed on, translated where the two interfaces differ:
+connector of that role through a
+[`KVConnectorContainer`][kvwire.KVConnectorContainer] (`self.container`), from
+the kvwire profile vLLM's `kv_connector_extra_config` names, with kvwire's
+`EngineConfig` and `KVCacheConfig` derived from vLLM's
+(`kvwire.vllm.config_bridge`). Every call vLLM makes is passed on, translated
+where the two interfaces differ:
 
 - scheduler side: vLLM's requests as live views, its block-id deltas as full
   block lists, its double `update_state_after_alloc` for asynchronous loads
@@ -17,14 +18,13 @@ call vLLM makes is passed on, translated where the two interfaces differ:
   loads after it when the step has no synchronous load); stats as
   [`KVWireStats`][kvwire.vllm.KVWireStats].
 
-Tensor and pipeline parallelism: each rank's worker connector is built in
-its rank's process, with the container's `parallel_config` set to its
-rank (from vLLM's process groups); the scheduler side's comes from vLLM's
+Tensor and pipeline parallelism: each rank's worker connector is built in its
+rank's process, with the container's `parallel_config` set to its rank (from
+vLLM's process groups); the scheduler side's comes from vLLM's
 `parallel_config`. Each rank moves only its share of the KV heads and its
-stage's layers; vLLM
-counts a request finished once every rank reported it and unions the ranks'
-failed block ids; a block is reported stored once every rank's report says
-so (`EveryRank`).
+stage's layers; vLLM counts a request finished once every rank reported it and
+unions the ranks' failed block ids; a block is reported stored once every
+rank's report says so (`EveryRank`).
 
 kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so `requires_kv_delivery` is False whatever the role; a failed load follows

@@ -14,18 +14,17 @@ one included) announced it; a block this pool holds counts too, its entry
 written again, when the directory lost it (expired before a step came,
 withdrawn by a reader whose read of it stalled).
 
-Every directory call here is on the scheduler's thread, and waits at most
-the directory's deadline (see `PeerDirectory`);
-while the directory is down they answer at once. A lookup then finds only
-this pool's own blocks. An announcement that was not made is made again at
-the first step once the directory is back, so hits resume at once. A
-withdrawal that was not made is kept (up to `WITHDRAWAL_BACKLOG`) and made
-at the first step once the directory is back: as a compare-and-delete it is
-safe at any later time. One dropped from a full backlog leaves an entry
-naming a slot the pool may reuse until it expires; a reader that follows
-it pulls bytes that fail verification, so it computes the block and
-withdraws the entry. Nothing wrong is ever loaded. Withdrawals dropped so
-are counted as `peer_withdrawals_dropped`.
+Every directory call here is on the scheduler's thread, and waits at most the
+directory's deadline (see `PeerDirectory`); while the directory is down they
+answer at once. A lookup then finds only this pool's own blocks. An
+announcement that was not made is made again at the first step once the
+directory is back, so hits resume at once. A withdrawal that was not made is
+kept (up to `WITHDRAWAL_BACKLOG`) and made at the first step once the directory
+is back: as a compare-and-delete it is safe at any later time. One dropped from
+a full backlog leaves an entry naming a slot the pool may reuse until it
+expires; a reader that follows it pulls bytes that fail verification, so it
+computes the block and withdraws the entry. Nothing wrong is ever loaded.
+Withdrawals dropped so are counted as `peer_withdrawals_dropped`.
 
 Loads need no second round trip: the locations the last lookup found for
 a group are handed to the worker with the load

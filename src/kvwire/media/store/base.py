@@ -279,15 +279,17 @@ class BlockStore(abc.ABC):
 
         With `commit_gate`, an entry is committed (made visible to readers)
         only if all its bytes left the ranges while the gate was open: the
-        connector closes it when the blocks may change under the save, and
-        an entry made of bytes being overwritten would be torn. A store that
+        connector closes it when the blocks may change under the save, and an
+        entry made of bytes being overwritten would be torn. A store that
         writes from the ranges in place checks
-        [`CacheWrites.is_open`][kvwire.media.CacheWrites.is_open] once the medium (the kernel) holds
-        all of an entry's bytes, just before it commits (a rename, the end of a command), and
-        otherwise drops the entry (False); once the gate is closed it starts no entry. This default
-        copies a few MiB of entries at a time into a per-thread scratch buffer, each copy under
-        `commit_gate.writing()`, and calls [`put`][kvwire.media.BlockStore.put] on the copies;
-        stores that can write scattered memory override it.
+        [`CacheWrites.is_open`][kvwire.media.CacheWrites.is_open] once the
+        medium (the kernel) holds all of an entry's bytes, just before it
+        commits (a rename, the end of a command), and otherwise drops the entry
+        (False); once the gate is closed it starts no entry. This default
+        copies a few MiB of entries at a time into a per-thread scratch buffer,
+        each copy under `commit_gate.writing()`, and calls
+        [`put`][kvwire.media.BlockStore.put] on the copies; stores that can
+        write scattered memory override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
         results = [False] * len(keys)

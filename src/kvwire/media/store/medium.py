@@ -4,22 +4,23 @@ A store medium names each block's entry by key; the store finds it by key
 alone, so the scheduler side's index only asks the store how many
 consecutive blocks it holds (`BlockStore.count_prefix`: only a prefix that
 is really present counts) and decides nothing else. The worker side's
-handler (`StoreTransferHandler`) moves blocks
-straight between the KV cache's block ranges and the store (an entry is the
-`block_format` header, then every layer's block), on background threads:
+handler (`StoreTransferHandler`) moves blocks straight between the KV
+cache's block ranges and the store (an entry is the `block_format` header,
+then every layer's block), on background threads:
 the forward pass only submits. A loaded entry is verified where it landed,
 in the cache, before its block counts as loaded; a block that fails is a
 load error, which the engine computes again.
 
-How a medium supplies its store
--------------------------------
+## How a medium supplies its store
+
 Subclass [`StoreMedium`][kvwire.media.StoreMedium] and implement
-[`StoreMedium.create_store`][kvwire.media.StoreMedium.create_store]; declare your own
-`kv_connector_extra_config` keys by extending
-[`StoreMedium.extra_config_keys`][kvwire.media.StoreMedium.extra_config_keys] (and check them
-together, or derive values, in
-[`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options]). The store is created once
-per medium object, when its first half is built, with the validated options:
+[`StoreMedium.create_store`][kvwire.media.StoreMedium.create_store]; declare
+your own `kv_connector_extra_config` keys by extending
+[`StoreMedium.extra_config_keys`][kvwire.media.StoreMedium.extra_config_keys]
+(and check them together, or derive values, in
+[`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options]). The
+store is created once per medium object, when its first half is built, with the
+validated options:
 
 ```python
 class MyMedium(StoreMedium[MyStore]):

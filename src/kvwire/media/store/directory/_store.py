@@ -317,10 +317,10 @@ class DirectoryBlockStore(BlockStore):
     ) -> list[bool]:
         """Write each entry straight from its ranges with `pwritev` into a new temporary file.
 
-        The file is renamed into place only if `commit_gate` is still open
-        once every byte was written (see
-        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]); otherwise it is removed,
-        and the entry already there stays.
+        The file is renamed into place only if `commit_gate` is still open once
+        every byte was written (see
+        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]);
+        otherwise it is removed, and the entry already there stays.
         """
         results = [False] * len(keys)
         for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):

@@ -70,13 +70,12 @@ master is down, and at once on `MOVED`), and those keys hit again if the
 replica had them. Slots moved between masters (resharding) are followed the
 same way; no call ever waits for a new map.
 
-KV cache events (medium `redis`): `BlockStored` for the blocks a save
-stored, `BlockRemoved` for corrupt or too-long values a load found and
-deleted (so they stop being hits for every engine). Entries the server drops by itself
-(`ttl_seconds` expiry, `maxmemory` eviction under an
-`allkeys-*`/`volatile-*` policy) are never seen by the connector, so no
-`BlockRemoved` reports them: a router may think such a block is still
-held, and the lookup then simply misses.
+KV cache events (medium `redis`): `BlockStored` for the blocks a save stored,
+`BlockRemoved` for corrupt or too-long values a load found and deleted (so they
+stop being hits for every engine). Entries the server drops by itself
+(`ttl_seconds` expiry, `maxmemory` eviction under an `allkeys-*`/`volatile-*`
+policy) are never seen by the connector, so no `BlockRemoved` reports them: a
+router may think such a block is still held, and the lookup then simply misses.
 """
 
 from __future__ import annotations
