@@ -9,9 +9,8 @@ its role's half.
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from dependency_injector import providers
@@ -32,11 +31,11 @@ from kvwire.interface.types import BlockHash, ForwardContext, Request
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.faulty import FaultInjectingMedium
-from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.registry import default_registry
 from kvwire.registry.media import UnknownMediumError
 from tests.support.connector_pairs import cache_config_for, engine_config, make_caches
+from tests.support.dict_stores import DictStore
 from tests.support.engines import (
     generate,
     served,
@@ -47,37 +46,10 @@ from tests.support.engines import (
 )
 
 
-class _DictStore(BlockStore):
-    """Entries in one process-wide dict: a medium no connector knows of."""
+class _DictStore(DictStore):
+    """Entries in a dict of this module's own: a medium no connector knows of."""
 
-    # Shared by both roles' stores on purpose: the scheduler's lookups see the worker's saves.
-    entries: dict[str, bytes] = {}
-    lock = threading.Lock()
-
-    def count_prefix(self, keys: Sequence[str]) -> int:
-        with self.lock:
-            held = 0
-            while held < len(keys) and keys[held] in self.entries:
-                held += 1
-            return held
-
-    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
-        with self.lock:
-            for key, entry in zip(keys, entries, strict=True):
-                self.entries[key] = bytes(entry)
-        return [True] * len(keys)
-
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        sizes: list[int | None] = []
-        with self.lock:
-            for key, buffer in zip(keys, buffers, strict=True):
-                entry = self.entries.get(key)
-                if entry is None or len(entry) > len(buffer):
-                    sizes.append(None)
-                    continue
-                buffer[: len(entry)] = entry
-                sizes.append(len(entry))
-        return sizes
+    entries: ClassVar[dict[str, bytes]] = {}
 
 
 class DictMedium(StoreMedium[_DictStore]):

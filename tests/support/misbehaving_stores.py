@@ -9,47 +9,14 @@ never show the secret the store's message quotes.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
+from tests.support.dict_stores import DictStore
 
 SECRET = "hunter2-secret"
 LEAKY_MESSAGE = f"lost redis://u:{SECRET}@h (password={SECRET})"
-
-
-class DictStore(BlockStore):
-    """Entries in one process-wide dict, answered truthfully; subclasses misbehave."""
-
-    entries: ClassVar[dict[str, bytes]] = {}
-    lock = threading.Lock()
-
-    def count_prefix(self, keys: Sequence[str]) -> int:
-        with self.lock:
-            held = 0
-            while held < len(keys) and keys[held] in self.entries:
-                held += 1
-            return held
-
-    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
-        with self.lock:
-            for key, entry in zip(keys, entries, strict=True):
-                self.entries[key] = bytes(entry)
-        return [True] * len(keys)
-
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        sizes: list[int | None] = []
-        with self.lock:
-            for key, buffer in zip(keys, buffers, strict=True):
-                entry = self.entries.get(key)
-                if entry is None or len(entry) > len(buffer):
-                    sizes.append(None)
-                    continue
-                buffer[: len(entry)] = entry
-                sizes.append(len(entry))
-        return sizes
 
 
 class RaisingStore(DictStore):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -20,8 +19,8 @@ from kvwire.cli import check_profile
 from kvwire.config import EngineConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.engine.engine import LLMEngine, RequestOutput
-from kvwire.media.store.base import BlockStore
 from kvwire.media.store.medium import StoreMedium
+from tests.support.dict_stores import DictStore
 from tests.support.engines import (
     generate,
     served,
@@ -32,36 +31,10 @@ from tests.support.engines import (
 )
 
 
-class HonestStore(BlockStore):
-    """Entries in one process-wide dict, answered truthfully; subclasses lie."""
+class HonestStore(DictStore):
+    """Entries in a dict of this module's own, answered truthfully; subclasses lie."""
 
     entries: ClassVar[dict[str, bytes]] = {}
-    lock = threading.Lock()
-
-    def count_prefix(self, keys: Sequence[str]) -> Any:
-        with self.lock:
-            held = 0
-            while held < len(keys) and keys[held] in self.entries:
-                held += 1
-            return held
-
-    def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
-        with self.lock:
-            for key, entry in zip(keys, entries, strict=True):
-                self.entries[key] = bytes(entry)
-        return [True] * len(keys)
-
-    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
-        sizes: list[int | None] = []
-        with self.lock:
-            for key, buffer in zip(keys, buffers, strict=True):
-                entry = self.entries.get(key)
-                if entry is None or len(entry) > len(buffer):
-                    sizes.append(None)
-                    continue
-                buffer[: len(entry)] = entry
-                sizes.append(len(entry))
-        return sizes
 
 
 class ForgetfulStore(HonestStore):
