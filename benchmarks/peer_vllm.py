@@ -14,7 +14,7 @@ too), so that the figures are those of engines whose connections are made.
   ``kv_transfer_params`` go from the prefill engine's output to the decode
   request, as vLLM's router does; the decode engine pulls every prompt
   block, the last one's partial tokens too.
-- kvwire peer (``containers/peer-prefill.yaml`` and ``peer-decode.yaml``,
+- kvwire peer (the shipped profiles ``peer-prefill`` and ``peer-decode``,
   through ``KVWireConnector``): no parameters pass; the decode engine finds
   the blocks by hash in the directory (a redis-server started here) and
   pulls every full prompt block with NIXL reads from the prefill engine's
@@ -121,14 +121,16 @@ def _configurations(
             REMOTE_DECODE,
         )
     return (
-        _kvwire(_peer_profile("peer-prefill.yaml", url, prefix)),
-        _kvwire(_peer_profile("peer-decode.yaml", url, prefix)),
+        _kvwire(_peer_profile("peer-prefill", url, prefix)),
+        _kvwire(_peer_profile("peer-decode", url, prefix)),
         None,
     )
 
 
 def _peer_profile(name: str, url: str, prefix: str) -> dict[str, Any]:
-    profile: dict[str, Any] = yaml.safe_load((REPO / "containers" / name).read_text())
+    from kvwire.config.profile import shipped_profile_path
+
+    profile: dict[str, Any] = yaml.safe_load(shipped_profile_path(name).read_text())
     options = profile["kv_transfer_config"]["kv_connector_extra_config"]
     options.update(url=url, key_prefix=prefix, cpu_pool_bytes="256MiB")
     return profile

@@ -266,11 +266,12 @@ class Bench:
             }
         import yaml
 
-        profiles = pathlib.Path(__file__).resolve().parents[1] / "containers"
+        from kvwire.config.profile import shipped_profile_path
+
         store_mib = f"{-(-self.workload.store_bytes(RUNS) // MIB)}MiB"
         medium, _, variant = name.removeprefix("kvwire ").partition(", ")
         file = {"CPU offload": "cpu-offload", "shared storage": "shared-storage", "Redis": "redis"}
-        profile = yaml.safe_load((profiles / f"{file[medium]}.yaml").read_text())
+        profile = yaml.safe_load(shipped_profile_path(file[medium]).read_text())
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]
         if variant == ASYNC_LOAD:
             options["async_load"] = True

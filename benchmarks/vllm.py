@@ -308,14 +308,15 @@ def transfer_config(
         }
     import yaml
 
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    from kvwire.config.profile import shipped_profile_path
+
     mib = 2**20
     if "CPU offload" in name:
-        mapping = yaml.safe_load((repo / "containers" / "cpu-offload.yaml").read_text())
+        mapping = yaml.safe_load(shipped_profile_path("cpu-offload").read_text())
         preset = mapping["kv_transfer_config"]["kv_connector_extra_config"]
         preset["cpu_pool_bytes"] = f"{-(-kv_bytes * 5 // 4 // mib)}MiB"
     else:
-        mapping = yaml.safe_load((repo / "containers" / "shared-storage.yaml").read_text())
+        mapping = yaml.safe_load(shipped_profile_path("shared-storage").read_text())
         preset = mapping["kv_transfer_config"]["kv_connector_extra_config"]
         preset["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
         preset["staging_buffer_bytes"] = f"{-(-save_bytes * 2 // mib)}MiB"

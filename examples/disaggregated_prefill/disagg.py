@@ -6,10 +6,10 @@ Redis/Valkey server::
     python examples/disaggregated_prefill/disagg.py prefill --redis-url redis://HOST:6379/0
     python examples/disaggregated_prefill/disagg.py decode  --redis-url redis://HOST:6379/0
 
-- ``prefill`` runs the engine of ``containers/disagg-prefill.yaml``
+- ``prefill`` runs the engine of the shipped profile ``disagg-prefill``
   (``kv_producer``): it computes every prompt (and its first token) and its
   connector saves the prompt's KV blocks to Redis;
-- ``decode`` runs the engine of ``containers/disagg-decode.yaml``
+- ``decode`` runs the engine of the shipped profile ``disagg-decode``
   (``kv_consumer``): it loads the prompt blocks from Redis instead of
   computing them, and generates ``--max-tokens`` tokens;
 - ``single`` runs one engine without a connector doing both, for comparison:
@@ -40,11 +40,11 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
 from kvwire.redaction import redact_text
 
-CONTAINERS = pathlib.Path(__file__).resolve().parents[2] / "containers"
+# Shipped profiles, by name: the example runs from any folder.
 PROFILES = {
-    "prefill": CONTAINERS / "disagg-prefill.yaml",
-    "decode": CONTAINERS / "disagg-decode.yaml",
-    "single": CONTAINERS / "disagg-decode.yaml",  # the same model, without the connector
+    "prefill": "disagg-prefill",
+    "decode": "disagg-decode",
+    "single": "disagg-decode",  # the same model, without the connector
 }
 
 

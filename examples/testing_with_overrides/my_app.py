@@ -7,7 +7,6 @@ container's providers (see ``test_my_app.py``).
 
 from __future__ import annotations
 
-import pathlib
 import sys
 
 from dependency_injector.wiring import Provide, inject
@@ -17,7 +16,7 @@ from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.container import container_for_profile
 from kvwire.interface.types import Request
 
-PROFILE = pathlib.Path(__file__).resolve().parents[2] / "containers" / "cpu-offload.yaml"
+PROFILE = "cpu-offload"  # a profile kvwire ships, by name
 
 
 def build_container(kv_cache_config: KVCacheConfig) -> KVConnectorContainer:

@@ -1,4 +1,4 @@
-"""The `kvwire` command: `check`, `connectors` and `run`.
+"""The `kvwire` command: `check`, `connectors`, `profiles` and `run`.
 
 `kvwire check PROFILE` validates a profile, resolves its connector (with the
 constructor check), validates its `kv_connector_extra_config` through the
@@ -9,8 +9,12 @@ connector's module (and each child's): that runs the plugin's code, so check
 only profiles and plugins you trust. Nothing it prints shows a secret
 (`kvwire.redaction`).
 `kvwire connectors` lists every known connector without importing any;
-`--resolve` imports each one to say whether it supports HMA. `kvwire run`
+`--resolve` imports each one to say whether it supports HMA. `kvwire profiles`
+lists the profiles kvwire ships, which every command takes by name
+(`kvwire check redis`); `--show NAME` prints one, to copy and edit. `kvwire run`
 lives in its own package (`kvwire.run`), imported only when asked for.
+`--log-level` is accepted before or after the command; `--version` prints
+the installed version.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import pathlib
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +30,14 @@ from typing import NoReturn, TextIO
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
-from kvwire.config.profile import profile_origin, read_profile_file, structure_engine_config
+from kvwire.config.profile import (
+    profile_origin,
+    profile_path,
+    read_profile_file,
+    shipped_profile_names,
+    shipped_profile_path,
+    structure_engine_config,
+)
 from kvwire.exceptions import KVWireError, kind_of
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.interface.base import KVConnectorBase, validates_extra_config
@@ -98,12 +108,9 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
     )
-    parser.add_argument(
-        "--log-level",
-        default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging threshold (default: WARNING)",
-    )
+    parser.add_argument("--version", action="version", version=f"kvwire {_version()}")
+    _add_log_level(parser, default=DEFAULT_LOG_LEVEL)
+    parser.epilog = PROFILE_NAMES_HELP
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     check = commands.add_parser(
@@ -111,9 +118,13 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
         help="validate a profile, resolve its connector and apply the HMA gate "
         "(imports the connector's module: runs its code)",
         description=CHECK_DESCRIPTION,
+        epilog=PROFILE_NAMES_HELP,
     )
     check.add_argument(
-        "profiles", nargs="+", metavar="PROFILE", help="path to a YAML profile (see containers/)"
+        "profiles",
+        nargs="+",
+        metavar="PROFILE",
+        help="a shipped profile's name (kvwire profiles lists them) or a YAML file's path",
     )
     check.set_defaults(command=_check_command)
 
@@ -127,6 +138,16 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     )
     connectors.set_defaults(command=_connectors_command)
 
+    profiles = commands.add_parser(
+        "profiles",
+        help="list the profiles kvwire ships, which every command takes by name",
+        epilog=PROFILE_NAMES_HELP,
+    )
+    profiles.add_argument(
+        "--show", metavar="NAME", help="print that profile's YAML (to copy it and edit the copy)"
+    )
+    profiles.set_defaults(command=_profiles_command)
+
     run = commands.add_parser("run", help="run a workload through the engine with a connector")
     if wants_run:
         try:
@@ -139,7 +160,33 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
         else:
             run_package.configure_parser(run)
             run.set_defaults(command=_run_command)
+    for command in (check, connectors, profiles, run):
+        # After the command too: its value, when given there, wins over one given before.
+        _add_log_level(command, default=argparse.SUPPRESS)
     return parser
+
+
+DEFAULT_LOG_LEVEL = "WARNING"
+PROFILE_NAMES_HELP = (
+    "A PROFILE with no / that does not end in .yaml or .yml is the name of a profile kvwire "
+    "ships (kvwire profiles lists them); anything else is a path (./NAME reads a file of "
+    "that name)."
+)
+
+
+def _add_log_level(parser: argparse.ArgumentParser, *, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help=f"logging threshold (default: {DEFAULT_LOG_LEVEL}); before or after the command",
+    )
+
+
+def _version() -> str:
+    import kvwire
+
+    return str(kvwire.__version__)
 
 
 CHECK_DESCRIPTION = (
@@ -220,7 +267,7 @@ def check_profile(
     origin = profile_origin(profile)
     secrets: set[str] = set()
     try:
-        document = read_profile_file(pathlib.Path(profile))
+        document = read_profile_file(profile_path(profile))
         secrets = secret_values(document)
         engine_config = structure_engine_config(document, origin=origin)
         lines = _check_lines(origin, engine_config, registry)
@@ -362,6 +409,62 @@ def _origin(
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+# ------------------------------------------------------------------ profiles
+
+
+def _profiles_command(args: argparse.Namespace) -> int:
+    return list_profiles(show=args.show, out=sys.stdout, err=sys.stderr)
+
+
+def list_profiles(
+    *, show: str | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> int:
+    """What `kvwire profiles` does: a table of the shipped profiles, or one's YAML (`show`)."""
+    if show is not None:
+        try:
+            text = shipped_profile_path(show).read_text(encoding="utf-8")
+        except KVWireError as error:
+            print(f"kvwire profiles: --show: error: {error}", file=err)
+            return 1
+        print(text, end="", file=out)
+        return 0
+    rows = [["NAME", "CONNECTOR", "WHAT IT IS"]]
+    for name in shipped_profile_names():
+        text = shipped_profile_path(name).read_text(encoding="utf-8")
+        rows.append([name, _connector_of(text), _summary_of(text)])
+    _print_table(rows, out)
+    folder = shipped_profile_path(rows[1][0]).parent if len(rows) > 1 else None
+    print(file=out)
+    print(f"files: {folder}; copy one (kvwire profiles --show NAME) to edit it", file=out)
+    return 0
+
+
+def _connector_of(text: str) -> str:
+    # The shipped profiles are kvwire's own, valid YAML (tests/core/test_shipped_configs.py).
+    import yaml
+
+    document = yaml.safe_load(text) or {}
+    transfer = document.get("kv_transfer_config") or {}
+    connector = transfer.get("kv_connector", "-")
+    medium = (transfer.get("kv_connector_extra_config") or {}).get("medium")
+    return f"{connector} ({medium})" if medium else str(connector)
+
+
+def _summary_of(text: str) -> str:
+    """The first sentence of the profile's opening comment."""
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#") or line.startswith("#   "):
+            break
+        comment.append(line.lstrip("# ").strip())
+    first = " ".join(comment).split(". ")[0].split("; ")[0].rstrip(".")
+    summary = first.split(": ", 1)[-1] if first else "-"
+    return summary if len(summary) <= _SUMMARY_LENGTH else summary[: _SUMMARY_LENGTH - 3] + "..."
+
+
+_SUMMARY_LENGTH = 80
 
 
 # ---------------------------------------------------------------- connectors

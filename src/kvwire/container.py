@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pathlib
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,6 +37,7 @@ from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.config.profile import (
     load_profile,
     profile_origin,
+    profile_path,
     read_profile_file,
     structure_engine_config,
 )
@@ -366,7 +366,8 @@ def container_for_profile(
     kv_cache_config: KVCacheConfig | None = None,
     registry: ConnectorRegistry | None = None,
 ) -> KVConnectorContainer:
-    """A container for `profile` (a YAML path, a mapping or a built `EngineConfig`).
+    """A container for `profile` (a shipped profile's name such as `"cpu-offload"`, a YAML
+    path, a mapping or a built `EngineConfig`).
 
     The profile is validated here, so a bad one fails before anything else.
     A path or a mapping becomes the container's `config`: an override of
@@ -386,10 +387,9 @@ def container_for_profile(
         # identity): change it with attrs.evolve, or override engine_config.
         container.engine_config.override(providers.Object(profile))
     elif isinstance(profile, str | os.PathLike):
-        path = pathlib.Path(profile)
-        document = read_profile_file(path)
+        document = read_profile_file(profile_path(profile))
         # Checked here, naming the file, so that a bad profile fails before anything else.
-        structure_engine_config(document, origin=profile_origin(path))
+        structure_engine_config(document, origin=profile_origin(profile))
         container.config.from_dict(document)
     else:
         structure_engine_config(profile)

@@ -11,11 +11,12 @@ import sys
 import pytest
 
 from kvwire.cli import check_profile, list_connectors, main
+from kvwire.config.profile import shipped_profile_names
 from kvwire.registry import ConnectorRegistry
 from tests.core.conftest import SAMPLES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED_PROFILES = sorted((REPO / "containers").glob("*.yaml"))
+SHIPPED_PROFILES = shipped_profile_names()
 
 
 def run_check(
@@ -145,11 +146,11 @@ def test_check_of_hma_demanded_from_a_connector_without_it_fails(
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("profile", SHIPPED_PROFILES, ids=lambda path: path.name)
-def test_every_shipped_profile_passes_check(
-    profile: pathlib.Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("profile", SHIPPED_PROFILES)
+def test_every_shipped_profile_passes_check_by_name(
+    profile: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status = main(["check", str(profile)])
+    status = main(["check", profile])
 
     captured = capsys.readouterr()
     assert status == 0, captured.err
@@ -298,7 +299,7 @@ def test_check_of_several_profiles_fails_if_any_fails(
     broken = tmp_path / "broken.yaml"
     broken.write_text("cache_config: {block_size: 0}\n")
 
-    status = main(["check", str(SHIPPED_PROFILES[0]), str(broken)])
+    status = main(["check", SHIPPED_PROFILES[0], str(broken)])
 
     captured = capsys.readouterr()
     assert status == 1

@@ -22,10 +22,7 @@ from tests.support.sample_connectors import RecordingConnector
 pytestmark = pytest.mark.torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED_PROFILES = [
-    *sorted((REPO / "containers").glob("*.yaml")),
-    REPO / "src" / "kvwire" / "run" / "default_profile.yaml",
-]
+SHIPPED_PROFILES = sorted((REPO / "src" / "kvwire" / "profiles").glob("*.yaml"))
 UNSET_VARIABLE = "KVWIRE_TEST_UNSET_PASSWORD"
 # Checks never create it: a constructor would, and would fail on this root.
 STORE = "/nonexistent-kvwire-root/store"

@@ -1,6 +1,7 @@
 """Every configuration kvwire ships computes a failed load again: ``kv_load_failure_policy:
-recompute`` in each profile (containers/, examples/) and in each README or docs example that
-configures a connector, since vLLM's own default (``fail``) fails the user's request."""
+recompute`` in each profile (src/kvwire/profiles/, examples/) and in each README or docs
+example that configures a connector, since vLLM's own default (``fail``) fails the user's
+request."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import yaml
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROFILES = sorted(
     path
-    for folder in ("containers", "examples")
+    for folder in ("src/kvwire/profiles", "examples")
     for path in (REPO / folder).rglob("*.yaml")
     if "kv_transfer_config" in path.read_text()
 )
@@ -62,7 +63,7 @@ def test_a_store_profile_takes_a_whole_vllm_step_of_saves_in_flight(name: str) -
     # request would load (--only serve counted 9-11 per run at 64 MiB).
     from kvwire.config.extra_config import parse_size
 
-    profile = yaml.safe_load((REPO / "containers" / name).read_text())
+    profile = yaml.safe_load((REPO / "src" / "kvwire" / "profiles" / name).read_text())
     cap = profile["kv_transfer_config"]["kv_connector_extra_config"]["staging_buffer_bytes"]
     size = parse_size(cap)
     assert size is not None and size >= 8192 * 32 * 1024

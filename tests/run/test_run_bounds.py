@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvwire import cli
+from kvwire.config.profile import DEFAULT_PROFILE_NAME, shipped_profile_path
 from kvwire.engine.workload import MAX_PROMPTS_BYTES, MAX_PROMPTS_LINES
 from kvwire.run.command import MAX_REQUESTS, MAX_WORKLOAD_TOKENS
 
@@ -207,8 +208,7 @@ def test_a_workload_of_more_tokens_than_a_run_holds_is_refused_before_it_is_buil
     tmp_path: pathlib.Path,
 ) -> None:
     profile = tmp_path / "long.yaml"
-    default = REPO / "src" / "kvwire" / "run" / "default_profile.yaml"
-    document = yaml.safe_load(default.read_text())
+    document = yaml.safe_load(shipped_profile_path(DEFAULT_PROFILE_NAME).read_text())
     document["model_config"]["max_model_len"] = 2**20
     profile.write_text(yaml.safe_dump(document))
     # 100,000 prompts of 100,000 tokens: ten billion tokens, built, would fill any memory.

@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from kvwire import cli
-from kvwire.run import command as run_command
 
 SMALL_WORKLOAD = ["--requests", "4", "--prompt-len", "24", "--output-len", "3", "--no-progress"]
 
@@ -50,8 +49,7 @@ def test_the_local_pass_finds_every_prefix_in_the_engines_own_cache_without_a_co
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # 4 prompts of 64 tokens (4 blocks of 16): each can hit its first 3 blocks.
-    profile = pathlib.Path(__file__).parents[2] / "containers" / "cpu-offload.yaml"
-    cli.main(["run", str(profile), *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
+    cli.main(["run", "cpu-offload", *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
     passes = json.loads(capsys.readouterr().out)["passes"]
     local, warm = passes["local"], passes["warm"]
     assert local["tokens_from_local_cache"] == 4 * 48
@@ -170,8 +168,7 @@ def test_the_cpu_offload_profile_serves_the_warm_pass_prefix_from_the_connector(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # 4 prompts of 64 tokens (4 blocks of 16) sharing their first 48 tokens.
-    profile = pathlib.Path(__file__).parents[2] / "containers" / "cpu-offload.yaml"
-    status = cli.main(["run", str(profile), *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
+    status = cli.main(["run", "cpu-offload", *SMALL_WORKLOAD, "--prompt-len", "64", "--json"])
     warm = json.loads(capsys.readouterr().out)["passes"]["warm"]
     assert status == 0
     # The first request loads the shared prefix; the three admitted with it
@@ -200,12 +197,13 @@ def test_a_profile_without_a_connector_is_refused(
     assert "kv_transfer_config.kv_connector is not set" in capsys.readouterr().err
 
 
-def test_a_missing_embedded_default_says_to_pass_a_profile(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_an_unknown_profile_name_is_refused_with_the_shipped_names(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(run_command, "DEFAULT_PROFILE", "profiles/absent.yaml")
-    assert cli.main(["run", "--no-progress"]) == 2
-    assert "pass a profile, e.g. kvwire run containers/cpu-offload.yaml" in capsys.readouterr().err
+    assert cli.main(["run", "cpu-ofload", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no shipped profile is named 'cpu-ofload' (did you mean 'cpu-offload'?)" in err
+    assert "a path to a YAML file works too" in err
 
 
 def test_importing_the_run_module_does_not_import_torch() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-PROFILES = REPO / "containers"
+PROFILES = REPO / "src" / "kvwire" / "profiles"
 BLOCK_SIZE = 32
 MAX_TOKENS = 8
 SLIDING_WINDOW = 64
@@ -106,7 +106,8 @@ def with_redis_url(profile: dict[str, Any], url: str, key_prefix: str) -> dict[s
 def kvwire_transfer_config(
     profile: str | Mapping[str, Any], kv_role: str = "kv_both", **extra: Any
 ) -> dict[str, Any]:
-    """vLLM's kv_transfer_config for KVWireConnector: a profile path, or a mapping given inline."""
+    """vLLM's kv_transfer_config for KVWireConnector: a profile name or path, or a mapping given
+    inline."""
     key = "kvwire_profile" if isinstance(profile, str) else "kvwire"
     return {
         "kv_connector": "KVWireConnector",

@@ -67,7 +67,7 @@ def new_request(request_id: str, block_ids: list[int]) -> Any:
 
 def test_extra_config_key_kvwire_does_not_know_is_an_error_naming_it() -> None:
     with pytest.raises(VLLMConfigError, match="'kvwire_profil'"):
-        read_kvwire_profile({"kvwire_profil": "containers/cpu-offload.yaml"})
+        read_kvwire_profile({"kvwire_profil": "cpu-offload"})
 
 
 def test_profile_given_both_as_path_and_inline_is_an_error() -> None:

@@ -13,7 +13,6 @@ from kvwire.vllm import wait_for_saves
 from tests.support.vllm_engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
-    PROFILES,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
@@ -90,7 +89,7 @@ def test_blocks_kvwire_stored_are_published_as_vllm_block_stored_events(tiny_mod
     from vllm.distributed.kv_events import BlockStored
 
     publisher = RecordingPublisher()
-    with running_llm(tiny_model, kvwire_transfer_config(str(PROFILES / "cpu-offload.yaml"))) as llm:
+    with running_llm(tiny_model, kvwire_transfer_config("cpu-offload")) as llm:
         llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher = publisher
         generate(llm, PROMPTS[:1])
         wait_for_saves(llm)

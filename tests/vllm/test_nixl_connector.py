@@ -18,7 +18,6 @@ import kvwire.vllm
 from tests.support.vllm_engines import (
     BLOCK_SIZE,
     MAX_TOKENS,
-    PROFILES,
     generate,
     prefill_process,
     running_llm,
@@ -57,7 +56,7 @@ DECODE = {
                 "kv_connector": "KVWireConnector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"kvwire_profile": str(PROFILES / "cpu-offload.yaml")},
+                "kv_connector_extra_config": {"kvwire_profile": "cpu-offload"},
             },
         ]
     },

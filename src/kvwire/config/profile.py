@@ -12,6 +12,12 @@ lists every one, each with its dotted path and what would be accepted. Unknown k
 too, so a typo is never silently ignored. YAML is read with PyYAML's safe loader only, bounded
 against alias bombs (`kvwire.config.profile_yaml`). Values are shown in errors through
 `kvwire.redaction.shown`: bounded, secrets blanked.
+
+A profile is given by path or, for the profiles kvwire ships (package data in
+`kvwire/profiles/`), by name: a string with no `/` that does not end in
+`.yaml` or `.yml` is a name (`"cpu-offload"`); anything else, and any
+`os.PathLike`, is a path (`"./cpu-offload"` reads a file of that name).
+`shipped_profile_names()` lists the names (`kvwire profiles` prints them).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import pathlib
 import types
 import typing
 from collections.abc import Callable, Mapping
+from importlib import resources
 from typing import Any, Literal
 
 import attrs
@@ -39,23 +46,90 @@ MAX_PROFILE_BYTES = 1024 * 1024
 
 ProfileSource = str | os.PathLike[str] | Mapping[str, Any]
 
+# Where the shipped profiles live, inside the installed package.
+SHIPPED_PROFILES_FOLDER = "profiles"
+PROFILE_SUFFIXES = (".yaml", ".yml")
+# The profile `kvwire run` runs when given none.
+DEFAULT_PROFILE_NAME = "cpu-offload"
+
 
 def load_profile(source: ProfileSource) -> EngineConfig:
     """Build the [`EngineConfig`][kvwire.EngineConfig] a profile describes.
 
-    `source` is a path to a YAML file (`str` or path-like) or an already
-    parsed mapping. Raises [`ProfileError`][kvwire.exceptions.ProfileError] listing every problem.
+    `source` is a shipped profile's name (`"cpu-offload"`), a path to a YAML
+    file (`str` or path-like) or an already parsed mapping. Raises
+    [`ProfileError`][kvwire.exceptions.ProfileError] listing every problem.
     """
     if not isinstance(source, str | os.PathLike):
         # A mapping, or something that is neither: the structuring says which.
         return structure_engine_config(source, origin=MAPPING_ORIGIN)
-    path = pathlib.Path(source)
-    return structure_engine_config(read_profile_file(path), origin=profile_origin(path))
+    path = profile_path(source)
+    return structure_engine_config(read_profile_file(path), origin=profile_origin(source))
+
+
+def is_profile_name(source: str | os.PathLike[str]) -> bool:
+    """Whether `source` names a shipped profile rather than a file.
+
+    A `str` with no `/` (nor the platform's separator) that does not end in
+    `.yaml` or `.yml` is a name; a path-like object never is.
+    """
+    if not isinstance(source, str):
+        return False
+    separators = [separator for separator in ("/", os.sep, os.altsep) if separator]
+    return not any(separator in source for separator in separators) and not source.endswith(
+        PROFILE_SUFFIXES
+    )
+
+
+def shipped_profile_names() -> list[str]:
+    """The names of the profiles kvwire ships, sorted (`kvwire profiles` lists them)."""
+    folder = resources.files("kvwire").joinpath(SHIPPED_PROFILES_FOLDER)
+    return sorted(
+        entry.name.removesuffix(".yaml")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml") and entry.is_file()
+    )
+
+
+def shipped_profile_path(name: str) -> pathlib.Path:
+    """The file of the shipped profile `name`; an unknown name is a `ProfileError`.
+
+    The error lists the shipped names (with the closest one first, when one
+    is close) and says that a path works too.
+    """
+    names = shipped_profile_names()
+    if name not in names:
+        raise ProfileError(profile_origin(name), [_unknown_name(name, names)])
+    folder = resources.files("kvwire").joinpath(SHIPPED_PROFILES_FOLDER)
+    # Installed, the package is a plain folder (a wheel's files, an editable install).
+    return pathlib.Path(str(folder.joinpath(f"{name}.yaml")))
+
+
+def profile_path(source: str | os.PathLike[str]) -> pathlib.Path:
+    """The file `source` designates: a shipped profile's when it is a name, else `source`."""
+    if is_profile_name(source):
+        return shipped_profile_path(os.fspath(source))
+    return pathlib.Path(source)
 
 
 def profile_origin(path: str | os.PathLike[str]) -> str:
-    """How errors name the profile at `path`: as given, or escaped and cut when unprintable."""
+    """How errors name the profile at `path` (or of that name): as given, or escaped and cut
+    when unprintable."""
     return shown_path(path)
+
+
+def _unknown_name(name: str, names: list[str]) -> str:
+    message = f"no shipped profile is named {shown(name)}"
+    close = difflib.get_close_matches(name, names, n=1) if len(name) <= SHOWN_LENGTH else []
+    if close:
+        message += f" (did you mean {close[0]!r}?)"
+    message += (
+        f"; the shipped profiles are {', '.join(names)} (kvwire profiles lists them); "
+        "a path to a YAML file works too: one with a / or ending in .yaml or .yml"
+    )
+    if os.path.exists(name) and len(name) <= SHOWN_LENGTH and name.isprintable():
+        message += f", so ./{name} reads the file of that name here"
+    return message
 
 
 def read_profile_file(path: pathlib.Path) -> Any:

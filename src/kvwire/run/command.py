@@ -18,14 +18,11 @@ import json
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
-from importlib import resources
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig
     from kvwire.engine.engine import GenerationRequest
-
-DEFAULT_PROFILE = "run/default_profile.yaml"
 
 # The workload is built in memory before it runs, and kept (every pass's
 # outputs are compared): these bounds keep it to a few GiB at most, and a
@@ -86,7 +83,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "profile",
         nargs="?",
-        help="a profile (YAML) naming the connector; default: the embedded CPU-offload profile",
+        help="a shipped profile's name (kvwire profiles lists them) or a YAML file's path; "
+        "default: cpu-offload",
     )
     workload = parser.add_argument_group("workload")
     workload.add_argument(
@@ -259,13 +257,13 @@ def _profile_secrets(profile: str | None) -> set[str]:
 
     A profile that cannot be read holds none to blank: loading it reports why.
     """
-    from kvwire.config.profile import read_profile_file
+    from kvwire.config.profile import profile_path, read_profile_file
     from kvwire.redaction import secret_values
 
     if profile is None:
         return set()
     try:
-        return secret_values(read_profile_file(pathlib.Path(profile)))
+        return secret_values(read_profile_file(profile_path(profile)))
     except (ValueError, OSError):
         return set()
 
@@ -279,24 +277,15 @@ def _print_error(error: Exception, secrets: set[str]) -> None:
 
 
 def _load_config(profile: str | None, preset: str | None) -> EngineConfig:
-    from kvwire.config.profile import load_profile
+    from kvwire.config.profile import DEFAULT_PROFILE_NAME, load_profile
     from kvwire.engine.presets import apply_preset
 
-    if profile is None:
-        default = resources.files("kvwire").joinpath(DEFAULT_PROFILE)
-        if not default.is_file():
-            raise ValueError(
-                f"no PROFILE given and the embedded default (kvwire/{DEFAULT_PROFILE}) is "
-                "missing; pass a profile, e.g. kvwire run containers/cpu-offload.yaml"
-            )
-        with resources.as_file(default) as path:
-            config = load_profile(path)
-    else:
-        config = load_profile(profile)
+    profile = profile or DEFAULT_PROFILE_NAME
+    config = load_profile(profile)
     transfer = config.kv_transfer_config
     if transfer is None or transfer.kv_connector is None:
         raise ValueError(
-            f"profile {profile or DEFAULT_PROFILE}: kv_transfer_config.kv_connector is not set; "
+            f"profile {profile}: kv_transfer_config.kv_connector is not set; "
             "kvwire run compares a connector against none, so the profile must name one"
         )
     return config if preset is None else apply_preset(config, preset)

@@ -5,11 +5,13 @@ Importing this package imports vLLM; `import kvwire` never does. In vLLM's
 
 ```python
 {"kv_connector": "KVWireConnector", "kv_role": "kv_both",
- "kv_connector_extra_config": {"kvwire_profile": "containers/cpu-offload.yaml"}}
+ "kv_connector_extra_config": {"kvwire_profile": "cpu-offload"}}
 ```
 
-(`"kv_connector_module_path": "kvwire.vllm"` is optional once kvwire is
-installed: its `vllm.general_plugins` entry point registers the name.)
+`"kvwire_profile"` is a profile kvwire ships, by name (`kvwire profiles`
+lists them), or a YAML file's path. (`"kv_connector_module_path":
+"kvwire.vllm"` is optional once kvwire is installed: its
+`vllm.general_plugins` entry point registers the name.)
 """
 
 from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata

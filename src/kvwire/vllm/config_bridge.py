@@ -86,7 +86,8 @@ def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
     if has_path == has_inline:
         raise VLLMConfigError(
             "kv_transfer_config.kv_connector_extra_config: give the kvwire profile either as "
-            f"{PROFILE_PATH_KEY!r} (a YAML path) or as {INLINE_PROFILE_KEY!r} (a mapping), "
+            f"{PROFILE_PATH_KEY!r} (a shipped profile's name or a YAML path) or as "
+            f"{INLINE_PROFILE_KEY!r} (a mapping), "
             f"{'not both' if has_path else 'got neither'}"
         )
     if has_path:
@@ -94,7 +95,7 @@ def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
         if not isinstance(path, str):
             raise VLLMConfigError(
                 f"kv_transfer_config.kv_connector_extra_config.{PROFILE_PATH_KEY}: expected a "
-                f"path (str), got {type(path).__name__}"
+                f"profile's name or path (str), got {type(path).__name__}"
             )
         return load_profile(path)
     inline = extra_config[INLINE_PROFILE_KEY]

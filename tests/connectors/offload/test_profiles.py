@@ -3,24 +3,19 @@ a warm pass with outputs equal to no connector."""
 
 from __future__ import annotations
 
-import importlib.resources
 import pathlib
 from typing import Any
 
 import pytest
 import yaml
 
-from kvwire.config.profile import load_profile
+from kvwire.config.profile import DEFAULT_PROFILE_NAME, load_profile, shipped_profile_path
 from kvwire.engine.engine import LLMEngine
 from kvwire.interface.base import KVConnectorRole
 from tests.support.engines import generate, renamed, served, tokens, workload
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 PROFILES = {
-    "default": importlib.resources.files("kvwire") / "run" / "default_profile.yaml",
-    "cpu-offload": ROOT / "containers" / "cpu-offload.yaml",
-    "shared-storage": ROOT / "containers" / "shared-storage.yaml",
-    "tiered-disk": ROOT / "containers" / "tiered-disk.yaml",
+    name: shipped_profile_path(name) for name in ("cpu-offload", "shared-storage", "tiered-disk")
 }
 
 
@@ -41,7 +36,7 @@ def into_tmp(document: Any, tmp_path: pathlib.Path) -> Any:
 
 
 def test_the_default_profile_is_cpu_offload():
-    config = load_profile(str(PROFILES["default"]))
+    config = load_profile(DEFAULT_PROFILE_NAME)
     assert config.kv_transfer_config is not None
     assert config.kv_transfer_config.kv_connector == "CPUOffloadConnector"
 

@@ -17,7 +17,7 @@ from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._directory import Location, PeerRecord
 from tests.support.peer_engines import peer_config
 
-CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "containers"
+CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "src" / "kvwire" / "profiles"
 PROFILES = ("peer.yaml", "peer-prefill.yaml", "peer-decode.yaml")
 
 

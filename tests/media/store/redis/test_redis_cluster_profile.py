@@ -1,4 +1,4 @@
-"""containers/redis-cluster.yaml: checked without a cluster, and run against the local one."""
+"""The shipped redis-cluster profile: checked without a cluster, and run against the local one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Redis profiles in containers/, pointed at the test server and run in the engine."""
+"""The shipped Redis profiles, pointed at the test server and run in the engine."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.support.redis_engines import (
 )
 from tests.support.redis_servers import RedisServer
 
-CONTAINERS = pathlib.Path(__file__).resolve().parents[4] / "containers"
+CONTAINERS = pathlib.Path(__file__).resolve().parents[4] / "src" / "kvwire" / "profiles"
 REDIS_PROFILES = ("redis.yaml", "tiered-redis.yaml", "disagg-prefill.yaml", "disagg-decode.yaml")
 
 
