@@ -56,6 +56,23 @@ class ConnectorEntryPointError(KVWireError, ImportError):
     """
 
 
+class MissingExtraError(KVWireError, ModuleNotFoundError):
+    """An optional dependency kvwire needs here is not installed; the message says what to install.
+
+    `name` is the missing module (`torch`), `extra` the extra of kvwire that
+    provides it (`pip install 'kvwire[torch]'`), `needed_by` what imported
+    it (`kvwire run`, `medium 'redis'`). All three are read-only.
+    """
+
+    def __init__(self, needed_by: str, module: str, extra: str) -> None:
+        super().__init__(
+            f"{needed_by} needs {module}, which is not installed: pip install 'kvwire[{extra}]'",
+            name=module,
+        )
+        self.needed_by = needed_by
+        self.extra = extra
+
+
 class NotAConnectorError(KVWireError, TypeError):
     """A name that resolves to something other than a `KVConnectorBase` subclass."""
 
@@ -158,6 +175,7 @@ __all__ = [
     "KVWireError",
     "LateWriteError",
     "MacKeyError",
+    "MissingExtraError",
     "ModelIdentityError",
     "ModulePathError",
     "NIXLUnavailableError",

@@ -112,7 +112,7 @@ def test_check_of_an_unknown_connector_fails_with_the_reference_message(
     )
 
     assert status == 1
-    assert err.endswith("error: Unsupported connector type: Nope\n")
+    assert "error: Unsupported connector type: Nope; known connectors: " in err
 
 
 def test_check_of_a_deprecated_constructor_fails(
@@ -480,10 +480,10 @@ def test_check_names_the_child_that_cannot_be_resolved(
     )
 
     assert status == 1
-    assert err.endswith(
+    assert (
         "error: kv_transfer_config.kv_connector_extra_config.connectors[1]: "
-        "Unsupported connector type: Nope\n"
-    )
+        "Unsupported connector type: Nope; known connectors: "
+    ) in err
 
 
 def test_check_help_says_that_it_imports_the_connectors_module(

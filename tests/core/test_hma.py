@@ -194,5 +194,5 @@ def test_a_child_that_cannot_be_resolved_fails_the_gate_with_its_error(
         kv_connector_extra_config={"connectors": [{"kv_connector": "Unknown"}]},
     )
 
-    with pytest.raises(ValueError, match=r"^Unsupported connector type: Unknown$"):
+    with pytest.raises(ValueError, match=r"^Unsupported connector type: Unknown;"):
         make_container(config).hma_gate()

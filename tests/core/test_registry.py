@@ -188,7 +188,12 @@ def test_an_unknown_name_is_unsupported(registry: ConnectorRegistry) -> None:
     with pytest.raises(ValueError) as caught:
         registry.resolve(transfer("Nope"))
 
-    assert str(caught.value) == "Unsupported connector type: Nope"
+    # vLLM's sentence first, then what kvwire knows.
+    assert str(caught.value) == (
+        "Unsupported connector type: Nope; known connectors: RecordingConnector, HMAConnector, "
+        "CompositeConnector, CompositeSubclass, VarKeywordConnector, TwoArgumentConnector "
+        "(kvwire connectors lists them, with their modules)"
+    )
 
 
 def test_a_name_that_is_not_a_connector_class_is_refused(registry: ConnectorRegistry) -> None:

@@ -13,15 +13,18 @@ registry that owns the table.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
 import attrs
 from dependency_injector import containers, providers
+
+from kvwire.redaction import SHOWN_LENGTH, shown_key
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,29 @@ class RegisteredPlugin:
 def is_module_path(text: str) -> bool:
     """Whether `text` is an absolute dotted module path such as `package.module`."""
     return all(part.isidentifier() for part in text.split("."))
+
+
+# How many names an unknown name's error lists; `kvwire connectors` lists them all.
+MAX_LISTED_NAMES = 20
+
+
+def listed_names(names: Sequence[str]) -> str:
+    """`names` joined by commas, cut after `MAX_LISTED_NAMES` with how many more there are."""
+    shown_names = [shown_key(name) for name in names[:MAX_LISTED_NAMES]]
+    if len(names) > MAX_LISTED_NAMES:
+        shown_names.append(f"and {len(names) - MAX_LISTED_NAMES} more")
+    return ", ".join(shown_names)
+
+
+def closest_name(name: object, names: Sequence[str]) -> str | None:
+    """The registered name `name` was most likely meant as (a typo's), or None."""
+    if not isinstance(name, str) or len(name) > SHOWN_LENGTH:
+        return None
+    # Case folded: "cpuoffloadconnector" means CPUOffloadConnector as much as a dropped letter does.
+    folded = {known.casefold(): known for known in names}
+    # A high cutoff: names sharing only a suffix ("...Connector") are no typo of each other.
+    close = difflib.get_close_matches(name.casefold(), list(folded), n=1, cutoff=0.8)
+    return folded[close[0]] if close else None
 
 
 def _distribution_label(entry_point: metadata.EntryPoint) -> str:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from dependency_injector import containers
 from dependency_injector.providers import Provider
 
+from kvwire._extras import missing_extra
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import (
     ConnectorEntryPointError,
@@ -40,7 +41,14 @@ from kvwire.exceptions import (
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import shown, shown_key
-from kvwire.registry._names import PluginNames, PluginSource, RegisteredPlugin, is_module_path
+from kvwire.registry._names import (
+    PluginNames,
+    PluginSource,
+    RegisteredPlugin,
+    closest_name,
+    is_module_path,
+    listed_names,
+)
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
 if TYPE_CHECKING:
@@ -215,6 +223,9 @@ class ConnectorRegistry:
             with contained_exits():
                 module = importlib.import_module(entry.module_path)
         except ImportError as error:
+            missing = missing_extra(error, f"Connector '{entry.name}' ({entry.target})")
+            if missing is not None:
+                raise missing from error
             raise ConnectorImportError(
                 f"Connector '{entry.name}' is {entry.source.value} as {entry.target}, "
                 f"but its module cannot be imported: {error}"
@@ -283,7 +294,19 @@ class ConnectorRegistry:
             return connector_cls
         if connector_name in self:
             return self.get_class(connector_name)
-        raise ValueError(f"Unsupported connector type: {connector_name}")
+        raise ValueError(self._unsupported(connector_name))
+
+    def _unsupported(self, connector_name: str) -> str:
+        """vLLM's exact sentence for an unknown name, then the names it could have meant."""
+        names = self._names.names()
+        message = f"Unsupported connector type: {connector_name}"
+        closest = closest_name(connector_name, names)
+        if closest is not None:
+            message += f" (did you mean {closest}?)"
+        return (
+            f"{message}; known connectors: {listed_names(names) or 'none'} "
+            "(kvwire connectors lists them, with their modules)"
+        )
 
     def check_module_path(
         self, kv_transfer_config: KVTransferConfig, where: str = "kv_transfer_config"

@@ -29,10 +29,17 @@ from typing import TYPE_CHECKING, Any
 from dependency_injector import containers
 from dependency_injector.providers import Provider
 
+from kvwire._extras import missing_extra
 from kvwire.exceptions import KVWireError
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import redact_text, shown
-from kvwire.registry._names import PluginNames, RegisteredPlugin, is_module_path
+from kvwire.registry._names import (
+    PluginNames,
+    RegisteredPlugin,
+    closest_name,
+    is_module_path,
+    listed_names,
+)
 
 if TYPE_CHECKING:
     from kvwire.media.base import Medium
@@ -122,7 +129,7 @@ class MediumRegistry:
                 raise UnknownMediumError(
                     f"medium {shown(spec)} is no registered name and not of the form "
                     "'package.module:Class' (a dotted module path of identifiers, then one "
-                    f"class name); registered: {', '.join(self.names())}"
+                    f"class name); registered: {listed_names(self.names())}"
                 )
             return self._check(self._import(module_path, class_name, spec), spec)
         return self._check(self.provider(spec)(), spec)
@@ -143,6 +150,10 @@ class MediumRegistry:
                 f"medium {shown(what)} cannot be loaded: {plugin_message(error, 200)}"
             ) from None
         except Exception as error:
+            missing = missing_extra(error, f"medium {shown(what)}")
+            if missing is not None:
+                # A ValueError still (a profile names the medium), whose words say the fix.
+                raise UnknownMediumError(str(missing)) from error
             raise UnknownMediumError(
                 f"medium {shown(what)} cannot be loaded: {type(error).__name__}: "
                 f"{redact_text(str(error))[:200]}"
@@ -166,7 +177,12 @@ class MediumRegistry:
         return found
 
     def _unknown(self, name: object) -> str:
-        return (
-            f"unknown medium {shown(name)}; expected one of {', '.join(self.names())}, "
+        names = self.names()
+        message = (
+            f"unknown medium {shown(name)}; expected one of {listed_names(names)}, "
             "or a class as 'package.module:Class'"
         )
+        closest = closest_name(name, names)
+        if closest is not None:
+            message += f"; did you mean {closest!r}?"
+        return f"{message} (kvwire connectors lists every medium)"

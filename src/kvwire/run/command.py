@@ -14,6 +14,7 @@ No torch at import time: `kvwire --help` must stay fast.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import sys
@@ -208,10 +209,16 @@ def _ratio(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     """Execute `kvwire run`; the process exit status."""
     from kvwire.registry import default_registry
+
+    secrets = _profile_secrets(args.profile)
+    try:
+        _import_engine()
+    except ImportError as error:
+        _print_error(error, secrets)
+        return 2
     from kvwire.run.passes import PASSES, compare_passes
     from kvwire.run.report import format_table
 
-    secrets = _profile_secrets(args.profile)
     try:
         config = _with_parallel_sizes(
             _load_config(args.profile, args.preset),
@@ -250,6 +257,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(report))
     return 0 if report["ok"] else 1
+
+
+def _import_engine() -> None:
+    """Import the engine (the torch extra's) now: missing, it is one line saying what to install."""
+    from kvwire._extras import missing_extra
+
+    try:
+        importlib.import_module("kvwire.run.passes")
+    except ModuleNotFoundError as error:
+        missing = missing_extra(error, "kvwire run (its engine runs the model)")
+        if missing is None:
+            raise
+        raise missing from None
 
 
 def _profile_secrets(profile: str | None) -> set[str]:

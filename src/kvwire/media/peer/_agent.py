@@ -18,13 +18,14 @@ out again, so no late byte lands in memory another read uses.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import KVWireError, MissingExtraError
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,28 @@ class NIXLUnavailableError(KVWireError, RuntimeError):
     """NIXL cannot be imported or started here; the message says what to install."""
 
 
+# NIXL's Python API: nixl-cu12's (what the peer extra installs), else the nixl meta-package's.
+_NIXL_PACKAGES = ("nixl_cu12", "nixl")
+
+
+def nixl_missing() -> MissingExtraError | None:
+    """The error saying to install the peer extra when no NIXL package is installed, else None.
+
+    Asks the import system where NIXL would be found without importing it
+    (NIXL's bindings are slow to load), so a profile's check stays cheap.
+    """
+    for package in _NIXL_PACKAGES:
+        try:
+            if importlib.util.find_spec(package) is not None:
+                return None
+        except ImportError:
+            continue
+    return MissingExtraError("the peer medium", _NIXL_PACKAGES[0], "peer")
+
+
 def _nixl_api() -> Any:
     """NIXL's Python API module, `nixl_cu12`'s, else the `nixl` meta-package's."""
-    for module in ("nixl_cu12._api", "nixl._api"):
+    for module in (f"{package}._api" for package in _NIXL_PACKAGES):
         try:
             return importlib.import_module(module)
         except ImportError:

@@ -83,6 +83,7 @@ from kvwire.config.extra_config import (
 from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
+from kvwire.media.peer._agent import nixl_missing
 from kvwire.media.peer._directory import PeerDirectory, check_peer_name
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.peer._split import rank_layout, split_fingerprints
@@ -141,7 +142,11 @@ class PeerMedium(Medium):
 
     @classmethod
     def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
-        """The directory's Redis settings checked (no connection), and the peer name."""
+        """NIXL installed, the directory's Redis settings checked (no connection), the peer name."""
+        missing = nixl_missing()
+        if missing is not None:
+            # Here rather than when the worker starts its agent: `kvwire check` refuses it too.
+            raise missing
         redis_names = set(RedisStoreSettings.extra_config_keys())
         given = {
             name: getattr(value, "value", value)
