@@ -66,12 +66,16 @@ def compare_passes(
     reference = [output.output_token_ids for output in baseline[0]]
     base = figures["no connector"]
     local_ttft = figures["local"]["ttft_p50_ms"]
+    nothing_connected = _nothing_connected(figures, cold[2], warm[2])
     for name, (outputs, _elapsed, _stats) in zip(PASSES, runs, strict=True):
         row = figures[name]
         row["outputs_identical"] = [output.output_token_ids for output in outputs] == reference
         row["speedup"] = base["total_s"] / row["total_s"] if row["total_s"] else None
         row["ttft_p50_speedup"] = _ratio(base["ttft_p50_ms"], row["ttft_p50_ms"])
         row["ttft_p50_vs_local"] = _ratio(row["ttft_p50_ms"], local_ttft)
+        if nothing_connected and name in ("cold", "warm"):
+            # Faster or slower than no connector, a connector that moved nothing bought nothing.
+            row["speedup"] = row["ttft_p50_speedup"] = row["ttft_p50_vs_local"] = None
     transfer = config.kv_transfer_config
     return {
         "connector": transfer.kv_connector if transfer else None,
@@ -84,10 +88,52 @@ def compare_passes(
         # The issue's goal figure: warm TTFT from the connector over TTFT with
         # the prefix in the engine's own cache (1.0 = the connector costs nothing).
         "warm_vs_local_ttft_p50": figures["warm"]["ttft_p50_vs_local"],
-        "ok": all(
+        "nothing_connected": nothing_connected,
+        "ok": nothing_connected is None
+        and all(
             row["outputs_identical"] and not row["failed_requests"] for row in figures.values()
         ),
     }
+
+
+# Counters that count a transfer or a call that did not happen (save_errors,
+# load_errors, redis_saves_dropped, peer_directory_failures, ...).
+_FAILURE_SUFFIXES = ("_errors", "_failures", "_dropped", "_rejected", "_refused")
+
+
+def _nothing_connected(
+    figures: Mapping[str, Mapping[str, Any]], *pass_stats: Mapping[str, Any]
+) -> dict[str, int] | None:
+    """The failures a connector reported while it moved nothing at all, else None.
+
+    A connector whose medium never answered (a Redis server that is not
+    there) stores nothing, loads nothing and counts each save or call it
+    could not make; the engine's outputs stay right, so only this says the
+    run measured no connector. One that moved nothing and reported no
+    failure (a workload without a full block) is not this.
+    """
+    moved = sum(
+        figures[name][counter] or 0
+        for name in ("cold", "warm")
+        for counter in ("bytes_saved", "bytes_loaded", "tokens_from_connector")
+    )
+    failures: dict[str, int] = {}
+    for stats in pass_stats:
+        _add_failures(stats, failures)
+    return failures if failures and not moved else None
+
+
+def _add_failures(stats: Mapping[str, Any], failures: dict[str, int]) -> None:
+    for key, value in stats.items():
+        if isinstance(value, Mapping):
+            _add_failures(value, failures)
+        elif (
+            isinstance(key, str)
+            and key.endswith(_FAILURE_SUFFIXES)
+            and isinstance(value, int | float)
+            and value > 0
+        ):
+            failures[key] = failures.get(key, 0) + int(value)
 
 
 def _renamed(workload: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:

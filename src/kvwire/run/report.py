@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvwire.redaction import shown_key
 from kvwire.run.passes import PASSES
 
 
@@ -58,6 +59,19 @@ _ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
 )
 
 
+# Counter names come from the connector's stats: a plug-in's may be many.
+_LISTED_FAILURES = 6
+
+
+def _failures(counters: dict[str, int]) -> str:
+    """`save_errors 56, redis_saves_dropped 56`, the largest first, cut short."""
+    ranked = sorted(counters.items(), key=lambda item: -item[1])
+    text = ", ".join(f"{shown_key(name)} {count:,}" for name, count in ranked[:_LISTED_FAILURES])
+    if len(ranked) > _LISTED_FAILURES:
+        text += f" and {len(ranked) - _LISTED_FAILURES} more failure counters"
+    return text
+
+
 def _workers(report: dict[str, Any]) -> str:
     parallel = report["parallel"]
     processes = int(parallel["worker_processes"])
@@ -101,9 +115,14 @@ def format_table(report: dict[str, Any]) -> str:
         else f"warm / local TTFT p50: {warm_vs_local:.2f} (1.00 = as fast as the engine's own "
         "prefix cache)"
     )
-    verdict = (
-        "outputs identical with and without the connector"
-        if report["ok"]
-        else "FAILED: outputs differ from the no-connector pass, or requests failed"
-    )
+    nothing_connected = report.get("nothing_connected")
+    if nothing_connected:
+        verdict = (
+            "FAILED: nothing connected: the connector stored and loaded nothing and reported "
+            f"{_failures(nothing_connected)}; is its medium reachable (see the warnings above)?"
+        )
+    elif report["ok"]:
+        verdict = "outputs identical with and without the connector"
+    else:
+        verdict = "FAILED: outputs differ from the no-connector pass, or requests failed"
     return "\n".join([title, hma_line, "", *lines, "", ratio_line, verdict])
