@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import NoReturn, TextIO
 
+from kvwire._start_refusals import refuse_at_start
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.config.profile import (
@@ -335,6 +336,9 @@ def _check_lines(
 
     decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
     lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")
+    refuse_at_start(
+        engine_config, decision, connector_cls, registry.resolve, registry.media.get_class
+    )
     lines.append(describe_kv_cache_groups(engine_config, decision))
     lines.append("ok")
     return lines

@@ -123,23 +123,10 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         medium_resolver: MediumResolver | None = None,
     ) -> None:
         super().__init__(config, role, kv_cache_config)
-        groups = cache_groups(kv_cache_config)
-        layout = attrs.evolve(
-            BlockLayout.from_engine_config(config), num_layers=layers_per_group(groups)
+        self._medium, medium_cls, context = self._start_medium(
+            config, kv_cache_config, medium_resolver
         )
-        check_cache_layout(layout, kv_cache_config)
-        medium_cls, options = self.read_options(self.kv_transfer_config, medium_resolver)
-        context = MediumContext(
-            type(self).__name__,
-            options,
-            groups,
-            layout,
-            engine_id=self.kv_transfer_config.engine_id,
-            parallel=config.parallel_config,
-        )
-        self._medium = call_plugin(
-            MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
-        )
+        groups, layout, options = context.groups, context.layout, context.options
         if role is KVConnectorRole.SCHEDULER:
             planner = BlockPlanner(
                 layout.block_size,
@@ -176,6 +163,51 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             )
 
     # ------------------------------------------------------------- options
+
+    @classmethod
+    def build_medium(
+        cls,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        medium_resolver: MediumResolver | None = None,
+    ) -> Medium:
+        """The medium for `config`'s cache layout, neither half of it built yet.
+
+        The constructor starts here; `kvwire check` calls it alone, so that
+        what a medium refuses for the model (a CPU pool that holds no
+        block) is refused before anything runs. A medium's constructor
+        reads its options and the layout: its index and its handler, built
+        by the two roles later, are what connect and allocate.
+        """
+        return cls._start_medium(config, kv_cache_config, medium_resolver)[0]
+
+    @classmethod
+    def _start_medium(
+        cls,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        medium_resolver: MediumResolver | None,
+    ) -> tuple[Medium, type[Medium], MediumContext]:
+        if config.kv_transfer_config is None:
+            raise ValueError("kv_transfer_config must be set to create a connector")
+        groups = cache_groups(kv_cache_config)
+        layout = attrs.evolve(
+            BlockLayout.from_engine_config(config), num_layers=layers_per_group(groups)
+        )
+        check_cache_layout(layout, kv_cache_config)
+        medium_cls, options = cls.read_options(config.kv_transfer_config, medium_resolver)
+        context = MediumContext(
+            cls.__name__,
+            options,
+            groups,
+            layout,
+            engine_id=config.kv_transfer_config.engine_id,
+            parallel=config.parallel_config,
+        )
+        medium: Medium = call_plugin(
+            MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
+        )
+        return medium, medium_cls, context
 
     @classmethod
     def read_options(
