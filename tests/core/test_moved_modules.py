@@ -55,6 +55,8 @@ def test_every_moved_module_imports_by_its_old_name(
     check_moved(old, monkeypatch)
 
 
+# Their parents (kvwire.media, kvwire.engine) need the torch extra.
+@pytest.mark.torch
 @pytest.mark.parametrize(
     "old", sorted(old for old in MOVED_MODULES if old.rpartition(".")[0] not in MOVED_MODULES)
 )
