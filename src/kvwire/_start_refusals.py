@@ -1,10 +1,12 @@
 """What `kvwire check` refuses because a connector's start would refuse it for the profile's model.
 
-The extra config's own checks see the keys alone; a block connector's
-medium also checks them against the model's cache layout when it is built
-(a CPU pool smaller than one block). `kvwire check` builds only that: each
-block connector's medium, from the KV cache the engine would give it,
-neither half of it (no index, no pool, no connection).
+The extra config's own checks see the keys alone; the engine checks the
+parallel layout against the model (a tensor-parallel size that does not
+divide the KV heads), and a block connector's medium checks its options
+against the model's cache layout when it is built (a CPU pool smaller than
+one block). `kvwire check` runs those: the layout's checks, then each block
+connector's medium, built from the KV cache the engine would give rank 0's
+connector, neither half of it (no index, no pool, no connection).
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def refuse_at_start(
     """
     decided = with_hma_decision(engine_config, decision)
     kv_cache_config = build_kv_cache_config(decided, decision.enabled)
+    parallel = decided.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        # A split engine refuses a layout it cannot run (heads the ranks cannot share
+        # evenly), by field; each rank's connector is built for its own share.
+        # Imported here: `kvwire connectors` imports no engine module.
+        from kvwire.engine.parallel import rank_share
+
+        share = rank_share(decided, kv_cache_config, 0)
+        decided, kv_cache_config = share.connector_config, share.kv_cache_config
     transfer = decided.kv_transfer_config
     if transfer is None:
         return

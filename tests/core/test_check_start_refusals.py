@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from kvwire.cli import check_profile
+from kvwire.registry import ConnectorRegistry
 
 # Two float32 layers of 2 KV heads of 16, 16-token blocks: 8192 bytes a block, 8320 with its header.
 MODEL = """\
@@ -17,11 +18,21 @@ cache_config: {block_size: 16, num_gpu_blocks: 64}
 """
 
 
-def check(tmp_path: pathlib.Path, text: str) -> tuple[int, str, str]:
+def sample_registry() -> ConnectorRegistry:
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    registry.register_connector(
+        "SomeConnector", "tests.support.sample_connectors", "RecordingConnector"
+    )
+    return registry
+
+
+def check(
+    tmp_path: pathlib.Path, text: str, registry: ConnectorRegistry | None = None
+) -> tuple[int, str, str]:
     path = tmp_path / "profile.yaml"
     path.write_text(MODEL + text)
     out, err = io.StringIO(), io.StringIO()
-    status = check_profile(str(path), out=out, err=err)
+    status = check_profile(str(path), registry=registry, out=out, err=err)
     return status, out.getvalue(), err.getvalue()
 
 
@@ -78,4 +89,43 @@ def test_a_composites_child_pool_that_holds_no_block_is_refused_by_its_path(
         "error: kv_transfer_config.kv_connector_extra_config.connectors[0]: "
         "kv_connector_extra_config.cpu_pool_bytes: 1024 bytes hold no block; expected at least "
         "8320 (one block of every layer plus its header)\n"
+    )
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_kv_heads_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Before any connector module is imported: torch-free.
+    status, _, err = check(
+        tmp_path,
+        "parallel_config: {tensor_parallel_size: 3}\n"
+        "kv_transfer_config: {kv_connector: SomeConnector, kv_role: kv_both}\n",
+        registry=sample_registry(),
+    )
+
+    assert status == 1
+    assert err.endswith(
+        "error: parallel_config.tensor_parallel_size: 3 does not divide "
+        "model_config.num_kv_heads (2); expected a divisor of 2\n"
+    )
+
+
+@pytest.mark.torch
+def test_a_split_engines_pool_is_checked_against_one_ranks_share(tmp_path: pathlib.Path) -> None:
+    # Two tensor-parallel ranks each hold one of the two KV heads: 4096 bytes a block, 4224
+    # with its header, as kvwire run's rank connectors are built.
+    text = (
+        "parallel_config: {tensor_parallel_size: 2}\n"
+        "kv_transfer_config:\n"
+        "  kv_connector: CPUOffloadConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_extra_config: {cpu_pool_bytes: %d}\n"
+    )
+
+    assert check(tmp_path, text % 4224)[0] == 0
+    status, _, err = check(tmp_path, text % 4223)
+    assert status == 1
+    assert err.endswith(
+        "4223 bytes hold no block; expected at least 4224 (one block of every "
+        "layer plus its header)\n"
     )

@@ -46,7 +46,9 @@ def test_registering_a_built_in_name_through_the_factory_is_an_error() -> None:
 def test_get_connector_class_keeps_the_reference_errors() -> None:
     with pytest.raises(ValueError, match=r"^Connector name is not set in KVTransferConfig$"):
         KVConnectorFactory.get_connector_class(KVTransferConfig())
-    with pytest.raises(ValueError, match=r"^Unsupported connector type: NoSuchConnector; known connectors: "):
+    with pytest.raises(
+        ValueError, match=r"^Unsupported connector type: NoSuchConnector; known connectors: "
+    ):
         KVConnectorFactory.get_connector_class(
             KVTransferConfig(kv_connector="NoSuchConnector", kv_role="kv_both")
         )
