@@ -434,13 +434,21 @@ def list_profiles(
             return 1
         print(text, end="", file=out)
         return 0
+    names = shipped_profile_names()
+    if not names:
+        print(
+            "kvwire profiles: error: this installation of kvwire has no shipped profiles "
+            "(kvwire/profiles/ is missing: reinstall kvwire)",
+            file=err,
+        )
+        return 1
     rows = [["NAME", "CONNECTOR", "WHAT IT IS"]]
-    for name in shipped_profile_names():
+    for name in names:
         text = shipped_profile_path(name).read_text(encoding="utf-8")
         rows.append([name, _connector_of(text), _summary_of(text)])
     _print_table(rows, out)
-    folder = shipped_profile_path(rows[1][0]).parent if len(rows) > 1 else None
     print(file=out)
+    folder = shipped_profile_path(names[0]).parent
     print(f"files: {folder}; copy one (kvwire profiles --show NAME) to edit it", file=out)
     return 0
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -163,3 +167,37 @@ def test_each_shipped_profile_shows_its_commands_by_name(name: str) -> None:
 def opening_comment(text: str) -> str:
     lines = text.splitlines()
     return "\n".join(lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def test_an_installation_without_its_profiles_says_to_reinstall(tmp_path: pathlib.Path) -> None:
+    # kvwire as a broken install leaves it: the package without its package data.
+    site = tmp_path / "site"
+    shutil.copytree(
+        REPO / "src" / "kvwire",
+        site / "kvwire",
+        ignore=shutil.ignore_patterns("profiles", "__pycache__"),
+    )
+    code = "import sys, kvwire.cli; sys.exit(kvwire.cli.main(sys.argv[1:]))"
+
+    def kvwire(*arguments: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *arguments],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(site)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    checked, listed = kvwire("check", "cpu-offload"), kvwire("profiles")
+
+    assert checked.returncode == 1
+    assert (
+        "no shipped profile is named 'cpu-offload'; this installation of kvwire has no shipped "
+        "profiles (kvwire/profiles/ is missing: reinstall kvwire); a path to a YAML file works too"
+    ) in checked.stderr
+    assert listed.returncode == 1
+    assert listed.stderr == (
+        "kvwire profiles: error: this installation of kvwire has no shipped profiles "
+        "(kvwire/profiles/ is missing: reinstall kvwire)\n"
+    )

@@ -84,6 +84,8 @@ def is_profile_name(source: str | os.PathLike[str]) -> bool:
 def shipped_profile_names() -> list[str]:
     """The names of the profiles kvwire ships, sorted (`kvwire profiles` lists them)."""
     folder = resources.files("kvwire").joinpath(SHIPPED_PROFILES_FOLDER)
+    if not folder.is_dir():
+        return []  # an installation without its package data: names are then unknown
     return sorted(
         entry.name.removesuffix(".yaml")
         for entry in folder.iterdir()
@@ -123,10 +125,14 @@ def _unknown_name(name: str, names: list[str]) -> str:
     close = difflib.get_close_matches(name, names, n=1) if len(name) <= SHOWN_LENGTH else []
     if close:
         message += f" (did you mean {close[0]!r}?)"
-    message += (
-        f"; the shipped profiles are {', '.join(names)} (kvwire profiles lists them); "
-        "a path to a YAML file works too: one with a / or ending in .yaml or .yml"
-    )
+    if names:
+        message += f"; the shipped profiles are {', '.join(names)} (kvwire profiles lists them)"
+    else:
+        message += (
+            f"; this installation of kvwire has no shipped profiles (kvwire/"
+            f"{SHIPPED_PROFILES_FOLDER}/ is missing: reinstall kvwire)"
+        )
+    message += "; a path to a YAML file works too: one with a / or ending in .yaml or .yml"
     if os.path.exists(name) and len(name) <= SHOWN_LENGTH and name.isprintable():
         message += f", so ./{name} reads the file of that name here"
     return message
