@@ -21,6 +21,7 @@ BENCHMARKS = (
     "redis",
     "redis-cluster",
     "mac",
+    "weight-digest",
     "peer",
     "vllm",
     "serve",
