@@ -82,7 +82,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         "model_cached_ms": round(model_cached_s * 1e3, 3),
         "cpus": os.cpu_count(),
     }
-    write_json(output_dir, "weight_digest", result)
+    write_json(output_dir, "weight_digest.json", result)
     return result
 
 
