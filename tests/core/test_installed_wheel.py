@@ -133,6 +133,25 @@ def test_the_wheel_ships_every_profile_of_the_tree(
     assert listed[1 + len(shipped)] == ""
 
 
+def test_the_installed_metadata_names_its_license_and_where_the_project_lives(
+    installed: pathlib.Path, empty_folder: pathlib.Path
+) -> None:
+    probe = (
+        "import importlib.metadata as m, pathlib\n"
+        "meta = m.metadata('kvwire')\n"
+        "print(meta['License-Expression'])\n"
+        "print(sorted(url.split(',')[0] for url in meta.get_all('Project-URL')))\n"
+        "license = [f for f in m.files('kvwire') if f.name == 'LICENSE']\n"
+        "print(pathlib.Path(license[0].locate()).read_text().split()[:3])\n"
+    )
+
+    assert run([installed / "python", "-c", probe], empty_folder).splitlines() == [
+        "Apache-2.0",
+        "['Changelog', 'Documentation', 'Issues', 'Source']",
+        "['Apache', 'License', 'Version']",
+    ]
+
+
 def test_check_of_the_readmes_profile_name_passes(
     installed: pathlib.Path, empty_folder: pathlib.Path
 ) -> None:
