@@ -9,9 +9,9 @@ adapter) and [`kvwire.exceptions`][kvwire.exceptions] (every error kvwire raises
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from kvwire._lazy_exports import lazy_exports
 from kvwire._moved import install_moved_module_finder
 
 # Each public name and the module that defines it, imported on first use: a
@@ -71,19 +71,13 @@ if TYPE_CHECKING:
     __version__: str
 
 
+_exported, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+
 def __getattr__(name: str) -> object:
     if name == "__version__":
-        value: object = _installed_version()
-    elif name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    else:
-        raise AttributeError(f"module 'kvwire' has no attribute {name!r}")
-    globals()[name] = value  # looked up once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, "__version__"})
+        return _installed_version()
+    return _exported(name)
 
 
 def _installed_version() -> str:

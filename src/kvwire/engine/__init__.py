@@ -6,8 +6,9 @@ alone does not (`kvwire run` applies a preset before anything needs torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvwire._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
@@ -32,7 +33,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'kvwire.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvwire._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kvwire.testing.configs import (
@@ -49,10 +51,5 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # Lazy: the suite pulls in the engine and torch, the instruments do not.
-    if name not in _WHERE:
-        raise AttributeError(f"module 'kvwire.testing' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_WHERE[name]), name)
+# Lazy: the suite pulls in the engine and torch, the instruments do not.
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)
