@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import yaml
@@ -254,6 +255,61 @@ def test_a_bad_module_path_is_named_by_its_field_without_a_traceback(
 
 
 @pytest.mark.slow
+def _in_a_terminal() -> None:
+    # A shell's background job (a CI runner's, make's) may have SIGINT
+    # ignored, which the child would inherit: give it the default back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _limited()
+
+
+def _start_run(
+    arguments: list[str], *, env: dict[str, str] | None = None, own_group: bool = False
+) -> subprocess.Popen[str]:
+    """`kvwire run ARGUMENTS` as a terminal starts it; `own_group` to interrupt its workers too."""
+    return subprocess.Popen(
+        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=own_group,
+        preexec_fn=_in_a_terminal,
+    )
+
+
+def _wait_for(
+    ready: pathlib.Path, process: subprocess.Popen[str], what: str, limit_s: float
+) -> None:
+    deadline = time.monotonic() + limit_s
+    while not ready.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _interrupt_group(
+    process: subprocess.Popen[str], *, when: Callable[[], None], timeout_s: float
+) -> str:
+    """Ctrl-C, as a terminal sends it to the whole group, once `when` returns; the stderr.
+
+    The run must end at once; its group is killed whatever happens.
+    """
+    try:
+        when()
+        os.killpg(process.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        _out, err = process.communicate(timeout=timeout_s)
+        # At once: nothing waits for a worker process to finish what it was doing.
+        assert time.monotonic() - interrupted < 20
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    return err
+
+
 def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.Path) -> None:
     profile = tmp_path / "profile.yaml"
     profile.write_text(
@@ -263,30 +319,9 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.P
         "  kv_connector_module_path: tests.support.slow_importing_module\n"
     )
     ready = tmp_path / "ready"
-    env = {**os.environ, "KVWIRE_TEST_READY": str(ready)}
-
-    def as_in_a_terminal() -> None:
-        # A shell's background job (a CI runner's, make's) may have SIGINT
-        # ignored, which the child would inherit: give it the default back.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        _limited()
-
-    process = subprocess.Popen(
-        [sys.executable, "-c", KVWIRE, "run", str(profile), "--no-progress"],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=as_in_a_terminal,
-    )
+    process = _start_run([str(profile)], env={**os.environ, "KVWIRE_TEST_READY": str(ready)})
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "kvwire run never reached the module's import"
-            time.sleep(0.05)
+        _wait_for(ready, process, "kvwire run never reached the module's import", 60)
         process.send_signal(signal.SIGINT)
         _out, err = process.communicate(timeout=60)
     finally:
@@ -337,23 +372,11 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_traceback() -> None:
-    def as_in_a_terminal() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        _limited()
-
     # Long enough (minutes) that the interrupt lands while the passes run.
     arguments = ["--worker-process", "--requests", "2000", "--prompt-len", "1024"]
-    process = subprocess.Popen(
-        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=as_in_a_terminal,
-    )
-    try:
+    process = _start_run(arguments, own_group=True)
+
+    def passes_running() -> None:
         deadline = time.monotonic() + 120
         # The worker process (and multiprocessing's resource tracker) started.
         while len(_children(process.pid)) < 2:
@@ -361,16 +384,8 @@ def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_trac
             assert time.monotonic() < deadline, "kvwire run never started its worker process"
             time.sleep(0.1)
         time.sleep(2)  # the passes run
-        # As a terminal's Ctrl-C: SIGINT to the whole process group, workers included.
-        os.killpg(process.pid, signal.SIGINT)
-        interrupted = time.monotonic()
-        _out, err = process.communicate(timeout=60)
-        # At once: nothing waits for a worker process to finish what it was doing.
-        assert time.monotonic() - interrupted < 20
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+
+    err = _interrupt_group(process, when=passes_running, timeout_s=60)
     assert process.returncode == 130, err
     assert err.splitlines()[-1] == "kvwire: interrupted"
     assert "Traceback" not in err
@@ -436,39 +451,17 @@ def test_ctrl_c_while_a_worker_process_starts_stops_it_at_once(tmp_path: pathlib
         "  kv_connector_module_path: tests.support.slow_in_worker_module\n"
     )
     ready = tmp_path / "ready"
-
-    def as_in_a_terminal() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        _limited()
-
     # A tiny workload: the connector's engine, and its worker, start at once.
     arguments = [str(profile), "--worker-process", "--requests", "1", "--prompt-len", "16"]
-    process = subprocess.Popen(
-        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
-        cwd=REPO,
-        env={**os.environ, "KVWIRE_TEST_READY": str(ready)},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=as_in_a_terminal,
+    process = _start_run(
+        arguments, env={**os.environ, "KVWIRE_TEST_READY": str(ready)}, own_group=True
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the worker never imported the connector"
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGINT)
-        interrupted = time.monotonic()
-        _out, err = process.communicate(timeout=90)
-        # The worker, still starting (and leaving SIGINT to its parent), is not waited for.
-        assert time.monotonic() - interrupted < 20
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=60)
+    # The worker, still starting (and leaving SIGINT to its parent), is not waited for.
+    err = _interrupt_group(
+        process,
+        when=lambda: _wait_for(ready, process, "the worker never imported the connector", 120),
+        timeout_s=90,
+    )
     assert process.returncode == 130, err
     assert err.splitlines()[-1] == "kvwire: interrupted"
     assert "Traceback" not in err
