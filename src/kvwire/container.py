@@ -41,7 +41,7 @@ from kvwire.config.profile import (
     read_profile_file,
     structure_engine_config,
 )
-from kvwire.exceptions import ContainerSetupError, NotAConnectorError
+from kvwire.exceptions import ConnectorBuildTimeout, ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.redaction import shown
@@ -149,10 +149,6 @@ def _required(dependency: providers.Dependency[Any], what: str, how: str) -> Any
     return dependency()
 
 
-class ConnectorBuildTimeout(ContainerSetupError, TimeoutError):
-    """A connector's constructor, running in another thread, outlasted the wait for it."""
-
-
 class ThreadSafeResource(providers.Resource[T]):
     """A `providers.Resource` that builds its resource once, whichever threads ask at once.
 
@@ -160,7 +156,7 @@ class ThreadSafeResource(providers.Resource[T]):
     lock: threads racing on a constructor that releases the GIL (a connect,
     an allocation) each build one, and all but the last are never shut down.
     Here the first caller builds while the others wait for it, at most
-    `build_wait_s` (then [`ConnectorBuildTimeout`][kvwire.container.ConnectorBuildTimeout]); a
+    `build_wait_s` (then [`ConnectorBuildTimeout`][kvwire.exceptions.ConnectorBuildTimeout]); a
     failed build leaves nothing behind, so the next caller tries again. Overrides answer before the
     lock is taken, and `shutdown()` takes it too, so a resource is never shut down while it is being
     built.

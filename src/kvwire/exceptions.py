@@ -85,6 +85,30 @@ class ContainerSetupError(KVWireError, RuntimeError):
     """
 
 
+class ConnectorBuildTimeout(ContainerSetupError, TimeoutError):
+    """A connector's constructor, running in another thread, outlasted the wait for it."""
+
+
+class ModulePathError(ConnectorImportError):
+    """A `kv_connector_module_path` that cannot be imported, or lacks the class named.
+
+    The message starts with the field's dotted path in the profile
+    ([`ConnectorRegistry.check_module_path`][kvwire.ConnectorRegistry.check_module_path]).
+    """
+
+
+class UnknownMediumError(KVWireError, ValueError):
+    """A medium name that is not registered, or a `module:Class` that is not a medium."""
+
+
+class JobAbandoned(KVWireError):
+    """Raised inside a job whose caller gave up on it: it must write nothing more."""
+
+
+class WorkerProcessError(KVWireError, RuntimeError):
+    """The worker process failed; the message carries its traceback."""
+
+
 def kind_of(value: object) -> str:
     """How an error names a value it must not echo, a possible secret: by its type alone.
 
@@ -117,27 +141,22 @@ class VLLMConfigError(KVWireError, ValueError):
 # `from kvwire.exceptions import CorruptBlockError`. They load on first use,
 # so importing this module imports neither torch nor redis nor any medium.
 _DEFINED_ELSEWHERE = {
-    "ConnectorBuildTimeout": "kvwire.container",
     "CorruptBlockError": "kvwire.blocks.format",
     "DeadlineExceeded": "kvwire.media.store.redis._wire",
     "ExtraConfigError": "kvwire.config.extra_config",
     "FileChangedError": "kvwire._file_digests",
     "FileRefused": "kvwire.config.bounded_file",
-    "JobAbandoned": "kvwire.media._transfer_jobs",
     "LateWriteError": "kvwire.media.store.base",
     "MacKeyError": "kvwire.blocks.mac",
     "ModelIdentityError": "kvwire.model_identity",
-    "ModulePathError": "kvwire.registry.connectors",
     "NIXLUnavailableError": "kvwire.media.peer._agent",
     "PluginExit": "kvwire.plugin_calls",
     "ProfileYAMLError": "kvwire.config.profile_yaml",
     "RedisSettingsError": "kvwire.media.store.redis._settings",
     "RoleViolationError": "kvwire.testing.instruments",
     "StoreReplyError": "kvwire.media.store.base",
-    "UnknownMediumError": "kvwire.registry.media",
     "UnreadableWeightsError": "kvwire.model_identity",
     "ValueRefused": "kvwire.config.extra_config",
-    "WorkerProcessError": "kvwire.engine.worker_process",
 }
 
 if TYPE_CHECKING:
@@ -147,17 +166,12 @@ if TYPE_CHECKING:
     from kvwire.config.bounded_file import FileRefused
     from kvwire.config.extra_config import ExtraConfigError, ValueRefused
     from kvwire.config.profile_yaml import ProfileYAMLError
-    from kvwire.container import ConnectorBuildTimeout
-    from kvwire.engine.worker_process import WorkerProcessError
-    from kvwire.media._transfer_jobs import JobAbandoned
     from kvwire.media.peer._agent import NIXLUnavailableError
     from kvwire.media.store.base import LateWriteError, StoreReplyError
     from kvwire.media.store.redis._settings import RedisSettingsError
     from kvwire.media.store.redis._wire import DeadlineExceeded
     from kvwire.model_identity import ModelIdentityError, UnreadableWeightsError
     from kvwire.plugin_calls import PluginExit
-    from kvwire.registry.connectors import ModulePathError
-    from kvwire.registry.media import UnknownMediumError
     from kvwire.testing.instruments import RoleViolationError
 
 __all__ = [

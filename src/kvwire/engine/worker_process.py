@@ -35,15 +35,11 @@ from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, Conta
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import WorkerProcessError
 from kvwire.interface.types import KVConnectorOutput, KVConnectorStats
 
 START_TIMEOUT_S = 300.0
 """The least time a worker process gets to start: spawn, import torch, build the connector."""
-
-
-class WorkerProcessError(KVWireError, RuntimeError):
-    """The worker process failed; the message carries its traceback."""
 
 
 @attrs.frozen

@@ -15,11 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from kvwire.exceptions import KVWireError
-
-
-class JobAbandoned(KVWireError):
-    """Raised inside a job whose caller gave up on it: it must write nothing more."""
+from kvwire.exceptions import JobAbandoned
 
 
 class BackgroundJob:

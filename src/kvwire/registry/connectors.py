@@ -36,6 +36,7 @@ from kvwire.exceptions import (
     ConnectorEntryPointError,
     ConnectorImportError,
     KVWireError,
+    ModulePathError,
     NotAConnectorError,
 )
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
@@ -69,14 +70,6 @@ BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
     "RedisConnector": ("kvwire.connectors.offload.presets", "RedisConnector"),
 }
 """The connectors kvwire ships: name -> (module path, class name)."""
-
-
-class ModulePathError(ConnectorImportError):
-    """A `kv_connector_module_path` that cannot be imported, or lacks the class named.
-
-    The message starts with the field's dotted path in the profile
-    ([`ConnectorRegistry.check_module_path`][kvwire.ConnectorRegistry.check_module_path]).
-    """
 
 
 def accepts_connector_builder(connector_cls: type) -> bool:

@@ -30,7 +30,7 @@ from dependency_injector import containers
 from dependency_injector.providers import Provider
 
 from kvwire._extras import missing_extra
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import UnknownMediumError
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import redact_text, shown
 from kvwire.registry._names import (
@@ -53,10 +53,6 @@ BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
     "redis": ("kvwire.media.store.redis.medium", "RedisMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""
-
-
-class UnknownMediumError(KVWireError, ValueError):
-    """A medium name that is not registered, or a `module:Class` that is not a medium."""
 
 
 class MediumRegistry:
