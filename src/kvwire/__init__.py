@@ -18,20 +18,39 @@ from kvwire._moved import install_moved_module_finder
 # project that has kvwire installed pays nothing for it (pytest loads
 # kvwire's plugin in every such project) until it uses a name.
 _EXPORTS = {
+    "BlockHash": "kvwire.interface.types",
+    "BlockRemoved": "kvwire.interface.types",
+    "BlockStored": "kvwire.interface.types",
+    "CacheConfig": "kvwire.config",
+    "CacheHitSource": "kvwire.interface.types",
     "ConnectorRegistry": "kvwire.registry",
+    "Counters": "kvwire.interface.counters",
     "EngineConfig": "kvwire.config",
     "ForwardContext": "kvwire.interface.types",
+    "ForwardingConnector": "kvwire.interface.forwarding",
     "HMADecision": "kvwire.hma",
     "KVCacheBlocks": "kvwire.interface.types",
     "KVCacheConfig": "kvwire.config.kv_cache",
+    "KVCacheEvent": "kvwire.interface.types",
+    "KVCacheGroupSpec": "kvwire.config.kv_cache",
+    "KVCacheTensor": "kvwire.config.kv_cache",
     "KVConnectorBase": "kvwire.interface.base",
     "KVConnectorContainer": "kvwire.container",
     "KVConnectorFactory": "kvwire.factory",
+    "KVConnectorHandshakeMetadata": "kvwire.interface.base",
     "KVConnectorMetadata": "kvwire.interface.base",
+    "KVConnectorOutput": "kvwire.interface.types",
     "KVConnectorRole": "kvwire.interface.base",
+    "KVConnectorStats": "kvwire.interface.types",
+    "KVConnectorTransferResults": "kvwire.interface.types",
+    "KVConnectorWorkerMetadata": "kvwire.interface.base",
     "KVTransferConfig": "kvwire.config",
     "KVWireError": "kvwire.exceptions",
+    "ModelConfig": "kvwire.config",
+    "ParallelConfig": "kvwire.config",
     "Request": "kvwire.interface.types",
+    "RequestStatus": "kvwire.interface.types",
+    "RoleSplitConnector": "kvwire.interface.roles",
     "ScheduledRequest": "kvwire.interface.types",
     "SchedulerConfig": "kvwire.config",
     "SchedulerOutput": "kvwire.interface.types",
@@ -45,8 +64,20 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from kvwire.config import EngineConfig, KVTransferConfig, SchedulerConfig
-    from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
+    from kvwire.config import (
+        CacheConfig,
+        EngineConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from kvwire.config.kv_cache import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        build_full_attention_kv_cache_config,
+    )
     from kvwire.config.profile import load_profile
     from kvwire.container import KVConnectorContainer, container_for_profile, declare_role
     from kvwire.exceptions import KVWireError
@@ -54,15 +85,29 @@ if TYPE_CHECKING:
     from kvwire.hma import HMADecision
     from kvwire.interface.base import (
         KVConnectorBase,
+        KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
         SupportsHMA,
         supports_hma,
     )
+    from kvwire.interface.counters import Counters
+    from kvwire.interface.forwarding import ForwardingConnector
+    from kvwire.interface.roles import RoleSplitConnector
     from kvwire.interface.types import (
+        BlockHash,
+        BlockRemoved,
+        BlockStored,
+        CacheHitSource,
         ForwardContext,
         KVCacheBlocks,
+        KVCacheEvent,
+        KVConnectorOutput,
+        KVConnectorStats,
+        KVConnectorTransferResults,
         Request,
+        RequestStatus,
         ScheduledRequest,
         SchedulerOutput,
     )
@@ -91,20 +136,39 @@ def _installed_version() -> str:
 
 
 __all__ = [
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CacheHitSource",
     "ConnectorRegistry",
+    "Counters",
     "EngineConfig",
     "ForwardContext",
+    "ForwardingConnector",
     "HMADecision",
     "KVCacheBlocks",
     "KVCacheConfig",
+    "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheTensor",
     "KVConnectorBase",
     "KVConnectorContainer",
     "KVConnectorFactory",
+    "KVConnectorHandshakeMetadata",
     "KVConnectorMetadata",
+    "KVConnectorOutput",
     "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorTransferResults",
+    "KVConnectorWorkerMetadata",
     "KVTransferConfig",
     "KVWireError",
+    "ModelConfig",
+    "ParallelConfig",
     "Request",
+    "RequestStatus",
+    "RoleSplitConnector",
     "ScheduledRequest",
     "SchedulerConfig",
     "SchedulerOutput",

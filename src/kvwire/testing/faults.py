@@ -28,9 +28,8 @@ container), and `ranks` limits the garbage and the reports to those ranks.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from dependency_injector import providers
@@ -38,26 +37,10 @@ from dependency_injector import providers
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import NULL_BLOCK_ID, cache_groups
 from kvwire.container import KVConnectorContainer
-from kvwire.interface.base import (
-    ConnectorBuilder,
-    ConnectorResolver,
-    CopyBlocksOp,
-    HMAResolver,
-    KVConnectorBase,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorWorkerMetadata,
-    SupportsHMA,
-    supports_hma,
-)
+from kvwire.interface.base import ConnectorBuilder, KVConnectorMetadata, KVConnectorRole
+from kvwire.interface.forwarding import ForwardingConnector
 from kvwire.interface.types import (
-    CacheHitSource,
-    ForwardContext,
     KVCacheBlocks,
-    KVCacheEvent,
-    KVConnectorOutput,
-    KVConnectorStats,
     KVConnectorTransferResults,
     Request,
     SchedulerOutput,
@@ -68,7 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvwire.blocks.memory import BlockMemory
-    from kvwire.config import EngineConfig, KVTransferConfig
+    from kvwire.config import EngineConfig
     from kvwire.config.kv_cache import KVCacheConfig
 
 __all__ = [
@@ -98,17 +81,15 @@ class LoadFaultMetadata(KVConnectorMetadata):
     faults: tuple[LoadFault, ...] = ()
 
 
-class LoadFaultConnector(KVConnectorBase, SupportsHMA):
+class LoadFaultConnector(ForwardingConnector):
     """`wrapped`, whose chosen loads fail; build it through
     [`with_load_faults`][kvwire.testing.with_load_faults].
 
-    Serves HMA exactly when the wrapped class does (the engine's HMA gate
-    asks it); with HMA off, `request_finished_all_groups` reaches the
-    wrapped connector as `request_finished` with the one group's blocks.
+    `wrapped` is the class of the connector under test (what the config
+    names); every call its faults do not concern reaches it unchanged
+    ([`ForwardingConnector`][kvwire.ForwardingConnector]).
     """
 
-    wrapped: ClassVar[type[KVConnectorBase]]
-    """The class of the connector under test (what the config names)."""
     fail_request_ids: ClassVar[frozenset[str] | None] = None
     """The requests whose first load fails; None: every request's."""
     fail_block_index: ClassVar[int] = 0
@@ -124,9 +105,12 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
         *,
         connector_builder: ConnectorBuilder,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.inner = connector_builder(vllm_config, role, kv_cache_config)
-        """The connector under test, built as the config names it."""
+        super().__init__(
+            vllm_config,
+            role,
+            kv_cache_config,
+            inner=connector_builder(vllm_config, role, kv_cache_config),
+        )
         self._groups = cache_groups(kv_cache_config)
         # A hybrid engine's null block holds positions that left a window: never loaded.
         self._null_block = (
@@ -145,65 +129,13 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
             vllm_config.parallel_config.rank in self.fail_ranks
         )
 
-    # ------------------------------------------------------- class questions
-
-    @classmethod
-    def supports_hma_for_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: HMAResolver
-    ) -> bool:
-        return cls.wrapped.supports_hma_for_config(kv_transfer_config, resolve_child)
-
-    @classmethod
-    def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
-    ) -> None:
-        cls.wrapped.validate_extra_config(kv_transfer_config, resolve_child)
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
-        return cls.wrapped.get_required_kvcache_layout(vllm_config)
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return cls.wrapped.requires_piecewise_for_cudagraph(extra_config)
-
-    @classmethod
-    def build_kv_connector_stats(
-        cls, data: dict[str, Any] | None = None
-    ) -> KVConnectorStats | None:
-        return cls.wrapped.build_kv_connector_stats(data)
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: EngineConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        return cls.wrapped.build_prom_metrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        return self.inner.requires_kv_delivery
-
-    @property
-    def prefer_cross_layer_blocks(self) -> bool:
-        return self.inner.prefer_cross_layer_blocks
-
-    @property
-    def supports_divergent_local_hybrid_hits(self) -> bool:
-        return self.inner.supports_divergent_local_hybrid_hits
-
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Imported here: it needs torch, which the scheduler side never imports.
         from kvwire.blocks.memory import BlockMemory
 
-        self.inner.register_kv_caches(kv_caches)
+        super().register_kv_caches(kv_caches)
         # One layer at a time: a synchronous load is known loaded layer by layer.
         layer = attrs.evolve(BlockLayout.from_engine_config(self._vllm_config), num_layers=1)
         self._layer_memories = {
@@ -212,28 +144,9 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
             for name in group.layer_names
         }
 
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
-        self.inner.register_cross_layers_kv_cache(kv_cache, attn_backend)
-
-    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
-        return self.inner.get_mem_pool_context()
-
-    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        self.inner.set_host_xfer_buffer_ops(copy_operation)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.inner.handle_preemptions(self._unwrap(kv_connector_metadata).inner)
-
-    def finish_forward(self) -> None:
-        self.inner.finish_forward()
-
-    def reset_capture_state(self) -> None:
-        self.inner.reset_capture_state()
-
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
         metadata = self._unwrap(connector_metadata)
-        super().bind_connector_metadata(metadata)
-        self.inner.bind_connector_metadata(metadata.inner)
         if not self._fails_here:
             return
         self._step_faults = tuple(fault for fault in metadata.faults if not fault.is_async)
@@ -243,31 +156,22 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
         )
 
     def clear_connector_metadata(self) -> None:
-        self.inner.clear_connector_metadata()
         super().clear_connector_metadata()
         self._step_faults = ()
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.inner.start_load_kv(forward_context, **kwargs)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.inner.wait_for_layer_load(layer_name)
+        super().wait_for_layer_load(layer_name)
         # Only now: the wrapped load of this layer, still running before, would overwrite it.
         for fault in self._step_faults:
             if layer_name in self._groups[fault.group].layer_names:
                 poison_block(self._layer_memories[layer_name], fault.block_id)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        self.inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
         if self._step_faults:
             # As a connector whose own load failed: nothing computed from the
             # garbage may be saved (it would be stored under valid hashes).
             self.inner.skip_saves_computed_from({fault.block_id for fault in self._step_faults})
-        self.inner.wait_for_save()
+        super().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, receiving = self.inner.get_finished(finished_req_ids)
@@ -286,51 +190,7 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
     def load_errors_this_step(self) -> set[int]:
         return self.inner.load_errors_this_step() | {fault.block_id for fault in self._step_faults}
 
-    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
-        self.inner.skip_saves_computed_from(block_ids)
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.inner.get_kv_connector_stats()
-
-    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
-        return self.inner.get_kv_connector_kv_cache_events()
-
-    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        return self.inner.wait_for_pending_saves(timeout_s)
-
-    def get_handshake_metadata(self) -> Any:
-        return self.inner.get_handshake_metadata()
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.inner.build_connector_worker_meta()
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.inner.set_xfer_handshake_metadata(metadata)
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        self.inner.set_xfer_handshake_metadata_pp_aware(metadata)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
     # --------------------------------------------------------- scheduler side
-
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self._kv_cache_manager = kv_cache_manager
-        self.inner.bind_kv_cache_manager(kv_cache_manager)
-
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self.inner.bind_gpu_block_pool(gpu_block_pool)
-
-    def on_new_request(self, request: Request) -> None:
-        self.inner.on_new_request(request)
-
-    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return self.inner.get_loaded_kv_cache_group_ids(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -366,54 +226,10 @@ class LoadFaultConnector(KVConnectorBase, SupportsHMA):
         planned, self._planned = tuple(self._planned), []
         return LoadFaultMetadata(self.inner.build_connector_meta(scheduler_output), planned)
 
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
-        return self.inner.get_external_cache_hit_sources(request, num_external_tokens)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.inner.update_connector_output(connector_output)
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.inner.request_finished(request, block_ids)
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        if supports_hma(self.inner):
-            finished: tuple[bool, dict[str, Any] | None] = self.inner.request_finished_all_groups(  # type: ignore[attr-defined]
-                request, block_ids
-            )
-            return finished
-        # The HMA gate gives a connector without HMA one group.
-        return self.inner.request_finished(request, block_ids[0])
-
-    def register_finished_partial_tail(
-        self,
-        request: Request,
-        block_ids: tuple[list[int], ...],
-        partial_tail_offloads: list[tuple[int, int, int]],
-    ) -> bool:
-        return self.inner.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return self.inner.take_events()
-
-    def has_pending_block_frees(self) -> bool:
-        return self.inner.has_pending_block_frees()
-
-    def has_pending_push_work(self) -> bool:
-        return self.inner.has_pending_push_work()
-
-    def get_finished_count(self) -> int | None:
-        return self.inner.get_finished_count()
-
-    def reset_cache(self) -> bool | None:
-        return self.inner.reset_cache()
-
     # -------------------------------------------------------------- internals
+
+    def _inner_metadata(self, metadata: KVConnectorMetadata) -> KVConnectorMetadata:
+        return self._unwrap(metadata).inner
 
     def _unwrap(self, metadata: KVConnectorMetadata) -> LoadFaultMetadata:
         if not isinstance(metadata, LoadFaultMetadata):
