@@ -20,7 +20,7 @@ import contextlib
 import enum
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from kvwire.interface.types import (
     CacheHitSource,
@@ -54,6 +54,20 @@ class KVConnectorMetadata:
     Connectors subclass it with their own fields. It must be picklable: the
     worker may live in another process.
     """
+
+
+_Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
+
+
+def metadata_of_type(
+    connector_name: str, metadata: KVConnectorMetadata, expected: type[_Metadata]
+) -> _Metadata:
+    """`metadata`, or a `TypeError` when another connector's scheduler side built it."""
+    if not isinstance(metadata, expected):
+        raise TypeError(
+            f"{connector_name} got {type(metadata).__name__}, expected {expected.__name__}"
+        )
+    return metadata
 
 
 class KVConnectorWorkerMetadata(abc.ABC):

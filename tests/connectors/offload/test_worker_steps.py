@@ -1,4 +1,4 @@
-"""The worker-side checks and reports the connectors share."""
+"""The offload connector worker side's checks and reports."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.interface.base import KVConnectorMetadata, KVConnectorRole
-from kvwire.interface.counters import Counters
-from kvwire.interface.types import ForwardContext
-from kvwire.interface.worker_steps import (
+from kvwire.connectors.offload.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
     saves_from_good_context,
 )
+from kvwire.interface.base import KVConnectorMetadata, KVConnectorRole
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import ForwardContext
 from tests.support.connector_pairs import cache_config_for, engine_config
 
 

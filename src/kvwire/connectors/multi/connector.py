@@ -78,6 +78,7 @@ from kvwire.interface.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    metadata_of_type,
 )
 from kvwire.interface.roles import RoleSplitConnector
 from kvwire.interface.types import (
@@ -91,7 +92,6 @@ from kvwire.interface.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.interface.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch

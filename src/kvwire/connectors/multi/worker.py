@@ -17,9 +17,13 @@ from kvwire.connectors.multi.records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
 )
-from kvwire.interface.base import CopyBlocksOp, KVConnectorBase, KVConnectorMetadata
+from kvwire.interface.base import (
+    CopyBlocksOp,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    metadata_of_type,
+)
 from kvwire.interface.types import ForwardContext, KVCacheEvent, KVConnectorTransferResults
-from kvwire.interface.worker_steps import metadata_of_type
 
 if TYPE_CHECKING:
     import torch

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvwire.connectors.offload.transfer_book import TransferBook
-from kvwire.interface.base import KVConnectorMetadata
-from kvwire.interface.counters import Counters
-from kvwire.interface.types import KVCacheEvent, KVConnectorStats
-from kvwire.interface.worker_steps import (
+from kvwire.connectors.offload.worker_steps import (
     PendingRelease,
     metadata_of_type,
     registered_worker,
     saves_from_good_context,
 )
+from kvwire.interface.base import KVConnectorMetadata
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import KVCacheEvent, KVConnectorStats
 from kvwire.media.base import Medium, TransferHandler
 from kvwire.plugin_calls import call_plugin
 

@@ -1,9 +1,10 @@
-"""What the worker sides of kvwire's connectors check and report each step.
+"""What the offload connector's worker side checks and reports each step.
 
-A connector's worker side needs its caches registered and this step's
-metadata of its own type before it can move anything, and reports finished
-requests once their transfers end. The helpers here serve every connector
-alike, so each refuses a misuse with the same words.
+It needs its caches registered and this step's metadata of its own type
+before it can move anything (`registered_worker`, `metadata_of_type`),
+reports finished requests once their transfers end (`PendingRelease`), and
+saves nothing computed from a block whose load failed
+(`saves_from_good_context`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.interface.base import KVConnectorMetadata
+from kvwire.interface.base import metadata_of_type
+
+__all__ = ["PendingRelease", "metadata_of_type", "registered_worker", "saves_from_good_context"]
 
 _Worker = TypeVar("_Worker")
-_Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
 
 
 def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
@@ -25,17 +27,6 @@ def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
             f"{connector_name}: register_kv_caches() must be called before the first step"
         )
     return worker
-
-
-def metadata_of_type(
-    connector_name: str, metadata: KVConnectorMetadata, expected: type[_Metadata]
-) -> _Metadata:
-    """`metadata`, or a `TypeError` when another connector's scheduler side built it."""
-    if not isinstance(metadata, expected):
-        raise TypeError(
-            f"{connector_name} got {type(metadata).__name__}, expected {expected.__name__}"
-        )
-    return metadata
 
 
 class PendingRelease:
