@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import FileChangedError as FileChangedError
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -63,10 +63,6 @@ _TEMPORARY_NAME = re.compile(r"\.[0-9a-f]{16}\.tmp")
 # A temporary entry this old was left by a process that died while writing it.
 _ABANDONED_NS = 3600 * 1_000_000_000
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
-
-
-class FileChangedError(KVWireError, OSError):
-    """The file changed while it was being read: its digest names no one version of it."""
 
 
 @attrs.frozen

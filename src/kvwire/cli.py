@@ -39,11 +39,11 @@ from kvwire.config.profile import (
     shipped_profile_path,
     structure_engine_config,
 )
-from kvwire.exceptions import KVWireError, kind_of
+from kvwire.exceptions import KVWireError
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.interface.base import KVConnectorBase, validates_extra_config
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import SHOWN_LENGTH, RedactingFilter, scrub, secret_values, shown
+from kvwire.redaction import SHOWN_LENGTH, RedactingFilter, kind_of, scrub, secret_values, shown
 from kvwire.registry import (
     ConnectorRegistry,
     accepts_connector_builder,

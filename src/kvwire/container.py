@@ -23,10 +23,11 @@ block ends.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -41,16 +42,53 @@ from kvwire.config.profile import (
     read_profile_file,
     structure_engine_config,
 )
-from kvwire.exceptions import ConnectorBuildTimeout, ContainerSetupError, NotAConnectorError
+from kvwire.exceptions import ConnectorBuildTimeout as ConnectorBuildTimeout
+from kvwire.exceptions import ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.plugin_calls import call_plugin
 from kvwire.redaction import shown
-from kvwire.registry import ConnectorRegistry, accepts_keyword_only, default_registry
+from kvwire.registry import ConnectorRegistry, accepts_medium, default_registry
 
 if TYPE_CHECKING:
-    from kvwire.media.base import Medium
+    from kvwire.media.base import Medium, MediumContext
 
 T = TypeVar("T")
+
+_MEDIUM_FIELD = "kv_connector_extra_config.medium"
+
+# What the registry resolved during the role build in progress (this thread's),
+# so that one build enters the registry once per class it needs, however many
+# providers ask for that class.
+_build_resolutions: contextvars.ContextVar[dict[tuple[str, int, int], tuple[object, Any]] | None] = (
+    contextvars.ContextVar("kvwire_build_resolutions", default=None)
+)
+
+
+@contextlib.contextmanager
+def _one_resolution_per_build() -> Iterator[None]:
+    if _build_resolutions.get() is not None:
+        yield  # a composite's child, built within its parent's build
+        return
+    token = _build_resolutions.set({})
+    try:
+        yield
+    finally:
+        _build_resolutions.reset(token)
+
+
+def _resolved_once(
+    kind: str, registry: ConnectorRegistry, asked: object, resolve: Callable[[], T]
+) -> T:
+    resolutions = _build_resolutions.get()
+    if resolutions is None:
+        return resolve()
+    key = (kind, id(registry), id(asked))
+    if key not in resolutions:
+        # `asked` is kept with its answer: its id is not reused while the build lasts.
+        resolutions[key] = (asked, resolve())
+    resolved: T = resolutions[key][1]
+    return resolved
 
 
 def _engine_config_from(
@@ -94,7 +132,12 @@ def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig
 def _resolve_connector_class(
     registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
 ) -> type[KVConnectorBase]:
-    return registry.resolve(kv_transfer_config)
+    return _resolved_once(
+        "connector",
+        registry,
+        kv_transfer_config,
+        lambda: registry.resolve(kv_transfer_config),
+    )
 
 
 def _a_connector_class(provided: object) -> type[KVConnectorBase]:
@@ -119,11 +162,131 @@ def _resolve_medium_class(
     kv_transfer_config: KVTransferConfig,
 ) -> type[Medium] | None:
     """The medium a block connector keeps blocks in; None for a connector that takes none."""
-    if not accepts_keyword_only(connector_class, "medium_resolver"):
+    if not accepts_medium(connector_class):
         return None
-    extra = kv_transfer_config.kv_connector_extra_config
-    spec = extra.get("medium", getattr(connector_class, "default_medium", ""))
-    return registry.media.get_class(spec)
+    spec = _block_connector_hook(connector_class, "medium_spec")(kv_transfer_config)
+    medium_cls: type[Medium] = _resolved_once(
+        "medium", registry, kv_transfer_config, lambda: registry.media.get_class(spec)
+    )
+    return medium_cls
+
+
+def _block_connector_hook(connector_class: type[KVConnectorBase], name: str) -> Any:
+    """The class-level hook of a block connector the container builds its medium with."""
+    hook = getattr(connector_class, name, None)
+    if not callable(hook):
+        raise ContainerSetupError(
+            f"{connector_class.__name__} takes a keyword-only medium, but has no {name} "
+            "classmethod to build it with: derive it from "
+            "kvwire.connectors.offload.OffloadConnector"
+        )
+    return hook
+
+
+def _read_medium_options(
+    connector_class: type[KVConnectorBase],
+    medium_class: Callable[[], type[Medium] | None],
+    kv_transfer_config: KVTransferConfig,
+) -> dict[str, Any] | None:
+    """The block connector's extra config read over its medium's keys and finished; or None."""
+    if not accepts_medium(connector_class):
+        return None
+    try:
+        medium_cls = medium_class()
+    except ValueError as error:
+        # Worded as validate_extra_config words it, for `kvwire check` and the engine alike.
+        raise ExtraConfigError(f"{_MEDIUM_FIELD}: {error}") from None
+    if medium_cls is None:
+        raise ContainerSetupError(
+            f"KVConnectorContainer.medium_class provides None for {connector_class.__name__}, "
+            "which takes a medium: override it with a kvwire.media.Medium subclass"
+        )
+    options: dict[str, Any] = _block_connector_hook(connector_class, "read_options")(
+        kv_transfer_config, medium_cls
+    )
+    return options
+
+
+def _medium_context(
+    connector_class: type[KVConnectorBase],
+    engine_config: EngineConfig,
+    kv_cache_config: KVCacheConfig | providers.Dependency[KVCacheConfig],
+    options: dict[str, Any] | None,
+) -> MediumContext | None:
+    """What the medium is built from (layout, groups, options); None for no block connector."""
+    if options is None:
+        return None
+    if isinstance(kv_cache_config, providers.Dependency):
+        kv_cache_config = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
+    context: MediumContext = _block_connector_hook(connector_class, "medium_context")(
+        engine_config, kv_cache_config, options
+    )
+    return context
+
+
+def _build_medium(
+    medium_class: type[Medium] | None, context: MediumContext | None
+) -> Medium | None:
+    """`medium_class(context)`: one medium, for one connector to own."""
+    if medium_class is None or context is None:
+        return None
+    medium: Medium = call_plugin(
+        _MEDIUM_FIELD, f"{medium_class.__name__}()", lambda: medium_class(context)
+    )
+    return medium
+
+
+def _assemble(
+    registry: ConnectorRegistry,
+    connector_class: type[KVConnectorBase],
+    config: EngineConfig,
+    role: KVConnectorRole,
+    kv_cache_config: KVCacheConfig,
+    medium: Callable[[], Medium | None],
+    connector_builder: ConnectorBuilder,
+) -> KVConnectorBase:
+    built_medium = medium() if accepts_medium(connector_class) else None
+    return registry.instantiate(
+        connector_class,
+        config,
+        role,
+        kv_cache_config,
+        medium=built_medium,
+        connector_builder=connector_builder,
+    )
+
+
+@attrs.frozen
+class ConnectorBuilder:
+    """Builds the connector an engine config names, as its container builds its own.
+
+    A composite connector's `connector_builder` (the container's
+    `connector_builder` provider): each child's class and medium are
+    resolved through `registry`, once each, and the medium built from the
+    child's options and cache layout, as the container's `medium` provider
+    builds a connector's. The HMA gate is the composite's alone.
+    """
+
+    registry: ConnectorRegistry
+
+    def __call__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> KVConnectorBase:
+        transfer = _require_kv_transfer_config(config)
+        with _one_resolution_per_build():
+            connector_class = _resolve_connector_class(self.registry, transfer)
+
+            def medium_class() -> type[Medium] | None:
+                return _resolve_medium_class(self.registry, connector_class, transfer)
+
+            def medium() -> Medium | None:
+                options = _read_medium_options(connector_class, medium_class, transfer)
+                context = _medium_context(connector_class, config, kv_cache_config, options)
+                return _build_medium(medium_class(), context)
+
+            return _assemble(
+                self.registry, connector_class, config, role, kv_cache_config, medium, self
+            )
 
 
 def _apply_hma_gate(

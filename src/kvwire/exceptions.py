@@ -4,16 +4,16 @@ The errors kept from vLLM (an unknown connector name, a deprecated
 constructor, HMA enabled for a connector that cannot serve it) stay plain
 `ValueError`/`AttributeError` with vLLM's exact texts, so code
 written against it keeps catching them. Every other exception class kvwire
-defines, here or in the module that raises it (`CorruptBlockError`,
-`ExtraConfigError`, ...), derives from [`KVWireError`][kvwire.KVWireError] and from the
-builtin a caller would naturally catch, so `except KVWireError` catches
-whatever kvwire raises on its own account.
+makes public is defined here, derives from [`KVWireError`][kvwire.KVWireError] and from
+the builtin a caller would naturally catch, so `except KVWireError` catches
+whatever kvwire raises on its own account. The modules that raise them import
+them from here, and this module imports nothing of kvwire and no optional
+dependency: naming an error costs no torch, redis or medium import.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 # How many of a profile's problems its error message lists.
 MAX_LISTED_PROBLEMS = 50
@@ -105,21 +105,6 @@ class JobAbandoned(KVWireError):
     """Raised inside a job whose caller gave up on it: it must write nothing more."""
 
 
-class WorkerProcessError(KVWireError, RuntimeError):
-    """The worker process failed; the message carries its traceback."""
-
-
-def kind_of(value: object) -> str:
-    """How an error names a value it must not echo, a possible secret: by its type alone.
-
-    `"a str"`, `"an int"`, `"None"`.
-    """
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
 class ConnectorRoleError(KVWireError, RuntimeError):
     """A call of one role made on a connector built for the other role.
 
@@ -137,42 +122,104 @@ class VLLMConfigError(KVWireError, ValueError):
     """
 
 
-# The errors defined beside the code that raises them, reachable from here too:
-# `from kvwire.exceptions import CorruptBlockError`. They load on first use,
-# so importing this module imports neither torch nor redis nor any medium.
-_DEFINED_ELSEWHERE = {
-    "CorruptBlockError": "kvwire.blocks.format",
-    "DeadlineExceeded": "kvwire.media.store.redis._wire",
-    "ExtraConfigError": "kvwire.config.extra_config",
-    "FileChangedError": "kvwire._file_digests",
-    "FileRefused": "kvwire.config.bounded_file",
-    "LateWriteError": "kvwire.media.store.base",
-    "MacKeyError": "kvwire.blocks.mac",
-    "ModelIdentityError": "kvwire.model_identity",
-    "NIXLUnavailableError": "kvwire.media.peer._agent",
-    "PluginExit": "kvwire.plugin_calls",
-    "ProfileYAMLError": "kvwire.config.profile_yaml",
-    "RedisSettingsError": "kvwire.media.store.redis._settings",
-    "RoleViolationError": "kvwire.testing.instruments",
-    "StoreReplyError": "kvwire.media.store.base",
-    "UnreadableWeightsError": "kvwire.model_identity",
-    "ValueRefused": "kvwire.config.extra_config",
-}
+class ProfileYAMLError(KVWireError, ValueError):
+    """A profile's text that is not valid YAML, or that this loader refuses; no source quoted."""
 
-if TYPE_CHECKING:
-    from kvwire._file_digests import FileChangedError
-    from kvwire.blocks.format import CorruptBlockError
-    from kvwire.blocks.mac import MacKeyError
-    from kvwire.config.bounded_file import FileRefused
-    from kvwire.config.extra_config import ExtraConfigError, ValueRefused
-    from kvwire.config.profile_yaml import ProfileYAMLError
-    from kvwire.media.peer._agent import NIXLUnavailableError
-    from kvwire.media.store.base import LateWriteError, StoreReplyError
-    from kvwire.media.store.redis._settings import RedisSettingsError
-    from kvwire.media.store.redis._wire import DeadlineExceeded
-    from kvwire.model_identity import ModelIdentityError, UnreadableWeightsError
-    from kvwire.plugin_calls import PluginExit
-    from kvwire.testing.instruments import RoleViolationError
+
+class FileRefused(KVWireError, ValueError):
+    """A path that names no regular file, or a file over its bound; the message says which."""
+
+
+class FileChangedError(KVWireError, OSError):
+    """The file changed while it was being read: its digest names no one version of it."""
+
+
+class ExtraConfigError(KVWireError, ValueError):
+    """A `kv_connector_extra_config` value or key that a connector does not accept."""
+
+
+class ValueRefused(KVWireError):
+    """Raised by an [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]'s `convert` to refuse a value
+    with its own reason.
+
+    The reason replaces the key's generic "expected ..." text, for a value
+    of the right form that still cannot work (more memory than the machine has).
+    """
+
+
+class ModelIdentityError(KVWireError, ValueError):
+    """A model kvwire cannot identify by its weights; the message says how to name it."""
+
+
+class UnreadableWeightsError(ModelIdentityError):
+    """A file at the model's path that kvwire cannot read whole: no identity can be sure."""
+
+
+class MacKeyError(KVWireError, ValueError):
+    """The MAC key's environment variable is badly named, unset, empty or too short."""
+
+
+class RedisSettingsError(KVWireError, ValueError):
+    """Bad Redis settings; the message names every key at fault and what is accepted."""
+
+
+class PluginExit(KVWireError, RuntimeError):
+    """Plug-in code that raised `SystemExit`, `KeyboardInterrupt` or `GeneratorExit` itself.
+
+    Those would end the process (or escape every `except Exception`) with
+    a traceback; raised by a module at import or by a hook, they are the
+    plug-in's failure, so `contained_exits` turns them into this
+    ordinary error. `original` is what the plug-in raised (read-only).
+    """
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+class WorkerProcessError(KVWireError, RuntimeError):
+    """The worker process failed; the message carries its traceback."""
+
+
+class RoleViolationError(KVWireError, RuntimeError):
+    """A connector instance was asked (or asked itself) a question of the other role."""
+
+
+class CorruptBlockError(KVWireError, ValueError):
+    """A stored entry that must not be loaded; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StoreReplyError(KVWireError, ValueError):
+    """A store's answer that is not one result per key it was given (a short `put` reply).
+
+    Which keys the answer is about cannot be told, so none of them counts as
+    stored.
+    """
+
+
+class LateWriteError(KVWireError, RuntimeError):
+    """A load given up on is still writing into the KV cache after the grace period.
+
+    A syscall in flight cannot be cancelled; continuing would let it write
+    into blocks the engine has taken back, so the engine must stop instead.
+    """
+
+
+class DeadlineExceeded(KVWireError, TimeoutError):
+    """A call to the server ran past its overall deadline (its connection is mid-reply).
+
+    A builtin `TimeoutError`, hence an `OSError`: kvwire's stores count it
+    among the failures of a server that stopped answering.
+    """
+
+
+class NIXLUnavailableError(KVWireError, RuntimeError):
+    """NIXL cannot be imported or started here; the message says what to install."""
+
 
 __all__ = [
     "ConnectorBuildTimeout",
@@ -206,12 +253,3 @@ __all__ = [
     "ValueRefused",
     "WorkerProcessError",
 ]
-
-
-def __getattr__(name: str) -> type[KVWireError]:
-    if name not in _DEFINED_ELSEWHERE:
-        raise AttributeError(f"module 'kvwire.exceptions' has no attribute {name!r}")
-    import importlib
-
-    error: type[KVWireError] = getattr(importlib.import_module(_DEFINED_ELSEWHERE[name]), name)
-    return error

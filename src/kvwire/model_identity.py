@@ -43,7 +43,8 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvwire._file_digests import FileDigests
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import ModelIdentityError as ModelIdentityError
+from kvwire.exceptions import UnreadableWeightsError as UnreadableWeightsError
 from kvwire.redaction import shown
 
 IDENTITY_FIELD = "model_config.identity"
@@ -60,14 +61,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".tensors")
 PARALLEL_FILES = 4
 # v2: every byte of each weight file (v1 sampled them).
 _DIGEST_VERSION = b"kvwire-weights-v2"
-
-
-class ModelIdentityError(KVWireError, ValueError):
-    """A model kvwire cannot identify by its weights; the message says how to name it."""
-
-
-class UnreadableWeightsError(ModelIdentityError):
-    """A file at the model's path that kvwire cannot read whole: no identity can be sure."""
 
 
 def check_explicit_identity(value: object) -> None:

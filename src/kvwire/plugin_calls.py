@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import KVWireError
+from kvwire.exceptions import PluginExit as PluginExit
 from kvwire.redaction import SHOWN_LENGTH, redact_text
 
 _Result = TypeVar("_Result")
@@ -27,20 +28,6 @@ _Result = TypeVar("_Result")
 # A plug-in's own refusal (an ExtraConfigError naming its key) may say more
 # than a stray exception's message shown beside the call.
 LONGEST_REFUSAL = 1000
-
-
-class PluginExit(KVWireError, RuntimeError):
-    """Plug-in code that raised `SystemExit`, `KeyboardInterrupt` or `GeneratorExit` itself.
-
-    Those would end the process (or escape every `except Exception`) with
-    a traceback; raised by a module at import or by a hook, they are the
-    plug-in's failure, so `contained_exits` turns them into this
-    ordinary error. `original` is what the plug-in raised (read-only).
-    """
-
-    def __init__(self, original: BaseException) -> None:
-        super().__init__(f"{type(original).__name__}: {original}")
-        self.original = original
 
 
 @contextlib.contextmanager

@@ -150,6 +150,17 @@ def shown_key(key: object) -> str:
     return shown(key)
 
 
+def kind_of(value: object) -> str:
+    """How an error names a value it must not echo, a possible secret: by its type alone.
+
+    `"a str"`, `"an int"`, `"None"`.
+    """
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _write(value: object, pieces: list[str], budget: int) -> bool:
     """Append `value`'s redacted repr to `pieces` until `budget` characters; True if whole.
 

@@ -51,7 +51,7 @@ import xxhash
 from kvwire.blocks.mac import MAC_SIZE, EntryMac
 from kvwire.config import EngineConfig
 from kvwire.config.dtypes import DTYPES
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import CorruptBlockError as CorruptBlockError
 from kvwire.interface.types import BlockHash
 
 MAGIC = b"KVWB"
@@ -114,14 +114,6 @@ class LayerShard(HeadShard):
     """Which of the model's layers an entry holds (by index in the whole model)."""
 
     what = "layers"
-
-
-class CorruptBlockError(KVWireError, ValueError):
-    """A stored entry that must not be loaded; `reason` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @attrs.frozen

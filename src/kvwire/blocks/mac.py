@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import MacKeyError as MacKeyError
 
 # The MAC's size in the entry header.
 MAC_SIZE = 32
@@ -34,10 +34,6 @@ ALGORITHM = "hmac-sha256"
 # Bounded, as the name is quoted in errors and in the MAC's repr.
 MAX_VARIABLE_NAME = 128
 _VARIABLE_NAME = re.compile(rf"[A-Z_][A-Z0-9_]{{0,{MAX_VARIABLE_NAME - 1}}}")
-
-
-class MacKeyError(KVWireError, ValueError):
-    """The MAC key's environment variable is badly named, unset, empty or too short."""
 
 
 class EntryMac:

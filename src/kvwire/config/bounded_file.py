@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import FileRefused as FileRefused
 from kvwire.redaction import shown
 
 _KINDS = (
@@ -23,10 +23,6 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
-
-
-class FileRefused(KVWireError, ValueError):
-    """A path that names no regular file, or a file over its bound; the message says which."""
 
 
 def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:

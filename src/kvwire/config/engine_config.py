@@ -25,9 +25,8 @@ from attrs import validators
 
 from kvwire.config.dtypes import DTYPES, check_dtype
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
-from kvwire.exceptions import kind_of
 from kvwire.model_identity import check_explicit_identity
-from kvwire.redaction import shown, shown_key
+from kvwire.redaction import kind_of, shown, shown_key
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")

@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import ExtraConfigError as ExtraConfigError
+from kvwire.exceptions import ValueRefused as ValueRefused
 from kvwire.redaction import shown, shown_key
 
 _SIZE_UNITS: dict[str, int] = {
@@ -45,19 +46,6 @@ _SIZE_UNITS: dict[str, int] = {
 _SIZE_PATTERN = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]{0,3})\s*$", re.ASCII)
 # 8 EiB: the largest byte count an OS call or a C size_t-based library takes.
 LARGEST_SIZE = 2**63 - 1
-
-
-class ExtraConfigError(KVWireError, ValueError):
-    """A `kv_connector_extra_config` value or key that a connector does not accept."""
-
-
-class ValueRefused(KVWireError):
-    """Raised by an [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]'s `convert` to refuse a value
-    with its own reason.
-
-    The reason replaces the key's generic "expected ..." text, for a value
-    of the right form that still cannot work (more memory than the machine has).
-    """
 
 
 def parse_size(value: object) -> int | None:

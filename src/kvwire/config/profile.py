@@ -37,8 +37,8 @@ import cattrs
 from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
 from kvwire.config.engine_config import EngineConfig
 from kvwire.config.profile_yaml import ProfileYAMLError, parse_profile_text
-from kvwire.exceptions import KVWireError, ProfileError, kind_of
-from kvwire.redaction import SHOWN_LENGTH, scrub, secrets_in_text, shown, shown_key
+from kvwire.exceptions import KVWireError, ProfileError
+from kvwire.redaction import SHOWN_LENGTH, kind_of, scrub, secrets_in_text, shown, shown_key
 
 MAPPING_ORIGIN = "<mapping>"
 # A profile is a few hundred bytes; a megabyte is already absurd.

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import ProfileYAMLError as ProfileYAMLError
 from kvwire.redaction import shown_key
 
 # A real profile holds a few hundred values; ten thousand leaves room for
@@ -34,10 +34,6 @@ MAX_EXPANDED_NODES = 10_000
 MAX_INTEGER_DIGITS = 40
 # A profile nests five or six levels; PyYAML's composer recurses per level.
 MAX_DEPTH = 100
-
-
-class ProfileYAMLError(KVWireError, ValueError):
-    """A profile's text that is not valid YAML, or that this loader refuses; no source quoted."""
 
 
 def parse_profile_text(text: str) -> Any:

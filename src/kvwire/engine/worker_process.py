@@ -35,7 +35,7 @@ from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, Conta
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
-from kvwire.exceptions import WorkerProcessError
+from kvwire.exceptions import WorkerProcessError as WorkerProcessError
 from kvwire.interface.types import KVConnectorOutput, KVConnectorStats
 
 START_TIMEOUT_S = 300.0

@@ -7,12 +7,11 @@ typed `kv_connector_extra_config` keys a medium declares, and the errors a store
 this package imports neither torch nor any built-in medium.
 """
 
-from kvwire.blocks.format import BlockLayout, CorruptBlockError
+from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config.extra_config import (
     ExtraConfigKey,
-    ValueRefused,
     bool_key,
     int_key,
     memory_size_key,
@@ -20,7 +19,7 @@ from kvwire.config.extra_config import (
     size_key,
     str_key,
 )
-from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.exceptions import CorruptBlockError, JobAbandoned, LateWriteError, ValueRefused
 from kvwire.media.base import (
     JobResult,
     Medium,
@@ -30,7 +29,7 @@ from kvwire.media.base import (
     TransferJob,
     TransferKind,
 )
-from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
+from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.medium import StoreMedium
 
 __all__ = [

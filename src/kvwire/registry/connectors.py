@@ -24,7 +24,8 @@ import importlib
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dependency_injector import containers
@@ -36,10 +37,10 @@ from kvwire.exceptions import (
     ConnectorEntryPointError,
     ConnectorImportError,
     KVWireError,
-    ModulePathError,
     NotAConnectorError,
 )
-from kvwire.interface.base import KVConnectorBase, KVConnectorRole, supports_kw
+from kvwire.exceptions import ModulePathError as ModulePathError
+from kvwire.interface.base import ConnectorBuilder, KVConnectorBase, KVConnectorRole, supports_kw
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import shown, shown_key
 from kvwire.registry._names import (
@@ -55,7 +56,7 @@ from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.config.kv_cache import KVCacheConfig
-    from kvwire.connectors.offload.connector import MediumResolver
+    from kvwire.media.base import Medium
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
 def accepts_connector_builder(connector_cls: type) -> bool:
     """Whether `connector_cls` is a composite: it takes a keyword-only `connector_builder`."""
     return accepts_keyword_only(connector_cls, "connector_builder")
+
+
+def accepts_medium(connector_cls: type) -> bool:
+    """Whether `connector_cls` is a block connector: it takes a keyword-only `medium`, built."""
+    return accepts_keyword_only(connector_cls, "medium")
 
 
 def accepts_keyword_only(connector_cls: type, name: str) -> bool:
@@ -289,6 +295,21 @@ class ConnectorRegistry:
             return self.get_class(connector_name)
         raise ValueError(self._unsupported(connector_name))
 
+    def __call__(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
+        """Deprecated: [`resolve`][kvwire.ConnectorRegistry.resolve].
+
+        A `validate_extra_config` hook is handed the registry itself; one
+        written for the resolver it was handed before calls it, and keeps
+        working for this release.
+        """
+        warnings.warn(
+            "validate_extra_config's third argument is the registry that will build the "
+            "connector: call registry.resolve(kv_transfer_config) rather than registry(...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.resolve(kv_transfer_config)
+
     def _unsupported(self, connector_name: str) -> str:
         """vLLM's exact sentence for an unknown name, then the names it could have meant."""
         names = self._names.names()
@@ -400,18 +421,6 @@ class ConnectorRegistry:
 
     # -------------------------------------------------------------- building
 
-    def build_connector(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> KVConnectorBase:
-        """Build the connector `config.kv_transfer_config` names (no HMA gate).
-
-        This is the `connector_builder` composites receive for their children.
-        """
-        if config.kv_transfer_config is None:
-            raise ValueError("kv_transfer_config must be set to create a connector")
-        connector_cls = self.resolve(config.kv_transfer_config)
-        return self.instantiate(connector_cls, config, role, kv_cache_config)
-
     def instantiate(
         self,
         connector_cls: type[KVConnectorBase],
@@ -419,12 +428,15 @@ class ConnectorRegistry:
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         *,
-        medium_resolver: MediumResolver | None = None,
+        medium: Medium | None = None,
+        connector_builder: ConnectorBuilder | None = None,
     ) -> KVConnectorBase:
-        """Call `connector_cls` as vLLM does, handing a composite its builder.
+        """Call `connector_cls` as vLLM does, handing it what it declares it takes, built.
 
-        A block connector gets `medium_resolver` (a container's, which its
-        `medium_class` override reaches), else this registry's media.
+        Nothing is resolved here: a block connector (keyword-only `medium`)
+        gets `medium`, a composite (keyword-only `connector_builder`) gets
+        `connector_builder`; a
+        [`KVConnectorContainer`][kvwire.KVConnectorContainer] builds both.
         """
         engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
         logger.info(
@@ -435,7 +447,7 @@ class ConnectorRegistry:
         try:
             with contained_exits():
                 return self._construct(
-                    connector_cls, config, role, kv_cache_config, medium_resolver
+                    connector_cls, config, role, kv_cache_config, medium, connector_builder
                 )
         except PluginExit as error:
             # A constructor that calls sys.exit(): the connector's failure, not the engine's exit.
@@ -450,22 +462,17 @@ class ConnectorRegistry:
         config: EngineConfig,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
-        medium_resolver: MediumResolver | None,
+        medium: Medium | None,
+        connector_builder: ConnectorBuilder | None,
     ) -> KVConnectorBase:
         if accepts_connector_builder(connector_cls):
-            builder: Callable[..., KVConnectorBase] = self.build_connector
             with self._nested(connector_cls):
                 return connector_cls(  # type: ignore[call-arg]
-                    config, role, kv_cache_config, connector_builder=builder
+                    config, role, kv_cache_config, connector_builder=connector_builder
                 )
-        if accepts_keyword_only(connector_cls, "medium_resolver"):
-            # A block connector resolves the medium it keeps blocks in here,
-            # so that an override of this registry's medium reaches it.
+        if accepts_medium(connector_cls):
             return connector_cls(  # type: ignore[call-arg]
-                config,
-                role,
-                kv_cache_config,
-                medium_resolver=medium_resolver or self.media.get_class,
+                config, role, kv_cache_config, medium=medium
             )
         return connector_cls(config, role, kv_cache_config)
 

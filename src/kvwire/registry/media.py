@@ -30,7 +30,7 @@ from dependency_injector import containers
 from dependency_injector.providers import Provider
 
 from kvwire._extras import missing_extra
-from kvwire.exceptions import UnknownMediumError
+from kvwire.exceptions import UnknownMediumError as UnknownMediumError
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import redact_text, shown
 from kvwire.registry._names import (

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import RoleViolationError as RoleViolationError
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 WORKER_SIDE_METHODS: tuple[str, ...] = (
@@ -43,10 +43,6 @@ SCHEDULER_SIDE_METHODS: tuple[str, ...] = (
     "reset_cache",
 )
 _BOTH_SIDES: tuple[str, ...] = ("shutdown",)
-
-
-class RoleViolationError(KVWireError, RuntimeError):
-    """A connector instance was asked (or asked itself) a question of the other role."""
 
 
 @attrs.frozen

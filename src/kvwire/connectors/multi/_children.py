@@ -16,12 +16,11 @@ import attrs
 
 from kvwire.config import KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
-from kvwire.exceptions import kind_of
-from kvwire.redaction import shown_key
+from kvwire.redaction import kind_of, shown_key
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig
-    from kvwire.interface.base import ConnectorResolver, HMAResolver
+    from kvwire.interface.base import ConnectorLookup, ConnectorResolver, HMAResolver
 
 
 def child_transfer_configs(parent: KVTransferConfig) -> list[KVTransferConfig]:
@@ -115,14 +114,15 @@ def child_config_error(index: int, error: ValueError) -> ExtraConfigError:
     return ExtraConfigError("\n".join([head, *(_within(where, line) for line in rest)]))
 
 
-def validate_children(parent: KVTransferConfig, resolve_child: ConnectorResolver) -> None:
+def validate_children(parent: KVTransferConfig, registry: ConnectorLookup) -> None:
     """The parent's keys, then each child's through the child's class; stops at the first bad one.
 
+    Each child's class comes from `registry`, the one that will build it.
     The constructor stops at the first bad child too, with the same words.
     """
     for index, child_config in enumerate(child_transfer_configs(parent)):
         try:
-            resolve_child(child_config).validate_extra_config(child_config, resolve_child)
+            registry.resolve(child_config).validate_extra_config(child_config, registry)
         except ValueError as error:
             raise child_config_error(index, error) from error
 

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvwire.exceptions import KVWireError, MissingExtraError
+from kvwire.exceptions import MissingExtraError
+from kvwire.exceptions import NIXLUnavailableError as NIXLUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ _MAX_POLL_S = 0.002
 # The longest NIXL's progress thread sleeps with nothing to progress (it wakes
 # at once when UCX has work: a peer's read to serve, a reply to take in).
 _PROGRESS_WAKE_US = 1000
-
-
-class NIXLUnavailableError(KVWireError, RuntimeError):
-    """NIXL cannot be imported or started here; the message says what to install."""
 
 
 # NIXL's Python API: nixl-cu12's (what the peer extra installs), else the nixl meta-package's.

@@ -26,8 +26,10 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from typing import TypeGuard
 
-from kvwire.exceptions import KVWireError, kind_of
-from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.exceptions import JobAbandoned
+from kvwire.exceptions import LateWriteError as LateWriteError
+from kvwire.exceptions import StoreReplyError as StoreReplyError
+from kvwire.redaction import kind_of
 
 # The default range I/O goes through scratch of about this size per thread
 # (at least one entry): large enough that a store call moves a few entries,
@@ -38,14 +40,6 @@ SCRATCH_BYTES = 4 * 1024 * 1024
 # syscall: a local disk answers within this even when slow; one that does
 # not is stuck, and the engine must stop rather than let it land later.
 LATE_WRITE_GRACE_S = 10.0
-
-
-class LateWriteError(KVWireError, RuntimeError):
-    """A load given up on is still writing into the KV cache after the grace period.
-
-    A syscall in flight cannot be cancelled; continuing would let it write
-    into blocks the engine has taken back, so the engine must stop instead.
-    """
 
 
 class CacheWrites:
@@ -112,14 +106,6 @@ class CacheWrites:
             f"{grace_s:g} s later (a read blocked in the medium); stopping rather than "
             "risk that it lands in blocks the engine has taken back"
         )
-
-
-class StoreReplyError(KVWireError, ValueError):
-    """A store's answer that is not one result per key it was given (a short `put` reply).
-
-    Which keys the answer is about cannot be told, so none of them counts as
-    stored.
-    """
 
 
 def checked_write_results(reply: object, count: int, call: str) -> list[bool]:

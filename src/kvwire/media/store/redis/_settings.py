@@ -19,7 +19,7 @@ from redis.cluster import ClusterNode
 
 from kvwire.config.extra_config import parse_size
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import RedisSettingsError as RedisSettingsError
 from kvwire.media.store.redis._cluster_url import (
     ClusterSeed,
     cluster_credentials,
@@ -33,10 +33,6 @@ from kvwire.redaction import scrub, shown
 EXTRA_CONFIG = "kv_connector_extra_config"
 _SCHEMES = ("redis", "rediss", "unix")
 _URL_QUERY_KEYS = ("db", "username", "password")
-
-
-class RedisSettingsError(KVWireError, ValueError):
-    """Bad Redis settings; the message names every key at fault and what is accepted."""
 
 
 @attrs.frozen(kw_only=True)

@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 
 import redis
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import DeadlineExceeded as DeadlineExceeded
 from kvwire.media.store.base import CacheWrites
 
 _CRLF = b"\r\n"
@@ -131,10 +131,6 @@ def _encode_small(argument: Any) -> bytes:
     if isinstance(argument, (int, float)):
         return repr(argument).encode()
     raise redis.exceptions.DataError(f"cannot send a {type(argument).__name__} to Redis")
-
-
-class DeadlineExceeded(KVWireError, redis.exceptions.TimeoutError):
-    """A call to the server ran past its overall deadline (its connection is mid-reply)."""
 
 
 class Deadline:
@@ -382,7 +378,7 @@ class RespStream:
             raise redis.exceptions.ConnectionError("Connection closed by server.")
         return received
 
-    def _timed_out(self, doing: str) -> redis.exceptions.TimeoutError:
+    def _timed_out(self, doing: str) -> redis.exceptions.TimeoutError | DeadlineExceeded:
         if self._deadline.expired:
             return self._deadline.exceeded()
         return redis.exceptions.TimeoutError(f"Timeout {doing} socket")
