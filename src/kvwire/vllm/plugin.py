@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-CONNECTORS = ("KVWireConnector",)
+from kvwire.vllm.connector_names import CONNECTORS
 
 _CHECKS_KVWIRE_PROFILES = "__kvwire_checks_profiles__"
 

@@ -34,6 +34,7 @@ from kvwire.vllm.config_bridge import (
     read_kvwire_profile,
     run_container_hook,
 )
+from kvwire.vllm.connector_names import CONNECTORS
 
 __all__ = ["check_vllm_config"]
 
@@ -110,7 +111,6 @@ def _names_kvwire_connector(transfer: Any) -> bool:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from kvwire.vllm.connector import KVWireConnector
-    from kvwire.vllm.plugin import CONNECTORS
 
     try:
         connector_cls = KVConnectorFactory.get_connector_class(transfer)
