@@ -63,12 +63,55 @@ def test_every_exception_kvwire_defines_derives_from_kvwire_error() -> None:
 
 
 def test_kvwire_errors_keep_the_builtin_base_callers_catch() -> None:
-    from kvwire.blocks.format import CorruptBlockError
-    from kvwire.config.extra_config import ExtraConfigError
-    from kvwire.config.profile_yaml import ProfileYAMLError
-    from kvwire.engine.worker_process import WorkerProcessError
+    from kvwire.exceptions import (
+        CorruptBlockError,
+        DeadlineExceeded,
+        ExtraConfigError,
+        FileChangedError,
+        ProfileYAMLError,
+        WorkerProcessError,
+    )
 
     assert issubclass(CorruptBlockError, ValueError)
     assert issubclass(ExtraConfigError, ValueError)
     assert issubclass(ProfileYAMLError, ValueError)
     assert issubclass(WorkerProcessError, RuntimeError)
+    # The Redis store counts both among a server's outage errors.
+    assert issubclass(DeadlineExceeded, TimeoutError)
+    assert issubclass(FileChangedError, OSError)
+
+
+# Each error by the module that raises it: user code imports it from there too.
+_RAISED_IN = {
+    "ConnectorBuildTimeout": "kvwire.container",
+    "CorruptBlockError": "kvwire.blocks.format",
+    "DeadlineExceeded": "kvwire.media.store.redis._wire",
+    "ExtraConfigError": "kvwire.config.extra_config",
+    "FileChangedError": "kvwire._file_digests",
+    "FileRefused": "kvwire.config.bounded_file",
+    "LateWriteError": "kvwire.media.store.base",
+    "MacKeyError": "kvwire.blocks.mac",
+    "ModelIdentityError": "kvwire.model_identity",
+    "ModulePathError": "kvwire.registry.connectors",
+    "NIXLUnavailableError": "kvwire.media.peer._agent",
+    "PluginExit": "kvwire.plugin_calls",
+    "ProfileYAMLError": "kvwire.config.profile_yaml",
+    "RedisSettingsError": "kvwire.media.store.redis._settings",
+    "RoleViolationError": "kvwire.testing.instruments",
+    "StoreReplyError": "kvwire.media.store.base",
+    "UnknownMediumError": "kvwire.registry.media",
+    "UnreadableWeightsError": "kvwire.model_identity",
+    "ValueRefused": "kvwire.config.extra_config",
+    "WorkerProcessError": "kvwire.engine.worker_process",
+}
+
+
+@pytest.mark.parametrize(("name", "module_name"), sorted(_RAISED_IN.items()))
+def test_an_error_imported_from_the_module_that_raises_it_is_kvwire_exceptions_class(
+    name: str, module_name: str
+) -> None:
+    import kvwire.exceptions
+
+    raised_from = getattr(importlib.import_module(module_name), name)
+
+    assert raised_from is getattr(kvwire.exceptions, name)

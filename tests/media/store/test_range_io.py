@@ -24,7 +24,7 @@ from kvwire.blocks.format import (
     write_header,
 )
 from kvwire.blocks.mac import EntryMac
-from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.exceptions import JobAbandoned
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory._store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvwire.media._job_threads import JobThreads
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
@@ -29,9 +30,8 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
+from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
-from kvwire.media._job_threads import JobThreads
-from kvwire.media._transfer_jobs import JobAbandoned
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory import DirectoryMedium

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.exceptions import JobAbandoned
 from kvwire.media.store import base as store_module
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.redis._cluster import RedisClusterBlockStore

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from kvwire.media._transfer_jobs import JobAbandoned
+from kvwire.exceptions import JobAbandoned
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.redis._wire import (
     SHORT_REPLY_BYTES,
