@@ -3,7 +3,8 @@
 Both get their connector (one per role) from a
 `ConnectorSource`; with
 `worker_mode="process"` the worker and its connector live in another
-process and each step's instructions cross by pickling.
+process and each step's instructions cross by pickling. The parts are
+assembled in `kvwire.engine.container`; the engine only steps them.
 """
 
 from __future__ import annotations
@@ -15,24 +16,22 @@ from typing import Any, Literal, Protocol
 
 import attrs
 import torch
-from dependency_injector import providers
 
 from kvwire.config import EngineConfig
-from kvwire.config.kv_cache import build_kv_cache_config
+from kvwire.config.kv_cache import KVCacheConfig, build_kv_cache_config
 from kvwire.container import KVConnectorContainer
-from kvwire.engine.block_hash import root_hash
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
-from kvwire.engine.model import torch_dtype
-from kvwire.engine.parallel import RankShare, engine_parallel_config, rank_share
+from kvwire.engine.parallel import RankShare
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
 from kvwire.hma import HMADecision
-from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.base import KVConnectorBase
 from kvwire.interface.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
 
 __all__ = [
     "EngineCounters",
+    "EngineParts",
     "GenerationRequest",
     "LLMEngine",
     "RequestOutput",
@@ -94,6 +93,25 @@ class EngineCounters:
     worker_s: float = 0.0
     update_s: float = 0.0
     preemptions: int = 0
+
+
+@attrs.frozen
+class EngineParts:
+    """An engine's parts, built (by `EngineContainer`): what `LLMEngine` steps and closes.
+
+    `worker` is the inline `Worker`, a `WorkerProcess` or `RankedWorkers`;
+    `shares` is empty without tensor or pipeline parallelism.
+    """
+
+    config: EngineConfig
+    hma: HMADecision
+    kv_cache_config: KVCacheConfig
+    shares: tuple[RankShare, ...]
+    connector_source: ConnectorSource
+    scheduler: Scheduler
+    worker: _WorkerHandle
+    capture_kv: bool
+    idle_timeout_s: float
 
 
 def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> HMADecision:
@@ -162,6 +180,11 @@ class LLMEngine:
     rank 0's share's, as in vLLM; the ranks' reports merge as vLLM merges
     them (`kvwire.ranks`). The tokens are the same at every parallel
     size.
+
+    The parts are assembled by an
+    [`EngineContainer`][kvwire.engine.EngineContainer]: `LLMEngine(config, ...)`
+    builds one with these options; to swap a part, override its provider and call
+    [`build_engine`][kvwire.engine.build_engine].
     """
 
     def __init__(
@@ -177,104 +200,49 @@ class LLMEngine:
         worker_reply_timeout_s: float = 600.0,
         worker_container_hook: ContainerHook | None = None,
     ) -> None:
-        is_split = config.parallel_config.is_split
-        if worker_mode is None:
-            worker_mode = "process" if is_split else "inline"
-        if worker_mode not in ("inline", "process"):
-            raise ValueError(f"worker_mode: {worker_mode!r} is not one of inline, process")
-        if is_split and worker_mode == "inline":
-            raise ValueError(
-                "worker_mode: inline runs one worker, but parallel_config asks for "
-                f"tensor_parallel_size {config.parallel_config.tensor_parallel_size} x "
-                f"pipeline_parallel_size {config.parallel_config.pipeline_parallel_size} "
-                "ranks; use worker_mode='process' (or leave it unset)"
+        # Imported here: the container module builds engines, so it imports this one.
+        from kvwire.engine.container import build_engine_parts, engine_container
+
+        self._adopt(
+            build_engine_parts(
+                engine_container(
+                    config,
+                    worker_mode=worker_mode,
+                    connector_hook=connector_hook,
+                    capture_kv=capture_kv,
+                    idle_timeout_s=idle_timeout_s,
+                    container=container,
+                    torch_threads=torch_threads,
+                    worker_reply_timeout_s=worker_reply_timeout_s,
+                    worker_container_hook=worker_container_hook,
+                )
             )
-        torch_dtype(config.model_config.dtype)  # reject an unsupported dtype up front
-        if is_split:
-            engine_parallel_config(config)  # reject a layout the engine cannot run, by name
-        self.config = config
-        if container is None:
-            container = KVConnectorContainer()
-            container.engine_config.override(providers.Object(config))
-        # Decided before the cache is laid out: the layout depends on it.
-        self.hma = decide_engine_hma(config, container)
-        self.kv_cache_config = build_kv_cache_config(config, self.hma.enabled)
-        if config.model_config.is_hybrid:
-            logger.info(
-                "HMA %s: %s; %d KV cache group(s)",
-                "on" if self.hma.enabled else "off",
-                self.hma.reason,
-                len(self.kv_cache_config.kv_cache_groups),
-            )
-        self.capture_kv = capture_kv
+        )
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts) -> LLMEngine:
+        """An engine of parts built already (`EngineContainer`'s `engine` provider calls this)."""
+        engine = cls.__new__(cls)
+        engine._adopt(parts)
+        return engine
+
+    def _adopt(self, parts: EngineParts) -> None:
+        self.config = parts.config
+        self.hma = parts.hma
+        self.kv_cache_config = parts.kv_cache_config
+        self.shares = parts.shares
+        self.scheduler = parts.scheduler
+        self.scheduler_connector = parts.scheduler.connector
+        self.worker = parts.worker
+        # What runs in other processes, stopped at `close`; None for the inline worker.
+        self._worker_process: Any = None if isinstance(parts.worker, Worker) else parts.worker
+        self._source = parts.connector_source
+        self.capture_kv = parts.capture_kv
         self.captured_kv: dict[str, torch.Tensor] = {}
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s = parts.idle_timeout_s
         self.counters = EngineCounters()
         self.connector_stats = KVConnectorStats()
-        self.shares: tuple[RankShare, ...] = ()
-        scheduler_config, scheduler_cache_config = config, self.kv_cache_config
-        if is_split:
-            self.shares = tuple(
-                rank_share(config, self.kv_cache_config, rank)
-                for rank in range(config.parallel_config.world_size)
-            )
-            # The scheduler side sees what vLLM's does: rank 0's share, the sizes.
-            scheduler_config = self.shares[0].connector_config
-            scheduler_cache_config = self.shares[0].kv_cache_config
-            container.engine_config.override(providers.Object(scheduler_config))
-        self._source = ConnectorSource(
-            scheduler_config, scheduler_cache_config, connector_hook, container
-        )
         self._closed = False
-        self._worker_process: Any = None
-        try:
-            self.scheduler_connector = self._source.connector(KVConnectorRole.SCHEDULER)
-            self.scheduler = Scheduler(
-                config,
-                self.scheduler_connector,
-                root_hash(config.model_config),
-                self.kv_cache_config,
-            )
-            self.worker: _WorkerHandle
-            if self.shares:
-                from kvwire.engine.ranked_workers import RankedWorkers
-
-                self._worker_process = RankedWorkers(
-                    config,
-                    self.shares,
-                    connector_hook=connector_hook,
-                    container_hook=worker_container_hook,
-                    torch_threads=torch_threads,
-                    reply_timeout_s=worker_reply_timeout_s,
-                    finished_count=(
-                        None
-                        if self.scheduler_connector is None
-                        else self.scheduler_connector.get_finished_count()
-                    ),
-                )
-                self.worker = self._worker_process
-            elif worker_mode == "inline":
-                self.worker = Worker(
-                    config,
-                    self.kv_cache_config,
-                    self._source,
-                    torch_threads=torch_threads,
-                )
-            else:
-                from kvwire.engine.worker_process import WorkerProcess
-
-                self._worker_process = WorkerProcess(
-                    config,
-                    self.kv_cache_config,
-                    connector_hook=connector_hook,
-                    torch_threads=torch_threads,
-                    reply_timeout_s=worker_reply_timeout_s,
-                    container_hook=worker_container_hook,
-                )
-                self.worker = self._worker_process
-        except BaseException:
-            self._source.shutdown()
-            raise
 
     @property
     def hma_enabled(self) -> bool:

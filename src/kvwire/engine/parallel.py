@@ -98,14 +98,6 @@ class RankShare:
     def layer_names(self) -> tuple[str, ...]:
         return tuple(LAYER_NAME_FORMAT.format(index) for index in self.layers)
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.layers.start == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.parallel.pipeline_rank == self.parallel.pipeline_parallel_size - 1
-
 
 def rank_share(config: EngineConfig, kv_cache_config: KVCacheConfig, rank: int) -> RankShare:
     """Rank `rank`'s share of an engine of `config` whose whole cache is `kv_cache_config`.

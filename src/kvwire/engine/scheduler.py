@@ -26,7 +26,6 @@ from collections import deque
 import attrs
 
 from kvwire.config import EngineConfig
-from kvwire.config.kv_cache import KVCacheConfig, sliding_window_of
 from kvwire.engine.block_hash import extend_block_hashes
 from kvwire.engine.block_manager import NULL_BLOCK, BlockManager
 from kvwire.engine.request_checks import check_request
@@ -62,7 +61,7 @@ class Scheduler:
     """Decides each step's work and keeps every request's state.
 
     `connector` is the SCHEDULER-role connector, or None to run without one.
-    Each group of `kv_cache_config` gets its own blocks from one pool;
+    Each KV cache group gets its own blocks from `block_manager`'s one pool;
     block ids are given per group everywhere (one list per group).
     """
 
@@ -71,19 +70,13 @@ class Scheduler:
         config: EngineConfig,
         connector: KVConnectorBase | None,
         root_hash: BlockHash,
-        kv_cache_config: KVCacheConfig,
+        block_manager: BlockManager,
     ) -> None:
-        cache = config.cache_config
         self.config = config
-        self.block_size = cache.block_size
+        self.block_size = config.cache_config.block_size
         self.connector = connector
         self.root_hash = root_hash
-        self.block_manager = BlockManager(
-            kv_cache_config.num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            [sliding_window_of(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups],
-        )
+        self.block_manager = block_manager
         transfer = config.kv_transfer_config
         self.load_failure_policy = transfer.kv_load_failure_policy if transfer else "recompute"
         self.requests: dict[str, Request] = {}

@@ -104,11 +104,10 @@ class Worker:
             exchange=exchange,
         )
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
-        # What peers need to reach this worker (disaggregated connectors).
-        self.handshake_metadata: object = None
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)
-            self.handshake_metadata = self.connector.get_handshake_metadata()
+            # Asked once, as vLLM's worker asks; this engine has no peers to send it to.
+            self.connector.get_handshake_metadata()
         self._attn_metadata: tuple[AttentionMetadata, ...] | None = None
         self._layer_index = {name: index for index, name in enumerate(self.layer_names)}
 

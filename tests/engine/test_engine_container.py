@@ -1,0 +1,94 @@
+"""The engine is assembled by `EngineContainer`: a part is swapped by overriding its provider."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from dependency_injector import providers
+
+from kvwire.config import EngineConfig
+from kvwire.engine import EngineContainer, LLMEngine, build_engine
+from kvwire.engine.engine import GenerationRequest
+from kvwire.engine.worker import Worker
+from kvwire.interface.base import KVConnectorRole
+from kvwire.testing.instruments import CallLog, Instruments
+from tests.support.directory_connector import DirectoryConnector
+from tests.support.engines import with_directory_connector
+
+PROMPTS = [GenerationRequest(f"r{index}", tuple(range(1, 20 + index)), 3) for index in range(3)]
+
+
+class SubstituteConnector(DirectoryConnector):
+    pass
+
+
+def test_a_connector_class_overridden_in_the_container_serves_both_roles(
+    config: EngineConfig, tmp_path: pathlib.Path
+) -> None:
+    container = EngineContainer(config=with_directory_connector(config, tmp_path))
+    container.connectors.connector_class.override(providers.Object(SubstituteConnector))
+
+    with build_engine(container) as engine:
+        outputs = engine.generate(PROMPTS)
+        assert type(engine.scheduler_connector) is SubstituteConnector
+        assert type(engine.worker_connector) is SubstituteConnector
+        # Each part is built once per container: the engine holds the container's.
+        assert engine.scheduler is container.scheduler()
+        assert engine.worker is container.worker()
+    with LLMEngine(config) as plain:
+        assert [output.output_token_ids for output in outputs] == [
+            output.output_token_ids for output in plain.generate(PROMPTS)
+        ]
+
+
+def test_the_engines_options_are_the_containers_inputs(config: EngineConfig) -> None:
+    container = EngineContainer(config=config, capture_kv=True, idle_timeout_s=5.0)
+
+    with build_engine(container) as engine:
+        engine.generate(PROMPTS[:1])
+        assert engine.idle_timeout_s == 5.0
+        assert set(engine.captured_kv) == {"r0"}
+        assert isinstance(engine.worker, Worker)
+
+
+def test_closing_shuts_the_connectors_down_after_the_final_saves(
+    config: EngineConfig, tmp_path: pathlib.Path
+) -> None:
+    log = CallLog()
+    container = EngineContainer(
+        config=with_directory_connector(config, tmp_path), connector_hook=Instruments(log=log)
+    )
+    engine = build_engine(container)
+    engine.generate(PROMPTS)
+    engine.close()
+
+    calls = [(record.role, record.method) for record in log.records]
+    last_wait = max(
+        index
+        for index, call in enumerate(calls)
+        if call == (KVConnectorRole.WORKER, "wait_for_pending_saves")
+    )
+    shutdowns = [index for index, (_role, method) in enumerate(calls) if method == "shutdown"]
+    assert len(shutdowns) == 2 and min(shutdowns) > last_wait
+    # Once: the container's resources are the engine's, already shut down.
+    container.shutdown_resources()
+    assert [record.method for record in log.records].count("shutdown") == 2
+
+
+def test_a_part_that_fails_to_build_shuts_down_the_connector_built_before_it(
+    config: EngineConfig, tmp_path: pathlib.Path
+) -> None:
+    log = CallLog()
+    container = EngineContainer(
+        config=with_directory_connector(config, tmp_path), connector_hook=Instruments(log=log)
+    )
+
+    def failing_worker() -> Worker:
+        raise RuntimeError("the worker could not start")
+
+    container.worker.override(providers.Callable(failing_worker))
+
+    with pytest.raises(RuntimeError, match="could not start"):
+        build_engine(container)
+    assert log.methods(KVConnectorRole.SCHEDULER)[-1] == "shutdown"
