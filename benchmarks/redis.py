@@ -8,7 +8,7 @@ back against one redis-server started here on loopback:
   large as the store's groups of GETs (``READ_GROUP_BYTES``), and the bound
   is the faster of the two, so that no ratio comes from a pipeline depth the
   plain client was not given;
-- the store: :class:`~kvwire.media.store.redis._store.RedisBlockStore`, ``put``
+- the store: :class:`~kvwire.media.store.redis.server.RedisBlockStore`, ``put``
   from memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks, and one
   ``get_into`` of each thread's share into preallocated buffers (which asks
   for its next group of GETs while it reads the current one);
@@ -63,9 +63,9 @@ from kvwire.config.kv_cache import build_full_attention_kv_cache_config
 from kvwire.connectors.offload import RedisConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.interface.base import KVConnectorRole
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from kvwire.media.store.redis._store import READ_GROUP_BYTES, RedisBlockStore
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.server import READ_GROUP_BYTES, RedisBlockStore
 
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)

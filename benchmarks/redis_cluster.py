@@ -8,7 +8,7 @@ for each block size, the same payloads are written and read back by:
 - the bound: redis-py's ``RedisCluster`` (hiredis), pipelines of
   ``BATCH_BLOCKS`` ``SET``/``GET`` of ``bytes`` (the client splits each by
   master itself), ``THREADS`` threads;
-- the store: :class:`~kvwire.media.store.redis._cluster.RedisClusterBlockStore`,
+- the store: :class:`~kvwire.media.store.redis.cluster.RedisClusterBlockStore`,
   ``put`` of memoryviews of one staging buffer in ``BATCH_BLOCKS`` blocks and
   ``get_into`` of each thread's share, ``THREADS`` threads;
 - the connector: :class:`~kvwire.connectors.offload.RedisConnector`'s worker
@@ -47,8 +47,8 @@ from redis.cluster import RedisCluster
 from benchmarks.common import KIB, MIB, best_seconds, write_json
 from benchmarks.common import main as run_from_command_line
 from benchmarks.redis import BATCH_BLOCKS, BatchWork, _ConnectorPath
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 
 BLOCK_SIZES = (256 * KIB, 1 * MIB, 4 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB)

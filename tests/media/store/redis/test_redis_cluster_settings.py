@@ -12,9 +12,9 @@ from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import RedisConnector
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._cluster_url import ClusterSeed
 from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 
 
 def test_a_cluster_url_names_its_seed_nodes_in_order() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from tests.support.redis_cluster import LocalCluster
 
 # Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
@@ -164,7 +164,7 @@ def test_seeds_that_never_answer_make_every_call_a_miss_not_an_error() -> None:
 def test_a_slot_map_that_cannot_be_fetched_is_warned_about_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvwire.media.store.redis._cluster")
+    caplog.set_level(logging.WARNING, logger="kvwire.media.store.redis.cluster")
     store = RedisClusterBlockStore(
         RedisStoreSettings(
             url="redis+cluster://kv:hunter2@127.0.0.1:1",

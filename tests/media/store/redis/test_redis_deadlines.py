@@ -16,7 +16,7 @@ import pytest
 
 from kvwire.blocks.format import verify_entry
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis.server import RedisBlockStore
 from tests.support.dribbling_server import DribblingServer
 from tests.support.redis_engines import (
     generate,

@@ -9,7 +9,7 @@ import pytest
 from kvwire.config import KVTransferConfig
 from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis.server import RedisBlockStore
 from tests.support.redis_entries import SMALL_LAYOUT, store_keys
 from tests.support.redis_servers import RedisServer
 
@@ -206,7 +206,7 @@ def test_a_wrong_password_is_an_outage_whose_warning_does_not_contain_it(
     )
     store = RedisBlockStore(settings)
 
-    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis._store"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis.server"):
         assert store.count_prefix(store_keys(SMALL_LAYOUT, 1)) == 0
 
     assert not store.is_available

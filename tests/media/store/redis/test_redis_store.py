@@ -12,8 +12,8 @@ import pytest
 
 from kvwire.blocks.format import HEADER_SIZE, CorruptBlockError, verify_entry
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
 from kvwire.media.store.redis._wire import RespStream, ZeroCopyCommandPacker
+from kvwire.media.store.redis.server import RedisBlockStore
 from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 from tests.support.redis_servers import TLS_DIR, RedisServer
 
@@ -198,7 +198,7 @@ def test_a_value_longer_than_its_entry_is_warned_about_and_deleted(
     redis_server.client().set(redis_store.redis_key(keys[0]), trailing)
     buffers = _buffers(2)
 
-    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis._store"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis.server"):
         sizes = redis_store.get_into(keys, buffers)
 
     assert sizes == [None, LAYOUT.entry_bytes]

@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.blocks.format import verify_entry
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis.server import RedisBlockStore
 from tests.support.dribbling_server import DribblingServer
 from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
 from tests.support.redis_servers import RedisServer, wait_until_available
@@ -89,7 +89,7 @@ def test_outage_warnings_are_rate_limited(
     store = _store(fault_server, retry_interval_s=0.001, warning_interval_s=3600)
     fault_server.kill()
 
-    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis._store"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis.server"):
         for _ in range(20):
             store.put(store_keys(LAYOUT, 1), _entries(range(1)))
             store.count_prefix(store_keys(LAYOUT, 1))
@@ -108,7 +108,7 @@ def test_the_server_coming_back_is_logged_once(
     store.count_prefix(store_keys(LAYOUT, 1))
     caplog.clear()
 
-    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis._store"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.media.store.redis.server"):
         fault_server.restart()
         wait_until_available(store)
         store.count_prefix(store_keys(LAYOUT, 1))

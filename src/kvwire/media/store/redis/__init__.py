@@ -1,8 +1,11 @@
-"""The Redis medium: one key per entry on a Redis/Valkey server or cluster (`medium`)."""
+"""The Redis medium (`medium`): one key per entry on a Redis/Valkey server or cluster.
 
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
+The stores beneath it: `server` (one server) and `cluster` (a Redis Cluster's masters).
+"""
+
 from kvwire.media.store.redis._settings import RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.medium import RedisMedium
+from kvwire.media.store.redis.server import RedisBlockStore
 
 __all__ = ["RedisBlockStore", "RedisClusterBlockStore", "RedisMedium", "RedisStoreSettings"]

@@ -62,7 +62,7 @@ credentials used for every node (what redis-py's `RedisCluster` is given as
 master by hash slot, so `key_prefix` may hold no `{hash tag}`, and there is
 no database but 0. Each call sends each master its keys (same pipelines,
 zero-copy reads, deadlines, `pool_size` connections per master), the masters
-in parallel (see `kvwire.media.store.redis._cluster`). When a master
+in parallel (see `kvwire.media.store.redis.cluster`). When a master
 dies, its keys are misses, dropped saves or load errors (the other masters'
 keys still hit) until its replica takes over; the store then finds the new
 master by itself (it asks for the slot map every `retry_interval_s` while a
@@ -88,9 +88,9 @@ import attrs
 from kvwire.config.extra_config import ExtraConfigError, ExtraConfigKey
 from kvwire.media.base import MediumContext
 from kvwire.media.store.medium import StoreMedium
-from kvwire.media.store.redis._cluster import RedisClusterBlockStore
 from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
-from kvwire.media.store.redis._store import RedisBlockStore
+from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.server import RedisBlockStore
 
 __all__ = ["RedisBlockStore", "RedisClusterBlockStore", "RedisMedium", "RedisStoreSettings"]
 

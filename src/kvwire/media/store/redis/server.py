@@ -51,7 +51,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvwire.media._outage import OutageTracker, _ServerUnavailable
-from kvwire.media.store.base import BlockStore, CacheWrites
+from kvwire.media.store.base import CacheWrites
+from kvwire.media.store.redis._common import FailureCounts, RedisStoreBase, require_one_each
 from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis._wire import (
     Deadline,
@@ -80,7 +81,7 @@ READ_GROUP_BYTES = 4 * 1024 * 1024
 _OUTAGE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
 
 
-class RedisBlockStore(BlockStore):
+class RedisBlockStore(RedisStoreBase):
     """Encoded KV blocks in a Redis/Valkey server, one key per block.
 
     Safe to share between threads (a blocking connection pool of
@@ -89,10 +90,8 @@ class RedisBlockStore(BlockStore):
     dropped or failed during outages; `settings` is read-only.
     """
 
-    medium = "redis"
-
     def __init__(self, settings: RedisStoreSettings) -> None:
-        self._settings = settings
+        super().__init__(settings)
         self._packer = ZeroCopyCommandPacker()
         self._pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             **settings.connection_pool_kwargs(),
@@ -113,31 +112,21 @@ class RedisBlockStore(BlockStore):
             logger=logger,
             thread_name="kvwire-redis",
         )
-        self._counter_lock = threading.Lock()
-        self._counters: dict[str, int] = {
-            "lookup_failures": 0,
-            "saves_dropped": 0,
-            "saves_rejected": 0,
-            "load_failures": 0,
-            "loads_oversized": 0,
-            "loads_refused": 0,
-        }
-        self._taken: dict[str, int] = {}
+        self._failures = FailureCounts(
+            (
+                "lookup_failures",
+                "saves_dropped",
+                "saves_rejected",
+                "load_failures",
+                "loads_oversized",
+                "loads_refused",
+            )
+        )
         self._thread_local = threading.local()
         # Two groups in flight stay within pipeline_bytes.
         self._read_group_bytes = max(1, min(READ_GROUP_BYTES, settings.pipeline_bytes // 2))
         self._removed_lock = threading.Lock()
         self._removed_keys: list[str] = []
-
-    def __repr__(self) -> str:
-        return (
-            f"RedisBlockStore(url={self._settings.display_url!r}, "
-            f"key_prefix={self._settings.key_prefix!r})"
-        )
-
-    @property
-    def settings(self) -> RedisStoreSettings:
-        return self._settings
 
     @property
     def is_available(self) -> bool:
@@ -146,24 +135,11 @@ class RedisBlockStore(BlockStore):
 
     def counters(self) -> dict[str, int]:
         """Cumulative failure counters: lookups, dropped/rejected saves, failed loads."""
-        with self._counter_lock:
-            return dict(self._counters)
+        return self._failures.totals()
 
     def take_counters(self) -> dict[str, int]:
         """The non-zero counters since the last call (for stats, which report increments)."""
-        with self._counter_lock:
-            current = dict(self._counters)
-            increments = {
-                f"redis_{name}": value - self._taken.get(name, 0)
-                for name, value in current.items()
-                if value != self._taken.get(name, 0)
-            }
-            self._taken = current
-        return increments
-
-    def redis_key(self, key: str) -> str:
-        """The server-side name of a store key."""
-        return self._settings.key_prefix + key
+        return self._failures.take_increments()
 
     # ------------------------------------------------------------ BlockStore
 
@@ -220,8 +196,7 @@ class RedisBlockStore(BlockStore):
         return present
 
     def put(self, keys: Sequence[str], entries: Sequence[memoryview]) -> list[bool]:
-        if len(keys) != len(entries):
-            raise ValueError(f"put: {len(keys)} keys but {len(entries)} entries")
+        require_one_each("put", keys, entries, "entries")
         return self._set(keys, entries, [entry.nbytes for entry in entries])
 
     def write_ranges(
@@ -236,8 +211,7 @@ class RedisBlockStore(BlockStore):
         [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]); once it is closed the
         connection is dropped before it, so the server never runs that `SET`, nor any after it.
         """
-        if len(keys) != len(ranges_per_key):
-            raise ValueError(f"write_ranges: {len(keys)} keys but {len(ranges_per_key)} entries")
+        require_one_each("write_ranges", keys, ranges_per_key, "entries")
         values = [_ranges(ranges) for ranges in ranges_per_key]
         return self._set(
             keys, values, [sum(view.nbytes for view in ranges) for ranges in values], commit_gate
@@ -303,8 +277,7 @@ class RedisBlockStore(BlockStore):
 
         See `_read`.
         """
-        if len(keys) != len(buffers):
-            raise ValueError(f"read_each: {len(keys)} keys but {len(buffers)} buffers")
+        require_one_each("read_each", keys, buffers, "buffers")
         yield from self._read(
             keys,
             [buffer.nbytes for buffer in buffers],
@@ -324,10 +297,7 @@ class RedisBlockStore(BlockStore):
         given up on, the `JobAbandoned` it raises ends the call and its connection is dropped, so
         nothing more lands in the cache; a read already in flight returns within the socket timeout.
         """
-        if len(keys) != len(ranges_per_key):
-            raise ValueError(
-                f"read_into_ranges: {len(keys)} keys but {len(ranges_per_key)} entries"
-            )
+        require_one_each("read_into_ranges", keys, ranges_per_key, "entries")
         all_ranges = [_ranges(ranges) for ranges in ranges_per_key]
         yield from self._read(
             keys,
@@ -407,7 +377,7 @@ class RedisBlockStore(BlockStore):
         """Whether an error reply only says the key lives on another server (a cluster's MOVED).
 
         A single server never says so; a cluster node's store (see
-        `kvwire.media.store.redis._cluster`) does: there the reply
+        `kvwire.media.store.redis.cluster`) does: there the reply
         is a stale slot map, not a refusal to warn about. The key then counts
         as not stored, or missing.
         """
@@ -662,8 +632,7 @@ class RedisBlockStore(BlockStore):
         self._outage.failed(what, _scrub(error, self._settings))
 
     def _count(self, counter: str, amount: int) -> None:
-        with self._counter_lock:
-            self._counters[counter] += amount
+        self._failures.add(counter, amount)
 
 
 def _ranges(ranges: Sequence[memoryview]) -> Ranges:
