@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from kvwire._lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from kvwire.engine.container import EngineContainer, build_engine
-    from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
+    from kvwire.engine.container import EngineContainer
+    from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, build_engine
     from kvwire.engine.workload import ByteTokenizer, WorkloadSpec, synthetic_workload
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
 
 _WHERE = {
     "EngineContainer": "kvwire.engine.container",
-    "build_engine": "kvwire.engine.container",
+    "build_engine": "kvwire.engine.engine",
     "GenerationRequest": "kvwire.engine.engine",
     "LLMEngine": "kvwire.engine.engine",
     "RequestOutput": "kvwire.engine.engine",

@@ -9,6 +9,8 @@ container.connectors.connector_class.override(providers.Object(MyConnector))
 engine = build_engine(container)          # or LLMEngine(engine_config) for the defaults
 ```
 
+(`build_engine` is `kvwire.engine`'s: the engine module builds engines from this one.)
+
 The connector side is a [`KVConnectorContainer`][kvwire.KVConnectorContainer] composed as
 `connectors`, its `engine_config` fed from this container's `config`; giving an instance
 (`EngineContainer(config=..., connectors=my_container)`) uses that one, overrides included.
@@ -17,8 +19,11 @@ The connector side is a [`KVConnectorContainer`][kvwire.KVConnectorContainer] co
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
+import attrs
+import torch
 from dependency_injector import containers, providers, resources
 
 from kvwire.config import EngineConfig
@@ -27,21 +32,91 @@ from kvwire.container import KVConnectorContainer
 from kvwire.engine.block_hash import root_hash
 from kvwire.engine.block_manager import BlockManager
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
-from kvwire.engine.engine import EngineParts, LLMEngine, WorkerMode, decide_engine_hma
 from kvwire.engine.model import torch_dtype
 from kvwire.engine.parallel import RankShare, engine_parallel_config, rank_share
 from kvwire.engine.ranked_workers import RankedWorkers
 from kvwire.engine.scheduler import Scheduler
+from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
 from kvwire.engine.worker_process import WorkerProcess
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.types import KVConnectorOutput
 
-__all__ = ["EngineContainer", "build_engine", "build_engine_parts", "engine_container"]
+__all__ = [
+    "EngineContainer",
+    "EngineParts",
+    "WorkerHandle",
+    "WorkerMode",
+    "build_engine_parts",
+    "decide_engine_hma",
+    "engine_container",
+]
 
 logger = logging.getLogger(__name__)
 
+WorkerMode = Literal["inline", "process"]
+
 WorkerKind = Literal["inline", "process", "ranks"]
+
+
+class WorkerHandle(Protocol):
+    """What the engine asks of its worker, wherever that runs.
+
+    The inline `Worker`, a `WorkerProcess` and `RankedWorkers` all answer these.
+    """
+
+    def execute(self, step: WorkerStep) -> StepResult: ...
+
+    def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor: ...
+
+    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]: ...
+
+
+@attrs.frozen
+class EngineParts:
+    """An engine's parts, built (by `EngineContainer`): what `LLMEngine` steps and closes.
+
+    `worker` is the inline `Worker`, a `WorkerProcess` or `RankedWorkers`;
+    `shares` is empty without tensor or pipeline parallelism.
+    """
+
+    config: EngineConfig
+    hma: HMADecision
+    kv_cache_config: KVCacheConfig
+    shares: tuple[RankShare, ...]
+    connector_source: ConnectorSource
+    scheduler: Scheduler
+    worker: WorkerHandle
+    capture_kv: bool
+    idle_timeout_s: float
+
+
+def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> HMADecision:
+    """Whether the engine runs the hybrid KV cache manager, and why.
+
+    With a connector, the container's `hma_gate` decides (and raises for
+    `disable_hybrid_kv_cache_manager: false` with a connector that cannot
+    serve HMA). Without one, HMA is on unless that setting is true. Either
+    way it only changes the cache layout of a model with sliding-window layers.
+    """
+    transfer = config.kv_transfer_config
+    if transfer is not None and transfer.kv_connector is not None:
+        if not container.connector_class.overridden:
+            # A bad module path is the profile's error, named by its field,
+            # not an ImportError from deep in the gate.
+            container.registry().check_module_path(transfer)
+        decision: HMADecision = container.hma_gate()
+    elif config.scheduler_config.disable_hybrid_kv_cache_manager is True:
+        decision = HMADecision(
+            enabled=False, reason="disable_hybrid_kv_cache_manager is true: HMA is off"
+        )
+    else:
+        decision = HMADecision(enabled=True, reason="no connector: HMA is on")
+    if not config.model_config.is_hybrid:
+        reason = f"{decision.reason} (no sliding-window layers: one KV cache group)"
+        return attrs.evolve(decision, reason=reason)
+    return decision
 
 
 def _checked_config(config: EngineConfig, worker_mode: WorkerMode | None) -> EngineConfig:
@@ -158,10 +233,10 @@ class EngineContainer(containers.DeclarativeContainer):
     parallelism), `connector_source` (this process's connectors, a resource),
     `scheduler_connector`, `block_manager`, `scheduler`, `worker` (the
     inline `Worker`, a `WorkerProcess`, or `RankedWorkers`: a worker
-    process builds its model and KV cache itself), `parts` and `engine`.
-    [`build_engine`][kvwire.engine.container.build_engine] builds the
-    engine and shuts down what was built when a part fails;
-    `LLMEngine.close` shuts the parts down.
+    process builds its model and KV cache itself) and `parts`, all of them.
+    [`build_engine`][kvwire.engine.build_engine] makes the engine of them,
+    shutting down what was built when a part fails; `LLMEngine.close`
+    shuts the parts down.
     """
 
     config = providers.Dependency(instance_of=EngineConfig)
@@ -234,7 +309,6 @@ class EngineContainer(containers.DeclarativeContainer):
         capture_kv=capture_kv,
         idle_timeout_s=idle_timeout_s,
     )
-    engine = providers.Singleton(LLMEngine.from_parts, parts)
 
 
 def engine_container(
@@ -277,11 +351,3 @@ def build_engine_parts(container: EngineContainer) -> EngineParts:
         container.shutdown_resources()
         raise
     return parts
-
-
-def build_engine(container: EngineContainer) -> LLMEngine:
-    """`container.engine()`, its parts built by
-    [`build_engine_parts`][kvwire.engine.container.build_engine_parts]."""
-    build_engine_parts(container)
-    engine: LLMEngine = container.engine()
-    return engine

@@ -11,46 +11,40 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.config.kv_cache import KVCacheConfig, build_kv_cache_config
+from kvwire.config.kv_cache import build_kv_cache_config
 from kvwire.container import KVConnectorContainer
-from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
-from kvwire.engine.parallel import RankShare
-from kvwire.engine.scheduler import Scheduler
-from kvwire.engine.step import StepResult, WorkerStep
+from kvwire.engine.connector_source import ConnectorHook, ContainerHook
+from kvwire.engine.container import (
+    EngineContainer,
+    EngineParts,
+    WorkerMode,
+    build_engine_parts,
+    decide_engine_hma,
+    engine_container,
+)
 from kvwire.engine.worker import Worker
-from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase
-from kvwire.interface.types import KVConnectorOutput, KVConnectorStats, Request, RequestStatus
+from kvwire.interface.types import KVConnectorStats, Request, RequestStatus
 
 __all__ = [
     "EngineCounters",
-    "EngineParts",
     "GenerationRequest",
     "LLMEngine",
     "RequestOutput",
     "WorkerMode",
+    "build_engine",
     "build_kv_cache_config",
     "decide_engine_hma",
 ]
 
 logger = logging.getLogger(__name__)
-
-WorkerMode = Literal["inline", "process"]
-
-
-class _WorkerHandle(Protocol):
-    def execute(self, step: WorkerStep) -> StepResult: ...
-
-    def gather_kv(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> torch.Tensor: ...
-
-    def wait_for_saves(self, timeout_s: float) -> tuple[bool, KVConnectorOutput | None]: ...
 
 
 @attrs.frozen
@@ -93,52 +87,6 @@ class EngineCounters:
     worker_s: float = 0.0
     update_s: float = 0.0
     preemptions: int = 0
-
-
-@attrs.frozen
-class EngineParts:
-    """An engine's parts, built (by `EngineContainer`): what `LLMEngine` steps and closes.
-
-    `worker` is the inline `Worker`, a `WorkerProcess` or `RankedWorkers`;
-    `shares` is empty without tensor or pipeline parallelism.
-    """
-
-    config: EngineConfig
-    hma: HMADecision
-    kv_cache_config: KVCacheConfig
-    shares: tuple[RankShare, ...]
-    connector_source: ConnectorSource
-    scheduler: Scheduler
-    worker: _WorkerHandle
-    capture_kv: bool
-    idle_timeout_s: float
-
-
-def decide_engine_hma(config: EngineConfig, container: KVConnectorContainer) -> HMADecision:
-    """Whether the engine runs the hybrid KV cache manager, and why.
-
-    With a connector, the container's `hma_gate` decides (and raises for
-    `disable_hybrid_kv_cache_manager: false` with a connector that cannot
-    serve HMA). Without one, HMA is on unless that setting is true. Either
-    way it only changes the cache layout of a model with sliding-window layers.
-    """
-    transfer = config.kv_transfer_config
-    if transfer is not None and transfer.kv_connector is not None:
-        if not container.connector_class.overridden:
-            # A bad module path is the profile's error, named by its field,
-            # not an ImportError from deep in the gate.
-            container.registry().check_module_path(transfer)
-        decision: HMADecision = container.hma_gate()
-    elif config.scheduler_config.disable_hybrid_kv_cache_manager is True:
-        decision = HMADecision(
-            enabled=False, reason="disable_hybrid_kv_cache_manager is true: HMA is off"
-        )
-    else:
-        decision = HMADecision(enabled=True, reason="no connector: HMA is on")
-    if not config.model_config.is_hybrid:
-        reason = f"{decision.reason} (no sliding-window layers: one KV cache group)"
-        return attrs.evolve(decision, reason=reason)
-    return decision
 
 
 class LLMEngine:
@@ -200,9 +148,6 @@ class LLMEngine:
         worker_reply_timeout_s: float = 600.0,
         worker_container_hook: ContainerHook | None = None,
     ) -> None:
-        # Imported here: the container module builds engines, so it imports this one.
-        from kvwire.engine.container import build_engine_parts, engine_container
-
         self._adopt(
             build_engine_parts(
                 engine_container(
@@ -221,7 +166,7 @@ class LLMEngine:
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> LLMEngine:
-        """An engine of parts built already (`EngineContainer`'s `engine` provider calls this)."""
+        """An engine of parts built already (by an `EngineContainer`: see `build_engine`)."""
         engine = cls.__new__(cls)
         engine._adopt(parts)
         return engine
@@ -402,3 +347,13 @@ class LLMEngine:
     def _add_connector_stats(self, stats: KVConnectorStats | None) -> None:
         if stats is not None:
             self.connector_stats.aggregate(stats)
+
+
+def build_engine(container: EngineContainer) -> LLMEngine:
+    """The engine of `container`'s parts, after any of its providers was overridden.
+
+    A part that fails to build shuts down the parts built before it (a
+    connector built for the scheduler side must not outlive a worker that
+    failed to start).
+    """
+    return LLMEngine.from_parts(build_engine_parts(container))
