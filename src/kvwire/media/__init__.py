@@ -1,15 +1,21 @@
-"""Media: where block connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
+"""Media: where offload connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
 
 What a medium author needs is importable from here: the interface
 ([`Medium`][kvwire.media.Medium] and its two halves), the key-value store base
 ([`StoreMedium`][kvwire.media.StoreMedium] over a [`BlockStore`][kvwire.media.BlockStore]), the
-typed `kv_connector_extra_config` keys a medium declares, and the errors a store raises. Importing
-this package imports neither torch nor any built-in medium.
+kit a transfer handler is built from (its jobs in flight: a
+[`JobLedger`][kvwire.media.JobLedger] of [`JobPiece`][kvwire.media.JobPiece]s; its
+[`IOThreads`][kvwire.media.IOThreads]; rate-limited warnings; a close in steps; the
+`Counters` it counts in), the KV cache events a medium reports
+([`BlockStored`][kvwire.media.BlockStored], [`BlockRemoved`][kvwire.media.BlockRemoved]), the
+typed `kv_connector_extra_config` keys a medium declares, and the errors a store raises.
+Importing this package imports neither torch nor any built-in medium.
 """
 
-from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.config.engine_config import ParallelConfig
 from kvwire.config.extra_config import (
     ExtraConfigKey,
     bool_key,
@@ -20,6 +26,8 @@ from kvwire.config.extra_config import (
     str_key,
 )
 from kvwire.exceptions import CorruptBlockError, JobAbandoned, LateWriteError, ValueRefused
+from kvwire.interface.counters import Counters
+from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.base import (
     JobResult,
     Medium,
@@ -29,31 +37,49 @@ from kvwire.media.base import (
     TransferJob,
     TransferKind,
 )
+from kvwire.media.io_threads import IOThreads
+from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.rate_limited import RateLimitedWarning
+from kvwire.media.shutdown import close_in_steps
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.medium import StoreMedium
 
 __all__ = [
+    "BlockHash",
     "BlockLayout",
+    "BlockRemoved",
     "BlockStore",
+    "BlockStored",
     "BlockTransfer",
     "CacheGroup",
     "CacheWrites",
     "CorruptBlockError",
+    "Counters",
     "ExtraConfigKey",
+    "HeadShard",
+    "IOThreads",
     "JobAbandoned",
+    "JobLedger",
+    "JobPiece",
     "JobResult",
+    "KVCacheEvent",
     "LateWriteError",
+    "LayerShard",
     "Medium",
     "MediumContext",
     "MediumIndex",
+    "ParallelConfig",
+    "RateLimitedWarning",
     "StoreMedium",
     "TransferHandler",
     "TransferJob",
     "TransferKind",
     "ValueRefused",
     "bool_key",
+    "close_in_steps",
     "int_key",
     "memory_size_key",
+    "piece_of",
     "seconds_key",
     "size_key",
     "str_key",

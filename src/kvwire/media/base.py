@@ -8,13 +8,14 @@ A medium is a pair of halves, one per connector role, built from one
   writes and whether it succeeded), and reports the KV cache events it sees;
 - the worker side's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
   paged KV cache and the medium, off the forward pass, and reports which
-  ended and which of their blocks failed.
+  ended and which of their blocks failed (its jobs in flight kept by a
+  [`JobLedger`][kvwire.media.JobLedger]).
 
-The block connector (`kvwire.connectors.offload`) drives both halves
+The offload connector (`kvwire.connectors.offload`) drives both halves
 through this interface only, so a new place to keep blocks is a new medium,
-registered by name like a connector (`registry.media.register_medium` on a
-[`ConnectorRegistry`][kvwire.ConnectorRegistry], or the `kvwire.media` entry-point
-group), never a new connector. A medium declares its own
+registered by name like a connector (`MediumRegistry.register_medium`, on the
+`media` of a [`ConnectorRegistry`][kvwire.ConnectorRegistry], or the
+`kvwire.media` entry-point group), never a new connector. A medium declares its own
 `kv_connector_extra_config` keys; a connector's profile names it with
 `kv_connector_extra_config.medium`.
 
@@ -156,7 +157,7 @@ class TransferKind(enum.Enum):
 
 @attrs.frozen
 class TransferJob:
-    """Blocks to move in one direction, under an id the connector chose (unique per handler)."""
+    """What the connector submits: blocks to move one way, under an id unique per handler."""
 
     job_id: int
     kind: TransferKind
@@ -165,7 +166,7 @@ class TransferJob:
 
 @attrs.frozen
 class JobResult:
-    """A job that ended: by itself, or given up on at its deadline."""
+    """What the handler reports of a job that ended: by itself, or given up on at its deadline."""
 
     job_id: int
     failed: frozenset[int] = frozenset()
@@ -291,5 +292,7 @@ class Medium(abc.ABC):
     ) -> TransferHandler:
         """The worker side's half over the registered caches; built once, by a worker connector.
 
-        `counters` collects the counts the connector reports as stats.
+        `kv_caches` maps each layer's name to its paged KV cache tensor;
+        [`counters`][kvwire.media.Counters] collects the counts the connector
+        reports as stats.
         """

@@ -1,7 +1,7 @@
 """The block connector's worker-side bookkeeping, the same for every medium, over real threads.
 
 :class:`GatedHandler` runs each job on a real thread
-(:class:`~kvwire.media._job_threads.JobThreads`) that waits until the test
+(:class:`~kvwire.media.IOThreads`) that waits until the test
 opens its request's gate, so a test decides when each job ends and which of
 its blocks fail.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.connectors.offload.transfer_book import TransferBook
-from kvwire.media._job_threads import JobThreads
+from kvwire.media import IOThreads
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
@@ -26,7 +26,7 @@ class GatedHandler(TransferHandler):
     """Each job waits for its requests' gates (:meth:`open`), then fails the blocks in ``fail``."""
 
     def __init__(self) -> None:
-        self._threads = JobThreads(4, "test-book")
+        self._threads = IOThreads(4, "test-book")
         self._lock = threading.Lock()
         self._gates: dict[str, threading.Event] = {}
         self._futures: dict[int, concurrent.futures.Future[None]] = {}

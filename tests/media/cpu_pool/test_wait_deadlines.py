@@ -181,14 +181,14 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 ) -> None:
     worker = _worker(layout_caches(LAYOUT, seed=2), Counters())
 
-    def broken_wait(job_ids: object, until: float | None) -> bool:
+    def broken_end_all(until: float | None = None) -> bool:
         raise RuntimeError("a bug in the wait")
 
-    monkeypatch.setattr(worker.handler, "_wait_for_stores", broken_wait)
+    monkeypatch.setattr(worker.handler._jobs, "end_all", broken_end_all)
     with caplog.at_level(logging.ERROR):
         worker.close()
 
-    assert "shutdown: waiting for stores failed" in caplog.text
+    assert "shutdown: ending transfers failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.save(
             [BlockTransfer(request_id="p", block_ids=(0,), slots=(0,), block_hashes=HASHES[:1])]

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from kvwire.media._job_threads import JobThreads
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.memory import BlockMemory
@@ -32,9 +31,11 @@ from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.engine.engine import LLMEngine
 from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
+from kvwire.media import IOThreads
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory import DirectoryMedium
+from tests.support.connector_pairs import read_options
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     shared_storage,
@@ -226,7 +227,7 @@ def test_a_transfer_timeout_that_is_no_finite_positive_number_is_refused_by_name
     assert config.kv_transfer_config is not None
 
     with pytest.raises(ExtraConfigError, match=r"transfer_timeout_s: .* expected a number of s"):
-        SharedStorageConnector.read_options(config.kv_transfer_config)
+        read_options(SharedStorageConnector, config.kv_transfer_config)
 
 
 # ------------------------------------------------------------------- loads
@@ -561,14 +562,14 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 ) -> None:
     worker = _worker(MemoryStore(), layout_caches(LAYOUT, None), Counters(), 30)
 
-    def broken_wait(job_ids: object, until: float | None) -> bool:
+    def broken_end_all(until: float | None = None) -> bool:
         raise OSError("the store vanished")
 
-    monkeypatch.setattr(worker.handler, "_wait_for_saves", broken_wait)
+    monkeypatch.setattr(worker.handler._jobs, "end_all", broken_end_all)
     with caplog.at_level(logging.ERROR):
         worker.close()
 
-    assert "shutdown: waiting for saves failed" in caplog.text
+    assert "shutdown: ending transfers failed" in caplog.text
     with pytest.raises(RuntimeError, match="after shutdown"):
         worker.save([BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES)])
 
@@ -612,7 +613,7 @@ def test_a_process_exits_while_a_job_it_gave_up_on_is_still_stuck() -> None:
 def test_job_threads_cancel_the_jobs_not_started_at_shutdown_and_take_no_more(
     store_answers: threading.Event,
 ) -> None:
-    threads = JobThreads(1, "test")
+    threads = IOThreads(1, "test")
     started = threading.Event()
 
     def stuck() -> bool:

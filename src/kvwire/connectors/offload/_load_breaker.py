@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media.rate_limited import RateLimitedWarning
 
 __all__ = ["LoadBreaker"]
 

@@ -42,7 +42,7 @@ from kvwire.interface.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.base import MediumIndex
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 

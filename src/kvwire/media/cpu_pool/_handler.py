@@ -33,11 +33,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence, Set
-
-import attrs
 
 from kvwire.blocks.format import (
     BlockLayout,
@@ -52,15 +49,15 @@ from kvwire.blocks.paged_cache import (
     copy_on_this_thread_only,
 )
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash
-from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import LoadJob, LoadLedger
-from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._shutdown import close_in_steps
-from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.io_threads import IOThreads
+from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.rate_limited import RateLimitedWarning
+from kvwire.media.shutdown import close_in_steps
 
 logger = logging.getLogger(__name__)
 
@@ -69,38 +66,6 @@ _MIN_BLOCKS_PER_PIECE = 4
 # Entries copied per chunk without a payload checksum: 16 MiB is 3-4 ms of
 # one thread's copy, what a release of the store may wait.
 _HEADER_ONLY_CHUNK_BYTES = 16 * 1024 * 1024
-
-
-class _PoolJob(BlockJob):
-    """One piece of a transfer job, copied by one thread; a load's `load_job` is its job's."""
-
-    def __init__(
-        self,
-        job_id: int,
-        piece: BlockTransfer,
-        deadline: float,
-        *,
-        is_store: bool,
-        load_job: LoadJob[_PoolJob] | None = None,
-    ) -> None:
-        super().__init__(deadline, piece.block_ids)
-        self.job_id = job_id
-        self.piece = piece
-        self.is_store = is_store
-        self.load_job = load_job
-        self.released = False
-
-    def release(self) -> bool:
-        """Drop this store: it copies nothing more and never commits.
-
-        False if it ended, or was given up on, first. Waits at most for the
-        chunk being copied under `lock` (a memory copy).
-        """
-        with self.lock:
-            if self.ended or self.abandoned or self.released:
-                return False
-            self.released = True
-            return True
 
 
 class CPUPoolTransferHandler(TransferHandler):
@@ -133,150 +98,33 @@ class CPUPoolTransferHandler(TransferHandler):
         self.pool = PoolSlots(self._layout, num_slots)
         self._counters = counters
         self._io_threads = io_threads
-        self._transfer_timeout_s = transfer_timeout_s
         self._warn = RateLimitedWarning(logger)
-        self._store_pool = JobThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
-        self._load_pool = JobThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
-        self._changed = threading.Condition()
-        # The pieces of each store job still reading the cache's blocks.
-        self._stores: dict[int, set[_PoolJob]] = {}
-        # Store jobs ended, not yet reported by poll().
-        self._stores_ended: list[JobResult] = []
-        self._loads: LoadLedger[_PoolJob] = LoadLedger(
+        self._store_pool = IOThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
+        self._load_pool = IOThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
+        self._jobs: JobLedger[JobPiece] = JobLedger(
             counters=counters,
             warn=self._warn,
             label="CPU offload: ",
             transfer_timeout_s=transfer_timeout_s,
         )
 
-    # ------------------------------------------------------- store jobs
-
-    def _store_started(self, job_id: int, piece: _PoolJob | None) -> None:
-        with self._changed:
-            pieces = self._stores.setdefault(job_id, set())
-            if piece is not None:
-                pieces.add(piece)
-
-    def _forget_store(self, job_id: int, piece: _PoolJob | None) -> None:
-        """`piece` of store job `job_id` settled (None: the job had no piece)."""
-        with self._changed:
-            pieces = self._stores.get(job_id)
-            if pieces is not None:
-                if piece is not None:
-                    pieces.discard(piece)
-                if not pieces:
-                    del self._stores[job_id]
-                    self._stores_ended.append(JobResult(job_id))
-            self._changed.notify_all()
-
-    def _store_pieces(self, wanted: Callable[[int, _PoolJob], bool]) -> list[_PoolJob]:
-        with self._changed:
-            return [
-                piece
-                for job_id, pieces in self._stores.items()
-                for piece in pieces
-                if wanted(job_id, piece)
-            ]
+    def submit(self, job: TransferJob) -> None:
+        """Start copying the job's blocks, into their pool slots or out of them into the cache."""
+        deadline = self._jobs.begin(job)
+        save = job.kind is TransferKind.SAVE
+        threads, work = (self._store_pool, self._store) if save else (self._load_pool, self._load)
+        for transfer in job.transfers:
+            for piece in self._split(transfer):
+                self._jobs.start(JobPiece(job.job_id, (piece,), deadline), threads, work)
+        self._jobs.submitted(job.job_id)
 
     def poll(self) -> list[JobResult]:
-        """The jobs ended since the last call; stores past their deadline count failed first."""
-        now = time.monotonic()
-        self._give_up(self._store_pieces(lambda _, piece: piece.deadline <= now))
-        ended = self._loads.take_ended()
-        with self._changed:
-            stores, self._stores_ended = self._stores_ended, []
-        return ended + stores
+        """The jobs ended since the last call; those past their deadline are given up on first."""
+        return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
         """Block until these jobs ended (past its deadline, a job is given up on), or `until`."""
-        wanted = set(job_ids)
-        loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
-        loads_ended = self._loads.wait(loads, until)
-        return self._wait_for_stores(wanted, until) and loads_ended
-
-    def _wait_for_requests(self, request_ids: Iterable[str]) -> None:
-        """Block until no store of these requests runs (their blocks are about to be reused).
-
-        At most until their deadlines: a store still running then is given
-        up on, and copies nothing more from the blocks.
-        """
-        wanted = set(request_ids)
-
-        def running() -> list[_PoolJob]:
-            return self._store_pieces(lambda _, piece: piece.piece.request_id in wanted)
-
-        pieces = running()
-        if not pieces:
-            return
-        until = max(piece.deadline for piece in pieces)
-        with self._changed:
-            self._changed.wait_for(lambda: not running(), max(0.0, until - time.monotonic()))
-        self._give_up(running())
-
-    def _wait_for_stores(self, job_ids: Set[int], until: float | None) -> bool:
-        """Block until these store jobs ended or ran past their deadline; False if `until` came.
-
-        Without `until` it still ends, at the latest when the last piece's
-        own deadline passes.
-        """
-
-        def running() -> list[_PoolJob]:
-            return self._store_pieces(lambda job_id, _: job_id in job_ids)
-
-        while True:
-            pieces = running()
-            now = time.monotonic()
-            overdue = [piece for piece in pieces if piece.deadline <= now]
-            if overdue:
-                self._give_up(overdue)
-                continue
-            if not pieces:
-                return True
-            if until is not None and now >= until:
-                return False
-            wake = min(piece.deadline for piece in pieces)
-            if until is not None:
-                wake = min(wake, until)
-            with self._changed:
-                self._changed.wait_for(lambda: not running(), max(0.0, wake - time.monotonic()))
-
-    def _give_up(self, jobs: Iterable[_PoolJob]) -> None:
-        """Stop waiting for the stores `jobs`: they count failed."""
-        for job in jobs:
-            if job.abandon():
-                if job.released:  # counted when released
-                    self._forget_store(job.job_id, job)
-                    continue
-                blocks = len(job.piece.block_ids)
-                self._counters.add_many({"save_errors": blocks, "save_timeouts": blocks})
-                self._warn.warn(
-                    "store-timeout",
-                    "CPU offload: a store of %d blocks still running after %g s "
-                    "(transfer_timeout_s) is counted failed",
-                    blocks,
-                    self._transfer_timeout_s,
-                )
-                self._forget_store(job.job_id, job)
-
-    # -------------------------------------------------------------- stores
-
-    def submit(self, job: TransferJob) -> None:
-        """Start copying the job's blocks, into their pool slots or out of them into the cache."""
-        deadline = time.monotonic() + self._transfer_timeout_s
-        if job.kind is TransferKind.SAVE:
-            self._submit_stores(job, deadline)
-        else:
-            self._submit_loads(job, deadline)
-
-    def _submit_stores(self, job: TransferJob, deadline: float) -> None:
-        self._store_started(job.job_id, None)
-        for transfer in job.transfers:
-            for piece in self._split(transfer):
-                store = _PoolJob(job.job_id, piece, deadline, is_store=True)
-                self._store_started(job.job_id, store)
-                store.future = self._store_pool.submit(self._store, store)
-        # Ends the job at once if it had no piece.
-        self._forget_store(job.job_id, None)
+        return self._jobs.wait(job_ids, until)
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
@@ -292,27 +140,18 @@ class CPUPoolTransferHandler(TransferHandler):
         then is given up on and counts failed. (The connector waits out the
         requests' loads itself.)
         """
-        released = self._release_stores_reading(block_ids)
-        if request_ids:  # most steps preempt nothing: nothing to build then
-            self._wait_for_requests(request_ids)
-        return released
-
-    def _release_stores_reading(self, block_ids: Set[int]) -> list[BlockTransfer]:
-        """Release the stores in flight that read any of `block_ids`; the pieces released.
-
-        No waiting beyond a chunk's copy under way.
-        """
-        if not block_ids:
-            return []
-        reading = self._store_pieces(
-            lambda _, piece: not block_ids.isdisjoint(piece.piece.block_ids)
-        )
         # The flag is set before anything can write the blocks, and a chunk is
-        # copied only under the job's lock with it unset: every byte copied
+        # copied only under the piece's lock with it unset: every byte copied
         # was read before the flag was set, and nothing is copied after.
-        released = [job.piece for job in reading if job.release()]
+        released = [
+            transfer
+            for piece in self._jobs.release_saves_reading((), block_ids)
+            for transfer in piece.transfers
+        ]
         if released:
             self._counters.add("saves_released", sum(len(piece.block_ids) for piece in released))
+        if request_ids:  # most steps preempt nothing: nothing to build then
+            self._jobs.wait(self._jobs.save_jobs_of(request_ids))
         return released
 
     def _split(self, transfer: BlockTransfer) -> list[BlockTransfer]:
@@ -320,18 +159,10 @@ class CPUPoolTransferHandler(TransferHandler):
         count = len(transfer.block_ids)
         pieces = max(1, min(self._io_threads, count // _MIN_BLOCKS_PER_PIECE))
         bounds = [count * i // pieces for i in range(pieces + 1)]
-        return [
-            attrs.evolve(
-                transfer,
-                block_ids=transfer.block_ids[start:end],
-                slots=transfer.slots[start:end],
-                block_hashes=transfer.block_hashes[start:end],
-            )
-            for start, end in itertools.pairwise(bounds)
-        ]
+        return [piece_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
 
-    def _store(self, job: _PoolJob) -> None:
-        transfer = job.piece
+    def _store(self, job: JobPiece) -> None:
+        (transfer,) = job.transfers
         caches = self._caches[transfer.group]
         layout = self._layouts[transfer.group]
         started = time.perf_counter()
@@ -345,8 +176,6 @@ class CPUPoolTransferHandler(TransferHandler):
                 slots = transfer.slots[chunk.start : chunk.stop]
                 with job.lock:
                     job.check()
-                    if job.released:
-                        break
                     # A slot whose payload stops half-written names no block.
                     self.pool.clear_headers(slots)
                     caches.gather_many(
@@ -356,50 +185,22 @@ class CPUPoolTransferHandler(TransferHandler):
                     self._write_headers(layout, slots, hashes)
                     stored += len(slots)
         except JobAbandoned:
-            pass  # counted failed when it was given up on
+            # Counted failed when given up on; counted when released, and the
+            # scheduler side frees its slots, whatever they hold.
+            pass
         except Exception:
             # The slots keep whatever they had; their headers no longer match,
             # so a later load reports them instead of copying them.
             logger.exception("CPU offload: store of request %r failed", transfer.request_id)
-        if not job.end():
-            return
-        if job.released:
-            # Final once ended. Counted when released; the scheduler side frees
-            # its slots, whatever they hold, so it never commits.
-            self._forget_store(job.job_id, job)
-            return
-        # Counted before the job is forgotten, so whoever waits for it sees them.
-        self._counters.add_many(
-            {
-                "blocks_saved": stored,
-                "bytes_saved": stored * self._layout.payload_bytes,
-                "save_errors": len(transfer.block_ids) - stored,
-                "save_seconds": time.perf_counter() - started,
-            }
-        )
-        self._forget_store(job.job_id, job)
+        if job.end():
+            # Counted before the piece settles, so whoever waits for it sees them.
+            self._jobs.count_save(job, stored, self._layout.payload_bytes, started)
 
     # --------------------------------------------------------------- loads
 
-    def _submit_loads(self, job: TransferJob, deadline: float) -> None:
-        """Start verifying and copying pool slots into the cache, a piece per thread."""
-        load_job = self._loads.begin(job.job_id, deadline)
-        for transfer in job.transfers:
-            for piece in self._split(transfer):
-                load = _PoolJob(job.job_id, piece, deadline, is_store=False, load_job=load_job)
-                self._loads.add(load_job, load)
-                load.future = self._load_pool.submit(self._load_piece, load)
-        self._loads.submitted(load_job)
-
-    def _load_piece(self, job: _PoolJob) -> None:
-        self._load(job)
-        if job.ended:  # not given up on at its deadline (reported then)
-            assert job.load_job is not None
-            self._loads.piece_ended(job.load_job, job)
-
-    def _load(self, job: _PoolJob) -> None:
+    def _load(self, job: JobPiece) -> None:
         """Verify and copy one piece into the cache; its failed block ids go to `job.failed`."""
-        transfer = job.piece
+        (transfer,) = job.transfers
         caches = self._caches[transfer.group]
         layout = self._layouts[transfer.group]
         started = time.perf_counter()
@@ -428,10 +229,9 @@ class CPUPoolTransferHandler(TransferHandler):
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)
             failed = list(transfer.block_ids)
         job.failed = failed
-        if not job.end():
-            return
-        loaded = len(transfer.block_ids) - len(failed)
-        self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
+        if job.end():
+            loaded = len(transfer.block_ids) - len(failed)
+            self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
 
     def _write_headers(
         self, layout: BlockLayout, slots: Sequence[int], block_hashes: Sequence[BlockHash]
@@ -482,21 +282,17 @@ class CPUPoolTransferHandler(TransferHandler):
         """
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("waiting for stores", lambda: self._wait_at_close(deadline, timeout_s)),
-            ("ending loads", lambda: self._loads.end_all(deadline)),
+            ("ending transfers", lambda: self._end_all(deadline, timeout_s)),
             ("stopping the store threads", self._store_pool.shutdown),
             ("stopping the load threads", self._load_pool.shutdown),
         ]
         close_in_steps(logger, "CPU offload: ", steps)
 
-    def _wait_at_close(self, deadline: float, timeout_s: float) -> None:
-        with self._changed:
-            stores = set(self._stores)
-        if not self._wait_for_stores(stores, deadline):
+    def _end_all(self, deadline: float, timeout_s: float) -> None:
+        if not self._jobs.end_all(deadline):
             logger.warning(
                 "CPU offload: transfers still running after %.0f s at shutdown", timeout_s
             )
-        self._give_up(self._store_pieces(lambda _, __: True))
 
 
 def _chunks(count: int, layout: BlockLayout) -> list[range]:

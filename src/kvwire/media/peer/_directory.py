@@ -28,7 +28,7 @@ thread (lookups, announcements, withdrawals) and the worker's (a load's
 lookups and peer records, the heartbeat), so none may wait on a hung server:
 each runs on a thread of the directory's and is waited for at most
 `lookup_timeout_s`. A call that fails or is not answered by then starts an
-*outage* (`kvwire.media._outage`): until a background probe (every
+*outage* (`kvwire.media.outage`): until a background probe (every
 `retry_interval_s`) is answered, every call answers at once without asking
 (lookups miss, writes report that they were not made). Each call not made is
 counted as `peer_directory_failures`.
@@ -50,7 +50,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvwire.interface.types import BlockHash
-from kvwire.media._outage import OutageTracker, _ServerUnavailable
+from kvwire.media.outage import OutageTracker, ServerUnavailable
 from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.redaction import shown
 
@@ -223,7 +223,7 @@ class PeerDirectory:
 
         try:
             values = self._call("look-up", mget)
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return [None] * len(keys)
         return [Location.decode(value) if isinstance(value, bytes) else None for value in values]
 
@@ -240,7 +240,7 @@ class PeerDirectory:
         ]
         try:
             self._call("announcement", lambda: self._execute(commands))
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return False
         return True
 
@@ -259,7 +259,7 @@ class PeerDirectory:
         ]
         try:
             replies = self._call("withdrawal", lambda: self._execute(commands))
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return None
         return sum(reply for reply in replies if isinstance(reply, int))
 
@@ -270,7 +270,7 @@ class PeerDirectory:
         command = ("SET", self.peer_key(peer), record.encode(), "PX", self._ttl_ms)
         try:
             self._call("peer record", lambda: self._execute([command]))
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return False
         return True
 
@@ -280,12 +280,12 @@ class PeerDirectory:
             (value,) = self._call(
                 "peer look-up", lambda: self._execute([("GET", self.peer_key(peer))])
             )
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return None
         return PeerRecord.decode(value) if isinstance(value, bytes) else None
 
     def withdraw_peer(self, peer: str) -> None:
-        with contextlib.suppress(_ServerUnavailable):
+        with contextlib.suppress(ServerUnavailable):
             self._call("peer withdrawal", lambda: self._execute([("DEL", self.peer_key(peer))]))
 
     def _call(self, what: str, work: Callable[[], _T]) -> _T:
@@ -295,7 +295,7 @@ class PeerDirectory:
             return self._outage.call(
                 what, work, timeout_s=seconds, setting=f"lookup_timeout_s={seconds:g}s"
             )
-        except _ServerUnavailable:
+        except ServerUnavailable:
             with self._count_lock:
                 self._failures += 1
             raise

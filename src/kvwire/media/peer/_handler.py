@@ -55,31 +55,20 @@ from kvwire.blocks.paged_cache import (
 )
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config import ParallelConfig
+from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
-from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import LoadJob, LoadLedger
-from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._shutdown import close_in_steps
-from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.io_threads import IOThreads
+from kvwire.media.jobs import JobLedger, JobPiece
 from kvwire.media.peer._agent import PeerAgent
 from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
 from kvwire.media.peer._split import agent_name
+from kvwire.media.rate_limited import RateLimitedWarning
+from kvwire.media.shutdown import close_in_steps
 
 logger = logging.getLogger(__name__)
-
-
-class _LoadJob(BlockJob):
-    """A load job's transfers of one request (every KV cache group's), pulled by one thread."""
-
-    def __init__(self, request_id: str, transfers: list[BlockTransfer], deadline: float) -> None:
-        super().__init__(
-            deadline, [block_id for transfer in transfers for block_id in transfer.block_ids]
-        )
-        self.request_id = request_id
-        self.transfers = transfers
 
 
 @attrs.frozen
@@ -142,11 +131,11 @@ class PeerTransferHandler(TransferHandler):
             entry_bytes=self._layout.entry_bytes,
             num_slots=num_slots,
         )
-        self._threads = JobThreads(
+        self._threads = IOThreads(
             settings.io_threads, "kvwire-peer-load", copy_on_this_thread_only
         )
         self._changed = threading.Condition()
-        self._loads: LoadLedger[_LoadJob] = LoadLedger(
+        self._loads: JobLedger[JobPiece] = JobLedger(
             counters=counters,
             warn=self._warn,
             label="peer medium: ",
@@ -172,16 +161,13 @@ class PeerTransferHandler(TransferHandler):
         if job.kind is TransferKind.SAVE:
             self._pool.submit(job)
             return
-        deadline = time.monotonic() + self._settings.transfer_timeout_s
-        load_job = self._loads.begin(job.job_id, deadline)
-        for request_id, transfers in _by_request(job.transfers).items():
-            piece = _LoadJob(request_id, transfers, deadline)
-            self._loads.add(load_job, piece)
-            piece.future = self._threads.submit(self._run, piece, load_job)
-        self._loads.submitted(load_job)
+        deadline = self._loads.begin(job)
+        for transfers in _by_request(job.transfers).values():
+            self._loads.start(JobPiece(job.job_id, transfers, deadline), self._threads, self._run)
+        self._loads.submitted(job.job_id)
 
     def poll(self) -> list[JobResult]:
-        return self._loads.take_ended() + self._pool.poll()
+        return self._loads.poll() + self._pool.poll()
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
         wanted = set(job_ids)
@@ -196,7 +182,8 @@ class PeerTransferHandler(TransferHandler):
 
     # -------------------------------------------------------------- loads
 
-    def _run(self, job: _LoadJob, load_job: LoadJob[_LoadJob]) -> None:
+    def _run(self, job: JobPiece) -> None:
+        """Pull one request's blocks (every KV cache group's); failed block ids to `job.failed`."""
         started = time.perf_counter()
         failed: list[int] = []
         loaded = 0
@@ -208,16 +195,15 @@ class PeerTransferHandler(TransferHandler):
         except JobAbandoned:
             return  # every block of it was reported failed
         except Exception:
-            logger.exception("peer medium: load of request %r failed", job.request_id[:64])
+            request_id = job.transfers[0].request_id
+            logger.exception("peer medium: load of request %r failed", request_id[:64])
             failed = list(job.block_ids)
             loaded = 0
         job.failed = failed
-        if not job.end():
-            return
-        self._loads.count_ended(job, loaded, self._layout.payload_bytes, started)
-        self._loads.piece_ended(load_job, job)
+        if job.end():
+            self._loads.count_load(job, loaded, self._layout.payload_bytes, started)
 
-    def _load_transfer(self, job: _LoadJob, transfer: BlockTransfer) -> tuple[int, list[int]]:
+    def _load_transfer(self, job: JobPiece, transfer: BlockTransfer) -> tuple[int, list[int]]:
         """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
         fingerprint = self._fingerprints[transfer.group]
         keys = [self._directory.entry_key(fingerprint, h) for h in transfer.block_hashes]
@@ -268,7 +254,7 @@ class PeerTransferHandler(TransferHandler):
 
     def _load_run(
         self,
-        job: _LoadJob,
+        job: JobPiece,
         transfer: BlockTransfer,
         keys: Sequence[str],
         locations: Sequence[Location | None],
@@ -373,7 +359,7 @@ class PeerTransferHandler(TransferHandler):
         staging: PoolSlots,
         region: int,
         run_start: int,
-        job: _LoadJob,
+        job: JobPiece,
     ) -> tuple[bool, bool]:
         """Read these blocks from `peer`'s rank into staging; (all arrived, staging ours)."""
         peer = self._rank_agent(peer)

@@ -47,15 +47,13 @@ checksum and commits no further entry: the gate covers both.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TypeGuard, TypeVar, cast
 
 from kvwire.blocks.format import (
@@ -68,15 +66,14 @@ from kvwire.blocks.format import (
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.paged_cache import cache_sized_chunks
 from kvwire.blocks.transfers import BlockTransfer
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import JobAbandoned, KVWireError
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
-from kvwire.media._job_threads import JobThreads
-from kvwire.media._load_ledger import LoadJob, LoadLedger
-from kvwire.media._rate_limited import RateLimitedWarning
-from kvwire.media._shutdown import close_in_steps
-from kvwire.media._transfer_jobs import BlockJob, JobAbandoned
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
+from kvwire.media.io_threads import IOThreads
+from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.rate_limited import RateLimitedWarning
+from kvwire.media.shutdown import close_in_steps
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import (
     LATE_WRITE_GRACE_S,
@@ -117,27 +114,19 @@ def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class _Job(BlockJob):
-    """A load run or a save batch of one transfer job: blocks of one group, and their gate."""
+class _StorePiece(JobPiece):
+    """A load run or a save batch: blocks of one transfer, and the gate on their cache ranges."""
 
     def __init__(
-        self,
-        job_id: int,
-        request_id: str,
-        group: int,
-        block_ids: tuple[int, ...],
-        hashes: tuple[BlockHash, ...],
-        deadline: float,
+        self, job_id: int, transfer: BlockTransfer, deadline: float, save_bytes: int = 0
     ) -> None:
-        super().__init__(deadline, block_ids)
-        self.job_id = job_id
-        self.request_id = request_id
-        self.group = group
-        self.block_ids: tuple[int, ...] = block_ids
-        self.hashes = hashes
+        super().__init__(job_id, (transfer,), deadline)
+        self.transfer = transfer
+        self.group = transfer.group
+        self.hashes = transfer.block_hashes
         self.cache_access = CacheWrites()
-        # A save given up on because its blocks were given out again (not its deadline).
-        self.released = False
+        # What a save batch's entries count towards `max_save_bytes` until it settles.
+        self.save_bytes = save_bytes
 
 
 class _Headers(threading.local):
@@ -201,7 +190,6 @@ class StoreTransferHandler(TransferHandler):
                 "memories; expected one of each per KV cache group (at least one)"
             )
         self._store = store
-        self._transfer_timeout_s = transfer_timeout_s
         self._late_write_grace_s = late_write_grace_s
         # Per group, built once: the hot path only indexes them.
         self._layouts = tuple(layouts)
@@ -216,44 +204,35 @@ class StoreTransferHandler(TransferHandler):
         self._medium = medium
         self._store_counters = store_counters
         self._on_close = on_close
-        self._load_pool = JobThreads(io_threads, "kvwire-load")
-        self._save_pool = JobThreads(io_threads, "kvwire-save")
+        self._load_pool = IOThreads(io_threads, "kvwire-load")
+        self._save_pool = IOThreads(io_threads, "kvwire-save")
         self._headers = _Headers()
         self._warn = RateLimitedWarning(logger)
         self._lock = threading.Lock()
-        self._loads: LoadLedger[_Job] = LoadLedger(
+        self._jobs: JobLedger[_StorePiece] = JobLedger(
             counters=counters,
             warn=self._warn,
             label="",
             transfer_timeout_s=transfer_timeout_s,
-            # A read already in a system call: waited for, up to the grace period.
-            after_abandon=lambda run: run.cache_access.close(self._late_write_grace_s),
+            # A read already in a system call: waited for, up to the grace
+            # period; a checksum under way reads the cache: only once it is
+            # done may the blocks change (CPU work, never I/O: a short wait).
+            after_abandon=lambda piece: piece.cache_access.close(self._late_write_grace_s),
+            on_settled=self._settled,
         )
-        # Saves not settled yet: running, queued, or given up on while a
-        # checksum of theirs may still read the cache.
-        self._saves_in_flight: set[_Job] = set()
-        # How many of them each save job has; a job ends when none is left.
-        self._saves_per_job: dict[int, int] = {}
-        # Save jobs ended, not yet reported by poll().
-        self._saves_ended: list[JobResult] = []
+        # Bytes of the entries of the save batches not settled yet: running,
+        # queued, or given up on while a checksum of theirs may still read the cache.
         self._save_bytes_in_flight = 0
-        self._jobs_running = 0
         self._events: list[KVCacheEvent] = []
 
     def idle(self) -> bool:
         """Whether no job runs on any thread, jobs given up on included."""
-        with self._lock:
-            return self._jobs_running == 0
+        return self._jobs.idle()
 
-    def _submit(self, pool: JobThreads, job: _Job, work: Callable[[_Job], None]) -> None:
-        with self._lock:
-            self._jobs_running += 1
-        job.future = pool.submit(work, job)
-        job.future.add_done_callback(self._job_done)
-
-    def _job_done(self, future: Future[None]) -> None:
-        with self._lock:
-            self._jobs_running -= 1
+    def _settled(self, piece: _StorePiece) -> None:
+        if piece.save_bytes:
+            with self._lock:
+                self._save_bytes_in_flight -= piece.save_bytes
 
     # ----------------------------------------------------------------- loads
 
@@ -262,31 +241,21 @@ class StoreTransferHandler(TransferHandler):
         if job.kind is TransferKind.SAVE:
             self._submit_saves(job)
             return
-        deadline = time.monotonic() + self._transfer_timeout_s
-        load_job = self._loads.begin(job.job_id, deadline)
+        deadline = self._jobs.begin(job)
         for transfer in job.transfers:
-            self._submit_runs(job.job_id, transfer, deadline, load_job)
-        self._loads.submitted(load_job)
+            self._submit_runs(job.job_id, transfer, deadline)
+        self._jobs.submitted(job.job_id)
 
     def poll(self) -> list[JobResult]:
         """The jobs that ended since the last call; overdue ones are given up on first."""
-        self.expire_overdue_saves()
-        ended = self._loads.take_ended()
-        with self._lock:
-            saves, self._saves_ended = self._saves_ended, []
-        return ended + saves
+        return self._jobs.poll()
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
         """Block until these jobs ended (past its deadline, a job is given up on), or `until`."""
-        wanted = set(job_ids)
-        loads = [job_id for job_id in wanted if self._loads.is_running(job_id)]
-        loads_ended = self._loads.wait(loads, until)
-        return self._wait_for_saves(wanted, until) and loads_ended
+        return self._jobs.wait(job_ids, until)
 
-    def _submit_runs(
-        self, job_id: int, transfer: BlockTransfer, deadline: float, load_job: LoadJob[_Job]
-    ) -> None:
-        """Submit the transfer's runs: one job, one `read_into_ranges` each.
+    def _submit_runs(self, job_id: int, transfer: BlockTransfer, deadline: float) -> None:
+        """Submit the transfer's runs: one piece, one `read_into_ranges` each.
 
         A store that reads ahead (a server sending the next entries while
         this thread verifies) does so across the whole run. A transfer is
@@ -297,21 +266,13 @@ class StoreTransferHandler(TransferHandler):
         run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
         for start in range(0, count, run_blocks):
             end = min(start + run_blocks, count)
-            run = _Job(
-                job_id,
-                transfer.request_id,
-                transfer.group,
-                transfer.block_ids[start:end],
-                transfer.block_hashes[start:end],
-                deadline,
-            )
-            self._loads.add(load_job, run)
-            self._submit(self._load_pool, run, functools.partial(self._load, load_job=load_job))
+            run = _StorePiece(job_id, piece_of(transfer, start, end), deadline)
+            self._jobs.start(run, self._load_pool, self._load)
 
-    def _load(self, run: _Job, load_job: LoadJob[_Job]) -> None:
+    def _load(self, run: _StorePiece) -> None:
         """Read one run straight into its cache blocks, verifying each entry where it landed.
 
-        Failed block ids go to `run.failed`, then count towards its `load_job`.
+        Failed block ids go to `run.failed`.
         """
         started = time.perf_counter()
         failed: list[int] = []
@@ -350,12 +311,13 @@ class StoreTransferHandler(TransferHandler):
             # request: drop it, so the next request that computes it saves it again.
             self._discard(run.group, corrupt)
         run.failed = failed
-        if not run.end():
-            return  # abandoned at its deadline: counted and reported then
-        self._loads.count_ended(run, loaded, self._layouts[run.group].payload_bytes, started)
-        self._loads.piece_ended(load_job, run)
+        if run.end():  # else given up on at its deadline: counted and reported then
+            payload_bytes = self._layouts[run.group].payload_bytes
+            self._jobs.count_load(run, loaded, payload_bytes, started)
 
-    def _read_and_verify(self, run: _Job, failed: list[int], corrupt: list[BlockHash]) -> int:
+    def _read_and_verify(
+        self, run: _StorePiece, failed: list[int], corrupt: list[BlockHash]
+    ) -> int:
         """Read the run's entries into header buffers and the blocks' ranges; blocks verified.
 
         Each entry is verified as soon as the store has read it, while it is
@@ -563,12 +525,10 @@ class StoreTransferHandler(TransferHandler):
         `transfer_timeout_s` after it was submitted is counted failed
         (`save_timeouts`) and writes no more of its entries.
         """
-        self.expire_overdue_saves()
+        # Saves past their deadline hold no room any more.
+        self._jobs.give_up_overdue(kind=TransferKind.SAVE)
         dropped = 0
-        deadline = time.monotonic() + self._transfer_timeout_s
-        with self._lock:
-            # One for the submission itself: the job cannot end before its last batch is in.
-            self._saves_per_job[job.job_id] = 1
+        deadline = self._jobs.begin(job)
         for transfer in job.transfers:
             entry_bytes = self._layouts[transfer.group].entry_bytes
             with self._lock:
@@ -578,22 +538,14 @@ class StoreTransferHandler(TransferHandler):
             dropped += len(transfer.block_ids) - taken
             for start in range(0, taken, self._batch_blocks):
                 end = min(start + self._batch_blocks, taken)
-                batch = _Job(
+                batch = _StorePiece(
                     job.job_id,
-                    transfer.request_id,
-                    transfer.group,
-                    transfer.block_ids[start:end],
-                    transfer.block_hashes[start:end],
+                    piece_of(transfer, start, end),
                     deadline,
+                    save_bytes=(end - start) * entry_bytes,
                 )
-                with self._lock:
-                    self._saves_in_flight.add(batch)
-                    self._saves_per_job[job.job_id] += 1
-                self._submit(self._save_pool, batch, self._save)
-                assert batch.future is not None
-                batch.future.add_done_callback(functools.partial(self._save_ended, batch))
-        with self._lock:
-            self._count_down_save_job(job.job_id)
+                self._jobs.start(batch, self._save_pool, self._save)
+        self._jobs.submitted(job.job_id)
         if dropped:
             self._counters.add("saves_dropped", dropped)
             self._warn.warn(
@@ -603,28 +555,7 @@ class StoreTransferHandler(TransferHandler):
                 dropped,
             )
 
-    def _save_ended(self, job: _Job, future: Future[None]) -> None:
-        self._forget_save(job)
-
-    def _forget_save(self, job: _Job) -> None:
-        with self._lock:
-            if job in self._saves_in_flight:
-                self._saves_in_flight.discard(job)
-                self._save_bytes_in_flight -= (
-                    len(job.block_ids) * self._layouts[job.group].entry_bytes
-                )
-                self._count_down_save_job(job.job_id)
-
-    def _count_down_save_job(self, job_id: int) -> None:
-        """Under the lock: one batch of save job `job_id` settled (or it is all submitted)."""
-        left = self._saves_per_job[job_id] - 1
-        if left:
-            self._saves_per_job[job_id] = left
-        else:
-            del self._saves_per_job[job_id]
-            self._saves_ended.append(JobResult(job_id))
-
-    def _save(self, job: _Job) -> None:
+    def _save(self, job: _StorePiece) -> None:
         layout = self._layouts[job.group]
         memory = self._memories[job.group]
         started = time.perf_counter()
@@ -678,56 +609,18 @@ class StoreTransferHandler(TransferHandler):
             )
         except Exception:
             logger.exception("save of %d blocks failed", len(job.hashes))
-        if not job.end():
-            if job.released:
-                # What it committed before its gate closed is stored (and reported).
-                self._counters.add_many(
-                    {
-                        "blocks_saved": stored,
-                        "bytes_saved": stored * layout.payload_bytes,
-                        "saves_released": len(job.hashes) - stored,
-                    }
-                )
-            return  # otherwise counted failed at its deadline
-        self._counters.add_many(
-            {
-                "blocks_saved": stored,
-                "bytes_saved": stored * layout.payload_bytes,
-                "save_errors": len(job.hashes) - stored,
-                "save_seconds": time.perf_counter() - started,
-            }
-        )
-
-    def expire_overdue_saves(self) -> None:
-        """Count the saves still running past their deadline as failed, and stop waiting for them.
-
-        Each such save computes no further checksum over the cache and writes
-        none of its entries not started yet; a write already in the store's
-        hands may still land (and is then reported in the KV cache events),
-        but the save counts failed.
-        """
-        now = time.monotonic()
-        with self._lock:
-            overdue = [job for job in self._saves_in_flight if job.deadline <= now]
-        for job in overdue:
-            self._abandon_save(job)
-
-    def _abandon_save(self, job: _Job) -> None:
-        if job.abandon():
+        if job.end():
+            self._jobs.count_save(job, stored, layout.payload_bytes, started)
+        elif job.released:
+            # What it committed before its gate closed is stored (and reported).
             self._counters.add_many(
-                {"save_errors": len(job.hashes), "save_timeouts": len(job.hashes)}
+                {
+                    "blocks_saved": stored,
+                    "bytes_saved": stored * layout.payload_bytes,
+                    "saves_released": len(job.hashes) - stored,
+                }
             )
-            self._warn.warn(
-                "save-timeout",
-                "a save of %d blocks still running after %g s (transfer_timeout_s) "
-                "is counted failed",
-                len(job.hashes),
-                self._transfer_timeout_s,
-            )
-        # A checksum under way reads the cache: only once it is done may the
-        # blocks change (it is CPU work, never I/O: this wait is short).
-        job.cache_access.close(self._late_write_grace_s)
-        self._forget_save(job)
+        # Otherwise counted failed at its deadline.
 
     def release_saves_reading(
         self, request_ids: Iterable[str] = (), block_ids: Iterable[int] = ()
@@ -747,40 +640,12 @@ class StoreTransferHandler(TransferHandler):
         ended or were given up on before. Entries a job committed before its
         gate closed stay stored, and were reported in `take_events`.
         """
-        requests, blocks = set(request_ids), set(block_ids)
-        if not requests and not blocks:
-            return []
-        with self._lock:
-            pending = [
-                job
-                for job in self._saves_in_flight
-                if job.request_id in requests or not blocks.isdisjoint(job.block_ids)
-            ]
-        return [
-            BlockTransfer(
-                request_id=job.request_id,
-                block_ids=job.block_ids,
-                block_hashes=job.hashes,
-                group=job.group,
-            )
-            for job in pending
-            if self._release_save(job)
-        ]
-
-    def _release_save(self, job: _Job) -> bool:
-        """Give up on the save `job` before its blocks change; whether this call stopped it."""
-        with job.lock:
-            # Read by the save once its end() has failed, under the same lock.
-            job.released = not (job.ended or job.abandoned)
-        # Not stopped when the save ended meanwhile: it then counts as it ended.
-        stopped = job.abandon()
-        if stopped and job.never_ran():
-            self._counters.add("saves_released", len(job.hashes))
-        # A checksum under way reads the blocks: the wait for it is short (CPU
-        # work); the save's I/O goes on, and commits nothing more.
-        job.cache_access.close(self._late_write_grace_s)
-        self._forget_save(job)
-        return stopped
+        stopped = self._jobs.release_saves_reading(request_ids, block_ids)
+        # The others count themselves: what they committed before their gate closed is stored.
+        never_ran = sum(len(piece.hashes) for piece in stopped if piece.never_ran())
+        if never_ran:
+            self._counters.add("saves_released", never_ran)
+        return [piece.transfer for piece in stopped]
 
     def take_counters(self) -> Mapping[str, float]:
         """The store's counts since the last call, once overdue saves are counted failed.
@@ -788,35 +653,8 @@ class StoreTransferHandler(TransferHandler):
         The overdue saves are counted in the worker's own counters, so the
         step that reports these also reports them.
         """
-        self.expire_overdue_saves()
+        self._jobs.give_up_overdue(kind=TransferKind.SAVE)
         return self._store_counters() if self._store_counters is not None else {}
-
-    def _wait_for_saves(self, job_ids: Set[int] | None, until: float | None) -> bool:
-        """Block until these save jobs' batches (all, for None) are written or overdue.
-
-        False if `until` came first; without it, it still ends: at the
-        latest when the last batch's own deadline passes.
-        """
-        deadline = until
-        while True:
-            self.expire_overdue_saves()
-            with self._lock:
-                pending = [
-                    job for job in self._saves_in_flight if job_ids is None or job.job_id in job_ids
-                ]
-            if not pending:
-                return True
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return False
-            wake = min(job.deadline for job in pending)
-            if deadline is not None:
-                wake = min(wake, deadline)
-            # No exception to catch: wait() reports what ended, timed out or not.
-            concurrent.futures.wait(
-                [job.future for job in pending if job.future is not None],
-                timeout=max(0.0, wake - now),
-            )
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the transfers in flight (up to `timeout_s`), stop the threads, run `on_close`.
@@ -827,9 +665,8 @@ class StoreTransferHandler(TransferHandler):
         """
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
-            ("waiting for saves", lambda: self._wait_for_saves_at_close(deadline)),
             # Up to their deadlines (or this one), then given up on.
-            ("ending loads", lambda: self._loads.end_all(deadline)),
+            ("ending transfers", lambda: self._end_all(deadline)),
             # Not waiting for the threads: a job still blocked in the store
             # was given up on, and writes nothing more into the cache.
             ("stopping the load threads", self._load_pool.shutdown),
@@ -839,7 +676,9 @@ class StoreTransferHandler(TransferHandler):
             steps.append(("closing the medium", self._on_close))
         close_in_steps(logger, "", steps)
 
-    def _wait_for_saves_at_close(self, deadline: float) -> None:
+    def _end_all(self, deadline: float) -> None:
         timeout_s = max(0.0, deadline - time.monotonic())
-        if not self._wait_for_saves(None, deadline):
-            logger.warning("shutdown: saves still in flight after %.0f s are dropped", timeout_s)
+        if not self._jobs.end_all(deadline):
+            logger.warning(
+                "shutdown: transfers still running after %.0f s are given up on", timeout_s
+            )

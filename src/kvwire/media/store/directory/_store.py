@@ -40,7 +40,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
 from kvwire.interface.counters import Counters
-from kvwire.media._rate_limited import RateLimitedWarning
+from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.directory._layout import (
     FolderIdentity,

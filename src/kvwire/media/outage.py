@@ -27,7 +27,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvwire.exceptions import KVWireError
-from kvwire.media._job_threads import JobThreads
+from kvwire.media.io_threads import IOThreads
+
+__all__ = ["OutageTracker", "ServerUnavailable"]
 
 _T = TypeVar("_T")
 
@@ -41,7 +43,7 @@ _CALL_THREADS = 4
 _PROBER_JOIN_S = 5.0
 
 
-class _ServerUnavailable(KVWireError, ConnectionError):
+class ServerUnavailable(KVWireError, ConnectionError):
     """A call the server did not answer: it is down (not asked), failed, or ran past its deadline.
 
     `asked` is False when the call was not made because the server is
@@ -88,7 +90,7 @@ class OutageTracker:
         self._lock = threading.Lock()
         self._down = False
         self._prober: threading.Thread | None = None
-        self._threads: JobThreads | None = None
+        self._threads: IOThreads | None = None
         self._closed = threading.Event()
         self._next_warning_at = 0.0
         self._suppressed_warnings = 0
@@ -102,7 +104,7 @@ class OutageTracker:
     def call(self, what: str, work: Callable[[], _T], *, timeout_s: float, setting: str) -> _T:
         """`work()`'s result, waited for at most `timeout_s` (`setting` names it in warnings).
 
-        Raises `_ServerUnavailable` at once while the server is down,
+        Raises `ServerUnavailable` at once while the server is down,
         and when `work` raises one of the tracker's errors or is still
         running at the deadline: the outage then starts. A call given up on
         goes on in the background until its own timeouts end it; its outcome
@@ -117,17 +119,17 @@ class OutageTracker:
         once and wait for all of them under one deadline.
         """
         if self._down:
-            raise _ServerUnavailable(f"{self._server} is down", asked=False)
+            raise ServerUnavailable(f"{self._server} is down", asked=False)
         with self._lock:
             if self._threads is None:
                 if self._closed.is_set():
-                    raise _ServerUnavailable(f"{self._server}: closed", asked=False)
-                self._threads = JobThreads(_CALL_THREADS, f"{self._thread_name}-call")
+                    raise ServerUnavailable(f"{self._server}: closed", asked=False)
+                self._threads = IOThreads(_CALL_THREADS, f"{self._thread_name}-call")
             threads = self._threads
         try:
             return threads.submit(work)
         except RuntimeError:  # shut down by close() meanwhile
-            raise _ServerUnavailable(f"{self._server}: closed", asked=False) from None
+            raise ServerUnavailable(f"{self._server}: closed", asked=False) from None
 
     def wait(
         self,
@@ -142,15 +144,15 @@ class OutageTracker:
             future.cancel()
             reason = f"no answer within {setting}"
             self.failed(what, reason)
-            raise _ServerUnavailable(f"{self._server}: {what}: {reason}", asked=True)
+            raise ServerUnavailable(f"{self._server}: {what}: {reason}", asked=True)
         try:
             result = future.result()
         except concurrent.futures.CancelledError:  # close() dropped it before it ran
-            raise _ServerUnavailable(f"{self._server}: closed", asked=False) from None
+            raise ServerUnavailable(f"{self._server}: closed", asked=False) from None
         except self._errors as error:
             reason = self._describe(error)
             self.failed(what, reason)
-            raise _ServerUnavailable(f"{self._server}: {what}: {reason}", asked=True) from None
+            raise ServerUnavailable(f"{self._server}: {what}: {reason}", asked=True) from None
         self.succeeded()
         return result
 

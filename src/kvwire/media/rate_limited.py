@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 
+__all__ = ["RateLimitedWarning"]
+
 
 class RateLimitedWarning:
     """Logs a warning per `reason` at most once every `interval_s`, counting the rest."""
@@ -18,6 +20,7 @@ class RateLimitedWarning:
         self._suppressed: dict[str, int] = {}
 
     def warn(self, reason: str, message: str, *args: object) -> None:
+        """Log `message % args` unless a warning for `reason` was logged within the interval."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get(reason)

@@ -1,12 +1,12 @@
-"""A pool of daemon threads for transfer jobs, which never holds up the process's exit.
+"""A handler's I/O threads: daemon threads for transfer jobs, which never hold up the exit.
 
 `concurrent.futures.ThreadPoolExecutor` joins its threads when the
 interpreter exits, without a deadline: one job stuck in a store that never
-answers (given up on long before, see `kvwire.media._transfer_jobs`)
+answers (given up on long before, see [`JobLedger`][kvwire.media.JobLedger])
 would keep the process from ever exiting. These threads are daemons: at exit
 a job still running is dropped, as its caller has already counted it failed.
-Same calls as the executor: `JobThreads.submit` returns a
-`Future`, `JobThreads.shutdown` cancels what
+Same calls as the executor: `IOThreads.submit` returns a
+`Future`, `IOThreads.shutdown` cancels what
 has not started.
 """
 
@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+__all__ = ["IOThreads"]
+
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
@@ -26,7 +28,7 @@ _T = TypeVar("_T")
 _Item = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
-class JobThreads:
+class IOThreads:
     """`num_threads` daemon threads named `name-N`; each runs `initializer` first."""
 
     def __init__(
