@@ -31,8 +31,8 @@ from kvwire.media.base import (
     TransferHandler,
     TransferJob,
 )
-from kvwire.media.faulty import FaultInjectingHandler, FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryMedium
+from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate, tiny_config, tokens
 from tests.support.faulty_media import (

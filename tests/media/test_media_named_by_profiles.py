@@ -29,12 +29,17 @@ from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import OffloadConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import BlockStored
-from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryBlockStore, DirectoryMedium
 from kvwire.media.store.medium import StoreMedium
-from kvwire.registry import ConnectorRegistry
+from kvwire.registry import ConnectorRegistry, default_registry
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
-from tests.support.connector_pairs import cache_config_for, engine_config, make_request
+from kvwire.testing.faulty_medium import FaultInjectingMedium
+from tests.support.connector_pairs import (
+    build_connector,
+    cache_config_for,
+    engine_config,
+    make_request,
+)
 
 SECRET = "hunter2-review-secret"
 MAC_VARIABLE = "KVWIRE_TEST_REVIEW_MAC_KEY"
@@ -46,9 +51,7 @@ def _refusal(medium: object) -> str:
     """The error ``validate_extra_config`` (``kvwire check``'s path) raises for ``medium``."""
     config = engine_config("OffloadConnector", {"medium": medium})
     with pytest.raises(ExtraConfigError) as refused:
-        OffloadConnector.validate_extra_config(
-            config.kv_transfer_config, lambda child: OffloadConnector
-        )
+        OffloadConnector.validate_extra_config(config.kv_transfer_config, default_registry())
     return str(refused.value)
 
 
@@ -190,8 +193,8 @@ def test_a_faulty_medium_over_a_sealed_store_has_the_store_s_layout(
         "OffloadConnector", {**extra, "medium": f"{__name__}:FaultyDirectory"}
     )
     cache = cache_config_for(plain_config)
-    plain = OffloadConnector(plain_config, KVConnectorRole.SCHEDULER, cache)
-    faulty = OffloadConnector(faulty_config, KVConnectorRole.SCHEDULER, cache)
+    plain = build_connector(OffloadConnector, plain_config, KVConnectorRole.SCHEDULER, cache)
+    faulty = build_connector(OffloadConnector, faulty_config, KVConnectorRole.SCHEDULER, cache)
     try:
         block_hash = bytes(range(32))
         assert faulty.layout.mac is not None

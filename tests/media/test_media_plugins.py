@@ -30,11 +30,17 @@ from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import BlockHash, ForwardContext, Request
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
-from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.medium import StoreMedium
 from kvwire.registry import default_registry
 from kvwire.registry.media import UnknownMediumError
-from tests.support.connector_pairs import cache_config_for, engine_config, make_caches
+from kvwire.testing.faulty_medium import FaultInjectingMedium
+from tests.support.connector_pairs import (
+    build_connector,
+    cache_config_for,
+    engine_config,
+    make_caches,
+    read_options,
+)
 from tests.support.dict_stores import DictStore
 from tests.support.engines import (
     generate,
@@ -145,9 +151,7 @@ def test_overriding_a_medium_in_the_registry_reaches_the_connectors_it_builds():
 def test_a_bad_medium_is_refused_naming_the_key(medium: object, reason: str):
     config = _config("OffloadConnector", {"medium": medium})
     with pytest.raises(ExtraConfigError, match=r"^kv_connector_extra_config\.medium: " + reason):
-        OffloadConnector.validate_extra_config(
-            config.kv_transfer_config, lambda c: OffloadConnector
-        )  # type: ignore[arg-type]
+        OffloadConnector.validate_extra_config(config.kv_transfer_config, default_registry())
 
 
 def test_a_medium_name_that_is_not_registered_is_an_unknown_medium_error():
@@ -162,15 +166,15 @@ def test_the_medium_s_keys_join_the_connector_s_own():
     with pytest.raises(
         ExtraConfigError, match=r"^kv_connector_extra_config\.cpu_pool_bytes is not an option"
     ):
-        OffloadConnector.read_options(config.kv_transfer_config)
+        read_options(OffloadConnector, config.kv_transfer_config)
 
 
 def _pair(extra: dict[str, Any]) -> tuple[CPUOffloadConnector, CPUOffloadConnector]:
     config = _config("CPUOffloadConnector", extra)
     cache = cache_config_for(config)
     return (
-        CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, cache),
-        CPUOffloadConnector(config, KVConnectorRole.WORKER, cache),
+        build_connector(CPUOffloadConnector, config, KVConnectorRole.SCHEDULER, cache),
+        build_connector(CPUOffloadConnector, config, KVConnectorRole.WORKER, cache),
     )
 
 
@@ -259,14 +263,14 @@ def test_kvwire_check_resolves_the_medium_through_the_registry_it_is_given(tmp_p
 
 
 def test_an_unconfigured_fault_injecting_medium_is_refused_naming_the_key():
-    config = _config("OffloadConnector", {"medium": "kvwire.media.faulty:FaultInjectingMedium"})
+    config = _config("OffloadConnector", {"medium": "kvwire.testing.faulty_medium:FaultInjectingMedium"})
     with pytest.raises(
         ExtraConfigError,
         match=r"^kv_connector_extra_config\.medium: FaultInjectingMedium cannot be used: "
         r"FaultInjectingMedium\.extra_config_keys raised TypeError: "
         r"FaultInjectingMedium\.inner is not set",
     ):
-        OffloadConnector.read_options(config.kv_transfer_config)
+        read_options(OffloadConnector, config.kv_transfer_config)
 
 
 def test_a_fault_injecting_medium_keeps_an_event_name_of_its_own():

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvwire.interface.counters import Counters
-from kvwire.media.faulty import FaultInjectingHandler, FaultInjectingMedium, LoadFaults
 from kvwire.media.store.directory import DirectoryMedium
+from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium, LoadFaults
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Media whose chosen loads fail, and engines over them, for the engine's recovery tests.
 
-Each medium is a :class:`~kvwire.media.faulty.FaultInjectingMedium` over the
+Each medium is a :class:`~kvwire.testing.faulty_medium.FaultInjectingMedium` over the
 directory medium, configured by class attributes, so a profile can name it
 (``kv_connector_extra_config.medium: tests.support.faulty_media:Class``) for
 a worker process. In process, :func:`over_medium` overrides the registry's
@@ -18,9 +18,9 @@ from dependency_injector import providers
 from kvwire.config import EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.media.base import Medium
-from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.registry import default_registry
+from kvwire.testing.faulty_medium import FaultInjectingMedium
 
 
 class FailEveryFirstBlock(FaultInjectingMedium):

@@ -98,7 +98,7 @@ class LLMEngine:
     [`KVConnectorContainer`][kvwire.KVConnectorContainer] whose providers the caller
     has overridden (the worker process, if any, builds its own from
     `config`): e.g. a registry whose medium makes loads fail on purpose
-    (`kvwire.media.faulty`). `worker_container_hook` (picklable) runs on
+    (`kvwire.testing.faulty_medium`). `worker_container_hook` (picklable) runs on
     each worker process's own container, its rank injected, before its
     connector is built: the way to override providers there (the inline
     worker uses `container`). `torch_threads` sets the worker process's torch threads

@@ -45,7 +45,7 @@ from kvwire.interface.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.media.faulty import LoadFaults, poison_block
+from kvwire.testing.faulty_medium import LoadFaults, poison_block
 
 if TYPE_CHECKING:
     import torch

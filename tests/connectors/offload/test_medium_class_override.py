@@ -16,8 +16,8 @@ from dependency_injector import providers
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ExtraConfigError
 from kvwire.interface.base import KVConnectorRole
-from kvwire.media.faulty import FaultInjectingMedium
 from kvwire.media.store.directory import DirectoryMedium
+from kvwire.testing.faulty_medium import FaultInjectingMedium
 from tests.support.connector_pairs import cache_config_for, engine_config
 
 

@@ -2,7 +2,7 @@
 
 `LoadFaults` chooses which loads fail (each chosen request's first
 one, at one block of its range); `FaultInjectingHandler` fails them
-after the wrapped medium's loads ended (see `kvwire.media.faulty.medium`).
+after the wrapped medium's loads ended (see `kvwire.testing.faulty_medium.medium`).
 """
 
 from __future__ import annotations

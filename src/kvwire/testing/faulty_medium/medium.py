@@ -38,8 +38,8 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.config.extra_config import ExtraConfigKey
 from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex
-from kvwire.media.faulty.handler import FaultInjectingHandler, LoadFaults
 from kvwire.redaction import shown
+from kvwire.testing.faulty_medium.handler import FaultInjectingHandler, LoadFaults
 
 if TYPE_CHECKING:
     import torch
