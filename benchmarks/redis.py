@@ -62,10 +62,10 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from kvwire.config.kv_cache import build_full_attention_kv_cache_config
 from kvwire.connectors.offload import RedisConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.interface.base import KVConnectorRole
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.container import container_for_profile
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.server import READ_GROUP_BYTES, RedisBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 
 BLOCK_SIZES = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB, 8 * MIB)
@@ -234,7 +234,11 @@ class _ConnectorPath:
         )
         shape = (2, count, config.cache_config.block_size, NUM_KV_HEADS, HEAD_SIZE)
         self.caches = {name: torch.randn(shape) for name in kv_cache_config.layer_names}
-        self.connector = RedisConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        # Built as an engine builds it: the container builds the medium it hands the connector.
+        container = container_for_profile(config, kv_cache_config=kv_cache_config)
+        connector = container.worker_connector()
+        assert isinstance(connector, RedisConnector)
+        self.connector = connector
         self.connector.register_kv_caches(self.caches)
         self.layers = tuple(self.caches)
         block_hashes = tuple(

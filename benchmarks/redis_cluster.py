@@ -47,8 +47,8 @@ from redis.cluster import RedisCluster
 from benchmarks.common import KIB, MIB, best_seconds, write_json
 from benchmarks.common import main as run_from_command_line
 from benchmarks.redis import BATCH_BLOCKS, BatchWork, _ConnectorPath
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 
 BLOCK_SIZES = (256 * KIB, 1 * MIB, 4 * MIB)
 QUICK_BLOCK_SIZES = (256 * KIB, 1 * MIB)

@@ -96,7 +96,7 @@ _RAISED_IN = {
     "NIXLUnavailableError": "kvwire.media.peer._agent",
     "PluginExit": "kvwire.plugin_calls",
     "ProfileYAMLError": "kvwire.config.profile_yaml",
-    "RedisSettingsError": "kvwire.media.store.redis._settings",
+    "RedisSettingsError": "kvwire.media.store.redis.settings",
     "RoleViolationError": "kvwire.testing.instruments",
     "StoreReplyError": "kvwire.media.store.base",
     "UnknownMediumError": "kvwire.registry.media",

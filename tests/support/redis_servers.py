@@ -26,8 +26,8 @@ from pytest_redis import factories
 from pytest_redis.executor import RedisExecutor
 
 from kvwire.engine.engine import GenerationRequest
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.server import RedisBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis_engines import generate, shared_prefix_workload, tiny_config, tokens
 
 TLS_DIR = pathlib.Path(__file__).parent / "redis_tls"

@@ -17,7 +17,7 @@ import pytest
 
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.peer._directory import Location, PeerDirectory
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.peer_engines import peer_config, prompts
 from tests.support.peers import PeerProcess
 from tests.support.redis_cluster import LocalCluster, fault_cluster

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis_cluster import LocalCluster
 
 TTL_S = 30.0

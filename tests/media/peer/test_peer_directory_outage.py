@@ -19,7 +19,7 @@ import pytest
 from kvwire.blocks.format import BlockLayout
 from kvwire.media.peer._directory import PeerDirectory
 from kvwire.media.peer._index import PeerIndex
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis_servers import RedisServer
 from tests.support.waits import finishes_within, wait_until
 

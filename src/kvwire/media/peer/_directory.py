@@ -51,7 +51,7 @@ from redis.retry import Retry
 
 from kvwire.interface.types import BlockHash
 from kvwire.media.outage import OutageTracker, ServerUnavailable
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ from kvwire.media.peer._directory import PeerDirectory, check_peer_name
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.peer._split import rank_layout, split_fingerprints
 from kvwire.media.store.redis import RedisMedium
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 
 if TYPE_CHECKING:
     import torch

@@ -16,8 +16,8 @@ from kvwire.config import EngineConfig, SchedulerConfig
 from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.store.redis import RedisMedium
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis_cluster import ClusterNode, LocalCluster
 from tests.support.redis_engines import (
     BLOCK_SIZE,

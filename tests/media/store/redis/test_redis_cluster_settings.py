@@ -13,8 +13,9 @@ from kvwire.config import KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis._cluster_url import ClusterSeed
-from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
+from tests.support.connector_pairs import read_options
 
 
 def test_a_cluster_url_names_its_seed_nodes_in_order() -> None:
@@ -116,7 +117,7 @@ def test_the_connector_checks_a_cluster_url_without_connecting() -> None:
         kv_connector_extra_config={"url": "redis+cluster://nowhere.invalid:1,nowhere.invalid:2"},
     )
 
-    _medium, options = RedisConnector.read_options(config)
+    _medium, options = read_options(RedisConnector, config)
 
     assert options["redis_settings"].is_cluster
 
@@ -129,7 +130,7 @@ def test_the_connector_names_the_key_of_a_bad_cluster_url() -> None:
     )
 
     with pytest.raises(ExtraConfigError, match=r"kv_connector_extra_config\.url: a cluster URL"):
-        RedisConnector.read_options(config)
+        read_options(RedisConnector, config)
 
 
 @pytest.mark.parametrize("port", ["²", "٣٠٠٠"])

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis_cluster import LocalCluster
 
 # Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvwire.blocks.format import verify_entry
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.server import RedisBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.dribbling_server import DribblingServer
 from tests.support.redis_engines import (
     generate,

@@ -20,9 +20,9 @@ import pytest
 from kvwire.exceptions import JobAbandoned
 from kvwire.media.store import base as store_module
 from kvwire.media.store.base import BlockStore, CacheWrites
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.server import READ_GROUP_BYTES, RedisBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.dribbling_server import DribblingServer
 from tests.support.redis_cluster import LocalCluster
 from tests.support.redis_servers import RedisServer

@@ -8,8 +8,9 @@ import pytest
 
 from kvwire.config import KVTransferConfig
 from kvwire.connectors.offload import RedisConnector
-from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
 from kvwire.media.store.redis.server import RedisBlockStore
+from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
+from tests.support.connector_pairs import read_options
 from tests.support.redis_entries import SMALL_LAYOUT, store_keys
 from tests.support.redis_servers import RedisServer
 
@@ -107,7 +108,7 @@ def test_the_connector_reads_a_pipeline_size_with_a_unit() -> None:
         kv_connector_extra_config={"pipeline_bytes": "8MiB", "staging_buffer_bytes": "16MiB"},
     )
 
-    _medium, options = RedisConnector.read_options(transfer)
+    _medium, options = read_options(RedisConnector, transfer)
     settings = options["redis_settings"]
 
     assert settings.pipeline_bytes == 8 * 1024**2

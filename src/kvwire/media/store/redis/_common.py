@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvwire.media.store.base import BlockStore
-from kvwire.media.store.redis._settings import RedisStoreSettings
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from kvwire.redaction import shown
 
 

@@ -17,7 +17,7 @@ keys are served as usual. A lookup asks every master at once, each on a
 thread of its node store's, and waits for them under one deadline
 (`lookup_timeout_s`): a hung master costs the scheduler that deadline once,
 then its keys miss at once until its store's probe hears it again (see
-`kvwire.media._outage`). A master that answers `MOVED` or `ASK` (its
+`kvwire.media.outage`). A master that answers `MOVED` or `ASK` (its
 slot moved: a failover or a resharding) has its keys treated the same way,
 never as another key's value. Either asks a background thread to fetch the
 slot map again (at most once per `retry_interval_s`); the calls after it
@@ -47,9 +47,9 @@ from kvwire.media.store.redis._common import (
     add_counts,
     require_one_each,
 )
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis._wire import Deadline, Reply
 from kvwire.media.store.redis.server import RedisBlockStore
+from kvwire.media.store.redis.settings import RedisStoreSettings
 
 logger = logging.getLogger(__name__)
 

@@ -88,9 +88,9 @@ import attrs
 from kvwire.config.extra_config import ExtraConfigError, ExtraConfigKey
 from kvwire.media.base import MediumContext
 from kvwire.media.store.medium import StoreMedium
-from kvwire.media.store.redis._settings import RedisSettingsError, RedisStoreSettings
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.server import RedisBlockStore
+from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
 
 __all__ = ["RedisBlockStore", "RedisClusterBlockStore", "RedisMedium", "RedisStoreSettings"]
 

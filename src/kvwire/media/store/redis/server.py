@@ -29,7 +29,7 @@ count as misses, saves are dropped and counted, loads return None (the
 connector reports them as load errors). A lookup runs on the scheduler's
 thread, so the scheduler waits for it at most `lookup_timeout_s`, on the
 first call to a hung server too: the lookup runs on a thread of its own and
-is given up on at its deadline (see `kvwire.media._outage`). While the
+is given up on at its deadline (see `kvwire.media.outage`). While the
 outage lasts, calls answer at once and a background probe waits for the
 server to come back; the connection pool then reconnects by itself. The
 password never appears in a log line, an error or a repr.
@@ -50,10 +50,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvwire.media._outage import OutageTracker, _ServerUnavailable
+from kvwire.media.outage import OutageTracker, ServerUnavailable
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.redis._common import FailureCounts, RedisStoreBase, require_one_each
-from kvwire.media.store.redis._settings import RedisStoreSettings
 from kvwire.media.store.redis._wire import (
     Deadline,
     DeadlineExceeded,
@@ -62,6 +61,7 @@ from kvwire.media.store.redis._wire import (
     RespStream,
     ZeroCopyCommandPacker,
 )
+from kvwire.media.store.redis.settings import RedisStoreSettings
 from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class RedisBlockStore(RedisStoreBase):
             return None
         try:
             return self._outage.begin("lookup", lambda: self._count_present(keys))
-        except _ServerUnavailable:
+        except ServerUnavailable:
             return None
 
     def end_count_prefix(
@@ -178,7 +178,7 @@ class RedisBlockStore(RedisStoreBase):
         try:
             seconds = self._settings.lookup_timeout_s
             return self._outage.wait("lookup", lookup, deadline, f"lookup_timeout_s={seconds:g}s")
-        except _ServerUnavailable as unavailable:
+        except ServerUnavailable as unavailable:
             if unavailable.asked:
                 self._count("lookup_failures", 1)
             return 0
