@@ -263,7 +263,9 @@ def test_kvwire_check_resolves_the_medium_through_the_registry_it_is_given(tmp_p
 
 
 def test_an_unconfigured_fault_injecting_medium_is_refused_naming_the_key():
-    config = _config("OffloadConnector", {"medium": "kvwire.testing.faulty_medium:FaultInjectingMedium"})
+    config = _config(
+        "OffloadConnector", {"medium": "kvwire.testing.faulty_medium:FaultInjectingMedium"}
+    )
     with pytest.raises(
         ExtraConfigError,
         match=r"^kv_connector_extra_config\.medium: FaultInjectingMedium cannot be used: "
