@@ -18,6 +18,7 @@ from kvwire._moved import install_moved_module_finder
 # project that has kvwire installed pays nothing for it (pytest loads
 # kvwire's plugin in every such project) until it uses a name.
 _EXPORTS = {
+    "AttentionSpec": "kvwire.config.kv_cache",
     "BlockHash": "kvwire.interface.types",
     "BlockRemoved": "kvwire.interface.types",
     "BlockStored": "kvwire.interface.types",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "EngineConfig": "kvwire.config",
     "ForwardContext": "kvwire.interface.types",
     "ForwardingConnector": "kvwire.interface.forwarding",
+    "FullAttentionSpec": "kvwire.config.kv_cache",
     "HMADecision": "kvwire.hma",
     "KVCacheBlocks": "kvwire.interface.types",
     "KVCacheConfig": "kvwire.config.kv_cache",
@@ -54,6 +56,7 @@ _EXPORTS = {
     "ScheduledRequest": "kvwire.interface.types",
     "SchedulerConfig": "kvwire.config",
     "SchedulerOutput": "kvwire.interface.types",
+    "SlidingWindowSpec": "kvwire.config.kv_cache",
     "SupportsHMA": "kvwire.interface.base",
     "build_full_attention_kv_cache_config": "kvwire.config.kv_cache",
     "container_for_profile": "kvwire.container",
@@ -73,9 +76,12 @@ if TYPE_CHECKING:
         SchedulerConfig,
     )
     from kvwire.config.kv_cache import (
+        AttentionSpec,
+        FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        SlidingWindowSpec,
         build_full_attention_kv_cache_config,
     )
     from kvwire.config.profile import load_profile
@@ -136,6 +142,7 @@ def _installed_version() -> str:
 
 
 __all__ = [
+    "AttentionSpec",
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
@@ -146,6 +153,7 @@ __all__ = [
     "EngineConfig",
     "ForwardContext",
     "ForwardingConnector",
+    "FullAttentionSpec",
     "HMADecision",
     "KVCacheBlocks",
     "KVCacheConfig",
@@ -172,6 +180,7 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SlidingWindowSpec",
     "SupportsHMA",
     "build_full_attention_kv_cache_config",
     "container_for_profile",

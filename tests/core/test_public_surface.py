@@ -6,8 +6,11 @@ kvwire.vllm, the fifth, is checked in tests/vllm, where vLLM is installed.
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,90 @@ def test_kvwires_pytest_plugin_costs_a_project_that_does_not_use_it_nothing(
     # Nothing of the plugin's own in the output (pytest's header, left out by -q,
     # lists every installed plugin by name).
     assert "kvwire" not in session.stdout.lower().replace(str(tmp_path).lower(), "")
+
+
+# Where an author looks for a name: each documented import point but kvwire.vllm (tests/vllm).
+_AUTHOR_IMPORT_POINTS = ("kvwire", "kvwire.media", "kvwire.testing", "kvwire.exceptions")
+
+
+def _public_names() -> dict[str, object]:
+    names: dict[str, object] = {}
+    for module_name in (*_AUTHOR_IMPORT_POINTS, "kvwire.engine"):
+        module = importlib.import_module(module_name)
+        names.update((f"{module_name}.{name}", getattr(module, name)) for name in module.__all__)
+    return names
+
+
+def _is_private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
+
+
+@pytest.mark.torch
+def test_every_public_class_is_defined_in_a_public_module() -> None:
+    # What help(), tracebacks and the API reference show as its home.
+    homes = sorted(
+        f"{name} is {value.__module__}.{value.__qualname__}"
+        for name, value in _public_names().items()
+        if isinstance(value, type)
+        and name.split(".")[0] == "kvwire"
+        and not name.startswith("kvwire.engine.")
+        and _is_private(value.__module__)
+    )
+
+    assert homes == []
+
+
+def _annotated_types(annotation: object) -> Iterator[type]:
+    if isinstance(annotation, type):
+        yield annotation
+    origin = typing.get_origin(annotation)
+    if isinstance(origin, type):
+        yield origin
+    for argument in typing.get_args(annotation):
+        yield from _annotated_types(argument)
+
+
+def _signatures(value: object) -> Iterator[tuple[str, Callable[..., object]]]:
+    if not isinstance(value, type):
+        if callable(value):
+            yield "", value
+        return
+    for attribute, member in vars(value).items():
+        if attribute.startswith("_") and attribute != "__init__":
+            continue
+        if isinstance(member, (classmethod, staticmethod)):
+            member = member.__func__
+        if isinstance(member, property):
+            member = member.fget
+        if inspect.isfunction(member):
+            yield f".{attribute}", member
+
+
+@pytest.mark.torch
+def test_every_type_a_public_signature_names_is_public_too() -> None:
+    import torch
+
+    public = _public_names()
+    reachable = {id(value) for value in public.values()}
+    # The names the modules import for type checking only, resolved as the checker does.
+    namespace = {name.rpartition(".")[2]: value for name, value in public.items()}
+    namespace["torch"] = torch
+    unreachable: set[str] = set()
+    for name, value in public.items():
+        if name.startswith("kvwire.engine."):
+            continue
+        for member, function in _signatures(value):
+            try:
+                hints = typing.get_type_hints(function, localns=namespace)
+            except NameError as unknown:  # a type imported for type checking, exported nowhere
+                unreachable.add(f"{name}{member} names {unknown.name}")
+                continue
+            for annotated in (t for hint in hints.values() for t in _annotated_types(hint)):
+                if annotated.__module__.split(".")[0] == "kvwire" and (
+                    id(annotated) not in reachable or _is_private(annotated.__module__)
+                ):
+                    unreachable.add(
+                        f"{name}{member} names {annotated.__module__}.{annotated.__name__}"
+                    )
+
+    assert sorted(unreachable) == []

@@ -14,6 +14,7 @@ Importing this package imports neither torch nor any built-in medium.
 
 from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.mac import EntryMac
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.config.engine_config import ParallelConfig
 from kvwire.config.extra_config import (
@@ -55,6 +56,7 @@ __all__ = [
     "CacheWrites",
     "CorruptBlockError",
     "Counters",
+    "EntryMac",
     "ExtraConfigKey",
     "HeadShard",
     "IOThreads",

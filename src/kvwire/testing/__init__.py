@@ -16,19 +16,32 @@ if TYPE_CHECKING:
         hybrid_engine_config,
         with_load_failure_policy,
     )
-    from kvwire.testing.faults import LoadFaultsHook, with_load_faults
+    from kvwire.testing.faults import (
+        LoadFault,
+        LoadFaultConnector,
+        LoadFaultMetadata,
+        LoadFaultsHook,
+        with_load_faults,
+    )
     from kvwire.testing.idle import IdleConnector
-    from kvwire.testing.instruments import CallLog, Instruments, RoleViolationError
-    from kvwire.testing.parallel_suite import ParallelConformanceSuite
-    from kvwire.testing.suite import ConnectorConformanceSuite
+    from kvwire.testing.instruments import CallLog, CallRecord, Instruments, RoleViolationError
+    from kvwire.testing.parallel_suite import Computed, ParallelConformanceSuite
+    from kvwire.testing.suite import ConnectorConformanceSuite, HybridRun, PassResult
 
 __all__ = [
     "CallLog",
+    "CallRecord",
+    "Computed",
     "ConnectorConformanceSuite",
+    "HybridRun",
     "IdleConnector",
     "Instruments",
+    "LoadFault",
+    "LoadFaultConnector",
+    "LoadFaultMetadata",
     "LoadFaultsHook",
     "ParallelConformanceSuite",
+    "PassResult",
     "RoleViolationError",
     "conformance_engine_config",
     "hybrid_engine_config",
@@ -38,6 +51,13 @@ __all__ = [
 
 _WHERE = {
     "CallLog": "kvwire.testing.instruments",
+    "CallRecord": "kvwire.testing.instruments",
+    "Computed": "kvwire.testing.parallel_suite",
+    "HybridRun": "kvwire.testing.suite",
+    "PassResult": "kvwire.testing.suite",
+    "LoadFault": "kvwire.testing.faults",
+    "LoadFaultConnector": "kvwire.testing.faults",
+    "LoadFaultMetadata": "kvwire.testing.faults",
     "Instruments": "kvwire.testing.instruments",
     "RoleViolationError": "kvwire.testing.instruments",
     "ConnectorConformanceSuite": "kvwire.testing.suite",
