@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from dependency_injector import providers
@@ -10,17 +11,29 @@ from dependency_injector import providers
 from kvwire.config import EngineConfig
 from kvwire.engine import EngineContainer, LLMEngine, build_engine
 from kvwire.engine.engine import GenerationRequest
+from kvwire.engine.model import TinyTransformer
 from kvwire.engine.worker import Worker
 from kvwire.interface.base import KVConnectorRole
 from kvwire.testing.instruments import CallLog, Instruments
 from tests.support.directory_connector import DirectoryConnector
 from tests.support.engines import with_directory_connector
 
+if TYPE_CHECKING:
+    import torch
+
 PROMPTS = [GenerationRequest(f"r{index}", tuple(range(1, 20 + index)), 3) for index in range(3)]
 
 
 class SubstituteConnector(DirectoryConnector):
     pass
+
+
+class CountingModel(TinyTransformer):
+    forward_passes = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        self.forward_passes += 1
+        return super().forward(*args, **kwargs)
 
 
 def test_a_connector_class_overridden_in_the_container_serves_both_roles(
@@ -36,6 +49,31 @@ def test_a_connector_class_overridden_in_the_container_serves_both_roles(
         # Each part is built once per container: the engine holds the container's.
         assert engine.scheduler is container.scheduler()
         assert engine.worker is container.worker()
+    with LLMEngine(config) as plain:
+        assert [output.output_token_ids for output in outputs] == [
+            output.output_token_ids for output in plain.generate(PROMPTS)
+        ]
+
+
+def test_a_model_overridden_in_the_container_is_the_one_the_worker_runs(
+    config: EngineConfig,
+) -> None:
+    container = EngineContainer(config=config)
+    worker_parts = container.inline_worker
+    worker_parts.model.override(
+        providers.Singleton(
+            CountingModel,
+            config.model_config,
+            worker_parts.kv_cache.provided.layer_names,
+            config.scheduler_config.max_num_batched_tokens,
+            worker_parts.kv_cache.provided.layer_groups,
+        )
+    )
+
+    with build_engine(container) as engine:
+        outputs = engine.generate(PROMPTS)
+        model = engine.worker.model  # type: ignore[attr-defined]
+        assert isinstance(model, CountingModel) and model.forward_passes > 0
     with LLMEngine(config) as plain:
         assert [output.output_token_ids for output in outputs] == [
             output.output_token_ids for output in plain.generate(PROMPTS)

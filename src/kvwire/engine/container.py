@@ -37,7 +37,7 @@ from kvwire.engine.parallel import RankShare, engine_parallel_config, rank_share
 from kvwire.engine.ranked_workers import RankedWorkers
 from kvwire.engine.scheduler import Scheduler
 from kvwire.engine.step import StepResult, WorkerStep
-from kvwire.engine.worker import Worker
+from kvwire.engine.worker_container import WorkerContainer
 from kvwire.engine.worker_process import WorkerProcess
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
@@ -231,9 +231,11 @@ class EngineContainer(containers.DeclarativeContainer):
     checked), `hma` (the HMA decision), `kv_cache_config` (the paged KV
     cache's layout), `shares` (each rank's, at tensor or pipeline
     parallelism), `connector_source` (this process's connectors, a resource),
-    `scheduler_connector`, `block_manager`, `scheduler`, `worker` (the
-    inline `Worker`, a `WorkerProcess`, or `RankedWorkers`: a worker
-    process builds its model and KV cache itself) and `parts`, all of them.
+    `scheduler_connector`, `block_manager`, `scheduler`, `inline_worker`
+    (a [`WorkerContainer`][kvwire.engine.worker_container.WorkerContainer]:
+    the worker's paged KV cache, model and `Worker`), `worker` (the inline
+    one, a `WorkerProcess`, or `RankedWorkers`: a worker process assembles
+    its own `WorkerContainer`) and `parts`, all of them.
     [`build_engine`][kvwire.engine.build_engine] makes the engine of them,
     shutting down what was built when a part fails; `LLMEngine.close`
     shuts the parts down.
@@ -267,15 +269,17 @@ class EngineContainer(containers.DeclarativeContainer):
         providers.Callable(root_hash, checked_config.provided.model_config),
         block_manager,
     )
+    # The inline worker shares this process's connector source with the scheduler side.
+    inline_worker = providers.Container(
+        WorkerContainer,
+        config=checked_config,
+        kv_cache_config=kv_cache_config,
+        torch_threads=torch_threads,
+        connector_source=connector_source,
+    )
     worker: providers.Provider[Any] = providers.Selector(
         worker_kind,
-        inline=providers.Singleton(
-            Worker,
-            checked_config,
-            kv_cache_config,
-            connector_source,
-            torch_threads=torch_threads,
-        ),
+        inline=inline_worker.worker,
         process=providers.Singleton(
             WorkerProcess,
             checked_config,

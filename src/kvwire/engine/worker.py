@@ -15,94 +15,56 @@ from collections.abc import Sequence
 import torch
 
 from kvwire.config import EngineConfig
-from kvwire.config.kv_cache import LAYER_NAME_FORMAT, KVCacheConfig
 from kvwire.engine.batch import StepBatch
 from kvwire.engine.connector_source import ConnectorSource
-from kvwire.engine.model import AttentionMetadata, RankExchange, TinyTransformer, torch_dtype
-from kvwire.engine.parallel import RankShare
+from kvwire.engine.model import AttentionMetadata, TinyTransformer
+from kvwire.engine.paged_cache import PagedKVCache
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.interface.types import ForwardContext, KVConnectorOutput
 
 
 class Worker:
-    """Owns the KV cache tensors and the model, and drives the worker-side connector.
+    """Runs `model` over the paged `kv_cache`, and drives the worker-side connector.
 
     The worker-side connector comes from `connector_source`; in process
-    mode that source lives in the worker's process.
+    mode that source lives in the worker's process. The parts are built by
+    a `kvwire.engine.container.WorkerContainer`.
 
-    One rank of a parallel engine holds its `share` (its heads of its
-    stage's layers; `kv_cache_config` is then the share's) and trades
-    activations with the other ranks through `exchange`; only the last
-    stage samples tokens.
+    One rank of a parallel engine holds its share (its heads of its
+    stage's layers, in `kv_cache` and `model`) and its model trades
+    activations with the other ranks; only the last stage samples tokens.
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        kv_cache_config: KVCacheConfig,
+        kv_cache: PagedKVCache,
+        model: TinyTransformer,
         connector_source: ConnectorSource,
         *,
         torch_threads: int | None = 1,
-        share: RankShare | None = None,
-        exchange: RankExchange | None = None,
     ) -> None:
         if torch_threads is not None:
             # Process-wide: the worker owns this process's compute. One thread
             # suits small models, whose ops are too short to split.
             torch.set_num_threads(torch_threads)
-        model_config = config.model_config
-        # Model order (the cache config lists layers group by group).
-        layers = range(model_config.num_layers) if share is None else share.layers
-        self.layer_names = tuple(LAYER_NAME_FORMAT.format(index) for index in layers)
-        group_of = {
-            name: group
-            for group, spec in enumerate(kv_cache_config.kv_cache_groups)
-            for name in spec.layer_names
-        }
-        if sorted(group_of) != sorted(self.layer_names):
-            raise ValueError(
-                f"kv_cache_config names layers {sorted(group_of)}, but the model has "
-                f"{list(self.layer_names)}"
-            )
-        self.layer_groups = tuple(group_of[name] for name in self.layer_names)
-        self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self.layer_names = kv_cache.layer_names
+        self.layer_groups = kv_cache.layer_groups
+        self.num_groups = kv_cache.num_groups
         self.block_size = config.cache_config.block_size
-        dtype = torch_dtype(model_config.dtype)
-        shape = (
-            2,
-            kv_cache_config.num_blocks,
-            self.block_size,
-            model_config.num_kv_heads if share is None else len(share.kv_heads),
-            model_config.head_size,
-        )
-        # One tensor per KVCacheTensor: layers of different groups share it
-        # (their block ids never overlap), as in vLLM's HMA.
-        shared: dict[str, torch.Tensor] = {}
-        for cache_tensor in kv_cache_config.kv_cache_tensors:
-            tensor = torch.zeros(shape, dtype=dtype)
-            for name in cache_tensor.shared_by:
-                shared[name] = tensor
-        self.kv_caches = {name: shared[name] for name in self.layer_names}
+        self.kv_caches = kv_cache.tensors
         self._kv_cache_list = [self.kv_caches[name] for name in self.layer_names]
         scheduler_config = config.scheduler_config
         self._batch = StepBatch(
             scheduler_config.max_num_batched_tokens,
             scheduler_config.max_num_seqs,
-            model_config.max_model_len,
+            config.model_config.max_model_len,
             self.block_size,
             self.num_groups,
         )
         self._sampled_ids = torch.zeros(scheduler_config.max_num_seqs, dtype=torch.int64)
-        self.model = TinyTransformer(
-            model_config,
-            self.layer_names,
-            scheduler_config.max_num_batched_tokens,
-            self.layer_groups,
-            kv_heads=None if share is None else share.kv_heads,
-            layers=layers,
-            exchange=exchange,
-        )
+        self.model = model
         self.connector: KVConnectorBase | None = connector_source.connector(KVConnectorRole.WORKER)
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_caches)

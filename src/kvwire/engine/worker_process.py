@@ -1,15 +1,17 @@
 """Run the worker in its own process, with each step's instructions pickled across.
 
-The worker process builds its own connector (WORKER role) from its own
-connector source; the only thing it shares with the scheduler is the bytes
+The worker process assembles its worker with a
+[`WorkerContainer`][kvwire.engine.worker_container.WorkerContainer], its own
+connector (WORKER role) from its own connectors; the only thing it shares
+with the scheduler is the bytes
 of each `WorkerStep` and
 `StepResult`. That proves the connector metadata
 is picklable and that the two roles keep no common state.
 
 One rank of a parallel engine (`RankSetup`) builds its connector in a
-container whose `parallel_config` provider is overridden with its rank,
-the way any application injects a worker's rank, and joins the other
-ranks' process group (`kvwire.engine.rank_group`).
+container whose `parallel_config` provider is its rank's, the way any
+application injects a worker's rank, and joins the other ranks' process
+group (`kvwire.engine.rank_group`).
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ from typing import Any
 
 import attrs
 import torch
-from dependency_injector import providers
 
 from kvwire.config import EngineConfig
 from kvwire.config.kv_cache import KVCacheConfig
-from kvwire.container import KVConnectorContainer
 from kvwire.engine.connector_source import ConnectorHook, ConnectorSource, ContainerHook
 from kvwire.engine.parallel import RankShare
 from kvwire.engine.step import StepResult, WorkerStep
 from kvwire.engine.worker import Worker
+from kvwire.engine.worker_container import WorkerContainer
 from kvwire.exceptions import WorkerProcessError as WorkerProcessError
 from kvwire.interface.types import KVConnectorOutput, KVConnectorStats
 
@@ -63,41 +64,33 @@ def _build_worker(
     rank: RankSetup | None,
     container_hook: ContainerHook | None,
 ) -> tuple[Worker, ConnectorSource, Any]:
-    if rank is None:
-        container = KVConnectorContainer()
-        container.engine_config.override(providers.Object(config))
-        if container_hook is not None:
-            container_hook(container)
-        source = ConnectorSource(config, kv_cache_config, hook, container)
-        return Worker(config, kv_cache_config, source, torch_threads=torch_threads), source, None
-    from kvwire.engine.rank_group import RankGroup
+    group = None
+    if rank is not None:
+        from kvwire.engine.rank_group import RankGroup
 
-    share = rank.share
-    group = RankGroup(
-        rank.store_path,
-        share.parallel,
-        max_num_tokens=config.scheduler_config.max_num_batched_tokens,
-        local_width=len(share.query_heads) * config.model_config.head_size,
-        timeout_s=rank.timeout_s,
-    )
-    container = KVConnectorContainer()
-    container.engine_config.override(providers.Object(share.connector_config))
-    # The rank is injected here: the connector's heads and layers follow it.
-    container.parallel_config.override(providers.Object(share.parallel))
-    if container_hook is not None:
-        container_hook(container)
-    source = ConnectorSource(share.connector_config, share.kv_cache_config, hook, container)
-    try:
-        worker = Worker(
-            config,
-            share.kv_cache_config,
-            source,
-            torch_threads=torch_threads,
-            share=share,
-            exchange=group,
+        group = RankGroup(
+            rank.store_path,
+            rank.share.parallel,
+            max_num_tokens=config.scheduler_config.max_num_batched_tokens,
+            local_width=len(rank.share.query_heads) * config.model_config.head_size,
+            timeout_s=rank.timeout_s,
         )
+    container = WorkerContainer(
+        config=config,
+        kv_cache_config=kv_cache_config if rank is None else rank.share.kv_cache_config,
+        share=None if rank is None else rank.share,
+        exchange=group,
+        torch_threads=torch_threads,
+        connector_hook=hook,
+    )
+    try:
+        if container_hook is not None:
+            container_hook(container.connectors())
+        worker: Worker = container.worker()
+        source: ConnectorSource = container.connector_source()
     except BaseException:
-        group.close()
+        if group is not None:
+            group.close()
         raise
     return worker, source, group
 
