@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 
 # Where the header's layout fingerprint and block hash lie (kvwire.blocks.format's header).
 FINGERPRINT_AT = struct.calcsize("<4sHH")

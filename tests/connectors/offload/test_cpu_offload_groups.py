@@ -27,7 +27,7 @@ from kvwire.interface.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from tests.support.connector_pairs import make_request
 from tests.support.engines import (
     generate,

@@ -21,7 +21,7 @@ from kvwire.blocks.format import BlockLayout, CorruptBlockError, verify_entry
 from kvwire.config import EngineConfig
 from kvwire.engine.block_hash import extend_block_hashes, root_hash
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from tests.support.engines import (
     shared_storage,
     tiered_disk,

@@ -27,9 +27,9 @@ from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.media.base import MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
-from kvwire.media.cpu_pool import _handler as cpu_pool_handler_module
-from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool import handler as cpu_pool_handler_module
+from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.mixed_up_slots import name_another_block, name_another_layout
 from tests.support.store_handlers import HASHES, layout_caches

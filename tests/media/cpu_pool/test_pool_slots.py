@@ -12,7 +12,7 @@ from kvwire.blocks.format import (
     verify_entry,
     write_header,
 )
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_size=4, dtype="float32")
 IN_PROCESS = BlockLayout(

@@ -20,8 +20,8 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
-from kvwire.media.cpu_pool import _handler as cpu_pool_worker_module
-from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool import handler as cpu_pool_worker_module
+from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until

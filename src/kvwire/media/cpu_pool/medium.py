@@ -2,7 +2,7 @@
 
 The scheduler side's index (`kvwire.media.cpu_pool._slot_table`) decides
 which slot holds which block, evicting the least recently used; the worker
-side (`kvwire.media.cpu_pool._handler`) owns the pool memory and copies.
+side (`kvwire.media.cpu_pool.handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
 header; every group's entries have the same size, so the groups share the
 pool. A block becomes a hit only once its store is complete. Entries carry
@@ -41,7 +41,7 @@ from kvwire.config.extra_config import (
 )
 from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
-from kvwire.media.cpu_pool._index import CPUPoolIndex
+from kvwire.media.cpu_pool.index import CPUPoolIndex
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class CPUPoolMedium(Medium):
     ) -> TransferHandler:
         # Imported here: they need torch, which the scheduler side never imports.
         from kvwire.blocks.paged_cache import group_caches
-        from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
+        from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 
         context = self.context
         handler = CPUPoolTransferHandler(

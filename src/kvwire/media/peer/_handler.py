@@ -58,8 +58,8 @@ from kvwire.config import ParallelConfig
 from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
-from kvwire.media.cpu_pool._handler import CPUPoolTransferHandler
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.jobs import JobLedger, JobPiece
 from kvwire.media.peer._agent import PeerAgent
@@ -131,9 +131,7 @@ class PeerTransferHandler(TransferHandler):
             entry_bytes=self._layout.entry_bytes,
             num_slots=num_slots,
         )
-        self._threads = IOThreads(
-            settings.io_threads, "kvwire-peer-load", copy_on_this_thread_only
-        )
+        self._threads = IOThreads(settings.io_threads, "kvwire-peer-load", copy_on_this_thread_only)
         self._changed = threading.Condition()
         self._loads: JobLedger[JobPiece] = JobLedger(
             counters=counters,

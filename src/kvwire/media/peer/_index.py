@@ -42,7 +42,7 @@ import time
 from collections.abc import Sequence
 
 from kvwire.interface.types import BlockHash, BlockRemoved
-from kvwire.media.cpu_pool._index import CPUPoolIndex
+from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.peer._directory import Location, PeerDirectory
 
 # Entries announced again per scheduler step, at most: one pipelined round trip.

@@ -53,7 +53,7 @@ from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
-from kvwire.media.cpu_pool._pool_memory import PoolSlots
+from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.jobs import JobLedger, JobPiece, piece_of
 from kvwire.media.rate_limited import RateLimitedWarning
