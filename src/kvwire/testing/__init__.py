@@ -1,5 +1,10 @@
 """kvwire's conformance kit for KV connectors: a pytest plugin and a reusable suite.
 
+Its two fault injectors fail chosen loads alike:
+[`with_load_faults`][kvwire.testing.with_load_faults] around a connector (to test a
+connector), [`FaultInjectingMedium`][kvwire.testing.FaultInjectingMedium] around a medium
+beneath the offload connector (to test a medium, or the offload connector's recovery).
+
 `from kvwire.testing import ConnectorConformanceSuite` imports the engine
 (and torch); the pytest plugin itself (`kvwire.testing.plugin`) does not.
 """
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
         LoadFaultsHook,
         with_load_faults,
     )
+    from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium
     from kvwire.testing.idle import IdleConnector
     from kvwire.testing.instruments import CallLog, CallRecord, Instruments, RoleViolationError
     from kvwire.testing.parallel_suite import Computed, ParallelConformanceSuite
@@ -33,6 +39,8 @@ __all__ = [
     "CallRecord",
     "Computed",
     "ConnectorConformanceSuite",
+    "FaultInjectingHandler",
+    "FaultInjectingMedium",
     "HybridRun",
     "IdleConnector",
     "Instruments",
@@ -53,6 +61,8 @@ _WHERE = {
     "CallLog": "kvwire.testing.instruments",
     "CallRecord": "kvwire.testing.instruments",
     "Computed": "kvwire.testing.parallel_suite",
+    "FaultInjectingHandler": "kvwire.testing.faulty_medium",
+    "FaultInjectingMedium": "kvwire.testing.faulty_medium",
     "HybridRun": "kvwire.testing.suite",
     "PassResult": "kvwire.testing.suite",
     "LoadFault": "kvwire.testing.faults",
