@@ -1,9 +1,12 @@
-"""What the block connector's worker half knows of the jobs it gave a medium's transfer handler.
+"""The offload connector's worker side's record of the jobs it gave a medium: by request and step.
 
 A [`TransferHandler`][kvwire.media.TransferHandler] only runs jobs: it is told
 to start one, says which ended and which of their blocks failed, and waits
-for some. `TransferBook` turns that into what the connector reports
-to the engine, the same for every medium:
+for some (its [`JobLedger`][kvwire.media.JobLedger] keeps the pieces of each
+job on its I/O threads, their deadlines and giving up). `TransferBook` is the
+other side of that call, kept by the connector above any medium: which
+request and which engine step each job id serves, turned into what the
+connector reports to the engine, the same for every medium:
 
 - a step's synchronous loads are one job, waited for before the forward
   pass; the block ids that failed are the step's load errors, kept until
@@ -16,8 +19,9 @@ to the engine, the same for every medium:
 - a preempted request's asynchronous load is waited for, up to its
   deadline, before its blocks are given out again.
 
-Giving up on a job at its deadline is the handler's: it alone can stop a
-job's writes into the cache.
+Giving up on a job at its deadline is the handler's (its ledger's): it alone
+can stop a job's writes into the cache. The book never sees a piece or a
+thread, and the ledger never a request's state or an engine step.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ __all__ = ["TransferBook"]
 
 
 class TransferBook:
-    """The jobs one connector gave `handler`: per step, per request; not thread-safe.
+    """The jobs one connector gave `handler`, by engine step and request; not thread-safe.
 
     Called from the thread that drives the engine's steps only, as the
     connector's calls are.

@@ -1,4 +1,4 @@
-"""The block connector's worker half: drives the medium's transfer handler around the forward pass.
+"""The offload connector's worker side: drives the transfer handler around the forward pass.
 
 The handler only runs transfer jobs; which request and which step each job
 serves is kept here, in a `TransferBook`.
@@ -8,7 +8,7 @@ them; saves read every layer after the forward pass, so `save_kv_layer`
 does nothing and `wait_for_save` only submits. Before anything of a step
 writes the cache, the saves still reading blocks given out again (or blocks
 of preempted requests) are released; a save computed from a block whose
-load failed is left out. Both are reported to the scheduler half
+load failed is left out. Both are reported to the scheduler side
 (`OffloadWorkerMetadata`), which
 never publishes them.
 """
@@ -45,7 +45,7 @@ IDLE_STEP_WAIT_S = 0.005
 
 
 class OffloadWorker:
-    """The worker-side state of one block connector; its handler is built with the caches.
+    """The worker-side state of one offload connector; its handler is built with the caches.
 
     `reports_lookups`: whether this worker's stats carry the scheduler
     side's lookup counts (sent in each step's metadata to every rank): only
@@ -131,7 +131,7 @@ class OffloadWorker:
         metadata = self.metadata(kv_connector_metadata)
         transfers = self._require_transfers()
         saves, left_out = self._saves_from_good_context(metadata.saves)
-        # Reported, so that the scheduler half never publishes them: the
+        # Reported, so that the scheduler side never publishes them: the
         # blocks, computed again, are saved anew.
         self._left_out_saves += left_out
         if saves:
