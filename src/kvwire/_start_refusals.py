@@ -5,36 +5,32 @@ parallel layout against the model (a tensor-parallel size that does not
 divide the KV heads), and a block connector's medium checks its options
 against the model's cache layout when it is built (a CPU pool smaller than
 one block). `kvwire check` runs those: the layout's checks, then each block
-connector's medium, built from the KV cache the engine would give rank 0's
-connector, neither half of it (no index, no pool, no connection).
+connector's medium, built by a container's `medium` provider from the KV
+cache the engine would give rank 0's connector, neither half of it (no
+index, no pool, no connection).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import attrs
+from dependency_injector import providers
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.config.kv_cache import KVCacheConfig, build_kv_cache_config
+from kvwire.container import KVConnectorContainer
 from kvwire.hma import HMADecision, with_hma_decision
 from kvwire.interface.base import KVConnectorBase
-
-ConnectorResolver = Callable[[KVTransferConfig], type[KVConnectorBase]]
-MediumResolver = Callable[[str], type]
-
-_BLOCK_CONNECTOR_MODULE = "kvwire.connectors.offload.connector"
+from kvwire.registry import ConnectorRegistry, accepts_medium
 
 
 def refuse_at_start(
     engine_config: EngineConfig,
     decision: HMADecision,
     connector_cls: type[KVConnectorBase],
-    resolve: ConnectorResolver,
-    medium_resolver: MediumResolver,
+    registry: ConnectorRegistry,
 ) -> None:
     """Raise what building `connector_cls` (and each child a composite lists) would raise first.
 
@@ -56,7 +52,7 @@ def refuse_at_start(
     transfer = decided.kv_transfer_config
     if transfer is None:
         return
-    _refuse(decided, transfer, connector_cls, "", resolve, medium_resolver, kv_cache_config)
+    _refuse(decided, transfer, connector_cls, "", registry, kv_cache_config)
 
 
 def _refuse(
@@ -64,16 +60,12 @@ def _refuse(
     transfer: KVTransferConfig,
     connector_cls: type[KVConnectorBase],
     where: str,
-    resolve: ConnectorResolver,
-    medium_resolver: MediumResolver,
+    registry: ConnectorRegistry,
     kv_cache_config: KVCacheConfig,
 ) -> None:
-    block_connector = _block_connector_class()
-    if block_connector is not None and issubclass(connector_cls, block_connector):
-        # The class itself: a preset names its own default medium.
-        build_medium: Any = getattr(connector_cls, "build_medium")  # noqa: B009
+    if accepts_medium(connector_cls):
         try:
-            build_medium(config, kv_cache_config, medium_resolver)
+            _build_medium_alone(config, connector_cls, registry, kv_cache_config)
         except ValueError as error:
             if not where:
                 raise
@@ -93,19 +85,30 @@ def _refuse(
         _refuse(
             child_config,
             child_transfer,
-            resolve(child_transfer),
+            registry.resolve(child_transfer),
             child_where,
-            resolve,
-            medium_resolver,
+            registry,
             kv_cache_config,
         )
 
 
-def _block_connector_class() -> Any:
-    """kvwire's block connector class, if a connector resolved so far is one.
+def _build_medium_alone(
+    config: EngineConfig,
+    connector_cls: type[KVConnectorBase],
+    registry: ConnectorRegistry,
+    kv_cache_config: KVCacheConfig,
+) -> None:
+    """What the `medium` provider of a container building `connector_cls` for `config` raises.
 
-    Its module needs the torch extra's xxhash, so it is never imported here:
-    a class deriving from it has imported it already.
+    The medium is built alone, neither half of the connector: it reads its
+    options and the layout; its index and its handler, which connect and
+    allocate, are the halves' to build.
     """
-    module = sys.modules.get(_BLOCK_CONNECTOR_MODULE)
-    return None if module is None else module.OffloadConnector
+    container = KVConnectorContainer()
+    container.registry.override(providers.Object(registry))
+    container.engine_config.override(providers.Object(config))
+    container.connector_class.override(providers.Object(connector_cls))
+    # The HMA gate and the rank's share are decided already, for the whole engine.
+    container.connector_engine_config.override(providers.Object(config))
+    container.kv_cache_config.override(providers.Object(kv_cache_config))
+    container.medium()

@@ -310,7 +310,7 @@ def _check_lines(
     # resolved is reported as _child_lines words it.
     try:
         with contained_exits():
-            connector_cls.validate_extra_config(transfer, registry.resolve)
+            connector_cls.validate_extra_config(transfer, registry)
     except _USER_ERRORS as error:
         if not isinstance(error, PluginExit):
             raise
@@ -336,9 +336,7 @@ def _check_lines(
 
     decision = decide_hma(engine_config.scheduler_config, connector_cls.__name__, is_supported)
     lines.append(f"HMA: {'enabled' if decision.enabled else 'disabled'} ({decision.reason})")
-    refuse_at_start(
-        engine_config, decision, connector_cls, registry.resolve, registry.media.get_class
-    )
+    refuse_at_start(engine_config, decision, connector_cls, registry)
     lines.append(describe_kv_cache_groups(engine_config, decision))
     lines.append("ok")
     return lines

@@ -34,6 +34,7 @@ import attrs
 from dependency_injector import containers, providers, resources
 
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
+from kvwire.config.extra_config import ExtraConfigError
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.config.profile import (
     load_profile,
@@ -60,8 +61,9 @@ _MEDIUM_FIELD = "kv_connector_extra_config.medium"
 # What the registry resolved during the role build in progress (this thread's),
 # so that one build enters the registry once per class it needs, however many
 # providers ask for that class.
-_build_resolutions: contextvars.ContextVar[dict[tuple[str, int, int], tuple[object, Any]] | None] = (
-    contextvars.ContextVar("kvwire_build_resolutions", default=None)
+_Resolutions = dict[tuple[str, int, str], Any]
+_build_resolutions: contextvars.ContextVar[_Resolutions | None] = contextvars.ContextVar(
+    "kvwire_build_resolutions", default=None
 )
 
 
@@ -78,16 +80,19 @@ def _one_resolution_per_build() -> Iterator[None]:
 
 
 def _resolved_once(
-    kind: str, registry: ConnectorRegistry, asked: object, resolve: Callable[[], T]
+    kind: str, registry: ConnectorRegistry, asked: KVTransferConfig, resolve: Callable[[], T]
 ) -> T:
     resolutions = _build_resolutions.get()
     if resolutions is None:
         return resolve()
-    key = (kind, id(registry), id(asked))
+    # By value, every field (a repr is bounded and blanks secrets): the HMA
+    # gate and a composite's build each derive their own copies of a child's
+    # config. The registry outlives the build, so its id is not reused meanwhile.
+    value = json.dumps(attrs.asdict(asked), sort_keys=True, default=repr)
+    key = (kind, id(registry), value)
     if key not in resolutions:
-        # `asked` is kept with its answer: its id is not reused while the build lasts.
-        resolutions[key] = (asked, resolve())
-    resolved: T = resolutions[key][1]
+        resolutions[key] = resolve()
+    resolved: T = resolutions[key]
     return resolved
 
 
@@ -133,10 +138,7 @@ def _resolve_connector_class(
     registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
 ) -> type[KVConnectorBase]:
     return _resolved_once(
-        "connector",
-        registry,
-        kv_transfer_config,
-        lambda: registry.resolve(kv_transfer_config),
+        "connector", registry, kv_transfer_config, lambda: registry.resolve(kv_transfer_config)
     )
 
 
@@ -183,6 +185,16 @@ def _block_connector_hook(connector_class: type[KVConnectorBase], name: str) -> 
     return hook
 
 
+def _medium_class_to_build(
+    medium_class: Callable[[], type[Medium] | None],
+) -> type[Medium] | None:
+    try:
+        return medium_class()
+    except ValueError as error:
+        # Worded as validate_extra_config words it, for `kvwire check` and the engine alike.
+        raise ExtraConfigError(f"{_MEDIUM_FIELD}: {error}") from None
+
+
 def _read_medium_options(
     connector_class: type[KVConnectorBase],
     medium_class: Callable[[], type[Medium] | None],
@@ -191,11 +203,7 @@ def _read_medium_options(
     """The block connector's extra config read over its medium's keys and finished; or None."""
     if not accepts_medium(connector_class):
         return None
-    try:
-        medium_cls = medium_class()
-    except ValueError as error:
-        # Worded as validate_extra_config words it, for `kvwire check` and the engine alike.
-        raise ExtraConfigError(f"{_MEDIUM_FIELD}: {error}") from None
+    medium_cls = _medium_class_to_build(medium_class)
     if medium_cls is None:
         raise ContainerSetupError(
             f"KVConnectorContainer.medium_class provides None for {connector_class.__name__}, "
@@ -225,13 +233,16 @@ def _medium_context(
 
 
 def _build_medium(
-    medium_class: type[Medium] | None, context: MediumContext | None
+    medium_class: Callable[[], type[Medium] | None], context: MediumContext | None
 ) -> Medium | None:
-    """`medium_class(context)`: one medium, for one connector to own."""
-    if medium_class is None or context is None:
+    """`medium_class()(context)`: one medium, for one connector to own."""
+    if context is None:
+        return None
+    medium_cls = _medium_class_to_build(medium_class)
+    if medium_cls is None:
         return None
     medium: Medium = call_plugin(
-        _MEDIUM_FIELD, f"{medium_class.__name__}()", lambda: medium_class(context)
+        _MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
     )
     return medium
 
@@ -243,7 +254,7 @@ def _assemble(
     role: KVConnectorRole,
     kv_cache_config: KVCacheConfig,
     medium: Callable[[], Medium | None],
-    connector_builder: ConnectorBuilder,
+    connector_builder: ChildConnectorBuilder,
 ) -> KVConnectorBase:
     built_medium = medium() if accepts_medium(connector_class) else None
     return registry.instantiate(
@@ -257,7 +268,7 @@ def _assemble(
 
 
 @attrs.frozen
-class ConnectorBuilder:
+class ChildConnectorBuilder:
     """Builds the connector an engine config names, as its container builds its own.
 
     A composite connector's `connector_builder` (the container's
@@ -282,7 +293,7 @@ class ConnectorBuilder:
             def medium() -> Medium | None:
                 options = _read_medium_options(connector_class, medium_class, transfer)
                 context = _medium_context(connector_class, config, kv_cache_config, options)
-                return _build_medium(medium_class(), context)
+                return _build_medium(medium_class, context)
 
             return _assemble(
                 self.registry, connector_class, config, role, kv_cache_config, medium, self
@@ -296,12 +307,22 @@ def _apply_hma_gate(
 ) -> HMADecision:
     kv_transfer_config = _require_kv_transfer_config(engine_config)
 
+    def resolve_child(child: KVTransferConfig) -> type[KVConnectorBase]:
+        return _resolve_connector_class(registry, child)
+
     def is_supported() -> bool:
         # Asked of the class the container resolved (an override included);
-        # a composite's hook asks about each child through the registry.
-        return registry.class_supports_hma(connector_class, kv_transfer_config)
+        # a composite's hook asks about each child through the registry,
+        # resolved as the build resolves it.
+        return registry.class_supports_hma(connector_class, kv_transfer_config, resolve_child)
 
     return decide_hma(engine_config.scheduler_config, connector_class.__name__, is_supported)
+
+
+_KV_CACHE_CONFIG_HOW = (
+    "call container.kv_cache_config.override(kv_cache_config) once the engine has sized its "
+    "KV cache"
+)
 
 
 def _required(dependency: providers.Dependency[Any], what: str, how: str) -> Any:
@@ -335,7 +356,7 @@ class ThreadSafeResource(providers.Resource[T]):
         super().__init__(provides, *args, **kwargs)
 
     def _provide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-        with self._locked():
+        with self._locked(), _one_resolution_per_build():
             # _provide is the cpdef hook Provider.__call__ calls once no
             # override answered; the stubs do not list it.
             provided: T = super()._provide(args, kwargs)  # type: ignore[misc]
@@ -373,25 +394,12 @@ class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
         engine_config: EngineConfig,
         role: KVConnectorRole,
         kv_cache_config: providers.Dependency[KVCacheConfig],
-        medium_class: providers.Provider[type[Medium] | None],
+        medium: providers.Provider[Medium | None],
+        connector_builder: ChildConnectorBuilder,
     ) -> KVConnectorBase:
-        sized_cache = _required(
-            kv_cache_config,
-            "kv_cache_config",
-            "call container.kv_cache_config.override(kv_cache_config) once the engine "
-            "has sized its KV cache",
-        )
-
-        def medium_resolver(spec: str) -> type[Medium]:
-            # The connector asks for the medium its own config names, the one
-            # `medium_class` resolves: asked lazily, so that a bad name is
-            # the connector's configuration error, worded as `kvwire check`'s.
-            resolved = medium_class()
-            assert resolved is not None, "only a block connector asks for a medium"
-            return resolved
-
-        return registry.instantiate(
-            connector_class, engine_config, role, sized_cache, medium_resolver=medium_resolver
+        sized_cache = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
+        return _assemble(
+            registry, connector_class, engine_config, role, sized_cache, medium, connector_builder
         )
 
     def shutdown(self, connector: KVConnectorBase | None) -> None:
@@ -472,6 +480,18 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         providers.Callable(with_hma_decision, engine_config, hma_gate),
         parallel_config,
     )
+    medium_options = providers.Callable(
+        _read_medium_options, _checked_connector_class, medium_class.provider, kv_transfer_config
+    )
+    medium_context = providers.Callable(
+        _medium_context,
+        _checked_connector_class,
+        connector_engine_config,
+        kv_cache_config.provider,
+        medium_options,
+    )
+    medium = providers.Factory(_build_medium, medium_class.provider, medium_context)
+    connector_builder = providers.Factory(ChildConnectorBuilder, registry)
 
     scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
@@ -480,7 +500,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         connector_engine_config,
         KVConnectorRole.SCHEDULER,
         kv_cache_config.provider,
-        medium_class.provider,
+        medium.provider,
+        connector_builder,
     )
     worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
@@ -489,7 +510,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         connector_engine_config,
         KVConnectorRole.WORKER,
         kv_cache_config.provider,
-        medium_class.provider,
+        medium.provider,
+        connector_builder,
     )
 
     process_role = providers.Dependency(instance_of=KVConnectorRole)

@@ -22,7 +22,7 @@ from kvwire.blocks.mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
 from kvwire.cli import check_profile
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import SharedStorageConnector
-from tests.support.connector_pairs import engine_config
+from tests.support.connector_pairs import engine_config, read_options
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 # A sentinel no output may ever contain.
@@ -187,7 +187,7 @@ def test_a_connector_with_an_unset_key_variable_fails_naming_the_field_and_varia
     )
     message = f"kv_connector_extra_config.mac_key_env: environment variable '{VARIABLE}' is not set"
     with pytest.raises(ExtraConfigError, match=message):
-        SharedStorageConnector.read_options(config.kv_transfer_config)
+        read_options(SharedStorageConnector, config.kv_transfer_config)
 
 
 def test_check_names_the_tiered_profiles_child_whose_key_variable_is_unset(
@@ -210,7 +210,7 @@ def test_check_names_the_tiered_profiles_child_whose_key_variable_is_unset(
 def test_the_key_itself_is_never_accepted_in_a_profile(tmp_path: pathlib.Path) -> None:
     config = engine_config("SharedStorageConnector", shared_storage_extra(tmp_path, mac_key=KEY))
     with pytest.raises(ExtraConfigError, match="mac_key is not an option") as raised:
-        SharedStorageConnector.read_options(config.kv_transfer_config)
+        read_options(SharedStorageConnector, config.kv_transfer_config)
     assert KEY not in str(raised.value)
 
 

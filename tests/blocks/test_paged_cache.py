@@ -9,6 +9,7 @@ import torch
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
+from tests.support.connector_pairs import build_connector
 
 LAYOUT = BlockLayout(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 
@@ -87,7 +88,7 @@ def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused():
         num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype="float32"
     )
     with pytest.raises(ValueError) as raised:
-        CPUOffloadConnector(config, KVConnectorRole.WORKER, other)
+        build_connector(CPUOffloadConnector, config, KVConnectorRole.WORKER, other)
     assert str(raised.value) == (
         "kv_cache_config: a group has (block_size, num_kv_heads, head_size, dtype) = "
         "(4, 2, 8, 'float32'), the engine config says (4, 2, 16, 'float32')"

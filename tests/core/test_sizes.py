@@ -22,6 +22,7 @@ from kvwire.config.profile import load_profile
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ProfileError
 from kvwire.interface.base import KVConnectorRole
+from tests.support.connector_pairs import read_options
 
 HUNDRED_TIB = 100 * 1024**4
 THREE_HUNDRED_DIGITS = int("9" * 300)
@@ -111,7 +112,7 @@ def test_a_size_of_300_digits_from_a_mapping_is_refused_by_name() -> None:
     from kvwire.connectors.offload import CPUOffloadConnector
 
     with pytest.raises(ExtraConfigError) as caught:
-        CPUOffloadConnector.read_options(transfer)
+        read_options(CPUOffloadConnector, transfer)
 
     assert str(caught.value).startswith(
         "kv_connector_extra_config.cpu_pool_bytes: <an integer of about 300 digits> is not "

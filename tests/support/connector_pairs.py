@@ -12,12 +12,18 @@ import pickle
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from dependency_injector import providers
 
 from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.container import (
+    KVConnectorContainer,
+    container_for_profile,
+    role_connector_provider,
+)
 from kvwire.engine.engine import build_kv_cache_config as cache_config_for
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.interface.types import (
@@ -28,6 +34,53 @@ from kvwire.interface.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvwire.media.base import Medium
+from kvwire.registry import ConnectorRegistry
+
+C = TypeVar("C", bound=KVConnectorBase)
+
+
+def build_connector(
+    connector_class: type[C],
+    config: EngineConfig,
+    role: KVConnectorRole,
+    kv_cache_config: KVCacheConfig,
+    *,
+    registry: ConnectorRegistry | None = None,
+) -> C:
+    """``connector_class``'s ``role`` side for ``config``, built by a ``KVConnectorContainer``.
+
+    The container's providers build what the class takes (a block
+    connector's medium, a composite's children) through ``registry`` (the
+    process-wide one by default); ``config`` reaches the connector as it is,
+    no HMA gate applied, as the tests driving connectors directly want it.
+    The caller shuts the connector down.
+    """
+    container = container_for_profile(config, kv_cache_config=kv_cache_config, registry=registry)
+    container.connector_class.override(providers.Object(connector_class))
+    container.connector_engine_config.override(providers.Object(config))
+    connector = role_connector_provider(container, role)()
+    assert isinstance(connector, connector_class)
+    return connector
+
+
+def read_options(
+    connector_class: type[KVConnectorBase],
+    kv_transfer_config: KVTransferConfig,
+    *,
+    registry: ConnectorRegistry | None = None,
+) -> tuple[type[Medium], dict[str, Any]]:
+    """The medium class and the options a container reads for ``connector_class`` from
+    ``kv_transfer_config`` (its ``medium_class`` and ``medium_options`` providers)."""
+    container = KVConnectorContainer()
+    if registry is not None:
+        container.registry.override(providers.Object(registry))
+    container.kv_transfer_config.override(providers.Object(kv_transfer_config))
+    container.connector_class.override(providers.Object(connector_class))
+    medium_class = container.medium_class()
+    options = container.medium_options()
+    assert medium_class is not None and options is not None
+    return medium_class, options
 
 
 def engine_config(
@@ -98,15 +151,20 @@ class ConnectorPair:
         config: EngineConfig,
         connector_class: type[KVConnectorBase],
         caches: dict[str, torch.Tensor],
-        **kwargs: Any,
+        *,
+        registry: ConnectorRegistry | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_config = cache_config_for(config)
-        self.scheduler = connector_class(
-            config, KVConnectorRole.SCHEDULER, self.kv_cache_config, **kwargs
+        self.scheduler = build_connector(
+            connector_class,
+            config,
+            KVConnectorRole.SCHEDULER,
+            self.kv_cache_config,
+            registry=registry,
         )
-        self.worker = connector_class(
-            config, KVConnectorRole.WORKER, self.kv_cache_config, **kwargs
+        self.worker = build_connector(
+            connector_class, config, KVConnectorRole.WORKER, self.kv_cache_config, registry=registry
         )
         self.caches = caches
         self.worker.register_kv_caches(caches)

@@ -20,7 +20,7 @@ from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import SchedulerOutput
-from kvwire.media.base import MediumContext
+from kvwire.media.base import Medium, MediumContext
 from kvwire.media.store.directory import DirectoryMedium
 
 
@@ -60,9 +60,14 @@ class WindowOnlyCPUOffloadConnector(CPUOffloadConnector):
     """
 
     def __init__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        medium: Medium,
     ) -> None:
-        super().__init__(config, role, kv_cache_config)
+        super().__init__(config, role, kv_cache_config, medium=medium)
         if role is not KVConnectorRole.SCHEDULER:
             return
         # The scheduler half again, over the same index, with the bad planner.

@@ -34,7 +34,12 @@ from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import KVCacheBlocks, Request, ScheduledRequest, SchedulerOutput
 from kvwire.media.base import MediumIndex
-from tests.support.connector_pairs import ConnectorPair, engine_config, make_caches
+from tests.support.connector_pairs import (
+    ConnectorPair,
+    build_connector,
+    engine_config,
+    make_caches,
+)
 from tests.support.engines import (
     generate,
     renamed,
@@ -104,8 +109,12 @@ class HybridPair(ConnectorPair, Generic[C]):
         # Not ConnectorPair.__init__: it derives a single-group cache config from ``config``.
         self.config = config
         self.kv_cache_config = hybrid_kv_cache_config()
-        self.scheduler = connector_class(config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
-        self.worker = connector_class(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.scheduler = build_connector(
+            connector_class, config, KVConnectorRole.SCHEDULER, self.kv_cache_config
+        )
+        self.worker = build_connector(
+            connector_class, config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
         self.caches = make_caches(self.kv_cache_config, seed=3)
         self.worker.register_kv_caches(self.caches)
         self.block_size = BLOCK

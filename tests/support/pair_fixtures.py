@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.interface.base import KVConnectorBase
+from kvwire.registry import ConnectorRegistry
 from tests.support.connector_pairs import (
     ConnectorPair,
     cache_config_for,
@@ -31,7 +31,8 @@ def storage_dir(tmp_path: pathlib.Path) -> pathlib.Path:
 def open_pair() -> Iterator[OpenPair]:
     """Opens connector pairs over caches of ``seed``'s random content; shuts them all down.
 
-    Called as ``open_pair(config, connector_class, seed, **constructor_keywords)``.
+    Called as ``open_pair(config, connector_class, seed, registry=None)``: each
+    side is built by a container over ``registry`` (the process-wide one by default).
     """
     pairs: list[ConnectorPair] = []
 
@@ -39,10 +40,10 @@ def open_pair() -> Iterator[OpenPair]:
         config: EngineConfig,
         connector_class: type[KVConnectorBase],
         seed: int | None,
-        **kwargs: Any,
+        registry: ConnectorRegistry | None = None,
     ) -> ConnectorPair:
         caches = make_caches(cache_config_for(config), seed)
-        pair = ConnectorPair(config, connector_class, caches, **kwargs)
+        pair = ConnectorPair(config, connector_class, caches, registry=registry)
         pairs.append(pair)
         return pair
 

@@ -20,7 +20,7 @@ import contextlib
 import enum
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from kvwire.interface.types import (
     CacheHitSource,
@@ -106,12 +106,40 @@ HMAResolver = Callable[["KVTransferConfig"], bool]
 ConnectorResolver = Callable[["KVTransferConfig"], "type[KVConnectorBase]"]
 """The class a (child) transfer config names, resolved through the registry that builds it."""
 
+
+class MediumLookup(Protocol):
+    """The media of a registry: a medium class by name (or `package.module:Class`)."""
+
+    def get_class(self, spec: str) -> type[Any]:
+        """The medium class `spec` names; a `ValueError` when it names none."""
+        ...
+
+
+class ConnectorLookup(Protocol):
+    """The registry that will build a connector, as `validate_extra_config` receives it.
+
+    [`ConnectorRegistry`][kvwire.ConnectorRegistry] is one: `resolve` gives a (child) transfer
+    config's class, `media` the medium classes a block connector keeps blocks in.
+    """
+
+    @property
+    def media(self) -> MediumLookup:
+        """The media this registry's connectors keep blocks in."""
+        ...
+
+    def resolve(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
+        """The connector class `kv_transfer_config` names."""
+        ...
+
+
 ConnectorBuilder = Callable[["EngineConfig", "KVConnectorRole", "KVCacheConfig"], "KVConnectorBase"]
 """Builds the connector a (child) engine config names, through the same registry.
 
 A composite connector declares a keyword-only `connector_builder` constructor
-parameter; whoever builds it (the container, `KVConnectorFactory`) passes one,
-so the children honour provider overrides, module paths and entry points.
+parameter; the container that builds it passes its own (`connector_builder`,
+which `KVConnectorFactory` builds through too), so each child's class and
+medium are resolved through the container's registry: provider overrides,
+module paths and entry points apply.
 """
 
 
@@ -192,7 +220,7 @@ class KVConnectorBase(abc.ABC):
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
         """Reject a `kv_connector_extra_config` this class would reject, without building it.
 
@@ -203,9 +231,10 @@ class KVConnectorBase(abc.ABC):
         `ExtraConfigError`) whose message names each bad key as
         `kv_connector_extra_config.<key>`, one per line, and says what is
         accepted. Validate with the code the constructor uses, so `check`
-        and the engine never disagree. A composite validates each child's
-        config through the class `resolve_child` returns: the registry that
-        will build the child.
+        and the engine never disagree. `registry` is the registry that will
+        build the connector: a composite validates each child's config
+        through the class `registry.resolve` returns, a block connector
+        resolves its medium through `registry.media`.
 
         The default checks nothing, so connectors written before this hook
         keep working; `kvwire check` then says their extra config was not

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvwire.interface.base import (
-    ConnectorResolver,
+    ConnectorLookup,
     CopyBlocksOp,
     HMAResolver,
     KVConnectorBase,
@@ -94,9 +94,9 @@ class ForwardingConnector(KVConnectorBase, SupportsHMA):
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
-        cls.wrapped.validate_extra_config(kv_transfer_config, resolve_child)
+        cls.wrapped.validate_extra_config(kv_transfer_config, registry)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:

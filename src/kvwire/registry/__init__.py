@@ -15,6 +15,7 @@ from kvwire.registry.connectors import (
     ModulePathError,
     accepts_connector_builder,
     accepts_keyword_only,
+    accepts_medium,
     check_connector_class,
     default_registry,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "UnknownMediumError",
     "accepts_connector_builder",
     "accepts_keyword_only",
+    "accepts_medium",
     "check_connector_class",
     "default_registry",
 ]

@@ -40,7 +40,13 @@ from kvwire.exceptions import (
     NotAConnectorError,
 )
 from kvwire.exceptions import ModulePathError as ModulePathError
-from kvwire.interface.base import ConnectorBuilder, KVConnectorBase, KVConnectorRole, supports_kw
+from kvwire.interface.base import (
+    ConnectorBuilder,
+    ConnectorResolver,
+    KVConnectorBase,
+    KVConnectorRole,
+    supports_kw,
+)
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import shown, shown_key
 from kvwire.registry._names import (
@@ -395,14 +401,27 @@ class ConnectorRegistry:
         return self.class_supports_hma(self.resolve(kv_transfer_config), kv_transfer_config)
 
     def class_supports_hma(
-        self, connector_cls: type[KVConnectorBase], kv_transfer_config: KVTransferConfig
+        self,
+        connector_cls: type[KVConnectorBase],
+        kv_transfer_config: KVTransferConfig,
+        resolve: ConnectorResolver | None = None,
     ) -> bool:
-        """Whether `connector_cls` (resolved already, perhaps an override) supports HMA here."""
+        """Whether `connector_cls` (resolved already, perhaps an override) supports HMA here.
+
+        A composite's children are resolved through `resolve` (this
+        registry's `resolve` by default; a container passes the one its
+        build resolves through, so each child is resolved once).
+        """
+        resolve_child = resolve or self.resolve
+
+        def child_supports_hma(child: KVTransferConfig) -> bool:
+            return self.class_supports_hma(resolve_child(child), child, resolve)
+
         with self._nested(connector_cls):
             try:
                 with contained_exits():
                     return connector_cls.supports_hma_for_config(
-                        kv_transfer_config, self.supports_hma_config
+                        kv_transfer_config, child_supports_hma
                     )
             # Refusals in kvwire's and vLLM's words (a child that cannot be
             # resolved, a composite nested too deep) pass as they are.

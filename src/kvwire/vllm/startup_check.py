@@ -78,7 +78,7 @@ def check_vllm_config(vllm_config: Any) -> None:
             registry.check_module_path(wrapped)
         connector_cls = container.connector_class()
     with _named(profile_key, "kv_transfer_config.kv_connector_extra_config"), contained_exits():
-        connector_cls.validate_extra_config(wrapped, registry.resolve)
+        connector_cls.validate_extra_config(wrapped, registry)
     with _named(profile_key, "kv_transfer_config.kv_connector_extra_config.medium"):
         # The medium the connector will build with, a container hook's override included.
         container.medium_class()

@@ -87,13 +87,11 @@ def tiered(storage: pathlib.Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def make_pair(tmp_path: pathlib.Path, open_pair: OpenPair) -> PairFactory:
-    registry = default_registry()
-
     def build(children: list[dict[str, Any]] | None = None, seed: int = 1) -> ConnectorPair:
         config = engine_config(
             "MultiConnector", {"connectors": children or tiered(tmp_path / "store")}
         )
-        return open_pair(config, MultiConnector, seed, connector_builder=registry.build_connector)
+        return open_pair(config, MultiConnector, seed)
 
     return build
 

@@ -18,6 +18,7 @@ from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
 from kvwire.connectors.multi.scheduler import MultiScheduler
 from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.container import KVConnectorContainer
 from kvwire.exceptions import ConnectorRoleError
 from kvwire.interface.base import (
     KVConnectorBase,
@@ -33,7 +34,6 @@ from kvwire.interface.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.registry import default_registry
 from kvwire.testing import IdleConnector
 from tests.support.connector_pairs import cache_config_for, engine_config, make_request
 
@@ -131,12 +131,13 @@ CHILD = {"kv_connector": "StatsChild", "kv_connector_module_path": __name__}
 def build(role: KVConnectorRole, calls: list[str] | None = None) -> MultiConnector:
     """A MultiConnector of two children; each call reaching a child is added to ``calls``."""
     config = engine_config("MultiConnector", {"connectors": [CHILD, dict(CHILD)]})
-    registry = default_registry()
+    # The builder a container hands a composite, each child it builds noted.
+    build_through_container = KVConnectorContainer().connector_builder()
 
     def build_child(
         child_config: EngineConfig, child_role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> KVConnectorBase:
-        child = registry.build_connector(child_config, child_role, kv_cache_config)
+        child = build_through_container(child_config, child_role, kv_cache_config)
         if calls is not None:
             for name in (*WORKER_CALLS, *SCHEDULER_CALLS, *BOTH_ROLES_CALLS):
                 setattr(child, name, _noted(calls, name, getattr(child, name)))

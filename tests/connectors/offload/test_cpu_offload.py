@@ -11,6 +11,7 @@ from kvwire.interface.types import BlockRemoved, BlockStored, KVCacheBlocks, Sch
 from tests.support.connector_pairs import (
     ConnectorPair,
     blocks_equal,
+    build_connector,
     cache_config_for,
     engine_config,
     make_request,
@@ -189,7 +190,9 @@ def test_reset_cache_forgets_the_pool(make_pair):
 def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
     config = engine_config("CPUOffloadConnector", extra)
     with pytest.raises(ExtraConfigError) as raised:
-        CPUOffloadConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+        build_connector(
+            CPUOffloadConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+        )
     assert message in str(raised.value)
 
 

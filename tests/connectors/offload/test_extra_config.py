@@ -18,7 +18,7 @@ from kvwire.config.extra_config import (
     size_key,
     str_key,
 )
-from kvwire.interface.base import KVConnectorRole
+from kvwire.container import container_for_profile
 from kvwire.registry import default_registry
 from tests.support.connector_pairs import cache_config_for, engine_config
 
@@ -134,10 +134,11 @@ def test_the_constructor_and_check_reject_the_same_config_in_the_same_words(
         )
     )
 
+    container = container_for_profile(config, kv_cache_config=cache_config_for(config))
     with pytest.raises(ExtraConfigError) as built:
-        registry.build_connector(config, KVConnectorRole.WORKER, cache_config_for(config))
+        container.worker_connector()
     with pytest.raises(ExtraConfigError) as validated:
-        registry.resolve(transfer).validate_extra_config(transfer, registry.resolve)
+        registry.resolve(transfer).validate_extra_config(transfer, registry)
     err = io.StringIO()
     status = check_profile(str(profile), out=io.StringIO(), err=err)
 

@@ -21,6 +21,7 @@ from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory._store import DirectoryBlockStore
 from tests.support.connector_pairs import (
     blocks_equal,
+    build_connector,
     cache_config_for,
     engine_config,
     make_request,
@@ -146,7 +147,9 @@ def test_engines_with_other_layouts_never_see_each_others_blocks(
     config = engine_config(
         "SharedStorageConnector", {"shared_storage_path": str(storage_dir)}, head_size=8
     )
-    other = SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    other = build_connector(
+        SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+    )
     assert other.get_num_new_matched_tokens(make_request("o", PROMPT, BLOCK), 0) == (0, False)
 
 
@@ -277,7 +280,9 @@ def test_fsync_mode_round_trips(shared_storage_pair: PairFactory):
 def test_bad_extra_config_names_the_key_and_what_is_accepted(extra, message):
     config = engine_config("SharedStorageConnector", extra)
     with pytest.raises(ExtraConfigError) as raised:
-        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+        build_connector(
+            SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+        )
     assert message in str(raised.value)
 
 
@@ -285,7 +290,9 @@ def test_a_nul_byte_in_the_path_is_an_error_that_names_the_key():
     # The profile's own checks may catch it before the connector's do: either names the key.
     with pytest.raises(ValueError) as raised:
         config = engine_config("SharedStorageConnector", {"shared_storage_path": "/tmp/kv\0store"})
-        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+        build_connector(
+            SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+        )
     assert "kv_connector_extra_config.shared_storage_path" in str(raised.value)
     assert "NUL byte" in str(raised.value)
 
@@ -337,7 +344,9 @@ def test_a_path_that_cannot_be_created_is_a_clear_error(tmp_path: pathlib.Path):
     blocker.write_text("not a directory")
     config = engine_config("SharedStorageConnector", {"shared_storage_path": str(blocker / "d")})
     with pytest.raises(ExtraConfigError, match="shared_storage_path: cannot create"):
-        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+        build_connector(
+            SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+        )
 
 
 def test_sizes_accept_units(tmp_path: pathlib.Path):
@@ -345,14 +354,18 @@ def test_sizes_accept_units(tmp_path: pathlib.Path):
         "SharedStorageConnector",
         {"shared_storage_path": str(tmp_path), "max_bytes": "2GiB", "staging_buffer_bytes": "1MB"},
     )
-    SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    build_connector(
+        SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+    )
 
 
 def test_registering_caches_of_another_shape_is_a_clear_error(tmp_path: pathlib.Path):
     import torch
 
     config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
-    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker = build_connector(
+        SharedStorageConnector, config, KVConnectorRole.WORKER, cache_config_for(config)
+    )
     caches = {f"layers.{i}.attn": torch.zeros(2, 8, 4, 2, 8) for i in range(2)}
     with pytest.raises(ValueError, match=r"layer 'layers.0.attn' has shape \(2, 8, 4, 2, 8\)"):
         worker.register_kv_caches(caches)
@@ -462,7 +475,9 @@ def test_a_path_that_cannot_be_created_is_shown_bounded_in_the_error(tmp_path: p
     config = engine_config("SharedStorageConnector", {"shared_storage_path": path})
 
     with pytest.raises(ExtraConfigError) as raised:
-        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+        build_connector(
+            SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+        )
 
     message = str(raised.value)
     assert message.startswith("kv_connector_extra_config.shared_storage_path: cannot create")

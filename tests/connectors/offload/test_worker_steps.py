@@ -19,7 +19,7 @@ from kvwire.connectors.offload.worker_steps import (
 from kvwire.interface.base import KVConnectorMetadata, KVConnectorRole
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import ForwardContext
-from tests.support.connector_pairs import cache_config_for, engine_config
+from tests.support.connector_pairs import build_connector, cache_config_for, engine_config
 
 
 def test_a_worker_is_required_once_caches_are_registered():
@@ -65,7 +65,9 @@ def test_counter_stats_hold_only_nonzero_counts_and_reset():
 
 def test_the_cpu_offload_worker_refuses_a_step_before_register_kv_caches():
     config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "4MiB"})
-    worker = CPUOffloadConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker = build_connector(
+        CPUOffloadConnector, config, KVConnectorRole.WORKER, cache_config_for(config)
+    )
     worker.bind_connector_metadata(OffloadMetadata())
     with pytest.raises(RuntimeError, match=r"^CPUOffloadConnector: register_kv_caches\(\)"):
         worker.start_load_kv(ForwardContext(layer_names=()))
@@ -75,7 +77,9 @@ def test_the_cpu_offload_worker_refuses_a_step_before_register_kv_caches():
 def unregistered_store_worker(tmp_path: pathlib.Path) -> Iterator[SharedStorageConnector]:
     """A shared-storage worker whose caches were never registered."""
     config = engine_config("SharedStorageConnector", {"shared_storage_path": str(tmp_path)})
-    worker = SharedStorageConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
+    worker = build_connector(
+        SharedStorageConnector, config, KVConnectorRole.WORKER, cache_config_for(config)
+    )
     yield worker
     worker.shutdown()
 

@@ -15,6 +15,7 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._directory import Location, PeerRecord
+from tests.support.connector_pairs import read_options
 from tests.support.peer_engines import peer_config
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "src" / "kvwire" / "profiles"
@@ -26,7 +27,7 @@ def read(
 ) -> dict[str, object]:
     config = peer_config(url, key_prefix, **extra)
     assert config.kv_transfer_config is not None
-    medium, options = OffloadConnector.read_options(config.kv_transfer_config)
+    medium, options = read_options(OffloadConnector, config.kv_transfer_config)
     assert medium is PeerMedium
     return options
 
@@ -83,7 +84,7 @@ def test_scheduler_and_worker_of_one_engine_agree_on_the_peer_name() -> None:
     config = peer_config("redis://127.0.0.1:6379/0", "test:")
     assert config.kv_transfer_config is not None
     engine_id = config.kv_transfer_config.engine_id
-    _, options = OffloadConnector.read_options(config.kv_transfer_config)
+    _, options = read_options(OffloadConnector, config.kv_transfer_config)
     names = {
         PeerMedium(MediumContext("c", options, (), _layout(), engine_id=engine_id)).peer_name
         for _ in range(2)

@@ -11,6 +11,7 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._split import agent_name, rank_layout, split_fingerprints
+from tests.support.connector_pairs import read_options
 from tests.support.peer_engines import peer_config
 
 # One rank's share of a model of 4 KV heads and 4 layers, at TP=2 and PP=2.
@@ -65,7 +66,7 @@ def test_each_rank_has_an_agent_no_other_peer_can_be_named() -> None:
 def test_pipeline_stages_without_their_layers_are_refused_naming_the_field() -> None:
     config = peer_config("redis://127.0.0.1:6379/0", "test:")
     assert config.kv_transfer_config is not None
-    _, options = OffloadConnector.read_options(config.kv_transfer_config)
+    _, options = read_options(OffloadConnector, config.kv_transfer_config)
     context = MediumContext(
         "c", options, (), SHARE, parallel=ParallelConfig(pipeline_parallel_size=2)
     )

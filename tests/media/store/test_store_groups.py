@@ -25,7 +25,7 @@ from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory._store import DirectoryBlockStore
-from tests.support.connector_pairs import blocks_equal, engine_config
+from tests.support.connector_pairs import blocks_equal, build_connector, engine_config
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     generate,
@@ -96,7 +96,9 @@ def test_a_store_key_taking_no_group_is_refused_on_a_hybrid_cache(
         r"has 2 KV cache groups; expected store_key\(block_hash, group\).*"
         r"disable_hybrid_kv_cache_manager: true\)$",
     ):
-        SharedStorageConnector(config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config())
+        build_connector(
+            SharedStorageConnector, config, KVConnectorRole.SCHEDULER, hybrid_kv_cache_config()
+        )
 
 
 def test_a_store_key_taking_no_group_still_names_a_single_groups_blocks(
@@ -106,8 +108,8 @@ def test_a_store_key_taking_no_group_still_names_a_single_groups_blocks(
         "SharedStorageConnector",
         {"shared_storage_path": str(storage_dir), "medium": KEYED_BY_HASH_ONLY},
     )
-    connector = SharedStorageConnector(
-        config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config)
+    connector = build_connector(
+        SharedStorageConnector, config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config)
     )
     try:
         medium = store_medium(connector)

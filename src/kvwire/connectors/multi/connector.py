@@ -3,11 +3,18 @@
 Children come from `kv_connector_extra_config["connectors"]`
 (`kvwire.connectors.multi._children` reads them and words their errors).
 Each child gets its own copy of the engine config and is built by the
-`connector_builder` the container (or the factory) hands in, so it
-resolves through the same registry: provider overrides, module paths and
-entry points all apply. Each instance builds its children in its own role
-and keeps its role's state in one half (`kvwire.connectors.multi.scheduler`
-or `kvwire.connectors.multi.worker`), so a call of the other role raises
+`connector_builder` the container that builds the composite hands in
+([`KVConnectorContainer.connector_builder`][kvwire.KVConnectorContainer]), so
+its class and its medium are resolved through the container's registry:
+provider overrides, module paths and entry points all apply. The hooks
+vLLM calls on the class, with no container at hand
+(`build_kv_connector_stats`, `build_prom_metrics`,
+`get_required_kvcache_layout`, `requires_piecewise_for_cudagraph`), resolve
+the children through [`KVConnectorFactory`][kvwire.KVConnectorFactory], as
+vLLM's own composite resolves them through its factory. Each instance
+builds its children in its own role and keeps its role's state in one half
+(`kvwire.connectors.multi.scheduler` or `kvwire.connectors.multi.worker`), so a
+call of the other role raises
 [`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError]; the calls both roles make
 (shutdown, binding the step metadata, stats, the children) stay here. What
 crosses between the two halves is in `kvwire.connectors.multi.records`;
@@ -68,9 +75,10 @@ from kvwire.connectors.multi.records import (
 )
 from kvwire.connectors.multi.scheduler import MultiScheduler
 from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import (
     ConnectorBuilder,
-    ConnectorResolver,
+    ConnectorLookup,
     CopyBlocksOp,
     HMAResolver,
     KVConnectorBase,
@@ -98,26 +106,10 @@ if TYPE_CHECKING:
 
     from kvwire.config import EngineConfig
     from kvwire.config.kv_cache import KVCacheConfig
-    from kvwire.registry.connectors import ConnectorRegistry
 
 __all__ = ["MultiConnector"]
 
 logger = logging.getLogger(__name__)
-
-
-def _class_level_registry() -> ConnectorRegistry:
-    """The registry the class-level hooks resolve children through: the process-wide one.
-
-    vLLM calls `build_kv_connector_stats`, `build_prom_metrics`,
-    `get_required_kvcache_layout` and `requires_piecewise_for_cudagraph`
-    on the class, with no instance and no way to hand a registry in; its own
-    factory resolves connector names through one process-wide table too. An
-    instance resolves its children through the `connector_builder` the
-    registry that built it passes in, so a container's overrides reach them.
-    """
-    from kvwire.registry import default_registry
-
-    return default_registry()
 
 
 class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHMA):
@@ -197,13 +189,13 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
         """Its own keys, then each child's through the child's class; stops at the first bad one.
 
         The constructor stops at the first bad child too, with the same words.
         """
-        validate_children(kv_transfer_config, resolve_child)
+        validate_children(kv_transfer_config, registry)
 
     @classmethod
     def build_kv_connector_stats(
@@ -213,7 +205,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
 
         A child is named as in `get_kv_connector_stats`.
         """
-        return rebuild_child_stats(data, _class_level_registry().get_class)
+        return rebuild_child_stats(data, KVConnectorFactory.get_connector_class_by_name)
 
     @classmethod
     def build_prom_metrics(
@@ -226,7 +218,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
         """Each child class's metrics (built once per class), fed each child's counters."""
         return MultiPromMetrics(
             children_prom_metrics(
-                _class_level_registry().resolve,
+                KVConnectorFactory.get_connector_class,
                 vllm_config,
                 metric_types,
                 labelnames,
@@ -237,12 +229,12 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: EngineConfig) -> str | None:
         """The layout the children need, or None; children needing different ones are an error."""
-        return children_kv_cache_layout(_class_level_registry().resolve, vllm_config)
+        return children_kv_cache_layout(KVConnectorFactory.get_connector_class, vllm_config)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return any_child_requires_piecewise(
-            _class_level_registry().resolve, cls.__name__, extra_config
+            KVConnectorFactory.get_connector_class, cls.__name__, extra_config
         )
 
     # -------------------------------------------------------- scheduler side

@@ -1,6 +1,6 @@
 """The block connector (`connector`) and its presets by medium."""
 
-from kvwire.connectors.offload.connector import MediumResolver, OffloadConnector
+from kvwire.connectors.offload.connector import OffloadConnector
 from kvwire.connectors.offload.presets import (
     CPUOffloadConnector,
     RedisConnector,
@@ -9,7 +9,6 @@ from kvwire.connectors.offload.presets import (
 
 __all__ = [
     "CPUOffloadConnector",
-    "MediumResolver",
     "OffloadConnector",
     "RedisConnector",
     "SharedStorageConnector",

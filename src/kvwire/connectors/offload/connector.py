@@ -29,7 +29,6 @@ withheld for that long, then one load probes it
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -54,8 +53,9 @@ from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.offload.scheduler import OffloadScheduler
 from kvwire.connectors.offload.worker import OffloadWorker
+from kvwire.exceptions import ContainerSetupError
 from kvwire.interface.base import (
-    ConnectorResolver,
+    ConnectorLookup,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -81,31 +81,21 @@ if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig
     from kvwire.config.kv_cache import KVCacheConfig
 
-__all__ = ["MediumResolver", "OffloadConnector"]
+__all__ = ["OffloadConnector"]
 
 MEDIUM_FIELD = "kv_connector_extra_config.medium"
-
-MediumResolver = Callable[[str], type[Medium]]
-"""The medium class a name (or `package.module:Class`) stands for, through a registry."""
-
-
-def _default_medium_resolver(spec: str) -> type[Medium]:
-    # For a connector built without a registry (constructed directly, or
-    # asked at class level by `validate_extra_config`): the process-wide
-    # media are then the ones vLLM's factory would find. A registry that
-    # builds the connector passes its own `medium_resolver` instead.
-    from kvwire.registry import default_registry
-
-    return default_registry().media.get_class(spec)
 
 
 class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], SupportsHMA):
     """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
 
-    `default_medium` is the medium used when the profile names none; the
-    constructor's keyword-only `medium_resolver` turns a name into a class
-    (the registry that builds the connector passes its own, so an override
-    of a medium there reaches this connector).
+    It is handed its medium built (the keyword-only `medium`): a
+    [`KVConnectorContainer`][kvwire.KVConnectorContainer] resolves the class
+    `kv_connector_extra_config.medium` names (`default_medium` when none),
+    reads the options through `read_options`, builds the
+    [`MediumContext`][kvwire.media.MediumContext] through `medium_context`
+    and the medium from it, one per connector; each step is a provider a
+    test overrides (`docs/container.md`).
     """
 
     default_medium: ClassVar[str] = "cpu_pool"
@@ -120,12 +110,19 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         *,
-        medium_resolver: MediumResolver | None = None,
+        medium: Medium | None = None,
     ) -> None:
         super().__init__(config, role, kv_cache_config)
-        self._medium, medium_cls, context = self._start_medium(
-            config, kv_cache_config, medium_resolver
-        )
+        if not isinstance(medium, Medium):
+            # vLLM's factory calls a connector with three arguments; this one
+            # cannot choose its medium itself, so the message says who does.
+            raise ContainerSetupError(
+                f"{type(self).__name__} needs its medium built: build the connector through "
+                "kvwire.KVConnectorContainer (or kvwire.container_for_profile(...)), whose "
+                f"`medium` provider builds it, or pass medium=..., got {shown(medium)}"
+            )
+        self._medium = medium
+        context = medium.context
         groups, layout, options = context.groups, context.layout, context.options
         if role is KVConnectorRole.SCHEDULER:
             planner = BlockPlanner(
@@ -139,7 +136,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                 OffloadScheduler(
                     index=call_plugin(
                         MEDIUM_FIELD,
-                        f"{medium_cls.__name__}.build_index",
+                        f"{type(medium).__name__}.build_index",
                         self._medium.build_index,
                     ),
                     planner=planner,
@@ -165,29 +162,20 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     # ------------------------------------------------------------- options
 
     @classmethod
-    def build_medium(
-        cls,
-        config: EngineConfig,
-        kv_cache_config: KVCacheConfig,
-        medium_resolver: MediumResolver | None = None,
-    ) -> Medium:
-        """The medium for `config`'s cache layout, neither half of it built yet.
-
-        The constructor starts here; `kvwire check` calls it alone, so that
-        what a medium refuses for the model (a CPU pool that holds no
-        block) is refused before anything runs. A medium's constructor
-        reads its options and the layout: its index and its handler, built
-        by the two roles later, are what connect and allocate.
-        """
-        return cls._start_medium(config, kv_cache_config, medium_resolver)[0]
+    def medium_spec(cls, kv_transfer_config: KVTransferConfig) -> str:
+        """What names the medium: `kv_connector_extra_config.medium`, else `default_medium`."""
+        spec: str = kv_transfer_config.kv_connector_extra_config.get("medium", cls.default_medium)
+        return spec
 
     @classmethod
-    def _start_medium(
-        cls,
-        config: EngineConfig,
-        kv_cache_config: KVCacheConfig,
-        medium_resolver: MediumResolver | None,
-    ) -> tuple[Medium, type[Medium], MediumContext]:
+    def medium_context(
+        cls, config: EngineConfig, kv_cache_config: KVCacheConfig, options: dict[str, Any]
+    ) -> MediumContext:
+        """What the medium is built from: `config`'s cache layout, its groups and `options`.
+
+        A cache that does not match `config`'s layout is refused here, before
+        any medium is built.
+        """
         if config.kv_transfer_config is None:
             raise ValueError("kv_transfer_config must be set to create a connector")
         groups = cache_groups(kv_cache_config)
@@ -195,8 +183,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             BlockLayout.from_engine_config(config), num_layers=layers_per_group(groups)
         )
         check_cache_layout(layout, kv_cache_config)
-        medium_cls, options = cls.read_options(config.kv_transfer_config, medium_resolver)
-        context = MediumContext(
+        return MediumContext(
             cls.__name__,
             options,
             groups,
@@ -204,26 +191,17 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             engine_id=config.kv_transfer_config.engine_id,
             parallel=config.parallel_config,
         )
-        medium: Medium = call_plugin(
-            MEDIUM_FIELD, f"{medium_cls.__name__}()", lambda: medium_cls(context)
-        )
-        return medium, medium_cls, context
 
     @classmethod
     def read_options(
-        cls, kv_transfer_config: KVTransferConfig, medium_resolver: MediumResolver | None = None
-    ) -> tuple[type[Medium], dict[str, Any]]:
-        """The medium class and the checked extra config, defaults filled (or `ExtraConfigError`).
+        cls, kv_transfer_config: KVTransferConfig, medium_cls: type[Medium]
+    ) -> dict[str, Any]:
+        """The checked extra config over `medium_cls`, defaults filled (or `ExtraConfigError`).
 
-        The constructor and `validate_extra_config` both read through
-        it, so `kvwire check` and the engine reject the same values.
+        The container and `validate_extra_config` both read through it, so
+        `kvwire check` and the engine reject the same values.
         """
         extra = kv_transfer_config.kv_connector_extra_config
-        spec = extra.get("medium", cls.default_medium)
-        try:
-            medium_cls = (medium_resolver or _default_medium_resolver)(spec)
-        except ValueError as error:
-            raise ExtraConfigError(f"kv_connector_extra_config.medium: {error}") from None
         name = medium_cls.__name__
         # A medium class not configured for use (a FaultInjectingMedium
         # without inner) raises here too.
@@ -263,21 +241,23 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                 f"{MEDIUM_FIELD}: {name}.finish_options returned {shown(finished)}, not the "
                 "options dict (it must return the options it was given, completed)"
             )
-        return medium_cls, finished
+        return finished
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
-        """Reads the options as the constructor does, and drops them: nothing is built.
+        """Reads the options as the container does, and drops them: nothing is built.
 
-        The medium is resolved through the registry `resolve_child` belongs
-        to (`kvwire check` passes its registry's `resolve`), so a medium
-        registered or overridden there is the one checked.
+        The medium is resolved through `registry`, the one that will build
+        the connector, so a medium registered or overridden there is the one
+        checked.
         """
-        registry = getattr(resolve_child, "__self__", None)
-        media = getattr(registry, "media", None)
-        cls.read_options(kv_transfer_config, getattr(media, "get_class", None))
+        try:
+            medium_cls = registry.media.get_class(cls.medium_spec(kv_transfer_config))
+        except ValueError as error:
+            raise ExtraConfigError(f"{MEDIUM_FIELD}: {error}") from None
+        cls.read_options(kv_transfer_config, medium_cls)
 
     @property
     def medium(self) -> Medium:

@@ -22,7 +22,7 @@ from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.directory._modes import GROUP, PRIVATE, process_umask
 from kvwire.media.store.directory._store import DirectoryBlockStore
-from tests.support.connector_pairs import cache_config_for, engine_config
+from tests.support.connector_pairs import build_connector, cache_config_for, engine_config
 
 LAYOUT = "0123456789abcdef" * 2
 KEY = f"{LAYOUT}/ab01"
@@ -43,7 +43,9 @@ def mode_of(path: str | pathlib.Path) -> int:
 
 def connector(path: pathlib.Path, **extra: object) -> SharedStorageConnector:
     config = engine_config("SharedStorageConnector", {"shared_storage_path": str(path), **extra})
-    return SharedStorageConnector(config, KVConnectorRole.SCHEDULER, cache_config_for(config))
+    return build_connector(
+        SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
+    )
 
 
 def test_the_umask_is_read_without_being_changed(umask: int):

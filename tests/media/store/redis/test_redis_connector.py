@@ -9,6 +9,7 @@ from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
 from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.redis import RedisMedium
+from tests.support.connector_pairs import build_connector
 from tests.support.redis_engines import tiny_config, with_redis
 from tests.support.redis_entries import block_hash
 from tests.support.redis_servers import RedisServer
@@ -16,7 +17,9 @@ from tests.support.redis_servers import RedisServer
 
 def _connector(url: str, key_prefix: str = "kvwire:", **extra: object) -> RedisConnector:
     config = with_redis(tiny_config(), url, key_prefix, **extra)
-    return RedisConnector(config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config))
+    return build_connector(
+        RedisConnector, config, KVConnectorRole.SCHEDULER, build_kv_cache_config(config)
+    )
 
 
 def _medium(connector: RedisConnector) -> RedisMedium:
