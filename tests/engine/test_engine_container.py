@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -21,6 +22,7 @@ from tests.support.engines import with_directory_connector
 if TYPE_CHECKING:
     import torch
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [GenerationRequest(f"r{index}", tuple(range(1, 20 + index)), 3) for index in range(3)]
 
 
@@ -130,3 +132,21 @@ def test_a_part_that_fails_to_build_shuts_down_the_connector_built_before_it(
     with pytest.raises(RuntimeError, match="could not start"):
         build_engine(container)
     assert log.methods(KVConnectorRole.SCHEDULER)[-1] == "shutdown"
+
+
+def test_the_docs_engine_container_example_runs() -> None:
+    text = (REPO / "docs" / "container.md").read_text()
+    blocks = [
+        block
+        for block in re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+        if "EngineContainer(" in block
+    ]
+    assert len(blocks) == 1
+    namespace: dict[str, Any] = {}
+
+    exec(compile(blocks[0], "docs/container.md engine example", "exec"), namespace)
+
+    engine = namespace["engine"]
+    assert type(engine.scheduler_connector).__name__ == "QuietConnector"
+    assert len(namespace["outputs"][0].output_token_ids) == 4
+    assert set(engine.captured_kv) == {"r0"}

@@ -32,16 +32,16 @@ class ConnectorSource:
     `connector(role)` returns the same instance for a role every time, or
     None when the config names no connector. `hook` sees each connector
     once, right after it is built; it must be picklable when the worker runs
-    in its own process. `container` may be given to use one a caller has
-    already overridden.
+    in its own process. `container` is set up with `config` already (the
+    engine's containers compose it) and gets `kv_cache_config` here.
     """
 
     def __init__(
         self,
         config: EngineConfig,
         kv_cache_config: KVCacheConfig,
-        hook: ConnectorHook | None = None,
-        container: KVConnectorContainer | None = None,
+        hook: ConnectorHook | None,
+        container: KVConnectorContainer,
     ) -> None:
         self._enabled = (
             config.kv_transfer_config is not None
@@ -49,9 +49,6 @@ class ConnectorSource:
         )
         self._hook = hook
         self._built: dict[KVConnectorRole, KVConnectorBase] = {}
-        if container is None:
-            container = KVConnectorContainer()
-            container.engine_config.override(providers.Object(config))
         container.kv_cache_config.override(providers.Object(kv_cache_config))
         self.container = container
 

@@ -214,7 +214,7 @@ def _finished_count(scheduler_connector: KVConnectorBase | None) -> int | None:
 
 
 class EngineContainer(containers.DeclarativeContainer):
-    """Assembles an [`LLMEngine`][kvwire.engine.LLMEngine]: one provider per part.
+    """Assembles an `LLMEngine`: one provider per part.
 
     Inputs (give them as keywords, `EngineContainer(config=..., capture_kv=True)`,
     or override them):
@@ -232,11 +232,11 @@ class EngineContainer(containers.DeclarativeContainer):
     cache's layout), `shares` (each rank's, at tensor or pipeline
     parallelism), `connector_source` (this process's connectors, a resource),
     `scheduler_connector`, `block_manager`, `scheduler`, `inline_worker`
-    (a [`WorkerContainer`][kvwire.engine.worker_container.WorkerContainer]:
+    (a `WorkerContainer`:
     the worker's paged KV cache, model and `Worker`), `worker` (the inline
     one, a `WorkerProcess`, or `RankedWorkers`: a worker process assembles
     its own `WorkerContainer`) and `parts`, all of them.
-    [`build_engine`][kvwire.engine.build_engine] makes the engine of them,
+    `build_engine` makes the engine of them,
     shutting down what was built when a part fails; `LLMEngine.close`
     shuts the parts down.
     """

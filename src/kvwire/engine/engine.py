@@ -130,9 +130,9 @@ class LLMEngine:
     size.
 
     The parts are assembled by an
-    [`EngineContainer`][kvwire.engine.EngineContainer]: `LLMEngine(config, ...)`
+    `EngineContainer`: `LLMEngine(config, ...)`
     builds one with these options; to swap a part, override its provider and call
-    [`build_engine`][kvwire.engine.build_engine].
+    `build_engine`.
     """
 
     def __init__(

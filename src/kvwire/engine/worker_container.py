@@ -1,7 +1,7 @@
 """The `WorkerContainer`: how one engine worker is assembled, in the engine's process or its own.
 
 The engine's inline worker is this container composed into the
-[`EngineContainer`][kvwire.engine.EngineContainer], sharing the engine's
+`EngineContainer`, sharing the engine's
 connector source; a worker process (one rank of a parallel engine, or the
 one worker of `worker_mode="process"`) builds one for itself, with its own
 connectors.

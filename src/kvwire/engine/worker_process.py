@@ -1,7 +1,7 @@
 """Run the worker in its own process, with each step's instructions pickled across.
 
 The worker process assembles its worker with a
-[`WorkerContainer`][kvwire.engine.worker_container.WorkerContainer], its own
+`WorkerContainer`, its own
 connector (WORKER role) from its own connectors; the only thing it shares
 with the scheduler is the bytes
 of each `WorkerStep` and
