@@ -131,7 +131,7 @@ PieceT = TypeVar("PieceT", bound=JobPiece)
 
 @attrs.define(eq=False)
 class _JobInFlight(Generic[PieceT]):
-    """A job's pieces, those not settled yet, and its failed block ids so far.
+    """A job in flight: its pieces not settled yet, and its failed block ids so far.
 
     `submitting` holds the job open until its last piece is submitted
     (`JobLedger.submitted`).
@@ -140,7 +140,6 @@ class _JobInFlight(Generic[PieceT]):
     job_id: int
     kind: TransferKind
     deadline: float
-    pieces: list[PieceT] = attrs.field(factory=list)
     running: set[PieceT] = attrs.field(factory=set)
     submitting: bool = True
     failed: set[int] = attrs.field(factory=set)
@@ -204,14 +203,12 @@ class JobLedger(Generic[PieceT]):
         """
         with self._lock:
             job = self._running[piece.job_id]
-            job.pieces.append(piece)
             job.running.add(piece)
             self._on_threads += 1
         try:
             piece.future = threads.submit(self._run, piece, work)
         except BaseException:
             with self._lock:
-                job.pieces.remove(piece)
                 job.running.discard(piece)
                 self._on_threads -= 1
             raise

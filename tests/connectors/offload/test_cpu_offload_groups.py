@@ -290,14 +290,14 @@ HOLD_LIMIT_S = 60.0
 
 def hold_copies(worker: CPUPoolTransferHandler) -> threading.Event:
     """Stores submitted from now on wait, before copying anything, until the gate opens."""
-    copy = CPUPoolTransferHandler._store.__get__(worker)
+    copy = CPUPoolTransferHandler._save.__get__(worker)
     gate = threading.Event()
 
     def held(job: Any) -> None:
         gate.wait(HOLD_LIMIT_S)
         copy(job)
 
-    worker._store = held  # looked up as each store is submitted
+    worker._save = held  # looked up as each save is submitted
     return gate
 
 
@@ -336,7 +336,7 @@ def test_a_store_reading_a_block_given_to_another_request_is_released_and_never_
     assert pair.lookup(make_request("f", PROMPT, BLOCK)) == (0, False)
     # The same blocks saved again, by a request whose stores end in time, hit.
     d = make_request("d", PROMPT, BLOCK)
-    pair.pool_worker._store = CPUPoolTransferHandler._store.__get__(pair.pool_worker)
+    pair.pool_worker._save = CPUPoolTransferHandler._save.__get__(pair.pool_worker)
     d_ids = ([51, 52, 53, 54, 55, 56, 57], [58, 59, 60, 61, 62, 63, 39])
     assert pair.prefill_groups(d, d_ids) == (0, False)
     assert pair.finish_groups(d, d_ids) is True

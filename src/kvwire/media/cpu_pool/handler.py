@@ -99,7 +99,7 @@ class CPUPoolTransferHandler(TransferHandler):
         self._counters = counters
         self._io_threads = io_threads
         self._warn = RateLimitedWarning(logger)
-        self._store_pool = IOThreads(io_threads, "kvwire-cpu-store", copy_on_this_thread_only)
+        self._save_pool = IOThreads(io_threads, "kvwire-cpu-save", copy_on_this_thread_only)
         self._load_pool = IOThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
         self._jobs: JobLedger[JobPiece] = JobLedger(
             counters=counters,
@@ -112,7 +112,7 @@ class CPUPoolTransferHandler(TransferHandler):
         """Start copying the job's blocks, into their pool slots or out of them into the cache."""
         deadline = self._jobs.begin(job)
         save = job.kind is TransferKind.SAVE
-        threads, work = (self._store_pool, self._store) if save else (self._load_pool, self._load)
+        threads, work = (self._save_pool, self._save) if save else (self._load_pool, self._load)
         for transfer in job.transfers:
             for piece in self._split(transfer):
                 self._jobs.start(JobPiece(job.job_id, (piece,), deadline), threads, work)
@@ -161,7 +161,7 @@ class CPUPoolTransferHandler(TransferHandler):
         bounds = [count * i // pieces for i in range(pieces + 1)]
         return [piece_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
 
-    def _store(self, job: JobPiece) -> None:
+    def _save(self, job: JobPiece) -> None:
         (transfer,) = job.transfers
         caches = self._caches[transfer.group]
         layout = self._layouts[transfer.group]
@@ -283,7 +283,7 @@ class CPUPoolTransferHandler(TransferHandler):
         deadline = time.monotonic() + timeout_s
         steps: list[tuple[str, Callable[[], object]]] = [
             ("ending transfers", lambda: self._end_all(deadline, timeout_s)),
-            ("stopping the store threads", self._store_pool.shutdown),
+            ("stopping the save threads", self._save_pool.shutdown),
             ("stopping the load threads", self._load_pool.shutdown),
         ]
         close_in_steps(logger, "CPU offload: ", steps)
