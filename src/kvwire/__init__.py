@@ -24,6 +24,7 @@ _EXPORTS = {
     "BlockStored": "kvwire.interface.types",
     "CacheConfig": "kvwire.config",
     "CacheHitSource": "kvwire.interface.types",
+    "ConnectorLookup": "kvwire.interface.base",
     "ConnectorRegistry": "kvwire.registry",
     "Counters": "kvwire.interface.counters",
     "EngineConfig": "kvwire.config",
@@ -48,8 +49,11 @@ _EXPORTS = {
     "KVConnectorWorkerMetadata": "kvwire.interface.base",
     "KVTransferConfig": "kvwire.config",
     "KVWireError": "kvwire.exceptions",
+    "MediumLookup": "kvwire.interface.base",
     "ModelConfig": "kvwire.config",
     "ParallelConfig": "kvwire.config",
+    "PluginSource": "kvwire.registry",
+    "RegisteredPlugin": "kvwire.registry",
     "Request": "kvwire.interface.types",
     "RequestStatus": "kvwire.interface.types",
     "RoleSplitConnector": "kvwire.interface.roles",
@@ -90,11 +94,13 @@ if TYPE_CHECKING:
     from kvwire.factory import KVConnectorFactory
     from kvwire.hma import HMADecision
     from kvwire.interface.base import (
+        ConnectorLookup,
         KVConnectorBase,
         KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
+        MediumLookup,
         SupportsHMA,
         supports_hma,
     )
@@ -117,7 +123,12 @@ if TYPE_CHECKING:
         ScheduledRequest,
         SchedulerOutput,
     )
-    from kvwire.registry import ConnectorRegistry, default_registry
+    from kvwire.registry import (
+        ConnectorRegistry,
+        PluginSource,
+        RegisteredPlugin,
+        default_registry,
+    )
 
     __version__: str
 
@@ -148,6 +159,7 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheHitSource",
+    "ConnectorLookup",
     "ConnectorRegistry",
     "Counters",
     "EngineConfig",
@@ -172,8 +184,11 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "KVTransferConfig",
     "KVWireError",
+    "MediumLookup",
     "ModelConfig",
     "ParallelConfig",
+    "PluginSource",
+    "RegisteredPlugin",
     "Request",
     "RequestStatus",
     "RoleSplitConnector",

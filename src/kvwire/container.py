@@ -1,6 +1,7 @@
 """The `KVConnectorContainer`: the one place that knows how connectors are built.
 
-Connector code never imports this module; engines and applications do:
+Connectors never ask it for anything: it hands each one what its constructor
+takes. Engines and applications use it:
 
 ```python
 container = KVConnectorContainer()
@@ -12,12 +13,15 @@ container.shutdown_resources()                     # each built connector's shut
 ```
 
 Each role-scoped provider builds at most one connector per container and hands
-it `(config, role, kv_cache_config)`; a process that serves one role declares
-it once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
+it `(config, role, kv_cache_config)`, with a block connector's `medium` built
+(`medium_class`, `medium_options`, `medium_context`, `medium`) or a
+composite's `connector_builder`; a process that serves one role declares it
+once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
 test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
-`connector_class`, `hma_gate`, a connector) is a provider, so
-dependency-injector's `override` does it and undoes it when its `with`
-block ends.
+`connector_class`, the medium's steps, `hma_gate`, a connector) is a
+provider, so dependency-injector's `override` does it and undoes it when its
+`with` block ends. One build enters the registry once per class it needs
+(the connector's, its medium's, each child's), however many providers ask.
 """
 
 from __future__ import annotations
@@ -438,6 +442,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       for another connector), resolved through the registry; override it to
       swap the medium of this container's connectors:
       `container.medium_class.override(providers.Object(MyDirectory))`;
+    - `medium_options`: the connector's extra config read over its keys and
+      the medium's, finished by the medium (None without a medium);
     - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
       demanded from a connector that cannot serve it);
     - `parallel_config`: the `ParallelConfig` (this
@@ -446,6 +452,11 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       rank 1's connector) overrides it with its own rank;
     - `connector_engine_config`: the engine config with the gate's decision
       and the parallel layout;
+    - `medium_context`: the `MediumContext` the medium is built from (the
+      options, the KV cache groups, the layout of one entry);
+    - `medium`: the medium itself, a `Factory`: one per connector built;
+    - `connector_builder`: what a composite builds its children with, each
+      child's class and medium resolved through `registry` as above;
     - `scheduler_connector` / `worker_connector`: one connector per role,
       shut down by `shutdown_resources()`;
     - `process_role` and `connector`: the connector of the role this

@@ -6,7 +6,7 @@ import pytest
 
 from kvwire.config import KVTransferConfig
 from kvwire.registry import ConnectorRegistry, UnknownMediumError
-from kvwire.registry._names import MAX_LISTED_NAMES
+from kvwire.registry.names import MAX_LISTED_NAMES
 
 
 def test_a_misspelt_connector_gets_vllms_sentence_then_the_closest_name() -> None:

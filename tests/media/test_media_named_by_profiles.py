@@ -159,7 +159,7 @@ def test_a_medium_entry_point_whose_name_is_taken_is_ignored_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     # As for connectors: the built-in (or first) name wins, and the operator is told.
-    monkeypatch.setattr("kvwire.registry._names.metadata", _InstalledMedia)
+    monkeypatch.setattr("kvwire.registry.names.metadata", _InstalledMedia)
     registry = MediumRegistry()
 
     with caplog.at_level(logging.WARNING, logger="kvwire.registry"):

@@ -6,7 +6,6 @@ the media a block connector keeps blocks in. Both serve names from the same
 three places (kvwire's own, installed entry points, registered at run time).
 """
 
-from kvwire.registry._names import PluginSource, RegisteredPlugin
 from kvwire.registry.connectors import (
     BUILT_IN_CONNECTORS,
     ENTRY_POINT_GROUP,
@@ -25,6 +24,7 @@ from kvwire.registry.media import (
     MediumRegistry,
     UnknownMediumError,
 )
+from kvwire.registry.names import PluginSource, RegisteredPlugin
 
 __all__ = [
     "BUILT_IN_CONNECTORS",

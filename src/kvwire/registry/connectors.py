@@ -49,7 +49,8 @@ from kvwire.interface.base import (
 )
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import shown, shown_key
-from kvwire.registry._names import (
+from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
+from kvwire.registry.names import (
     PluginNames,
     PluginSource,
     RegisteredPlugin,
@@ -57,7 +58,6 @@ from kvwire.registry._names import (
     is_module_path,
     listed_names,
 )
-from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig, KVTransferConfig

@@ -33,7 +33,7 @@ from kvwire._extras import missing_extra
 from kvwire.exceptions import UnknownMediumError as UnknownMediumError
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import redact_text, shown
-from kvwire.registry._names import (
+from kvwire.registry.names import (
     PluginNames,
     RegisteredPlugin,
     closest_name,
