@@ -339,8 +339,14 @@ class JobLedger(Generic[PieceT]):
             wake = min(job.deadline for job in jobs)
             if until is not None:
                 wake = min(wake, until)
-            # No exception to catch: wait() reports what ended, timed out or not.
-            concurrent.futures.wait(futures, timeout=max(0.0, wake - now))
+            running = [future for future in futures if not future.done()]
+            if running:
+                # No exception to catch: wait() reports what ended, timed out or not.
+                concurrent.futures.wait(running, timeout=max(0.0, wake - now))
+            else:
+                # Off its thread but not ended (still writing, as far as its work
+                # knows): nothing to wait for but its deadline.
+                time.sleep(max(0.0, wake - now))
 
     def save_jobs_of(self, request_ids: Iterable[str]) -> list[int]:
         """The save jobs in flight with a piece of any of `request_ids`."""
