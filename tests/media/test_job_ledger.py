@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -314,3 +315,30 @@ def test_end_all_waits_until_its_time_then_gives_up_every_job(threads: IOThreads
     taken = counters.take()
     assert taken["load_timeouts"] == 1 and taken["save_timeouts"] == 1
     stuck.set()
+
+
+def test_a_piece_off_its_thread_but_not_ended_is_waited_for_until_its_deadline_without_spinning(
+    threads: IOThreads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = _ledger(Counters(), 0.2)
+    deadline = _begin(ledger, 8, LOAD)
+    # Its work returns without ending it, as a load whose read may still write does.
+    piece = _piece(8, deadline, 0)
+    ledger.start(piece, threads, lambda piece: None)
+    ledger.submitted(8)
+    wait_until(ledger.idle, "the piece to leave its thread")
+    rounds = 0
+    give_up_overdue = ledger.give_up_overdue
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        nonlocal rounds
+        rounds += 1
+        give_up_overdue(*args, **kwargs)
+
+    monkeypatch.setattr(ledger, "give_up_overdue", counted)
+
+    assert ledger.wait([8])
+
+    assert time.monotonic() >= deadline and piece.abandoned
+    assert rounds <= 3
+    assert ledger.poll() == [JobResult(8, frozenset({0}))]
