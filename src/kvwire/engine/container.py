@@ -9,7 +9,7 @@ container.connectors.connector_class.override(providers.Object(MyConnector))
 engine = build_engine(container)          # or LLMEngine(engine_config) for the defaults
 ```
 
-(`build_engine` is `kvwire.engine`'s: the engine module builds engines from this one.)
+(`build_engine` lives in `kvwire.engine.engine`, which imports this module.)
 
 The connector side is a [`KVConnectorContainer`][kvwire.KVConnectorContainer] composed as
 `connectors`, its `engine_config` fed from this container's `config`; giving an instance
@@ -230,15 +230,14 @@ class EngineContainer(containers.DeclarativeContainer):
     Parts, in the order they are built: `checked_config` (the options
     checked), `hma` (the HMA decision), `kv_cache_config` (the paged KV
     cache's layout), `shares` (each rank's, at tensor or pipeline
-    parallelism), `connector_source` (this process's connectors, a resource),
-    `scheduler_connector`, `block_manager`, `scheduler`, `inline_worker`
-    (a `WorkerContainer`:
-    the worker's paged KV cache, model and `Worker`), `worker` (the inline
-    one, a `WorkerProcess`, or `RankedWorkers`: a worker process assembles
-    its own `WorkerContainer`) and `parts`, all of them.
-    `build_engine` makes the engine of them,
-    shutting down what was built when a part fails; `LLMEngine.close`
-    shuts the parts down.
+    parallelism), `connector_source` (this process's connectors, a
+    resource), `scheduler_connector`, `block_manager`, `scheduler`,
+    `inline_worker` (a `WorkerContainer`: the worker's paged KV cache, model
+    and `Worker`), `worker` (the inline one, a `WorkerProcess`, or
+    `RankedWorkers`; a worker process assembles a `WorkerContainer` of its
+    own), and `parts`, which holds them for the engine. `build_engine` makes
+    the engine of `parts`, shutting down what was built when a part fails;
+    `LLMEngine.close` shuts the parts down.
     """
 
     config = providers.Dependency(instance_of=EngineConfig)

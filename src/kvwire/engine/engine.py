@@ -129,10 +129,9 @@ class LLMEngine:
     them (`kvwire.ranks`). The tokens are the same at every parallel
     size.
 
-    The parts are assembled by an
-    `EngineContainer`: `LLMEngine(config, ...)`
-    builds one with these options; to swap a part, override its provider and call
-    `build_engine`.
+    The parts are assembled by an `EngineContainer` (`kvwire.engine.container`):
+    `LLMEngine(config, ...)` builds one with these options and no overrides; to
+    swap a part, override its provider there and call `build_engine`.
     """
 
     def __init__(
