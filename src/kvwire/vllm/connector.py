@@ -18,6 +18,14 @@ where the two interfaces differ:
   loads after it when the step has no synchronous load); stats as
   [`KVWireStats`][kvwire.vllm.KVWireStats].
 
+A few calls keep vLLM's default instead of reaching the wrapped connector:
+the KV cache manager and block pool (vLLM's own objects, read here), the
+per-request hooks whose records differ between the two (`on_new_request`,
+`get_loaded_kv_cache_group_ids`, `get_external_cache_hit_sources`,
+`register_finished_partial_tail`), the P/D handshake (kvwire's connectors
+exchange none through vLLM) and `get_finished_count` (a request is finished
+once every rank reported it, see below).
+
 Tensor and pipeline parallelism: each rank's worker connector is built in its
 rank's process, with the container's `parallel_config` set to its rank (from
 vLLM's process groups); the scheduler side's comes from vLLM's
@@ -62,6 +70,7 @@ vLLM, which stops, after an error logged here that names `async_load`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -202,8 +211,20 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         with threads_started_on_engine_cores():
             self.connector.register_kv_caches(kv_caches)
 
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
+        return self.connector.get_mem_pool_context()
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.connector.set_host_xfer_buffer_ops(copy_operation)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.connector.handle_preemptions(_inner(kv_connector_metadata))
+
+    def finish_forward(self) -> None:
+        self.connector.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        self.connector.reset_capture_state()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -412,6 +433,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         if keep:
             self._kept_blocks.add(request_id)
         return keep, params
+
+    def has_pending_block_frees(self) -> bool:
+        return self.connector.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
         # Finished requests whose blocks a save still reads: the engine keeps
