@@ -217,6 +217,18 @@ class DeadlineExceeded(KVWireError, TimeoutError):
     """
 
 
+class ServerUnavailable(KVWireError, ConnectionError):
+    """A call the server did not answer: it is down (not asked), failed, or ran past its deadline.
+
+    `asked` is False when the call was not made because the server is
+    known to be down, True when it was made and failed or went unanswered.
+    """
+
+    def __init__(self, message: str, *, asked: bool) -> None:
+        super().__init__(message)
+        self.asked = asked
+
+
 class NIXLUnavailableError(KVWireError, RuntimeError):
     """NIXL cannot be imported or started here; the message says what to install."""
 
@@ -246,6 +258,7 @@ __all__ = [
     "ProfileYAMLError",
     "RedisSettingsError",
     "RoleViolationError",
+    "ServerUnavailable",
     "StoreReplyError",
     "UnknownMediumError",
     "UnreadableWeightsError",

@@ -98,6 +98,7 @@ _RAISED_IN = {
     "ProfileYAMLError": "kvwire.config.profile_yaml",
     "RedisSettingsError": "kvwire.media.store.redis.settings",
     "RoleViolationError": "kvwire.testing.instruments",
+    "ServerUnavailable": "kvwire.media.outage",
     "StoreReplyError": "kvwire.media.store.base",
     "UnknownMediumError": "kvwire.registry.media",
     "UnreadableWeightsError": "kvwire.model_identity",

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvwire.exceptions import KVWireError
+from kvwire.exceptions import ServerUnavailable
 from kvwire.media.io_threads import IOThreads
 
 __all__ = ["OutageTracker", "ServerUnavailable"]
@@ -41,18 +41,6 @@ _CALL_THREADS = 4
 # How long close() waits for a probe in progress (itself bounded by the
 # caller's socket timeouts) before leaving it to end on its own.
 _PROBER_JOIN_S = 5.0
-
-
-class ServerUnavailable(KVWireError, ConnectionError):
-    """A call the server did not answer: it is down (not asked), failed, or ran past its deadline.
-
-    `asked` is False when the call was not made because the server is
-    known to be down, True when it was made and failed or went unanswered.
-    """
-
-    def __init__(self, message: str, *, asked: bool) -> None:
-        super().__init__(message)
-        self.asked = asked
 
 
 class OutageTracker:
