@@ -39,7 +39,7 @@ from kvwire.media.base import (
     TransferKind,
 )
 from kvwire.media.io_threads import IOThreads
-from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.jobs import JobLedger, JobPiece, part_of
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
 from kvwire.media.store.base import BlockStore, CacheWrites
@@ -81,7 +81,7 @@ __all__ = [
     "close_in_steps",
     "int_key",
     "memory_size_key",
-    "piece_of",
+    "part_of",
     "seconds_key",
     "size_key",
     "str_key",

@@ -43,7 +43,7 @@ from kvwire.media.base import JobResult, TransferJob, TransferKind
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.rate_limited import RateLimitedWarning
 
-__all__ = ["JobLedger", "JobPiece", "piece_of"]
+__all__ = ["JobLedger", "JobPiece", "part_of"]
 
 
 class JobPiece:
@@ -115,7 +115,7 @@ class JobPiece:
         )
 
 
-def piece_of(transfer: BlockTransfer, start: int, stop: int) -> BlockTransfer:
+def part_of(transfer: BlockTransfer, start: int, stop: int) -> BlockTransfer:
     """The blocks `start:stop` of `transfer`, with their slots and sources where it has them."""
     return attrs.evolve(
         transfer,

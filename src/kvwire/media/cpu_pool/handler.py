@@ -55,7 +55,7 @@ from kvwire.interface.types import BlockHash
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from kvwire.media.io_threads import IOThreads
-from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.jobs import JobLedger, JobPiece, part_of
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
 
@@ -159,7 +159,7 @@ class CPUPoolTransferHandler(TransferHandler):
         count = len(transfer.block_ids)
         pieces = max(1, min(self._io_threads, count // _MIN_BLOCKS_PER_PIECE))
         bounds = [count * i // pieces for i in range(pieces + 1)]
-        return [piece_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
+        return [part_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
 
     def _save(self, job: JobPiece) -> None:
         (transfer,) = job.transfers

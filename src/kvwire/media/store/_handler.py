@@ -71,7 +71,7 @@ from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.io_threads import IOThreads
-from kvwire.media.jobs import JobLedger, JobPiece, piece_of
+from kvwire.media.jobs import JobLedger, JobPiece, part_of
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
@@ -266,7 +266,7 @@ class StoreTransferHandler(TransferHandler):
         run_blocks = max(self._batch_blocks, -(-count // self._runs_per_transfer))
         for start in range(0, count, run_blocks):
             end = min(start + run_blocks, count)
-            run = _StorePiece(job_id, piece_of(transfer, start, end), deadline)
+            run = _StorePiece(job_id, part_of(transfer, start, end), deadline)
             self._jobs.start(run, self._load_pool, self._load)
 
     def _load(self, run: _StorePiece) -> None:
@@ -540,7 +540,7 @@ class StoreTransferHandler(TransferHandler):
                 end = min(start + self._batch_blocks, taken)
                 batch = _StorePiece(
                     job.job_id,
-                    piece_of(transfer, start, end),
+                    part_of(transfer, start, end),
                     deadline,
                     save_bytes=(end - start) * entry_bytes,
                 )
