@@ -32,7 +32,7 @@ from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate as generate_without

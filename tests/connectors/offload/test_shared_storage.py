@@ -18,7 +18,7 @@ from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory import DirectoryMedium
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from tests.support.connector_pairs import (
     blocks_equal,
     build_connector,
@@ -333,7 +333,7 @@ def test_kvwire_check_names_the_path_with_a_nul_byte(tmp_path: pathlib.Path):
 
 
 def test_a_directory_store_refuses_a_root_with_a_nul_byte():
-    from kvwire.media.store.directory._store import DirectoryBlockStore
+    from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
     with pytest.raises(ValueError, match="root '/tmp/kv\\\\x00store' contains a NUL byte"):
         DirectoryBlockStore("/tmp/kv\0store", entry_bytes=100)
@@ -403,7 +403,7 @@ def test_shutdown_waits_for_a_stuck_start_up_sweep_only_so_long(
     shared_storage_pair: PairFactory, monkeypatch: pytest.MonkeyPatch, caplog
 ):
     from kvwire.media.store.directory import medium as directory
-    from kvwire.media.store.directory._store import DirectoryBlockStore
+    from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
     stuck = threading.Event()
 
@@ -439,7 +439,7 @@ def test_a_request_finished_during_its_async_load_keeps_its_blocks_until_the_loa
 
 
 def test_old_temporary_files_of_dead_writers_are_swept(storage_dir):
-    from kvwire.media.store.directory._store import DirectoryBlockStore
+    from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
     shard = storage_dir / LAYOUT_FOLDER / "ab"
     shard.mkdir(parents=True)
@@ -452,7 +452,7 @@ def test_old_temporary_files_of_dead_writers_are_swept(storage_dir):
 
 
 def test_the_directory_store_hands_over_the_keys_it_removed_once(tmp_path: pathlib.Path):
-    from kvwire.media.store.directory._store import DirectoryBlockStore
+    from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
     store = DirectoryBlockStore(tmp_path, entry_bytes=100, max_bytes=250)
     keys = [f"{LAYOUT_FOLDER}/{i:02x}aa" for i in range(4)]

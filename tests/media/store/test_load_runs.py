@@ -21,7 +21,7 @@ from kvwire.interface.counters import Counters
 from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.store_handlers import layout_caches
 

@@ -26,7 +26,7 @@ from kvwire.blocks.format import (
 from kvwire.blocks.mac import EntryMac
 from kvwire.exceptions import JobAbandoned
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
-from kvwire.media.store.directory._store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
+from kvwire.media.store.directory.block_store import MAX_IO_BYTES, DirectoryBlockStore, _io_batches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 SEALED = BlockLayout(

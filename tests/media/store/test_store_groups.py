@@ -24,7 +24,7 @@ from kvwire.interface.types import BlockHash
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from tests.support.connector_pairs import blocks_equal, build_connector, engine_config
 from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (

@@ -18,7 +18,7 @@ import pytest
 
 from kvwire.blocks.format import FLAG_NO_CHECKSUM, HEADER_SIZE, BlockLayout
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from tests.support.connector_pairs import make_request
 from tests.support.pair_fixtures import PairFactory
 from tests.support.store_handlers import (

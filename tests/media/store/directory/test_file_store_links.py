@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvwire.media.store.directory import _store as file_store
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory import block_store as file_store
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
 LAYOUT = "0123456789abcdef" * 2
 ENTRY_BYTES = 100

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 
 LAYOUT = "0123456789abcdef" * 2
 ENTRY_BYTES = 100

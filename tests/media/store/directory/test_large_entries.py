@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout
-from kvwire.media.store.directory._store import MAX_IO_BYTES, DirectoryBlockStore
+from kvwire.media.store.directory.block_store import MAX_IO_BYTES, DirectoryBlockStore
 from tests.support.store_handlers import (
     HASHES,
     load_into_blocks_2_and_3,

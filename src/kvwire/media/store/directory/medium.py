@@ -55,7 +55,7 @@ from kvwire.media.store.directory._modes import (
     owner_problem,
     writers_beyond,
 )
-from kvwire.media.store.directory._store import DirectoryBlockStore
+from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.redaction import shown
 
