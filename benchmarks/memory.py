@@ -136,9 +136,9 @@ def measure(
 
     from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
     from kvwire.config.kv_cache import build_full_attention_kv_cache_config
+    from kvwire.container import container_for_profile
     from kvwire.interface.base import KVConnectorRole
     from kvwire.interface.types import ForwardContext
-    from kvwire.registry import default_registry
 
     count = transfer_bytes // BLOCK_BYTES
     config = EngineConfig(
@@ -185,9 +185,9 @@ def measure(
                 stats[name] += _counter(taken.data, name)
 
     saving = PeakMeter()
-    worker = default_registry().get_class(connector)(
-        config, KVConnectorRole.WORKER, kv_cache_config
-    )
+    worker = container_for_profile(
+        config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+    ).connector()
     worker.register_kv_caches(caches)
     at_rest = saving.now()
     step(_metadata(connector, count, "save"))
