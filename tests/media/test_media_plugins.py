@@ -22,7 +22,7 @@ from kvwire.config import EngineConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import CPUOffloadConnector, OffloadConnector
 from kvwire.connectors.offload._planner import BlockPlanner
-from kvwire.connectors.offload.scheduler import OffloadScheduler
+from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import LLMEngine
 from kvwire.exceptions import ConnectorRoleError
@@ -236,7 +236,7 @@ class _HalfPlacingIndex(MediumIndex):
 
 def test_a_medium_index_that_places_only_some_blocks_of_a_save_is_refused():
     planner = BlockPlanner(4, (CacheGroup(0, ("l0",), 4),), loads=True, saves=True)
-    scheduler = OffloadScheduler(
+    scheduler = OffloadSchedulerHalf(
         index=_HalfPlacingIndex(), planner=planner, num_groups=1, async_load=False
     )
     save = BlockTransfer(request_id="r", block_ids=(1, 2), block_hashes=(b"a", b"b"))

@@ -17,7 +17,7 @@ from kvwire.config import EngineConfig
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.connectors.offload._planner import BlockPlanner
-from kvwire.connectors.offload.scheduler import OffloadScheduler
+from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import SchedulerOutput
 from kvwire.media.base import Medium, MediumContext
@@ -82,7 +82,7 @@ class WindowOnlyCPUOffloadConnector(CPUOffloadConnector):
         )
         async_load = self.medium.context.options["async_load"]
         self._set_scheduler_half(
-            OffloadScheduler(
+            OffloadSchedulerHalf(
                 index=half.index, planner=planner, num_groups=len(groups), async_load=async_load
             )
         )

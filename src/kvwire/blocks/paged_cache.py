@@ -1,4 +1,4 @@
-"""The engine's paged KV caches as a connector's worker side sees them.
+"""The engine's paged KV caches as a connector's worker half sees them.
 
 The engine registers one tensor per layer, `[2, num_blocks, block_size,
 num_kv_heads, head_size]` (kvwire's layout) or vLLM's CPU layout

@@ -1,4 +1,4 @@
-"""The one record of blocks to move, from the scheduler side's plan to the worker that moves them.
+"""The one record of blocks to move, from the scheduler half's plan to the worker that moves them.
 
 `BlockPlanner` makes them, the
 connectors send them in their step metadata (pickled across the worker
@@ -33,7 +33,7 @@ class BlockTransfer:
     slots: tuple[int, ...] = ()
     """The CPU pool's entry slots the blocks are copied to or from; empty for store media."""
     sources: tuple[str, ...] = ()
-    """For a load: where the scheduler side's lookup found each block, in the medium's own
+    """For a load: where the scheduler half's lookup found each block, in the medium's own
     words (the peer medium's directory entries); empty when the worker finds them itself.
 
     A hint, not a promise: the block may have moved since, so the worker

@@ -4,7 +4,7 @@ A connector is built twice per engine, once per [`KVConnectorRole`][kvwire.KVCon
 The SCHEDULER instance decides what to load and save (pure bookkeeping); the
 WORKER instance moves bytes between the paged KV cache and the connector's
 store. The two never share state: everything the worker needs crosses in the
-[`KVConnectorMetadata`][kvwire.KVConnectorMetadata] the scheduler side builds each step.
+[`KVConnectorMetadata`][kvwire.KVConnectorMetadata] the scheduler half builds each step.
 
 The interface is vLLM's `KVConnectorBase_V1`: the constructor's keywords,
 the `_vllm_config` / `_kv_transfer_config` / `_kv_cache_config`
@@ -49,7 +49,7 @@ class KVConnectorRole(enum.Enum):
 
 
 class KVConnectorMetadata:
-    """What the scheduler side tells the worker side for one step.
+    """What the scheduler half tells the worker half for one step.
 
     Connectors subclass it with their own fields. It must be picklable: the
     worker may live in another process.
@@ -62,7 +62,7 @@ _Metadata = TypeVar("_Metadata", bound=KVConnectorMetadata)
 def metadata_of_type(
     connector_name: str, metadata: KVConnectorMetadata, expected: type[_Metadata]
 ) -> _Metadata:
-    """`metadata`, or a `TypeError` when another connector's scheduler side built it."""
+    """`metadata`, or a `TypeError` when another connector's scheduler half built it."""
     if not isinstance(metadata, expected):
         raise TypeError(
             f"{connector_name} got {type(metadata).__name__}, expected {expected.__name__}"
@@ -71,7 +71,7 @@ def metadata_of_type(
 
 
 class KVConnectorWorkerMetadata(abc.ABC):
-    """What one worker tells the scheduler side for one step (the reverse of the metadata).
+    """What one worker tells the scheduler half for one step (the reverse of the metadata).
 
     The engine merges every worker's with `aggregate` and hands the
     result to `update_connector_output` in
@@ -241,7 +241,7 @@ class KVConnectorBase(abc.ABC):
         checked (`validates_extra_config`).
         """
 
-    # ------------------------------------------------------------ worker side
+    # ------------------------------------------------------------ worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once with every layer's KV cache tensor, before the first step."""
@@ -356,14 +356,14 @@ class KVConnectorBase(abc.ABC):
         return None
 
     def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
-        """KV cache events the worker side saw since the last call, then cleared.
+        """KV cache events the worker half saw since the last call, then cleared.
 
         Blocks its saves stored, entries it removed. The engine calls it
         after each step (and after
         [`wait_for_pending_saves`][kvwire.KVConnectorBase.wait_for_pending_saves]) and hands them to
-        the scheduler side in `KVConnectorOutput.kv_cache_events`, whose
+        the scheduler half in `KVConnectorOutput.kv_cache_events`, whose
         [`take_events`][kvwire.KVConnectorBase.take_events] reports them. A connector whose
-        scheduler side knows its events itself reports none here. They cross to the scheduler's
+        scheduler half knows its events itself reports none here. They cross to the scheduler's
         process: they must be picklable.
         """
         return []
@@ -385,7 +385,7 @@ class KVConnectorBase(abc.ABC):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's report for the scheduler side (see `KVConnectorWorkerMetadata`)."""
+        """This step's report for the scheduler half (see `KVConnectorWorkerMetadata`)."""
         return None
 
     def shutdown(self) -> None:
@@ -396,7 +396,7 @@ class KVConnectorBase(abc.ABC):
         reports what those last transfers did.
         """
 
-    # --------------------------------------------------------- scheduler side
+    # --------------------------------------------------------- scheduler half
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """The scheduler's KV cache manager, once built; binds its block pool too."""
@@ -431,7 +431,7 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's metadata for the worker side; resets per-step state."""
+        """This step's metadata for the worker half; resets per-step state."""
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

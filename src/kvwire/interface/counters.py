@@ -1,4 +1,4 @@
-"""Thread-safe counters that a connector's worker side reports as its stats."""
+"""Thread-safe counters that a connector's worker half reports as its stats."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ class ForwardingConnector(KVConnectorBase, SupportsHMA):
         """The wrapped connector, built for the same role."""
 
     def _inner_metadata(self, metadata: KVConnectorMetadata) -> KVConnectorMetadata:
-        """The step metadata `inner` gets for `metadata`, built by this scheduler side.
+        """The step metadata `inner` gets for `metadata`, built by this scheduler half.
 
         `metadata` itself; a wrapper whose `build_connector_meta` wraps
         `inner`'s metadata in its own returns `inner`'s here.
@@ -136,7 +136,7 @@ class ForwardingConnector(KVConnectorBase, SupportsHMA):
     def supports_divergent_local_hybrid_hits(self) -> bool:
         return self.inner.supports_divergent_local_hybrid_hits
 
-    # ------------------------------------------------------------ worker side
+    # ------------------------------------------------------------ worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.inner.register_kv_caches(kv_caches)
@@ -225,7 +225,7 @@ class ForwardingConnector(KVConnectorBase, SupportsHMA):
     def shutdown(self) -> None:
         self.inner.shutdown()
 
-    # --------------------------------------------------------- scheduler side
+    # --------------------------------------------------------- scheduler half
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # Not the base's: it would bind the block pool here, and `inner` binds it itself.

@@ -195,7 +195,7 @@ KVCacheEvent = BlockStored | BlockRemoved
 
 @attrs.define
 class KVConnectorOutput:
-    """The worker side's report for one step, merged over workers.
+    """The worker half's report for one step, merged over workers.
 
     `kv_connector_worker_meta` is what the workers' `build_connector_worker_meta`
     returned, merged with its `aggregate` (None when no worker returned any).

@@ -3,10 +3,10 @@
 A medium is a pair of halves, one per connector role, built from one
 [`Medium`][kvwire.media.Medium] object per connector instance:
 
-- the scheduler side's [`MediumIndex`][kvwire.media.MediumIndex] answers lookups and keeps the
+- the scheduler half's [`MediumIndex`][kvwire.media.MediumIndex] answers lookups and keeps the
   bookkeeping of transfers (which slots a load reads, which blocks a store
   writes and whether it succeeded), and reports the KV cache events it sees;
-- the worker side's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
+- the worker half's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
   paged KV cache and the medium, off the forward pass, and reports which
   ended and which of their blocks failed (its jobs in flight kept by a
   [`JobLedger`][kvwire.media.JobLedger]).
@@ -72,7 +72,7 @@ class MediumContext:
 
 
 class MediumIndex(abc.ABC):
-    """The scheduler side of a medium: what it holds, and each transfer's bookkeeping.
+    """The scheduler half of a medium: what it holds, and each transfer's bookkeeping.
 
     Only [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix] is required. A medium
     that decides where each block goes (the CPU pool's slots) overrides the `prepare_*` and
@@ -174,7 +174,7 @@ class JobResult:
 
 
 class TransferHandler(abc.ABC):
-    """The worker side of a medium: runs transfer jobs between the paged KV cache and the medium.
+    """The worker half of a medium: runs transfer jobs between the paged KV cache and the medium.
 
     The connector submits jobs ([`submit`][kvwire.media.TransferHandler.submit]), learns which ended
     and which blocks of them failed ([`poll`][kvwire.media.TransferHandler.poll]), and waits for the
@@ -218,7 +218,7 @@ class TransferHandler(abc.ABC):
 
         Called before a forward pass that may write those blocks. A stopped
         save commits nothing more. Returns the saves (or their pieces)
-        stopped so, so the scheduler side never publishes them.
+        stopped so, so the scheduler half never publishes them.
         """
 
     def take_events(self) -> list[KVCacheEvent]:
@@ -284,13 +284,13 @@ class Medium(abc.ABC):
 
     @abc.abstractmethod
     def build_index(self) -> MediumIndex:
-        """The scheduler side's half; called once, by a scheduler-role connector."""
+        """The scheduler half; called once, by a scheduler-role connector."""
 
     @abc.abstractmethod
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        """The worker side's half over the registered caches; built once, by a worker connector.
+        """The worker half over the registered caches; built once, by a worker connector.
 
         `kv_caches` maps each layer's name to its paged KV cache tensor;
         [`counters`][kvwire.media.Counters] collects the counts the connector

@@ -6,13 +6,13 @@ overrides a container's `connector_class` with a `LoadFaultConnector` around the
 names. In each role it builds the wrapped connector through the registry (as a composite builds its
 children) and delegates every call to it, except that:
 
-- its scheduler side learns the blocks each load fills from
+- its scheduler half learns the blocks each load fills from
   `update_state_after_alloc` and picks, for each chosen request's first load,
   the block at `fail_block_index` of the loaded range (every KV cache group's
   blocks, group after group, null blocks left out), which it sends to the
-  worker side inside the step's metadata (`LoadFaultMetadata`, the wrapped
+  worker half inside the step's metadata (`LoadFaultMetadata`, the wrapped
   connector's metadata within);
-- its worker side leaves garbage (0xFF bytes: NaN in every float dtype) in
+- its worker half leaves garbage (0xFF bytes: NaN in every float dtype) in
   that block after the wrapped connector loaded it, and reports the block
   as a load error: a synchronous load's in that step, layer by layer once
   `wait_for_layer_load` returned, telling the wrapped connector
@@ -95,7 +95,7 @@ class LoadFaultConnector(ForwardingConnector):
     fail_block_index: ClassVar[int] = 0
     """Which block of the loaded range fails (negative: from the end)."""
     fail_ranks: ClassVar[frozenset[int] | None] = None
-    """The ranks whose worker side fails the loads (`parallel_config.rank`); None: every rank."""
+    """The ranks whose worker half fails the loads (`parallel_config.rank`); None: every rank."""
 
     def __init__(
         self,
@@ -116,11 +116,11 @@ class LoadFaultConnector(ForwardingConnector):
         self._null_block = (
             NULL_BLOCK_ID if any(g.sliding_window is not None for g in self._groups) else None
         )
-        # Scheduler side.
+        # Scheduler half.
         self._faults = LoadFaults(self.fail_request_ids, self.fail_block_index)
         self._lookups: dict[str, tuple[int, bool]] = {}
         self._planned: list[LoadFault] = []
-        # Worker side.
+        # Worker half.
         self._layer_memories: dict[str, BlockMemory] = {}
         self._step_faults: tuple[LoadFault, ...] = ()
         self._async_faults: dict[str, LoadFault] = {}
@@ -129,10 +129,10 @@ class LoadFaultConnector(ForwardingConnector):
             vllm_config.parallel_config.rank in self.fail_ranks
         )
 
-    # ------------------------------------------------------------ worker side
+    # ------------------------------------------------------------ worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # Imported here: it needs torch, which the scheduler side never imports.
+        # Imported here: it needs torch, which the scheduler half never imports.
         from kvwire.blocks.memory import BlockMemory
 
         super().register_kv_caches(kv_caches)
@@ -190,7 +190,7 @@ class LoadFaultConnector(ForwardingConnector):
     def load_errors_this_step(self) -> set[int]:
         return self.inner.load_errors_this_step() | {fault.block_id for fault in self._step_faults}
 
-    # --------------------------------------------------------- scheduler side
+    # --------------------------------------------------------- scheduler half
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -234,7 +234,7 @@ class LoadFaultConnector(ForwardingConnector):
     def _unwrap(self, metadata: KVConnectorMetadata) -> LoadFaultMetadata:
         if not isinstance(metadata, LoadFaultMetadata):
             raise TypeError(
-                f"{type(self).__name__}: expected the step metadata its scheduler side builds "
+                f"{type(self).__name__}: expected the step metadata its scheduler half builds "
                 f"(LoadFaultMetadata), got {type(metadata).__name__}"
             )
         return metadata
@@ -284,7 +284,7 @@ class LoadFaultsHook:
     engine's worker processes.
 
     `LLMEngine(config, container=with_load_faults(..., ranks=r),
-    worker_container_hook=LoadFaultsHook(ranks=r))`: the scheduler side
+    worker_container_hook=LoadFaultsHook(ranks=r))`: the scheduler half
     picks the faults, the workers of `ranks` leave garbage and report them.
     """
 

@@ -171,7 +171,7 @@ class ParallelConformanceSuite:
     ) -> None:
         config = tensor_parallel(engine_config)
         workload = parallel_workloads[0]
-        # The scheduler side picks each request's first load's first block;
+        # The scheduler half picks each request's first load's first block;
         # only rank 1 leaves garbage in it and reports it failed.
         rank_one = frozenset({1})
         with LLMEngine(

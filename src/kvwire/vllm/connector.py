@@ -8,11 +8,11 @@ the kvwire profile vLLM's `kv_connector_extra_config` names, with kvwire's
 (`kvwire.vllm.config_bridge`). Every call vLLM makes is passed on, translated
 where the two interfaces differ:
 
-- scheduler side: vLLM's requests as live views, its block-id deltas as full
+- scheduler half: vLLM's requests as live views, its block-id deltas as full
   block lists, its double `update_state_after_alloc` for asynchronous loads
   (`kvwire.vllm.scheduler_bridge`); events as vLLM's `BlockStored` /
   `BlockRemoved` (`kvwire.vllm.events`);
-- worker side: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
+- worker half: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
   byte ranges, on I/O threads free to run off the model's pinned cores
   (`kvwire.vllm.cores`); `handle_preemptions` before the forward pass (vLLM starts
   loads after it when the step has no synchronous load); stats as
@@ -28,7 +28,7 @@ once every rank reported it, see below).
 
 Tensor and pipeline parallelism: each rank's worker connector is built in its
 rank's process, with the container's `parallel_config` set to its rank (from
-vLLM's process groups); the scheduler side's comes from vLLM's
+vLLM's process groups); the scheduler half's comes from vLLM's
 `parallel_config`. Each rank moves only its share of the KV heads and its
 stage's layers; vLLM counts a request finished once every rank reported it and
 unions the ranks' failed block ids; a block is reported stored once every
@@ -38,7 +38,7 @@ kvwire's connectors are best-effort caches: a dropped save is a later miss,
 so `requires_kv_delivery` is False whatever the role; a failed load follows
 vLLM's `kv_load_failure_policy`. vLLM's default for it is `fail` (the
 request fails with the load), which throws away what a cache is for: the
-scheduler side warns once at start, naming the field, when vLLM's policy is
+scheduler half warns once at start, naming the field, when vLLM's policy is
 `fail`.
 
 Hybrid models (the hybrid KV cache manager, HMA): vLLM's gate asks the
@@ -58,7 +58,7 @@ Load errors on a hybrid cache: vLLM stops the engine when a connector
 reports failed block ids there (`Scheduler._handle_invalid_blocks`); it
 takes, instead, the requests whose asynchronous loads failed
 (`KVConnectorTransferResults.failed_recving`), and recomputes them or
-fails them as `kv_load_failure_policy` says. So the scheduler side sends
+fails them as `kv_load_failure_policy` says. So the scheduler half sends
 each asynchronous load's block ids in the step's metadata, and the worker
 side reports a load whose blocks failed as a failed request; the scheduler
 side then tells the wrapped connector that load's blocks failed (vLLM's
@@ -162,7 +162,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if role is KVConnectorRole.WORKER:
             # The worker's own rank (the heads and layers it holds): the
-            # scheduler side's config says only the sizes.
+            # scheduler half's config says only the sizes.
             self.container.parallel_config.override(
                 providers.Object(worker_parallel_config(vllm_config))
             )
@@ -178,7 +178,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
             log_overridden_values(profile, engine_config, extra_config)
-        # Scheduler side.
+        # Scheduler half.
         self._views = RequestViews(
             _adapter_keys(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         )
@@ -191,7 +191,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_async_loads: dict[str, frozenset[int]] = {}
         # Asynchronous loads sent to the workers and not yet reported, by request.
         self._async_loads_sent: dict[str, frozenset[int]] = {}
-        # Worker side.
+        # Worker half.
         self._async_loading: dict[str, frozenset[int]] = {}
         self._load_errors: set[int] = set()
         self._totals = KVWireStats()
@@ -204,7 +204,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         # A best-effort cache: a save that does not happen is a later miss.
         return False
 
-    # ------------------------------------------------------------ worker side
+    # ------------------------------------------------------------ worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # The wrapped connector starts its I/O threads here.
@@ -314,7 +314,7 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         self.container.shutdown_resources()
 
-    # --------------------------------------------------------- scheduler side
+    # --------------------------------------------------------- scheduler half
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

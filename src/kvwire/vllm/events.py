@@ -1,9 +1,9 @@
 """kvwire's KV cache events on their way through vLLM, and as vLLM's events at the end.
 
-The worker side hands kvwire's events (picklable records) to vLLM in a
-`KVWireKVEvents`; vLLM carries it to the scheduler side in the step's
+The worker half hands kvwire's events (picklable records) to vLLM in a
+`KVWireKVEvents`; vLLM carries it to the scheduler half in the step's
 `KVConnectorOutput`, where the wrapped connector takes them back. What the
-scheduler side's `take_events` reports is vLLM's `BlockStored` /
+scheduler half's `take_events` reports is vLLM's `BlockStored` /
 `BlockRemoved`, with vLLM's block hashes (kvwire keys blocks by them) and,
 for the blocks of requests the connector saw, their token ids and parent
 hash (`BlockTokens`). A LoRA adapter's blocks, which kvwire keys by
@@ -37,7 +37,7 @@ _MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_STORAGE}
 
 
 class KVWireKVEvents(KVConnectorKVEvents):
-    """kvwire's events from the workers of one engine, for the scheduler side.
+    """kvwire's events from the workers of one engine, for the scheduler half.
 
     vLLM's output aggregator concatenates every rank's (`add_events`);
     `EveryRank` then keeps a block stored once all ranks stored it.

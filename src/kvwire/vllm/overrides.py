@@ -7,7 +7,7 @@ A profile that sets one of them to something else says what its author
 expected, so each such field is logged at WARNING, naming the field, both
 values and that vLLM's applies. A field left at kvwire's default was not set
 by the profile (the shipped profiles leave most at it) and is replaced
-quietly. The scheduler side logs: vLLM builds one per engine, and a worker
+quietly. The scheduler half logs: vLLM builds one per engine, and a worker
 per rank.
 """
 

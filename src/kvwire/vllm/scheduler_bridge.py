@@ -9,7 +9,7 @@
   key (`kvwire.adapter_keys`): vLLM's hash names the adapter only by
   its name and path. One with an adapter kvwire cannot identify offers no
   hash: nothing is looked up or saved for it. The workers receive the
-  keys the scheduler side planned with, in the step's metadata.
+  keys the scheduler half planned with, in the step's metadata.
 - `RequestViews`: one view per request, its adapter's key decided
   when it is first seen.
 - `BlockTables`: vLLM sends each request's block ids once and then
@@ -132,7 +132,7 @@ class RequestView:
 
 
 class RequestViews:
-    """One `RequestView` per request the scheduler side holds, until it finishes.
+    """One `RequestView` per request the scheduler half holds, until it finishes.
 
     A request's adapter key is decided when its view is made, so every
     lookup and save of the request uses the same keys. `adapter_keys`

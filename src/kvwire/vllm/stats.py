@@ -1,6 +1,6 @@
 """kvwire's counters as vLLM's `KVConnectorStats`, and as Prometheus counters.
 
-Only the worker side reports stats (kvwire's scheduler side sends its lookup
+Only the worker half reports stats (kvwire's scheduler half sends its lookup
 counts to the workers in the step's metadata), so nothing is counted twice.
 vLLM sums its ranks' stats (`aggregate`): with tensor or pipeline
 parallelism, what a rank moved counts on that rank (`blocks_loaded` is

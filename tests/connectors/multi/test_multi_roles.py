@@ -16,8 +16,8 @@ import torch
 from kvwire.config import EngineConfig
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.connectors.multi import MultiConnector, MultiKVConnectorMetadata
-from kvwire.connectors.multi.scheduler import MultiScheduler
-from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.connectors.multi.scheduler import MultiSchedulerHalf
+from kvwire.connectors.multi.worker import MultiWorkerHalf
 from kvwire.container import KVConnectorContainer
 from kvwire.exceptions import ConnectorRoleError
 from kvwire.interface.base import (
@@ -193,8 +193,8 @@ def test_a_call_of_the_other_role_is_refused_naming_it_and_reaches_no_child(
 @pytest.mark.parametrize(
     ("role", "own_half", "other_half"),
     [
-        (KVConnectorRole.SCHEDULER, MultiScheduler, MultiWorker),
-        (KVConnectorRole.WORKER, MultiWorker, MultiScheduler),
+        (KVConnectorRole.SCHEDULER, MultiSchedulerHalf, MultiWorkerHalf),
+        (KVConnectorRole.WORKER, MultiWorkerHalf, MultiSchedulerHalf),
     ],
     ids=["scheduler", "worker"],
 )

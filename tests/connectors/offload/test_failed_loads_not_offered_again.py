@@ -8,7 +8,7 @@ engine would recompute and ask again without end.
 from __future__ import annotations
 
 from kvwire.connectors.offload._planner import BlockPlanner
-from kvwire.connectors.offload.scheduler import OffloadScheduler
+from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.interface.types import KVCacheBlocks, KVConnectorOutput, SchedulerOutput
 from tests.connectors.offload.test_block_planner import (
     BLOCK,
@@ -117,8 +117,8 @@ def test_a_failed_sliding_window_block_stops_the_offer_at_that_block_in_every_gr
 # ------------------------------------------------------------ the scheduler half
 
 
-def _scheduler(async_load: bool) -> OffloadScheduler:
-    return OffloadScheduler(
+def _scheduler(async_load: bool) -> OffloadSchedulerHalf:
+    return OffloadSchedulerHalf(
         index=IndexHoldingEverything(), planner=planner(), num_groups=1, async_load=async_load
     )
 

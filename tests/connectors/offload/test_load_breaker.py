@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from kvwire.connectors.offload._load_breaker import LoadBreaker
-from kvwire.connectors.offload.scheduler import OffloadScheduler
+from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.interface.types import KVCacheBlocks, KVConnectorOutput, SchedulerOutput
 from tests.connectors.offload.test_block_planner import (
     BLOCK,
@@ -145,7 +145,7 @@ def test_a_breaker_that_would_never_offer_or_never_pause_is_refused(failures, pa
 def test_the_scheduler_answers_miss_without_asking_the_medium_while_its_loads_keep_failing():
     clock = Clock()
     index = IndexHoldingEverything()
-    scheduler = OffloadScheduler(
+    scheduler = OffloadSchedulerHalf(
         index=index,
         planner=planner(),
         num_groups=1,
@@ -183,7 +183,7 @@ def test_a_request_s_load_over_several_groups_counts_as_one_load():
 
     clock = Clock()
     load_breaker = breaker(clock, failures_to_pause=2)
-    scheduler = OffloadScheduler(
+    scheduler = OffloadSchedulerHalf(
         index=IndexHoldingEverything(),
         planner=hybrid_planner(),
         num_groups=2,

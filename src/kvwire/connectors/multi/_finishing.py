@@ -2,9 +2,9 @@
 
 Any child may keep a finished request's blocks to send them asynchronously;
 the engine may free the blocks only once every child that kept them has
-reported the request finished sending. The scheduler side counts the keeping
+reported the request finished sending. The scheduler half counts the keeping
 children (`merge_finished_answers`), its step metadata carries how many
-reports beyond the first to wait for, and the worker side holds the request
+reports beyond the first to wait for, and the worker half holds the request
 back until they are all in (`FinishedSendingTally`).
 """
 
@@ -40,7 +40,7 @@ def merge_finished_answers(
 
 
 class FinishedSendingTally:
-    """Worker side: holds a request's finished-sending report until every keeping child sent one."""
+    """Worker half: holds a request's finished-sending report until every keeping child sent one."""
 
     def __init__(self) -> None:
         self._reports_to_skip: dict[str, int] = {}

@@ -29,7 +29,7 @@ events chained, stats nested per child, `kv_transfer_params` merged (a key
 clash is an error); HMA only when every child supports it. The child that
 serves a request's load answers for its hit sources until the request
 finishes. The children's worker-side KV cache events are concatenated; the
-scheduler side keeps them itself (a child that got them would report them as
+scheduler half keeps them itself (a child that got them would report them as
 its own, each child again) and reports them before its children's own events.
 A child's None where vLLM's base answers None (events, stats, finished
 transfers, worker metadata) counts as nothing to report.
@@ -73,8 +73,8 @@ from kvwire.connectors.multi.records import (
     MultiPromMetrics,
     rebuild_child_stats,
 )
-from kvwire.connectors.multi.scheduler import MultiScheduler
-from kvwire.connectors.multi.worker import MultiWorker
+from kvwire.connectors.multi.scheduler import MultiSchedulerHalf
+from kvwire.connectors.multi.worker import MultiWorkerHalf
 from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import (
     ConnectorBuilder,
@@ -112,11 +112,11 @@ __all__ = ["MultiConnector"]
 logger = logging.getLogger(__name__)
 
 
-class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHMA):
+class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], SupportsHMA):
     """Drives every child connector as one; see the module docstring for the rules.
 
     It builds its children in its own role and only that role's half
-    (`MultiScheduler` or `MultiWorker`); the calls both roles
+    (`MultiSchedulerHalf` or `MultiWorkerHalf`); the calls both roles
     make (shutdown, the step metadata's binding, the stats, the children)
     are its own.
     """
@@ -150,9 +150,9 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
             raise
         owner = type(self).__name__
         if role is KVConnectorRole.SCHEDULER:
-            self._set_scheduler_half(MultiScheduler(owner, self._children, self._child_names))
+            self._set_scheduler_half(MultiSchedulerHalf(owner, self._children, self._child_names))
         else:
-            self._set_worker_half(MultiWorker(owner, self._children, self._child_names))
+            self._set_worker_half(MultiWorkerHalf(owner, self._children, self._child_names))
 
     @property
     def children(self) -> tuple[KVConnectorBase, ...]:
@@ -237,7 +237,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
             KVConnectorFactory.get_connector_class, cls.__name__, extra_config
         )
 
-    # -------------------------------------------------------- scheduler side
+    # -------------------------------------------------------- scheduler half
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         scheduler = self._scheduler_half("bind_kv_cache_manager")
@@ -333,7 +333,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
     def reset_cache(self) -> bool | None:
         return self._scheduler_half("reset_cache").reset_cache()
 
-    # ----------------------------------------------------------- worker side
+    # ----------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
@@ -414,7 +414,7 @@ class MultiConnector(RoleSplitConnector[MultiScheduler, MultiWorker], SupportsHM
         for child, child_metadata in zip(self._children, metadata.children, strict=True):
             child.bind_connector_metadata(child_metadata)
         if self._worker is not None:
-            # Only the worker side reports sends finished; its tally holds them back.
+            # Only the worker half reports sends finished; its tally holds them back.
             self._worker.expect_finished_sending(metadata.extra_async_saves)
 
     def clear_connector_metadata(self) -> None:

@@ -1,6 +1,6 @@
 """The records a MultiConnector sends between its halves: one entry per child, in child order.
 
-The scheduler side's step metadata and the worker side's report cross
+The scheduler half's step metadata and the worker half's report cross
 processes, so they are picklable; the stats keep each child's counters under
 the child's name, rebuilt by the child's own stats class.
 """

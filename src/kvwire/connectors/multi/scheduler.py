@@ -1,10 +1,10 @@
 """MultiConnector's scheduler half: which child loads a request, the workers' events, finishing.
 
 Finishing: the children's answers for a finished request are merged, and the
-extra sends to await go to the worker side in the next step's metadata.
+extra sends to await go to the worker half in the next step's metadata.
 
 A scheduler-role `MultiConnector` builds one
-`MultiScheduler` over its (scheduler-role) children and passes every
+`MultiSchedulerHalf` over its (scheduler-role) children and passes every
 scheduler-side call to it.
 """
 
@@ -28,7 +28,7 @@ from kvwire.interface.types import (
 )
 
 
-class MultiScheduler:
+class MultiSchedulerHalf:
     """A MultiConnector's scheduler-side state and calls, over its children in order.
 
     `owner` names the connector in errors about what its workers reported;

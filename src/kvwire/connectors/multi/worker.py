@@ -1,7 +1,7 @@
 """MultiConnector's worker half: every worker call to every child, and the finished sends held back.
 
 A worker-role `MultiConnector` builds one
-`MultiWorker` over its (worker-role) children and passes every
+`MultiWorkerHalf` over its (worker-role) children and passes every
 worker-side call to it.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class MultiWorker:
+class MultiWorkerHalf:
     """A MultiConnector's worker-side state and calls, over its children in order.
 
     `owner` names the connector in errors about the metadata it was given;

@@ -23,7 +23,7 @@ per request, whatever holds the blocks:
 
 `BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and sends the planned
-[`BlockTransfer`][kvwire.media.BlockTransfer] records to its worker side
+[`BlockTransfer`][kvwire.media.BlockTransfer] records to its worker half
 (the CPU pool adds the slots).
 """
 
@@ -73,7 +73,7 @@ class _SaveCursor:
 
 
 class BlockPlanner:
-    """Which full blocks of each request to load and to save, per KV cache group (scheduler side).
+    """Which full blocks of each request to load and to save, per KV cache group (scheduler half).
 
     `loads`/`saves` say whether the engine is a KV consumer/producer; a
     planner that does not load finds no hits, one that does not save plans
@@ -400,7 +400,7 @@ class BlockPlanner:
         Only tracked when the engine saves. A block freed while a background
         save still reads it (a sliding window moved on, a request was
         preempted or finished) can be given to a request and overwritten by
-        the very next step's loads or forward pass; the worker side drops
+        the very next step's loads or forward pass; the worker half drops
         any save still reading one of these ids before anything writes them,
         so a torn block is never stored under a valid checksum.
         """

@@ -51,8 +51,8 @@ from kvwire.connectors.offload._load_breaker import (
 )
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.metadata import OffloadMetadata
-from kvwire.connectors.offload.scheduler import OffloadScheduler
-from kvwire.connectors.offload.worker import OffloadWorker
+from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
+from kvwire.connectors.offload.worker import OffloadWorkerHalf
 from kvwire.exceptions import ContainerSetupError
 from kvwire.interface.base import (
     ConnectorLookup,
@@ -86,7 +86,7 @@ __all__ = ["OffloadConnector"]
 MEDIUM_FIELD = "kv_connector_extra_config.medium"
 
 
-class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], SupportsHMA):
+class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHalf], SupportsHMA):
     """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
 
     It is handed its medium built (the keyword-only `medium`): a
@@ -133,7 +133,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
                 saves=self.kv_transfer_config.is_kv_producer,
             )
             self._set_scheduler_half(
-                OffloadScheduler(
+                OffloadSchedulerHalf(
                     index=call_plugin(
                         MEDIUM_FIELD,
                         f"{type(medium).__name__}.build_index",
@@ -152,7 +152,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
             )
         else:
             self._set_worker_half(
-                OffloadWorker(
+                OffloadWorkerHalf(
                     connector_name=type(self).__name__,
                     medium=self._medium,
                     reports_lookups=config.parallel_config.rank == 0,
@@ -277,7 +277,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role.name}, medium={type(self._medium).__name__})"
 
-    # -------------------------------------------------------- scheduler side
+    # -------------------------------------------------------- scheduler half
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -315,7 +315,7 @@ class OffloadConnector(RoleSplitConnector[OffloadScheduler, OffloadWorker], Supp
     def reset_cache(self) -> bool | None:
         return self._scheduler_half("reset_cache").reset_cache()
 
-    # ----------------------------------------------------------- worker side
+    # ----------------------------------------------------------- worker half
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_half("register_kv_caches").register_kv_caches(kv_caches)

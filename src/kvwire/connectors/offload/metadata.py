@@ -20,7 +20,7 @@ class OffloadMetadata(KVConnectorMetadata):
     blocks the engine took back; their saves end before the forward pass.
     `new_block_ids`: block ids given to requests since the last step, to be
     written from this step on; saves still reading one are released.
-    `counters`: the scheduler side's counts (lookups, the medium index's
+    `counters`: the scheduler half's counts (lookups, the medium index's
     own), reported with the worker's stats. `idle`: the step computes no
     token (what it holds waits for asynchronous loads); the worker then waits
     for those loads a little in `get_finished` instead of handing the engine

@@ -1,13 +1,13 @@
-"""The offload connector's scheduler side: lookups, each step's plan, the medium's bookkeeping.
+"""The offload connector's scheduler half: lookups, each step's plan, the medium's bookkeeping.
 
 Pure bookkeeping, no tensors and no transfers: it asks the medium's
 [`MediumIndex`][kvwire.media.MediumIndex] what it holds, plans loads and saves
 with the `BlockPlanner`, and ships
-them to the worker side in an `OffloadMetadata`.
+them to the worker half in an `OffloadMetadata`.
 
 A save's blocks are read in place in the background, so a request with
 saves not yet settled (or an asynchronous load still writing) keeps its
-blocks when it finishes, until the worker side reports it finished sending;
+blocks when it finishes, until the worker half reports it finished sending;
 only then does the index publish its saved blocks. Saves the worker did not
 make (released, or left out after a failed load) come back in
 `OffloadWorkerMetadata` and are
@@ -46,7 +46,7 @@ from kvwire.media.base import MediumIndex
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
-__all__ = ["OffloadScheduler"]
+__all__ = ["OffloadSchedulerHalf"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class _RequestState:
         return bool(self.async_loads) or any(self.unsettled_saves)
 
 
-class OffloadScheduler:
+class OffloadSchedulerHalf:
     """The scheduler-side state of one offload connector."""
 
     def __init__(
@@ -246,7 +246,7 @@ class OffloadScheduler:
         """Forget the finished `request`; whether its blocks, in every group, must be kept.
 
         True while a save may still read them or a background load write
-        them; the worker side then reports the request finished sending
+        them; the worker half then reports the request finished sending
         once no transfer of it runs.
         """
         self._planner.forget(request.request_id)
@@ -285,7 +285,7 @@ class OffloadScheduler:
             for group, hashes in enumerate(state.unsettled_saves):
                 if hashes:
                     self._index.complete_store(group, hashes, success=True)
-        # Events the worker side saw (a store medium's): handed on, in order.
+        # Events the worker half saw (a store medium's): handed on, in order.
         self._forwarded_events.extend(connector_output.kv_cache_events)
 
     def _drop_save(self, save: BlockTransfer) -> None:

@@ -1,4 +1,4 @@
-"""The offload connector's worker side's record of the jobs it gave a medium: by request and step.
+"""The offload connector's worker half's record of the jobs it gave a medium: by request and step.
 
 A [`TransferHandler`][kvwire.media.TransferHandler] only runs jobs: it is told
 to start one, says which ended and which of their blocks failed, and waits

@@ -1,4 +1,4 @@
-"""The offload connector's worker side: drives the transfer handler around the forward pass.
+"""The offload connector's worker half: drives the transfer handler around the forward pass.
 
 The handler only runs transfer jobs; which request and which step each job
 serves is kept here, in a `TransferBook`.
@@ -8,7 +8,7 @@ them; saves read every layer after the forward pass, so `save_kv_layer`
 does nothing and `wait_for_save` only submits. Before anything of a step
 writes the cache, the saves still reading blocks given out again (or blocks
 of preempted requests) are released; a save computed from a block whose
-load failed is left out. Both are reported to the scheduler side
+load failed is left out. Both are reported to the scheduler half
 (`OffloadWorkerMetadata`), which
 never publishes them.
 """
@@ -36,7 +36,7 @@ from kvwire.plugin_calls import call_plugin
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["OffloadWorker"]
+__all__ = ["OffloadWorkerHalf"]
 
 # How long get_finished waits for asynchronous loads in a step that computes
 # nothing. The engine has nothing else to do meanwhile; it bounds how late a
@@ -44,7 +44,7 @@ __all__ = ["OffloadWorker"]
 IDLE_STEP_WAIT_S = 0.005
 
 
-class OffloadWorker:
+class OffloadWorkerHalf:
     """The worker-side state of one offload connector; its handler is built with the caches.
 
     `reports_lookups`: whether this worker's stats carry the scheduler
@@ -131,7 +131,7 @@ class OffloadWorker:
         metadata = self.metadata(kv_connector_metadata)
         transfers = self._require_transfers()
         saves, left_out = self._saves_from_good_context(metadata.saves)
-        # Reported, so that the scheduler side never publishes them: the
+        # Reported, so that the scheduler half never publishes them: the
         # blocks, computed again, are saved anew.
         self._left_out_saves += left_out
         if saves:

@@ -1,4 +1,4 @@
-"""What the offload connector's worker side checks and reports each step.
+"""What the offload connector's worker half checks and reports each step.
 
 It needs its caches registered and this step's metadata of its own type
 before it can move anything (`registered_worker`, `metadata_of_type`),
@@ -30,9 +30,9 @@ def registered_worker(connector_name: str, worker: _Worker | None) -> _Worker:
 
 
 class PendingRelease:
-    """Finished requests whose blocks stay kept until their transfers end (worker side).
+    """Finished requests whose blocks stay kept until their transfers end (worker half).
 
-    The scheduler side names them in a step's metadata; the worker side
+    The scheduler half names them in a step's metadata; the worker half
     reports each as finished sending once no transfer of it runs any more.
     """
 
@@ -58,7 +58,7 @@ def saves_from_good_context(
     a block's load fails, the blocks computed after it attended to that
     block's stale cache contents, in the request that loaded it and in any
     request sharing it as a prefix. The engine computes them again (and the
-    scheduler side plans their saves then); saved now, they would put wrong
+    scheduler half plans their saves then); saved now, they would put wrong
     KV in the store under their hashes, for any later request to load.
     """
     if not failed_block_ids:

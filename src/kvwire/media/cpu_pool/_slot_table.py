@@ -1,6 +1,6 @@
-"""The CPU pool's slot table: which block lives in which slot (the scheduler side's bookkeeping).
+"""The CPU pool's slot table: which block lives in which slot (the scheduler half's bookkeeping).
 
-Pure bookkeeping, no tensors: the worker side owns the pool memory and does
+Pure bookkeeping, no tensors: the worker half owns the pool memory and does
 what this index decides. A slot holds one block of one KV cache group (every
 layer of the group, cross-layer layout); every group's entries have the same
 size, so one pool serves them all. A block hash names an entry only together

@@ -1,10 +1,10 @@
-"""The CPU pool medium's worker side: the pool memory and the copies.
+"""The CPU pool medium's worker half: the pool memory and the copies.
 
 The pool is allocated once: `num_slots` entries, each a `block_format`
 header followed by one block of every layer of one KV cache group
 (cross-layer layout); every group's entries have the same size, so one pool
 serves them all, and each entry's header names its group's layout. Which slot
-holds what is decided by the scheduler side (`kvwire.media.cpu_pool._slot_table`);
+holds what is decided by the scheduler half (`kvwire.media.cpu_pool._slot_table`);
 this side only copies. Stores run on a background thread and complete
 asynchronously; loads verify each slot's header (and, when its layout
 checksums payloads, the checksum) before copying it into the cache. The CPU
@@ -25,7 +25,7 @@ written), which a later load reports instead of copying.
 A store may also be released (`CPUPoolTransferHandler.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
-store copies nothing more and never commits: the scheduler side frees its
+store copies nothing more and never commits: the scheduler half frees its
 slots (`saves_released` counts its blocks).
 """
 
@@ -186,7 +186,7 @@ class CPUPoolTransferHandler(TransferHandler):
                     stored += len(slots)
         except JobAbandoned:
             # Counted failed when given up on; counted when released, and the
-            # scheduler side frees its slots, whatever they hold.
+            # scheduler half frees its slots, whatever they hold.
             pass
         except Exception:
             # The slots keep whatever they had; their headers no longer match,

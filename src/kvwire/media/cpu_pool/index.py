@@ -1,4 +1,4 @@
-"""The CPU pool medium's scheduler side: the pool's index behind the MediumIndex calls.
+"""The CPU pool medium's scheduler half: the pool's index behind the MediumIndex calls.
 
 `SlotTable` decides which slot holds
 which block; this half adds what the block connector expects of a medium:

@@ -1,6 +1,6 @@
 """The CPU pool medium: preallocated slots in this host's memory.
 
-The scheduler side's index (`kvwire.media.cpu_pool._slot_table`) decides
+The scheduler half's index (`kvwire.media.cpu_pool._slot_table`) decides
 which slot holds which block, evicting the least recently used; the worker
 side (`kvwire.media.cpu_pool.handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
@@ -83,7 +83,7 @@ class CPUPoolMedium(Medium):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        # Imported here: they need torch, which the scheduler side never imports.
+        # Imported here: they need torch, which the scheduler half never imports.
         from kvwire.blocks.paged_cache import group_caches
         from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 
@@ -114,7 +114,7 @@ class CPUPoolMedium(Medium):
 def _largest_entry_bytes(context: MediumContext) -> int:
     """The bytes of the largest rank's entry: every rank's pool has as many slots.
 
-    The scheduler side gives one slot to a block on every rank; pipeline
+    The scheduler half gives one slot to a block on every rank; pipeline
     stages may hold unequal numbers of layers, so the slots are counted for
     the stage with the most.
     """

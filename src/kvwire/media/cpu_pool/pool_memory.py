@@ -3,8 +3,8 @@
 A slot holds one whole entry (the 128-byte header, then the cross-layer
 payload), seen both as one `memoryview` and, for copies to and from the
 paged cache, as a typed tensor. The memory is allocated and committed once,
-when the worker side registers the caches; which slot holds which block is
-the scheduler side's business (`kvwire.media.cpu_pool._slot_table`).
+when the worker half registers the caches; which slot holds which block is
+the scheduler half's business (`kvwire.media.cpu_pool._slot_table`).
 The store connectors need no such buffers: they move blocks straight
 between the cache and the medium (`kvwire.blocks.memory`).
 """

@@ -1,4 +1,4 @@
-"""The peer medium's worker side: its pool exposed to NIXL, and loads pulled from any peer.
+"""The peer medium's worker half: its pool exposed to NIXL, and loads pulled from any peer.
 
 Saves are the CPU pool's (`CPUPoolTransferHandler`
 copies blocks into this worker's pool slots). The pool and a staging area
@@ -7,7 +7,7 @@ a split engine), and the agent's record is published in the directory and
 refreshed every `peer_heartbeat_s` (it expires after three of them
 unrefreshed). A rank reads other peers' same rank: the share it holds.
 
-A load reads each block where the scheduler side's lookup found it (the
+A load reads each block where the scheduler half's lookup found it (the
 transfer's `sources`; the directory is asked, in one round trip, only
 about blocks it came without), then pulls each entry, header and payload,
 into staging: with one NIXL read per peer holding some of them (blocks
@@ -232,7 +232,7 @@ class PeerTransferHandler(TransferHandler):
         return loaded, failed
 
     def _locate(self, keys: Sequence[str], sources: Sequence[str]) -> list[Location | None]:
-        """Each block's location: the scheduler side's, else the directory's (one round trip)."""
+        """Each block's location: the scheduler half's, else the directory's (one round trip)."""
         found = [Location.decode(source.encode()) if source else None for source in sources]
         if len(found) != len(keys):
             found = [None] * len(keys)  # none given (or not one per block): all looked up

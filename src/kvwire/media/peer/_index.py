@@ -1,4 +1,4 @@
-"""The peer medium's scheduler side: its own pool's slots, and the shared directory.
+"""The peer medium's scheduler half: its own pool's slots, and the shared directory.
 
 The engine's own saves go to its CPU pool exactly as the CPU pool medium's
 do (the same index decides slots and evicts the least recently used); once

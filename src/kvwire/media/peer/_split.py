@@ -4,7 +4,7 @@ A tensor-parallel rank holds a share of every layer's KV heads, a pipeline
 stage some of the layers; block ids, and so the pool slot the scheduler
 side gives a block, are the same on every rank. So each rank keeps its
 share of a block in its own pool's slot, behind its own NIXL agent and
-peer record (`agent_name`), and the scheduler side announces the
+peer record (`agent_name`), and the scheduler half announces the
 block once. A reader's rank `r` pulls the share of the writer's rank
 `r`: the same heads and layers, when both engines are split alike.
 

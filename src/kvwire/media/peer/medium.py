@@ -53,9 +53,9 @@ Install the `peer` extra (`nixl-cu12`, which runs without CUDA).
 
 Split engines (tensor and pipeline parallelism; `kvwire.media.peer._split`):
 each rank keeps its share of a block (its KV heads, its stage's layers) in
-its own pool, in the slot the scheduler side gave the block (the same on
+its own pool, in the slot the scheduler half gave the block (the same on
 every rank), behind its own NIXL agent and peer record, named
-`<peer_name> rank<r>`; the scheduler side announces the block once. A
+`<peer_name> rank<r>`; the scheduler half announces the block once. A
 reader's rank `r` pulls from the holder's rank `r`. The directory names
 entries by the whole split, so engines split differently (TP=1 and TP=2,
 PP=1 and PP=2) find none of each other's blocks: a miss, computed, never
@@ -181,7 +181,7 @@ class PeerMedium(Medium):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        # Imported here: they need torch and NIXL, which the scheduler side never imports.
+        # Imported here: they need torch and NIXL, which the scheduler half never imports.
         from kvwire.blocks.paged_cache import group_caches
         from kvwire.media.peer._handler import PeerTransferHandler, PeerTransferSettings
 

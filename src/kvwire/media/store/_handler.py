@@ -1,4 +1,4 @@
-"""The worker side of a store medium: it moves bytes, nothing else.
+"""The worker half of a store medium: it moves bytes, nothing else.
 
 `StoreTransferHandler`, the [`TransferHandler`][kvwire.media.TransferHandler] of
 every store medium ([`StoreMedium`][kvwire.media.StoreMedium]),

@@ -1,9 +1,9 @@
 """Store media: each block one entry in a [`BlockStore`][kvwire.media.BlockStore].
 
 A store medium names each block's entry by key; the store finds it by key
-alone, so the scheduler side's index only asks the store how many
+alone, so the scheduler half's index only asks the store how many
 consecutive blocks it holds (`BlockStore.count_prefix`: only a prefix that
-is really present counts) and decides nothing else. The worker side's
+is really present counts) and decides nothing else. The worker half's
 handler (`StoreTransferHandler`) moves blocks straight between the KV
 cache's block ranges and the store (an entry is the `block_format` header,
 then every layer's block), on background threads:
@@ -44,7 +44,7 @@ with it), [`StoreMedium.store_counters`][kvwire.media.StoreMedium.store_counters
 engine's entries) and
 [`StoreMedium.start_worker`][kvwire.media.StoreMedium.start_worker] /
 [`StoreMedium.stop_worker`][kvwire.media.StoreMedium.stop_worker] (work of the
-worker side's own, such as a sweep), and give your store a `discard(keys)` so
+worker half's own, such as a sweep), and give your store a `discard(keys)` so
 entries found corrupt stop being hits. The store must never raise into the
 engine: misses and failures are results.
 
@@ -57,7 +57,7 @@ one group keep working with one group; a hybrid engine calls
 `store_key(block_hash, group)`, and refuses at construction an override
 that cannot take `group`.
 
-KV cache events (`event_medium` names the store in them): the worker side
+KV cache events (`event_medium` names the store in them): the worker half
 reports `BlockStored` for the blocks each save really stored (not the
 dropped or failed ones) and `BlockRemoved` for the corrupt entries it
 discarded and for those the store's `take_removed_keys` reports (a size
@@ -180,7 +180,7 @@ class StoreMedium(Medium, Generic[_Store]):
             for group in context.groups
         )
         # Per KV cache group, the entries of one block, as (layers, heads):
-        # this rank's (what its worker side moves) and every rank's (what a
+        # this rank's (what its worker half moves) and every rank's (what a
         # lookup asks for). One each, the group's own, for an unsplit engine.
         self._own_entries = tuple(
             tuple((layers, heads) for layers in plan.own for heads in self._heads.own)
@@ -304,7 +304,7 @@ class StoreMedium(Medium, Generic[_Store]):
         return None
 
     def start_worker(self, handler: StoreTransferHandler) -> None:
-        """Start the worker side's own work once `handler` is built (a sweep); none by default."""
+        """Start the worker half's own work once `handler` is built (a sweep); none by default."""
 
     def stop_worker(self) -> None:
         """Stop what [`start_worker`][kvwire.media.StoreMedium.start_worker] started; called at
@@ -388,7 +388,7 @@ class StoreMedium(Medium, Generic[_Store]):
     # ----------------------------------------------------------------- halves
 
     def build_index(self) -> MediumIndex:
-        """The scheduler side: lookups by key in the store; it owns closing the store."""
+        """The scheduler half: lookups by key in the store; it owns closing the store."""
         if self._whole:
             key_of = self._key_of
 
@@ -413,13 +413,13 @@ class StoreMedium(Medium, Generic[_Store]):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> TransferHandler:
-        """The worker side: a `StoreTransferHandler` over the caches, which closes the store.
+        """The worker half: a `StoreTransferHandler` over the caches, which closes the store.
 
         The caches are checked against the groups before the store is opened.
         A rank that stores entries of groups of KV heads gets the worker
         behind a `HeadGroupsHandler`.
         """
-        # Imported here: they need torch, which the scheduler side never imports.
+        # Imported here: they need torch, which the scheduler half never imports.
         from kvwire.blocks.memory import BlockMemory, group_memories
         from kvwire.blocks.paged_cache import group_caches
         from kvwire.media.store._handler import StoreTransferHandler
@@ -490,7 +490,7 @@ class StoreMedium(Medium, Generic[_Store]):
         return handler
 
     def _worker_closed(self) -> None:
-        """The handler's transfers ended: stop the worker side's own work, release the store."""
+        """The handler's transfers ended: stop the worker half's own work, release the store."""
         try:
             self.stop_worker()
         finally:
@@ -513,7 +513,7 @@ class _MediumKeys(EntryKeys):
 
 
 class _StoreIndex(MediumIndex):
-    """A store medium's scheduler side: the store finds entries by key, so it only counts.
+    """A store medium's scheduler half: the store finds entries by key, so it only counts.
 
     `entry_keys(group, hashes)` names the entries of those blocks, block
     after block, `per_block` entries each (every rank's head groups).

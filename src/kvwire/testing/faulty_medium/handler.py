@@ -1,4 +1,4 @@
-"""The fault-injecting medium's worker side: the wrapped medium's handler, whose chosen loads fail.
+"""The fault-injecting medium's worker half: the wrapped medium's handler, whose chosen loads fail.
 
 `LoadFaults` chooses which loads fail (each chosen request's first
 one, at one block of its range); `FaultInjectingHandler` fails them

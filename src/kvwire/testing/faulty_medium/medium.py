@@ -21,7 +21,7 @@ the step ended, before the connector saves the step, so the connector's own
 rule leaves out the saves computed from it; an asynchronous one fails when
 it is reported finished.
 
-Everything but the worker side's transfers is the wrapped medium's: its
+Everything but the worker half's transfers is the wrapped medium's: its
 `kv_connector_extra_config` keys, KV cache events, layouts and index. The
 class is configured by attributes only, so a profile may name it
 (`kv_connector_extra_config.medium: package.module:Class`) and a worker
@@ -126,7 +126,7 @@ class FaultInjectingMedium(Medium):
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
     ) -> FaultInjectingHandler:
-        # Imported here: it needs torch, which the scheduler side never imports.
+        # Imported here: it needs torch, which the scheduler half never imports.
         from kvwire.blocks.memory import group_memories
 
         memories = group_memories(kv_caches, self.context.layout, self.context.groups)

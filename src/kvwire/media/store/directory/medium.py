@@ -24,7 +24,7 @@ blocks appear in KV cache events as medium `disk`.
   forged ones.
 
 Temporary files that writers killed mid-save left behind are never read as
-entries; the worker side removes those older than ten minutes when it starts
+entries; the worker half removes those older than ten minutes when it starts
 (and eviction does too).
 """
 
@@ -118,7 +118,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
-        # The worker side's start-up sweep, joined (for a while) at close.
+        # The worker half's start-up sweep, joined (for a while) at close.
         self._sweeper: threading.Thread | None = None
         self._directory: DirectoryBlockStore | None = None
 
