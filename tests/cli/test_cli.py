@@ -13,7 +13,7 @@ import pytest
 from kvwire.cli import check_profile, list_connectors, main
 from kvwire.config.profile import shipped_profile_names
 from kvwire.registry import ConnectorRegistry
-from tests.core.conftest import SAMPLES
+from tests.conftest import SAMPLES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_PROFILES = shipped_profile_names()

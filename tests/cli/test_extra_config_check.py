@@ -15,7 +15,7 @@ from kvwire.config.extra_config import ExtraConfigError, int_key, read_extra_con
 from kvwire.connectors.offload import CPUOffloadConnector
 from kvwire.interface.base import ConnectorResolver, KVConnectorBase, validates_extra_config
 from kvwire.registry import ConnectorRegistry
-from tests.core.conftest import SAMPLES
+from tests.conftest import SAMPLES
 from tests.support.sample_connectors import RecordingConnector
 
 # The built-in connectors it checks import torch.

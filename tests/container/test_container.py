@@ -19,7 +19,7 @@ from kvwire.exceptions import ContainerSetupError, NotAConnectorError, ProfileEr
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.registry import ConnectorRegistry, default_registry
-from tests.core.conftest import SAMPLES
+from tests.conftest import SAMPLES
 from tests.support.sample_connectors import (
     CompositeConnector,
     HMAConnector,

@@ -81,7 +81,7 @@ def test_an_import_point_imports_no_torch_and_no_built_in_medium(module_name: st
 @pytest.mark.torch
 def test_every_public_exception_kvwire_defines_is_defined_in_kvwire_exceptions() -> None:
     import kvwire.exceptions
-    from tests.core.test_errors_under_kvwire_error import kvwire_exception_classes
+    from tests.exceptions.test_errors_under_kvwire_error import kvwire_exception_classes
 
     public = {
         cls
