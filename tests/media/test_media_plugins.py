@@ -228,7 +228,7 @@ class _HalfPlacingIndex(MediumIndex):
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         return 0
 
-    def prepare_store(
+    def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
         return [(h, None if i % 2 else i) for i, h in enumerate(block_hashes)]
@@ -240,7 +240,7 @@ def test_a_medium_index_that_places_only_some_blocks_of_a_save_is_refused():
         index=_HalfPlacingIndex(), planner=planner, num_groups=1, async_load=False
     )
     save = BlockTransfer(request_id="r", block_ids=(1, 2), block_hashes=(b"a", b"b"))
-    with pytest.raises(TypeError, match=r"^_HalfPlacingIndex\.prepare_store gave a slot to some"):
+    with pytest.raises(TypeError, match=r"^_HalfPlacingIndex\.prepare_save gave a slot to some"):
         scheduler._place_save(save)
 
 

@@ -34,15 +34,15 @@ class NeverHitIndex(MediumIndex):
     ) -> None:
         self._index.complete_load(group, block_hashes, corrupt)
 
-    def prepare_store(
+    def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
-        return self._index.prepare_store(group, block_hashes)
+        return self._index.prepare_save(group, block_hashes)
 
-    def complete_store(
+    def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
-        self._index.complete_store(group, block_hashes, success=success)
+        self._index.complete_save(group, block_hashes, success=success)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._index.take_events()

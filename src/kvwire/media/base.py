@@ -1,4 +1,4 @@
-"""The medium interface: where a block connector keeps blocks, as a plug-in.
+"""The medium interface: where an offload connector keeps blocks, as a plug-in.
 
 A medium is a pair of halves, one per connector role, built from one
 [`Medium`][kvwire.media.Medium] object per connector instance:
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import warnings
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -53,6 +54,19 @@ __all__ = [
 ]
 
 
+_RENAMED_SAVE_HOOKS = {"prepare_store": "prepare_save", "complete_store": "complete_save"}
+"""`MediumIndex`'s deprecated method names (going in the next release), each to its current one."""
+
+
+def _warn_renamed(old: str) -> None:
+    warnings.warn(
+        f"MediumIndex.{old} is deprecated: call {_RENAMED_SAVE_HOOKS[old]}; "
+        f"{old} goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 @attrs.frozen
 class MediumContext:
     """What a medium is built from, the same in both roles."""
@@ -78,9 +92,25 @@ class MediumIndex(abc.ABC):
     that decides where each block goes (the CPU pool's slots) overrides the `prepare_*` and
     `complete_*` calls; one whose entries are found by key alone keeps the defaults. The connector
     calls them in order: `prepare_load` once a lookup's blocks are allocated, `complete_load` once
-    the load ended; `prepare_store` when it plans a save, `complete_store` with `success` once the
+    the load ended; `prepare_save` when it plans a save, `complete_save` with `success` once the
     worker reported the save made or not made.
+
+    A subclass that overrides the deprecated `prepare_store` / `complete_store` and not the
+    `prepare_save` / `complete_save` of the same name works until the next release: its class
+    statement warns (`DeprecationWarning`) and the connector calls its old-named method.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in _RENAMED_SAVE_HOOKS.items():
+            if old in vars(cls) and new not in vars(cls):
+                warnings.warn(
+                    f"{cls.__module__}.{cls.__qualname__}.{old} is deprecated: name it {new}; "
+                    f"kvwire calls {old} no more from the next release",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                setattr(cls, new, vars(cls)[old])
 
     @abc.abstractmethod
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
@@ -114,21 +144,48 @@ class MediumIndex(abc.ABC):
     ) -> None:
         """The load of these blocks ended; `corrupt` ones failed verification."""
 
+    def prepare_save(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        """Which of these blocks to save, and where (a slot, or None to save by key).
+
+        Blocks left out are not saved: the medium holds them already, or
+        has no room (count those in [`take_counters`][kvwire.media.MediumIndex.take_counters]). The
+        default saves every one by key.
+        """
+        return [(block_hash, None) for block_hash in block_hashes]
+
+    def complete_save(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        """The save of these blocks ended: made (publish them) or not (free their place)."""
+
     def prepare_store(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
-        """Which of these blocks to store, and where (a slot, or None to store by key).
+        """Deprecated name of [`prepare_save`][kvwire.media.MediumIndex.prepare_save].
 
-        Blocks left out are not stored: the medium holds them already, or
-        has no room (count those in [`take_counters`][kvwire.media.MediumIndex.take_counters]). The
-        default stores every one by key.
+        Goes in the next release. Warns (`DeprecationWarning`), then answers as `prepare_save`.
         """
-        return [(block_hash, None) for block_hash in block_hashes]
+        _warn_renamed("prepare_store")
+        if type(self).prepare_save is type(self).prepare_store:
+            # Called through `super()` by a subclass's old-named override: the default.
+            return MediumIndex.prepare_save(self, group, block_hashes)
+        return self.prepare_save(group, block_hashes)
 
     def complete_store(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
-        """The store of these blocks ended: made (publish them) or not (free their place)."""
+        """Deprecated name of [`complete_save`][kvwire.media.MediumIndex.complete_save].
+
+        Goes in the next release. Warns (`DeprecationWarning`), then does what `complete_save` does.
+        """
+        _warn_renamed("complete_store")
+        if type(self).complete_save is type(self).complete_store:
+            # Called through `super()` by a subclass's old-named override: the default.
+            MediumIndex.complete_save(self, group, block_hashes, success=success)
+            return
+        self.complete_save(group, block_hashes, success=success)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events this side saw since the last call (stored, removed blocks)."""

@@ -73,14 +73,14 @@ def pool_of(handler: DrivenHandler[TransferHandler]) -> CPUPoolTransferHandler:
 
 def stored(index: MediumIndex, handler: DrivenHandler[TransferHandler]) -> tuple[int, ...]:
     """Blocks 0 and 1 stored and published under ``HASHES`` in group 0; their slots."""
-    placed = index.prepare_store(0, HASHES)
+    placed = index.prepare_save(0, HASHES)
     assert [block_hash for block_hash, _ in placed] == list(HASHES)
     slots = tuple(slot for _, slot in placed if slot is not None)
     handler.save(
         [BlockTransfer(request_id="p", block_ids=(0, 1), block_hashes=HASHES, slots=slots)]
     )
     assert handler.wait_for_saves(TEST_LIMIT_S)
-    index.complete_store(0, HASHES, success=True)
+    index.complete_save(0, HASHES, success=True)
     return slots
 
 
@@ -175,7 +175,7 @@ def test_a_store_then_a_load_round_trips_the_blocks_bit_exact(
 
 def test_a_block_being_stored_is_no_hit_and_cannot_be_loaded() -> None:
     index = medium(4, num_groups=2).build_index()
-    index.prepare_store(1, [H1])
+    index.prepare_save(1, [H1])
     assert index.count_held_prefix(1, [H1]) == 0
 
     with pytest.raises(ValueError, match="holds 0 of the 1 blocks asked for in KV cache group 1"):
@@ -184,43 +184,43 @@ def test_a_block_being_stored_is_no_hit_and_cannot_be_loaded() -> None:
 
 def test_a_refused_load_pins_nothing() -> None:
     index = medium(1).build_index()
-    index.prepare_store(0, [H1])
-    index.complete_store(0, [H1], success=True)
+    index.prepare_save(0, [H1])
+    index.complete_save(0, [H1], success=True)
 
     with pytest.raises(ValueError, match="holds 1 of the 2 blocks asked for in KV cache group 0"):
         index.prepare_load(0, [H1, H2])
 
     # H1 is evictable: the one slot goes to H3.
-    assert index.prepare_store(0, [H3]) == [(H3, 0)]
+    assert index.prepare_save(0, [H3]) == [(H3, 0)]
 
 
 def test_a_store_completed_without_success_never_becomes_a_hit_and_frees_its_slot() -> None:
     index = medium(1).build_index()
-    assert index.prepare_store(0, [H1]) == [(H1, 0)]
+    assert index.prepare_save(0, [H1]) == [(H1, 0)]
 
-    index.complete_store(0, [H1], success=False)
+    index.complete_save(0, [H1], success=False)
 
     assert index.count_held_prefix(0, [H1]) == 0
     assert index.take_events() == []
-    assert index.prepare_store(0, [H2]) == [(H2, 0)]
+    assert index.prepare_save(0, [H2]) == [(H2, 0)]
     assert index.take_counters() == {}  # the slot was free: nothing evicted, nothing skipped
 
 
 def test_a_block_held_is_not_stored_again() -> None:
     index = medium(4).build_index()
-    index.prepare_store(0, [H1])
-    index.complete_store(0, [H1], success=True)
+    index.prepare_save(0, [H1])
+    index.complete_save(0, [H1], success=True)
 
-    assert index.prepare_store(0, [H1, H2]) == [(H2, 1)]
+    assert index.prepare_save(0, [H1, H2]) == [(H2, 1)]
     assert index.take_counters() == {}
 
 
 def test_a_full_pool_skips_stores_and_counts_them() -> None:
     index = medium(2).build_index()
-    index.prepare_store(0, [H1, H2])  # being stored: neither can be evicted
+    index.prepare_save(0, [H1, H2])  # being stored: neither can be evicted
 
     # H1 is held (not skipped); H3 and H4 find every slot in use.
-    assert index.prepare_store(0, [H1, H3, H4]) == []
+    assert index.prepare_save(0, [H1, H3, H4]) == []
 
     assert index.take_counters() == {"stores_skipped_pool_full": 2}
     assert index.take_counters() == {}
@@ -228,17 +228,17 @@ def test_a_full_pool_skips_stores_and_counts_them() -> None:
 
 def test_evictions_are_counted_and_reported_once_per_group() -> None:
     index = medium(3, num_groups=2).build_index()
-    index.prepare_store(0, [H1])
-    index.prepare_store(1, [H1, H2])
-    index.complete_store(0, [H1], success=True)
-    index.complete_store(1, [H1, H2], success=True)
+    index.prepare_save(0, [H1])
+    index.prepare_save(1, [H1, H2])
+    index.complete_save(0, [H1], success=True)
+    index.complete_save(1, [H1, H2], success=True)
     # One group's H1 and the other's are two entries, and two events.
     assert index.take_events() == [
         BlockStored(block_hashes=(H1,), medium="cpu", group=0),
         BlockStored(block_hashes=(H1, H2), medium="cpu", group=1),
     ]
 
-    assert [block_hash for block_hash, _ in index.prepare_store(0, [H3, H4, H5])] == [H3, H4, H5]
+    assert [block_hash for block_hash, _ in index.prepare_save(0, [H3, H4, H5])] == [H3, H4, H5]
 
     assert index.take_events() == [
         BlockRemoved(block_hashes=(H1,), medium="cpu", group=0),
@@ -275,7 +275,7 @@ def test_a_slot_naming_another_block_or_layout_is_never_loaded_and_is_discarded(
     # Dropped as corrupt, not evicted to make room.
     assert index.take_counters() == {}
     # Its slot is free again: storing H2 anew evicts nothing.
-    assert index.prepare_store(0, [H2]) == [(H2, slots[1])]
+    assert index.prepare_save(0, [H2]) == [(H2, slots[1])]
     assert index.take_counters() == {}
 
 
@@ -358,19 +358,19 @@ def test_a_store_that_fails_half_way_leaves_slots_that_name_no_block(
 
 def test_a_block_being_loaded_is_not_evicted_until_its_load_completes() -> None:
     index = medium(1).build_index()
-    index.prepare_store(0, [H1])
-    index.complete_store(0, [H1], success=True)
+    index.prepare_save(0, [H1])
+    index.complete_save(0, [H1], success=True)
 
     assert index.prepare_load(0, [H1]) == (0,)
-    assert index.prepare_store(0, [H2]) == []
+    assert index.prepare_save(0, [H2]) == []
     index.complete_load(0, [H1], corrupt=[])
-    assert index.prepare_store(0, [H2]) == [(H2, 0)]
+    assert index.prepare_save(0, [H2]) == [(H2, 0)]
 
 
 def test_reset_forgets_every_block_no_transfer_uses_and_reports_them_removed() -> None:
     index = medium(3).build_index()
-    index.prepare_store(0, [H1, H2])
-    index.complete_store(0, [H1, H2], success=True)
+    index.prepare_save(0, [H1, H2])
+    index.complete_save(0, [H1, H2], success=True)
     index.take_events()
     index.prepare_load(0, [H2])
 
@@ -413,7 +413,7 @@ def test_a_save_reading_a_block_given_away_is_released_and_copies_nothing(
     index = pool.build_index()
     handler = DrivenHandler(pool.build_handler(layout_caches(LAYOUT, seed=5), counters))
     handlers.append(handler)
-    placed = index.prepare_store(0, HASHES)
+    placed = index.prepare_save(0, HASHES)
     save = BlockTransfer(
         request_id="p",
         block_ids=(0, 1),
@@ -432,5 +432,5 @@ def test_a_save_reading_a_block_given_away_is_released_and_copies_nothing(
     assert not handler.is_busy("p")
     assert "blocks_saved" not in counters.take()
     # Nothing was copied: the slots, were they published, would be refused.
-    index.complete_store(0, HASHES, success=True)
+    index.complete_save(0, HASHES, success=True)
     assert load_into_2_and_3(index, handler) == {2, 3}

@@ -15,15 +15,15 @@ def h(n: int) -> bytes:
 
 def stored(index: SlotTable, *numbers: int) -> None:
     hashes = [h(n) for n in numbers]
-    index.prepare_store(0, hashes)
-    index.complete_store(0, hashes)
+    index.prepare_save(0, hashes)
+    index.complete_save(0, hashes)
 
 
 def test_a_block_is_invisible_until_its_store_completes():
     index = SlotTable(4)
-    index.prepare_store(0, [h(1)])
+    index.prepare_save(0, [h(1)])
     assert index.count_ready_prefix(0, [h(1)]) == 0
-    index.complete_store(0, [h(1)])
+    index.complete_save(0, [h(1)])
     assert index.count_ready_prefix(0, [h(1)]) == 1
 
 
@@ -47,28 +47,28 @@ def test_a_block_being_loaded_is_never_evicted():
     index = SlotTable(1)
     stored(index, 1)
     index.start_load(0, [h(1)])
-    assert index.prepare_store(0, [h(2)]) == []
+    assert index.prepare_save(0, [h(2)]) == []
     assert _ready(index, 0, h(1))
 
 
 def test_a_block_being_stored_is_never_evicted():
     index = SlotTable(1)
-    index.prepare_store(0, [h(1)])
-    assert index.prepare_store(0, [h(2)]) == []
+    index.prepare_save(0, [h(1)])
+    assert index.prepare_save(0, [h(2)]) == []
     assert index.holds(0, h(1))
 
 
 def test_storing_a_present_block_again_takes_no_slot():
     index = SlotTable(2)
     stored(index, 1)
-    assert index.prepare_store(0, [h(1), h(2)]) == [(h(2), 1)]
+    assert index.prepare_save(0, [h(1), h(2)]) == [(h(2), 1)]
 
 
 def test_an_abandoned_store_frees_its_slot():
     index = SlotTable(1)
-    index.prepare_store(0, [h(1)])
-    index.abandon_store(0, [h(1)])
-    assert index.prepare_store(0, [h(2)]) == [(h(2), 0)]
+    index.prepare_save(0, [h(1)])
+    index.abandon_save(0, [h(1)])
+    assert index.prepare_save(0, [h(2)]) == [(h(2), 0)]
 
 
 def test_clear_keeps_blocks_in_use():
@@ -81,8 +81,8 @@ def test_clear_keeps_blocks_in_use():
 
 def test_a_hash_in_one_group_is_not_held_in_another():
     index = SlotTable(4, num_groups=2)
-    index.prepare_store(0, [h(1)])
-    index.complete_store(0, [h(1)])
+    index.prepare_save(0, [h(1)])
+    index.complete_save(0, [h(1)])
     assert index.count_ready_prefix(0, [h(1)]) == 1
     assert index.count_ready_prefix(1, [h(1)]) == 0
     assert not index.holds(1, h(1))
@@ -90,19 +90,19 @@ def test_a_hash_in_one_group_is_not_held_in_another():
 
 def test_each_group_stores_a_hash_in_a_slot_of_its_own():
     index = SlotTable(4, num_groups=2)
-    assert index.prepare_store(0, [h(1)]) == [(h(1), 0)]
-    assert index.prepare_store(1, [h(1)]) == [(h(1), 1)]
+    assert index.prepare_save(0, [h(1)]) == [(h(1), 0)]
+    assert index.prepare_save(1, [h(1)]) == [(h(1), 1)]
     assert len(index) == 2
 
 
 def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
     index = SlotTable(2, num_groups=2)
     for group in (1, 0):
-        index.prepare_store(group, [h(1)])
-        index.complete_store(group, [h(1)])
+        index.prepare_save(group, [h(1)])
+        index.complete_save(group, [h(1)])
     index.start_load(1, [h(1)])
     index.finish_load(1, [h(1)])  # group 1's entry is now the more recent
-    index.prepare_store(1, [h(2)])
+    index.prepare_save(1, [h(2)])
     assert index.take_evicted() == ([h(1)], [])
     assert not _ready(index, 0, h(1)) and _ready(index, 1, h(1))
 
@@ -110,8 +110,8 @@ def test_eviction_is_least_recently_used_across_groups_and_reported_per_group():
 def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
     index = SlotTable(2, num_groups=2)
     for group in (0, 1):
-        index.prepare_store(group, [h(1)])
-        index.complete_store(group, [h(1)])
+        index.prepare_save(group, [h(1)])
+        index.complete_save(group, [h(1)])
     index.discard(1, [h(1)])
     assert _ready(index, 0, h(1)) and not _ready(index, 1, h(1))
     assert index.take_evicted() == ([], [h(1)])

@@ -64,8 +64,8 @@ def peer_index(directory: PeerDirectory, peer: str, num_slots: int = 4) -> PeerI
 
 def store(index: PeerIndex, blocks: list[bytes]) -> None:
     """Blocks saved into ``index``'s pool, announced as a save's completion does."""
-    assert len(index.prepare_store(0, blocks)) == len(blocks)
-    index.complete_store(0, blocks, success=True)
+    assert len(index.prepare_save(0, blocks)) == len(blocks)
+    index.complete_save(0, blocks, success=True)
 
 
 def found_by(reader: PeerIndex, blocks: list[bytes]) -> list[bool]:

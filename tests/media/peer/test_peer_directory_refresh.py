@@ -40,8 +40,8 @@ def holding(directory: PeerDirectory) -> PeerIndex:
         peer="holder",
         directory=directory,
     )
-    assert len(index.prepare_store(0, BLOCKS)) == len(BLOCKS)
-    index.complete_store(0, BLOCKS, success=True)
+    assert len(index.prepare_save(0, BLOCKS)) == len(BLOCKS)
+    index.complete_save(0, BLOCKS, success=True)
     return index
 
 

@@ -100,7 +100,7 @@ class OffloadSchedulerHalf:
         self._forwarded_events: list[KVCacheEvent] = []
         # A medium that places nothing (entries found by key) takes every
         # save as planned: no per-block bookkeeping to build each step.
-        self._places_saves = type(index).prepare_store is not MediumIndex.prepare_store
+        self._places_saves = type(index).prepare_save is not MediumIndex.prepare_save
 
     @property
     def index(self) -> MediumIndex:
@@ -219,7 +219,7 @@ class OffloadSchedulerHalf:
             if state is not None:
                 state.unsettled_saves[save.group].extend(wanted)
             return save
-        placed = dict(self._index.prepare_store(save.group, wanted))
+        placed = dict(self._index.prepare_save(save.group, wanted))
         if not placed:
             return None
         if state is not None:
@@ -227,11 +227,11 @@ class OffloadSchedulerHalf:
         if len(placed) == len(wanted) and all(slot is None for slot in placed.values()):
             return save
         positions = [i for i, block_hash in enumerate(wanted) if block_hash in placed]
-        # Slots when the medium places blocks; none when it stores by key.
+        # Slots when the medium places blocks; none when it saves by key.
         slots = tuple(slot for i in positions if (slot := placed[wanted[i]]) is not None)
         if slots and len(slots) != len(positions):
             raise TypeError(
-                f"{type(self._index).__name__}.prepare_store gave a slot to some blocks of one "
+                f"{type(self._index).__name__}.prepare_save gave a slot to some blocks of one "
                 "save and None to others; expected a slot for every block it takes, or None "
                 "for every one"
             )
@@ -284,13 +284,13 @@ class OffloadSchedulerHalf:
                 self._end_loads(state.async_loads, invalid)
             for group, hashes in enumerate(state.unsettled_saves):
                 if hashes:
-                    self._index.complete_store(group, hashes, success=True)
+                    self._index.complete_save(group, hashes, success=True)
         # Events the worker half saw (a store medium's): handed on, in order.
         self._forwarded_events.extend(connector_output.kv_cache_events)
 
     def _drop_save(self, save: BlockTransfer) -> None:
         """Settle a save the worker did not make: its blocks must never become hits."""
-        self._index.complete_store(save.group, save.block_hashes, success=False)
+        self._index.complete_save(save.group, save.block_hashes, success=False)
         state = self._requests.get(save.request_id) or self._finished.get(save.request_id)
         if state is not None:
             dropped = set(save.block_hashes)

@@ -7,19 +7,20 @@ size, so one pool serves them all. A block hash names an entry only together
 with its group: group 0's entry for a hash and group 1's are two entries,
 stored, loaded and evicted on their own.
 
-Blocks are evicted least recently used first, whatever their group, but never
-while a load reads them (`load_refs`) or a store writes them (not yet
-`ready`).
+Which block is evicted is the eviction policy's choice
+(`kvwire.media.eviction`, least recently used by default), whatever the
+block's group, but never while a load reads it (`load_refs`) or a store
+writes it (not yet `ready`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import attrs
 
 from kvwire.interface.types import BlockHash
+from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 
 
 @attrs.define
@@ -32,32 +33,35 @@ class _Slot:
 
 
 class SlotTable:
-    """An LRU over `num_slots` pool slots, keyed by (group, block hash).
+    """`num_slots` pool slots, keyed by (group, block hash), evicted in `policy`'s order.
 
     One dict per group finds an entry by its hash without building a key per
-    lookup; one LRU over the slots orders all groups' entries for eviction.
+    lookup; one policy over the slots orders all groups' entries for
+    eviction (an `LRUPolicy` when none is given).
     """
 
-    def __init__(self, num_slots: int, num_groups: int = 1) -> None:
+    def __init__(
+        self, num_slots: int, num_groups: int = 1, policy: EvictionPolicy | None = None
+    ) -> None:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_slots = num_slots
         self._by_group: tuple[dict[BlockHash, _Slot], ...] = tuple({} for _ in range(num_groups))
-        # Keyed by slot, least recently used first.
-        self._lru: OrderedDict[int, _Slot] = OrderedDict()
+        self._by_slot: dict[int, _Slot] = {}
+        self._policy = LRUPolicy(num_slots) if policy is None else policy
         self._free_slots = list(range(num_slots - 1, -1, -1))
         # Per group: blocks evicted (or discarded) since the last take_evicted.
         self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._by_slot)
 
     def holds(self, group: int, block_hash: BlockHash) -> bool:
-        """Whether `group`'s entry for `block_hash` is stored or being stored."""
+        """Whether `group`'s entry for `block_hash` is saved or being saved."""
         return block_hash in self._by_group[group]
 
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
-        """How many of `group`'s `hashes`, from the first, are stored and complete."""
+        """How many of `group`'s `hashes`, from the first, are saved and complete."""
         entries = self._by_group[group]
         count = 0
         for block_hash in hashes:
@@ -78,7 +82,7 @@ class SlotTable:
                     f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
                 )
             entry.load_refs += 1
-            self._lru.move_to_end(entry.slot)
+            self._policy.hit(entry.slot)
             slots.append(entry.slot)
         return slots
 
@@ -89,11 +93,11 @@ class SlotTable:
             if entry is not None and entry.load_refs > 0:
                 entry.load_refs -= 1
 
-    def prepare_store(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Slots for `group`'s blocks not stored yet, evicting old blocks as needed.
+    def prepare_save(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """Slots for `group`'s blocks not saved yet, evicting old blocks as needed.
 
-        Blocks already in the pool (or being stored) are only refreshed. When
-        every slot is pinned, the remaining blocks are not stored (the pool is
+        Blocks already in the pool (or being saved) are only refreshed. When
+        every slot is pinned, the remaining blocks are not saved (the pool is
         a cache: skipping is correct, only less useful).
         """
         entries = self._by_group[group]
@@ -101,19 +105,20 @@ class SlotTable:
         for block_hash in hashes:
             existing = entries.get(block_hash)
             if existing is not None:
-                self._lru.move_to_end(existing.slot)
+                self._policy.hit(existing.slot)
                 continue
             slot = self._take_slot()
             if slot is None:
                 break
             entry = _Slot(slot, group, block_hash)
             entries[block_hash] = entry
-            self._lru[slot] = entry
+            self._by_slot[slot] = entry
+            self._policy.insert(slot, (group, block_hash))
             placed.append((block_hash, slot))
         return placed
 
-    def complete_store(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Mark `group`'s stored blocks ready for lookups; those that became ready."""
+    def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Mark `group`'s saved blocks ready for lookups; those that became ready."""
         entries = self._by_group[group]
         completed = []
         for block_hash in hashes:
@@ -123,13 +128,14 @@ class SlotTable:
                 completed.append(block_hash)
         return completed
 
-    def abandon_store(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        """Forget `group`'s blocks whose store failed; their slots become free."""
+    def abandon_save(self, group: int, hashes: Sequence[BlockHash]) -> None:
+        """Forget `group`'s blocks whose save failed; their slots become free."""
         entries = self._by_group[group]
         for block_hash in hashes:
             entry = entries.get(block_hash)
             if entry is not None and not entry.ready and entry.load_refs == 0:
                 self._remove(entry)
+                self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
 
     def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
@@ -139,6 +145,7 @@ class SlotTable:
             entry = entries.get(block_hash)
             if entry is not None and entry.ready and entry.load_refs == 0:
                 self._remove(entry)
+                self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
                 self.evicted[group].append(block_hash)
 
@@ -150,23 +157,29 @@ class SlotTable:
 
     def clear(self) -> bool:
         """Drop every block that no transfer uses; True when the pool is empty after."""
-        for entry in list(self._lru.values()):
+        for entry in list(self._by_slot.values()):
             if entry.ready and entry.load_refs == 0:
                 self._remove(entry)
+                self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
                 self.evicted[entry.group].append(entry.block_hash)
-        return not self._lru
+        return not self._by_slot
 
     def _remove(self, entry: _Slot) -> None:
         del self._by_group[entry.group][entry.block_hash]
-        del self._lru[entry.slot]
+        del self._by_slot[entry.slot]
+
+    def _evictable(self, slot: int) -> bool:
+        entry = self._by_slot[slot]
+        return entry.ready and entry.load_refs == 0
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        for entry in self._lru.values():
-            if entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self.evicted[entry.group].append(entry.block_hash)
-                return entry.slot
-        return None
+        slot = self._policy.victim(self._evictable)
+        if slot is None:
+            return None
+        entry = self._by_slot[slot]
+        self._remove(entry)
+        self.evicted[entry.group].append(entry.block_hash)
+        return slot

@@ -3,8 +3,9 @@
 `SlotTable` decides which slot holds
 which block; this half adds what the block connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
-changes happened) and the counts of blocks evicted and of stores the pool had
-no room for.
+changes happened), the admission of saves (`SaveAdmission`: a block is saved
+once offered `save_threshold` times) and the counts of blocks evicted, of
+saves the pool had no room for and of saves not admitted.
 """
 
 from __future__ import annotations
@@ -12,24 +13,37 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
+from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool._slot_table import SlotTable
+from kvwire.media.eviction import EvictionPolicy
 
 
 class CPUPoolIndex(MediumIndex):
     """The pool's index over `num_slots` slots shared by `num_groups` KV cache groups.
 
-    `medium` names the pool in the KV cache events.
+    `medium` names the pool in the KV cache events; `policy` orders its
+    evictions (least recently used when None); `admission` decides which
+    blocks offered for a save are saved (every one when None).
     """
 
-    def __init__(self, num_slots: int, num_groups: int, medium: str) -> None:
-        self._index = SlotTable(num_slots, num_groups)
+    def __init__(
+        self,
+        num_slots: int,
+        num_groups: int,
+        medium: str,
+        *,
+        policy: EvictionPolicy | None = None,
+        admission: SaveAdmission | None = None,
+    ) -> None:
+        self._index = SlotTable(num_slots, num_groups, policy)
+        self._admission = admission
         self._medium = medium
         self._events: list[KVCacheEvent] = []
         self._counters: dict[str, int] = {}
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Blocks being stored count only once their store completed."""
+        """Blocks being saved count only once their save completed."""
         return self._index.count_ready_prefix(group, block_hashes)
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
@@ -40,7 +54,7 @@ class CPUPoolIndex(MediumIndex):
             raise ValueError(
                 f"prepare_load: the CPU pool holds {ready} of the {len(block_hashes)} blocks "
                 f"asked for in KV cache group {group} (block {block_hashes[ready].hex()[:16]} "
-                "is missing or still being stored); a load is prepared only for blocks "
+                "is missing or still being saved); a load is prepared only for blocks "
                 "count_held_prefix just counted"
             )
         return tuple(self._index.start_load(group, block_hashes))
@@ -55,34 +69,39 @@ class CPUPoolIndex(MediumIndex):
             # Removed from the pool, yet not an eviction: not counted as one.
             self._record_evictions()
 
-    def prepare_store(
+    def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
-        """A slot for each block the pool lacks, evicting the least recently used as needed.
+        """A slot for each admitted block the pool lacks, evicting as the policy says.
 
-        Blocks the pool holds (or is storing) are not copied again; blocks
-        left out otherwise found every slot pinned, and count as
-        `stores_skipped_pool_full`.
+        Blocks the pool holds (or is saving) are not copied again. The blocks
+        from the first one admission refuses on are not saved, and count as
+        `saves_not_admitted`: without that block a lookup stops there, so the
+        blocks after it would be found by none. Blocks left out otherwise
+        found every slot pinned, and count as `stores_skipped_pool_full`.
+        Either way they are absent from the answer: the connector saves only
+        the blocks given a slot.
         """
-        placed = self._index.prepare_store(group, block_hashes)
+        admitted = self._admitted(group, block_hashes)
+        placed = self._index.prepare_save(group, admitted)
         placed_hashes = {block_hash for block_hash, _ in placed}
         skipped = sum(
             1
-            for block_hash in block_hashes
+            for block_hash in admitted
             if block_hash not in placed_hashes and not self._index.holds(group, block_hash)
         )
         self._count("stores_skipped_pool_full", skipped)
         self._count("evicted_blocks", self._record_evictions())
         return [(block_hash, slot) for block_hash, slot in placed]
 
-    def complete_store(
+    def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
         """Made: the blocks become hits (a stored event). Not made: their slots are freed."""
         if not success:
-            self._index.abandon_store(group, block_hashes)
+            self._index.abandon_save(group, block_hashes)
             return
-        completed = self._index.complete_store(group, block_hashes)
+        completed = self._index.complete_save(group, block_hashes)
         if completed:
             self._events.append(
                 BlockStored(block_hashes=tuple(completed), medium=self._medium, group=group)
@@ -94,7 +113,10 @@ class CPUPoolIndex(MediumIndex):
         return events
 
     def take_counters(self) -> Mapping[str, int]:
-        """`evicted_blocks` and `stores_skipped_pool_full` since the last call, when not 0."""
+        """`evicted_blocks`, `stores_skipped_pool_full`, `saves_not_admitted` since the last call.
+
+        Only those not 0.
+        """
         counters, self._counters = self._counters, {}
         return counters
 
@@ -103,6 +125,24 @@ class CPUPoolIndex(MediumIndex):
         emptied = self._index.clear()
         self._record_evictions()
         return emptied
+
+    def _admitted(self, group: int, block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        """`block_hashes` up to the first block admission refuses; every new one is counted seen."""
+        if self._admission is None:
+            return block_hashes
+        refused_at: int | None = None
+        not_admitted = 0
+        for position, block_hash in enumerate(block_hashes):
+            if self._index.holds(group, block_hash):
+                continue
+            if not self._admission.admit(block_hash, group) and refused_at is None:
+                refused_at = position
+            if refused_at is not None:
+                not_admitted += 1
+        if refused_at is None:
+            return block_hashes
+        self._count("saves_not_admitted", not_admitted)
+        return block_hashes[:refused_at]
 
     def _count(self, name: str, amount: int) -> None:
         if amount:

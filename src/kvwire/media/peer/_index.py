@@ -75,8 +75,8 @@ class PeerIndex(CPUPoolIndex):
         self._peer = peer
         self._directory = directory
         self._generations = [0] * num_slots
-        # (group, hash) -> where its store writes it / where it was announced.
-        self._storing: dict[tuple[int, BlockHash], Location] = {}
+        # (group, hash) -> where its save writes it / where it was announced.
+        self._saving: dict[tuple[int, BlockHash], Location] = {}
         self._announced: dict[tuple[int, BlockHash], Location] = {}
         # (group, hash) -> when last announced (monotonic), oldest first.
         self._announced_at: dict[tuple[int, BlockHash], float] = {}
@@ -131,22 +131,22 @@ class PeerIndex(CPUPoolIndex):
     ) -> None:
         """Nothing to unpin; the worker withdrew the entries it found stale."""
 
-    def prepare_store(
+    def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
-        placed = super().prepare_store(group, block_hashes)
+        placed = super().prepare_save(group, block_hashes)
         for block_hash, slot in placed:
             assert slot is not None
             self._generations[slot] += 1
-            self._storing[group, block_hash] = Location(self._peer, slot, self._generations[slot])
+            self._saving[group, block_hash] = Location(self._peer, slot, self._generations[slot])
         return placed
 
-    def complete_store(
+    def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
         """Made: announced (after the pool marks them hits). Not made: their slots are freed."""
-        locations = [self._storing.pop((group, block_hash), None) for block_hash in block_hashes]
-        super().complete_store(group, block_hashes, success=success)
+        locations = [self._saving.pop((group, block_hash), None) for block_hash in block_hashes]
+        super().complete_save(group, block_hashes, success=success)
         if not success:
             return
         made = []
@@ -232,7 +232,7 @@ class PeerIndex(CPUPoolIndex):
                 if location is not None:
                     key = self._directory.entry_key(fingerprint, block_hash)
                     withdrawn.append((key, location))
-        # Before the slots are handed to new stores: a reader then finds no entry,
+        # Before the slots are handed to new saves: a reader then finds no entry,
         # rather than one whose bytes are being overwritten (which it would refuse).
         if withdrawn:
             self._withdraw(withdrawn)
