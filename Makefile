@@ -56,11 +56,15 @@ test-fast: $(STAMP) redis-server
 	$(BIN)/pytest -m "not slow"
 
 # The package says requires-python >=3.10: the tests that need no torch
-# (tests/core, less those marked torch) run on each of these as well, in a venv
+# (TORCH_FREE_TESTS, less those marked torch) run on each of these as well, in a venv
 # of its own with kvwire and its redis and test extras but no torch. Each
 # interpreter is pyenv's when it has that version, else python3.X on PATH.
 # `make -j3 test-pythons` runs them side by side.
 OTHER_PYTHONS := 310 312 313
+# The tests of the top-level modules and of the package as a whole: the other
+# directories' tests mostly import torch, through their conftests or helpers.
+TORCH_FREE_TESTS := $(addprefix tests/,_extras _file_digests _moved adapter_keys cli config \
+	container exceptions factory hma interface model_identity package plugin_calls redaction registry)
 PYENV_ROOT ?= $(HOME)/.pyenv
 python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bin/python3)),python3.$(1:3%=%))
 
@@ -74,7 +78,7 @@ python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bi
 	touch $@
 
 test-py%: .venv-py%/.kvwire-installed
-	.venv-py$*/bin/pytest tests/core -m "not torch" -q
+	.venv-py$*/bin/pytest $(TORCH_FREE_TESTS) -m "not torch" -q
 
 test-pythons: $(OTHER_PYTHONS:%=test-py%)
 

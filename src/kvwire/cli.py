@@ -452,7 +452,7 @@ def list_profiles(
 
 
 def _connector_of(text: str) -> str:
-    # The shipped profiles are kvwire's own, valid YAML (tests/core/test_shipped_configs.py).
+    # The shipped profiles are kvwire's own, valid YAML (tests/package/test_shipped_configs.py).
     import yaml
 
     document = yaml.safe_load(text) or {}

@@ -6,6 +6,6 @@ import sys
 
 from kvwire.run.command import main
 
-# Guarded: a walk over kvwire's modules (tests/core) imports this one too.
+# Guarded: a walk over kvwire's modules (tests/exceptions) imports this one too.
 if __name__ == "__main__":
     sys.exit(main())
