@@ -101,6 +101,10 @@ class UnknownMediumError(KVWireError, ValueError):
     """A medium name that is not registered, or a `module:Class` that is not a medium."""
 
 
+class UnknownEvictionPolicyError(KVWireError, ValueError):
+    """An eviction policy name that is not registered, or a `module:Class` that is no policy."""
+
+
 class JobAbandoned(KVWireError):
     """Raised inside a job whose caller gave up on it: it must write nothing more."""
 
@@ -260,6 +264,7 @@ __all__ = [
     "RoleViolationError",
     "ServerUnavailable",
     "StoreReplyError",
+    "UnknownEvictionPolicyError",
     "UnknownMediumError",
     "UnreadableWeightsError",
     "VLLMConfigError",

@@ -49,6 +49,7 @@ from kvwire.interface.base import (
 )
 from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
 from kvwire.redaction import shown, shown_key
+from kvwire.registry.eviction import EVICTION_POLICIES_ENTRY_POINT_GROUP, EvictionPolicyRegistry
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry.names import (
     PluginNames,
@@ -154,6 +155,12 @@ class ConnectorRegistry:
         self.media = MediumRegistry(
             entry_point_group=None if entry_point_group is None else MEDIA_ENTRY_POINT_GROUP
         )
+        # The eviction policies a CPU pool's `eviction` option names.
+        self.eviction_policies = EvictionPolicyRegistry(
+            entry_point_group=(
+                None if entry_point_group is None else EVICTION_POLICIES_ENTRY_POINT_GROUP
+            )
+        )
 
     # ----------------------------------------------------------- registering
 
@@ -171,6 +178,7 @@ class ConnectorRegistry:
             copied._names = self._names.copy(copied._load)
             copied._module_path_classes = dict(self._module_path_classes)
             copied.media = self.media.copy()
+            copied.eviction_policies = self.eviction_policies.copy()
         return copied
 
     def register_connector(self, name: str, module_path: str, class_name: str) -> None:

@@ -1,7 +1,7 @@
 """The CPU pool medium: preallocated slots in this host's memory.
 
 The scheduler half's index (`kvwire.media.cpu_pool._slot_table`) decides
-which slot holds which block, evicting the least recently used; the worker
+which slot holds which block, evicting as its eviction policy says; the worker
 side (`kvwire.media.cpu_pool.handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
 header; every group's entries have the same size, so the groups share the
@@ -15,11 +15,19 @@ their block and layout, and nothing but kvwire writes this memory.
 - `io_threads` (default 2): copy threads per direction;
 - `transfer_timeout_s` (default 30): the deadline of each copy; a load
   still running then is a load error (computed again), a store still
-  running then counts failed.
+  running then counts failed;
+- `eviction` (default `"lru"`): the eviction policy, a name registered in
+  `registry.eviction_policies` (`lru`, least recently used; `s3fifo`,
+  S3-FIFO, which keeps blocks reused often when one-off prompts pass; see
+  `kvwire.media.eviction`) or a policy class as `package.module:Class`;
+- `save_threshold` (default 1): a block is saved only once it was offered
+  for a save this many times (`kvwire.media.admission`); 1 saves every
+  block.
 
 Counts reported with the stats: `evicted_blocks` (blocks the pool dropped
-to make room) and `stores_skipped_pool_full` (blocks not stored because
-every slot was in use by a transfer).
+to make room), `stores_skipped_pool_full` (blocks not stored because
+every slot was in use by a transfer) and `saves_not_admitted` (blocks not
+saved because they were not seen `save_threshold` times yet).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -39,9 +47,12 @@ from kvwire.config.extra_config import (
     memory_size_key,
     seconds_key,
 )
+from kvwire.exceptions import UnknownEvictionPolicyError, ValueRefused
 from kvwire.interface.counters import Counters
+from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool.index import CPUPoolIndex
+from kvwire.media.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -75,10 +86,25 @@ class CPUPoolMedium(Medium):
             memory_size_key("cpu_pool_bytes", 256 * 1024**2),
             int_key("io_threads", 2, minimum=1, maximum=64),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
+            ExtraConfigKey(
+                "eviction",
+                "lru",
+                _eviction_policy_name,
+                "an eviction policy: a registered name (kvwire connectors lists them) or "
+                "'package.module:Class'",
+            ),
+            int_key("save_threshold", 1, minimum=1, maximum=_MAX_SAVE_THRESHOLD),
         )
 
     def build_index(self) -> MediumIndex:
-        return CPUPoolIndex(self.num_slots, len(self.context.groups), self.event_medium)
+        options = self.context.options
+        return CPUPoolIndex(
+            self.num_slots,
+            len(self.context.groups),
+            self.event_medium,
+            policy=eviction_policy(options["eviction"], self.num_slots),
+            admission=save_admission(options["save_threshold"], self.num_slots),
+        )
 
     def build_handler(
         self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
@@ -109,6 +135,44 @@ class CPUPoolMedium(Medium):
             len(context.groups),
         )
         return handler
+
+
+# A count-min sketch's one-byte counters are halved as they age: a threshold
+# far above the handful of sightings a hot prefix gathers would admit nothing.
+_MAX_SAVE_THRESHOLD = 64
+
+
+def _eviction_policy_name(value: Any) -> str | None:
+    """`value` when it names an eviction policy of the default registry (imported to check it)."""
+    if not isinstance(value, str) or not value:
+        return None
+    from kvwire.registry.connectors import default_registry
+
+    try:
+        default_registry().eviction_policies.get_class(value)
+    except UnknownEvictionPolicyError as error:
+        raise ValueRefused(str(error)) from None
+    return value
+
+
+def eviction_policy(spec: str, num_slots: int) -> EvictionPolicy:
+    """The eviction policy `spec` names, over `num_slots` slots (the `eviction` option)."""
+    from kvwire.registry.connectors import default_registry
+
+    return default_registry().eviction_policies.get_class(spec)(num_slots)
+
+
+def save_admission(threshold: int, num_slots: int) -> SaveAdmission | None:
+    """The admission of saves; None for a threshold of 1 (every block saved, nothing counted).
+
+    The sketch has a counter per slot and row (a power of two, 1024 to 2**20:
+    4 KiB to 4 MiB), so it counts about ten pools' worth of sightings before
+    its counts halve.
+    """
+    if threshold == 1:
+        return None
+    width = 1 << max(10, min(20, (num_slots - 1).bit_length()))
+    return SaveAdmission(threshold, width)
 
 
 def _largest_entry_bytes(context: MediumContext) -> int:

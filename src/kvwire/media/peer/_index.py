@@ -42,7 +42,9 @@ import time
 from collections.abc import Sequence
 
 from kvwire.interface.types import BlockHash, BlockRemoved
+from kvwire.media.admission import SaveAdmission
 from kvwire.media.cpu_pool.index import CPUPoolIndex
+from kvwire.media.eviction import EvictionPolicy
 from kvwire.media.peer._directory import Location, PeerDirectory
 
 # Entries announced again per scheduler step, at most: one pipelined round trip.
@@ -58,6 +60,8 @@ class PeerIndex(CPUPoolIndex):
     split's, `split_fingerprints`). A block
     is announced once, for every rank: its slot is the same on each.
     `withdrawal_backlog`: how many withdrawals an outage may hold back.
+    `policy` and `admission`: the pool's eviction and admission of saves, as
+    the CPU pool's.
     """
 
     def __init__(
@@ -69,8 +73,10 @@ class PeerIndex(CPUPoolIndex):
         peer: str,
         directory: PeerDirectory,
         withdrawal_backlog: int = WITHDRAWAL_BACKLOG,
+        policy: EvictionPolicy | None = None,
+        admission: SaveAdmission | None = None,
     ) -> None:
-        super().__init__(num_slots, len(fingerprints), medium)
+        super().__init__(num_slots, len(fingerprints), medium, policy=policy, admission=admission)
         self._fingerprints = tuple(fingerprints)
         self._peer = peer
         self._directory = directory

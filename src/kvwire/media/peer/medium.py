@@ -83,6 +83,7 @@ from kvwire.config.extra_config import (
 from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool import CPUPoolMedium
+from kvwire.media.cpu_pool.medium import eviction_policy, save_admission
 from kvwire.media.peer._agent import nixl_missing
 from kvwire.media.peer._directory import PeerDirectory, check_peer_name
 from kvwire.media.peer._index import PeerIndex
@@ -176,6 +177,8 @@ class PeerMedium(Medium):
             medium=self.event_medium,
             peer=self.peer_name,
             directory=self._directory(),
+            policy=eviction_policy(self.context.options["eviction"], self.num_slots),
+            admission=save_admission(self.context.options["save_threshold"], self.num_slots),
         )
 
     def build_handler(

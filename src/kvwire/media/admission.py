@@ -1,0 +1,95 @@
+"""Admission: a block is saved only once it was seen `threshold` times.
+
+Most prompts are never sent again; saving each of their blocks costs a copy
+and, in a full cache, evicts a block that would have been reused. A
+[`SaveAdmission`][kvwire.media.admission.SaveAdmission] counts how often each
+block hash was offered for a save and admits it from its `threshold`-th
+sighting on.
+
+The counts live in a count-min sketch (`depth` rows of `width` one-byte
+counters; a hash's count is the least of its counters), so the memory is
+`depth * width` bytes however many distinct blocks go by: a bounded dict
+would have to drop counts of blocks still being counted, a sketch only
+overstates some counts (two hashes sharing counters), which admits a block
+early, never refuses one seen often enough. Every `width * 10` sightings all
+counters are halved, so a block seen many times long ago does not stay
+admitted for ever, and the halving costs O(1) amortized per sighting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvwire.interface.types import BlockHash
+
+__all__ = ["SaveAdmission"]
+
+_MAX_COUNT = 255
+
+
+class SaveAdmission:
+    """Admits a block hash from its `threshold`-th sighting; `threshold` 1 admits every block.
+
+    `width` (a power of two) is the counters per row; about ten times as many
+    distinct blocks as `width` are counted between two halvings.
+    """
+
+    DEPTH = 4
+
+    def __init__(self, threshold: int, width: int = 1 << 16) -> None:
+        if threshold < 1:
+            raise ValueError(f"an admission threshold is >= 1, got {threshold}")
+        if width < 1 or width & (width - 1):
+            raise ValueError(f"the sketch width is a power of two, got {width}")
+        self.threshold = threshold
+        self.width = width
+        self._rows = [bytearray(width) for _ in range(self.DEPTH)]
+        self._sightings = 0
+        self._halve_every = 10 * width
+
+    @property
+    def memory_bytes(self) -> int:
+        """The bytes the counters take: fixed at construction."""
+        return self.DEPTH * self.width
+
+    def admit(self, block_hash: BlockHash, group: int = 0) -> bool:
+        """Count one sighting of `group`'s `block_hash`; whether it is now seen `threshold` times.
+
+        Each KV cache group's entry for a hash is counted on its own, as it is saved on its own.
+        """
+        if self.threshold == 1:
+            return True
+        count = self._add(self._positions(block_hash, group))
+        self._sightings += 1
+        if self._sightings >= self._halve_every:
+            self._halve()
+        return count >= self.threshold
+
+    def count(self, block_hash: BlockHash, group: int = 0) -> int:
+        """The sightings counted now: never fewer than there were since the last halving."""
+        positions = self._positions(block_hash, group)
+        return min(row[i] for row, i in zip(self._rows, positions, strict=True))
+
+    def _add(self, positions: list[int]) -> int:
+        least = min(row[i] for row, i in zip(self._rows, positions, strict=True))
+        if least < _MAX_COUNT:
+            # Conservative update: only the counters at the least grow, so
+            # hashes sharing the others are overstated less.
+            for row, i in zip(self._rows, positions, strict=True):
+                if row[i] == least:
+                    row[i] = least + 1
+            least += 1
+        return least
+
+    def _positions(self, block_hash: BlockHash, group: int) -> list[int]:
+        # Block hashes may be short (tests, plug-ins): mixed first, whatever they are.
+        digest = hashlib.blake2b(block_hash, digest_size=16).digest()
+        first = int.from_bytes(digest[:8], "little") ^ (group * 0x9E3779B97F4A7C15)
+        second = int.from_bytes(digest[8:], "little") | 1
+        mask = self.width - 1
+        return [(first + k * second) & mask for k in range(self.DEPTH)]
+
+    def _halve(self) -> None:
+        self._sightings = 0
+        for row in self._rows:
+            row[:] = bytes(value >> 1 for value in row)

@@ -1,0 +1,191 @@
+"""Eviction policies: which entry a full cache of slots gives up, each policy a plug-in.
+
+A policy orders the entries of a cache of `capacity` slots. The cache tells
+it what happens (`insert` a new entry, `hit` an entry used again, `remove`
+one it dropped for its own reasons) and asks it for a `victim` when it needs
+a slot. Some entries cannot be evicted at the moment (the CPU pool's entries
+being loaded or still being saved): `victim` is given a test and passes them
+over. Every call costs O(1) amortized: an entry passed over is treated as
+used now, so that the next `victim` does not meet it again.
+
+Two policies ship, named in the CPU pool's `eviction` option:
+
+- `lru` ([`LRUPolicy`][kvwire.media.eviction.LRUPolicy]): the least recently used entry.
+- `s3fifo` ([`S3FIFOPolicy`][kvwire.media.eviction.S3FIFOPolicy]): S3-FIFO (Yang et al.,
+  SOSP 2023), a small FIFO queue for entries seen once, a main FIFO queue for
+  entries used again, and a ghost queue remembering what left the small queue
+  recently. One-off entries leave from the small queue without disturbing the
+  main queue, so a scan of blocks used once does not flush the blocks reused
+  often.
+
+A policy of one's own derives from
+[`EvictionPolicy`][kvwire.media.eviction.EvictionPolicy] and is named by its
+`package.module:Class`, by an entry point of the `kvwire.eviction_policies`
+group, or through `registry.eviction_policies.register_policy`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "S3FIFOPolicy"]
+
+Evictable = Callable[[int], bool]
+"""Whether the entry of a slot may be evicted now."""
+
+
+class EvictionPolicy(abc.ABC):
+    """The order in which a cache of `capacity` slots evicts its entries.
+
+    Entries are named by their slot (an int below `capacity`); `block`
+    names what a slot holds, for policies that remember entries after they
+    left (a slot is reused by another block).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"an eviction policy needs a capacity >= 1, got {capacity}")
+        self.capacity = capacity
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """How many entries the policy orders."""
+
+    @abc.abstractmethod
+    def insert(self, slot: int, block: Hashable) -> None:
+        """`slot` now holds `block`, a new entry."""
+
+    @abc.abstractmethod
+    def hit(self, slot: int) -> None:
+        """The entry of `slot` is used again."""
+
+    @abc.abstractmethod
+    def remove(self, slot: int) -> None:
+        """The cache dropped the entry of `slot` itself (not through `victim`)."""
+
+    @abc.abstractmethod
+    def victim(self, evictable: Evictable) -> int | None:
+        """The slot whose entry to evict, already forgotten here; None when none is evictable."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        # Least recently used first.
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        self._order[slot] = None
+
+    def hit(self, slot: int) -> None:
+        self._order.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        del self._order[slot]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        # An entry in use counts as used now: moved to the end, met once per pass.
+        for _ in range(len(self._order)):
+            slot = next(iter(self._order))
+            if evictable(slot):
+                del self._order[slot]
+                return slot
+            self._order.move_to_end(slot)
+        return None
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO: a small FIFO (a tenth of the slots), a main FIFO, and a ghost FIFO.
+
+    A new entry enters the small queue, unless the ghost queue remembers its
+    block (it left the small queue recently, so it is used again: it enters
+    the main queue). Each entry counts its uses, up to 3. When the small queue
+    holds its share, its oldest entry is evicted if it was not used again
+    (its block joins the ghost queue) or moves to the main queue, its count
+    back at 0, if it was.
+    The main queue's oldest entry is evicted if its count is 0, else it goes
+    around once more with its count lowered by one. The ghost queue keeps as
+    many blocks as the main queue has slots, each as a hash: an int per
+    block, whatever the block's key.
+    """
+
+    SMALL_SHARE = 0.1
+    """The share of the slots the small queue holds before it gives up entries."""
+    MAX_USES = 3
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._small_target = max(1, int(capacity * self.SMALL_SHARE))
+        self._ghost_limit = max(1, capacity - self._small_target)
+        # Oldest first; the value is the entry's use count.
+        self._small: OrderedDict[int, int] = OrderedDict()
+        self._main: OrderedDict[int, int] = OrderedDict()
+        self._blocks: dict[int, int] = {}
+        self._ghost: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        key = hash(block)
+        self._blocks[slot] = key
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[slot] = 0
+        else:
+            self._small[slot] = 0
+
+    def hit(self, slot: int) -> None:
+        queue = self._small if slot in self._small else self._main
+        queue[slot] = min(queue[slot] + 1, self.MAX_USES)
+
+    def remove(self, slot: int) -> None:
+        if self._small.pop(slot, None) is None:
+            del self._main[slot]
+        del self._blocks[slot]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        # Every turn either evicts, lowers a count (at most MAX_USES per entry),
+        # moves an entry from small to main (once per entry), or passes over an
+        # entry in use: bounded by the entries there are.
+        passed_over = 0
+        while passed_over <= len(self):
+            if self._small and (len(self._small) >= self._small_target or not self._main):
+                slot, uses = next(iter(self._small.items()))
+                if not evictable(slot):
+                    self._small.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    del self._small[slot]
+                    self._main[slot] = 0
+                else:
+                    del self._small[slot]
+                    self._remember(self._blocks.pop(slot))
+                    return slot
+            elif self._main:
+                slot, uses = next(iter(self._main.items()))
+                if not evictable(slot):
+                    self._main.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    self._main.move_to_end(slot)
+                    self._main[slot] = uses - 1
+                else:
+                    del self._main[slot]
+                    del self._blocks[slot]
+                    return slot
+            else:
+                return None
+        return None
+
+    def _remember(self, key: int) -> None:
+        self._ghost[key] = None
+        if len(self._ghost) > self._ghost_limit:
+            self._ghost.popitem(last=False)
