@@ -1,4 +1,4 @@
-"""`MediumIndex.prepare_store` / `complete_store`, the old names of `prepare_save` / `complete_save`.
+"""`MediumIndex.prepare_store` / `complete_store`: old names of `prepare_save` / `complete_save`.
 
 A third-party index that still overrides only the old names keeps working
 until the next release: its class statement warns, and the connector, which
@@ -109,7 +109,9 @@ def test_calling_an_old_name_warns_and_reaches_the_new_one() -> None:
 
     with pytest.warns(DeprecationWarning, match=r"prepare_store is deprecated: call prepare_save"):
         assert index.prepare_store(0, HASHES) == [(b"b", 3)]
-    with pytest.warns(DeprecationWarning, match=r"complete_store is deprecated: call complete_save"):
+    with pytest.warns(
+        DeprecationWarning, match=r"complete_store is deprecated: call complete_save"
+    ):
         index.complete_store(0, HASHES, success=True)
     assert index.completed == [True]
 

@@ -8,10 +8,15 @@ kit a transfer handler is built from (its jobs in flight: a
 [`IOThreads`][kvwire.media.IOThreads]; rate-limited warnings; a close in steps; the
 `Counters` it counts in), the KV cache events a medium reports
 ([`BlockStored`][kvwire.media.BlockStored], [`BlockRemoved`][kvwire.media.BlockRemoved]), the
-typed `kv_connector_extra_config` keys a medium declares, and the errors a store raises.
-Importing this package imports neither torch nor any built-in medium.
+typed `kv_connector_extra_config` keys a medium declares, the errors a store raises,
+and the [`BlockMemory`][kvwire.media.BlockMemory] a handler reads and writes a group's blocks
+through. Importing this package imports neither torch nor any built-in medium: `BlockMemory`,
+which needs torch, is imported on first use.
 """
 
+from typing import TYPE_CHECKING
+
+from kvwire._lazy_exports import lazy_exports
 from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.mac import EntryMac
@@ -45,9 +50,13 @@ from kvwire.media.shutdown import close_in_steps
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.medium import StoreMedium
 
+if TYPE_CHECKING:
+    from kvwire.blocks.memory import BlockMemory
+
 __all__ = [
     "BlockHash",
     "BlockLayout",
+    "BlockMemory",
     "BlockRemoved",
     "BlockStore",
     "BlockStored",
@@ -86,3 +95,6 @@ __all__ = [
     "size_key",
     "str_key",
 ]
+
+# Lazy: it needs torch.
+__getattr__, __dir__ = lazy_exports(globals(), {"BlockMemory": "kvwire.blocks.memory"})

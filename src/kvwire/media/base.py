@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import abc
 import enum
-import warnings
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from kvwire._renamed_methods import call_renamed, forward_old_overrides
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
@@ -56,15 +56,6 @@ __all__ = [
 
 _RENAMED_SAVE_HOOKS = {"prepare_store": "prepare_save", "complete_store": "complete_save"}
 """`MediumIndex`'s deprecated method names (going in the next release), each to its current one."""
-
-
-def _warn_renamed(old: str) -> None:
-    warnings.warn(
-        f"MediumIndex.{old} is deprecated: call {_RENAMED_SAVE_HOOKS[old]}; "
-        f"{old} goes in the next release",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 @attrs.frozen
@@ -102,15 +93,7 @@ class MediumIndex(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for old, new in _RENAMED_SAVE_HOOKS.items():
-            if old in vars(cls) and new not in vars(cls):
-                warnings.warn(
-                    f"{cls.__module__}.{cls.__qualname__}.{old} is deprecated: name it {new}; "
-                    f"kvwire calls {old} no more from the next release",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                setattr(cls, new, vars(cls)[old])
+        forward_old_overrides(cls, _RENAMED_SAVE_HOOKS)
 
     @abc.abstractmethod
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
@@ -167,11 +150,10 @@ class MediumIndex(abc.ABC):
 
         Goes in the next release. Warns (`DeprecationWarning`), then answers as `prepare_save`.
         """
-        _warn_renamed("prepare_store")
-        if type(self).prepare_save is type(self).prepare_store:
-            # Called through `super()` by a subclass's old-named override: the default.
-            return MediumIndex.prepare_save(self, group, block_hashes)
-        return self.prepare_save(group, block_hashes)
+        result: list[tuple[BlockHash, int | None]] = call_renamed(
+            self, MediumIndex, "prepare_store", "prepare_save", group, block_hashes
+        )
+        return result
 
     def complete_store(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
@@ -180,12 +162,15 @@ class MediumIndex(abc.ABC):
 
         Goes in the next release. Warns (`DeprecationWarning`), then does what `complete_save` does.
         """
-        _warn_renamed("complete_store")
-        if type(self).complete_save is type(self).complete_store:
-            # Called through `super()` by a subclass's old-named override: the default.
-            MediumIndex.complete_save(self, group, block_hashes, success=success)
-            return
-        self.complete_save(group, block_hashes, success=success)
+        call_renamed(
+            self,
+            MediumIndex,
+            "complete_store",
+            "complete_save",
+            group,
+            block_hashes,
+            success=success,
+        )
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events this side saw since the last call (stored, removed blocks)."""

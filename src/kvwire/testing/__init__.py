@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         LoadFaultsHook,
         with_load_faults,
     )
-    from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium
+    from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium, LoadFaults
     from kvwire.testing.idle import IdleConnector
     from kvwire.testing.instruments import CallLog, CallRecord, Instruments, RoleViolationError
     from kvwire.testing.parallel_suite import Computed, ParallelConformanceSuite
@@ -47,6 +47,7 @@ __all__ = [
     "LoadFault",
     "LoadFaultConnector",
     "LoadFaultMetadata",
+    "LoadFaults",
     "LoadFaultsHook",
     "ParallelConformanceSuite",
     "PassResult",
@@ -68,6 +69,7 @@ _WHERE = {
     "LoadFault": "kvwire.testing.faults",
     "LoadFaultConnector": "kvwire.testing.faults",
     "LoadFaultMetadata": "kvwire.testing.faults",
+    "LoadFaults": "kvwire.testing.faulty_medium",
     "Instruments": "kvwire.testing.instruments",
     "RoleViolationError": "kvwire.testing.instruments",
     "ConnectorConformanceSuite": "kvwire.testing.suite",

@@ -42,9 +42,11 @@ with it), [`StoreMedium.store_counters`][kvwire.media.StoreMedium.store_counters
 (extra stats from your store),
 [`StoreMedium.reset_store`][kvwire.media.StoreMedium.reset_store] (forget this
 engine's entries) and
-[`StoreMedium.start_worker`][kvwire.media.StoreMedium.start_worker] /
-[`StoreMedium.stop_worker`][kvwire.media.StoreMedium.stop_worker] (work of the
-worker half's own, such as a sweep), and give your store a `discard(keys)` so
+[`StoreMedium.start_sweeper`][kvwire.media.StoreMedium.start_sweeper] /
+[`StoreMedium.stop_sweeper`][kvwire.media.StoreMedium.stop_sweeper] (the
+sweeper: the worker half's own background work, such as a sweep; a subclass
+that still overrides their deprecated names `start_worker` / `stop_worker`
+works until the next release, warned), and give your store a `discard(keys)` so
 entries found corrupt stop being hits. The store must never raise into the
 engine: misses and failures are results.
 
@@ -104,6 +106,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
+from kvwire._renamed_methods import call_renamed, forward_old_overrides
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
 from kvwire.blocks.shards import entry_layout, plan_heads, plan_layers
@@ -125,7 +128,6 @@ if TYPE_CHECKING:
     import torch
 
     from kvwire.blocks.memory import BlockMemory
-    from kvwire.media.store._handler import StoreTransferHandler
 
 __all__ = ["StoreMedium"]
 
@@ -135,6 +137,9 @@ logger = logging.getLogger(__name__)
 _ENTRY_MAC = "entry_mac"
 
 _Store = TypeVar("_Store", bound=BlockStore)
+
+_RENAMED_SWEEPER_HOOKS = {"start_worker": "start_sweeper", "stop_worker": "stop_sweeper"}
+"""`StoreMedium`'s deprecated method names (going in the next release), each to its current one."""
 
 
 @attrs.frozen
@@ -162,6 +167,10 @@ class StoreMedium(Medium, Generic[_Store]):
     # A subclass names its store ("disk", "redis"); one that does not is
     # "store" in its events, as store-backed connectors always were.
     event_medium: ClassVar[str] = "store"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward_old_overrides(cls, _RENAMED_SWEEPER_HOOKS)
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
@@ -303,12 +312,33 @@ class StoreMedium(Medium, Generic[_Store]):
         """Forget this engine's entries; True when done, False if some stayed, None if unknown."""
         return None
 
-    def start_worker(self, handler: StoreTransferHandler) -> None:
-        """Start the worker half's own work once `handler` is built (a sweep); none by default."""
+    def start_sweeper(self, handler: TransferHandler) -> None:
+        """Start the sweeper, the worker half's own background work, once `handler` is built.
+
+        A sweep of what the store holds (the directory medium's start-up
+        sweep of dead writers' files), off the forward pass's thread; none by
+        default.
+        """
+
+    def stop_sweeper(self) -> None:
+        """Stop what [`start_sweeper`][kvwire.media.StoreMedium.start_sweeper] started.
+
+        Called at close, before the store closes.
+        """
+
+    def start_worker(self, handler: TransferHandler) -> None:
+        """Deprecated name of [`start_sweeper`][kvwire.media.StoreMedium.start_sweeper].
+
+        Goes in the next release. Warns (`DeprecationWarning`), then starts the sweeper.
+        """
+        call_renamed(self, StoreMedium, "start_worker", "start_sweeper", handler)
 
     def stop_worker(self) -> None:
-        """Stop what [`start_worker`][kvwire.media.StoreMedium.start_worker] started; called at
-        close, before the store closes."""
+        """Deprecated name of [`stop_sweeper`][kvwire.media.StoreMedium.stop_sweeper].
+
+        Goes in the next release. Warns (`DeprecationWarning`), then stops the sweeper.
+        """
+        call_renamed(self, StoreMedium, "stop_worker", "stop_sweeper")
 
     # ------------------------------------------------------------- the store
 
@@ -473,7 +503,7 @@ class StoreMedium(Medium, Generic[_Store]):
             store_counters=self.store_counters,
             on_close=self._worker_closed,
         )
-        self.start_worker(worker)
+        self.start_sweeper(worker)
         handler: TransferHandler = (
             worker if self._whole else HeadGroupsHandler(worker, len(self._own_entries[0]))
         )
@@ -490,9 +520,9 @@ class StoreMedium(Medium, Generic[_Store]):
         return handler
 
     def _worker_closed(self) -> None:
-        """The handler's transfers ended: stop the worker half's own work, release the store."""
+        """The handler's transfers ended: stop the sweeper, release the store."""
         try:
-            self.stop_worker()
+            self.stop_sweeper()
         finally:
             self._release_store()
 

@@ -34,7 +34,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -45,7 +45,7 @@ from kvwire.config.extra_config import (
     size_key,
     str_key,
 )
-from kvwire.media.base import MediumContext
+from kvwire.media.base import MediumContext, TransferHandler
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.directory._modes import (
     FILE_MODE_NAMES,
@@ -58,9 +58,6 @@ from kvwire.media.store.directory._modes import (
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from kvwire.media.store.medium import StoreMedium
 from kvwire.redaction import shown
-
-if TYPE_CHECKING:
-    from kvwire.media.store._handler import StoreTransferHandler
 
 __all__ = ["SWEEP_JOIN_S", "DirectoryBlockStore", "DirectoryMedium"]
 
@@ -178,7 +175,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
         assert self._directory is not None, "create_store did not build the directory store"
         return self._directory
 
-    def start_worker(self, handler: StoreTransferHandler) -> None:
+    def start_sweeper(self, handler: TransferHandler) -> None:
         # Writers killed mid-save leave hidden temporary files (never read as
         # entries); clear old ones off the forward pass's thread.
         self._sweeper = threading.Thread(
@@ -188,7 +185,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
         )
         self._sweeper.start()
 
-    def stop_worker(self) -> None:
+    def stop_sweeper(self) -> None:
         sweeper = self._sweeper
         if sweeper is None:
             return
