@@ -2,7 +2,7 @@
 
 The extra config's own checks see the keys alone; the engine checks the
 parallel layout against the model (a tensor-parallel size that does not
-divide the KV heads), and a block connector's medium checks its options
+divide the KV heads), and an offload connector's medium checks its options
 against the model's cache layout when it is built (a CPU pool smaller than
 one block). `kvwire check` runs those: the layout's checks, then each block
 connector's medium, built by a container's `medium` provider from the KV

@@ -130,7 +130,7 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
     check.set_defaults(command=_check_command)
 
     connectors = commands.add_parser(
-        "connectors", help="list every known connector, and the media block connectors use"
+        "connectors", help="list every known connector, and the media offload connectors use"
     )
     connectors.add_argument(
         "--resolve",
@@ -505,7 +505,7 @@ def list_connectors(
                 row.append(f"error: {error}")
         rows.append(row)
     _print_table(rows, out)
-    # The media the block connectors can keep blocks in (kv_connector_extra_config.medium).
+    # The media the offload connectors can keep blocks in (kv_connector_extra_config.medium).
     print(file=out)
     media = [["MEDIUM", "SOURCE", "MODULE"]]
     media += [[m.name, m.origin, m.target] for m in registry.media.entries()]

@@ -13,7 +13,7 @@ container.shutdown_resources()                     # each built connector's shut
 ```
 
 Each role-scoped provider builds at most one connector per container and hands
-it `(config, role, kv_cache_config)`, with a block connector's `medium` built
+it `(config, role, kv_cache_config)`, with an offload connector's `medium` built
 (`medium_class`, `medium_options`, `medium_context`, `medium`) or a
 composite's `connector_builder`; a process that serves one role declares it
 once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
@@ -167,18 +167,18 @@ def _resolve_medium_class(
     connector_class: type[KVConnectorBase],
     kv_transfer_config: KVTransferConfig,
 ) -> type[Medium] | None:
-    """The medium a block connector keeps blocks in; None for a connector that takes none."""
+    """The medium an offload connector keeps blocks in; None for a connector that takes none."""
     if not accepts_medium(connector_class):
         return None
-    spec = _block_connector_hook(connector_class, "medium_spec")(kv_transfer_config)
+    spec = _offload_connector_hook(connector_class, "medium_spec")(kv_transfer_config)
     medium_cls: type[Medium] = _resolved_once(
         "medium", registry, kv_transfer_config, lambda: registry.media.get_class(spec)
     )
     return medium_cls
 
 
-def _block_connector_hook(connector_class: type[KVConnectorBase], name: str) -> Any:
-    """The class-level hook of a block connector the container builds its medium with."""
+def _offload_connector_hook(connector_class: type[KVConnectorBase], name: str) -> Any:
+    """The class-level hook of an offload connector the container builds its medium with."""
     hook = getattr(connector_class, name, None)
     if not callable(hook):
         raise ContainerSetupError(
@@ -204,7 +204,7 @@ def _read_medium_options(
     medium_class: Callable[[], type[Medium] | None],
     kv_transfer_config: KVTransferConfig,
 ) -> dict[str, Any] | None:
-    """The block connector's extra config read over its medium's keys and finished; or None."""
+    """The offload connector's extra config read over its medium's keys and finished; or None."""
     if not accepts_medium(connector_class):
         return None
     medium_cls = _medium_class_to_build(medium_class)
@@ -213,7 +213,7 @@ def _read_medium_options(
             f"KVConnectorContainer.medium_class provides None for {connector_class.__name__}, "
             "which takes a medium: override it with a kvwire.media.Medium subclass"
         )
-    options: dict[str, Any] = _block_connector_hook(connector_class, "read_options")(
+    options: dict[str, Any] = _offload_connector_hook(connector_class, "read_options")(
         kv_transfer_config, medium_cls
     )
     return options
@@ -225,12 +225,12 @@ def _medium_context(
     kv_cache_config: KVCacheConfig | providers.Dependency[KVCacheConfig],
     options: dict[str, Any] | None,
 ) -> MediumContext | None:
-    """What the medium is built from (layout, groups, options); None for no block connector."""
+    """What the medium is built from (layout, groups, options); None for no offload connector."""
     if options is None:
         return None
     if isinstance(kv_cache_config, providers.Dependency):
         kv_cache_config = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
-    context: MediumContext = _block_connector_hook(connector_class, "medium_context")(
+    context: MediumContext = _offload_connector_hook(connector_class, "medium_context")(
         engine_config, kv_cache_config, options
     )
     return context
@@ -431,14 +431,14 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       ready one: `engine_config.override(providers.Object(config))`);
     - `kv_cache_config`: a `Dependency`, known once the engine sized its memory;
     - `registry`: the lazy connector registry (the process-wide one), and
-      through it the media block connectors keep blocks in
+      through it the media offload connectors keep blocks in
       (`registry().media.provider("directory").override(...)` swaps one;
       give the container a `default_registry().copy()` first to keep the
       override to it);
     - `kv_transfer_config` and `connector_class`: what the config names
       (an override that is no subclass of `KVConnectorBase` is refused
       with [`NotAConnectorError`][kvwire.exceptions.NotAConnectorError] when first used);
-    - `medium_class`: the medium a block connector keeps blocks in (None
+    - `medium_class`: the medium an offload connector keeps blocks in (None
       for another connector), resolved through the registry; override it to
       swap the medium of this container's connectors:
       `container.medium_class.override(providers.Object(MyDirectory))`;

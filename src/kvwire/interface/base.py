@@ -119,7 +119,7 @@ class ConnectorLookup(Protocol):
     """The registry that will build a connector, as `validate_extra_config` receives it.
 
     [`ConnectorRegistry`][kvwire.ConnectorRegistry] is one: `resolve` gives a (child) transfer
-    config's class, `media` the medium classes a block connector keeps blocks in.
+    config's class, `media` the medium classes an offload connector keeps blocks in.
     """
 
     @property
@@ -233,7 +233,7 @@ class KVConnectorBase(abc.ABC):
         accepted. Validate with the code the constructor uses, so `check`
         and the engine never disagree. `registry` is the registry that will
         build the connector: a composite validates each child's config
-        through the class `registry.resolve` returns, a block connector
+        through the class `registry.resolve` returns, an offload connector
         resolves its medium through `registry.media`.
 
         The default checks nothing, so connectors written before this hook

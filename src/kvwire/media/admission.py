@@ -11,9 +11,12 @@ counters; a hash's count is the least of its counters), so the memory is
 `depth * width` bytes however many distinct blocks go by: a bounded dict
 would have to drop counts of blocks still being counted, a sketch only
 overstates some counts (two hashes sharing counters), which admits a block
-early, never refuses one seen often enough. Every `width * 10` sightings all
+early, never refuses one seen often enough. Every `width` sightings all
 counters are halved, so a block seen many times long ago does not stay
-admitted for ever, and the halving costs O(1) amortized per sighting.
+admitted for ever, and the halving costs O(1) amortized per sighting. No
+more sightings than counters per row between two halvings keeps the
+overstatement rare: with four rows, a block seen once shares all four of its
+counters with other blocks' sightings about one time in forty.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ _MAX_COUNT = 255
 class SaveAdmission:
     """Admits a block hash from its `threshold`-th sighting; `threshold` 1 admits every block.
 
-    `width` (a power of two) is the counters per row; about ten times as many
-    distinct blocks as `width` are counted between two halvings.
+    `width` (a power of two) is the counters per row, and the sightings
+    counted between two halvings.
     """
 
     DEPTH = 4
@@ -45,7 +48,7 @@ class SaveAdmission:
         self.width = width
         self._rows = [bytearray(width) for _ in range(self.DEPTH)]
         self._sightings = 0
-        self._halve_every = 10 * width
+        self._halve_every = width
 
     @property
     def memory_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 `connectors` resolves a `KVTransferConfig` to a
 connector class as vLLM's factory does; `media` names
-the media a block connector keeps blocks in; `eviction` the policies a CPU
+the media an offload connector keeps blocks in; `eviction` the policies a CPU
 pool evicts by. All serve names from the same three places (kvwire's own,
 installed entry points, registered at run time).
 """

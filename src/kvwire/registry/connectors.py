@@ -86,7 +86,7 @@ def accepts_connector_builder(connector_cls: type) -> bool:
 
 
 def accepts_medium(connector_cls: type) -> bool:
-    """Whether `connector_cls` is a block connector: it takes a keyword-only `medium`, built."""
+    """Whether `connector_cls` is an offload connector: it takes a keyword-only `medium`, built."""
     return accepts_keyword_only(connector_cls, "medium")
 
 
@@ -460,7 +460,7 @@ class ConnectorRegistry:
     ) -> KVConnectorBase:
         """Call `connector_cls` as vLLM does, handing it what it declares it takes, built.
 
-        Nothing is resolved here: a block connector (keyword-only `medium`)
+        Nothing is resolved here: an offload connector (keyword-only `medium`)
         gets `medium`, a composite (keyword-only `connector_builder`) gets
         `connector_builder`; a
         [`KVConnectorContainer`][kvwire.KVConnectorContainer] builds both.

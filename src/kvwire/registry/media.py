@@ -1,6 +1,6 @@
 """The registry of media: one lazy provider per medium name, beside the connectors'.
 
-A medium ([`Medium`][kvwire.media.Medium]) is where a block connector keeps
+A medium ([`Medium`][kvwire.media.Medium]) is where an offload connector keeps
 blocks. Like connectors, media are named through the same mechanism
 (`PluginNames`), and a name is imported only when a connector asks for it: the
 media kvwire ships, the `kvwire.media` entry-point group of installed

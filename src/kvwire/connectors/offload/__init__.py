@@ -1,4 +1,4 @@
-"""The block connector (`connector`) and its presets by medium."""
+"""The offload connector (`connector`) and its presets by medium."""
 
 from kvwire.connectors.offload.connector import OffloadConnector
 from kvwire.connectors.offload.presets import (

@@ -1,4 +1,4 @@
-"""The block connector: whole blocks of every layer, keyed by block hash, kept in any medium.
+"""The offload connector: whole blocks of every layer, keyed by block hash, kept in any medium.
 
 kvwire's CPU offload, shared storage and Redis connectors are this one
 connector over three media ([`kvwire.media`][kvwire.media]); a new place to keep

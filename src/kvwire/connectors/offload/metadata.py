@@ -1,4 +1,4 @@
-"""What the block connector's two halves tell each other each step (both picklable)."""
+"""What the offload connector's two halves tell each other each step (both picklable)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The block connector with a medium chosen: the names profiles and vLLM configurations use.
+"""The offload connector with a medium chosen: the names profiles and vLLM configurations use.
 
 Each is `OffloadConnector` with
 its `default_medium` set, and takes that medium's

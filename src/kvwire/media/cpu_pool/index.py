@@ -1,7 +1,7 @@
 """The CPU pool medium's scheduler half: the pool's index behind the MediumIndex calls.
 
 `SlotTable` decides which slot holds
-which block; this half adds what the block connector expects of a medium:
+which block; this half adds what the offload connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
 changes happened), the admission of saves (`SaveAdmission`: a block is saved
 once offered `save_threshold` times) and the counts of blocks evicted, of

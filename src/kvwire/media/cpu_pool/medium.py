@@ -165,13 +165,13 @@ def eviction_policy(spec: str, num_slots: int) -> EvictionPolicy:
 def save_admission(threshold: int, num_slots: int) -> SaveAdmission | None:
     """The admission of saves; None for a threshold of 1 (every block saved, nothing counted).
 
-    The sketch has a counter per slot and row (a power of two, 1024 to 2**20:
-    4 KiB to 4 MiB), so it counts about ten pools' worth of sightings before
-    its counts halve.
+    The sketch has eight counters per slot and row (a power of two, 1024 to
+    2**22: 4 KiB to 16 MiB), so it counts eight pools' worth of sightings
+    before its counts halve: a block offered again within that is admitted.
     """
     if threshold == 1:
         return None
-    width = 1 << max(10, min(20, (num_slots - 1).bit_length()))
+    width = 1 << max(10, min(22, (8 * num_slots - 1).bit_length()))
     return SaveAdmission(threshold, width)
 
 
