@@ -22,6 +22,7 @@ BENCHMARKS = (
     "redis-cluster",
     "mac",
     "weight-digest",
+    "tiers",
     "peer",
     "vllm",
     "serve",
