@@ -30,6 +30,7 @@ from kvwire.config.kv_cache import KVCacheConfig, build_full_attention_kv_cache_
 from kvwire.config.profile import load_profile
 from kvwire.container import KVConnectorContainer
 from kvwire.registry import ConnectorRegistry
+from tests.support.connectors import SAMPLES
 
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 
@@ -124,7 +125,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 # Fixtures of the tests of configuration, the registry, the container, the CLI and
 # the factory: a private registry, a sized KV cache, engine configs.
-SAMPLES = "tests.support.sample_connectors"
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ def make_container(
 
 
 PLUGIN_SOURCE = """
-from tests.support.sample_connectors import HMAConnector, RecordingConnector
+from tests.support.connectors import HMAConnector, RecordingConnector
 
 
 class PluginConnector(RecordingConnector):

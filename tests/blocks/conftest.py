@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from tests.support.pair_fixtures import open_pair, shared_storage_pair, storage_dir
+from tests.support.pairs import open_pair, shared_storage_pair, storage_dir
 
 __all__ = ["open_pair", "shared_storage_pair", "storage_dir"]

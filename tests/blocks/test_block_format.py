@@ -19,8 +19,7 @@ from kvwire.blocks.format import (
 )
 from kvwire.blocks.mac import EntryMac
 from kvwire.config import EngineConfig, ModelConfig
-from tests.support.connector_pairs import make_request
-from tests.support.pair_fixtures import PairFactory
+from tests.support.pairs import PairFactory, make_request
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
 BLOCK_HASH = bytes(range(32))

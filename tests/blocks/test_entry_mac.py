@@ -22,7 +22,7 @@ from kvwire.blocks.mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
 from kvwire.cli import check_profile
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import SharedStorageConnector
-from tests.support.connector_pairs import engine_config, read_options
+from tests.support.pairs import engine_config, read_options
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 # A sentinel no output may ever contain.

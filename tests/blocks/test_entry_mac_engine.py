@@ -16,7 +16,7 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.forged_entries import forge
+from tests.support.entries import forge
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 KEY = "0123456789abcdef" * 4

@@ -9,7 +9,7 @@ import torch
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.paged_cache import PagedKVCaches
-from tests.support.connector_pairs import build_connector
+from tests.support.pairs import build_connector
 
 LAYOUT = BlockLayout(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 
@@ -81,7 +81,7 @@ def test_a_cache_config_that_disagrees_with_the_engine_config_is_refused():
     from kvwire.config.kv_cache import build_full_attention_kv_cache_config
     from kvwire.connectors.offload import CPUOffloadConnector
     from kvwire.interface.base import KVConnectorRole
-    from tests.support.connector_pairs import engine_config
+    from tests.support.pairs import engine_config
 
     config = engine_config("CPUOffloadConnector", {"cpu_pool_bytes": "1MiB"}, head_size=16)
     other = build_full_attention_kv_cache_config(

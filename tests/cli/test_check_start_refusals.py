@@ -20,9 +20,7 @@ cache_config: {block_size: 16, num_gpu_blocks: 64}
 
 def sample_registry() -> ConnectorRegistry:
     registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
-    registry.register_connector(
-        "SomeConnector", "tests.support.sample_connectors", "RecordingConnector"
-    )
+    registry.register_connector("SomeConnector", "tests.support.connectors", "RecordingConnector")
     return registry
 
 

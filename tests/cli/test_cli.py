@@ -13,7 +13,7 @@ import pytest
 from kvwire.cli import check_profile, list_connectors, main
 from kvwire.config.profile import shipped_profile_names
 from kvwire.registry import ConnectorRegistry
-from tests.conftest import SAMPLES
+from tests.support.connectors import SAMPLES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHIPPED_PROFILES = shipped_profile_names()
@@ -583,9 +583,9 @@ def _module_path_profile(module_path: str) -> str:
         ("no.such.mod", "cannot import 'no.such.mod': ModuleNotFoundError: No module named 'no'"),
         ("'.relative'", "'.relative' is not a module path; expected an absolute dotted module"),
         (
-            "tests.support.exiting_module",
-            "cannot import 'tests.support.exiting_module': SystemExit: plugin settings from "
-            "redis://u:***@h",
+            "tests.support.plugin_modules.exiting",
+            "cannot import 'tests.support.plugin_modules.exiting': SystemExit: "
+            "plugin settings from redis://u:***@h",
         ),
     ],
 )
@@ -629,7 +629,7 @@ def test_check_reports_a_keyboard_interrupt_a_module_raises_at_import_as_its_err
     # No Ctrl-C behind it: the plug-in's failure, reported, not an interrupted check.
     # In a subprocess: a KeyboardInterrupt that escaped would stop this test session.
     profile = tmp_path / "profile.yaml"
-    profile.write_text(_module_path_profile("tests.support.interrupting_module"))
+    profile.write_text(_module_path_profile("tests.support.plugin_modules.interrupting"))
     result = subprocess.run(
         [sys.executable, "-m", "kvwire.cli", "check", str(profile)],
         capture_output=True,
@@ -641,7 +641,7 @@ def test_check_reports_a_keyboard_interrupt_a_module_raises_at_import_as_its_err
     assert result.returncode == 1, result.stderr
     assert (
         "error: kv_transfer_config.kv_connector_module_path: cannot import "
-        "'tests.support.interrupting_module': KeyboardInterrupt: plugin gave up on "
+        "'tests.support.plugin_modules.interrupting': KeyboardInterrupt: plugin gave up on "
         "redis://u:***@h"
     ) in result.stderr
     assert "Traceback" not in result.stderr and "hunter2" not in result.stderr
@@ -675,7 +675,7 @@ def test_check_names_a_connector_hook_that_raises_or_exits_redacted(
         "kv_transfer_config:\n"
         f"  kv_connector: {connector}\n"
         "  kv_role: kv_both\n"
-        "  kv_connector_module_path: tests.support.raising_hook_connectors\n",
+        "  kv_connector_module_path: tests.support.connectors\n",
     )
 
     assert status == 1

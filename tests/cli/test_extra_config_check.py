@@ -13,10 +13,9 @@ from kvwire.cli import check_profile
 from kvwire.config import KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError, int_key, read_extra_config
 from kvwire.connectors.offload import CPUOffloadConnector
-from kvwire.interface.base import ConnectorResolver, KVConnectorBase, validates_extra_config
+from kvwire.interface.base import ConnectorLookup, KVConnectorBase, validates_extra_config
 from kvwire.registry import ConnectorRegistry
-from tests.conftest import SAMPLES
-from tests.support.sample_connectors import RecordingConnector
+from tests.support.connectors import SAMPLES, RecordingConnector
 
 # The built-in connectors it checks import torch.
 pytestmark = pytest.mark.torch
@@ -33,7 +32,7 @@ class StrictConnector(RecordingConnector):
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
         for key in kv_transfer_config.kv_connector_extra_config:
             if key != "colour":
@@ -45,7 +44,7 @@ class CrashingConnector(RecordingConnector):
 
     @classmethod
     def validate_extra_config(
-        cls, kv_transfer_config: KVTransferConfig, resolve_child: ConnectorResolver
+        cls, kv_transfer_config: KVTransferConfig, registry: ConnectorLookup
     ) -> None:
         raise RuntimeError(f"cannot reach redis://u:{SECRET}@h " + "x" * 100_000)
 
@@ -159,9 +158,31 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
         "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, cpu_pool_bytes, io_threads, load_failures_to_pause, "
-        "load_pause_s, medium, transfer_timeout_s",
+        "accepted keys are: async_load, cpu_pool_bytes, eviction, io_threads, "
+        "load_failures_to_pause, load_pause_s, medium, save_threshold, transfer_timeout_s",
         id="cpu-offload-typo",
+    ),
+    pytest.param(
+        "CPUOffloadConnector",
+        {"eviction": "S3FIFO"},
+        "kv_connector_extra_config.eviction: unknown eviction policy 'S3FIFO'; expected one of "
+        "lru, s3fifo, or a class as 'package.module:Class'; did you mean 's3fifo'?",
+        id="cpu-offload-eviction-name",
+    ),
+    pytest.param(
+        "CPUOffloadConnector",
+        {"eviction": "collections:OrderedDict"},
+        "kv_connector_extra_config.eviction: eviction policy 'collections:OrderedDict' is "
+        "<class 'collections.OrderedDict'>, not a class deriving from "
+        "kvwire.media.eviction.EvictionPolicy",
+        id="cpu-offload-eviction-class",
+    ),
+    pytest.param(
+        "CPUOffloadConnector",
+        {"save_threshold": 0},
+        "kv_connector_extra_config.save_threshold: 0 is not accepted by CPUOffloadConnector; "
+        "expected an integer between 1 and 64",
+        id="cpu-offload-save-threshold",
     ),
     pytest.param(
         "CPUOffloadConnector",
@@ -183,8 +204,8 @@ BAD_EXTRA_CONFIGS = [
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
         "keys are: allow_other_owner, async_load, batch_blocks, entry_kv_heads, entry_layers, "
         "file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, mac_key_env, "
-        "max_bytes, medium, shared_storage_path, "
-        "staging_buffer_bytes, transfer_timeout_s",
+        "max_bytes, max_save_bytes_in_flight, medium, shared_storage_path, "
+        "transfer_timeout_s",
         id="shared-storage-typo",
     ),
     pytest.param(
@@ -214,9 +235,10 @@ BAD_EXTRA_CONFIGS = [
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
         "async_load, batch_blocks, connect_timeout_s, db, entry_kv_heads, entry_layers, "
         "io_threads, key_prefix, load_failures_to_pause, load_pause_s, "
-        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, medium, password, "
+        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, "
+        "max_save_bytes_in_flight, medium, password, "
         "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
-        "socket_timeout_s, staging_buffer_bytes, tls_ca_certs, tls_certfile, tls_keyfile, "
+        "socket_timeout_s, tls_ca_certs, tls_certfile, tls_keyfile, "
         "tls_verify, transfer_timeout_s, ttl_seconds, url, username, warning_interval_s",
         id="redis-typo",
     ),
@@ -230,8 +252,8 @@ BAD_EXTRA_CONFIGS = [
     ),
     pytest.param(
         "RedisConnector",
-        {"staging_buffer_bytes": "big"},
-        "kv_connector_extra_config.staging_buffer_bytes: 'big' is not accepted by "
+        {"max_save_bytes_in_flight": "big"},
+        "kv_connector_extra_config.max_save_bytes_in_flight: 'big' is not accepted by "
         'RedisConnector; expected a byte count >= 1, as an int or a string such as "512MiB"',
         id="redis-size",
     ),
@@ -298,7 +320,8 @@ BAD_EXTRA_CONFIGS = [
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
         "an option of CPUOffloadConnector; accepted keys are: async_load, cpu_pool_bytes, "
-        "io_threads, load_failures_to_pause, load_pause_s, medium, transfer_timeout_s",
+        "eviction, io_threads, load_failures_to_pause, load_pause_s, medium, save_threshold, "
+        "transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(
@@ -323,13 +346,13 @@ BAD_EXTRA_CONFIGS = [
                 {"kv_connector": "CPUOffloadConnector"},
                 {
                     "kv_connector": "RedisConnector",
-                    "kv_connector_extra_config": {"staging_buffer_bytes": "-1MiB"},
+                    "kv_connector_extra_config": {"max_save_bytes_in_flight": "-1MiB"},
                 },
             ]
         },
-        "kv_connector_extra_config.connectors[1].kv_connector_extra_config.staging_buffer_bytes: "
-        "'-1MiB' is not accepted by RedisConnector; expected a byte count >= 1, as an int or a "
-        'string such as "512MiB"',
+        "kv_connector_extra_config.connectors[1].kv_connector_extra_config."
+        "max_save_bytes_in_flight: '-1MiB' is not accepted by RedisConnector; expected a byte "
+        'count >= 1, as an int or a string such as "512MiB"',
         id="multi-child-size",
     ),
     pytest.param(

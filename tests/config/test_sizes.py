@@ -22,7 +22,7 @@ from kvwire.config.profile import load_profile
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ProfileError
 from kvwire.interface.base import KVConnectorRole
-from tests.support.connector_pairs import read_options
+from tests.support.pairs import read_options
 
 HUNDRED_TIB = 100 * 1024**4
 THREE_HUNDRED_DIGITS = int("9" * 300)
@@ -74,7 +74,7 @@ def test_an_absurd_byte_count_is_described_by_its_size_alone() -> None:
 @pytest.mark.parametrize(
     ("connector", "key"),
     [
-        # The store connectors' staging_buffer_bytes allocates nothing (it bounds
+        # The store connectors' max_save_bytes_in_flight allocates nothing (it bounds
         # the bytes of saves in flight): only the CPU pool is memory.
         ("CPUOffloadConnector", "cpu_pool_bytes"),
     ],

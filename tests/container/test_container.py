@@ -19,8 +19,8 @@ from kvwire.exceptions import ContainerSetupError, NotAConnectorError, ProfileEr
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.registry import ConnectorRegistry, default_registry
-from tests.conftest import SAMPLES
-from tests.support.sample_connectors import (
+from tests.support.connectors import (
+    SAMPLES,
     CompositeConnector,
     HMAConnector,
     RecordingConnector,
@@ -352,9 +352,7 @@ def test_overriding_the_config_lasts_until_the_block_ends(
 
 def test_overriding_the_registry_lasts_until_the_block_ends(container: Any) -> None:
     other = ConnectorRegistry(built_ins={}, entry_point_group=None)
-    other.register_connector(
-        "RecordingConnector", "tests.support.sample_connectors", "HMAConnector"
-    )
+    other.register_connector("RecordingConnector", "tests.support.connectors", "HMAConnector")
 
     with container.registry.override(providers.Object(other)):
         assert container.connector_class() is HMAConnector

@@ -1,4 +1,4 @@
-"""A block connector's medium, built by the container's providers: class, options, context, medium.
+"""An offload connector's medium, from the container's providers: class, options, context, medium.
 
 The connector is handed its medium built; the registry is entered once per
 build for the connector's class and once for its medium's, and a composite's
@@ -23,7 +23,7 @@ from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.media.base import Medium
 from kvwire.registry import ConnectorRegistry, MediumRegistry
-from tests.support.connector_pairs import cache_config_for, engine_config
+from tests.support.pairs import cache_config_for, engine_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 POOL = {"cpu_pool_bytes": "1MiB"}
@@ -135,14 +135,14 @@ def test_an_overridden_medium_is_the_one_the_connector_is_handed() -> None:
     container.shutdown_resources()
 
 
-def test_a_block_connector_built_without_its_medium_says_how_to_build_it() -> None:
+def test_an_offload_connector_built_without_its_medium_says_how_to_build_it() -> None:
     config = engine_config("CPUOffloadConnector", POOL)
 
     with pytest.raises(ContainerSetupError, match=r"KVConnectorContainer .*or pass medium="):
         CPUOffloadConnector(config, KVConnectorRole.WORKER, cache_config_for(config))
 
 
-def test_a_block_connector_passed_a_medium_needs_no_container() -> None:
+def test_an_offload_connector_passed_a_medium_needs_no_container() -> None:
     config = engine_config("CPUOffloadConnector", POOL)
     kv_cache_config: KVCacheConfig = cache_config_for(config)
     container = container_for_profile(config, kv_cache_config=kv_cache_config)
@@ -155,7 +155,7 @@ def test_a_block_connector_passed_a_medium_needs_no_container() -> None:
     connector.shutdown()
 
 
-def test_the_factory_builds_a_block_connector_over_its_medium() -> None:
+def test_the_factory_builds_an_offload_connector_over_its_medium() -> None:
     config = engine_config("CPUOffloadConnector", POOL)
 
     connector = KVConnectorFactory.create_connector(

@@ -27,7 +27,7 @@ from kvwire.container import (
 )
 from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import ConnectorRegistry
-from tests.support.sample_connectors import RecordingConnector
+from tests.support.connectors import RecordingConnector
 
 THREADS = 8
 DEADLINE_S = 30.0

@@ -16,7 +16,7 @@ from kvwire.engine.model import TinyTransformer
 from kvwire.engine.worker import Worker
 from kvwire.interface.base import KVConnectorRole
 from kvwire.testing.instruments import CallLog, Instruments
-from tests.support.directory_connector import DirectoryConnector
+from tests.support.directory_connectors import DirectoryConnector
 from tests.support.engines import with_directory_connector
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from kvwire.container import KVConnectorContainer
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.registry import ModulePathError
 from kvwire.testing.instruments import Instruments, RoleViolationError
-from tests.support.directory_connector import DirectoryConnector
+from tests.support.directory_connectors import DirectoryConnector
 from tests.support.engines import generate, tiny_config, with_directory_connector
 
 PROMPT = GenerationRequest("r", tuple(range(1, 20)), 2)

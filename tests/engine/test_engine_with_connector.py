@@ -17,7 +17,7 @@ from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import RequestStatus
 from kvwire.testing.instruments import CallLog, Instruments
 from tests.support.engines import generate, served, tiny_config, tokens, with_directory_connector
-from tests.support.faulty_media import FailEverySecondBlock, over_medium, shared_storage
+from tests.support.media import FailEverySecondBlock, over_medium, shared_storage
 
 Workload = list[GenerationRequest]
 

@@ -10,8 +10,7 @@ import pytest
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from tests.support.engines import generate, renamed, served, tiny_config, tokens
-from tests.support.failing_loads import FailEveryLoad
-from tests.support.faulty_media import over_medium, shared_storage
+from tests.support.media import FailEveryLoad, over_medium, shared_storage
 
 Workload = list[GenerationRequest]
 

@@ -19,7 +19,7 @@ import pytest
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest
 from kvwire.run.passes import compare_passes
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import tiny_hybrid_config
 
 # Two prompts of ten blocks and a half (the window is two blocks) sharing their first six.
 WORKLOAD = [
@@ -79,7 +79,7 @@ def test_a_hybrid_model_runs_with_hma_on_and_equal_outputs(
 def test_a_multi_connector_with_a_child_without_hma_turns_it_off_with_equal_outputs() -> None:
     plain = {
         "kv_connector": "PlainConnector",
-        "kv_connector_module_path": "tests.support.hybrid_engines",
+        "kv_connector_module_path": "tests.support.engines",
     }
     connector = {
         "kv_connector": "MultiConnector",

@@ -20,8 +20,7 @@ from kvwire.config.kv_cache import (
 from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.support.engines import tokens
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import tiny_hybrid_config, tokens
 
 
 def _workload() -> list[GenerationRequest]:

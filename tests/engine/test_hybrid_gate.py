@@ -12,11 +12,11 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.hma import HMADecision, describe_kv_cache_groups
 from kvwire.run.passes import compare_passes
 from kvwire.run.report import format_table
-from tests.support.hybrid_engines import (
+from tests.support.engines import (
     PlainConnector,
     RecordingHMAConnector,
     tiny_hybrid_config,
-    with_connector,
+    with_connector_class,
 )
 
 PROMPT = tuple(range(1, 41))  # ten blocks; the window (8 tokens) is two
@@ -26,7 +26,7 @@ def test_a_connector_without_hma_turns_it_off_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvwire")
-    with LLMEngine(with_connector(tiny_hybrid_config(), PlainConnector)) as engine:
+    with LLMEngine(with_connector_class(tiny_hybrid_config(), PlainConnector)) as engine:
         assert not engine.hma_enabled
         assert len(engine.kv_cache_config.kv_cache_groups) == 1
         assert "PlainConnector does not support HMA: HMA is turned off" in engine.hma.reason
@@ -35,7 +35,7 @@ def test_a_connector_without_hma_turns_it_off_and_says_so(
 
 
 def test_an_explicit_false_with_a_connector_without_hma_is_the_seeds_error() -> None:
-    config = with_connector(
+    config = with_connector_class(
         tiny_hybrid_config(disable_hybrid_kv_cache_manager=False), PlainConnector
     )
     with pytest.raises(
@@ -47,7 +47,7 @@ def test_an_explicit_false_with_a_connector_without_hma_is_the_seeds_error() -> 
 
 
 def test_an_hma_connector_keeps_it_on_and_gets_block_ids_per_group() -> None:
-    with LLMEngine(with_connector(tiny_hybrid_config(), RecordingHMAConnector)) as engine:
+    with LLMEngine(with_connector_class(tiny_hybrid_config(), RecordingHMAConnector)) as engine:
         assert engine.hma_enabled and len(engine.kv_cache_config.kv_cache_groups) == 2
         engine.generate([GenerationRequest("r", PROMPT, 3)])
         connector = engine.scheduler_connector
@@ -69,7 +69,7 @@ def test_an_hma_connector_keeps_it_on_and_gets_block_ids_per_group() -> None:
 
 
 def test_hma_disabled_gives_an_hma_connector_one_group() -> None:
-    config = with_connector(
+    config = with_connector_class(
         tiny_hybrid_config(disable_hybrid_kv_cache_manager=True), RecordingHMAConnector
     )
     with LLMEngine(config) as engine:
@@ -82,7 +82,7 @@ def test_hma_disabled_gives_an_hma_connector_one_group() -> None:
 
 
 def test_kvwire_runs_report_says_whether_hma_was_on_and_why() -> None:
-    config = with_connector(tiny_hybrid_config(), RecordingHMAConnector)
+    config = with_connector_class(tiny_hybrid_config(), RecordingHMAConnector)
     report = compare_passes(config, [GenerationRequest("r", PROMPT, 2)])
     assert report["ok"]
     assert report["hma"] == {

@@ -18,9 +18,8 @@ import pytest
 
 from kvwire.config import EngineConfig, LoadFailurePolicy
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from tests.support.engines import generate, tokens
-from tests.support.faulty_media import FailAsLastBlock, over_medium, shared_storage
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import generate, tiny_hybrid_config, tokens
+from tests.support.media import FailAsLastBlock, over_medium, shared_storage
 
 PROMPT = tuple((7 * i + 3) % 300 for i in range(64))
 # Blocks of 4: X stores blocks 0..3; A loads them and computes blocks 4 and 5.

@@ -16,14 +16,13 @@ import pytest
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.support.engines import generate, tokens
-from tests.support.faulty_media import (
+from tests.support.engines import generate, tiny_hybrid_config, tokens
+from tests.support.media import (
     FailEveryFirstBlock,
     FailEveryLastBlock,
     over_medium,
     shared_storage,
 )
-from tests.support.hybrid_engines import tiny_hybrid_config
 
 
 def _workload() -> list[GenerationRequest]:
@@ -38,7 +37,7 @@ def _config(store_dir: pathlib.Path, **flags: bool) -> EngineConfig:
         tiny_hybrid_config(),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HybridDirectoryConnector",
-            kv_connector_module_path="tests.support.hybrid_directory_connector",
+            kv_connector_module_path="tests.support.directory_connectors",
             kv_role="kv_both",
             kv_connector_extra_config={"store_dir": str(store_dir), **flags},
         ),

@@ -4,7 +4,7 @@ Store-backed connectors write in the background, straight from the cache
 blocks, and keep a finished request's blocks until its saves end: writes can
 run long after the last step that computed anything, and ``generate`` waits
 for them (the requests are reported finished sending only then). A store
-whose writes wait while a file exists (:mod:`tests.support.held_stores`)
+whose writes wait while a file exists (:mod:`tests.support.stores`)
 makes that certain: the file goes only once every request has finished.
 """
 
@@ -23,7 +23,7 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, Wo
 from kvwire.interface.types import BlockStored, KVCacheEvent, Request
 from kvwire.run.passes import compare_passes
 from tests.support.engines import generate
-from tests.support.redis_engines import distinct_full_blocks
+from tests.support.redis import distinct_full_blocks
 
 WORKER_MODES: tuple[WorkerMode, ...] = ("inline", "process")
 
@@ -34,13 +34,13 @@ def held_storage(config: EngineConfig, tmp_path: pathlib.Path) -> EngineConfig:
         config,
         kv_transfer_config=KVTransferConfig(
             kv_connector="HeldSharedStorageConnector",
-            kv_connector_module_path="tests.support.held_stores",
+            kv_connector_module_path="tests.support.stores",
             kv_role="kv_both",
             kv_connector_extra_config={
                 "shared_storage_path": str(tmp_path / "store"),
                 # Room for every block of the workload in flight: a save
                 # beyond the bound would be dropped.
-                "staging_buffer_bytes": "4MiB",
+                "max_save_bytes_in_flight": "4MiB",
                 "hold_path": str(tmp_path / "hold"),
             },
         ),

@@ -17,8 +17,15 @@ import pytest
 from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.support.engines import generate, renamed, served, shared_storage, tiny_config, tokens
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import (
+    generate,
+    renamed,
+    served,
+    shared_storage,
+    tiny_config,
+    tiny_hybrid_config,
+    tokens,
+)
 
 pytestmark = pytest.mark.slow
 

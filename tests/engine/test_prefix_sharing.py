@@ -20,7 +20,7 @@ from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import generate, tiny_config, tokens, with_directory_connector
-from tests.support.faulty_media import FailFirstsFirstBlock, over_medium, shared_storage
+from tests.support.media import FailFirstsFirstBlock, over_medium, shared_storage
 
 PREFIX = tuple(range(100, 112))  # three blocks of four tokens
 

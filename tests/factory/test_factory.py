@@ -13,8 +13,7 @@ from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import default_registry
-from tests.conftest import SAMPLES
-from tests.support.sample_connectors import CompositeConnector, HMAConnector, RecordingConnector
+from tests.support.connectors import SAMPLES, CompositeConnector, HMAConnector, RecordingConnector
 
 
 def sample(name: str, **fields: object) -> KVTransferConfig:

@@ -22,7 +22,7 @@ from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import KVConnectorRole
 from kvwire.registry import ConnectorRegistry
-from tests.conftest import SAMPLES
+from tests.support.connectors import SAMPLES
 
 HMA_CHILD = {"kv_connector": "HMAConnector"}
 NON_HMA_CHILD = {"kv_connector": "RecordingConnector"}

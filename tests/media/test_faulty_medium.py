@@ -33,9 +33,9 @@ from kvwire.media.base import (
 )
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.testing.faulty_medium import FaultInjectingHandler, FaultInjectingMedium
-from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate, tiny_config, tokens
-from tests.support.faulty_media import (
+from tests.support.media import (
+    DrivenHandler,
     FailEveryFirstBlock,
     FailEverySecondBlock,
     over_medium,

@@ -1,4 +1,4 @@
-"""What the block connector's restructuring (one connector over media, split by role) got wrong.
+"""What the offload connector's restructuring (one connector over media, split by role) got wrong.
 
 Each test names a behaviour the connectors had before the media became
 plug-ins, or one a profile naming a medium relies on: a medium named by a
@@ -34,7 +34,7 @@ from kvwire.media.store.medium import StoreMedium
 from kvwire.registry import ConnectorRegistry, default_registry
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.testing.faulty_medium import FaultInjectingMedium
-from tests.support.connector_pairs import (
+from tests.support.pairs import (
     build_connector,
     cache_config_for,
     engine_config,

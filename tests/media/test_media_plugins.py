@@ -1,4 +1,4 @@
-"""Media as plug-ins, and the block connector split by role.
+"""Media as plug-ins, and the offload connector split by role.
 
 A new place to keep blocks is a medium, named in a profile, registered in a
 registry, or swapped for a test by overriding the registry's provider; the
@@ -34,14 +34,6 @@ from kvwire.media.store.medium import StoreMedium
 from kvwire.registry import default_registry
 from kvwire.registry.media import UnknownMediumError
 from kvwire.testing.faulty_medium import FaultInjectingMedium
-from tests.support.connector_pairs import (
-    build_connector,
-    cache_config_for,
-    engine_config,
-    make_caches,
-    read_options,
-)
-from tests.support.dict_stores import DictStore
 from tests.support.engines import (
     generate,
     served,
@@ -50,6 +42,14 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
+from tests.support.pairs import (
+    build_connector,
+    cache_config_for,
+    engine_config,
+    make_caches,
+    read_options,
+)
+from tests.support.stores import DictStore
 
 
 class _DictStore(DictStore):
@@ -88,7 +88,7 @@ def _config(connector: str, extra: dict[str, Any]) -> EngineConfig:
     return engine_config(connector, extra)
 
 
-def test_a_profile_names_a_medium_by_module_path_and_the_block_connector_serves_it():
+def test_a_profile_names_a_medium_by_module_path_and_the_offload_connector_serves_it():
     config = with_connector(tiny_config(), "OffloadConnector", {"medium": f"{__name__}:DictMedium"})
     reference = tokens(generate(tiny_config(), workload()))
 

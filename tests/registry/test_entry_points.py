@@ -136,7 +136,7 @@ def test_an_entry_point_cannot_shadow_a_built_in(
 ) -> None:
     registry = plugin_registry(
         {"Shadow": f"{plugin_module}:PluginConnector"},
-        built_ins={"Shadow": ("tests.support.sample_connectors", "HMAConnector")},
+        built_ins={"Shadow": ("tests.support.connectors", "HMAConnector")},
     )
 
     with caplog.at_level(logging.WARNING, logger="kvwire.registry"):
@@ -146,7 +146,7 @@ def test_an_entry_point_cannot_shadow_a_built_in(
     assert caplog.records[0].getMessage() == (
         f"Ignoring entry point 'Shadow = {plugin_module}:PluginConnector' of distribution "
         "'kvwire-sample-plugin 1.2': connector 'Shadow' is already registered (built in, "
-        "tests.support.sample_connectors:HMAConnector)"
+        "tests.support.connectors:HMAConnector)"
     )
 
 
@@ -162,13 +162,13 @@ def test_registering_a_name_an_entry_point_declared_is_an_error(
 def test_an_entry_point_whose_module_calls_sys_exit_is_its_error_redacted(
     plugin_registry: PluginRegistry,
 ) -> None:
-    registry = plugin_registry({"Exiting": "tests.support.exiting_module:Thing"})
+    registry = plugin_registry({"Exiting": "tests.support.plugin_modules.exiting:Thing"})
 
     with pytest.raises(ConnectorEntryPointError) as caught:
         registry.resolve(transfer("Exiting"))
 
     assert str(caught.value) == (
-        "The entry point 'Exiting = tests.support.exiting_module:Thing' (group "
+        "The entry point 'Exiting = tests.support.plugin_modules.exiting:Thing' (group "
         "'kvwire.connectors') of distribution 'kvwire-sample-plugin 1.2' cannot be loaded: "
         "SystemExit: plugin settings from redis://u:***@h (password=***"
     )

@@ -20,8 +20,14 @@ from kvwire.registry import (
     accepts_connector_builder,
     default_registry,
 )
-from tests.support import sample_connectors
-from tests.support.sample_connectors import HMAConnector, RecordingConnector
+from tests.support.connectors import (
+    CompositeConnector,
+    CompositeSubclass,
+    HMAConnector,
+    RecordingConnector,
+    TwoArgumentConnector,
+    VarKeywordConnector,
+)
 
 DEPRECATED = (
     "Connector {} uses deprecated 2-argument constructor signature. External v1 KV "
@@ -122,9 +128,7 @@ def test_an_empty_module_path_is_an_error(registry: ConnectorRegistry) -> None:
 def test_a_module_path_wins_over_the_registry(
     registry: ConnectorRegistry, plugin_module: str
 ) -> None:
-    registry.register_connector(
-        "PluginConnector", "tests.support.sample_connectors", "HMAConnector"
-    )
+    registry.register_connector("PluginConnector", "tests.support.connectors", "HMAConnector")
 
     resolved = registry.resolve(transfer("PluginConnector", kv_connector_module_path=plugin_module))
 
@@ -142,20 +146,16 @@ def test_a_class_missing_from_its_module_path_is_an_attribute_error_chained(
     registry: ConnectorRegistry,
 ) -> None:
     with pytest.raises(AttributeError) as caught:
-        registry.resolve(
-            transfer("Missing", kv_connector_module_path="tests.support.sample_connectors")
-        )
+        registry.resolve(transfer("Missing", kv_connector_module_path="tests.support.connectors"))
 
-    assert str(caught.value) == "Class Missing not found in tests.support.sample_connectors"
+    assert str(caught.value) == "Class Missing not found in tests.support.connectors"
     assert isinstance(caught.value.__cause__, AttributeError)
 
 
 def test_a_two_argument_constructor_by_module_path_is_logged_then_refused(
     registry: ConnectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = transfer(
-        "TwoArgumentConnector", kv_connector_module_path="tests.support.sample_connectors"
-    )
+    config = transfer("TwoArgumentConnector", kv_connector_module_path="tests.support.connectors")
 
     with (
         caplog.at_level(logging.ERROR, logger="kvwire.registry"),
@@ -179,9 +179,7 @@ def test_a_two_argument_constructor_registered_at_run_time_is_refused_too(
 def test_a_constructor_taking_kwargs_passes_the_signature_check(
     registry: ConnectorRegistry,
 ) -> None:
-    assert (
-        registry.resolve(transfer("VarKeywordConnector")) is sample_connectors.VarKeywordConnector
-    )
+    assert registry.resolve(transfer("VarKeywordConnector")) is VarKeywordConnector
 
 
 def test_an_unknown_name_is_unsupported(registry: ConnectorRegistry) -> None:
@@ -199,11 +197,11 @@ def test_an_unknown_name_is_unsupported(registry: ConnectorRegistry) -> None:
 def test_a_name_that_is_not_a_connector_class_is_refused(registry: ConnectorRegistry) -> None:
     with pytest.raises(NotAConnectorError) as caught:
         registry.resolve(
-            transfer("NOT_A_CLASS", kv_connector_module_path="tests.support.sample_connectors")
+            transfer("NOT_A_CLASS", kv_connector_module_path="tests.support.connectors")
         )
 
     assert str(caught.value) == (
-        "Connector NOT_A_CLASS (module path tests.support.sample_connectors) is 42, "
+        "Connector NOT_A_CLASS (module path tests.support.connectors) is 42, "
         "not a class deriving from kvwire.KVConnectorBase"
     )
 
@@ -224,12 +222,12 @@ def test_a_registered_module_that_cannot_be_imported_names_the_connector() -> No
 
 def test_a_registered_class_missing_from_its_module_is_an_attribute_error() -> None:
     registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
-    registry.register_connector("Gone", "tests.support.sample_connectors", "Gone")
+    registry.register_connector("Gone", "tests.support.connectors", "Gone")
 
     with pytest.raises(AttributeError) as caught:
         registry.resolve(transfer("Gone"))
 
-    assert str(caught.value) == "Class Gone not found in tests.support.sample_connectors"
+    assert str(caught.value) == "Class Gone not found in tests.support.connectors"
 
 
 def test_overriding_one_entry_swaps_its_class_until_the_block_ends(
@@ -243,7 +241,7 @@ def test_overriding_one_entry_swaps_its_class_until_the_block_ends(
 
 
 def test_an_overriding_class_is_signature_checked_too(registry: ConnectorRegistry) -> None:
-    old = sample_connectors.TwoArgumentConnector
+    old = TwoArgumentConnector
 
     with (
         registry.provider("RecordingConnector").override(providers.Object(old)),
@@ -294,7 +292,7 @@ def test_a_copy_drops_the_overrides_active_on_the_original(registry: ConnectorRe
 def test_a_name_registered_in_a_copy_stays_in_the_copy(registry: ConnectorRegistry) -> None:
     copied = registry.copy()
 
-    copied.register_connector("Private", "tests.support.sample_connectors", "HMAConnector")
+    copied.register_connector("Private", "tests.support.connectors", "HMAConnector")
 
     assert "Private" in copied
     assert "Private" not in registry
@@ -307,8 +305,8 @@ def test_the_copy_of_the_default_registry_keeps_the_built_ins() -> None:
 
 
 def test_a_composite_is_recognised_by_its_keyword_only_connector_builder() -> None:
-    assert accepts_connector_builder(sample_connectors.CompositeConnector)
-    assert accepts_connector_builder(sample_connectors.CompositeSubclass)
+    assert accepts_connector_builder(CompositeConnector)
+    assert accepts_connector_builder(CompositeSubclass)
     assert not accepts_connector_builder(RecordingConnector)
 
 
@@ -332,7 +330,7 @@ def test_a_composite_that_contains_itself_is_stopped_with_a_clear_error(
     )
 
 
-class _SelfNesting(sample_connectors.CompositeConnector):
+class _SelfNesting(CompositeConnector):
     """A composite whose HMA answer asks about a config naming itself again."""
 
     @classmethod
@@ -372,7 +370,7 @@ def test_a_malformed_registration_is_refused_before_anything_is_stored(
 
 
 @pytest.mark.parametrize(
-    "module", ["tests.support.exiting_module", "tests.support.raising_hook_module"]
+    "module", ["tests.support.plugin_modules.exiting", "tests.support.plugin_modules.raising_hook"]
 )
 def test_a_registered_module_that_raises_at_import_names_the_connector_redacted(
     module: str,
@@ -397,10 +395,10 @@ def test_a_medium_module_that_calls_sys_exit_is_the_mediums_error_redacted() -> 
     registry = ConnectorRegistry(built_ins={}, entry_point_group=None)
 
     with pytest.raises(UnknownMediumError) as caught:
-        registry.media.get_class("tests.support.exiting_module:Medium")
+        registry.media.get_class("tests.support.plugin_modules.exiting:Medium")
 
     assert str(caught.value) == (
-        "medium 'tests.support.exiting_module:Medium' cannot be loaded: SystemExit: plugin "
+        "medium 'tests.support.plugin_modules.exiting:Medium' cannot be loaded: SystemExit: plugin "
         "settings from redis://u:***@h (password=***"
     )
 
@@ -410,7 +408,7 @@ def test_check_module_path_leaves_an_unset_path_and_a_good_one_alone(
 ) -> None:
     registry.check_module_path(transfer("RecordingConnector"))
     registry.check_module_path(
-        transfer("RecordingConnector", kv_connector_module_path="tests.support.sample_connectors")
+        transfer("RecordingConnector", kv_connector_module_path="tests.support.connectors")
     )
 
 

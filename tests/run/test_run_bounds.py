@@ -232,9 +232,9 @@ def test_a_workload_of_more_tokens_than_a_run_holds_is_refused_before_it_is_buil
             "cannot import 'no.such.mod': ModuleNotFoundError: No module named 'no'",
         ),
         (
-            "tests.support.exiting_module",
-            "cannot import 'tests.support.exiting_module': SystemExit: plugin settings from "
-            "redis://u:***@h",
+            "tests.support.plugin_modules.exiting",
+            "cannot import 'tests.support.plugin_modules.exiting': SystemExit: "
+            "plugin settings from redis://u:***@h",
         ),
     ],
 )
@@ -316,7 +316,7 @@ def test_ctrl_c_stops_a_run_with_status_130_and_no_traceback(tmp_path: pathlib.P
         "kv_transfer_config:\n"
         "  kv_connector: SlowConnector\n"
         "  kv_role: kv_both\n"
-        "  kv_connector_module_path: tests.support.slow_importing_module\n"
+        "  kv_connector_module_path: tests.support.plugin_modules.slow_importing\n"
     )
     ready = tmp_path / "ready"
     process = _start_run([str(profile)], env={**os.environ, "KVWIRE_TEST_READY": str(ready)})
@@ -339,7 +339,7 @@ def test_a_connector_hook_that_raises_is_named_without_a_traceback(
         "kv_transfer_config:\n"
         "  kv_connector: RaisingHMAHookConnector\n"
         "  kv_role: kv_both\n"
-        "  kv_connector_module_path: tests.support.raising_hook_connectors\n"
+        "  kv_connector_module_path: tests.support.connectors\n"
     )
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -411,7 +411,7 @@ def test_a_connector_constructor_that_calls_sys_exit_is_its_error_not_the_runs_e
         "kv_transfer_config:\n"
         "  kv_connector: ExitingConstructorConnector\n"
         "  kv_role: kv_both\n"
-        "  kv_connector_module_path: tests.support.raising_hook_connectors\n"
+        "  kv_connector_module_path: tests.support.connectors\n"
     )
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     assert capsys.readouterr().err == (
@@ -448,7 +448,7 @@ def test_ctrl_c_while_a_worker_process_starts_stops_it_at_once(tmp_path: pathlib
         "kv_transfer_config:\n"
         "  kv_connector: SlowInWorkerConnector\n"
         "  kv_role: kv_both\n"
-        "  kv_connector_module_path: tests.support.slow_in_worker_module\n"
+        "  kv_connector_module_path: tests.support.plugin_modules.slow_in_worker\n"
     )
     ready = tmp_path / "ready"
     # A tiny workload: the connector's engine, and its worker, start at once.

@@ -21,7 +21,7 @@ def _directory_profile(tmp_path: pathlib.Path) -> pathlib.Path:
         "cache_config": {"block_size": 4, "num_gpu_blocks": 64},
         "kv_transfer_config": {
             "kv_connector": "DirectoryConnector",
-            "kv_connector_module_path": "tests.support.directory_connector",
+            "kv_connector_module_path": "tests.support.directory_connectors",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"store_dir": str(tmp_path / "store")},
         },

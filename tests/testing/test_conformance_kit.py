@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
-from tests.support.directory_connector import DirectoryConnector
+from tests.support.directory_connectors import DirectoryConnector
 
 
 class TestDirectoryConnectorSync(ConnectorConformanceSuite):

@@ -7,7 +7,7 @@ import pytest
 from kvwire.engine.engine import build_kv_cache_config
 from kvwire.interface.base import KVConnectorRole
 from kvwire.testing.instruments import RoleViolationError, enforce_roles
-from tests.support.directory_connector import DirectoryConnector
+from tests.support.directory_connectors import DirectoryConnector
 from tests.support.engines import tiny_config, with_directory_connector
 
 pytest_plugins = ["pytester"]

@@ -1,6 +1,6 @@
 """The kit's hybrid-model checks fail connectors that serve KV cache groups wrongly.
 
-Each bad connector is a built-in with one rule broken (tests.support.hma_bad_connectors);
+Each bad connector is a built-in with one rule broken (tests.support.misbehaving_connectors);
 the suite runs on it in a pytester sandbox, and the check meant for that rule fails.
 """
 
@@ -18,7 +18,7 @@ pytest_plugins = ["pytester"]
 SUITE = """
 import pytest
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
-from tests.support.hma_bad_connectors import {name}
+from tests.support.misbehaving_connectors import {name}
 
 class TestBad(ConnectorConformanceSuite):
     @pytest.fixture

@@ -15,9 +15,14 @@ import attrs
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.testing.faults import LoadFaultConnector, with_load_faults
-from tests.support.engines import generate, tiny_config, tokens, with_directory_connector
-from tests.support.faulty_media import shared_storage
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import (
+    generate,
+    tiny_config,
+    tiny_hybrid_config,
+    tokens,
+    with_directory_connector,
+)
+from tests.support.media import shared_storage
 
 PROMPT = tuple((7 * i + 3) % 300 for i in range(64))
 # Blocks of 4: X stores blocks 0..3; A loads them and computes blocks 4 and 5.

@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="kvwire-vllm-ca
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kvwire-vllm-xdg-cache-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     build_tiny_gemma3,
     build_tiny_llama,
     generate,

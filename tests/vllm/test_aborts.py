@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from kvwire.vllm import wait_for_saves
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
+    READS_ANSWER,
     generate,
     kvwire_transfer_config,
     profile_with_directory,
@@ -27,7 +28,6 @@ from tests.support.vllm_engines import (
     start_llm,
     stop_llm,
 )
-from tests.support.vllm_hooks import READS_ANSWER
 
 PROMPTS = shared_prompts()
 LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -56,7 +56,7 @@ def test_request_aborted_while_its_load_is_in_flight_is_forgotten_and_the_engine
     from vllm.v1.request import RequestStatus
 
     config = kvwire_transfer_config(
-        async_load_profile(tmp_path), kvwire_container_hook="tests.support.vllm_hooks:held_reads"
+        async_load_profile(tmp_path), kvwire_container_hook="tests.support.vllm:held_reads"
     )
     with running_llm(tiny_model, config) as llm:
         generate(llm, PROMPTS)
@@ -95,9 +95,7 @@ def test_engine_shut_down_while_a_load_is_in_flight_stops_by_the_load_deadline(
 
     profile = async_load_profile(tmp_path)
     profile["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout_s"] = 1
-    config = kvwire_transfer_config(
-        profile, kvwire_container_hook="tests.support.vllm_hooks:held_reads"
-    )
+    config = kvwire_transfer_config(profile, kvwire_container_hook="tests.support.vllm:held_reads")
     llm = start_llm(tiny_model, config)
     stopped_after_s = None
     try:

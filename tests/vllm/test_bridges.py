@@ -82,10 +82,8 @@ def test_inline_profile_is_validated_like_a_yaml_one() -> None:
 
 def test_container_hook_must_name_module_and_function() -> None:
     with pytest.raises(VLLMConfigError, match="kvwire_container_hook"):
-        container_hook({"kvwire_container_hook": "tests.support.vllm_hooks.never_hit"})
-    assert (
-        container_hook({"kvwire_container_hook": "tests.support.vllm_hooks:never_hit"}) is not None
-    )
+        container_hook({"kvwire_container_hook": "tests.support.vllm.never_hit"})
+    assert container_hook({"kvwire_container_hook": "tests.support.vllm:never_hit"}) is not None
 
 
 def test_unknown_extra_config_keys_of_any_type_and_length_are_listed_bounded() -> None:
@@ -118,11 +116,11 @@ def test_container_hook_that_raises_is_an_error_naming_the_key_and_the_hook() ->
 
 def test_container_hook_whose_module_raises_at_import_is_an_error_naming_the_key() -> None:
     with pytest.raises(VLLMConfigError) as raised:
-        container_hook({"kvwire_container_hook": "tests.support.raising_hook_module:hook"})
+        container_hook({"kvwire_container_hook": "tests.support.plugin_modules.raising_hook:hook"})
     message = str(raised.value)
     assert message.startswith(
         "kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: cannot import "
-        "'tests.support.raising_hook_module': RuntimeError: hook settings from redis://u:***@h"
+        "'tests.support.plugin_modules.raising_hook': RuntimeError: hook settings from redis://u:***@h"
     ), message
     assert "hunter2" not in message
     # Nothing chained: a traceback printed later would quote the module's message raw.
@@ -131,11 +129,11 @@ def test_container_hook_whose_module_raises_at_import_is_an_error_naming_the_key
 
 def test_container_hook_whose_module_calls_sys_exit_is_an_error_naming_the_key() -> None:
     with pytest.raises(VLLMConfigError) as raised:
-        container_hook({"kvwire_container_hook": "tests.support.exiting_module:hook"})
+        container_hook({"kvwire_container_hook": "tests.support.plugin_modules.exiting:hook"})
     message = str(raised.value)
     assert message.startswith(
         "kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: cannot import "
-        "'tests.support.exiting_module': SystemExit: plugin settings from redis://u:***@h"
+        "'tests.support.plugin_modules.exiting': SystemExit: plugin settings from redis://u:***@h"
     ), message
     assert "hunter2" not in message
 
@@ -146,7 +144,9 @@ def test_container_hook_whose_module_raises_keyboard_interrupt_is_an_error_namin
     code = (
         "from kvwire.vllm.config_bridge import container_hook\n"
         "try:\n"
-        "    container_hook({'kvwire_container_hook': 'tests.support.interrupting_module:hook'})\n"
+        "    container_hook(\n"
+        "        {'kvwire_container_hook': 'tests.support.plugin_modules.interrupting:hook'}\n"
+        "    )\n"
         "except Exception as error:\n"
         "    print(type(error).__name__, error)\n"
     )
@@ -155,8 +155,8 @@ def test_container_hook_whose_module_raises_keyboard_interrupt_is_an_error_namin
     )
     assert result.stdout.startswith(
         "VLLMConfigError kv_transfer_config.kv_connector_extra_config.kvwire_container_hook: "
-        "cannot import 'tests.support.interrupting_module': KeyboardInterrupt: plugin gave up "
-        "on redis://u:***@h"
+        "cannot import 'tests.support.plugin_modules.interrupting': KeyboardInterrupt: "
+        "plugin gave up on redis://u:***@h"
     ), result.stdout + result.stderr
 
 

@@ -13,14 +13,15 @@ import torch
 from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm import KVWireConnector
 from kvwire.vllm.config_bridge import vllm_model_identity
-from tests.support import vllm_hybrid_connectors as hybrid_connectors
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     SLIDING_WINDOW,
+    GroupsConnector,
+    PlainConnector,
     kvwire_transfer_config,
     load_profile_mapping,
+    wrapping_profile,
 )
-from tests.support.vllm_hybrid_connectors import GroupsConnector, PlainConnector
 
 
 def vllm_config(
@@ -272,9 +273,7 @@ def test_vllm_s_gate_keeps_hma_on_for_kvwire_connector_whatever_it_wraps(
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     profile = (
-        hybrid_connectors.profile(PlainConnector)
-        if wrapped == "plain"
-        else load_profile_mapping(wrapped)
+        wrapping_profile(PlainConnector) if wrapped == "plain" else load_profile_mapping(wrapped)
     )
     config = vllm_config(tiny_hybrid_model, profile)
     assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
@@ -284,7 +283,7 @@ def test_vllm_s_gate_keeps_hma_on_for_kvwire_connector_whatever_it_wraps(
 def test_a_hybrid_cache_refuses_a_wrapped_connector_without_hma_naming_the_flag(
     tiny_hybrid_model: str,
 ) -> None:
-    config = vllm_config(tiny_hybrid_model, hybrid_connectors.profile(PlainConnector))
+    config = vllm_config(tiny_hybrid_model, wrapping_profile(PlainConnector))
     with pytest.raises(VLLMConfigError, match="PlainConnector does not support it") as error:
         scheduler_connector(KVWireConnector, config, hybrid=True)
     assert "--disable-hybrid-kv-cache-manager" in str(error.value)
@@ -296,7 +295,7 @@ def test_one_full_attention_group_is_served_by_a_wrapped_connector_without_hma(
     hma: bool | None, tiny_model: str
 ) -> None:
     # HMA on or off, a model without sliding-window layers has one group.
-    config = vllm_config(tiny_model, hybrid_connectors.profile(PlainConnector), hma=hma)
+    config = vllm_config(tiny_model, wrapping_profile(PlainConnector), hma=hma)
     connector = scheduler_connector(KVWireConnector, config)
     wrapped = connector.connector
     # kvwire's gate turned HMA off for it: it serves one group.
@@ -308,7 +307,7 @@ def test_one_full_attention_group_is_served_by_a_wrapped_connector_without_hma(
 def test_a_wrapped_connector_with_hma_gets_every_group_s_block_ids(
     tiny_hybrid_model: str,
 ) -> None:
-    config = vllm_config(tiny_hybrid_model, hybrid_connectors.profile(GroupsConnector))
+    config = vllm_config(tiny_hybrid_model, wrapping_profile(GroupsConnector))
     connector = scheduler_connector(KVWireConnector, config, hybrid=True)
     wrapped = connector.connector
     assert wrapped.engine_config.scheduler_config.disable_hybrid_kv_cache_manager is False

@@ -13,7 +13,7 @@ import torch
 
 import kvwire.vllm
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout, write_header
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     generate,
     kvwire_transfer_config,
     profile_with_directory,

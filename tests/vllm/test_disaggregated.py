@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
     generate,

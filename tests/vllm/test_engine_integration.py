@@ -10,7 +10,7 @@ import pytest
 
 from kvwire.connectors.offload import CPUOffloadConnector
 from kvwire.vllm import wait_for_saves
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
     generate,
@@ -53,11 +53,11 @@ def test_container_hook_overrides_the_connector_class_inside_vllm(
 ) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from tests.support.vllm_hooks import NeverHitCPUOffload
+    from tests.support.vllm import NeverHitCPUOffload
 
     config = kvwire_transfer_config(
         load_profile_mapping("cpu-offload.yaml"),
-        kvwire_container_hook="tests.support.vllm_hooks:never_hit",
+        kvwire_container_hook="tests.support.vllm:never_hit",
     )
     with running_llm(tiny_model, config) as llm:
         generate(llm, PROMPTS)

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from tests.support.bounded_generation import counting_recoveries, generate_within
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
+    counting_recoveries,
+    generate_within,
     kvwire_transfer_config,
     load_profile_mapping,
     profile_with_directory,
@@ -102,7 +103,7 @@ def test_failed_asynchronous_loads_in_a_small_kv_cache_are_computed_and_every_re
     # Hits never withheld: each request's failed load alone must not be offered again.
     extra.update(
         async_load=True,
-        medium="tests.support.faulty_media:FailEveryFirstBlock",
+        medium="tests.support.media:FailEveryFirstBlock",
         load_failures_to_pause=1000,
     )
     prompts = shared_prompts(count=8)

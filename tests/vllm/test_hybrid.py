@@ -18,12 +18,13 @@ import pytest
 
 import kvwire.vllm
 from kvwire.exceptions import VLLMConfigError
-from tests.support import vllm_hybrid_connectors as hybrid_connectors
-from tests.support.mixed_up_slots import name_another_block
-from tests.support.vllm_engines import (
+from tests.support.media import name_another_block
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
     SLIDING_WINDOW,
+    GroupsConnector,
+    PlainConnector,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
@@ -33,8 +34,8 @@ from tests.support.vllm_engines import (
     shared_prompts,
     start_llm,
     with_redis_url,
+    wrapping_profile,
 )
-from tests.support.vllm_hybrid_connectors import GroupsConnector, PlainConnector
 from tests.vllm.test_corruption import flip_one_payload_byte, rewrite_each_entry
 
 PROMPTS = shared_prompts()
@@ -131,7 +132,7 @@ def test_hybrid_model_with_hma_on_loads_each_group_s_needed_blocks_from_kvwire(
 def test_a_wrapped_connector_without_hma_fails_at_start_naming_the_flag_and_serves_hma_off(
     tiny_hybrid_model: str, hybrid_tokens_without_connector: list[list[int]]
 ) -> None:
-    config = kvwire_transfer_config(hybrid_connectors.profile(PlainConnector))
+    config = kvwire_transfer_config(wrapping_profile(PlainConnector))
     with pytest.raises(VLLMConfigError, match="PlainConnector does not support it") as error:
         start_llm(tiny_hybrid_model, config)
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -215,7 +216,7 @@ def test_a_cpu_pool_slot_that_failed_an_asynchronous_load_is_forgotten_and_saved
 def test_a_wrapped_hma_connector_gets_vllm_s_live_block_ids_per_group(
     tiny_hybrid_model: str,
 ) -> None:
-    config = kvwire_transfer_config(hybrid_connectors.profile(GroupsConnector))
+    config = kvwire_transfer_config(wrapping_profile(GroupsConnector))
     with running_llm(tiny_hybrid_model, config) as llm:
         generate(llm, PROMPTS[:1])
         wrapped = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector

@@ -17,7 +17,7 @@ from kvwire.adapter_keys import AdapterKeys, fold_block_hash
 from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.vllm.events import BlockTokens
 from kvwire.vllm.scheduler_bridge import RequestViews
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
     kvwire_transfer_config,

@@ -15,7 +15,7 @@ import pytest
 import kvwire.vllm
 from kvwire.model_identity import LONGEST_IDENTITY
 from kvwire.vllm.config_bridge import vllm_model_identity
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     build_tiny_llama,
     generate,

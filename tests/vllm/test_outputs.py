@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     generate,
     kvwire_transfer_config,

@@ -22,7 +22,7 @@ import pytest
 import kvwire.vllm
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout, HeadShard
 from kvwire.blocks.shards import entry_layout
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     MAX_TOKENS,
     generate,

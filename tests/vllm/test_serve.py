@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.vllm_engines import BLOCK_SIZE, kvwire_transfer_config, profile_with_directory
+from tests.support.vllm import BLOCK_SIZE, kvwire_transfer_config, profile_with_directory
 
 STARTUP_DEADLINE_S = 240
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm.plugin import register
-from tests.support.vllm_engines import (
+from tests.support.vllm import (
     BLOCK_SIZE,
     kvwire_transfer_config,
     load_profile_mapping,
@@ -113,7 +113,7 @@ def test_a_container_hook_s_override_is_what_vllm_s_configuration_is_checked_wit
     # still refused through the class the hook put in place.
     config = kvwire_transfer_config(
         cpu_offload_with(cpu_pool_byte="1GiB"),
-        kvwire_container_hook="tests.support.vllm_hooks:never_hit",
+        kvwire_container_hook="tests.support.vllm:never_hit",
     )
 
     with pytest.raises(VLLMConfigError, match="not an option of NeverHitCPUOffload"):

@@ -33,15 +33,16 @@ from kvwire.interface.types import (
 )
 from kvwire.registry import default_registry
 from kvwire.testing import IdleConnector
-from tests.support.connector_pairs import (
+from tests.support.pairs import (
     ConnectorPair,
+    OpenPair,
+    PairFactory,
     blocks_equal,
+    build_multi,
     cache_config_for,
     engine_config,
     make_request,
 )
-from tests.support.multi_connectors import build_multi
-from tests.support.pair_fixtures import OpenPair, PairFactory
 
 BLOCK = 4
 PROMPT = list(range(100, 117))
@@ -331,7 +332,7 @@ def test_the_container_builds_children_through_overridden_providers(tmp_path: pa
 
 
 class ProbeConnector(IdleConnector):
-    """A child that is no block connector; its extra config says how it behaves.
+    """A child that is no offload connector; its extra config says how it behaves.
 
     ``load_errors``: block ids whose loads failed this step; ``fail_build`` /
     ``fail_shutdown``: raise there; ``finished_count``, ``layout``,

@@ -11,8 +11,7 @@ from kvwire.connectors.multi import MultiConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import CacheHitSource, KVCacheBlocks, Request
 from kvwire.testing import IdleConnector
-from tests.support.connector_pairs import make_request
-from tests.support.multi_connectors import build_multi
+from tests.support.pairs import build_multi, make_request
 
 BLOCK = 4
 PROMPT = list(range(100, 117))

@@ -17,8 +17,7 @@ from kvwire.config import EngineConfig
 from kvwire.connectors.multi import MultiConnector
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.testing import IdleConnector
-from tests.support.connector_pairs import engine_config
-from tests.support.multi_connectors import build_multi
+from tests.support.pairs import build_multi, engine_config
 
 # Inherited on purpose: what the base does with them is right for the composite itself.
 SAFE_TO_INHERIT = {

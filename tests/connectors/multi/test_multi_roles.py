@@ -35,7 +35,7 @@ from kvwire.interface.types import (
     SchedulerOutput,
 )
 from kvwire.testing import IdleConnector
-from tests.support.connector_pairs import cache_config_for, engine_config, make_request
+from tests.support.pairs import cache_config_for, engine_config, make_request
 
 REQUEST = make_request("a", list(range(100, 108)), 4)
 STEP_METADATA = MultiKVConnectorMetadata(children=(KVConnectorMetadata(), KVConnectorMetadata()))

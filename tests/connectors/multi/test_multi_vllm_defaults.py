@@ -13,7 +13,7 @@ from kvwire.connectors.multi import MultiConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import BlockStored, KVCacheEvent, KVConnectorOutput, KVConnectorStats
 from kvwire.testing import IdleConnector
-from tests.support.multi_connectors import build_multi
+from tests.support.pairs import build_multi
 
 STORED = BlockStored(block_hashes=(b"\x01" * 32,), medium="cpu")
 

@@ -8,16 +8,17 @@ from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import CPUOffloadConnector, worker
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import BlockRemoved, BlockStored, KVCacheBlocks, SchedulerOutput
-from tests.support.connector_pairs import (
+from tests.support.media import name_another_block, name_another_layout
+from tests.support.pairs import (
     ConnectorPair,
+    OpenPair,
+    PairFactory,
     blocks_equal,
     build_connector,
     cache_config_for,
     engine_config,
     make_request,
 )
-from tests.support.mixed_up_slots import name_another_block, name_another_layout
-from tests.support.pair_fixtures import OpenPair, PairFactory
 from tests.support.waits import TEST_LIMIT_S
 
 BLOCK = 4

@@ -1,7 +1,7 @@
 """The CPU-offload connector on a hybrid cache: a full-attention group and a sliding-window one.
 
 The hybrid cache, the pair's steps and the tiny-hybrid engine checks shared
-with the store connectors are ``tests.support.hybrid_pairs``'s.
+with the store connectors are ``tests.support.pairs``'s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from kvwire.interface.types import (
     SchedulerOutput,
 )
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
-from tests.support.connector_pairs import make_request
 from tests.support.engines import (
     generate,
     renamed,
@@ -38,7 +37,8 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.hybrid_pairs import (
+from tests.support.media import name_another_block
+from tests.support.pairs import (
     A_IDS,
     B_IDS,
     BLOCK,
@@ -52,9 +52,9 @@ from tests.support.hybrid_pairs import (
     assert_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm,
     assert_block_aligned_prompts_load_as_many_tokens_with_hma_on_as_off,
     hybrid_engine_config,
+    make_request,
     zero,
 )
-from tests.support.mixed_up_slots import name_another_block
 
 
 def pool_worker(connector: CPUOffloadConnector) -> CPUPoolTransferHandler:

@@ -20,7 +20,7 @@ from kvwire.config.extra_config import (
 )
 from kvwire.container import container_for_profile
 from kvwire.registry import default_registry
-from tests.support.connector_pairs import cache_config_for, engine_config
+from tests.support.pairs import cache_config_for, engine_config
 
 KEYS = (size_key("pool", 100), int_key("threads", 2, 1, 8), bool_key("fast", False))
 

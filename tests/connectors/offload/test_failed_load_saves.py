@@ -28,7 +28,7 @@ from tests.support.engines import (
     tiny_config,
     with_connector,
 )
-from tests.support.mixed_up_slots import name_another_block
+from tests.support.media import name_another_block
 
 BLOCK_SIZE = 4
 PREFIX = tuple(range(10, 22))  # three full blocks

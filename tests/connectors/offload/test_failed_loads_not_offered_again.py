@@ -25,7 +25,7 @@ from tests.connectors.offload.test_block_planner import (
     planner,
     request_of,
 )
-from tests.support.counting_index import IndexHoldingEverything
+from tests.support.media import IndexHoldingEverything
 
 
 def loaded_then_failed(plan: BlockPlanner, failed: set[int], request_id: str = "r") -> None:

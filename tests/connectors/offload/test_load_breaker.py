@@ -16,7 +16,7 @@ from tests.connectors.offload.test_block_planner import (
     planner,
     request_of,
 )
-from tests.support.counting_index import IndexHoldingEverything
+from tests.support.media import IndexHoldingEverything
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""A container's ``medium_class`` provider: the medium its block connectors keep blocks in.
+"""A container's ``medium_class`` provider: the medium its offload connectors keep blocks in.
 
 Overriding it swaps the medium for that container's connectors only, the way
 overriding ``connector_class`` swaps the connector; the registry and every
@@ -18,7 +18,7 @@ from kvwire.exceptions import ExtraConfigError
 from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.testing.faulty_medium import FaultInjectingMedium
-from tests.support.connector_pairs import cache_config_for, engine_config
+from tests.support.pairs import cache_config_for, engine_config
 
 
 class FaultyDirectory(FaultInjectingMedium):

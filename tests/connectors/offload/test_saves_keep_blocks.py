@@ -33,8 +33,6 @@ from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.connector_pairs import make_request
-from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import generate as generate_without
 from tests.support.engines import (
     renamed,
@@ -43,8 +41,9 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.pair_fixtures import PairFactory
-from tests.support.store_handlers import HASHES, layout_caches
+from tests.support.media import DrivenHandler
+from tests.support.pairs import PairFactory, make_request
+from tests.support.stores import HASHES, layout_caches
 from tests.support.waits import wait_until
 
 BLOCK = 4
@@ -215,7 +214,7 @@ def test_preempted_and_finished_requests_blocks_stay_unchanged_until_their_saves
     config = with_connector(
         small,
         "HeldWritesConnector",
-        {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "64MiB"},
+        {"shared_storage_path": str(tmp_path), "max_save_bytes_in_flight": "64MiB"},
         module_path=__name__,
     )
     with LLMEngine(config) as engine:

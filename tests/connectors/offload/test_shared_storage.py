@@ -19,14 +19,14 @@ from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.connector_pairs import (
+from tests.support.pairs import (
+    PairFactory,
     blocks_equal,
     build_connector,
     cache_config_for,
     engine_config,
     make_request,
 )
-from tests.support.pair_fixtures import PairFactory
 
 BLOCK = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks, one token left to compute
@@ -164,8 +164,8 @@ def test_async_loads_are_reported_through_get_finished(shared_storage_pair: Pair
 
 def test_loads_complete_whatever_the_bound_on_saves_in_flight(shared_storage_pair: PairFactory):
     producer = produce(shared_storage_pair)
-    # staging_buffer_bytes bounds saves only: loads go straight into the cache.
-    consumer = shared_storage_pair(staging_buffer_bytes=1, batch_blocks=1)
+    # max_save_bytes_in_flight bounds saves only: loads go straight into the cache.
+    consumer = shared_storage_pair(max_save_bytes_in_flight=1, batch_blocks=1)
     consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
     assert consumer.load_errors == set()
     assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
@@ -175,12 +175,12 @@ def test_saves_beyond_the_bytes_in_flight_are_dropped_not_waited_for(
     shared_storage_pair: PairFactory, storage_dir, caplog
 ):
     # A bound of one entry: the step's first block is saved, the other three are dropped.
-    producer = shared_storage_pair(seed=1, staging_buffer_bytes=1)
+    producer = shared_storage_pair(seed=1, max_save_bytes_in_flight=1)
     with caplog.at_level(logging.WARNING):
         producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
     assert producer.worker.wait_for_pending_saves(30)
     assert producer.stats["saves_dropped"] == 3
-    assert "saves in flight hold kv_connector_extra_config.staging_buffer_bytes" in caplog.text
+    assert "saves in flight hold kv_connector_extra_config.max_save_bytes_in_flight" in caplog.text
     hashes = make_request("p", PROMPT, BLOCK).block_hashes
     assert [path.name for path in entry_files(storage_dir)] == [hashes[0].hex()]
 
@@ -352,7 +352,7 @@ def test_a_path_that_cannot_be_created_is_a_clear_error(tmp_path: pathlib.Path):
 def test_sizes_accept_units(tmp_path: pathlib.Path):
     config = engine_config(
         "SharedStorageConnector",
-        {"shared_storage_path": str(tmp_path), "max_bytes": "2GiB", "staging_buffer_bytes": "1MB"},
+        {"shared_storage_path": str(tmp_path), "max_bytes": "2GiB", "max_save_bytes_in_flight": "1MB"},
     )
     build_connector(
         SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)

@@ -8,8 +8,7 @@ import attrs
 
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from tests.support.engines import generate, shared_storage, tokens
-from tests.support.hybrid_engines import tiny_hybrid_config
+from tests.support.engines import generate, shared_storage, tiny_hybrid_config, tokens
 
 
 def _sliding_only() -> EngineConfig:

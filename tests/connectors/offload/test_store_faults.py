@@ -26,13 +26,13 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.store_process import big_block_config, count_torn_entries
+from tests.support.processes.store import big_block_config, count_torn_entries
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def store_process(directory: pathlib.Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "tests.support.store_process", "--dir", str(directory), *args]
+    return [sys.executable, "-m", "tests.support.processes.store", "--dir", str(directory), *args]
 
 
 def entry_count(directory: pathlib.Path) -> int:

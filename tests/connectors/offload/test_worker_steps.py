@@ -19,7 +19,7 @@ from kvwire.connectors.offload.worker_steps import (
 from kvwire.interface.base import KVConnectorMetadata, KVConnectorRole
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import ForwardContext
-from tests.support.connector_pairs import build_connector, cache_config_for, engine_config
+from tests.support.pairs import build_connector, cache_config_for, engine_config
 
 
 def test_a_worker_is_required_once_caches_are_registered():

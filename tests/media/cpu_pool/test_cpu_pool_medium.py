@@ -1,6 +1,6 @@
 """The CPU pool as a medium: its index and its transfer handler, driven directly (no connector).
 
-The block connector plans which blocks move; here each call it would make
+The offload connector plans which blocks move; here each call it would make
 is made by hand, so what the medium itself promises is what is checked:
 bytes round-trip bit-exact, a block is a hit only once its store is made,
 a full pool skips and counts, events come one per KV cache group, a corrupt
@@ -30,9 +30,8 @@ from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import handler as cpu_pool_handler_module
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool.pool_memory import PoolSlots
-from tests.support.driven_handlers import DrivenHandler
-from tests.support.mixed_up_slots import name_another_block, name_another_layout
-from tests.support.store_handlers import HASHES, layout_caches
+from tests.support.media import DrivenHandler, name_another_block, name_another_layout
+from tests.support.stores import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

@@ -22,8 +22,8 @@ from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.counters import Counters
 from kvwire.media.cpu_pool import handler as cpu_pool_worker_module
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
-from tests.support.driven_handlers import DrivenHandler
-from tests.support.store_handlers import HASHES, layout_caches
+from tests.support.media import DrivenHandler
+from tests.support.stores import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

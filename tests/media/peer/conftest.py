@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 
-from tests.support.redis_cluster import redis_cluster
-from tests.support.redis_servers import (
+from tests.support.redis import (
     fault_server,
     fault_server_process,
     key_prefix,
+    redis_cluster,
     redis_server,
     redis_server_process,
 )

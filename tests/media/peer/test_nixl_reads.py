@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvwire.media.peer._agent import PeerAgent
-from tests.support.nixl_holder import pattern
+from tests.support.processes.nixl_holder import pattern
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def own_holder() -> Iterator[Holder]:
 def _holder() -> Iterator[Holder]:
     name = f"holder-{uuid.uuid4().hex[:8]}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.nixl_holder", name, str(SIZE)],
+        [sys.executable, "-m", "tests.support.processes.nixl_holder", name, str(SIZE)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         cwd=_ROOT,

@@ -18,9 +18,8 @@ import pytest
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.peer._directory import Location, PeerDirectory
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.peer_engines import peer_config, prompts
-from tests.support.peers import PeerProcess
-from tests.support.redis_cluster import LocalCluster, fault_cluster
+from tests.support.peers import PeerProcess, peer_config, prompts
+from tests.support.redis import LocalCluster, fault_cluster
 from tests.support.waits import finishes_within, wait_until
 
 __all__ = ["fault_cluster"]

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import RedisServer
 
 pytestmark = pytest.mark.slow
 

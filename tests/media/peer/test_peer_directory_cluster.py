@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_cluster import LocalCluster
+from tests.support.redis import LocalCluster
 
 TTL_S = 30.0
 

@@ -20,7 +20,7 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.media.peer._directory import PeerDirectory
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import RedisServer
 from tests.support.waits import finishes_within, wait_until
 
 # Each waits out a real deadline (lookup_timeout_s) on a stopped server.

@@ -13,7 +13,7 @@ from kvwire.blocks.format import BlockLayout
 from kvwire.media.peer._directory import Location, PeerDirectory
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import RedisServer
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_size=4, dtype="float32")
 BLOCKS = [bytes([n]) * 32 for n in range(3)]

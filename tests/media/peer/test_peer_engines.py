@@ -21,10 +21,8 @@ import redis
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.media.peer._directory import Location
-from tests.support.peer_engines import BLOCK_SIZE, peer_config, prompts
-from tests.support.peers import PeerProcess
-from tests.support.redis_engines import distinct_prompt_blocks
-from tests.support.redis_servers import RedisServer
+from tests.support.peers import BLOCK_SIZE, PeerProcess, peer_config, prompts
+from tests.support.redis import RedisServer, distinct_prompt_blocks
 
 pytestmark = pytest.mark.slow
 

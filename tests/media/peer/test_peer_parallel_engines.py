@@ -20,10 +20,8 @@ import pytest
 
 from kvwire.engine.engine import GenerationRequest
 from tests.media.peer.test_peer_engines import entries, read_as, reference
-from tests.support.peer_engines import BLOCK_SIZE, peer_config, prompts
-from tests.support.peers import PeerProcess
-from tests.support.redis_engines import distinct_prompt_blocks
-from tests.support.redis_servers import RedisServer
+from tests.support.peers import BLOCK_SIZE, PeerProcess, peer_config, prompts
+from tests.support.redis import RedisServer, distinct_prompt_blocks
 
 pytestmark = pytest.mark.slow
 

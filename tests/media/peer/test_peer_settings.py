@@ -15,8 +15,8 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._directory import Location, PeerRecord
-from tests.support.connector_pairs import read_options
-from tests.support.peer_engines import peer_config
+from tests.support.pairs import read_options
+from tests.support.peers import peer_config
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "src" / "kvwire" / "profiles"
 PROFILES = ("peer.yaml", "peer-prefill.yaml", "peer-decode.yaml")

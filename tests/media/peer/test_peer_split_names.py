@@ -11,8 +11,8 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._split import agent_name, rank_layout, split_fingerprints
-from tests.support.connector_pairs import read_options
-from tests.support.peer_engines import peer_config
+from tests.support.pairs import read_options
+from tests.support.peers import peer_config
 
 # One rank's share of a model of 4 KV heads and 4 layers, at TP=2 and PP=2.
 SHARE = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

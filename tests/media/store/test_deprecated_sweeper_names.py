@@ -16,7 +16,7 @@ from kvwire.interface.counters import Counters
 from kvwire.media import TransferHandler
 from kvwire.media.store.directory import DirectoryMedium
 from tests.media.store.test_store_media import LAYOUT, NUM_BLOCKS, context
-from tests.support.store_handlers import layout_caches
+from tests.support.stores import layout_caches
 
 
 def _old_style_medium() -> type[DirectoryMedium]:

@@ -26,8 +26,8 @@ from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext, TransferHandler
 from kvwire.media.store.directory import DirectoryMedium
-from tests.support.driven_handlers import DrivenHandler
-from tests.support.store_handlers import layout_caches
+from tests.support.media import DrivenHandler
+from tests.support.stores import layout_caches
 
 CONNECTOR = "TestStoreConnector"
 MODEL = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

@@ -22,8 +22,8 @@ from kvwire.media.store import _handler as store_worker_module
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.driven_handlers import DrivenHandler
-from tests.support.store_handlers import layout_caches
+from tests.support.media import DrivenHandler
+from tests.support.stores import layout_caches
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 NUM_BLOCKS = 16

@@ -20,7 +20,6 @@ from kvwire.config import EngineConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.engine.engine import LLMEngine, RequestOutput
 from kvwire.media.store.medium import StoreMedium
-from tests.support.dict_stores import DictStore
 from tests.support.engines import (
     generate,
     served,
@@ -29,6 +28,7 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
+from tests.support.stores import DictStore
 
 
 class HonestStore(DictStore):

@@ -16,7 +16,7 @@ import pytest
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import LLMEngine, RequestOutput
 from tests.support.engines import generate, tiny_config, tokens, with_connector, workload
-from tests.support.misbehaving_stores import (
+from tests.support.stores import (
     SECRET,
     DictMedium,
     DictStore,

@@ -25,8 +25,6 @@ from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.connector_pairs import blocks_equal, build_connector, engine_config
-from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     generate,
     renamed,
@@ -36,26 +34,31 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.hybrid_pairs import (
+from tests.support.media import DrivenHandler
+from tests.support.pairs import (
     assert_a_tail_shorter_than_the_window_after_a_shared_prefix_hits_warm,
     assert_block_aligned_prompts_load_as_many_tokens_with_hma_on_as_off,
+    blocks_equal,
+    build_connector,
+    engine_config,
     hybrid_engine_config,
     hybrid_kv_cache_config,
     scheduler_index,
 )
-from tests.support.store_groups import (
+from tests.support.stores import (
+    HASHES,
     HybridFactory,
     HybridStorePair,
     StoreGroupsContract,
+    layout_caches,
     store_medium,
 )
-from tests.support.store_handlers import HASHES, layout_caches
 
 
 @pytest.fixture
 def hybrid(storage_dir: pathlib.Path, pairs: list[HybridStorePair]) -> HybridFactory:
     def build(**extra: object) -> HybridStorePair:
-        options = {"shared_storage_path": str(storage_dir), "staging_buffer_bytes": "1MiB"}
+        options = {"shared_storage_path": str(storage_dir), "max_save_bytes_in_flight": "1MiB"}
         config = hybrid_engine_config("SharedStorageConnector", {**options, **extra})
         pair = HybridStorePair(SharedStorageConnector, config)
         pairs.append(pair)

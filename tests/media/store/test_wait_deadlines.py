@@ -35,8 +35,6 @@ from kvwire.media import IOThreads
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory import DirectoryMedium
-from tests.support.connector_pairs import read_options
-from tests.support.driven_handlers import DrivenHandler
 from tests.support.engines import (
     shared_storage,
     tiny_config,
@@ -44,7 +42,9 @@ from tests.support.engines import (
     with_connector,
     workload,
 )
-from tests.support.store_handlers import HASHES, layout_caches, save_blocks_0_and_1
+from tests.support.media import DrivenHandler
+from tests.support.pairs import read_options
+from tests.support.stores import HASHES, layout_caches, save_blocks_0_and_1
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -579,7 +579,7 @@ def test_close_logs_a_failed_step_and_still_stops_the_threads(
 _EXIT_WITH_A_JOB_STUCK = """
 import threading
 from tests.media.store import test_wait_deadlines as t
-from tests.support.store_handlers import HASHES, layout_caches
+from tests.support.stores import HASHES, layout_caches
 from kvwire.interface.counters import Counters
 from kvwire.blocks.transfers import BlockTransfer
 

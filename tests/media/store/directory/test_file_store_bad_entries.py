@@ -19,9 +19,8 @@ import pytest
 from kvwire.blocks.format import FLAG_NO_CHECKSUM, HEADER_SIZE, BlockLayout
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.connector_pairs import make_request
-from tests.support.pair_fixtures import PairFactory
-from tests.support.store_handlers import (
+from tests.support.pairs import PairFactory, make_request
+from tests.support.stores import (
     HASHES,
     load_into_blocks_2_and_3,
     save_blocks_0_and_1,

@@ -22,7 +22,7 @@ from kvwire.connectors.offload import SharedStorageConnector
 from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.directory._modes import GROUP, PRIVATE, process_umask
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
-from tests.support.connector_pairs import build_connector, cache_config_for, engine_config
+from tests.support.pairs import build_connector, cache_config_for, engine_config
 
 LAYOUT = "0123456789abcdef" * 2
 KEY = f"{LAYOUT}/ab01"

@@ -15,7 +15,7 @@ import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout
 from kvwire.media.store.directory.block_store import MAX_IO_BYTES, DirectoryBlockStore
-from tests.support.store_handlers import (
+from tests.support.stores import (
     HASHES,
     load_into_blocks_2_and_3,
     save_blocks_0_and_1,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from tests.support.redis_cluster import fault_cluster, redis_cluster
-from tests.support.redis_servers import (
+from tests.support.redis import (
     expected_tokens,
+    fault_cluster,
     fault_server,
     fault_server_process,
     key_prefix,
     make_redis_store,
+    redis_cluster,
     redis_server,
     redis_server_process,
     redis_store,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import RedisServer
 
 # Each test runs two engines, each in a Python of its own.
 pytestmark = pytest.mark.slow

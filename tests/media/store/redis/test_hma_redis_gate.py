@@ -14,8 +14,7 @@ import pytest
 
 from kvwire.run.passes import compare_passes
 from tests.engine.test_hma_gate_built_ins import CPU_OFFLOAD, WORKLOAD, hybrid_with
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import LocalCluster, RedisServer
 
 
 def redis_connector(url: str, key_prefix: str) -> dict[str, Any]:
@@ -24,7 +23,7 @@ def redis_connector(url: str, key_prefix: str) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "url": url,
             "key_prefix": key_prefix,
-            "staging_buffer_bytes": "1MiB",
+            "max_save_bytes_in_flight": "1MiB",
         },
     }
 

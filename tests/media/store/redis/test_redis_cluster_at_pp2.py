@@ -15,8 +15,7 @@ from kvwire.config import EngineConfig, ModelConfig, ParallelConfig
 from kvwire.engine.engine import LLMEngine
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import generate, served, tiny_config, tokens
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_engines import BLOCK_SIZE, with_redis
+from tests.support.redis import BLOCK_SIZE, LocalCluster, with_redis
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ def engine(redis_cluster: LocalCluster, key_prefix: str, **sizes: int) -> Engine
         tiny_config(), model_config=model, parallel_config=ParallelConfig(**sizes)
     )
     return with_redis(
-        config, redis_cluster.url, key_prefix, entry_layers=1, staging_buffer_bytes="1MiB"
+        config, redis_cluster.url, key_prefix, entry_layers=1, max_save_bytes_in_flight="1MiB"
     )
 
 

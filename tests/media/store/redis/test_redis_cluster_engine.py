@@ -12,9 +12,9 @@ import pytest
 
 from kvwire.engine.engine import GenerationRequest
 from tests.media.store.redis.test_disaggregated_prefill import assert_decode_continues_from_prefill
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_engines import (
+from tests.support.redis import (
     BLOCK_SIZE,
+    LocalCluster,
     distinct_prompt_blocks,
     generate,
     generate_with_stats,

@@ -18,18 +18,19 @@ from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.media.store.redis import RedisMedium
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_cluster import ClusterNode, LocalCluster
-from tests.support.redis_engines import (
+from tests.support.redis import (
     BLOCK_SIZE,
+    ClusterNode,
+    LocalCluster,
     distinct_prompt_blocks,
     generate,
     generate_with_stats,
     shared_prefix_workload,
     tiny_config,
     tokens,
+    wait_until_available,
     with_redis,
 )
-from tests.support.redis_servers import wait_until_available
 from tests.support.waits import finishes_within, wait_until
 
 pytestmark = pytest.mark.slow

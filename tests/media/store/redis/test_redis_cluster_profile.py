@@ -8,8 +8,8 @@ import pytest
 from kvwire import cli
 from kvwire.config.profile import load_profile
 from tests.media.store.redis.test_redis_profiles import CONTAINERS, _pointed_at, _workload
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_engines import (
+from tests.support.redis import (
+    LocalCluster,
     distinct_prompt_blocks,
     generate,
     generate_with_stats,

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_cluster import LocalCluster
+from tests.support.redis import LocalCluster
 
 # Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
 pytestmark = pytest.mark.slow

@@ -9,10 +9,9 @@ from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import build_kv_cache_config
 from kvwire.interface.base import KVConnectorRole
 from kvwire.media.store.redis import RedisMedium
-from tests.support.connector_pairs import build_connector
-from tests.support.redis_engines import tiny_config, with_redis
-from tests.support.redis_entries import block_hash
-from tests.support.redis_servers import RedisServer
+from tests.support.entries import block_hash
+from tests.support.pairs import build_connector
+from tests.support.redis import RedisServer, tiny_config, with_redis
 
 
 def _connector(url: str, key_prefix: str = "kvwire:", **extra: object) -> RedisConnector:

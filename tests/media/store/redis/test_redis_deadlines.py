@@ -17,17 +17,17 @@ import pytest
 from kvwire.blocks.format import verify_entry
 from kvwire.media.store.redis.server import RedisBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.dribbling_server import DribblingServer
-from tests.support.redis_engines import (
+from tests.support.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
+from tests.support.redis import (
+    DribblingServer,
     generate,
     generate_with_stats,
     shared_prefix_workload,
     tiny_config,
+    wait_until_available,
     with_redis,
 )
-from tests.support.redis_engines import tokens as tokens_of
-from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
-from tests.support.redis_servers import wait_until_available
+from tests.support.redis import tokens as tokens_of
 
 LAYOUT = SMALL_LAYOUT
 DEADLINE_S = 0.5

@@ -18,8 +18,9 @@ from kvwire.connectors.offload import RedisConnector
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.interface.types import BlockStored
 from kvwire.media.store.redis import RedisMedium
-from tests.support.redis_engines import (
+from tests.support.redis import (
     BLOCK_SIZE,
+    RedisServer,
     distinct_full_blocks,
     distinct_prompt_blocks,
     generate,
@@ -27,9 +28,9 @@ from tests.support.redis_engines import (
     shared_prefix_workload,
     tiny_config,
     tokens,
+    wait_until_available,
     with_redis,
 )
-from tests.support.redis_servers import RedisServer, wait_until_available
 
 
 def two_at_a_time() -> EngineConfig:
@@ -187,7 +188,7 @@ def test_a_key_evicted_between_lookup_and_load_is_recomputed(
         redis_server.url,
         key_prefix,
         connector="EvictingRedisConnector",
-        module_path="tests.support.evicting_connector",
+        module_path="tests.support.redis",
     )
 
     with LLMEngine(evicting) as engine:
@@ -212,7 +213,7 @@ def test_outputs_stay_identical_under_a_memory_limit_with_lru_eviction(
     many = shared_prefix_workload(seed=5, num_requests=24, shared_prefix_ratio=0.0)
     expected = tokens(generate(wide, many))
     fault_server.cap_memory(1024 * 1024, "allkeys-lru")
-    config = with_redis(wide, fault_server.url, key_prefix, staging_buffer_bytes="4MiB")
+    config = with_redis(wide, fault_server.url, key_prefix, max_save_bytes_in_flight="4MiB")
 
     assert tokens(generate(config, many[:-1])) == expected[:-1]
     assert int(fault_server.client().info("stats")["evicted_keys"]) > 0

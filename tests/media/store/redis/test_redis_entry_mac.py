@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvwire.engine.engine import GenerationRequest
-from tests.support.forged_entries import forge
-from tests.support.redis_engines import (
+from tests.support.entries import forge
+from tests.support.redis import (
+    RedisServer,
     generate,
     generate_with_stats,
     tiny_config,
     tokens,
     with_redis,
 )
-from tests.support.redis_servers import RedisServer
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 

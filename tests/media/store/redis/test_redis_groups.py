@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.connectors.offload import RedisConnector
-from tests.support.hybrid_pairs import hybrid_engine_config
-from tests.support.redis_servers import RedisServer
-from tests.support.store_groups import HybridFactory, HybridStorePair, StoreGroupsContract
+from tests.support.pairs import hybrid_engine_config
+from tests.support.redis import RedisServer
+from tests.support.stores import HybridFactory, HybridStorePair, StoreGroupsContract
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def hybrid(
         options = {
             "url": redis_server.url,
             "key_prefix": key_prefix,
-            "staging_buffer_bytes": "1MiB",
+            "max_save_bytes_in_flight": "1MiB",
         }
         config = hybrid_engine_config("RedisConnector", {**options, **extra})
         pair = HybridStorePair(RedisConnector, config)

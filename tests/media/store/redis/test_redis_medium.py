@@ -21,10 +21,9 @@ from kvwire.interface.types import BlockStored
 from kvwire.media.base import MediumContext
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.redis import RedisBlockStore, RedisClusterBlockStore, RedisMedium
-from tests.support.driven_handlers import DrivenHandler
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_servers import RedisServer
-from tests.support.store_handlers import layout_caches
+from tests.support.media import DrivenHandler
+from tests.support.redis import LocalCluster, RedisServer
+from tests.support.stores import layout_caches
 
 CONNECTOR = "TestRedisConnector"
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")

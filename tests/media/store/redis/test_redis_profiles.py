@@ -14,13 +14,13 @@ from kvwire.config import EngineConfig
 from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
-from tests.support.redis_engines import (
+from tests.support.redis import (
+    RedisServer,
     distinct_prompt_blocks,
     generate,
     generate_with_stats,
     tokens,
 )
-from tests.support.redis_servers import RedisServer
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[4] / "src" / "kvwire" / "profiles"
 REDIS_PROFILES = ("redis.yaml", "tiered-redis.yaml", "disagg-prefill.yaml", "disagg-decode.yaml")

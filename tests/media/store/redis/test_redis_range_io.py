@@ -23,9 +23,7 @@ from kvwire.media.store.base import BlockStore, CacheWrites
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.server import READ_GROUP_BYTES, RedisBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.dribbling_server import DribblingServer
-from tests.support.redis_cluster import LocalCluster
-from tests.support.redis_servers import RedisServer
+from tests.support.redis import DribblingServer, LocalCluster, RedisServer
 
 MakeStore = Callable[..., RedisBlockStore]
 _Result = TypeVar("_Result")

@@ -10,9 +10,9 @@ from kvwire.config import KVTransferConfig
 from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis.server import RedisBlockStore
 from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
-from tests.support.connector_pairs import read_options
-from tests.support.redis_entries import SMALL_LAYOUT, store_keys
-from tests.support.redis_servers import RedisServer
+from tests.support.entries import SMALL_LAYOUT, store_keys
+from tests.support.pairs import read_options
+from tests.support.redis import RedisServer
 
 
 def test_an_empty_extra_config_gives_the_local_server_defaults() -> None:
@@ -105,7 +105,7 @@ def test_the_connector_reads_a_pipeline_size_with_a_unit() -> None:
     transfer = KVTransferConfig(
         kv_connector="RedisConnector",
         kv_role="kv_both",
-        kv_connector_extra_config={"pipeline_bytes": "8MiB", "staging_buffer_bytes": "16MiB"},
+        kv_connector_extra_config={"pipeline_bytes": "8MiB", "max_save_bytes_in_flight": "16MiB"},
     )
 
     _medium, options = read_options(RedisConnector, transfer)

@@ -14,8 +14,8 @@ from kvwire.blocks.format import HEADER_SIZE, CorruptBlockError, verify_entry
 from kvwire.media.store.redis._wire import RespStream, ZeroCopyCommandPacker
 from kvwire.media.store.redis.server import RedisBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
-from tests.support.redis_servers import TLS_DIR, RedisServer
+from tests.support.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
+from tests.support.redis import TLS_DIR, RedisServer
 
 LAYOUT = SMALL_LAYOUT
 MakeStore = Callable[..., RedisBlockStore]

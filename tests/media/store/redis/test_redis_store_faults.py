@@ -10,9 +10,8 @@ import pytest
 from kvwire.blocks.format import verify_entry
 from kvwire.media.store.redis.server import RedisBlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from tests.support.dribbling_server import DribblingServer
-from tests.support.redis_entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
-from tests.support.redis_servers import RedisServer, wait_until_available
+from tests.support.entries import SMALL_LAYOUT, block_hash, encoded_entry, store_keys
+from tests.support.redis import DribblingServer, RedisServer, wait_until_available
 from tests.support.waits import finishes_within
 
 LAYOUT = SMALL_LAYOUT

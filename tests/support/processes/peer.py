@@ -14,7 +14,7 @@ import json
 import sys
 
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from tests.support.peer_engines import peer_config
+from tests.support.peers import peer_config
 
 
 def main() -> None:

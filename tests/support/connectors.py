@@ -1,12 +1,13 @@
-"""Connector classes the core tests resolve, build and shut down.
+"""Connector classes the registry, container and CLI tests resolve, build and shut down.
 
-They are small but complete connectors (every abstract call implemented),
-defined here because the core must be testable without any built-in one.
-Each records its lifecycle in ``events`` so the tests can see what happened.
+Complete samples that record their lifecycle, and connectors whose class hooks
+fail as a plug-in's can. Imports no torch: the torch-free tests use it.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -22,6 +23,15 @@ from kvwire.interface.base import (
     SupportsHMA,
 )
 from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.testing import IdleConnector
+
+# Sample connectors: small but complete (every abstract call implemented),
+# defined here because the registry, the container and the CLI must be
+# testable without any built-in connector. Each records its lifecycle in
+# ``events`` so the tests can see what happened.
+
+# The module path a profile names the connectors of this module by.
+SAMPLES = __name__
 
 
 class StepMetadata(KVConnectorMetadata):
@@ -152,3 +162,42 @@ class VarKeywordConnector(RecordingConnector):
 
 
 NOT_A_CLASS = 42
+
+
+# Connectors whose class hooks fail as a plug-in's can: each named after how.
+#
+# Their messages quote a secret; ``kvwire check``, ``kvwire run`` and the
+# engine must name the hook and show the message redacted, never a traceback.
+
+LEAKY_MESSAGE = "lost redis://u:hunter2-secret@h"
+
+
+class RaisingHMAHookConnector(IdleConnector):
+    """Its ``supports_hma_for_config`` raises a RuntimeError."""
+
+    @classmethod
+    def supports_hma_for_config(cls, config: Any, resolve: Callable[[Any], bool]) -> bool:
+        raise RuntimeError(LEAKY_MESSAGE)
+
+
+class ExitingHMAHookConnector(IdleConnector):
+    """Its ``supports_hma_for_config`` calls ``sys.exit()``."""
+
+    @classmethod
+    def supports_hma_for_config(cls, config: Any, resolve: Callable[[Any], bool]) -> bool:
+        sys.exit(LEAKY_MESSAGE)
+
+
+class ExitingValidationConnector(IdleConnector):
+    """Its ``validate_extra_config`` calls ``sys.exit()``."""
+
+    @classmethod
+    def validate_extra_config(cls, config: Any, resolve: Callable[[Any], Any]) -> None:
+        sys.exit(LEAKY_MESSAGE)
+
+
+class ExitingConstructorConnector(IdleConnector):
+    """Its constructor calls ``sys.exit()``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        sys.exit(LEAKY_MESSAGE)

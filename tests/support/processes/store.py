@@ -1,6 +1,6 @@
 """An engine process on a shared-storage directory, for the multi-process fault tests.
 
-``python -m tests.support.store_process --dir D --role kv_producer --rounds N``
+``python -m tests.support.processes.store --dir D --role kv_producer --rounds N``
 runs N rounds of workloads (seeds 0, 1, ... modulo ``--distinct``) and
 prints one JSON line per round: the tokens, the load failures and the
 connector stats. ``--rounds 0`` runs until killed.

@@ -1,4 +1,4 @@
-"""One vLLM engine in its own process: ``python -m tests.support.vllm_engine_process JOB.json``.
+"""One vLLM engine in its own process: ``python -m tests.support.processes.vllm_engine JOB.json``.
 
 The job names the model, vLLM's ``kv_transfer_config``, further engine
 arguments (``engine_args``: a tensor-parallel size, say), the prompts, how
@@ -29,7 +29,7 @@ def main(job_path: str) -> None:
     from vllm import SamplingParams
 
     import kvwire.vllm
-    from tests.support.vllm_engines import start_llm, stop_llm
+    from tests.support.vllm import start_llm, stop_llm
 
     with open(job_path, encoding="utf-8") as job_file:
         job = json.load(job_file)
