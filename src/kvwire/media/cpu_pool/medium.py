@@ -90,8 +90,8 @@ class CPUPoolMedium(Medium):
                 "eviction",
                 "lru",
                 _eviction_policy_name,
-                "an eviction policy: a registered name (kvwire connectors lists them) or "
-                "'package.module:Class'",
+                "an eviction policy's name (lru, s3fifo, or one registered in "
+                "registry.eviction_policies) or 'package.module:Class'",
             ),
             int_key("save_threshold", 1, minimum=1, maximum=_MAX_SAVE_THRESHOLD),
         )

@@ -1,0 +1,190 @@
+"""Eviction policies: each one's order, S3-FIFO's scan resistance, and entries in use kept."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+
+from kvwire.media.cpu_pool._slot_table import SlotTable
+from kvwire.media.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+
+POLICIES = [LRUPolicy, S3FIFOPolicy]
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(4, "big") * 8
+
+
+def anything(slot: int) -> bool:
+    return True
+
+
+def filled(policy: EvictionPolicy, count: int) -> EvictionPolicy:
+    for slot in range(count):
+        policy.insert(slot, ("block", slot))
+    return policy
+
+
+def test_lru_evicts_the_least_recently_used_entry() -> None:
+    policy = filled(LRUPolicy(3), 3)
+    policy.hit(0)
+    assert [policy.victim(anything) for _ in range(3)] == [1, 2, 0]
+    assert policy.victim(anything) is None
+
+
+def test_lru_forgets_a_removed_entry() -> None:
+    policy = filled(LRUPolicy(3), 3)
+    policy.remove(0)
+    assert len(policy) == 2
+    assert policy.victim(anything) == 1
+
+
+def test_s3fifo_evicts_an_entry_used_once_before_one_used_again() -> None:
+    policy = filled(S3FIFOPolicy(10), 10)
+    policy.hit(0)
+    # Entry 0 was used again: it moves to the main queue; 1, never used again, leaves.
+    assert policy.victim(anything) == 1
+    assert 0 not in _drained(policy)[:8]
+
+
+def test_s3fifo_admits_a_block_its_ghost_queue_remembers_to_the_main_queue() -> None:
+    policy = S3FIFOPolicy(10)
+    policy.insert(0, "a")
+    assert policy.victim(anything) == 0  # "a" leaves the small queue; its ghost stays
+    policy.insert(0, "a")
+    for slot in range(1, 10):
+        policy.insert(slot, ("new", slot))
+    # "a" came back to the main queue: the one-off entries of the small queue go first.
+    assert _drained(policy)[-1] == 0
+
+
+def test_s3fifo_gives_an_entry_of_the_main_queue_one_more_round_per_use() -> None:
+    policy = S3FIFOPolicy(10)
+    for slot, block in enumerate("ab"):
+        policy.insert(slot, block)
+        policy.victim(anything)
+    policy.insert(0, "a")
+    policy.insert(1, "b")  # both in the main queue now, "a" the oldest
+    policy.hit(0)
+    assert policy.victim(anything) == 1
+    assert policy.victim(anything) == 0
+
+
+def test_s3fifo_ghost_queue_is_bounded_by_the_main_queue_slots() -> None:
+    policy = S3FIFOPolicy(10)
+    for n in range(1000):
+        policy.insert(0, n)
+        assert policy.victim(anything) == 0
+    assert len(policy._ghost) == 9
+
+
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_no_entry_is_evictable_means_no_victim(policy_class: type[EvictionPolicy]) -> None:
+    policy = filled(policy_class(4), 4)
+    assert policy.victim(lambda slot: False) is None
+    assert len(policy) == 4
+
+
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_an_entry_in_use_is_passed_over(policy_class: type[EvictionPolicy]) -> None:
+    policy = filled(policy_class(4), 4)
+    assert policy.victim(lambda slot: slot != 0) == 1
+    assert policy.victim(lambda slot: slot != 0) == 2
+
+
+def _drained(policy: EvictionPolicy) -> list[int]:
+    order = []
+    while (slot := policy.victim(anything)) is not None:
+        order.append(slot)
+    return order
+
+
+# Through the pool's slot table.
+
+
+def access(table: SlotTable, numbers: list[int]) -> int:
+    """One request as the connector drives the pool: load the held prefix, save the rest; hits."""
+    hashes = [h(n) for n in numbers]
+    held = table.count_ready_prefix(0, hashes)
+    if held:
+        table.start_load(0, hashes[:held])
+        table.finish_load(0, hashes[:held])
+    placed = [block for block, _ in table.prepare_save(0, hashes[held:])]
+    table.complete_save(0, placed)
+    return held
+
+
+def hot_blocks_kept(policy: EvictionPolicy) -> int:
+    """A hot set used twice, a scan of one-off blocks twice the pool, then the hot set again."""
+    table = SlotTable(20, policy=policy)
+    hot = list(range(8))
+    for _ in range(2):
+        for n in hot:
+            access(table, [n])
+    for n in range(1000, 1040):
+        access(table, [n])
+    return sum(access(table, [n]) for n in hot)
+
+
+def test_a_scan_of_one_off_blocks_flushes_the_hot_set_from_lru() -> None:
+    assert hot_blocks_kept(LRUPolicy(20)) == 0
+
+
+def test_s3fifo_keeps_the_hot_set_through_a_scan_of_one_off_blocks() -> None:
+    assert hot_blocks_kept(S3FIFOPolicy(20)) == 8
+
+
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_the_pool_never_evicts_a_block_being_loaded_or_saved(
+    policy_class: type[EvictionPolicy],
+) -> None:
+    table = SlotTable(4, policy=policy_class(4))
+    access(table, [1, 2])
+    table.start_load(0, [h(1)])  # being loaded
+    table.prepare_save(0, [h(3)])  # being saved
+    table.complete_save(0, [h(2)])
+    # Hot enough to pass over the pinned ones many times.
+    for n in range(10, 60):
+        table.prepare_save(0, [h(n)])
+        table.complete_save(0, [h(n)])
+    assert table.count_ready_prefix(0, [h(1)]) == 1
+    assert table.holds(0, h(3)) and table.count_ready_prefix(0, [h(3)]) == 0
+    # Every slot pinned: nothing more is placed.
+    table.prepare_save(0, [h(100)])
+    table.start_load(0, [h(59)])
+    assert table.prepare_save(0, [h(101), h(102)]) == []
+
+
+class _Recording(LRUPolicy):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.blocks: list[Hashable] = []
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        self.blocks.append(block)
+        super().insert(slot, block)
+
+
+def test_the_slot_table_names_each_entry_by_its_group_and_hash() -> None:
+    policy = _Recording(4)
+    table = SlotTable(4, num_groups=2, policy=policy)
+    table.prepare_save(0, [h(1)])
+    table.prepare_save(1, [h(1)])
+    assert policy.blocks == [(0, h(1)), (1, h(1))]
+
+
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_freed_slots_leave_the_policy(policy_class: type[EvictionPolicy]) -> None:
+    policy = policy_class(2)
+    table = SlotTable(2, policy=policy)
+    table.prepare_save(0, [h(1)])
+    table.abandon_save(0, [h(1)])
+    assert len(policy) == 0
+    access(table, [2])
+    table.discard(0, [h(2)])
+    assert len(policy) == 0
+    access(table, [3, 4])
+    assert len(policy) == 2
+    assert table.clear()
+    assert len(table) == len(policy) == 0
