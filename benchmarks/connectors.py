@@ -285,7 +285,7 @@ def bench_shared_storage(
         # Staging for every block: a save that found no free slot would be dropped.
         {
             "shared_storage_path": str(store),
-            "staging_buffer_bytes": count * block_bytes + MIB,
+            "max_save_bytes_in_flight": count * block_bytes + MIB,
             "io_threads": STORAGE_IO_THREADS,
         },
         block_tokens,
@@ -330,7 +330,7 @@ def bench_example_strategy(
         "SharedStorageConnector",
         {
             "shared_storage_path": str(scratch / "kvwire"),
-            "staging_buffer_bytes": count * block_bytes + MIB,
+            "max_save_bytes_in_flight": count * block_bytes + MIB,
         },
         block_tokens,
         count,

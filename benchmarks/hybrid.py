@@ -232,7 +232,7 @@ def variant_config(
     if connector == "SharedStorageConnector":
         extra = {
             "shared_storage_path": str(scratch / variant.replace(" ", "-")),
-            "staging_buffer_bytes": 2 * blocks_per_prompt(setup) * every_block + MIB,
+            "max_save_bytes_in_flight": 2 * blocks_per_prompt(setup) * every_block + MIB,
         }
     else:
         extra = {"cpu_pool_bytes": 2 * base.kv_cache_bytes + MIB}

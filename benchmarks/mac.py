@@ -133,7 +133,7 @@ def bench_store(
             extra = {
                 "shared_storage_path": str(store),
                 # Staging for every block: a save that found no free slot would be dropped.
-                "staging_buffer_bytes": count * block_bytes + MIB,
+                "max_save_bytes_in_flight": count * block_bytes + MIB,
                 "io_threads": STORAGE_IO_THREADS,
                 **mac,
             }

@@ -16,8 +16,8 @@ small fraction (the issue's goal). Page cache and the Redis server's memory
 are outside the process and not counted.
 
 Each connector runs first with its default ``kv_connector_extra_config``.
-When that drops saves (a staging buffer smaller than the transfer), it runs
-again with ``staging_buffer_bytes`` sized to the transfer, so the table shows
+When that drops saves (a cap on saves in flight below the transfer), it runs
+again with ``max_save_bytes_in_flight`` sized to the transfer, so the table shows
 both what the defaults do with 1 GiB and what a whole 1 GiB transfer costs.
 
 ``python -m benchmarks.memory [--quick]`` (128 MiB) or ``python -m benchmarks
@@ -251,7 +251,7 @@ def measure_connector(
     rows = [{"variant": "defaults", **_in_fresh_process(connector, transfer_bytes, extra, medium)}]
     _empty_medium(scratch, redis_url)
     if rows[0]["saves_dropped"]:
-        sized = {**extra, "staging_buffer_bytes": transfer_bytes + transfer_bytes // 16}
+        sized = {**extra, "max_save_bytes_in_flight": transfer_bytes + transfer_bytes // 16}
         row = _in_fresh_process(connector, transfer_bytes, sized, medium)
         rows.append({"variant": "staging sized to the transfer", **row})
         _empty_medium(scratch, redis_url)

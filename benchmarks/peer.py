@@ -97,12 +97,12 @@ def _media(url: str, storage: pathlib.Path) -> dict[str, Callable[[KVRole], Engi
         "redis": lambda role: _config(
             role,
             "RedisConnector",
-            {"url": url, "key_prefix": prefix, "staging_buffer_bytes": "64MiB"},
+            {"url": url, "key_prefix": prefix, "max_save_bytes_in_flight": "64MiB"},
         ),
         "shared_storage": lambda role: _config(
             role,
             "SharedStorageConnector",
-            {"shared_storage_path": str(storage), "staging_buffer_bytes": "64MiB"},
+            {"shared_storage_path": str(storage), "max_save_bytes_in_flight": "64MiB"},
         ),
     }
 

@@ -220,7 +220,7 @@ class _ConnectorPath:
                     "batch_blocks": BATCH_BLOCKS,
                     # The whole transfer is one step's save: the worker copies it
                     # out of the cache at once and drops what finds no slot.
-                    "staging_buffer_bytes": count * (block_bytes + 4096),
+                    "max_save_bytes_in_flight": count * (block_bytes + 4096),
                 },
             ),
         )

@@ -319,7 +319,7 @@ def transfer_config(
         mapping = yaml.safe_load(shipped_profile_path("shared-storage").read_text())
         preset = mapping["kv_transfer_config"]["kv_connector_extra_config"]
         preset["shared_storage_path"] = str(scratch / "kvwire-shared-storage")
-        preset["staging_buffer_bytes"] = f"{-(-save_bytes * 2 // mib)}MiB"
+        preset["max_save_bytes_in_flight"] = f"{-(-save_bytes * 2 // mib)}MiB"
     mapping["kv_transfer_config"]["kv_connector_extra_config"].update(options or {})
     extra = {"kvwire": mapping}
     return {

@@ -48,13 +48,13 @@ def test_when_the_defaults_drop_saves_it_runs_again_with_staging_sized_to_the_tr
         connector: str, size: int, extra: dict[str, object], medium: int
     ) -> dict[str, object]:
         runs.append(extra)
-        return {"saves_dropped": 0 if "staging_buffer_bytes" in extra else 3}
+        return {"saves_dropped": 0 if "max_save_bytes_in_flight" in extra else 3}
 
     monkeypatch.setattr(memory, "_in_fresh_process", measured)
     rows = memory.measure_connector("SharedStorageConnector", TRANSFER, tmp_path, None)
     assert [row["variant"] for row in rows] == ["defaults", "staging sized to the transfer"]
-    assert "staging_buffer_bytes" not in runs[0]
-    assert runs[1]["staging_buffer_bytes"] >= TRANSFER  # type: ignore[operator]
+    assert "max_save_bytes_in_flight" not in runs[0]
+    assert runs[1]["max_save_bytes_in_flight"] >= TRANSFER  # type: ignore[operator]
 
 
 def test_defaults_that_drop_nothing_are_measured_once(

@@ -64,6 +64,6 @@ def test_a_store_profile_takes_a_whole_vllm_step_of_saves_in_flight(name: str) -
     from kvwire.config.extra_config import parse_size
 
     profile = yaml.safe_load((REPO / "src" / "kvwire" / "profiles" / name).read_text())
-    cap = profile["kv_transfer_config"]["kv_connector_extra_config"]["staging_buffer_bytes"]
+    cap = profile["kv_transfer_config"]["kv_connector_extra_config"]["max_save_bytes_in_flight"]
     size = parse_size(cap)
     assert size is not None and size >= 8192 * 32 * 1024

@@ -67,7 +67,7 @@ _NOISE = st.sampled_from(
         {"ttl_seconds": -1},
         {"db": 1, "url": "redis://h/2"},
         {"cpu_pool_bytes": "1 parsec"},
-        {"staging_buffer_bytes": "100TiB"},
+        {"max_save_bytes_in_flight": "100TiB"},
     ]
 )
 _CONNECTORS = st.sampled_from(

@@ -30,7 +30,7 @@ class TestSharedStorageConnector(ConnectorConformanceSuite):
             "SharedStorageConnector",
             extra_config={
                 "shared_storage_path": str(tmp_path),
-                "staging_buffer_bytes": "1MiB",
+                "max_save_bytes_in_flight": "1MiB",
                 "async_load": async_load,
                 # The asynchronous run also takes the fsync'd write path.
                 "fsync": async_load,
@@ -53,7 +53,7 @@ class TestTieredMultiConnector(ConnectorConformanceSuite):
                         "kv_connector": "SharedStorageConnector",
                         "kv_connector_extra_config": {
                             "shared_storage_path": str(tmp_path),
-                            "staging_buffer_bytes": "1MiB",
+                            "max_save_bytes_in_flight": "1MiB",
                         },
                     },
                 ]

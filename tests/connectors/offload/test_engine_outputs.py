@@ -132,7 +132,7 @@ def test_a_vanished_directory_never_reaches_the_engine(reference, tmp_path: path
 def test_a_producer_engine_and_a_consumer_engine_share_a_directory(
     reference, tmp_path: pathlib.Path
 ):
-    extra = {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "4MiB"}
+    extra = {"shared_storage_path": str(tmp_path), "max_save_bytes_in_flight": "4MiB"}
     producer = with_connector(tiny_config(), "SharedStorageConnector", extra, kv_role="kv_producer")
     consumer = with_connector(tiny_config(), "SharedStorageConnector", extra, kv_role="kv_consumer")
     produced = generate(producer, workload())
@@ -154,7 +154,7 @@ def test_outputs_stay_identical_when_the_engine_preempts(connector, tmp_path: pa
     extra = (
         {"cpu_pool_bytes": "8MiB"}
         if connector == "CPUOffloadConnector"
-        else {"shared_storage_path": str(tmp_path), "staging_buffer_bytes": "4MiB"}
+        else {"shared_storage_path": str(tmp_path), "max_save_bytes_in_flight": "4MiB"}
     )
     config = with_connector(small, connector, extra)
     with LLMEngine(config) as engine:

@@ -550,7 +550,7 @@ class StoreTransferHandler(TransferHandler):
             self._counters.add("saves_dropped", dropped)
             self._warn.warn(
                 "saves-full",
-                "saves in flight hold kv_connector_extra_config.staging_buffer_bytes: %d block "
+                "saves in flight hold kv_connector_extra_config.max_save_bytes_in_flight: %d block "
                 "saves dropped (raise it, or io_threads)",
                 dropped,
             )

@@ -67,9 +67,10 @@ cap).
 
 Common `kv_connector_extra_config` keys of every store medium:
 
-- `staging_buffer_bytes` (default 64 MiB; no staging memory any more: the
-  bytes of entries that saves in flight may hold; a save beyond it is
-  dropped and counted, never waited for);
+- `max_save_bytes_in_flight` (default 64 MiB: the bytes of entries that
+  saves in flight may hold, nothing allocated; a save beyond it is dropped
+  and counted, never waited for; `staging_buffer_bytes`, its deprecated
+  name, is read until the next release, warned);
 - `io_threads` (default 4, per direction);
 - `batch_blocks` (default 8: blocks per save job, and the shortest load
   run: a load is shared between the I/O threads in runs of at least this
@@ -218,8 +219,11 @@ class StoreMedium(Medium, Generic[_Store]):
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
         """The common store keys (see the module); a subclass adds its own."""
         return (
-            # Allocates nothing now (a bound on saves in flight): no memory check.
-            size_key("staging_buffer_bytes", 64 * 1024**2),
+            # Allocates nothing (a bound on saves in flight): no memory check.
+            attrs.evolve(
+                size_key("max_save_bytes_in_flight", 64 * 1024**2),
+                deprecated_names=("staging_buffer_bytes",),
+            ),
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
@@ -458,7 +462,7 @@ class StoreMedium(Medium, Generic[_Store]):
         options = self.context.options
         groups = self.context.groups
         # At least one block's save may be in flight, whatever the bound.
-        max_save_bytes = max(options["staging_buffer_bytes"], self._layout.entry_bytes)
+        max_save_bytes = max(options["max_save_bytes_in_flight"], self._layout.entry_bytes)
         if self._whole:
             layouts: Sequence[BlockLayout] = self._group_layouts
             memories: Sequence[BlockMemory] = group_memories(kv_caches, self._layout, groups)

@@ -251,7 +251,7 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
             return expected
         return None if (value >= 0 if name == "warning_interval_s" else value > 0) else expected
     if name == "pipeline_bytes":
-        # The same forms as the connector's other sizes (staging_buffer_bytes).
+        # The same forms as the connector's other sizes (max_save_bytes_in_flight).
         size = parse_size(value)
         if size is None or size <= 0:
             return expected
