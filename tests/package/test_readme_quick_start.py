@@ -10,6 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PUBLIC_IMPORT_POINTS = {
     "kvwire",
+    "kvwire.engine",
     "kvwire.media",
     "kvwire.testing",
     "kvwire.vllm",
