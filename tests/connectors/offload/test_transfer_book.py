@@ -1,4 +1,4 @@
-"""The block connector's worker-side bookkeeping, the same for every medium, over real threads.
+"""The offload connector's worker-side bookkeeping, the same for every medium, over real threads.
 
 :class:`GatedHandler` runs each job on a real thread
 (:class:`~kvwire.media.IOThreads`) that waits until the test
