@@ -1,0 +1,51 @@
+"""The tiers benchmark: Belady's optimum on traces counted by hand, and a quick run."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from benchmarks import tiers
+
+
+def blocks(text: str) -> list[bytes]:
+    return [letter.encode() for letter in text]
+
+
+def test_belady_keeps_the_block_used_soonest_and_may_refuse_the_new_one() -> None:
+    # Capacity 2. At c (position 2) a's next use (3) and b's (4) are sooner than
+    # c's (5): c is not kept. a and b hit at 3 and 4, a again at 6: 3 hits.
+    # Keeping every new block would evict b for c and hit only a at 3 and c at 5.
+    assert tiers.belady_hits(blocks("abcabca"), 2) == 3
+
+
+def test_belady_evicts_the_block_used_again_farthest() -> None:
+    # Capacity 2. At c (position 2): a is next used at 3, b at 5, c at 4: b is
+    # evicted for c. a hits at 3, c at 4, b misses at 5: 2 hits (LRU: 1).
+    assert tiers.belady_hits(blocks("abcacb"), 2) == 2
+
+
+def test_belady_with_room_for_everything_misses_only_first_uses() -> None:
+    trace = blocks("abcabcdd")
+    assert tiers.belady_hits(trace, 4) == len(trace) - len(set(trace))
+
+
+def test_a_quick_run_reports_every_policy_below_the_optimum(tmp_path: pathlib.Path) -> None:
+    result = tiers.run(tmp_path, quick=True)
+    rows = {(row["eviction"], row["save_threshold"]): row for row in result["configurations"]}
+    assert set(rows) == {(policy, 1) for policy in tiers.POLICIES} | {
+        (policy, 2) for policy in tiers.POLICIES
+    }
+    assert result["distinct_blocks"] > 3 * result["capacity_blocks"]
+    for row in rows.values():
+        assert 0 < row["of_belady"] <= 1
+    # Admission saves fewer blocks: the one-off prompts' are refused.
+    for policy in tiers.POLICIES:
+        assert rows[(policy, 2)]["saved_blocks"] < rows[(policy, 1)]["saved_blocks"] / 2
+        assert rows[(policy, 2)]["saves_not_admitted"] > 0
+    assert json.loads((tmp_path / "tiers.json").read_text()) == result
+    assert "| s3fifo | 2 |" in (tmp_path / "tiers.md").read_text()
+
+
+def test_the_trace_is_the_same_every_run() -> None:
+    assert tiers.generate_trace(tiers.QUICK) == tiers.generate_trace(tiers.QUICK)
