@@ -4,7 +4,7 @@ A medium is a pair of halves, one per connector role, built from one
 [`Medium`][kvwire.media.Medium] object per connector instance:
 
 - the scheduler half's [`MediumIndex`][kvwire.media.MediumIndex] answers lookups and keeps the
-  bookkeeping of transfers (which slots a load reads, which blocks a store
+  bookkeeping of transfers (which slots a load reads, which blocks a save
   writes and whether it succeeded), and reports the KV cache events it sees;
 - the worker half's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
   paged KV cache and the medium, off the forward pass, and reports which

@@ -45,7 +45,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     `released_saves`: stopped because a block they read was given to
     another request. `left_out_saves`: never started, because they were
     computed from a block whose load failed. Either way the scheduler half
-    tells the medium's index the store did not succeed, so it is never published.
+    tells the medium's index the save did not succeed, so it is never published.
     """
 
     released_saves: tuple[BlockTransfer, ...] = ()

@@ -9,7 +9,7 @@ stored, loaded and evicted on their own.
 
 Which block is evicted is the eviction policy's choice
 (`kvwire.media.eviction`, least recently used by default), whatever the
-block's group, but never while a load reads it (`load_refs`) or a store
+block's group, but never while a load reads it (`load_refs`) or a save
 writes it (not yet `ready`).
 """
 

@@ -15,17 +15,17 @@ processes read while it may be rewritten, keeps the checksum.
 
 Every copy job has a deadline (`transfer_timeout_s` from its start), so
 that no wait of the forward pass's thread is unbounded: a load still running
-then is abandoned and its blocks are load errors; a store still running then
+then is abandoned and its blocks are load errors; a save still running then
 is abandoned and counts failed. An abandoned job copies nothing more: each
 chunk is copied under the job's lock after checking it was not abandoned. A
-store abandoned or failed mid-way leaves slots whose headers do not name
+save abandoned or failed mid-way leaves slots whose headers do not name
 their blocks (a chunk's headers are cleared before its payloads are
 written), which a later load reports instead of copying.
 
-A store may also be released (`CPUPoolTransferHandler.release_saves_reading`):
+A save may also be released (`CPUPoolTransferHandler.release_saves_reading`):
 a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
-store copies nothing more and never commits: the scheduler half frees its
+save copies nothing more and never commits: the scheduler half frees its
 slots (`saves_released` counts its blocks).
 """
 
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 # Smaller pieces are not worth a thread hand-off.
 _MIN_BLOCKS_PER_PIECE = 4
 # Entries copied per chunk without a payload checksum: 16 MiB is 3-4 ms of
-# one thread's copy, what a release of the store may wait.
+# one thread's copy, what a release of the save may wait.
 _HEADER_ONLY_CHUNK_BYTES = 16 * 1024 * 1024
 
 
@@ -129,13 +129,13 @@ class CPUPoolTransferHandler(TransferHandler):
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
-        """Release the stores reading any of `block_ids`; wait out `request_ids`' transfers.
+        """Release the saves reading any of `block_ids`; wait out `request_ids`' transfers.
 
         Called at the start of a step, before anything writes: `block_ids`
-        were just given to requests, and may have been freed while a store
+        were just given to requests, and may have been freed while a save
         still read them; `request_ids` were preempted, and their blocks are
         about to be reused. Returns the pieces released (their slots must
-        never be published). The stores of `request_ids` are not released
+        never be published). The saves of `request_ids` are not released
         but waited for, each at most until its deadline: one still running
         then is given up on and counts failed. (The connector waits out the
         requests' loads itself.)
@@ -191,7 +191,7 @@ class CPUPoolTransferHandler(TransferHandler):
         except Exception:
             # The slots keep whatever they had; their headers no longer match,
             # so a later load reports them instead of copying them.
-            logger.exception("CPU offload: store of request %r failed", transfer.request_id)
+            logger.exception("CPU offload: save of request %r failed", transfer.request_id)
         if job.end():
             # Counted before the piece settles, so whoever waits for it sees them.
             self._jobs.count_save(job, stored, self._layout.payload_bytes, started)
@@ -257,7 +257,7 @@ class CPUPoolTransferHandler(TransferHandler):
             and caches.holds_block_ids(block_ids)
             and self.pool.headers(slots) == headers_without_checksum(layout, block_hashes)
         ):
-            # Every header is what the store wrote for its block: one comparison.
+            # Every header is what the save wrote for its block: one comparison.
             return list(block_ids), list(slots), []
         verified_ids: list[int] = []
         verified_slots: list[int] = []

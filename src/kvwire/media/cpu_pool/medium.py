@@ -5,7 +5,7 @@ which slot holds which block, evicting as its eviction policy says; the worker
 side (`kvwire.media.cpu_pool.handler`) owns the pool memory and copies.
 A slot holds one block of every layer of one KV cache group plus a 128-byte
 header; every group's entries have the same size, so the groups share the
-pool. A block becomes a hit only once its store is complete. Entries carry
+pool. A block becomes a hit only once its save is complete. Entries carry
 no payload checksum (see `kvwire.blocks.format`): their headers name
 their block and layout, and nothing but kvwire writes this memory.
 
@@ -14,7 +14,7 @@ their block and layout, and nothing but kvwire writes this memory.
 - `cpu_pool_bytes` (default `"256MiB"`): pool size, at least one entry;
 - `io_threads` (default 2): copy threads per direction;
 - `transfer_timeout_s` (default 30): the deadline of each copy; a load
-  still running then is a load error (computed again), a store still
+  still running then is a load error (computed again), a save still
   running then counts failed;
 - `eviction` (default `"lru"`): the eviction policy, a name registered in
   `registry.eviction_policies` (`lru`, least recently used; `s3fifo`,
