@@ -12,7 +12,7 @@ drives it: a lookup of the held prefix, a load of it, a save of the rest.
 
 Beside each configuration's hit rate (blocks loaded from the pool over
 blocks asked for), the hit rate of Belady's offline optimum on the same
-block accesses and capacity: on a miss it keeps the block whose next use is
+block accesses and pool size: on a miss it keeps the block whose next use is
 soonest, evicting the block used again farthest in the future, or not
 saving the new block when that block is the new one itself (an optimum that
 may refuse saves, as admission does). It counts every held block as a hit,
@@ -42,7 +42,7 @@ from kvwire.media.cpu_pool.medium import eviction_policy, save_admission
 Trace = list[list[bytes]]
 """One list of block hashes per request, in arrival order."""
 
-POLICIES = ("lru", "s3fifo")
+POLICIES = ("lru", "s3fifo", "arc")
 THRESHOLDS = (1, 2)
 
 
@@ -51,7 +51,8 @@ class TraceShape:
     """What the generated traffic looks like; block counts are in blocks."""
 
     requests: int
-    capacity: int
+    capacities: tuple[int, ...]
+    """The pool sizes measured, each on the same trace."""
     system_prompts: int = 30
     system_prompt_blocks: int = 4
     documents: int = 300
@@ -66,8 +67,8 @@ class TraceShape:
     seed: int = 33
 
 
-FULL = TraceShape(requests=6000, capacity=1024)
-QUICK = TraceShape(requests=1200, capacity=256)
+FULL = TraceShape(requests=6000, capacities=(512, 1024, 2048))
+QUICK = TraceShape(requests=1200, capacities=(256,))
 
 
 class _Blocks:
@@ -227,21 +228,23 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     shape = QUICK if quick else FULL
     trace = generate_trace(shape)
     accesses = [block for hashes in trace for block in hashes]
-    optimum = belady_hits(accesses, shape.capacity) / len(accesses)
-    reused = len(accesses) - len(set(accesses))
-    rows = []
-    for eviction, threshold in itertools.product(POLICIES, THRESHOLDS):
-        row = simulate(trace, shape.capacity, eviction, threshold)
-        row["of_belady"] = row["hit_rate"] / optimum
-        rows.append(row)
+    pools = []
+    for capacity in shape.capacities:
+        optimum = belady_hits(accesses, capacity) / len(accesses)
+        rows = []
+        for eviction, threshold in itertools.product(POLICIES, THRESHOLDS):
+            row = simulate(trace, capacity, eviction, threshold)
+            row["of_belady"] = row["hit_rate"] / optimum
+            rows.append(row)
+        pools.append(
+            {"capacity_blocks": capacity, "belady_hit_rate": optimum, "configurations": rows}
+        )
     result = {
         "requests": shape.requests,
         "block_accesses": len(accesses),
         "distinct_blocks": len(set(accesses)),
-        "reused_accesses": reused,
-        "capacity_blocks": shape.capacity,
-        "belady_hit_rate": optimum,
-        "configurations": rows,
+        "reused_accesses": len(accesses) - len(set(accesses)),
+        "pools": pools,
     }
     write_json(output_dir, "tiers.json", result)
     (output_dir / "tiers.md").write_text(_table(result))
@@ -251,17 +254,19 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 def _table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['requests']} requests, {result['block_accesses']} block accesses, "
-        f"{result['distinct_blocks']} distinct blocks, a pool of {result['capacity_blocks']} "
-        f"blocks; Belady's optimum hits {result['belady_hit_rate']:.3f}.",
+        f"{result['distinct_blocks']} distinct blocks.",
         "",
-        "| eviction | save_threshold | hit rate | of Belady | blocks saved | evicted |",
-        "|---|---|---|---|---|---|",
+        "| pool (blocks) | Belady | eviction | save_threshold | hit rate | of Belady "
+        "| blocks saved |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for row in result["configurations"]:
-        lines.append(
-            f"| {row['eviction']} | {row['save_threshold']} | {row['hit_rate']:.3f} | "
-            f"{row['of_belady']:.2f} | {row['saved_blocks']} | {row['evicted_blocks']} |"
-        )
+    for pool in result["pools"]:
+        for row in pool["configurations"]:
+            lines.append(
+                f"| {pool['capacity_blocks']} | {pool['belady_hit_rate']:.3f} | "
+                f"{row['eviction']} | {row['save_threshold']} | {row['hit_rate']:.3f} | "
+                f"{row['of_belady']:.2f} | {row['saved_blocks']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

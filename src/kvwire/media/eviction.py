@@ -8,7 +8,7 @@ being loaded or still being saved): `victim` is given a test and passes them
 over. Every call costs O(1) amortized: an entry passed over is treated as
 used now, so that the next `victim` does not meet it again.
 
-Two policies ship, named in the CPU pool's `eviction` option:
+Three policies ship, named in the CPU pool's `eviction` option:
 
 - `lru` ([`LRUPolicy`][kvwire.media.eviction.LRUPolicy]): the least recently used entry.
 - `s3fifo` ([`S3FIFOPolicy`][kvwire.media.eviction.S3FIFOPolicy]): S3-FIFO (Yang et al.,
@@ -17,6 +17,11 @@ Two policies ship, named in the CPU pool's `eviction` option:
   recently. One-off entries leave from the small queue without disturbing the
   main queue, so a scan of blocks used once does not flush the blocks reused
   often.
+- `arc` ([`ARCPolicy`][kvwire.media.eviction.ARCPolicy]): ARC (Megiddo and
+  Modha, FAST 2003), a recency list and a frequency list whose shares adapt
+  to what the ghosts of each list say was evicted too early. Blocks used
+  once stay in the recency list, so a scan does not flush the blocks used
+  again either.
 
 A policy of one's own derives from
 [`EvictionPolicy`][kvwire.media.eviction.EvictionPolicy] and is named by its
@@ -30,7 +35,7 @@ import abc
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "S3FIFOPolicy"]
+__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy"]
 
 Evictable = Callable[[int], bool]
 """Whether the entry of a slot may be evicted now."""
@@ -189,3 +194,83 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost[key] = None
         if len(self._ghost) > self._ghost_limit:
             self._ghost.popitem(last=False)
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC: entries used once (`recent`) and used again (`frequent`), each with a ghost list.
+
+    Both lists are least recently used first. An entry used again moves to
+    `frequent`. The victim comes from `recent` while it holds more than its
+    target share, else from `frequent`; its block joins that list's ghost
+    list. A new entry whose block a ghost list remembers enters `frequent`,
+    and moves the target: a block evicted from `recent` too early grows
+    `recent`'s share, one evicted from `frequent` too early shrinks it. The
+    slot for an entry is taken before the entry arrives, so the target moves
+    one eviction later than in the paper's algorithm. The ghost lists keep
+    at most as many blocks as there are slots, each as a hash.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._target = 0
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        self._frequent: OrderedDict[int, None] = OrderedDict()
+        self._recent_ghosts: OrderedDict[int, None] = OrderedDict()
+        self._frequent_ghosts: OrderedDict[int, None] = OrderedDict()
+        self._blocks: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._recent) + len(self._frequent)
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        key = hash(block)
+        self._blocks[slot] = key
+        recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
+        if key in recent_ghosts:
+            grow = max(len(frequent_ghosts) // len(recent_ghosts), 1)
+            self._target = min(self.capacity, self._target + grow)
+            del recent_ghosts[key]
+            self._frequent[slot] = None
+        elif key in frequent_ghosts:
+            shrink = max(len(recent_ghosts) // len(frequent_ghosts), 1)
+            self._target = max(0, self._target - shrink)
+            del frequent_ghosts[key]
+            self._frequent[slot] = None
+        else:
+            self._recent[slot] = None
+        self._trim_ghosts()
+
+    def hit(self, slot: int) -> None:
+        if self._recent.pop(slot, 0) is None:
+            self._frequent[slot] = None
+        else:
+            self._frequent.move_to_end(slot)
+
+    def remove(self, slot: int) -> None:
+        if self._recent.pop(slot, 0) is not None:
+            del self._frequent[slot]
+        del self._blocks[slot]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        # An entry in use moves to its list's end: each is passed over once per pass.
+        for _ in range(len(self)):
+            if self._recent and (len(self._recent) > self._target or not self._frequent):
+                entries, ghosts = self._recent, self._recent_ghosts
+            else:
+                entries, ghosts = self._frequent, self._frequent_ghosts
+            slot = next(iter(entries))
+            if evictable(slot):
+                del entries[slot]
+                ghosts[self._blocks.pop(slot)] = None
+                self._trim_ghosts()
+                return slot
+            entries.move_to_end(slot)
+        return None
+
+    def _trim_ghosts(self) -> None:
+        """The recent list and its ghosts hold at most a pool's worth, all ghosts too."""
+        recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
+        while recent_ghosts and len(self._recent) + len(recent_ghosts) > self.capacity:
+            recent_ghosts.popitem(last=False)
+        while len(recent_ghosts) + len(frequent_ghosts) > self.capacity:
+            (frequent_ghosts or recent_ghosts).popitem(last=False)

@@ -3,7 +3,7 @@
 An eviction policy ([`EvictionPolicy`][kvwire.media.eviction.EvictionPolicy])
 decides which entry a full CPU pool gives up; the pool's `eviction` option
 names it. Names come from the same three places as media's: the policies
-kvwire ships (`lru`, `s3fifo`), the `kvwire.eviction_policies` entry-point
+kvwire ships (`lru`, `s3fifo`, `arc`), the `kvwire.eviction_policies` entry-point
 group of installed distributions (`name = package.module:Class`) and
 `EvictionPolicyRegistry.register_policy` at run time; a `package.module:Class`
 names a class directly. Every [`ConnectorRegistry`][kvwire.ConnectorRegistry]
@@ -39,6 +39,7 @@ EVICTION_POLICIES_ENTRY_POINT_GROUP = "kvwire.eviction_policies"
 BUILT_IN_EVICTION_POLICIES: dict[str, tuple[str, str]] = {
     "lru": ("kvwire.media.eviction", "LRUPolicy"),
     "s3fifo": ("kvwire.media.eviction", "S3FIFOPolicy"),
+    "arc": ("kvwire.media.eviction", "ARCPolicy"),
 }
 """The eviction policies kvwire ships: name -> (module path, class name)."""
 

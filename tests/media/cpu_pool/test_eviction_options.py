@@ -15,7 +15,7 @@ from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import MediumContext
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool.index import CPUPoolIndex
-from kvwire.media.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from kvwire.media.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, S3FIFOPolicy
 from kvwire.registry import ConnectorRegistry, EvictionPolicyRegistry, default_registry
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -60,6 +60,7 @@ def test_the_pool_evicts_least_recently_used_and_saves_every_block_by_default() 
     [
         ("lru", LRUPolicy),
         ("s3fifo", S3FIFOPolicy),
+        ("arc", ARCPolicy),
         (f"{__name__}:FIFOPolicy", FIFOPolicy),
     ],
 )
@@ -79,7 +80,7 @@ def test_save_threshold_builds_a_sketch_sized_from_the_pool() -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("lfu", r"unknown eviction policy 'lfu'; expected one of lru, s3fifo, or a class"),
+        ("lfu", r"unknown eviction policy 'lfu'; expected one of lru, s3fifo, arc, or a class"),
         ("LRU", r"did you mean 'lru'\?"),
         (3, r"3 is not accepted by TestConnector; expected an eviction policy's name"),
         ("", r"'' is not accepted"),
@@ -107,7 +108,7 @@ def test_a_bad_save_threshold_is_refused_naming_the_key(value: object) -> None:
 
 def test_every_connector_registry_holds_the_built_in_policies() -> None:
     registry = ConnectorRegistry(entry_point_group=None)
-    assert registry.eviction_policies.names() == ["lru", "s3fifo"]
+    assert registry.eviction_policies.names() == ["lru", "s3fifo", "arc"]
     assert registry.eviction_policies.get_class("s3fifo") is S3FIFOPolicy
 
 
@@ -146,8 +147,8 @@ def test_a_malformed_registration_is_refused(
 
 
 def test_an_unknown_name_is_its_own_error() -> None:
-    with pytest.raises(UnknownEvictionPolicyError, match="unknown eviction policy 'arc'"):
-        EvictionPolicyRegistry(entry_point_group=None).get_class("arc")
+    with pytest.raises(UnknownEvictionPolicyError, match="unknown eviction policy 'lfu'"):
+        EvictionPolicyRegistry(entry_point_group=None).get_class("lfu")
 
 
 class _InstalledPolicies:
@@ -164,5 +165,5 @@ def test_an_installed_distribution_names_a_policy_through_its_entry_point(
 ) -> None:
     monkeypatch.setattr("kvwire.registry.names.metadata", _InstalledPolicies)
     registry = EvictionPolicyRegistry()
-    assert registry.names() == ["lru", "s3fifo", "fifo"]
+    assert registry.names() == ["lru", "s3fifo", "arc", "fifo"]
     assert registry.get_class("fifo") is FIFOPolicy

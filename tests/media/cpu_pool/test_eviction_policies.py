@@ -7,9 +7,9 @@ from collections.abc import Hashable
 import pytest
 
 from kvwire.media.cpu_pool._slot_table import SlotTable
-from kvwire.media.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from kvwire.media.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, S3FIFOPolicy
 
-POLICIES = [LRUPolicy, S3FIFOPolicy]
+POLICIES = [LRUPolicy, S3FIFOPolicy, ARCPolicy]
 
 
 def h(n: int) -> bytes:
@@ -131,8 +131,11 @@ def test_a_scan_of_one_off_blocks_flushes_the_hot_set_from_lru() -> None:
     assert hot_blocks_kept(LRUPolicy(20)) == 0
 
 
-def test_s3fifo_keeps_the_hot_set_through_a_scan_of_one_off_blocks() -> None:
-    assert hot_blocks_kept(S3FIFOPolicy(20)) == 8
+@pytest.mark.parametrize("policy_class", [S3FIFOPolicy, ARCPolicy])
+def test_a_scan_resistant_policy_keeps_the_hot_set_through_a_scan_of_one_off_blocks(
+    policy_class: type[EvictionPolicy],
+) -> None:
+    assert hot_blocks_kept(policy_class(20)) == 8
 
 
 @pytest.mark.parametrize("policy_class", POLICIES)
@@ -188,3 +191,37 @@ def test_freed_slots_leave_the_policy(policy_class: type[EvictionPolicy]) -> Non
     assert len(policy) == 2
     assert table.clear()
     assert len(table) == len(policy) == 0
+
+
+def test_arc_evicts_an_entry_used_once_before_one_used_again() -> None:
+    policy = filled(ARCPolicy(4), 4)
+    policy.hit(0)
+    assert _drained(policy) == [1, 2, 3, 0]
+
+
+def test_arc_frequent_list_is_least_recently_used_first() -> None:
+    policy = filled(ARCPolicy(3), 3)
+    for slot in (2, 0, 1, 2):
+        policy.hit(slot)
+    assert _drained(policy) == [0, 1, 2]
+
+
+def test_arc_grows_the_recent_share_when_a_block_it_evicted_returns() -> None:
+    policy = filled(ARCPolicy(4), 4)
+    policy.hit(2)
+    policy.hit(3)
+    assert policy.victim(anything) == 0  # recent holds more than its target (0)
+    policy.insert(0, ("block", 0))  # remembered: recent was evicted from too early
+    assert policy._target == 1
+    # Recent (1) holds no more than its target now: the frequent list gives up its oldest.
+    assert policy.victim(anything) == 2
+
+
+def test_arc_ghost_lists_are_bounded_by_the_slots() -> None:
+    policy = ARCPolicy(8)
+    for n in range(1000):
+        policy.insert(n % 8, n)
+        if n % 3 == 0:
+            policy.hit(n % 8)
+        assert policy.victim(anything) is not None
+    assert len(policy._recent_ghosts) + len(policy._frequent_ghosts) <= 8

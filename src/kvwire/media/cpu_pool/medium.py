@@ -18,8 +18,9 @@ their block and layout, and nothing but kvwire writes this memory.
   running then counts failed;
 - `eviction` (default `"lru"`): the eviction policy, a name registered in
   `registry.eviction_policies` (`lru`, least recently used; `s3fifo`,
-  S3-FIFO, which keeps blocks reused often when one-off prompts pass; see
-  `kvwire.media.eviction`) or a policy class as `package.module:Class`;
+  S3-FIFO, and `arc`, ARC, which both keep blocks reused often when one-off
+  prompts pass; see `kvwire.media.eviction`) or a policy class as
+  `package.module:Class`;
 - `save_threshold` (default 1): a block is saved only once it was offered
   for a save this many times (`kvwire.media.admission`); 1 saves every
   block.
@@ -90,7 +91,7 @@ class CPUPoolMedium(Medium):
                 "eviction",
                 "lru",
                 _eviction_policy_name,
-                "an eviction policy's name (lru, s3fifo, or one registered in "
+                "an eviction policy's name (lru, s3fifo, arc, or one registered in "
                 "registry.eviction_policies) or 'package.module:Class'",
             ),
             int_key("save_threshold", 1, minimum=1, maximum=_MAX_SAVE_THRESHOLD),
