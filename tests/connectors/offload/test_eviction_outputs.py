@@ -1,4 +1,4 @@
-"""Through the engine: a CPU pool evicting by S3-FIFO, admitting saves or not, changes no output."""
+"""Through the engine: a pool evicting by S3-FIFO or ARC, admitting or not, changes no output."""
 
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ def reference() -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("save_threshold", [1, 2])
-def test_a_pool_evicting_by_s3fifo_serves_identical_outputs(reference, save_threshold):
+@pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
+def test_a_pool_evicting_by_a_scan_resistant_policy_serves_identical_outputs(
+    reference, eviction, save_threshold
+):
     config = with_connector(
         tiny_config(),
         "CPUOffloadConnector",
-        {"cpu_pool_bytes": POOL_BYTES, "eviction": "s3fifo", "save_threshold": save_threshold},
+        {"cpu_pool_bytes": POOL_BYTES, "eviction": eviction, "save_threshold": save_threshold},
     )
     with LLMEngine(config) as engine:
         runs = []
