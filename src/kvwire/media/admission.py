@@ -15,8 +15,9 @@ early, never refuses one seen often enough. Every `width` sightings all
 counters are halved, so a block seen many times long ago does not stay
 admitted for ever, and the halving costs O(1) amortized per sighting. No
 more sightings than counters per row between two halvings keeps the
-overstatement rare: with four rows, a block seen once shares all four of its
-counters with other blocks' sightings about one time in forty.
+overstatement rare: with four rows, a block seen once is admitted by mistake
+about one time in twenty when every sighting in the window was of a distinct
+block, less often when blocks repeat.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def test_blocks_seen_once_are_rarely_admitted_within_a_window() -> None:
     admission = SaveAdmission(2, width=4096)
     # As many one-off blocks as the sketch counts between two halvings.
     admitted = sum(admission.admit(h(n)) for n in range(4096))
-    assert admitted < 4096 * 0.05
+    # About one in twenty is overstated (all four of its counters shared).
+    assert admitted < 4096 * 0.06
 
 
 def test_counts_halve_every_width_sightings() -> None:
