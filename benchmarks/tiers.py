@@ -18,7 +18,7 @@ saving the new block when that block is the new one itself (an optimum that
 may refuse saves, as admission does). It counts every held block as a hit,
 the pool only a held prefix, so it bounds every policy from above. Each hit
 rate is reported as a ratio of it. Written to ``tiers.json`` and
-``tiers.md``.
+``tiers.md``; ``run`` returns the ratios, for ``summary.json``.
 """
 
 from __future__ import annotations
@@ -248,7 +248,21 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     }
     write_json(output_dir, "tiers.json", result)
     (output_dir / "tiers.md").write_text(_table(result))
-    return result
+    return summary(result)
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline: per pool size, Belady's hit rate and each configuration's share of it."""
+    return {
+        str(pool["capacity_blocks"]): {
+            "belady_hit_rate": round(pool["belady_hit_rate"], 3),
+            **{
+                f"{row['eviction']}_threshold_{row['save_threshold']}": round(row["of_belady"], 3)
+                for row in pool["configurations"]
+            },
+        }
+        for pool in result["pools"]
+    }
 
 
 def _table(result: dict[str, Any]) -> str:
