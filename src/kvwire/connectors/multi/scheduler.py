@@ -29,7 +29,7 @@ from kvwire.interface.types import (
 
 
 class MultiSchedulerHalf:
-    """A MultiConnector's scheduler-side state and calls, over its children in order.
+    """A MultiConnector's scheduler half: its state and calls, over its children in order.
 
     `owner` names the connector in errors about what its workers reported;
     `child_names` name the children as their nested stats do.

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class MultiWorkerHalf:
-    """A MultiConnector's worker-side state and calls, over its children in order.
+    """A MultiConnector's worker half: its state and calls, over its children in order.
 
     `owner` names the connector in errors about the metadata it was given;
     `child_names` name the children in errors about them.

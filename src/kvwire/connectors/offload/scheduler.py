@@ -68,7 +68,7 @@ class _RequestState:
 
 
 class OffloadSchedulerHalf:
-    """The scheduler-side state of one offload connector."""
+    """The scheduler half of one offload connector: its state and calls."""
 
     def __init__(
         self,

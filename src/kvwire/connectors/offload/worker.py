@@ -45,7 +45,7 @@ IDLE_STEP_WAIT_S = 0.005
 
 
 class OffloadWorkerHalf:
-    """The worker-side state of one offload connector; its handler is built with the caches.
+    """The worker half of one offload connector: its state; its handler is built with the caches.
 
     `reports_lookups`: whether this worker's stats carry the scheduler
     side's lookup counts (sent in each step's metadata to every rank): only
