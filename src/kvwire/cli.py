@@ -510,6 +510,11 @@ def list_connectors(
     media = [["MEDIUM", "SOURCE", "MODULE"]]
     media += [[m.name, m.origin, m.target] for m in registry.media.entries()]
     _print_table(media, out)
+    # The eviction policies a CPU pool can use (kv_connector_extra_config.eviction).
+    print(file=out)
+    policies = [["EVICTION", "SOURCE", "MODULE"]]
+    policies += [[p.name, p.origin, p.target] for p in registry.eviction_policies.entries()]
+    _print_table(policies, out)
     return 1 if failed else 0
 
 

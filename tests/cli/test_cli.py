@@ -179,7 +179,7 @@ CPU_POOL = "kvwire.media.cpu_pool.medium:CPUPoolMedium"
 
 
 def _connector_rows(listing: str) -> dict[str, str]:
-    connectors, _media = listing.split("\n\n")
+    connectors = listing.split("\n\n")[0]
     return {line.split()[0]: line for line in connectors.splitlines()[1:]}
 
 
@@ -200,6 +200,23 @@ def test_connectors_lists_the_media_after_the_connectors(registry: ConnectorRegi
     ]
     assert media[1].split(maxsplit=1)[1].split() == ["built", "in", CPU_POOL]
     assert media[5].endswith("registered at run time  tape_medium:TapeMedium")
+
+
+def test_connectors_lists_the_eviction_policies_last(registry: ConnectorRegistry) -> None:
+    out = io.StringIO()
+    registry.eviction_policies.register_policy("fifo", "fifo_policy", "FIFOPolicy")
+
+    assert list_connectors(resolve=False, registry=registry, out=out) == 0
+
+    policies = out.getvalue().split("\n\n")[2].splitlines()
+    assert policies[0].split() == ["EVICTION", "SOURCE", "MODULE"]
+    assert [line.split()[0] for line in policies[1:]] == ["lru", "s3fifo", "arc", "fifo"]
+    assert policies[1].split(maxsplit=1)[1].split() == [
+        "built",
+        "in",
+        "kvwire.media.eviction:LRUPolicy",
+    ]
+    assert policies[4].endswith("registered at run time  fifo_policy:FIFOPolicy")
 
 
 def test_connectors_with_resolve_says_whether_each_supports_hma(

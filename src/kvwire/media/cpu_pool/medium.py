@@ -91,8 +91,8 @@ class CPUPoolMedium(Medium):
                 "eviction",
                 "lru",
                 _eviction_policy_name,
-                "an eviction policy's name (lru, s3fifo, arc, or one registered in "
-                "registry.eviction_policies) or 'package.module:Class'",
+                "an eviction policy's name (lru, s3fifo, arc, or another that kvwire "
+                "connectors lists) or 'package.module:Class'",
             ),
             int_key("save_threshold", 1, minimum=1, maximum=_MAX_SAVE_THRESHOLD),
         )
