@@ -17,7 +17,11 @@ SMALL_POOL = {"cpu_pool_bytes": "4MiB"}
 
 
 def _shared_storage(path: pathlib.Path) -> dict[str, object]:
-    return {"shared_storage_path": str(path), "max_save_bytes_in_flight": "1MiB", **ONE_HEAD_ENTRIES}
+    return {
+        "shared_storage_path": str(path),
+        "max_save_bytes_in_flight": "1MiB",
+        **ONE_HEAD_ENTRIES,
+    }
 
 
 class TestCPUOffloadConnectorAtTP2(ParallelConformanceSuite):

@@ -352,7 +352,11 @@ def test_a_path_that_cannot_be_created_is_a_clear_error(tmp_path: pathlib.Path):
 def test_sizes_accept_units(tmp_path: pathlib.Path):
     config = engine_config(
         "SharedStorageConnector",
-        {"shared_storage_path": str(tmp_path), "max_bytes": "2GiB", "max_save_bytes_in_flight": "1MB"},
+        {
+            "shared_storage_path": str(tmp_path),
+            "max_bytes": "2GiB",
+            "max_save_bytes_in_flight": "1MB",
+        },
     )
     build_connector(
         SharedStorageConnector, config, KVConnectorRole.SCHEDULER, cache_config_for(config)
