@@ -22,7 +22,8 @@ from kvwire.blocks.mac import MAX_VARIABLE_NAME, EntryMac, MacKeyError
 from kvwire.cli import check_profile
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.connectors.offload import SharedStorageConnector
-from tests.support.pairs import engine_config, read_options
+from tests.support.connectors import read_options
+from tests.support.pairs import engine_config
 
 VARIABLE = "KVWIRE_TEST_MAC_KEY"
 # A sentinel no output may ever contain.

@@ -22,7 +22,7 @@ from kvwire.config.profile import load_profile
 from kvwire.container import container_for_profile
 from kvwire.exceptions import ProfileError
 from kvwire.interface.base import KVConnectorRole
-from tests.support.pairs import read_options
+from tests.support.connectors import read_options
 
 HUNDRED_TIB = 100 * 1024**4
 THREE_HUNDRED_DIGITS = int("9" * 300)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+from dependency_injector import providers
 
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.kv_cache import KVCacheConfig
+from kvwire.container import KVConnectorContainer
 from kvwire.interface.base import (
     ConnectorBuilder,
     HMAResolver,
@@ -23,7 +25,12 @@ from kvwire.interface.base import (
     SupportsHMA,
 )
 from kvwire.interface.types import ForwardContext, KVCacheBlocks, Request, SchedulerOutput
+from kvwire.registry import ConnectorRegistry
 from kvwire.testing import IdleConnector
+
+if TYPE_CHECKING:
+    # The media need the torch extra; this module does not.
+    from kvwire.media.base import Medium
 
 # Sample connectors: small but complete (every abstract call implemented),
 # defined here because the registry, the container and the CLI must be
@@ -201,3 +208,22 @@ class ExitingConstructorConnector(IdleConnector):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         sys.exit(LEAKY_MESSAGE)
+
+
+def read_options(
+    connector_class: type[KVConnectorBase],
+    kv_transfer_config: KVTransferConfig,
+    *,
+    registry: ConnectorRegistry | None = None,
+) -> tuple[type[Medium], dict[str, Any]]:
+    """The medium class and the options a container reads for ``connector_class`` from
+    ``kv_transfer_config`` (its ``medium_class`` and ``medium_options`` providers)."""
+    container = KVConnectorContainer()
+    if registry is not None:
+        container.registry.override(providers.Object(registry))
+    container.kv_transfer_config.override(providers.Object(kv_transfer_config))
+    container.connector_class.override(providers.Object(connector_class))
+    medium_class = container.medium_class()
+    options = container.medium_options()
+    assert medium_class is not None and options is not None
+    return medium_class, options

@@ -30,7 +30,6 @@ from kvwire.config.kv_cache import (
 from kvwire.connectors.multi import MultiConnector
 from kvwire.connectors.offload import OffloadConnector, SharedStorageConnector
 from kvwire.container import (
-    KVConnectorContainer,
     container_for_profile,
     role_connector_provider,
 )
@@ -47,7 +46,7 @@ from kvwire.interface.types import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvwire.media.base import Medium, MediumIndex
+from kvwire.media.base import MediumIndex
 from kvwire.registry import ConnectorRegistry
 from tests.support.engines import (
     generate,
@@ -88,25 +87,6 @@ def build_connector(
     connector = role_connector_provider(container, role)()
     assert isinstance(connector, connector_class)
     return connector
-
-
-def read_options(
-    connector_class: type[KVConnectorBase],
-    kv_transfer_config: KVTransferConfig,
-    *,
-    registry: ConnectorRegistry | None = None,
-) -> tuple[type[Medium], dict[str, Any]]:
-    """The medium class and the options a container reads for ``connector_class`` from
-    ``kv_transfer_config`` (its ``medium_class`` and ``medium_options`` providers)."""
-    container = KVConnectorContainer()
-    if registry is not None:
-        container.registry.override(providers.Object(registry))
-    container.kv_transfer_config.override(providers.Object(kv_transfer_config))
-    container.connector_class.override(providers.Object(connector_class))
-    medium_class = container.medium_class()
-    options = container.medium_options()
-    assert medium_class is not None and options is not None
-    return medium_class, options
 
 
 def engine_config(

@@ -15,7 +15,7 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._directory import Location, PeerRecord
-from tests.support.pairs import read_options
+from tests.support.connectors import read_options
 from tests.support.peers import peer_config
 
 CONTAINERS = pathlib.Path(__file__).resolve().parents[3] / "src" / "kvwire" / "profiles"

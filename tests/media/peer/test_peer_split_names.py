@@ -11,7 +11,7 @@ from kvwire.connectors.offload import OffloadConnector
 from kvwire.media.base import MediumContext
 from kvwire.media.peer import PeerMedium
 from kvwire.media.peer._split import agent_name, rank_layout, split_fingerprints
-from tests.support.pairs import read_options
+from tests.support.connectors import read_options
 from tests.support.peers import peer_config
 
 # One rank's share of a model of 4 KV heads and 4 layers, at TP=2 and PP=2.

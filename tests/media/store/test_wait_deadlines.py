@@ -35,6 +35,7 @@ from kvwire.media import IOThreads
 from kvwire.media.store._handler import StoreTransferHandler
 from kvwire.media.store.base import BlockStore, CacheWrites, LateWriteError
 from kvwire.media.store.directory import DirectoryMedium
+from tests.support.connectors import read_options
 from tests.support.engines import (
     shared_storage,
     tiny_config,
@@ -43,7 +44,6 @@ from tests.support.engines import (
     workload,
 )
 from tests.support.media import DrivenHandler
-from tests.support.pairs import read_options
 from tests.support.stores import HASHES, layout_caches, save_blocks_0_and_1
 from tests.support.waits import TEST_LIMIT_S, returns_within, wait_until
 

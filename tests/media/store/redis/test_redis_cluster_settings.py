@@ -15,7 +15,7 @@ from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis._cluster_url import ClusterSeed
 from kvwire.media.store.redis.cluster import RedisClusterBlockStore
 from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
-from tests.support.pairs import read_options
+from tests.support.connectors import read_options
 
 
 def test_a_cluster_url_names_its_seed_nodes_in_order() -> None:

@@ -10,8 +10,8 @@ from kvwire.config import KVTransferConfig
 from kvwire.connectors.offload import RedisConnector
 from kvwire.media.store.redis.server import RedisBlockStore
 from kvwire.media.store.redis.settings import RedisSettingsError, RedisStoreSettings
+from tests.support.connectors import read_options
 from tests.support.entries import SMALL_LAYOUT, store_keys
-from tests.support.pairs import read_options
 from tests.support.redis import RedisServer
 
 
