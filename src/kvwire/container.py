@@ -14,7 +14,7 @@ container.shutdown_resources()                     # each built connector's shut
 
 Each role-scoped provider builds at most one connector per container and hands
 it `(config, role, kv_cache_config)`, with an offload connector's `medium` built
-(`medium_class`, `medium_options`, `medium_context`, `medium`) or a
+(`medium_class`, `medium_options`, `medium_plugins`, `medium_context`, `medium`) or a
 composite's `connector_builder`; a process that serves one role declares it
 once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
 test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
@@ -38,7 +38,7 @@ import attrs
 from dependency_injector import containers, providers, resources
 
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
-from kvwire.config.extra_config import ExtraConfigError
+from kvwire.config.extra_config import ExtraConfigError, plugin_classes
 from kvwire.config.kv_cache import KVCacheConfig
 from kvwire.config.profile import (
     load_profile,
@@ -219,13 +219,28 @@ def _read_medium_options(
     return options
 
 
+def _medium_plugins(
+    registry: ConnectorRegistry,
+    medium_class: Callable[[], type[Medium] | None],
+    options: dict[str, Any] | None,
+) -> dict[str, type] | None:
+    """The classes the medium's plug-in options name, resolved through `registry`; or None."""
+    if options is None:
+        return None
+    medium_cls = _medium_class_to_build(medium_class)
+    if medium_cls is None:
+        return None
+    return plugin_classes(medium_cls.extra_config_keys(), options, registry)
+
+
 def _medium_context(
     connector_class: type[KVConnectorBase],
     engine_config: EngineConfig,
     kv_cache_config: KVCacheConfig | providers.Dependency[KVCacheConfig],
     options: dict[str, Any] | None,
+    plugins: dict[str, type] | None,
 ) -> MediumContext | None:
-    """What the medium is built from (layout, groups, options); None for no offload connector."""
+    """What the medium is built from (layout, groups, options, plug-ins); None without a medium."""
     if options is None:
         return None
     if isinstance(kv_cache_config, providers.Dependency):
@@ -233,6 +248,8 @@ def _medium_context(
     context: MediumContext = _offload_connector_hook(connector_class, "medium_context")(
         engine_config, kv_cache_config, options
     )
+    if plugins:
+        context = attrs.evolve(context, plugins=plugins)
     return context
 
 
@@ -296,7 +313,10 @@ class ChildConnectorBuilder:
 
             def medium() -> Medium | None:
                 options = _read_medium_options(connector_class, medium_class, transfer)
-                context = _medium_context(connector_class, config, kv_cache_config, options)
+                plugins = _medium_plugins(self.registry, medium_class, options)
+                context = _medium_context(
+                    connector_class, config, kv_cache_config, options, plugins
+                )
                 return _build_medium(medium_class, context)
 
             return _assemble(
@@ -444,6 +464,9 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       `container.medium_class.override(providers.Object(MyDirectory))`;
     - `medium_options`: the connector's extra config read over its keys and
       the medium's, finished by the medium (None without a medium);
+    - `medium_plugins`: the classes the medium's plug-in options name (the
+      CPU pool's `eviction` policy), resolved through `registry`, so a policy
+      registered or overridden on this container's registry is the one used;
     - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
       demanded from a connector that cannot serve it);
     - `parallel_config`: the `ParallelConfig` (this
@@ -453,7 +476,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     - `connector_engine_config`: the engine config with the gate's decision
       and the parallel layout;
     - `medium_context`: the `MediumContext` the medium is built from (the
-      options, the KV cache groups, the layout of one entry);
+      options and their plug-in classes, the KV cache groups, the layout of
+      one entry);
     - `medium`: the medium itself, a `Factory`: one per connector built;
     - `connector_builder`: what a composite builds its children with, each
       child's class and medium resolved through `registry` as above;
@@ -494,12 +518,16 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     medium_options = providers.Callable(
         _read_medium_options, _checked_connector_class, medium_class.provider, kv_transfer_config
     )
+    medium_plugins = providers.Callable(
+        _medium_plugins, registry, medium_class.provider, medium_options
+    )
     medium_context = providers.Callable(
         _medium_context,
         _checked_connector_class,
         connector_engine_config,
         kv_cache_config.provider,
         medium_options,
+        medium_plugins,
     )
     medium = providers.Factory(_build_medium, medium_class.provider, medium_context)
     connector_builder = providers.Factory(ChildConnectorBuilder, registry)

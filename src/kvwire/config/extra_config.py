@@ -79,6 +79,9 @@ class ExtraConfigKey:
     acceptable; `accepted` describes acceptable values for the error text.
     `deprecated_names` are the key's old names, each still read for one
     release with a warning naming `name` (the value read is under `name`).
+    `plugin` is set for a key whose value names a plug-in class: the
+    registry's lookup of that kind (`"eviction_policies"`), through which
+    `plugin_classes` resolves it.
     """
 
     name: str
@@ -86,6 +89,7 @@ class ExtraConfigKey:
     convert: Callable[[Any], Any]
     accepted: str
     deprecated_names: tuple[str, ...] = ()
+    plugin: str = ""
 
 
 def size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey:
@@ -226,6 +230,38 @@ def read_extra_config(
     if problems:
         raise ExtraConfigError("\n".join(problems))
     return values
+
+
+def plugin_classes(
+    keys: Sequence[ExtraConfigKey], options: Mapping[str, Any], registry: object
+) -> dict[str, Any]:
+    """The class each plug-in key's value names (by key), resolved through `registry`.
+
+    `options` are the values `read_extra_config` read over `keys`; each key
+    with a `plugin` is looked up in that lookup of `registry` (a
+    `ConnectorRegistry`: `registry.eviction_policies`), whose
+    `get_class` raises a `ValueError` for a name it does not know. Every
+    error names its key, one per line (`ExtraConfigError`).
+    """
+    classes: dict[str, Any] = {}
+    problems: list[str] = []
+    for key in keys:
+        if not key.plugin:
+            continue
+        lookup = getattr(registry, key.plugin, None)
+        if lookup is None:
+            problems.append(
+                f"kv_connector_extra_config.{key.name}: the registry has no {key.plugin} to "
+                "look its value up in"
+            )
+            continue
+        try:
+            classes[key.name] = lookup.get_class(options.get(key.name, key.default))
+        except ValueError as error:
+            problems.append(f"kv_connector_extra_config.{key.name}: {error}")
+    if problems:
+        raise ExtraConfigError("\n".join(problems))
+    return classes
 
 
 def _warn_deprecated_key(connector_name: str, old: str, new: str) -> None:

@@ -8,7 +8,9 @@ kit a transfer handler is built from (its jobs in flight: a
 [`IOThreads`][kvwire.media.IOThreads]; rate-limited warnings; a close in steps; the
 `Counters` it counts in), the KV cache events a medium reports
 ([`BlockStored`][kvwire.media.BlockStored], [`BlockRemoved`][kvwire.media.BlockRemoved]), the
-typed `kv_connector_extra_config` keys a medium declares, the errors a store raises,
+typed `kv_connector_extra_config` keys a medium declares, the
+[`EvictionPolicy`][kvwire.media.EvictionPolicy] a pool's plug-in policies derive from (handed to
+a medium resolved, in its context's `plugins`), the errors a store raises,
 and the [`BlockMemory`][kvwire.media.BlockMemory] a handler reads and writes a group's blocks
 through. Importing this package imports neither torch nor any built-in medium: `BlockMemory`,
 which needs torch, is imported on first use.
@@ -43,6 +45,7 @@ from kvwire.media.base import (
     TransferJob,
     TransferKind,
 )
+from kvwire.media.eviction import EvictionPolicy
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.jobs import JobLedger, JobPiece, part_of
 from kvwire.media.rate_limited import RateLimitedWarning
@@ -66,6 +69,7 @@ __all__ = [
     "CorruptBlockError",
     "Counters",
     "EntryMac",
+    "EvictionPolicy",
     "ExtraConfigKey",
     "HeadShard",
     "IOThreads",

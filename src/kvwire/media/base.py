@@ -74,6 +74,14 @@ class MediumContext:
     """The engine's `kv_transfer_config.engine_id`: the same in both roles and every process."""
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
     """This rank and how the engine is split: `layout` is one rank's share of a block."""
+    plugins: Mapping[str, type] = attrs.field(factory=dict)
+    """The class each plug-in option names, by key (the CPU pool's `eviction`: its policy).
+
+    The options are the medium's keys with a `plugin` lookup
+    (`ExtraConfigKey.plugin`); the container
+    resolves them through its registry, so a policy registered or overridden on the
+    container's registry is the one handed in. A context built by hand passes them itself.
+    """
 
 
 class MediumIndex(abc.ABC):

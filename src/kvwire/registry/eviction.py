@@ -7,8 +7,8 @@ kvwire ships (`lru`, `s3fifo`, `arc`), the `kvwire.eviction_policies` entry-poin
 group of installed distributions (`name = package.module:Class`) and
 `EvictionPolicyRegistry.register_policy` at run time; a `package.module:Class`
 names a class directly. Every [`ConnectorRegistry`][kvwire.ConnectorRegistry]
-holds one (`registry.eviction_policies`); the CPU pool reads its option
-through the default registry's.
+holds one (`registry.eviction_policies`); the container resolves a pool's
+option through its own registry's and hands the pool the class.
 """
 
 from __future__ import annotations

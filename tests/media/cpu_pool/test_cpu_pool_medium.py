@@ -30,6 +30,7 @@ from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool import handler as cpu_pool_handler_module
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.cpu_pool.pool_memory import PoolSlots
+from kvwire.media.eviction import LRUPolicy
 from tests.support.media import DrivenHandler, name_another_block, name_another_layout
 from tests.support.stores import HASHES, layout_caches
 from tests.support.waits import TEST_LIMIT_S
@@ -53,7 +54,8 @@ def medium(slots: int, num_groups: int = 1, **extra: Any) -> CPUPoolMedium:
         CacheGroup(g, (f"layers.{2 * g}", f"layers.{2 * g + 1}"), LAYOUT.block_size)
         for g in range(num_groups)
     )
-    return CPUPoolMedium(MediumContext("TestConnector", options, groups, LAYOUT))
+    plugins = {"eviction": LRUPolicy}
+    return CPUPoolMedium(MediumContext("TestConnector", options, groups, LAYOUT, plugins=plugins))
 
 
 @pytest.fixture

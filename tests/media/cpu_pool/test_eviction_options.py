@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
-from kvwire.config.extra_config import ExtraConfigError, read_extra_config
+from kvwire.config.extra_config import ExtraConfigError, plugin_classes, read_extra_config
 from kvwire.exceptions import UnknownEvictionPolicyError
 from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import MediumContext
@@ -33,13 +33,15 @@ class NotAPolicy:
 
 
 def built_index(**extra: Any) -> CPUPoolIndex:
+    """The pool's index, its options read and its plug-ins resolved as the container does."""
+    keys = CPUPoolMedium.extra_config_keys()
     options = read_extra_config(
-        "TestConnector",
-        {"cpu_pool_bytes": 16 * LAYOUT.entry_bytes, **extra},
-        CPUPoolMedium.extra_config_keys(),
+        "TestConnector", {"cpu_pool_bytes": 16 * LAYOUT.entry_bytes, **extra}, keys
     )
+    plugins = plugin_classes(keys, options, ConnectorRegistry(entry_point_group=None))
     group = CacheGroup(0, ("layers.0", "layers.1"), LAYOUT.block_size)
-    index = CPUPoolMedium(MediumContext("TestConnector", options, (group,), LAYOUT)).build_index()
+    context = MediumContext("TestConnector", options, (group,), LAYOUT, plugins=plugins)
+    index = CPUPoolMedium(context).build_index()
     assert isinstance(index, CPUPoolIndex)
     return index
 
@@ -104,6 +106,23 @@ def test_a_bad_save_threshold_is_refused_naming_the_key(value: object) -> None:
         match=r"kv_connector_extra_config\.save_threshold: .* expected an integer between 1 and 64",
     ):
         built_index(save_threshold=value)
+
+
+def test_a_context_built_without_the_policy_class_says_how_to_pass_it() -> None:
+    options = read_extra_config("TestConnector", {}, CPUPoolMedium.extra_config_keys())
+    group = CacheGroup(0, ("layers.0", "layers.1"), LAYOUT.block_size)
+    medium = CPUPoolMedium(MediumContext("TestConnector", options, (group,), LAYOUT))
+    with pytest.raises(ValueError, match=r"MediumContext\.plugins has no 'eviction' class"):
+        medium.build_index()
+
+
+def test_a_registry_without_eviction_policies_is_refused_naming_the_key() -> None:
+    options = read_extra_config("TestConnector", {}, CPUPoolMedium.extra_config_keys())
+    with pytest.raises(
+        ExtraConfigError,
+        match=r"kv_connector_extra_config\.eviction: the registry has no eviction_policies",
+    ):
+        plugin_classes(CPUPoolMedium.extra_config_keys(), options, object())
 
 
 def test_every_connector_registry_holds_the_built_in_policies() -> None:

@@ -41,6 +41,7 @@ from kvwire.config.extra_config import (
     ExtraConfigKey,
     bool_key,
     int_key,
+    plugin_classes,
     read_extra_config,
     seconds_key,
 )
@@ -249,15 +250,17 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
     ) -> None:
         """Reads the options as the container does, and drops them: nothing is built.
 
-        The medium is resolved through `registry`, the one that will build
-        the connector, so a medium registered or overridden there is the one
-        checked.
+        The medium and the classes its plug-in options name (the CPU pool's
+        `eviction` policy) are resolved through `registry`, the one that will
+        build the connector, so a medium or policy registered or overridden
+        there is the one checked.
         """
         try:
             medium_cls = registry.media.get_class(cls.medium_spec(kv_transfer_config))
         except ValueError as error:
             raise ExtraConfigError(f"{MEDIUM_FIELD}: {error}") from None
-        cls.read_options(kv_transfer_config, medium_cls)
+        options = cls.read_options(kv_transfer_config, medium_cls)
+        plugin_classes(medium_cls.extra_config_keys(), options, registry)
 
     @property
     def medium(self) -> Medium:

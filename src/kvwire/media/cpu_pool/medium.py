@@ -20,7 +20,8 @@ their block and layout, and nothing but kvwire writes this memory.
   `registry.eviction_policies` (`lru`, least recently used; `s3fifo`,
   S3-FIFO, and `arc`, ARC, which both keep blocks reused often when one-off
   prompts pass; see `kvwire.media.eviction`) or a policy class as
-  `package.module:Class`;
+  `package.module:Class`. The container resolves it through its registry
+  and hands the class in (`MediumContext.plugins["eviction"]`);
 - `save_threshold` (default 1): a block is saved only once it was offered
   for a save this many times (`kvwire.media.admission`); 1 saves every
   block.
@@ -48,7 +49,6 @@ from kvwire.config.extra_config import (
     memory_size_key,
     seconds_key,
 )
-from kvwire.exceptions import UnknownEvictionPolicyError, ValueRefused
 from kvwire.interface.counters import Counters
 from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
@@ -93,6 +93,7 @@ class CPUPoolMedium(Medium):
                 _eviction_policy_name,
                 "an eviction policy's name (lru, s3fifo, arc, or another that kvwire "
                 "connectors lists) or 'package.module:Class'",
+                plugin="eviction_policies",
             ),
             int_key("save_threshold", 1, minimum=1, maximum=_MAX_SAVE_THRESHOLD),
         )
@@ -103,7 +104,7 @@ class CPUPoolMedium(Medium):
             self.num_slots,
             len(self.context.groups),
             self.event_medium,
-            policy=eviction_policy(options["eviction"], self.num_slots),
+            policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(options["save_threshold"], self.num_slots),
         )
 
@@ -144,23 +145,27 @@ _MAX_SAVE_THRESHOLD = 64
 
 
 def _eviction_policy_name(value: Any) -> str | None:
-    """`value` when it names an eviction policy of the default registry (imported to check it)."""
-    if not isinstance(value, str) or not value:
-        return None
-    from kvwire.registry.connectors import default_registry
-
-    try:
-        default_registry().eviction_policies.get_class(value)
-    except UnknownEvictionPolicyError as error:
-        raise ValueRefused(str(error)) from None
-    return value
+    """`value` when it can name an eviction policy: the registry checks the name itself."""
+    return value if isinstance(value, str) and value else None
 
 
-def eviction_policy(spec: str, num_slots: int) -> EvictionPolicy:
-    """The eviction policy `spec` names, over `num_slots` slots (the `eviction` option)."""
-    from kvwire.registry.connectors import default_registry
+def eviction_policy(context: MediumContext, num_slots: int) -> EvictionPolicy:
+    """The pool's eviction policy over `num_slots` slots: the class the `eviction` option names.
 
-    return default_registry().eviction_policies.get_class(spec)(num_slots)
+    The class comes resolved in `context.plugins` (the container's registry
+    resolved it); a context without it is one built by hand, told here how to
+    pass it.
+    """
+    policy_class = context.plugins.get("eviction")
+    if policy_class is None:
+        raise ValueError(
+            f"{context.connector_name}: MediumContext.plugins has no 'eviction' class (the "
+            "policy the eviction option names); build the medium through kvwire's container, "
+            "or pass "
+            "plugins=kvwire.config.extra_config.plugin_classes(keys, options, registry)"
+        )
+    policy: EvictionPolicy = policy_class(num_slots)
+    return policy
 
 
 def save_admission(threshold: int, num_slots: int) -> SaveAdmission | None:

@@ -177,7 +177,7 @@ class PeerMedium(Medium):
             medium=self.event_medium,
             peer=self.peer_name,
             directory=self._directory(),
-            policy=eviction_policy(self.context.options["eviction"], self.num_slots),
+            policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(self.context.options["save_threshold"], self.num_slots),
         )
 
