@@ -37,7 +37,8 @@ import attrs
 from benchmarks.common import main as run_main
 from benchmarks.common import write_json
 from kvwire.media.cpu_pool.index import CPUPoolIndex
-from kvwire.media.cpu_pool.medium import eviction_policy, save_admission
+from kvwire.media.cpu_pool.medium import save_admission
+from kvwire.registry import default_registry
 
 Trace = list[list[bytes]]
 """One list of block hashes per request, in arrival order."""
@@ -191,7 +192,7 @@ def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) ->
         capacity,
         1,
         "cpu",
-        policy=eviction_policy(eviction, capacity),
+        policy=default_registry().eviction_policies.get_class(eviction)(capacity),
         admission=save_admission(save_threshold, capacity),
     )
     asked = hits = saved = 0
