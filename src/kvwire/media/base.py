@@ -77,10 +77,10 @@ class MediumContext:
     plugins: Mapping[str, type] = attrs.field(factory=dict)
     """The class each plug-in option names, by key (the CPU pool's `eviction`: its policy).
 
-    The options are the medium's keys with a `plugin` lookup
-    (`ExtraConfigKey.plugin`); the container
-    resolves them through its registry, so a policy registered or overridden on the
-    container's registry is the one handed in. A context built by hand passes them itself.
+    The options are the medium's keys with a `plugin` lookup (`ExtraConfigKey.plugin`);
+    the container resolves them through its registry, so a policy registered or
+    overridden on the container's registry is the one handed in. A context built by
+    hand passes them itself.
     """
 
 
