@@ -34,6 +34,7 @@ from kvwire.media.store.medium import StoreMedium
 from kvwire.registry import default_registry
 from kvwire.registry.media import UnknownMediumError
 from kvwire.testing.faulty_medium import FaultInjectingMedium
+from tests.support.connectors import read_options
 from tests.support.engines import (
     generate,
     served,
@@ -47,7 +48,6 @@ from tests.support.pairs import (
     cache_config_for,
     engine_config,
     make_caches,
-    read_options,
 )
 from tests.support.stores import DictStore
 

@@ -109,11 +109,21 @@ def test_a_bad_save_threshold_is_refused_naming_the_key(value: object) -> None:
 
 
 def test_a_context_built_without_the_policy_class_says_how_to_pass_it() -> None:
-    options = read_extra_config("TestConnector", {}, CPUPoolMedium.extra_config_keys())
+    options = read_extra_config(
+        "TestConnector", {"eviction": "s3fifo"}, CPUPoolMedium.extra_config_keys()
+    )
     group = CacheGroup(0, ("layers.0", "layers.1"), LAYOUT.block_size)
     medium = CPUPoolMedium(MediumContext("TestConnector", options, (group,), LAYOUT))
     with pytest.raises(ValueError, match=r"MediumContext\.plugins has no 'eviction' class"):
         medium.build_index()
+
+
+def test_a_context_built_by_hand_for_the_default_policy_needs_no_registry() -> None:
+    options = read_extra_config("TestConnector", {}, CPUPoolMedium.extra_config_keys())
+    group = CacheGroup(0, ("layers.0", "layers.1"), LAYOUT.block_size)
+    medium = CPUPoolMedium(MediumContext("TestConnector", options, (group,), LAYOUT))
+    index = medium.build_index()
+    assert isinstance(index._index._policy, LRUPolicy)  # type: ignore[attr-defined]
 
 
 def test_a_registry_without_eviction_policies_is_refused_naming_the_key() -> None:

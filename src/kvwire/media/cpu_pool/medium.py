@@ -53,7 +53,7 @@ from kvwire.interface.counters import Counters
 from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool.index import CPUPoolIndex
-from kvwire.media.eviction import EvictionPolicy
+from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -153,10 +153,13 @@ def eviction_policy(context: MediumContext, num_slots: int) -> EvictionPolicy:
     """The pool's eviction policy over `num_slots` slots: the class the `eviction` option names.
 
     The class comes resolved in `context.plugins` (the container's registry
-    resolved it); a context without it is one built by hand, told here how to
-    pass it.
+    resolved it). A context built by hand may leave it out for the default,
+    `lru`, which needs no registry; for any other name it is told how to
+    pass the class.
     """
     policy_class = context.plugins.get("eviction")
+    if policy_class is None and context.options.get("eviction", "lru") == "lru":
+        policy_class = LRUPolicy
     if policy_class is None:
         raise ValueError(
             f"{context.connector_name}: MediumContext.plugins has no 'eviction' class (the "
