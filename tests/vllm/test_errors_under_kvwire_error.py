@@ -23,9 +23,9 @@ def test_every_exception_kvwire_defines_with_vllm_derives_from_kvwire_error() ->
     assert outside == []
 
 
-def test_every_error_of_the_vllm_adapter_is_reachable_from_kvwire_exceptions() -> None:
+def test_every_error_of_the_vllm_adapter_is_defined_in_kvwire_exceptions() -> None:
     # The same check as tests/exceptions's, here where the vLLM adapter's modules import.
-    public_surface.test_every_public_exception_kvwire_defines_is_reachable_from_kvwire_exceptions()
+    public_surface.test_every_public_exception_kvwire_defines_is_defined_in_kvwire_exceptions()
 
 
 def test_every_public_name_of_kvwire_vllm_resolves() -> None:
