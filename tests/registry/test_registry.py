@@ -351,6 +351,14 @@ class _SelfNesting(CompositeConnector):
             "register_connector: module_path must be a dotted module name such as "
             "'package.module', got 'pkg/mod.py'",
         ),
+        # A URL pasted as the module path is shown with its password blanked.
+        (
+            "X",
+            "redis://user:hunter2@host/0",
+            "Cls",
+            "register_connector: module_path must be a dotted module name such as "
+            "'package.module', got 'redis://user:***@host/0'",
+        ),
         (
             "X",
             "pkg.mod",

@@ -55,6 +55,7 @@ from kvwire.registry.names import (
     PluginNames,
     PluginSource,
     RegisteredPlugin,
+    check_target,
     closest_name,
     is_module_path,
     listed_names,
@@ -523,16 +524,8 @@ class ConnectorRegistry:
 
 def _check_registration(name: object, module_path: object, class_name: object) -> None:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"register_connector: name must be a non-empty string, got {name!r}")
-    if not isinstance(module_path, str) or not is_module_path(module_path):
-        raise ValueError(
-            "register_connector: module_path must be a dotted module name such as "
-            f"'package.module', got {module_path!r}"
-        )
-    if not isinstance(class_name, str) or not class_name.isidentifier():
-        raise ValueError(
-            f"register_connector: class_name must be a Python identifier, got {class_name!r}"
-        )
+        raise ValueError(f"register_connector: name must be a non-empty string, got {shown(name)}")
+    check_target("register_connector", module_path, class_name)
 
 
 _default_registry: ConnectorRegistry | None = None

@@ -1,4 +1,4 @@
-"""Plug-in names: the one mechanism behind the connector registry and the medium registry.
+"""Plug-in names: the one mechanism behind every plug-in registry (connectors, media, policies).
 
 A name stands for a class that lives in a module, known without importing
 it. Names come from three places (`PluginSource`): what kvwire ships,
@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 from dependency_injector import containers, providers
 
-from kvwire.redaction import SHOWN_LENGTH, shown_key
+from kvwire.redaction import SHOWN_LENGTH, shown, shown_key
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,23 @@ def is_module_path(text: str) -> bool:
     return all(part.isidentifier() for part in text.split("."))
 
 
+def check_target(method: str, module_path: object, class_name: object) -> None:
+    """Refuse a registration's `module_path` or `class_name` that names no class to import.
+
+    `method` is the registering method, which the message starts with
+    (`register_medium`); the value refused is shown bounded and redacted.
+    """
+    if not isinstance(module_path, str) or not is_module_path(module_path):
+        raise ValueError(
+            f"{method}: module_path must be a dotted module name such as "
+            f"'package.module', got {shown(module_path)}"
+        )
+    if not isinstance(class_name, str) or not class_name.isidentifier():
+        raise ValueError(
+            f"{method}: class_name must be a Python identifier, got {shown(class_name)}"
+        )
+
+
 # How many names an unknown name's error lists; `kvwire connectors` lists them all.
 MAX_LISTED_NAMES = 20
 
@@ -103,7 +120,7 @@ Loader = Callable[[RegisteredPlugin], Any]
 
 
 class PluginNames:
-    """The names of one kind of plug-in (`kind`: `connector` or `medium`), each lazy."""
+    """The names of one kind of plug-in (`kind`: `connector`, `medium`...), each lazy."""
 
     def __init__(
         self,
