@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 import torch
 import xxhash
+from dependency_injector import providers
 
 from benchmarks.common import KIB, MIB, best_seconds, pyplot, run_step, size_label, write_json
 from benchmarks.common import main as run_from_command_line
@@ -54,6 +55,7 @@ from kvwire.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConf
 from kvwire.config.kv_cache import build_full_attention_kv_cache_config
 from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.connectors.offload.metadata import OffloadMetadata
+from kvwire.container import container_for_profile
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
@@ -100,7 +102,12 @@ def worker_connector(
     )
     shape = (2, kv_cache_config.num_blocks, config.cache_config.block_size, NUM_KV_HEADS, HEAD_SIZE)
     caches = {name: torch.randn(shape) for name in kv_cache_config.layer_names}
-    connector = cls(config, KVConnectorRole.WORKER, kv_cache_config)
+    # Built as an application builds it, so an offload connector is handed its medium.
+    container = container_for_profile(
+        config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+    )
+    container.connector_class.override(providers.Object(cls))
+    connector = container.connector()
     connector.register_kv_caches(caches)
     return connector, caches
 
@@ -282,7 +289,7 @@ def bench_shared_storage(
     store = scratch / f"store-{block_bytes}"
     config = engine_config(
         "SharedStorageConnector",
-        # Staging for every block: a save that found no free slot would be dropped.
+        # Room for every block's save in flight: a save beyond the cap would be dropped.
         {
             "shared_storage_path": str(store),
             "max_save_bytes_in_flight": count * block_bytes + MIB,
