@@ -157,3 +157,19 @@ def test_importing_kvwire_exceptions_loads_no_other_kvwire_module_nor_torch_nor_
     )
 
     assert result.stdout.strip() == "['kvwire.exceptions']"
+
+
+def test_no_connector_or_medium_looks_a_registry_up() -> None:
+    # The container enters the registry once per build and hands a connector
+    # its medium and a medium its plug-in classes; a connector or medium that
+    # imported the registry would bypass a container's overrides.
+    graph = import_graph()
+    built = [name for name in graph if name.startswith(("kvwire.connectors", "kvwire.media"))]
+    looking_up = sorted(
+        f"{name} -> {imported}"
+        for name in built
+        for imported in graph[name]
+        if imported == "kvwire.registry" or imported.startswith("kvwire.registry.")
+    )
+
+    assert looking_up == []
