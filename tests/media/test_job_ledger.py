@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -342,3 +343,44 @@ def test_a_piece_off_its_thread_but_not_ended_is_waited_for_until_its_deadline_w
     assert time.monotonic() >= deadline and piece.abandoned
     assert rounds <= 3
     assert ledger.poll() == [JobResult(8, frozenset({0}))]
+
+
+class _EndsWhenAsked(Future[None]):
+    """A future whose work runs the first time someone asks whether it is done.
+
+    It puts a piece's end exactly between the ledger's look at its jobs and its
+    look at their futures, where a real thread may end it at any time.
+    """
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        super().__init__()
+        self._work: Callable[[], None] | None = work
+
+    def done(self) -> bool:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work()
+            self.set_result(None)
+        return super().done()
+
+
+class _AskedThreads:
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        return _EndsWhenAsked(lambda: fn(*args))
+
+
+def test_a_wait_whose_jobs_end_while_it_looks_returns_without_sleeping_to_their_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ledger = _ledger(Counters(), TEST_LIMIT_S)
+    piece = _piece(9, _begin(ledger, 9, SAVE), 0)
+    ledger.start(piece, _AskedThreads(), lambda piece: piece.end())  # type: ignore[arg-type]
+    ledger.submitted(9)
+
+    def slept(seconds: float) -> None:
+        raise AssertionError(f"wait slept {seconds:.1f} s for a job that had ended")
+
+    monkeypatch.setattr(time, "sleep", slept)
+
+    assert ledger.wait([9])
+    assert ledger.poll() == [JobResult(9)]

@@ -343,10 +343,22 @@ class JobLedger(Generic[PieceT]):
             if running:
                 # No exception to catch: wait() reports what ended, timed out or not.
                 concurrent.futures.wait(running, timeout=max(0.0, wake - now))
-            else:
+            elif self._left_thread_unended(wanted):
                 # Off its thread but not ended (still writing, as far as its work
                 # knows): nothing to wait for but its deadline.
                 time.sleep(max(0.0, wake - now))
+            # Otherwise the pieces seen above settled since: look again at once,
+            # rather than sleep to a deadline for jobs that already ended.
+
+    def _left_thread_unended(self, job_ids: set[int]) -> bool:
+        """Whether a piece of these jobs left its thread without settling (given up on, writing)."""
+        with self._lock:
+            return any(
+                piece.future is not None and piece.future.done()
+                for job_id, job in self._running.items()
+                if job_id in job_ids
+                for piece in job.running
+            )
 
     def save_jobs_of(self, request_ids: Iterable[str]) -> list[int]:
         """The save jobs in flight with a piece of any of `request_ids`."""
