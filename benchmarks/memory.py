@@ -237,7 +237,10 @@ def pool_bytes(transfer_bytes: int) -> int:
 def measure_connector(
     connector: str, transfer_bytes: int, scratch: pathlib.Path, redis_url: str | None
 ) -> list[dict[str, Any]]:
-    """The defaults' row; one with staging sized to the transfer if the defaults dropped saves."""
+    """The defaults' row, and one with `max_save_bytes_in_flight` sized to the transfer.
+
+    The second only where the defaults dropped saves.
+    """
     medium = 0
     if connector == "CPUOffloadConnector":
         # A pool that holds the whole transfer; the pool is the medium.
@@ -253,7 +256,7 @@ def measure_connector(
     if rows[0]["saves_dropped"]:
         sized = {**extra, "max_save_bytes_in_flight": transfer_bytes + transfer_bytes // 16}
         row = _in_fresh_process(connector, transfer_bytes, sized, medium)
-        rows.append({"variant": "staging sized to the transfer", **row})
+        rows.append({"variant": "save cap sized to the transfer", **row})
         _empty_medium(scratch, redis_url)
     return rows
 
@@ -307,7 +310,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     print(markdown_table(rows), flush=True)
     summary: dict[str, Any] = {}
     for row in rows:
-        suffix = "" if row["variant"] == "defaults" else "_staging_sized"
+        suffix = "" if row["variant"] == "defaults" else "_save_cap_sized"
         name = SHORT_NAMES[row["connector"]]
         summary[f"peak_extra_ratio_{name}{suffix}"] = round(row["peak_extra_ratio"], 3)
         if row["saves_dropped"]:

@@ -39,7 +39,7 @@ def test_cpu_offload_moves_every_byte_and_its_pool_is_not_counted_as_extra() -> 
     assert found["peak_extra_ratio"] == pytest.approx(found["peak_extra_bytes"] / TRANSFER)
 
 
-def test_when_the_defaults_drop_saves_it_runs_again_with_staging_sized_to_the_transfer(
+def test_when_the_defaults_drop_saves_it_runs_again_with_the_save_cap_sized_to_the_transfer(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs: list[dict[str, object]] = []
@@ -52,7 +52,7 @@ def test_when_the_defaults_drop_saves_it_runs_again_with_staging_sized_to_the_tr
 
     monkeypatch.setattr(memory, "_in_fresh_process", measured)
     rows = memory.measure_connector("SharedStorageConnector", TRANSFER, tmp_path, None)
-    assert [row["variant"] for row in rows] == ["defaults", "staging sized to the transfer"]
+    assert [row["variant"] for row in rows] == ["defaults", "save cap sized to the transfer"]
     assert "max_save_bytes_in_flight" not in runs[0]
     assert runs[1]["max_save_bytes_in_flight"] >= TRANSFER  # type: ignore[operator]
 
