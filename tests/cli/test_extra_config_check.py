@@ -158,8 +158,9 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
         "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, cpu_pool_bytes, eviction, io_threads, "
-        "load_failures_to_pause, load_pause_s, medium, save_threshold, transfer_timeout_s",
+        "accepted keys are: async_load, async_lookup, cpu_pool_bytes, eviction, io_threads, "
+        "load_failures_to_pause, load_pause_s, lookup_deadline_s, medium, save_threshold, "
+        "transfer_timeout_s",
         id="cpu-offload-typo",
     ),
     pytest.param(
@@ -202,8 +203,9 @@ BAD_EXTRA_CONFIGS = [
         "SharedStorageConnector",
         {"shared_storage_path": STORE, "fsynch": True},
         "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
-        "keys are: allow_other_owner, async_load, batch_blocks, entry_kv_heads, entry_layers, "
-        "file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, mac_key_env, "
+        "keys are: allow_other_owner, async_load, async_lookup, batch_blocks, entry_kv_heads, "
+        "entry_layers, file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, "
+        "lookup_deadline_s, mac_key_env, "
         "max_bytes, max_save_bytes_in_flight, medium, shared_storage_path, "
         "transfer_timeout_s",
         id="shared-storage-typo",
@@ -233,9 +235,9 @@ BAD_EXTRA_CONFIGS = [
         "RedisConnector",
         {"ttl": 60},
         "kv_connector_extra_config.ttl is not an option of RedisConnector; accepted keys are: "
-        "async_load, batch_blocks, connect_timeout_s, db, entry_kv_heads, entry_layers, "
-        "io_threads, key_prefix, load_failures_to_pause, load_pause_s, "
-        "load_timeout_s, lookup_batch_size, lookup_timeout_s, mac_key_env, "
+        "async_load, async_lookup, batch_blocks, connect_timeout_s, db, entry_kv_heads, "
+        "entry_layers, io_threads, key_prefix, load_failures_to_pause, load_pause_s, "
+        "load_timeout_s, lookup_batch_size, lookup_deadline_s, lookup_timeout_s, mac_key_env, "
         "max_save_bytes_in_flight, medium, password, "
         "password_env, pipeline_bytes, pool_size, retry_interval_s, save_timeout_s, "
         "socket_timeout_s, tls_ca_certs, tls_certfile, tls_keyfile, "
@@ -319,9 +321,9 @@ BAD_EXTRA_CONFIGS = [
             ]
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
-        "an option of CPUOffloadConnector; accepted keys are: async_load, cpu_pool_bytes, "
-        "eviction, io_threads, load_failures_to_pause, load_pause_s, medium, save_threshold, "
-        "transfer_timeout_s",
+        "an option of CPUOffloadConnector; accepted keys are: async_load, async_lookup, "
+        "cpu_pool_bytes, eviction, io_threads, load_failures_to_pause, load_pause_s, "
+        "lookup_deadline_s, medium, save_threshold, transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(

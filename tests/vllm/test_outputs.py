@@ -41,15 +41,25 @@ def cold_then_warm(llm: Any) -> tuple[list[list[int]], list[list[int]], list[int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", EVERY_KV_BOTH_PROFILE)
+@pytest.mark.parametrize(
+    ("profile", "options"),
+    [
+        *((profile, {}) for profile in EVERY_KV_BOTH_PROFILE),
+        # A lookup that answers None first, then the count from its thread.
+        ("redis.yaml", {"async_lookup": True, "lookup_deadline_s": 60}),
+    ],
+    ids=[*EVERY_KV_BOTH_PROFILE, "redis.yaml-async-lookup"],
+)
 def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     profile: str,
+    options: dict[str, Any],
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
     request: pytest.FixtureRequest,
 ) -> None:
     mapping = profile_with_directory(profile, tmp_path)
+    mapping["kv_transfer_config"]["kv_connector_extra_config"].update(options)
     if "redis" in profile:
         key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
         mapping = with_redis_url(mapping, request.getfixturevalue("redis_url"), key_prefix)
@@ -62,6 +72,8 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     loaded = sum(value for name, value in stats.items() if name.endswith("blocks_loaded"))
     assert loaded == len(PROMPTS) * LOADABLE_TOKENS // BLOCK_SIZE
     assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
+    started = sum(value for name, value in stats.items() if name.endswith("lookups_started"))
+    assert (started > 0) == bool(options.get("async_lookup"))
 
 
 @pytest.mark.slow

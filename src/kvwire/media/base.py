@@ -99,6 +99,13 @@ class MediumIndex(abc.ABC):
     statement warns (`DeprecationWarning`) and the connector calls its old-named method.
     """
 
+    concurrent_lookups: ClassVar[bool] = False
+    """Whether `count_held_prefix` may run on a lookup thread while the scheduler's thread makes
+    the index's other calls (the offload connector's `async_lookup` then runs it there).
+
+    False (the default): every call is on the scheduler's thread.
+    """
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         forward_old_overrides(cls, _RENAMED_SAVE_HOOKS)

@@ -48,6 +48,20 @@ is asked for last block first, so the answer says where the nearest gap is.
 """
 
 
+@attrs.frozen
+class LookupSpan:
+    """A request's block hashes, and the positions a lookup asks about: `first_block` on.
+
+    Positions from `last_block` on are never offered (the last prompt
+    token's block, a failed load's blocks). A snapshot: a lookup thread
+    reads it while the engine extends the request.
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    first_block: int
+    last_block: int
+
+
 @attrs.define
 class _Lookup:
     first_block: int
@@ -123,18 +137,31 @@ class BlockPlanner:
 
     def look_up(self, request: Request, num_computed_tokens: int, count_hits: HitCounter) -> int:
         """Remember and return how many blocks after the local ones the medium holds."""
+        lookup = self.probe(self.lookup_span(request, num_computed_tokens), count_hits)
+        self._lookups[request.request_id] = lookup
+        return lookup.hit_blocks
+
+    def lookup_span(self, request: Request, num_computed_tokens: int) -> LookupSpan:
+        """What a lookup of `request` asks about, fixed now: its hashes and the blocks looked up."""
         first_block = num_computed_tokens // self._block_size
-        hashes = request.block_hashes
         # At least one prompt token is always left to compute: the engine needs
         # logits for it.
         last_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
         # A load that failed would fail again (a load slower than its deadline)
         # and have the engine recompute, then ask again, without end.
         last_block = min(last_block, self._failed_load_starts.get(request.request_id, last_block))
+        return LookupSpan(tuple(request.block_hashes), first_block, last_block)
+
+    def probe(self, span: LookupSpan, count_hits: HitCounter) -> _Lookup:
+        """The questions a lookup of `span` asks `count_hits`, and what they found.
+
+        Reads only the planner's settings, never its per-request state, so a
+        lookup thread may run it while the scheduler's thread uses the planner.
+        """
+        hashes, first_block, last_block = span.block_hashes, span.first_block, span.last_block
         branches = self._missing_local_branch_windows(hashes, first_block, count_hits)
         if not self._loads or last_block <= first_block:
-            self._lookups[request.request_id] = _Lookup(first_block, 0, 0, branches)
-            return 0
+            return _Lookup(first_block, 0, 0, branches)
         full_end = last_block
         for group in self._full_groups:
             if full_end > first_block:
@@ -147,11 +174,7 @@ class BlockPlanner:
             for group in self._sliding_groups:
                 window = group.needed_positions(full_end)
                 branches.setdefault(group.index, []).extend(range(max(end, window.start), full_end))
-        hits = end - first_block
-        self._lookups[request.request_id] = _Lookup(
-            first_block, hits, last_block - first_block, branches
-        )
-        return hits
+        return _Lookup(first_block, end - first_block, last_block - first_block, branches)
 
     def _missing_local_branch_windows(
         self, hashes: Sequence[BlockHash], first_block: int, count_hits: HitCounter

@@ -21,9 +21,11 @@ Each instance builds only its role's half (`RoleSplitConnector`):
 Loads happen only for `kv_consumer`/`kv_both` engines, saves only for
 `kv_producer`/`kv_both` ones. Its own `kv_connector_extra_config`
 keys are `medium`, `async_load` (loads reported through
-`get_finished`), `load_failures_to_pause` (default 5) and `load_pause_s`
-(default 10): after that many loads in a row failed, the medium's hits are
-withheld for that long, then one load probes it
+`get_finished`), `async_lookup` (a store medium is looked up on a lookup
+thread, the request asked again until the answer is in, and a miss after
+`lookup_deadline_s`, default 0.1), `load_failures_to_pause` (default 5) and
+`load_pause_s` (default 10): after that many loads in a row failed, the
+medium's hits are withheld for that long, then one load probes it
 (`_load_breaker`); the medium declares the rest.
 """
 
@@ -85,6 +87,14 @@ if TYPE_CHECKING:
 __all__ = ["OffloadConnector"]
 
 MEDIUM_FIELD = "kv_connector_extra_config.medium"
+
+DEFAULT_LOOKUP_DEADLINE_S = 0.1
+"""How long an `async_lookup` request waits for its lookup before computing its blocks itself.
+
+Tens of round trips to a server 1 ms away, a few to one 20 ms away (a
+lookup asks once per KV cache group). A request then waits at most this
+long for a server that hangs, not the 1 s of a store's `lookup_timeout_s`.
+"""
 
 
 class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHalf], SupportsHMA):
@@ -148,6 +158,9 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
                         f"medium {shown(options['medium'])}",
                         failures_to_pause=options["load_failures_to_pause"],
                         pause_s=options["load_pause_s"],
+                    ),
+                    lookup_deadline_s=(
+                        options["lookup_deadline_s"] if options["async_lookup"] else None
                     ),
                 )
             )
@@ -221,6 +234,8 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
             )
         keys: tuple[ExtraConfigKey, ...] = (
             bool_key("async_load", False),
+            bool_key("async_lookup", False),
+            seconds_key("lookup_deadline_s", DEFAULT_LOOKUP_DEADLINE_S, maximum=3600),
             int_key("load_failures_to_pause", DEFAULT_FAILURES_TO_PAUSE, minimum=1, maximum=10**6),
             seconds_key("load_pause_s", DEFAULT_PAUSE_S, maximum=24 * 3600),
             ExtraConfigKey(

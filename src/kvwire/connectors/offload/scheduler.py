@@ -21,6 +21,12 @@ new asynchronous load of it can stall vLLM's admission when the KV cache is
 short (see `loads_failed`).
 A medium whose loads keep failing has its hits withheld for a while
 (`kvwire.connectors.offload._load_breaker`).
+
+With a `lookup_deadline_s` (the `async_lookup` option), a medium whose
+index declares `MediumIndex.concurrent_lookups`
+is looked up on a lookup thread: the lookup answers None until the thread
+has, and a miss past the deadline
+(`kvwire.connectors.offload._async_lookups`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from collections.abc import Sequence
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.connectors.offload._async_lookups import AsyncLookups
 from kvwire.connectors.offload._load_breaker import LoadBreaker
-from kvwire.connectors.offload._planner import BlockPlanner
+from kvwire.connectors.offload._planner import BlockPlanner, HitCounter
 from kvwire.connectors.offload.metadata import OffloadMetadata, of_worker_metadata
 from kvwire.interface.types import (
     BlockHash,
@@ -68,7 +75,11 @@ class _RequestState:
 
 
 class OffloadSchedulerHalf:
-    """The scheduler half of one offload connector: its state and calls."""
+    """The scheduler half of one offload connector: its state and calls.
+
+    `lookup_deadline_s`: look the medium up on a lookup thread, a miss
+    after that many seconds; None looks it up on the scheduler's thread.
+    """
 
     def __init__(
         self,
@@ -79,6 +90,7 @@ class OffloadSchedulerHalf:
         async_load: bool,
         medium: str = "the medium",
         load_breaker: LoadBreaker | None = None,
+        lookup_deadline_s: float | None = None,
     ) -> None:
         self._index = index
         # Names the medium in warnings about its index's answers.
@@ -101,6 +113,13 @@ class OffloadSchedulerHalf:
         # A medium that places nothing (entries found by key) takes every
         # save as planned: no per-block bookkeeping to build each step.
         self._places_saves = type(index).prepare_save is not MediumIndex.prepare_save
+        # A deadline asks for lookups off the scheduler's thread; an index
+        # whose lookups touch its scheduler-side state answers on it.
+        self._async_lookups = (
+            AsyncLookups(planner.probe, self._count_held, deadline_s=lookup_deadline_s)
+            if lookup_deadline_s is not None and index.concurrent_lookups
+            else None
+        )
 
     @property
     def index(self) -> MediumIndex:
@@ -113,7 +132,15 @@ class OffloadSchedulerHalf:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        count = self._count_held if self._breaker.offers_hits() else _held_nowhere
+        count: HitCounter = self._count_held
+        if not self._breaker.offers_hits():
+            count = _held_nowhere
+        elif self._async_lookups is not None:
+            span = self._planner.lookup_span(request, num_computed_tokens)
+            answers = self._async_lookups.answers(request.request_id, span)
+            if answers is None:
+                return None, False
+            count = answers.count
         hits = self._planner.look_up(request, num_computed_tokens, count)
         return hits * self._planner.block_size, self._async_load and hits > 0
 
@@ -190,11 +217,13 @@ class OffloadSchedulerHalf:
             if (placed := self._place_save(save)) is not None
         ]
         for request_id in scheduler_output.finished_req_ids:
-            self._planner.forget(request_id)
+            self._forget(request_id)
         hit_blocks, miss_blocks = self._planner.take_lookup_counts()
         counters = {"lookup_hit_blocks": hit_blocks, "lookup_miss_blocks": miss_blocks}
         counters.update(self._index.take_counters())
         counters.update(self._breaker.take_counters())
+        if self._async_lookups is not None:
+            counters.update(self._async_lookups.take_counters())
         metadata = OffloadMetadata(
             loads=tuple(self._step_loads),
             async_loads=tuple(self._step_async_loads),
@@ -249,13 +278,18 @@ class OffloadSchedulerHalf:
         them; the worker half then reports the request finished sending
         once no transfer of it runs.
         """
-        self._planner.forget(request.request_id)
+        self._forget(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None or not state.busy:
             return False
         self._finished[request.request_id] = state
         self._release_req_ids.append(request.request_id)
         return True
+
+    def _forget(self, request_id: str) -> None:
+        self._planner.forget(request_id)
+        if self._async_lookups is not None:
+            self._async_lookups.forget(request_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         invalid = connector_output.invalid_block_ids
@@ -331,6 +365,8 @@ class OffloadSchedulerHalf:
         return self._index.reset()
 
     def close(self) -> None:
+        if self._async_lookups is not None:
+            self._async_lookups.close()
         self._index.close()
 
 

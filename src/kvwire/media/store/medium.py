@@ -553,6 +553,9 @@ class _StoreIndex(MediumIndex):
     after block, `per_block` entries each (every rank's head groups).
     """
 
+    # Lookups keep no state here: a store is called from many threads.
+    concurrent_lookups = True
+
     def __init__(
         self,
         store: BlockStore,
