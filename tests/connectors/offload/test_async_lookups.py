@@ -16,6 +16,7 @@ import pytest
 
 from kvwire.blocks.groups import CacheGroup
 from kvwire.config import EngineConfig
+from kvwire.connectors.offload._async_lookups import AsyncLookups, LookupAnswers
 from kvwire.connectors.offload._planner import BlockPlanner
 from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.engine.engine import LLMEngine, RequestOutput
@@ -239,3 +240,22 @@ def test_a_multi_connector_passes_a_pending_lookup_through() -> None:
     # Had the MultiConnector taken None for a miss, the store would serve nothing.
     assert stats["OffloadConnector"]["blocks_loaded"] > 0
     assert stats["OffloadConnector"]["lookups_started"] > 0
+
+
+def test_a_lookup_whose_probe_raised_is_a_miss_not_an_error_of_the_scheduler() -> None:
+    def probe(span: object, count: object) -> None:
+        raise RuntimeError("the planner failed")
+
+    lookups = AsyncLookups(probe, lambda group, hashes: 0, deadline_s=NO_DEADLINE_S)
+    span = object()
+    try:
+        assert lookups.answers("r", span) is None  # type: ignore[arg-type]
+        for _ in range(6000):
+            answer = lookups.answers("r", span)  # type: ignore[arg-type]
+            if answer is not None:
+                break
+            time.sleep(0.005)
+        assert answer == LookupAnswers({})
+        assert lookups.in_flight == 0
+    finally:
+        lookups.close()

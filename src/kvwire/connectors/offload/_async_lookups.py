@@ -19,6 +19,7 @@ its answer is used, at its deadline, or when the request finishes.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -26,8 +27,11 @@ import attrs
 
 from kvwire.connectors.offload._planner import HitCounter, LookupSpan
 from kvwire.interface.types import BlockHash
+from kvwire.redaction import shown
 
 __all__ = ["AsyncLookups", "LookupAnswers"]
+
+logger = logging.getLogger(__name__)
 
 LOOKUP_THREADS = 4
 """Threads per scheduler half running lookups: a few round trips to one server at once."""
@@ -109,6 +113,15 @@ class AsyncLookups:
         if pending.future.done():
             del self._pending[request_id]
             self._settled += 1
+            if pending.future.exception() is not None:
+                # The index's own errors are misses already (`count_held`); this
+                # is the planner's, and the request still computes its blocks.
+                logger.warning(
+                    "lookup of request %s raised %s; counted as a miss",
+                    shown(request_id),
+                    type(pending.future.exception()).__name__,
+                )
+                return LookupAnswers({})
             return pending.future.result()
         if self._clock() - pending.started < self._deadline_s:
             return None
