@@ -49,11 +49,16 @@ logger = logging.getLogger(__name__)
 
 @attrs.frozen
 class GenerationRequest:
-    """One prompt to complete: `max_tokens` greedy tokens after `prompt_token_ids`."""
+    """One prompt to complete: `max_tokens` greedy tokens after `prompt_token_ids`.
+
+    `kv_transfer_params` are the request's parameters for the connector, as
+    vLLM's request carries them (e.g. `{"max_load_tokens": 64}`).
+    """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -210,6 +215,7 @@ class LLMEngine:
                 request_id=request.request_id,
                 prompt_token_ids=list(request.prompt_token_ids),
                 max_tokens=request.max_tokens,
+                kv_transfer_params=request.kv_transfer_params,
             )
         )
 

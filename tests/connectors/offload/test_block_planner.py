@@ -119,8 +119,8 @@ def test_lookup_counts_add_up_over_allocated_requests_and_reset_when_taken():
     for request_id in ("a", "b"):
         plan.look_up(request_of(request_id), 0, medium_holding(HASHES[0]))
         plan.allocate(request_of(request_id), KVCacheBlocks((list(BLOCK_IDS),)), 0)
-    assert plan.take_lookup_counts() == (2, 6)
-    assert plan.take_lookup_counts() == (0, 0)
+    assert plan.take_lookup_counts() == (2, 6, 0)
+    assert plan.take_lookup_counts() == (0, 0, 0)
 
 
 def test_saves_cover_each_full_block_once_as_steps_compute_them():

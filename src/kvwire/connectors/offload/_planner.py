@@ -53,13 +53,16 @@ class LookupSpan:
     """A request's block hashes, and the positions a lookup asks about: `first_block` on.
 
     Positions from `last_block` on are never offered (the last prompt
-    token's block, a failed load's blocks). A snapshot: a lookup thread
-    reads it while the engine extends the request.
+    token's block, a failed load's blocks, those past the request's
+    `max_load_tokens`); `capped_blocks` of them only for its
+    `max_load_tokens`. A snapshot: a lookup thread reads it while the
+    engine extends the request.
     """
 
     block_hashes: tuple[BlockHash, ...]
     first_block: int
     last_block: int
+    capped_blocks: int = 0
 
 
 @attrs.define
@@ -67,6 +70,8 @@ class _Lookup:
     first_block: int
     hit_blocks: int
     candidate_blocks: int
+    # Blocks a `max_load_tokens` kept out of the lookup (see LookupSpan).
+    capped_blocks: int = 0
     # Per sliding-window group: the positions of windows to save where the
     # request branches from saved ones (see BlockPlanner.look_up).
     branch_windows: dict[int, list[int]] = attrs.field(factory=dict)
@@ -93,7 +98,8 @@ class BlockPlanner:
     planner that does not load finds no hits, one that does not save plans
     no saves. `lookup_hit_blocks`/`lookup_miss_blocks` count the blocks
     found and not found by the lookups of the requests allocated since the
-    last `take_lookup_counts`. `window_aware=False` saves every
+    last `take_lookup_counts`, `load_blocks_capped` those a request's
+    `max_load_tokens` kept out of them. `window_aware=False` saves every
     block of a sliding-window group too, as a connector unaware of windows
     would (what `python -m benchmarks --only hybrid` compares against).
     """
@@ -129,20 +135,38 @@ class BlockPlanner:
         self._new_block_ids: set[int] = set()
         self.lookup_hit_blocks = 0
         self.lookup_miss_blocks = 0
+        self.load_blocks_capped = 0
 
     @property
     def block_size(self) -> int:
         """Tokens per block."""
         return self._block_size
 
-    def look_up(self, request: Request, num_computed_tokens: int, count_hits: HitCounter) -> int:
-        """Remember and return how many blocks after the local ones the medium holds."""
-        lookup = self.probe(self.lookup_span(request, num_computed_tokens), count_hits)
+    def look_up(
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        count_hits: HitCounter,
+        max_load_tokens: int | None = None,
+    ) -> int:
+        """Remember and return how many blocks after the local ones the medium holds.
+
+        `max_load_tokens` caps them (see `lookup_span`).
+        """
+        span = self.lookup_span(request, num_computed_tokens, max_load_tokens)
+        lookup = self.probe(span, count_hits)
         self._lookups[request.request_id] = lookup
         return lookup.hit_blocks
 
-    def lookup_span(self, request: Request, num_computed_tokens: int) -> LookupSpan:
-        """What a lookup of `request` asks about, fixed now: its hashes and the blocks looked up."""
+    def lookup_span(
+        self, request: Request, num_computed_tokens: int, max_load_tokens: int | None = None
+    ) -> LookupSpan:
+        """What a lookup of `request` asks about, fixed now: its hashes and the blocks looked up.
+
+        With `max_load_tokens`, no block ending past `num_computed_tokens +
+        max_load_tokens` is looked up: the request loads at most that many
+        tokens, in whole blocks, and computes the rest.
+        """
         first_block = num_computed_tokens // self._block_size
         # At least one prompt token is always left to compute: the engine needs
         # logits for it.
@@ -150,7 +174,12 @@ class BlockPlanner:
         # A load that failed would fail again (a load slower than its deadline)
         # and have the engine recompute, then ask again, without end.
         last_block = min(last_block, self._failed_load_starts.get(request.request_id, last_block))
-        return LookupSpan(tuple(request.block_hashes), first_block, last_block)
+        capped_blocks = 0
+        if max_load_tokens is not None:
+            cap_end = max(first_block, (num_computed_tokens + max_load_tokens) // self._block_size)
+            capped_blocks = max(0, last_block - cap_end)
+            last_block -= capped_blocks
+        return LookupSpan(tuple(request.block_hashes), first_block, last_block, capped_blocks)
 
     def probe(self, span: LookupSpan, count_hits: HitCounter) -> _Lookup:
         """The questions a lookup of `span` asks `count_hits`, and what they found.
@@ -161,7 +190,7 @@ class BlockPlanner:
         hashes, first_block, last_block = span.block_hashes, span.first_block, span.last_block
         branches = self._missing_local_branch_windows(hashes, first_block, count_hits)
         if not self._loads or last_block <= first_block:
-            return _Lookup(first_block, 0, 0, branches)
+            return _Lookup(first_block, 0, 0, span.capped_blocks, branches)
         full_end = last_block
         for group in self._full_groups:
             if full_end > first_block:
@@ -174,7 +203,9 @@ class BlockPlanner:
             for group in self._sliding_groups:
                 window = group.needed_positions(full_end)
                 branches.setdefault(group.index, []).extend(range(max(end, window.start), full_end))
-        return _Lookup(first_block, end - first_block, last_block - first_block, branches)
+        return _Lookup(
+            first_block, end - first_block, last_block - first_block, span.capped_blocks, branches
+        )
 
     def _missing_local_branch_windows(
         self, hashes: Sequence[BlockHash], first_block: int, count_hits: HitCounter
@@ -234,6 +265,7 @@ class BlockPlanner:
             lookup = _Lookup(request.num_computed_tokens // self._block_size, 0, 0)
         self.lookup_hit_blocks += lookup.hit_blocks
         self.lookup_miss_blocks += lookup.candidate_blocks - lookup.hit_blocks
+        self.load_blocks_capped += lookup.capped_blocks
         all_block_ids = self._copied(self._per_group(request.request_id, blocks.get_block_ids()))
         if self._saves:
             # Blocks before the local hit are shared, read-only; the rest will be written.
@@ -446,8 +478,8 @@ class BlockPlanner:
         self._save_cursors.pop(request_id, None)
         self._failed_load_starts.pop(request_id, None)
 
-    def take_lookup_counts(self) -> tuple[int, int]:
-        """The hit and miss block counts since the last call, then reset them."""
-        counts = (self.lookup_hit_blocks, self.lookup_miss_blocks)
-        self.lookup_hit_blocks = self.lookup_miss_blocks = 0
+    def take_lookup_counts(self) -> tuple[int, int, int]:
+        """The hit, miss and capped block counts since the last call, then reset them."""
+        counts = (self.lookup_hit_blocks, self.lookup_miss_blocks, self.load_blocks_capped)
+        self.lookup_hit_blocks = self.lookup_miss_blocks = self.load_blocks_capped = 0
         return counts

@@ -27,12 +27,17 @@ index declares `MediumIndex.concurrent_lookups`
 is looked up on a lookup thread: the lookup answers None until the thread
 has, and a miss past the deadline
 (`kvwire.connectors.offload._async_lookups`).
+
+A request whose `kv_transfer_params` hold `max_load_tokens` loads at most
+that many tokens past its local hit, in whole blocks (vLLM's offloading
+connector reads the same key); the blocks past it are not looked up, and
+counted in `load_blocks_capped`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -133,16 +138,40 @@ class OffloadSchedulerHalf:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         count: HitCounter = self._count_held
+        max_load_tokens = self._max_load_tokens(request)
         if not self._breaker.offers_hits():
             count = _held_nowhere
         elif self._async_lookups is not None:
-            span = self._planner.lookup_span(request, num_computed_tokens)
+            span = self._planner.lookup_span(request, num_computed_tokens, max_load_tokens)
             answers = self._async_lookups.answers(request.request_id, span)
             if answers is None:
                 return None, False
             count = answers.count
-        hits = self._planner.look_up(request, num_computed_tokens, count)
+        hits = self._planner.look_up(request, num_computed_tokens, count, max_load_tokens)
         return hits * self._planner.block_size, self._async_load and hits > 0
+
+    def _max_load_tokens(self, request: Request) -> int | None:
+        """The request's `max_load_tokens` from its `kv_transfer_params`; None for none.
+
+        The value is the user's: one that is no count of tokens is ignored,
+        with a warning, and the request loads what the medium holds.
+        """
+        params = request.kv_transfer_params
+        if not isinstance(params, Mapping):
+            return None
+        raw = params.get("max_load_tokens")
+        if raw is None:
+            return None
+        if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+            return raw
+        self._warn.warn(
+            "max-load-tokens-invalid",
+            "request %s: kv_transfer_params.max_load_tokens is %s, not an integer >= 0 or "
+            "null; ignored",
+            shown(request.request_id),
+            shown(raw),
+        )
+        return None
 
     def _count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """The index's count, checked: an error or an answer that is no count of them is a miss.
@@ -218,8 +247,12 @@ class OffloadSchedulerHalf:
         ]
         for request_id in scheduler_output.finished_req_ids:
             self._forget(request_id)
-        hit_blocks, miss_blocks = self._planner.take_lookup_counts()
-        counters = {"lookup_hit_blocks": hit_blocks, "lookup_miss_blocks": miss_blocks}
+        hit_blocks, miss_blocks, capped_blocks = self._planner.take_lookup_counts()
+        counters = {
+            "lookup_hit_blocks": hit_blocks,
+            "lookup_miss_blocks": miss_blocks,
+            "load_blocks_capped": capped_blocks,
+        }
         counters.update(self._index.take_counters())
         counters.update(self._breaker.take_counters())
         if self._async_lookups is not None:
