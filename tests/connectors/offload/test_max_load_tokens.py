@@ -8,6 +8,7 @@ outputs equal outputs without a connector.
 from __future__ import annotations
 
 import logging
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +22,15 @@ from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.interface.types import BlockHash, KVCacheBlocks, Request, SchedulerOutput
 from kvwire.media.base import MediumIndex
-from tests.support.engines import generate, served, tiny_config, tokens, with_connector, workload
+from tests.support.engines import (
+    generate,
+    served,
+    tiered_disk,
+    tiny_config,
+    tokens,
+    with_connector,
+    workload,
+)
 
 BLOCK = 4
 HASHES = [bytes([n]) * 8 for n in range(4)]
@@ -173,3 +182,21 @@ def test_the_engine_with_a_cap_keeps_its_outputs_and_loads_at_most_the_cap(
     assert 0 < served(warm) <= len(requests) * block_size
     assert all(output.external_tokens <= block_size for output in warm)
     assert stats["load_blocks_capped"] > 0
+
+
+def test_under_a_multi_connector_the_child_that_loads_applies_the_cap(
+    tmp_path: pathlib.Path,
+) -> None:
+    requests = workload()
+    reference = tokens(generate(tiny_config(), requests))
+    config = tiered_disk(tiny_config(), tmp_path)
+    generate(config, requests)  # fills the disk tier
+    block_size = config.cache_config.block_size
+    # A fresh engine: its CPU tier is empty, the disk tier answers.
+    with LLMEngine(config) as engine:
+        warm = engine.generate(capped(requests, block_size))
+        stats = engine.connector_stats.reduce()
+    assert tokens(warm) == reference
+    assert 0 < served(warm) <= len(requests) * block_size
+    assert all(output.external_tokens <= block_size for output in warm)
+    assert stats["SharedStorageConnector"]["load_blocks_capped"] > 0
