@@ -232,6 +232,21 @@ def read_extra_config(
     return values
 
 
+@attrs.frozen
+class ResolvedMedium:
+    """One medium of a list-of-media option (a tiered medium's `tiers`), resolved and read.
+
+    `medium_class` is the class its `medium` names, `options` the rest of
+    its mapping read over that class's keys and finished, `plugins` the
+    classes its own plug-in options name.
+    """
+
+    name: str
+    medium_class: type
+    options: Mapping[str, Any] = attrs.field(repr=False)
+    plugins: Mapping[str, Any] = attrs.field(factory=dict)
+
+
 def plugin_classes(
     keys: Sequence[ExtraConfigKey], options: Mapping[str, Any], registry: object
 ) -> dict[str, Any]:
@@ -240,8 +255,11 @@ def plugin_classes(
     `options` are the values `read_extra_config` read over `keys`; each key
     with a `plugin` is looked up in that lookup of `registry` (a
     `ConnectorRegistry`: `registry.eviction_policies`), whose
-    `get_class` raises a `ValueError` for a name it does not know. Every
-    error names its key, one per line (`ExtraConfigError`).
+    `get_class` raises a `ValueError` for a name it does not know. A key
+    whose value is a tuple of mappings, each naming a medium under `medium`
+    (`plugin="media"`), resolves to a tuple of `ResolvedMedium`, each read
+    over its own medium's keys. Every error names its key, one per line
+    (`ExtraConfigError`).
     """
     classes: dict[str, Any] = {}
     problems: list[str] = []
@@ -255,13 +273,44 @@ def plugin_classes(
                 "look its value up in"
             )
             continue
+        value = options.get(key.name, key.default)
         try:
-            classes[key.name] = lookup.get_class(options.get(key.name, key.default))
+            if isinstance(value, tuple):
+                classes[key.name] = tuple(
+                    _resolved_medium(f"{key.name}[{i}]", item, lookup, registry)
+                    for i, item in enumerate(value)
+                )
+            else:
+                classes[key.name] = lookup.get_class(value)
+        except ExtraConfigError as error:
+            problems.append(str(error))
         except ValueError as error:
             problems.append(f"kv_connector_extra_config.{key.name}: {error}")
     if problems:
         raise ExtraConfigError("\n".join(problems))
     return classes
+
+
+def _resolved_medium(
+    field: str, item: Mapping[str, Any], lookup: Any, registry: object
+) -> ResolvedMedium:
+    """One item of a list of media: its class, its options read over its keys, its plug-ins."""
+    prefix = f"kv_connector_extra_config.{field}"
+    try:
+        medium_class = lookup.get_class(item["medium"])
+    except ValueError as error:
+        raise ExtraConfigError(f"{prefix}.medium: {error}") from None
+    name = f"{field} ({item['medium']})"
+    rest = {k: v for k, v in item.items() if k != "medium"}
+    try:
+        read = read_extra_config(name, rest, medium_class.extra_config_keys())
+        read = medium_class.finish_options(name, read)
+        plugins = plugin_classes(medium_class.extra_config_keys(), read, registry)
+    except ExtraConfigError as error:
+        # Each line named the option as if at the top level: name it in its item.
+        lines = str(error).replace("kv_connector_extra_config.", f"{prefix}.")
+        raise ExtraConfigError(lines) from None
+    return ResolvedMedium(str(item["medium"]), medium_class, read, plugins)
 
 
 def _warn_deprecated_key(connector_name: str, old: str, new: str) -> None:

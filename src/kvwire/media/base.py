@@ -74,8 +74,11 @@ class MediumContext:
     """The engine's `kv_transfer_config.engine_id`: the same in both roles and every process."""
     parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
     """This rank and how the engine is split: `layout` is one rank's share of a block."""
-    plugins: Mapping[str, type] = attrs.field(factory=dict)
+    plugins: Mapping[str, Any] = attrs.field(factory=dict)
     """The class each plug-in option names, by key (the CPU pool's `eviction`: its policy).
+
+    A list-of-media option (the tiered medium's `tiers`) holds a tuple of
+    `kvwire.config.extra_config.ResolvedMedium`.
 
     The options are the medium's keys with a `plugin` lookup (`ExtraConfigKey.plugin`);
     the container resolves them through its registry, so a policy registered or
@@ -187,6 +190,17 @@ class MediumIndex(abc.ABC):
             success=success,
         )
 
+    def take_spills(self) -> list[BlockTransfer]:
+        """Blocks to copy from one place of the medium to another, since the last call.
+
+        A tiered medium's blocks its pool evicted that no slower tier holds
+        yet; their block ids are the pool slots they are read from. The
+        connector sends them to the worker half with the step's plan, where
+        [`TransferHandler.spill`][kvwire.media.TransferHandler.spill] writes
+        them before anything of the step writes the medium. None by default.
+        """
+        return []
+
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events this side saw since the last call (stored, removed blocks)."""
         return []
@@ -277,6 +291,17 @@ class TransferHandler(abc.ABC):
         save commits nothing more. Returns the saves (or their pieces)
         stopped so, so the scheduler half never publishes them.
         """
+
+    def spill(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Start writing the blocks the index's `take_spills` gave; only submits.
+
+        Called before the step's loads and saves. A medium whose index
+        gives none need not implement it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.spill: this medium's index gave blocks to spill, but its "
+            "handler does not implement spill()"
+        )
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events this side saw since the last call (media whose index sees none)."""

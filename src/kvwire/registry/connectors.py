@@ -77,6 +77,7 @@ BUILT_IN_CONNECTORS: dict[str, tuple[str, str]] = {
     "SharedStorageConnector": ("kvwire.connectors.offload.presets", "SharedStorageConnector"),
     "MultiConnector": ("kvwire.connectors.multi.connector", "MultiConnector"),
     "RedisConnector": ("kvwire.connectors.offload.presets", "RedisConnector"),
+    "TieredOffloadConnector": ("kvwire.connectors.offload.presets", "TieredOffloadConnector"),
 }
 """The connectors kvwire ships: name -> (module path, class name)."""
 

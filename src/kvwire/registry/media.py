@@ -40,6 +40,7 @@ BUILT_IN_MEDIA: dict[str, tuple[str, str]] = {
     "directory": ("kvwire.media.store.directory.medium", "DirectoryMedium"),
     "peer": ("kvwire.media.peer.medium", "PeerMedium"),
     "redis": ("kvwire.media.store.redis.medium", "RedisMedium"),
+    "tiered": ("kvwire.media.tiered.medium", "TieredMedium"),
 }
 """The media kvwire ships: name -> (module path, class name)."""
 

@@ -25,7 +25,8 @@ class OffloadMetadata(KVConnectorMetadata):
     token (what it holds waits for asynchronous loads); the worker then waits
     for those loads a little in `get_finished` instead of handing the engine
     back at once to a loop that would step again and again, holding the GIL
-    the load threads need.
+    the load threads need. `spills`: the medium's own copies from one place
+    of it to another (`MediumIndex.take_spills`), started before the loads.
     """
 
     loads: tuple[BlockTransfer, ...] = ()
@@ -36,6 +37,7 @@ class OffloadMetadata(KVConnectorMetadata):
     new_block_ids: frozenset[int] = frozenset()
     counters: tuple[tuple[str, int], ...] = ()
     idle: bool = False
+    spills: tuple[BlockTransfer, ...] = ()
 
 
 @attrs.frozen

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from kvwire.connectors.offload.connector import OffloadConnector
 
-__all__ = ["CPUOffloadConnector", "RedisConnector", "SharedStorageConnector"]
+__all__ = [
+    "CPUOffloadConnector",
+    "RedisConnector",
+    "SharedStorageConnector",
+    "TieredOffloadConnector",
+]
 
 
 class CPUOffloadConnector(OffloadConnector):
@@ -45,3 +50,19 @@ class RedisConnector(OffloadConnector):
     """
 
     default_medium = "redis"
+
+
+class TieredOffloadConnector(OffloadConnector):
+    """A CPU pool in front of slower tiers (shared storage, Redis, ...): it decides what goes where.
+
+    Each secondary tier is any kvwire medium.
+
+    The medium is `kvwire.media.tiered.medium`: the CPU pool's keys
+    (`cpu_pool_bytes`, `eviction`, `save_threshold`, ...), `write_policy`
+    (`write_through` or `spill`) and `tiers`, a list of secondary tiers,
+    each a medium's name under `medium` with that medium's keys. A block
+    found in a secondary tier is brought into the pool on its way to the
+    cache; the tiers are written from the pool's memory.
+    """
+
+    default_medium = "tiered"

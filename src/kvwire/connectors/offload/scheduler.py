@@ -266,6 +266,8 @@ class OffloadSchedulerHalf:
             new_block_ids=frozenset(self._planner.take_new_block_ids()),
             counters=tuple(sorted((name, n) for name, n in counters.items() if n)),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
+            # After every prepare_load and prepare_save of the step: all its evictions.
+            spills=tuple(self._index.take_spills()),
         )
         self._sync_loads_in_flight.extend(self._step_loads)
         self._step_loads = []

@@ -119,6 +119,9 @@ class OffloadWorkerHalf:
         self._step_is_idle = metadata.idle
         if kv_connector_metadata is not self._released_for:
             self.handle_preemptions(kv_connector_metadata)
+        if metadata.spills:
+            # Before the loads: a load may bring a block into a slot a spill reads.
+            transfers.handler.spill(metadata.spills)
         if metadata.loads or metadata.async_loads:
             transfers.start_loads(metadata.loads, metadata.async_loads)
 

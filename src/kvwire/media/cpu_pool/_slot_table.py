@@ -11,11 +11,16 @@ Which block is evicted is the eviction policy's choice
 (`kvwire.media.eviction`, least recently used by default), whatever the
 block's group, but never while a load reads it (`load_refs`) or a save
 writes it (not yet `ready`).
+
+A tiered medium (`kvwire.media.tiered`) keeps slower tiers behind the pool:
+it brings blocks in from them (`start_promotion`), marks the blocks its
+tiers hold (`mark_clean`), and is told of each ready block evicted
+(`on_evict`) so that it can spill the ones only the pool holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -30,6 +35,8 @@ class _Slot:
     block_hash: BlockHash
     ready: bool = False
     load_refs: int = 0
+    # The slower tiers hold this block too: evicting it loses nothing.
+    clean: bool = False
 
 
 class SlotTable:
@@ -37,11 +44,17 @@ class SlotTable:
 
     One dict per group finds an entry by its hash without building a key per
     lookup; one policy over the slots orders all groups' entries for
-    eviction (an `LRUPolicy` when none is given).
+    eviction (an `LRUPolicy` when none is given). `on_evict` is called
+    with `(group, block_hash, slot, clean)` for each ready block the policy
+    evicts, before its slot is reused.
     """
 
     def __init__(
-        self, num_slots: int, num_groups: int = 1, policy: EvictionPolicy | None = None
+        self,
+        num_slots: int,
+        num_groups: int = 1,
+        policy: EvictionPolicy | None = None,
+        on_evict: Callable[[int, BlockHash, int, bool], None] | None = None,
     ) -> None:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
@@ -50,6 +63,7 @@ class SlotTable:
         self._by_slot: dict[int, _Slot] = {}
         self._policy = LRUPolicy(num_slots) if policy is None else policy
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._on_evict = on_evict
         # Per group: blocks evicted (or discarded) since the last take_evicted.
         self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
 
@@ -149,6 +163,54 @@ class SlotTable:
                 self._free_slots.append(entry.slot)
                 self.evicted[group].append(block_hash)
 
+    def start_promotion(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """A pinned slot for each block to bring in from a slower tier; None where none can be had.
+
+        A block the pool already holds, or being saved or brought in, gets
+        None, as does every block once every slot is pinned. The slots are
+        pinned (`load_refs`) and not ready until `finish_promotion`.
+        """
+        entries = self._by_group[group]
+        slots: list[int | None] = []
+        for block_hash in hashes:
+            slot = None if block_hash in entries else self._take_slot()
+            if slot is not None:
+                entry = _Slot(slot, group, block_hash, load_refs=1, clean=True)
+                entries[block_hash] = entry
+                self._by_slot[slot] = entry
+                self._policy.insert(slot, (group, block_hash))
+            slots.append(slot)
+        return slots
+
+    def finish_promotion(
+        self, group: int, hashes: Sequence[BlockHash], failed: Sequence[BlockHash]
+    ) -> list[BlockHash]:
+        """Unpin brought-in blocks: ready (those not `failed`), or forgotten; those made ready."""
+        entries = self._by_group[group]
+        bad = set(failed)
+        ready = []
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is None or entry.ready or entry.load_refs == 0:
+                continue
+            entry.load_refs -= 1
+            if block_hash in bad:
+                self._remove(entry)
+                self._policy.remove(entry.slot)
+                self._free_slots.append(entry.slot)
+            else:
+                entry.ready = True
+                ready.append(block_hash)
+        return ready
+
+    def mark_clean(self, group: int, hashes: Sequence[BlockHash]) -> None:
+        """The slower tiers hold these blocks: evicting them needs no spill."""
+        entries = self._by_group[group]
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None:
+                entry.clean = True
+
     def take_evicted(self) -> tuple[list[BlockHash], ...]:
         """Per group, the blocks evicted or discarded since the last call, in that order."""
         taken = self.evicted
@@ -182,4 +244,6 @@ class SlotTable:
         entry = self._by_slot[slot]
         self._remove(entry)
         self.evicted[entry.group].append(entry.block_hash)
+        if self._on_evict is not None:
+            self._on_evict(entry.group, entry.block_hash, slot, entry.clean)
         return slot

@@ -161,6 +161,9 @@ class CPUPoolTransferHandler(TransferHandler):
         bounds = [count * i // pieces for i in range(pieces + 1)]
         return [part_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
 
+    def _before_writing_slots(self, slots: Sequence[int], deadline: float) -> None:
+        """Called on a copy thread before a save writes `slots`; a subclass waits for its users."""
+
     def _save(self, job: JobPiece) -> None:
         (transfer,) = job.transfers
         caches = self._caches[transfer.group]
@@ -168,6 +171,7 @@ class CPUPoolTransferHandler(TransferHandler):
         started = time.perf_counter()
         stored = 0
         try:
+            self._before_writing_slots(transfer.slots, job.deadline)
             # Chunk by chunk, so each checksum (where the layout has one) reads
             # entries the copy has just written while they are still in the CPU
             # cache; under the job's lock, so that once abandoned it reads no
@@ -201,9 +205,22 @@ class CPUPoolTransferHandler(TransferHandler):
     def _load(self, job: JobPiece) -> None:
         """Verify and copy one piece into the cache; its failed block ids go to `job.failed`."""
         (transfer,) = job.transfers
+        started = time.perf_counter()
+        failed = self._copy_into_cache(job, transfer)
+        if failed is None:
+            return  # its caller has reported every block of it failed
+        job.failed = failed
+        if job.end():
+            loaded = len(job.block_ids) - len(failed)
+            self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
+
+    def _copy_into_cache(self, job: JobPiece, transfer: BlockTransfer) -> list[int] | None:
+        """Verify `transfer`'s slots and copy them into the cache; the block ids that failed.
+
+        None once `job` was given up on (nothing more is written then).
+        """
         caches = self._caches[transfer.group]
         layout = self._layouts[transfer.group]
-        started = time.perf_counter()
         failed: list[int] = []
         try:
             # Chunk by chunk, so the copy into the cache reads entries that
@@ -223,15 +240,12 @@ class CPUPoolTransferHandler(TransferHandler):
                     job.check()
                     caches.scatter_many(self.pool.payloads, verified_slots, verified_ids)
         except JobAbandoned:
-            return  # its caller has reported every block of it failed
+            return None
         except Exception:
             # Never an exception into the engine: the whole transfer is reported failed.
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)
             failed = list(transfer.block_ids)
-        job.failed = failed
-        if job.end():
-            loaded = len(transfer.block_ids) - len(failed)
-            self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
+        return failed
 
     def _write_headers(
         self, layout: BlockLayout, slots: Sequence[int], block_hashes: Sequence[BlockHash]

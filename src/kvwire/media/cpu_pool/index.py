@@ -10,7 +10,7 @@ saves the pool had no room for and of saves not admitted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.admission import SaveAdmission
@@ -24,7 +24,8 @@ class CPUPoolIndex(MediumIndex):
 
     `medium` names the pool in the KV cache events; `policy` orders its
     evictions (least recently used when None); `admission` decides which
-    blocks offered for a save are saved (every one when None).
+    blocks offered for a save are saved (every one when None); `on_evict`
+    is told of each ready block the policy evicts (see `SlotTable`).
     """
 
     def __init__(
@@ -35,8 +36,9 @@ class CPUPoolIndex(MediumIndex):
         *,
         policy: EvictionPolicy | None = None,
         admission: SaveAdmission | None = None,
+        on_evict: Callable[[int, BlockHash, int, bool], None] | None = None,
     ) -> None:
-        self._index = SlotTable(num_slots, num_groups, policy)
+        self._index = SlotTable(num_slots, num_groups, policy, on_evict)
         self._admission = admission
         self._medium = medium
         self._events: list[KVCacheEvent] = []

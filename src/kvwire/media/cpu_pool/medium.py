@@ -58,6 +58,8 @@ from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 if TYPE_CHECKING:
     import torch
 
+    from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
+
 __all__ = ["CPUPoolMedium"]
 
 logger = logging.getLogger(__name__)
@@ -113,10 +115,9 @@ class CPUPoolMedium(Medium):
     ) -> TransferHandler:
         # Imported here: they need torch, which the scheduler half never imports.
         from kvwire.blocks.paged_cache import group_caches
-        from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 
         context = self.context
-        handler = CPUPoolTransferHandler(
+        handler = self.pool_handler(
             # Memory this process allocated and only kvwire writes: the
             # headers name each slot's block, a payload checksum would buy nothing.
             layouts=tuple(
@@ -137,6 +138,15 @@ class CPUPoolMedium(Medium):
             len(context.groups),
         )
         return handler
+
+    def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
+        """The worker half over the pool, from `build_handler`'s checked arguments.
+
+        A medium built on the pool (the tiered medium) returns its own handler class here.
+        """
+        from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
+
+        return CPUPoolTransferHandler(**arguments)
 
 
 # A count-min sketch's one-byte counters are halved as they age: a threshold

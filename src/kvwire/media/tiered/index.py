@@ -1,0 +1,387 @@
+"""The tiered medium's scheduler half: the pool's slot table, and where each block comes from.
+
+A lookup counts the blocks the pool holds, then asks each secondary tier in
+turn for the blocks after them, and remembers which tier held which span
+(the lookup's plan, kept for a bounded number of lookups). When the load is
+prepared, the pool's blocks are pinned as a CPU pool load pins them; the
+plan's secondary-tier blocks get a pool slot each, pinned and not ready
+(`SlotTable.start_promotion`): the worker reads them from their tier into
+those slots, then copies the slots into the cache. Each block's `sources`
+tell the worker where it is: `""` in the pool, `"<N>:<tier's own source>"`
+in tier `N`, `"-"` nowhere any more (it left the pool between the lookup
+and the load, or the pool had no free slot to bring it into): a load error,
+which the engine computes again.
+
+Which blocks reach the secondary tiers: with `write_through`, every block
+whose pool save is made (the worker writes it from the pool); with
+`spill`, each ready block the pool evicts while no tier holds it yet
+(`take_spills`, which the worker writes from its slot before that slot is
+written again).
+
+Lookups may run on a lookup thread (`concurrent_lookups`): the pool's
+count only reads the slot table (a stale answer is caught when the load is
+prepared), and a tier whose own index does not allow it is left out of a
+lookup made off the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import attrs
+
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.interface.types import BlockHash, BlockStored, KVCacheEvent
+from kvwire.media.admission import SaveAdmission
+from kvwire.media.base import MediumIndex
+from kvwire.media.cpu_pool.index import CPUPoolIndex
+from kvwire.media.eviction import EvictionPolicy
+from kvwire.media.rate_limited import RateLimitedWarning
+from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
+
+__all__ = ["MISSING", "TieredIndex", "tier_prefix", "tier_source"]
+
+logger = logging.getLogger(__name__)
+
+MISSING = "-"
+"""The source of a block to load that no tier can give any more: the worker fails it."""
+
+# Lookups whose plans are kept for their loads: far more than one step admits.
+_MAX_PLANS = 4096
+# The lookup-delay buckets reported per tier, in seconds, with their counter names.
+_DELAY_BUCKETS = ((0.001, "lookups_le_1ms"), (0.01, "lookups_le_10ms"), (0.1, "lookups_le_100ms"))
+
+
+def tier_prefix(number: int) -> str:
+    """The prefix of secondary tier `number`'s counters (`tier1.`)."""
+    return f"tier{number}."
+
+
+def tier_source(number: int, source: str) -> str:
+    """A load's source for a block in secondary tier `number`, where its tier found it."""
+    return f"{number}:{source}"
+
+
+@attrs.frozen
+class _Plan:
+    """Where one lookup found its blocks: the pool's count, then each tier's span."""
+
+    in_pool: int
+    spans: tuple[tuple[int, int, int], ...]
+    """(tier number, first position, end position) of each tier's blocks, in order."""
+
+    def tier_at(self, position: int) -> int | None:
+        for number, start, stop in self.spans:
+            if start <= position < stop:
+                return number
+        return None
+
+
+@attrs.define
+class _Load:
+    """One prepared load: each block's tier (0: the pool; None: missing)."""
+
+    tiers: list[int | None]
+
+
+class TieredIndex(CPUPoolIndex):
+    """The pool's index with secondary tiers' indexes behind it (see the module)."""
+
+    concurrent_lookups: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_groups: int,
+        medium: str,
+        *,
+        tiers: Sequence[MediumIndex],
+        write_through: bool,
+        policy: EvictionPolicy | None = None,
+        admission: SaveAdmission | None = None,
+    ) -> None:
+        super().__init__(
+            num_slots,
+            num_groups,
+            medium,
+            policy=policy,
+            admission=admission,
+            on_evict=self._evicted,
+        )
+        if not tiers:
+            raise ValueError("TieredIndex: expected at least one secondary tier's index")
+        self._num_slots = num_slots
+        self._tiers = tuple(tiers)
+        self._write_through = write_through
+        self._scheduler_thread = threading.get_ident()
+        self._warn = RateLimitedWarning(logger)
+        # Written by lookup threads too: every change of these under the lock.
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[int, BlockHash], _Plan] = {}
+        self._tier_counts: dict[str, int] = {}
+        # Prepared loads not completed yet, by (group, first block, length): two
+        # loads of the same blocks complete in the order they were prepared.
+        self._loads: dict[tuple[int, BlockHash, int], list[_Load]] = {}
+        self._sources: dict[tuple[int, BlockHash, int], tuple[str, ...]] = {}
+        self._spills: list[tuple[int, BlockHash, int]] = []
+
+    # --------------------------------------------------------------- lookups
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        """The pool's ready prefix, extended by each secondary tier in turn."""
+        held = self._index.count_ready_prefix(group, block_hashes)
+        in_pool = held
+        spans: list[tuple[int, int, int]] = []
+        on_scheduler_thread = threading.get_ident() == self._scheduler_thread
+        for number, tier in enumerate(self._tiers, 1):
+            if held == len(block_hashes):
+                break
+            if not (on_scheduler_thread or tier.concurrent_lookups):
+                continue
+            found = self._count_in_tier(number, tier, group, block_hashes[held:])
+            if found:
+                spans.append((number, held, held + found))
+                held += found
+        if spans:
+            with self._lock:
+                if len(self._plans) >= _MAX_PLANS:
+                    del self._plans[next(iter(self._plans))]
+                self._plans[(group, block_hashes[0])] = _Plan(in_pool, tuple(spans))
+        return held
+
+    def _count_in_tier(
+        self, number: int, tier: MediumIndex, group: int, block_hashes: Sequence[BlockHash]
+    ) -> int:
+        """Tier `number`'s count, timed; an error or an answer that is no count is a miss."""
+        started = time.perf_counter()
+        try:
+            found = tier.count_held_prefix(group, block_hashes)
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-count-raised",
+                "tier %d: looking up %d blocks raised %s: %s; counted as a miss",
+                number,
+                len(block_hashes),
+                type(error).__name__,
+                redact_text(str(error))[:SHOWN_LENGTH],
+            )
+            found = 0
+        elapsed = time.perf_counter() - started
+        if not (
+            isinstance(found, int)
+            and not isinstance(found, bool)
+            and 0 <= found <= len(block_hashes)
+        ):
+            self._warn.warn(
+                f"tier{number}-count-invalid",
+                "tier %d: looking up %d blocks answered %s; counted as a miss",
+                number,
+                len(block_hashes),
+                shown(found),
+            )
+            found = 0
+        prefix = tier_prefix(number)
+        counts = {f"{prefix}lookups": 1, f"{prefix}lookup_microseconds": round(elapsed * 1e6)}
+        for bound, name in _DELAY_BUCKETS:
+            if elapsed <= bound:
+                counts[prefix + name] = 1
+        with self._lock:
+            for name, amount in counts.items():
+                self._tier_counts[name] = self._tier_counts.get(name, 0) + amount
+        return found
+
+    # ----------------------------------------------------------------- loads
+
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+        """Pin the pool's blocks, give the tiers' blocks a pinned slot each; every block's slot.
+
+        A block no tier can give any more gets an out-of-range slot and the
+        source `MISSING`: the worker fails it without reading anything.
+        """
+        if not block_hashes:
+            return ()
+        in_pool = self._index.count_ready_prefix(group, block_hashes)
+        with self._lock:
+            plan = self._plans.get((group, block_hashes[0]))
+        slots: list[int] = list(self._index.start_load(group, block_hashes[:in_pool]))
+        tiers: list[int | None] = [0] * in_pool
+        sources: list[str] = [""] * in_pool
+        position = in_pool
+        while position < len(block_hashes):
+            number = None
+            if plan is not None and position >= plan.in_pool:
+                number = plan.tier_at(position)
+            end = position + 1
+            while (
+                end < len(block_hashes)
+                and number is not None
+                and plan is not None
+                and plan.tier_at(end) == number
+            ):
+                end += 1
+            span = block_hashes[position:end]
+            if number is None:
+                slots += [self._num_slots] * len(span)
+                tiers += [None] * len(span)
+                sources += [MISSING] * len(span)
+            else:
+                self._bring_in(number, group, span, slots, tiers, sources)
+            position = end
+        key = (group, block_hashes[0], len(block_hashes))
+        self._loads.setdefault(key, []).append(_Load(tiers))
+        self._sources[key] = tuple(sources)
+        return tuple(slots)
+
+    def _bring_in(
+        self,
+        number: int,
+        group: int,
+        span: Sequence[BlockHash],
+        slots: list[int],
+        tiers: list[int | None],
+        sources: list[str],
+    ) -> None:
+        """Slots for `span`, found in tier `number`; a block with none is missing."""
+        tier = self._tiers[number - 1]
+        taken = self._index.start_promotion(group, span)
+        try:
+            tier.prepare_load(group, span)
+            found_at = tier.load_sources(group, span) or ("",) * len(span)
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-prepare-raised",
+                "tier %d: preparing a load of %d blocks raised %s; computed again",
+                number,
+                len(span),
+                type(error).__name__,
+            )
+            self._index.finish_promotion(
+                group, [h for h, slot in zip(span, taken, strict=True) if slot is not None], span
+            )
+            taken = [None] * len(span)
+            found_at = ("",) * len(span)
+        for slot, source in zip(taken, found_at, strict=True):
+            if slot is None:
+                slots.append(self._num_slots)
+                tiers.append(None)
+                sources.append(MISSING)
+            else:
+                slots.append(slot)
+                tiers.append(number)
+                sources.append(tier_source(number, source))
+
+    def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
+        """Where each block of the load just prepared is (see the module)."""
+        if not block_hashes:
+            return ()
+        return self._sources.pop((group, block_hashes[0], len(block_hashes)), ())
+
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        """Unpin the pool's blocks; the blocks brought in become hits, unless they failed."""
+        if not block_hashes:
+            return
+        key = (group, block_hashes[0], len(block_hashes))
+        loads = self._loads.get(key)
+        if not loads:
+            super().complete_load(group, block_hashes, corrupt)
+            return
+        load = loads.pop(0)
+        if not loads:
+            del self._loads[key]
+        self._sources.pop(key, None)
+        in_pool = [h for h, tier in zip(block_hashes, load.tiers, strict=True) if tier == 0]
+        bad = set(corrupt)
+        super().complete_load(group, in_pool, [h for h in in_pool if h in bad])
+        for number, tier in enumerate(self._tiers, 1):
+            brought = [
+                h for h, where in zip(block_hashes, load.tiers, strict=True) if where == number
+            ]
+            if not brought:
+                continue
+            ready = self._index.finish_promotion(group, brought, [h for h in brought if h in bad])
+            if ready:
+                self._events.append(
+                    BlockStored(block_hashes=tuple(ready), medium=self._medium, group=group)
+                )
+                self._count(tier_prefix(number) + "promoted_blocks", len(ready))
+            # The tier's handler judged its own entries as it read them.
+            tier.complete_load(group, brought, ())
+        self._record_evictions()
+
+    # ----------------------------------------------------------------- saves
+
+    def complete_save(
+        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
+    ) -> None:
+        """As the pool's; with `write_through`, the worker also wrote the blocks to the tiers."""
+        super().complete_save(group, block_hashes, success=success)
+        if success and self._write_through:
+            self._index.mark_clean(group, block_hashes)
+
+    def _evicted(self, group: int, block_hash: BlockHash, slot: int, clean: bool) -> None:
+        if not clean and not self._write_through:
+            self._spills.append((group, block_hash, slot))
+
+    def take_spills(self) -> list[BlockTransfer]:
+        """The blocks evicted since the last call that no tier holds: one transfer per group.
+
+        Their block ids are the pool slots to write them from.
+        """
+        if not self._spills:
+            return []
+        spills, self._spills = self._spills, []
+        by_group: dict[int, list[tuple[BlockHash, int]]] = {}
+        for group, block_hash, slot in spills:
+            by_group.setdefault(group, []).append((block_hash, slot))
+        return [
+            BlockTransfer(
+                request_id="",
+                group=group,
+                block_ids=tuple(slot for _, slot in blocks),
+                block_hashes=tuple(block_hash for block_hash, _ in blocks),
+                slots=tuple(slot for _, slot in blocks),
+            )
+            for group, blocks in by_group.items()
+        ]
+
+    # ------------------------------------------------------------- reporting
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's events, then each tier's index's."""
+        events = super().take_events()
+        for tier in self._tiers:
+            events += tier.take_events()
+        return events
+
+    def take_counters(self) -> Mapping[str, int]:
+        """The pool's counts, the lookups' per tier, and each tier's index's, under `tier<N>.`."""
+        counters = dict(super().take_counters())
+        with self._lock:
+            tier_counts, self._tier_counts = self._tier_counts, {}
+        counters.update(tier_counts)
+        for number, tier in enumerate(self._tiers, 1):
+            for name, amount in tier.take_counters().items():
+                counters[tier_prefix(number) + name] = amount
+        return counters
+
+    def reset(self) -> bool:
+        """Forget the pool's and every tier's entries.
+
+        True when none says some of its entries stayed (a tier that cannot tell counts as done).
+        """
+        answers = [super().reset(), *(tier.reset() for tier in self._tiers)]
+        return not any(answer is False for answer in answers)
+
+    def close(self) -> None:
+        """Close every tier's index, each even when one before it fails (logged)."""
+        for number, tier in enumerate(self._tiers, 1):
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("tier %d: closing its index failed", number)

@@ -1,0 +1,187 @@
+"""The tiered medium: a CPU-memory pool (the primary tier) in front of slower media.
+
+The primary tier is the CPU pool (`kvwire.media.cpu_pool`): its slot table,
+eviction policy and admission of saves decide what this host keeps in
+memory. Behind it, one or more secondary tiers, each any kvwire medium
+(shared storage, Redis or Redis Cluster, ...), reach the engine only
+through the pool:
+
+- a lookup asks the pool, then each secondary tier in turn for the blocks
+  after those the tier before it holds;
+- a block found in a secondary tier is brought into a pool slot first
+  (promotion: its next reuse is a memory copy), then copied into the cache;
+- a secondary tier is written from the pool's memory, never by a second
+  read of the engine's cache, as `write_policy` says: `write_through`
+  writes each block once its pool save is made (the other engines sharing
+  the tier see it at once: what a prefill engine that publishes wants);
+  `spill` writes a block only when the pool evicts it and no secondary
+  tier holds it yet, so blocks that stay hot in memory cost the tiers
+  nothing;
+- a secondary tier that cannot keep up drops writes (its
+  `max_save_bytes_in_flight`, counted as `tier<N>.saves_dropped`); a pool
+  slot whose block is still being written waits for it before it is reused,
+  on the pool's copy threads, never on the forward pass.
+
+`kv_connector_extra_config` keys: the CPU pool's (`cpu_pool_bytes`,
+`io_threads`, `transfer_timeout_s`, `eviction`, `save_threshold`; see
+`kvwire.media.cpu_pool.medium`), and
+
+- `write_policy` (default `"write_through"`): `write_through` or `spill`;
+- `tiers` (required): a list of secondary tiers, first looked up first,
+  each a mapping of `medium` (a registered medium's name other than
+  `tiered`) and that medium's own keys:
+
+```yaml
+kv_connector: TieredOffloadConnector
+kv_connector_extra_config:
+  cpu_pool_bytes: 1GiB
+  eviction: arc
+  write_policy: spill
+  tiers:
+    - medium: redis
+      url: redis://127.0.0.1:6379/0
+```
+
+Counts: the pool's own under their names (`blocks_saved`, `evicted_blocks`,
+...), each secondary tier's under `tier<N>.` (`tier1.bytes_saved`); the
+scheduler half adds per tier `tier<N>.lookup_hit_blocks`, the blocks it
+brought in (`tier<N>.promoted_blocks`); the worker half the blocks it asked
+each tier to write (`tier<N>.spilled_blocks`, `tier<N>.written_through_blocks`)
+and the writes given up on because their slot was needed
+(`tier<N>.writes_released`); and the lookup delay:
+`tier<N>.lookup_microseconds` over `tier<N>.lookups`, and how many took at
+most 1, 10 and 100 ms (`tier<N>.lookups_le_1ms`, ...): the lookup delay's
+histogram.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvwire.config.extra_config import (
+    ExtraConfigError,
+    ExtraConfigKey,
+    ResolvedMedium,
+)
+from kvwire.media.base import Medium, MediumContext, MediumIndex
+from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
+from kvwire.media.tiered.index import TieredIndex
+from kvwire.redaction import shown
+
+if TYPE_CHECKING:
+    from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
+
+__all__ = ["WRITE_POLICIES", "TieredMedium"]
+
+WRITE_POLICIES = ("write_through", "spill")
+"""How blocks reach the secondary tiers (see the module)."""
+
+
+class TieredMedium(CPUPoolMedium):
+    """The CPU pool, with secondary tiers behind it, each a medium of its own."""
+
+    def __init__(self, context: MediumContext) -> None:
+        super().__init__(context)
+        resolved: tuple[object, ...] = tuple(context.plugins.get("tiers") or ())
+        if not resolved:
+            raise ValueError(
+                f"{context.connector_name}: MediumContext.plugins has no 'tiers' (each secondary "
+                "tier's medium, resolved); build the medium through kvwire's container, or pass "
+                "plugins=kvwire.config.extra_config.plugin_classes(keys, options, registry)"
+            )
+        self.tiers: tuple[Medium, ...] = tuple(
+            _tier_medium(context, number, tier) for number, tier in enumerate(resolved, 1)
+        )
+        """The secondary tiers' media, first looked up first."""
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        """The `kv_connector_extra_config` keys: see the module docstring."""
+        return (
+            *super().extra_config_keys(),
+            ExtraConfigKey(
+                "write_policy",
+                "write_through",
+                lambda value: value if value in WRITE_POLICIES else None,
+                " or ".join(repr(policy) for policy in WRITE_POLICIES),
+            ),
+            ExtraConfigKey(
+                "tiers",
+                None,
+                _tier_list,
+                "a non-empty list of mappings, each with 'medium' (a medium's name other than "
+                "'tiered') and that medium's own keys",
+                plugin="media",
+            ),
+        )
+
+    @classmethod
+    def finish_options(cls, connector_name: str, options: dict[str, Any]) -> dict[str, Any]:
+        if options["tiers"] is None:
+            raise ExtraConfigError(
+                f"kv_connector_extra_config.tiers is required by {connector_name}: a list of "
+                "secondary tiers, each a mapping with 'medium' and that medium's keys"
+            )
+        return options
+
+    @property
+    def write_through(self) -> bool:
+        """Whether each block is written to the secondary tiers once saved (else on eviction)."""
+        return bool(self.context.options["write_policy"] == "write_through")
+
+    def build_index(self) -> MediumIndex:
+        options = self.context.options
+        return TieredIndex(
+            self.num_slots,
+            len(self.context.groups),
+            self.event_medium,
+            tiers=[tier.build_index() for tier in self.tiers],
+            write_through=self.write_through,
+            policy=eviction_policy(self.context, self.num_slots),
+            admission=save_admission(options["save_threshold"], self.num_slots),
+        )
+
+    def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
+        # Imported here: it needs torch, which the scheduler half never imports.
+        from kvwire.media.tiered.handler import TieredTransferHandler
+
+        return TieredTransferHandler(
+            **arguments,
+            tiers=self.tiers,
+            groups=self.context.groups,
+            write_through=self.write_through,
+        )
+
+
+def _tier_list(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """`value` as a tuple of tier mappings, each naming its medium; None if it is not one."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    tiers = []
+    for item in value:
+        if not isinstance(item, Mapping) or not isinstance(item.get("medium"), str):
+            return None
+        if item["medium"].lower() == "tiered":
+            return None
+        tiers.append(dict(item))
+    return tuple(tiers)
+
+
+def _tier_medium(context: MediumContext, number: int, tier: Any) -> Medium:
+    """Secondary tier `number`'s medium, built from its resolved class and options."""
+    if not isinstance(tier, ResolvedMedium):
+        raise TypeError(
+            f"{context.connector_name}: tiers[{number - 1}] resolved to {shown(tier)}, expected "
+            "a kvwire.config.extra_config.ResolvedMedium"
+        )
+    tier_context = attrs.evolve(
+        context,
+        connector_name=f"{context.connector_name} tier {number} ({tier.name})",
+        options=tier.options,
+        plugins=tier.plugins,
+    )
+    medium: Medium = tier.medium_class(tier_context)
+    return medium

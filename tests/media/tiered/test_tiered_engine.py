@@ -1,0 +1,203 @@
+"""The tiered offload connector through kvwire's engine: outputs equal no connector's.
+
+A pool that holds a few blocks in front of shared storage: evicted blocks
+spill to disk and come back through the pool; write-through writes every
+block; a failing tier costs hits, never outputs; a slow tier's lookups stay
+off the scheduler's thread under `async_lookup`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+
+from kvwire.blocks.format import HEADER_SIZE
+from kvwire.config import EngineConfig
+from kvwire.engine.engine import LLMEngine, RequestOutput
+from kvwire.media.store.directory.medium import DirectoryMedium
+from kvwire.testing.faulty_medium import FaultInjectingMedium
+from tests.support.engines import generate, renamed, served, tiny_config, tokens, with_connector
+from tests.support.engines import workload as shared_prefix_workload
+from tests.support.stores import DictMedium, DictStore
+
+# One entry of tiny_config(): its header and one block of both layers (checked below).
+ENTRY_BYTES = 2048 + HEADER_SIZE
+
+
+def workload() -> list[Any]:
+    return shared_prefix_workload(num_requests=16)
+
+
+def tiered(
+    directory: pathlib.Path, *, pool_blocks: int, write_policy: str, **extra: Any
+) -> EngineConfig:
+    tier = {"medium": "directory", "shared_storage_path": str(directory)}
+    return with_connector(
+        tiny_config(),
+        "TieredOffloadConnector",
+        {
+            "cpu_pool_bytes": pool_blocks * ENTRY_BYTES,
+            "write_policy": write_policy,
+            "tiers": [tier],
+            **extra,
+        },
+    )
+
+
+def three_passes(config: EngineConfig) -> tuple[list[list[RequestOutput]], dict[str, Any]]:
+    """A cold pass, then two warm ones with vLLM's own prefix cache emptied before each."""
+    passes = []
+    with LLMEngine(config) as engine:
+        for name in ("", "-warm", "-again"):
+            passes.append(engine.generate(renamed(workload(), name)))
+            engine.reset_prefix_cache()
+        stats = dict(engine.connector_stats.data)
+    return passes, stats
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[int, ...]]:
+    return tokens(generate(tiny_config(), workload()))
+
+
+def test_the_entry_size_the_pools_here_are_sized_by(tmp_path: pathlib.Path) -> None:
+    config = tiered(tmp_path, pool_blocks=3, write_policy="spill")
+    with LLMEngine(config) as engine:
+        connector = engine.scheduler_connector
+        assert connector is not None
+        assert connector.medium.num_slots == 3  # type: ignore[attr-defined]
+
+
+def test_spill_sends_evicted_blocks_to_disk_and_brings_them_back_through_the_pool(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    passes, stats = three_passes(tiered(tmp_path, pool_blocks=12, write_policy="spill"))
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert served(passes[1]) > 0
+    assert stats["evicted_blocks"] > 0
+    assert stats["tier1.spilled_blocks"] > 0
+    assert stats["tier1.blocks_saved"] == stats["tier1.spilled_blocks"]
+    # Brought from disk into the pool, then from the pool into the cache.
+    assert stats["tier1.blocks_loaded"] == stats["tier1.promoted_blocks"] > 0
+    assert stats["blocks_loaded"] > stats["tier1.blocks_loaded"]
+    assert any(tmp_path.rglob("*.kv")) or stats["tier1.bytes_saved"] > 0
+
+
+def test_spill_writes_nothing_while_the_pool_holds_every_block(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    passes, stats = three_passes(tiered(tmp_path, pool_blocks=200, write_policy="spill"))
+    assert tokens(passes[2]) == reference
+    assert stats.get("evicted_blocks", 0) == stats.get("tier1.blocks_saved", 0) == 0
+    write_through = three_passes(
+        tiered(tmp_path / "wt", pool_blocks=200, write_policy="write_through")
+    )[1]
+    assert write_through["tier1.blocks_saved"] == write_through["blocks_saved"] > 0
+
+
+def test_write_through_writes_every_block_saved_and_eviction_spills_none(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    passes, stats = three_passes(tiered(tmp_path, pool_blocks=12, write_policy="write_through"))
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    # Every block whose pool save was made, once; blocks brought in from the tier are not.
+    assert stats["tier1.written_through_blocks"] == stats["blocks_saved"] > 0
+    assert "tier1.spilled_blocks" not in stats
+    assert stats["tier1.promoted_blocks"] > 0
+
+
+class FailEveryLoad(FaultInjectingMedium):
+    """Shared storage whose every request's first load leaves one bad block."""
+
+    inner = DirectoryMedium
+
+
+def test_a_tier_whose_loads_fail_costs_hits_never_outputs(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    faulty = {
+        "medium": f"{FailEveryLoad.__module__}:FailEveryLoad",
+        "shared_storage_path": str(tmp_path),
+    }
+    config = tiered(tmp_path, pool_blocks=12, write_policy="spill")
+    assert config.kv_transfer_config is not None
+    extra = {**config.kv_transfer_config.kv_connector_extra_config, "tiers": [faulty]}
+    config = attrs.evolve(
+        config,
+        kv_transfer_config=attrs.evolve(config.kv_transfer_config, kv_connector_extra_config=extra),
+    )
+    passes, stats = three_passes(config)
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert sum(output.num_load_failures for outputs in passes for output in outputs) > 0
+
+
+def test_a_tier_that_cannot_be_written_costs_hits_never_outputs(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    config = with_connector(
+        tiny_config(),
+        "TieredOffloadConnector",
+        {
+            "cpu_pool_bytes": 12 * ENTRY_BYTES,
+            "write_policy": "spill",
+            # A server nobody listens on: every write and lookup of the tier fails.
+            "tiers": [{"medium": "redis", "url": "redis://127.0.0.1:9/0", "socket_timeout_s": 0.2}],
+        },
+    )
+    started = time.monotonic()
+    passes, stats = three_passes(config)
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert stats["tier1.spilled_blocks"] > 0
+    assert stats.get("tier1.blocks_saved", 0) == 0
+    assert time.monotonic() - started < 60
+
+
+class SlowStore(DictStore):
+    """A store each lookup of which takes 50 ms."""
+
+    entries: dict[str, bytes] = {}
+
+    def count_prefix(self, keys: Sequence[str]) -> int:
+        time.sleep(0.05)
+        return super().count_prefix(keys)
+
+
+class SlowMedium(DictMedium):
+    store_class = SlowStore
+
+
+def test_a_slow_tier_is_looked_up_off_the_scheduler_thread_with_async_lookup(
+    reference: list[tuple[int, ...]],
+) -> None:
+    SlowStore.entries.clear()
+    config = with_connector(
+        tiny_config(),
+        "TieredOffloadConnector",
+        {
+            "cpu_pool_bytes": 12 * ENTRY_BYTES,
+            "write_policy": "write_through",
+            "async_lookup": True,
+            "lookup_deadline_s": 0.01,
+            "tiers": [{"medium": f"{SlowMedium.__module__}:SlowMedium"}],
+        },
+    )
+    with LLMEngine(config) as engine:
+        connector = engine.scheduler_connector
+        assert connector is not None
+        for name in ("", "-warm"):
+            # Each lookup answers at once; past its 10 ms deadline, a miss.
+            outputs = engine.generate(renamed(workload(), name))
+            assert tokens(outputs) == reference
+            engine.reset_prefix_cache()
+        stats = dict(engine.connector_stats.data)
+    assert stats["lookups_late"] > 0
+    SlowStore.entries.clear()

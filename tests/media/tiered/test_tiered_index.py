@@ -1,0 +1,145 @@
+"""The tiered medium's scheduler half: lookups across tiers, promotion slots, spills, events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvwire.interface.types import BlockHash, BlockStored
+from kvwire.media.base import MediumIndex
+from kvwire.media.tiered.index import MISSING, TieredIndex, tier_source
+
+
+class SetIndex(MediumIndex):
+    """A tier's index over a set of hashes (group 0), found by key."""
+
+    concurrent_lookups = True
+
+    def __init__(self, held: set[BlockHash]) -> None:
+        self.held = held
+        self.completed: list[tuple[BlockHash, ...]] = []
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.held:
+                break
+            count += 1
+        return count
+
+    def complete_load(
+        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+    ) -> None:
+        self.completed.append(tuple(block_hashes))
+
+
+def hashes(*names: int) -> list[BlockHash]:
+    return [bytes([name]) * 8 for name in names]
+
+
+def saved(index: TieredIndex, blocks: list[BlockHash]) -> list[int]:
+    placed = index.prepare_save(0, blocks)
+    index.complete_save(0, [h for h, _ in placed], success=True)
+    return [slot for _, slot in placed if slot is not None]
+
+
+def test_a_lookup_extends_the_pools_prefix_with_each_tier_in_turn():
+    tier1, tier2 = SetIndex(set(hashes(3))), SetIndex(set(hashes(4, 5)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier1, tier2], write_through=False)
+    saved(index, hashes(1, 2))
+    assert index.count_held_prefix(0, hashes(1, 2, 3, 4, 5, 6)) == 5
+    # A block no tier holds ends the prefix, even if a later tier holds what follows.
+    assert index.count_held_prefix(0, hashes(1, 7, 4)) == 1
+
+
+def test_a_load_pins_the_pools_blocks_and_brings_the_tiers_blocks_into_new_slots():
+    tier = SetIndex(set(hashes(3, 4)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
+    pool_slots = saved(index, hashes(1, 2))
+    wanted = hashes(1, 2, 3, 4)
+    assert index.count_held_prefix(0, wanted) == 4
+    slots = index.prepare_load(0, wanted)
+    sources = index.load_sources(0, wanted)
+    assert list(slots[:2]) == pool_slots
+    assert len(set(slots)) == 4
+    assert sources == ("", "", tier_source(1, ""), tier_source(1, ""))
+    # Not hits until the load ends; then hits of the pool, with a stored event.
+    assert index.count_held_prefix(0, hashes(3)) == 1  # the tier still has it
+    assert index._index.count_ready_prefix(0, hashes(3)) == 0
+    index.take_events()
+    index.complete_load(0, wanted, ())
+    assert index._index.count_ready_prefix(0, hashes(3, 4)) == 2
+    events = index.take_events()
+    assert events == [BlockStored(block_hashes=tuple(hashes(3, 4)), medium="cpu", group=0)]
+    assert index.take_counters()["tier1.promoted_blocks"] == 2
+    assert tier.completed == [tuple(hashes(3, 4))]
+
+
+def test_a_block_brought_in_that_failed_is_forgotten_and_its_slot_freed():
+    tier = SetIndex(set(hashes(3, 4)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
+    wanted = hashes(3, 4)
+    index.count_held_prefix(0, wanted)
+    index.prepare_load(0, wanted)
+    index.complete_load(0, wanted, hashes(4))
+    assert index._index.count_ready_prefix(0, wanted) == 1
+    assert len(index._index) == 1
+
+
+def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error():
+    tier = SetIndex(set())
+    index = TieredIndex(1, 1, "cpu", tiers=[tier], write_through=False)
+    saved(index, hashes(1))
+    wanted = hashes(1)
+    assert index.count_held_prefix(0, wanted) == 1
+    saved(index, hashes(2))  # evicts block 1: the only slot
+    slots = index.prepare_load(0, wanted)
+    assert index.load_sources(0, wanted) == (MISSING,)
+    assert slots == (1,)  # out of range: the worker never reads it
+    index.complete_load(0, wanted, wanted)
+
+
+def test_spill_writes_each_evicted_block_no_tier_holds_once():
+    tier = SetIndex(set(hashes(1)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
+    # Block 1 comes from the tier (clean), block 2 is computed here (only the pool has it).
+    index.count_held_prefix(0, hashes(1))
+    index.prepare_load(0, hashes(1))
+    index.complete_load(0, hashes(1), ())
+    slot_of_2 = saved(index, hashes(2))[0]
+    saved(index, hashes(3, 4))  # evicts both
+    (spill,) = index.take_spills()
+    assert spill.block_hashes == tuple(hashes(2))
+    assert spill.block_ids == spill.slots == (slot_of_2,)
+    assert index.take_spills() == []
+
+
+def test_write_through_marks_saved_blocks_held_by_the_tiers_so_eviction_spills_nothing():
+    index = TieredIndex(2, 1, "cpu", tiers=[SetIndex(set())], write_through=True)
+    saved(index, hashes(1, 2))
+    saved(index, hashes(3, 4))
+    assert index.take_spills() == []
+
+
+def test_a_tier_that_raises_or_answers_nonsense_is_a_miss_and_later_tiers_still_answer():
+    class Raising(SetIndex):
+        def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+            raise ConnectionError("redis://:secret@host down")
+
+    index = TieredIndex(
+        4, 1, "cpu", tiers=[Raising(set()), SetIndex(set(hashes(1)))], write_through=False
+    )
+    assert index.count_held_prefix(0, hashes(1)) == 1
+    counters = index.take_counters()
+    assert counters["tier1.lookups"] == 1
+    assert counters["tier2.lookups"] == 1
+
+
+def test_each_tiers_lookup_delay_is_counted_in_cumulative_buckets():
+    index = TieredIndex(4, 1, "cpu", tiers=[SetIndex(set())], write_through=False)
+    for _ in range(3):
+        index.count_held_prefix(0, hashes(1))
+    counters = index.take_counters()
+    assert counters["tier1.lookups"] == 3
+    assert counters["tier1.lookups_le_100ms"] == 3
+    assert counters["tier1.lookups_le_1ms"] <= counters["tier1.lookups_le_10ms"] <= 3
+    assert counters["tier1.lookup_microseconds"] >= 0
