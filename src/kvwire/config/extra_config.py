@@ -274,16 +274,17 @@ def plugin_classes(
             )
             continue
         value = options.get(key.name, key.default)
+        if isinstance(value, tuple):
+            resolved = []
+            for i, item in enumerate(value):
+                try:
+                    resolved.append(_resolved_medium(f"{key.name}[{i}]", item, lookup, registry))
+                except ExtraConfigError as error:
+                    problems.append(str(error))
+            classes[key.name] = tuple(resolved)
+            continue
         try:
-            if isinstance(value, tuple):
-                classes[key.name] = tuple(
-                    _resolved_medium(f"{key.name}[{i}]", item, lookup, registry)
-                    for i, item in enumerate(value)
-                )
-            else:
-                classes[key.name] = lookup.get_class(value)
-        except ExtraConfigError as error:
-            problems.append(str(error))
+            classes[key.name] = lookup.get_class(value)
         except ValueError as error:
             problems.append(f"kv_connector_extra_config.{key.name}: {error}")
     if problems:

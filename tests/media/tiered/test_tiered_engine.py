@@ -137,6 +137,7 @@ def test_a_tier_whose_loads_fail_costs_hits_never_outputs(
     for outputs in passes:
         assert tokens(outputs) == reference
     assert sum(output.num_load_failures for outputs in passes for output in outputs) > 0
+    assert stats["load_errors"] > 0
 
 
 def test_a_tier_that_cannot_be_written_costs_hits_never_outputs(

@@ -1,0 +1,107 @@
+"""The tiered medium's options: every bad one named, with what is accepted, by `kvwire check`
+and by the container alike."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+
+from kvwire.cli import check_profile
+from kvwire.config.extra_config import ResolvedMedium, plugin_classes
+from kvwire.media.store.directory.medium import DirectoryMedium
+from kvwire.media.tiered.medium import TieredMedium
+from kvwire.registry import default_registry
+
+
+def check(tmp_path: pathlib.Path, extra: dict[str, Any]) -> tuple[int, str]:
+    profile = tmp_path / "tiered.yaml"
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "kv_transfer_config": {
+                    "kv_connector": "TieredOffloadConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_pool_bytes": "1MiB", **extra},
+                }
+            }
+        )
+    )
+    out, err = io.StringIO(), io.StringIO()
+    status = check_profile(str(profile), out=out, err=err)
+    return status, out.getvalue() + err.getvalue()
+
+
+def test_a_valid_profile_checks(tmp_path: pathlib.Path) -> None:
+    tiers = [{"medium": "directory", "shared_storage_path": str(tmp_path / "s")}]
+    status, text = check(tmp_path, {"tiers": tiers, "write_policy": "spill", "eviction": "arc"})
+    assert status == 0, text
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, "kv_connector_extra_config.tiers is required by TieredOffloadConnector"),
+        ({"tiers": []}, "kv_connector_extra_config.tiers: [] is not accepted"),
+        ({"tiers": ["directory"]}, "each with 'medium'"),
+        ({"tiers": [{"medium": "tiered"}]}, "a medium's name other than 'tiered'"),
+        (
+            {
+                "tiers": [{"medium": "directory", "shared_storage_path": "/tmp/x"}],
+                "write_policy": 1,
+            },
+            "kv_connector_extra_config.write_policy: 1 is not accepted by TieredOffloadConnector; "
+            "expected 'write_through' or 'spill'",
+        ),
+    ],
+)
+def test_a_bad_option_is_named_with_what_is_accepted(
+    tmp_path: pathlib.Path, extra: dict[str, Any], expected: str
+) -> None:
+    status, text = check(tmp_path, extra)
+    assert status == 1
+    assert expected in text
+
+
+def test_every_bad_tier_is_named_by_its_position_at_once(tmp_path: pathlib.Path) -> None:
+    tiers = [
+        {"medium": "directory", "shared_storage_path": "/tmp/x", "fsink": True},
+        {"medium": "nosuch"},
+        {"medium": "redis", "url": "http://x"},
+    ]
+    status, text = check(tmp_path, {"tiers": tiers})
+    assert status == 1
+    assert (
+        "kv_connector_extra_config.tiers[0].fsink is not an option of tiers[0] (directory)" in text
+    )
+    assert "kv_connector_extra_config.tiers[1].medium: unknown medium 'nosuch'" in text
+    assert "kv_connector_extra_config.tiers[2].url: scheme must be one of redis://" in text
+
+
+def test_a_tier_resolves_to_its_class_options_and_plugins() -> None:
+    options = {"tiers": ({"medium": "directory", "shared_storage_path": "/tmp/x"},)}
+    keys = [key for key in TieredMedium.extra_config_keys() if key.name == "tiers"]
+    (tier,) = plugin_classes(keys, options, default_registry())["tiers"]
+    assert isinstance(tier, ResolvedMedium)
+    assert tier.medium_class is DirectoryMedium
+    assert tier.options["shared_storage_path"] == "/tmp/x"
+    assert "/tmp/x" not in repr(tier)  # options may hold secrets: never in a repr
+
+
+def test_a_medium_built_by_hand_without_its_resolved_tiers_says_how_to_pass_them() -> None:
+    from kvwire.blocks.format import BlockLayout
+    from kvwire.blocks.groups import CacheGroup
+    from kvwire.media.base import MediumContext
+
+    layout = BlockLayout(num_layers=1, block_size=4, num_kv_heads=1, head_size=8, dtype="float32")
+    context = MediumContext(
+        connector_name="TieredOffloadConnector",
+        options={"cpu_pool_bytes": 1 << 20},
+        groups=(CacheGroup(0, ("layers.0",), 4),),
+        layout=layout,
+    )
+    with pytest.raises(ValueError, match=r"MediumContext\.plugins has no 'tiers'"):
+        TieredMedium(context)
