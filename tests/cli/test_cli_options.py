@@ -88,7 +88,7 @@ def test_profiles_lists_every_shipped_name_with_its_connector() -> None:
     }
     assert list(rows) == shipped_profile_names()
     assert rows["cpu-offload"] == "CPUOffloadConnector"
-    assert rows["tiered-disk"] == "MultiConnector"
+    assert rows["tiered-disk"] == "TieredOffloadConnector"
     assert lines[-1] == (
         f"files: {shipped_profile_path('cpu-offload').parent}; "
         "copy one (kvwire profiles --show NAME) to edit it"

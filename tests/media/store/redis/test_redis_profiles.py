@@ -34,6 +34,14 @@ def _pointed_at(config: EngineConfig, url: str, key_prefix: str) -> EngineConfig
     def redirect(extra: dict[str, Any], connector: str | None) -> dict[str, Any]:
         if connector == "RedisConnector":
             return {**extra, "url": url, "key_prefix": key_prefix}
+        if "tiers" in extra:
+            tiers = [
+                {**tier, "url": url, "key_prefix": key_prefix}
+                if tier["medium"] == "redis"
+                else tier
+                for tier in extra["tiers"]
+            ]
+            return {**extra, "tiers": tiers}
         if "connectors" in extra:
             children = [
                 {
@@ -72,9 +80,11 @@ def test_the_profile_loads_and_names_the_redis_connector(name: str) -> None:
 
     transfer = config.kv_transfer_config
     assert transfer is not None
-    children = transfer.kv_connector_extra_config.get("connectors", [])
+    extra = transfer.kv_connector_extra_config
+    children = extra.get("connectors", [])
     named = [transfer.kv_connector, *(child["kv_connector"] for child in children)]
-    assert "RedisConnector" in named
+    tiers = [tier["medium"] for tier in extra.get("tiers", [])]
+    assert "RedisConnector" in named or "redis" in tiers
     assert "password" not in str(transfer.kv_connector_extra_config)
 
 
@@ -101,8 +111,9 @@ def test_a_fresh_engine_on_the_profile_loads_from_redis_with_identical_outputs(
     assert all(
         output.local_cached_tokens + output.external_tokens == full_prompt for output in outputs
     )
-    redis_stats = stats.get("RedisConnector", stats)
-    assert redis_stats["blocks_loaded"] == distinct_prompt_blocks(workload, block_size)
+    # A tiered connector's Redis counts are its first tier's.
+    loaded = stats.get("tier1.blocks_loaded", stats["blocks_loaded"])
+    assert loaded == distinct_prompt_blocks(workload, block_size)
 
 
 def test_kvwire_check_never_prints_the_password(
