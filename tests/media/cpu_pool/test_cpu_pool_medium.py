@@ -243,9 +243,10 @@ def test_evictions_are_counted_and_reported_once_per_group() -> None:
 
     assert [block_hash for block_hash, _ in index.prepare_save(0, [H3, H4, H5])] == [H3, H4, H5]
 
+    # A prefix goes from its tail: group 1's H2 before its H1.
     assert index.take_events() == [
         BlockRemoved(block_hashes=(H1,), medium="cpu", group=0),
-        BlockRemoved(block_hashes=(H1, H2), medium="cpu", group=1),
+        BlockRemoved(block_hashes=(H2, H1), medium="cpu", group=1),
     ]
     assert index.take_counters() == {"evicted_blocks": 3}
     assert index.count_held_prefix(1, [H1]) == 0

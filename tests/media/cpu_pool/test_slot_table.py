@@ -43,6 +43,18 @@ def test_the_least_recently_used_block_is_evicted_first():
     assert _ready(index, 0, h(1)) and _ready(index, 0, h(3))
 
 
+def test_a_prefix_is_evicted_from_its_tail_so_what_stays_is_still_a_prefix():
+    index = SlotTable(3)
+    stored(index, 1, 2, 3)  # one request's blocks: 1 first
+    stored(index, 4)
+    assert index.take_evicted() == ([h(3)],)
+    index.start_load(0, [h(1), h(2)])
+    index.finish_load(0, [h(1), h(2)])  # loaded together: 2 goes before 1
+    stored(index, 5, 6)
+    assert index.take_evicted() == ([h(4), h(2)],)
+    assert index.count_ready_prefix(0, [h(1)]) == 1
+
+
 def test_a_block_being_loaded_is_never_evicted():
     index = SlotTable(1)
     stored(index, 1)

@@ -20,7 +20,7 @@ tiers hold (`mark_clean`), and is told of each ready block evicted
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import attrs
 
@@ -96,8 +96,8 @@ class SlotTable:
                     f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
                 )
             entry.load_refs += 1
-            self._policy.hit(entry.slot)
             slots.append(entry.slot)
+        self._touch_tail_first(slots)
         return slots
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
@@ -116,10 +116,12 @@ class SlotTable:
         """
         entries = self._by_group[group]
         placed: list[tuple[BlockHash, int]] = []
+        touched: list[int] = []
+        new_slots: set[int] = set()
         for block_hash in hashes:
             existing = entries.get(block_hash)
             if existing is not None:
-                self._policy.hit(existing.slot)
+                touched.append(existing.slot)
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -127,8 +129,10 @@ class SlotTable:
             entry = _Slot(slot, group, block_hash)
             entries[block_hash] = entry
             self._by_slot[slot] = entry
-            self._policy.insert(slot, (group, block_hash))
             placed.append((block_hash, slot))
+            touched.append(slot)
+            new_slots.add(slot)
+        self._touch_tail_first(touched, new_slots)
         return placed
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -226,6 +230,22 @@ class SlotTable:
                 self._free_slots.append(entry.slot)
                 self.evicted[entry.group].append(entry.block_hash)
         return not self._by_slot
+
+    def _touch_tail_first(self, slots: Sequence[int], new_slots: Set[int] = frozenset()) -> None:
+        """Tell the policy these slots of one request were used, its last block first.
+
+        A block is worth keeping only with every block before it (a lookup
+        stops at the first one missing), so the first block of a prefix is
+        told last: the most recently used, the last to go. The policy then
+        evicts a prefix from its tail, as vLLM's own prefix cache does.
+        `new_slots` are inserted rather than hit.
+        """
+        for slot in reversed(slots):
+            if slot in new_slots:
+                entry = self._by_slot[slot]
+                self._policy.insert(slot, (entry.group, entry.block_hash))
+            else:
+                self._policy.hit(slot)
 
     def _remove(self, entry: _Slot) -> None:
         del self._by_group[entry.group][entry.block_hash]
