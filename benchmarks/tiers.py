@@ -17,8 +17,17 @@ soonest, evicting the block used again farthest in the future, or not
 saving the new block when that block is the new one itself (an optimum that
 may refuse saves, as admission does). It counts every held block as a hit,
 the pool only a held prefix, so it bounds every policy from above. Each hit
-rate is reported as a ratio of it. Written to ``tiers.json`` and
-``tiers.md``; ``run`` returns the ratios, for ``summary.json``.
+rate is reported as a ratio of it.
+
+Then the same trace through the tiered medium's index (`TieredIndex`), a
+pool of each size in front of a disk that holds every block written to it:
+hits of each tier, blocks computed (a miss of both), and blocks written to
+the disk, for each write policy (`write_through`, `spill`) and eviction
+policy; beside it, a `MultiConnector` of a CPU pool and a disk as the tiered
+profiles used to be (the first child with a hit loads, every computed block
+is saved to both, nothing loaded from the disk enters the pool). Written to
+``tiers.json`` and ``tiers.md``; ``run`` returns the ratios, for
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ import attrs
 
 from benchmarks.common import main as run_main
 from benchmarks.common import write_json
+from kvwire.interface.types import BlockHash
+from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.cpu_pool.medium import save_admission
+from kvwire.media.tiered.index import MISSING, TieredIndex
 from kvwire.registry import default_registry
 
 Trace = list[list[bytes]]
@@ -225,6 +237,127 @@ def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) ->
     }
 
 
+class _SetTier(MediumIndex):
+    """A secondary tier large enough for the whole trace: the blocks written to it."""
+
+    def __init__(self) -> None:
+        self.held: set[BlockHash] = set()
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.held:
+                break
+            count += 1
+        return count
+
+
+def simulate_tiered(
+    trace: Trace, capacity: int, eviction: str, save_threshold: int, write_policy: str
+) -> dict[str, Any]:
+    """The trace through the tiered medium's index: a pool of `capacity` in front of a disk.
+
+    Hits are counted per tier; a block brought in from the disk is kept in
+    the pool (promotion). The disk is written what `write_policy` says: every
+    block saved in the pool (`write_through`), or each block the pool evicts
+    that the disk lacks (`spill`).
+    """
+    disk = _SetTier()
+    index = TieredIndex(
+        capacity,
+        1,
+        "cpu",
+        tiers=[disk],
+        write_through=write_policy == "write_through",
+        policy=default_registry().eviction_policies.get_class(eviction)(capacity),
+        admission=save_admission(save_threshold, capacity),
+    )
+    asked = pool_hits = disk_hits = written = 0
+    for hashes in trace:
+        asked += len(hashes)
+        held = index.count_held_prefix(0, hashes)
+        if held:
+            index.prepare_load(0, hashes[:held])
+            sources = index.load_sources(0, hashes[:held])
+            from_disk = sum(1 for source in sources if source.startswith("1:"))
+            missing = [h for h, src in zip(hashes[:held], sources, strict=True) if src == MISSING]
+            index.complete_load(0, hashes[:held], missing)
+            disk_hits += from_disk
+            pool_hits += held - from_disk - len(missing)
+            held -= len(missing)
+        placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
+        if placed:
+            index.complete_save(0, placed, success=True)
+            if write_policy == "write_through":
+                written += len(placed)
+                disk.held.update(placed)
+        for spill in index.take_spills():
+            written += len(spill.block_hashes)
+            disk.held.update(spill.block_hashes)
+        index.take_events()
+        index.take_counters()
+    return _tier_row(
+        f"tiered {eviction} {write_policy}", save_threshold, asked, pool_hits, disk_hits, written
+    )
+
+
+def simulate_multi_connector(trace: Trace, capacity: int) -> dict[str, Any]:
+    """The trace through a `MultiConnector` of a CPU pool (LRU) and a disk, as the profile was.
+
+    The first child with a hit loads: the pool's prefix, else the disk's;
+    every block computed is saved to both (the disk writes the ones it lacks);
+    nothing loaded from the disk enters the pool.
+    """
+    pool = CPUPoolIndex(capacity, 1, "cpu")
+    disk: set[BlockHash] = set()
+    asked = pool_hits = disk_hits = written = 0
+    for hashes in trace:
+        asked += len(hashes)
+        held = pool.count_held_prefix(0, hashes)
+        if held:
+            pool.prepare_load(0, hashes[:held])
+            pool.complete_load(0, hashes[:held], ())
+            pool_hits += held
+        else:
+            while held < len(hashes) and hashes[held] in disk:
+                held += 1
+            disk_hits += held
+        computed = hashes[held:]
+        placed = [block for block, _ in pool.prepare_save(0, computed)]
+        if placed:
+            pool.complete_save(0, placed, success=True)
+        new = [block for block in computed if block not in disk]
+        written += len(new)
+        disk.update(new)
+        pool.take_events()
+        pool.take_counters()
+    return _tier_row("MultiConnector lru write-through", 1, asked, pool_hits, disk_hits, written)
+
+
+def _tier_row(
+    name: str, save_threshold: int, asked: int, pool_hits: int, disk_hits: int, written: int
+) -> dict[str, Any]:
+    return {
+        "configuration": name,
+        "save_threshold": save_threshold,
+        "pool_hit_rate": pool_hits / asked,
+        "disk_hit_rate": disk_hits / asked,
+        "computed_blocks": asked - pool_hits - disk_hits,
+        "disk_blocks_written": written,
+    }
+
+
+TIERED = (
+    ("lru", 1, "write_through"),
+    ("lru", 1, "spill"),
+    ("arc", 1, "write_through"),
+    ("arc", 1, "spill"),
+    ("s3fifo", 1, "spill"),
+    ("arc", 2, "spill"),
+)
+"""The tiered configurations measured: (eviction, save_threshold, write_policy)."""
+
+
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
     shape = QUICK if quick else FULL
     trace = generate_trace(shape)
@@ -237,8 +370,20 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
             row = simulate(trace, capacity, eviction, threshold)
             row["of_belady"] = row["hit_rate"] / optimum
             rows.append(row)
+        tiered = [simulate_multi_connector(trace, capacity)]
+        tiered += [
+            simulate_tiered(trace, capacity, eviction, threshold, write_policy)
+            for eviction, threshold, write_policy in TIERED
+        ]
+        for row in tiered:
+            row["pool_of_belady"] = row["pool_hit_rate"] / optimum
         pools.append(
-            {"capacity_blocks": capacity, "belady_hit_rate": optimum, "configurations": rows}
+            {
+                "capacity_blocks": capacity,
+                "belady_hit_rate": optimum,
+                "configurations": rows,
+                "tiered": tiered,
+            }
         )
     result = {
         "requests": shape.requests,
@@ -253,17 +398,33 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """The headline: per pool size, Belady's hit rate and each configuration's share of it."""
-    return {
-        str(pool["capacity_blocks"]): {
+    """The headline: per pool size, Belady's hit rate and each configuration's share of it.
+
+    Then, per tiered configuration, its blocks computed and written to the
+    disk as ratios of the MultiConnector's.
+    """
+    headline: dict[str, Any] = {}
+    for pool in result["pools"]:
+        multi = pool["tiered"][0]
+        headline[str(pool["capacity_blocks"])] = {
             "belady_hit_rate": round(pool["belady_hit_rate"], 3),
             **{
                 f"{row['eviction']}_threshold_{row['save_threshold']}": round(row["of_belady"], 3)
                 for row in pool["configurations"]
             },
+            **{
+                f"{row['configuration']} threshold {row['save_threshold']}": {
+                    "computed_of_multi_connector": round(
+                        row["computed_blocks"] / multi["computed_blocks"], 3
+                    ),
+                    "written_of_multi_connector": round(
+                        row["disk_blocks_written"] / multi["disk_blocks_written"], 3
+                    ),
+                }
+                for row in pool["tiered"][1:]
+            },
         }
-        for pool in result["pools"]
-    }
+    return headline
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -281,6 +442,23 @@ def _table(result: dict[str, Any]) -> str:
                 f"| {pool['capacity_blocks']} | {pool['belady_hit_rate']:.3f} | "
                 f"{row['eviction']} | {row['save_threshold']} | {row['hit_rate']:.3f} | "
                 f"{row['of_belady']:.2f} | {row['saved_blocks']} |"
+            )
+    lines += [
+        "",
+        "The pool in front of a disk that holds every block written to it: hits per tier, "
+        "blocks computed and blocks written to the disk.",
+        "",
+        "| pool (blocks) | configuration | save_threshold | pool hit rate | of Belady "
+        "| disk hit rate | blocks computed | blocks written to disk |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pool in result["pools"]:
+        for row in pool["tiered"]:
+            lines.append(
+                f"| {pool['capacity_blocks']} | {row['configuration']} | "
+                f"{row['save_threshold']} | {row['pool_hit_rate']:.3f} | "
+                f"{row['pool_of_belady']:.2f} | {row['disk_hit_rate']:.3f} | "
+                f"{row['computed_blocks']} | {row['disk_blocks_written']} |"
             )
     return "\n".join(lines) + "\n"
 

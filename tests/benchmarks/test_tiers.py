@@ -52,3 +52,22 @@ def test_a_quick_run_reports_every_policy_below_the_optimum(tmp_path: pathlib.Pa
 
 def test_the_trace_is_the_same_every_run() -> None:
     assert tiers.generate_trace(tiers.QUICK) == tiers.generate_trace(tiers.QUICK)
+
+
+def test_the_tiered_medium_computes_each_block_about_once_and_spill_writes_no_more(
+    tmp_path: pathlib.Path,
+) -> None:
+    tiers.run(tmp_path, quick=True)
+    [pool] = json.loads((tmp_path / "tiers.json").read_text())["pools"]
+    rows = {(row["configuration"], row["save_threshold"]): row for row in pool["tiered"]}
+    multi = rows[("MultiConnector lru write-through", 1)]
+    through = rows[("tiered lru write_through", 1)]
+    spill = rows[("tiered lru spill", 1)]
+    # The disk holds every block written to it: only first sights are computed.
+    distinct = multi["disk_blocks_written"]
+    assert through["computed_blocks"] <= distinct * 1.01 < multi["computed_blocks"]
+    assert spill["computed_blocks"] <= distinct * 1.01
+    assert spill["disk_blocks_written"] <= through["disk_blocks_written"]
+    # Promotion: the tiered pool hits more than the MultiConnector's, which never
+    # keeps what it loaded from the disk.
+    assert through["pool_hit_rate"] > multi["pool_hit_rate"]
