@@ -196,6 +196,7 @@ def test_connectors_lists_the_media_after_the_connectors(registry: ConnectorRegi
         "directory",
         "peer",
         "redis",
+        "tiered",
         "tape",
     ]
     assert media[1].split(maxsplit=1)[1].split() == ["built", "in", CPU_POOL]

@@ -18,7 +18,8 @@ def test_a_misspelt_connector_gets_vllms_sentence_then_the_closest_name() -> Non
     assert str(caught.value) == (
         "Unsupported connector type: CPUOfloadConnector (did you mean CPUOffloadConnector?); "
         "known connectors: CPUOffloadConnector, OffloadConnector, SharedStorageConnector, "
-        "MultiConnector, RedisConnector (kvwire connectors lists them, with their modules)"
+        "MultiConnector, RedisConnector, TieredOffloadConnector (kvwire connectors lists them, "
+        "with their modules)"
     )
 
 
@@ -49,8 +50,8 @@ def test_a_misspelt_medium_gets_the_closest_name_and_where_every_medium_is_liste
         registry.media.get_class("cpu_pol")
 
     assert str(caught.value) == (
-        "unknown medium 'cpu_pol'; expected one of cpu_pool, directory, peer, redis, or a class "
-        "as 'package.module:Class'; did you mean 'cpu_pool'? (kvwire connectors lists every "
+        "unknown medium 'cpu_pol'; expected one of cpu_pool, directory, peer, redis, tiered, or a "
+        "class as 'package.module:Class'; did you mean 'cpu_pool'? (kvwire connectors lists every "
         "medium)"
     )
 
