@@ -200,7 +200,7 @@ def test_connectors_lists_the_media_after_the_connectors(registry: ConnectorRegi
         "tape",
     ]
     assert media[1].split(maxsplit=1)[1].split() == ["built", "in", CPU_POOL]
-    assert media[5].endswith("registered at run time  tape_medium:TapeMedium")
+    assert media[6].endswith("registered at run time  tape_medium:TapeMedium")
 
 
 def test_connectors_lists_the_eviction_policies_last(registry: ConnectorRegistry) -> None:
