@@ -116,8 +116,7 @@ def shared_prompts(count: int = 3, length: int = 300) -> list[dict[str, list[int
 
 def with_redis_url(profile: dict[str, Any], url: str, key_prefix: str) -> dict[str, Any]:
     """``profile`` with every Redis connector pointed at ``url`` under ``key_prefix``."""
-    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
-    for config in [extra, *(c["kv_connector_extra_config"] for c in extra.get("connectors", []))]:
+    for config in _option_mappings(profile):
         if "url" in config:
             config["url"] = url
             config["key_prefix"] = key_prefix
@@ -147,12 +146,17 @@ def load_profile_mapping(name: str) -> dict[str, Any]:
 def profile_with_directory(name: str, directory: pathlib.Path) -> dict[str, Any]:
     """A shipped profile, its storage directories moved under ``directory``."""
     profile: dict[str, Any] = yaml.safe_load((PROFILES / name).read_text())
-    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
-    configs = [child["kv_connector_extra_config"] for child in extra.get("connectors", [])]
-    for index, config in enumerate([extra, *configs]):
+    for index, config in enumerate(_option_mappings(profile)):
         if "shared_storage_path" in config:
             config["shared_storage_path"] = str(directory / f"store-{index}")
     return profile
+
+
+def _option_mappings(profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """The profile's connector options, each child's and each tier's too (to edit in place)."""
+    extra: dict[str, Any] = profile["kv_transfer_config"]["kv_connector_extra_config"]
+    children = [child["kv_connector_extra_config"] for child in extra.get("connectors", [])]
+    return [extra, *children, *extra.get("tiers", [])]
 
 
 def run_engine_process(

@@ -77,6 +77,35 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("write_policy", ["spill", "write_through"])
+def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_disk(
+    write_policy: str,
+    tiny_model: str,
+    tokens_without_connector: list[list[int]],
+    tmp_path: pathlib.Path,
+) -> None:
+    mapping = profile_with_directory("tiered-disk.yaml", tmp_path)
+    extra = mapping["kv_transfer_config"]["kv_connector_extra_config"]
+    # 12 slots of 32 KiB: one prompt's 9 blocks fit, the next one's evict them.
+    extra.update(cpu_pool_bytes="400KiB", write_policy=write_policy)
+    passes: list[list[list[int]]] = [[], []]
+    with running_llm(tiny_model, kvwire_transfer_config(mapping)) as llm:
+        for outputs in passes:
+            for prompt in PROMPTS:
+                tokens, _ = generate(llm, [prompt])
+                kvwire.vllm.wait_for_saves(llm)
+                assert llm.reset_prefix_cache()
+                outputs += tokens
+        stats = kvwire.vllm.kvwire_stats(llm)
+    assert passes == [tokens_without_connector, tokens_without_connector]
+    assert stats["evicted_blocks"] > 0
+    why = "spilled_blocks" if write_policy == "spill" else "written_through_blocks"
+    assert stats[f"tier1.{why}"] > 0
+    assert stats["tier1.promoted_blocks"] == stats["tier1.blocks_loaded"] > 0
+    assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
+
+
+@pytest.mark.slow
 def test_outputs_equal_no_connector_when_vllm_preempts_a_request(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
