@@ -41,12 +41,16 @@ from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
 from kvwire.media.tiered.index import MISSING, tier_prefix
 
-__all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
+__all__ = ["TIER_WRITE_WAIT_S", "SlotsInUse", "TieredTransferHandler"]
 
 logger = logging.getLogger(__name__)
 
 TIER_WRITE_WAIT_S = 1.0
 """How long a pool write waits for a tier's write of the same slot before giving it up."""
+
+
+class SlotsInUse(RuntimeError):
+    """A pool slot about to be written is still written by a tier's load: it is left alone."""
 
 
 class _Tier:
@@ -96,7 +100,15 @@ class _Tier:
 
     def jobs_using(self, slots: Iterable[int]) -> set[int]:
         with self._lock:
-            return {job_id for slot in slots for job_id in self._users.get(slot, ())}
+            return self._jobs_using(slots)
+
+    def loads_using(self, slots: Iterable[int]) -> bool:
+        """Whether a load of this tier still writes one of `slots`."""
+        with self._lock:
+            return any(job_id in self._loads for job_id in self._jobs_using(slots))
+
+    def _jobs_using(self, slots: Iterable[int]) -> set[int]:
+        return {job_id for slot in slots for job_id in self._users.get(slot, ())}
 
     def wait_for_slots(self, slots: Sequence[int], until: float) -> bool:
         """Wait until no job of this tier uses `slots`, or `until`; whether none does."""
@@ -222,7 +234,11 @@ class TieredTransferHandler(CPUPoolTransferHandler):
     # ---------------------------------------------------- on the copy threads
 
     def _before_writing_slots(self, slots: Sequence[int], deadline: float) -> None:
-        """Wait out the tier jobs using `slots`; give up the writes still running after a while."""
+        """Wait out the tier jobs using `slots`; give up the writes still running after a while.
+
+        Raises `SlotsInUse` when a tier job still uses one at `deadline`
+        (a load that outlived it): the slots are not written then.
+        """
         until = min(deadline, time.monotonic() + TIER_WRITE_WAIT_S)
         for tier in self._tiers:
             if tier.wait_for_slots(slots, until):
@@ -230,8 +246,13 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             released = tier.handler.release_saves_reading((), frozenset(slots))
             if released:
                 tier.counters.add("writes_released", sum(len(t.block_ids) for t in released))
-            # What is left is a load past its deadline: its ledger gives it up then.
-            tier.wait_for_slots(slots, deadline)
+            # A released write commits nothing more, whatever it still reads; a
+            # load may still write the slots until its own deadline.
+            if not tier.wait_for_slots(slots, deadline) and tier.loads_using(slots):
+                raise SlotsInUse(
+                    f"tier {tier.number}: a load into pool slots still ran at the deadline; "
+                    "the slots are left as they are"
+                )
 
     def _load(self, job: JobPiece) -> None:
         """Bring in the piece's blocks found in tiers, then copy every block into the cache."""
@@ -273,7 +294,11 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         """Read these blocks from `tier` into their pool slots; the positions it brought in."""
         slots = tuple(transfer.slots[position] for position in positions)
         hashes = tuple(transfer.block_hashes[position] for position in positions)
-        self._before_writing_slots(slots, deadline)
+        try:
+            self._before_writing_slots(slots, deadline)
+        except SlotsInUse as error:
+            logger.warning("tiered offload: not loading %d blocks: %s", len(slots), error)
+            return []
         # Until the tier verified a block, its slot names none.
         self.pool.clear_headers(slots)
         inner = tuple(transfer.sources[p].partition(":")[2] for p in positions)

@@ -1,0 +1,244 @@
+"""The tiered medium's worker half: what reaches a tier comes from the pool, whole, in order.
+
+A tier here is a handler that records what it is given, over the pool's own
+memory, and whose saves wait for a gate: so a test decides when a tier's
+write of a slot runs against the pool's writes of the same slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping, Set
+
+import attrs
+import pytest
+import torch
+
+from kvwire.blocks.format import BlockLayout
+from kvwire.blocks.groups import CacheGroup
+from kvwire.blocks.paged_cache import group_caches
+from kvwire.blocks.transfers import BlockTransfer
+from kvwire.config.extra_config import ExtraConfigKey
+from kvwire.interface.counters import Counters
+from kvwire.media.base import (
+    JobResult,
+    Medium,
+    MediumContext,
+    MediumIndex,
+    TransferHandler,
+    TransferJob,
+    TransferKind,
+)
+from kvwire.media.tiered.handler import TieredTransferHandler
+from kvwire.media.tiered.index import MISSING, tier_source
+
+LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+GROUP = CacheGroup(0, ("l0", "l1"), 4)
+HASHES = [bytes([n]) * 32 for n in range(8)]
+
+
+class RecordingTier(TransferHandler):
+    """Saves copy each slot's layers into `held`, once `gate` is open; loads copy them back."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor]) -> None:
+        self.views = views
+        self.held: dict[bytes, list[torch.Tensor]] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.released: set[int] = set()
+        self._ended: list[JobResult] = []
+        self._done: dict[int, threading.Event] = {}
+        self._slots: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, job: TransferJob) -> None:
+        done = self._done[job.job_id] = threading.Event()
+        self._slots[job.job_id] = {slot for t in job.transfers for slot in t.block_ids}
+        threading.Thread(target=self._run, args=(job, done), daemon=True).start()
+
+    def _run(self, job: TransferJob, done: threading.Event) -> None:
+        failed: list[int] = []
+        for transfer in job.transfers:
+            for slot, block_hash in zip(transfer.block_ids, transfer.block_hashes, strict=True):
+                if job.kind is TransferKind.SAVE:
+                    self.gate.wait(10)
+                    if done.is_set():  # released: it commits nothing
+                        return
+                    self.held[block_hash] = [v[:, slot].clone() for v in self.views.values()]
+                elif block_hash in self.held:
+                    for view, saved in zip(self.views.values(), self.held[block_hash], strict=True):
+                        view[:, slot] = saved
+                else:
+                    failed.append(slot)
+        with self._lock:
+            self._ended.append(JobResult(job.job_id, frozenset(failed)))
+        done.set()
+
+    def poll(self) -> list[JobResult]:
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        for job_id in job_ids:
+            event = self._done.get(job_id)
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            if event is not None and not event.wait(timeout):
+                return False
+        return True
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        self.released |= set(block_ids)
+        # A released save ends at once, as a store's does: it commits nothing more.
+        for job_id, slots in self._slots.items():
+            if slots & block_ids and not self._done[job_id].is_set():
+                with self._lock:
+                    self._ended.append(JobResult(job_id))
+                self._done[job_id].set()
+        return []
+
+    def close(self) -> None:
+        self.gate.set()
+
+
+class RecordingMedium(Medium):
+    built: RecordingTier | None = None
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        return ()
+
+    def build_index(self) -> MediumIndex:
+        raise NotImplementedError
+
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> TransferHandler:
+        RecordingMedium.built = RecordingTier(kv_caches)
+        return RecordingMedium.built
+
+
+@pytest.fixture
+def caches() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {name: torch.randn(2, 8, 4, 2, 8) for name in GROUP.layer_names}
+
+
+def handler_over(caches: dict[str, torch.Tensor], *, write_through: bool) -> TieredTransferHandler:
+    context = MediumContext("T", {}, (GROUP,), LAYOUT)
+    return TieredTransferHandler(
+        layouts=(attrs.evolve(LAYOUT, payload_checksum=False),),
+        caches=group_caches(caches, LAYOUT, (GROUP,)),
+        num_slots=2,
+        io_threads=1,
+        counters=Counters(),
+        tiers=[RecordingMedium(context)],
+        groups=(GROUP,),
+        write_through=write_through,
+    )
+
+
+def save(handler: TransferHandler, job_id: int, block: int, slot: int) -> None:
+    transfer = BlockTransfer(
+        request_id="r", block_ids=(block,), block_hashes=(HASHES[block],), slots=(slot,)
+    )
+    handler.submit(TransferJob(job_id, TransferKind.SAVE, (transfer,)))
+
+
+def block_of(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [cache[:, block] for cache in caches.values()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_spill_reads_the_evicted_block_before_the_pool_writes_its_slot_again(caches):
+    handler = handler_over(caches, write_through=False)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        save(handler, 0, block=1, slot=0)
+        assert handler.wait([0], time.monotonic() + 10)
+        tier.gate.clear()
+        spill = BlockTransfer(request_id="", block_ids=(0,), block_hashes=(HASHES[1],), slots=(0,))
+        handler.spill([spill])
+        save(handler, 1, block=2, slot=0)  # the slot is given to another block
+        time.sleep(0.2)
+        tier.gate.set()
+        assert handler.wait([1], time.monotonic() + 10)
+        handler.poll()
+        # The tier got block 1's bytes, whole, though the pool wrote block 2 over them.
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert same([view[:, 0] for view in tier.views.values()], block_of(caches, 2))
+    finally:
+        handler.close()
+
+
+def test_a_tier_write_that_holds_a_slot_too_long_is_given_up_and_the_pool_goes_on(caches):
+    handler = handler_over(caches, write_through=False)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        save(handler, 0, block=1, slot=0)
+        assert handler.wait([0], time.monotonic() + 10)
+        tier.gate.clear()  # the tier never gets to write
+        spill = BlockTransfer(request_id="", block_ids=(0,), block_hashes=(HASHES[1],), slots=(0,))
+        handler.spill([spill])
+        started = time.monotonic()
+        save(handler, 1, block=2, slot=0)
+        assert handler.wait([1], time.monotonic() + 10)
+        assert time.monotonic() - started < 5
+        assert tier.released == {0}
+        tier.gate.set()
+    finally:
+        handler.close()
+
+
+def test_only_slots_whose_header_names_their_block_reach_a_tier(caches):
+    handler = handler_over(caches, write_through=True)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        save(handler, 0, block=1, slot=0)
+        assert handler.wait([0], time.monotonic() + 10)
+        handler.poll()  # written through now
+        # Slot 1 was never saved: its header names no block.
+        bogus = BlockTransfer(request_id="", block_ids=(1,), block_hashes=(HASHES[3],), slots=(1,))
+        handler.spill([bogus])
+        deadline = time.monotonic() + 10
+        while HASHES[1] not in tier.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert set(tier.held) == {HASHES[1]}
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+    finally:
+        handler.close()
+
+
+def test_a_load_brings_tier_blocks_through_the_pool_and_fails_missing_ones(caches):
+    handler = handler_over(caches, write_through=True)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        save(handler, 0, block=1, slot=0)
+        assert handler.wait([0], time.monotonic() + 10)
+        handler.poll()
+        time.sleep(0.1)  # the write-through lands
+        load = BlockTransfer(
+            request_id="r2",
+            block_ids=(5, 6),
+            block_hashes=(HASHES[1], HASHES[4]),
+            slots=(1, 2),
+            sources=(tier_source(1, ""), MISSING),
+        )
+        handler.submit(TransferJob(7, TransferKind.LOAD, (load,)))
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = [r for r in handler.poll() if r.job_id == 7]
+        assert result.failed == frozenset({6})
+        assert same(block_of(caches, 5), block_of(caches, 1))
+    finally:
+        handler.close()
