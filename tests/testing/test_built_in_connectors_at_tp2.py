@@ -59,3 +59,18 @@ class TestTieredMultiConnectorAtTP2(ParallelConformanceSuite):
                 ]
             },
         )
+
+
+class TestTieredOffloadConnectorAtTP2(ParallelConformanceSuite):
+    # Written through, the tier holds every block once saved: another engine loads it,
+    # each rank its own heads, brought in through that rank's pool.
+    @pytest.fixture
+    def engine_config(self, tmp_path: pathlib.Path) -> EngineConfig:
+        return conformance_engine_config(
+            "TieredOffloadConnector",
+            extra_config={
+                **SMALL_POOL,
+                "write_policy": "write_through",
+                "tiers": [{"medium": "directory", **_shared_storage(tmp_path)}],
+            },
+        )

@@ -59,3 +59,21 @@ class TestTieredMultiConnector(ConnectorConformanceSuite):
                 ]
             },
         )
+
+
+class TestTieredOffloadConnector(ConnectorConformanceSuite):
+    """A pool of a few blocks in front of a directory: blocks spill and come back through it."""
+
+    @pytest.fixture(params=[*LOAD_MODES, pytest.param("write_through", id="write-through")])
+    def engine_config(self, request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> EngineConfig:
+        write_through = request.param == "write_through"
+        return conformance_engine_config(
+            "TieredOffloadConnector",
+            extra_config={
+                "cpu_pool_bytes": "64KiB",
+                "async_load": request.param is True,
+                "write_policy": "write_through" if write_through else "spill",
+                "eviction": "arc",
+                "tiers": [{"medium": "directory", "shared_storage_path": str(tmp_path)}],
+            },
+        )
