@@ -329,6 +329,14 @@ class Medium(abc.ABC):
 
     event_medium: ClassVar[str] = "medium"
     """The `medium` of the KV cache events this medium's blocks appear in (`cpu`, `disk`)."""
+    found_by_key: ClassVar[bool] = True
+    """Whether a block is found by its key alone, whoever wrote it: the index places nothing.
+
+    False for a medium whose scheduler half decides where each block goes and
+    publishes it (the CPU pool's slots, the peer medium's directory). Only a
+    medium found by key can be a tiered medium's secondary tier, whose worker
+    half writes blocks its index never placed.
+    """
 
     def __init__(self, context: MediumContext) -> None:
         self.context = context
@@ -346,6 +354,14 @@ class Medium(abc.ABC):
         connection). The default returns `options` as they are.
         """
         return options
+
+    @classmethod
+    def check_plugins(cls, plugins: Mapping[str, Any]) -> None:
+        """Check the classes the plug-in options named (`MediumContext.plugins`).
+
+        `ExtraConfigError` naming the option if one cannot serve; runs at
+        `kvwire check` too. The default accepts them all.
+        """
 
     @property
     def layout(self) -> BlockLayout:

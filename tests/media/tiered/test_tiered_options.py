@@ -81,6 +81,16 @@ def test_every_bad_tier_is_named_by_its_position_at_once(tmp_path: pathlib.Path)
     assert "kv_connector_extra_config.tiers[2].url: scheme must be one of redis://" in text
 
 
+@pytest.mark.parametrize("medium", ["peer", "cpu_pool"])
+def test_a_medium_that_places_its_own_blocks_is_refused_as_a_tier(
+    tmp_path: pathlib.Path, medium: str
+) -> None:
+    status, text = check(tmp_path, {"tiers": [{"medium": medium}]})
+    assert status == 1
+    assert f"kv_connector_extra_config.tiers[0].medium: '{medium}' places its blocks itself" in text
+    assert "expected a medium found by key, such as directory or redis" in text
+
+
 def test_a_tier_resolves_to_its_class_options_and_plugins() -> None:
     options = {"tiers": ({"medium": "directory", "shared_storage_path": "/tmp/x"},)}
     keys = [key for key in TieredMedium.extra_config_keys() if key.name == "tiers"]

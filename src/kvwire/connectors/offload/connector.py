@@ -275,7 +275,7 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
         except ValueError as error:
             raise ExtraConfigError(f"{MEDIUM_FIELD}: {error}") from None
         options = cls.read_options(kv_transfer_config, medium_cls)
-        plugin_classes(medium_cls.extra_config_keys(), options, registry)
+        medium_cls.check_plugins(plugin_classes(medium_cls.extra_config_keys(), options, registry))
 
     @property
     def medium(self) -> Medium:

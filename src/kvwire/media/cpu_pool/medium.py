@@ -69,6 +69,7 @@ class CPUPoolMedium(Medium):
     """Blocks kept in a preallocated CPU memory pool of `num_slots` entries."""
 
     event_medium: ClassVar[str] = "cpu"
+    found_by_key: ClassVar[bool] = False
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)

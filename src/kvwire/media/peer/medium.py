@@ -107,6 +107,7 @@ class PeerMedium(Medium):
     """Blocks in this engine's CPU pool, readable by every peer; any peer's, readable here."""
 
     event_medium: ClassVar[str] = "peer"
+    found_by_key: ClassVar[bool] = False
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)

@@ -85,6 +85,7 @@ class TieredMedium(CPUPoolMedium):
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
+        self.check_plugins(context.plugins)
         resolved: tuple[object, ...] = tuple(context.plugins.get("tiers") or ())
         if not resolved:
             raise ValueError(
@@ -126,6 +127,21 @@ class TieredMedium(CPUPoolMedium):
                 "secondary tiers, each a mapping with 'medium' and that medium's keys"
             )
         return options
+
+    @classmethod
+    def check_plugins(cls, plugins: Mapping[str, Any]) -> None:
+        """Every tier must be a medium found by key (`Medium.found_by_key`)."""
+        problems = [
+            f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} places its "
+            "blocks itself (its index decides where each goes), so it cannot be a secondary "
+            "tier, whose blocks are written from the pool; expected a medium found by key, "
+            "such as directory or redis"
+            for position, tier in enumerate(plugins.get("tiers") or ())
+            if isinstance(tier, ResolvedMedium)
+            and not getattr(tier.medium_class, "found_by_key", True)
+        ]
+        if problems:
+            raise ExtraConfigError("\n".join(problems))
 
     @property
     def write_through(self) -> bool:
