@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 from kvwire.interface.types import BlockHash, BlockStored
@@ -143,3 +145,46 @@ def test_each_tiers_lookup_delay_is_counted_in_cumulative_buckets():
     assert counters["tier1.lookups_le_100ms"] == 3
     assert counters["tier1.lookups_le_1ms"] <= counters["tier1.lookups_le_10ms"] <= 3
     assert counters["tier1.lookup_microseconds"] >= 0
+
+
+class GatedTier(SetIndex):
+    """A tier whose every lookup waits until `release` is set (bounded, so a bug cannot hang)."""
+
+    def __init__(self, held: set[BlockHash]) -> None:
+        super().__init__(held)
+        self.release = threading.Event()
+
+    def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
+        self.release.wait(timeout=30)
+        return super().count_held_prefix(group, block_hashes)
+
+
+def test_an_async_lookup_of_a_stuck_tier_answers_at_once_and_never_blocks_the_scheduler():
+    from kvwire.blocks.groups import CacheGroup
+    from kvwire.connectors.offload._planner import BlockPlanner
+    from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
+    from kvwire.interface.types import Request
+
+    tier = GatedTier(set(hashes(1, 2, 3)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
+    planner = BlockPlanner(4, [CacheGroup(0, ("layers.0",), 4)], loads=True, saves=True)
+    half = OffloadSchedulerHalf(
+        index=index, planner=planner, num_groups=1, async_load=False, lookup_deadline_s=600
+    )
+    request = Request(
+        request_id="r", prompt_token_ids=list(range(13)), max_tokens=1, block_hashes=hashes(1, 2, 3)
+    )
+    try:
+        # The tier is stuck: every ask answers "not yet" at once, on the scheduler's thread.
+        for _ in range(3):
+            assert half.get_num_new_matched_tokens(request, 0) == (None, False)
+        tier.release.set()
+        for _ in range(2000):
+            answer = half.get_num_new_matched_tokens(request, 0)
+            if answer[0] is not None:
+                break
+            time.sleep(0.005)
+        assert answer == (12, False)
+    finally:
+        tier.release.set()
+        half.close()
