@@ -28,9 +28,10 @@ BENCHMARKS = (
     "serve",
     "serve-chunked",
     "serve-tp2",
+    "serve-tiers",
 )
 # These need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
-NEEDS_VLLM = ("vllm", "serve", "serve-chunked", "serve-tp2")
+NEEDS_VLLM = ("vllm", "serve", "serve-chunked", "serve-tp2", "serve-tiers")
 DEFAULT_BENCHMARKS = tuple(
     name
     for name in BENCHMARKS

@@ -1,0 +1,901 @@
+"""How well KV tiers decide under ``vllm serve``: traffic shaped like serving, replayed in
+order by vLLM's own client, against the limit and Belady's optimum.
+
+``.venv-vllm/bin/python -m benchmarks --only serve-tiers [--quick]`` (the vLLM
+venv: ``make .venv-vllm/.kvwire-installed``, plus pandas, which vLLM's
+``custom`` dataset reads JSONL with). The trace is :mod:`benchmarks.tiers`'s
+generator (seeded): Zipf-popular system prompts and documents shared by many
+requests, multi-turn sessions whose prompt grows by a few blocks each turn,
+one-off prompts. Each block of 32 tokens (vLLM's CPU attention takes no
+fewer) becomes 32 words of the served model's word-level tokenizer
+(``t<id>``, one token each, :func:`benchmarks.vllm.build_model`): the first
+two spell the block's number, the rest are drawn from a generator seeded by
+it. A trace block's number names its whole prefix, as an engine's block hash
+does, so two prompts share vLLM's first ``k`` blocks exactly when they share
+the trace's first ``k``. Every prompt ends with one word more, so that its
+last whole block can be a hit too (vLLM computes at least a prompt's last
+token). The tokenizer is checked to read every prompt back as its tokens,
+and the limit's computed prompt tokens (``/metrics``) to equal the trace's
+distinct blocks' tokens plus one word per prompt. The prompts go to vLLM's
+``custom`` dataset (JSONL, ``{"prompt": ..., "output_tokens": 2}`` a line),
+which ``--disable-shuffle`` keeps in the trace's order and
+``--skip-chat-template`` as written; one request at a time, so a session's
+next turn comes after its last one's answer, as a user's would.
+
+Configurations (``CONFIGURATIONS``; one server each, the same trace, once;
+``--quick`` a smaller trace and one configuration of each kind): the limit
+(no connector, vLLM's KV cache holds every block of the trace); no connector
+on a small KV cache (about the longest prompt's blocks; the same for every
+connector, so what they keep matters); a MultiConnector of the CPU offload
+connector and shared storage, every computed block written to both, LRU (the
+tiered-disk profile before the tiered connector); the tiered offload
+connector (``TieredOffloadConnector``: a CPU pool in front of a directory)
+under several eviction and write policies (``write_through``, ``spill``),
+then the one of those that computed the fewest prompt tokens again with
+``save_threshold`` 2; shared storage alone and vLLM's ExampleConnector. Every
+CPU pool holds ``Workload.primary_blocks`` blocks, a fraction of the trace's
+distinct blocks. A configuration whose server does not start, or whose
+client fails, is reported failed with the line of its log that says why; the
+others still run.
+
+Reported per configuration: the client's request and output throughput and
+mean TTFT, each over the limit's; from ``/metrics``, prompt tokens by source
+(computed, vLLM's prefix cache, loaded by the connector) and kvwire's
+counters by tier (a tiered connector's primary under the CPU pool's names,
+its secondary under ``tier1.``; a MultiConnector's under each child's name):
+bytes written and hit blocks per tier, load errors; the warnings the server
+logged while serving; and whether the greedy outputs equal the limit's. The
+CPU pool's hit rate (its hit blocks over every block of the trace) is set
+beside Belady's offline optimum (:func:`benchmarks.tiers.belady_hits`) for a
+cache of the pool's size, on every block of the trace, and on the blocks
+vLLM's own cache misses (``vllm_cache_misses``, a model of vLLM's cache,
+checked against the no-connector server's computed tokens): the blocks a
+connector is asked for, the fairer bound.
+
+Writes ``serve-tiers.json``, ``serve-tiers.md`` (the README's table) and
+``serve-tiers.png``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from benchmarks import tiers
+from benchmarks.common import MIB, pyplot, write_json
+from benchmarks.serve import (
+    CLIENT_FIGURES,
+    MODEL_SHAPE,
+    BenchClient,
+    ServerSpec,
+    difference,
+    scrape,
+    vllm_servers,
+)
+from kvwire.blocks.format import HEADER_SIZE
+
+NAME = "serve-tiers"
+# vLLM's CPU attention takes blocks of a multiple of 32 tokens only.
+BLOCK_SIZE = 32
+# --only serve's model with 4 layers, not 16 (8 KiB of KV per token): ten servers each
+# serve the whole trace, one core each, within about 25 minutes.
+SHAPE = MODEL_SHAPE | {"num_hidden_layers": 4}
+KV_BYTES_PER_TOKEN = (
+    2
+    * SHAPE["num_hidden_layers"]
+    * SHAPE["num_key_value_heads"]
+    * (SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
+    * 4  # float32
+)
+BLOCK_BYTES = BLOCK_SIZE * KV_BYTES_PER_TOKEN
+# The tokenizer's words are t<id> (benchmarks.vllm); t0, t1 and t2 are its unknown, BOS
+# and EOS words, matched inside any word before words are split, so "t2334" reads as two
+# tokens. Prompts use only the words that start with none of them, and of at most three
+# digits, so that a word and its space are no longer than the longest word ("t4095"):
+# vLLM refuses a prompt of more characters than max_model_len times that.
+WORDS = tuple(token for token in range(3, 1000) if str(token)[0] not in "012")
+TAIL_WORD = WORDS[0]
+LONGEST_WORD_CHARS = len(f"t{SHAPE['vocab_size'] - 1}")
+LOG_TAIL_CHARS = 3000
+
+
+@attrs.frozen
+class Workload:
+    """The trace, the tiers' sizes (in blocks) and what the client sends."""
+
+    trace: tiers.TraceShape
+    primary_blocks: int
+    """The CPU pool of every connector (its slots), and Belady's cache."""
+    vllm_cache_blocks: int
+    """vLLM's own KV cache but the limit's; raised to hold the longest prompt if needed."""
+    output_len: int = 2
+    concurrency: int = 1
+    """Requests in flight; ``vllm_cache_misses`` models vLLM's cache at 1 only."""
+
+
+# 600 requests: about 11k block accesses, 4.5k distinct blocks (18 times the pool).
+FULL = Workload(
+    trace=attrs.evolve(tiers.FULL, requests=600, capacities=(256,)),
+    primary_blocks=256,
+    vllm_cache_blocks=96,
+)
+# 100 requests: about 1.8k block accesses, 830 distinct blocks (13 times the pool).
+QUICK = Workload(
+    trace=attrs.evolve(tiers.FULL, requests=100, capacities=(64,)),
+    primary_blocks=64,
+    vllm_cache_blocks=48,
+)
+
+LIMIT = "the limit: vLLM, KV cache for everything"
+NO_CONNECTOR = "no connector"
+BEST = "best"
+"""A tiered row's eviction and write policy: those of the save_threshold 1 row that computed
+the fewest prompt tokens."""
+
+
+@attrs.frozen
+class Configuration:
+    """One server's setup; ``kind`` says which connector, the rest tune a tiered one."""
+
+    name: str
+    kind: str
+    eviction: str = "lru"
+    save_threshold: int = 1
+    write_policy: str = "write_through"
+    quick: bool = False
+    """Whether --quick runs it too: one configuration of each kind keeps it short."""
+
+
+def tiered(
+    eviction: str, write_policy: str, save_threshold: int = 1, quick: bool = False
+) -> Configuration:
+    label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
+    return Configuration(
+        f"tiered: {label}, save_threshold {save_threshold}",
+        "tiered",
+        eviction,
+        save_threshold,
+        write_policy,
+        quick,
+    )
+
+
+# Run in this order: the limit first (every other row is set against it), a BEST row after
+# the rows it picks from.
+CONFIGURATIONS = (
+    Configuration(LIMIT, "limit", quick=True),
+    Configuration(NO_CONNECTOR, "none", quick=True),
+    Configuration("MultiConnector write-through LRU (the old tiered-disk)", "multi", quick=True),
+    tiered("lru", "write_through"),
+    tiered("lru", "spill"),
+    tiered("arc", "spill", quick=True),
+    tiered("s3fifo", "spill"),
+    tiered(BEST, BEST, save_threshold=2),
+    Configuration("kvwire shared storage alone", "shared-storage", quick=True),
+    Configuration("vLLM ExampleConnector", "example", quick=True),
+)
+KINDS = ("limit", "none", "multi", "tiered", "shared-storage", "example")
+# The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
+POOLED_KINDS = ("multi", "tiered")
+# Each kind's tiers: a label and the prefix of its counters' names (as /metrics spells
+# them: kvwire's "." becomes "_"); the primary first, its counters unprefixed where "".
+TIER_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "multi": (("CPU", "CPUOffloadConnector_"), ("disk", "SharedStorageConnector_")),
+    "tiered": (("CPU", ""), ("disk", "tier1_")),
+    "shared-storage": (("disk", ""),),
+}
+
+
+# ------------------------------------------------------------------ the trace as prompts
+
+
+def block_tokens(block: bytes) -> list[int]:
+    """The token ids of a trace block: two spell its number, the rest follow from it."""
+    number = int.from_bytes(block, "big")
+    high, low = divmod(number, len(WORDS))
+    if high >= len(WORDS):
+        raise ValueError(f"block {number} is past the {len(WORDS) ** 2} blocks two words name")
+    rng = random.Random(number)
+    return [WORDS[high], WORDS[low], *rng.choices(WORDS, k=BLOCK_SIZE - 2)]
+
+
+def prompt_tokens(hashes: Sequence[bytes]) -> list[int]:
+    """A request's prompt: its blocks' tokens and one word after (never a whole block)."""
+    return [token for block in hashes for token in block_tokens(block)] + [TAIL_WORD]
+
+
+def prompt_text(tokens: Iterable[int]) -> str:
+    """What the word-level tokenizer reads back as ``tokens``."""
+    return " ".join(f"t{token}" for token in tokens)
+
+
+def write_dataset(path: pathlib.Path, prompts: Iterable[Sequence[int]], output_len: int) -> None:
+    """vLLM's ``custom`` JSONL dataset of the prompts, one a line, in order."""
+    with path.open("w") as file:
+        for tokens in prompts:
+            file.write(json.dumps({"prompt": prompt_text(tokens), "output_tokens": output_len}))
+            file.write("\n")
+
+
+def check_tokenizer(model: str, prompts: Sequence[Sequence[int]]) -> None:
+    """Raise unless the served model's tokenizer reads every prompt back as its tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for index, tokens in enumerate(prompts):
+        read = tokenizer(prompt_text(tokens)).input_ids
+        if read != list(tokens):
+            raise RuntimeError(
+                f"prompt {index}: the tokenizer reads {len(read)} tokens "
+                f"{read[:8]}..., expected {len(tokens)} {list(tokens[:8])}..."
+            )
+
+
+def vllm_cache_misses(trace: tiers.Trace, cache_blocks: int) -> tiers.Trace:
+    """Each request's blocks past its hit in vLLM's own prefix cache of ``cache_blocks``.
+
+    A model of vLLM's cache serving one request at a time: a request uses the
+    longest prefix of its blocks the cache holds, then takes a free block for
+    each other block and one for its last word and output, the least recently
+    freed first (that block's old contents leave the cache); when it ends, its
+    blocks are freed last block first, so a prefix leaves the cache from its
+    tail, and the block of its last word, which caches nothing, is taken
+    first. One block is vLLM's null block. The blocks it misses are those a
+    connector is asked for.
+    """
+    # Free blocks by id, least recently freed first, each with the block it caches (or None).
+    free: OrderedDict[int, bytes | None] = OrderedDict.fromkeys(range(cache_blocks - 1))
+    cached: dict[bytes, int] = {}
+    misses: tiers.Trace = []
+    for hashes in trace:
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in cached:
+            hit += 1
+        used = [cached[block] for block in hashes[:hit]]
+        for block_id in used:
+            del free[block_id]
+        contents: list[bytes | None] = [*hashes[:hit]]
+        for block in [*hashes[hit:], None]:
+            block_id, old = free.popitem(last=False)
+            if old is not None:
+                del cached[old]
+            if block is not None:
+                cached[block] = block_id
+            used.append(block_id)
+            contents.append(block)
+        for block_id, block in zip(reversed(used), reversed(contents), strict=True):
+            free[block_id] = block
+            if block is None:  # a block caching nothing is taken again first
+                free.move_to_end(block_id, last=False)
+        misses.append(hashes[hit:])
+    return misses
+
+
+def trace_facts(trace: tiers.Trace, primary_blocks: int, vllm_cache_blocks: int) -> dict[str, Any]:
+    """The trace's sizes, and Belady's hit rates on its block sequence.
+
+    Hit rates are over every block of every request. Belady's at the primary's
+    size sees every block, as if no cache were in front of the primary; behind
+    vLLM's cache it sees what that cache misses (``vllm_cache_misses``), as the
+    primary does.
+    """
+    accesses = [block for hashes in trace for block in hashes]
+    distinct = len(set(accesses))
+    behind = [block for hashes in vllm_cache_misses(trace, vllm_cache_blocks) for block in hashes]
+    return {
+        "requests": len(trace),
+        "block_accesses": len(accesses),
+        "distinct_blocks": distinct,
+        "longest_prompt_blocks": max(len(hashes) for hashes in trace),
+        "prompt_tokens": len(accesses) * BLOCK_SIZE + len(trace),
+        # What the limit computes: each distinct block once, each prompt's last word.
+        "limit_computed_tokens": distinct * BLOCK_SIZE + len(trace),
+        # What vLLM alone computes on its small cache, as vllm_cache_misses models it.
+        "no_connector_computed_tokens": len(behind) * BLOCK_SIZE + len(trace),
+        "working_set_over_primary": distinct / primary_blocks,
+        "reuse_hit_rate": 1 - distinct / len(accesses),
+        "vllm_cache_hit_rate": 1 - len(behind) / len(accesses),
+        "belady_primary_hit_rate": tiers.belady_hits(accesses, primary_blocks) / len(accesses),
+        "belady_primary_behind_vllm_hit_rate": tiers.belady_hits(behind, primary_blocks)
+        / len(accesses),
+    }
+
+
+def server_sizes(workload: Workload, trace: tiers.Trace, longest_chars: int) -> dict[str, int]:
+    """``max_model_len``, and the KV caches (in blocks) of the servers but the limit and of it."""
+    longest = max(len(hashes) for hashes in trace)
+    tokens = (longest + 1) * BLOCK_SIZE + workload.output_len
+    # vLLM refuses a prompt of more characters than max_model_len times its longest word.
+    max_model_len = max(tokens, -(-longest_chars // LONGEST_WORD_CHARS))
+    # It also refuses a server whose cache cannot hold one request of max_model_len.
+    vllm_cache_blocks = max(workload.vllm_cache_blocks, -(-max_model_len // BLOCK_SIZE) + 1)
+    distinct = len({block for hashes in trace for block in hashes})
+    return {
+        "max_model_len": max_model_len,
+        "vllm_cache_blocks": vllm_cache_blocks,
+        # Every distinct block, and room for the running request beside them.
+        "limit_cache_blocks": distinct * 5 // 4 + vllm_cache_blocks,
+    }
+
+
+# ------------------------------------------------------------------ the servers
+
+
+def pool_bytes(blocks: int) -> int:
+    """``cpu_pool_bytes`` for a pool of exactly ``blocks`` slots."""
+    # A slot holds a block of every layer and the entry's header.
+    return blocks * (BLOCK_BYTES + HEADER_SIZE)
+
+
+def transfer_config(
+    config: Configuration, scratch: pathlib.Path, primary_blocks: int
+) -> dict[str, Any] | None:
+    """vLLM's ``kv_transfer_config`` for a configuration; each store in a directory of its own."""
+    if config.kind in ("limit", "none"):
+        return None
+    directory = str(scratch / config.name.translate(str.maketrans(" :,()'", "------")))
+    if config.kind == "example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"shared_storage_path": directory},
+        }
+    # The disk's options are the shipped profiles' (no fsync, 4 I/O threads) in every row.
+    disk = {"shared_storage_path": directory, "fsync": False, "io_threads": 4}
+    if config.kind == "multi":
+        # The tiered-disk profile as it was before the tiered connector.
+        profile = {
+            "kv_transfer_config": {
+                "kv_connector": "MultiConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "connectors": [
+                        {
+                            "kv_connector": "CPUOffloadConnector",
+                            "kv_connector_extra_config": {
+                                "cpu_pool_bytes": pool_bytes(primary_blocks),
+                                "io_threads": 2,
+                            },
+                        },
+                        {
+                            "kv_connector": "SharedStorageConnector",
+                            "kv_connector_extra_config": disk,
+                        },
+                    ]
+                },
+            }
+        }
+    elif config.kind == "shared-storage":
+        profile = shipped_profile("shared-storage")
+        options = profile["kv_transfer_config"]["kv_connector_extra_config"]
+        options["shared_storage_path"] = directory
+    elif config.kind == "tiered":
+        profile = {
+            "kv_transfer_config": {
+                "kv_connector": "TieredOffloadConnector",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {
+                    "cpu_pool_bytes": pool_bytes(primary_blocks),
+                    "io_threads": 2,
+                    "eviction": config.eviction,
+                    "save_threshold": config.save_threshold,
+                    "write_policy": config.write_policy,
+                    "tiers": [{"medium": "directory", **disk}],
+                },
+            }
+        }
+    else:
+        raise ValueError(f"unknown kind {config.kind!r}: expected one of {KINDS}")
+    return {
+        "kv_connector": "KVWireConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvwire": profile},
+    }
+
+
+def shipped_profile(name: str) -> dict[str, Any]:
+    import yaml
+
+    from kvwire.config.profile import shipped_profile_path
+
+    profile: dict[str, Any] = yaml.safe_load(shipped_profile_path(name).read_text())
+    return profile
+
+
+def server_args(
+    model: str, kv_cache_blocks: int, max_model_len: int, transfer: dict[str, Any] | None
+) -> list[str]:
+    args = [
+        *("--model", model, "--seed", "0", "--dtype", "float32"),
+        *("--block-size", str(BLOCK_SIZE), "--max-model-len", str(max_model_len)),
+        *("--enforce-eager", "--enable-prefix-caching"),
+        *("--kv-cache-memory-bytes", str(kv_cache_blocks * BLOCK_BYTES)),
+        # One prompt at most is prefilled at once (one request at a time): in one step.
+        *("--max-num-batched-tokens", str(max_model_len)),
+    ]
+    if transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+    return args
+
+
+def client_args(
+    model: str, target: str, dataset: pathlib.Path, workload: Workload, result_path: pathlib.Path
+) -> list[str]:
+    """``vllm bench serve`` over the trace's dataset, in its order, one request at a time."""
+    return [
+        *("--backend", "openai", "--base-url", target, "--endpoint", "/v1/completions"),
+        *("--model", model, "--tokenizer", model, "--seed", "0"),
+        *("--dataset-name", "custom", "--dataset-path", str(dataset)),
+        *("--disable-shuffle", "--skip-chat-template"),
+        *("--num-prompts", str(workload.trace.requests)),
+        *("--custom-output-len", str(workload.output_len)),
+        *("--max-concurrency", str(workload.concurrency), "--temperature", "0"),
+        *("--ignore-eos", "--percentile-metrics", "ttft,tpot,e2el"),
+        # The server is up (health checked); a test request would be one more prefix.
+        *("--ready-check-timeout-sec", "0"),
+        *("--metric-percentiles", "50,99", "--save-result", "--save-detailed"),
+        *("--result-dir", str(result_path.parent), "--result-filename", result_path.name),
+    ]
+
+
+class Bench:
+    """Runs each configuration's server under vLLM's client, the same dataset for each."""
+
+    def __init__(
+        self,
+        model: str,
+        workload: Workload,
+        dataset: pathlib.Path,
+        scratch: pathlib.Path,
+        sizes: Mapping[str, int],
+    ) -> None:
+        self.model = model
+        self.workload = workload
+        self.dataset = dataset
+        self.scratch = scratch
+        self.max_model_len = sizes["max_model_len"]
+        self.vllm_cache_blocks = sizes["vllm_cache_blocks"]
+        self.limit_cache_blocks = sizes["limit_cache_blocks"]
+        self.client = BenchClient(scratch / "client.log")
+
+    def close(self) -> None:
+        self.client.close()
+
+    def measure(self, config: Configuration) -> dict[str, Any]:
+        """One configuration: its figures, or ``status: failed`` and why."""
+        print(f"  {config.name}", flush=True)
+        started = time.monotonic()
+        log = self.scratch / f"server-{len(list(self.scratch.glob('server-*')))}.log"
+        cache_blocks = self.limit_cache_blocks if config.kind == "limit" else self.vllm_cache_blocks
+        transfer = transfer_config(config, self.scratch, self.workload.primary_blocks)
+        spec = ServerSpec(
+            server_args(self.model, cache_blocks, self.max_model_len, transfer),
+            # The model on one core of its own, whatever the connector (as --only serve).
+            {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+            log,
+        )
+        row: dict[str, Any] = {"kind": config.kind, "transfer_config": transfer}
+        if config.kind == "tiered":
+            row.update(
+                eviction=config.eviction,
+                save_threshold=config.save_threshold,
+                write_policy=config.write_policy,
+            )
+        served = False
+        try:
+            with vllm_servers([spec]) as (url,):
+                served = True
+                row.update(self.drive(url, log))
+        except Exception as error:  # one configuration's failure is reported, not fatal
+            message = f"{type(error).__name__}: {error}"
+            reason = root_cause(message)
+            print(f"    failed: {reason}", flush=True)
+            row.update(status="failed", reason=reason, error=message[-LOG_TAIL_CHARS:])
+            if served:
+                # The client may have been stopped (it overran) or be mid-run: a fresh one.
+                self.client.close()
+                self.client = BenchClient(self.scratch / f"client-{time.monotonic_ns()}.log")
+        row["wall_seconds"] = round(time.monotonic() - started, 1)
+        return row
+
+    def drive(self, url: str, log: pathlib.Path) -> dict[str, Any]:
+        before = scrape(url)
+        log_start = log.stat().st_size
+        result_path = self.scratch / f"client-{time.monotonic_ns()}.json"
+        self.client.run(client_args(self.model, url, self.dataset, self.workload, result_path))
+        # The server counts a request's tokens once it ends: the client has seen every end.
+        counters = difference(before, scrape(url))
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        errors = [error for error in result.get("errors", []) if error]
+        print(
+            f"    {result['request_throughput']:.2f} req/s, mean TTFT "
+            f"{result['mean_ttft_ms']:.0f} ms, {result['failed']} failed, "
+            f"{counters.get('prompt_tokens_local_compute', 0):.0f} prompt tokens computed",
+            flush=True,
+        )
+        return {
+            "status": "ok",
+            "client": {key: result[key] for key in CLIENT_FIGURES},
+            "first_errors": [error[-300:] for error in errors[:3]],
+            "generated_texts": result["generated_texts"],
+            "server": counters,
+            # What the server warned of while it served the trace (not at its start).
+            "log_warnings": log_warnings(log_since(log, log_start)),
+        }
+
+
+def log_since(log: pathlib.Path, offset: int) -> str:
+    with log.open("rb") as file:
+        file.seek(offset)
+        return file.read().decode(errors="replace")
+
+
+def log_warnings(text: str, most: int = 20) -> list[str]:
+    """The distinct warnings and errors of a server's log, in order, each with its count.
+
+    Lines that differ only in numbers count as one.
+    """
+    counts: dict[str, list[Any]] = {}
+    for line in text.splitlines():
+        if " WARNING " not in line and " ERROR " not in line:
+            continue
+        message = line.split("] ", 1)[-1].strip()
+        key = re.sub(r"\d+", "N", message)
+        if key in counts:
+            counts[key][1] += 1
+        else:
+            counts[key] = [message[:300], 1]
+    return [f"{message} (x{count})" for message, count in list(counts.values())[:most]]
+
+
+def root_cause(message: str) -> str:
+    """The line of a failed server's log that says why: its first error logged with a type."""
+    lines = message.splitlines()
+    for line in lines:
+        if " ERROR " in line and re.search(r"\b\w+(Error|Exception): ", line):
+            return line.split("] ", 1)[-1].strip()[:300]
+    typed = [line for line in lines if re.match(r"\w+(Error|Exception): ", line)]
+    return (typed[-1] if typed else lines[0] if lines else "?")[:300]
+
+
+def best_of(rows: Mapping[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """The eviction and write policy of the save_threshold 1 tiered row computing the least."""
+    candidates = [
+        row
+        for row in rows.values()
+        if row["kind"] == "tiered" and row.get("save_threshold") == 1 and row["status"] == "ok"
+    ]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda row: row["server"].get("prompt_tokens_local_compute", 0))
+    return best["eviction"], best["write_policy"]
+
+
+def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    if quick:
+        return measure_tiers(output_dir, QUICK, [c for c in CONFIGURATIONS if c.quick])
+    return measure_tiers(output_dir, FULL, CONFIGURATIONS)
+
+
+def measure_tiers(
+    output_dir: pathlib.Path, workload: Workload, configurations: Sequence[Configuration]
+) -> dict[str, Any]:
+    """Every configuration on the workload's trace; writes ``serve-tiers.json/.md/.png``."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(
+            f"the {NAME} benchmark runs in the vLLM venv: .venv-vllm/bin/python -m benchmarks "
+            f"--only {NAME}"
+        ) from error
+    if importlib.util.find_spec("pandas") is None:
+        # vLLM's custom dataset reads its JSONL with pandas (vLLM's own "bench" extra).
+        raise SystemExit(
+            f"the {NAME} benchmark needs pandas in the vLLM venv, for vLLM's custom dataset: "
+            ".venv-vllm/bin/python -m pip install pandas"
+        )
+    from benchmarks.vllm import build_model
+
+    started = time.monotonic()
+    trace = tiers.generate_trace(workload.trace)
+    prompts = [prompt_tokens(hashes) for hashes in trace]
+    sizes = server_sizes(workload, trace, max(len(prompt_text(t)) for t in prompts))
+    facts = {**trace_facts(trace, workload.primary_blocks, sizes["vllm_cache_blocks"]), **sizes}
+    print(
+        f"  {facts['requests']} requests, {facts['block_accesses']} block accesses, "
+        f"{facts['distinct_blocks']} distinct blocks ({facts['working_set_over_primary']:.1f} "
+        f"times the {workload.primary_blocks}-block pool); Belady "
+        f"{facts['belady_primary_hit_rate']:.3f}",
+        flush=True,
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"kvwire-bench-{NAME}-", dir=output_dir))
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        model = build_model(scratch / "model", SHAPE)
+        dataset = scratch / "trace.jsonl"
+        write_dataset(dataset, prompts, workload.output_len)
+        check_tokenizer(model, prompts)
+        bench = Bench(model, workload, dataset, scratch, facts)
+        try:
+            for config in configurations:
+                if config.eviction == BEST:
+                    picked = best_of(rows)
+                    if picked is None:
+                        rows[config.name] = {
+                            "kind": config.kind,
+                            "status": "failed",
+                            "reason": "no save_threshold 1 tiered row ran to pick the best of",
+                        }
+                        continue
+                    config = attrs.evolve(config, eviction=picked[0], write_policy=picked[1])
+                rows[config.name] = bench.measure(config)
+        finally:
+            bench.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = summarize(workload, facts, rows)
+    summary["seconds"] = round(time.monotonic() - started)
+    write_json(output_dir, f"{NAME}.json", summary)
+    (output_dir / f"{NAME}.md").write_text(table(summary))
+    plot(summary, output_dir / f"{NAME}.png")
+    return headline(summary)
+
+
+# ------------------------------------------------------------------ the report
+
+
+def tier_counters(counters: Mapping[str, float], kind: str) -> dict[str, dict[str, float]]:
+    """kvwire's counters of one server, by tier label (``{"CPU": {"bytes_saved": ...}}``)."""
+    tiers_of_kind = TIER_PREFIXES.get(kind, ())
+    prefixes = {prefix for known in TIER_PREFIXES.values() for _, prefix in known if prefix}
+    grouped: dict[str, dict[str, float]] = {}
+    for label, prefix in tiers_of_kind:
+        found: dict[str, float] = {}
+        for name, value in counters.items():
+            counter = name.removeprefix("kvwire_")
+            if counter == name or not counter.startswith(prefix):
+                continue
+            # The unprefixed tier takes what no other tier's prefix claims.
+            if not prefix and any(counter.startswith(other) for other in prefixes):
+                continue
+            found[counter.removeprefix(prefix)] = value
+        grouped[label] = found
+    return grouped
+
+
+def tier_hits(kind: str, by_tier: Mapping[str, Mapping[str, float]]) -> list[float]:
+    """The blocks each tier gave the engine, the primary's first."""
+    counts = list(by_tier.values())
+    if kind == "tiered":
+        primary, secondary = counts
+        # The connector's lookups count the blocks of every tier; a secondary tier's are
+        # its own lookups' where it counts them, else the blocks it brought into the pool.
+        from_secondary = secondary.get("lookup_hit_blocks", secondary.get("promoted_blocks", 0))
+        return [primary.get("lookup_hit_blocks", 0) - from_secondary, from_secondary]
+    if kind == "multi":
+        # Each child counts the hits of its own lookups, though only one child loads them.
+        return [tier.get("blocks_loaded", 0) for tier in counts]
+    return [tier.get("lookup_hit_blocks", 0) for tier in counts]
+
+
+def summarize(
+    workload: Workload, facts: dict[str, Any], rows: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Each configuration's figures, set against the limit's and Belady's."""
+    limit = rows.get(LIMIT, {})
+    limit_ok = limit.get("status") == "ok"
+    configurations: dict[str, Any] = {}
+    for name, row in rows.items():
+        entry = {key: value for key, value in row.items() if key != "generated_texts"}
+        configurations[name] = entry
+        if row["status"] != "ok":
+            continue
+        figures = row["client"]
+        server = row["server"]
+        entry["client"] = {key: round(value, 3) for key, value in figures.items()}
+        if limit_ok:
+            theirs = limit["client"]
+            entry["request_throughput_vs_limit"] = ratio(
+                figures["request_throughput"], theirs["request_throughput"]
+            )
+            entry["output_throughput_vs_limit"] = ratio(
+                figures["output_throughput"], theirs["output_throughput"]
+            )
+            entry["mean_ttft_vs_limit"] = ratio(figures["mean_ttft_ms"], theirs["mean_ttft_ms"])
+            same = sum(
+                ours == expected
+                for ours, expected in zip(
+                    row["generated_texts"], limit["generated_texts"], strict=True
+                )
+            )
+            entry["outputs_equal_limit"] = f"{same}/{len(limit['generated_texts'])}"
+        entry["computed_prompt_tokens"] = server.get("prompt_tokens_local_compute", 0)
+        entry["vllm_cache_hit_tokens"] = server.get("prompt_tokens_local_cache_hit", 0)
+        entry["loaded_tokens"] = server.get("prompt_tokens_external_kv_transfer", 0)
+        by_tier = tier_counters(server, row["kind"])
+        entry["tiers"] = by_tier
+        entry["hit_blocks"] = dict(zip(by_tier, tier_hits(row["kind"], by_tier), strict=True))
+        entry["load_error_blocks"] = sum(tier.get("load_errors", 0) for tier in by_tier.values())
+        if row["kind"] in POOLED_KINDS:
+            primary_hits = next(iter(entry["hit_blocks"].values()))
+            entry["primary_hit_rate"] = primary_hits / facts["block_accesses"]
+            entry["primary_of_belady"] = ratio(
+                entry["primary_hit_rate"], facts["belady_primary_hit_rate"]
+            )
+            entry["primary_of_belady_behind_vllm"] = ratio(
+                entry["primary_hit_rate"], facts["belady_primary_behind_vllm_hit_rate"]
+            )
+        # Blocks vLLM did not compute (its cache's and the connector's), over all asked for.
+        entry["not_computed_rate"] = (
+            1
+            - (entry["computed_prompt_tokens"] - facts["requests"])
+            / BLOCK_SIZE
+            / facts["block_accesses"]
+        )
+    # The prompts line up with vLLM's blocks, and its cache is modelled right, when these
+    # measured counts equal the trace's.
+    if limit_ok:
+        facts["limit_computed_tokens_measured"] = configurations[LIMIT]["computed_prompt_tokens"]
+        facts["prompt_tokens_measured"] = limit["server"].get("prompt_tokens", 0)
+    if rows.get(NO_CONNECTOR, {}).get("status") == "ok":
+        facts["no_connector_computed_tokens_measured"] = configurations[NO_CONNECTOR][
+            "computed_prompt_tokens"
+        ]
+    return {
+        "model": SHAPE,
+        "block_size": BLOCK_SIZE,
+        "kv_bytes_per_block": BLOCK_BYTES,
+        "workload": attrs.asdict(workload),
+        "primary_mib": pool_bytes(workload.primary_blocks) / MIB,
+        "trace": facts,
+        "configurations": configurations,
+    }
+
+
+def ratio(ours: float, theirs: float) -> float | None:
+    return round(ours / theirs, 3) if theirs else None
+
+
+def headline(summary: dict[str, Any]) -> dict[str, Any]:
+    """Per configuration: throughput over the limit's, computed tokens, primary over Belady."""
+    return {
+        name: (
+            {
+                key: row.get(key)
+                for key in (
+                    "request_throughput_vs_limit",
+                    "mean_ttft_vs_limit",
+                    "computed_prompt_tokens",
+                    "primary_hit_rate",
+                    "primary_of_belady",
+                )
+            }
+            if row["status"] == "ok"
+            else {"status": "failed"}
+        )
+        for name, row in summary["configurations"].items()
+    }
+
+
+def cell(value: Any, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def with_ratio(value: float, form: str, to_limit: float | None) -> str:
+    return f"{value:{form}} ({cell(to_limit, '.2f')})"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The README's table: one row a configuration, ratios to the limit in brackets."""
+    facts = summary["trace"]
+    lines = [
+        f"{facts['requests']} requests in the trace's order, one at a time; "
+        f"{facts['block_accesses']} block accesses, {facts['distinct_blocks']} distinct blocks "
+        f"of {summary['block_size']} tokens; vLLM's cache {facts['vllm_cache_blocks']} blocks, "
+        f"every CPU pool {summary['workload']['primary_blocks']} blocks "
+        f"({summary['primary_mib']:.0f} MiB). Hit rates are over every block asked for: "
+        f"Belady's at the pool's size {facts['belady_primary_hit_rate']:.3f} on every block, "
+        f"{facts['belady_primary_behind_vllm_hit_rate']:.3f} on those vLLM's cache misses; "
+        f"vLLM's cache alone {facts['vllm_cache_hit_rate']:.3f}; every reuse "
+        f"{facts['reuse_hit_rate']:.3f}.",
+        "",
+        "| configuration | req/s (vs limit) | output tok/s (vs limit) | mean TTFT ms (vs limit) "
+        "| computed prompt tokens | loaded tokens | hit blocks: primary / tier 1 "
+        "| primary hit rate | of Belady | of Belady behind vLLM's cache "
+        "| MiB written: primary / tier 1 | load errors (blocks) | outputs = limit's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in summary["configurations"].items():
+        if row["status"] != "ok":
+            lines.append(f"| {name} | failed: {row.get('reason', '?')[:100]} |")
+            continue
+        client = row["client"]
+        by_tier = list(row["tiers"].values())
+        hits = list(row["hit_blocks"].values())
+        written = [f"{tier.get('bytes_saved', 0) / MIB:.1f}" for tier in by_tier]
+        cells = [
+            with_ratio(client["request_throughput"], ".2f", row.get("request_throughput_vs_limit")),
+            with_ratio(client["output_throughput"], ".1f", row.get("output_throughput_vs_limit")),
+            with_ratio(client["mean_ttft_ms"], ".0f", row.get("mean_ttft_vs_limit")),
+            f"{row['computed_prompt_tokens']:.0f}",
+            f"{row['loaded_tokens']:.0f}",
+            " / ".join(f"{count:.0f}" for count in hits) or "-",
+            cell(row.get("primary_hit_rate"), ".3f"),
+            cell(row.get("primary_of_belady"), ".2f"),
+            cell(row.get("primary_of_belady_behind_vllm"), ".2f"),
+            " / ".join(written) or "-",
+            f"{row['load_error_blocks']:.0f}",
+            row.get("outputs_equal_limit", "-"),
+        ]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
+    """Per configuration: computed prompt tokens, req/s over the limit's, the primary's hit rate."""
+    plt = pyplot()
+    rows = {name: row for name, row in summary["configurations"].items() if row["status"] == "ok"}
+    names = list(rows)
+    facts = summary["trace"]
+    figure, panels = plt.subplots(1, 3, figsize=(15, 0.45 * len(names) + 1.8))
+    # Each panel: the figure, its label and where its dotted lines go.
+    series = (
+        (
+            "computed_prompt_tokens",
+            "computed prompt tokens (dotted: the trace's distinct blocks)",
+            [facts["limit_computed_tokens"]],
+        ),
+        ("request_throughput_vs_limit", "requests/s over the limit's", [1.0]),
+        (
+            "primary_hit_rate",
+            "CPU pool's hit rate (dotted: Belady's, behind vLLM's cache / on every block)",
+            [facts["belady_primary_hit_rate"], facts["belady_primary_behind_vllm_hit_rate"]],
+        ),
+    )
+    for axes, (key, label, marks) in zip(panels, series, strict=True):
+        for index, name in enumerate(names):
+            value = rows[name].get(key)
+            if value is None:
+                continue
+            tiered_row = rows[name]["kind"] == "tiered"
+            axes.barh(index, value, color="#3f7fd9" if tiered_row else "#999999")
+            shown = f"{value:.0f}" if key == "computed_prompt_tokens" else f"{value:.2f}"
+            axes.text(value, index, f"  {shown}", va="center", fontsize=8)
+        for mark in marks:
+            axes.axvline(mark, color="k", linewidth=0.8, linestyle=":")
+        axes.set_yticks(range(len(names)), names if axes is panels[0] else [""] * len(names))
+        axes.invert_yaxis()
+        axes.set_xlabel(label, fontsize=8)
+    figure.suptitle(
+        f"vllm serve (vLLM CPU, one core) under vllm bench serve: {facts['requests']} requests "
+        f"in order, {facts['distinct_blocks']} distinct blocks of {summary['block_size']} "
+        f"tokens; vLLM's cache {facts['vllm_cache_blocks']} blocks, every CPU pool "
+        f"{summary['workload']['primary_blocks']} blocks",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    from benchmarks.common import main
+
+    sys.exit(main("python -m benchmarks.serve_tiers", run, sys.argv[1:]))
