@@ -33,6 +33,7 @@ from kvwire.blocks.format import HEADER_SIZE, BlockLayout, headers_without_check
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.paged_cache import PagedKVCaches
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.exceptions import KVWireError
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import KVCacheEvent
 from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, TransferKind
@@ -41,7 +42,7 @@ from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
 from kvwire.media.tiered.index import MISSING, tier_prefix
 
-__all__ = ["TIER_WRITE_WAIT_S", "SlotsInUse", "TieredTransferHandler"]
+__all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ TIER_WRITE_WAIT_S = 1.0
 """How long a pool write waits for a tier's write of the same slot before giving it up."""
 
 
-class SlotsInUse(RuntimeError):
+class _SlotsInUse(KVWireError, RuntimeError):
     """A pool slot about to be written is still written by a tier's load: it is left alone."""
 
 
@@ -236,7 +237,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
     def _before_writing_slots(self, slots: Sequence[int], deadline: float) -> None:
         """Wait out the tier jobs using `slots`; give up the writes still running after a while.
 
-        Raises `SlotsInUse` when a tier job still uses one at `deadline`
+        Raises `_SlotsInUse` when a tier job still uses one at `deadline`
         (a load that outlived it): the slots are not written then.
         """
         until = min(deadline, time.monotonic() + TIER_WRITE_WAIT_S)
@@ -249,7 +250,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             # A released write commits nothing more, whatever it still reads; a
             # load may still write the slots until its own deadline.
             if not tier.wait_for_slots(slots, deadline) and tier.loads_using(slots):
-                raise SlotsInUse(
+                raise _SlotsInUse(
                     f"tier {tier.number}: a load into pool slots still ran at the deadline; "
                     "the slots are left as they are"
                 )
@@ -296,7 +297,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         hashes = tuple(transfer.block_hashes[position] for position in positions)
         try:
             self._before_writing_slots(slots, deadline)
-        except SlotsInUse as error:
+        except _SlotsInUse as error:
             logger.warning("tiered offload: not loading %d blocks: %s", len(slots), error)
             return []
         # Until the tier verified a block, its slot names none.
