@@ -31,7 +31,7 @@ connector and shared storage, every computed block written to both, LRU (the
 tiered-disk profile before the tiered connector); the tiered offload
 connector (``TieredOffloadConnector``: a CPU pool in front of a directory)
 under several eviction and write policies (``write_through``, ``spill``),
-then the one of those that computed the fewest prompt tokens again with
+then the one of those whose pool hit the most blocks again with
 ``save_threshold`` 2; shared storage alone and vLLM's ExampleConnector. Every
 CPU pool holds ``Workload.primary_blocks`` blocks, a fraction of the trace's
 distinct blocks. A configuration whose server does not start, or whose
@@ -141,8 +141,8 @@ QUICK = Workload(
 LIMIT = "the limit: vLLM, KV cache for everything"
 NO_CONNECTOR = "no connector"
 BEST = "best"
-"""A tiered row's eviction and write policy: those of the save_threshold 1 row that computed
-the fewest prompt tokens."""
+"""A tiered row's eviction and write policy: those of the save_threshold 1 row whose CPU pool
+hit the most blocks (``best_of``)."""
 
 
 @attrs.frozen
@@ -575,7 +575,12 @@ def root_cause(message: str) -> str:
 
 
 def best_of(rows: Mapping[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """The eviction and write policy of the save_threshold 1 tiered row computing the least."""
+    """The eviction and write policy of the save_threshold 1 tiered row whose pool hit most.
+
+    The pool's hits, not the computed tokens: behind it the disk gives nearly every
+    other reuse, so the computed tokens barely tell the policies apart. Ties go to
+    the row that computed fewer tokens.
+    """
     candidates = [
         row
         for row in rows.values()
@@ -583,7 +588,12 @@ def best_of(rows: Mapping[str, dict[str, Any]]) -> tuple[str, str] | None:
     ]
     if not candidates:
         return None
-    best = min(candidates, key=lambda row: row["server"].get("prompt_tokens_local_compute", 0))
+
+    def merit(row: dict[str, Any]) -> tuple[float, float]:
+        pool_hits = tier_hits("tiered", tier_counters(row["server"], "tiered"))[0]
+        return pool_hits, -row["server"].get("prompt_tokens_local_compute", 0)
+
+    best = max(candidates, key=merit)
     return best["eviction"], best["write_policy"]
 
 

@@ -313,17 +313,27 @@ def test_the_plot_is_drawn_without_the_failed_rows(tmp_path: pathlib.Path) -> No
     assert (tmp_path / "serve-tiers.png").stat().st_size > 0
 
 
-def test_the_best_row_takes_the_threshold_1_tiered_row_that_computed_least() -> None:
-    rows = {
-        "a": {**a_row("tiered", 1.0, 900.0, []), "eviction": "lru", "write_policy": "spill"},
-        "b": {**a_row("tiered", 1.0, 800.0, []), "eviction": "arc", "write_policy": "spill"},
-        "c": {**a_row("none", 1.0, 100.0, [])},
-    }
-    for row in rows.values():
-        row["save_threshold"] = 1
+def test_the_best_row_takes_the_threshold_1_tiered_row_whose_pool_hit_most() -> None:
+    def tiered(eviction: str, pool_hits: float, computed: float) -> dict[str, Any]:
+        row = a_row("tiered", 1.0, computed, [])
+        # The lookups count both tiers' blocks; the disk's are those it brought in.
+        row["server"] = {
+            "kvwire_lookup_hit_blocks": pool_hits + 10,
+            "kvwire_tier1_promoted_blocks": 10.0,
+            "prompt_tokens_local_compute": computed,
+        }
+        return row | {"eviction": eviction, "write_policy": "spill", "save_threshold": 1}
 
-    assert bench.best_of(rows) == ("arc", "spill")
-    assert bench.best_of({"c": rows["c"]}) is None
+    rows = {
+        "lru": tiered("lru", 50.0, 800.0),
+        "arc": tiered("arc", 70.0, 900.0),
+        "s3fifo": tiered("s3fifo", 70.0, 850.0),
+        "arc, 2": tiered("arc", 90.0, 700.0) | {"save_threshold": 2},
+        "none": a_row("none", 1.0, 100.0, []),
+    }
+
+    assert bench.best_of(rows) == ("s3fifo", "spill")
+    assert bench.best_of({"none": rows["none"]}) is None
 
 
 def test_a_failed_server_is_reported_by_the_error_its_log_gives_first() -> None:
