@@ -127,3 +127,38 @@ def test_discarding_a_block_in_one_group_keeps_the_other_groups_entry():
     index.discard(1, [h(1)])
     assert _ready(index, 0, h(1)) and not _ready(index, 1, h(1))
     assert index.take_evicted() == ([], [h(1)])
+
+
+def test_the_busy_count_is_every_slot_no_eviction_may_take_whatever_happens():
+    import random
+
+    rng = random.Random(7)
+    index = SlotTable(6)
+    loads: list[list[bytes]] = []
+    promotions: list[list[bytes]] = []
+    for _ in range(3000):
+        op = rng.randrange(7)
+        blocks = [h(rng.randrange(12)) for _ in range(rng.randint(1, 3))]
+        if op == 0:
+            placed = [block for block, _ in index.prepare_save(0, blocks)]
+            if rng.random() < 0.8:
+                index.complete_save(0, placed)
+            else:
+                index.abandon_save(0, placed)
+        elif op == 1 and index.count_ready_prefix(0, blocks) == len(blocks):
+            index.start_load(0, blocks)
+            loads.append(blocks)
+        elif op == 2 and loads:
+            index.finish_load(0, loads.pop(rng.randrange(len(loads))))
+        elif op == 3:
+            slots = index.start_promotion(0, blocks)
+            promotions.append([b for b, slot in zip(blocks, slots, strict=True) if slot is not None])
+        elif op == 4 and promotions:
+            brought = promotions.pop(rng.randrange(len(promotions)))
+            index.finish_promotion(0, brought, brought[:1] if rng.random() < 0.3 else [])
+        elif op == 5:
+            index.clear()
+        elif op == 6:
+            index.discard(0, blocks)
+        busy = sum(1 for e in index._by_slot.values() if not e.ready or e.load_refs > 0)
+        assert index.busy == busy

@@ -188,3 +188,16 @@ def test_an_async_lookup_of_a_stuck_tier_answers_at_once_and_never_blocks_the_sc
     finally:
         tier.release.set()
         half.close()
+
+
+def test_a_lookup_counts_no_more_tier_blocks_than_the_pool_has_slots_to_bring_them_into():
+    tier = SetIndex(set(hashes(1, 2, 3, 4, 5, 6)))
+    index = TieredIndex(4, 1, "cpu", tiers=[tier], write_through=False)
+    assert index.count_held_prefix(0, hashes(1, 2, 3, 4, 5, 6)) == 4
+    saved(index, hashes(9))
+    index.prepare_load(0, hashes(9))  # a load in flight pins one slot
+    assert index.count_held_prefix(0, hashes(1, 2, 3, 4, 5, 6)) == 3
+    wanted = hashes(1, 2, 3)
+    index.prepare_load(0, wanted)
+    assert MISSING not in index.load_sources(0, wanted)
+    assert "load_blocks_missing" not in index.take_counters()

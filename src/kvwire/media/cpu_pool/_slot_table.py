@@ -64,11 +64,18 @@ class SlotTable:
         self._policy = LRUPolicy(num_slots) if policy is None else policy
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._on_evict = on_evict
+        # Entries no eviction may take: being saved or brought in, or read by a load.
+        self._busy = 0
         # Per group: blocks evicted (or discarded) since the last take_evicted.
         self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
 
     def __len__(self) -> int:
         return len(self._by_slot)
+
+    @property
+    def busy(self) -> int:
+        """How many slots hold a block being saved or brought in, or read by a load."""
+        return self._busy
 
     def holds(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is saved or being saved."""
@@ -95,6 +102,8 @@ class SlotTable:
                 raise KeyError(
                     f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
                 )
+            if entry.load_refs == 0:
+                self._busy += 1
             entry.load_refs += 1
             slots.append(entry.slot)
         self._touch_tail_first(slots)
@@ -106,6 +115,8 @@ class SlotTable:
             entry = entries.get(block_hash)
             if entry is not None and entry.load_refs > 0:
                 entry.load_refs -= 1
+                if entry.load_refs == 0 and entry.ready:
+                    self._busy -= 1
 
     def prepare_save(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
         """Slots for `group`'s blocks not saved yet, evicting old blocks as needed.
@@ -129,6 +140,7 @@ class SlotTable:
             entry = _Slot(slot, group, block_hash)
             entries[block_hash] = entry
             self._by_slot[slot] = entry
+            self._busy += 1
             placed.append((block_hash, slot))
             touched.append(slot)
             new_slots.add(slot)
@@ -143,6 +155,8 @@ class SlotTable:
             entry = entries.get(block_hash)
             if entry is not None and not entry.ready:
                 entry.ready = True
+                if entry.load_refs == 0:
+                    self._busy -= 1
                 completed.append(block_hash)
         return completed
 
@@ -155,6 +169,7 @@ class SlotTable:
                 self._remove(entry)
                 self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
+                self._busy -= 1
 
     def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
@@ -182,6 +197,7 @@ class SlotTable:
                 entry = _Slot(slot, group, block_hash, load_refs=1, clean=True)
                 entries[block_hash] = entry
                 self._by_slot[slot] = entry
+                self._busy += 1
                 self._policy.insert(slot, (group, block_hash))
             slots.append(slot)
         return slots
@@ -202,8 +218,11 @@ class SlotTable:
                 self._remove(entry)
                 self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
+                self._busy -= 1
             else:
                 entry.ready = True
+                if entry.load_refs == 0:
+                    self._busy -= 1
                 ready.append(block_hash)
         return ready
 

@@ -10,7 +10,9 @@ those slots, then copies the slots into the cache. Each block's `sources`
 tell the worker where it is: `""` in the pool, `"<N>:<tier's own source>"`
 in tier `N`, `"-"` nowhere any more (it left the pool between the lookup
 and the load, or the pool had no free slot to bring it into): a load error,
-which the engine computes again.
+which the engine computes again (counted in `load_blocks_missing`). A lookup
+counts no more blocks from the tiers than the pool has slots to bring them
+into, so that this stays rare.
 
 Which blocks reach the secondary tiers: with `write_through`, every block
 whose pool save is made (the worker writes it from the pool); with
@@ -135,14 +137,18 @@ class TieredIndex(CPUPoolIndex):
         """The pool's ready prefix, extended by each secondary tier in turn."""
         held = self._index.count_ready_prefix(group, block_hashes)
         in_pool = held
+        # Blocks from the tiers each need a slot the load can take: no more than
+        # are neither busy nor this load's own (a block promised and then given
+        # no slot would be a load error, which costs vLLM a rescheduled request).
+        end = min(len(block_hashes), held + max(0, self._num_slots - self._index.busy - held))
         spans: list[tuple[int, int, int]] = []
         on_scheduler_thread = threading.get_ident() == self._scheduler_thread
         for number, tier in enumerate(self._tiers, 1):
-            if held == len(block_hashes):
+            if held >= end:
                 break
             if not (on_scheduler_thread or tier.concurrent_lookups):
                 continue
-            found = self._count_in_tier(number, tier, group, block_hashes[held:])
+            found = self._count_in_tier(number, tier, group, block_hashes[held:end])
             if found:
                 spans.append((number, held, held + found))
                 held += found
@@ -228,6 +234,7 @@ class TieredIndex(CPUPoolIndex):
                 slots += [self._num_slots] * len(span)
                 tiers += [None] * len(span)
                 sources += [MISSING] * len(span)
+                self._count("load_blocks_missing", len(span))
             else:
                 self._bring_in(number, group, span, slots, tiers, sources)
             position = end
@@ -269,6 +276,7 @@ class TieredIndex(CPUPoolIndex):
                 slots.append(self._num_slots)
                 tiers.append(None)
                 sources.append(MISSING)
+                self._count("load_blocks_missing", 1)
             else:
                 slots.append(slot)
                 tiers.append(number)
