@@ -178,20 +178,23 @@ CONFIGURATIONS = (
     Configuration(LIMIT, "limit", quick=True),
     Configuration(NO_CONNECTOR, "none", quick=True),
     Configuration("MultiConnector write-through LRU (the old tiered-disk)", "multi", quick=True),
+    Configuration("kvwire CPU offload alone (the pool, no disk)", "cpu", quick=True),
     tiered("lru", "write_through"),
     tiered("lru", "spill"),
+    tiered("arc", "write_through"),
     tiered("arc", "spill", quick=True),
     tiered("s3fifo", "spill"),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),
 )
-KINDS = ("limit", "none", "multi", "tiered", "shared-storage", "example")
+KINDS = ("limit", "none", "cpu", "multi", "tiered", "shared-storage", "example")
 # The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
-POOLED_KINDS = ("multi", "tiered")
+POOLED_KINDS = ("cpu", "multi", "tiered")
 # Each kind's tiers: a label and the prefix of its counters' names (as /metrics spells
 # them: kvwire's "." becomes "_"); the primary first, its counters unprefixed where "".
 TIER_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
+    "cpu": (("CPU", ""),),
     "multi": (("CPU", "CPUOffloadConnector_"), ("disk", "SharedStorageConnector_")),
     "tiered": (("CPU", ""), ("disk", "tier1_")),
     "shared-storage": (("disk", ""),),
@@ -379,6 +382,10 @@ def transfer_config(
                 },
             }
         }
+    elif config.kind == "cpu":
+        profile = shipped_profile("cpu-offload")
+        options = profile["kv_transfer_config"]["kv_connector_extra_config"]
+        options["cpu_pool_bytes"] = pool_bytes(primary_blocks)
     elif config.kind == "shared-storage":
         profile = shipped_profile("shared-storage")
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]
@@ -695,10 +702,10 @@ def tier_hits(kind: str, by_tier: Mapping[str, Mapping[str, float]]) -> list[flo
     counts = list(by_tier.values())
     if kind == "tiered":
         primary, secondary = counts
-        # The connector's lookups count the blocks of every tier; a secondary tier's are
-        # its own lookups' where it counts them, else the blocks it brought into the pool.
-        from_secondary = secondary.get("lookup_hit_blocks", secondary.get("promoted_blocks", 0))
-        return [primary.get("lookup_hit_blocks", 0) - from_secondary, from_secondary]
+        # Every block loaded passes through the pool: those the disk gave were
+        # brought in first.
+        from_secondary = secondary.get("promoted_blocks", 0)
+        return [primary.get("blocks_loaded", 0) - from_secondary, from_secondary]
     if kind == "multi":
         # Each child counts the hits of its own lookups, though only one child loads them.
         return [tier.get("blocks_loaded", 0) for tier in counts]

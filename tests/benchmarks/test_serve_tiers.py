@@ -209,7 +209,8 @@ def test_quick_runs_one_configuration_of_each_kind_the_limit_first() -> None:
 METRICS = """\
 vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 3000.0
 vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 640.0
-vllm:kvwire_lookup_hit_blocks_total{engine="0"} 20.0
+vllm:kvwire_lookup_hit_blocks_total{engine="0"} 22.0
+vllm:kvwire_blocks_loaded_total{engine="0"} 20.0
 vllm:kvwire_bytes_saved_total{engine="0"} 1048576.0
 vllm:kvwire_load_errors_total{engine="0"} 2.0
 vllm:kvwire_tier1_promoted_blocks_total{engine="0"} 8.0
@@ -226,12 +227,13 @@ def test_a_tiered_connector_s_counters_split_by_tier_its_secondary_s_hits_brough
     by_tier = bench.tier_counters(counters, "tiered")
 
     assert by_tier["CPU"] == {
-        "lookup_hit_blocks": 20.0,
+        "lookup_hit_blocks": 22.0,
+        "blocks_loaded": 20.0,
         "bytes_saved": 1048576.0,
         "load_errors": 2.0,
     }
     assert by_tier["disk"] == {"promoted_blocks": 8.0, "bytes_saved": 2097152.0}
-    # The lookups count every tier's blocks: the pool's are those the disk did not give.
+    # Every block loaded passes through the pool: the pool's own are those the disk did not give.
     assert bench.tier_hits("tiered", by_tier) == [12.0, 8.0]
 
 
@@ -318,7 +320,7 @@ def test_the_best_row_takes_the_threshold_1_tiered_row_whose_pool_hit_most() -> 
         row = a_row("tiered", 1.0, computed, [])
         # The lookups count both tiers' blocks; the disk's are those it brought in.
         row["server"] = {
-            "kvwire_lookup_hit_blocks": pool_hits + 10,
+            "kvwire_blocks_loaded": pool_hits + 10,
             "kvwire_tier1_promoted_blocks": 10.0,
             "prompt_tokens_local_compute": computed,
         }
