@@ -65,7 +65,8 @@ def test_a_load_pins_the_pools_blocks_and_brings_the_tiers_blocks_into_new_slots
     assert len(set(slots)) == 4
     assert sources == ("", "", tier_source(1, ""), tier_source(1, ""))
     # Not hits until the load ends; then hits of the pool, with a stored event.
-    assert index.count_held_prefix(0, hashes(3)) == 1  # the tier still has it
+    # Being brought in: no other load can have it until this one is done.
+    assert index.count_held_prefix(0, hashes(3)) == 0
     assert index._index.count_ready_prefix(0, hashes(3)) == 0
     index.take_events()
     index.complete_load(0, wanted, ())
@@ -201,3 +202,16 @@ def test_a_lookup_counts_no_more_tier_blocks_than_the_pool_has_slots_to_bring_th
     index.prepare_load(0, wanted)
     assert MISSING not in index.load_sources(0, wanted)
     assert "load_blocks_missing" not in index.take_counters()
+
+
+def test_a_block_the_pool_is_still_saving_ends_the_prefix_though_a_tier_holds_it():
+    # Written through: the tier has the block before the pool's save is published.
+    tier = SetIndex(set(hashes(1, 2, 3)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=True)
+    saved(index, hashes(1))
+    index.prepare_save(0, hashes(2))  # not complete: the pool holds it, not ready
+    assert index.count_held_prefix(0, hashes(1, 2, 3)) == 1
+    index.complete_save(0, hashes(2), success=True)
+    assert index.count_held_prefix(0, hashes(1, 2, 3)) == 3
+    index.prepare_load(0, hashes(1, 2, 3))
+    assert MISSING not in index.load_sources(0, hashes(1, 2, 3))

@@ -71,6 +71,8 @@ class _Tier:
         self._slots_of: dict[int, tuple[int, ...]] = {}
         self._load_results: dict[int, JobResult] = {}
         self._loads: set[int] = set()
+        # Loads whose waiter stopped waiting: their results are dropped when they come.
+        self._unwaited: set[int] = set()
 
     def submit(self, kind: TransferKind, transfers: tuple[BlockTransfer, ...]) -> int:
         """Start a job over pool slots (the transfers' block ids); its id."""
@@ -97,7 +99,10 @@ class _Tier:
                             del self._users[slot]
                 if result.job_id in self._loads:
                     self._loads.discard(result.job_id)
-                    self._load_results[result.job_id] = result
+                    if result.job_id in self._unwaited:
+                        self._unwaited.discard(result.job_id)
+                    else:
+                        self._load_results[result.job_id] = result
 
     def jobs_using(self, slots: Iterable[int]) -> set[int]:
         with self._lock:
@@ -127,6 +132,8 @@ class _Tier:
         self.collect()
         with self._lock:
             result = self._load_results.pop(job_id, None)
+            if result is None and job_id in self._loads:
+                self._unwaited.add(job_id)
         if not ended or result is None:
             # Still running: it may yet write the slots, which stay in use
             # until it ends; the blocks are load errors now.

@@ -141,6 +141,9 @@ class TieredIndex(CPUPoolIndex):
         # are neither busy nor this load's own (a block promised and then given
         # no slot would be a load error, which costs vLLM a rescheduled request).
         end = min(len(block_hashes), held + max(0, self._num_slots - self._index.busy - held))
+        # A block the pool holds but cannot give yet (still being saved, or brought in
+        # by another load) can take no slot to be brought in: the prefix ends there.
+        end = next((i for i in range(held, end) if self._index.holds(group, block_hashes[i])), end)
         spans: list[tuple[int, int, int]] = []
         on_scheduler_thread = threading.get_ident() == self._scheduler_thread
         for number, tier in enumerate(self._tiers, 1):
