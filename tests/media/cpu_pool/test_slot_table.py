@@ -152,7 +152,9 @@ def test_the_busy_count_is_every_slot_no_eviction_may_take_whatever_happens():
             index.finish_load(0, loads.pop(rng.randrange(len(loads))))
         elif op == 3:
             slots = index.start_promotion(0, blocks)
-            promotions.append([b for b, slot in zip(blocks, slots, strict=True) if slot is not None])
+            promotions.append(
+                [b for b, slot in zip(blocks, slots, strict=True) if slot is not None]
+            )
         elif op == 4 and promotions:
             brought = promotions.pop(rng.randrange(len(promotions)))
             index.finish_promotion(0, brought, brought[:1] if rng.random() < 0.3 else [])
