@@ -242,6 +242,7 @@ class ResolvedMedium:
     """
 
     name: str
+    """The medium as the option named it, bounded for messages."""
     medium_class: type
     options: Mapping[str, Any] = attrs.field(repr=False)
     plugins: Mapping[str, Any] = attrs.field(factory=dict)
@@ -301,7 +302,8 @@ def _resolved_medium(
         medium_class = lookup.get_class(item["medium"])
     except ValueError as error:
         raise ExtraConfigError(f"{prefix}.medium: {error}") from None
-    name = f"{field} ({item['medium']})"
+    # The medium's name as written, bounded: a class path may be any length.
+    name = f"{field} ({shown_key(item['medium'])})"
     rest = {k: v for k, v in item.items() if k != "medium"}
     try:
         read = read_extra_config(name, rest, medium_class.extra_config_keys())
@@ -311,7 +313,7 @@ def _resolved_medium(
         # Each line named the option as if at the top level: name it in its item.
         lines = str(error).replace("kv_connector_extra_config.", f"{prefix}.")
         raise ExtraConfigError(lines) from None
-    return ResolvedMedium(str(item["medium"]), medium_class, read, plugins)
+    return ResolvedMedium(shown_key(item["medium"]), medium_class, read, plugins)
 
 
 def _warn_deprecated_key(connector_name: str, old: str, new: str) -> None:

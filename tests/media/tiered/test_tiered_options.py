@@ -115,3 +115,14 @@ def test_a_medium_built_by_hand_without_its_resolved_tiers_says_how_to_pass_them
     )
     with pytest.raises(ValueError, match=r"MediumContext\.plugins has no 'tiers'"):
         TieredMedium(context)
+
+
+def test_a_long_medium_path_is_shown_bounded_in_every_message(tmp_path: pathlib.Path) -> None:
+    path = "kvwire.media.store.directory.medium:DirectoryMedium"
+    tier = {"medium": "x" * 10_000, "shared_storage_path": "/tmp/x"}
+    status, text = check(tmp_path, {"tiers": [tier]})
+    assert status == 1
+    assert "x" * 200 not in text
+    status, text = check(tmp_path, {"tiers": [{"medium": path, "fsink": True}]})
+    assert status == 1
+    assert f"tiers[0] ({path})" in text
