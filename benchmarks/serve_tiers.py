@@ -359,7 +359,7 @@ def transfer_config(
     # The disk's options are the shipped profiles' (no fsync, 4 I/O threads) in every row.
     disk = {"shared_storage_path": directory, "fsync": False, "io_threads": 4}
     if config.kind == "multi":
-        # The tiered-disk profile as it was before the tiered connector.
+        # A CPU pool and a disk composed by MultiConnector: what the tiered connector replaces.
         profile = {
             "kv_transfer_config": {
                 "kv_connector": "MultiConnector",

@@ -23,8 +23,8 @@ Then the same trace through the tiered medium's index (`TieredIndex`), a
 pool of each size in front of a disk that holds every block written to it:
 hits of each tier, blocks computed (a miss of both), and blocks written to
 the disk, for each write policy (`write_through`, `spill`) and eviction
-policy; beside it, a `MultiConnector` of a CPU pool and a disk as the tiered
-profiles used to be (the first child with a hit loads, every computed block
+policy; beside it, a `MultiConnector` of a CPU pool and a disk, the
+composition the tiered connector replaces (the first child with a hit loads, every computed block
 is saved to both, nothing loaded from the disk enters the pool). Written to
 ``tiers.json`` and ``tiers.md``; ``run`` returns the ratios, for
 ``summary.json``.
