@@ -198,8 +198,22 @@ class MediumIndex(abc.ABC):
         connector sends them to the worker half with the step's plan, where
         [`TransferHandler.spill`][kvwire.media.TransferHandler.spill] writes
         them before anything of the step writes the medium. None by default.
+
+        A spill whose `request_id` is not empty names it: the worker half
+        reports when it ended
+        ([`TransferHandler.take_ended_spills`][kvwire.media.TransferHandler.take_ended_spills]),
+        and [`complete_spills`][kvwire.media.MediumIndex.complete_spills] hears of it. One
+        with an empty `request_id` is not reported.
         """
         return []
+
+    def complete_spills(self, ended: Sequence[tuple[str, bool]]) -> None:
+        """Named spills that ended on a worker: `(name, written)` each, as the workers report them.
+
+        Every worker of the engine (each rank of a split engine) reports each
+        named spill once, so a name comes once per rank, in any order, over
+        one or several steps. Nothing by default.
+        """
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events this side saw since the last call (stored, removed blocks)."""
@@ -303,6 +317,15 @@ class TransferHandler(abc.ABC):
             "handler does not implement spill()"
         )
 
+    def take_ended_spills(self) -> list[tuple[str, bool]]:
+        """The named spills (`take_spills`) that ended since the last call: `(name, written)` each.
+
+        `written` is False for a spill given up on before it ended. The
+        connector sends them to the scheduler half's
+        [`MediumIndex.complete_spills`][kvwire.media.MediumIndex.complete_spills]. None by default.
+        """
+        return []
+
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events this side saw since the last call (media whose index sees none)."""
         return []
@@ -333,9 +356,11 @@ class Medium(abc.ABC):
     """Whether a block is found by its key alone, whoever wrote it: the index places nothing.
 
     False for a medium whose scheduler half decides where each block goes and
-    publishes it (the CPU pool's slots, the peer medium's directory). Only a
-    medium found by key can be a tiered medium's secondary tier, whose worker
-    half writes blocks its index never placed.
+    publishes it (the CPU pool's slots, the peer medium's directory). A
+    tiered medium's worker half writes a secondary tier found by key on its
+    own; a tier that places its blocks is written where its index's
+    `prepare_save` says, and its `complete_save` is called once every worker
+    wrote them (named spills).
     """
 
     def __init__(self, context: MediumContext) -> None:

@@ -32,7 +32,7 @@ from kvwire.media.base import (
     TransferKind,
 )
 from kvwire.media.tiered.handler import TieredTransferHandler
-from kvwire.media.tiered.index import MISSING, tier_source
+from kvwire.media.tiered.index import MISSING, tier_source, tier_write_name
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 GROUP = CacheGroup(0, ("l0", "l1"), 4)
@@ -48,6 +48,9 @@ class RecordingTier(TransferHandler):
         self.gate = threading.Event()
         self.gate.set()
         self.released: set[int] = set()
+        # Where each block saved was placed (a placing tier's slots), by hash.
+        self.places: dict[bytes, int] = {}
+        self._jobs: dict[int, TransferJob] = {}
         self._ended: list[JobResult] = []
         self._done: dict[int, threading.Event] = {}
         self._slots: dict[int, set[int]] = {}
@@ -55,6 +58,7 @@ class RecordingTier(TransferHandler):
 
     def submit(self, job: TransferJob) -> None:
         done = self._done[job.job_id] = threading.Event()
+        self._jobs[job.job_id] = job
         self._slots[job.job_id] = {slot for t in job.transfers for slot in t.block_ids}
         threading.Thread(target=self._run, args=(job, done), daemon=True).start()
 
@@ -67,6 +71,8 @@ class RecordingTier(TransferHandler):
                     if done.is_set():  # released: it commits nothing
                         return
                     self.held[block_hash] = [v[:, slot].clone() for v in self.views.values()]
+                    if transfer.slots:
+                        self.places[block_hash] = transfer.slots[transfer.block_ids.index(slot)]
                 elif block_hash in self.held:
                     for view, saved in zip(self.views.values(), self.held[block_hash], strict=True):
                         view[:, slot] = saved
@@ -93,13 +99,15 @@ class RecordingTier(TransferHandler):
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
         self.released |= set(block_ids)
+        stopped: list[BlockTransfer] = []
         # A released save ends at once, as a store's does: it commits nothing more.
         for job_id, slots in self._slots.items():
             if slots & block_ids and not self._done[job_id].is_set():
+                stopped += self._jobs[job_id].transfers
                 with self._lock:
                     self._ended.append(JobResult(job_id))
                 self._done[job_id].set()
-        return []
+        return stopped
 
     def close(self) -> None:
         self.gate.set()
@@ -122,13 +130,24 @@ class RecordingMedium(Medium):
         return RecordingMedium.built
 
 
+class PlacingRecordingMedium(RecordingMedium):
+    """The recording tier as a medium whose index places each block: it is written by name."""
+
+    found_by_key = False
+
+
 @pytest.fixture
 def caches() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {name: torch.randn(2, 8, 4, 2, 8) for name in GROUP.layer_names}
 
 
-def handler_over(caches: dict[str, torch.Tensor], *, write_through: bool) -> TieredTransferHandler:
+def handler_over(
+    caches: dict[str, torch.Tensor],
+    *,
+    write_through: bool,
+    medium: type[RecordingMedium] = RecordingMedium,
+) -> TieredTransferHandler:
     context = MediumContext("T", {}, (GROUP,), LAYOUT)
     return TieredTransferHandler(
         layouts=(attrs.evolve(LAYOUT, payload_checksum=False),),
@@ -136,7 +155,7 @@ def handler_over(caches: dict[str, torch.Tensor], *, write_through: bool) -> Tie
         num_slots=2,
         io_threads=1,
         counters=Counters(),
-        tiers=[RecordingMedium(context)],
+        tiers=[medium(context)],
         groups=(GROUP,),
         write_through=write_through,
     )
@@ -159,10 +178,13 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @contextlib.contextmanager
 def tiered(
-    caches: dict[str, torch.Tensor], *, write_through: bool
+    caches: dict[str, torch.Tensor],
+    *,
+    write_through: bool,
+    medium: type[RecordingMedium] = RecordingMedium,
 ) -> Iterator[tuple[TieredTransferHandler, RecordingTier]]:
     """The handler over `caches` and its one tier, block 1 saved into slot 0."""
-    handler = handler_over(caches, write_through=write_through)
+    handler = handler_over(caches, write_through=write_through, medium=medium)
     tier = RecordingMedium.built
     assert tier is not None
     try:
@@ -235,3 +257,53 @@ def test_a_load_brings_tier_blocks_through_the_pool_and_fails_missing_ones(cache
         (result,) = [r for r in handler.poll() if r.job_id == 7]
         assert result.failed == frozenset({6})
         assert same(block_of(caches, 5), block_of(caches, 1))
+
+
+def named_write(block: int, pool_slot: int, tier_slot: int) -> BlockTransfer:
+    return BlockTransfer(
+        request_id=tier_write_name(1, block),
+        block_ids=(pool_slot,),
+        block_hashes=(HASHES[block],),
+        slots=(tier_slot,),
+    )
+
+
+def ended_spills(handler: TieredTransferHandler) -> list[tuple[str, bool]]:
+    """The named writes' reports, once there is one (polling, as the worker half does)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        handler.poll()
+        ended = handler.take_ended_spills()
+        if ended:
+            return ended
+        time.sleep(0.01)
+    return []
+
+
+def test_a_placing_tier_gets_only_named_writes_at_its_own_places_and_each_is_reported(caches):
+    with tiered(caches, write_through=True, medium=PlacingRecordingMedium) as (handler, tier):
+        handler.poll()
+        time.sleep(0.05)
+        assert tier.held == {}  # no write-through by itself: its index places blocks
+        handler.spill([named_write(block=1, pool_slot=0, tier_slot=5)])
+        assert ended_spills(handler) == [(tier_write_name(1, 1), True)]
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert tier.places == {HASHES[1]: 5}
+        assert handler.take_ended_spills() == []  # each reported once
+
+
+def test_a_named_write_of_a_slot_that_names_another_block_is_reported_not_written(caches):
+    with tiered(caches, write_through=False, medium=PlacingRecordingMedium) as (handler, tier):
+        handler.spill([named_write(block=3, pool_slot=0, tier_slot=2)])  # slot 0 holds block 1
+        assert handler.take_ended_spills() == [(tier_write_name(1, 3), False)]
+        assert tier.held == {}
+
+
+def test_a_named_write_given_up_for_the_pool_is_reported_not_written(caches):
+    with tiered(caches, write_through=False, medium=PlacingRecordingMedium) as (handler, tier):
+        tier.gate.clear()  # the tier never gets to write
+        handler.spill([named_write(block=1, pool_slot=0, tier_slot=2)])
+        save(handler, 1, block=2, slot=0)  # the pool needs the slot
+        assert handler.wait([1], time.monotonic() + 10)
+        assert ended_spills(handler) == [(tier_write_name(1, 1), False)]
+        assert tier.held == {}

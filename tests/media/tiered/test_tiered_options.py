@@ -81,14 +81,18 @@ def test_every_bad_tier_is_named_by_its_position_at_once(tmp_path: pathlib.Path)
     assert "kv_connector_extra_config.tiers[2].url: scheme must be one of redis://" in text
 
 
-@pytest.mark.parametrize("medium", ["peer", "cpu_pool"])
-def test_a_medium_that_places_its_own_blocks_is_refused_as_a_tier(
-    tmp_path: pathlib.Path, medium: str
-) -> None:
-    status, text = check(tmp_path, {"tiers": [{"medium": medium}]})
+def test_a_cpu_pool_is_refused_as_a_tier_with_what_to_do_instead(tmp_path: pathlib.Path) -> None:
+    status, text = check(tmp_path, {"tiers": [{"medium": "cpu_pool"}]})
     assert status == 1
-    assert f"kv_connector_extra_config.tiers[0].medium: '{medium}' places its blocks itself" in text
-    assert "expected a medium found by key, such as directory or redis" in text
+    assert "kv_connector_extra_config.tiers[0].medium: 'cpu_pool' is a CPU pool" in text
+    assert "expected a slower medium, such as directory, redis or peer" in text
+    assert "cpu_pool_bytes" in text
+
+
+def test_a_peer_tier_checks(tmp_path: pathlib.Path) -> None:
+    tiers = [{"medium": "peer", "url": "redis://127.0.0.1:6379/0", "cpu_pool_bytes": "1MiB"}]
+    status, text = check(tmp_path, {"tiers": tiers})
+    assert status == 0, text
 
 
 def test_a_tier_resolves_to_its_class_options_and_plugins() -> None:

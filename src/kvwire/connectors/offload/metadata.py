@@ -48,17 +48,21 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     another request. `left_out_saves`: never started, because they were
     computed from a block whose load failed. Either way the scheduler half
     tells the medium's index the save did not succeed, so it is never published.
+    `ended_spills`: the named spills that ended, `(name, written)` each
+    (`TransferHandler.take_ended_spills`), for the index's `complete_spills`.
     """
 
     released_saves: tuple[BlockTransfer, ...] = ()
     left_out_saves: tuple[BlockTransfer, ...] = ()
+    ended_spills: tuple[tuple[str, bool], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
-        # Tensor-parallel workers each report what they released or left out.
+        # Split engines' workers each report what they released, left out or spilled.
         theirs = of_worker_metadata(other)
         return OffloadWorkerMetadata(
             self.released_saves + theirs.released_saves,
             self.left_out_saves + theirs.left_out_saves,
+            self.ended_spills + theirs.ended_spills,
         )
 
 

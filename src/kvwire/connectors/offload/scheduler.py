@@ -337,6 +337,8 @@ class OffloadSchedulerHalf:
             report = of_worker_metadata(worker_meta)
             for save in (*report.left_out_saves, *report.released_saves):
                 self._drop_save(save)
+            if report.ended_spills:
+                self._index.complete_spills(report.ended_spills)
         if self._sync_loads_in_flight:
             self._end_loads(self._sync_loads_in_flight, invalid)
             self._sync_loads_in_flight = []

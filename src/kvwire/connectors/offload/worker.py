@@ -184,9 +184,11 @@ class OffloadWorkerHalf:
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         released, self._released_saves = self._released_saves, []
         left_out, self._left_out_saves = self._left_out_saves, []
-        if not (released or left_out):
+        handler = self.handler
+        spills = handler.take_ended_spills() if handler is not None else []
+        if not (released or left_out or spills):
             return None
-        return OffloadWorkerMetadata(tuple(released), tuple(left_out))
+        return OffloadWorkerMetadata(tuple(released), tuple(left_out), tuple(spills))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._transfers is not None:

@@ -11,7 +11,12 @@ ones it would store from the engine's cache, byte for byte:
   pool headers once the tier verified them, then copies them into the cache
   with the pool's blocks; a block the tier fails is a load error;
 - a spill (`spill`) or a write-through (once a pool save job ended) writes
-  pool slots whose headers name their blocks to every tier;
+  pool slots whose headers name their blocks to every tier found by key;
+- a named spill (`kvwire.media.tiered.index.tier_write_name`) writes its
+  pool slots to the one placing tier it names, at the tier slots its index
+  gave (the transfer's `slots`), and is reported when it ended
+  (`take_ended_spills`): not written when a slot did not name its block or
+  the write was given up on;
 - nothing writes a pool slot while a tier job uses it: a pool save, or a
   load into the slot, first waits for the tier jobs using it, at most
   `TIER_WRITE_WAIT_S`; a tier write still running then is given up on
@@ -40,7 +45,7 @@ from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, T
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
-from kvwire.media.tiered.index import MISSING, tier_prefix
+from kvwire.media.tiered.index import MISSING, tier_of_write, tier_prefix
 
 __all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
@@ -61,10 +66,14 @@ class _Tier:
     threads wait for slots and run loads.
     """
 
-    def __init__(self, number: int, handler: TransferHandler, counters: Counters) -> None:
+    def __init__(
+        self, number: int, handler: TransferHandler, counters: Counters, *, placing: bool
+    ) -> None:
         self.number = number
         self.handler = handler
         self.counters = counters
+        self.placing = placing
+        """Whether its index places each block (its writes are named), or it finds them by key."""
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
         self._users: dict[int, set[int]] = {}
@@ -73,9 +82,18 @@ class _Tier:
         self._loads: set[int] = set()
         # Loads whose waiter stopped waiting: their results are dropped when they come.
         self._unwaited: set[int] = set()
+        # Named writes running (job id -> name), those given up on, and those ended.
+        self._named: dict[int, str] = {}
+        self._released: set[str] = set()
+        self._ended: list[tuple[str, bool]] = []
 
-    def submit(self, kind: TransferKind, transfers: tuple[BlockTransfer, ...]) -> int:
-        """Start a job over pool slots (the transfers' block ids); its id."""
+    def submit(
+        self, kind: TransferKind, transfers: tuple[BlockTransfer, ...], *, name: str = ""
+    ) -> int:
+        """Start a job over pool slots (the transfers' block ids); its id.
+
+        A `name`d write is reported by `take_ended` once it ended.
+        """
         job_id = next(self._job_ids)
         slots = tuple(slot for transfer in transfers for slot in transfer.block_ids)
         with self._lock:
@@ -84,8 +102,27 @@ class _Tier:
                 self._users.setdefault(slot, set()).add(job_id)
             if kind is TransferKind.LOAD:
                 self._loads.add(job_id)
+            if name:
+                self._named[job_id] = name
         self.handler.submit(TransferJob(job_id, kind, transfers))
         return job_id
+
+    def not_written(self, name: str) -> None:
+        """A named write that was never submitted: it ended, not written."""
+        with self._lock:
+            self._ended.append((name, False))
+
+    def released(self, transfers: Iterable[BlockTransfer]) -> None:
+        """These writes were given up on: the named ones are reported not written."""
+        with self._lock:
+            running = set(self._named.values())
+            self._released.update(t.request_id for t in transfers if t.request_id in running)
+
+    def take_ended(self) -> list[tuple[str, bool]]:
+        """The named writes that ended since the last call: `(name, written)` each."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
 
     def collect(self) -> None:
         """Take the jobs that ended: their slots are free of them; loads' results are kept."""
@@ -97,6 +134,10 @@ class _Tier:
                         users.discard(result.job_id)
                         if not users:
                             del self._users[slot]
+                name = self._named.pop(result.job_id, None)
+                if name is not None:
+                    self._ended.append((name, name not in self._released))
+                    self._released.discard(name)
                 if result.job_id in self._loads:
                     self._loads.discard(result.job_id)
                     if result.job_id in self._unwaited:
@@ -174,7 +215,8 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             for number, medium in enumerate(tiers, 1):
                 counters = Counters()
                 handler = medium.build_handler(pool_caches, counters)
-                self._tiers.append(_Tier(number, handler, counters))
+                placing = not medium.found_by_key
+                self._tiers.append(_Tier(number, handler, counters, placing=placing))
         except BaseException:
             for tier in self._tiers:
                 tier.handler.close()
@@ -200,13 +242,39 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         return results
 
     def spill(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Write evicted blocks from their pool slots to every tier (only submits)."""
-        self._write_to_tiers(transfers, "spilled_blocks")
+        """Write blocks from their pool slots to the tiers (only submits; see the module)."""
+        for transfer in transfers:
+            number = tier_of_write(transfer.request_id)
+            if number is None:
+                self._write_to_tiers((transfer,), "spilled_blocks")
+            elif 1 <= number <= len(self._tiers) and self._tiers[number - 1].placing:
+                self._write_placed(self._tiers[number - 1], transfer)
+            else:
+                logger.warning(
+                    "tiered offload: a spill names tier %d, which is not a placing tier here; "
+                    "not written",
+                    number,
+                )
+
+    def take_ended_spills(self) -> list[tuple[str, bool]]:
+        return [ended for tier in self._tiers for ended in tier.take_ended()]
+
+    def _write_placed(self, tier: _Tier, transfer: BlockTransfer) -> None:
+        """Submit a named write of pool slots (block ids) to `tier`'s places (`slots`)."""
+        pool_slots = transfer.block_ids
+        named, _ = self._named_slots(transfer.group, pool_slots, transfer.block_hashes)
+        if len(named) != len(pool_slots):
+            # A slot that names another block now: none of it may be published.
+            tier.not_written(transfer.request_id)
+            return
+        counter = "written_through_blocks" if self._write_through else "spilled_blocks"
+        tier.counters.add(counter, len(pool_slots))
+        tier.submit(TransferKind.SAVE, (transfer,), name=transfer.request_id)
 
     def _write_to_tiers(self, transfers: Iterable[BlockTransfer], counter: str) -> None:
-        """Submit a write of each slot whose header names its block, to every tier."""
+        """Submit a write of each slot whose header names its block, to every tier by key."""
         for transfer in transfers:
-            slots, hashes = self._named_slots(transfer)
+            slots, hashes = self._named_slots(transfer.group, transfer.slots, transfer.block_hashes)
             if not slots:
                 continue
             write = BlockTransfer(
@@ -216,17 +284,19 @@ class TieredTransferHandler(CPUPoolTransferHandler):
                 block_hashes=hashes,
             )
             for tier in self._tiers:
-                tier.counters.add(counter, len(slots))
-                tier.submit(TransferKind.SAVE, (write,))
+                if not tier.placing:
+                    tier.counters.add(counter, len(slots))
+                    tier.submit(TransferKind.SAVE, (write,))
 
-    def _named_slots(self, transfer: BlockTransfer) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
-        """The transfer's slots (and hashes) whose pool headers name their block.
+    def _named_slots(
+        self, group: int, slots: tuple[int, ...], hashes: tuple[bytes, ...]
+    ) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """The pool slots (and hashes) of `group` whose headers name their block.
 
         Only those were saved whole: a slot whose save failed, was given up
         on or never ran must never reach a tier.
         """
-        slots, hashes = transfer.slots, transfer.block_hashes
-        layout = self._layouts[transfer.group]
+        layout = self._layouts[group]
         expected = headers_without_checksum(layout, hashes)
         actual = self.pool.headers(slots)
         if actual == expected:
@@ -253,6 +323,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
                 continue
             released = tier.handler.release_saves_reading((), frozenset(slots))
             if released:
+                tier.released(released)
                 tier.counters.add("writes_released", sum(len(t.block_ids) for t in released))
             # A released write commits nothing more, whatever it still reads; a
             # load may still write the slots until its own deadline.

@@ -15,10 +15,17 @@ counts no more blocks from the tiers than the pool has slots to bring them
 into, so that this stays rare.
 
 Which blocks reach the secondary tiers: with `write_through`, every block
-whose pool save is made (the worker writes it from the pool); with
-`spill`, each ready block the pool evicts while no tier holds it yet
-(`take_spills`, which the worker writes from its slot before that slot is
-written again).
+whose pool save is made; with `spill`, each ready block the pool evicts
+while no tier holds it yet (`take_spills`, which the worker writes from its
+slot before that slot is written again). A tier found by key
+(`Medium.found_by_key`: shared storage, Redis) is written by the worker on
+its own (a write-through once the pool save job ended). A tier that places
+its blocks (the peer medium, whose index gives each block a slot of its pool
+and announces it in its directory) is written where its `prepare_save`
+says, as a *named* spill (`tier_write_name`), and its `complete_save` is
+called once every worker of the engine reported that write ended
+(`complete_spills`). Such a tier's loads must pin nothing: it finds its
+blocks by key or by its `load_sources`.
 
 Lookups may run on a lookup thread (`concurrent_lookups`): the pool's
 count only reads the slot table (a stale answer is caught when the load is
@@ -28,6 +35,7 @@ lookup made off the scheduler's thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -45,7 +53,14 @@ from kvwire.media.eviction import EvictionPolicy
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
-__all__ = ["MISSING", "TieredIndex", "tier_prefix", "tier_source"]
+__all__ = [
+    "MISSING",
+    "TieredIndex",
+    "tier_of_write",
+    "tier_prefix",
+    "tier_source",
+    "tier_write_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +69,9 @@ MISSING = "-"
 
 # Lookups whose plans are kept for their loads: far more than one step admits.
 _MAX_PLANS = 4096
+# Writes to placing tiers awaiting every worker's report: far more than the
+# tiers' own limits on writes in flight let run at once.
+_MAX_PLACED_WRITES = 65536
 # The lookup-delay buckets reported per tier, in seconds, with their counter names.
 _DELAY_BUCKETS = ((0.001, "lookups_le_1ms"), (0.01, "lookups_le_10ms"), (0.1, "lookups_le_100ms"))
 
@@ -66,6 +84,20 @@ def tier_prefix(number: int) -> str:
 def tier_source(number: int, source: str) -> str:
     """A load's source for a block in secondary tier `number`, where its tier found it."""
     return f"{number}:{source}"
+
+
+def tier_write_name(number: int, serial: int) -> str:
+    """The name of a write to placing tier `number` (a named spill's `request_id`)."""
+    return f"tier{number}/{serial}"
+
+
+def tier_of_write(name: str) -> int | None:
+    """The tier a named spill writes (`tier_write_name`); None for a spill to every tier by key."""
+    head, slash, serial = name.partition("/")
+    number = head.removeprefix("tier")
+    if not (slash and head.startswith("tier") and number.isdigit() and serial.isdigit()):
+        return None
+    return int(number)
 
 
 @attrs.frozen
@@ -81,6 +113,17 @@ class _Plan:
             if start <= position < stop:
                 return number
         return None
+
+
+@attrs.define
+class _PlacedWrite:
+    """A write to a placing tier, until every worker reported it ended."""
+
+    tier: int
+    group: int
+    block_hashes: tuple[BlockHash, ...]
+    reports: int = 0
+    written: bool = True
 
 
 @attrs.define
@@ -105,6 +148,8 @@ class TieredIndex(CPUPoolIndex):
         write_through: bool,
         policy: EvictionPolicy | None = None,
         admission: SaveAdmission | None = None,
+        found_by_key: Sequence[bool] = (),
+        ranks: int = 1,
     ) -> None:
         super().__init__(
             num_slots,
@@ -116,9 +161,24 @@ class TieredIndex(CPUPoolIndex):
         )
         if not tiers:
             raise ValueError("TieredIndex: expected at least one secondary tier's index")
+        by_key = tuple(found_by_key) or (True,) * len(tiers)
+        if len(by_key) != len(tiers):
+            raise ValueError(
+                f"TieredIndex: found_by_key has {len(by_key)} flags for {len(tiers)} tiers"
+            )
+        if ranks < 1:
+            raise ValueError(f"TieredIndex: ranks must be >= 1, got {ranks}")
         self._num_slots = num_slots
         self._tiers = tuple(tiers)
         self._write_through = write_through
+        self._any_by_key = any(by_key)
+        # The tiers written where their index places each block, by number.
+        self._placing = tuple(number for number, key in enumerate(by_key, 1) if not key)
+        self._ranks = ranks
+        # Ready blocks (group, hash, slot) a placing tier is to get by write-through.
+        self._written_through: list[tuple[int, BlockHash, int]] = []
+        self._placed_writes: dict[str, _PlacedWrite] = {}
+        self._write_serials = itertools.count()
         self._scheduler_thread = threading.get_ident()
         self._warn = RateLimitedWarning(logger)
         # Written by lookup threads too: every change of these under the lock.
@@ -258,17 +318,8 @@ class TieredIndex(CPUPoolIndex):
         """Slots for `span`, found in tier `number`; a block with none is missing."""
         tier = self._tiers[number - 1]
         taken = self._index.start_promotion(group, span)
-        try:
-            tier.prepare_load(group, span)
-            found_at = tier.load_sources(group, span) or ("",) * len(span)
-        except Exception as error:
-            self._warn.warn(
-                f"tier{number}-prepare-raised",
-                "tier %d: preparing a load of %d blocks raised %s; computed again",
-                number,
-                len(span),
-                type(error).__name__,
-            )
+        found_at = self._tier_sources(number, tier, group, span)
+        if found_at is None:
             self._index.finish_promotion(
                 group, [h for h, slot in zip(span, taken, strict=True) if slot is not None], span
             )
@@ -284,6 +335,34 @@ class TieredIndex(CPUPoolIndex):
                 slots.append(slot)
                 tiers.append(number)
                 sources.append(tier_source(number, source))
+
+    def _tier_sources(
+        self, number: int, tier: MediumIndex, group: int, span: Sequence[BlockHash]
+    ) -> Sequence[str] | None:
+        """Tier `number`'s load prepared: where it says each block is; None when it cannot load."""
+        try:
+            pinned = tier.prepare_load(group, span)
+            if not pinned:
+                return tier.load_sources(group, span) or ("",) * len(span)
+            tier.complete_load(group, span, ())
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-prepare-raised",
+                "tier %d: preparing a load of %d blocks raised %s; computed again",
+                number,
+                len(span),
+                type(error).__name__,
+            )
+            return None
+        self._warn.warn(
+            f"tier{number}-prepare-pinned",
+            "tier %d: its index pinned slots for a load (prepare_load), which a secondary "
+            "tier's load cannot use: it must find its blocks by key or by its load_sources; "
+            "%d blocks computed again",
+            number,
+            len(span),
+        )
+        return None
 
     def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
         """Where each block of the load just prepared is (see the module)."""
@@ -330,36 +409,141 @@ class TieredIndex(CPUPoolIndex):
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
-        """As the pool's; with `write_through`, the worker also wrote the blocks to the tiers."""
+        """As the pool's; with `write_through`, the blocks go to the tiers too.
+
+        Tiers found by key are written by the worker once the save job
+        ended; placing tiers get the blocks that became ready at the next
+        `take_spills`.
+        """
+        was_ready = (
+            self._index.ready_slots(group, block_hashes)
+            if success and self._write_through and self._placing
+            else ()
+        )
         super().complete_save(group, block_hashes, success=success)
-        if success and self._write_through:
-            self._index.mark_clean(group, block_hashes)
+        if not (success and self._write_through):
+            return
+        self._index.mark_clean(group, block_hashes)
+        if was_ready:
+            now_ready = self._index.ready_slots(group, block_hashes)
+            self._written_through += [
+                (group, block_hash, slot)
+                for block_hash, before, slot in zip(block_hashes, was_ready, now_ready, strict=True)
+                if before is None and slot is not None
+            ]
 
     def _evicted(self, group: int, block_hash: BlockHash, slot: int, clean: bool) -> None:
         if not clean and not self._write_through:
             self._spills.append((group, block_hash, slot))
 
     def take_spills(self) -> list[BlockTransfer]:
-        """The blocks evicted since the last call that no tier holds: one transfer per group.
+        """The writes of pool blocks to the tiers since the last call; block ids are pool slots.
 
-        Their block ids are the pool slots to write them from.
+        The blocks evicted that no tier holds, to the tiers found by key: one
+        transfer per group, unnamed. To each placing tier, those and (with
+        `write_through`) the blocks that became ready: one named transfer per
+        group, its `slots` where the tier's `prepare_save` placed them.
         """
-        if not self._spills:
-            return []
         spills, self._spills = self._spills, []
-        by_group: dict[int, list[tuple[BlockHash, int]]] = {}
-        for group, block_hash, slot in spills:
-            by_group.setdefault(group, []).append((block_hash, slot))
-        return [
-            BlockTransfer(
-                request_id="",
-                group=group,
-                block_ids=tuple(slot for _, slot in blocks),
-                block_hashes=tuple(block_hash for block_hash, _ in blocks),
-                slots=tuple(slot for _, slot in blocks),
+        through, self._written_through = self._written_through, []
+        transfers: list[BlockTransfer] = []
+        if spills and self._any_by_key:
+            transfers += [
+                BlockTransfer(
+                    request_id="",
+                    group=group,
+                    block_ids=slots,
+                    block_hashes=hashes,
+                    slots=slots,
+                )
+                for group, hashes, slots in _by_group(spills)
+            ]
+        if self._placing and (spills or through):
+            for group, hashes, slots in _by_group(spills + through):
+                for number in self._placing:
+                    transfer = self._place_write(number, group, hashes, slots)
+                    if transfer is not None:
+                        transfers.append(transfer)
+        return transfers
+
+    def _place_write(
+        self,
+        number: int,
+        group: int,
+        hashes: tuple[BlockHash, ...],
+        pool_slots: tuple[int, ...],
+    ) -> BlockTransfer | None:
+        """A named write of these pool blocks to placing tier `number`, where it places them."""
+        tier = self._tiers[number - 1]
+        try:
+            placed = dict(tier.prepare_save(group, hashes))
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-prepare-save-raised",
+                "tier %d: placing %d blocks raised %s; not written to it",
+                number,
+                len(hashes),
+                type(error).__name__,
             )
-            for group, blocks in by_group.items()
-        ]
+            return None
+        positions = [i for i, block_hash in enumerate(hashes) if block_hash in placed]
+        if not positions:
+            return None
+        taken = tuple(hashes[i] for i in positions)
+        places = [placed[block_hash] for block_hash in taken]
+        if not (all(place is None for place in places) or None not in places):
+            self._warn.warn(
+                f"tier{number}-prepare-save-mixed",
+                "tier %d: prepare_save gave a slot to some of %d blocks and None to others; "
+                "not written to it",
+                number,
+                len(taken),
+            )
+            self._settle(number, group, taken, written=False)
+            return None
+        if len(self._placed_writes) >= _MAX_PLACED_WRITES:
+            # A worker that never reports (it died): its oldest writes count as not made.
+            oldest = next(iter(self._placed_writes))
+            stale = self._placed_writes.pop(oldest)
+            self._settle(stale.tier, stale.group, stale.block_hashes, written=False)
+        name = tier_write_name(number, next(self._write_serials))
+        self._placed_writes[name] = _PlacedWrite(number, group, taken)
+        return BlockTransfer(
+            request_id=name,
+            group=group,
+            block_ids=tuple(pool_slots[i] for i in positions),
+            block_hashes=taken,
+            slots=tuple(place for place in places if place is not None),
+        )
+
+    def complete_spills(self, ended: Sequence[tuple[str, bool]]) -> None:
+        """Count the workers' reports of named writes; settle a write once every worker's came."""
+        for name, written in ended:
+            write = self._placed_writes.get(name)
+            if write is None:
+                continue
+            write.reports += 1
+            write.written = write.written and bool(written)
+            if write.reports >= self._ranks:
+                del self._placed_writes[name]
+                self._settle(write.tier, write.group, write.block_hashes, written=write.written)
+
+    def _settle(
+        self, number: int, group: int, hashes: Sequence[BlockHash], *, written: bool
+    ) -> None:
+        """Tell placing tier `number` its write ended: made (it publishes them) or not."""
+        if not written:
+            self._count(tier_prefix(number) + "writes_not_made", len(hashes))
+        try:
+            self._tiers[number - 1].complete_save(group, hashes, success=written)
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-complete-save-raised",
+                "tier %d: completing a write of %d blocks raised %s",
+                number,
+                len(hashes),
+                type(error).__name__,
+            )
 
     # ------------------------------------------------------------- reporting
 
@@ -396,3 +580,20 @@ class TieredIndex(CPUPoolIndex):
                 tier.close()
             except Exception:
                 logger.exception("tier %d: closing its index failed", number)
+
+
+def _by_group(
+    blocks: Sequence[tuple[int, BlockHash, int]],
+) -> list[tuple[int, tuple[BlockHash, ...], tuple[int, ...]]]:
+    """`(group, hash, slot)` blocks as `(group, hashes, slots)`, one per group, in order."""
+    by_group: dict[int, list[tuple[BlockHash, int]]] = {}
+    for group, block_hash, slot in blocks:
+        by_group.setdefault(group, []).append((block_hash, slot))
+    return [
+        (
+            group,
+            tuple(block_hash for block_hash, _ in entries),
+            tuple(slot for _, slot in entries),
+        )
+        for group, entries in by_group.items()
+    ]

@@ -130,15 +130,16 @@ class TieredMedium(CPUPoolMedium):
 
     @classmethod
     def check_plugins(cls, plugins: Mapping[str, Any]) -> None:
-        """Every tier must be a medium found by key (`Medium.found_by_key`)."""
+        """No tier may be a CPU pool: the primary tier is one already."""
         problems = [
-            f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} places its "
-            "blocks itself (its index decides where each goes), so it cannot be a secondary "
-            "tier, whose blocks are written from the pool; expected a medium found by key, "
-            "such as directory or redis"
+            f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} is a "
+            "CPU pool, as the primary tier is: a second one behind it only copies blocks "
+            "twice; expected a slower medium, such as directory, redis or peer (give the pool "
+            "more memory with cpu_pool_bytes)"
             for position, tier in enumerate(plugins.get("tiers") or ())
             if isinstance(tier, ResolvedMedium)
-            and not getattr(tier.medium_class, "found_by_key", True)
+            and isinstance(tier.medium_class, type)
+            and issubclass(tier.medium_class, CPUPoolMedium)
         ]
         if problems:
             raise ExtraConfigError("\n".join(problems))
@@ -158,6 +159,8 @@ class TieredMedium(CPUPoolMedium):
             write_through=self.write_through,
             policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(options["save_threshold"], self.num_slots),
+            found_by_key=[tier.found_by_key for tier in self.tiers],
+            ranks=self.context.parallel.world_size,
         )
 
     def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
