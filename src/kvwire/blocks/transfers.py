@@ -37,7 +37,8 @@ class BlockTransfer:
     words (the peer medium's directory entries); empty when the worker finds them itself.
 
     A hint, not a promise: the block may have moved since, so the worker
-    still verifies what it reads there.
+    still verifies what it reads there. For a save: where else in the medium
+    each block goes (`MediumIndex.save_sources`); empty for nowhere else.
     """
     context_block_ids: tuple[int, ...] = ()
     """For a save: the request's blocks, in every group, up to the last one saved; empty for a load.

@@ -156,6 +156,15 @@ class MediumIndex(abc.ABC):
         """
         return [(block_hash, None) for block_hash in block_hashes]
 
+    def save_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
+        """Where else each block of the save just placed goes, in the medium's own words.
+
+        Called right after [`prepare_save`][kvwire.media.MediumIndex.prepare_save] with
+        the blocks it took; the worker gets them as the save's `sources` (a
+        tiered medium's placing tiers' places). Empty (the default) for none.
+        """
+        return ()
+
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:

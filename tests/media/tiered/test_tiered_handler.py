@@ -32,7 +32,7 @@ from kvwire.media.base import (
     TransferKind,
 )
 from kvwire.media.tiered.handler import TieredTransferHandler
-from kvwire.media.tiered.index import MISSING, tier_source, tier_write_name
+from kvwire.media.tiered.index import MISSING, places_source, tier_source, tier_write_name
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 GROUP = CacheGroup(0, ("l0", "l1"), 4)
@@ -307,3 +307,34 @@ def test_a_named_write_given_up_for_the_pool_is_reported_not_written(caches):
         assert handler.wait([1], time.monotonic() + 10)
         assert ended_spills(handler) == [(tier_write_name(1, 1), False)]
         assert tier.held == {}
+
+
+def test_a_save_written_through_to_a_placing_tier_ends_once_the_tier_wrote_it(caches):
+    handler = handler_over(caches, write_through=True, medium=PlacingRecordingMedium)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        tier.gate.clear()
+        transfer = BlockTransfer(
+            request_id="r",
+            block_ids=(3,),
+            block_hashes=(HASHES[3],),
+            slots=(1,),
+            sources=(places_source({1: 6}),),
+        )
+        handler.submit(TransferJob(0, TransferKind.SAVE, (transfer,)))
+        deadline = time.monotonic() + 10
+        results: list[JobResult] = []
+        while tier._jobs == {} and time.monotonic() < deadline:
+            results += handler.poll()  # the pool's part ends; the tier's write starts
+            time.sleep(0.01)
+        assert results == []  # held back: the tier has not written it yet
+        assert not handler.wait([0], time.monotonic() + 0.1)
+        tier.gate.set()
+        assert handler.wait([0], time.monotonic() + 10)
+        assert [r.job_id for r in handler.poll()] == [0]
+        assert same(tier.held[HASHES[3]], block_of(caches, 3))
+        assert tier.places == {HASHES[3]: 6}
+    finally:
+        tier.gate.set()
+        handler.close()

@@ -13,7 +13,14 @@ import pytest
 
 from kvwire.interface.types import BlockHash
 from kvwire.media.base import MediumIndex
-from kvwire.media.tiered.index import MISSING, TieredIndex, tier_of_write, tier_write_name
+from kvwire.media.tiered.index import (
+    MISSING,
+    TieredIndex,
+    places_source,
+    source_places,
+    tier_of_write,
+    tier_write_name,
+)
 from tests.media.tiered.test_tiered_index import SetIndex, hashes, saved
 
 
@@ -67,53 +74,64 @@ class PlacingIndex(MediumIndex):
                 self.free.append(slot)
 
 
-def test_write_through_places_the_blocks_in_the_tier_and_publishes_them_once_every_rank_wrote():
+def test_write_through_places_each_saved_block_in_the_tier_and_publishes_it_with_the_save():
     tier = PlacingIndex()
-    index = TieredIndex(
-        8, 1, "cpu", tiers=[tier], write_through=True, found_by_key=[False], ranks=2
-    )
-    pool_slots = saved(index, hashes(1, 2))
-    (write,) = index.take_spills()
-    assert tier_of_write(write.request_id) == 1
-    assert write.block_ids == tuple(pool_slots)  # read from the pool's slots
-    assert write.block_hashes == tuple(hashes(1, 2))
-    assert write.slots == (0, 1)  # written where the tier placed them
-    assert index.take_spills() == []  # each block once
-
-    index.complete_spills([(write.request_id, True)])
-    assert tier.completions == []  # one rank of two: not published yet
-    assert index.count_held_prefix(0, hashes(1, 2)) == 2  # the pool's own hits meanwhile
-    index.complete_spills([(write.request_id, True)])
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=True, found_by_key=[False])
+    placed = index.prepare_save(0, hashes(1, 2))
+    # The worker writes the tier as part of the save, at the places its index gave.
+    assert index.save_sources(0, hashes(1, 2)) == ("1@0", "1@1")
+    assert {source_places(s)[1] for s in index.save_sources(0, hashes(1, 2))} == {0, 1}
+    assert index.take_spills() == []  # nothing else to write
+    assert tier.completions == []
+    index.complete_save(0, [h for h, _ in placed], success=True)
     assert tier.completions == [(tuple(hashes(1, 2)), True)]
     assert tier.published == {hashes(1)[0]: 0, hashes(2)[0]: 1}
-    # A report of a write no longer awaited changes nothing.
-    index.complete_spills([(write.request_id, False), ("tier1/999", False)])
-    assert tier.completions == [(tuple(hashes(1, 2)), True)]
+    # Saved again: the pool holds them, nothing new is placed anywhere.
+    assert index.prepare_save(0, hashes(1, 2)) == []
+    assert index.save_sources(0, hashes(1, 2)) == ()
 
 
-def test_a_write_one_rank_did_not_make_is_never_published_and_its_places_are_freed():
+def test_a_save_not_made_frees_its_places_in_the_tier_too():
     tier = PlacingIndex(num_slots=2)
-    index = TieredIndex(
-        8, 1, "cpu", tiers=[tier], write_through=True, found_by_key=[False], ranks=2
-    )
-    saved(index, hashes(1, 2))
-    (write,) = index.take_spills()
-    index.complete_spills([(write.request_id, False), (write.request_id, True)])
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=True, found_by_key=[False])
+    index.prepare_save(0, hashes(1, 2))
+    index.complete_save(0, hashes(1, 2), success=False)
     assert tier.completions == [(tuple(hashes(1, 2)), False)]
-    assert tier.published == {}
-    assert sorted(tier.free) == [0, 1]
+    assert tier.published == {} and sorted(tier.free) == [0, 1]
     assert index.take_counters()["tier1.writes_not_made"] == 2
 
 
-def test_a_block_saved_again_is_not_written_again():
-    tier = PlacingIndex()
+def test_blocks_a_full_tier_cannot_place_are_saved_to_the_pool_alone():
+    tier = PlacingIndex(num_slots=1)
     index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=True, found_by_key=[False])
+    placed = index.prepare_save(0, hashes(1, 2))
+    assert len(placed) == 2
+    assert index.save_sources(0, hashes(1, 2)) == ("1@0", "")
+    index.complete_save(0, hashes(1, 2), success=True)
+    assert tier.published == {hashes(1)[0]: 0}
+
+
+def test_a_spilled_write_is_published_once_every_rank_reported_it_and_never_if_one_failed():
+    tier = PlacingIndex()
+    index = TieredIndex(
+        1, 1, "cpu", tiers=[tier], write_through=False, found_by_key=[False], ranks=2
+    )
     saved(index, hashes(1))
+    saved(index, hashes(2))  # evicts block 1
     (write,) = index.take_spills()
     index.complete_spills([(write.request_id, True)])
-    # Already ready in the pool: its save is only a refresh, nothing to write.
-    index.complete_save(0, hashes(1), success=True)
-    assert index.take_spills() == []
+    assert tier.completions == []  # one rank of two
+    index.complete_spills([(write.request_id, True)])
+    assert tier.completions == [(tuple(hashes(1)), True)]
+    # A report of a write no longer awaited changes nothing.
+    index.complete_spills([(write.request_id, False), ("tier1/999", False)])
+    assert tier.completions == [(tuple(hashes(1)), True)]
+
+    saved(index, hashes(3))  # evicts block 2
+    (write,) = index.take_spills()
+    index.complete_spills([(write.request_id, False), (write.request_id, True)])
+    assert tier.completions[-1] == (tuple(hashes(2)), False)
+    assert hashes(2)[0] not in tier.published
 
 
 def test_spill_writes_evicted_blocks_to_tiers_by_key_unnamed_and_to_placing_tiers_named():
@@ -156,6 +174,13 @@ def test_a_tier_whose_loads_pin_slots_gives_missing_blocks_and_is_unpinned(
     assert index.load_sources(0, hashes(5)) == (MISSING,)
     assert completed == [hashes(5)]
     assert "pinned slots" in caplog.text
+
+
+def test_places_round_trip_and_malformed_ones_name_no_place():
+    assert source_places(places_source({2: 7, 1: 3})) == {1: 3, 2: 7}
+    assert places_source({}) == ""
+    for source in ("", "1", "1@", "@3", "x@3", "1@-3", "1@3@4"):
+        assert source_places(source) == {}
 
 
 def test_write_names_round_trip_and_other_names_are_no_tiers_writes():

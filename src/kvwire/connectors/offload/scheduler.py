@@ -299,11 +299,13 @@ class OffloadSchedulerHalf:
                 "save and None to others; expected a slot for every block it takes, or None "
                 "for every one"
             )
+        taken = tuple(wanted[i] for i in positions)
         return attrs.evolve(
             save,
             block_ids=tuple(save.block_ids[i] for i in positions),
-            block_hashes=tuple(wanted[i] for i in positions),
+            block_hashes=taken,
             slots=slots,
+            sources=self._index.save_sources(save.group, taken),
         )
 
     def request_finished(self, request: Request) -> bool:

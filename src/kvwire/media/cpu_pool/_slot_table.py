@@ -226,14 +226,6 @@ class SlotTable:
                 ready.append(block_hash)
         return ready
 
-    def ready_slots(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
-        """Each block's slot when it is ready in the pool; None where it is not."""
-        entries = self._by_group[group]
-        return [
-            entry.slot if (entry := entries.get(block_hash)) is not None and entry.ready else None
-            for block_hash in hashes
-        ]
-
     def mark_clean(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """The slower tiers hold these blocks: evicting them needs no spill."""
         entries = self._by_group[group]

@@ -45,7 +45,7 @@ from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, T
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
-from kvwire.media.tiered.index import MISSING, tier_of_write, tier_prefix
+from kvwire.media.tiered.index import MISSING, source_places, tier_of_write, tier_prefix
 
 __all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
@@ -145,6 +145,11 @@ class _Tier:
                     else:
                         self._load_results[result.job_id] = result
 
+    def running(self, job_id: int) -> bool:
+        """Whether job `job_id` of this tier had not ended when last collected."""
+        with self._lock:
+            return job_id in self._slots_of
+
     def jobs_using(self, slots: Iterable[int]) -> set[int]:
         with self._lock:
             return self._jobs_using(slots)
@@ -209,6 +214,9 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
+        # Ended pool jobs to report, and saves held back for their placing tiers' writes.
+        self._results: list[JobResult] = []
+        self._held: dict[int, tuple[JobResult, list[tuple[_Tier, int]]]] = {}
         pool_caches = pool_layer_views(self.pool.payloads, self._layout.cache_layout, groups)
         self._tiers: list[_Tier] = []
         try:
@@ -231,15 +239,71 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         super().submit(job)
 
     def poll(self) -> list[JobResult]:
-        results = super().poll()
-        if self._saves:
-            for result in results:
-                transfers = self._saves.pop(result.job_id, None)
-                if transfers:
-                    self._write_to_tiers(transfers, "written_through_blocks")
+        self._take_pool_results()
         for tier in self._tiers:
             tier.collect()
+        results, self._results = self._results, []
+        for job_id, (result, writes) in list(self._held.items()):
+            if not any(tier.running(tier_job) for tier, tier_job in writes):
+                del self._held[job_id]
+                results.append(result)
         return results
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """As the pool's; a save written through to placing tiers waits for those writes too."""
+        wanted = set(job_ids)
+        ended = super().wait(wanted, until)
+        self._take_pool_results()
+        for job_id in wanted.intersection(self._held):
+            for tier, tier_job in self._held[job_id][1]:
+                ended = tier.handler.wait([tier_job], until) and ended
+        return ended
+
+    def _take_pool_results(self) -> None:
+        """The pool's ended jobs; a save's blocks then go to the tiers (`write_through`).
+
+        A save written to placing tiers is held back until those writes
+        ended: the scheduler half publishes the tiers' copies once every
+        worker reported the save ended.
+        """
+        for result in super().poll():
+            transfers = self._saves.pop(result.job_id, None)
+            if transfers:
+                self._write_to_tiers(transfers, "written_through_blocks")
+                writes = self._write_through_placing(transfers)
+                if writes:
+                    self._held[result.job_id] = (result, writes)
+                    continue
+            self._results.append(result)
+
+    def _write_through_placing(self, transfers: Iterable[BlockTransfer]) -> list[tuple[_Tier, int]]:
+        """Write each saved block whose slot names it to the placing tiers its save's sources
+        name, at their places; the tier jobs submitted."""
+        writes: list[tuple[_Tier, int]] = []
+        for transfer in transfers:
+            if not transfer.sources:
+                continue
+            named, _ = self._named_slots(transfer.group, transfer.slots, transfer.block_hashes)
+            saved = set(named)
+            places = [source_places(source) for source in transfer.sources]
+            for tier in self._tiers:
+                positions = [
+                    i
+                    for i, slot in enumerate(transfer.slots)
+                    if slot in saved and tier.number in places[i]
+                ]
+                if not (tier.placing and positions):
+                    continue
+                write = BlockTransfer(
+                    request_id=transfer.request_id,
+                    group=transfer.group,
+                    block_ids=tuple(transfer.slots[i] for i in positions),
+                    block_hashes=tuple(transfer.block_hashes[i] for i in positions),
+                    slots=tuple(places[i][tier.number] for i in positions),
+                )
+                tier.counters.add("written_through_blocks", len(positions))
+                writes.append((tier, tier.submit(TransferKind.SAVE, (write,))))
+        return writes
 
     def spill(self, transfers: Sequence[BlockTransfer]) -> None:
         """Write blocks from their pool slots to the tiers (only submits; see the module)."""

@@ -56,6 +56,8 @@ from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 __all__ = [
     "MISSING",
     "TieredIndex",
+    "places_source",
+    "source_places",
     "tier_of_write",
     "tier_prefix",
     "tier_source",
@@ -84,6 +86,21 @@ def tier_prefix(number: int) -> str:
 def tier_source(number: int, source: str) -> str:
     """A load's source for a block in secondary tier `number`, where its tier found it."""
     return f"{number}:{source}"
+
+
+def places_source(places: Mapping[int, int]) -> str:
+    """A save's source for a block placing tiers take too: `"<tier>@<place>"` each, by commas."""
+    return ",".join(f"{number}@{place}" for number, place in sorted(places.items()))
+
+
+def source_places(source: str) -> dict[int, int]:
+    """The placing tiers' places a save's source names (`places_source`); {} for none."""
+    places: dict[int, int] = {}
+    for item in filter(None, source.split(",")):
+        number, at, place = item.partition("@")
+        if at and number.isdigit() and place.isdigit():
+            places[int(number)] = int(place)
+    return places
 
 
 def tier_write_name(number: int, serial: int) -> str:
@@ -175,8 +192,9 @@ class TieredIndex(CPUPoolIndex):
         # The tiers written where their index places each block, by number.
         self._placing = tuple(number for number, key in enumerate(by_key, 1) if not key)
         self._ranks = ranks
-        # Ready blocks (group, hash, slot) a placing tier is to get by write-through.
-        self._written_through: list[tuple[int, BlockHash, int]] = []
+        # Blocks being saved to the pool and, with write-through, to placing
+        # tiers: (group, hash) -> {tier number: the tier's place}.
+        self._through_places: dict[tuple[int, BlockHash], dict[int, int]] = {}
         self._placed_writes: dict[str, _PlacedWrite] = {}
         self._write_serials = itertools.count()
         self._scheduler_thread = threading.get_ident()
@@ -406,46 +424,65 @@ class TieredIndex(CPUPoolIndex):
 
     # ----------------------------------------------------------------- saves
 
+    def prepare_save(
+        self, group: int, block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int | None]]:
+        """The pool's places; with `write_through`, each placing tier places the blocks too."""
+        placed = super().prepare_save(group, block_hashes)
+        if not (placed and self._write_through and self._placing):
+            return placed
+        hashes = [block_hash for block_hash, _ in placed]
+        for number in self._placing:
+            for block_hash, place in self._tier_places(number, group, hashes).items():
+                self._through_places.setdefault((group, block_hash), {})[number] = place
+        return placed
+
+    def save_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
+        """Where each block of the save just placed goes in the placing tiers (`places_source`)."""
+        if not self._through_places:
+            return ()
+        sources = tuple(
+            places_source(self._through_places.get((group, block_hash), {}))
+            for block_hash in block_hashes
+        )
+        return sources if any(sources) else ()
+
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
-        """As the pool's; with `write_through`, the blocks go to the tiers too.
+        """As the pool's; with `write_through`, each tier holds the blocks too.
 
-        Tiers found by key are written by the worker once the save job
-        ended; placing tiers get the blocks that became ready at the next
-        `take_spills`.
+        Tiers found by key were written by the worker once the save job
+        ended; a placing tier was written as part of the save (the worker
+        reports the save ended once its tier writes did) and publishes them
+        now, or frees their places.
         """
-        was_ready = (
-            self._index.ready_slots(group, block_hashes)
-            if success and self._write_through and self._placing
-            else ()
-        )
         super().complete_save(group, block_hashes, success=success)
-        if not (success and self._write_through):
+        if success and self._write_through:
+            self._index.mark_clean(group, block_hashes)
+        if not self._through_places:
             return
-        self._index.mark_clean(group, block_hashes)
-        if was_ready:
-            now_ready = self._index.ready_slots(group, block_hashes)
-            self._written_through += [
-                (group, block_hash, slot)
-                for block_hash, before, slot in zip(block_hashes, was_ready, now_ready, strict=True)
-                if before is None and slot is not None
-            ]
+        by_tier: dict[int, list[BlockHash]] = {}
+        for block_hash in block_hashes:
+            for number in self._through_places.pop((group, block_hash), {}):
+                by_tier.setdefault(number, []).append(block_hash)
+        for number, hashes in by_tier.items():
+            self._settle(number, group, hashes, written=success)
 
     def _evicted(self, group: int, block_hash: BlockHash, slot: int, clean: bool) -> None:
         if not clean and not self._write_through:
             self._spills.append((group, block_hash, slot))
 
     def take_spills(self) -> list[BlockTransfer]:
-        """The writes of pool blocks to the tiers since the last call; block ids are pool slots.
+        """The blocks evicted that no tier holds since the last call; block ids are pool slots.
 
-        The blocks evicted that no tier holds, to the tiers found by key: one
-        transfer per group, unnamed. To each placing tier, those and (with
-        `write_through`) the blocks that became ready: one named transfer per
-        group, its `slots` where the tier's `prepare_save` placed them.
+        To the tiers found by key: one transfer per group, unnamed. To each
+        placing tier: one named transfer per group, its `slots` where the
+        tier's `prepare_save` placed them.
         """
+        if not self._spills:
+            return []
         spills, self._spills = self._spills, []
-        through, self._written_through = self._written_through, []
         transfers: list[BlockTransfer] = []
         if spills and self._any_by_key:
             transfers += [
@@ -458,8 +495,8 @@ class TieredIndex(CPUPoolIndex):
                 )
                 for group, hashes, slots in _by_group(spills)
             ]
-        if self._placing and (spills or through):
-            for group, hashes, slots in _by_group(spills + through):
+        if self._placing:
+            for group, hashes, slots in _by_group(spills):
                 for number in self._placing:
                     transfer = self._place_write(number, group, hashes, slots)
                     if transfer is not None:
@@ -474,33 +511,11 @@ class TieredIndex(CPUPoolIndex):
         pool_slots: tuple[int, ...],
     ) -> BlockTransfer | None:
         """A named write of these pool blocks to placing tier `number`, where it places them."""
-        tier = self._tiers[number - 1]
-        try:
-            placed = dict(tier.prepare_save(group, hashes))
-        except Exception as error:
-            self._warn.warn(
-                f"tier{number}-prepare-save-raised",
-                "tier %d: placing %d blocks raised %s; not written to it",
-                number,
-                len(hashes),
-                type(error).__name__,
-            )
-            return None
+        placed = self._tier_places(number, group, hashes)
         positions = [i for i, block_hash in enumerate(hashes) if block_hash in placed]
         if not positions:
             return None
         taken = tuple(hashes[i] for i in positions)
-        places = [placed[block_hash] for block_hash in taken]
-        if not (all(place is None for place in places) or None not in places):
-            self._warn.warn(
-                f"tier{number}-prepare-save-mixed",
-                "tier %d: prepare_save gave a slot to some of %d blocks and None to others; "
-                "not written to it",
-                number,
-                len(taken),
-            )
-            self._settle(number, group, taken, written=False)
-            return None
         if len(self._placed_writes) >= _MAX_PLACED_WRITES:
             # A worker that never reports (it died): its oldest writes count as not made.
             oldest = next(iter(self._placed_writes))
@@ -513,8 +528,40 @@ class TieredIndex(CPUPoolIndex):
             group=group,
             block_ids=tuple(pool_slots[i] for i in positions),
             block_hashes=taken,
-            slots=tuple(place for place in places if place is not None),
+            slots=tuple(placed[block_hash] for block_hash in taken),
         )
+
+    def _tier_places(
+        self, number: int, group: int, hashes: Sequence[BlockHash]
+    ) -> dict[BlockHash, int]:
+        """Where placing tier `number` places these blocks (those it takes).
+
+        A block it takes without a slot is given back (not saved): a placing
+        tier's worker writes a block only where its index said.
+        """
+        tier = self._tiers[number - 1]
+        try:
+            placed = tier.prepare_save(group, hashes)
+        except Exception as error:
+            self._warn.warn(
+                f"tier{number}-prepare-save-raised",
+                "tier %d: placing %d blocks raised %s; not written to it",
+                number,
+                len(hashes),
+                type(error).__name__,
+            )
+            return {}
+        places = {h: place for h, place in placed if isinstance(place, int) and place >= 0}
+        unplaced = [h for h, place in placed if h not in places]
+        if unplaced:
+            self._warn.warn(
+                f"tier{number}-prepare-save-unplaced",
+                "tier %d: prepare_save gave no slot to %d blocks; not written to it",
+                number,
+                len(unplaced),
+            )
+            self._settle(number, group, unplaced, written=False)
+        return places
 
     def complete_spills(self, ended: Sequence[tuple[str, bool]]) -> None:
         """Count the workers' reports of named writes; settle a write once every worker's came."""
