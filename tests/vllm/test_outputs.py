@@ -77,14 +77,38 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("write_policy", ["spill", "write_through"])
-def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_disk(
+@pytest.mark.parametrize(
+    ("profile", "write_policy"),
+    [
+        ("tiered-disk.yaml", "spill"),
+        ("tiered-disk.yaml", "write_through"),
+        # This engine's own peer pool: each spill is announced once the worker
+        # reported it written, through vLLM's own worker-metadata path.
+        ("tiered-peers.yaml", "spill"),
+    ],
+)
+def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
+    profile: str,
     write_policy: str,
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mapping = profile_with_directory("tiered-disk.yaml", tmp_path)
+    if profile == "tiered-peers.yaml":
+        # NIXL's UCX over loopback.
+        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+        redis_url = request.getfixturevalue("redis_url")
+        mapping = with_redis_url(
+            load_profile_mapping(profile), redis_url, f"kvwire:test-{uuid.uuid4().hex[:8]}:"
+        )
+        mapping["kv_transfer_config"]["kv_connector_extra_config"]["tiers"][0]["cpu_pool_bytes"] = (
+            "64MiB"
+        )
+    else:
+        mapping = profile_with_directory(profile, tmp_path)
     extra = mapping["kv_transfer_config"]["kv_connector_extra_config"]
     # 12 slots of 32 KiB: one prompt's 9 blocks fit, the next one's evict them.
     extra.update(cpu_pool_bytes="400KiB", write_policy=write_policy)

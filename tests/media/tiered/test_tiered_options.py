@@ -130,3 +130,15 @@ def test_a_long_medium_path_is_shown_bounded_in_every_message(tmp_path: pathlib.
     status, text = check(tmp_path, {"tiers": [{"medium": path, "fsink": True}]})
     assert status == 1
     assert f"tiers[0] ({path})" in text
+
+
+def test_the_tiered_peers_profile_checks_without_connecting() -> None:
+    from kvwire import cli
+    from kvwire.config.profile import load_profile
+
+    # Port 6379 has no server in the tests: a check that connected would fail.
+    assert cli.main(["check", "tiered-peers"]) == 0
+    transfer = load_profile("tiered-peers").kv_transfer_config
+    assert transfer is not None
+    assert transfer.kv_connector == "TieredOffloadConnector"
+    assert [tier["medium"] for tier in transfer.kv_connector_extra_config["tiers"]] == ["peer"]

@@ -12,6 +12,10 @@ ones it would store from the engine's cache, byte for byte:
   with the pool's blocks; a block the tier fails is a load error;
 - a spill (`spill`) or a write-through (once a pool save job ended) writes
   pool slots whose headers name their blocks to every tier found by key;
+- a save whose sources name places in placing tiers
+  (`kvwire.media.tiered.index.places_source`) writes each of its blocks
+  there once the pool's copy ended, and is reported ended only once those
+  writes did;
 - a named spill (`kvwire.media.tiered.index.tier_write_name`) writes its
   pool slots to the one placing tier it names, at the tier slots its index
   gave (the transfer's `slots`), and is reported when it ended

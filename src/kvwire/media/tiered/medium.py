@@ -2,9 +2,9 @@
 
 The primary tier is the CPU pool (`kvwire.media.cpu_pool`): its slot table,
 eviction policy and admission of saves decide what this host keeps in
-memory. Behind it, one or more secondary tiers, each any kvwire medium
-(shared storage, Redis or Redis Cluster, ...), reach the engine only
-through the pool:
+memory. Behind it, one or more secondary tiers, each any kvwire medium but
+a CPU pool (shared storage, Redis or Redis Cluster, the peer medium, ...),
+reach the engine only through the pool:
 
 - a lookup asks the pool, then each secondary tier in turn for the blocks
   after those the tier before it holds;
@@ -16,7 +16,8 @@ through the pool:
   the tier see it at once: what a prefill engine that publishes wants);
   `spill` writes a block only when the pool evicts it and no secondary
   tier holds it yet, so blocks that stay hot in memory cost the tiers
-  nothing;
+  nothing; a tier whose index places its blocks (the peer medium) is
+  written where its index says, and publishes them once written;
 - a secondary tier that cannot keep up drops writes (its
   `max_save_bytes_in_flight`, counted as `tier<N>.saves_dropped`); a pool
   slot whose block is still being written waits for it before it is reused,
@@ -29,7 +30,7 @@ through the pool:
 - `write_policy` (default `"write_through"`): `write_through` or `spill`;
 - `tiers` (required): a list of secondary tiers, first looked up first,
   each a mapping of `medium` (a registered medium's name other than
-  `tiered`) and that medium's own keys:
+  `tiered` and `cpu_pool`) and that medium's own keys:
 
 ```yaml
 kv_connector: TieredOffloadConnector
