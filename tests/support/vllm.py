@@ -123,6 +123,17 @@ def with_redis_url(profile: dict[str, Any], url: str, key_prefix: str) -> dict[s
     return profile
 
 
+def with_small_pools(profile: dict[str, Any], size: str = "64MiB") -> dict[str, Any]:
+    """``profile`` with every CPU pool it sizes (a tier's too) at ``size``.
+
+    The shipped pools are sized for production; the tests' prompts need little.
+    """
+    for config in _option_mappings(profile):
+        if "cpu_pool_bytes" in config:
+            config["cpu_pool_bytes"] = size
+    return profile
+
+
 def kvwire_transfer_config(
     profile: str | Mapping[str, Any], kv_role: str = "kv_both", **extra: Any
 ) -> dict[str, Any]:

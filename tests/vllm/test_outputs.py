@@ -18,6 +18,7 @@ from tests.support.vllm import (
     running_llm,
     shared_prompts,
     with_redis_url,
+    with_small_pools,
 )
 
 PROMPTS = shared_prompts()
@@ -101,11 +102,9 @@ def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
         monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
         monkeypatch.setenv("UCX_NET_DEVICES", "lo")
         redis_url = request.getfixturevalue("redis_url")
-        mapping = with_redis_url(
-            load_profile_mapping(profile), redis_url, f"kvwire:test-{uuid.uuid4().hex[:8]}:"
-        )
-        mapping["kv_transfer_config"]["kv_connector_extra_config"]["tiers"][0]["cpu_pool_bytes"] = (
-            "64MiB"
+        key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
+        mapping = with_small_pools(
+            with_redis_url(load_profile_mapping(profile), redis_url, key_prefix)
         )
     else:
         mapping = profile_with_directory(profile, tmp_path)

@@ -21,6 +21,7 @@ from tests.support.vllm import (
     running_llm,
     shared_prompts,
     with_redis_url,
+    with_small_pools,
 )
 
 # NIXL's UCX over loopback, here and in the prefill process (it inherits it).
@@ -32,10 +33,7 @@ LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE
 
 
 def peer_profile(name: str, redis_url: str, key_prefix: str) -> dict[str, Any]:
-    profile = with_redis_url(load_profile_mapping(name), redis_url, key_prefix)
-    # The shipped prefill pool is sized for production; the test's prompts need little.
-    profile["kv_transfer_config"]["kv_connector_extra_config"]["cpu_pool_bytes"] = "64MiB"
-    return profile
+    return with_small_pools(with_redis_url(load_profile_mapping(name), redis_url, key_prefix))
 
 
 @pytest.mark.slow
@@ -66,15 +64,6 @@ def test_decode_pulls_the_prompt_blocks_from_the_live_prefill_engine_over_nixl(
     assert "load_errors" not in consumed
 
 
-def tiered_peers_profile(redis_url: str, key_prefix: str) -> dict[str, Any]:
-    profile = with_redis_url(load_profile_mapping("tiered-peers.yaml"), redis_url, key_prefix)
-    # The shipped pools are sized for production; the test's prompts need little.
-    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
-    extra["cpu_pool_bytes"] = "64MiB"
-    extra["tiers"][0]["cpu_pool_bytes"] = "64MiB"
-    return profile
-
-
 @pytest.mark.slow
 def test_tiered_peers_an_engine_pulls_another_engines_blocks_into_its_own_pool(
     tiny_model: str,
@@ -82,7 +71,7 @@ def test_tiered_peers_an_engine_pulls_another_engines_blocks_into_its_own_pool(
     redis_url: str,
     tmp_path: pathlib.Path,
 ) -> None:
-    profile = tiered_peers_profile(redis_url, f"kvwire:test-{uuid.uuid4().hex[:8]}:")
+    profile = peer_profile("tiered-peers.yaml", redis_url, f"kvwire:test-{uuid.uuid4().hex[:8]}:")
     with (
         prefill_process(tiny_model, kvwire_transfer_config(profile), PROMPTS, tmp_path) as first,
         running_llm(tiny_model, kvwire_transfer_config(profile)) as llm,
