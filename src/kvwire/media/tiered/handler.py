@@ -335,8 +335,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             # A slot that names another block now: none of it may be published.
             tier.not_written(transfer.request_id)
             return
-        counter = "written_through_blocks" if self._write_through else "spilled_blocks"
-        tier.counters.add(counter, len(pool_slots))
+        tier.counters.add("spilled_blocks", len(pool_slots))
         tier.submit(TransferKind.SAVE, (transfer,), name=transfer.request_id)
 
     def _write_to_tiers(self, transfers: Iterable[BlockTransfer], counter: str) -> None:

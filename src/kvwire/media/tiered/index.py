@@ -22,8 +22,10 @@ slot before that slot is written again). A tier found by key
 its own (a write-through once the pool save job ended). A tier that places
 its blocks (the peer medium, whose index gives each block a slot of its pool
 and announces it in its directory) is written where its `prepare_save`
-says, as a *named* spill (`tier_write_name`), and its `complete_save` is
-called once every worker of the engine reported that write ended
+says: with `write_through`, as part of the pool's save (the places travel
+as the save's sources, `save_sources`), published by the save's
+`complete_save`; with `spill`, as a *named* spill (`tier_write_name`),
+published once every worker of the engine reported it ended
 (`complete_spills`). Such a tier's loads must pin nothing: it finds its
 blocks by key or by its `load_sources`.
 
@@ -551,7 +553,11 @@ class TieredIndex(CPUPoolIndex):
                 type(error).__name__,
             )
             return {}
-        places = {h: place for h, place in placed if isinstance(place, int) and place >= 0}
+        places = {
+            h: place
+            for h, place in placed
+            if isinstance(place, int) and not isinstance(place, bool) and place >= 0
+        }
         unplaced = [h for h, place in placed if h not in places]
         if unplaced:
             self._warn.warn(
