@@ -369,7 +369,7 @@ class Medium(abc.ABC):
     tiered medium's worker half writes a secondary tier found by key on its
     own; a tier that places its blocks is written where its index's
     `prepare_save` says, and its `complete_save` is called once every worker
-    wrote them (named spills).
+    wrote them.
     """
 
     def __init__(self, context: MediumContext) -> None:
