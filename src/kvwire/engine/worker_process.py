@@ -107,8 +107,6 @@ def _serve(
     # Ctrl-C reaches the whole process group: the parent handles it and stops
     # this process; here it would only end a step half-way, with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Blocked by the parent while this process started (see `WorkerProcess`).
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         worker, source, group = _build_worker(
             config, kv_cache_config, hook, torch_threads, rank, container_hook
@@ -193,15 +191,7 @@ class WorkerProcess:
             name="kvwire-worker" if rank is None else f"kvwire-worker-{rank.share.parallel.rank}",
             daemon=True,
         )
-        # A Ctrl-C while the child starts (seconds of imports on a busy host) would
-        # end it with a traceback before `_serve` ignores SIGINT. It starts with
-        # SIGINT blocked (the mask survives spawn's exec); this process receives
-        # one that came meanwhile once it unblocks.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self._process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self._process.start()
         child_connection.close()
         self._closed = False
         if wait_started:
