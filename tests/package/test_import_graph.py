@@ -159,6 +159,31 @@ def test_importing_kvwire_exceptions_loads_no_other_kvwire_module_nor_torch_nor_
     assert result.stdout.strip() == "['kvwire.exceptions']"
 
 
+def test_importing_kvwire_s_vllm_plugin_loads_only_the_plugin_and_the_connectors_names() -> None:
+    # vLLM imports the plugin in every process it starts, kvwire connector or
+    # not (tests/vllm/test_plugin_imports.py calls it there); vLLM itself is
+    # imported only when the plugin is called.
+    probe = (
+        "import sys, kvwire.vllm.plugin\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kvwire', 'vllm', 'torch')))\n"
+    )
+
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+    )
+
+    assert result.stdout.strip() == str(
+        [
+            "kvwire",
+            "kvwire._lazy_exports",
+            "kvwire._moved",
+            "kvwire.vllm",
+            "kvwire.vllm.connector_names",
+            "kvwire.vllm.plugin",
+        ]
+    )
+
+
 def test_no_connector_or_medium_looks_a_registry_up() -> None:
     # The container enters the registry once per build and hands a connector
     # its medium and a medium its plug-in classes; a connector or medium that

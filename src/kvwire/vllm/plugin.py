@@ -3,14 +3,16 @@
 vLLM loads general plugins in every process it starts (engine core and
 workers included) before it builds a connector, so `"kv_connector":
 "KVWireConnector"` needs no `kv_connector_module_path`. Registering only
-records the module path: nothing is imported until vLLM asks for the class.
+records the module path: the connector is imported when vLLM asks for the
+class. Until then this plugin loads only itself, the connectors' names and the
+`kvwire` and `kvwire.vllm` packages, whose names are imported on first use.
 
 It also makes `EngineArgs.create_engine_config` check a kvwire profile as
 soon as vLLM has built its configuration, before any engine process starts
 or the model loads (`kvwire.vllm.startup_check` says why there).
 `EngineArgs.__post_init__` loads the plugins, so the first engine of a
 process is checked too; a configuration naming none of kvwire's connectors
-imports nothing of kvwire's.
+imports nothing more of kvwire's.
 """
 
 from __future__ import annotations
