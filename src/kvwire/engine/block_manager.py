@@ -243,6 +243,15 @@ class BlockManager:
             limit = _longest_valid_end(present, limit, window)
         return limit
 
+    def own_blocks_from(self, request_id: str, block_index: int) -> set[int]:
+        """The request's blocks at positions from `block_index` on that no other request holds."""
+        return {
+            block
+            for blocks in self._request_blocks.get(request_id, [])
+            for block in blocks[block_index:]
+            if not self._is_null(block) and self._ref_counts[block] == 1
+        }
+
     def uncache_from(self, request_id: str, block_index: int) -> None:
         """Take the request's blocks from `block_index` on out of the prefix cache.
 

@@ -95,6 +95,8 @@ class Scheduler:
         self._loading_this_step: set[str] = set()
         self._unconfirmed_hashes: set[BlockHash] = set()
         self._failed_async_blocks: set[int] = set()
+        # Blocks of requests' loaded ranges whose loads failed: the next step zeroes them.
+        self._to_scrub: set[int] = set()
         self._loaded_and_ready: set[str] = set()
         self._ever_scheduled: set[str] = set()
         # The blocks (per group) each request held when it finished (for the engine's KV capture).
@@ -153,7 +155,9 @@ class Scheduler:
             chunks=tuple(chunks),
             finished_req_ids=frozenset(output.finished_req_ids),
             connector_metadata=metadata,
+            scrub_block_ids=frozenset(self._to_scrub),
         )
+        self._to_scrub.clear()
         return output, step
 
     def _allocate_running(self, request: Request, num_new: int, preempted: set[str]) -> bool:
@@ -475,6 +479,11 @@ class Scheduler:
         self, request: Request, first_bad_index: int, bad: list[int], finished: list[Request]
     ) -> None:
         """A load into `bad` failed: roll back to the valid prefix, or fail the request."""
+        # The failed blocks, and the request's own blocks computed after them
+        # (from them) in the same step; never a block it shares: an id a
+        # connector got wrong may be another request's, not this load's to clear.
+        self._to_scrub.update(bad)
+        self._to_scrub |= self.block_manager.own_blocks_from(request.request_id, first_bad_index)
         self.block_manager.invalidate(bad)
         self._failed_async_blocks.difference_update(bad)
         # A sliding-window group may no longer hold the window the shorter

@@ -36,6 +36,12 @@ class WorkerStep:
     chunks: tuple[ScheduledChunk, ...]
     finished_req_ids: frozenset[str]
     connector_metadata: KVConnectorMetadata | None
+    scrub_block_ids: frozenset[int] = frozenset()
+    """Blocks whose loads failed since the last step: zeroed before anything of this step runs.
+
+    Whatever the connector left in them is never read, even by a request
+    given one of them as its partly filled last block.
+    """
 
 
 @attrs.frozen

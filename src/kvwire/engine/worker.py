@@ -75,6 +75,9 @@ class Worker:
 
     def execute(self, step: WorkerStep) -> StepResult:
         """Run one step: connector calls around the forward pass, then greedy sampling."""
+        if step.scrub_block_ids:
+            # First: a load of this step may fill one of these blocks again.
+            self._scrub(step.scrub_block_ids)
         connector = self.connector
         metadata = token_ids = sample_rows = None
         if step.chunks:
@@ -152,6 +155,12 @@ class Worker:
         return torch.stack(per_layer)
 
     # ------------------------------------------------------------ internals
+
+    def _scrub(self, block_ids: frozenset[int]) -> None:
+        """Zero these blocks in every layer (ids are unique across groups: one pool)."""
+        index = torch.tensor(sorted(block_ids), dtype=torch.long)
+        for cache in self._kv_cache_list:
+            cache.index_fill_(1, index, 0)
 
     def _before_attention(self, layer_name: str) -> None:
         if self.connector is not None:

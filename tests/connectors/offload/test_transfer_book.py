@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 
 import pytest
 
@@ -200,3 +200,67 @@ def test_a_preempted_requests_load_is_waited_out_before_its_saves_are_released(
     assert not book.is_busy("r")
     assert book.is_busy("s")  # not preempted: not waited for
     assert book.take_finished_loads() == {"r"}
+
+
+class RecordingScrub:
+    """Records each scrub as ``(group, block ids)``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def __call__(self, group: int, block_ids: Sequence[int]) -> int:
+        self.calls.append((group, list(block_ids)))
+        return len(block_ids)
+
+
+def test_a_synchronous_loads_failed_blocks_are_scrubbed_in_their_group_before_they_are_reported(
+    handler: GatedHandler,
+) -> None:
+    scrub = RecordingScrub()
+    book = TransferBook(handler, scrub)
+    handler.fail = {2, 7}
+    book.start_loads([_transfer("a", 1, 2), _transfer("a", 7, 8, group=1)], [])
+    handler.open("a")
+
+    book.wait_for_loads()
+
+    assert sorted(scrub.calls) == [(0, [2]), (1, [7])]
+    assert book.take_load_errors() == {2, 7}
+    assert book.take_counters() == {"load_blocks_scrubbed": 2.0}
+    assert book.take_counters() == {}
+
+
+def test_an_asynchronous_loads_failed_blocks_are_scrubbed_when_it_ended_not_when_reported(
+    handler: GatedHandler,
+) -> None:
+    scrub = RecordingScrub()
+    book = TransferBook(handler, scrub)
+    handler.fail = {3}
+    book.start_loads([], [_transfer("r", 3, 4)])
+    handler.open("r")
+    assert handler.wait([job.job_id for job in handler.jobs])
+
+    book.is_busy("r")  # nothing polled yet: nothing known, nothing scrubbed
+    assert scrub.calls == []
+    book.wait_for_saves()  # any poll records the ended load
+
+    assert scrub.calls == [(0, [3])]
+    assert book.take_finished_loads() == {"r"}
+    assert book.take_load_errors() == {3}
+
+
+def test_loads_that_succeed_and_saves_scrub_nothing(handler: GatedHandler) -> None:
+    scrub = RecordingScrub()
+    book = TransferBook(handler, scrub)
+    handler.fail = {5}  # a save's blocks never fail
+    book.start_loads([_transfer("a", 1, 2)], [_transfer("b", 3)])
+    book.save([_transfer("c", 5)])
+    for request_id in "abc":
+        handler.open(request_id)
+
+    book.wait_for_loads()
+    book.wait_for_saves()
+    wait_until(lambda: book.take_finished_loads() == {"b"}, "b's load")
+
+    assert scrub.calls == []
+    assert book.take_counters() == {}

@@ -17,7 +17,10 @@ connector reports to the engine, the same for every medium:
 - each request's saves are one job per step; a request is busy while a job
   of its saves or asynchronous load has not ended (its blocks must be kept);
 - a preempted request's asynchronous load is waited for, up to its
-  deadline, before its blocks are given out again.
+  deadline, before its blocks are given out again;
+- a load's failed blocks are zeroed (`scrub`) as soon as the handler
+  reports them, before the engine hears of them or can give them out again:
+  whatever the medium left there is never read (`kvwire.blocks.scrub`).
 
 Giving up on a job at its deadline is the handler's (its ledger's): it alone
 can stop a job's writes into the cache. The book never sees a piece or a
@@ -29,24 +32,33 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.interface.types import KVCacheEvent
 from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 
-__all__ = ["TransferBook"]
+__all__ = ["Scrub", "TransferBook"]
+
+Scrub = Callable[[int, Sequence[int]], int]
+"""Zeroes blocks of a KV cache group (`BlockScrubber.scrub`); how many it zeroed."""
 
 
 class TransferBook:
     """The jobs one connector gave `handler`, by engine step and request; not thread-safe.
 
     Called from the thread that drives the engine's steps only, as the
-    connector's calls are.
+    connector's calls are. `scrub` zeroes the blocks a load reports failed
+    (the connector's worker half always passes one; a medium's own tests
+    may not).
     """
 
-    def __init__(self, handler: TransferHandler) -> None:
+    def __init__(self, handler: TransferHandler, scrub: Scrub | None = None) -> None:
         self.handler = handler
+        self._scrub = scrub
+        self._scrubbed = 0
+        # Each load job's transfers until it ended: which group each failed block is of.
+        self._loads: dict[int, tuple[BlockTransfer, ...]] = {}
         self._job_ids = itertools.count()
         # This step's synchronous load jobs, not waited for yet.
         self._sync: list[int] = []
@@ -162,8 +174,13 @@ class TransferBook:
         return self.handler.take_events()
 
     def take_counters(self) -> Mapping[str, float]:
-        """The handler's own counts since the last call."""
-        return self.handler.take_counters()
+        """The handler's own counts since the last call, and the failed blocks zeroed."""
+        counts = self.handler.take_counters()
+        if not self._scrubbed:
+            return counts
+        with_scrubbed = {**counts, "load_blocks_scrubbed": float(self._scrubbed)}
+        self._scrubbed = 0
+        return with_scrubbed
 
     def close(self) -> None:
         """Close the handler: it lets its jobs end, each within its deadline."""
@@ -181,6 +198,8 @@ class TransferBook:
         if request_id is not None:
             self._request_of[job_id] = request_id
             self._busy[request_id] += 1
+        if kind is TransferKind.LOAD:
+            self._loads[job_id] = transfers
         self.handler.submit(TransferJob(job_id, kind, transfers))
         return job_id
 
@@ -189,6 +208,13 @@ class TransferBook:
             self._record(result)
 
     def _record(self, result: JobResult) -> None:
+        loaded = self._loads.pop(result.job_id, ())
+        if result.failed and self._scrub is not None:
+            # Before the failure is known to anyone: the blocks are still this load's.
+            for transfer in loaded:
+                failed = [block for block in transfer.block_ids if block in result.failed]
+                if failed:
+                    self._scrubbed += self._scrub(transfer.group, failed)
         request_id = self._request_of.pop(result.job_id, None)
         if request_id is None:  # a step's synchronous loads
             self._errors |= result.failed

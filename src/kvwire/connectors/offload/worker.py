@@ -11,6 +11,11 @@ of preempted requests) are released; a save computed from a block whose
 load failed is left out. Both are reported to the scheduler half
 (`OffloadWorkerMetadata`), which
 never publishes them.
+
+Whatever the medium, a block whose load failed is zeroed before the engine
+hears of the failure (`kvwire.blocks.scrub`): no byte a failed load wrote
+is ever read, by the request that computes it again or by the next one
+given that block.
 """
 
 from __future__ import annotations
@@ -85,12 +90,17 @@ class OffloadWorkerHalf:
                 f"{self._connector_name}: register_kv_caches() was called twice; the caches "
                 "are registered once per connector, before the first step"
             )
+        # Imported here: it needs torch, which the scheduler half never imports.
+        from kvwire.blocks.scrub import BlockScrubber
+
         handler = call_plugin(
             "kv_connector_extra_config.medium",
             f"{type(self._medium).__name__}.build_handler",
             lambda: self._medium.build_handler(kv_caches, self._counters),
         )
-        self._transfers = TransferBook(handler)
+        context = self._medium.context
+        scrubber = BlockScrubber(kv_caches, context.groups, context.layout.cache_layout)
+        self._transfers = TransferBook(handler, scrubber.scrub)
 
     def _require_transfers(self) -> TransferBook:
         return registered_worker(self._connector_name, self._transfers)
