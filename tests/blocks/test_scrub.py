@@ -27,9 +27,7 @@ def group(index: int, *layer_names: str) -> CacheGroup:
 
 def zero_blocks(cache: torch.Tensor, block_dim: int) -> list[int]:
     return [
-        block
-        for block in range(NUM_BLOCKS)
-        if bool((cache.select(block_dim, block) == 0).all())
+        block for block in range(NUM_BLOCKS) if bool((cache.select(block_dim, block) == 0).all())
     ]
 
 

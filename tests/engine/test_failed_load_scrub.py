@@ -13,7 +13,6 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import torch
 
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
