@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 
 import pytest
 
+from kvwire._file_digests import UNCACHED_BYTES, FileDigests, FileStamp
 from kvwire.config import ModelConfig
 from kvwire.config.profile import load_profile
 from kvwire.model_identity import (
     ModelIdentityError,
     UnreadableWeightsError,
     model_identity,
+    weight_stamps,
 )
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -118,8 +121,37 @@ def test_the_tokenizer_and_other_files_take_no_part(tmp_path: pathlib.Path) -> N
     original = save_model(tmp_path / "original")
     other = save_model(tmp_path / "other")
     (other / "tokenizer.json").write_text('{"other": 1}')
+    for name in (
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.json",
+    ):
+        (other / name).write_text('{"other": 1}')
     (other / "README.md").write_text("a model card")
     assert model_identity(str(original)) == model_identity(str(other))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_quant_config.json",
+        "quantize_config.json",
+        "quant_config.json",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "sparse_attention_config.json",
+    ],
+)
+def test_a_configuration_file_vllm_computes_with_is_part_of_the_identity(
+    tmp_path: pathlib.Path, name: str
+) -> None:
+    identities = {model_identity(str(save_model(tmp_path / "without")))}
+    for bits in (4, 8):
+        model = save_model(tmp_path / f"bits-{bits}")
+        (model / name).write_text(json.dumps({"bits": bits}))
+        identities.add(model_identity(str(model)))
+    assert len(identities) == 3
 
 
 def test_weights_of_a_format_not_known_here_are_digested_too(tmp_path: pathlib.Path) -> None:
@@ -232,3 +264,94 @@ def test_kvwire_s_engine_is_identified_by_what_draws_its_weights() -> None:
     assert ModelConfig(seed=1).weights_identity != ModelConfig(seed=2).weights_identity
     assert ModelConfig(seed=1).weights_identity == ModelConfig(seed=1).weights_identity
     assert ModelConfig(seed=1, identity="named").weights_identity == "named"
+
+
+def test_with_the_digest_cache_off_an_edit_through_a_live_mapping_changes_the_identity(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVWIRE_DIGEST_CACHE", "off")
+    model = save_model(tmp_path / "model")
+    weights = model / "model.safetensors"
+    offset = WEIGHTS_BYTES // 2
+    with open(weights, "r+b") as file, mmap.mmap(file.fileno(), 0) as mapping:
+        mapping[offset] ^= 0xFF
+        stamp = FileStamp.of(os.stat(weights))
+        original = model_identity(str(model), file_digests=FileDigests(settle_ns=0))
+        # A page the mapping has written already takes more writes without a
+        # fault: the kernel updates no time, which a stat-keyed cache cannot see.
+        mapping[offset + 1] ^= 0xFF
+        assert FileStamp.of(os.stat(weights)) == stamp
+        assert model_identity(str(model), file_digests=FileDigests(settle_ns=0)) != original
+
+
+def test_files_unchanged_since_they_were_stamped_have_the_identity_they_have_unstamped(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model")
+    stamps = weight_stamps(str(model))
+    assert sorted(stamps) == ["config.json", "model.safetensors"]
+    assert model_identity(str(model), stamps=stamps) == model_identity(str(model))
+
+
+def test_a_weight_file_renamed_over_after_it_was_stamped_is_refused_naming_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model")
+    stamps = weight_stamps(str(model))
+    # A new file of the same size, as save_pretrained writes one and renames it into place.
+    new = tmp_path / "new.safetensors"
+    new.write_bytes(bytes(WEIGHTS_BYTES))
+    new.replace(model / "model.safetensors")
+    with pytest.raises(
+        UnreadableWeightsError,
+        match=r"model_config\.identity: the model's file 'model.safetensors' .* changed after "
+        "the engine's configuration was built",
+    ):
+        model_identity(str(model), stamps=stamps)
+
+
+@pytest.mark.parametrize("change", ["added", "removed"])
+def test_a_file_added_or_removed_after_stamping_is_refused_naming_it(
+    tmp_path: pathlib.Path, change: str
+) -> None:
+    model = save_model(tmp_path / "model")
+    (model / "model-extra.safetensors").write_bytes(b"a shard")
+    if change == "added":
+        (model / "model-extra.safetensors").unlink()
+    stamps = weight_stamps(str(model))
+    if change == "added":
+        (model / "model-extra.safetensors").write_bytes(b"a shard")
+    else:
+        (model / "model-extra.safetensors").unlink()
+    appeared = "appeared" if change == "added" else "disappeared"
+    with pytest.raises(UnreadableWeightsError, match=rf"'model-extra\.safetensors' .* {appeared}"):
+        model_identity(str(model), stamps=stamps)
+
+
+def test_a_file_unreadable_when_stamped_and_readable_now_is_refused_naming_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model", b"weights")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(tmp_path / "later")
+    stamps = weight_stamps(str(model))
+    assert stamps["model.safetensors"] is None
+    (tmp_path / "later").write_bytes(b"weights")
+    with pytest.raises(UnreadableWeightsError, match=r"'model\.safetensors' .* changed after"):
+        model_identity(str(model), stamps=stamps)
+
+
+def test_a_model_of_more_weight_files_than_the_cache_bound_is_read_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = save_model(tmp_path / "model")
+    for index in range(20):
+        with open(model / f"model-{index:05d}-of-00020.safetensors", "wb") as shard:
+            shard.truncate(UNCACHED_BYTES + 1)
+    first_start = FileDigests(settle_ns=0, max_entries=8)
+    identity = model_identity(str(model), file_digests=first_start)
+    assert first_start.files_read == 22
+    second_start = FileDigests(settle_ns=0, max_entries=8)
+    assert model_identity(str(model), file_digests=second_start) == identity
+    # config.json is read at every start: it is too small to be remembered.
+    assert second_start.files_read == 1
