@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import random
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.testing import IdleConnector
+from kvwire.testing.faulty_medium import FaultInjectingMedium
 
 # Building the tiny model, starting and stopping vLLM engines, and the prompts the tests send.
 
@@ -524,6 +526,33 @@ class HeldReadsSharedStorage(SharedStorageConnector):
 
 def held_reads(container: containers.Container) -> None:
     container.connector_class.override(providers.Object(HeldReadsSharedStorage))
+
+
+# Loads that end in any order: each read of the store waits 0-80 ms, drawn at random.
+
+MAX_READ_DELAY_S = 0.08
+
+
+class DelayedReadsStore(HeldReadsStore):
+    """``store``, whose every read first waits a random 0-80 ms (and for READS_ANSWER)."""
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        time.sleep(random.uniform(0.0, MAX_READ_DELAY_S))
+        return super().get_into(keys, buffers)
+
+
+class DelayedReadsDirectory(DirectoryMedium):
+    """The directory medium over a :class:`DelayedReadsStore`."""
+
+    def create_store(self, options: Mapping[str, Any]) -> BlockStore:
+        return DelayedReadsStore(super().create_store(options))
+
+
+class FailEveryFirstBlockOfDelayedLoads(FaultInjectingMedium):
+    """Every request's first load fails at its first block; every read waits 0-80 ms."""
+
+    inner = DelayedReadsDirectory
+    fail_block_index = 0
 
 
 # kvwire connectors the hybrid-model tests wrap: one without HMA, one with, both recording.
