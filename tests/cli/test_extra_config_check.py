@@ -248,8 +248,8 @@ BAD_EXTRA_CONFIGS = [
         "RedisConnector",
         {"ttl_seconds": "1h"},
         "RedisConnector: invalid Redis settings:\n"
-        "  kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 "
-        "(restarted by every load), or null for no expiry, got '1h'",
+        "  kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 and "
+        "<= 315360000 (3650 days), restarted by every load, or null for no expiry, got '1h'",
         id="redis-type",
     ),
     pytest.param(

@@ -147,15 +147,47 @@ def bool_key(name: str, default: bool) -> ExtraConfigKey:
     )
 
 
+def finite_seconds(
+    value: Any, maximum: float, *, zero: bool = False, whole: bool = False
+) -> float | None:
+    """`value` as a duration in seconds, or None when it is not one that is accepted.
+
+    Accepted: a number > 0 (>= 0 with `zero`; an int with `whole`) and <=
+    `maximum`. Every duration option is read through it: an infinite or
+    huge one overflows the calls that wait on it (a socket timeout, a
+    `time.monotonic()` deadline, Redis's expiry), so every duration has a
+    finite bound, and NaN, which compares false with every bound, is refused.
+    """
+    if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+        return None
+    above_zero = value >= 0 if zero else value > 0
+    # Written so that NaN fails both comparisons.
+    return float(value) if above_zero and value <= maximum else None
+
+
+def seconds_accepted(maximum: float, *, zero: bool = False, whole: bool = False) -> str:
+    """What `finite_seconds` accepts, as an error says it (`"a finite number of seconds ..."`)."""
+    kind = "a whole number of seconds" if whole else "a finite number of seconds"
+    return f"{kind} {'>=' if zero else '>'} 0 and <= {_duration_text(maximum)}"
+
+
+def _duration_text(seconds: float) -> str:
+    """`3600` as `"3600 (1 hour)"`: the bound as it is typed, and in an operator's unit."""
+    if not float(seconds).is_integer():
+        return f"{seconds:g}"
+    whole = int(seconds)
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if whole >= size and whole % size == 0:
+            count = whole // size
+            return f"{whole} ({count} {unit}{'s' if count > 1 else ''})"
+    return str(whole)
+
+
 def seconds_key(name: str, default: float, maximum: float) -> ExtraConfigKey:
-    """A duration in seconds: a number > 0 and <= `maximum` (a deadline must be finite)."""
-
-    def convert(value: Any) -> float | None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return None
-        return float(value) if 0 < value <= maximum else None
-
-    return ExtraConfigKey(name, default, convert, f"a number of seconds > 0 and <= {maximum:g}")
+    """A duration in seconds: a finite number > 0 and <= `maximum` (see `finite_seconds`)."""
+    return ExtraConfigKey(
+        name, default, lambda value: finite_seconds(value, maximum), seconds_accepted(maximum)
+    )
 
 
 def str_key(name: str, default: str | None, required: bool = False) -> ExtraConfigKey:

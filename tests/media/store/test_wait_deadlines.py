@@ -226,7 +226,9 @@ def test_a_transfer_timeout_that_is_no_finite_positive_number_is_refused_by_name
     config = shared_storage(tiny_config(), tmp_path, transfer_timeout_s=value)
     assert config.kv_transfer_config is not None
 
-    with pytest.raises(ExtraConfigError, match=r"transfer_timeout_s: .* expected a number of s"):
+    with pytest.raises(
+        ExtraConfigError, match=r"transfer_timeout_s: .* expected a finite number of s"
+    ):
         read_options(SharedStorageConnector, config.kv_transfer_config)
 
 

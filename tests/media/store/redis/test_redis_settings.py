@@ -73,7 +73,7 @@ def test_a_deadline_that_is_not_a_positive_number_names_the_key(name: str, given
     with pytest.raises(RedisSettingsError) as raised:
         RedisStoreSettings.from_extra_config({name: given})
 
-    assert f"kv_connector_extra_config.{name}: expected a number of seconds > 0" in str(
+    assert f"kv_connector_extra_config.{name}: expected a finite number of seconds > 0" in str(
         raised.value
     )
     assert f"got {given!r}" in str(raised.value)
@@ -84,8 +84,9 @@ def test_a_negative_ttl_names_the_key_and_what_is_accepted() -> None:
         RedisStoreSettings.from_extra_config({"ttl_seconds": -1})
 
     assert (
-        "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 "
-        "(restarted by every load), or null for no expiry, got -1" in str(raised.value)
+        "kv_connector_extra_config.ttl_seconds: expected a whole number of seconds > 0 and "
+        "<= 315360000 (3650 days), restarted by every load, or null for no expiry, got -1"
+        in str(raised.value)
     )
 
 
@@ -133,7 +134,10 @@ def test_every_bad_key_is_reported_at_once() -> None:
 
     message = str(raised.value)
     assert "kv_connector_extra_config.pool_size: expected a whole number of connections" in message
-    assert "kv_connector_extra_config.socket_timeout_s: expected a number of seconds > 0" in message
+    assert (
+        "kv_connector_extra_config.socket_timeout_s: expected a finite number of seconds > 0"
+        in message
+    )
     assert "kv_connector_extra_config.db: expected a database number >= 0 or null" in message
     assert "kv_connector_extra_config.tls_verify: expected true or false, got 'yes'" in message
 

@@ -45,6 +45,12 @@ scatters a loaded one straight into it (no staging copy on either side).
   `warning_interval_s` (at most one outage warning per interval);
 - `tls_ca_certs`, `tls_certfile`, `tls_keyfile`, `tls_verify`.
 
+Every duration is a finite number of seconds up to a bound: 1 hour for the
+timeouts and `retry_interval_s`, 1 day for `warning_interval_s`, 3650 days
+for `ttl_seconds` (docs/profiles.md lists them all). Past it, or infinite,
+it would overflow the socket calls and deadlines it sets, so `kvwire check`
+and the engine refuse it.
+
 When the server is down, lookups miss, saves are dropped and loads are
 reported as load errors; the engine's outputs stay those of an engine
 without a connector, and the store reconnects by itself when the server is

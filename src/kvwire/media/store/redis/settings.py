@@ -17,7 +17,7 @@ import attrs
 import redis
 from redis.cluster import ClusterNode
 
-from kvwire.config.extra_config import parse_size
+from kvwire.config.extra_config import finite_seconds, parse_size, seconds_accepted
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import RedisSettingsError as RedisSettingsError
 from kvwire.media.store.redis._cluster_url import (
@@ -205,6 +205,30 @@ class RedisStoreSettings:
         }
 
 
+_HOUR = 3600
+# The bound of each duration: a deadline or interval past it is a mistake, and
+# an infinite or huge one overflows the socket calls and deadlines it sets.
+_MOST_SECONDS: dict[str, int] = {
+    "ttl_seconds": 3650 * 24 * _HOUR,
+    "socket_timeout_s": _HOUR,
+    "connect_timeout_s": _HOUR,
+    "load_timeout_s": _HOUR,
+    "save_timeout_s": _HOUR,
+    "lookup_timeout_s": _HOUR,
+    "retry_interval_s": _HOUR,
+    "warning_interval_s": 24 * _HOUR,
+}
+# Durations that may be 0 (a warning each time), and those that are whole seconds.
+_ZERO_SECONDS = frozenset({"warning_interval_s"})
+_WHOLE_SECONDS = frozenset({"ttl_seconds"})
+
+
+def _seconds(name: str) -> str:
+    return seconds_accepted(
+        _MOST_SECONDS[name], zero=name in _ZERO_SECONDS, whole=name in _WHOLE_SECONDS
+    )
+
+
 _EXPECTED: dict[str, str] = {
     "url": (
         "a redis://, rediss:// or unix:// URL, or redis+cluster:// (rediss+cluster://) "
@@ -214,22 +238,26 @@ _EXPECTED: dict[str, str] = {
     "password": "a string or null",
     "db": "a database number >= 0 or null",
     "key_prefix": "a string",
-    "ttl_seconds": "a whole number of seconds > 0 (restarted by every load), or null for no expiry",
+    "ttl_seconds": (f"{_seconds('ttl_seconds')}, restarted by every load, or null for no expiry"),
     "pool_size": "a whole number of connections > 0",
-    "socket_timeout_s": "a number of seconds > 0",
-    "connect_timeout_s": "a number of seconds > 0",
-    "load_timeout_s": "a number of seconds > 0 that one load (a run of blocks) may take in all",
-    "save_timeout_s": "a number of seconds > 0 that one save (a run of blocks) may take in all",
+    "socket_timeout_s": _seconds("socket_timeout_s"),
+    "connect_timeout_s": _seconds("connect_timeout_s"),
+    "load_timeout_s": (
+        f"{_seconds('load_timeout_s')} that one load (a run of blocks) may take in all"
+    ),
+    "save_timeout_s": (
+        f"{_seconds('save_timeout_s')} that one save (a run of blocks) may take in all"
+    ),
     "lookup_timeout_s": (
-        "a number of seconds > 0 that one lookup (or directory call, delete, probe, clear step) "
-        "may take in all"
+        f"{_seconds('lookup_timeout_s')} that one lookup (or directory call, delete, probe, "
+        "clear step) may take in all"
     ),
     "pipeline_bytes": (
         'a byte count per save/load pipeline > 0, as an int or a string such as "64MiB"'
     ),
     "lookup_batch_size": "a whole number of keys per lookup pipeline > 0",
-    "retry_interval_s": "a number of seconds > 0",
-    "warning_interval_s": "a number of seconds >= 0",
+    "retry_interval_s": _seconds("retry_interval_s"),
+    "warning_interval_s": _seconds("warning_interval_s"),
     "tls_ca_certs": "a file path or null",
     "tls_certfile": "a file path or null",
     "tls_keyfile": "a file path or null",
@@ -246,10 +274,14 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
         return None if isinstance(value, bool) else expected
     if isinstance(value, bool):
         return expected
-    if name.endswith("_s"):
-        if not isinstance(value, (int, float)):
-            return expected
-        return None if (value >= 0 if name == "warning_interval_s" else value > 0) else expected
+    if name in _MOST_SECONDS:
+        seconds = finite_seconds(
+            value,
+            _MOST_SECONDS[name],
+            zero=name in _ZERO_SECONDS,
+            whole=name in _WHOLE_SECONDS,
+        )
+        return None if seconds is not None else expected
     if name == "pipeline_bytes":
         # The same forms as the connector's other sizes (max_save_bytes_in_flight).
         size = parse_size(value)
@@ -258,7 +290,7 @@ def _check_value(name: str, value: Any, default: Any) -> str | None:
         # A pipeline's values are held in memory until they are sent or read.
         shortfall = memory_shortfall(size)
         return f"{describe_bytes(size)} would be held in memory, {shortfall}" if shortfall else None
-    if isinstance(default, int) or name in ("db", "ttl_seconds"):
+    if isinstance(default, int) or name == "db":
         if not isinstance(value, int):
             return expected
         return None if (value >= 0 if name == "db" else value > 0) else expected
