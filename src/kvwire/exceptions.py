@@ -135,7 +135,10 @@ class FileRefused(KVWireError, ValueError):
 
 
 class FileChangedError(KVWireError, OSError):
-    """The file changed while it was being read: its digest names no one version of it."""
+    """The file changed while it was being read, or since the stamp it had to have.
+
+    Its digest names no one version of it, or not the one that was used.
+    """
 
 
 class ExtraConfigError(KVWireError, ValueError):

@@ -54,6 +54,7 @@ from kvwire.model_identity import (
 )
 from kvwire.plugin_calls import contained_exits, plugin_message
 from kvwire.redaction import shown
+from kvwire.vllm.weight_stamps import WEIGHT_STAMPS_KEY, recorded_weight_stamps
 
 if TYPE_CHECKING:
     from dependency_injector import containers
@@ -73,7 +74,12 @@ ContainerHook = Callable[["containers.Container"], None]
 def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
     """The kvwire profile vLLM's `kv_connector_extra_config` names, validated."""
     # Shown bounded and sorted as text: keys may be long, or not all str.
-    unknown = sorted(shown(key) for key in extra_config if key not in EXTRA_CONFIG_KEYS)
+    # The weights' stamps are kvwire's own, written by its config hook (weight_stamps).
+    unknown = sorted(
+        shown(key)
+        for key in extra_config
+        if key not in EXTRA_CONFIG_KEYS and key != WEIGHT_STAMPS_KEY
+    )
     if unknown:
         more = f" and {len(unknown) - _SHOWN_KEYS} more" if len(unknown) > _SHOWN_KEYS else ""
         raise VLLMConfigError(
@@ -372,7 +378,9 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     Weights kvwire cannot be sure of get an identity of this engine alone
     (`engine_only_identity`), with a warning: a load format that does
     not read the files as they are (`dummy`'s random values included)
-    unless `explicit` names them, and files that cannot be read.
+    unless `explicit` names them, files that cannot be read, and files
+    that are not those vLLM was configured with (`kvwire.vllm.weight_stamps`:
+    replaced or changed since, so vLLM may have loaded other bytes).
     """
     model_config = vllm_config.model_config
     load_config = getattr(vllm_config, "load_config", None)
@@ -397,6 +405,7 @@ def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
                 model_config.revision,
                 explicit=explicit,
                 hub_caches=hub_caches,
+                stamps=recorded_weight_stamps(vllm_config),
             )
         except UnreadableWeightsError as error:
             logger.warning("KVWireConnector: %s; this engine shares KV with no other", error)

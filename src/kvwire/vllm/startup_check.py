@@ -23,8 +23,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from kvwire._file_digests import default_cache_directory
 from kvwire.container import container_for_profile
-from kvwire.exceptions import KVWireError, VLLMConfigError
+from kvwire.exceptions import KVWireError, ModelIdentityError, VLLMConfigError
 from kvwire.plugin_calls import contained_exits, plugin_message
 from kvwire.vllm.config_bridge import (
     INLINE_PROFILE_KEY,
@@ -35,6 +36,7 @@ from kvwire.vllm.config_bridge import (
     run_container_hook,
 )
 from kvwire.vllm.connector_names import CONNECTORS
+from kvwire.vllm.weight_stamps import record_weight_stamps
 
 __all__ = ["check_vllm_config"]
 
@@ -50,8 +52,11 @@ def check_vllm_config(vllm_config: Any) -> None:
     and run on a container of its own; the wrapped connector and its medium
     resolved (an unknown name, a module that cannot be imported, an extra
     not installed); and their extra config validated as `kvwire check`
-    does. What needs the loaded model waits for the connector: the model's
-    identity (a digest of its weights) and the hybrid KV cache's groups.
+    does; `KVWIRE_DIGEST_CACHE`'s value. What needs the loaded model waits
+    for the connector: the model's identity (a digest of its weights) and
+    the hybrid KV cache's groups. Then the stamps of the model's files are
+    put in `vllm_config` (`kvwire.vllm.weight_stamps`), so that the
+    identity is of the files vLLM loads after this.
 
     Raises `VLLMConfigError`; an error in the profile's content names
     the extra-config key the profile was given under, then the profile's field.
@@ -82,6 +87,11 @@ def check_vllm_config(vllm_config: Any) -> None:
     with _named(profile_key, "kv_transfer_config.kv_connector_extra_config.medium"):
         # The medium the connector will build with, a container hook's override included.
         container.medium_class()
+    try:
+        default_cache_directory()
+    except ModelIdentityError as error:
+        raise VLLMConfigError(str(error)) from None
+    record_weight_stamps(vllm_config)
 
 
 @contextlib.contextmanager
