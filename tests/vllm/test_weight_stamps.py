@@ -4,21 +4,26 @@ vLLM's configuration carries each weight file's stamp, taken by kvwire's
 config hook before any engine process starts or the model loads; a file that
 is no longer the one stamped when its connector digests it (renamed over
 after vLLM loaded the old one) gives the engine an identity of its own, with
-a warning naming the file: it loads no other engine's blocks.
+a warning naming the file: it loads no other engine's blocks. A write the
+stamps cannot see (through a live shared mapping) is seen with the digest
+cache off (``KVWIRE_DIGEST_CACHE=off``).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import pathlib
 import shutil
+import time
 import types
 from typing import Any
 
 import pytest
 
 import kvwire.vllm
+from kvwire._file_digests import SETTLE_NS, FileStamp
 from kvwire.exceptions import VLLMConfigError
 from kvwire.model_identity import weight_stamps
 from kvwire.vllm.config_bridge import vllm_model_identity
@@ -166,3 +171,36 @@ def test_weights_renamed_over_after_vllm_loaded_them_share_nothing_and_compute_a
     assert cached == [0] * len(PROMPTS)
     assert tokens == tokens_without_connector
     assert "the model's file 'model.safetensors'" in caplog.text
+
+
+@pytest.mark.slow
+def test_with_the_digest_cache_off_weights_edited_in_place_through_a_mapping_share_nothing(
+    model_copy: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = shared_storage_config(tmp_path / "store")
+    weights = model_copy / "model.safetensors"
+    # A page in the middle of the tensors, past the safetensors header.
+    page = weights.stat().st_size // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+    with open(weights, "r+b") as file, mmap.mmap(file.fileno(), 0) as mapping:
+        mapping[page] ^= 1
+        stamp = FileStamp.of(os.stat(weights))
+        # Settled, so that the engine below remembers the digest of these bytes.
+        deadline = time.monotonic() + 10
+        while time.time_ns() - stamp.ctime_ns < SETTLE_NS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with running_llm(str(model_copy), config) as llm:
+            generate(llm, PROMPTS)
+            kvwire.vllm.wait_for_saves(llm)
+            assert kvwire.vllm.kvwire_stats(llm)["blocks_saved"] > 0
+        # More writes to a page the mapping has written: no fault, no time updated.
+        mapping[page : page + mmap.PAGESIZE] = bytes(mmap.PAGESIZE)
+        assert FileStamp.of(os.stat(weights)) == stamp
+    with running_llm(str(model_copy)) as llm:
+        edited_tokens, _ = generate(llm, PROMPTS)
+
+    monkeypatch.setenv("KVWIRE_DIGEST_CACHE", "off")
+    with running_llm(str(model_copy), config) as llm:
+        tokens, cached = generate(llm, PROMPTS)
+        assert kvwire.vllm.kvwire_stats(llm).get("blocks_loaded", 0) == 0
+    assert cached == [0] * len(PROMPTS)
+    assert tokens == edited_tokens
