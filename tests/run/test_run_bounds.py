@@ -8,6 +8,7 @@ and a timeout, so that a regression fails the test instead of the host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -254,7 +255,6 @@ def test_a_bad_module_path_is_named_by_its_field_without_a_traceback(
     assert "hunter2" not in err
 
 
-@pytest.mark.slow
 def _in_a_terminal() -> None:
     # A shell's background job (a CI runner's, make's) may have SIGINT
     # ignored, which the child would inherit: give it the default back.
@@ -263,11 +263,18 @@ def _in_a_terminal() -> None:
 
 
 def _start_run(
-    arguments: list[str], *, env: dict[str, str] | None = None, own_group: bool = False
+    arguments: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    own_group: bool = False,
+    program: tuple[str, ...] = ("-c", KVWIRE),
 ) -> subprocess.Popen[str]:
-    """`kvwire run ARGUMENTS` as a terminal starts it; `own_group` to interrupt its workers too."""
+    """`kvwire run ARGUMENTS` as a terminal starts it; `own_group` to interrupt its workers too.
+
+    `program`: Python's arguments that run the `kvwire` command.
+    """
     return subprocess.Popen(
-        [sys.executable, "-c", KVWIRE, "run", *arguments, "--no-progress"],
+        [sys.executable, *program, "run", *arguments, "--no-progress"],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -370,28 +377,129 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+SLOW_TO_IMPORT = (str(REPO / "tests/support/processes/kvwire_slow_to_import.py"),)
+# A script's own folder starts sys.path: the tests' plug-in modules come from the repository.
+WITH_TESTS = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _profile_slow_in_worker_steps(tmp_path: pathlib.Path) -> str:
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(
+        "kv_transfer_config:\n"
+        "  kv_connector: SlowInWorkerStepsConnector\n"
+        "  kv_role: kv_both\n"
+        "  kv_connector_module_path: tests.support.plugin_modules.slow_in_worker_steps\n"
+    )
+    return str(profile)
+
+
 @pytest.mark.slow
-# A known bug: on a loaded host a Ctrl-C can reach the worker process during its spawn
-# bootstrap (spawn_main), which prints a KeyboardInterrupt traceback. To fix.
-@pytest.mark.xfail(reason="known bug: a traceback from spawn_main under load", strict=False)
-def test_ctrl_c_during_a_worker_process_run_stops_it_with_status_130_and_no_traceback() -> None:
-    # Long enough (minutes) that the interrupt lands while the passes run.
-    arguments = ["--worker-process", "--requests", "2000", "--prompt-len", "1024"]
-    process = _start_run(arguments, own_group=True)
+def test_a_sigint_that_reaches_a_worker_process_while_it_imports_is_left_to_the_run(
+    tmp_path: pathlib.Path,
+) -> None:
+    importing, stepping = tmp_path / "importing", tmp_path / "stepping"
+    env = {
+        **WITH_TESTS,
+        "KVWIRE_TEST_WORKER_IMPORTING": str(importing),
+        "KVWIRE_TEST_READY": str(stepping),
+    }
+    # Run from a script: the worker imports it again before any of kvwire's code runs there.
+    arguments = [_profile_slow_in_worker_steps(tmp_path), "--worker-process"]
+    process = _start_run(
+        [*arguments, "--requests", "1", "--prompt-len", "16"],
+        env=env,
+        own_group=True,
+        program=SLOW_TO_IMPORT,
+    )
+    try:
+        _wait_for(importing, process, "the worker never imported the script", 120)
+        # The part of a terminal's Ctrl-C that reaches the worker (and the resource
+        # tracker), before the run acts on its own part.
+        for child in _children(process.pid):
+            os.kill(child, signal.SIGINT)
+        (tmp_path / "importing-go-on").touch()
+        _wait_for(stepping, process, "the run never reached its connector's steps", 120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        _out, err = process.communicate(timeout=60)
+    assert "Traceback" not in err
 
-    def passes_running() -> None:
-        deadline = time.monotonic() + 120
-        # The worker process (and multiprocessing's resource tracker) started.
-        while len(_children(process.pid)) < 2:
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "kvwire run never started its worker process"
-            time.sleep(0.1)
-        time.sleep(2)  # the passes run
 
-    err = _interrupt_group(process, when=passes_running, timeout_s=60)
+@pytest.mark.slow
+def test_ctrl_c_while_a_worker_process_imports_stops_the_run_with_status_130_and_no_traceback(
+    tmp_path: pathlib.Path,
+) -> None:
+    importing = tmp_path / "importing"
+    process = _start_run(
+        ["--worker-process", "--requests", "1", "--prompt-len", "16"],
+        env={**WITH_TESTS, "KVWIRE_TEST_WORKER_IMPORTING": str(importing)},
+        own_group=True,
+        program=SLOW_TO_IMPORT,
+    )
+    err = _interrupt_group(
+        process,
+        when=lambda: _wait_for(importing, process, "the worker never imported the script", 120),
+        timeout_s=90,
+    )
     assert process.returncode == 130, err
     assert err.splitlines()[-1] == "kvwire: interrupted"
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_worker_process_runs_a_step_stops_the_run_with_status_130_and_no_traceback(
+    tmp_path: pathlib.Path,
+) -> None:
+    stepping = tmp_path / "stepping"
+    arguments = [_profile_slow_in_worker_steps(tmp_path), "--worker-process", "--requests", "1"]
+    process = _start_run(
+        [*arguments, "--prompt-len", "16"],
+        env={**os.environ, "KVWIRE_TEST_READY": str(stepping)},
+        own_group=True,
+    )
+    err = _interrupt_group(
+        process,
+        when=lambda: _wait_for(stepping, process, "the worker process never ran a step", 120),
+        timeout_s=60,
+    )
+    assert process.returncode == 130, err
+    assert err.splitlines()[-1] == "kvwire: interrupted"
+    assert "Traceback" not in err
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (an orphan that ended may stay a zombie a while)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.slow
+def test_a_worker_process_ends_at_once_when_its_run_is_killed(tmp_path: pathlib.Path) -> None:
+    stepping = tmp_path / "stepping"
+    arguments = [_profile_slow_in_worker_steps(tmp_path), "--worker-process", "--requests", "1"]
+    process = _start_run(
+        [*arguments, "--prompt-len", "16"],
+        env={**os.environ, "KVWIRE_TEST_READY": str(stepping)},
+        own_group=True,
+    )
+    try:
+        _wait_for(stepping, process, "the worker process never ran a step", 120)
+        children = _children(process.pid)
+        # The run alone, with no chance to stop its worker, which holds a step for a minute.
+        process.kill()
+        process.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_running(child) for child in children):
+            assert time.monotonic() < deadline, "a process the run started outlived it"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # every process of the group has ended
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
 
 
 def test_python_m_kvwire_run_is_kvwire_run_with_its_bounded_usage_errors(

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
+import multiprocessing.resource_tracker
+import os
 import pickle
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -107,6 +111,10 @@ def _serve(
     # Ctrl-C reaches the whole process group: the parent handles it and stops
     # this process; here it would only end a step half-way, with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Blocked since this process started (`_start_holding_sigint`): one that
+    # came meanwhile is dropped now, as ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    threading.Thread(target=_end_with_parent, name="kvwire-parent-watch", daemon=True).start()
     try:
         worker, source, group = _build_worker(
             config, kv_cache_config, hook, torch_threads, rank, container_hook
@@ -122,10 +130,27 @@ def _serve(
             group.close()
 
 
+def _end_with_parent() -> None:
+    """End this process at once when its parent has ended, whatever it is doing.
+
+    A parent killed (or crashed) sends no `shutdown`: a worker in a long start
+    or step would otherwise go on, with nobody to answer, until that ends.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        # No deadline: the parent's end is what this thread is for (it dies with the process).
+        parent.join()
+        os._exit(1)
+
+
 def _answer(connection: Connection, worker: Worker, source: ConnectorSource) -> None:
-    """Carry out the engine's commands until it sends `shutdown`."""
+    """Carry out the engine's commands until it sends `shutdown` (or its end of the pipe closes)."""
     while True:
-        command, payload = pickle.loads(connection.recv_bytes())
+        try:
+            message = connection.recv_bytes()
+        except EOFError:
+            return  # the parent has ended: nothing more to do, and nobody to tell
+        command, payload = pickle.loads(message)
         try:
             if command == "execute":
                 reply: Any = worker.execute(payload)
@@ -143,6 +168,27 @@ def _answer(connection: Connection, worker: Worker, source: ConnectorSource) -> 
             # Even a shutdown that failed is the last command: the parent
             # joins this process next, and must not wait for it.
             return
+
+
+def _start_holding_sigint(process: multiprocessing.process.BaseProcess) -> None:
+    """Start `process` with SIGINT blocked, until `_serve` ignores it.
+
+    A terminal's Ctrl-C reaches the whole process group. A worker process still
+    starting (spawn's bootstrap, its parent's main module and torch imported
+    again: seconds on a busy host) would end with a `KeyboardInterrupt`
+    traceback; the parent handles the Ctrl-C and stops it. The signal mask
+    survives spawn's fork and exec, so the worker holds any SIGINT from its
+    first instruction; this thread gets one that came meanwhile once its mask
+    is restored, and other threads take theirs as usual.
+    """
+    # Starting multiprocessing's resource tracker unblocks SIGINT whatever the
+    # mask was: it must not start inside `process.start()`.
+    multiprocessing.resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 class WorkerProcess:
@@ -191,7 +237,7 @@ class WorkerProcess:
             name="kvwire-worker" if rank is None else f"kvwire-worker-{rank.share.parallel.rank}",
             daemon=True,
         )
-        self._process.start()
+        _start_holding_sigint(self._process)
         child_connection.close()
         self._closed = False
         if wait_started:
