@@ -162,6 +162,84 @@ def test_a_tier_that_cannot_be_written_costs_hits_never_outputs(
     assert time.monotonic() - started < 60
 
 
+class FailOnePass(FaultInjectingMedium):
+    """Shared storage whose loads fail, each at its first block, for the requests of one pass."""
+
+    inner = DirectoryMedium
+    fail_request_ids = frozenset(r.request_id + "-failing" for r in workload())
+    fail_block_index = 0
+
+
+# Short enough that a pass after the failing one starts with hits offered again.
+BREAKER_PAUSE_S = 0.2
+
+
+def failing_then_healthy_passes(
+    directory: pathlib.Path, *, failing: bool, **extra: Any
+) -> tuple[list[list[RequestOutput]], list[dict[str, float]]]:
+    """A cold pass, a warm one, one whose tier loads fail (when `failing`), then five healthy.
+
+    The outputs and the connector's counts of each pass after the cold one.
+    """
+    medium = f"{FailOnePass.__module__}:FailOnePass"
+    tier = {"medium": medium, "shared_storage_path": str(directory)}
+    config = tiered(
+        directory, pool_blocks=12, write_policy="spill", load_pause_s=BREAKER_PAUSE_S, **extra
+    )
+    assert config.kv_transfer_config is not None
+    transfer = config.kv_transfer_config
+    options = {**transfer.kv_connector_extra_config, "tiers": [tier]}
+    config = attrs.evolve(
+        config, kv_transfer_config=attrs.evolve(transfer, kv_connector_extra_config=options)
+    )
+    names = ["", "-warm", "-failing" if failing else "-sound", *(f"-healthy{i}" for i in range(5))]
+    passes, counts = [], []
+    with LLMEngine(config) as engine:
+        for name in names:
+            before = dict(engine.connector_stats.data)
+            passes.append(engine.generate(renamed(workload(), name)))
+            engine.reset_prefix_cache()
+            after = engine.connector_stats.data
+            counts.append({key: after[key] - before.get(key, 0) for key in after})
+            # The breaker's pause after the failing pass ends before the next pass.
+            time.sleep(BREAKER_PAUSE_S * 1.5)
+    return passes[1:], counts[1:]
+
+
+@pytest.mark.slow
+def test_after_a_pass_of_failed_tier_loads_the_next_passes_load_what_a_run_that_never_failed_does(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    passes, counts = failing_then_healthy_passes(tmp_path / "failing", failing=True)
+    _, never_failed = failing_then_healthy_passes(tmp_path / "sound", failing=False)
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert counts[1].get("load_errors", 0) > 0
+    healthy = counts[2:]
+    assert [c.get("blocks_loaded", 0) for c in healthy] == [
+        c.get("blocks_loaded", 0) for c in never_failed[2:]
+    ]
+    assert all(c.get("blocks_loaded", 0) > 0 for c in healthy)
+    for name in ("load_blocks_missing", "load_errors", "load_pauses", "loads_failed"):
+        assert sum(c.get(name, 0) for c in healthy) == 0, name
+
+
+@pytest.mark.slow
+def test_async_lookups_of_a_shared_prefix_load_every_block_they_count_after_failed_loads(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+) -> None:
+    # Every request's lookup runs before the first of them is loaded: they
+    # count the same blocks, which one load brings in and the others share.
+    passes, counts = failing_then_healthy_passes(tmp_path, failing=True, async_lookup=True)
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert sum(c.get("load_blocks_missing", 0) for c in counts) == 0
+    healthy = counts[2:]
+    assert sum(c.get("blocks_loaded", 0) for c in healthy) > 0
+    for name in ("load_errors", "load_pauses", "loads_failed"):
+        assert sum(c.get(name, 0) for c in healthy) == 0, name
+
+
 class SlowStore(DictStore):
     """A store each lookup of which takes 50 ms."""
 

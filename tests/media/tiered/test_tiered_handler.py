@@ -32,7 +32,13 @@ from kvwire.media.base import (
     TransferKind,
 )
 from kvwire.media.tiered.handler import TieredTransferHandler
-from kvwire.media.tiered.index import MISSING, places_source, tier_source, tier_write_name
+from kvwire.media.tiered.index import (
+    ARRIVING,
+    MISSING,
+    places_source,
+    tier_source,
+    tier_write_name,
+)
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
 GROUP = CacheGroup(0, ("l0", "l1"), 4)
@@ -47,6 +53,9 @@ class RecordingTier(TransferHandler):
         self.held: dict[bytes, list[torch.Tensor]] = {}
         self.gate = threading.Event()
         self.gate.set()
+        # Loads wait for this one (bounded too).
+        self.load_gate = threading.Event()
+        self.load_gate.set()
         self.released: set[int] = set()
         # Where each block saved was placed (a placing tier's slots), by hash.
         self.places: dict[bytes, int] = {}
@@ -73,6 +82,8 @@ class RecordingTier(TransferHandler):
                     self.held[block_hash] = [v[:, slot].clone() for v in self.views.values()]
                     if transfer.slots:
                         self.places[block_hash] = transfer.slots[transfer.block_ids.index(slot)]
+                elif not self.load_gate.wait(10):
+                    failed.append(slot)
                 elif block_hash in self.held:
                     for view, saved in zip(self.views.values(), self.held[block_hash], strict=True):
                         view[:, slot] = saved
@@ -147,13 +158,14 @@ def handler_over(
     *,
     write_through: bool,
     medium: type[RecordingMedium] = RecordingMedium,
+    io_threads: int = 1,
 ) -> TieredTransferHandler:
     context = MediumContext("T", {}, (GROUP,), LAYOUT)
     return TieredTransferHandler(
         layouts=(attrs.evolve(LAYOUT, payload_checksum=False),),
         caches=group_caches(caches, LAYOUT, (GROUP,)),
         num_slots=2,
-        io_threads=1,
+        io_threads=io_threads,
         counters=Counters(),
         tiers=[medium(context)],
         groups=(GROUP,),
@@ -257,6 +269,58 @@ def test_a_load_brings_tier_blocks_through_the_pool_and_fails_missing_ones(cache
         (result,) = [r for r in handler.poll() if r.job_id == 7]
         assert result.failed == frozenset({6})
         assert same(block_of(caches, 5), block_of(caches, 1))
+
+
+def test_a_load_sharing_a_block_another_load_brings_in_copies_it_once_it_arrived(caches):
+    # Two copy threads: the sharing load runs while the tier's read is still held back.
+    handler = handler_over(caches, write_through=False, io_threads=2)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        tier.held[HASHES[1]] = block_of(caches, 1)
+        tier.load_gate.clear()
+        bringing = BlockTransfer(
+            request_id="r1",
+            block_ids=(5,),
+            block_hashes=(HASHES[1],),
+            slots=(1,),
+            sources=(tier_source(1, ""),),
+        )
+        sharing = attrs.evolve(bringing, request_id="r2", block_ids=(6,), sources=(ARRIVING,))
+        handler.submit(TransferJob(7, TransferKind.LOAD, (bringing,)))
+        handler.submit(TransferJob(8, TransferKind.LOAD, (sharing,)))
+        assert not handler.wait([8], time.monotonic() + 0.3)  # waits for the read
+        tier.load_gate.set()
+        assert handler.wait([7, 8], time.monotonic() + 10)
+        results = {r.job_id: r.failed for r in handler.poll()}
+        assert results == {7: frozenset(), 8: frozenset()}
+        assert same(block_of(caches, 6), block_of(caches, 1))
+        assert same(block_of(caches, 5), block_of(caches, 1))
+    finally:
+        tier.load_gate.set()
+        handler.close()
+
+
+def test_a_load_sharing_a_block_whose_read_failed_fails_it_too(caches):
+    handler = handler_over(caches, write_through=False, io_threads=2)
+    tier = RecordingMedium.built
+    assert tier is not None
+    try:
+        # The tier holds nothing: the read fails, and the slot names no block.
+        bringing = BlockTransfer(
+            request_id="r1",
+            block_ids=(5,),
+            block_hashes=(HASHES[1],),
+            slots=(1,),
+            sources=(tier_source(1, ""),),
+        )
+        sharing = attrs.evolve(bringing, request_id="r2", block_ids=(6,), sources=(ARRIVING,))
+        handler.submit(TransferJob(7, TransferKind.LOAD, (bringing, sharing)))
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = handler.poll()
+        assert result.failed == frozenset({5, 6})
+    finally:
+        handler.close()
 
 
 def named_write(block: int, pool_slot: int, tier_slot: int) -> BlockTransfer:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvwire.interface.types import BlockHash, BlockStored
 from kvwire.media.base import MediumIndex
-from kvwire.media.tiered.index import MISSING, TieredIndex, tier_source
+from kvwire.media.tiered.index import ARRIVING, MISSING, TieredIndex, tier_source
 
 
 class SetIndex(MediumIndex):
@@ -215,3 +215,84 @@ def test_a_block_the_pool_is_still_saving_ends_the_prefix_though_a_tier_holds_it
     assert index.count_held_prefix(0, hashes(1, 2, 3)) == 3
     index.prepare_load(0, hashes(1, 2, 3))
     assert MISSING not in index.load_sources(0, hashes(1, 2, 3))
+
+
+def test_lookups_of_requests_that_share_a_first_block_each_load_what_they_counted():
+    # Two requests share blocks 1 and 2, then part; both are looked up before
+    # either is loaded (as async_lookup does): one's lookup must not stand in for the other's.
+    tier = SetIndex(set(hashes(1, 2, 3)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
+    longer, shorter = hashes(1, 2, 3), hashes(1, 2, 9)
+    assert index.count_held_prefix(0, longer) == 3
+    assert index.count_held_prefix(0, shorter) == 2
+    index.prepare_load(0, longer)
+    assert index.load_sources(0, longer) == (tier_source(1, ""),) * 3
+    assert "load_blocks_missing" not in index.take_counters()
+
+
+def test_a_load_of_blocks_another_load_brings_in_shares_their_slots():
+    tier = SetIndex(set(hashes(1, 2)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
+    wanted = hashes(1, 2)
+    # Both counted before either load was prepared.
+    assert index.count_held_prefix(0, wanted) == index.count_held_prefix(0, wanted) == 2
+    first = index.prepare_load(0, wanted)
+    assert index.load_sources(0, wanted) == (tier_source(1, ""),) * 2
+    second = index.prepare_load(0, wanted)
+    assert index.load_sources(0, wanted) == (ARRIVING, ARRIVING)
+    assert second == first
+    assert "load_blocks_missing" not in index.take_counters()
+
+
+def test_a_shared_block_is_a_hit_once_every_load_of_it_ended_whichever_ends_first():
+    for sharing_ends_first in (False, True):
+        tier = SetIndex(set(hashes(1, 2, 3)))
+        index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
+        bringing, sharing = hashes(1, 2), hashes(1, 2, 3)
+        index.count_held_prefix(0, sharing)
+        index.prepare_load(0, bringing)
+        index.prepare_load(0, sharing)
+        assert index.load_sources(0, sharing) == (ARRIVING, ARRIVING, tier_source(1, ""))
+        index.take_events()
+        first, last = (sharing, bringing) if sharing_ends_first else (bringing, sharing)
+        index.complete_load(0, first, ())
+        assert index._index.count_ready_prefix(0, bringing) == 0
+        index.complete_load(0, last, ())
+        assert index._index.count_ready_prefix(0, sharing) == 3
+        assert index._index.busy == 0
+        stored = [h for event in index.take_events() for h in event.block_hashes]
+        assert sorted(stored) == sharing  # each block once
+        assert index.take_counters()["tier1.promoted_blocks"] == 3
+        # The tier was read once per block: by the load that brought it in.
+        assert sorted(h for load in tier.completed for h in load) == sharing
+
+
+def test_a_shared_block_that_failed_is_forgotten_once_no_load_reads_its_slot():
+    tier = SetIndex(set(hashes(1, 2)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
+    wanted = hashes(1, 2)
+    index.count_held_prefix(0, wanted)
+    index.prepare_load(0, wanted)
+    index.prepare_load(0, wanted)
+    index.complete_load(0, wanted, hashes(2))
+    # The sharing load still reads block 2's slot: nothing may be saved into it yet.
+    assert index.prepare_save(0, hashes(7)) == []
+    index.complete_load(0, wanted, hashes(2))
+    assert index._index.count_ready_prefix(0, wanted) == 1
+    assert index._index.busy == 0
+    assert [h for h, _ in index.prepare_save(0, hashes(7))] == hashes(7)
+
+
+def test_no_block_stays_pinned_after_loads_that_failed_and_loads_that_shared_them():
+    tier = SetIndex(set(hashes(1, 2, 3, 4)))
+    index = TieredIndex(4, 1, "cpu", tiers=[tier], write_through=False)
+    wanted = hashes(1, 2, 3, 4)
+    for corrupt in (wanted, hashes(3), ()):
+        index.count_held_prefix(0, wanted)
+        index.prepare_load(0, wanted)
+        index.prepare_load(0, wanted)
+        index.complete_load(0, wanted, corrupt)
+        index.complete_load(0, wanted, ())
+        assert index._index.busy == 0
+    assert index._index.count_ready_prefix(0, wanted) == 4
+    assert index._arriving_from == {}

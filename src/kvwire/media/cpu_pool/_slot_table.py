@@ -13,7 +13,8 @@ block's group, but never while a load reads it (`load_refs`) or a save
 writes it (not yet `ready`).
 
 A tiered medium (`kvwire.media.tiered`) keeps slower tiers behind the pool:
-it brings blocks in from them (`start_promotion`), marks the blocks its
+it brings blocks in from them (`start_promotion`; another load of a block
+being brought in shares its slot, `join_promotion`), marks the blocks its
 tiers hold (`mark_clean`), and is told of each ready block evicted
 (`on_evict`) so that it can spill the ones only the pool holds.
 """
@@ -37,6 +38,8 @@ class _Slot:
     load_refs: int = 0
     # The slower tiers hold this block too: evicting it loses nothing.
     clean: bool = False
+    # Being brought in, and a load using it failed: forgotten once no load uses it.
+    failed: bool = False
 
 
 class SlotTable:
@@ -80,6 +83,11 @@ class SlotTable:
     def holds(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is saved or being saved."""
         return block_hash in self._by_group[group]
+
+    def arriving(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether `group`'s entry for `block_hash` is being brought in (`start_promotion`)."""
+        entry = self._by_group[group].get(block_hash)
+        return entry is not None and not entry.ready and entry.load_refs > 0
 
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
         """How many of `group`'s `hashes`, from the first, are saved and complete."""
@@ -202,10 +210,31 @@ class SlotTable:
             slots.append(slot)
         return slots
 
+    def join_promotion(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """Pin the slot of each block another load is bringing in; None for any other block.
+
+        The joining load reads the block from its slot once it arrived, and
+        lets go of it with `finish_promotion` like the load bringing it in.
+        """
+        entries = self._by_group[group]
+        slots: list[int | None] = []
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is None or entry.ready or entry.load_refs == 0:
+                slots.append(None)  # not being brought in: absent, ready, or being saved
+                continue
+            entry.load_refs += 1
+            slots.append(entry.slot)
+        return slots
+
     def finish_promotion(
         self, group: int, hashes: Sequence[BlockHash], failed: Sequence[BlockHash]
     ) -> list[BlockHash]:
-        """Unpin brought-in blocks: ready (those not `failed`), or forgotten; those made ready."""
+        """Unpin brought-in blocks; those made ready.
+
+        A block is settled when the last load using it lets go: ready, or
+        forgotten (its slot freed) when any of those loads had it `failed`.
+        """
         entries = self._by_group[group]
         bad = set(failed)
         ready = []
@@ -214,15 +243,16 @@ class SlotTable:
             if entry is None or entry.ready or entry.load_refs == 0:
                 continue
             entry.load_refs -= 1
-            if block_hash in bad:
+            entry.failed = entry.failed or block_hash in bad
+            if entry.load_refs:
+                continue  # a joined load still reads it: the last one settles it
+            self._busy -= 1
+            if entry.failed:
                 self._remove(entry)
                 self._policy.remove(entry.slot)
                 self._free_slots.append(entry.slot)
-                self._busy -= 1
             else:
                 entry.ready = True
-                if entry.load_refs == 0:
-                    self._busy -= 1
                 ready.append(block_hash)
         return ready
 

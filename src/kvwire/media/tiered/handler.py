@@ -10,6 +10,11 @@ ones it would store from the engine's cache, byte for byte:
   pool's load thread (the tier's own threads do the I/O), writes their
   pool headers once the tier verified them, then copies them into the cache
   with the pool's blocks; a block the tier fails is a load error;
+- a load of a block another load brings in (source
+  `kvwire.media.tiered.index.ARRIVING`: the scheduler half gave both the
+  same slot) waits until that load's read of the slot ended, at most until
+  its own deadline, then copies the slot as a pool block: verified by its
+  header, so a read that failed fails this block too;
 - a spill (`spill`) or a write-through (once a pool save job ended) writes
   pool slots whose headers name their blocks to every tier found by key;
 - a save whose sources name places in placing tiers
@@ -49,7 +54,13 @@ from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, T
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
-from kvwire.media.tiered.index import MISSING, source_places, tier_of_write, tier_prefix
+from kvwire.media.tiered.index import (
+    ARRIVING,
+    MISSING,
+    source_places,
+    tier_of_write,
+    tier_prefix,
+)
 
 __all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
@@ -221,6 +232,10 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         # Ended pool jobs to report, and saves held back for their placing tiers' writes.
         self._results: list[JobResult] = []
         self._held: dict[int, tuple[JobResult, list[tuple[_Tier, int]]]] = {}
+        # Pool slots a submitted load reads a tier's block into, each with an
+        # event set once that read ended: a load sharing the block waits for it.
+        self._arrivals: dict[int, threading.Event] = {}
+        self._arrivals_lock = threading.Lock()
         pool_caches = pool_layer_views(self.pool.payloads, self._layout.cache_layout, groups)
         self._tiers: list[_Tier] = []
         try:
@@ -240,7 +255,32 @@ class TieredTransferHandler(CPUPoolTransferHandler):
     def submit(self, job: TransferJob) -> None:
         if self._write_through and job.kind is TransferKind.SAVE:
             self._saves[job.job_id] = job.transfers
+        if job.kind is TransferKind.LOAD:
+            # Before any piece runs: a piece sharing a block may run first.
+            self._expect_arrivals(_tier_slots(job.transfers))
         super().submit(job)
+
+    def _expect_arrivals(self, slots: Iterable[int]) -> None:
+        with self._arrivals_lock:
+            for slot in slots:
+                stale = self._arrivals.get(slot)
+                if stale is not None:
+                    stale.set()  # a read that never ran: nobody waits for it any more
+                self._arrivals[slot] = threading.Event()
+
+    def _arrived(self, slots: Iterable[int]) -> None:
+        with self._arrivals_lock:
+            for slot in slots:
+                event = self._arrivals.pop(slot, None)
+                if event is not None:
+                    event.set()
+
+    def _wait_for_arrivals(self, slots: Iterable[int], deadline: float) -> None:
+        """Wait until the tier reads into `slots` ended, at most until `deadline`."""
+        with self._arrivals_lock:
+            events = [event for slot in slots if (event := self._arrivals.get(slot)) is not None]
+        for event in events:
+            event.wait(max(0.0, deadline - time.monotonic()))
 
     def poll(self) -> list[JobResult]:
         self._take_pool_results()
@@ -409,23 +449,32 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         started = time.perf_counter()
         failed: list[int] = []
         from_pool: list[int] = []
+        arriving: list[int] = []
         by_tier: dict[int, list[int]] = {}
         for position, source in enumerate(transfer.sources):
             if source == "":
                 from_pool.append(position)
             elif source == MISSING:
                 failed.append(transfer.block_ids[position])
+            elif source == ARRIVING:
+                arriving.append(position)
             else:
                 by_tier.setdefault(int(source.partition(":")[0]), []).append(position)
-        for number, positions in by_tier.items():
-            if job.abandoned:
-                return
-            brought = self._bring_in(self._tiers[number - 1], transfer, positions, job.deadline)
-            from_pool += brought
-            failed += [
-                transfer.block_ids[position] for position in positions if position not in brought
-            ]
-        from_pool.sort()
+        try:
+            for number, positions in by_tier.items():
+                if job.abandoned:
+                    return
+                brought = self._bring_in(self._tiers[number - 1], transfer, positions, job.deadline)
+                from_pool += brought
+                failed += [
+                    transfer.block_ids[position]
+                    for position in positions
+                    if position not in brought
+                ]
+        finally:
+            self._arrived(_tier_slots((transfer,)))
+        self._wait_for_arrivals([transfer.slots[p] for p in arriving], job.deadline)
+        from_pool = sorted(from_pool + arriving)
         copied = self._copy_into_cache(job, _positions_of(transfer, from_pool))
         if copied is None:
             return  # its caller has reported every block of it failed
@@ -491,6 +540,16 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         steps = [("closing the pool", lambda: super(TieredTransferHandler, self).close(timeout_s))]
         steps += [(f"closing tier {tier.number}", tier.handler.close) for tier in self._tiers]
         close_in_steps(logger, "tiered offload: ", steps)
+
+
+def _tier_slots(transfers: Iterable[BlockTransfer]) -> list[int]:
+    """The pool slots these loads read tiers' blocks into (their sources name a tier)."""
+    return [
+        slot
+        for transfer in transfers
+        for slot, source in zip(transfer.slots, transfer.sources, strict=False)
+        if source not in ("", MISSING, ARRIVING)
+    ]
 
 
 def _positions_of(transfer: BlockTransfer, positions: Sequence[int]) -> BlockTransfer:

@@ -1,18 +1,23 @@
 """The tiered medium's scheduler half: the pool's slot table, and where each block comes from.
 
 A lookup counts the blocks the pool holds, then asks each secondary tier in
-turn for the blocks after them, and remembers which tier held which span
-(the lookup's plan, kept for a bounded number of lookups). When the load is
-prepared, the pool's blocks are pinned as a CPU pool load pins them; the
-plan's secondary-tier blocks get a pool slot each, pinned and not ready
-(`SlotTable.start_promotion`): the worker reads them from their tier into
-those slots, then copies the slots into the cache. Each block's `sources`
-tell the worker where it is: `""` in the pool, `"<N>:<tier's own source>"`
-in tier `N`, `"-"` nowhere any more (it left the pool between the lookup
-and the load, or the pool had no free slot to bring it into): a load error,
-which the engine computes again (counted in `load_blocks_missing`). A lookup
-counts no more blocks from the tiers than the pool has slots to bring them
-into, so that this stays rare.
+turn for the blocks after them, and remembers which tier held each block
+(by group and hash, for a bounded number of blocks: requests that share a
+prefix share these records, whatever order their lookups and loads come
+in). When the load is prepared, each block is taken where it is now: the
+pool's ready blocks are pinned as a CPU pool load pins them; a block another
+load is bringing in is shared with it (`SlotTable.join_promotion`: a lookup
+made before that load was prepared counted it, as `async_lookup` does); a
+block found in a tier gets a pool slot, pinned and not ready
+(`SlotTable.start_promotion`): the worker reads it from its tier into that
+slot, then copies the slots into the cache. Each block's `sources` tell the
+worker where it is: `""` in the pool, `"<N>:<tier's own source>"` in tier
+`N`, `"~"` arriving in the pool with another load (read once it arrived),
+`"-"` nowhere any more (it left the pool between the lookup and the load,
+or the pool had no free slot to bring it into): a load error, which the
+engine computes again (counted in `load_blocks_missing`). A lookup counts
+no more blocks from the tiers than the pool has slots to bring them into,
+so that this stays rare.
 
 Which blocks reach the secondary tiers: with `write_through`, every block
 whose pool save is made; with `spill`, each ready block the pool evicts
@@ -56,6 +61,7 @@ from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
 __all__ = [
+    "ARRIVING",
     "MISSING",
     "TieredIndex",
     "places_source",
@@ -71,8 +77,11 @@ logger = logging.getLogger(__name__)
 MISSING = "-"
 """The source of a block to load that no tier can give any more: the worker fails it."""
 
-# Lookups whose plans are kept for their loads: far more than one step admits.
-_MAX_PLANS = 4096
+ARRIVING = "~"
+"""The source of a block another load of the same step or an earlier one brings into its slot."""
+
+# Blocks whose tier a lookup found, kept for their loads: far more than one step admits.
+_MAX_FOUND_BLOCKS = 65536
 # Writes to placing tiers awaiting every worker's report: far more than the
 # tiers' own limits on writes in flight let run at once.
 _MAX_PLACED_WRITES = 65536
@@ -119,21 +128,6 @@ def tier_of_write(name: str) -> int | None:
     return int(number)
 
 
-@attrs.frozen
-class _Plan:
-    """Where one lookup found its blocks: the pool's count, then each tier's span."""
-
-    in_pool: int
-    spans: tuple[tuple[int, int, int], ...]
-    """(tier number, first position, end position) of each tier's blocks, in order."""
-
-    def tier_at(self, position: int) -> int | None:
-        for number, start, stop in self.spans:
-            if start <= position < stop:
-                return number
-        return None
-
-
 @attrs.define
 class _PlacedWrite:
     """A write to a placing tier, until every worker reported it ended."""
@@ -147,9 +141,14 @@ class _PlacedWrite:
 
 @attrs.define
 class _Load:
-    """One prepared load: each block's tier (0: the pool; None: missing)."""
+    """One prepared load: each block's tier (0: the pool; None: missing).
+
+    `joined` holds the positions of blocks another load brings in from the
+    tier named at that position: this load only shares their slots.
+    """
 
     tiers: list[int | None]
+    joined: frozenset[int] = frozenset()
 
 
 class TieredIndex(CPUPoolIndex):
@@ -203,7 +202,10 @@ class TieredIndex(CPUPoolIndex):
         self._warn = RateLimitedWarning(logger)
         # Written by lookup threads too: every change of these under the lock.
         self._lock = threading.Lock()
-        self._plans: dict[tuple[int, BlockHash], _Plan] = {}
+        # Which tier a lookup found each block in, by (group, hash); oldest dropped first.
+        self._found_in: dict[tuple[int, BlockHash], int] = {}
+        # Blocks being brought in, by (group, hash): the tier each comes from.
+        self._arriving_from: dict[tuple[int, BlockHash], int] = {}
         self._tier_counts: dict[str, int] = {}
         # Prepared loads not completed yet, by (group, first block, length): two
         # loads of the same blocks complete in the order they were prepared.
@@ -216,7 +218,6 @@ class TieredIndex(CPUPoolIndex):
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """The pool's ready prefix, extended by each secondary tier in turn."""
         held = self._index.count_ready_prefix(group, block_hashes)
-        in_pool = held
         # Blocks from the tiers each need a slot the load can take: no more than
         # are neither busy nor this load's own (a block promised and then given
         # no slot would be a load error, which costs vLLM a rescheduled request).
@@ -224,7 +225,6 @@ class TieredIndex(CPUPoolIndex):
         # A block the pool holds but cannot give yet (still being saved, or brought in
         # by another load) can take no slot to be brought in: the prefix ends there.
         end = next((i for i in range(held, end) if self._index.holds(group, block_hashes[i])), end)
-        spans: list[tuple[int, int, int]] = []
         on_scheduler_thread = threading.get_ident() == self._scheduler_thread
         for number, tier in enumerate(self._tiers, 1):
             if held >= end:
@@ -233,14 +233,19 @@ class TieredIndex(CPUPoolIndex):
                 continue
             found = self._count_in_tier(number, tier, group, block_hashes[held:end])
             if found:
-                spans.append((number, held, held + found))
+                self._record_found(number, group, block_hashes[held : held + found])
                 held += found
-        if spans:
-            with self._lock:
-                if len(self._plans) >= _MAX_PLANS:
-                    del self._plans[next(iter(self._plans))]
-                self._plans[(group, block_hashes[0])] = _Plan(in_pool, tuple(spans))
         return held
+
+    def _record_found(self, number: int, group: int, block_hashes: Sequence[BlockHash]) -> None:
+        """Remember that tier `number` holds these blocks, for their loads."""
+        with self._lock:
+            for block_hash in block_hashes:
+                key = (group, block_hash)
+                self._found_in.pop(key, None)  # the newest answer goes last, dropped last
+                self._found_in[key] = number
+            while len(self._found_in) > _MAX_FOUND_BLOCKS:
+                del self._found_in[next(iter(self._found_in))]
 
     def _count_in_tier(
         self, number: int, tier: MediumIndex, group: int, block_hashes: Sequence[BlockHash]
@@ -286,45 +291,63 @@ class TieredIndex(CPUPoolIndex):
     # ----------------------------------------------------------------- loads
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Pin the pool's blocks, give the tiers' blocks a pinned slot each; every block's slot.
+        """Take each block where it is now (see the module); every block's slot.
 
         A block no tier can give any more gets an out-of-range slot and the
         source `MISSING`: the worker fails it without reading anything.
         """
         if not block_hashes:
             return ()
-        in_pool = self._index.count_ready_prefix(group, block_hashes)
         with self._lock:
-            plan = self._plans.get((group, block_hashes[0]))
-        slots: list[int] = list(self._index.start_load(group, block_hashes[:in_pool]))
-        tiers: list[int | None] = [0] * in_pool
-        sources: list[str] = [""] * in_pool
-        position = in_pool
+            found = [self._found_in.get((group, block_hash)) for block_hash in block_hashes]
+        where = [self._where(group, h, tier) for h, tier in zip(block_hashes, found, strict=True)]
+        slots: list[int] = []
+        tiers: list[int | None] = []
+        sources: list[str] = []
+        joined: set[int] = set()
+        position = 0
         while position < len(block_hashes):
-            number = None
-            if plan is not None and position >= plan.in_pool:
-                number = plan.tier_at(position)
             end = position + 1
-            while (
-                end < len(block_hashes)
-                and number is not None
-                and plan is not None
-                and plan.tier_at(end) == number
-            ):
+            while end < len(block_hashes) and where[end] == where[position]:
                 end += 1
             span = block_hashes[position:end]
-            if number is None:
-                slots += [self._num_slots] * len(span)
-                tiers += [None] * len(span)
-                sources += [MISSING] * len(span)
-                self._count("load_blocks_missing", len(span))
-            else:
+            kind, number = where[position]
+            if kind == "pool":
+                slots += self._index.start_load(group, span)
+                tiers += [0] * len(span)
+                sources += [""] * len(span)
+            elif kind == "arriving":
+                shared = self._index.join_promotion(group, span)
+                for offset, slot in enumerate(shared):
+                    if slot is None:
+                        self._missing(slots, tiers, sources)
+                    else:
+                        slots.append(slot)
+                        tiers.append(number)
+                        sources.append(ARRIVING)
+                        joined.add(position + offset)
+            elif kind == "tier":
                 self._bring_in(number, group, span, slots, tiers, sources)
+            else:
+                for _ in span:
+                    self._missing(slots, tiers, sources)
             position = end
         key = (group, block_hashes[0], len(block_hashes))
-        self._loads.setdefault(key, []).append(_Load(tiers))
+        self._loads.setdefault(key, []).append(_Load(tiers, frozenset(joined)))
         self._sources[key] = tuple(sources)
         return tuple(slots)
+
+    def _where(self, group: int, block_hash: BlockHash, found_in: int | None) -> tuple[str, int]:
+        """Where a block to load is now, and its tier: ready in the pool, arriving, in a tier."""
+        if self._index.count_ready_prefix(group, (block_hash,)):
+            return "pool", 0
+        arriving_from = self._arriving_from.get((group, block_hash))
+        if arriving_from is not None and self._index.arriving(group, block_hash):
+            return "arriving", arriving_from
+        if found_in is not None and not self._index.holds(group, block_hash):
+            return "tier", found_in
+        # Left the pool since the lookup, or still being saved: nowhere to read it from.
+        return "missing", 0
 
     def _bring_in(
         self,
@@ -345,16 +368,21 @@ class TieredIndex(CPUPoolIndex):
             )
             taken = [None] * len(span)
             found_at = ("",) * len(span)
-        for slot, source in zip(taken, found_at, strict=True):
+        for block_hash, slot, source in zip(span, taken, found_at, strict=True):
             if slot is None:
-                slots.append(self._num_slots)
-                tiers.append(None)
-                sources.append(MISSING)
-                self._count("load_blocks_missing", 1)
+                self._missing(slots, tiers, sources)
             else:
+                self._arriving_from[(group, block_hash)] = number
                 slots.append(slot)
                 tiers.append(number)
                 sources.append(tier_source(number, source))
+
+    def _missing(self, slots: list[int], tiers: list[int | None], sources: list[str]) -> None:
+        """A block of the load no tier can give: an out-of-range slot the worker never reads."""
+        slots.append(self._num_slots)
+        tiers.append(None)
+        sources.append(MISSING)
+        self._count("load_blocks_missing", 1)
 
     def _tier_sources(
         self, number: int, tier: MediumIndex, group: int, span: Sequence[BlockHash]
@@ -409,19 +437,23 @@ class TieredIndex(CPUPoolIndex):
         bad = set(corrupt)
         super().complete_load(group, in_pool, [h for h in in_pool if h in bad])
         for number, tier in enumerate(self._tiers, 1):
-            brought = [
-                h for h, where in zip(block_hashes, load.tiers, strict=True) if where == number
-            ]
-            if not brought:
+            positions = [i for i, where in enumerate(load.tiers) if where == number]
+            if not positions:
                 continue
-            ready = self._index.finish_promotion(group, brought, [h for h in brought if h in bad])
+            arriving = [block_hashes[i] for i in positions]
+            ready = self._index.finish_promotion(group, arriving, [h for h in arriving if h in bad])
             if ready:
                 self._events.append(
                     BlockStored(block_hashes=tuple(ready), medium=self._medium, group=group)
                 )
                 self._count(tier_prefix(number) + "promoted_blocks", len(ready))
-            # The tier's handler judged its own entries as it read them.
-            tier.complete_load(group, brought, ())
+            for block_hash in arriving:
+                if not self._index.arriving(group, block_hash):
+                    self._arriving_from.pop((group, block_hash), None)
+            brought = [block_hashes[i] for i in positions if i not in load.joined]
+            if brought:
+                # The tier's handler judged its own entries as it read them.
+                tier.complete_load(group, brought, ())
         self._record_evictions()
 
     # ----------------------------------------------------------------- saves
@@ -623,6 +655,8 @@ class TieredIndex(CPUPoolIndex):
 
         True when none says some of its entries stayed (a tier that cannot tell counts as done).
         """
+        with self._lock:
+            self._found_in.clear()
         answers = [super().reset(), *(tier.reset() for tier in self._tiers)]
         return not any(answer is False for answer in answers)
 
