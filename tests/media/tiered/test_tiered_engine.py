@@ -113,6 +113,28 @@ def test_write_through_writes_every_block_saved_and_eviction_spills_none(
     assert stats["tier1.promoted_blocks"] > 0
 
 
+def cold_pass_counts(config: EngineConfig) -> dict[str, Any]:
+    with LLMEngine(config) as engine:
+        engine.generate(workload())
+        engine.wait_for_saves()
+        return dict(engine.connector_stats.data)
+
+
+def test_write_through_writes_the_blocks_the_pool_saved_and_skips_those_it_had_no_slot_for(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Every request of the workload runs at once: each slot stays taken by its
+    # block's save until the request that saved it ends (docs/tiers.md, Sizing the pool).
+    small = cold_pass_counts(tiered(tmp_path / "s", pool_blocks=12, write_policy="write_through"))
+    large = cold_pass_counts(tiered(tmp_path / "l", pool_blocks=128, write_policy="write_through"))
+    assert small["tier1.written_through_blocks"] == small["blocks_saved"] == 12
+    assert small.get("evicted_blocks", 0) == 0
+    assert small["blocks_saved"] + small["stores_skipped_pool_full"] == large["blocks_saved"]
+    # A pool that holds the running requests' blocks writes every one through.
+    assert large.get("stores_skipped_pool_full", 0) == 0
+    assert large["tier1.written_through_blocks"] == large["blocks_saved"]
+
+
 class FailEveryLoad(FaultInjectingMedium):
     """Shared storage whose every request's first load leaves one bad block."""
 
