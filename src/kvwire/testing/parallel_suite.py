@@ -24,6 +24,7 @@ unsplit engine without a connector:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -47,6 +48,13 @@ class Computed:
 
     tokens: list[tuple[int, ...]]
     kv: dict[str, torch.Tensor]
+
+
+# The unsplit engine's tokens and KV, by model and cache configuration and
+# workloads: the same for every connector and every test of one process, so
+# computed once (a few kept: a suite uses one or two configurations).
+_REFERENCES: OrderedDict[str, Computed] = OrderedDict()
+_MAX_REFERENCES = 4
 
 
 def tensor_parallel(config: EngineConfig, size: int = TENSOR_PARALLEL_SIZE) -> EngineConfig:
@@ -105,12 +113,24 @@ class ParallelConformanceSuite:
         engine_config: EngineConfig,
         parallel_workloads: tuple[list[GenerationRequest], list[GenerationRequest]],
     ) -> Computed:
-        """Both workloads' tokens and KV, unsplit and without a connector."""
-        with LLMEngine(
-            attrs.evolve(engine_config, kv_transfer_config=None), capture_kv=True
-        ) as engine:
-            outputs = engine.generate([*parallel_workloads[0], *parallel_workloads[1]])
-            return Computed(_tokens(outputs), dict(engine.captured_kv))
+        """Both workloads' tokens and KV, unsplit and without a connector.
+
+        Computed once per model and cache configuration and workloads in a
+        test process, whatever the connector: tests only read it.
+        """
+        unsplit = attrs.evolve(engine_config, kv_transfer_config=None)
+        workload = [*parallel_workloads[0], *parallel_workloads[1]]
+        key = repr((unsplit, workload))
+        computed = _REFERENCES.get(key)
+        if computed is None:
+            with LLMEngine(unsplit, capture_kv=True) as engine:
+                outputs = engine.generate(workload)
+                computed = Computed(_tokens(outputs), dict(engine.captured_kv))
+            _REFERENCES[key] = computed
+            while len(_REFERENCES) > _MAX_REFERENCES:
+                _REFERENCES.popitem(last=False)
+        _REFERENCES.move_to_end(key)
+        return computed
 
     @staticmethod
     def loads_expected(config: EngineConfig) -> bool:
