@@ -1,5 +1,9 @@
 """Disaggregated prefill across two vLLM processes: a producer engine saves, a consumer engine
-(this test's process) loads and continues; its tokens equal one engine doing both."""
+(this test's process) loads and continues; its tokens equal one engine doing both.
+
+One producer process serves both consumers: a MultiConnector of the shared
+storage and the shipped Redis prefill profile saves every block to both.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import pathlib
 import uuid
 from typing import Any
 
+import attrs
 import pytest
 
 import kvwire.vllm
@@ -27,16 +32,13 @@ PROMPTS = shared_prompts()
 LOADABLE_BLOCKS = (300 - 1) // BLOCK_SIZE
 
 
-def prefill_elsewhere_then_decode_here(
-    model: str, producer_profile: dict[str, Any], consumer_profile: dict[str, Any], workdir: Any
-) -> tuple[list[list[int]], list[int], dict[str, Any], dict[str, Any]]:
-    produced = run_engine_process(
-        model, kvwire_transfer_config(producer_profile, "kv_producer"), PROMPTS, 1, workdir
-    )
-    with running_llm(model, kvwire_transfer_config(consumer_profile, "kv_consumer")) as llm:
-        tokens, cached = generate(llm, PROMPTS)
-        consumer_stats = kvwire.vllm.kvwire_stats(llm)
-    return tokens, cached, produced, consumer_stats
+@attrs.frozen
+class Produced:
+    """Where the producer saved, and its stats."""
+
+    workdir: pathlib.Path
+    key_prefix: str
+    stats: dict[str, Any]
 
 
 def with_role(profile: dict[str, Any], kv_role: str) -> dict[str, Any]:
@@ -44,16 +46,44 @@ def with_role(profile: dict[str, Any], kv_role: str) -> dict[str, Any]:
     return profile
 
 
+@pytest.fixture(scope="module")
+def produced(tiny_model: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Produced:
+    workdir = tmp_path_factory.mktemp("disaggregated")
+    key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
+    storage = with_role(profile_with_directory("shared-storage.yaml", workdir), "kv_producer")
+    redis = with_redis_url(load_profile_mapping("disagg-prefill.yaml"), redis_url, key_prefix)
+    producer = {
+        "kv_transfer_config": {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_producer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "connectors": [storage["kv_transfer_config"], redis["kv_transfer_config"]]
+            },
+        }
+    }
+    result = run_engine_process(
+        tiny_model, kvwire_transfer_config(producer, "kv_producer"), PROMPTS, 1, workdir
+    )
+    return Produced(workdir, key_prefix, result["stats"])
+
+
+def decode_here(model: str, consumer_profile: dict[str, Any]) -> tuple[Any, Any, Any]:
+    with running_llm(model, kvwire_transfer_config(consumer_profile, "kv_consumer")) as llm:
+        tokens, cached = generate(llm, PROMPTS)
+        consumer_stats = kvwire.vllm.kvwire_stats(llm)
+    return tokens, cached, consumer_stats
+
+
 @pytest.mark.slow
 def test_consumer_continues_from_shared_storage_a_producer_process_filled(
-    tiny_model: str, tokens_without_connector: list[list[int]], tmp_path: pathlib.Path
+    tiny_model: str, tokens_without_connector: list[list[int]], produced: Produced
 ) -> None:
-    producer = with_role(profile_with_directory("shared-storage.yaml", tmp_path), "kv_producer")
-    consumer = with_role(profile_with_directory("shared-storage.yaml", tmp_path), "kv_consumer")
-    tokens, cached, produced, consumed = prefill_elsewhere_then_decode_here(
-        tiny_model, producer, consumer, tmp_path
+    consumer = with_role(
+        profile_with_directory("shared-storage.yaml", produced.workdir), "kv_consumer"
     )
-    assert produced["stats"]["blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
+    tokens, cached, consumed = decode_here(tiny_model, consumer)
+    assert produced.stats["SharedStorageConnector.blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
     assert consumed["blocks_loaded"] == len(PROMPTS) * LOADABLE_BLOCKS
     assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
     assert tokens == tokens_without_connector
@@ -65,16 +95,14 @@ def test_consumer_continues_from_redis_a_producer_process_filled(
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     redis_url: str,
-    tmp_path: pathlib.Path,
+    produced: Produced,
 ) -> None:
-    # The shipped disaggregated profiles: the decode side loads asynchronously.
-    key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
-    producer = with_redis_url(load_profile_mapping("disagg-prefill.yaml"), redis_url, key_prefix)
-    consumer = with_redis_url(load_profile_mapping("disagg-decode.yaml"), redis_url, key_prefix)
-    tokens, cached, produced, consumed = prefill_elsewhere_then_decode_here(
-        tiny_model, producer, consumer, tmp_path
+    # The shipped disaggregated decode profile: it loads asynchronously.
+    consumer = with_redis_url(
+        load_profile_mapping("disagg-decode.yaml"), redis_url, produced.key_prefix
     )
-    assert produced["stats"]["blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
+    tokens, cached, consumed = decode_here(tiny_model, consumer)
+    assert produced.stats["RedisConnector.blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
     assert consumed["blocks_loaded"] == len(PROMPTS) * LOADABLE_BLOCKS
     assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
     assert tokens == tokens_without_connector
