@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,16 +33,41 @@ def test_what_plug_in_code_raises_that_is_no_exception_becomes_its_error(
     assert caught.__suppress_context__
 
 
+@pytest.fixture
+def python_sigint_handler() -> Iterator[None]:
+    """Python's own SIGINT handler in place, as in a program started from a terminal.
+
+    A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored.
+    """
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_a_ctrl_c_during_plug_in_code_still_interrupts() -> None:
     with pytest.raises(KeyboardInterrupt), contained_exits():
         signal.raise_signal(signal.SIGINT)
 
 
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_the_sigint_handler_in_place_is_back_after_the_call() -> None:
     before = signal.getsignal(signal.SIGINT)
     with contained_exits():
         assert signal.getsignal(signal.SIGINT) is not before
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_process_that_ignores_sigint_keeps_ignoring_it_during_plug_in_code() -> None:
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with contained_exits():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)  # ignored: nothing raised
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_off_the_main_thread_a_keyboard_interrupt_is_the_plug_ins() -> None:
