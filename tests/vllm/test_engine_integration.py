@@ -1,9 +1,12 @@
-"""How KVWireConnector meets vLLM's machinery: the default multi-process engine, the plugin
-entry point, and a container provider overridden inside vLLM."""
+"""How KVWireConnector meets vLLM's machinery: a container provider overridden inside vLLM,
+and kvwire's blocks as vLLM's KV cache events.
+
+vLLM's default multi-process engine with the connector named by kvwire's
+plugin entry point alone: tests/vllm/test_hybrid.py, on the hybrid model.
+"""
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import pytest
@@ -12,39 +15,14 @@ from kvwire.connectors.offload import CPUOffloadConnector
 from kvwire.vllm import wait_for_saves
 from tests.support.vllm import (
     BLOCK_SIZE,
-    MAX_TOKENS,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
-    run_engine_process,
     running_llm,
     shared_prompts,
 )
 
 PROMPTS = shared_prompts()
-LOADABLE_TOKENS = (300 - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
-@pytest.mark.slow
-def test_default_multiprocess_engine_named_by_plugin_loads_warm_pass_from_kvwire(
-    tiny_model: str, tokens_without_connector: list[list[int]], tmp_path: pathlib.Path
-) -> None:
-    # No kv_connector_module_path: kvwire's vllm.general_plugins entry point registers the
-    # name in the engine core's process. The metadata crosses processes as real pickles.
-    config = kvwire_transfer_config(load_profile_mapping("cpu-offload.yaml"))
-    del config["kv_connector_module_path"]
-    result = run_engine_process(
-        tiny_model,
-        config,
-        PROMPTS,
-        MAX_TOKENS,
-        tmp_path,
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-        passes=2,
-    )
-    assert result["tokens"] == [tokens_without_connector] * 2
-    assert result["cached"][1] == [LOADABLE_TOKENS] * len(PROMPTS)
-    assert result["stats"]["blocks_loaded"] == len(PROMPTS) * LOADABLE_TOKENS // BLOCK_SIZE
 
 
 @pytest.mark.slow

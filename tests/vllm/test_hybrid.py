@@ -234,18 +234,22 @@ def test_a_wrapped_hma_connector_gets_vllm_s_live_block_ids_per_group(
 
 
 @pytest.mark.slow
-def test_hybrid_model_in_vllm_s_default_multiprocess_engine_loads_its_warm_pass_from_kvwire(
+def test_hybrid_model_in_vllm_s_default_multiprocess_engine_named_by_plugin_loads_its_warm_pass(
     tiny_hybrid_model: str,
     hybrid_tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
 ) -> None:
     # The engine core in a process of its own: the metadata (asynchronous
-    # loads' block ids included) crosses processes as real pickles.
+    # loads' block ids included) crosses processes as real pickles. No
+    # kv_connector_module_path: kvwire's vllm.general_plugins entry point
+    # registers the name in the engine core's process.
     profile = profile_with_directory("shared-storage.yaml", tmp_path)
     profile["kv_transfer_config"]["kv_connector_extra_config"]["async_load"] = True
+    config = kvwire_transfer_config(profile)
+    del config["kv_connector_module_path"]
     result = run_engine_process(
         tiny_hybrid_model,
-        kvwire_transfer_config(profile),
+        config,
         PROMPTS,
         MAX_TOKENS,
         tmp_path,
