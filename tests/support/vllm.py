@@ -136,6 +136,21 @@ def with_small_pools(profile: dict[str, Any], size: str = "64MiB") -> dict[str, 
     return profile
 
 
+def create_engine_config(model: str, kv_transfer_config: dict[str, Any]) -> Any:
+    """vLLM's configuration of the tiny model with ``kv_transfer_config``, as vLLM builds it
+    (kvwire's plugin checks a kvwire profile there)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        enforce_eager=True,
+        kv_transfer_config=kv_transfer_config,
+    ).create_engine_config()
+
+
 def kvwire_transfer_config(
     profile: str | Mapping[str, Any], kv_role: str = "kv_both", **extra: Any
 ) -> dict[str, Any]:

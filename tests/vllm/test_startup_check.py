@@ -12,24 +12,11 @@ import pytest
 from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm.plugin import register
 from tests.support.vllm import (
-    BLOCK_SIZE,
+    create_engine_config,
     kvwire_transfer_config,
     load_profile_mapping,
     start_llm,
 )
-
-
-def create_engine_config(model: str, kv_transfer_config: dict[str, Any]) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=2048,
-        enforce_eager=True,
-        kv_transfer_config=kv_transfer_config,
-    ).create_engine_config()
 
 
 def cpu_offload_with(**extra_config: Any) -> dict[str, Any]:

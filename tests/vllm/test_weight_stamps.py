@@ -29,8 +29,8 @@ from kvwire.model_identity import weight_stamps
 from kvwire.vllm.config_bridge import vllm_model_identity
 from kvwire.vllm.weight_stamps import WEIGHT_STAMPS_KEY, recorded_weight_stamps
 from tests.support.vllm import (
-    BLOCK_SIZE,
     build_tiny_llama,
+    create_engine_config,
     generate,
     kvwire_transfer_config,
     profile_with_directory,
@@ -39,19 +39,6 @@ from tests.support.vllm import (
 )
 
 PROMPTS = shared_prompts()
-
-
-def create_engine_config(model: str, kv_transfer_config: dict[str, Any]) -> Any:
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=2048,
-        enforce_eager=True,
-        kv_transfer_config=kv_transfer_config,
-    ).create_engine_config()
 
 
 @pytest.fixture
