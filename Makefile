@@ -43,15 +43,20 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Two jobs at a time: the two long suites (tests on a real vLLM engine, the main
-# suite) each keep about one core busy, so they run side by side, the vLLM venv
-# building while the main suite runs. Each job's output is shown whole when it
-# ends (--output-sync), not interleaved. Longest first, so they start first.
+# suite) each keep about one core busy, so they run side by side. The vLLM
+# venv's install comes first, beside the main venv's, lint and the site: the
+# suites and the other Pythons' installs wait for it (AFTER_VLLM_VENV, set only
+# here), since anything beside that install slows it and the vLLM suite after it
+# is the longest job. Each job's output is shown whole when it ends
+# (--output-sync), not interleaved. Longest first, so they start first.
 TEST_JOBS ?= 2
 test:
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target test-vllm test-main lint docs test-pythons
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target \
+		AFTER_VLLM_VENV="$(if $(VLLM_PLATFORM),$(VLLM_NIXL))" \
+		test-vllm test-main lint docs test-pythons
 
 # Each suite lists its 30 slowest tests, so that a test grown slow is seen.
-test-main: $(STAMP) redis-server
+test-main: $(STAMP) redis-server | $(AFTER_VLLM_VENV)
 	$(BIN)/pytest --durations=30
 
 test-fast: $(STAMP) redis-server
@@ -72,7 +77,7 @@ python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bi
 
 # Kept: make would delete a stamp reached only through test-py% as an intermediate.
 .PRECIOUS: .venv-py%/.kvwire-installed
-.venv-py%/.kvwire-installed: pyproject.toml
+.venv-py%/.kvwire-installed: pyproject.toml | $(AFTER_VLLM_VENV)
 	@command -v $(call python_for,$*) >/dev/null || { echo "no Python 3.$(*:3%=%) for the torch-free tests: install it with pyenv, or put python3.$(*:3%=%) on PATH" >&2; exit 1; }
 	$(call python_for,$*) -m venv .venv-py$*
 	mkdir -p build
