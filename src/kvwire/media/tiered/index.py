@@ -42,6 +42,7 @@ lookup made off the scheduler's thread.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import threading
@@ -137,6 +138,19 @@ class _PlacedWrite:
     block_hashes: tuple[BlockHash, ...]
     reports: int = 0
     written: bool = True
+
+
+class _Place(enum.Enum):
+    """Where a block to load is when its load is prepared."""
+
+    POOL = enum.auto()
+    """Ready in the pool."""
+    ARRIVING = enum.auto()
+    """Being brought into the pool by another load: shared with it."""
+    TIER = enum.auto()
+    """In a secondary tier: brought in by this load."""
+    MISSING = enum.auto()
+    """Nowhere a load can read it from any more."""
 
 
 @attrs.define
@@ -311,12 +325,12 @@ class TieredIndex(CPUPoolIndex):
             while end < len(block_hashes) and where[end] == where[position]:
                 end += 1
             span = block_hashes[position:end]
-            kind, number = where[position]
-            if kind == "pool":
+            place, number = where[position]
+            if place is _Place.POOL:
                 slots += self._index.start_load(group, span)
                 tiers += [0] * len(span)
                 sources += [""] * len(span)
-            elif kind == "arriving":
+            elif place is _Place.ARRIVING:
                 shared = self._index.join_promotion(group, span)
                 for offset, slot in enumerate(shared):
                     if slot is None:
@@ -326,7 +340,7 @@ class TieredIndex(CPUPoolIndex):
                         tiers.append(number)
                         sources.append(ARRIVING)
                         joined.add(position + offset)
-            elif kind == "tier":
+            elif place is _Place.TIER:
                 self._bring_in(number, group, span, slots, tiers, sources)
             else:
                 for _ in span:
@@ -337,17 +351,17 @@ class TieredIndex(CPUPoolIndex):
         self._sources[key] = tuple(sources)
         return tuple(slots)
 
-    def _where(self, group: int, block_hash: BlockHash, found_in: int | None) -> tuple[str, int]:
-        """Where a block to load is now, and its tier: ready in the pool, arriving, in a tier."""
+    def _where(self, group: int, block_hash: BlockHash, found_in: int | None) -> tuple[_Place, int]:
+        """Where a block to load is now, and the tier it comes from (0: the pool or none)."""
         if self._index.count_ready_prefix(group, (block_hash,)):
-            return "pool", 0
+            return _Place.POOL, 0
         arriving_from = self._arriving_from.get((group, block_hash))
         if arriving_from is not None and self._index.arriving(group, block_hash):
-            return "arriving", arriving_from
+            return _Place.ARRIVING, arriving_from
         if found_in is not None and not self._index.holds(group, block_hash):
-            return "tier", found_in
+            return _Place.TIER, found_in
         # Left the pool since the lookup, or still being saved: nowhere to read it from.
-        return "missing", 0
+        return _Place.MISSING, 0
 
     def _bring_in(
         self,
