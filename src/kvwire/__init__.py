@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvwire._lazy_exports import lazy_exports
-from kvwire._moved import install_moved_module_finder
 
 # Each public name and the module that defines it, imported on first use: a
 # project that has kvwire installed pays nothing for it (pytest loads
@@ -204,6 +203,3 @@ __all__ = [
     "load_profile",
     "supports_hma",
 ]
-
-# Old module names keep importing, with a DeprecationWarning, for one release.
-install_moved_module_finder()

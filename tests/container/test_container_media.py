@@ -194,14 +194,6 @@ def test_the_child_builder_is_a_provider_a_composite_is_handed(tmp_path: pathlib
     container.shutdown_resources()
 
 
-def test_a_hook_written_for_a_resolver_still_resolves_through_the_registry_with_a_warning() -> None:
-    registry = ConnectorRegistry()
-    transfer = KVTransferConfig(kv_connector="CPUOffloadConnector", kv_role="kv_both")
-
-    with pytest.warns(DeprecationWarning, match=r"registry\.resolve\(kv_transfer_config\)"):
-        assert registry(transfer) is CPUOffloadConnector
-
-
 def test_the_medium_section_s_override_example_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     text = (REPO / "docs" / "container.md").read_text()
     blocks = [

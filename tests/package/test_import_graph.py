@@ -176,7 +176,6 @@ def test_importing_kvwire_s_vllm_plugin_loads_only_the_plugin_and_the_connectors
         [
             "kvwire",
             "kvwire._lazy_exports",
-            "kvwire._moved",
             "kvwire.vllm",
             "kvwire.vllm.connector_names",
             "kvwire.vllm.plugin",

@@ -23,7 +23,6 @@ from tests.support.vllm import BLOCK_SIZE
 PLUGIN_MODULES = [
     "kvwire",
     "kvwire._lazy_exports",
-    "kvwire._moved",
     "kvwire.vllm",
     "kvwire.vllm.connector_names",
     "kvwire.vllm.plugin",

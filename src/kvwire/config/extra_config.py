@@ -12,9 +12,7 @@ against what this machine holds.
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
@@ -25,8 +23,6 @@ from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import ExtraConfigError as ExtraConfigError
 from kvwire.exceptions import ValueRefused as ValueRefused
 from kvwire.redaction import shown, shown_key
-
-logger = logging.getLogger(__name__)
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -77,8 +73,6 @@ class ExtraConfigKey:
 
     `convert` returns the accepted value, or None when the value is not
     acceptable; `accepted` describes acceptable values for the error text.
-    `deprecated_names` are the key's old names, each still read for one
-    release with a warning naming `name` (the value read is under `name`).
     `plugin` is set for a key whose value names a plug-in class: the
     registry's lookup of that kind (`"eviction_policies"`), through which
     `plugin_classes` resolves it.
@@ -88,7 +82,6 @@ class ExtraConfigKey:
     default: Any
     convert: Callable[[Any], Any]
     accepted: str
-    deprecated_names: tuple[str, ...] = ()
     plugin: str = ""
 
 
@@ -214,12 +207,9 @@ def read_extra_config(
     All problems are collected and reported together, one per line.
     """
     known = {key.name: key for key in keys}
-    old_names = {old: key for key in keys for old in key.deprecated_names}
     problems: list[str] = []
     # Sorted by their text: keys of mixed types (from a Python mapping) do not compare.
-    unknown = sorted(
-        (key for key in extra_config if key not in known and key not in old_names), key=shown_key
-    )
+    unknown = sorted((key for key in extra_config if key not in known), key=shown_key)
     for name in unknown:
         problems.append(
             f"kv_connector_extra_config.{shown_key(name)} is not an option of {connector_name}; "
@@ -227,17 +217,6 @@ def read_extra_config(
         )
     values: dict[str, Any] = {}
     for key in keys:
-        given = [old for old in key.deprecated_names if old in extra_config]
-        for old in given:
-            _warn_deprecated_key(connector_name, old, key.name)
-        if given and (key.name in extra_config or len(given) > 1):
-            names = " and ".join(n for n in (key.name, *given) if n in extra_config)
-            problems.append(
-                f"kv_connector_extra_config.{key.name} is given twice, as {names}; "
-                f"give it once, as {key.name}"
-            )
-        elif given:
-            extra_config = {**extra_config, key.name: extra_config[given[0]]}
         if key.name not in extra_config:
             if key.default is _REQUIRED:
                 problems.append(
@@ -346,13 +325,3 @@ def _resolved_medium(
         lines = str(error).replace("kv_connector_extra_config.", f"{prefix}.")
         raise ExtraConfigError(lines) from None
     return ResolvedMedium(shown_key(item["medium"]), medium_class, read, plugins)
-
-
-def _warn_deprecated_key(connector_name: str, old: str, new: str) -> None:
-    # Logged too: an operator's server log shows no DeprecationWarning.
-    message = (
-        f"kv_connector_extra_config.{old} of {connector_name} is deprecated: name it {new}; "
-        f"{old} goes in the next release"
-    )
-    warnings.warn(message, DeprecationWarning, stacklevel=3)
-    logger.warning("%s", message)

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from kvwire._renamed_methods import call_renamed, forward_old_overrides
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.transfers import BlockTransfer
@@ -52,10 +51,6 @@ __all__ = [
     "TransferJob",
     "TransferKind",
 ]
-
-
-_RENAMED_SAVE_HOOKS = {"prepare_store": "prepare_save", "complete_store": "complete_save"}
-"""`MediumIndex`'s deprecated method names (going in the next release), each to its current one."""
 
 
 @attrs.frozen
@@ -96,10 +91,6 @@ class MediumIndex(abc.ABC):
     calls them in order: `prepare_load` once a lookup's blocks are allocated, `complete_load` once
     the load ended; `prepare_save` when it plans a save, `complete_save` with `success` once the
     worker reported the save made or not made.
-
-    A subclass that overrides the deprecated `prepare_store` / `complete_store` and not the
-    `prepare_save` / `complete_save` of the same name works until the next release: its class
-    statement warns (`DeprecationWarning`) and the connector calls its old-named method.
     """
 
     concurrent_lookups: ClassVar[bool] = False
@@ -108,10 +99,6 @@ class MediumIndex(abc.ABC):
 
     False (the default): every call is on the scheduler's thread.
     """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        forward_old_overrides(cls, _RENAMED_SAVE_HOOKS)
 
     @abc.abstractmethod
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
@@ -169,35 +156,6 @@ class MediumIndex(abc.ABC):
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
         """The save of these blocks ended: made (publish them) or not (free their place)."""
-
-    def prepare_store(
-        self, group: int, block_hashes: Sequence[BlockHash]
-    ) -> list[tuple[BlockHash, int | None]]:
-        """Deprecated name of [`prepare_save`][kvwire.media.MediumIndex.prepare_save].
-
-        Goes in the next release. Warns (`DeprecationWarning`), then answers as `prepare_save`.
-        """
-        result: list[tuple[BlockHash, int | None]] = call_renamed(
-            self, MediumIndex, "prepare_store", "prepare_save", group, block_hashes
-        )
-        return result
-
-    def complete_store(
-        self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
-    ) -> None:
-        """Deprecated name of [`complete_save`][kvwire.media.MediumIndex.complete_save].
-
-        Goes in the next release. Warns (`DeprecationWarning`), then does what `complete_save` does.
-        """
-        call_renamed(
-            self,
-            MediumIndex,
-            "complete_store",
-            "complete_save",
-            group,
-            block_hashes,
-            success=success,
-        )
 
     def take_spills(self) -> list[BlockTransfer]:
         """Blocks to copy from one place of the medium to another, since the last call.

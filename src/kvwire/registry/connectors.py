@@ -24,7 +24,6 @@ import importlib
 import inspect
 import logging
 import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -310,21 +309,6 @@ class ConnectorRegistry:
         if connector_name in self:
             return self.get_class(connector_name)
         raise ValueError(self._unsupported(connector_name))
-
-    def __call__(self, kv_transfer_config: KVTransferConfig) -> type[KVConnectorBase]:
-        """Deprecated: [`resolve`][kvwire.ConnectorRegistry.resolve].
-
-        A `validate_extra_config` hook is handed the registry itself; one
-        written for the resolver it was handed before calls it, and keeps
-        working for this release.
-        """
-        warnings.warn(
-            "validate_extra_config's third argument is the registry that will build the "
-            "connector: call registry.resolve(kv_transfer_config) rather than registry(...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.resolve(kv_transfer_config)
 
     def _unsupported(self, connector_name: str) -> str:
         """vLLM's exact sentence for an unknown name, then the names it could have meant."""

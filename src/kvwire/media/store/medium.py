@@ -44,11 +44,9 @@ with it), [`StoreMedium.store_counters`][kvwire.media.StoreMedium.store_counters
 engine's entries) and
 [`StoreMedium.start_sweeper`][kvwire.media.StoreMedium.start_sweeper] /
 [`StoreMedium.stop_sweeper`][kvwire.media.StoreMedium.stop_sweeper] (the
-sweeper: the worker half's own background work, such as a sweep; a subclass
-that still overrides their deprecated names `start_worker` / `stop_worker`
-works until the next release, warned), and give your store a `discard(keys)` so
-entries found corrupt stop being hits. The store must never raise into the
-engine: misses and failures are results.
+sweeper: the worker half's own background work, such as a sweep), and give
+your store a `discard(keys)` so entries found corrupt stop being hits. The
+store must never raise into the engine: misses and failures are results.
 
 Hybrid models (several KV cache groups): an entry holds one block of every
 layer of one group, keyed and headed with that group's layout (its name is
@@ -69,8 +67,7 @@ Common `kv_connector_extra_config` keys of every store medium:
 
 - `max_save_bytes_in_flight` (default 64 MiB: the bytes of entries that
   saves in flight may hold, nothing allocated; a save beyond it is dropped
-  and counted, never waited for; `staging_buffer_bytes`, its deprecated
-  name, is read until the next release, warned);
+  and counted, never waited for);
 - `io_threads` (default 4, per direction);
 - `batch_blocks` (default 8: blocks per save job, and the shortest load
   run: a load is shared between the I/O threads in runs of at least this
@@ -107,7 +104,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-from kvwire._renamed_methods import call_renamed, forward_old_overrides
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
 from kvwire.blocks.shards import entry_layout, plan_heads, plan_layers
@@ -139,9 +135,6 @@ _ENTRY_MAC = "entry_mac"
 
 _Store = TypeVar("_Store", bound=BlockStore)
 
-_RENAMED_SWEEPER_HOOKS = {"start_worker": "start_sweeper", "stop_worker": "stop_sweeper"}
-"""`StoreMedium`'s deprecated method names (going in the next release), each to its current one."""
-
 
 @attrs.frozen
 class _Unchecked:
@@ -168,10 +161,6 @@ class StoreMedium(Medium, Generic[_Store]):
     # A subclass names its store ("disk", "redis"); one that does not is
     # "store" in its events, as store-backed connectors always were.
     event_medium: ClassVar[str] = "store"
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        forward_old_overrides(cls, _RENAMED_SWEEPER_HOOKS)
 
     def __init__(self, context: MediumContext) -> None:
         super().__init__(context)
@@ -220,10 +209,7 @@ class StoreMedium(Medium, Generic[_Store]):
         """The common store keys (see the module); a subclass adds its own."""
         return (
             # Allocates nothing (a bound on saves in flight): no memory check.
-            attrs.evolve(
-                size_key("max_save_bytes_in_flight", 64 * 1024**2),
-                deprecated_names=("staging_buffer_bytes",),
-            ),
+            size_key("max_save_bytes_in_flight", 64 * 1024**2),
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
@@ -329,20 +315,6 @@ class StoreMedium(Medium, Generic[_Store]):
 
         Called at close, before the store closes.
         """
-
-    def start_worker(self, handler: TransferHandler) -> None:
-        """Deprecated name of [`start_sweeper`][kvwire.media.StoreMedium.start_sweeper].
-
-        Goes in the next release. Warns (`DeprecationWarning`), then starts the sweeper.
-        """
-        call_renamed(self, StoreMedium, "start_worker", "start_sweeper", handler)
-
-    def stop_worker(self) -> None:
-        """Deprecated name of [`stop_sweeper`][kvwire.media.StoreMedium.stop_sweeper].
-
-        Goes in the next release. Warns (`DeprecationWarning`), then stops the sweeper.
-        """
-        call_renamed(self, StoreMedium, "stop_worker", "stop_sweeper")
 
     # ------------------------------------------------------------- the store
 
