@@ -77,6 +77,12 @@ def synthetic_workload(spec: WorkloadSpec) -> list[GenerationRequest]:
     return requests
 
 
+def renamed_requests(workload: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:
+    """The workload under new request ids, each suffixed `/suffix`: an engine keeps every id it
+    has run, so a second pass over the same requests needs ids of its own."""
+    return [attrs.evolve(r, request_id=f"{r.request_id}/{suffix}") for r in workload]
+
+
 def load_prompts_jsonl(
     path: str | os.PathLike[str],
     default_max_tokens: int,

@@ -20,6 +20,7 @@ import attrs
 
 from kvwire.config import EngineConfig
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput, WorkerMode
+from kvwire.engine.workload import renamed_requests
 
 PASSES = ("no connector", "cold", "warm", "local")
 
@@ -37,7 +38,7 @@ def compare_passes(
         _warm_up(engine, workload)
         baseline = _run_pass(engine, workload, "no connector", on_request_done)
         # No reset: the pass just run left every prefix in the engine's own cache.
-        local = _run_pass(engine, _renamed(workload, "local"), "local", on_request_done)
+        local = _run_pass(engine, renamed_requests(workload, "local"), "local", on_request_done)
     with LLMEngine(config, worker_mode=worker_mode) as engine:
         parallel = config.parallel_config
         ranks = {
@@ -53,7 +54,7 @@ def compare_passes(
         _warm_up(engine, workload)
         cold = _run_pass(engine, workload, "cold", on_request_done)
         engine.reset_prefix_cache()
-        warm_workload = _renamed(workload, "warm")
+        warm_workload = renamed_requests(workload, "warm")
         warm = _run_pass(engine, warm_workload, "warm", on_request_done)
     runs = (baseline, cold, warm, local)
     # A counter the connector reports in some pass counts as 0 in a pass where
@@ -134,11 +135,6 @@ def _add_failures(stats: Mapping[str, Any], failures: dict[str, int]) -> None:
             and value > 0
         ):
             failures[key] = failures.get(key, 0) + int(value)
-
-
-def _renamed(workload: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:
-    """The workload under new request ids (an engine keeps every id it has run)."""
-    return [attrs.evolve(r, request_id=f"{r.request_id}/{suffix}") for r in workload]
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

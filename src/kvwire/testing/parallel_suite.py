@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import pytest
@@ -35,9 +35,10 @@ import torch
 from kvwire.config import EngineConfig, ParallelConfig
 from kvwire.container import container_for_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
-from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from kvwire.engine.workload import renamed_requests
 from kvwire.testing.faults import LoadFaultsHook, with_load_faults
 from kvwire.testing.instruments import Instruments
+from kvwire.testing.suite import ConnectorUnderTest, blocks_workload, run_cold_then_warm
 
 TENSOR_PARALLEL_SIZE = 2
 
@@ -70,40 +71,28 @@ def _served(outputs: Sequence[RequestOutput]) -> int:
     return sum(output.external_tokens for output in outputs)
 
 
-def _renamed(workload: Sequence[GenerationRequest], suffix: str) -> list[GenerationRequest]:
-    return [attrs.evolve(r, request_id=f"{r.request_id}/{suffix}") for r in workload]
-
-
-class ParallelConformanceSuite:
+class ParallelConformanceSuite(ConnectorUnderTest):
     """Reusable tests of a connector at tensor parallelism; see the module docstring."""
 
     loads_across_engines: ClassVar[bool] = True
     """Whether one engine loads what another engine stored (False: entries live in the engine)."""
 
     @pytest.fixture
-    def engine_config(self, tmp_path: Any) -> EngineConfig:
-        raise NotImplementedError(
-            f"{type(self).__name__} must override the engine_config(self, tmp_path) fixture "
-            "to return an EngineConfig whose kv_transfer_config names the connector"
-        )
-
-    @pytest.fixture
     def parallel_workloads(
         self, engine_config: EngineConfig
     ) -> tuple[list[GenerationRequest], list[GenerationRequest]]:
         """Two workloads of four requests sharing a prefix, sharing nothing with each other."""
-        block_size = engine_config.cache_config.block_size
 
         def workload(seed: int, name: str) -> list[GenerationRequest]:
-            spec = WorkloadSpec(
+            requests = blocks_workload(
+                engine_config,
                 num_requests=4,
-                prompt_len=4 * block_size + block_size // 2 + 1,
+                prompt_blocks=4,
                 output_len=3,
                 shared_prefix_ratio=0.7,
-                vocab_size=engine_config.model_config.vocab_size,
                 seed=seed,
             )
-            return _renamed(synthetic_workload(spec), name)
+            return renamed_requests(requests, name)
 
         return workload(21, "first"), workload(22, "second")
 
@@ -132,11 +121,6 @@ class ParallelConformanceSuite:
         _REFERENCES.move_to_end(key)
         return computed
 
-    @staticmethod
-    def loads_expected(config: EngineConfig) -> bool:
-        transfer = config.kv_transfer_config
-        return transfer is not None and transfer.is_kv_producer and transfer.is_kv_consumer
-
     def test_parallel_ranks_serve_their_shards_and_load_across_sizes(
         self,
         engine_config: EngineConfig,
@@ -158,26 +142,23 @@ class ParallelConformanceSuite:
             tensor_parallel(engine_config), connector_hook=hook, capture_kv=True
         ) as split:
             from_unsplit = split.generate(first)
-            cold = split.generate(second)
-            split.wait_for_saves()
-            assert split.reset_prefix_cache(), "blocks still held after the cold pass"
-            warm = split.generate(_renamed(second, "warm"))
-            captured = dict(split.captured_kv)
+            cold, warm = run_cold_then_warm(split, second)
         assert _tokens(from_unsplit) == [expected[r.request_id] for r in first]
-        assert _tokens(cold) == _tokens(warm) == [expected[r.request_id] for r in second]
+        expected_second = [expected[r.request_id] for r in second]
+        assert _tokens(cold.outputs) == _tokens(warm.outputs) == expected_second
         if across:
             assert _served(from_unsplit) > 0, "TP=2 loaded nothing a TP=1 engine stored"
         if loads:
-            assert _served(warm) > 0, "the TP=2 warm pass loaded nothing"
-        for output in warm:
+            assert _served(warm.outputs) > 0, "the TP=2 warm pass loaded nothing"
+        for output in warm.outputs:
             if output.external_tokens:
                 request_id = output.request_id.removesuffix("/warm")
                 assert torch.equal(
-                    captured[output.request_id], parallel_reference.kv[request_id]
+                    warm.captured_kv[request_id], parallel_reference.kv[request_id]
                 ), f"{request_id}: the KV the ranks loaded differs from the KV computed unsplit"
 
         with LLMEngine(engine_config, connector_hook=hook) as unsplit:
-            from_split = unsplit.generate(_renamed(second, "unsplit"))
+            from_split = unsplit.generate(renamed_requests(second, "unsplit"))
         assert _tokens(from_split) == [expected[r.request_id] for r in second]
         if across:
             assert _served(from_split) > 0, "TP=1 loaded nothing a TP=2 engine stored"
@@ -200,17 +181,14 @@ class ParallelConformanceSuite:
             container=with_load_faults(container_for_profile(config), ranks=rank_one),
             worker_container_hook=LoadFaultsHook(ranks=rank_one),
         ) as engine:
-            cold = engine.generate(workload)
-            engine.wait_for_saves()
-            assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
-            warm = engine.generate(_renamed(workload, "warm"))
+            cold, warm = run_cold_then_warm(engine, workload)
         reference = parallel_reference.tokens[: len(workload)]
-        assert _tokens(cold) == reference
+        assert _tokens(cold.outputs) == reference
         if self.loads_expected(engine_config):
-            assert any(output.num_load_failures for output in warm), (
+            assert any(output.num_load_failures for output in warm.outputs), (
                 "no load happened, so no failure could be injected"
             )
-        assert all(output.error is None for output in warm)
-        assert _tokens(warm) == reference, (
+        assert all(output.error is None for output in warm.outputs)
+        assert _tokens(warm.outputs) == reference, (
             "a block whose load failed on one rank was not computed again on every rank"
         )

@@ -65,7 +65,7 @@ from kvwire.container import container_for_profile
 from kvwire.engine.block_manager import NULL_BLOCK
 from kvwire.engine.engine import GenerationRequest, LLMEngine, RequestOutput
 from kvwire.engine.worker import Worker
-from kvwire.engine.workload import WorkloadSpec, synthetic_workload
+from kvwire.engine.workload import WorkloadSpec, renamed_requests, synthetic_workload
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import RequestStatus
@@ -146,8 +146,8 @@ def summed_counter(stats: Any, name: str) -> float | None:
     return sum(found) if found else None
 
 
-class ConnectorConformanceSuite:
-    """Reusable tests every KV connector must pass; see the module docstring."""
+class ConnectorUnderTest:
+    """What a conformance suite needs of its subclass: the engine config naming the connector."""
 
     @pytest.fixture
     def engine_config(self, tmp_path: Any) -> EngineConfig:
@@ -156,19 +156,72 @@ class ConnectorConformanceSuite:
             "to return an EngineConfig whose kv_transfer_config names the connector"
         )
 
+    @staticmethod
+    def loads_expected(config: EngineConfig) -> bool:
+        """A connector that both saves and loads must serve the warm pass."""
+        transfer = config.kv_transfer_config
+        return transfer is not None and transfer.is_kv_producer and transfer.is_kv_consumer
+
+
+def run_cold_then_warm(
+    engine: LLMEngine, workload: Sequence[GenerationRequest]
+) -> tuple[PassResult, PassResult]:
+    """Run `workload` on `engine` cold, then warm under ids of its own, its local cache emptied.
+
+    Each pass's saves are waited for: a save may outlive its request
+    (written in the background), and a warm pass racing it would find
+    nothing to load. The warm pass's KV is keyed by the cold pass's ids.
+    """
+    cold = engine.generate(workload)
+    engine.wait_for_saves()
+    cold_kv = dict(engine.captured_kv)
+    assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
+    warm = engine.generate(renamed_requests(workload, "warm"))
+    engine.wait_for_saves()
+    warm_kv = {
+        request_id.removesuffix("/warm"): kv
+        for request_id, kv in engine.captured_kv.items()
+        if request_id.endswith("/warm")
+    }
+    return PassResult(cold, cold_kv), PassResult(warm, warm_kv)
+
+
+def blocks_workload(
+    config: EngineConfig,
+    *,
+    num_requests: int,
+    prompt_blocks: int,
+    output_len: int,
+    shared_prefix_ratio: float,
+    seed: int,
+) -> list[GenerationRequest]:
+    """Requests whose prompts are `prompt_blocks` blocks and a half long, plus a token."""
+    block_size = config.cache_config.block_size
+    spec = WorkloadSpec(
+        num_requests=num_requests,
+        prompt_len=prompt_blocks * block_size + block_size // 2 + 1,
+        output_len=output_len,
+        shared_prefix_ratio=shared_prefix_ratio,
+        vocab_size=config.model_config.vocab_size,
+        seed=seed,
+    )
+    return synthetic_workload(spec)
+
+
+class ConnectorConformanceSuite(ConnectorUnderTest):
+    """Reusable tests every KV connector must pass; see the module docstring."""
+
     @pytest.fixture
     def conformance_workload(self, engine_config: EngineConfig) -> list[GenerationRequest]:
         """Six requests sharing most of a prompt that ends mid-block."""
-        block_size = engine_config.cache_config.block_size
-        spec = WorkloadSpec(
+        return blocks_workload(
+            engine_config,
             num_requests=6,
-            prompt_len=4 * block_size + block_size // 2 + 1,
+            prompt_blocks=4,
             output_len=4,
             shared_prefix_ratio=0.7,
-            vocab_size=engine_config.model_config.vocab_size,
             seed=11,
         )
-        return synthetic_workload(spec)
 
     @pytest.fixture
     def reference_outputs(
@@ -192,25 +245,10 @@ class ConnectorConformanceSuite:
         hook: Instruments,
         **engine_options: Any,
     ) -> tuple[PassResult, PassResult]:
-        """Run `workload` twice on one engine, emptying its local cache in between.
-
-        The cold pass's saves are waited for before the warm pass starts: a
-        save may outlive its request (written in the background), and a
-        warm pass racing it would find nothing to load.
-        """
+        """Run `workload` twice on one engine, emptying its local cache in between
+        ([`run_cold_then_warm`][kvwire.testing.suite.run_cold_then_warm])."""
         with LLMEngine(config, connector_hook=hook, **engine_options) as engine:
-            cold = engine.generate(workload)
-            engine.wait_for_saves()
-            cold_kv = dict(engine.captured_kv)
-            assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
-            warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
-            warm = engine.generate(warm_workload)
-            warm_kv = {
-                request_id.removesuffix("/warm"): kv
-                for request_id, kv in engine.captured_kv.items()
-                if request_id.endswith("/warm")
-            }
-        return PassResult(cold, cold_kv), PassResult(warm, warm_kv)
+            return run_cold_then_warm(engine, workload)
 
     @classmethod
     def hybrid_cold_then_warm(
@@ -219,18 +257,7 @@ class ConnectorConformanceSuite:
         """[`cold_then_warm`][kvwire.testing.ConnectorConformanceSuite.cold_then_warm] on a hybrid
         config (worker inline), with what HMA decided."""
         with LLMEngine(config, connector_hook=hook, capture_kv=True) as engine:
-            cold = engine.generate(workload)
-            engine.wait_for_saves()
-            cold_kv = dict(engine.captured_kv)
-            assert engine.reset_prefix_cache(), "blocks still held after the cold pass"
-            warm_workload = [attrs.evolve(r, request_id=f"{r.request_id}/warm") for r in workload]
-            warm = engine.generate(warm_workload)
-            engine.wait_for_saves()
-            warm_kv = {
-                request_id.removesuffix("/warm"): kv
-                for request_id, kv in engine.captured_kv.items()
-                if request_id.endswith("/warm")
-            }
+            cold, warm = run_cold_then_warm(engine, workload)
             worker = engine.worker
             assert isinstance(worker, Worker)
             null_block_written = engine.scheduler.block_manager.uses_null_block and any(
@@ -240,8 +267,8 @@ class ConnectorConformanceSuite:
             hma=engine.hma,
             kv_cache_config=engine.kv_cache_config,
             layer_groups=worker.layer_groups,
-            cold=PassResult(cold, cold_kv),
-            warm=PassResult(warm, warm_kv),
+            cold=cold,
+            warm=warm,
             stats=dict(engine.connector_stats.data),
             null_block_written=null_block_written,
         )
@@ -266,12 +293,6 @@ class ConnectorConformanceSuite:
         ) as engine:
             engine.generate(workload)
         return log, engine
-
-    @staticmethod
-    def loads_expected(config: EngineConfig) -> bool:
-        """A connector that both saves and loads must serve the warm pass."""
-        transfer = config.kv_transfer_config
-        return transfer is not None and transfer.is_kv_producer and transfer.is_kv_consumer
 
     # ------------------------------------------------------------ the suite
 
@@ -508,16 +529,15 @@ class ConnectorConformanceSuite:
         recomputes a prompt's last token): a connector that keeps only the
         window at the end of what it saved finds no window there.
         """
-        block_size = engine_config.cache_config.block_size
-        spec = WorkloadSpec(
+        *unaligned, last = blocks_workload(
+            engine_config,
             num_requests=4,
-            prompt_len=8 * block_size + block_size // 2 + 1,
+            prompt_blocks=8,
             output_len=2,
             shared_prefix_ratio=0.0,
-            vocab_size=engine_config.model_config.vocab_size,
             seed=13,
         )
-        *unaligned, last = synthetic_workload(spec)
+        block_size = engine_config.cache_config.block_size
         aligned = attrs.evolve(last, prompt_token_ids=last.prompt_token_ids[: 8 * block_size])
         return [*unaligned, aligned]
 
