@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +54,8 @@ from kvwire.registry import (
 RUN_MODULE = "kvwire.run"
 # The shell's status for a program ended by SIGINT (128 + 2).
 INTERRUPTED = 130
+# And by SIGPIPE (128 + 13): what a writer into a closed pipe ends with.
+PIPE_CLOSED = 141
 
 # What a user can get wrong in a profile or a plugin; anything else is a bug
 # and keeps its traceback.
@@ -73,13 +76,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.addFilter(RedactingFilter())
     command: Callable[[argparse.Namespace], int] = args.command
     try:
-        return command(args)
+        status = command(args)
+        # Now, not at exit: a reader gone (`kvwire profiles | head -1`) is seen here.
+        sys.stdout.flush()
     except KeyboardInterrupt:
         # The user's Ctrl-C (a plug-in raising KeyboardInterrupt itself is
         # reported as the plug-in's error, kvwire.plugin_calls.contained_exits):
         # stop at once, as a shell expects, without a traceback.
         print("kvwire: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:
+        # The reader closed the pipe: nothing is left to say to anyone. What is
+        # still buffered goes nowhere, so the interpreter's last flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED
+    return status
 
 
 class _Parser(argparse.ArgumentParser):
@@ -470,11 +481,7 @@ def _summary_of(text: str) -> str:
             break
         comment.append(line.lstrip("# ").strip())
     first = " ".join(comment).split(". ")[0].split("; ")[0].rstrip(".")
-    summary = first.split(": ", 1)[-1] if first else "-"
-    return summary if len(summary) <= _SUMMARY_LENGTH else summary[: _SUMMARY_LENGTH - 3] + "..."
-
-
-_SUMMARY_LENGTH = 80
+    return first.split(": ", 1)[-1] if first else "-"
 
 
 # ---------------------------------------------------------------- connectors

@@ -91,12 +91,13 @@ def test_kvwire_check_of_the_peer_medium_without_nixl_names_the_peer_extra(
 def test_kvwire_run_of_a_redis_profile_without_redis_names_the_redis_extra(
     tmp_path: pathlib.Path,
 ) -> None:
-    result = run_kvwire_without(["redis"], ["run", profile(tmp_path, REDIS), "--requests", "1"])
+    path = profile(tmp_path, REDIS)
+    result = run_kvwire_without(["redis"], ["run", path, "--requests", "1"])
 
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == (
-        "kvwire run: error: kv_connector_extra_config.medium: medium 'redis (built in)' needs "
-        "redis, which is not installed: pip install 'kvwire[redis]'\n"
+        f"kvwire run: {path}: error: kv_connector_extra_config.medium: medium 'redis (built in)' "
+        "needs redis, which is not installed: pip install 'kvwire[redis]'\n"
     )
 
 

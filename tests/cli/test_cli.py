@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pathlib
 import subprocess
 import sys
@@ -719,3 +720,25 @@ def test_a_usage_error_shows_a_long_value_cut_short(
     err = capsys.readouterr().err
     assert "... (a str of 100000 characters)" in err
     assert len(err) < 1500
+
+
+@pytest.mark.parametrize(
+    "command", [["profiles"], ["connectors"], ["profiles", "--show", "redis"], ["check", "redis"]]
+)
+def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(command: list[str]) -> None:
+    """`kvwire profiles | head -1`: the reader gone before the first write, every time."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        completed = subprocess.run(
+            [sys.executable, "-m", "kvwire.cli", *command],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+
+    assert completed.stderr == ""
+    assert completed.returncode == 141

@@ -93,7 +93,12 @@ def test_profiles_lists_every_shipped_name_with_its_connector() -> None:
         f"files: {shipped_profile_path('cpu-offload').parent}; "
         "copy one (kvwire profiles --show NAME) to edit it"
     )
-    assert all(len(line) <= 140 for line in lines[:-1])
+    # Each description whole: the first sentence of the profile's opening comment.
+    assert not any(line.endswith("...") for line in lines)
+    assert lines[1].endswith(
+        "KV blocks offloaded to a preallocated CPU memory pool and loaded back when a prompt "
+        "shares a prefix with an earlier one"
+    )
 
 
 def test_profiles_show_prints_the_profile_to_copy(capsys: pytest.CaptureFixture[str]) -> None:

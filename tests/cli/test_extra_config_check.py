@@ -157,10 +157,10 @@ BAD_EXTRA_CONFIGS = [
     pytest.param(
         "CPUOffloadConnector",
         {"cpu_pool_byte": "1GiB"},
-        "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: async_load, async_lookup, cpu_pool_bytes, eviction, io_threads, "
-        "load_failures_to_pause, load_pause_s, lookup_deadline_s, medium, save_threshold, "
-        "transfer_timeout_s",
+        "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector "
+        "(did you mean 'cpu_pool_bytes'?); accepted keys are: async_load, async_lookup, "
+        "cpu_pool_bytes, eviction, io_threads, load_failures_to_pause, load_pause_s, "
+        "lookup_deadline_s, medium, save_threshold, transfer_timeout_s",
         id="cpu-offload-typo",
     ),
     pytest.param(
@@ -202,7 +202,8 @@ BAD_EXTRA_CONFIGS = [
     pytest.param(
         "SharedStorageConnector",
         {"shared_storage_path": STORE, "fsynch": True},
-        "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector; accepted "
+        "kv_connector_extra_config.fsynch is not an option of SharedStorageConnector "
+        "(did you mean 'fsync'?); accepted "
         "keys are: allow_other_owner, async_load, async_lookup, batch_blocks, entry_kv_heads, "
         "entry_layers, file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, "
         "lookup_deadline_s, mac_key_env, "
@@ -321,9 +322,9 @@ BAD_EXTRA_CONFIGS = [
             ]
         },
         "kv_connector_extra_config.connectors[1].kv_connector_extra_config.cpu_pool_byte is not "
-        "an option of CPUOffloadConnector; accepted keys are: async_load, async_lookup, "
-        "cpu_pool_bytes, eviction, io_threads, load_failures_to_pause, load_pause_s, "
-        "lookup_deadline_s, medium, save_threshold, transfer_timeout_s",
+        "an option of CPUOffloadConnector (did you mean 'cpu_pool_bytes'?); accepted keys are: "
+        "async_load, async_lookup, cpu_pool_bytes, eviction, io_threads, load_failures_to_pause, "
+        "load_pause_s, lookup_deadline_s, medium, save_threshold, transfer_timeout_s",
         id="multi-child-typo",
     ),
     pytest.param(

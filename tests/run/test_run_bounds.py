@@ -251,7 +251,10 @@ def test_a_bad_module_path_is_named_by_its_field_without_a_traceback(
     )
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert f"kvwire run: error: kv_transfer_config.kv_connector_module_path: {problem}" in err
+    assert (
+        f"kvwire run: {profile}: error: kv_transfer_config.kv_connector_module_path: {problem}"
+        in err
+    )
     assert "hunter2" not in err
 
 
@@ -351,7 +354,7 @@ def test_a_connector_hook_that_raises_is_named_without_a_traceback(
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "kvwire run: error: kv_transfer_config.kv_connector: RaisingHMAHookConnector."
+        f"kvwire run: {profile}: error: kv_transfer_config.kv_connector: RaisingHMAHookConnector."
         "supports_hma_for_config raised RuntimeError: lost redis://u:***@h\n"
     )
 
@@ -526,8 +529,8 @@ def test_a_connector_constructor_that_calls_sys_exit_is_its_error_not_the_runs_e
     )
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     assert capsys.readouterr().err == (
-        "kvwire run: error: kv_transfer_config.kv_connector: ExitingConstructorConnector() "
-        "raised SystemExit: lost redis://u:***@h\n"
+        f"kvwire run: {profile}: error: kv_transfer_config.kv_connector: "
+        "ExitingConstructorConnector() raised SystemExit: lost redis://u:***@h\n"
     )
 
 
@@ -547,7 +550,7 @@ def test_a_composite_childs_bad_module_path_is_named_by_the_childs_field(
     )
     assert cli.main(["run", str(profile), "--no-progress"]) == 2
     assert capsys.readouterr().err.startswith(
-        "kvwire run: error: kv_transfer_config.kv_connector_extra_config.connectors[1]"
+        f"kvwire run: {profile}: error: kv_transfer_config.kv_connector_extra_config.connectors[1]"
         ".kv_connector_module_path: cannot import 'no.such.mod': ModuleNotFoundError"
     )
 

@@ -261,7 +261,7 @@ def test_a_connector_config_error_is_reported_without_a_traceback(
         "kv_transfer_config:\n  kv_connector: CPUOffloadConnectr\n  kv_role: kv_both\n"
     )
     assert cli.main(["run", str(profile), *SMALL_WORKLOAD]) == 2
-    assert "kvwire run: error: Unsupported connector type: CPUOffloadConnectr" in (
+    assert f"kvwire run: {profile}: error: Unsupported connector type: CPUOffloadConnectr" in (
         capsys.readouterr().err
     )
 

@@ -8,6 +8,7 @@ import traceback
 from typing import Any
 
 import pytest
+import yaml
 
 from kvwire.exceptions import VLLMConfigError
 from kvwire.vllm.plugin import register
@@ -58,8 +59,29 @@ def test_a_profile_file_that_does_not_exist_fails_vllm_s_configuration(
         create_engine_config(tiny_model, kvwire_transfer_config(str(missing)))
 
     message = str(raised.value)
-    assert message.startswith("kv_transfer_config.kv_connector_extra_config.kvwire_profile: ")
-    assert str(missing) in message and "cannot read the profile" in message
+    assert message.startswith(
+        f"kv_transfer_config.kv_connector_extra_config.kvwire_profile ({missing}): "
+    )
+    assert "cannot read the profile" in message
+
+
+def test_a_misspelled_key_in_a_profile_file_fails_naming_the_file_and_the_key_it_meant(
+    tiny_model: str, tmp_path: pathlib.Path
+) -> None:
+    profile = load_profile_mapping("cpu-offload.yaml")
+    extra = profile["kv_transfer_config"]["kv_connector_extra_config"]
+    extra["cpu_pool_byte"] = extra.pop("cpu_pool_bytes")
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(profile))
+
+    with pytest.raises(VLLMConfigError) as raised:
+        create_engine_config(tiny_model, kvwire_transfer_config(str(path)))
+
+    assert str(raised.value).startswith(
+        f"kv_transfer_config.kv_connector_extra_config.kvwire_profile ({path}): "
+        "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector "
+        "(did you mean 'cpu_pool_bytes'?); accepted keys are: "
+    )
 
 
 def test_an_unknown_key_of_the_wrapped_connector_fails_vllm_s_configuration_naming_it(
@@ -72,8 +94,8 @@ def test_an_unknown_key_of_the_wrapped_connector_fails_vllm_s_configuration_nami
 
     assert str(raised.value).startswith(
         "kv_transfer_config.kv_connector_extra_config.kvwire: "
-        "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector; "
-        "accepted keys are: "
+        "kv_connector_extra_config.cpu_pool_byte is not an option of CPUOffloadConnector "
+        "(did you mean 'cpu_pool_bytes'?); accepted keys are: "
     )
 
 

@@ -12,6 +12,7 @@ against what this machine holds.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
@@ -22,7 +23,7 @@ import attrs
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import ExtraConfigError as ExtraConfigError
 from kvwire.exceptions import ValueRefused as ValueRefused
-from kvwire.redaction import shown, shown_key
+from kvwire.redaction import SHOWN_LENGTH, shown, shown_key
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -199,6 +200,14 @@ class _Required:
 _REQUIRED: Any = _Required()
 
 
+def _did_you_mean(name: object, known: Mapping[str, object]) -> str:
+    """" (did you mean 'key'?)" for the accepted key closest to a misspelled `name`, else ""."""
+    if not isinstance(name, str) or len(name) > SHOWN_LENGTH:
+        return ""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def read_extra_config(
     connector_name: str, extra_config: Mapping[str, Any], keys: Sequence[ExtraConfigKey]
 ) -> dict[str, Any]:
@@ -212,7 +221,8 @@ def read_extra_config(
     unknown = sorted((key for key in extra_config if key not in known), key=shown_key)
     for name in unknown:
         problems.append(
-            f"kv_connector_extra_config.{shown_key(name)} is not an option of {connector_name}; "
+            f"kv_connector_extra_config.{shown_key(name)} is not an option of {connector_name}"
+            f"{_did_you_mean(name, known)}; "
             f"accepted keys are: {', '.join(sorted(known)) or '(none)'}"
         )
     values: dict[str, Any] = {}

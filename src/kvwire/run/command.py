@@ -216,9 +216,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:
         _print_error(error, secrets)
         return 2
+    from kvwire.config.profile import DEFAULT_PROFILE_NAME, profile_origin
     from kvwire.run.passes import PASSES, compare_passes
     from kvwire.run.report import format_table
 
+    # What the profile's errors are prefixed with: the file (or shipped name) to fix.
+    profile = profile_origin(args.profile or DEFAULT_PROFILE_NAME)
     try:
         config = _with_parallel_sizes(
             _load_config(args.profile, args.preset),
@@ -228,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
         # Before the workload is built: a bad module path is named by its field at once.
         if config.kv_transfer_config is not None:
             default_registry().check_module_path(config.kv_transfer_config)
+    except (ValueError, ImportError, OSError) as error:
+        _print_error(error, secrets, profile)
+        return 2
+    try:
         workload = _build_workload(args, config)
     except (ValueError, ImportError, OSError) as error:
         _print_error(error, secrets)
@@ -247,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         # Configuration the profile check cannot see until the connector is built:
         # an unknown name, a registered connector whose module fails to import,
         # the HMA gate, the connector's own extra-config checks.
-        _print_error(error, secrets)
+        _print_error(error, secrets, profile)
         return 2
     finally:
         if progress is not None:
@@ -288,12 +295,14 @@ def _profile_secrets(profile: str | None) -> set[str]:
         return set()
 
 
-def _print_error(error: Exception, secrets: set[str]) -> None:
+def _print_error(error: Exception, secrets: set[str], profile: str | None = None) -> None:
+    """Print `kvwire run: [PROFILE: ]error: ...`; `profile` names the profile the error is in."""
     from kvwire.redaction import scrub
 
+    where = f"{profile}: " if profile is not None else ""
     # A connector's error may quote a secret by value from any field (a
     # password pasted into key_prefix), not only under a secret-like name.
-    print(scrub(f"kvwire run: error: {error}", secrets), file=sys.stderr)
+    print(scrub(f"kvwire run: {where}error: {error}", secrets), file=sys.stderr)
 
 
 def _load_config(profile: str | None, preset: str | None) -> EngineConfig:

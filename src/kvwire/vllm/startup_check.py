@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvwire._file_digests import default_cache_directory
+from kvwire.config.profile import profile_origin
 from kvwire.container import container_for_profile
 from kvwire.exceptions import KVWireError, ModelIdentityError, VLLMConfigError
 from kvwire.plugin_calls import contained_exits, plugin_message
@@ -70,6 +71,10 @@ def check_vllm_config(vllm_config: Any) -> None:
     extra_config = dict(transfer.kv_connector_extra_config or {})
     given_as = INLINE_PROFILE_KEY if INLINE_PROFILE_KEY in extra_config else PROFILE_PATH_KEY
     profile_key = f"kv_transfer_config.kv_connector_extra_config.{given_as}"
+    named = extra_config.get(PROFILE_PATH_KEY)
+    if given_as == PROFILE_PATH_KEY and isinstance(named, str):
+        # The file to fix (or the shipped profile's name), as given.
+        profile_key += f" ({profile_origin(named)})"
     with _named(profile_key):
         engine_config = config_before_kv_cache(vllm_config, read_kvwire_profile(extra_config))
         container = container_for_profile(engine_config)
