@@ -11,6 +11,7 @@ import pathlib
 import re
 from typing import Any
 
+import attrs
 import pytest
 from dependency_injector import providers
 
@@ -77,10 +78,9 @@ def test_one_build_resolves_the_connector_class_and_the_medium_once_each(role: s
     container.shutdown_resources()
 
 
-def test_a_composite_s_children_are_resolved_once_each_with_their_media(
-    tmp_path: pathlib.Path,
-) -> None:
-    registry = CountingRegistry()
+def _composite_container(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry, *, hma_off: bool = False
+) -> Any:
     children = [
         {"kv_connector": "CPUOffloadConnector", "kv_connector_extra_config": POOL},
         {
@@ -88,7 +88,25 @@ def test_a_composite_s_children_are_resolved_once_each_with_their_media(
             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
         },
     ]
-    container = _container("MultiConnector", {"connectors": children}, registry)
+    config = engine_config("MultiConnector", {"connectors": children})
+    if hma_off:
+        config = attrs.evolve(
+            config,
+            scheduler_config=attrs.evolve(
+                config.scheduler_config, disable_hybrid_kv_cache_manager=True
+            ),
+        )
+    return container_for_profile(
+        config, kv_cache_config=cache_config_for(config), registry=registry
+    )
+
+
+def test_each_child_s_build_resolves_its_class_and_its_medium_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    registry = CountingRegistry()
+    # HMA off: the gate asks the composite nothing, so what is counted is the builds alone.
+    container = _composite_container(tmp_path, registry, hma_off=True)
 
     multi = container.worker_connector()
 
@@ -98,6 +116,27 @@ def test_a_composite_s_children_are_resolved_once_each_with_their_media(
     ]
     assert registry.resolved == [
         "MultiConnector",
+        "CPUOffloadConnector",
+        "SharedStorageConnector",
+    ]
+    assert registry.media.asked == ["cpu_pool", "directory"]
+    container.shutdown_resources()
+
+
+def test_the_hma_gate_asks_each_child_s_class_before_the_composite_is_built(
+    tmp_path: pathlib.Path,
+) -> None:
+    registry = CountingRegistry()
+    container = _composite_container(tmp_path, registry)
+
+    container.worker_connector()
+
+    # The gate's question (does every child serve HMA?) comes before the
+    # composite's build, which then builds each child, resolving it once.
+    assert registry.resolved == [
+        "MultiConnector",
+        "CPUOffloadConnector",
+        "SharedStorageConnector",
         "CPUOffloadConnector",
         "SharedStorageConnector",
     ]
