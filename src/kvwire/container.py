@@ -20,8 +20,19 @@ once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. E
 test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
 `connector_class`, the medium's steps, `hma_gate`, a connector) is a
 provider, so dependency-injector's `override` does it and undoes it when its
-`with` block ends. One build enters the registry once per class it needs
-(the connector's, its medium's, each child's), however many providers ask.
+`with` block ends.
+
+The steps that follow from the connector's class are two sub-containers of
+their own, their inputs `Dependency` providers, composed with
+`providers.Container` and named by the container as its own: a
+[`ConnectorSetupContainer`][kvwire.container.ConnectorSetupContainer] (the
+HMA gate, the rank's layout, the medium's class) and a
+[`MediumContainer`][kvwire.container.MediumContainer] (the medium's options,
+plug-ins, context and the medium). Each build gets a container of each shape
+of its own, bound to what it resolved, so it enters the registry once for the
+connector's class and once for its medium's; a composite's children are built
+the same way, each by containers of its own
+([`ChildConnectorBuilder`][kvwire.container.ChildConnectorBuilder]).
 """
 
 from __future__ import annotations
@@ -66,9 +77,9 @@ _MEDIUM_FIELD = "kv_connector_extra_config.medium"
 class MediumBuildingConnector(Protocol):
     """What the container asks of a connector class that takes a medium, to build that medium.
 
-    [`OffloadConnector`][kvwire.connectors.offload.OffloadConnector] answers
-    through these classmethods; a connector class that declares a keyword-only
-    `medium` needs all three (deriving from it gives them).
+    `kvwire.connectors.offload.OffloadConnector` answers through these
+    classmethods; a connector class that declares a keyword-only `medium`
+    needs all three (deriving from it gives them).
     """
 
     def medium_spec(self, kv_transfer_config: KVTransferConfig) -> str:
@@ -88,8 +99,8 @@ class MediumBuildingConnector(Protocol):
         ...
 
 
-# MediumBuildingConnector's methods in the order a build calls them, so that
-# a class lacking some is told about the first one its build needs.
+# MediumBuildingConnector's methods in the order a build calls them: the
+# refusal of a class that lacks some names the first one its build needs.
 _MEDIUM_BUILDING_METHODS = ("medium_spec", "read_options", "medium_context")
 
 
@@ -97,7 +108,11 @@ def _medium_building(connector_class: type[KVConnectorBase]) -> MediumBuildingCo
     """`connector_class`, which takes a medium, as what its medium is built through."""
     if isinstance(connector_class, MediumBuildingConnector):
         return connector_class
-    missing = next(name for name in _MEDIUM_BUILDING_METHODS if not hasattr(connector_class, name))
+    missing = next(
+        name
+        for name in _MEDIUM_BUILDING_METHODS
+        if not callable(getattr(connector_class, name, None))
+    )
     raise ContainerSetupError(
         f"{connector_class.__name__} takes a keyword-only medium, but has no {missing} "
         "classmethod to build it with: derive it from "
@@ -454,6 +469,7 @@ class ChildConnectorBuilder:
             connector_class=self.registry.resolve(transfer),
             engine_config=config,
             kv_transfer_config=transfer,
+            # HMA decided and ranked by the composite: no gate of the child's own.
             connector_engine_config=config,
         )
         return _build_connector(setup, None, role, lambda: kv_cache_config, self)
