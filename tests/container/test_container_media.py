@@ -24,6 +24,7 @@ from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.media.base import Medium
 from kvwire.registry import ConnectorRegistry, MediumRegistry
+from kvwire.testing import IdleConnector
 from tests.support.pairs import cache_config_for, engine_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -257,3 +258,47 @@ def test_the_container_s_medium_class_is_none_for_a_connector_without_one() -> N
 
     assert container.medium_class() is None
     assert container.medium_options() is None
+
+
+class MediumTakingConnector(IdleConnector):
+    """Takes a keyword-only medium but not the classmethods that build one."""
+
+    def __init__(
+        self,
+        config: Any,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        medium: Medium | None = None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+
+
+def test_a_connector_taking_a_medium_without_the_methods_to_build_it_is_refused() -> None:
+    container = _container("CPUOffloadConnector", POOL, ConnectorRegistry())
+
+    with (
+        container.connector_class.override(providers.Object(MediumTakingConnector)),
+        pytest.raises(ContainerSetupError) as refused,
+    ):
+        container.worker_connector()
+
+    assert str(refused.value) == (
+        "MediumTakingConnector takes a keyword-only medium, but has no medium_spec classmethod "
+        "to build it with: derive it from kvwire.connectors.offload.OffloadConnector"
+    )
+
+
+def test_the_refusal_names_the_first_method_the_build_lacks() -> None:
+    class WithSpecOnly(MediumTakingConnector):
+        @classmethod
+        def medium_spec(cls, kv_transfer_config: KVTransferConfig) -> str:
+            return "cpu_pool"
+
+    container = _container("CPUOffloadConnector", POOL, ConnectorRegistry())
+
+    with (
+        container.connector_class.override(providers.Object(WithSpecOnly)),
+        pytest.raises(ContainerSetupError, match=r"^WithSpecOnly .* has no read_options "),
+    ):
+        container.worker_connector()
