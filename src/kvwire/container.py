@@ -20,19 +20,29 @@ once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. E
 test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
 `connector_class`, the medium's steps, `hma_gate`, a connector) is a
 provider, so dependency-injector's `override` does it and undoes it when its
-`with` block ends. One build enters the registry once per class it needs
-(the connector's, its medium's, each child's), however many providers ask.
+`with` block ends.
+
+The steps that follow from the connector's class are two sub-containers of
+their own, their inputs `Dependency` providers, composed with
+`providers.Container` and named by the container as its own: a
+[`ConnectorSetupContainer`][kvwire.container.ConnectorSetupContainer] (the
+HMA gate, the rank's layout, the medium's class) and a
+[`MediumContainer`][kvwire.container.MediumContainer] (the medium's options,
+plug-ins, context and the medium). Each build gets a container of each shape
+of its own, bound to what it resolved, so it enters the registry once for the
+connector's class and once for its medium's; a composite's children are built
+the same way, each by containers of its own
+([`ChildConnectorBuilder`][kvwire.container.ChildConnectorBuilder]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 from dependency_injector import containers, providers, resources
@@ -50,7 +60,7 @@ from kvwire.config.profile import (
 from kvwire.exceptions import ConnectorBuildTimeout as ConnectorBuildTimeout
 from kvwire.exceptions import ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
-from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.base import ConnectorBuilder, KVConnectorBase, KVConnectorRole
 from kvwire.plugin_calls import call_plugin
 from kvwire.redaction import shown
 from kvwire.registry import ConnectorRegistry, accepts_medium, default_registry
@@ -62,42 +72,52 @@ T = TypeVar("T")
 
 _MEDIUM_FIELD = "kv_connector_extra_config.medium"
 
-# What the registry resolved during the role build in progress (this thread's),
-# so that one build enters the registry once per class it needs, however many
-# providers ask for that class.
-_Resolutions = dict[tuple[str, int, str], Any]
-_build_resolutions: contextvars.ContextVar[_Resolutions | None] = contextvars.ContextVar(
-    "kvwire_build_resolutions", default=None
-)
+
+@runtime_checkable
+class MediumBuildingConnector(Protocol):
+    """What the container asks of a connector class that takes a medium, to build that medium.
+
+    `kvwire.connectors.offload.OffloadConnector` answers through these
+    classmethods; a connector class that declares a keyword-only `medium`
+    needs all three (deriving from it gives them).
+    """
+
+    def medium_spec(self, kv_transfer_config: KVTransferConfig) -> str:
+        """What names the medium: a registered name or `package.module:Class`."""
+        ...
+
+    def read_options(
+        self, kv_transfer_config: KVTransferConfig, medium_cls: type[Medium]
+    ) -> dict[str, Any]:
+        """The extra config read over the connector's keys and `medium_cls`'s, finished."""
+        ...
+
+    def medium_context(
+        self, config: EngineConfig, kv_cache_config: KVCacheConfig, options: dict[str, Any]
+    ) -> MediumContext:
+        """What the medium is built from: the cache layout, its groups, `options`."""
+        ...
 
 
-@contextlib.contextmanager
-def _one_resolution_per_build() -> Iterator[None]:
-    if _build_resolutions.get() is not None:
-        yield  # a composite's child, built within its parent's build
-        return
-    token = _build_resolutions.set({})
-    try:
-        yield
-    finally:
-        _build_resolutions.reset(token)
+# MediumBuildingConnector's methods in the order a build calls them: the
+# refusal of a class that lacks some names the first one its build needs.
+_MEDIUM_BUILDING_METHODS = ("medium_spec", "read_options", "medium_context")
 
 
-def _resolved_once(
-    kind: str, registry: ConnectorRegistry, asked: KVTransferConfig, resolve: Callable[[], T]
-) -> T:
-    resolutions = _build_resolutions.get()
-    if resolutions is None:
-        return resolve()
-    # By value, every field (a repr is bounded and blanks secrets): the HMA
-    # gate and a composite's build each derive their own copies of a child's
-    # config. The registry outlives the build, so its id is not reused meanwhile.
-    value = json.dumps(attrs.asdict(asked), sort_keys=True, default=repr)
-    key = (kind, id(registry), value)
-    if key not in resolutions:
-        resolutions[key] = resolve()
-    resolved: T = resolutions[key]
-    return resolved
+def _medium_building(connector_class: type[KVConnectorBase]) -> MediumBuildingConnector:
+    """`connector_class`, which takes a medium, as what its medium is built through."""
+    if isinstance(connector_class, MediumBuildingConnector):
+        return connector_class
+    missing = next(
+        name
+        for name in _MEDIUM_BUILDING_METHODS
+        if not callable(getattr(connector_class, name, None))
+    )
+    raise ContainerSetupError(
+        f"{connector_class.__name__} takes a keyword-only medium, but has no {missing} "
+        "classmethod to build it with: derive it from "
+        "kvwire.connectors.offload.OffloadConnector"
+    )
 
 
 def _engine_config_from(
@@ -141,9 +161,7 @@ def _require_kv_transfer_config(engine_config: EngineConfig) -> KVTransferConfig
 def _resolve_connector_class(
     registry: ConnectorRegistry, kv_transfer_config: KVTransferConfig
 ) -> type[KVConnectorBase]:
-    return _resolved_once(
-        "connector", registry, kv_transfer_config, lambda: registry.resolve(kv_transfer_config)
-    )
+    return registry.resolve(kv_transfer_config)
 
 
 def _a_connector_class(provided: object) -> type[KVConnectorBase]:
@@ -162,31 +180,32 @@ def _a_connector_class(provided: object) -> type[KVConnectorBase]:
     )
 
 
+def _apply_hma_gate(
+    engine_config: EngineConfig,
+    connector_class: type[KVConnectorBase],
+    registry: ConnectorRegistry,
+) -> HMADecision:
+    kv_transfer_config = _require_kv_transfer_config(engine_config)
+
+    def is_supported() -> bool:
+        # Asked of the class the container resolved (an override included);
+        # a composite's hook asks about each child through the registry.
+        return registry.class_supports_hma(connector_class, kv_transfer_config)
+
+    return decide_hma(engine_config.scheduler_config, connector_class.__name__, is_supported)
+
+
 def _resolve_medium_class(
     registry: ConnectorRegistry,
     connector_class: type[KVConnectorBase],
     kv_transfer_config: KVTransferConfig,
 ) -> type[Medium] | None:
-    """The medium an offload connector keeps blocks in; None for a connector that takes none."""
+    """The medium a connector keeps blocks in; None for a connector that takes none."""
     if not accepts_medium(connector_class):
         return None
-    spec = _offload_connector_hook(connector_class, "medium_spec")(kv_transfer_config)
-    medium_cls: type[Medium] = _resolved_once(
-        "medium", registry, kv_transfer_config, lambda: registry.media.get_class(spec)
-    )
+    spec = _medium_building(connector_class).medium_spec(kv_transfer_config)
+    medium_cls: type[Medium] = registry.media.get_class(spec)
     return medium_cls
-
-
-def _offload_connector_hook(connector_class: type[KVConnectorBase], name: str) -> Any:
-    """The class-level hook of an offload connector the container builds its medium with."""
-    hook = getattr(connector_class, name, None)
-    if not callable(hook):
-        raise ContainerSetupError(
-            f"{connector_class.__name__} takes a keyword-only medium, but has no {name} "
-            "classmethod to build it with: derive it from "
-            "kvwire.connectors.offload.OffloadConnector"
-        )
-    return hook
 
 
 def _medium_class_to_build(
@@ -204,7 +223,7 @@ def _read_medium_options(
     medium_class: Callable[[], type[Medium] | None],
     kv_transfer_config: KVTransferConfig,
 ) -> dict[str, Any] | None:
-    """The offload connector's extra config read over its medium's keys and finished; or None."""
+    """The connector's extra config read over its medium's keys and finished; or None."""
     if not accepts_medium(connector_class):
         return None
     medium_cls = _medium_class_to_build(medium_class)
@@ -213,10 +232,7 @@ def _read_medium_options(
             f"KVConnectorContainer.medium_class provides None for {connector_class.__name__}, "
             "which takes a medium: override it with a kvwire.media.Medium subclass"
         )
-    options: dict[str, Any] = _offload_connector_hook(connector_class, "read_options")(
-        kv_transfer_config, medium_cls
-    )
-    return options
+    return _medium_building(connector_class).read_options(kv_transfer_config, medium_cls)
 
 
 def _medium_plugins(
@@ -236,18 +252,15 @@ def _medium_plugins(
 def _medium_context(
     connector_class: type[KVConnectorBase],
     engine_config: EngineConfig,
-    kv_cache_config: KVCacheConfig | providers.Dependency[KVCacheConfig],
+    kv_cache_config: providers.Dependency[KVCacheConfig],
     options: dict[str, Any] | None,
     plugins: dict[str, type] | None,
 ) -> MediumContext | None:
     """What the medium is built from (layout, groups, options, plug-ins); None without a medium."""
     if options is None:
         return None
-    if isinstance(kv_cache_config, providers.Dependency):
-        kv_cache_config = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
-    context: MediumContext = _offload_connector_hook(connector_class, "medium_context")(
-        engine_config, kv_cache_config, options
-    )
+    sized_cache = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
+    context = _medium_building(connector_class).medium_context(engine_config, sized_cache, options)
     if plugins:
         context = attrs.evolve(context, plugins=plugins)
     return context
@@ -268,81 +281,6 @@ def _build_medium(
     return medium
 
 
-def _assemble(
-    registry: ConnectorRegistry,
-    connector_class: type[KVConnectorBase],
-    config: EngineConfig,
-    role: KVConnectorRole,
-    kv_cache_config: KVCacheConfig,
-    medium: Callable[[], Medium | None],
-    connector_builder: ChildConnectorBuilder,
-) -> KVConnectorBase:
-    built_medium = medium() if accepts_medium(connector_class) else None
-    return registry.instantiate(
-        connector_class,
-        config,
-        role,
-        kv_cache_config,
-        medium=built_medium,
-        connector_builder=connector_builder,
-    )
-
-
-@attrs.frozen
-class ChildConnectorBuilder:
-    """Builds the connector an engine config names, as its container builds its own.
-
-    A composite connector's `connector_builder` (the container's
-    `connector_builder` provider): each child's class and medium are
-    resolved through `registry`, once each, and the medium built from the
-    child's options and cache layout, as the container's `medium` provider
-    builds a connector's. The HMA gate is the composite's alone.
-    """
-
-    registry: ConnectorRegistry
-
-    def __call__(
-        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> KVConnectorBase:
-        transfer = _require_kv_transfer_config(config)
-        with _one_resolution_per_build():
-            connector_class = _resolve_connector_class(self.registry, transfer)
-
-            def medium_class() -> type[Medium] | None:
-                return _resolve_medium_class(self.registry, connector_class, transfer)
-
-            def medium() -> Medium | None:
-                options = _read_medium_options(connector_class, medium_class, transfer)
-                plugins = _medium_plugins(self.registry, medium_class, options)
-                context = _medium_context(
-                    connector_class, config, kv_cache_config, options, plugins
-                )
-                return _build_medium(medium_class, context)
-
-            return _assemble(
-                self.registry, connector_class, config, role, kv_cache_config, medium, self
-            )
-
-
-def _apply_hma_gate(
-    engine_config: EngineConfig,
-    connector_class: type[KVConnectorBase],
-    registry: ConnectorRegistry,
-) -> HMADecision:
-    kv_transfer_config = _require_kv_transfer_config(engine_config)
-
-    def resolve_child(child: KVTransferConfig) -> type[KVConnectorBase]:
-        return _resolve_connector_class(registry, child)
-
-    def is_supported() -> bool:
-        # Asked of the class the container resolved (an override included);
-        # a composite's hook asks about each child through the registry,
-        # resolved as the build resolves it.
-        return registry.class_supports_hma(connector_class, kv_transfer_config, resolve_child)
-
-    return decide_hma(engine_config.scheduler_config, connector_class.__name__, is_supported)
-
-
 _KV_CACHE_CONFIG_HOW = (
     "call container.kv_cache_config.override(kv_cache_config) once the engine has sized its "
     "KV cache"
@@ -352,9 +290,189 @@ _KV_CACHE_CONFIG_HOW = (
 def _required(dependency: providers.Dependency[Any], what: str, how: str) -> Any:
     # Asked here rather than injected: dependency-injector's own error only
     # says 'Dependency "..." is not defined', which does not tell what to do.
-    if not dependency.overridden and dependency.default is None:
+    # A sub-container's input is overridden by what feeds it, perhaps a
+    # Dependency of the parent container: the last one in that chain decides.
+    source: providers.Provider[Any] = dependency
+    while isinstance(source, providers.Dependency) and source.last_overriding is not None:
+        source = source.last_overriding
+    if isinstance(source, providers.Dependency) and source.default is None:
         raise ContainerSetupError(f"{what} is not set: {how}")
     return dependency()
+
+
+class ConnectorSetupContainer(containers.DeclarativeContainer):
+    """What a connector of a resolved class is built with, but its medium: its engine config
+    (the HMA gate's decision, this rank's parallel layout) and its medium's class.
+
+    Its inputs are `Dependency` providers. `KVConnectorContainer` composes one
+    (`connector_setup`), fed from its own providers, whose steps it names as its
+    own (`container.hma_gate` is `container.connector_setup.hma_gate`); each
+    connector built, and each child of a composite, gets one of its own,
+    bound to what its build resolved.
+    """
+
+    registry = providers.Dependency(instance_of=ConnectorRegistry)
+    connector_class = providers.Dependency(instance_of=type)
+    engine_config = providers.Dependency(instance_of=EngineConfig)
+    kv_transfer_config = providers.Dependency(instance_of=KVTransferConfig)
+
+    hma_gate = providers.Callable(_apply_hma_gate, engine_config, connector_class, registry)
+    parallel_config = providers.Callable(_parallel_config_of, engine_config)
+    connector_engine_config = providers.Callable(
+        _with_parallel_config,
+        providers.Callable(with_hma_decision, engine_config, hma_gate),
+        parallel_config,
+    )
+    medium_class = providers.Callable(
+        _resolve_medium_class, registry, connector_class, kv_transfer_config
+    )
+
+
+class MediumContainer(containers.DeclarativeContainer):
+    """An offload connector's medium, one step per provider, from inputs it declares.
+
+    Its inputs are `Dependency` providers: the connector's class, its medium's
+    class, its transfer config, its engine config (gated and ranked), the
+    sized cache and the registry plug-ins are resolved through.
+    `KVConnectorContainer` composes one (`media`), fed from its own providers,
+    whose steps it names as its own (`container.medium_options` is
+    `container.media.medium_options`); each connector built, and each child
+    of a composite, gets one of its own, bound to what its build resolved.
+    """
+
+    registry = providers.Dependency(instance_of=ConnectorRegistry)
+    connector_class = providers.Dependency(instance_of=type)
+    # None for a connector that takes no medium (or an override saying so).
+    medium_class: providers.Dependency[type[Medium] | None] = providers.Dependency()
+    kv_transfer_config = providers.Dependency(instance_of=KVTransferConfig)
+    engine_config = providers.Dependency(instance_of=EngineConfig)
+    kv_cache_config = providers.Dependency(instance_of=KVCacheConfig)
+
+    medium_options = providers.Callable(
+        _read_medium_options, connector_class, medium_class.provider, kv_transfer_config
+    )
+    medium_plugins = providers.Callable(
+        _medium_plugins, registry, medium_class.provider, medium_options
+    )
+    medium_context = providers.Callable(
+        _medium_context,
+        connector_class,
+        engine_config,
+        kv_cache_config.provider,
+        medium_options,
+        medium_plugins,
+    )
+    medium = providers.Factory(_build_medium, medium_class.provider, medium_context)
+
+
+class _SubContainer(providers.Container[T]):
+    """A `providers.Container` whose inputs stay fed once its overrides are reset.
+
+    Its inputs are fed by overriding them with the parent's providers, so the
+    `reset_override()` of the parent (which resets this provider's overrides,
+    and those of every provider in it) would otherwise leave them undefined.
+    """
+
+    def reset_override(self) -> None:
+        super().reset_override()
+        self.apply_overridings()
+
+
+def _bound(
+    shape: type[containers.DeclarativeContainer],
+    template: containers.Container | None,
+    **values: Any,
+) -> containers.Container:
+    """A container of `shape` for one build: each provider named in `values` bound to its value.
+
+    What the build resolved (the connector's class, its medium's) or decided
+    (the engine config) is bound once, so each step that needs it reads it
+    here rather than entering the registry again. An override active on a
+    step of `template` (the parent's composed `shape`, its inputs fed by the
+    parent) is this build's too.
+    """
+    build = shape(**{name: providers.Object(value) for name, value in values.items()})
+    if template is not None:
+        for name, provider in template.providers.items():
+            overriding = provider.last_overriding
+            if name in values or overriding is None or isinstance(provider, providers.Dependency):
+                continue
+            build.providers[name].override(overriding)
+    return build
+
+
+def _build_connector(
+    setup: containers.Container,
+    media_template: containers.Container | None,
+    role: KVConnectorRole,
+    kv_cache_config: Callable[[], KVCacheConfig],
+    connector_builder: ConnectorBuilder,
+) -> KVConnectorBase:
+    """The `role` connector `setup` (a `ConnectorSetupContainer` of this build) describes.
+
+    Each step runs once: the engine config (the HMA gate), the sized cache,
+    then, for a connector that takes a medium, the medium's class, bound
+    with the rest into a `MediumContainer` of this build that builds the
+    medium.
+    """
+    registry: ConnectorRegistry = setup.registry()
+    connector_class: type[KVConnectorBase] = setup.connector_class()
+    engine_config: EngineConfig = setup.connector_engine_config()
+    sized_cache = kv_cache_config()
+    medium: Medium | None = None
+    if accepts_medium(connector_class):
+        media = _bound(
+            MediumContainer,
+            media_template,
+            registry=registry,
+            connector_class=connector_class,
+            medium_class=_medium_class_to_build(setup.medium_class),
+            kv_transfer_config=setup.kv_transfer_config(),
+            engine_config=engine_config,
+            kv_cache_config=sized_cache,
+        )
+        medium = media.medium()
+    return registry.instantiate(
+        connector_class,
+        engine_config,
+        role,
+        sized_cache,
+        medium=medium,
+        connector_builder=connector_builder,
+    )
+
+
+@attrs.frozen
+class ChildConnectorBuilder:
+    """Builds the connector an engine config names, as its container builds its own.
+
+    A composite connector's `connector_builder` (the container's
+    `connector_builder` provider). Each child is built by a
+    `ConnectorSetupContainer` and a `MediumContainer` of its own, the shapes
+    the container composes, bound to the child's class (resolved through
+    `registry`, once) and its engine config as the composite hands it, HMA
+    decided and ranked already: the HMA gate is the composite's alone, and so
+    are the overrides of the container's steps. A child that is a composite
+    builds its own children with this builder.
+    """
+
+    registry: ConnectorRegistry
+
+    def __call__(
+        self, config: EngineConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> KVConnectorBase:
+        transfer = _require_kv_transfer_config(config)
+        setup = _bound(
+            ConnectorSetupContainer,
+            None,
+            registry=self.registry,
+            connector_class=self.registry.resolve(transfer),
+            engine_config=config,
+            kv_transfer_config=transfer,
+            # HMA decided and ranked by the composite: no gate of the child's own.
+            connector_engine_config=config,
+        )
+        return _build_connector(setup, None, role, lambda: kv_cache_config, self)
 
 
 class ThreadSafeResource(providers.Resource[T]):
@@ -380,7 +498,7 @@ class ThreadSafeResource(providers.Resource[T]):
         super().__init__(provides, *args, **kwargs)
 
     def _provide(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-        with self._locked(), _one_resolution_per_build():
+        with self._locked():
             # _provide is the cpdef hook Provider.__call__ calls once no
             # override answered; the stubs do not list it.
             provided: T = super()._provide(args, kwargs)  # type: ignore[misc]
@@ -413,17 +531,30 @@ class _ConnectorLifetime(resources.Resource[KVConnectorBase]):
 
     def init(
         self,
+        role: KVConnectorRole,
         registry: ConnectorRegistry,
         connector_class: type[KVConnectorBase],
         engine_config: EngineConfig,
-        role: KVConnectorRole,
+        kv_transfer_config: KVTransferConfig,
         kv_cache_config: providers.Dependency[KVCacheConfig],
-        medium: providers.Provider[Medium | None],
-        connector_builder: ChildConnectorBuilder,
+        connector_builder: ConnectorBuilder,
+        connector_setup: containers.Container,
+        media: containers.Container,
     ) -> KVConnectorBase:
-        sized_cache = _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW)
-        return _assemble(
-            registry, connector_class, engine_config, role, sized_cache, medium, connector_builder
+        setup = _bound(
+            ConnectorSetupContainer,
+            connector_setup,
+            registry=registry,
+            connector_class=connector_class,
+            engine_config=engine_config,
+            kv_transfer_config=kv_transfer_config,
+        )
+        return _build_connector(
+            setup,
+            media,
+            role,
+            lambda: _required(kv_cache_config, "kv_cache_config", _KV_CACHE_CONFIG_HOW),
+            connector_builder,
         )
 
     def shutdown(self, connector: KVConnectorBase | None) -> None:
@@ -458,31 +589,37 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     - `kv_transfer_config` and `connector_class`: what the config names
       (an override that is no subclass of `KVConnectorBase` is refused
       with [`NotAConnectorError`][kvwire.exceptions.NotAConnectorError] when first used);
-    - `medium_class`: the medium an offload connector keeps blocks in (None
-      for another connector), resolved through the registry; override it to
-      swap the medium of this container's connectors:
-      `container.medium_class.override(providers.Object(MyDirectory))`;
-    - `medium_options`: the connector's extra config read over its keys and
-      the medium's, finished by the medium (None without a medium);
-    - `medium_plugins`: the classes the medium's plug-in options name (the
-      CPU pool's `eviction` policy), resolved through `registry`, so a policy
-      registered or overridden on this container's registry is the one used;
-    - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
-      demanded from a connector that cannot serve it);
-    - `parallel_config`: the `ParallelConfig` (this
-      process's rank, the tensor and pipeline parallel sizes): the engine
-      config's by default; an engine's worker process (or a test building
-      rank 1's connector) overrides it with its own rank;
-    - `connector_engine_config`: the engine config with the gate's decision
-      and the parallel layout;
-    - `medium_context`: the `MediumContext` the medium is built from (the
-      options and their plug-in classes, the KV cache groups, the layout of
-      one entry);
-    - `medium`: the medium itself, a `Factory`: one per connector built;
-    - `connector_builder`: what a composite builds its children with, each
-      child's class and medium resolved through `registry` as above;
+    - `connector_setup`, a [`ConnectorSetupContainer`][kvwire.container.ConnectorSetupContainer]
+      fed from the providers above, whose steps are the container's own:
+        - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
+          demanded from a connector that cannot serve it);
+        - `parallel_config`: the `ParallelConfig` (this
+          process's rank, the tensor and pipeline parallel sizes): the engine
+          config's by default; an engine's worker process (or a test building
+          rank 1's connector) overrides it with its own rank;
+        - `connector_engine_config`: the engine config with the gate's decision
+          and the parallel layout;
+        - `medium_class`: the medium an offload connector keeps blocks in (None
+          for another connector), resolved through the registry; override it to
+          swap the medium of this container's connectors:
+          `container.medium_class.override(providers.Object(MyDirectory))`;
+    - `media`, a [`MediumContainer`][kvwire.container.MediumContainer] fed from the
+      providers above, whose steps are the container's own:
+        - `medium_options`: the connector's extra config read over its keys and
+          the medium's, finished by the medium (None without a medium);
+        - `medium_plugins`: the classes the medium's plug-in options name (the
+          CPU pool's `eviction` policy), resolved through `registry`, so a policy
+          registered or overridden on this container's registry is the one used;
+        - `medium_context`: the `MediumContext` the medium is built from (the
+          options and their plug-in classes, the KV cache groups, the layout of
+          one entry);
+        - `medium`: the medium itself, a `Factory`: one per connector built;
+    - `connector_builder`: what a composite builds its children with
+      ([`ChildConnectorBuilder`][kvwire.container.ChildConnectorBuilder]);
     - `scheduler_connector` / `worker_connector`: one connector per role,
-      shut down by `shutdown_resources()`;
+      shut down by `shutdown_resources()`. Each build binds a
+      `ConnectorSetupContainer` and a `MediumContainer` of its own to the
+      class it resolved, once, and to the overrides active on the container's;
     - `process_role` and `connector`: the connector of the role this
       process declared.
 
@@ -503,54 +640,58 @@ class KVConnectorContainer(containers.DeclarativeContainer):
     connector_class = providers.Callable(_resolve_connector_class, registry, kv_transfer_config)
     # What the providers below build with: connector_class, overrides included, checked.
     _checked_connector_class = providers.Callable(_a_connector_class, connector_class)
-    medium_class = providers.Callable(
-        _resolve_medium_class, registry, _checked_connector_class, kv_transfer_config
+
+    connector_setup: providers.Container[ConnectorSetupContainer] = _SubContainer(
+        ConnectorSetupContainer,
+        registry=registry,
+        connector_class=_checked_connector_class,
+        engine_config=engine_config,
+        kv_transfer_config=kv_transfer_config,
     )
-    hma_gate = providers.Callable(
-        _apply_hma_gate, engine_config, _checked_connector_class, registry
+    hma_gate = connector_setup.hma_gate
+    parallel_config = connector_setup.parallel_config
+    connector_engine_config = connector_setup.connector_engine_config
+    medium_class = connector_setup.medium_class
+
+    media: providers.Container[MediumContainer] = _SubContainer(
+        MediumContainer,
+        registry=registry,
+        connector_class=_checked_connector_class,
+        medium_class=medium_class,
+        kv_transfer_config=kv_transfer_config,
+        engine_config=connector_engine_config,
+        kv_cache_config=kv_cache_config,
     )
-    parallel_config = providers.Callable(_parallel_config_of, engine_config)
-    connector_engine_config = providers.Callable(
-        _with_parallel_config,
-        providers.Callable(with_hma_decision, engine_config, hma_gate),
-        parallel_config,
-    )
-    medium_options = providers.Callable(
-        _read_medium_options, _checked_connector_class, medium_class.provider, kv_transfer_config
-    )
-    medium_plugins = providers.Callable(
-        _medium_plugins, registry, medium_class.provider, medium_options
-    )
-    medium_context = providers.Callable(
-        _medium_context,
-        _checked_connector_class,
-        connector_engine_config,
-        kv_cache_config.provider,
-        medium_options,
-        medium_plugins,
-    )
-    medium = providers.Factory(_build_medium, medium_class.provider, medium_context)
+    medium_options = media.medium_options
+    medium_plugins = media.medium_plugins
+    medium_context = media.medium_context
+    medium = media.medium
+
     connector_builder = providers.Factory(ChildConnectorBuilder, registry)
 
     scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
+        KVConnectorRole.SCHEDULER,
         registry,
         _checked_connector_class,
-        connector_engine_config,
-        KVConnectorRole.SCHEDULER,
+        engine_config,
+        kv_transfer_config,
         kv_cache_config.provider,
-        medium.provider,
         connector_builder,
+        connector_setup,
+        media,
     )
     worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
         _ConnectorLifetime,
+        KVConnectorRole.WORKER,
         registry,
         _checked_connector_class,
-        connector_engine_config,
-        KVConnectorRole.WORKER,
+        engine_config,
+        kv_transfer_config,
         kv_cache_config.provider,
-        medium.provider,
         connector_builder,
+        connector_setup,
+        media,
     )
 
     process_role = providers.Dependency(instance_of=KVConnectorRole)

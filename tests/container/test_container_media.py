@@ -11,6 +11,7 @@ import pathlib
 import re
 from typing import Any
 
+import attrs
 import pytest
 from dependency_injector import providers
 
@@ -23,6 +24,7 @@ from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.media.base import Medium
 from kvwire.registry import ConnectorRegistry, MediumRegistry
+from kvwire.testing import IdleConnector
 from tests.support.pairs import cache_config_for, engine_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -77,10 +79,9 @@ def test_one_build_resolves_the_connector_class_and_the_medium_once_each(role: s
     container.shutdown_resources()
 
 
-def test_a_composite_s_children_are_resolved_once_each_with_their_media(
-    tmp_path: pathlib.Path,
-) -> None:
-    registry = CountingRegistry()
+def _composite_container(
+    tmp_path: pathlib.Path, registry: ConnectorRegistry, *, hma_off: bool = False
+) -> Any:
     children = [
         {"kv_connector": "CPUOffloadConnector", "kv_connector_extra_config": POOL},
         {
@@ -88,7 +89,25 @@ def test_a_composite_s_children_are_resolved_once_each_with_their_media(
             "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
         },
     ]
-    container = _container("MultiConnector", {"connectors": children}, registry)
+    config = engine_config("MultiConnector", {"connectors": children})
+    if hma_off:
+        config = attrs.evolve(
+            config,
+            scheduler_config=attrs.evolve(
+                config.scheduler_config, disable_hybrid_kv_cache_manager=True
+            ),
+        )
+    return container_for_profile(
+        config, kv_cache_config=cache_config_for(config), registry=registry
+    )
+
+
+def test_each_child_s_build_resolves_its_class_and_its_medium_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    registry = CountingRegistry()
+    # HMA off: the gate asks the composite nothing, so what is counted is the builds alone.
+    container = _composite_container(tmp_path, registry, hma_off=True)
 
     multi = container.worker_connector()
 
@@ -98,6 +117,27 @@ def test_a_composite_s_children_are_resolved_once_each_with_their_media(
     ]
     assert registry.resolved == [
         "MultiConnector",
+        "CPUOffloadConnector",
+        "SharedStorageConnector",
+    ]
+    assert registry.media.asked == ["cpu_pool", "directory"]
+    container.shutdown_resources()
+
+
+def test_the_hma_gate_asks_each_child_s_class_before_the_composite_is_built(
+    tmp_path: pathlib.Path,
+) -> None:
+    registry = CountingRegistry()
+    container = _composite_container(tmp_path, registry)
+
+    container.worker_connector()
+
+    # The gate's question (does every child serve HMA?) comes before the
+    # composite's build, which then builds each child, resolving it once.
+    assert registry.resolved == [
+        "MultiConnector",
+        "CPUOffloadConnector",
+        "SharedStorageConnector",
         "CPUOffloadConnector",
         "SharedStorageConnector",
     ]
@@ -218,3 +258,47 @@ def test_the_container_s_medium_class_is_none_for_a_connector_without_one() -> N
 
     assert container.medium_class() is None
     assert container.medium_options() is None
+
+
+class MediumTakingConnector(IdleConnector):
+    """Takes a keyword-only medium but not the classmethods that build one."""
+
+    def __init__(
+        self,
+        config: Any,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        *,
+        medium: Medium | None = None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+
+
+def test_a_connector_taking_a_medium_without_the_methods_to_build_it_is_refused() -> None:
+    container = _container("CPUOffloadConnector", POOL, ConnectorRegistry())
+
+    with (
+        container.connector_class.override(providers.Object(MediumTakingConnector)),
+        pytest.raises(ContainerSetupError) as refused,
+    ):
+        container.worker_connector()
+
+    assert str(refused.value) == (
+        "MediumTakingConnector takes a keyword-only medium, but has no medium_spec classmethod "
+        "to build it with: derive it from kvwire.connectors.offload.OffloadConnector"
+    )
+
+
+def test_the_refusal_names_the_first_method_the_build_lacks() -> None:
+    class WithSpecOnly(MediumTakingConnector):
+        @classmethod
+        def medium_spec(cls, kv_transfer_config: KVTransferConfig) -> str:
+            return "cpu_pool"
+
+    container = _container("CPUOffloadConnector", POOL, ConnectorRegistry())
+
+    with (
+        container.connector_class.override(providers.Object(WithSpecOnly)),
+        pytest.raises(ContainerSetupError, match=r"^WithSpecOnly .* has no read_options "),
+    ):
+        container.worker_connector()

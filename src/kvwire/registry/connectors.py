@@ -41,7 +41,6 @@ from kvwire.exceptions import (
 from kvwire.exceptions import ModulePathError as ModulePathError
 from kvwire.interface.base import (
     ConnectorBuilder,
-    ConnectorResolver,
     KVConnectorBase,
     KVConnectorRole,
     supports_kw,
@@ -395,21 +394,15 @@ class ConnectorRegistry:
         return self.class_supports_hma(self.resolve(kv_transfer_config), kv_transfer_config)
 
     def class_supports_hma(
-        self,
-        connector_cls: type[KVConnectorBase],
-        kv_transfer_config: KVTransferConfig,
-        resolve: ConnectorResolver | None = None,
+        self, connector_cls: type[KVConnectorBase], kv_transfer_config: KVTransferConfig
     ) -> bool:
         """Whether `connector_cls` (resolved already, perhaps an override) supports HMA here.
 
-        A composite's children are resolved through `resolve` (this
-        registry's `resolve` by default; a container passes the one its
-        build resolves through, so each child is resolved once).
+        A composite's children are resolved through this registry.
         """
-        resolve_child = resolve or self.resolve
 
         def child_supports_hma(child: KVTransferConfig) -> bool:
-            return self.class_supports_hma(resolve_child(child), child, resolve)
+            return self.class_supports_hma(self.resolve(child), child)
 
         with self._nested(connector_cls):
             try:
