@@ -5,7 +5,10 @@ which block; this half adds what the offload connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
 changes happened), the admission of saves (`SaveAdmission`: a block is saved
 once offered `save_threshold` times) and the counts of blocks evicted, of
-saves the pool had no room for and of saves not admitted.
+saves the pool had no room for and of saves not admitted. A tiered medium's
+index (`kvwire.media.tiered.index.TieredIndex`) keeps one as its pool and
+uses it through its public calls: those of any index, and the promotions of
+blocks brought in from slower tiers.
 """
 
 from __future__ import annotations
