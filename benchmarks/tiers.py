@@ -49,7 +49,7 @@ from kvwire.interface.types import BlockHash
 from kvwire.media.base import MediumIndex
 from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.cpu_pool.medium import save_admission
-from kvwire.media.tiered.index import MISSING, TieredIndex
+from kvwire.media.tiered.index import Place, Spills, TieredIndex, TieredLoad
 from kvwire.registry import default_registry
 
 Trace = list[list[bytes]]
@@ -277,11 +277,15 @@ def simulate_tiered(
         asked += len(hashes)
         held = index.count_held_prefix(0, hashes)
         if held:
-            index.prepare_load(0, hashes[:held])
-            sources = index.load_sources(0, hashes[:held])
-            from_disk = sum(1 for source in sources if source.startswith("1:"))
-            missing = [h for h, src in zip(hashes[:held], sources, strict=True) if src == MISSING]
-            index.complete_load(0, hashes[:held], missing)
+            payload = index.prepare_load(0, hashes[:held]).payload
+            assert isinstance(payload, TieredLoad)
+            from_disk = sum(1 for place in payload.places if place is Place.TIER)
+            missing = [
+                h
+                for h, place in zip(hashes[:held], payload.places, strict=True)
+                if place is Place.MISSING
+            ]
+            index.complete_load(0, hashes[:held], missing, payload=payload)
             disk_hits += from_disk
             pool_hits += held - from_disk - len(missing)
             held -= len(missing)
@@ -291,9 +295,10 @@ def simulate_tiered(
             if write_policy == "write_through":
                 written += len(placed)
                 disk.held.update(placed)
-        for spill in index.take_spills():
-            written += len(spill.block_hashes)
-            disk.held.update(spill.block_hashes)
+        spills = index.take_step_payload()
+        for spilled in spills.groups if isinstance(spills, Spills) else ():
+            written += len(spilled.block_hashes)
+            disk.held.update(spilled.block_hashes)
         index.take_events()
         index.take_counters()
     return _tier_row(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import attrs
 from dependency_injector import providers
 
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.config import EngineConfig, KVRole, KVTransferConfig, LoadFailurePolicy
 from kvwire.connectors.offload.transfer_book import TransferBook
 from kvwire.container import KVConnectorContainer, container_for_profile
@@ -169,7 +170,11 @@ class IndexHoldingEverything(MediumIndex):
         return len(block_hashes)
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
         self.corrupt.extend(corrupt)
 

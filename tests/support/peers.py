@@ -66,35 +66,6 @@ def peer_config(
     return attrs.evolve(config, parallel_config=parallel)
 
 
-def tiered_peer_config(
-    url: str,
-    key_prefix: str,
-    *,
-    peer_name: str,
-    write_policy: str = "write_through",
-    pool_bytes: int | str = "4MiB",
-    tensor_parallel_size: int = 1,
-) -> EngineConfig:
-    """The tiny engine with the tiered connector: its CPU pool in front of the peer medium."""
-    peer = {
-        "medium": "peer",
-        "url": url,
-        "key_prefix": key_prefix,
-        "peer_name": peer_name,
-        "cpu_pool_bytes": "4MiB",
-        "staging_blocks": 8,
-        "transfer_timeout_s": 5,
-        "peer_heartbeat_s": 1,
-    }
-    options = {"cpu_pool_bytes": pool_bytes, "write_policy": write_policy, "tiers": [peer]}
-    config = with_connector(tiny_config(block_size=BLOCK_SIZE), "TieredOffloadConnector", options)
-    if tensor_parallel_size == 1:
-        return config
-    return attrs.evolve(
-        config, parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size)
-    )
-
-
 def prompts(seed: int, num_requests: int = 4, prompt_len: int = 30) -> list[GenerationRequest]:
     """Requests sharing most of a prefix of their ``seed``'s, block-unaligned; ids name the seed."""
     spec = WorkloadSpec(

@@ -26,10 +26,11 @@ from typing import Any
 import yaml
 from dependency_injector import containers, providers
 
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.connectors.offload import CPUOffloadConnector, SharedStorageConnector
 from kvwire.interface.base import KVConnectorBase, KVConnectorMetadata, SupportsHMA
 from kvwire.interface.types import BlockHash, KVCacheEvent, Request, SchedulerOutput
-from kvwire.media.base import MediumIndex
+from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.directory import DirectoryMedium
@@ -440,13 +441,17 @@ class NeverHitIndex(MediumIndex):
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         return 0
 
-    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         return self._index.prepare_load(group, block_hashes)
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
-        self._index.complete_load(group, block_hashes, corrupt)
+        self._index.complete_load(group, block_hashes, corrupt, payload=payload)
 
     def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]

@@ -18,7 +18,6 @@ from tests.support.vllm import (
     running_llm,
     shared_prompts,
     with_redis_url,
-    with_small_pools,
 )
 
 PROMPTS = shared_prompts()
@@ -83,9 +82,6 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     [
         ("tiered-disk.yaml", "spill"),
         ("tiered-disk.yaml", "write_through"),
-        # This engine's own peer pool: each spill is announced once the worker
-        # reported it written, through vLLM's own worker-metadata path.
-        ("tiered-peers.yaml", "spill"),
     ],
 )
 def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
@@ -94,20 +90,8 @@ def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if profile == "tiered-peers.yaml":
-        # NIXL's UCX over loopback.
-        monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
-        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-        redis_url = request.getfixturevalue("redis_url")
-        key_prefix = f"kvwire:test-{uuid.uuid4().hex[:8]}:"
-        mapping = with_small_pools(
-            with_redis_url(load_profile_mapping(profile), redis_url, key_prefix)
-        )
-    else:
-        mapping = profile_with_directory(profile, tmp_path)
+    mapping = profile_with_directory(profile, tmp_path)
     extra = mapping["kv_transfer_config"]["kv_connector_extra_config"]
     # 12 slots of 32 KiB: one prompt's 9 blocks fit, the next one's evict them.
     extra.update(cpu_pool_bytes="400KiB", write_policy=write_policy)

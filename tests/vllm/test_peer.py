@@ -62,31 +62,3 @@ def test_decode_pulls_the_prompt_blocks_from_the_live_prefill_engine_over_nixl(
     assert consumed["blocks_loaded"] == consumed["peer_blocks_pulled"]
     assert consumed["peer_blocks_pulled"] == len(PROMPTS) * LOADABLE_BLOCKS
     assert "load_errors" not in consumed
-
-
-@pytest.mark.slow
-def test_tiered_peers_an_engine_pulls_another_engines_blocks_into_its_own_pool(
-    tiny_model: str,
-    tokens_without_connector: list[list[int]],
-    redis_url: str,
-    tmp_path: pathlib.Path,
-) -> None:
-    profile = peer_profile("tiered-peers.yaml", redis_url, f"kvwire:test-{uuid.uuid4().hex[:8]}:")
-    with (
-        prefill_process(tiny_model, kvwire_transfer_config(profile), PROMPTS, tmp_path) as first,
-        running_llm(tiny_model, kvwire_transfer_config(profile)) as llm,
-    ):
-        tokens, cached = generate(llm, PROMPTS)
-        pulled = kvwire.vllm.kvwire_stats(llm)
-
-    assert tokens == tokens_without_connector
-    # The first engine wrote every block it saved through to its peer pool.
-    written = first["stats"]
-    assert written["tier1.written_through_blocks"] == written["blocks_saved"]
-    assert written["blocks_saved"] == len(PROMPTS) * LOADABLE_BLOCKS
-    # This one computed only each prompt's last block: the rest came from the first
-    # engine's peer pool, through its own pool.
-    assert cached == [LOADABLE_BLOCKS * BLOCK_SIZE] * len(PROMPTS)
-    assert pulled["tier1.peer_blocks_pulled"] == len(PROMPTS) * LOADABLE_BLOCKS
-    assert pulled["tier1.promoted_blocks"] == pulled["tier1.peer_blocks_pulled"]
-    assert "load_errors" not in pulled

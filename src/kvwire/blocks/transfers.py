@@ -3,7 +3,10 @@
 `BlockPlanner` makes them, the
 connectors send them in their step metadata (pickled across the worker
 process), and `StoreTransferHandler` and
-`CPUPoolTransferHandler` move their blocks.
+`CPUPoolTransferHandler` move their blocks. What a medium's scheduler half
+tells its worker half about a transfer travels with it as one
+[`TransferPayload`][kvwire.media.TransferPayload] of the medium's own, which
+no connector reads.
 """
 
 from __future__ import annotations
@@ -12,7 +15,23 @@ import attrs
 
 from kvwire.interface.types import BlockHash
 
-__all__ = ["BlockTransfer"]
+__all__ = ["BlockTransfer", "TransferPayload"]
+
+
+class TransferPayload:
+    """A medium's own record of a transfer, from its scheduler half to its worker half.
+
+    The connector carries it untouched: from `MediumIndex.prepare_load` with
+    the load it prepared, or from `MediumIndex.take_step_payload` with the
+    step's plan. A subclass is a picklable record (an `attrs.frozen` class
+    defined at module level): it crosses to the worker process in the step's
+    metadata. One that keeps a record per block overrides `part`, so that a
+    piece of a transfer carries the records of its own blocks.
+    """
+
+    def part(self, start: int, stop: int) -> TransferPayload:
+        """The payload of the transfer's blocks `start:stop`; by default the whole one."""
+        return self
 
 
 @attrs.frozen(kw_only=True)
@@ -32,14 +51,9 @@ class BlockTransfer:
     """The blocks' hashes: what names each block's entry in the medium."""
     slots: tuple[int, ...] = ()
     """The CPU pool's entry slots the blocks are copied to or from; empty for store media."""
-    sources: tuple[str, ...] = ()
-    """For a load: where the scheduler half's lookup found each block, in the medium's own
-    words (the peer medium's directory entries); empty when the worker finds them itself.
-
-    A hint, not a promise: the block may have moved since, so the worker
-    still verifies what it reads there. For a save: where else in the medium
-    each block goes (`MediumIndex.save_sources`); empty for nowhere else.
-    """
+    payload: TransferPayload | None = None
+    """For a load: what the medium's index gave with it (`LoadSpec.payload`), for its handler
+    alone; None when it gave nothing."""
     context_block_ids: tuple[int, ...] = ()
     """For a save: the request's blocks, in every group, up to the last one saved; empty for a load.
 

@@ -1,7 +1,9 @@
 """Media: where offload connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
 
 What a medium author needs is importable from here: the interface
-([`Medium`][kvwire.media.Medium] and its two halves), the key-value store base
+([`Medium`][kvwire.media.Medium] and its two halves, and the typed records they pass: a
+[`LoadSpec`][kvwire.media.LoadSpec], a medium's own
+[`TransferPayload`][kvwire.media.TransferPayload]), the key-value store base
 ([`StoreMedium`][kvwire.media.StoreMedium] over a [`BlockStore`][kvwire.media.BlockStore]), the
 kit a transfer handler is built from (its jobs in flight: a
 [`JobLedger`][kvwire.media.JobLedger] of [`JobPiece`][kvwire.media.JobPiece]s; its
@@ -22,7 +24,7 @@ from kvwire._lazy_exports import lazy_exports
 from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.mac import EntryMac
-from kvwire.blocks.transfers import BlockTransfer
+from kvwire.blocks.transfers import BlockTransfer, TransferPayload
 from kvwire.config.engine_config import ParallelConfig
 from kvwire.config.extra_config import (
     ExtraConfigKey,
@@ -38,6 +40,7 @@ from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.base import (
     JobResult,
+    LoadSpec,
     Medium,
     MediumContext,
     MediumIndex,
@@ -80,6 +83,7 @@ __all__ = [
     "KVCacheEvent",
     "LateWriteError",
     "LayerShard",
+    "LoadSpec",
     "Medium",
     "MediumContext",
     "MediumIndex",
@@ -89,6 +93,7 @@ __all__ = [
     "TransferHandler",
     "TransferJob",
     "TransferKind",
+    "TransferPayload",
     "ValueRefused",
     "bool_key",
     "close_in_steps",

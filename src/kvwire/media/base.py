@@ -19,7 +19,11 @@ registered by name like a connector (`MediumRegistry.register_medium`, on the
 `kv_connector_extra_config` keys; a connector's profile names it with
 `kv_connector_extra_config.medium`.
 
-Every record of blocks to move is a [`BlockTransfer`][kvwire.media.BlockTransfer].
+Every record of blocks to move is a [`BlockTransfer`][kvwire.media.BlockTransfer]. What a
+medium's scheduler half tells its worker half beyond the blocks travels as one
+[`TransferPayload`][kvwire.media.TransferPayload] of the medium's own, which the connector
+carries untouched: with a load ([`LoadSpec`][kvwire.media.LoadSpec], from `prepare_load`), or
+with a step's plan (`take_step_payload`, to `TransferHandler.begin_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import attrs
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
-from kvwire.blocks.transfers import BlockTransfer
+from kvwire.blocks.transfers import BlockTransfer, TransferPayload
 from kvwire.config import ParallelConfig
 from kvwire.config.extra_config import ExtraConfigKey
 from kvwire.interface.counters import Counters
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JobResult",
+    "LoadSpec",
     "Medium",
     "MediumContext",
     "MediumIndex",
@@ -82,6 +87,21 @@ class MediumContext:
     """
 
 
+@attrs.frozen
+class LoadSpec:
+    """What [`MediumIndex.prepare_load`][kvwire.media.MediumIndex.prepare_load] gives a load.
+
+    The connector puts both on the load's [`BlockTransfer`][kvwire.media.BlockTransfer] for
+    the worker half, and hands `payload` back to `complete_load` once the load ended.
+    """
+
+    slots: tuple[int, ...] = ()
+    """Where the worker reads each block (the CPU pool's slots), one per block; empty to read
+    by key."""
+    payload: TransferPayload | None = None
+    """The medium's own record of this load, for its handler; None for none."""
+
+
 class MediumIndex(abc.ABC):
     """The scheduler half of a medium: what it holds, and each transfer's bookkeeping.
 
@@ -108,29 +128,27 @@ class MediumIndex(abc.ABC):
         window is asked for last block first.
         """
 
-    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Pin these blocks for a load; where the worker reads each (slots), or () to read by key.
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
+        """Pin these blocks for a load; what the worker half gets with it (`LoadSpec`).
 
         Called only for blocks [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix]
-        just counted; a block gone meanwhile is an error the caller reports.
+        just counted; a block gone meanwhile is an error the caller reports. The default
+        pins nothing and gives nothing: the worker finds each block by key.
         """
-        return ()
-
-    def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
-        """Where the lookup just found each block, for the worker: the load's `sources`.
-
-        A medium whose worker would otherwise ask its server again where each
-        block is passes what [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix]
-        learnt instead (see [`sources`][kvwire.media.BlockTransfer.sources]): one round trip per
-        load. Empty strings for blocks it has nothing on, or () to let the worker find every block
-        itself (the default).
-        """
-        return ()
+        return LoadSpec()
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
-        """The load of these blocks ended; `corrupt` ones failed verification."""
+        """The load of these blocks ended; `corrupt` ones failed verification.
+
+        `payload` is the one `prepare_load` gave this load (`LoadSpec.payload`):
+        it tells loads of the same blocks apart.
+        """
 
     def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
@@ -143,44 +161,22 @@ class MediumIndex(abc.ABC):
         """
         return [(block_hash, None) for block_hash in block_hashes]
 
-    def save_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
-        """Where else each block of the save just placed goes, in the medium's own words.
-
-        Called right after [`prepare_save`][kvwire.media.MediumIndex.prepare_save] with
-        the blocks it took; the worker gets them as the save's `sources` (a
-        tiered medium's placing tiers' places). Empty (the default) for none.
-        """
-        return ()
-
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
     ) -> None:
         """The save of these blocks ended: made (publish them) or not (free their place)."""
 
-    def take_spills(self) -> list[BlockTransfer]:
-        """Blocks to copy from one place of the medium to another, since the last call.
+    def take_step_payload(self) -> TransferPayload | None:
+        """Work of the medium's own for its worker half, since the last call; None for none.
 
-        A tiered medium's blocks its pool evicted that no slower tier holds
-        yet; their block ids are the pool slots they are read from. The
-        connector sends them to the worker half with the step's plan, where
-        [`TransferHandler.spill`][kvwire.media.TransferHandler.spill] writes
-        them before anything of the step writes the medium. None by default.
-
-        A spill whose `request_id` is not empty names it: the worker half
-        reports when it ended
-        ([`TransferHandler.take_ended_spills`][kvwire.media.TransferHandler.take_ended_spills]),
-        and [`complete_spills`][kvwire.media.MediumIndex.complete_spills] hears of it. One
-        with an empty `request_id` is not reported.
+        Asked once per step, after every `prepare_*` call of it. The connector
+        carries it with the step's plan to
+        [`TransferHandler.begin_step`][kvwire.media.TransferHandler.begin_step],
+        which starts it before anything of the step moves blocks (a tiered
+        medium's blocks evicted from its pool that no slower tier holds yet).
+        None by default.
         """
-        return []
-
-    def complete_spills(self, ended: Sequence[tuple[str, bool]]) -> None:
-        """Named spills that ended on a worker: `(name, written)` each, as the workers report them.
-
-        Every worker of the engine (each rank of a split engine) reports each
-        named spill once, so a name comes once per rank, in any order, over
-        one or several steps. Nothing by default.
-        """
+        return None
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events this side saw since the last call (stored, removed blocks)."""
@@ -273,25 +269,16 @@ class TransferHandler(abc.ABC):
         stopped so, so the scheduler half never publishes them.
         """
 
-    def spill(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Start writing the blocks the index's `take_spills` gave; only submits.
+    def begin_step(self, payload: TransferPayload) -> None:
+        """Start the work the index's `take_step_payload` gave this step; only submits.
 
         Called before the step's loads and saves. A medium whose index
         gives none need not implement it.
         """
         raise NotImplementedError(
-            f"{type(self).__name__}.spill: this medium's index gave blocks to spill, but its "
-            "handler does not implement spill()"
+            f"{type(self).__name__}.begin_step: this medium's index gave work for a step "
+            "(take_step_payload), but its handler does not implement begin_step()"
         )
-
-    def take_ended_spills(self) -> list[tuple[str, bool]]:
-        """The named spills (`take_spills`) that ended since the last call: `(name, written)` each.
-
-        `written` is False for a spill given up on before it ended. The
-        connector sends them to the scheduler half's
-        [`MediumIndex.complete_spills`][kvwire.media.MediumIndex.complete_spills]. None by default.
-        """
-        return []
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events this side saw since the last call (media whose index sees none)."""
@@ -323,11 +310,9 @@ class Medium(abc.ABC):
     """Whether a block is found by its key alone, whoever wrote it: the index places nothing.
 
     False for a medium whose scheduler half decides where each block goes and
-    publishes it (the CPU pool's slots, the peer medium's directory). A
-    tiered medium's worker half writes a secondary tier found by key on its
-    own; a tier that places its blocks is written where its index's
-    `prepare_save` says, and its `complete_save` is called once every worker
-    wrote them.
+    publishes it (the CPU pool's slots, the peer medium's directory). Only a
+    medium found by key can be a tiered medium's secondary tier: the tier's
+    worker half writes it on its own.
     """
 
     def __init__(self, context: MediumContext) -> None:

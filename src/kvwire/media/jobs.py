@@ -116,13 +116,14 @@ class JobPiece:
 
 
 def part_of(transfer: BlockTransfer, start: int, stop: int) -> BlockTransfer:
-    """The blocks `start:stop` of `transfer`, with their slots and sources where it has them."""
+    """The blocks `start:stop` of `transfer`, with their slots and their payload's records."""
+    payload = transfer.payload
     return attrs.evolve(
         transfer,
         block_ids=transfer.block_ids[start:stop],
         block_hashes=transfer.block_hashes[start:stop],
         slots=transfer.slots[start:stop],
-        sources=transfer.sources[start:stop],
+        payload=None if payload is None else payload.part(start, stop),
     )
 
 

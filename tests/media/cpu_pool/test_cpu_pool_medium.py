@@ -87,7 +87,7 @@ def stored(index: MediumIndex, handler: DrivenHandler[TransferHandler]) -> tuple
 
 def load_into_2_and_3(index: MediumIndex, handler: DrivenHandler[TransferHandler]) -> set[int]:
     """Load ``HASHES`` of group 0 into blocks 2 and 3; the block ids that failed."""
-    slots = index.prepare_load(0, HASHES)
+    slots = index.prepare_load(0, HASHES).slots
     handler.start_loads(
         [BlockTransfer(request_id="c", block_ids=(2, 3), block_hashes=HASHES, slots=slots)], []
     )
@@ -365,7 +365,7 @@ def test_a_block_being_loaded_is_not_evicted_until_its_load_completes() -> None:
     index.prepare_save(0, [H1])
     index.complete_save(0, [H1], success=True)
 
-    assert index.prepare_load(0, [H1]) == (0,)
+    assert index.prepare_load(0, [H1]).slots == (0,)
     assert index.prepare_save(0, [H2]) == []
     index.complete_load(0, [H1], corrupt=[])
     assert index.prepare_save(0, [H2]) == [(H2, 0)]

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvwire.blocks.format import BlockLayout
-from kvwire.media.peer._directory import Location, PeerDirectory
+from kvwire.media.base import LoadSpec
+from kvwire.media.peer._directory import FoundLocations, PeerDirectory
 from kvwire.media.peer._index import PeerIndex
 from kvwire.media.store.redis.settings import RedisStoreSettings
 from tests.support.redis import RedisServer
@@ -99,14 +100,15 @@ def test_a_lookups_locations_go_to_the_load_and_only_for_the_blocks_it_counted(
     missing = b"\xff" * 32
     assert other.count_held_prefix(0, [*BLOCKS, missing]) == len(BLOCKS)
 
-    sources = other.load_sources(0, [*BLOCKS, missing])
+    payload = other.prepare_load(0, [*BLOCKS, missing]).payload
 
-    assert [Location.decode(s.encode()) for s in sources[:-1]] == announced
+    assert isinstance(payload, FoundLocations)
+    assert list(payload.locations[:-1]) == announced
     assert {location.peer for location in announced if location} == {"holder"}
-    assert sources[-1] == ""
+    assert payload.locations[-1] is None
     # The next lookup replaces what the load is given: nothing of another request's.
     assert other.count_held_prefix(0, [missing]) == 0
-    assert other.load_sources(0, BLOCKS) == ()
+    assert other.prepare_load(0, BLOCKS) == LoadSpec()
 
 
 def test_a_block_whose_entry_the_directory_lost_goes_to_the_load_from_the_pool(
@@ -119,6 +121,7 @@ def test_a_block_whose_entry_the_directory_lost_goes_to_the_load_from_the_pool(
     directories[0].withdraw([(k, a) for k, a in zip(keys, announced, strict=True) if a])
     assert holder.count_held_prefix(0, BLOCKS) == len(BLOCKS)
 
-    sources = holder.load_sources(0, BLOCKS)
+    payload = holder.prepare_load(0, BLOCKS).payload
 
-    assert [Location.decode(s.encode()) for s in sources] == announced
+    assert isinstance(payload, FoundLocations)
+    assert list(payload.locations) == announced

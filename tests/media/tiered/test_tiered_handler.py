@@ -33,11 +33,12 @@ from kvwire.media.base import (
 )
 from kvwire.media.tiered.handler import TieredTransferHandler
 from kvwire.media.tiered.index import (
-    ARRIVING,
-    MISSING,
-    places_source,
-    tier_source,
-    tier_write_name,
+    LoadTicket,
+    Place,
+    SpilledBlocks,
+    Spills,
+    TieredLoad,
+    TierSpan,
 )
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -57,8 +58,6 @@ class RecordingTier(TransferHandler):
         self.load_gate = threading.Event()
         self.load_gate.set()
         self.released: set[int] = set()
-        # Where each block saved was placed (a placing tier's slots), by hash.
-        self.places: dict[bytes, int] = {}
         self._jobs: dict[int, TransferJob] = {}
         self._ended: list[JobResult] = []
         self._done: dict[int, threading.Event] = {}
@@ -80,8 +79,6 @@ class RecordingTier(TransferHandler):
                     if done.is_set():  # released: it commits nothing
                         return
                     self.held[block_hash] = [v[:, slot].clone() for v in self.views.values()]
-                    if transfer.slots:
-                        self.places[block_hash] = transfer.slots[transfer.block_ids.index(slot)]
                 elif not self.load_gate.wait(10):
                     failed.append(slot)
                 elif block_hash in self.held:
@@ -141,12 +138,6 @@ class RecordingMedium(Medium):
         return RecordingMedium.built
 
 
-class PlacingRecordingMedium(RecordingMedium):
-    """The recording tier as a medium whose index places each block: it is written by name."""
-
-    found_by_key = False
-
-
 @pytest.fixture
 def caches() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
@@ -157,7 +148,6 @@ def handler_over(
     caches: dict[str, torch.Tensor],
     *,
     write_through: bool,
-    medium: type[RecordingMedium] = RecordingMedium,
     io_threads: int = 1,
 ) -> TieredTransferHandler:
     context = MediumContext("T", {}, (GROUP,), LAYOUT)
@@ -167,7 +157,7 @@ def handler_over(
         num_slots=2,
         io_threads=io_threads,
         counters=Counters(),
-        tiers=[medium(context)],
+        tiers=[RecordingMedium(context)],
         groups=(GROUP,),
         write_through=write_through,
     )
@@ -193,10 +183,9 @@ def tiered(
     caches: dict[str, torch.Tensor],
     *,
     write_through: bool,
-    medium: type[RecordingMedium] = RecordingMedium,
 ) -> Iterator[tuple[TieredTransferHandler, RecordingTier]]:
     """The handler over `caches` and its one tier, block 1 saved into slot 0."""
-    handler = handler_over(caches, write_through=write_through, medium=medium)
+    handler = handler_over(caches, write_through=write_through)
     tier = RecordingMedium.built
     assert tier is not None
     try:
@@ -208,16 +197,24 @@ def tiered(
         handler.close()
 
 
-def spill_of(block: int, slot: int) -> BlockTransfer:
-    return BlockTransfer(
-        request_id="", block_ids=(slot,), block_hashes=(HASHES[block],), slots=(slot,)
+def spill_of(block: int, slot: int) -> Spills:
+    return Spills((SpilledBlocks(0, (HASHES[block],), (slot,)),))
+
+
+def from_tier_1(*places: Place) -> TieredLoad:
+    """A load's payload: each block where `places` says; the blocks in a tier, from tier 1."""
+    spans = tuple(
+        TierSpan(1, position, position + 1)
+        for position, place in enumerate(places)
+        if place is Place.TIER
     )
+    return TieredLoad(LoadTicket(0), places, spans)
 
 
 def test_a_spill_reads_the_evicted_block_before_the_pool_writes_its_slot_again(caches):
     with tiered(caches, write_through=False) as (handler, tier):
         tier.gate.clear()
-        handler.spill([spill_of(block=1, slot=0)])
+        handler.begin_step(spill_of(block=1, slot=0))
         save(handler, 1, block=2, slot=0)  # the slot is given to another block
         time.sleep(0.2)
         tier.gate.set()
@@ -231,7 +228,7 @@ def test_a_spill_reads_the_evicted_block_before_the_pool_writes_its_slot_again(c
 def test_a_tier_write_that_holds_a_slot_too_long_is_given_up_and_the_pool_goes_on(caches):
     with tiered(caches, write_through=False) as (handler, tier):
         tier.gate.clear()  # the tier never gets to write
-        handler.spill([spill_of(block=1, slot=0)])
+        handler.begin_step(spill_of(block=1, slot=0))
         save(handler, 1, block=2, slot=0)
         # Given up after TIER_WRITE_WAIT_S, well before the save's own deadline.
         assert handler.wait([1], time.monotonic() + 10)
@@ -242,7 +239,7 @@ def test_only_slots_whose_header_names_their_block_reach_a_tier(caches):
     with tiered(caches, write_through=True) as (handler, tier):
         handler.poll()  # block 1 is written through now
         # Slot 1 was never saved: its header names no block.
-        handler.spill([spill_of(block=3, slot=1)])
+        handler.begin_step(spill_of(block=3, slot=1))
         deadline = time.monotonic() + 10
         while HASHES[1] not in tier.held and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -262,7 +259,7 @@ def test_a_load_brings_tier_blocks_through_the_pool_and_fails_missing_ones(cache
             block_ids=(5, 6),
             block_hashes=(HASHES[1], HASHES[4]),
             slots=(1, 2),
-            sources=(tier_source(1, ""), MISSING),
+            payload=from_tier_1(Place.TIER, Place.MISSING),
         )
         handler.submit(TransferJob(7, TransferKind.LOAD, (load,)))
         assert handler.wait([7], time.monotonic() + 10)
@@ -284,9 +281,11 @@ def test_a_load_sharing_a_block_another_load_brings_in_copies_it_once_it_arrived
             block_ids=(5,),
             block_hashes=(HASHES[1],),
             slots=(1,),
-            sources=(tier_source(1, ""),),
+            payload=from_tier_1(Place.TIER),
         )
-        sharing = attrs.evolve(bringing, request_id="r2", block_ids=(6,), sources=(ARRIVING,))
+        sharing = attrs.evolve(
+            bringing, request_id="r2", block_ids=(6,), payload=from_tier_1(Place.ARRIVING)
+        )
         handler.submit(TransferJob(7, TransferKind.LOAD, (bringing,)))
         handler.submit(TransferJob(8, TransferKind.LOAD, (sharing,)))
         assert not handler.wait([8], time.monotonic() + 0.3)  # waits for the read
@@ -312,93 +311,14 @@ def test_a_load_sharing_a_block_whose_read_failed_fails_it_too(caches):
             block_ids=(5,),
             block_hashes=(HASHES[1],),
             slots=(1,),
-            sources=(tier_source(1, ""),),
+            payload=from_tier_1(Place.TIER),
         )
-        sharing = attrs.evolve(bringing, request_id="r2", block_ids=(6,), sources=(ARRIVING,))
+        sharing = attrs.evolve(
+            bringing, request_id="r2", block_ids=(6,), payload=from_tier_1(Place.ARRIVING)
+        )
         handler.submit(TransferJob(7, TransferKind.LOAD, (bringing, sharing)))
         assert handler.wait([7], time.monotonic() + 10)
         (result,) = handler.poll()
         assert result.failed == frozenset({5, 6})
     finally:
-        handler.close()
-
-
-def named_write(block: int, pool_slot: int, tier_slot: int) -> BlockTransfer:
-    return BlockTransfer(
-        request_id=tier_write_name(1, block),
-        block_ids=(pool_slot,),
-        block_hashes=(HASHES[block],),
-        slots=(tier_slot,),
-    )
-
-
-def ended_spills(handler: TieredTransferHandler) -> list[tuple[str, bool]]:
-    """The named writes' reports, once there is one (polling, as the worker half does)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        handler.poll()
-        ended = handler.take_ended_spills()
-        if ended:
-            return ended
-        time.sleep(0.01)
-    return []
-
-
-def test_a_placing_tier_gets_only_named_writes_at_its_own_places_and_each_is_reported(caches):
-    with tiered(caches, write_through=True, medium=PlacingRecordingMedium) as (handler, tier):
-        handler.poll()
-        time.sleep(0.05)
-        assert tier.held == {}  # no write-through by itself: its index places blocks
-        handler.spill([named_write(block=1, pool_slot=0, tier_slot=5)])
-        assert ended_spills(handler) == [(tier_write_name(1, 1), True)]
-        assert same(tier.held[HASHES[1]], block_of(caches, 1))
-        assert tier.places == {HASHES[1]: 5}
-        assert handler.take_ended_spills() == []  # each reported once
-
-
-def test_a_named_write_of_a_slot_that_names_another_block_is_reported_not_written(caches):
-    with tiered(caches, write_through=False, medium=PlacingRecordingMedium) as (handler, tier):
-        handler.spill([named_write(block=3, pool_slot=0, tier_slot=2)])  # slot 0 holds block 1
-        assert handler.take_ended_spills() == [(tier_write_name(1, 3), False)]
-        assert tier.held == {}
-
-
-def test_a_named_write_given_up_for_the_pool_is_reported_not_written(caches):
-    with tiered(caches, write_through=False, medium=PlacingRecordingMedium) as (handler, tier):
-        tier.gate.clear()  # the tier never gets to write
-        handler.spill([named_write(block=1, pool_slot=0, tier_slot=2)])
-        save(handler, 1, block=2, slot=0)  # the pool needs the slot
-        assert handler.wait([1], time.monotonic() + 10)
-        assert ended_spills(handler) == [(tier_write_name(1, 1), False)]
-        assert tier.held == {}
-
-
-def test_a_save_written_through_to_a_placing_tier_ends_once_the_tier_wrote_it(caches):
-    handler = handler_over(caches, write_through=True, medium=PlacingRecordingMedium)
-    tier = RecordingMedium.built
-    assert tier is not None
-    try:
-        tier.gate.clear()
-        transfer = BlockTransfer(
-            request_id="r",
-            block_ids=(3,),
-            block_hashes=(HASHES[3],),
-            slots=(1,),
-            sources=(places_source({1: 6}),),
-        )
-        handler.submit(TransferJob(0, TransferKind.SAVE, (transfer,)))
-        deadline = time.monotonic() + 10
-        results: list[JobResult] = []
-        while tier._jobs == {} and time.monotonic() < deadline:
-            results += handler.poll()  # the pool's part ends; the tier's write starts
-            time.sleep(0.01)
-        assert results == []  # held back: the tier has not written it yet
-        assert not handler.wait([0], time.monotonic() + 0.1)
-        tier.gate.set()
-        assert handler.wait([0], time.monotonic() + 10)
-        assert [r.job_id for r in handler.poll()] == [0]
-        assert same(tier.held[HASHES[3]], block_of(caches, 3))
-        assert tier.places == {HASHES[3]: 6}
-    finally:
-        tier.gate.set()
         handler.close()

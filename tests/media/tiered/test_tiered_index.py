@@ -6,9 +6,14 @@ import threading
 import time
 from collections.abc import Sequence
 
+import pytest
+
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash, BlockStored
-from kvwire.media.base import MediumIndex
-from kvwire.media.tiered.index import ARRIVING, MISSING, TieredIndex, tier_source
+from kvwire.media.base import LoadSpec, MediumIndex
+from kvwire.media.tiered.index import Place, SpilledBlocks, Spills, TieredIndex, TieredLoad
+
+POOL, ARRIVING, TIER, MISSING = Place.POOL, Place.ARRIVING, Place.TIER, Place.MISSING
 
 
 class SetIndex(MediumIndex):
@@ -29,13 +34,29 @@ class SetIndex(MediumIndex):
         return count
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
         self.completed.append(tuple(block_hashes))
 
 
 def hashes(*names: int) -> list[BlockHash]:
     return [bytes([name]) * 8 for name in names]
+
+
+def places(spec: LoadSpec) -> tuple[Place, ...]:
+    """Where the load `spec` was prepared for reads each block."""
+    assert isinstance(spec.payload, TieredLoad)
+    return spec.payload.places
+
+
+def complete(
+    index: TieredIndex, spec: LoadSpec, blocks: list[BlockHash], corrupt: Sequence[BlockHash] = ()
+) -> None:
+    index.complete_load(0, blocks, corrupt, payload=spec.payload)
 
 
 def saved(index: TieredIndex, blocks: list[BlockHash]) -> list[int]:
@@ -59,18 +80,17 @@ def test_a_load_pins_the_pools_blocks_and_brings_the_tiers_blocks_into_new_slots
     pool_slots = saved(index, hashes(1, 2))
     wanted = hashes(1, 2, 3, 4)
     assert index.count_held_prefix(0, wanted) == 4
-    slots = index.prepare_load(0, wanted)
-    sources = index.load_sources(0, wanted)
-    assert list(slots[:2]) == pool_slots
-    assert len(set(slots)) == 4
-    assert sources == ("", "", tier_source(1, ""), tier_source(1, ""))
+    spec = index.prepare_load(0, wanted)
+    assert list(spec.slots[:2]) == pool_slots
+    assert len(set(spec.slots)) == 4
+    assert places(spec) == (POOL, POOL, TIER, TIER)
     # Not hits until the load ends; then hits of the pool, with a stored event.
     # Being brought in: no other load can have it until this one is done.
     assert index.count_held_prefix(0, hashes(3)) == 0
-    assert index._index.count_ready_prefix(0, hashes(3)) == 0
+    assert index.pool.count_held_prefix(0, hashes(3)) == 0
     index.take_events()
-    index.complete_load(0, wanted, ())
-    assert index._index.count_ready_prefix(0, hashes(3, 4)) == 2
+    complete(index, spec, wanted)
+    assert index.pool.count_held_prefix(0, hashes(3, 4)) == 2
     events = index.take_events()
     assert events == [BlockStored(block_hashes=tuple(hashes(3, 4)), medium="cpu", group=0)]
     assert index.take_counters()["tier1.promoted_blocks"] == 2
@@ -82,10 +102,9 @@ def test_a_block_brought_in_that_failed_is_forgotten_and_its_slot_freed():
     index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
     wanted = hashes(3, 4)
     index.count_held_prefix(0, wanted)
-    index.prepare_load(0, wanted)
-    index.complete_load(0, wanted, hashes(4))
-    assert index._index.count_ready_prefix(0, wanted) == 1
-    assert len(index._index) == 1
+    complete(index, index.prepare_load(0, wanted), wanted, hashes(4))
+    assert index.pool.count_held_prefix(0, wanted) == 1
+    assert not index.pool.holds(0, hashes(4)[0])
 
 
 def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error():
@@ -95,10 +114,10 @@ def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error():
     wanted = hashes(1)
     assert index.count_held_prefix(0, wanted) == 1
     saved(index, hashes(2))  # evicts block 1: the only slot
-    slots = index.prepare_load(0, wanted)
-    assert index.load_sources(0, wanted) == (MISSING,)
-    assert slots == (1,)  # out of range: the worker never reads it
-    index.complete_load(0, wanted, wanted)
+    spec = index.prepare_load(0, wanted)
+    assert places(spec) == (MISSING,)
+    assert spec.slots == (1,)  # out of range: the worker never reads it
+    complete(index, spec, wanted, wanted)
 
 
 def test_spill_writes_each_evicted_block_no_tier_holds_once():
@@ -106,21 +125,18 @@ def test_spill_writes_each_evicted_block_no_tier_holds_once():
     index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
     # Block 1 comes from the tier (clean), block 2 is computed here (only the pool has it).
     index.count_held_prefix(0, hashes(1))
-    index.prepare_load(0, hashes(1))
-    index.complete_load(0, hashes(1), ())
+    complete(index, index.prepare_load(0, hashes(1)), hashes(1))
     slot_of_2 = saved(index, hashes(2))[0]
     saved(index, hashes(3, 4))  # evicts both
-    (spill,) = index.take_spills()
-    assert spill.block_hashes == tuple(hashes(2))
-    assert spill.block_ids == spill.slots == (slot_of_2,)
-    assert index.take_spills() == []
+    assert index.take_step_payload() == Spills((SpilledBlocks(0, tuple(hashes(2)), (slot_of_2,)),))
+    assert index.take_step_payload() is None
 
 
 def test_write_through_marks_saved_blocks_held_by_the_tiers_so_eviction_spills_nothing():
     index = TieredIndex(2, 1, "cpu", tiers=[SetIndex(set())], write_through=True)
     saved(index, hashes(1, 2))
     saved(index, hashes(3, 4))
-    assert index.take_spills() == []
+    assert index.take_step_payload() is None
 
 
 def test_a_tier_that_raises_or_answers_nonsense_is_a_miss_and_later_tiers_still_answer():
@@ -198,9 +214,7 @@ def test_a_lookup_counts_no_more_tier_blocks_than_the_pool_has_slots_to_bring_th
     saved(index, hashes(9))
     index.prepare_load(0, hashes(9))  # a load in flight pins one slot
     assert index.count_held_prefix(0, hashes(1, 2, 3, 4, 5, 6)) == 3
-    wanted = hashes(1, 2, 3)
-    index.prepare_load(0, wanted)
-    assert MISSING not in index.load_sources(0, wanted)
+    assert MISSING not in places(index.prepare_load(0, hashes(1, 2, 3)))
     assert "load_blocks_missing" not in index.take_counters()
 
 
@@ -213,8 +227,7 @@ def test_a_block_the_pool_is_still_saving_ends_the_prefix_though_a_tier_holds_it
     assert index.count_held_prefix(0, hashes(1, 2, 3)) == 1
     index.complete_save(0, hashes(2), success=True)
     assert index.count_held_prefix(0, hashes(1, 2, 3)) == 3
-    index.prepare_load(0, hashes(1, 2, 3))
-    assert MISSING not in index.load_sources(0, hashes(1, 2, 3))
+    assert MISSING not in places(index.prepare_load(0, hashes(1, 2, 3)))
 
 
 def test_lookups_of_requests_that_share_a_first_block_each_load_what_they_counted():
@@ -225,8 +238,7 @@ def test_lookups_of_requests_that_share_a_first_block_each_load_what_they_counte
     longer, shorter = hashes(1, 2, 3), hashes(1, 2, 9)
     assert index.count_held_prefix(0, longer) == 3
     assert index.count_held_prefix(0, shorter) == 2
-    index.prepare_load(0, longer)
-    assert index.load_sources(0, longer) == (tier_source(1, ""),) * 3
+    assert places(index.prepare_load(0, longer)) == (TIER,) * 3
     assert "load_blocks_missing" not in index.take_counters()
 
 
@@ -237,10 +249,10 @@ def test_a_load_of_blocks_another_load_brings_in_shares_their_slots():
     # Both counted before either load was prepared.
     assert index.count_held_prefix(0, wanted) == index.count_held_prefix(0, wanted) == 2
     first = index.prepare_load(0, wanted)
-    assert index.load_sources(0, wanted) == (tier_source(1, ""),) * 2
+    assert places(first) == (TIER, TIER)
     second = index.prepare_load(0, wanted)
-    assert index.load_sources(0, wanted) == (ARRIVING, ARRIVING)
-    assert second == first
+    assert places(second) == (ARRIVING, ARRIVING)
+    assert second.slots == first.slots
     assert "load_blocks_missing" not in index.take_counters()
 
 
@@ -250,16 +262,20 @@ def test_a_shared_block_is_a_hit_once_every_load_of_it_ended_whichever_ends_firs
         index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)
         bringing, sharing = hashes(1, 2), hashes(1, 2, 3)
         index.count_held_prefix(0, sharing)
-        index.prepare_load(0, bringing)
-        index.prepare_load(0, sharing)
-        assert index.load_sources(0, sharing) == (ARRIVING, ARRIVING, tier_source(1, ""))
+        loads = {
+            "bringing": (bringing, index.prepare_load(0, bringing)),
+            "sharing": (sharing, index.prepare_load(0, sharing)),
+        }
+        assert places(loads["sharing"][1]) == (ARRIVING, ARRIVING, TIER)
         index.take_events()
-        first, last = (sharing, bringing) if sharing_ends_first else (bringing, sharing)
-        index.complete_load(0, first, ())
-        assert index._index.count_ready_prefix(0, bringing) == 0
-        index.complete_load(0, last, ())
-        assert index._index.count_ready_prefix(0, sharing) == 3
-        assert index._index.busy == 0
+        order = ("sharing", "bringing") if sharing_ends_first else ("bringing", "sharing")
+        blocks, spec = loads[order[0]]
+        complete(index, spec, blocks)
+        assert index.pool.count_held_prefix(0, bringing) == 0
+        blocks, spec = loads[order[1]]
+        complete(index, spec, blocks)
+        assert index.pool.count_held_prefix(0, sharing) == 3
+        assert index.pool.busy_slots == 0
         stored = [h for event in index.take_events() for h in event.block_hashes]
         assert sorted(stored) == sharing  # each block once
         assert index.take_counters()["tier1.promoted_blocks"] == 3
@@ -272,14 +288,14 @@ def test_a_shared_block_that_failed_is_forgotten_once_no_load_reads_its_slot():
     index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
     wanted = hashes(1, 2)
     index.count_held_prefix(0, wanted)
-    index.prepare_load(0, wanted)
-    index.prepare_load(0, wanted)
-    index.complete_load(0, wanted, hashes(2))
+    bringing = index.prepare_load(0, wanted)
+    sharing = index.prepare_load(0, wanted)
+    complete(index, bringing, wanted, hashes(2))
     # The sharing load still reads block 2's slot: nothing may be saved into it yet.
     assert index.prepare_save(0, hashes(7)) == []
-    index.complete_load(0, wanted, hashes(2))
-    assert index._index.count_ready_prefix(0, wanted) == 1
-    assert index._index.busy == 0
+    complete(index, sharing, wanted, hashes(2))
+    assert index.pool.count_held_prefix(0, wanted) == 1
+    assert index.pool.busy_slots == 0
     assert [h for h, _ in index.prepare_save(0, hashes(7))] == hashes(7)
 
 
@@ -289,10 +305,47 @@ def test_no_block_stays_pinned_after_loads_that_failed_and_loads_that_shared_the
     wanted = hashes(1, 2, 3, 4)
     for corrupt in (wanted, hashes(3), ()):
         index.count_held_prefix(0, wanted)
-        index.prepare_load(0, wanted)
-        index.prepare_load(0, wanted)
-        index.complete_load(0, wanted, corrupt)
-        index.complete_load(0, wanted, ())
-        assert index._index.busy == 0
-    assert index._index.count_ready_prefix(0, wanted) == 4
+        bringing = index.prepare_load(0, wanted)
+        sharing = index.prepare_load(0, wanted)
+        complete(index, bringing, wanted, corrupt)
+        complete(index, sharing, wanted)
+        assert index.pool.busy_slots == 0
+    assert index.pool.count_held_prefix(0, wanted) == 4
     assert index._arriving_from == {}
+
+
+class PinningIndex(SetIndex):
+    """A tier's index that pins slots for its loads, as no secondary tier's may."""
+
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
+        return LoadSpec(slots=tuple(range(len(block_hashes))))
+
+
+def test_a_tier_whose_loads_pin_slots_gives_missing_blocks_and_is_unpinned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tier = PinningIndex(set(hashes(5)))
+    index = TieredIndex(4, 1, "cpu", tiers=[tier], write_through=False)
+    assert index.count_held_prefix(0, hashes(5)) == 1
+    spec = index.prepare_load(0, hashes(5))
+    assert places(spec) == (MISSING,)
+    assert tier.completed == [tuple(hashes(5))]
+    assert "pinned slots" in caplog.text
+    complete(index, spec, hashes(5))
+    assert index.pool.busy_slots == 0
+
+
+def test_a_piece_of_a_load_carries_its_blocks_places_and_its_part_of_each_tiers_span():
+    tier1, tier2 = SetIndex(set(hashes(2, 3))), SetIndex(set(hashes(4)))
+    index = TieredIndex(8, 1, "cpu", tiers=[tier1, tier2], write_through=False)
+    saved(index, hashes(1))
+    wanted = hashes(1, 2, 3, 4)
+    assert index.count_held_prefix(0, wanted) == 4
+    payload = index.prepare_load(0, wanted).payload
+    assert isinstance(payload, TieredLoad)
+    assert [(s.tier, s.start, s.stop) for s in payload.spans] == [(1, 1, 3), (2, 3, 4)]
+    piece = payload.part(2, 4)
+    assert piece.ticket == payload.ticket
+    assert piece.places == (TIER, TIER)
+    assert [(s.tier, s.start, s.stop) for s in piece.spans] == [(1, 0, 1), (2, 1, 2)]
+    assert payload.part(0, 1).spans == ()

@@ -85,14 +85,18 @@ def test_a_cpu_pool_is_refused_as_a_tier_with_what_to_do_instead(tmp_path: pathl
     status, text = check(tmp_path, {"tiers": [{"medium": "cpu_pool"}]})
     assert status == 1
     assert "kv_connector_extra_config.tiers[0].medium: 'cpu_pool' is a CPU pool" in text
-    assert "expected a slower medium, such as directory, redis or peer" in text
+    assert "expected a slower medium, such as directory or redis" in text
     assert "cpu_pool_bytes" in text
 
 
-def test_a_peer_tier_checks(tmp_path: pathlib.Path) -> None:
+def test_a_medium_that_places_its_blocks_is_refused_as_a_tier(tmp_path: pathlib.Path) -> None:
     tiers = [{"medium": "peer", "url": "redis://127.0.0.1:6379/0", "cpu_pool_bytes": "1MiB"}]
     status, text = check(tmp_path, {"tiers": tiers})
-    assert status == 0, text
+    assert status == 1
+    assert (
+        "kv_connector_extra_config.tiers[0].medium: 'peer' places its blocks itself "
+        "(found_by_key is False), so it cannot be a secondary tier" in text
+    )
 
 
 def test_a_tier_resolves_to_its_class_options_and_plugins() -> None:
@@ -130,15 +134,3 @@ def test_a_long_medium_path_is_shown_bounded_in_every_message(tmp_path: pathlib.
     status, text = check(tmp_path, {"tiers": [{"medium": path, "fsink": True}]})
     assert status == 1
     assert f"tiers[0] ({path})" in text
-
-
-def test_the_tiered_peers_profile_checks_without_connecting() -> None:
-    from kvwire import cli
-    from kvwire.config.profile import load_profile
-
-    # Port 6379 has no server in the tests: a check that connected would fail.
-    assert cli.main(["check", "tiered-peers"]) == 0
-    transfer = load_profile("tiered-peers").kv_transfer_config
-    assert transfer is not None
-    assert transfer.kv_connector == "TieredOffloadConnector"
-    assert [tier["medium"] for tier in transfer.kv_connector_extra_config["tiers"]] == ["peer"]

@@ -1,12 +1,11 @@
 """One engine with the peer medium, in a process of its own, driven over stdin/stdout.
 
-Started by :class:`tests.support.peers.PeerProcess`; with ``"tiered": true``
-in its settings, the connector is the tiered one with the peer medium as its
-tier. It reads one JSON command per line: ``{"generate": [[request_id,
-prompt, max_tokens], ...]}`` runs the requests, waits for their saves
-(announced in the directory once stored), and answers ``{"outputs": [...],
-"stats": {...}}``; ``{"quit": true}`` (or the end of stdin) closes the
-engine. The first line it writes says it is ready, with its peer name.
+Started by :class:`tests.support.peers.PeerProcess`. It reads one JSON
+command per line: ``{"generate": [[request_id, prompt, max_tokens], ...]}``
+runs the requests, waits for their saves (announced in the directory once
+stored), and answers ``{"outputs": [...], "stats": {...}}``; ``{"quit":
+true}`` (or the end of stdin) closes the engine. The first line it writes
+says it is ready, with its peer name.
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ import json
 import sys
 
 from kvwire.engine.engine import GenerationRequest, LLMEngine
-from tests.support.peers import peer_config, tiered_peer_config
+from tests.support.peers import peer_config
 
 
 def main() -> None:
-    settings = json.loads(sys.argv[1])
-    tiered = settings.pop("tiered", False)
-    config = tiered_peer_config(**settings) if tiered else peer_config(**settings)
+    config = peer_config(**json.loads(sys.argv[1]))
     with LLMEngine(config) as engine:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:

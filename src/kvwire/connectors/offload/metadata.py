@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from kvwire.blocks.transfers import BlockTransfer
+from kvwire.blocks.transfers import BlockTransfer, TransferPayload
 from kvwire.interface.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 __all__ = ["OffloadMetadata", "OffloadWorkerMetadata"]
@@ -25,8 +25,8 @@ class OffloadMetadata(KVConnectorMetadata):
     token (what it holds waits for asynchronous loads); the worker then waits
     for those loads a little in `get_finished` instead of handing the engine
     back at once to a loop that would step again and again, holding the GIL
-    the load threads need. `spills`: the medium's own copies from one place
-    of it to another (`MediumIndex.take_spills`), started before the loads.
+    the load threads need. `medium_payload`: the medium's own work for the
+    step (`MediumIndex.take_step_payload`), started before the loads.
     """
 
     loads: tuple[BlockTransfer, ...] = ()
@@ -37,7 +37,7 @@ class OffloadMetadata(KVConnectorMetadata):
     new_block_ids: frozenset[int] = frozenset()
     counters: tuple[tuple[str, int], ...] = ()
     idle: bool = False
-    spills: tuple[BlockTransfer, ...] = ()
+    medium_payload: TransferPayload | None = None
 
 
 @attrs.frozen
@@ -48,21 +48,17 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     another request. `left_out_saves`: never started, because they were
     computed from a block whose load failed. Either way the scheduler half
     tells the medium's index the save did not succeed, so it is never published.
-    `ended_spills`: the named spills that ended, `(name, written)` each
-    (`TransferHandler.take_ended_spills`), for the index's `complete_spills`.
     """
 
     released_saves: tuple[BlockTransfer, ...] = ()
     left_out_saves: tuple[BlockTransfer, ...] = ()
-    ended_spills: tuple[tuple[str, bool], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
-        # Split engines' workers each report what they released, left out or spilled.
+        # Split engines' workers each report what they released or left out.
         theirs = of_worker_metadata(other)
         return OffloadWorkerMetadata(
             self.released_saves + theirs.released_saves,
             self.left_out_saves + theirs.left_out_saves,
-            self.ended_spills + theirs.ended_spills,
         )
 
 

@@ -54,7 +54,7 @@ from kvwire.interface.types import (
     Request,
     SchedulerOutput,
 )
-from kvwire.media.base import MediumIndex
+from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
@@ -218,15 +218,16 @@ class OffloadSchedulerHalf:
         transfers: list[BlockTransfer] = []
         try:
             for load in self._planner.allocate(request, blocks, num_external_tokens):
-                slots = self._index.prepare_load(load.group, load.block_hashes)
-                sources = self._index.load_sources(load.group, load.block_hashes)
-                if slots or sources:
-                    load = attrs.evolve(load, slots=slots, sources=sources)
+                spec = self._prepare_load(load)
+                if spec.slots or spec.payload is not None:
+                    load = attrs.evolve(load, slots=spec.slots, payload=spec.payload)
                 transfers.append(load)
         except ValueError as error:
             # Every group's blocks or none: the groups prepared already let go.
             for transfer in transfers:
-                self._index.complete_load(transfer.group, transfer.block_hashes, ())
+                self._index.complete_load(
+                    transfer.group, transfer.block_hashes, (), payload=transfer.payload
+                )
             raise ValueError(
                 f"update_state_after_alloc: request {request.request_id!r} asks for "
                 f"{num_external_tokens} external tokens; {error}"
@@ -238,6 +239,16 @@ class OffloadSchedulerHalf:
             self._step_async_loads.extend(transfers)
         else:
             self._step_loads.extend(transfers)
+
+    def _prepare_load(self, load: BlockTransfer) -> LoadSpec:
+        """The index's `prepare_load` of `load`'s blocks, checked to be a `LoadSpec`."""
+        spec = self._index.prepare_load(load.group, load.block_hashes)
+        if not isinstance(spec, LoadSpec):
+            raise TypeError(
+                f"{type(self._index).__name__}.prepare_load returned {shown(spec)}; expected a "
+                "kvwire.media.LoadSpec (its slots and payload)"
+            )
+        return spec
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         saves = [
@@ -267,7 +278,7 @@ class OffloadSchedulerHalf:
             counters=tuple(sorted((name, n) for name, n in counters.items() if n)),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
             # After every prepare_load and prepare_save of the step: all its evictions.
-            spills=tuple(self._index.take_spills()),
+            medium_payload=self._index.take_step_payload(),
         )
         self._sync_loads_in_flight.extend(self._step_loads)
         self._step_loads = []
@@ -305,7 +316,6 @@ class OffloadSchedulerHalf:
             block_ids=tuple(save.block_ids[i] for i in positions),
             block_hashes=taken,
             slots=slots,
-            sources=self._index.save_sources(save.group, taken),
         )
 
     def request_finished(self, request: Request) -> bool:
@@ -339,8 +349,6 @@ class OffloadSchedulerHalf:
             report = of_worker_metadata(worker_meta)
             for save in (*report.left_out_saves, *report.released_saves):
                 self._drop_save(save)
-            if report.ended_spills:
-                self._index.complete_spills(report.ended_spills)
         if self._sync_loads_in_flight:
             self._end_loads(self._sync_loads_in_flight, invalid)
             self._sync_loads_in_flight = []
@@ -381,7 +389,9 @@ class OffloadSchedulerHalf:
                 )
                 if block_id in invalid_block_ids
             ]
-            self._index.complete_load(transfer.group, transfer.block_hashes, corrupt)
+            self._index.complete_load(
+                transfer.group, transfer.block_hashes, corrupt, payload=transfer.payload
+            )
             request_id = transfer.request_id
             failed_by_request[request_id] = failed_by_request.get(request_id, False) or bool(
                 corrupt

@@ -129,9 +129,9 @@ class OffloadWorkerHalf:
         self._step_is_idle = metadata.idle
         if kv_connector_metadata is not self._released_for:
             self.handle_preemptions(kv_connector_metadata)
-        if metadata.spills:
-            # Before the loads: a load may bring a block into a slot a spill reads.
-            transfers.handler.spill(metadata.spills)
+        if metadata.medium_payload is not None:
+            # Before the loads: a load may bring a block into a slot this work reads.
+            transfers.handler.begin_step(metadata.medium_payload)
         if metadata.loads or metadata.async_loads:
             transfers.start_loads(metadata.loads, metadata.async_loads)
 
@@ -194,11 +194,9 @@ class OffloadWorkerHalf:
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         released, self._released_saves = self._released_saves, []
         left_out, self._left_out_saves = self._left_out_saves, []
-        handler = self.handler
-        spills = handler.take_ended_spills() if handler is not None else []
-        if not (released or left_out or spills):
+        if not (released or left_out):
             return None
-        return OffloadWorkerMetadata(tuple(released), tuple(left_out), tuple(spills))
+        return OffloadWorkerMetadata(tuple(released), tuple(left_out))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._transfers is not None:

@@ -5,16 +5,20 @@ which block; this half adds what the offload connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
 changes happened), the admission of saves (`SaveAdmission`: a block is saved
 once offered `save_threshold` times) and the counts of blocks evicted, of
-saves the pool had no room for and of saves not admitted.
+saves the pool had no room for and of saves not admitted. A tiered medium's
+index (`kvwire.media.tiered.index.TieredIndex`) keeps one as its pool and
+uses it through its public calls: those of any index, and the promotions of
+blocks brought in from slower tiers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
 from kvwire.media.admission import SaveAdmission
-from kvwire.media.base import MediumIndex
+from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.cpu_pool._slot_table import SlotTable
 from kvwire.media.eviction import EvictionPolicy
 
@@ -48,7 +52,7 @@ class CPUPoolIndex(MediumIndex):
         """Blocks being saved count only once their save completed."""
         return self._index.count_ready_prefix(group, block_hashes)
 
-    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         """Pin the blocks (no eviction until `complete_load`); their slots, in order."""
         ready = self._index.count_ready_prefix(group, block_hashes)
         if ready < len(block_hashes):
@@ -59,10 +63,14 @@ class CPUPoolIndex(MediumIndex):
                 "is missing or still being saved); a load is prepared only for blocks "
                 "count_held_prefix just counted"
             )
-        return tuple(self._index.start_load(group, block_hashes))
+        return LoadSpec(slots=tuple(self._index.start_load(group, block_hashes)))
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
         """Unpin the blocks; a corrupt one would fail every later load, so it is forgotten."""
         self._index.finish_load(group, block_hashes)
@@ -108,6 +116,65 @@ class CPUPoolIndex(MediumIndex):
             self._events.append(
                 BlockStored(block_hashes=tuple(completed), medium=self._medium, group=group)
             )
+
+    # ------------------------------------------- a tiered medium's pool (kvwire.media.tiered)
+
+    @property
+    def num_slots(self) -> int:
+        """How many slots the pool has."""
+        return self._index.num_slots
+
+    @property
+    def busy_slots(self) -> int:
+        """How many slots hold a block being saved or brought in, or read by a load."""
+        return self._index.busy
+
+    def holds(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether the pool holds `group`'s block, ready or not (being saved or brought in)."""
+        return self._index.holds(group, block_hash)
+
+    def arriving(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether `group`'s block is being brought in from a slower tier (`start_promotion`)."""
+        return self._index.arriving(group, block_hash)
+
+    def start_promotion(self, group: int, block_hashes: Sequence[BlockHash]) -> list[int | None]:
+        """A pinned slot for each block to bring in from a slower tier; None where none is free.
+
+        See `SlotTable.start_promotion`; `finish_promotion` lets go of them.
+        """
+        return self._index.start_promotion(group, block_hashes)
+
+    def join_promotion(self, group: int, block_hashes: Sequence[BlockHash]) -> list[int | None]:
+        """Share the slots of blocks another load brings in; None for a block no load does."""
+        return self._index.join_promotion(group, block_hashes)
+
+    def finish_promotion(
+        self, group: int, block_hashes: Sequence[BlockHash], failed: Sequence[BlockHash]
+    ) -> list[BlockHash]:
+        """A load that brought in (or shared) these blocks ended; those that became hits.
+
+        They get a stored event (see `SlotTable.finish_promotion` for those that failed).
+        """
+        ready = self._index.finish_promotion(group, block_hashes, failed)
+        if ready:
+            self._events.append(
+                BlockStored(block_hashes=tuple(ready), medium=self._medium, group=group)
+            )
+        return ready
+
+    def mark_clean(self, group: int, block_hashes: Sequence[BlockHash]) -> None:
+        """Slower tiers hold these blocks too: evicting them loses nothing (no `on_evict` spill)."""
+        self._index.mark_clean(group, block_hashes)
+
+    def record_evictions(self) -> None:
+        """Report the blocks evicted since the last report (removed events), not counted.
+
+        Blocks a promotion's slot evicted are reported by the next call that
+        reports evictions; a tiered medium reports them once a load ended.
+        """
+        self._record_evictions()
+
+    # ------------------------------------------------------------- reporting
 
     def take_events(self) -> list[KVCacheEvent]:
         """Blocks removed (evicted, discarded, cleared) and stored, in the order it happened."""

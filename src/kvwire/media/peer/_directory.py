@@ -49,6 +49,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash
 from kvwire.media.outage import OutageTracker, ServerUnavailable
 from kvwire.media.store.redis.settings import RedisStoreSettings
@@ -98,6 +99,21 @@ class Location:
             return cls(peer, int(slot), int(generation))
         except (UnicodeDecodeError, ValueError):
             return None
+
+
+@attrs.frozen
+class FoundLocations(TransferPayload):
+    """A load's payload: where the scheduler half's lookup found each block (None: not found).
+
+    The worker reads each block there, and asks the directory only about the
+    blocks found nowhere; it verifies what it reads all the same (a slot may
+    have been reused since).
+    """
+
+    locations: tuple[Location | None, ...]
+
+    def part(self, start: int, stop: int) -> FoundLocations:
+        return FoundLocations(self.locations[start:stop])
 
 
 @attrs.frozen

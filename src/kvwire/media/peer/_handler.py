@@ -8,7 +8,7 @@ refreshed every `peer_heartbeat_s` (it expires after three of them
 unrefreshed). A rank reads other peers' same rank: the share it holds.
 
 A load reads each block where the scheduler half's lookup found it (the
-transfer's `sources`; the directory is asked, in one round trip, only
+transfer's payload, `FoundLocations`; the directory is asked, in one round trip, only
 about blocks it came without), then pulls each entry, header and payload,
 into staging: with one NIXL read per peer holding some of them (blocks
 adjacent in both pools as one descriptor; its record fetched at most once
@@ -53,7 +53,7 @@ from kvwire.blocks.paged_cache import (
     cache_sized_chunks,
     copy_on_this_thread_only,
 )
-from kvwire.blocks.transfers import BlockTransfer
+from kvwire.blocks.transfers import BlockTransfer, TransferPayload
 from kvwire.config import ParallelConfig
 from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
@@ -63,7 +63,7 @@ from kvwire.media.cpu_pool.pool_memory import PoolSlots
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.jobs import JobLedger, JobPiece
 from kvwire.media.peer._agent import PeerAgent
-from kvwire.media.peer._directory import Location, PeerDirectory, PeerRecord
+from kvwire.media.peer._directory import FoundLocations, Location, PeerDirectory, PeerRecord
 from kvwire.media.peer._split import agent_name
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
@@ -205,7 +205,7 @@ class PeerTransferHandler(TransferHandler):
         """Pull, verify and scatter one transfer's blocks; (blocks loaded, block ids failed)."""
         fingerprint = self._fingerprints[transfer.group]
         keys = [self._directory.entry_key(fingerprint, h) for h in transfer.block_hashes]
-        locations = self._locate(keys, transfer.sources)
+        locations = self._locate(keys, transfer.payload)
         region = self._take_region(job.deadline)
         if region is None:
             return 0, list(transfer.block_ids)
@@ -231,9 +231,11 @@ class PeerTransferHandler(TransferHandler):
                 self._regions_free.put(region)
         return loaded, failed
 
-    def _locate(self, keys: Sequence[str], sources: Sequence[str]) -> list[Location | None]:
+    def _locate(
+        self, keys: Sequence[str], payload: TransferPayload | None
+    ) -> list[Location | None]:
         """Each block's location: the scheduler half's, else the directory's (one round trip)."""
-        found = [Location.decode(source.encode()) if source else None for source in sources]
+        found = list(payload.locations) if isinstance(payload, FoundLocations) else []
         if len(found) != len(keys):
             found = [None] * len(keys)  # none given (or not one per block): all looked up
         missing = [index for index, location in enumerate(found) if location is None]

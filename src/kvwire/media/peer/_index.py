@@ -27,9 +27,9 @@ computes the block and withdraws the entry. Nothing wrong is ever loaded.
 Withdrawals dropped so are counted as `peer_withdrawals_dropped`.
 
 Loads need no second round trip: the locations the last lookup found for
-a group are handed to the worker with the load
-(`PeerIndex.load_sources`; the scheduler allocates a request's
-blocks right after looking it up). The worker asks the directory only for
+a group are handed to the worker with the load (`PeerIndex.prepare_load`'s
+payload, `FoundLocations`; the scheduler allocates a request's blocks right
+after looking it up). The worker asks the directory only for
 blocks it was given no location for, and verifies every byte it pulls,
 since a peer's slot may be reused at any time.
 """
@@ -41,11 +41,13 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash, BlockRemoved
 from kvwire.media.admission import SaveAdmission
+from kvwire.media.base import LoadSpec
 from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.eviction import EvictionPolicy
-from kvwire.media.peer._directory import Location, PeerDirectory
+from kvwire.media.peer._directory import FoundLocations, Location, PeerDirectory
 
 # Entries announced again per scheduler step, at most: one pipelined round trip.
 REFRESH_BATCH = 1024
@@ -119,21 +121,23 @@ class PeerIndex(CPUPoolIndex):
         self._announce(lost)
         return count
 
-    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[int, ...]:
-        """Nothing to pin: the worker reads each block where it was found, and verifies it."""
-        return ()
+    def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
+        """Nothing to pin: the worker reads each block where the last lookup of `group` found it.
 
-    def load_sources(self, group: int, block_hashes: Sequence[BlockHash]) -> tuple[str, ...]:
-        """Each block's location as the last lookup of `group` found it; "" where it has none."""
+        The payload (`FoundLocations`) is left out when the lookup found none of them.
+        """
         found = self._found[group]
-        sources = tuple(
-            location.encode().decode("ascii") if (location := found.get(h)) else ""
-            for h in block_hashes
-        )
-        return sources if any(sources) else ()
+        locations = tuple(found.get(block_hash) for block_hash in block_hashes)
+        if not any(locations):
+            return LoadSpec()
+        return LoadSpec(payload=FoundLocations(locations))
 
     def complete_load(
-        self, group: int, block_hashes: Sequence[BlockHash], corrupt: Sequence[BlockHash]
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        corrupt: Sequence[BlockHash],
+        payload: TransferPayload | None = None,
     ) -> None:
         """Nothing to unpin; the worker withdrew the entries it found stale."""
 

@@ -6,26 +6,19 @@ own handler built over the pool's memory instead of the engine's cache
 moves blocks between its medium and the pool only, and its entries are the
 ones it would store from the engine's cache, byte for byte:
 
-- a load of blocks found in a tier reads them into their pool slots on the
-  pool's load thread (the tier's own threads do the I/O), writes their
-  pool headers once the tier verified them, then copies them into the cache
-  with the pool's blocks; a block the tier fails is a load error;
-- a load of a block another load brings in (source
-  `kvwire.media.tiered.index.ARRIVING`: the scheduler half gave both the
-  same slot) waits until that load's read of the slot ended, at most until
-  its own deadline, then copies the slot as a pool block: verified by its
-  header, so a read that failed fails this block too;
-- a spill (`spill`) or a write-through (once a pool save job ended) writes
-  pool slots whose headers name their blocks to every tier found by key;
-- a save whose sources name places in placing tiers
-  (`kvwire.media.tiered.index.places_source`) writes each of its blocks
-  there once the pool's copy ended, and is reported ended only once those
-  writes did;
-- a named spill (`kvwire.media.tiered.index.tier_write_name`) writes its
-  pool slots to the one placing tier it names, at the tier slots its index
-  gave (the transfer's `slots`), and is reported when it ended
-  (`take_ended_spills`): not written when a slot did not name its block or
-  the write was given up on;
+- a load's payload (`kvwire.media.tiered.index.TieredLoad`) says where each
+  block is; the blocks found in a tier are read into their pool slots on the
+  pool's load thread (the tier's own threads do the I/O), one tier job per
+  `TierSpan` with the tier's own payload, their pool headers written once the
+  tier verified them, then copied into the cache with the pool's blocks; a
+  block the tier fails is a load error;
+- a load of a block another load brings in (`Place.ARRIVING`: the scheduler
+  half gave both the same slot) waits until that load's read of the slot
+  ended, at most until its own deadline, then copies the slot as a pool
+  block: verified by its header, so a read that failed fails this block too;
+- a step's spills (`begin_step` with `kvwire.media.tiered.index.Spills`) and
+  a write-through (once a pool save job ended) write pool slots whose headers
+  name their blocks to every tier;
 - nothing writes a pool slot while a tier job uses it: a pool save, or a
   load into the slot, first waits for the tier jobs using it, at most
   `TIER_WRITE_WAIT_S`; a tier write still running then is given up on
@@ -46,21 +39,15 @@ import torch
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout, headers_without_checksum
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.paged_cache import PagedKVCaches
-from kvwire.blocks.transfers import BlockTransfer
+from kvwire.blocks.transfers import BlockTransfer, TransferPayload
 from kvwire.exceptions import KVWireError
 from kvwire.interface.counters import Counters
-from kvwire.interface.types import KVCacheEvent
+from kvwire.interface.types import BlockHash, KVCacheEvent
 from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, TransferKind
 from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 from kvwire.media.jobs import JobPiece
 from kvwire.media.shutdown import close_in_steps
-from kvwire.media.tiered.index import (
-    ARRIVING,
-    MISSING,
-    source_places,
-    tier_of_write,
-    tier_prefix,
-)
+from kvwire.media.tiered.index import Place, Spills, TieredLoad, TierSpan, tier_prefix
 
 __all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
@@ -81,14 +68,10 @@ class _Tier:
     threads wait for slots and run loads.
     """
 
-    def __init__(
-        self, number: int, handler: TransferHandler, counters: Counters, *, placing: bool
-    ) -> None:
+    def __init__(self, number: int, handler: TransferHandler, counters: Counters) -> None:
         self.number = number
         self.handler = handler
         self.counters = counters
-        self.placing = placing
-        """Whether its index places each block (its writes are named), or it finds them by key."""
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
         self._users: dict[int, set[int]] = {}
@@ -97,18 +80,9 @@ class _Tier:
         self._loads: set[int] = set()
         # Loads whose waiter stopped waiting: their results are dropped when they come.
         self._unwaited: set[int] = set()
-        # Named writes running (job id -> name), those given up on, and those ended.
-        self._named: dict[int, str] = {}
-        self._released: set[str] = set()
-        self._ended: list[tuple[str, bool]] = []
 
-    def submit(
-        self, kind: TransferKind, transfers: tuple[BlockTransfer, ...], *, name: str = ""
-    ) -> int:
-        """Start a job over pool slots (the transfers' block ids); its id.
-
-        A `name`d write is reported by `take_ended` once it ended.
-        """
+    def submit(self, kind: TransferKind, transfers: tuple[BlockTransfer, ...]) -> int:
+        """Start a job over pool slots (the transfers' block ids); its id."""
         job_id = next(self._job_ids)
         slots = tuple(slot for transfer in transfers for slot in transfer.block_ids)
         with self._lock:
@@ -117,27 +91,8 @@ class _Tier:
                 self._users.setdefault(slot, set()).add(job_id)
             if kind is TransferKind.LOAD:
                 self._loads.add(job_id)
-            if name:
-                self._named[job_id] = name
         self.handler.submit(TransferJob(job_id, kind, transfers))
         return job_id
-
-    def not_written(self, name: str) -> None:
-        """A named write that was never submitted: it ended, not written."""
-        with self._lock:
-            self._ended.append((name, False))
-
-    def released(self, transfers: Iterable[BlockTransfer]) -> None:
-        """These writes were given up on: the named ones are reported not written."""
-        with self._lock:
-            running = set(self._named.values())
-            self._released.update(t.request_id for t in transfers if t.request_id in running)
-
-    def take_ended(self) -> list[tuple[str, bool]]:
-        """The named writes that ended since the last call: `(name, written)` each."""
-        with self._lock:
-            ended, self._ended = self._ended, []
-        return ended
 
     def collect(self) -> None:
         """Take the jobs that ended: their slots are free of them; loads' results are kept."""
@@ -149,21 +104,12 @@ class _Tier:
                         users.discard(result.job_id)
                         if not users:
                             del self._users[slot]
-                name = self._named.pop(result.job_id, None)
-                if name is not None:
-                    self._ended.append((name, name not in self._released))
-                    self._released.discard(name)
                 if result.job_id in self._loads:
                     self._loads.discard(result.job_id)
                     if result.job_id in self._unwaited:
                         self._unwaited.discard(result.job_id)
                     else:
                         self._load_results[result.job_id] = result
-
-    def running(self, job_id: int) -> bool:
-        """Whether job `job_id` of this tier had not ended when last collected."""
-        with self._lock:
-            return job_id in self._slots_of
 
     def jobs_using(self, slots: Iterable[int]) -> set[int]:
         with self._lock:
@@ -229,9 +175,6 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
-        # Ended pool jobs to report, and saves held back for their placing tiers' writes.
-        self._results: list[JobResult] = []
-        self._held: dict[int, tuple[JobResult, list[tuple[_Tier, int]]]] = {}
         # Pool slots a submitted load reads a tier's block into, each with an
         # event set once that read ended: a load sharing the block waits for it.
         self._arrivals: dict[int, threading.Event] = {}
@@ -242,8 +185,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             for number, medium in enumerate(tiers, 1):
                 counters = Counters()
                 handler = medium.build_handler(pool_caches, counters)
-                placing = not medium.found_by_key
-                self._tiers.append(_Tier(number, handler, counters, placing=placing))
+                self._tiers.append(_Tier(number, handler, counters))
         except BaseException:
             for tier in self._tiers:
                 tier.handler.close()
@@ -283,121 +225,59 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             event.wait(max(0.0, deadline - time.monotonic()))
 
     def poll(self) -> list[JobResult]:
-        self._take_pool_results()
+        """The pool's ended jobs; a save's blocks then go to the tiers (`write_through`)."""
+        results = super().poll()
+        for result in results:
+            transfers = self._saves.pop(result.job_id, None)
+            for transfer in transfers or ():
+                self._write_to_tiers(
+                    transfer.group,
+                    transfer.slots,
+                    transfer.block_hashes,
+                    "written_through_blocks",
+                    request_id=transfer.request_id,
+                )
         for tier in self._tiers:
             tier.collect()
-        results, self._results = self._results, []
-        for job_id, (result, writes) in list(self._held.items()):
-            if not any(tier.running(tier_job) for tier, tier_job in writes):
-                del self._held[job_id]
-                results.append(result)
         return results
 
-    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """As the pool's; a save written through to placing tiers waits for those writes too."""
-        wanted = set(job_ids)
-        ended = super().wait(wanted, until)
-        self._take_pool_results()
-        for job_id in wanted.intersection(self._held):
-            for tier, tier_job in self._held[job_id][1]:
-                ended = tier.handler.wait([tier_job], until) and ended
-        return ended
-
-    def _take_pool_results(self) -> None:
-        """The pool's ended jobs; a save's blocks then go to the tiers (`write_through`).
-
-        A save written to placing tiers is held back until those writes
-        ended: the scheduler half publishes the tiers' copies once every
-        worker reported the save ended.
-        """
-        for result in super().poll():
-            transfers = self._saves.pop(result.job_id, None)
-            if transfers:
-                self._write_to_tiers(transfers, "written_through_blocks")
-                writes = self._write_through_placing(transfers)
-                if writes:
-                    self._held[result.job_id] = (result, writes)
-                    continue
-            self._results.append(result)
-
-    def _write_through_placing(self, transfers: Iterable[BlockTransfer]) -> list[tuple[_Tier, int]]:
-        """Write each saved block whose slot names it to the placing tiers its save's sources
-        name, at their places; the tier jobs submitted."""
-        writes: list[tuple[_Tier, int]] = []
-        for transfer in transfers:
-            if not transfer.sources:
-                continue
-            named, _ = self._named_slots(transfer.group, transfer.slots, transfer.block_hashes)
-            saved = set(named)
-            places = [source_places(source) for source in transfer.sources]
-            for tier in self._tiers:
-                positions = [
-                    i
-                    for i, slot in enumerate(transfer.slots)
-                    if slot in saved and tier.number in places[i]
-                ]
-                if not (tier.placing and positions):
-                    continue
-                write = BlockTransfer(
-                    request_id=transfer.request_id,
-                    group=transfer.group,
-                    block_ids=tuple(transfer.slots[i] for i in positions),
-                    block_hashes=tuple(transfer.block_hashes[i] for i in positions),
-                    slots=tuple(places[i][tier.number] for i in positions),
-                )
-                tier.counters.add("written_through_blocks", len(positions))
-                writes.append((tier, tier.submit(TransferKind.SAVE, (write,))))
-        return writes
-
-    def spill(self, transfers: Sequence[BlockTransfer]) -> None:
-        """Write blocks from their pool slots to the tiers (only submits; see the module)."""
-        for transfer in transfers:
-            number = tier_of_write(transfer.request_id)
-            if number is None:
-                self._write_to_tiers((transfer,), "spilled_blocks")
-            elif 1 <= number <= len(self._tiers) and self._tiers[number - 1].placing:
-                self._write_placed(self._tiers[number - 1], transfer)
-            else:
-                logger.warning(
-                    "tiered offload: a spill names tier %d, which is not a placing tier here; "
-                    "not written",
-                    number,
-                )
-
-    def take_ended_spills(self) -> list[tuple[str, bool]]:
-        return [ended for tier in self._tiers for ended in tier.take_ended()]
-
-    def _write_placed(self, tier: _Tier, transfer: BlockTransfer) -> None:
-        """Submit a named write of pool slots (block ids) to `tier`'s places (`slots`)."""
-        pool_slots = transfer.block_ids
-        named, _ = self._named_slots(transfer.group, pool_slots, transfer.block_hashes)
-        if len(named) != len(pool_slots):
-            # A slot that names another block now: none of it may be published.
-            tier.not_written(transfer.request_id)
-            return
-        tier.counters.add("spilled_blocks", len(pool_slots))
-        tier.submit(TransferKind.SAVE, (transfer,), name=transfer.request_id)
-
-    def _write_to_tiers(self, transfers: Iterable[BlockTransfer], counter: str) -> None:
-        """Submit a write of each slot whose header names its block, to every tier by key."""
-        for transfer in transfers:
-            slots, hashes = self._named_slots(transfer.group, transfer.slots, transfer.block_hashes)
-            if not slots:
-                continue
-            write = BlockTransfer(
-                request_id=transfer.request_id,
-                group=transfer.group,
-                block_ids=slots,
-                block_hashes=hashes,
+    def begin_step(self, payload: TransferPayload) -> None:
+        """Write the step's spills (`Spills`) from their pool slots to the tiers; only submits."""
+        if not isinstance(payload, Spills):
+            raise TypeError(
+                f"tiered offload: a step's payload is {type(payload).__name__}, expected Spills"
             )
-            for tier in self._tiers:
-                if not tier.placing:
-                    tier.counters.add(counter, len(slots))
-                    tier.submit(TransferKind.SAVE, (write,))
+        for spilled in payload.groups:
+            self._write_to_tiers(
+                spilled.group, spilled.slots, spilled.block_hashes, "spilled_blocks"
+            )
+
+    def _write_to_tiers(
+        self,
+        group: int,
+        slots: tuple[int, ...],
+        hashes: tuple[BlockHash, ...],
+        counter: str,
+        *,
+        request_id: str = "",
+    ) -> None:
+        """Submit a write of each slot whose header names its block, to every tier.
+
+        `request_id`: the request whose save it writes through (none for a spill).
+        """
+        slots, hashes = self._named_slots(group, slots, hashes)
+        if not slots:
+            return
+        write = BlockTransfer(
+            request_id=request_id, group=group, block_ids=slots, block_hashes=hashes
+        )
+        for tier in self._tiers:
+            tier.counters.add(counter, len(slots))
+            tier.submit(TransferKind.SAVE, (write,))
 
     def _named_slots(
-        self, group: int, slots: tuple[int, ...], hashes: tuple[bytes, ...]
-    ) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        self, group: int, slots: tuple[int, ...], hashes: tuple[BlockHash, ...]
+    ) -> tuple[tuple[int, ...], tuple[BlockHash, ...]]:
         """The pool slots (and hashes) of `group` whose headers name their block.
 
         Only those were saved whole: a slot whose save failed, was given up
@@ -430,7 +310,6 @@ class TieredTransferHandler(CPUPoolTransferHandler):
                 continue
             released = tier.handler.release_saves_reading((), frozenset(slots))
             if released:
-                tier.released(released)
                 tier.counters.add("writes_released", sum(len(t.block_ids) for t in released))
             # A released write commits nothing more, whatever it still reads; a
             # load may still write the slots until its own deadline.
@@ -443,33 +322,27 @@ class TieredTransferHandler(CPUPoolTransferHandler):
     def _load(self, job: JobPiece) -> None:
         """Bring in the piece's blocks found in tiers, then copy every block into the cache."""
         (transfer,) = job.transfers
-        if not transfer.sources or all(source == "" for source in transfer.sources):
+        payload = transfer.payload
+        if not isinstance(payload, TieredLoad) or all(p is Place.POOL for p in payload.places):
             super()._load(job)
             return
         started = time.perf_counter()
-        failed: list[int] = []
-        from_pool: list[int] = []
-        arriving: list[int] = []
-        by_tier: dict[int, list[int]] = {}
-        for position, source in enumerate(transfer.sources):
-            if source == "":
-                from_pool.append(position)
-            elif source == MISSING:
-                failed.append(transfer.block_ids[position])
-            elif source == ARRIVING:
-                arriving.append(position)
-            else:
-                by_tier.setdefault(int(source.partition(":")[0]), []).append(position)
+        failed = [
+            block_id
+            for block_id, place in zip(transfer.block_ids, payload.places, strict=True)
+            if place is Place.MISSING
+        ]
+        from_pool = [p for p, place in enumerate(payload.places) if place is Place.POOL]
+        arriving = [p for p, place in enumerate(payload.places) if place is Place.ARRIVING]
         try:
-            for number, positions in by_tier.items():
+            for span in payload.spans:
                 if job.abandoned:
                     return
-                brought = self._bring_in(self._tiers[number - 1], transfer, positions, job.deadline)
+                tier = self._tiers[span.tier - 1]
+                brought = self._bring_in(tier, transfer, span, job.deadline)
                 from_pool += brought
                 failed += [
-                    transfer.block_ids[position]
-                    for position in positions
-                    if position not in brought
+                    transfer.block_ids[p] for p in range(span.start, span.stop) if p not in brought
                 ]
         finally:
             self._arrived(_tier_slots((transfer,)))
@@ -484,11 +357,12 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
 
     def _bring_in(
-        self, tier: _Tier, transfer: BlockTransfer, positions: list[int], deadline: float
+        self, tier: _Tier, transfer: BlockTransfer, span: TierSpan, deadline: float
     ) -> list[int]:
-        """Read these blocks from `tier` into their pool slots; the positions it brought in."""
-        slots = tuple(transfer.slots[position] for position in positions)
-        hashes = tuple(transfer.block_hashes[position] for position in positions)
+        """Read the span's blocks from `tier` into their pool slots; the positions it brought in."""
+        positions = range(span.start, span.stop)
+        slots = transfer.slots[span.start : span.stop]
+        hashes = transfer.block_hashes[span.start : span.stop]
         try:
             self._before_writing_slots(slots, deadline)
         except _SlotsInUse as error:
@@ -496,14 +370,13 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             return []
         # Until the tier verified a block, its slot names none.
         self.pool.clear_headers(slots)
-        inner = tuple(transfer.sources[p].partition(":")[2] for p in positions)
         failed = tier.load(
             BlockTransfer(
                 request_id=transfer.request_id,
                 group=transfer.group,
                 block_ids=slots,
                 block_hashes=hashes,
-                sources=inner if any(inner) else (),
+                payload=span.payload,
             ),
             deadline,
         )
@@ -543,17 +416,18 @@ class TieredTransferHandler(CPUPoolTransferHandler):
 
 
 def _tier_slots(transfers: Iterable[BlockTransfer]) -> list[int]:
-    """The pool slots these loads read tiers' blocks into (their sources name a tier)."""
+    """The pool slots these loads read tiers' blocks into (`Place.TIER`)."""
     return [
         slot
         for transfer in transfers
-        for slot, source in zip(transfer.slots, transfer.sources, strict=False)
-        if source not in ("", MISSING, ARRIVING)
+        if isinstance(transfer.payload, TieredLoad)
+        for slot, place in zip(transfer.slots, transfer.payload.places, strict=False)
+        if place is Place.TIER
     ]
 
 
 def _positions_of(transfer: BlockTransfer, positions: Sequence[int]) -> BlockTransfer:
-    """The blocks of `transfer` at `positions`, with their slots; sources dropped."""
+    """The blocks of `transfer` at `positions`, with their slots; no payload."""
     return BlockTransfer(
         request_id=transfer.request_id,
         group=transfer.group,

@@ -2,9 +2,9 @@
 
 The primary tier is the CPU pool (`kvwire.media.cpu_pool`): its slot table,
 eviction policy and admission of saves decide what this host keeps in
-memory. Behind it, one or more secondary tiers, each any kvwire medium but
-a CPU pool (shared storage, Redis or Redis Cluster, the peer medium, ...),
-reach the engine only through the pool:
+memory. Behind it, one or more secondary tiers, each a kvwire medium found
+by key (`Medium.found_by_key`: shared storage, Redis or Redis Cluster, a
+plug-in store, ...), reach the engine only through the pool:
 
 - a lookup asks the pool, then each secondary tier in turn for the blocks
   after those the tier before it holds;
@@ -16,8 +16,7 @@ reach the engine only through the pool:
   the tier see it at once: what a prefill engine that publishes wants);
   `spill` writes a block only when the pool evicts it and no secondary
   tier holds it yet, so blocks that stay hot in memory cost the tiers
-  nothing; a tier whose index places its blocks (the peer medium) is
-  written where its index says, and publishes them once written;
+  nothing;
 - a secondary tier that cannot keep up drops writes (its
   `max_save_bytes_in_flight`, counted as `tier<N>.saves_dropped`); a pool
   slot whose block is still being written waits for it before it is reused,
@@ -30,7 +29,7 @@ reach the engine only through the pool:
 - `write_policy` (default `"write_through"`): `write_through` or `spill`;
 - `tiers` (required): a list of secondary tiers, first looked up first,
   each a mapping of `medium` (a registered medium's name other than
-  `tiered` and `cpu_pool`) and that medium's own keys:
+  `tiered`, found by key: not `cpu_pool` nor `peer`) and that medium's own keys:
 
 ```yaml
 kv_connector: TieredOffloadConnector
@@ -131,17 +130,25 @@ class TieredMedium(CPUPoolMedium):
 
     @classmethod
     def check_plugins(cls, plugins: Mapping[str, Any]) -> None:
-        """No tier may be a CPU pool: the primary tier is one already."""
-        problems = [
-            f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} is a "
-            "CPU pool, as the primary tier is: a second one behind it only copies blocks "
-            "twice; expected a slower medium, such as directory, redis or peer (give the pool "
-            "more memory with cpu_pool_bytes)"
-            for position, tier in enumerate(plugins.get("tiers") or ())
-            if isinstance(tier, ResolvedMedium)
-            and isinstance(tier.medium_class, type)
-            and issubclass(tier.medium_class, CPUPoolMedium)
-        ]
+        """Every tier is found by key; none is a CPU pool (the primary tier is one already)."""
+        problems = []
+        for position, tier in enumerate(plugins.get("tiers") or ()):
+            if not (isinstance(tier, ResolvedMedium) and isinstance(tier.medium_class, type)):
+                continue
+            if issubclass(tier.medium_class, CPUPoolMedium):
+                problems.append(
+                    f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} is a "
+                    "CPU pool, as the primary tier is: a second one behind it only copies blocks "
+                    "twice; expected a slower medium, such as directory or redis (give the pool "
+                    "more memory with cpu_pool_bytes)"
+                )
+            elif issubclass(tier.medium_class, Medium) and not tier.medium_class.found_by_key:
+                problems.append(
+                    f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} places "
+                    "its blocks itself (found_by_key is False), so it cannot be a secondary "
+                    "tier; expected a medium found by key, such as directory or redis (for a "
+                    "pool every engine reads, use the peer medium as an OffloadConnector's own)"
+                )
         if problems:
             raise ExtraConfigError("\n".join(problems))
 
@@ -160,8 +167,6 @@ class TieredMedium(CPUPoolMedium):
             write_through=self.write_through,
             policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(options["save_threshold"], self.num_slots),
-            found_by_key=[tier.found_by_key for tier in self.tiers],
-            ranks=self.context.parallel.world_size,
         )
 
     def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
