@@ -201,7 +201,7 @@ _REQUIRED: Any = _Required()
 
 
 def _did_you_mean(name: object, known: Mapping[str, object]) -> str:
-    """" (did you mean 'key'?)" for the accepted key closest to a misspelled `name`, else ""."""
+    """The hint naming the accepted key closest to a misspelled `name`, or "" if none is."""
     if not isinstance(name, str) or len(name) > SHOWN_LENGTH:
         return ""
     close = difflib.get_close_matches(name, list(known), n=1)
