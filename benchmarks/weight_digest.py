@@ -5,14 +5,14 @@ system compresses it), in the same run:
 
 1. ``read``: MB/s of reading the file into a reused buffer and nothing else,
    the bound a digest cannot beat;
-2. ``uncached``: MB/s of :class:`kvwire._file_digests.FileDigests` with an
+2. ``uncached``: MB/s of :class:`kvwire.identity.file_digests.FileDigests` with an
    empty cache directory, as at a model's first start (the file comes from
    the page cache here, as it does right after a download or a copy);
 3. ``cached``: seconds to recall the same digest from the cache (what
    every later start pays per weight file), and the digest's share of the
    bare read (``uncached / read``).
 
-Then ``model``: seconds for :func:`kvwire.model_identity.weights_digest` of
+Then ``model``: seconds for :func:`kvwire.identity.model.weights_digest` of
 a directory of ``SHARDS`` shards of ``SIZE // SHARDS`` bytes each, uncached
 and cached (the shards are digested on up to ``PARALLEL_FILES`` threads).
 
@@ -31,8 +31,8 @@ from typing import Any
 
 from benchmarks.common import MIB, write_json
 from benchmarks.common import main as run_from_command_line
-from kvwire._file_digests import READ_BYTES, FileDigests
-from kvwire.model_identity import PARALLEL_FILES, weights_digest
+from kvwire.identity.file_digests import READ_BYTES, FileDigests
+from kvwire.identity.model import PARALLEL_FILES, weights_digest
 
 SIZE = 1536 * MIB
 QUICK_SIZE = 128 * MIB

@@ -34,11 +34,11 @@ from typing import Any
 
 import attrs
 
+from kvwire.common.redaction import redact_text
 from kvwire.config import EngineConfig
 from kvwire.config.profile import load_profile
 from kvwire.engine.engine import GenerationRequest, LLMEngine
 from kvwire.engine.workload import WorkloadSpec, load_prompts_jsonl, synthetic_workload
-from kvwire.redaction import redact_text
 
 # Shipped profiles, by name: the example runs from any folder.
 PROFILES = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvwire._lazy_exports import lazy_exports
+from kvwire.common.lazy_exports import lazy_exports
 
 # Each public name and the module that defines it, imported on first use: a
 # project that has kvwire installed pays nothing for it (pytest loads

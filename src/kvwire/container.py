@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import attrs
 from dependency_injector import containers, providers, resources
 
+from kvwire.common.plugin_calls import call_plugin
+from kvwire.common.redaction import shown
 from kvwire.config import EngineConfig, KVTransferConfig, ParallelConfig
 from kvwire.config.extra_config import ExtraConfigError, plugin_classes
 from kvwire.config.kv_cache import KVCacheConfig
@@ -61,8 +63,6 @@ from kvwire.exceptions import ConnectorBuildTimeout as ConnectorBuildTimeout
 from kvwire.exceptions import ContainerSetupError, NotAConnectorError
 from kvwire.hma import HMADecision, decide_hma, with_hma_decision
 from kvwire.interface.base import ConnectorBuilder, KVConnectorBase, KVConnectorRole
-from kvwire.plugin_calls import call_plugin
-from kvwire.redaction import shown
 from kvwire.registry import ConnectorRegistry, accepts_medium, default_registry
 
 if TYPE_CHECKING:

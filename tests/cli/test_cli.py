@@ -650,7 +650,7 @@ def test_check_reports_a_keyboard_interrupt_a_module_raises_at_import_as_its_err
     profile = tmp_path / "profile.yaml"
     profile.write_text(_module_path_profile("tests.support.plugin_modules.interrupting"))
     result = subprocess.run(
-        [sys.executable, "-m", "kvwire.cli", "check", str(profile)],
+        [sys.executable, "-m", "kvwire", "check", str(profile)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -731,7 +731,7 @@ def test_a_reader_that_closed_the_pipe_ends_the_command_quietly(command: list[st
     os.close(read_end)
     try:
         completed = subprocess.run(
-            [sys.executable, "-m", "kvwire.cli", *command],
+            [sys.executable, "-m", "kvwire", *command],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,

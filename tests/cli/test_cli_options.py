@@ -53,7 +53,7 @@ def test_the_run_command_takes_the_log_level_after_it() -> None:
 def test_a_log_level_after_the_command_reaches_the_loggers(tmp_path: pathlib.Path) -> None:
     # In a process of its own: pytest's handlers would make logging.basicConfig a no-op here.
     result = subprocess.run(
-        [sys.executable, "-m", "kvwire.cli", "check", "cpu-offload", "--log-level", "INFO"],
+        [sys.executable, "-m", "kvwire", "check", "cpu-offload", "--log-level", "INFO"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The architecture page's layout table names every module of `src/kvwire/`, and nothing else.
 
 Each row of the table is one package (`kvwire/media/`) or top-level module
-(`kvwire/cli.py`) of the tree, in the tree's order. A package's row names each
+(`kvwire/cli/__init__.py`) of the tree, in the tree's order. A package's row names each
 of its modules by file name (`jobs.py`), first in the tree's order; its
 `__init__.py` is the row itself. Every path the page names exists, so a moved
 or removed module cannot stay on the page: one that starts at `kvwire/` is

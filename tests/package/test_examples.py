@@ -12,7 +12,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 EXTERNAL = EXAMPLES / "external_connector"
-KVWIRE = [sys.executable, "-m", "kvwire.cli"]
+KVWIRE = [sys.executable, "-m", "kvwire"]
 
 
 def run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -175,7 +175,8 @@ def test_importing_kvwire_s_vllm_plugin_loads_only_the_plugin_and_the_connectors
     assert result.stdout.strip() == str(
         [
             "kvwire",
-            "kvwire._lazy_exports",
+            "kvwire.common",
+            "kvwire.common.lazy_exports",
             "kvwire.vllm",
             "kvwire.vllm.connector_names",
             "kvwire.vllm.plugin",

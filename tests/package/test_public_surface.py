@@ -138,7 +138,8 @@ def test_kvwires_pytest_plugin_costs_a_project_that_does_not_use_it_nothing(
 
     assert imported.stdout.split() == [
         "['kvwire',",
-        "'kvwire._lazy_exports',",
+        "'kvwire.common',",
+        "'kvwire.common.lazy_exports',",
         "'kvwire.testing',",
         "'kvwire.testing.plugin']",
     ]

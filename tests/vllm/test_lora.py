@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from kvwire._file_digests import FileDigests
-from kvwire.adapter_keys import AdapterKeys, fold_block_hash
+from kvwire.identity.adapter_keys import AdapterKeys, fold_block_hash
+from kvwire.identity.file_digests import FileDigests
 from kvwire.interface.types import BlockRemoved, BlockStored
 from kvwire.vllm.events import BlockTokens
 from kvwire.vllm.scheduler_bridge import RequestViews
@@ -147,7 +147,7 @@ def test_an_adapter_s_request_is_keyed_by_its_adapter_as_vllm_appends_hashes(
 def test_an_unidentifiable_adapter_s_request_offers_no_hash(
     views: RequestViews, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvwire.adapter_keys"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.identity.adapter_keys"):
         view = views.view(
             vllm_request("r", [b"a" * 32], lora_request(1, str(tmp_path / "no-such-adapter")))
         )

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from kvwire.model_identity import LONGEST_IDENTITY
+from kvwire.identity.model import LONGEST_IDENTITY
 from kvwire.vllm.config_bridge import vllm_model_identity
 from tests.support.vllm import (
     BLOCK_SIZE,

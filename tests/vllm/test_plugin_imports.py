@@ -22,7 +22,8 @@ from tests.support.vllm import BLOCK_SIZE
 # plugin itself.
 PLUGIN_MODULES = [
     "kvwire",
-    "kvwire._lazy_exports",
+    "kvwire.common",
+    "kvwire.common.lazy_exports",
     "kvwire.vllm",
     "kvwire.vllm.connector_names",
     "kvwire.vllm.plugin",

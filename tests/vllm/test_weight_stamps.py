@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import kvwire.vllm
-from kvwire._file_digests import SETTLE_NS, FileStamp
 from kvwire.exceptions import VLLMConfigError
-from kvwire.model_identity import weight_stamps
+from kvwire.identity.file_digests import SETTLE_NS, FileStamp
+from kvwire.identity.model import weight_stamps
 from kvwire.vllm.config_bridge import vllm_model_identity
 from kvwire.vllm.weight_stamps import WEIGHT_STAMPS_KEY, recorded_weight_stamps
 from tests.support.vllm import (

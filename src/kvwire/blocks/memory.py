@@ -31,7 +31,7 @@ import torch
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.paged_cache import PagedKVCaches, group_caches
-from kvwire.redaction import shown
+from kvwire.common.redaction import shown
 
 # The block dimension of each declared cache layout (`BlockLayout.cache_layout`).
 BLOCK_DIMENSIONS: dict[str, int] = {"kvwire": 1, "vllm_cpu": 0}

@@ -23,9 +23,9 @@ import torch
 
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import CacheGroup
+from kvwire.common.redaction import shown
 from kvwire.config.dtypes import DTYPES
 from kvwire.config.kv_cache import KVCacheConfig
-from kvwire.redaction import shown
 
 # Blocks are copied and checksummed a few at a time, so that the checksum
 # reads what the copy has just written (or the copy reads what the check has

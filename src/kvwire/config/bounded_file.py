@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import stat
 
+from kvwire.common.redaction import shown
 from kvwire.exceptions import FileRefused as FileRefused
-from kvwire.redaction import shown
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvwire.redaction import shown
+from kvwire.common.redaction import shown
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ no real model reaches, and an [`EngineConfig`][kvwire.EngineConfig] whose KV cac
 and batch logits could not fit in this machine's memory is refused when it is built
 (`kvwire.config.memory_limits`), so an absurd profile fails `kvwire check`
 rather than the engine. Errors and reprs show values through
-`kvwire.redaction`: bounded, and never a secret of
+`kvwire.common.redaction`: bounded, and never a secret of
 `kv_connector_extra_config`. Use `attrs.evolve` to get an edited copy.
 Structuring from a dict or a YAML profile (with every bad field reported by
 its dotted path) lives in `kvwire.config.profile`.
@@ -23,10 +23,10 @@ from typing import Any, Literal
 import attrs
 from attrs import validators
 
+from kvwire.common.redaction import kind_of, shown, shown_key
 from kvwire.config.dtypes import DTYPES, check_dtype
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
-from kvwire.model_identity import check_explicit_identity
-from kvwire.redaction import kind_of, shown, shown_key
+from kvwire.identity.model import check_explicit_identity
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
@@ -366,7 +366,7 @@ class ModelConfig:
     dtype: str = attrs.field(default="float32", validator=check_dtype, repr=_bounded_repr)
     seed: int = attrs.field(default=0, validator=[_of_kind(int, "an integer"), _check_seed])
     # Which weights produce the KV, named by the operator (see
-    # kvwire.model_identity); empty: derived from the weights. Part of the
+    # kvwire.identity.model); empty: derived from the weights. Part of the
     # layout fingerprint (weights_identity): two models of one shape never
     # load each other's blocks.
     identity: str = attrs.field(default="", validator=_check_identity, repr=_bounded_repr)

@@ -5,7 +5,7 @@ records; `read_extra_config` checks a user's mapping against them and
 returns the values with defaults filled in. Every error names
 `kv_connector_extra_config.<key>` and says what would be accepted, and an
 unknown key is an error (a typo must not silently fall back to a default).
-Values are shown bounded and with secrets blanked (`kvwire.redaction`);
+Values are shown bounded and with secrets blanked (`kvwire.common.redaction`);
 a size that is allocated in memory ([`memory_size_key`][kvwire.media.memory_size_key]) is checked
 against what this machine holds.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 import attrs
 
+from kvwire.common.redaction import SHOWN_LENGTH, shown, shown_key
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import ExtraConfigError as ExtraConfigError
 from kvwire.exceptions import ValueRefused as ValueRefused
-from kvwire.redaction import SHOWN_LENGTH, shown, shown_key
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,

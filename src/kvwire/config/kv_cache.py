@@ -14,9 +14,9 @@ from typing import Any
 import attrs
 from attrs import validators
 
+from kvwire.common.redaction import shown
 from kvwire.config.dtypes import DTYPES, check_dtype
 from kvwire.config.engine_config import EngineConfig
-from kvwire.redaction import shown
 
 LAYER_NAME_FORMAT = "layers.{}.attn"
 """How the engine names layer `i` in its cache config and its `kv_caches`."""

@@ -11,7 +11,7 @@ validators. Nothing stops at the first problem: [`ProfileError`][kvwire.exceptio
 lists every one, each with its dotted path and what would be accepted. Unknown keys are problems
 too, so a typo is never silently ignored. YAML is read with PyYAML's safe loader only, bounded
 against alias bombs (`kvwire.config.profile_yaml`). Values are shown in errors through
-`kvwire.redaction.shown`: bounded, secrets blanked.
+`kvwire.common.redaction.shown`: bounded, secrets blanked.
 
 A profile is given by path or, for the profiles kvwire ships (package data in
 `kvwire/profiles/`), by name: a string with no `/` that does not end in
@@ -34,11 +34,11 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
+from kvwire.common.redaction import SHOWN_LENGTH, kind_of, scrub, secrets_in_text, shown, shown_key
 from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
 from kvwire.config.engine_config import EngineConfig
 from kvwire.config.profile_yaml import ProfileYAMLError, parse_profile_text
 from kvwire.exceptions import KVWireError, ProfileError
-from kvwire.redaction import SHOWN_LENGTH, kind_of, scrub, secrets_in_text, shown, shown_key
 
 MAPPING_ORIGIN = "<mapping>"
 # A profile is a few hundred bytes; a megabyte is already absurd.

@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
+from kvwire.common.redaction import shown_key
 from kvwire.exceptions import ProfileYAMLError as ProfileYAMLError
-from kvwire.redaction import shown_key
 
 # A real profile holds a few hundred values; ten thousand leaves room for
 # long lists of composite children while keeping any walk instant.

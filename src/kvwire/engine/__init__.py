@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvwire._lazy_exports import lazy_exports
+from kvwire.common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kvwire.engine.container import EngineContainer

@@ -24,6 +24,7 @@ from typing import Protocol
 import attrs
 import torch
 
+from kvwire.common.redaction import shown
 from kvwire.config import ModelConfig
 from kvwire.config.dtypes import DTYPES
 from kvwire.engine.paged_attention import (
@@ -32,7 +33,6 @@ from kvwire.engine.paged_attention import (
     PagedAttention,
     SequenceSlice,
 )
-from kvwire.redaction import shown
 
 __all__ = [
     "AttentionMetadata",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
-from kvwire.redaction import shown
 
 HYBRID_LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)
 """The hybrid presets' layers: sliding-window and full attention alternating."""

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import attrs
 from attrs import validators
 
+from kvwire.common.redaction import kind_of, shown
 from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
 from kvwire.engine.engine import GenerationRequest
-from kvwire.redaction import kind_of, shown
 
 # A prompts file is read whole: bounded so that a wrong path (a log, a disk
 # image, /dev/zero) is refused, not read into memory. 16 MiB holds 100,000

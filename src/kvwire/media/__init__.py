@@ -20,11 +20,11 @@ which needs torch, is imported on first use.
 
 from typing import TYPE_CHECKING
 
-from kvwire._lazy_exports import lazy_exports
 from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.blocks.groups import CacheGroup
 from kvwire.blocks.mac import EntryMac
 from kvwire.blocks.transfers import BlockTransfer, TransferPayload
+from kvwire.common.lazy_exports import lazy_exports
 from kvwire.config.engine_config import ParallelConfig
 from kvwire.config.extra_config import (
     ExtraConfigKey,

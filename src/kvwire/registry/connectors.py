@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 from dependency_injector import containers
 from dependency_injector.providers import Provider
 
-from kvwire._extras import missing_extra
+from kvwire.common.extras import missing_extra
+from kvwire.common.plugin_calls import PluginExit, contained_exits, plugin_message
+from kvwire.common.redaction import shown, shown_key
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import (
     ConnectorEntryPointError,
@@ -45,8 +47,6 @@ from kvwire.interface.base import (
     KVConnectorRole,
     supports_kw,
 )
-from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import shown, shown_key
 from kvwire.registry.eviction import EVICTION_POLICIES_ENTRY_POINT_GROUP, EvictionPolicyRegistry
 from kvwire.registry.media import MEDIA_ENTRY_POINT_GROUP, MediumRegistry
 from kvwire.registry.names import (

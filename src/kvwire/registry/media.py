@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvwire._extras import missing_extra
+from kvwire.common.extras import missing_extra
+from kvwire.common.redaction import shown
 from kvwire.exceptions import KVWireError
 from kvwire.exceptions import UnknownMediumError as UnknownMediumError
-from kvwire.redaction import shown
 from kvwire.registry.plugin_classes import PluginClassRegistry
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 from dependency_injector import containers, providers
 
-from kvwire.redaction import SHOWN_LENGTH, shown, shown_key
+from kvwire.common.redaction import SHOWN_LENGTH, shown, shown_key
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 from dependency_injector import containers
 from dependency_injector.providers import Provider
 
+from kvwire.common.plugin_calls import PluginExit, contained_exits, plugin_message
+from kvwire.common.redaction import redact_text, shown
 from kvwire.exceptions import KVWireError
-from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import redact_text, shown
 from kvwire.registry.names import (
     PluginNames,
     RegisteredPlugin,

@@ -189,7 +189,7 @@ def _whole_number(text: str) -> int | None:
 
 
 def _shown_text(text: str) -> str:
-    from kvwire.redaction import shown
+    from kvwire.common.redaction import shown
 
     return shown(text, limit=40)
 
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _import_engine() -> None:
     """Import the engine (the torch extra's) now: missing, it is one line saying what to install."""
-    from kvwire._extras import missing_extra
+    from kvwire.common.extras import missing_extra
 
     try:
         importlib.import_module("kvwire.run.passes")
@@ -284,8 +284,8 @@ def _profile_secrets(profile: str | None) -> set[str]:
 
     A profile that cannot be read holds none to blank: loading it reports why.
     """
+    from kvwire.common.redaction import secret_values
     from kvwire.config.profile import profile_path, read_profile_file
-    from kvwire.redaction import secret_values
 
     if profile is None:
         return set()
@@ -297,7 +297,7 @@ def _profile_secrets(profile: str | None) -> set[str]:
 
 def _print_error(error: Exception, secrets: set[str], profile: str | None = None) -> None:
     """Print `kvwire run: [PROFILE: ]error: ...`; `profile` names the profile the error is in."""
-    from kvwire.redaction import scrub
+    from kvwire.common.redaction import scrub
 
     where = f"{profile}: " if profile is not None else ""
     # A connector's error may quote a secret by value from any field (a

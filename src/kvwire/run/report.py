@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvwire.redaction import shown_key
+from kvwire.common.redaction import shown_key
 from kvwire.run.passes import PASSES
 
 

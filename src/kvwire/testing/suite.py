@@ -245,8 +245,11 @@ class ConnectorConformanceSuite(ConnectorUnderTest):
         hook: Instruments,
         **engine_options: Any,
     ) -> tuple[PassResult, PassResult]:
-        """Run `workload` twice on one engine, emptying its local cache in between
-        ([`run_cold_then_warm`][kvwire.testing.suite.run_cold_then_warm])."""
+        """Run `workload` twice on one engine, emptying its local cache in between.
+
+        Each pass's saves are waited for; the warm pass runs under ids of its
+        own, and its captured KV is keyed by the cold pass's ids.
+        """
         with LLMEngine(config, connector_hook=hook, **engine_options) as engine:
             return run_cold_then_warm(engine, workload)
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
 
+from kvwire.common.plugin_calls import contained_exits, plugin_message
+from kvwire.common.redaction import shown
 from kvwire.config import (
     CacheConfig,
     EngineConfig,
@@ -45,15 +47,13 @@ from kvwire.config.kv_cache import (
 )
 from kvwire.config.profile import load_profile
 from kvwire.exceptions import VLLMConfigError
-from kvwire.model_identity import (
+from kvwire.identity.model import (
     LONGEST_IDENTITY,
     ModelIdentityError,
     UnreadableWeightsError,
     default_hub_caches,
     model_identity,
 )
-from kvwire.plugin_calls import contained_exits, plugin_message
-from kvwire.redaction import shown
 from kvwire.vllm.weight_stamps import WEIGHT_STAMPS_KEY, recorded_weight_stamps
 
 if TYPE_CHECKING:
@@ -366,7 +366,7 @@ _LOAD_FORMAT_FIELD = "load_config.load_format"
 def vllm_model_identity(vllm_config: Any, explicit: str = "") -> str:
     """Which weights produce the KV, and how vLLM computes with them.
 
-    The weights' identity (`kvwire.model_identity.model_identity`:
+    The weights' identity (`kvwire.identity.model.model_identity`:
     `explicit`, the profile's `model_config.identity`, when set; else the
     hub commit or a digest of the files vLLM's `model` names, never the
     name itself), then what vLLM changes in the computation: the model's

@@ -85,19 +85,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvwire.adapter_keys import AdapterKeys
 from kvwire.blocks.groups import NULL_BLOCK_ID
+from kvwire.common.redaction import shown
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.exceptions import VLLMConfigError
 from kvwire.hma import describe_class_support
+from kvwire.identity.adapter_keys import AdapterKeys
+from kvwire.identity.model import default_hub_caches
 from kvwire.interface.base import KVConnectorBase
 from kvwire.interface.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.interface.base import KVConnectorRole as KVWireRole
 from kvwire.interface.base import SupportsHMA as KVWireSupportsHMA
 from kvwire.interface.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
-from kvwire.model_identity import default_hub_caches
 from kvwire.ranks import EveryRank
-from kvwire.redaction import shown
 from kvwire.vllm.config_bridge import (
     PROFILE_PATH_KEY,
     container_hook,

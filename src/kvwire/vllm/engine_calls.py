@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvwire.redaction import shown
+from kvwire.common.redaction import shown
 from kvwire.vllm.connector import KVWireConnector
 
 WORKER_EXTENSION = "kvwire.vllm.engine_calls.KVWireWorkerExtension"

@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.config import EngineConfig
-from kvwire.redaction import shown
 from kvwire.vllm.config_bridge import read_kvwire_profile
 
 __all__ = ["OverriddenValue", "log_overridden_values", "overridden_values"]

@@ -6,7 +6,7 @@
   hashes (32-byte sha256 values, the same in every process) are the keys
   as they are; the layout fingerprint namespaces them in the store. A
   request with a LoRA adapter gets its hashes folded with the adapter's
-  key (`kvwire.adapter_keys`): vLLM's hash names the adapter only by
+  key (`kvwire.identity.adapter_keys`): vLLM's hash names the adapter only by
   its name and path. One with an adapter kvwire cannot identify offers no
   hash: nothing is looked up or saved for it. The workers receive the
   keys the scheduler half planned with, in the step's metadata.
@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import attrs
 
-from kvwire.adapter_keys import AdapterKeys, fold_block_hash
+from kvwire.identity.adapter_keys import AdapterKeys, fold_block_hash
 from kvwire.interface.types import (
     BlockHash,
     Request,

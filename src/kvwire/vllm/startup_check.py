@@ -23,11 +23,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from kvwire._file_digests import default_cache_directory
+from kvwire.common.plugin_calls import contained_exits, plugin_message
 from kvwire.config.profile import profile_origin
 from kvwire.container import container_for_profile
 from kvwire.exceptions import KVWireError, ModelIdentityError, VLLMConfigError
-from kvwire.plugin_calls import contained_exits, plugin_message
+from kvwire.identity.file_digests import default_cache_directory
 from kvwire.vllm.config_bridge import (
     INLINE_PROFILE_KEY,
     PROFILE_PATH_KEY,

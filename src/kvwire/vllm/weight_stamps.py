@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvwire._file_digests import FileStamp
 from kvwire.exceptions import VLLMConfigError
-from kvwire.model_identity import WeightStamps, weight_stamps
+from kvwire.identity.file_digests import FileStamp
+from kvwire.identity.model import WeightStamps, weight_stamps
 
 __all__ = ["WEIGHT_STAMPS_KEY", "record_weight_stamps", "recorded_weight_stamps"]
 

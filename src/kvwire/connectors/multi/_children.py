@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvwire.common.redaction import kind_of, shown_key
 from kvwire.config import KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
-from kvwire.redaction import kind_of, shown_key
 
 if TYPE_CHECKING:
     from kvwire.config import EngineConfig

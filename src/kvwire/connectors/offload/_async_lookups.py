@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.connectors.offload._planner import HitCounter, LookupSpan
 from kvwire.interface.types import BlockHash
-from kvwire.redaction import shown
 
 __all__ = ["AsyncLookups", "LookupAnswers"]
 

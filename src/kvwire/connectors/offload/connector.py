@@ -38,6 +38,8 @@ import attrs
 from kvwire.blocks.format import BlockLayout
 from kvwire.blocks.groups import cache_groups, layers_per_group
 from kvwire.blocks.paged_cache import check_cache_layout
+from kvwire.common.plugin_calls import call_plugin
+from kvwire.common.redaction import shown
 from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -75,8 +77,6 @@ from kvwire.interface.types import (
     SchedulerOutput,
 )
 from kvwire.media.base import Medium, MediumContext
-from kvwire.plugin_calls import call_plugin
-from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     import torch

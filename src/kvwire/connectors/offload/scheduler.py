@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.common.redaction import SHOWN_LENGTH, redact_text, shown
 from kvwire.connectors.offload._async_lookups import AsyncLookups
 from kvwire.connectors.offload._load_breaker import LoadBreaker
 from kvwire.connectors.offload._planner import BlockPlanner, HitCounter
@@ -56,7 +57,6 @@ from kvwire.interface.types import (
 )
 from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.rate_limited import RateLimitedWarning
-from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
 __all__ = ["OffloadSchedulerHalf"]
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.common.plugin_calls import call_plugin
 from kvwire.connectors.offload.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvwire.connectors.offload.transfer_book import TransferBook
 from kvwire.connectors.offload.worker_steps import (
@@ -36,7 +37,6 @@ from kvwire.interface.base import KVConnectorMetadata
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import KVCacheEvent, KVConnectorStats
 from kvwire.media.base import Medium, TransferHandler
-from kvwire.plugin_calls import call_plugin
 
 if TYPE_CHECKING:
     import torch

@@ -50,10 +50,10 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from kvwire.blocks.transfers import TransferPayload
+from kvwire.common.redaction import shown
 from kvwire.interface.types import BlockHash
 from kvwire.media.outage import OutageTracker, ServerUnavailable
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 

@@ -66,6 +66,8 @@ from kvwire.blocks.format import (
 from kvwire.blocks.memory import BlockMemory
 from kvwire.blocks.paged_cache import cache_sized_chunks
 from kvwire.blocks.transfers import BlockTransfer
+from kvwire.common.plugin_calls import plugin_message
+from kvwire.common.redaction import shown
 from kvwire.exceptions import JobAbandoned, KVWireError
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
@@ -83,8 +85,6 @@ from kvwire.media.store.base import (
     StoreReplyError,
     checked_write_results,
 )
-from kvwire.plugin_calls import plugin_message
-from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 
@@ -392,7 +392,7 @@ class StoreTransferHandler(TransferHandler):
 
         `JobAbandoned` passes: the gate raises it to stop a store's writes.
         A `sys.exit()` inside the store is its failure too. Called once per
-        entry read, so no signal bookkeeping (`kvwire.plugin_calls.contained_exits`):
+        entry read, so no signal bookkeeping (`kvwire.common.plugin_calls.contained_exits`):
         these threads take no signal, and on the main thread a
         `KeyboardInterrupt` is left to the program, as a Ctrl-C.
         """

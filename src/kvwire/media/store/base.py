@@ -26,10 +26,10 @@ import threading
 from collections.abc import Generator, Iterator, Sequence
 from typing import TypeGuard
 
+from kvwire.common.redaction import kind_of
 from kvwire.exceptions import JobAbandoned
 from kvwire.exceptions import LateWriteError as LateWriteError
 from kvwire.exceptions import StoreReplyError as StoreReplyError
-from kvwire.redaction import kind_of
 
 # The default range I/O goes through scratch of about this size per thread
 # (at least one entry): large enough that a store call moves a few entries,

@@ -107,6 +107,7 @@ import attrs
 from kvwire.blocks.format import BlockLayout, block_of_key
 from kvwire.blocks.mac import EntryMac, MacKeyError
 from kvwire.blocks.shards import entry_layout, plan_heads, plan_layers
+from kvwire.common.plugin_calls import call_plugin
 from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -119,7 +120,6 @@ from kvwire.interface.types import BlockHash
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.store._entry_keys import EntryKeys, LayoutKeys
 from kvwire.media.store.base import LATE_WRITE_GRACE_S, BlockStore
-from kvwire.plugin_calls import call_plugin
 
 if TYPE_CHECKING:
     import torch

@@ -49,13 +49,13 @@ from typing import ClassVar
 import attrs
 
 from kvwire.blocks.transfers import TransferPayload
+from kvwire.common.redaction import SHOWN_LENGTH, redact_text, shown
 from kvwire.interface.types import BlockHash, KVCacheEvent
 from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.eviction import EvictionPolicy
 from kvwire.media.rate_limited import RateLimitedWarning
-from kvwire.redaction import SHOWN_LENGTH, redact_text, shown
 
 __all__ = [
     "LoadTicket",

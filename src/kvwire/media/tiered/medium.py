@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -69,7 +70,6 @@ from kvwire.config.extra_config import (
 from kvwire.media.base import Medium, MediumContext, MediumIndex
 from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
 from kvwire.media.tiered.index import TieredIndex
-from kvwire.redaction import shown
 
 if TYPE_CHECKING:
     from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler

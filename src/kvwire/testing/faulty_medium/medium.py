@@ -35,10 +35,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvwire.blocks.format import BlockLayout
+from kvwire.common.redaction import shown
 from kvwire.config.extra_config import ExtraConfigKey
 from kvwire.interface.counters import Counters
 from kvwire.media.base import Medium, MediumContext, MediumIndex
-from kvwire.redaction import shown
 from kvwire.testing.faulty_medium.handler import FaultInjectingHandler, LoadFaults
 
 if TYPE_CHECKING:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
+from kvwire.common.redaction import shown
 from kvwire.interface.counters import Counters
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.store.base import BlockStore, CacheWrites
@@ -57,7 +58,6 @@ from kvwire.media.store.directory._layout import (
     temporary_name,
 )
 from kvwire.media.store.directory._modes import PRIVATE, FileModes, make_folder, process_umask
-from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
@@ -57,7 +58,6 @@ from kvwire.media.store.directory._modes import (
 )
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
 from kvwire.media.store.medium import StoreMedium
-from kvwire.redaction import shown
 
 __all__ = ["SWEEP_JOIN_S", "DirectoryBlockStore", "DirectoryMedium"]
 

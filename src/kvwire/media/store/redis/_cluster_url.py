@@ -21,7 +21,7 @@ from urllib.parse import unquote
 
 import attrs
 
-from kvwire.redaction import shown
+from kvwire.common.redaction import shown
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 # A DNS name or an IPv4 address (underscores too: some internal names hold them).

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvwire.common.redaction import shown
 from kvwire.media.store.base import BlockStore
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from kvwire.redaction import shown
 
 
 class RedisStoreBase(BlockStore):

@@ -50,6 +50,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvwire.common.redaction import shown
 from kvwire.media.outage import OutageTracker, ServerUnavailable
 from kvwire.media.store.base import CacheWrites
 from kvwire.media.store.redis._common import FailureCounts, RedisStoreBase, require_one_each
@@ -62,7 +63,6 @@ from kvwire.media.store.redis._wire import (
     ZeroCopyCommandPacker,
 )
 from kvwire.media.store.redis.settings import RedisStoreSettings
-from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 

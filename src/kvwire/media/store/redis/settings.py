@@ -17,6 +17,7 @@ import attrs
 import redis
 from redis.cluster import ClusterNode
 
+from kvwire.common.redaction import scrub, shown
 from kvwire.config.extra_config import finite_seconds, parse_size, seconds_accepted
 from kvwire.config.memory_limits import describe_bytes, memory_shortfall
 from kvwire.exceptions import RedisSettingsError as RedisSettingsError
@@ -28,7 +29,6 @@ from kvwire.media.store.redis._cluster_url import (
     has_hash_tag,
     is_cluster_url,
 )
-from kvwire.redaction import scrub, shown
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 _SCHEMES = ("redis", "rediss", "unix")

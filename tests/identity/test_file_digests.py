@@ -11,8 +11,8 @@ import stat
 
 import pytest
 
-from kvwire._file_digests import UNCACHED_BYTES, FileChangedError, FileDigests, FileStamp
 from kvwire.exceptions import ModelIdentityError
+from kvwire.identity.file_digests import UNCACHED_BYTES, FileChangedError, FileDigests, FileStamp
 
 SIZE = UNCACHED_BYTES + 4096
 
@@ -138,7 +138,7 @@ def test_a_cache_directory_others_could_write_is_not_used(
         elsewhere.mkdir(mode=0o700)
         cache.parent.mkdir(parents=True)
         cache.symlink_to(elsewhere)
-    with caplog.at_level(logging.WARNING, logger="kvwire._file_digests"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.identity.file_digests"):
         assert (
             digests(cache).digest(str(weights)) == hashlib.sha256(weights.read_bytes()).hexdigest()
         )

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvwire.common.plugin_calls import PluginExit, call_plugin, contained_exits, plugin_message
 from kvwire.config.extra_config import ExtraConfigError
-from kvwire.plugin_calls import PluginExit, call_plugin, contained_exits, plugin_message
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from kvwire._extras import missing_extra
+from kvwire.common.extras import missing_extra
 from tests.support.blocked_imports import run_kvwire_without
 
 CPU_OFFLOAD = """\

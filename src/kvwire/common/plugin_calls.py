@@ -5,7 +5,7 @@ A profile chooses plug-in code (a medium class through
 it is a problem of the profile, not a crash of the engine, and its message
 may quote what the plug-in was given (a URL and its password). So the error
 raised instead names the field and the call, shows the plug-in's message
-redacted and bounded (`kvwire.redaction`), and chains nothing: a
+redacted and bounded (`kvwire.common.redaction`), and chains nothing: a
 traceback printed later would quote the original message raw.
 """
 
@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TypeVar
 
+from kvwire.common.redaction import SHOWN_LENGTH, redact_text
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.exceptions import KVWireError
 from kvwire.exceptions import PluginExit as PluginExit
-from kvwire.redaction import SHOWN_LENGTH, redact_text
 
 _Result = TypeVar("_Result")
 

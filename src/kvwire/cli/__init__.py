@@ -7,7 +7,7 @@ is built), applies the HMA gate and says what it decided and why; any failure
 is printed as its error text and the exit status is 1. Checking imports the
 connector's module (and each child's): that runs the plugin's code, so check
 only profiles and plugins you trust. Nothing it prints shows a secret
-(`kvwire.redaction`).
+(`kvwire.common.redaction`).
 `kvwire connectors` lists every known connector without importing any;
 `--resolve` imports each one to say whether it supports HMA. `kvwire profiles`
 lists the profiles kvwire ships, which every command takes by name
@@ -29,7 +29,16 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import NoReturn, TextIO
 
-from kvwire._start_refusals import refuse_at_start
+from kvwire.cli.start_refusals import refuse_at_start
+from kvwire.common.plugin_calls import PluginExit, contained_exits, plugin_message
+from kvwire.common.redaction import (
+    SHOWN_LENGTH,
+    RedactingFilter,
+    kind_of,
+    scrub,
+    secret_values,
+    shown,
+)
 from kvwire.config import EngineConfig, KVTransferConfig
 from kvwire.config.extra_config import ExtraConfigError
 from kvwire.config.profile import (
@@ -43,8 +52,6 @@ from kvwire.config.profile import (
 from kvwire.exceptions import KVWireError
 from kvwire.hma import decide_hma, describe_class_support, describe_kv_cache_groups
 from kvwire.interface.base import KVConnectorBase, validates_extra_config
-from kvwire.plugin_calls import PluginExit, contained_exits, plugin_message
-from kvwire.redaction import SHOWN_LENGTH, RedactingFilter, kind_of, scrub, secret_values, shown
 from kvwire.registry import (
     ConnectorRegistry,
     accepts_connector_builder,
@@ -81,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except KeyboardInterrupt:
         # The user's Ctrl-C (a plug-in raising KeyboardInterrupt itself is
-        # reported as the plug-in's error, kvwire.plugin_calls.contained_exits):
+        # reported as the plug-in's error, kvwire.common.plugin_calls.contained_exits):
         # stop at once, as a shell expects, without a traceback.
         print("kvwire: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -531,7 +538,3 @@ def _print_table(rows: list[list[str]], out: TextIO) -> None:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*cells, row[-1]]).rstrip(), file=out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

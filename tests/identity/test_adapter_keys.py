@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from kvwire._file_digests import FileDigests
-from kvwire.adapter_keys import WARNING_INTERVAL_S, AdapterKeys, fold_block_hash
+from kvwire.identity.adapter_keys import WARNING_INTERVAL_S, AdapterKeys, fold_block_hash
+from kvwire.identity.file_digests import FileDigests
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -65,7 +65,7 @@ def test_an_adapter_changed_while_served_under_its_id_shares_nothing_after(
     adapter = save_adapter(tmp_path / "lora", b"adapter")
     assert keys.key(1, "lora", str(adapter)) is not None
     (adapter / "adapter_model.safetensors").write_bytes(b"retrained adapter")
-    with caplog.at_level(logging.WARNING, logger="kvwire.adapter_keys"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.identity.adapter_keys"):
         assert keys.key(1, "lora", str(adapter)) is None
     assert "new lora_int_id" in caplog.text
     # The worker may hold either version under id 1; a new id is identified afresh.
@@ -90,7 +90,7 @@ def test_an_unreadable_adapter_has_no_key_and_is_warned_about_at_a_bounded_rate(
     adapter = save_adapter(tmp_path / "lora", b"adapter")
     (adapter / "adapter_model.safetensors").unlink()
     (adapter / "adapter_model.safetensors").symlink_to(tmp_path / "gone")
-    with caplog.at_level(logging.WARNING, logger="kvwire.adapter_keys"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.identity.adapter_keys"):
         for _ in range(50):
             assert keys.key(1, "lora", str(adapter)) is None
         clock.now += WARNING_INTERVAL_S

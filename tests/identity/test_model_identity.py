@@ -9,10 +9,10 @@ import pathlib
 
 import pytest
 
-from kvwire._file_digests import UNCACHED_BYTES, FileDigests, FileStamp
 from kvwire.config import ModelConfig
 from kvwire.config.profile import load_profile
-from kvwire.model_identity import (
+from kvwire.identity.file_digests import UNCACHED_BYTES, FileDigests, FileStamp
+from kvwire.identity.model import (
     ModelIdentityError,
     UnreadableWeightsError,
     model_identity,

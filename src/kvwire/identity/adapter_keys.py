@@ -6,7 +6,7 @@ the request calls it (vLLM: its name and path, `lora` in two working
 directories is two adapters), and the layout's fingerprint names only the
 base model. So every block hash of such a request is re-derived as
 `fold_block_hash` of the adapter's key, a digest of its identity:
-decided as a model's is (`kvwire.model_identity.model_identity`: every
+decided as a model's is (`kvwire.identity.model.model_identity`: every
 byte of its weights and `adapter_config.json`, each file's digest computed
 once and remembered while the file is unchanged; a hub id's commit).
 
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from kvwire._file_digests import FileDigests, FileStamp
-from kvwire.model_identity import ModelIdentityError, model_identity
-from kvwire.redaction import shown
+from kvwire.common.redaction import shown
+from kvwire.identity.file_digests import FileDigests, FileStamp
+from kvwire.identity.model import ModelIdentityError, model_identity
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A digest of every byte of a file, computed once and remembered while the file is unchanged.
 
-A model's and an adapter's identity (`kvwire.model_identity`) digest
+A model's and an adapter's identity (`kvwire.identity.model`) digest
 each weight file whole: a sample would let a fine-tune that changes only
 unsampled bytes pass for its base. Reading 100 GB takes minutes, so each
 file's digest is remembered in a per-user cache, keyed by what the kernel
@@ -57,9 +57,9 @@ from typing import Any
 
 import attrs
 
+from kvwire.common.redaction import shown
 from kvwire.exceptions import FileChangedError as FileChangedError
 from kvwire.exceptions import ModelIdentityError
-from kvwire.redaction import shown
 
 logger = logging.getLogger(__name__)
 

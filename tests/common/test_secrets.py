@@ -14,16 +14,16 @@ import pathlib
 import pytest
 
 from kvwire.cli import check_profile, main
-from kvwire.config import KVTransferConfig
-from kvwire.config.profile import load_profile
-from kvwire.exceptions import ProfileError
-from kvwire.redaction import (
+from kvwire.common.redaction import (
     RedactingFilter,
     is_secret_key,
     redact_text,
     secret_values,
     shown,
 )
+from kvwire.config import KVTransferConfig
+from kvwire.config.profile import load_profile
+from kvwire.exceptions import ProfileError
 
 SECRET = "hunter2-S3CR3T"
 

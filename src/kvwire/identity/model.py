@@ -19,7 +19,7 @@ wins, as:
    weight file, with their names. A directory with no weight file of a
    format known here has every file digested so. Each file's digest is
    computed once and remembered while the file is unchanged
-   (`kvwire._file_digests`). A snapshot's commit is not believed: its
+   (`kvwire.identity.file_digests`). A snapshot's commit is not believed: its
    files are links into the hub cache's blobs, which can be edited in place
    or pointed elsewhere;
 3. a hub id: its revision when that is a commit hash, else the commit the
@@ -50,10 +50,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvwire._file_digests import FileChangedError, FileDigests, FileStamp
+from kvwire.common.redaction import shown
 from kvwire.exceptions import ModelIdentityError as ModelIdentityError
 from kvwire.exceptions import UnreadableWeightsError as UnreadableWeightsError
-from kvwire.redaction import shown
+from kvwire.identity.file_digests import FileChangedError, FileDigests, FileStamp
 
 IDENTITY_FIELD = "model_config.identity"
 # An explicit identity is a name an operator types: printable, one line, bounded.

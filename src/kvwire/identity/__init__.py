@@ -1,0 +1,1 @@
+"""What names a model's KV: the digests of its weight files, its identity, its adapters' keys."""
