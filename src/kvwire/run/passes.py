@@ -13,6 +13,7 @@ warm pass could at best match.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,8 +33,20 @@ def compare_passes(
     worker_mode: WorkerMode | None = None,
     on_request_done: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The figures of each pass, and whether all outputs equal the no-connector ones."""
+    """The figures of each pass, and whether all outputs equal the no-connector ones.
+
+    Each run starts cold: unless the profile names the model's identity, the
+    connector's engine runs under an identity of this run's own, so nothing
+    an earlier run stored (in a shared directory, a Redis server) is found,
+    and what this run stored is forgotten again at its end.
+    """
     baseline_config = attrs.evolve(config, kv_transfer_config=None)
+    own_namespace = not config.model_config.identity
+    if own_namespace:
+        run_identity = f"kvwire-run-{uuid.uuid4().hex}"
+        config = attrs.evolve(
+            config, model_config=attrs.evolve(config.model_config, identity=run_identity)
+        )
     with LLMEngine(baseline_config, worker_mode=worker_mode) as engine:
         _warm_up(engine, workload)
         baseline = _run_pass(engine, workload, "no connector", on_request_done)
@@ -56,6 +69,10 @@ def compare_passes(
         engine.reset_prefix_cache()
         warm_workload = renamed_requests(workload, "warm")
         warm = _run_pass(engine, warm_workload, "warm", on_request_done)
+        if own_namespace:
+            # The pass waited for its saves. Only this run's entries go: its
+            # identity names their layout.
+            engine.scheduler_connector.reset_cache()
     runs = (baseline, cold, warm, local)
     # A counter the connector reports in some pass counts as 0 in a pass where
     # it moved nothing; one it never reports stays None ("not reported").

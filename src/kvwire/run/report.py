@@ -84,6 +84,24 @@ def _workers(report: dict[str, Any]) -> str:
     )
 
 
+def _what_it_bought(report: dict[str, Any]) -> str:
+    """One sentence in plain words: the warm pass against no connector, and the outputs."""
+    none, warm = report["passes"]["no connector"], report["passes"]["warm"]
+    speedup = warm["speedup"]
+    took = f"took {warm['total_s']:.3f} s"
+    if speedup is None:
+        pace = f"{took} against {none['total_s']:.3f} s with no connector"
+    else:
+        faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+        pace = f"{took}, {faster} than the {none['total_s']:.3f} s with no connector"
+    return (
+        f"With {report['connector']} the warm pass {pace}; "
+        f"{warm['tokens_from_connector']:,} of its {warm['prompt_tokens']:,} prompt tokens "
+        "were loaded instead of computed, and every output was identical to the "
+        "no-connector pass."
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table, with a one-line verdict under it."""
     passes = report["passes"]
@@ -122,7 +140,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_failures(nothing_connected)}; is its medium reachable (see the warnings above)?"
         )
     elif report["ok"]:
-        verdict = "outputs identical with and without the connector"
+        verdict = _what_it_bought(report)
     else:
         verdict = "FAILED: outputs differ from the no-connector pass, or requests failed"
     return "\n".join([title, hma_line, "", *lines, "", ratio_line, verdict])
