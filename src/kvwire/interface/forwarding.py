@@ -4,8 +4,8 @@ A wrapper that changes a few calls of a connector (injects faults, records
 them, translates what crosses) derives from it and overrides only those:
 every other call of the interface reaches the wrapped connector unchanged,
 including a call the interface gains later, since this class passes on each
-call of [`INTERFACE_CALLS`][kvwire.interface.calls.INTERFACE_CALLS]
-([`forward_calls`][kvwire.interface.calls.forward_calls]).
+call of `INTERFACE_CALLS`
+(`forward_calls`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class RoleHalves(Generic[_SchedulerHalf, _WorkerHalf]):
     constructor with `_set_scheduler_half` or `_set_worker_half`, as its
     `role` says, and reaches it in each call through `_scheduler_half` /
     `_worker_half` (or `_half_for`, the half of the side that makes a call,
-    the `to` of [`forward_calls`][kvwire.interface.calls.forward_calls]), which
+    the `to` of `forward_calls`), which
     name the call in a [`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError]
     when the role is the other one.
     """
@@ -94,7 +94,7 @@ class RoleSplitConnector(KVConnectorBase, RoleHalves[_SchedulerHalf, _WorkerHalf
     """A kvwire connector whose state lives in one half per role; only its own role's is built.
 
     A subclass builds its half in its constructor, after `super().__init__`
-    ([`RoleHalves`][kvwire.interface.roles.RoleHalves] says how), and passes
+    (`RoleHalves` says how), and passes
     the calls its halves take as they come on with
     `@forward_calls(..., to=RoleSplitConnector._half_for)`.
     """

@@ -10,7 +10,7 @@ its role's half, which holds that role's state and translates the calls
 whose records differ between the two interfaces (`TRANSLATED`); the calls
 whose records they share reach the wrapped connector as they come
 (`PASSED_ON_AS_THEY_ARE`); both through
-[`forward_calls`][kvwire.interface.calls.forward_calls]:
+`forward_calls`:
 
 - scheduler half (`kvwire.vllm.scheduler_half`): vLLM's requests as live
   views, its block-id deltas as full block lists, its double

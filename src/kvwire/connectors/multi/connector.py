@@ -227,8 +227,8 @@ class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], Su
             KVConnectorFactory.get_connector_class, cls.__name__, extra_config
         )
 
-    # ------------------------------------------------ the halves' calls, as they come
-    # Every other scheduler-side and worker-side call goes to the half as it came.
+    # ------------------------------------------------ scheduler calls of its own
+    # Every other scheduler-side or worker-side call reaches its half as it came.
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         scheduler = self._scheduler_half("bind_kv_cache_manager")
