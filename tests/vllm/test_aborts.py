@@ -80,7 +80,8 @@ def test_request_aborted_while_its_load_is_in_flight_is_forgotten_and_the_engine
             READS_ANSWER.set()
         step_until(engine, lambda: not scheduler.has_requests())
         assert not connector.has_pending_push_work()
-        assert (connector._live, len(connector._block_tables)) == ({}, 0)
+        half = connector._scheduler
+        assert (half._live, len(half._block_tables)) == ({}, 0)
         tokens, cached = generate(llm, PROMPTS)
     assert tokens == tokens_without_connector
     assert cached == [LOADABLE_TOKENS] * len(PROMPTS)

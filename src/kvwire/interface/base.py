@@ -11,6 +11,11 @@ the `_vllm_config` / `_kv_transfer_config` / `_kv_cache_config`
 attributes and every optional hook with vLLM's default, so a connector
 written for vLLM runs here once its imports name kvwire
 (`KVConnectorBase_V1` is an alias of [`KVConnectorBase`][kvwire.KVConnectorBase]).
+
+Each call is declared here once. `kvwire.interface.calls` says which role
+makes it (a call added here is added there too; a test checks they agree),
+and the connectors that pass calls on to another object (a wrapped
+connector, a role's half) get their methods from that table.
 """
 
 from __future__ import annotations

@@ -69,10 +69,11 @@ def compare_passes(
         engine.reset_prefix_cache()
         warm_workload = renamed_requests(workload, "warm")
         warm = _run_pass(engine, warm_workload, "warm", on_request_done)
-        if own_namespace:
+        connector = engine.scheduler_connector
+        if own_namespace and connector is not None:
             # The pass waited for its saves. Only this run's entries go: its
             # identity names their layout.
-            engine.scheduler_connector.reset_cache()
+            connector.reset_cache()
     runs = (baseline, cold, warm, local)
     # A counter the connector reports in some pass counts as 0 in a pass where
     # it moved nothing; one it never reports stays None ("not reported").

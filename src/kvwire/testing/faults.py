@@ -160,7 +160,7 @@ class LoadFaultConnector(ForwardingConnector):
         self._step_faults = ()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        super().wait_for_layer_load(layer_name)
+        self.inner.wait_for_layer_load(layer_name)
         # Only now: the wrapped load of this layer, still running before, would overwrite it.
         for fault in self._step_faults:
             if layer_name in self._groups[fault.group].layer_names:
@@ -171,7 +171,7 @@ class LoadFaultConnector(ForwardingConnector):
             # As a connector whose own load failed: nothing computed from the
             # garbage may be saved (it would be stored under valid hashes).
             self.inner.skip_saves_computed_from({fault.block_id for fault in self._step_faults})
-        super().wait_for_save()
+        self.inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, receiving = self.inner.get_finished(finished_req_ids)

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING
 from kvwire.common.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from kvwire.vllm.connector import KVWireConnector, KVWireConnectorMetadata
+    from kvwire.vllm.connector import KVWireConnector
     from kvwire.vllm.engine_calls import (
         WORKER_EXTENSION,
         KVWireWorkerExtension,
         kvwire_stats,
         wait_for_saves,
     )
+    from kvwire.vllm.metadata import KVWireConnectorMetadata
     from kvwire.vllm.stats import KVWireStats
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
 _WHERE = {
     "WORKER_EXTENSION": "kvwire.vllm.engine_calls",
     "KVWireConnector": "kvwire.vllm.connector",
-    "KVWireConnectorMetadata": "kvwire.vllm.connector",
+    "KVWireConnectorMetadata": "kvwire.vllm.metadata",
     "KVWireStats": "kvwire.vllm.stats",
     "KVWireWorkerExtension": "kvwire.vllm.engine_calls",
     "kvwire_stats": "kvwire.vllm.engine_calls",

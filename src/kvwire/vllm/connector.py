@@ -5,26 +5,37 @@ connector of that role through a
 [`KVConnectorContainer`][kvwire.KVConnectorContainer] (`self.container`), from
 the kvwire profile vLLM's `kv_connector_extra_config` names, with kvwire's
 `EngineConfig` and `KVCacheConfig` derived from vLLM's
-(`kvwire.vllm.config_bridge`). Every call vLLM makes is passed on, translated
-where the two interfaces differ:
+(`kvwire.vllm.config_bridge`). Like vLLM's own connectors it then builds only
+its role's half, which holds that role's state and translates the calls
+whose records differ between the two interfaces (`TRANSLATED`); the calls
+whose records they share reach the wrapped connector as they come
+(`PASSED_ON_AS_THEY_ARE`); both through
+`forward_calls`:
 
-- scheduler half: vLLM's requests as live views, its block-id deltas as full
-  block lists, its double `update_state_after_alloc` for asynchronous loads
+- scheduler half (`kvwire.vllm.scheduler_half`): vLLM's requests as live
+  views, its block-id deltas as full block lists, its double
+  `update_state_after_alloc` for asynchronous loads
   (`kvwire.vllm.scheduler_bridge`); events as vLLM's `BlockStored` /
   `BlockRemoved` (`kvwire.vllm.events`);
-- worker half: vLLM's CPU KV cache tensors, whose blocks kvwire moves as whole
-  byte ranges, on I/O threads free to run off the model's pinned cores
-  (`kvwire.vllm.cores`); `handle_preemptions` before the forward pass (vLLM starts
-  loads after it when the step has no synchronous load); stats as
-  [`KVWireStats`][kvwire.vllm.KVWireStats].
+- worker half (`kvwire.vllm.worker_half`): vLLM's CPU KV cache tensors, whose
+  blocks kvwire moves as whole byte ranges, on I/O threads free to run off
+  the model's pinned cores (`kvwire.vllm.cores`); `handle_preemptions` before
+  the forward pass (vLLM starts loads after it when the step has no
+  synchronous load).
+
+The calls both roles make are the connector's own: the step's metadata (kept
+as vLLM's base keeps it, and handed to the worker half), stats as
+[`KVWireStats`][kvwire.vllm.KVWireStats], shutdown. The KV cache manager is
+kept as vLLM's base keeps it and handed to the scheduler half too, which
+reads a hybrid request's live block ids from it.
 
 A few calls keep vLLM's default instead of reaching the wrapped connector:
-the KV cache manager and block pool (vLLM's own objects, read here), the
-per-request hooks whose records differ between the two (`on_new_request`,
-`get_loaded_kv_cache_group_ids`, `get_external_cache_hit_sources`,
-`register_finished_partial_tail`), the P/D handshake (kvwire's connectors
-exchange none through vLLM) and `get_finished_count` (a request is finished
-once every rank reported it, see below).
+the block pool (vLLM's own object), the per-request hooks whose records
+differ between the two (`on_new_request`, `get_loaded_kv_cache_group_ids`,
+`get_external_cache_hit_sources`, `register_finished_partial_tail`), the
+P/D handshake (kvwire's connectors exchange none through vLLM) and
+`get_finished_count` (a request is finished once every rank reported it,
+see below).
 
 Tensor and pipeline parallelism: each rank's worker connector is built in its
 rank's process, with the container's `parallel_config` set to its rank (from
@@ -65,27 +76,23 @@ side then tells the wrapped connector that load's blocks failed (vLLM's
 output no longer names them), so a medium forgets what it could not load
 and the blocks computed again are saved again. A failed
 synchronous load has no such report in vLLM: its block ids still go to
-vLLM, which stops, after an error logged here that names `async_load`.
+vLLM, which stops, after an error the worker half logs that names `async_load`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
 from dependency_injector import providers
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
-from kvwire.blocks.groups import NULL_BLOCK_ID
 from kvwire.common.redaction import shown
 from kvwire.container import KVConnectorContainer, container_for_profile
 from kvwire.exceptions import VLLMConfigError
@@ -93,11 +100,9 @@ from kvwire.hma import describe_class_support
 from kvwire.identity.adapter_keys import AdapterKeys
 from kvwire.identity.model import default_hub_caches
 from kvwire.interface.base import KVConnectorBase
-from kvwire.interface.base import KVConnectorMetadata as KVWireMetadata
 from kvwire.interface.base import KVConnectorRole as KVWireRole
-from kvwire.interface.base import SupportsHMA as KVWireSupportsHMA
-from kvwire.interface.types import ForwardContext, KVCacheBlocks, KVConnectorOutput
-from kvwire.ranks import EveryRank
+from kvwire.interface.calls import forward_calls
+from kvwire.interface.roles import RoleHalves
 from kvwire.vllm.config_bridge import (
     PROFILE_PATH_KEY,
     container_hook,
@@ -109,16 +114,16 @@ from kvwire.vllm.config_bridge import (
     worker_parallel_config,
 )
 from kvwire.vllm.cores import threads_started_on_engine_cores
-from kvwire.vllm.events import BlockTokens, KVWireKVEvents
 from kvwire.vllm.logs import follow_vllm_logging
 from kvwire.vllm.overrides import log_overridden_values
-from kvwire.vllm.scheduler_bridge import AllocationFilter, BlockTables, RequestViews
+from kvwire.vllm.scheduler_half import KVWireSchedulerHalf
 from kvwire.vllm.stats import KVWirePromMetrics, KVWireStats
+from kvwire.vllm.worker_half import KVWireWorkerHalf
 
 if TYPE_CHECKING:
-    import torch
-
     from kvwire.config.kv_cache import KVCacheConfig
+
+__all__ = ["KVWireConnector"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,25 +132,59 @@ _ROLES = {
     KVConnectorRole.WORKER: KVWireRole.WORKER,
 }
 
+PASSED_ON_AS_THEY_ARE = (
+    "get_mem_pool_context",
+    "set_host_xfer_buffer_ops",
+    "finish_forward",
+    "reset_capture_state",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "wait_for_pending_saves",
+    "build_connector_worker_meta",
+    "has_pending_block_frees",
+    "reset_cache",
+)
+"""The calls whose records are the same in vLLM and kvwire: they reach the wrapped connector."""
 
-@attrs.frozen
-class KVWireConnectorMetadata(KVConnectorMetadata):
-    """The wrapped kvwire connector's metadata for one step, as vLLM carries it.
+TRANSLATED = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "take_events",
+    "register_kv_caches",
+    "handle_preemptions",
+    "start_load_kv",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_kv_cache_events",
+)
+"""The calls the half of their role translates (`KVWireSchedulerHalf`, `KVWireWorkerHalf`)."""
 
-    `async_loads`: on a hybrid cache, the block ids (every group's, the
-    null block left out) of each asynchronous load planned this step.
-    """
 
-    inner: KVWireMetadata
-    async_loads: Mapping[str, frozenset[int]] = attrs.field(factory=dict)
+def _wrapped(connector: KVWireConnector, call: str) -> KVConnectorBase:
+    return connector.connector
 
 
-class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
+@forward_calls(PASSED_ON_AS_THEY_ARE, to=_wrapped)
+@forward_calls(TRANSLATED, to=RoleHalves._half_for)
+class KVWireConnector(
+    KVConnectorBase_V1, SupportsHMA, RoleHalves[KVWireSchedulerHalf, KVWireWorkerHalf]
+):
     """Serves vLLM with the kvwire connector a kvwire profile names.
 
     `container` is the container that built the wrapped connector
     (`connector`); `kvwire_container_hook` in the extra config runs on it
-    before the build, to override providers.
+    before the build, to override providers. Like vLLM's own connectors it
+    builds only its role's half, which holds that role's state and
+    translates its calls (`TRANSLATED`); the calls whose records vLLM and
+    kvwire share reach the wrapped connector as they come
+    (`PASSED_ON_AS_THEY_ARE`); the rest keep vLLM's default.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
@@ -169,125 +208,57 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         hook = container_hook(extra_config)
         if hook is not None:
             run_container_hook(hook, self.container)
-        if has_hybrid_groups(kvwire_cache_config):
+        hybrid = has_hybrid_groups(kvwire_cache_config)
+        if hybrid:
             _require_wrapped_hma(self.container, kvwire_cache_config)
         with threads_started_on_engine_cores():  # see kvwire.vllm.cores
             self.connector: KVConnectorBase = self.container.connector()
         _log_start(self.container, role, extra_config)
-        self._hybrid = has_hybrid_groups(kvwire_cache_config)
+        self._totals = KVWireStats()
         if role == KVConnectorRole.SCHEDULER:
             _warn_if_loads_fail_requests(vllm_config.kv_transfer_config.kv_load_failure_policy)
             log_overridden_values(profile, engine_config, extra_config)
-        # Scheduler half.
-        self._views = RequestViews(
-            _adapter_keys(vllm_config) if role == KVConnectorRole.SCHEDULER else None
-        )
-        self._block_tables = BlockTables()
-        self._allocations = AllocationFilter()
-        self._block_tokens = BlockTokens(engine_config.cache_config.block_size)
-        self._every_rank = EveryRank(engine_config.parallel_config.world_size)
-        self._live: dict[str, tuple[Any, int]] = {}
-        self._kept_blocks: set[str] = set()
-        self._step_async_loads: dict[str, frozenset[int]] = {}
-        # Asynchronous loads sent to the workers and not yet reported, by request.
-        self._async_loads_sent: dict[str, frozenset[int]] = {}
-        # Worker half.
-        self._async_loading: dict[str, frozenset[int]] = {}
-        self._load_errors: set[int] = set()
-        self._totals = KVWireStats()
-        self._forward_context = ForwardContext(
-            layer_names=tuple(self.container.kv_cache_config().layer_names)
-        )
+            self._set_scheduler_half(
+                KVWireSchedulerHalf(
+                    self.connector,
+                    adapter_keys=_adapter_keys(vllm_config),
+                    block_size=engine_config.cache_config.block_size,
+                    world_size=engine_config.parallel_config.world_size,
+                    hybrid=hybrid,
+                )
+            )
+        else:
+            self._set_worker_half(
+                KVWireWorkerHalf(
+                    self.connector,
+                    layer_names=self.container.kv_cache_config().layer_names,
+                    hybrid=hybrid,
+                )
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a save that does not happen is a later miss.
         return False
 
-    # ------------------------------------------------------------ worker half
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # The wrapped connector starts its I/O threads here.
-        with threads_started_on_engine_cores():
-            self.connector.register_kv_caches(kv_caches)
-
-    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
-        return self.connector.get_mem_pool_context()
-
-    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        self.connector.set_host_xfer_buffer_ops(copy_operation)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.connector.handle_preemptions(_inner(kv_connector_metadata))
-
-    def finish_forward(self) -> None:
-        self.connector.finish_forward()
-
-    def reset_capture_state(self) -> None:
-        self.connector.reset_capture_state()
+    # --------------------------------------- the calls that do more than pass on
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self.connector.bind_connector_metadata(_inner(connector_metadata))
-        assert isinstance(connector_metadata, KVWireConnectorMetadata)  # checked by _inner
-        self._async_loading.update(connector_metadata.async_loads)
+        worker = self._worker_half("bind_connector_metadata")
+        worker.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self.connector.clear_connector_metadata()
+        self._worker_half("clear_connector_metadata").clear_connector_metadata()
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.connector.start_load_kv(self._forward_context, **kwargs)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.connector.wait_for_layer_load(layer_name)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-
-    def wait_for_save(self) -> None:
-        self.connector.wait_for_save()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.connector.get_finished(finished_req_ids)
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        finished_sending, finished_recving = self.get_finished(finished_req_ids)
-        results = KVConnectorTransferResults(
-            finished_sending=set(finished_sending or ()),
-            finished_recving=set(finished_recving or ()),
-        )
-        if self._hybrid:
-            # Asked here, before vLLM asks get_block_ids_with_load_errors, so
-            # that a failed asynchronous load is reported as its request.
-            self._load_errors |= self.connector.get_block_ids_with_load_errors()
-            for request_id in results.finished_recving:
-                blocks = self._async_loading.pop(request_id, frozenset())
-                if blocks & self._load_errors:
-                    results.failed_recving.add(request_id)
-                    self._load_errors -= blocks
-        return results
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        if not self._hybrid:
-            return self.connector.get_block_ids_with_load_errors()
-        # Errors of asynchronous loads still running wait for their request's report.
-        loading = frozenset().union(*self._async_loading.values())
-        errors = self._load_errors - loading
-        self._load_errors &= loading
-        if errors:
-            logger.error(
-                "KVWireConnector: %d blocks failed to load synchronously on a hybrid model; "
-                "vLLM cannot recompute them there and stops. Set async_load: true in the "
-                "wrapped connector's kv_connector_extra_config: a failed asynchronous load is "
-                "recomputed (kv_load_failure_policy)",
-                len(errors),
-            )
-        return errors
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        scheduler = self._scheduler_half("bind_kv_cache_manager")
+        scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def get_kv_connector_stats(self) -> KVWireStats | None:
+        # Both roles: vLLM's scheduler asks its connector too, beside each worker.
         stats = self.connector.get_kv_connector_stats()
         if stats is None or stats.is_empty():
             return None
@@ -298,155 +269,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):
         """Every counter this worker reported since it started, flattened."""
         return self._totals.reduce()
 
-    def get_kv_connector_kv_cache_events(self) -> KVWireKVEvents | None:
-        events = self.connector.get_kv_connector_kv_cache_events()
-        return KVWireKVEvents(events) if events else None
-
-    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save started so far is complete (`kvwire.vllm.wait_for_saves`)."""
-        return self.connector.wait_for_pending_saves(timeout_s)
-
-    def build_connector_worker_meta(self) -> Any:
-        # vLLM merges the workers' with their `aggregate` and hands the
-        # result back in update_connector_output.
-        return self.connector.build_connector_worker_meta()
-
     def shutdown(self) -> None:
         self.container.shutdown_resources()
-
-    # --------------------------------------------------------- scheduler half
-
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        view = self._views.view(request)
-        if not view.shares:
-            # An adapter kvwire cannot identify: nothing is looked up for it.
-            self._allocations.looked_up(request.request_id, False)
-            return 0, False
-        tokens, load_async = self.connector.get_num_new_matched_tokens(
-            view.as_request(), num_computed_tokens
-        )
-        self._allocations.looked_up(request.request_id, load_async)
-        return tokens, load_async
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._live.setdefault(request.request_id, (request, 0))
-        if not self._allocations.should_forward(request.request_id, num_external_tokens):
-            return
-        block_ids = tuple(list(ids) for ids in blocks.get_block_ids())
-        if self._hybrid and self._allocations.loading_async(request.request_id):
-            self._step_async_loads[request.request_id] = frozenset(
-                block for group in block_ids for block in group if block != NULL_BLOCK_ID
-            )
-        self.connector.update_state_after_alloc(
-            self._views.view(request).as_request(),
-            KVCacheBlocks(block_ids=block_ids),
-            num_external_tokens,
-        )
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVWireConnectorMetadata:
-        manager = self._kv_cache_manager
-        live = manager.get_block_ids if self._hybrid and manager is not None else None
-        kvwire_output = self._block_tables.to_kvwire(scheduler_output, live)
-        for item in kvwire_output.scheduled:
-            self._remember_blocks(item.request_id)
-        inner = self.connector.build_connector_meta(kvwire_output)
-        async_loads, self._step_async_loads = self._step_async_loads, {}
-        self._async_loads_sent.update(async_loads)
-        return KVWireConnectorMetadata(inner=inner, async_loads=async_loads)
-
-    def _remember_blocks(self, request_id: str) -> None:
-        live = self._live.get(request_id)
-        if live is None:
-            return
-        request, remembered = live
-        # The keys the wrapped connector stores the blocks under (folded with a LoRA adapter's).
-        keys = self._views.view(request).block_hashes
-        if len(keys) > remembered:
-            adapter = getattr(request, "lora_request", None)
-            self._block_tokens.remember(
-                request.block_hashes,
-                request.all_token_ids,
-                remembered,
-                keys=keys,
-                lora_id=adapter.lora_int_id if adapter else None,
-                lora_name=adapter.lora_name if adapter else None,
-            )
-            self._live[request_id] = (request, len(keys))
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        events = connector_output.kv_cache_events
-        finished_sending = set(connector_output.finished_sending or ())
-        finished_recving = set(connector_output.finished_recving or ())
-        # vLLM frees a finished request's blocks at its first report, recving
-        # (a request aborted while loading) or sending, and then knows the
-        # request no more: a later report of it fails vLLM's assertion. So
-        # vLLM sees a request as sent only while it keeps blocks for us; the
-        # wrapped connector sees every report.
-        self._kept_blocks -= finished_recving
-        connector_output.finished_sending = (finished_sending & self._kept_blocks) or None
-        self._kept_blocks -= finished_sending
-        invalid_block_ids = set(connector_output.invalid_block_ids or ())
-        failed_recving = getattr(connector_output, "failed_recving", None) or set()
-        for request_id in finished_recving | failed_recving:
-            blocks = self._async_loads_sent.pop(request_id, frozenset())
-            if request_id in failed_recving:
-                # Reported as a failed request (see the module): its blocks failed.
-                invalid_block_ids |= blocks
-        self.connector.update_connector_output(
-            KVConnectorOutput(
-                finished_sending=finished_sending or None,
-                finished_recving=finished_recving or None,
-                invalid_block_ids=invalid_block_ids,
-                kv_cache_events=(
-                    self._every_rank.whole(events.get_all_events()) if events is not None else []
-                ),
-                kv_connector_worker_meta=connector_output.kv_connector_worker_meta,
-            )
-        )
-
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        # vLLM calls request_finished_all_groups on a SupportsHMA connector;
-        # a caller of the one-group call gets the same answer.
-        return self.request_finished_all_groups(request, (list(block_ids),))
-
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        request_id = request.request_id
-        self._allocations.forget(request_id)
-        self._live.pop(request_id, None)
-        view = self._views.view(request).as_request()
-        self._views.forget(request_id)
-        group_ids = tuple(list(ids) for ids in block_ids)
-        wrapped = self.connector
-        if isinstance(wrapped, KVWireSupportsHMA):
-            keep, params = wrapped.request_finished_all_groups(view, group_ids)
-        else:
-            # Only a cache of one full-attention group is served without HMA
-            # (checked when built), so this is that group's list.
-            (only_group,) = group_ids
-            keep, params = wrapped.request_finished(view, only_group)
-        if keep:
-            self._kept_blocks.add(request_id)
-        return keep, params
-
-    def has_pending_block_frees(self) -> bool:
-        return self.connector.has_pending_block_frees()
-
-    def has_pending_push_work(self) -> bool:
-        # Finished requests whose blocks a save still reads: the engine keeps
-        # stepping until the worker reports them, then frees their blocks.
-        return bool(self._kept_blocks)
-
-    def take_events(self) -> Iterable[Any]:
-        return self._block_tokens.to_vllm(self.connector.take_events())
-
-    def reset_cache(self) -> bool | None:
-        return self.connector.reset_cache()
 
     # ------------------------------------------------------------- class-level
 
@@ -475,14 +299,6 @@ def _adapter_keys(vllm_config: Any) -> AdapterKeys:
     return AdapterKeys(
         hub_caches=[*([download_dir] if download_dir else []), *default_hub_caches()]
     )
-
-
-def _inner(metadata: KVConnectorMetadata) -> KVWireMetadata:
-    if not isinstance(metadata, KVWireConnectorMetadata):
-        raise TypeError(
-            f"KVWireConnector: expected KVWireConnectorMetadata, got {type(metadata).__name__}"
-        )
-    return metadata.inner
 
 
 def _require_wrapped_hma(container: KVConnectorContainer, kv_cache_config: KVCacheConfig) -> None:

@@ -26,6 +26,7 @@ from kvwire.interface.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from kvwire.interface.calls import CallSide, calls_on
 from kvwire.interface.types import (
     ForwardContext,
     KVCacheBlocks,
@@ -44,6 +45,9 @@ Call = Callable[[MultiConnector], object]
 
 WORKER_CALLS: dict[str, Call] = {
     "register_kv_caches": lambda multi: multi.register_kv_caches({}),
+    "register_cross_layers_kv_cache": (
+        lambda multi: multi.register_cross_layers_kv_cache(torch.zeros(1), None)
+    ),
     "get_mem_pool_context": lambda multi: multi.get_mem_pool_context(),
     "set_host_xfer_buffer_ops": lambda multi: multi.set_host_xfer_buffer_ops(lambda *args: None),
     "handle_preemptions": lambda multi: multi.handle_preemptions(STEP_METADATA),
@@ -105,6 +109,23 @@ BOTH_ROLES_CALLS = (
     "clear_connector_metadata",
     "shutdown",
 )
+
+
+# Asked of a role's instance, but answered by the MultiConnector itself from its children.
+PROPERTIES = {
+    "prefer_cross_layer_blocks",
+    "requires_kv_delivery",
+    "supports_divergent_local_hybrid_hits",
+}
+
+
+def test_every_call_of_the_interface_made_by_one_role_or_both_is_tried() -> None:
+    assert set(WORKER_CALLS) | set(SCHEDULER_CALLS) | PROPERTIES == set(
+        calls_on(CallSide.WORKER, CallSide.SCHEDULER)
+    )
+    assert set(WORKER_CALLS) <= set(calls_on(CallSide.WORKER))
+    assert set(SCHEDULER_CALLS) <= set(calls_on(CallSide.SCHEDULER))
+    assert set(BOTH_ROLES_CALLS) == set(calls_on(CallSide.BOTH))
 
 
 class NoBlockPool:

@@ -47,9 +47,7 @@ failure is logged and the first is raised.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -69,7 +67,6 @@ from kvwire.connectors.multi._children import (
 from kvwire.connectors.multi.records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorStats,
-    MultiKVConnectorWorkerMetadata,
     MultiPromMetrics,
     rebuild_child_stats,
 )
@@ -79,31 +76,22 @@ from kvwire.factory import KVConnectorFactory
 from kvwire.interface.base import (
     ConnectorBuilder,
     ConnectorLookup,
-    CopyBlocksOp,
     HMAResolver,
     KVConnectorBase,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
     metadata_of_type,
 )
+from kvwire.interface.calls import CallSide, calls_on, forward_calls
 from kvwire.interface.roles import RoleSplitConnector
 from kvwire.interface.types import (
     CacheHitSource,
-    ForwardContext,
-    KVCacheBlocks,
-    KVCacheEvent,
-    KVConnectorOutput,
     KVConnectorStats,
-    KVConnectorTransferResults,
     Request,
-    SchedulerOutput,
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from kvwire.config import EngineConfig
     from kvwire.config.kv_cache import KVCacheConfig
 
@@ -112,13 +100,15 @@ __all__ = ["MultiConnector"]
 logger = logging.getLogger(__name__)
 
 
+@forward_calls(calls_on(CallSide.SCHEDULER, CallSide.WORKER), to=RoleSplitConnector._half_for)
 class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], SupportsHMA):
     """Drives every child connector as one; see the module docstring for the rules.
 
     It builds its children in its own role and only that role's half
-    (`MultiSchedulerHalf` or `MultiWorkerHalf`); the calls both roles
-    make (shutdown, the step metadata's binding, the stats, the children)
-    are its own.
+    (`MultiSchedulerHalf` or `MultiWorkerHalf`), which takes each call of
+    its role as it comes; the calls both roles make (shutdown, the step
+    metadata's binding, the stats, the children) and the class-level
+    questions are its own.
     """
 
     def __init__(
@@ -237,18 +227,13 @@ class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], Su
             KVConnectorFactory.get_connector_class, cls.__name__, extra_config
         )
 
-    # -------------------------------------------------------- scheduler half
+    # ------------------------------------------------ scheduler calls of its own
+    # Every other scheduler-side or worker-side call reaches its half as it came.
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         scheduler = self._scheduler_half("bind_kv_cache_manager")
         self._kv_cache_manager = kv_cache_manager
         scheduler.bind_kv_cache_manager(kv_cache_manager)
-
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._scheduler_half("bind_gpu_block_pool").bind_gpu_block_pool(gpu_block_pool)
-
-    def on_new_request(self, request: Request) -> None:
-        self._scheduler_half("on_new_request").on_new_request(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         scheduler = self._scheduler_half("get_loaded_kv_cache_group_ids")
@@ -256,20 +241,6 @@ class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], Su
         if chosen is None:
             return super().get_loaded_kv_cache_group_ids(request)
         return chosen.get_loaded_kv_cache_group_ids(request)
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self._scheduler_half("get_num_new_matched_tokens").get_num_new_matched_tokens(
-            request, num_computed_tokens
-        )
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._scheduler_half("update_state_after_alloc").update_state_after_alloc(
-            request, blocks, num_external_tokens
-        )
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -280,129 +251,6 @@ class MultiConnector(RoleSplitConnector[MultiSchedulerHalf, MultiWorkerHalf], Su
         if chosen is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return chosen.get_external_cache_hit_sources(request, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MultiKVConnectorMetadata:
-        return self._scheduler_half("build_connector_meta").build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_half("update_connector_output").update_connector_output(connector_output)
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler_half("request_finished").request_finished(request, block_ids)
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        scheduler = self._scheduler_half("request_finished_all_groups")
-        return scheduler.request_finished_all_groups(request, block_ids)
-
-    def register_finished_partial_tail(
-        self,
-        request: Request,
-        block_ids: tuple[list[int], ...],
-        partial_tail_offloads: list[tuple[int, int, int]],
-    ) -> bool:
-        scheduler = self._scheduler_half("register_finished_partial_tail")
-        return scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return self._scheduler_half("take_events").take_events()
-
-    def has_pending_block_frees(self) -> bool:
-        return self._scheduler_half("has_pending_block_frees").has_pending_block_frees()
-
-    def has_pending_push_work(self) -> bool:
-        return self._scheduler_half("has_pending_push_work").has_pending_push_work()
-
-    def get_finished_count(self) -> int | None:
-        return self._scheduler_half("get_finished_count").get_finished_count()
-
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
-    ) -> None:
-        self._scheduler_half("set_xfer_handshake_metadata").set_xfer_handshake_metadata(metadata)
-
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        scheduler = self._scheduler_half("set_xfer_handshake_metadata_pp_aware")
-        scheduler.set_xfer_handshake_metadata_pp_aware(metadata)
-
-    def reset_cache(self) -> bool | None:
-        return self._scheduler_half("reset_cache").reset_cache()
-
-    # ----------------------------------------------------------- worker half
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
-
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
-        worker = self._worker_half("register_cross_layers_kv_cache")
-        worker.register_cross_layers_kv_cache(kv_cache, attn_backend)
-
-    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
-        """The one child's memory pool context: the KV cache lives in one pool only."""
-        return self._worker_half("get_mem_pool_context").get_mem_pool_context()
-
-    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        self._worker_half("set_host_xfer_buffer_ops").set_host_xfer_buffer_ops(copy_operation)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self._worker_half("handle_preemptions").handle_preemptions(kv_connector_metadata)
-
-    def finish_forward(self) -> None:
-        self._worker_half("finish_forward").finish_forward()
-
-    def reset_capture_state(self) -> None:
-        self._worker_half("reset_capture_state").reset_capture_state()
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker_half("start_load_kv").start_load_kv(forward_context, **kwargs)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker_half("wait_for_layer_load").wait_for_layer_load(layer_name)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        self._worker_half("save_kv_layer").save_kv_layer(
-            layer_name, kv_layer, attn_metadata, **kwargs
-        )
-
-    def wait_for_save(self) -> None:
-        self._worker_half("wait_for_save").wait_for_save()
-
-    def load_errors_this_step(self) -> set[int]:
-        return self._worker_half("load_errors_this_step").load_errors_this_step()
-
-    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
-        self._worker_half("skip_saves_computed_from").skip_saves_computed_from(block_ids)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker_half("get_finished").get_finished(finished_req_ids)
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker_half("get_transfer_results").get_transfer_results(finished_req_ids)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self._worker_half("get_block_ids_with_load_errors")
-        return worker.get_block_ids_with_load_errors()
-
-    def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
-        worker = self._worker_half("get_kv_connector_kv_cache_events")
-        return worker.get_kv_connector_kv_cache_events()
-
-    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Every child's saves, within one `timeout_s` for them all."""
-        return self._worker_half("wait_for_pending_saves").wait_for_pending_saves(timeout_s)
-
-    def get_handshake_metadata(self) -> Any:
-        return self._worker_half("get_handshake_metadata").get_handshake_metadata()
-
-    def build_connector_worker_meta(self) -> MultiKVConnectorWorkerMetadata | None:
-        return self._worker_half("build_connector_worker_meta").build_connector_worker_meta()
 
     # ------------------------------------------------------------ both roles
 

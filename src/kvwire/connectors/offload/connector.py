@@ -55,26 +55,21 @@ from kvwire.connectors.offload._load_breaker import (
     LoadBreaker,
 )
 from kvwire.connectors.offload._planner import BlockPlanner
-from kvwire.connectors.offload.metadata import OffloadMetadata
 from kvwire.connectors.offload.scheduler import OffloadSchedulerHalf
 from kvwire.connectors.offload.worker import OffloadWorkerHalf
 from kvwire.exceptions import ContainerSetupError
 from kvwire.interface.base import (
     ConnectorLookup,
-    KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from kvwire.interface.calls import forward_calls
 from kvwire.interface.roles import RoleSplitConnector
 from kvwire.interface.types import (
     ForwardContext,
-    KVCacheBlocks,
     KVCacheEvent,
-    KVConnectorOutput,
     KVConnectorStats,
     Request,
-    SchedulerOutput,
 )
 from kvwire.media.base import Medium, MediumContext
 
@@ -97,6 +92,24 @@ long for a server that hangs, not the 1 s of a store's `lookup_timeout_s`.
 """
 
 
+@forward_calls(
+    (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "take_events",
+        "reset_cache",
+        "register_kv_caches",
+        "handle_preemptions",
+        "load_errors_this_step",
+        "skip_saves_computed_from",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "wait_for_pending_saves",
+    ),
+    to=RoleSplitConnector._half_for,
+)
 class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHalf], SupportsHMA):
     """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
 
@@ -107,6 +120,9 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
     [`MediumContext`][kvwire.media.MediumContext] through `medium_context`
     and the medium from it, one per connector; each step is a provider a
     test overrides (`docs/container.md`).
+
+    The calls its halves take as the interface makes them go to the half as
+    they come (`forward_calls`); the methods below adapt the others.
     """
 
     default_medium: ClassVar[str] = "cpu_pool"
@@ -297,21 +313,6 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
 
     # -------------------------------------------------------- scheduler half
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        half = self._scheduler_half("get_num_new_matched_tokens")
-        return half.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        half = self._scheduler_half("update_state_after_alloc")
-        half.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
-        return self._scheduler_half("build_connector_meta").build_connector_meta(scheduler_output)
-
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -324,23 +325,7 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
         # request, and a wrapper recording calls must see one.
         return self._scheduler_half("request_finished_all_groups").request_finished(request), None
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_half("update_connector_output").update_connector_output(connector_output)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        return self._scheduler_half("take_events").take_events()
-
-    def reset_cache(self) -> bool | None:
-        return self._scheduler_half("reset_cache").reset_cache()
-
     # ----------------------------------------------------------- worker half
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half("register_kv_caches").register_kv_caches(kv_caches)
-
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Release the saves still reading blocks this step may write."""
-        self._worker_half("handle_preemptions").handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         half = self._worker_half("start_load_kv")
@@ -363,25 +348,6 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_half("get_finished").get_finished()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        half = self._worker_half("get_block_ids_with_load_errors")
-        return half.get_block_ids_with_load_errors()
-
-    def load_errors_this_step(self) -> set[int]:
-        """Block ids whose synchronous loads failed this step; waits for the loads to end.
-
-        A composite asks each child, and tells every child
-        (`skip_saves_computed_from`): whichever child loaded a block,
-        no child saves what was computed from it.
-        """
-        return self._worker_half("load_errors_this_step").load_errors_this_step()
-
-    def skip_saves_computed_from(self, block_ids: set[int]) -> None:
-        self._worker_half("skip_saves_computed_from").skip_saves_computed_from(block_ids)
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker_half("build_connector_worker_meta").build_connector_worker_meta()
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         # Asked of both roles (vLLM's scheduler merges its connector's stats):
         # the scheduler half's counts travel in the metadata, so it has none.
@@ -391,10 +357,6 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
 
     def get_kv_connector_kv_cache_events(self) -> list[KVCacheEvent]:
         return self._worker_half("get_kv_connector_kv_cache_events").take_events()
-
-    def wait_for_pending_saves(self, timeout_s: float | None = None) -> bool:
-        """Block until every save started so far is in the medium (or failed)."""
-        return self._worker_half("wait_for_pending_saves").wait_for_pending_saves(timeout_s)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
