@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
 import uuid
@@ -521,3 +522,17 @@ def test_a_composite_child_may_be_loaded_by_module_path(
     assert composite.children[0].kv_transfer_config.engine_id == (
         composite.kv_transfer_config.engine_id
     )
+
+
+def test_the_hma_gate_logs_its_decision_once_per_role(
+    container: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine's log says what the gate decided once for each connector it builds."""
+    with caplog.at_level(logging.INFO, logger="kvwire.hma"):
+        container.scheduler_connector()
+        container.worker_connector()
+
+    gate_lines = [
+        record.getMessage() for record in caplog.records if "HMA gate" in record.getMessage()
+    ]
+    assert len(gate_lines) == 2

@@ -63,3 +63,5 @@ def test_the_readme_snippet_generates_as_written_from_an_empty_folder(
     assert "kvwire scheduler connector: CPUOffloadConnector" in log
     assert "profile 'cpu-offload'" in log
     assert "bootstrapping phase" not in log
+    # The HMA gate's decision, once for each role's connector.
+    assert log.count("HMA gate: ") == 2, log[-4000:]
