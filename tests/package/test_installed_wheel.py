@@ -123,14 +123,21 @@ def test_version_is_the_declared_one(installed: pathlib.Path, empty_folder: path
     )
 
 
-def test_the_wheel_ships_every_profile_of_the_tree(
+def test_the_wheel_ships_every_profile_of_containers_and_resolves_each_by_name(
     installed: pathlib.Path, empty_folder: pathlib.Path
 ) -> None:
     listed = run([installed / "kvwire", "profiles"], empty_folder).splitlines()
-    shipped = sorted(path.stem for path in (REPO / "src" / "kvwire" / "profiles").glob("*.yaml"))
+    shipped = sorted(path.stem for path in (REPO / "containers").glob("*.yaml"))
 
+    assert shipped
     assert [line.split()[0] for line in listed[1 : 1 + len(shipped)]] == shipped
     assert listed[1 + len(shipped)] == ""
+    for name in shipped:
+        shown = run([installed / "kvwire", "profiles", "--show", name], empty_folder)
+        assert shown == (REPO / "containers" / f"{name}.yaml").read_text()
+    # Read from the installed package, not from this repository.
+    folder = listed[-1].removeprefix("files: ").split(";")[0]
+    assert pathlib.Path(folder).resolve().is_relative_to(installed.parent.resolve())
 
 
 def test_the_installed_metadata_names_its_license_and_where_the_project_lives(

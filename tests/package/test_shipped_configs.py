@@ -1,5 +1,5 @@
 """Every configuration kvwire ships computes a failed load again: ``kv_load_failure_policy:
-recompute`` in each profile (src/kvwire/profiles/, examples/) and in each README or docs
+recompute`` in each profile (containers/, examples/) and in each README or docs
 example that configures a connector, since vLLM's own default (``fail``) fails the user's
 request."""
 
@@ -14,7 +14,7 @@ import yaml
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROFILES = sorted(
     path
-    for folder in ("src/kvwire/profiles", "examples")
+    for folder in ("containers", "examples")
     for path in (REPO / folder).rglob("*.yaml")
     if "kv_transfer_config" in path.read_text()
 )
