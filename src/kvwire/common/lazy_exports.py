@@ -36,6 +36,9 @@ def lazy_exports(
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*package_globals, *where})
+        # What a user may use: the exported names and the module's dunders,
+        # not the package's own private helpers.
+        names = {*package_globals, *where}
+        return sorted(name for name in names if not name.startswith("_") or name.startswith("__"))
 
     return __getattr__, __dir__
