@@ -2,9 +2,9 @@
 
 This package only re-exports the public names, each imported on first use:
 importing it imports nothing else of kvwire, and never torch or a connector.
-The other import points are [`kvwire.media`][kvwire.media] (writing a medium),
-[`kvwire.testing`][kvwire.testing] (the conformance kit), [`kvwire.vllm`][kvwire.vllm] (the vLLM
-adapter) and [`kvwire.exceptions`][kvwire.exceptions] (every error kvwire raises).
+The other import points are `kvwire.media` (writing a medium),
+`kvwire.testing` (the conformance kit), `kvwire.vllm` (the vLLM
+adapter) and `kvwire.exceptions` (every error kvwire raises).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Each role-scoped provider builds at most one connector per container and hands
 it `(config, role, kv_cache_config)`, with an offload connector's `medium` built
 (`medium_class`, `medium_options`, `medium_plugins`, `medium_context`, `medium`) or a
 composite's `connector_builder`; a process that serves one role declares it
-once ([`declare_role`][kvwire.declare_role]) and asks `container.connector()`. Every part a
+once (`kvwire.declare_role`) and asks `container.connector()`. Every part a
 test may want to swap (`engine_config`, `kv_cache_config`, `registry`,
 `connector_class`, the medium's steps, `hma_gate`, a connector) is a
 provider, so dependency-injector's `override` does it and undoes it when its
@@ -25,14 +25,14 @@ provider, so dependency-injector's `override` does it and undoes it when its
 The steps that follow from the connector's class are two sub-containers of
 their own, their inputs `Dependency` providers, composed with
 `providers.Container` and named by the container as its own: a
-[`ConnectorSetupContainer`][kvwire.container.ConnectorSetupContainer] (the
+`kvwire.container.ConnectorSetupContainer` (the
 HMA gate, the rank's layout, the medium's class) and a
-[`MediumContainer`][kvwire.container.MediumContainer] (the medium's options,
+`kvwire.container.MediumContainer` (the medium's options,
 plug-ins, context and the medium). Each build gets a container of each shape
 of its own, bound to what it resolved, so it enters the registry once for the
 connector's class and once for its medium's; a composite's children are built
 the same way, each by containers of its own
-([`ChildConnectorBuilder`][kvwire.container.ChildConnectorBuilder]).
+(`kvwire.container.ChildConnectorBuilder`).
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ class ThreadSafeResource(providers.Resource[T]):
     lock: threads racing on a constructor that releases the GIL (a connect,
     an allocation) each build one, and all but the last are never shut down.
     Here the first caller builds while the others wait for it, at most
-    `build_wait_s` (then [`ConnectorBuildTimeout`][kvwire.exceptions.ConnectorBuildTimeout]); a
+    `build_wait_s` (then `kvwire.exceptions.ConnectorBuildTimeout`); a
     failed build leaves nothing behind, so the next caller tries again. Overrides answer before the
     lock is taken, and `shutdown()` takes it too, so a resource is never shut down while it is being
     built.
@@ -588,10 +588,10 @@ class KVConnectorContainer(containers.DeclarativeContainer):
       override to it);
     - `kv_transfer_config` and `connector_class`: what the config names
       (an override that is no subclass of `KVConnectorBase` is refused
-      with [`NotAConnectorError`][kvwire.exceptions.NotAConnectorError] when first used);
-    - `connector_setup`, a [`ConnectorSetupContainer`][kvwire.container.ConnectorSetupContainer]
+      with `kvwire.exceptions.NotAConnectorError` when first used);
+    - `connector_setup`, a `kvwire.container.ConnectorSetupContainer`
       fed from the providers above, whose steps are the container's own:
-        - `hma_gate`: the [`HMADecision`][kvwire.HMADecision] (raises for HMA
+        - `hma_gate`: the `kvwire.HMADecision` (raises for HMA
           demanded from a connector that cannot serve it);
         - `parallel_config`: the `ParallelConfig` (this
           process's rank, the tensor and pipeline parallel sizes): the engine
@@ -603,7 +603,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
           for another connector), resolved through the registry; override it to
           swap the medium of this container's connectors:
           `container.medium_class.override(providers.Object(MyDirectory))`;
-    - `media`, a [`MediumContainer`][kvwire.container.MediumContainer] fed from the
+    - `media`, a `kvwire.container.MediumContainer` fed from the
       providers above, whose steps are the container's own:
         - `medium_options`: the connector's extra config read over its keys and
           the medium's, finished by the medium (None without a medium);
@@ -615,7 +615,7 @@ class KVConnectorContainer(containers.DeclarativeContainer):
           one entry);
         - `medium`: the medium itself, a `Factory`: one per connector built;
     - `connector_builder`: what a composite builds its children with
-      ([`ChildConnectorBuilder`][kvwire.container.ChildConnectorBuilder]);
+      (`kvwire.container.ChildConnectorBuilder`);
     - `scheduler_connector` / `worker_connector`: one connector per role,
       shut down by `shutdown_resources()`. Each build binds a
       `ConnectorSetupContainer` and a `MediumContainer` of its own to the

@@ -4,7 +4,7 @@ The errors kept from vLLM (an unknown connector name, a deprecated
 constructor, HMA enabled for a connector that cannot serve it) stay plain
 `ValueError`/`AttributeError` with vLLM's exact texts, so code
 written against it keeps catching them. Every other exception class kvwire
-makes public is defined here, derives from [`KVWireError`][kvwire.KVWireError] and from
+makes public is defined here, derives from `kvwire.KVWireError` and from
 the builtin a caller would naturally catch, so `except KVWireError` catches
 whatever kvwire raises on its own account. The modules that raise them import
 them from here, and this module imports nothing of kvwire and no optional
@@ -93,7 +93,7 @@ class ModulePathError(ConnectorImportError):
     """A `kv_connector_module_path` that cannot be imported, or lacks the class named.
 
     The message starts with the field's dotted path in the profile
-    ([`ConnectorRegistry.check_module_path`][kvwire.ConnectorRegistry.check_module_path]).
+    (`kvwire.ConnectorRegistry.check_module_path`).
     """
 
 
@@ -121,7 +121,7 @@ class ConnectorRoleError(KVWireError, RuntimeError):
 class VLLMConfigError(KVWireError, ValueError):
     """vLLM's configuration asks for something kvwire cannot serve; the message says what.
 
-    Defined here rather than in [`kvwire.vllm`][kvwire.vllm], so that code without vLLM
+    Defined here rather than in `kvwire.vllm`, so that code without vLLM
     installed can name it.
     """
 
@@ -146,7 +146,7 @@ class ExtraConfigError(KVWireError, ValueError):
 
 
 class ValueRefused(KVWireError):
-    """Raised by an [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]'s `convert` to refuse a value
+    """Raised by an `kvwire.media.ExtraConfigKey`'s `convert` to refuse a value
     with its own reason.
 
     The reason replaces the key's generic "expected ..." text, for a value

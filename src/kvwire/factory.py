@@ -1,9 +1,9 @@
 """`KVConnectorFactory`: vLLM's factory's API, served by kvwire's registry.
 
 Code written against vLLM moves over by changing its import. Every
-call goes to the process-wide [`default_registry`][kvwire.default_registry] (the
+call goes to the process-wide `kvwire.default_registry` (the
 one new containers use too), and `create_connector` builds through a
-[`KVConnectorContainer`][kvwire.KVConnectorContainer], so there is one registry and
+`kvwire.KVConnectorContainer`, so there is one registry and
 one way of building, whichever API is used.
 """
 

@@ -250,7 +250,7 @@ class BlockLayout:
         return f"{self.fingerprint_hex}/{block_hash.hex()}"
 
     def block_hash_of(self, key: str) -> BlockHash | None:
-        """The block hash whose [`key`][kvwire.media.BlockLayout.key] is `key`; None for another
+        """The block hash whose `kvwire.media.BlockLayout.key` is `key`; None for another
         layout's key."""
         fingerprint, _, hash_hex = key.partition("/")
         if fingerprint != self.fingerprint_hex:
@@ -362,7 +362,7 @@ _MAC_START = _HEADER.size
 
 
 def verify_entry(entry: memoryview, layout: BlockLayout, block_hash: BlockHash) -> None:
-    """Raise [`CorruptBlockError`][kvwire.media.CorruptBlockError] unless `entry` is this block,
+    """Raise `kvwire.media.CorruptBlockError` unless `entry` is this block,
     whole and intact.
 
     With a MAC, the MAC alone decides (it covers the checksum and all the

@@ -8,7 +8,7 @@ num_kv_heads, head_size]` (kvwire's layout) or vLLM's CPU layout
 `kvwire.blocks.format`); a vLLM CPU block is copied into its
 layer's share of an entry as a whole byte range, whatever its packing.
 `PagedKVCaches` checks the registered tensors against the connector's
-[`BlockLayout`][kvwire.media.BlockLayout] once, and then copies whole blocks between the caches and
+`kvwire.media.BlockLayout` once, and then copies whole blocks between the caches and
 cross-layer tensors without allocating anything.
 """
 

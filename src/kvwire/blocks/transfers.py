@@ -5,7 +5,7 @@ connectors send them in their step metadata (pickled across the worker
 process), and `StoreTransferHandler` and
 `CPUPoolTransferHandler` move their blocks. What a medium's scheduler half
 tells its worker half about a transfer travels with it as one
-[`TransferPayload`][kvwire.media.TransferPayload] of the medium's own, which
+`kvwire.media.TransferPayload` of the medium's own, which
 no connector reads.
 """
 
@@ -45,7 +45,7 @@ class BlockTransfer:
     request_id: str
     """The request the blocks belong to: finished, failed and kept blocks are reported by it."""
     block_ids: tuple[int, ...]
-    """The blocks' ids in the paged KV cache of [`group`][kvwire.media.BlockTransfer.group] (never
+    """The blocks' ids in the paged KV cache of `kvwire.media.BlockTransfer.group` (never
     the null block)."""
     block_hashes: tuple[BlockHash, ...]
     """The blocks' hashes: what names each block's entry in the medium."""

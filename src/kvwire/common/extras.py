@@ -6,7 +6,7 @@ medium the `redis` extra, the peer medium the `peer` extra (pyproject.toml).
 Where kvwire first imports one of them (`kvwire run`'s engine, the registries
 when they import a connector's or a medium's module), a
 `ModuleNotFoundError` for it becomes a
-[`MissingExtraError`][kvwire.exceptions.MissingExtraError] naming what
+`kvwire.exceptions.MissingExtraError` naming what
 needed it and the `pip install` that provides it.
 """
 

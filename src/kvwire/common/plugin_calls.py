@@ -33,7 +33,7 @@ LONGEST_REFUSAL = 1000
 @contextlib.contextmanager
 def contained_exits() -> Iterator[None]:
     """Around a call into plug-in code: a `BaseException` it raises becomes
-    [`PluginExit`][kvwire.exceptions.PluginExit].
+    `kvwire.exceptions.PluginExit`.
 
     Except what the user's Ctrl-C caused (Python's `KeyboardInterrupt`,
     or whatever the SIGINT handler in place raises): it stops the program
@@ -89,7 +89,7 @@ class _SigintNoted:
 def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
     """`error`'s type and message, redacted, then cut to about `limit` characters.
 
-    A [`PluginExit`][kvwire.exceptions.PluginExit] is shown as what the plug-in raised
+    A `kvwire.exceptions.PluginExit` is shown as what the plug-in raised
     (`SystemExit: 3`).
     """
     if isinstance(error, PluginExit):
@@ -101,12 +101,12 @@ def plugin_message(error: BaseException, limit: int = SHOWN_LENGTH * 5) -> str:
 
 
 def call_plugin(field: str, what: str, call: Callable[[], _Result]) -> _Result:
-    """`call()`; what it raises becomes an [`ExtraConfigError`][kvwire.exceptions.ExtraConfigError]
+    """`call()`; what it raises becomes an `kvwire.exceptions.ExtraConfigError`
     naming `field`, `what`.
 
     `what` says which call failed (`"MyMedium.create_store"`). A
     kvwire error the plug-in raised on purpose (an
-    [`ExtraConfigError`][kvwire.exceptions.ExtraConfigError] naming its key) is kept as it is when
+    `kvwire.exceptions.ExtraConfigError` naming its key) is kept as it is when
     it shows no secret and is short, else shown redacted and bounded.
     """
     try:

@@ -28,7 +28,7 @@ _KINDS = (
 def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
     """The bytes of the regular file at `path`, at most `limit` of them.
 
-    Raises [`FileRefused`][kvwire.exceptions.FileRefused] for anything but a regular file and for a
+    Raises `kvwire.exceptions.FileRefused` for anything but a regular file and for a
     file longer than `limit` (checked by its size first, without reading
     it), `OSError` when it cannot be opened or read.
     """

@@ -2,7 +2,7 @@
 
 Every class here is a frozen attrs record with validators on its fields: an
 invalid value never makes it into a running engine. Counts have upper bounds
-no real model reaches, and an [`EngineConfig`][kvwire.EngineConfig] whose KV cache, weights
+no real model reaches, and an `kvwire.EngineConfig` whose KV cache, weights
 and batch logits could not fit in this machine's memory is refused when it is built
 (`kvwire.config.memory_limits`), so an absurd profile fails `kvwire check`
 rather than the engine. Errors and reprs show values through

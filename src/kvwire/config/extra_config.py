@@ -1,12 +1,12 @@
 """Validation of a connector's `kv_connector_extra_config`.
 
-Each connector declares the keys it understands as [`ExtraConfigKey`][kvwire.media.ExtraConfigKey]
+Each connector declares the keys it understands as `kvwire.media.ExtraConfigKey`
 records; `read_extra_config` checks a user's mapping against them and
 returns the values with defaults filled in. Every error names
 `kv_connector_extra_config.<key>` and says what would be accepted, and an
 unknown key is an error (a typo must not silently fall back to a default).
 Values are shown bounded and with secrets blanked (`kvwire.common.redaction`);
-a size that is allocated in memory ([`memory_size_key`][kvwire.media.memory_size_key]) is checked
+a size that is allocated in memory (`kvwire.media.memory_size_key`) is checked
 against what this machine holds.
 """
 

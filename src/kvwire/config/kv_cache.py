@@ -1,6 +1,6 @@
 """How the engine's KV cache memory is laid out, once it has been sized.
 
-The engine builds a [`KVCacheConfig`][kvwire.KVCacheConfig] after it has measured how many
+The engine builds a `kvwire.KVCacheConfig` after it has measured how many
 blocks fit; connectors receive it as their third constructor argument. More
 than one `KVCacheGroupSpec` (full-attention layers beside
 sliding-window layers) is what the hybrid KV cache manager serves.

@@ -1,13 +1,13 @@
 """Profiles: an `EngineConfig` written as YAML or as a plain mapping.
 
-A profile mirrors [`EngineConfig`][kvwire.EngineConfig]: its top-level keys are
+A profile mirrors `kvwire.EngineConfig`: its top-level keys are
 the engine config's sections (`model_config`, `cache_config`,
 `parallel_config`, `scheduler_config`, `kv_transfer_config`), each a
 mapping of that record's fields; everything is optional.
 
 Values are structured with cattrs under strict rules (`"false"` is not a
 boolean, `3.5` is not an integer), then checked by the records' own
-validators. Nothing stops at the first problem: [`ProfileError`][kvwire.exceptions.ProfileError]
+validators. Nothing stops at the first problem: `kvwire.exceptions.ProfileError`
 lists every one, each with its dotted path and what would be accepted. Unknown keys are problems
 too, so a typo is never silently ignored. YAML is read with PyYAML's safe loader only, bounded
 against alias bombs (`kvwire.config.profile_yaml`). Values are shown in errors through
@@ -54,11 +54,11 @@ DEFAULT_PROFILE_NAME = "cpu-offload"
 
 
 def load_profile(source: ProfileSource) -> EngineConfig:
-    """Build the [`EngineConfig`][kvwire.EngineConfig] a profile describes.
+    """Build the `kvwire.EngineConfig` a profile describes.
 
     `source` is a shipped profile's name (`"cpu-offload"`), a path to a YAML
     file (`str` or path-like) or an already parsed mapping. Raises
-    [`ProfileError`][kvwire.exceptions.ProfileError] listing every problem.
+    `kvwire.exceptions.ProfileError` listing every problem.
     """
     if not isinstance(source, str | os.PathLike):
         # A mapping, or something that is neither: the structuring says which.
@@ -202,7 +202,7 @@ def structure_engine_config(data: Any, *, origin: str = MAPPING_ORIGIN) -> Engin
 
 
 def unstructure_engine_config(engine_config: EngineConfig) -> dict[str, Any]:
-    """The profile mapping of `engine_config`: what [`load_profile`][kvwire.load_profile] turns back
+    """The profile mapping of `engine_config`: what `kvwire.load_profile` turns back
     into it.
 
     Useful to hand an engine's exact configuration (`engine_id` included)

@@ -38,7 +38,7 @@ MAX_DEPTH = 100
 
 def parse_profile_text(text: str) -> Any:
     """The document in `text` (None when empty); raises
-    [`ProfileYAMLError`][kvwire.exceptions.ProfileYAMLError]."""
+    `kvwire.exceptions.ProfileYAMLError`."""
     loader = _BoundedLoader(text)
     try:
         _check_nesting(text)

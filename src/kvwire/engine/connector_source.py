@@ -1,7 +1,7 @@
 """Where the engine gets its connectors: the container's role-scoped providers.
 
 The engine asks for one connector per role. They come from a
-[`kvwire.container.KVConnectorContainer`][kvwire.KVConnectorContainer] set up with the engine's
+`kvwire.KVConnectorContainer` set up with the engine's
 config and sized `kv_cache_config`, so the registry, module paths, entry
 points, provider overrides and the HMA gate all apply exactly as they do for
 any application wired to the container.

@@ -11,7 +11,7 @@ engine = build_engine(container)          # or LLMEngine(engine_config) for the 
 
 (`build_engine` lives in `kvwire.engine.engine`, which imports this module.)
 
-The connector side is a [`KVConnectorContainer`][kvwire.KVConnectorContainer] composed as
+The connector side is a `kvwire.KVConnectorContainer` composed as
 `connectors`, its `engine_config` fed from this container's `config`; giving an instance
 (`EngineContainer(config=..., connectors=my_container)`) uses that one, overrides included.
 """
@@ -223,7 +223,7 @@ class EngineContainer(containers.DeclarativeContainer):
     - `worker_mode`, `connector_hook`, `capture_kv`, `idle_timeout_s`,
       `torch_threads`, `worker_reply_timeout_s`, `worker_container_hook`:
       the engine's options, as `LLMEngine` documents them;
-    - `connectors`: the [`KVConnectorContainer`][kvwire.KVConnectorContainer] the
+    - `connectors`: the `kvwire.KVConnectorContainer` the
       engine's connectors come from, its `engine_config` fed from `config`
       (`connectors.connector_class.override(...)` swaps the connector).
 

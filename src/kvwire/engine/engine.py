@@ -100,7 +100,7 @@ class LLMEngine:
     `connector_hook` sees each connector once it is built (the conformance
     kit instruments them this way); `capture_kv` keeps each finished
     request's prompt KV in `captured_kv`. `container` is a
-    [`KVConnectorContainer`][kvwire.KVConnectorContainer] whose providers the caller
+    `kvwire.KVConnectorContainer` whose providers the caller
     has overridden (the worker process, if any, builds its own from
     `config`): e.g. a registry whose medium makes loads fail on purpose
     (`kvwire.testing.faulty_medium`). `worker_container_hook` (picklable) runs on

@@ -69,7 +69,7 @@ class WorkerContainer(containers.DeclarativeContainer):
     (this worker's: a rank's share of the engine's), `share` and
     `exchange` (a rank's share and its process group; None for an unsplit
     worker), `torch_threads` and `connector_hook`. Parts: `connectors`
-    (a [`KVConnectorContainer`][kvwire.KVConnectorContainer] of the
+    (a `kvwire.KVConnectorContainer` of the
     worker's connector config), `connector_source`, `kv_cache` (a
     `PagedKVCache`), `model` and `worker`.
     """

@@ -1,7 +1,7 @@
 """Which weights a model's KV comes from: the identity that names its stored entries.
 
 Engines load each other's blocks only when their block layouts' fingerprints
-match ([`kvwire.blocks.format.BlockLayout`][kvwire.media.BlockLayout]), and the model's identity
+match (`kvwire.media.BlockLayout`), and the model's identity
 is part of the fingerprint. It must change whenever the weights do, and stay
 the same for the same weights wherever they live, so that engines on several
 hosts share one store. A model's path or hub id is neither: `model` in two
@@ -27,7 +27,7 @@ wins, as:
    `hub-commit:<commit>`: the files may not be downloaded yet when a worker
    starts, and the hub names a commit's files by their content. An id whose
    commit cannot be found locally is refused
-   ([`ModelIdentityError`][kvwire.exceptions.ModelIdentityError]), as a branch
+   (`kvwire.exceptions.ModelIdentityError`), as a branch
    name alone can stand for other weights tomorrow.
 
 The tokenizer takes no part: a block's hash is over token ids, and the KV of
@@ -36,7 +36,7 @@ given token ids depends only on the weights and the model's configuration.
 The files digested must be those the engine computes with: `weight_stamps`
 takes their stamps before the engine loads them, and `model_identity`
 given those stamps refuses
-([`UnreadableWeightsError`][kvwire.exceptions.UnreadableWeightsError]) a
+(`kvwire.exceptions.UnreadableWeightsError`) a
 model whose files are no longer the ones stamped (replaced, renamed over,
 written, added or removed), naming the file.
 """
@@ -127,7 +127,7 @@ def model_identity(
     `file_digests` remembers each weight file's digest (default: the
     per-user cache). `stamps`: `weight_stamps(model)` taken when the
     engine was configured, before it loaded the weights (None: not
-    checked). Raises [`UnreadableWeightsError`][kvwire.exceptions.UnreadableWeightsError]
+    checked). Raises `kvwire.exceptions.UnreadableWeightsError`
     when a file there cannot be read, or is not the one stamped.
     """
     if explicit:

@@ -1,16 +1,16 @@
 """The KV connector interface: what every connector implements.
 
-A connector is built twice per engine, once per [`KVConnectorRole`][kvwire.KVConnectorRole].
+A connector is built twice per engine, once per `kvwire.KVConnectorRole`.
 The SCHEDULER instance decides what to load and save (pure bookkeeping); the
 WORKER instance moves bytes between the paged KV cache and the connector's
 store. The two never share state: everything the worker needs crosses in the
-[`KVConnectorMetadata`][kvwire.KVConnectorMetadata] the scheduler half builds each step.
+`kvwire.KVConnectorMetadata` the scheduler half builds each step.
 
 The interface is vLLM's `KVConnectorBase_V1`: the constructor's keywords,
 the `_vllm_config` / `_kv_transfer_config` / `_kv_cache_config`
 attributes and every optional hook with vLLM's default, so a connector
 written for vLLM runs here once its imports name kvwire
-(`KVConnectorBase_V1` is an alias of [`KVConnectorBase`][kvwire.KVConnectorBase]).
+(`KVConnectorBase_V1` is an alias of `kvwire.KVConnectorBase`).
 
 Each call is declared here once. `kvwire.interface.calls` says which role
 makes it (a call added here is added there too; a test checks they agree),
@@ -123,7 +123,7 @@ class MediumLookup(Protocol):
 class ConnectorLookup(Protocol):
     """The registry that will build a connector, as `validate_extra_config` receives it.
 
-    [`ConnectorRegistry`][kvwire.ConnectorRegistry] is one: `resolve` gives a (child) transfer
+    `kvwire.ConnectorRegistry` is one: `resolve` gives a (child) transfer
     config's class, `media` the medium classes an offload connector keeps blocks in.
     """
 
@@ -217,7 +217,7 @@ class KVConnectorBase(abc.ABC):
     ) -> bool:
         """Whether this class, configured by `kv_transfer_config`, supports HMA.
 
-        The default is the class's own marker ([`supports_hma`][kvwire.supports_hma]).
+        The default is the class's own marker (`kvwire.supports_hma`).
         Composite connectors override it and ask `resolve_child` about each
         child config, so the answer goes through the same registry.
         """
@@ -252,10 +252,10 @@ class KVConnectorBase(abc.ABC):
         """Called once with every layer's KV cache tensor, before the first step."""
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
-        """Called instead of [`register_kv_caches`][kvwire.KVConnectorBase.register_kv_caches] with
+        """Called instead of `kvwire.KVConnectorBase.register_kv_caches` with
         one tensor for every layer.
 
-        Only when [`prefer_cross_layer_blocks`][kvwire.KVConnectorBase.prefer_cross_layer_blocks] is
+        Only when `kvwire.KVConnectorBase.prefer_cross_layer_blocks` is
         true and the layers are uniform.
         """
 
@@ -319,7 +319,7 @@ class KVConnectorBase(abc.ABC):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished sends and receives (and failed receives) in one snapshot.
 
-        The default reads [`get_finished`][kvwire.KVConnectorBase.get_finished] and knows of no
+        The default reads `kvwire.KVConnectorBase.get_finished` and knows of no
         failed receive.
         """
         sending, receiving = self.get_finished(finished_req_ids)
@@ -335,16 +335,16 @@ class KVConnectorBase(abc.ABC):
         """Block ids whose loads failed this step, known by the end of the forward pass.
 
         A composite asks each child before their
-        [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save] and tells every child
-        ([`skip_saves_computed_from`][kvwire.KVConnectorBase.skip_saves_computed_from]), so that no
+        `kvwire.KVConnectorBase.wait_for_save` and tells every child
+        (`kvwire.KVConnectorBase.skip_saves_computed_from`), so that no
         child saves KV computed from a block whose load failed, whichever child loaded it. Unlike
-        [`get_block_ids_with_load_errors`][kvwire.KVConnectorBase.get_block_ids_with_load_errors] it
+        `kvwire.KVConnectorBase.get_block_ids_with_load_errors` it
         reports without clearing. The default knows of none.
         """
         return set()
 
     def skip_saves_computed_from(self, block_ids: set[int]) -> None:
-        """In this step's [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save], save nothing
+        """In this step's `kvwire.KVConnectorBase.wait_for_save`, save nothing
         computed from these blocks.
 
         The default saves as planned: a connector that saves the blocks of a
@@ -355,7 +355,7 @@ class KVConnectorBase(abc.ABC):
         """Counters since the last call (then reset), or None.
 
         The engine calls it after each step and once more after
-        [`shutdown`][kvwire.KVConnectorBase.shutdown], for the transfers that finished while
+        `kvwire.KVConnectorBase.shutdown`, for the transfers that finished while
         shutdown waited for them: it must still answer then.
         """
         return None
@@ -365,9 +365,9 @@ class KVConnectorBase(abc.ABC):
 
         Blocks its saves stored, entries it removed. The engine calls it
         after each step (and after
-        [`wait_for_pending_saves`][kvwire.KVConnectorBase.wait_for_pending_saves]) and hands them to
+        `kvwire.KVConnectorBase.wait_for_pending_saves`) and hands them to
         the scheduler half in `KVConnectorOutput.kv_cache_events`, whose
-        [`take_events`][kvwire.KVConnectorBase.take_events] reports them. A connector whose
+        `kvwire.KVConnectorBase.take_events` reports them. A connector whose
         scheduler half knows its events itself reports none here. They cross to the scheduler's
         process: they must be picklable.
         """
@@ -379,9 +379,9 @@ class KVConnectorBase(abc.ABC):
         Saves may outlive the step, and the request, that started them (a
         background write). The engine waits on this between workloads
         (`kvwire run` after each pass) and when it closes, before
-        [`shutdown`][kvwire.KVConnectorBase.shutdown], then reads the stats and the KV cache events,
+        `kvwire.KVConnectorBase.shutdown`, then reads the stats and the KV cache events,
         so that they count every save of the workload. The default has nothing to wait for: it suits
-        connectors whose saves end within [`wait_for_save`][kvwire.KVConnectorBase.wait_for_save].
+        connectors whose saves end within `kvwire.KVConnectorBase.wait_for_save`.
         """
         return True
 
@@ -397,7 +397,7 @@ class KVConnectorBase(abc.ABC):
         """Let the transfers in flight finish, then release threads, files and connections.
 
         Called once at teardown. Only
-        [`get_kv_connector_stats`][kvwire.KVConnectorBase.get_kv_connector_stats] follows it, and it
+        `kvwire.KVConnectorBase.get_kv_connector_stats` follows it, and it
         reports what those last transfers did.
         """
 
@@ -545,7 +545,7 @@ KVConnectorBase_V1 = KVConnectorBase
 class SupportsHMA(abc.ABC):
     """Marks a connector that serves several KV cache groups (the hybrid KV cache manager).
 
-    Derive from it beside [`KVConnectorBase`][kvwire.KVConnectorBase]. The engine then calls
+    Derive from it beside `kvwire.KVConnectorBase`. The engine then calls
     `request_finished_all_groups` instead of `request_finished`.
     """
 
@@ -566,7 +566,7 @@ def supports_hma(connector: type | object) -> bool:
 def validates_extra_config(connector_cls: type[KVConnectorBase]) -> bool:
     """Whether `connector_cls` has a `validate_extra_config` of its own (or inherits one).
 
-    False when the one it gets is [`KVConnectorBase`][kvwire.KVConnectorBase]'s, which checks
+    False when the one it gets is `kvwire.KVConnectorBase`'s, which checks
     nothing.
     """
     own = inspect.getattr_static(connector_cls, "validate_extra_config")

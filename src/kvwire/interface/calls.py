@@ -1,6 +1,6 @@
 """The connector interface's calls by the role that makes them, and one way to pass them on.
 
-[`KVConnectorBase`][kvwire.KVConnectorBase] declares each call once, with its
+`kvwire.KVConnectorBase` declares each call once, with its
 signature, its default and what it means. `INTERFACE_CALLS` says which
 instance makes it: the scheduler-role one, the worker-role one, both, or
 none (a question asked of the class). A connector that hands calls to
@@ -106,7 +106,7 @@ INTERFACE_CALLS: Mapping[str, CallSide] = MappingProxyType(
 
 What a connector keeps of its own and never passes on (`role`, the configs it was built with,
 `has_connector_metadata`) is not a call here. `request_finished_all_groups` is
-[`SupportsHMA`][kvwire.SupportsHMA]'s.
+`kvwire.SupportsHMA`'s.
 """
 
 

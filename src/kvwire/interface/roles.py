@@ -1,11 +1,11 @@
 """Connectors split by role: each instance builds only the half its role serves.
 
-The engine builds a connector twice, once per [`KVConnectorRole`][kvwire.KVConnectorRole], and
+The engine builds a connector twice, once per `kvwire.KVConnectorRole`, and
 the interface (vLLM's) puts both roles' calls on one class. A connector that
 derives from `RoleSplitConnector` keeps each role's state in an object
 of its own, built only for that role: a scheduler-role instance has no
 worker half at all, so a worker-side call on it cannot touch worker state by
-mistake; it raises [`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError] naming the
+mistake; it raises `kvwire.exceptions.ConnectorRoleError` naming the
 call. The halves are plain classes (`scheduler.py` / `worker.py` in a
 connector's package), typed apart, so the type checker keeps the scheduler
 half's code from reaching into the worker's. The split itself is
@@ -34,7 +34,7 @@ class RoleHalves(Generic[_SchedulerHalf, _WorkerHalf]):
     `role` says, and reaches it in each call through `_scheduler_half` /
     `_worker_half` (or `_half_for`, the half of the side that makes a call,
     the `to` of `forward_calls`), which
-    name the call in a [`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError]
+    name the call in a `kvwire.exceptions.ConnectorRoleError`
     when the role is the other one.
     """
 

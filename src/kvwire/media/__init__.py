@@ -1,19 +1,19 @@
 """Media: where offload connectors keep KV blocks (a CPU pool, a directory, Redis), each a plug-in.
 
 What a medium author needs is importable from here: the interface
-([`Medium`][kvwire.media.Medium] and its two halves, and the typed records they pass: a
-[`LoadSpec`][kvwire.media.LoadSpec], a medium's own
-[`TransferPayload`][kvwire.media.TransferPayload]), the key-value store base
-([`StoreMedium`][kvwire.media.StoreMedium] over a [`BlockStore`][kvwire.media.BlockStore]), the
+(`kvwire.media.Medium` and its two halves, and the typed records they pass: a
+`kvwire.media.LoadSpec`, a medium's own
+`kvwire.media.TransferPayload`), the key-value store base
+(`kvwire.media.StoreMedium` over a `kvwire.media.BlockStore`), the
 kit a transfer handler is built from (its jobs in flight: a
-[`JobLedger`][kvwire.media.JobLedger] of [`JobPiece`][kvwire.media.JobPiece]s; its
-[`IOThreads`][kvwire.media.IOThreads]; rate-limited warnings; a close in steps; the
+`kvwire.media.JobLedger` of `kvwire.media.JobPiece`s; its
+`kvwire.media.IOThreads`; rate-limited warnings; a close in steps; the
 `Counters` it counts in), the KV cache events a medium reports
-([`BlockStored`][kvwire.media.BlockStored], [`BlockRemoved`][kvwire.media.BlockRemoved]), the
+(`kvwire.media.BlockStored`, `kvwire.media.BlockRemoved`), the
 typed `kv_connector_extra_config` keys a medium declares, the
-[`EvictionPolicy`][kvwire.media.EvictionPolicy] a pool's plug-in policies derive from (handed to
+`kvwire.media.EvictionPolicy` a pool's plug-in policies derive from (handed to
 a medium resolved, in its context's `plugins`), the errors a store raises,
-and the [`BlockMemory`][kvwire.media.BlockMemory] a handler reads and writes a group's blocks
+and the `kvwire.media.BlockMemory` a handler reads and writes a group's blocks
 through. Importing this package imports neither torch nor any built-in medium: `BlockMemory`,
 which needs torch, is imported on first use.
 """

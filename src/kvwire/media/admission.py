@@ -2,7 +2,7 @@
 
 Most prompts are never sent again; saving each of their blocks costs a copy
 and, in a full cache, evicts a block that would have been reused. A
-[`SaveAdmission`][kvwire.media.admission.SaveAdmission] counts how often each
+`kvwire.media.admission.SaveAdmission` counts how often each
 block hash was offered for a save and admits it from its `threshold`-th
 sighting on.
 

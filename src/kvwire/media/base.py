@@ -1,28 +1,28 @@
 """The medium interface: where an offload connector keeps blocks, as a plug-in.
 
 A medium is a pair of halves, one per connector role, built from one
-[`Medium`][kvwire.media.Medium] object per connector instance:
+`kvwire.media.Medium` object per connector instance:
 
-- the scheduler half's [`MediumIndex`][kvwire.media.MediumIndex] answers lookups and keeps the
+- the scheduler half's `kvwire.media.MediumIndex` answers lookups and keeps the
   bookkeeping of transfers (which slots a load reads, which blocks a save
   writes and whether it succeeded), and reports the KV cache events it sees;
-- the worker half's [`TransferHandler`][kvwire.media.TransferHandler] runs transfer jobs between the
+- the worker half's `kvwire.media.TransferHandler` runs transfer jobs between the
   paged KV cache and the medium, off the forward pass, and reports which
   ended and which of their blocks failed (its jobs in flight kept by a
-  [`JobLedger`][kvwire.media.JobLedger]).
+  `kvwire.media.JobLedger`).
 
 The offload connector (`kvwire.connectors.offload`) drives both halves
 through this interface only, so a new place to keep blocks is a new medium,
 registered by name like a connector (`MediumRegistry.register_medium`, on the
-`media` of a [`ConnectorRegistry`][kvwire.ConnectorRegistry], or the
+`media` of a `kvwire.ConnectorRegistry`, or the
 `kvwire.media` entry-point group), never a new connector. A medium declares its own
 `kv_connector_extra_config` keys; a connector's profile names it with
 `kv_connector_extra_config.medium`.
 
-Every record of blocks to move is a [`BlockTransfer`][kvwire.media.BlockTransfer]. What a
+Every record of blocks to move is a `kvwire.media.BlockTransfer`. What a
 medium's scheduler half tells its worker half beyond the blocks travels as one
-[`TransferPayload`][kvwire.media.TransferPayload] of the medium's own, which the connector
-carries untouched: with a load ([`LoadSpec`][kvwire.media.LoadSpec], from `prepare_load`), or
+`kvwire.media.TransferPayload` of the medium's own, which the connector
+carries untouched: with a load (`kvwire.media.LoadSpec`, from `prepare_load`), or
 with a step's plan (`take_step_payload`, to `TransferHandler.begin_step`).
 """
 
@@ -89,9 +89,9 @@ class MediumContext:
 
 @attrs.frozen
 class LoadSpec:
-    """What [`MediumIndex.prepare_load`][kvwire.media.MediumIndex.prepare_load] gives a load.
+    """What `kvwire.media.MediumIndex.prepare_load` gives a load.
 
-    The connector puts both on the load's [`BlockTransfer`][kvwire.media.BlockTransfer] for
+    The connector puts both on the load's `kvwire.media.BlockTransfer` for
     the worker half, and hands `payload` back to `complete_load` once the load ended.
     """
 
@@ -105,7 +105,7 @@ class LoadSpec:
 class MediumIndex(abc.ABC):
     """The scheduler half of a medium: what it holds, and each transfer's bookkeeping.
 
-    Only [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix] is required. A medium
+    Only `kvwire.media.MediumIndex.count_held_prefix` is required. A medium
     that decides where each block goes (the CPU pool's slots) overrides the `prepare_*` and
     `complete_*` calls; one whose entries are found by key alone keeps the defaults. The connector
     calls them in order: `prepare_load` once a lookup's blocks are allocated, `complete_load` once
@@ -131,7 +131,7 @@ class MediumIndex(abc.ABC):
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         """Pin these blocks for a load; what the worker half gets with it (`LoadSpec`).
 
-        Called only for blocks [`count_held_prefix`][kvwire.media.MediumIndex.count_held_prefix]
+        Called only for blocks `kvwire.media.MediumIndex.count_held_prefix`
         just counted; a block gone meanwhile is an error the caller reports. The default
         pins nothing and gives nothing: the worker finds each block by key.
         """
@@ -156,7 +156,7 @@ class MediumIndex(abc.ABC):
         """Which of these blocks to save, and where (a slot, or None to save by key).
 
         Blocks left out are not saved: the medium holds them already, or
-        has no room (count those in [`take_counters`][kvwire.media.MediumIndex.take_counters]). The
+        has no room (count those in `kvwire.media.MediumIndex.take_counters`). The
         default saves every one by key.
         """
         return [(block_hash, None) for block_hash in block_hashes]
@@ -171,7 +171,7 @@ class MediumIndex(abc.ABC):
 
         Asked once per step, after every `prepare_*` call of it. The connector
         carries it with the step's plan to
-        [`TransferHandler.begin_step`][kvwire.media.TransferHandler.begin_step],
+        `kvwire.media.TransferHandler.begin_step`,
         which starts it before anything of the step moves blocks (a tiered
         medium's blocks evicted from its pool that no slower tier holds yet).
         None by default.
@@ -195,7 +195,7 @@ class MediumIndex(abc.ABC):
 
 
 class TransferKind(enum.Enum):
-    """Which way a [`TransferJob`][kvwire.media.TransferJob] moves blocks."""
+    """Which way a `kvwire.media.TransferJob` moves blocks."""
 
     LOAD = "load"
     """From the medium into the KV cache."""
@@ -224,17 +224,17 @@ class JobResult:
 class TransferHandler(abc.ABC):
     """The worker half of a medium: runs transfer jobs between the paged KV cache and the medium.
 
-    The connector submits jobs ([`submit`][kvwire.media.TransferHandler.submit]), learns which ended
-    and which blocks of them failed ([`poll`][kvwire.media.TransferHandler.poll]), and waits for the
-    ones the forward pass needs ([`wait`][kvwire.media.TransferHandler.wait]). Which request a job
+    The connector submits jobs (`kvwire.media.TransferHandler.submit`), learns which ended
+    and which blocks of them failed (`kvwire.media.TransferHandler.poll`), and waits for the
+    ones the forward pass needs (`kvwire.media.TransferHandler.wait`). Which request a job
     serves, which loads a step waits for and when a request's blocks are free again is the
     connector's bookkeeping, not the medium's.
 
     Jobs run off the forward pass. A load verifies every block before it
     counts as loaded: a block that fails is reported in
-    [`JobResult.failed`][kvwire.media.JobResult.failed] (the engine computes it again), never
+    `kvwire.media.JobResult.failed` (the engine computes it again), never
     loaded. A save reads the cache's blocks in place until it ends;
-    [`release_saves_reading`][kvwire.media.TransferHandler.release_saves_reading] stops those
+    `kvwire.media.TransferHandler.release_saves_reading` stops those
     reading blocks about to be written. Every job has a deadline, the medium's `transfer_timeout_s`
     from its submission: a job still running then is given up on, writes nothing more into the cache
     and ends with every block failed. Every wait has a deadline.
@@ -255,7 +255,7 @@ class TransferHandler(abc.ABC):
         Whether they all ended. A job past its deadline is given up on and
         counts as ended; so does an id this handler has already reported.
         Without `until` it still returns, by the last job's deadline. The
-        jobs stay to be reported by [`poll`][kvwire.media.TransferHandler.poll].
+        jobs stay to be reported by `kvwire.media.TransferHandler.poll`.
         """
 
     @abc.abstractmethod
@@ -297,10 +297,10 @@ class Medium(abc.ABC):
     """A place to keep blocks: its options, and a factory of its two halves.
 
     One object per connector instance, built in both roles from the same
-    [`MediumContext`][kvwire.media.MediumContext]; a scheduler-role connector asks it for
-    [`build_index`][kvwire.media.Medium.build_index] only, a worker-role one for
-    [`build_handler`][kvwire.media.Medium.build_handler] only. Subclasses name themselves in KV
-    cache events ([`event_medium`][kvwire.media.Medium.event_medium]) and declare their
+    `kvwire.media.MediumContext`; a scheduler-role connector asks it for
+    `kvwire.media.Medium.build_index` only, a worker-role one for
+    `kvwire.media.Medium.build_handler` only. Subclasses name themselves in KV
+    cache events (`kvwire.media.Medium.event_medium`) and declare their
     `kv_connector_extra_config` keys.
     """
 
@@ -368,6 +368,6 @@ class Medium(abc.ABC):
         """The worker half over the registered caches; built once, by a worker connector.
 
         `kv_caches` maps each layer's name to its paged KV cache tensor;
-        [`counters`][kvwire.media.Counters] collects the counts the connector
+        `kvwire.media.Counters` collects the counts the connector
         reports as stats.
         """

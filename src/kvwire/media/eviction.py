@@ -10,21 +10,21 @@ used now, so that the next `victim` does not meet it again.
 
 Three policies ship, named in the CPU pool's `eviction` option:
 
-- `lru` ([`LRUPolicy`][kvwire.media.eviction.LRUPolicy]): the least recently used entry.
-- `s3fifo` ([`S3FIFOPolicy`][kvwire.media.eviction.S3FIFOPolicy]): S3-FIFO (Yang et al.,
+- `lru` (`kvwire.media.eviction.LRUPolicy`): the least recently used entry.
+- `s3fifo` (`kvwire.media.eviction.S3FIFOPolicy`): S3-FIFO (Yang et al.,
   SOSP 2023), a small FIFO queue for entries seen once, a main FIFO queue for
   entries used again, and a ghost queue remembering what left the small queue
   recently. One-off entries leave from the small queue without disturbing the
   main queue, so a scan of blocks used once does not flush the blocks reused
   often.
-- `arc` ([`ARCPolicy`][kvwire.media.eviction.ARCPolicy]): ARC (Megiddo and
+- `arc` (`kvwire.media.eviction.ARCPolicy`): ARC (Megiddo and
   Modha, FAST 2003), a recency list and a frequency list whose shares adapt
   to what the ghosts of each list say was evicted too early. Blocks used
   once stay in the recency list, so a scan does not flush the blocks used
   again either.
 
 A policy of one's own derives from
-[`EvictionPolicy`][kvwire.media.eviction.EvictionPolicy] and is named by its
+`kvwire.media.eviction.EvictionPolicy` and is named by its
 `package.module:Class`, by an entry point of the `kvwire.eviction_policies`
 group, or through `registry.eviction_policies.register_policy`.
 """

@@ -2,7 +2,7 @@
 
 `concurrent.futures.ThreadPoolExecutor` joins its threads when the
 interpreter exits, without a deadline: one job stuck in a store that never
-answers (given up on long before, see [`JobLedger`][kvwire.media.JobLedger])
+answers (given up on long before, see `kvwire.media.JobLedger`)
 would keep the process from ever exiting. These threads are daemons: at exit
 a job still running is dropped, as its caller has already counted it failed.
 Same calls as the executor: `IOThreads.submit` returns a

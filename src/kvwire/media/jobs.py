@@ -1,23 +1,23 @@
 """A transfer handler's jobs in flight: their pieces on its I/O threads, deadlines, giving up.
 
-A handler splits each [`TransferJob`][kvwire.media.TransferJob] into pieces
-([`JobPiece`][kvwire.media.JobPiece]: blocks that one I/O thread moves)
-and hands them to a [`JobLedger`][kvwire.media.JobLedger], which keeps
+A handler splits each `kvwire.media.TransferJob` into pieces
+(`kvwire.media.JobPiece`: blocks that one I/O thread moves)
+and hands them to a `kvwire.media.JobLedger`, which keeps
 the rest, the same for loads and saves: which pieces of each job have not
 ended, when the job ends (its last piece ended), giving up on it at its
 deadline (`transfer_timeout_s` from its submission: every block of a piece
 still running then failed, counted and warned about), waiting for some jobs,
 stopping the saves that read blocks about to be written (a release), and
 which jobs ended since the handler last reported
-([`poll`][kvwire.media.TransferHandler.poll]). What a handler keeps itself is
+(`kvwire.media.TransferHandler.poll`). What a handler keeps itself is
 how bytes move.
 
 A piece given up on (at its deadline, or released) writes nothing more where
 its caller could see it: it moves bytes only under its `lock` after `check`,
-and [`JobPiece.abandon`][kvwire.media.JobPiece.abandon] takes that lock.
+and `kvwire.media.JobPiece.abandon` takes that lock.
 A medium whose writes are system calls the lock cannot stop closes its own
 gate in `after_abandon` (which may raise, as
-[`LateWriteError`][kvwire.media.LateWriteError] does; every piece is still
+`kvwire.media.LateWriteError` does; every piece is still
 given up on first, and a later call ends the job).
 
 Which request a job serves and which engine step waits for it is the
@@ -75,7 +75,7 @@ class JobPiece:
         self.future: Future[None] | None = None
 
     def check(self) -> None:
-        """Raise [`JobAbandoned`][kvwire.exceptions.JobAbandoned] if given up on; hold `lock`."""
+        """Raise `kvwire.exceptions.JobAbandoned` if given up on; hold `lock`."""
         if self.abandoned:
             raise JobAbandoned
 
@@ -158,7 +158,7 @@ class JobLedger(Generic[PieceT]):
     the ledger's lock: a handler frees what the piece held there.
 
     A handler calls `begin` for each job, `start` for each piece, then
-    `submitted`; its pieces call [`JobPiece.end`][kvwire.media.JobPiece.end]
+    `submitted`; its pieces call `kvwire.media.JobPiece.end`
     and count what they moved (`count_load`, `count_save`).
     """
 
@@ -198,7 +198,7 @@ class JobLedger(Generic[PieceT]):
 
         `work` calls `piece.end()` once done (and counts what it moved when
         that returns True); a piece it leaves not ended is given up on at its
-        deadline. [`JobAbandoned`][kvwire.media.JobAbandoned] out of `work`
+        deadline. `kvwire.media.JobAbandoned` out of `work`
         (from `piece.check()`) ends it quietly; anything else fails every
         block of it and is raised into its future.
         """

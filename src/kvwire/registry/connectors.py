@@ -2,16 +2,16 @@
 
 Every known connector is a `providers.Singleton` in a dependency-injector
 container
-([`ConnectorRegistry.providers`][kvwire.ConnectorRegistry.providers]): calling
+(`kvwire.ConnectorRegistry.providers`): calling
 it imports the connector's module and returns its class, once; registering
 imports nothing. Names come from three places (`PluginSource`), kept by the
 mechanism the medium registry shares (`PluginNames`): the connectors kvwire
 ships, the `kvwire.connectors` entry-point group of installed distributions
 (`Name = package.module:Class`), and
-[`ConnectorRegistry.register_connector`][kvwire.ConnectorRegistry.register_connector]
+`kvwire.ConnectorRegistry.register_connector`
 at run time.
 
-[`ConnectorRegistry.resolve`][kvwire.ConnectorRegistry.resolve] turns a `KVTransferConfig` into a
+`kvwire.ConnectorRegistry.resolve` turns a `KVTransferConfig` into a
 class in vLLM's factory's order and with its messages; unlike vLLM's, it checks the constructor of
 every class it hands out, so a plugin with the old 2-argument signature fails here, clearly, rather
 than with a TypeError later.
@@ -326,14 +326,14 @@ class ConnectorRegistry:
     ) -> None:
         """Import `kv_connector_module_path` and find the class there, or say why not by field.
 
-        [`resolve`][kvwire.ConnectorRegistry.resolve] keeps vLLM's behaviour (an import error
+        `kvwire.ConnectorRegistry.resolve` keeps vLLM's behaviour (an import error
         propagates unchanged, `Class X not found in M`); a profile's reader (`kvwire check`,
         `kvwire run`, the engine) calls this first, so that a bad module path is a
-        [`ModulePathError`][kvwire.exceptions.ModulePathError] naming `where`'s
+        `kvwire.exceptions.ModulePathError` naming `where`'s
         `kv_connector_module_path`, with the module's message redacted, whatever the module raised
         at import (a `sys.exit()` included). The children a composite lists vLLM's way (`connectors`
         in its extra config) are checked too, each named by its own path. Nothing happens for a
-        field unset or empty ([`resolve`][kvwire.ConnectorRegistry.resolve] refuses an empty one in
+        field unset or empty (`kvwire.ConnectorRegistry.resolve` refuses an empty one in
         vLLM's words).
         """
         self._check_module_path(
@@ -442,7 +442,7 @@ class ConnectorRegistry:
         Nothing is resolved here: an offload connector (keyword-only `medium`)
         gets `medium`, a composite (keyword-only `connector_builder`) gets
         `connector_builder`; a
-        [`KVConnectorContainer`][kvwire.KVConnectorContainer] builds both.
+        `kvwire.KVConnectorContainer` builds both.
         """
         engine_id = config.kv_transfer_config.engine_id if config.kv_transfer_config else None
         logger.info(

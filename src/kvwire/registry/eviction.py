@@ -1,12 +1,12 @@
 """The registry of eviction policies: one lazy provider per policy name, as media have.
 
-An eviction policy ([`EvictionPolicy`][kvwire.media.eviction.EvictionPolicy])
+An eviction policy (`kvwire.media.eviction.EvictionPolicy`)
 decides which entry a full CPU pool gives up; the pool's `eviction` option
 names it. Names come from the same three places as media's: the policies
 kvwire ships (`lru`, `s3fifo`, `arc`), the `kvwire.eviction_policies` entry-point
 group of installed distributions (`name = package.module:Class`) and
 `EvictionPolicyRegistry.register_policy` at run time; a `package.module:Class`
-names a class directly. Every [`ConnectorRegistry`][kvwire.ConnectorRegistry]
+names a class directly. Every `kvwire.ConnectorRegistry`
 holds one (`registry.eviction_policies`); the container resolves a pool's
 option through its own registry's and hands the pool the class.
 """

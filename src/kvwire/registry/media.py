@@ -1,6 +1,6 @@
 """The registry of media: one lazy provider per medium name, beside the connectors'.
 
-A medium ([`Medium`][kvwire.media.Medium]) is where an offload connector keeps
+A medium (`kvwire.media.Medium`) is where an offload connector keeps
 blocks. Like connectors, media are named through the same mechanism
 (`PluginNames`), and a name is imported only when a connector asks for it: the
 media kvwire ships, the `kvwire.media` entry-point group of installed
@@ -8,7 +8,7 @@ distributions (`name = package.module:Class`) and
 `MediumRegistry.register_medium` at run time. A profile may also name a class
 directly, as `package.module:Class`.
 
-Every [`ConnectorRegistry`][kvwire.ConnectorRegistry] holds one
+Every `kvwire.ConnectorRegistry` holds one
 (`registry.media`), and a container's connectors resolve their medium
 through it: overriding a medium's provider swaps it for every connector
 built through that registry, as overriding a connector's provider does:

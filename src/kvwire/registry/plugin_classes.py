@@ -1,7 +1,7 @@
 """A registry of one kind of plug-in class: what the medium and eviction policy registries are.
 
 Each names classes deriving from one base class
-([`Medium`][kvwire.media.Medium], `EvictionPolicy`) from the same three places
+(`kvwire.media.Medium`, `EvictionPolicy`) from the same three places
 (`PluginNames`), and also takes a class named directly as
 `package.module:Class`. A subclass says which kind (`PluginClassRegistry`'s
 class attributes) and registers under its own method name; what it names is

@@ -1,8 +1,8 @@
 """kvwire's conformance kit for KV connectors: a pytest plugin and a reusable suite.
 
 Its two fault injectors fail chosen loads alike:
-[`with_load_faults`][kvwire.testing.with_load_faults] around a connector (to test a
-connector), [`FaultInjectingMedium`][kvwire.testing.FaultInjectingMedium] around a medium
+`kvwire.testing.with_load_faults` around a connector (to test a
+connector), `kvwire.testing.FaultInjectingMedium` around a medium
 beneath the offload connector (to test a medium, or the offload connector's recovery).
 
 `from kvwire.testing import ConnectorConformanceSuite` imports the engine

@@ -1,7 +1,7 @@
 """The kit's load failures on purpose: any connector, wrapped, has chosen loads fail.
 
 A connector under test may keep its blocks anywhere (a medium or not), so
-the kit fails its loads from outside: [`with_load_faults`][kvwire.testing.with_load_faults]
+the kit fails its loads from outside: `kvwire.testing.with_load_faults`
 overrides a container's `connector_class` with a `LoadFaultConnector` around the class the config
 names. In each role it builds the wrapped connector through the registry (as a composite builds its
 children) and delegates every call to it, except that:
@@ -21,7 +21,7 @@ children) and delegates every call to it, except that:
 
 The wrapper lives in the container it is applied to: the engine's, for the
 worker inline. A worker process builds its connector from its own
-container: hand the engine a [`LoadFaultsHook`][kvwire.testing.LoadFaultsHook] as its
+container: hand the engine a `kvwire.testing.LoadFaultsHook` as its
 `worker_container_hook` (each rank of a parallel engine applies it to its
 container), and `ranks` limits the garbage and the reports to those ranks.
 """
@@ -83,11 +83,11 @@ class LoadFaultMetadata(KVConnectorMetadata):
 
 class LoadFaultConnector(ForwardingConnector):
     """`wrapped`, whose chosen loads fail; build it through
-    [`with_load_faults`][kvwire.testing.with_load_faults].
+    `kvwire.testing.with_load_faults`.
 
     `wrapped` is the class of the connector under test (what the config
     names); every call its faults do not concern reaches it unchanged
-    ([`ForwardingConnector`][kvwire.ForwardingConnector]).
+    (`kvwire.ForwardingConnector`).
     """
 
     fail_request_ids: ClassVar[frozenset[str] | None] = None
@@ -263,7 +263,7 @@ def with_load_faults(
     load fail at the block at `block_index` of the loaded range, on the
     workers of `ranks` (None: all). Hand the container to the engine
     (`LLMEngine(config, container=...)`); worker processes need a
-    [`LoadFaultsHook`][kvwire.testing.LoadFaultsHook] too.
+    `kvwire.testing.LoadFaultsHook` too.
     """
     wrapped_class = container.connector_class()
 
@@ -280,7 +280,7 @@ def with_load_faults(
 
 @attrs.frozen
 class LoadFaultsHook:
-    """[`with_load_faults`][kvwire.testing.with_load_faults] as a picklable container hook, for the
+    """`kvwire.testing.with_load_faults` as a picklable container hook, for the
     engine's worker processes.
 
     `LLMEngine(config, container=with_load_faults(..., ranks=r),

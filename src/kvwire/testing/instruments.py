@@ -137,7 +137,7 @@ def _recording(
 
 def enforce_roles(connector: KVConnectorBase) -> None:
     """Make every call of the other role's side raise
-    [`RoleViolationError`][kvwire.testing.RoleViolationError]."""
+    `kvwire.testing.RoleViolationError`."""
     role = connector.role
     forbidden = SCHEDULER_SIDE_METHODS if role is KVConnectorRole.WORKER else WORKER_SIDE_METHODS
     side = "scheduler" if role is KVConnectorRole.WORKER else "worker"

@@ -1,8 +1,8 @@
 """The conformance kit's parallel section: a connector under tensor parallelism, in seconds.
 
-Subclass [`ParallelConformanceSuite`][kvwire.testing.ParallelConformanceSuite]
+Subclass `kvwire.testing.ParallelConformanceSuite`
 as you subclass
-[`ConnectorConformanceSuite`][kvwire.testing.ConnectorConformanceSuite],
+`kvwire.testing.ConnectorConformanceSuite`,
 overriding `engine_config`; each test runs the kvwire engine at
 `tensor_parallel_size` 2 (two worker processes, each holding one of the kit
 model's two KV heads, its connector built there for its rank) against the

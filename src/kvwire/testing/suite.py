@@ -1,6 +1,6 @@
 """The conformance suite: any connector, taken through the engine as a server would.
 
-Subclass [`ConnectorConformanceSuite`][kvwire.testing.ConnectorConformanceSuite] in a `Test*` class
+Subclass `kvwire.testing.ConnectorConformanceSuite` in a `Test*` class
 and override the `engine_config` fixture to name your connector:
 
 ```python
@@ -22,7 +22,7 @@ roles are on (`--kvwire-no-strict-roles` turns them off).
 
 Hybrid models (the `test_hybrid_*` tests): the same connector config runs
 a tiny model whose layers alternate sliding-window and full attention
-([`hybrid_engine_config`][kvwire.testing.hybrid_engine_config], the HMA gate left to
+(`kvwire.testing.hybrid_engine_config`, the HMA gate left to
 decide). For a connector that serves HMA (`SupportsHMA`, or a composite
 whose `supports_hma_for_config` says so) the engine keeps one KV cache
 group per kind of layer, and the kit checks:
@@ -257,7 +257,7 @@ class ConnectorConformanceSuite(ConnectorUnderTest):
     def hybrid_cold_then_warm(
         cls, config: EngineConfig, workload: Sequence[GenerationRequest], hook: Instruments
     ) -> HybridRun:
-        """[`cold_then_warm`][kvwire.testing.ConnectorConformanceSuite.cold_then_warm] on a hybrid
+        """`kvwire.testing.ConnectorConformanceSuite.cold_then_warm` on a hybrid
         config (worker inline), with what HMA decided."""
         with LLMEngine(config, connector_hook=hook, capture_kv=True) as engine:
             cold, warm = run_cold_then_warm(engine, workload)

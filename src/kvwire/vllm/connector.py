@@ -2,7 +2,7 @@
 
 vLLM builds it once per role, as it builds any connector; it builds the kvwire
 connector of that role through a
-[`KVConnectorContainer`][kvwire.KVConnectorContainer] (`self.container`), from
+`kvwire.KVConnectorContainer` (`self.container`), from
 the kvwire profile vLLM's `kv_connector_extra_config` names, with kvwire's
 `EngineConfig` and `KVCacheConfig` derived from vLLM's
 (`kvwire.vllm.config_bridge`). Like vLLM's own connectors it then builds only
@@ -25,7 +25,7 @@ whose records they share reach the wrapped connector as they come
 
 The calls both roles make are the connector's own: the step's metadata (kept
 as vLLM's base keeps it, and handed to the worker half), stats as
-[`KVWireStats`][kvwire.vllm.KVWireStats], shutdown. The KV cache manager is
+`kvwire.vllm.KVWireStats`, shutdown. The KV cache manager is
 kept as vLLM's base keeps it and handed to the scheduler half too, which
 reads a hybrid request's live block ids from it.
 

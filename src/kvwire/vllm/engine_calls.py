@@ -2,21 +2,21 @@
 
 Both reach the worker's connector through vLLM's worker RPC, so the `LLM`
 must be started with `worker_extension_cls=WORKER_EXTENSION` (vLLM mixes
-[`KVWireWorkerExtension`][kvwire.vllm.KVWireWorkerExtension] into its worker class, in whichever
+`kvwire.vllm.KVWireWorkerExtension` into its worker class, in whichever
 process the worker runs).
 
-[`kvwire_stats`][kvwire.vllm.kvwire_stats]: kvwire's counters since the engine started (vLLM's own
+`kvwire.vllm.kvwire_stats`: kvwire's counters since the engine started (vLLM's own
 stats interval takes them step by step; this keeps the totals), summed over
 the engine's KVWireConnectors: its connector, or those among the children of
 vLLM's `MultiConnector`.
 
-[`wait_for_saves`][kvwire.vllm.wait_for_saves]: kvwire's connectors save in the background: when
+`kvwire.vllm.wait_for_saves`: kvwire's connectors save in the background: when
 `LLM.generate()` returns, the last steps' saves may still run, and a
 connector that keeps a finished request's blocks while its save reads them
 (CPU offload) confirms the save only once the engine steps again. The engine
 core's own loop does that when vLLM runs it in a process of its own (the
 default); an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) steps
-only inside `generate()`. [`wait_for_saves`][kvwire.vllm.wait_for_saves] settles both, so that the
+only inside `generate()`. `kvwire.vllm.wait_for_saves` settles both, so that the
 next lookup finds every block saved so far (call it before
 `llm.reset_prefix_cache()`, which cannot free blocks a save still holds).
 """

@@ -45,7 +45,7 @@ _STATUSES = {status.name: status for status in RequestStatus}
 
 
 class RequestView:
-    """kvwire's [`Request`][kvwire.Request], read from a vLLM request when asked.
+    """kvwire's `kvwire.Request`, read from a vLLM request when asked.
 
     Only what kvwire's connectors read is offered; every attribute reflects
     the vLLM request at the moment it is read. `adapter_key`: the key of

@@ -4,18 +4,18 @@ Children come from `kv_connector_extra_config["connectors"]`
 (`kvwire.connectors.multi._children` reads them and words their errors).
 Each child gets its own copy of the engine config and is built by the
 `connector_builder` the container that builds the composite hands in
-([`KVConnectorContainer.connector_builder`][kvwire.KVConnectorContainer]), so
+(`kvwire.KVConnectorContainer`), so
 its class and its medium are resolved through the container's registry:
 provider overrides, module paths and entry points all apply. The hooks
 vLLM calls on the class, with no container at hand
 (`build_kv_connector_stats`, `build_prom_metrics`,
 `get_required_kvcache_layout`, `requires_piecewise_for_cudagraph`), resolve
-the children through [`KVConnectorFactory`][kvwire.KVConnectorFactory], as
+the children through `kvwire.KVConnectorFactory`, as
 vLLM's own composite resolves them through its factory. Each instance
 builds its children in its own role and keeps its role's state in one half
 (`kvwire.connectors.multi.scheduler` or `kvwire.connectors.multi.worker`), so a
 call of the other role raises
-[`ConnectorRoleError`][kvwire.exceptions.ConnectorRoleError]; the calls both roles make
+`kvwire.exceptions.ConnectorRoleError`; the calls both roles make
 (shutdown, binding the step metadata, stats, the children) stay here. What
 crosses between the two halves is in `kvwire.connectors.multi.records`;
 how a finished request's answers are merged and its sends awaited, in
@@ -40,7 +40,7 @@ pool, the one KV tensor of all layers (preferred only when every child
 prefers it, then given to each), each child class's Prometheus metrics.
 The rule that no child saves KV computed from a block whose load failed
 in another child goes through the base-class hooks
-([`load_errors_this_step`][kvwire.KVConnectorBase.load_errors_this_step]), so it
+(`kvwire.KVConnectorBase.load_errors_this_step`), so it
 holds for any child. Shutdown reaches every child even when one fails; each
 failure is logged and the first is raised.
 """

@@ -23,7 +23,7 @@ per request, whatever holds the blocks:
 
 `BlockPlanner` keeps that bookkeeping. It never touches the medium: a
 connector passes in how to count hits, and sends the planned
-[`BlockTransfer`][kvwire.media.BlockTransfer] records to its worker half
+`kvwire.media.BlockTransfer` records to its worker half
 (the CPU pool adds the slots).
 """
 

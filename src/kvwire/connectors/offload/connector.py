@@ -1,8 +1,8 @@
 """The offload connector: whole blocks of every layer, keyed by block hash, kept in any medium.
 
 kvwire's CPU offload, shared storage and Redis connectors are this one
-connector over three media ([`kvwire.media`][kvwire.media]); a new place to keep
-blocks is a new [`Medium`][kvwire.media.Medium], named in a profile by
+connector over three media (`kvwire.media`); a new place to keep
+blocks is a new `kvwire.media.Medium`, named in a profile by
 `kv_connector_extra_config.medium` (a registered name such as
 `directory`, or `package.module:Class`), never a new connector.
 
@@ -114,10 +114,10 @@ class OffloadConnector(RoleSplitConnector[OffloadSchedulerHalf, OffloadWorkerHal
     """Loads and saves full blocks of every layer, keyed by block hash, in a medium.
 
     It is handed its medium built (the keyword-only `medium`): a
-    [`KVConnectorContainer`][kvwire.KVConnectorContainer] resolves the class
+    `kvwire.KVConnectorContainer` resolves the class
     `kv_connector_extra_config.medium` names (`default_medium` when none),
     reads the options through `read_options`, builds the
-    [`MediumContext`][kvwire.media.MediumContext] through `medium_context`
+    `kvwire.media.MediumContext` through `medium_context`
     and the medium from it, one per connector; each step is a provider a
     test overrides (`docs/container.md`).
 

@@ -1,7 +1,7 @@
 """The offload connector's scheduler half: lookups, each step's plan, the medium's bookkeeping.
 
 Pure bookkeeping, no tensors and no transfers: it asks the medium's
-[`MediumIndex`][kvwire.media.MediumIndex] what it holds, plans loads and saves
+`kvwire.media.MediumIndex` what it holds, plans loads and saves
 with the `BlockPlanner`, and ships
 them to the worker half in an `OffloadMetadata`.
 

@@ -1,8 +1,8 @@
 """The offload connector's worker half's record of the jobs it gave a medium: by request and step.
 
-A [`TransferHandler`][kvwire.media.TransferHandler] only runs jobs: it is told
+A `kvwire.media.TransferHandler` only runs jobs: it is told
 to start one, says which ended and which of their blocks failed, and waits
-for some (its [`JobLedger`][kvwire.media.JobLedger] keeps the pieces of each
+for some (its `kvwire.media.JobLedger` keeps the pieces of each
 job on its I/O threads, their deadlines and giving up). `TransferBook` is the
 other side of that call, kept by the connector above any medium: which
 request and which engine step each job id serves, turned into what the

@@ -1,12 +1,12 @@
 """The worker half of a store medium: it moves bytes, nothing else.
 
-`StoreTransferHandler`, the [`TransferHandler`][kvwire.media.TransferHandler] of
-every store medium ([`StoreMedium`][kvwire.media.StoreMedium]),
-moves blocks straight between the KV cache and the [`BlockStore`][kvwire.media.BlockStore], on
+`StoreTransferHandler`, the `kvwire.media.TransferHandler` of
+every store medium (`kvwire.media.StoreMedium`),
+moves blocks straight between the KV cache and the `kvwire.media.BlockStore`, on
 background threads: a load reads each entry's payload into the block's
-ranges in the cache ([`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]; see
+ranges in the cache (`kvwire.media.BlockStore.read_into_ranges`; see
 `kvwire.blocks.memory`), a save writes the entry from them
-([`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]). There is no staging copy, and
+(`kvwire.media.BlockStore.write_ranges`). There is no staging copy, and
 the forward pass's thread only submits jobs. Loads and saves have separate thread pools, so a
 backlog of saves never delays a load the forward pass is waiting for.
 
@@ -30,17 +30,17 @@ started is cancelled, one under way is given up on (`saves_released`
 counts their blocks). A save given up on, released or past its deadline,
 closes its gate: the store commits none of its entries whose bytes had not
 all left the cache by then (a file is not renamed into place, a `SET` is
-never completed; see [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]), so no entry
+never completed; see `kvwire.media.BlockStore.write_ranges`), so no entry
 is ever made of bytes being overwritten, and one another engine stored under the same hash stays.
 
 Every transfer has a deadline (`transfer_timeout_s` from its start): a
 load still running past it is given up on and its blocks are load errors; a
 save still running past it is given up on and counted failed. Once a load is
 given up on, nothing writes into its cache blocks: every write into them goes
-through the job's [`CacheWrites`][kvwire.media.CacheWrites] gate, which
+through the job's `kvwire.media.CacheWrites` gate, which
 then refuses new writes; a write already in a syscall cannot be cancelled,
 so the waiter waits for it (`late_write_grace_s`) and, should it not
-return, raises [`LateWriteError`][kvwire.media.LateWriteError]: the engine
+return, raises `kvwire.media.LateWriteError`: the engine
 stops rather than risk wrong KV. A save given up on computes no further
 checksum and commits no further entry: the gate covers both.
 """
@@ -148,7 +148,7 @@ class StoreTransferHandler(TransferHandler):
     It serves every KV cache group of the engine: `layouts` and `memories`
     hold one layout and one `BlockMemory` per group, in group order (a
     single-group engine passes one of each). A transfer names its group
-    ([`BlockTransfer.group`][kvwire.media.BlockTransfer.group]); its blocks are read from or written
+    (`kvwire.media.BlockTransfer.group`); its blocks are read from or written
     to that group's layers only, and its entries are headed, checked and keyed with that group's
     layout, so an entry of one group never loads into another.
 

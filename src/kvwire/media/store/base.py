@@ -1,6 +1,6 @@
 """Where a store-backed connector keeps its encoded blocks.
 
-A [`BlockStore`][kvwire.media.BlockStore] is a key-value store of whole entries (header plus
+A `kvwire.media.BlockStore` is a key-value store of whole entries (header plus
 payload, see `kvwire.blocks.format`): a directory shared by
 engines, a Redis/Valkey server. The connector owns the threads and the
 memory; a store only moves bytes between that memory and its medium, in
@@ -8,14 +8,14 @@ batches, and reports failures per key instead of raising, so that one bad
 entry or a dead server never reaches the engine as an exception.
 
 The connector's data path
-([`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges],
-[`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]) hands a store each entry as a
+(`kvwire.media.BlockStore.read_into_ranges`,
+`kvwire.media.BlockStore.write_ranges`) hands a store each entry as a
 list of byte ranges: a small header buffer, then the block's ranges in the KV cache itself
 (`kvwire.blocks.memory`). A store that can do scattered I/O (`preadv`/`pwritev`,
 `recv_into`/`sendmsg`) overrides both and moves the bytes with no copy; any other store keeps the
 defaults, which go through a per-thread scratch buffer and
-[`BlockStore.read_each`][kvwire.media.BlockStore.read_each] /
-[`BlockStore.put`][kvwire.media.BlockStore.put] (one copy).
+`kvwire.media.BlockStore.read_each` /
+`kvwire.media.BlockStore.put` (one copy).
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ class CacheWrites:
     """The gate on a transfer's access to its cache ranges.
 
     A load: the store wraps each call that writes into the caller's ranges
-    (one `preadv`, one `recv_into`, one copy) in [`writing`][kvwire.media.CacheWrites.writing]; once
-    the connector has given up on the load ([`close`][kvwire.media.CacheWrites.close]),
-    [`writing`][kvwire.media.CacheWrites.writing] raises [`JobAbandoned`][kvwire.media.JobAbandoned]
+    (one `preadv`, one `recv_into`, one copy) in `kvwire.media.CacheWrites.writing`; once
+    the connector has given up on the load (`kvwire.media.CacheWrites.close`),
+    `kvwire.media.CacheWrites.writing` raises `kvwire.media.JobAbandoned`
     instead of letting the write start, and the store lets that exception end its generator.
-    [`close`][kvwire.media.CacheWrites.close] waits for a write already under way to return.
+    `kvwire.media.CacheWrites.close` waits for a write already under way to return.
 
     A save (its `commit_gate`, see
-    [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]): the connector closes it when
+    `kvwire.media.BlockStore.write_ranges`): the connector closes it when
     the save's blocks may change under it (given out again, or the save given up on); an entry then
     commits only if all its bytes had left the ranges while the gate was still open
-    ([`is_open`][kvwire.media.CacheWrites.is_open]), so no entry is ever made from bytes being
+    (`kvwire.media.CacheWrites.is_open`), so no entry is ever made from bytes being
     overwritten.
     """
 
@@ -85,7 +85,7 @@ class CacheWrites:
 
     def is_open(self) -> bool:
         """Whether the gate is open, asked under its lock: a
-        [`close`][kvwire.media.CacheWrites.close] returns after or before.
+        `kvwire.media.CacheWrites.close` returns after or before.
 
         A save asks it once all of an entry's bytes have left the ranges
         (handed to the kernel, or copied): open, the bytes were read before
@@ -96,7 +96,7 @@ class CacheWrites:
 
     def close(self, grace_s: float) -> None:
         """Let no write start; wait `grace_s` for one under way, or
-        [`LateWriteError`][kvwire.media.LateWriteError]."""
+        `kvwire.media.LateWriteError`."""
         with self._changed:
             self._closed = True
             if self._changed.wait_for(lambda: self._in_flight == 0, max(0.0, grace_s)):
@@ -195,7 +195,7 @@ class BlockStore(abc.ABC):
     def read_each(
         self, keys: Sequence[str], buffers: Sequence[memoryview]
     ) -> Generator[tuple[int, int | None], None, None]:
-        """Read entries as [`get_into`][kvwire.media.BlockStore.get_into] does, yielding
+        """Read entries as `kvwire.media.BlockStore.get_into` does, yielding
         `(index, size or None)` as each lands.
 
         Every index is yielded once, in order. A caller verifies and copies
@@ -225,14 +225,14 @@ class BlockStore(abc.ABC):
         together is a failure (None) and writes nothing; a shorter one fills
         what it covers and reports its length (the caller's check rejects it).
 
-        As [`read_each`][kvwire.media.BlockStore.read_each]: every index is yielded once, in order;
+        As `kvwire.media.BlockStore.read_each`: every index is yielded once, in order;
         the caller checks each entry as it lands; a caller that stops early closes the iterator. The
         store may write into key `i`'s ranges at any time between the call and yielding `i`, never
         after. Every write into the ranges goes through `writes.writing()` (when `writes` is given),
         one call (syscall, copy) at a time, and a `JobAbandoned` it raises ends the generator (let
         it propagate): that is how a load given up on stops writing into the cache. This default
         reads a few MiB of entries at a time into a per-thread scratch buffer with
-        [`read_each`][kvwire.media.BlockStore.read_each], then copies each into its ranges; stores
+        `kvwire.media.BlockStore.read_each`, then copies each into its ranges; stores
         that can read into scattered memory override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]
@@ -259,7 +259,7 @@ class BlockStore(abc.ABC):
     ) -> list[bool]:
         """Store each key's entry, given as its ranges in order; True where it is now stored whole.
 
-        As [`put`][kvwire.media.BlockStore.put], with each entry the concatenation of its ranges (a
+        As `kvwire.media.BlockStore.put`, with each entry the concatenation of its ranges (a
         header, then the block's ranges in the KV cache). The ranges are only
         read, and not after the call returns.
 
@@ -268,13 +268,13 @@ class BlockStore(abc.ABC):
         connector closes it when the blocks may change under the save, and an
         entry made of bytes being overwritten would be torn. A store that
         writes from the ranges in place checks
-        [`CacheWrites.is_open`][kvwire.media.CacheWrites.is_open] once the
+        `kvwire.media.CacheWrites.is_open` once the
         medium (the kernel) holds all of an entry's bytes, just before it
         commits (a rename, the end of a command), and otherwise drops the entry
         (False); once the gate is closed it starts no entry. This default
         copies a few MiB of entries at a time into a per-thread scratch buffer,
         each copy under `commit_gate.writing()`, and calls
-        [`put`][kvwire.media.BlockStore.put] on the copies; stores that can
+        `kvwire.media.BlockStore.put` on the copies; stores that can
         write scattered memory override it.
         """
         sizes = [sum(len(r) for r in ranges) for ranges in ranges_per_key]

@@ -1,4 +1,4 @@
-"""Store media: each block one entry in a [`BlockStore`][kvwire.media.BlockStore].
+"""Store media: each block one entry in a `kvwire.media.BlockStore`.
 
 A store medium names each block's entry by key; the store finds it by key
 alone, so the scheduler half's index only asks the store how many
@@ -13,12 +13,12 @@ load error, which the engine computes again.
 
 ## How a medium supplies its store
 
-Subclass [`StoreMedium`][kvwire.media.StoreMedium] and implement
-[`StoreMedium.create_store`][kvwire.media.StoreMedium.create_store]; declare
+Subclass `kvwire.media.StoreMedium` and implement
+`kvwire.media.StoreMedium.create_store`; declare
 your own `kv_connector_extra_config` keys by extending
-[`StoreMedium.extra_config_keys`][kvwire.media.StoreMedium.extra_config_keys]
+`kvwire.media.StoreMedium.extra_config_keys`
 (and check them together, or derive values, in
-[`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options]). The
+`kvwire.media.StoreMedium.finish_options`). The
 store is created once per medium object, when its first half is built, with the
 validated options:
 
@@ -34,16 +34,16 @@ class MyMedium(StoreMedium[MyStore]):
         return MyStore(options["url"])
 ```
 
-Optionally override [`StoreMedium.store_key`][kvwire.media.StoreMedium.store_key] (the
+Optionally override `kvwire.media.StoreMedium.store_key` (the
 default is `group_layouts[group].key(block_hash)`: the KV cache group's layout
 fingerprint + block hash; override
-[`StoreMedium.block_hash_of`][kvwire.media.StoreMedium.block_hash_of], its inverse,
-with it), [`StoreMedium.store_counters`][kvwire.media.StoreMedium.store_counters]
+`kvwire.media.StoreMedium.block_hash_of`, its inverse,
+with it), `kvwire.media.StoreMedium.store_counters`
 (extra stats from your store),
-[`StoreMedium.reset_store`][kvwire.media.StoreMedium.reset_store] (forget this
+`kvwire.media.StoreMedium.reset_store` (forget this
 engine's entries) and
-[`StoreMedium.start_sweeper`][kvwire.media.StoreMedium.start_sweeper] /
-[`StoreMedium.stop_sweeper`][kvwire.media.StoreMedium.stop_sweeper] (the
+`kvwire.media.StoreMedium.start_sweeper` /
+`kvwire.media.StoreMedium.stop_sweeper` (the
 sweeper: the worker half's own background work, such as a sweep), and give
 your store a `discard(keys)` so entries found corrupt stop being hits. The
 store must never raise into the engine: misses and failures are results.
@@ -139,7 +139,7 @@ _Store = TypeVar("_Store", bound=BlockStore)
 @attrs.frozen
 class _Unchecked:
     """`mac_key_env` as given: checked by
-    [`StoreMedium.finish_options`][kvwire.media.StoreMedium.finish_options], never echoed.
+    `kvwire.media.StoreMedium.finish_options`, never echoed.
 
     The generic reader would print a bad value, and a bad value here may be
     the key itself.
@@ -149,11 +149,11 @@ class _Unchecked:
 
 
 class StoreMedium(Medium, Generic[_Store]):
-    """A medium that keeps encoded KV blocks in a [`BlockStore`][kvwire.media.BlockStore], one entry
+    """A medium that keeps encoded KV blocks in a `kvwire.media.BlockStore`, one entry
     per block.
 
     Abstract: a subclass supplies the store through
-    [`create_store`][kvwire.media.StoreMedium.create_store] (`_Store` is its type). The store is
+    `kvwire.media.StoreMedium.create_store` (`_Store` is its type). The store is
     created once per medium object, by whichever half is built first; the halves built close it, the
     last one to close closing the store (a connector builds one half, so that half owns it).
     """
@@ -270,7 +270,7 @@ class StoreMedium(Medium, Generic[_Store]):
         return self._group_layouts[group].key(block_hash)
 
     def block_hash_of(self, key: str) -> BlockHash | None:
-        """The block hash [`store_key`][kvwire.media.StoreMedium.store_key] made `key` from, in any
+        """The block hash `kvwire.media.StoreMedium.store_key` made `key` from, in any
         group; None for another's."""
         found = block_of_key(self._group_layouts, key)
         return None if found is None else found[0]
@@ -278,8 +278,8 @@ class StoreMedium(Medium, Generic[_Store]):
     def block_group_of(self, key: str) -> int | None:
         """The KV cache group whose layout made `key`; None for another's.
 
-        A medium that overrides [`store_key`][kvwire.media.StoreMedium.store_key] and
-        [`block_hash_of`][kvwire.media.StoreMedium.block_hash_of] overrides this too, or its events
+        A medium that overrides `kvwire.media.StoreMedium.store_key` and
+        `kvwire.media.StoreMedium.block_hash_of` overrides this too, or its events
         name no group.
         """
         found = block_of_key(self._group_layouts, key)
@@ -311,7 +311,7 @@ class StoreMedium(Medium, Generic[_Store]):
         """
 
     def stop_sweeper(self) -> None:
-        """Stop what [`start_sweeper`][kvwire.media.StoreMedium.start_sweeper] started.
+        """Stop what `kvwire.media.StoreMedium.start_sweeper` started.
 
         Called at close, before the store closes.
         """
@@ -333,7 +333,7 @@ class StoreMedium(Medium, Generic[_Store]):
         """The layouts of every entry this engine's ranks store, of every group and head group.
 
         What a reset removes; with a single group of whole blocks,
-        [`group_layouts`][kvwire.media.StoreMedium.group_layouts].
+        `kvwire.media.StoreMedium.group_layouts`.
         """
         return tuple(layout for group in self._every_entry_layouts for layout in group)
 
@@ -362,7 +362,7 @@ class StoreMedium(Medium, Generic[_Store]):
 
     def _group_key_function(self) -> Callable[[int, BlockHash], str]:
         """How this medium names a block of a group: through
-        [`store_key`][kvwire.media.StoreMedium.store_key], overrides too.
+        `kvwire.media.StoreMedium.store_key`, overrides too.
 
         A single-group engine calls `store_key(block_hash)`, so an override
         written before groups existed keeps its keys; a hybrid engine needs
@@ -505,7 +505,7 @@ class StoreMedium(Medium, Generic[_Store]):
 
 class _MediumKeys(EntryKeys):
     """A store medium's own key scheme:
-    [`StoreMedium.store_key`][kvwire.media.StoreMedium.store_key] and its inverses."""
+    `kvwire.media.StoreMedium.store_key` and its inverses."""
 
     def __init__(self, medium: StoreMedium[Any]) -> None:
         self._medium = medium

@@ -1,4 +1,4 @@
-"""A [`BlockStore`][kvwire.media.BlockStore] in a directory that several engines share.
+"""A `kvwire.media.BlockStore` in a directory that several engines share.
 
 One file per entry, named by its key in sharded sub-folders
 (`<root>/<layout fingerprint>/<2 hex digits>/<block hash>`, see
@@ -205,7 +205,7 @@ class DirectoryBlockStore(BlockStore):
 
         One file at a time, so the caller checks each entry while it is hot;
         each call goes through `writes` (see
-        [`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]).
+        `kvwire.media.BlockStore.read_into_ranges`).
         """
         for index, (key, ranges) in enumerate(zip(keys, ranges_per_key, strict=True)):
             yield index, self._read_ranges(key, ranges, writes)
@@ -319,7 +319,7 @@ class DirectoryBlockStore(BlockStore):
 
         The file is renamed into place only if `commit_gate` is still open once
         every byte was written (see
-        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]);
+        `kvwire.media.BlockStore.write_ranges`);
         otherwise it is removed, and the entry already there stays.
         """
         results = [False] * len(keys)

@@ -8,7 +8,7 @@ ranges straight from and into the KV cache (`preadv`/`pwritev`). Its
 blocks appear in KV cache events as medium `disk`.
 
 `kv_connector_extra_config` keys, beside the common ones of
-[`StoreMedium`][kvwire.media.StoreMedium]:
+`kvwire.media.StoreMedium`:
 
 - `shared_storage_path` (required): the directory; created if missing
   (with the folder mode of `file_mode`). It may hold other files: kvwire

@@ -1,6 +1,6 @@
 """What the single-server and the cluster Redis stores share: keys, settings, failure counts.
 
-Both are a [`BlockStore`][kvwire.media.BlockStore] with the same settings, the
+Both are a `kvwire.media.BlockStore` with the same settings, the
 same server-side key names, the same checks on their arguments, and failure
 counters reported under the same names, so that stats read alike whichever
 one a profile names.

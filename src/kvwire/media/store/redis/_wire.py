@@ -160,7 +160,7 @@ class Deadline:
             sock.settimeout(timeout)
 
     def check(self) -> None:
-        """Raise [`DeadlineExceeded`][kvwire.exceptions.DeadlineExceeded] if no time is left."""
+        """Raise `kvwire.exceptions.DeadlineExceeded` if no time is left."""
         if self.expired:
             raise self.exceeded()
 
@@ -181,7 +181,7 @@ class RespStream:
     `scratch` holds reply headers, short replies and the bytes that arrive
     with them; it is reused across calls (one per thread). Every socket wait
     is bounded by `deadline` (see `Deadline`); past it the stream
-    raises [`DeadlineExceeded`][kvwire.exceptions.DeadlineExceeded] and is out of step: the caller
+    raises `kvwire.exceptions.DeadlineExceeded` and is out of step: the caller
     must drop the connection. Malformed replies raise `InvalidResponse`, never a bare `ValueError`.
     """
 

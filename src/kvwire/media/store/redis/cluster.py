@@ -1,4 +1,4 @@
-"""A [`BlockStore`][kvwire.media.BlockStore] on a Redis Cluster (or Valkey cluster).
+"""A `kvwire.media.BlockStore` on a Redis Cluster (or Valkey cluster).
 
 Keys are spread over every master by hash slot (CRC16 of the whole key, no
 hash tag), so a fleet's blocks use every master's memory and network card.

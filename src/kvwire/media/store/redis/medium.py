@@ -9,7 +9,7 @@ which sends a block's bytes to the server straight from the KV cache and
 scatters a loaded one straight into it (no staging copy on either side).
 
 `kv_connector_extra_config` keys, beside the common ones of
-[`StoreMedium`][kvwire.media.StoreMedium] (see
+`kvwire.media.StoreMedium` (see
 `RedisStoreSettings`):
 
 - `url`: `redis://host:port/db`, `rediss://` (TLS) or `unix:///path`

@@ -1,4 +1,4 @@
-"""A [`BlockStore`][kvwire.media.BlockStore] on a Redis or Valkey server.
+"""A `kvwire.media.BlockStore` on a Redis or Valkey server.
 
 One key per block: `key_prefix` + the store key the connector hands over
 (layout fingerprint / block hash); the value is the whole encoded entry
@@ -208,7 +208,7 @@ class RedisBlockStore(RedisStoreBase):
         """As `put`, each value sent straight from its ranges: never joined or copied.
 
         A value's final CRLF goes out only while `commit_gate` is open (see
-        [`BlockStore.write_ranges`][kvwire.media.BlockStore.write_ranges]); once it is closed the
+        `kvwire.media.BlockStore.write_ranges`); once it is closed the
         connection is dropped before it, so the server never runs that `SET`, nor any after it.
         """
         require_one_each("write_ranges", keys, ranges_per_key, "entries")
@@ -293,7 +293,7 @@ class RedisBlockStore(RedisStoreBase):
         """As `read_each`, each reply scattered from the socket over its key's ranges.
 
         Every write into the ranges goes through `writes` (see
-        [`BlockStore.read_into_ranges`][kvwire.media.BlockStore.read_into_ranges]): once the load is
+        `kvwire.media.BlockStore.read_into_ranges`): once the load is
         given up on, the `JobAbandoned` it raises ends the call and its connection is dropped, so
         nothing more lands in the cache; a read already in flight returns within the socket timeout.
         """

@@ -75,7 +75,7 @@ class RedisStoreSettings:
     def from_extra_config(cls, extra: Mapping[str, Any]) -> RedisStoreSettings:
         """Validate the Redis keys of `extra` (others are left to the caller).
 
-        Raises [`RedisSettingsError`][kvwire.exceptions.RedisSettingsError] listing every bad key.
+        Raises `kvwire.exceptions.RedisSettingsError` listing every bad key.
         """
         problems: list[str] = []
         values: dict[str, Any] = {}
