@@ -213,26 +213,8 @@ class StoreMedium(Medium, Generic[_Store]):
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
-            ExtraConfigKey(
-                "entry_kv_heads",
-                None,
-                lambda value: (
-                    value
-                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
-                    else None
-                ),
-                "an integer >= 1 (KV heads per entry)",
-            ),
-            ExtraConfigKey(
-                "entry_layers",
-                None,
-                lambda value: (
-                    value
-                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
-                    else None
-                ),
-                "an integer >= 1 (layers per entry)",
-            ),
+            int_key("entry_kv_heads", None, minimum=1, counts="KV heads per entry"),
+            int_key("entry_layers", None, minimum=1, counts="layers per entry"),
             ExtraConfigKey(
                 "mac_key_env",
                 None,
