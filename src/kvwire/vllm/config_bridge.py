@@ -104,13 +104,13 @@ def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
         )
     key = PROFILE_PATH_KEY if has_path else INLINE_PROFILE_KEY
     expected_type, expected = _PROFILE_FORMS[key]
-    profile = extra_config[key]
-    if not isinstance(profile, expected_type):
+    given = type(extra_config[key])
+    if not issubclass(given, expected_type):
         raise VLLMConfigError(
             f"kv_transfer_config.kv_connector_extra_config.{key}: expected "
-            f"{expected}, got {type(profile).__name__}"
+            f"{expected}, got {given.__name__}"
         )
-    return load_profile(profile)
+    return load_profile(extra_config[key])
 
 
 def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:
