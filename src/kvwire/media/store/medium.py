@@ -433,15 +433,13 @@ class StoreMedium(Medium, Generic[_Store]):
                 groups, self._layer_plans, self._own_entries, strict=True
             ):
                 for layers, heads in entries:
-                    names = group.layer_names[
-                        plan.local_layers(layers).start : plan.local_layers(layers).stop
-                    ]
+                    names = group.layer_names[plan.local(layers).start : plan.local(layers).stop]
                     memories.append(
                         BlockMemory(
                             {name: kv_caches[name] for name in names},
                             attrs.evolve(self._layout, num_layers=len(names)),
                             names,
-                            heads=self._heads.local_heads(heads),
+                            heads=self._heads.local(heads),
                         )
                     )
             keys = LayoutKeys(layouts, per_cache_group=len(own))
