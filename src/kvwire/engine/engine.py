@@ -99,6 +99,7 @@ class EngineCounters:
 class LLMEngine:
     """A paged-KV inference engine on CPU that drives a connector like a server would.
 
+    Its keyword options (`EngineOptions`, their defaults the `EngineContainer`'s):
     `connector_hook` sees each connector once it is built (the conformance
     kit instruments them this way); `capture_kv` keeps each finished
     request's prompt KV in `captured_kv`. `container` is a
