@@ -669,9 +669,8 @@ class KVConnectorContainer(containers.DeclarativeContainer):
 
     connector_builder = providers.Factory(ChildConnectorBuilder, registry)
 
-    scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
-        _ConnectorLifetime,
-        KVConnectorRole.SCHEDULER,
+    # What either role's connector is built from (`_ConnectorLifetime.init`, after the role).
+    _connector_inputs = (
         registry,
         _checked_connector_class,
         engine_config,
@@ -680,19 +679,14 @@ class KVConnectorContainer(containers.DeclarativeContainer):
         connector_builder,
         connector_setup,
         media,
+    )
+    scheduler_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
+        _ConnectorLifetime, KVConnectorRole.SCHEDULER, *_connector_inputs
     )
     worker_connector: ThreadSafeResource[KVConnectorBase] = ThreadSafeResource(
-        _ConnectorLifetime,
-        KVConnectorRole.WORKER,
-        registry,
-        _checked_connector_class,
-        engine_config,
-        kv_transfer_config,
-        kv_cache_config.provider,
-        connector_builder,
-        connector_setup,
-        media,
+        _ConnectorLifetime, KVConnectorRole.WORKER, *_connector_inputs
     )
+    del _connector_inputs
 
     process_role = providers.Dependency(instance_of=KVConnectorRole)
     connector = providers.Selector(

@@ -31,35 +31,41 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import attrs
 
 from kvwire.blocks.format import BlockLayout, HeadShard, LayerShard
 from kvwire.config import ParallelConfig
 
+ShardT = TypeVar("ShardT", bound=HeadShard)
+
 
 @attrs.frozen
-class HeadPlan:
-    """The head groups of one engine's entries: this rank's, and every rank's."""
+class ShardPlan(Generic[ShardT]):
+    """The groups of one engine's entries along one split: this rank's, and every rank's.
 
-    own: tuple[HeadShard, ...]
-    every: tuple[HeadShard, ...]
-    first_own_head: int
-    """The model head this rank's KV cache holds first (its local head 0)."""
+    Groups of heads (`plan_heads`: a tensor rank's) or of layers (`plan_layers`: a stage's).
+    """
+
+    own: tuple[ShardT, ...]
+    every: tuple[ShardT, ...]
+    first_own: int
+    """The model head (layer) this rank (stage) holds first: its local head (layer) 0."""
 
     @property
     def is_whole(self) -> bool:
-        """One entry of all the model's heads per block: the format of an unsplit engine."""
+        """One entry of all the model's heads (layers) per block: an unsplit engine's format."""
         return len(self.every) == 1
 
-    def local_heads(self, shard: HeadShard) -> range:
-        """`shard`'s heads as indices into this rank's KV cache."""
-        return range(shard.start - self.first_own_head, shard.stop - self.first_own_head)
+    def local(self, shard: ShardT) -> range:
+        """`shard`'s heads as indices into this rank's KV cache (layers: into a stage's list)."""
+        return range(shard.start - self.first_own, shard.stop - self.first_own)
 
 
 def plan_heads(
     local_kv_heads: int, parallel: ParallelConfig, entry_kv_heads: int | None
-) -> HeadPlan:
+) -> ShardPlan[HeadShard]:
     """The head groups of a rank holding `local_kv_heads` heads, at `entry_kv_heads` a group.
 
     `entry_kv_heads` None: a rank's heads per group. Raises `ValueError`
@@ -80,25 +86,7 @@ def plan_heads(
         HeadShard(start, start + per_entry, total) for start in range(0, total, per_entry)
     )
     own = tuple(shard for shard in every if first <= shard.start < first + local_kv_heads)
-    return HeadPlan(own=own, every=every, first_own_head=first)
-
-
-@attrs.frozen
-class LayerPlan:
-    """The layer groups of one engine's entries: this stage's, and every stage's."""
-
-    own: tuple[LayerShard, ...]
-    every: tuple[LayerShard, ...]
-    first_own_layer: int
-    """The model layer this stage holds first (its local layer 0)."""
-
-    @property
-    def is_whole(self) -> bool:
-        return len(self.every) == 1
-
-    def local_layers(self, shard: LayerShard) -> range:
-        """`shard`'s layers as positions in this stage's (a group's) layer list."""
-        return range(shard.start - self.first_own_layer, shard.stop - self.first_own_layer)
+    return ShardPlan(own=own, every=every, first_own=first)
 
 
 _LAYER_INDEX = re.compile(r"\d+")
@@ -112,7 +100,7 @@ def layer_index(name: str) -> int | None:
 
 def plan_layers(
     layer_names: Sequence[str], parallel: ParallelConfig, entry_layers: int | None
-) -> LayerPlan:
+) -> ShardPlan[LayerShard]:
     """The layer groups of a stage holding `layer_names`, at `entry_layers` layers a group.
 
     Raises `ValueError` naming `entry_layers` when a stage's layers are
@@ -123,7 +111,7 @@ def plan_layers(
     if stage is None:
         if entry_layers is None:
             whole = LayerShard(0, len(layer_names), len(layer_names))
-            return LayerPlan(own=(whole,), every=(whole,), first_own_layer=0)
+            return ShardPlan(own=(whole,), every=(whole,), first_own=0)
         stage = range(len(layer_names))
     indices = [layer_index(name) for name in layer_names]
     if indices != list(stage):
@@ -150,7 +138,7 @@ def plan_layers(
             for start in range(0, total, entry_layers)
         )
     own = tuple(shard for shard in every if stage.start <= shard.start < stage.stop)
-    return LayerPlan(own=own, every=every, first_own_layer=stage.start)
+    return ShardPlan(own=own, every=every, first_own=stage.start)
 
 
 def entry_layout(

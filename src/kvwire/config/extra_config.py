@@ -123,7 +123,11 @@ def memory_size_key(name: str, default: int, minimum: int = 1) -> ExtraConfigKey
     return ExtraConfigKey(name, default, convert, size.accepted)
 
 
-def int_key(name: str, default: int, minimum: int, maximum: int | None = None) -> ExtraConfigKey:
+def int_key(
+    name: str, default: int | None, minimum: int, maximum: int | None = None, counts: str = ""
+) -> ExtraConfigKey:
+    """An integer from `minimum` to `maximum`; `counts` (what it counts) ends its error text."""
+
     def convert(value: Any) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int):
             return None
@@ -132,7 +136,8 @@ def int_key(name: str, default: int, minimum: int, maximum: int | None = None) -
         return value
 
     bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-    return ExtraConfigKey(name, default, convert, f"an integer {bound}")
+    accepted = f"an integer {bound}" + (f" ({counts})" if counts else "")
+    return ExtraConfigKey(name, default, convert, accepted)
 
 
 def bool_key(name: str, default: bool) -> ExtraConfigKey:

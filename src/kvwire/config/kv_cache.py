@@ -105,6 +105,12 @@ def build_full_attention_kv_cache_config(
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
     )
+    return _one_group_config(spec, num_layers, num_blocks, layer_name_format)
+
+
+def _one_group_config(
+    spec: FullAttentionSpec, num_layers: int, num_blocks: int, layer_name_format: str
+) -> KVCacheConfig:
     names = [layer_name_format.format(index) for index in range(num_layers)]
     tensors = [
         KVCacheTensor(size_bytes=spec.page_size_bytes * num_blocks, shared_by=[name])
@@ -142,39 +148,22 @@ def build_kv_cache_config(config: EngineConfig, hma_enabled: bool | None = None)
     model, cache = config.model_config, config.cache_config
     if hma_enabled is None:
         hma_enabled = config.scheduler_config.disable_hybrid_kv_cache_manager is not True
+    full_spec = FullAttentionSpec(
+        block_size=cache.block_size,
+        num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
+        dtype=model.dtype,
+    )
     if not (hma_enabled and model.is_hybrid):
-        return build_full_attention_kv_cache_config(
-            num_layers=model.num_layers,
-            num_blocks=cache.num_gpu_blocks,
-            block_size=cache.block_size,
-            num_kv_heads=model.num_kv_heads,
-            head_size=model.head_size,
-            dtype=model.dtype,
+        return _one_group_config(
+            full_spec, model.num_layers, cache.num_gpu_blocks, LAYER_NAME_FORMAT
         )
     full = [i for i in range(model.num_layers) if model.layer_window(i) is None]
     sliding = [i for i in range(model.num_layers) if model.layer_window(i) is not None]
     assert model.sliding_window is not None  # a hybrid model's config demands it
-    kinds: list[tuple[list[int], AttentionSpec]] = [
-        (
-            full,
-            FullAttentionSpec(
-                block_size=cache.block_size,
-                num_kv_heads=model.num_kv_heads,
-                head_size=model.head_size,
-                dtype=model.dtype,
-            ),
-        ),
-        (
-            sliding,
-            SlidingWindowSpec(
-                sliding_window=model.sliding_window,
-                block_size=cache.block_size,
-                num_kv_heads=model.num_kv_heads,
-                head_size=model.head_size,
-                dtype=model.dtype,
-            ),
-        ),
-    ]
+    # A sliding-window layer's block is shaped as a full-attention layer's.
+    sliding_spec = SlidingWindowSpec(sliding_window=model.sliding_window, **attrs.asdict(full_spec))
+    kinds: list[tuple[list[int], AttentionSpec]] = [(full, full_spec), (sliding, sliding_spec)]
     group_size = math.gcd(len(full), len(sliding))
     groups = [
         KVCacheGroupSpec(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
 import attrs
 import torch
@@ -42,6 +42,9 @@ from kvwire.engine.worker_process import WorkerProcess
 from kvwire.hma import HMADecision
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
 from kvwire.interface.types import KVConnectorOutput
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "EngineContainer",
@@ -314,32 +317,29 @@ class EngineContainer(containers.DeclarativeContainer):
     )
 
 
-def engine_container(
-    config: EngineConfig,
-    *,
-    worker_mode: WorkerMode | None = None,
-    connector_hook: ConnectorHook | None = None,
-    capture_kv: bool = False,
-    idle_timeout_s: float = 60.0,
-    container: KVConnectorContainer | None = None,
-    torch_threads: int | None = 1,
-    worker_reply_timeout_s: float = 600.0,
-    worker_container_hook: ContainerHook | None = None,
-) -> EngineContainer:
+class EngineOptions(TypedDict, total=False):
+    """`LLMEngine`'s keyword options; one left out keeps its `EngineContainer` default."""
+
+    worker_mode: WorkerMode | None
+    connector_hook: ConnectorHook | None
+    capture_kv: bool
+    idle_timeout_s: float
+    container: KVConnectorContainer | None
+    torch_threads: int | None
+    worker_reply_timeout_s: float
+    worker_container_hook: ContainerHook | None
+
+
+def engine_container(config: EngineConfig, **options: Unpack[EngineOptions]) -> EngineContainer:
     """An `EngineContainer` for `config` and `LLMEngine`'s options (`container`: its connectors)."""
-    options: dict[str, Any] = {
-        "config": config,
-        "worker_mode": worker_mode,
-        "connector_hook": connector_hook,
-        "capture_kv": capture_kv,
-        "idle_timeout_s": idle_timeout_s,
-        "torch_threads": torch_threads,
-        "worker_reply_timeout_s": worker_reply_timeout_s,
-        "worker_container_hook": worker_container_hook,
-    }
+    unknown = sorted(options.keys() - EngineOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    inputs: dict[str, Any] = dict(options)
+    container = inputs.pop("container", None)
     if container is not None:
-        options["connectors"] = container
-    return EngineContainer(**options)
+        inputs["connectors"] = container
+    return EngineContainer(config=config, **inputs)
 
 
 def build_engine_parts(container: EngineContainer) -> EngineParts:

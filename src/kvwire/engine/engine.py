@@ -12,17 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from kvwire.config import EngineConfig
 from kvwire.config.kv_cache import build_kv_cache_config
-from kvwire.container import KVConnectorContainer
-from kvwire.engine.connector_source import ConnectorHook, ContainerHook
 from kvwire.engine.container import (
     EngineContainer,
+    EngineOptions,
     EngineParts,
     WorkerMode,
     build_engine_parts,
@@ -32,6 +31,9 @@ from kvwire.engine.container import (
 from kvwire.engine.worker import Worker
 from kvwire.interface.base import KVConnectorBase
 from kvwire.interface.types import KVConnectorStats, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "EngineCounters",
@@ -97,6 +99,7 @@ class EngineCounters:
 class LLMEngine:
     """A paged-KV inference engine on CPU that drives a connector like a server would.
 
+    Its keyword options (`EngineOptions`, their defaults the `EngineContainer`'s):
     `connector_hook` sees each connector once it is built (the conformance
     kit instruments them this way); `capture_kv` keeps each finished
     request's prompt KV in `captured_kv`. `container` is a
@@ -139,34 +142,8 @@ class LLMEngine:
     swap a part, override its provider there and call `build_engine`.
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        worker_mode: WorkerMode | None = None,
-        connector_hook: ConnectorHook | None = None,
-        capture_kv: bool = False,
-        idle_timeout_s: float = 60.0,
-        container: KVConnectorContainer | None = None,
-        torch_threads: int | None = 1,
-        worker_reply_timeout_s: float = 600.0,
-        worker_container_hook: ContainerHook | None = None,
-    ) -> None:
-        self._adopt(
-            build_engine_parts(
-                engine_container(
-                    config,
-                    worker_mode=worker_mode,
-                    connector_hook=connector_hook,
-                    capture_kv=capture_kv,
-                    idle_timeout_s=idle_timeout_s,
-                    container=container,
-                    torch_threads=torch_threads,
-                    worker_reply_timeout_s=worker_reply_timeout_s,
-                    worker_container_hook=worker_container_hook,
-                )
-            )
-        )
+    def __init__(self, config: EngineConfig, **options: Unpack[EngineOptions]) -> None:
+        self._adopt(build_engine_parts(engine_container(config, **options)))
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> LLMEngine:

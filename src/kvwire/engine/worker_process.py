@@ -60,14 +60,20 @@ class RankSetup:
     timeout_s: float
 
 
-def _build_worker(
-    config: EngineConfig,
-    kv_cache_config: KVCacheConfig,
-    hook: ConnectorHook | None,
-    torch_threads: int | None,
-    rank: RankSetup | None,
-    container_hook: ContainerHook | None,
-) -> tuple[Worker, ConnectorSource, Any]:
+@attrs.frozen
+class _WorkerSetup:
+    """What the worker process builds its worker from, pickled to it as one argument."""
+
+    config: EngineConfig
+    kv_cache_config: KVCacheConfig
+    connector_hook: ConnectorHook | None
+    torch_threads: int | None
+    rank: RankSetup | None
+    container_hook: ContainerHook | None
+
+
+def _build_worker(setup: _WorkerSetup) -> tuple[Worker, ConnectorSource, Any]:
+    config, rank = setup.config, setup.rank
     group = None
     if rank is not None:
         from kvwire.engine.rank_group import RankGroup
@@ -81,15 +87,15 @@ def _build_worker(
         )
     container = WorkerContainer(
         config=config,
-        kv_cache_config=kv_cache_config if rank is None else rank.share.kv_cache_config,
+        kv_cache_config=setup.kv_cache_config if rank is None else rank.share.kv_cache_config,
         share=None if rank is None else rank.share,
         exchange=group,
-        torch_threads=torch_threads,
-        connector_hook=hook,
+        torch_threads=setup.torch_threads,
+        connector_hook=setup.connector_hook,
     )
     try:
-        if container_hook is not None:
-            container_hook(container.connectors())
+        if setup.container_hook is not None:
+            setup.container_hook(container.connectors())
         worker: Worker = container.worker()
         source: ConnectorSource = container.connector_source()
     except BaseException:
@@ -99,15 +105,7 @@ def _build_worker(
     return worker, source, group
 
 
-def _serve(
-    connection: Connection,
-    config: EngineConfig,
-    kv_cache_config: KVCacheConfig,
-    hook: ConnectorHook | None,
-    torch_threads: int | None,
-    rank: RankSetup | None,
-    container_hook: ContainerHook | None,
-) -> None:
+def _serve(connection: Connection, setup: _WorkerSetup) -> None:
     # Ctrl-C reaches the whole process group: the parent handles it and stops
     # this process; here it would only end a step half-way, with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -116,9 +114,7 @@ def _serve(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_end_with_parent, name="kvwire-parent-watch", daemon=True).start()
     try:
-        worker, source, group = _build_worker(
-            config, kv_cache_config, hook, torch_threads, rank, container_hook
-        )
+        worker, source, group = _build_worker(setup)
     except BaseException:
         connection.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         return
@@ -227,12 +223,9 @@ class WorkerProcess:
             target=_serve,
             args=(
                 child_connection,
-                config,
-                kv_cache_config,
-                connector_hook,
-                torch_threads,
-                rank,
-                container_hook,
+                _WorkerSetup(
+                    config, kv_cache_config, connector_hook, torch_threads, rank, container_hook
+                ),
             ),
             name="kvwire-worker" if rank is None else f"kvwire-worker-{rank.share.parallel.rank}",
             daemon=True,

@@ -15,34 +15,11 @@ import attrs
 
 from kvwire.exceptions import RoleViolationError as RoleViolationError
 from kvwire.interface.base import KVConnectorBase, KVConnectorRole
+from kvwire.interface.calls import CallSide, calls_on
 
-WORKER_SIDE_METHODS: tuple[str, ...] = (
-    "register_kv_caches",
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_block_ids_with_load_errors",
-    "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events",
-    "wait_for_pending_saves",
-    "get_handshake_metadata",
-)
-SCHEDULER_SIDE_METHODS: tuple[str, ...] = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "take_events",
-    "get_finished_count",
-    "reset_cache",
-)
-_BOTH_SIDES: tuple[str, ...] = ("shutdown",)
+WORKER_SIDE_METHODS: tuple[str, ...] = calls_on(CallSide.WORKER)
+SCHEDULER_SIDE_METHODS: tuple[str, ...] = calls_on(CallSide.SCHEDULER)
+_BOTH_SIDES: tuple[str, ...] = calls_on(CallSide.BOTH)
 
 
 @attrs.frozen
@@ -109,13 +86,20 @@ def _block_ids(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return ()
 
 
+def _is_method(connector: KVConnectorBase, name: str) -> bool:
+    # A call the interface answers with a property (`requires_kv_delivery`) is read, not called.
+    if isinstance(getattr(type(connector), name, None), property):
+        return False
+    return callable(getattr(connector, name, None))
+
+
 def record_calls(connector: KVConnectorBase, log: CallLog) -> None:
     """Append every interface call on `connector` (and its result) to `log`."""
     role = connector.role
     for name in (*WORKER_SIDE_METHODS, *SCHEDULER_SIDE_METHODS, *_BOTH_SIDES):
-        original = getattr(connector, name, None)
-        if original is None:
+        if not _is_method(connector, name):
             continue
+        original = getattr(connector, name)
         setattr(connector, name, _recording(original, name, role, log))
 
 
@@ -143,7 +127,7 @@ def enforce_roles(connector: KVConnectorBase) -> None:
     side = "scheduler" if role is KVConnectorRole.WORKER else "worker"
     class_name = type(connector).__name__
     for name in forbidden:
-        if getattr(connector, name, None) is None:
+        if not _is_method(connector, name):
             continue
 
         def refuse(*args: Any, _name: str = name, **kwargs: Any) -> Any:

@@ -66,6 +66,12 @@ INLINE_PROFILE_KEY = "kvwire"
 CONTAINER_HOOK_KEY = "kvwire_container_hook"
 EXTRA_CONFIG_KEYS = (PROFILE_PATH_KEY, INLINE_PROFILE_KEY, CONTAINER_HOOK_KEY)
 
+_PROFILE_FORMS: dict[str, tuple[type, str]] = {
+    PROFILE_PATH_KEY: (str, "a profile's name or path (str)"),
+    INLINE_PROFILE_KEY: (Mapping, "a profile mapping"),
+}
+"""What each key that gives the profile holds: its type, and that type as an error says it."""
+
 _SHOWN_KEYS = 5
 
 ContainerHook = Callable[["containers.Container"], None]
@@ -96,21 +102,15 @@ def read_kvwire_profile(extra_config: Mapping[str, Any]) -> EngineConfig:
             f"{INLINE_PROFILE_KEY!r} (a mapping), "
             f"{'not both' if has_path else 'got neither'}"
         )
-    if has_path:
-        path = extra_config[PROFILE_PATH_KEY]
-        if not isinstance(path, str):
-            raise VLLMConfigError(
-                f"kv_transfer_config.kv_connector_extra_config.{PROFILE_PATH_KEY}: expected a "
-                f"profile's name or path (str), got {type(path).__name__}"
-            )
-        return load_profile(path)
-    inline = extra_config[INLINE_PROFILE_KEY]
-    if not isinstance(inline, Mapping):
+    key = PROFILE_PATH_KEY if has_path else INLINE_PROFILE_KEY
+    expected_type, expected = _PROFILE_FORMS[key]
+    given = type(extra_config[key])
+    if not issubclass(given, expected_type):
         raise VLLMConfigError(
-            f"kv_transfer_config.kv_connector_extra_config.{INLINE_PROFILE_KEY}: expected a "
-            f"profile mapping, got {type(inline).__name__}"
+            f"kv_transfer_config.kv_connector_extra_config.{key}: expected "
+            f"{expected}, got {given.__name__}"
         )
-    return load_profile(inline)
+    return load_profile(extra_config[key])
 
 
 def container_hook(extra_config: Mapping[str, Any]) -> ContainerHook | None:

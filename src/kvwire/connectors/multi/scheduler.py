@@ -2,10 +2,6 @@
 
 Finishing: the children's answers for a finished request are merged, and the
 extra sends to await go to the worker half in the next step's metadata.
-
-A scheduler-role `MultiConnector` builds one
-`MultiSchedulerHalf` over its (scheduler-role) children and passes every
-scheduler-side call to it.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ from typing import Any
 import attrs
 
 from kvwire.connectors.multi._finishing import merge_finished_answers
+from kvwire.connectors.multi._half import MultiHalf
 from kvwire.connectors.multi.records import MultiKVConnectorMetadata, per_child_worker_meta
 from kvwire.interface.base import KVConnectorBase, KVConnectorHandshakeMetadata, supports_hma
 from kvwire.interface.types import (
@@ -28,19 +25,13 @@ from kvwire.interface.types import (
 )
 
 
-class MultiSchedulerHalf:
-    """A MultiConnector's scheduler half: its state and calls, over its children in order.
-
-    `owner` names the connector in errors about what its workers reported;
-    `child_names` name the children as their nested stats do.
-    """
+class MultiSchedulerHalf(MultiHalf):
+    """A MultiConnector's scheduler half: its state and calls (`owner`: in errors about workers)."""
 
     def __init__(
         self, owner: str, children: Sequence[KVConnectorBase], child_names: Sequence[str]
     ) -> None:
-        self._owner = owner
-        self._children = tuple(children)
-        self._child_names = tuple(child_names)
+        super().__init__(owner, children, child_names)
         # The index of the child serving a request's load, by request id:
         # chosen at lookup, kept until the request finishes.
         self._loading_child: dict[str, int] = {}

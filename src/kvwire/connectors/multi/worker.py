@@ -1,8 +1,7 @@
 """MultiConnector's worker half: every worker call to every child, and the finished sends held back.
 
-A worker-role `MultiConnector` builds one
-`MultiWorkerHalf` over its (worker-role) children and passes every
-worker-side call to it.
+A request's finished-sending report is held back until every child keeping its blocks
+sent one (`FinishedSendingTally`).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvwire.connectors.multi._finishing import FinishedSendingTally
+from kvwire.connectors.multi._half import MultiHalf
 from kvwire.connectors.multi.records import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
@@ -29,19 +29,13 @@ if TYPE_CHECKING:
     import torch
 
 
-class MultiWorkerHalf:
-    """A MultiConnector's worker half: its state and calls, over its children in order.
-
-    `owner` names the connector in errors about the metadata it was given;
-    `child_names` name the children in errors about them.
-    """
+class MultiWorkerHalf(MultiHalf):
+    """A MultiConnector's worker half: its state and calls (`owner`: in errors on its metadata)."""
 
     def __init__(
         self, owner: str, children: Sequence[KVConnectorBase], child_names: Sequence[str]
     ) -> None:
-        self._owner = owner
-        self._children = tuple(children)
-        self._child_names = tuple(child_names)
+        super().__init__(owner, children, child_names)
         self._finished_sending = FinishedSendingTally()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

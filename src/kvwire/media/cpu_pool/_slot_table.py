@@ -21,7 +21,7 @@ tiers hold (`mark_clean`), and is told of each ready block evicted
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 
 import attrs
 
@@ -118,10 +118,8 @@ class SlotTable:
         return slots
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and entry.load_refs > 0:
+        for _, entry in self._present(group, hashes):
+            if entry.load_refs > 0:
                 entry.load_refs -= 1
                 if entry.load_refs == 0 and entry.ready:
                     self._busy -= 1
@@ -157,11 +155,9 @@ class SlotTable:
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Mark `group`'s saved blocks ready for lookups; those that became ready."""
-        entries = self._by_group[group]
         completed = []
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and not entry.ready:
+        for block_hash, entry in self._present(group, hashes):
+            if not entry.ready:
                 entry.ready = True
                 if entry.load_refs == 0:
                     self._busy -= 1
@@ -170,24 +166,16 @@ class SlotTable:
 
     def abandon_save(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget `group`'s blocks whose save failed; their slots become free."""
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and not entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._policy.remove(entry.slot)
-                self._free_slots.append(entry.slot)
+        for _, entry in self._present(group, hashes):
+            if not entry.ready and entry.load_refs == 0:
+                self._free(entry)
                 self._busy -= 1
 
     def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None and entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._policy.remove(entry.slot)
-                self._free_slots.append(entry.slot)
+        for block_hash, entry in self._present(group, hashes):
+            if entry.ready and entry.load_refs == 0:
+                self._free(entry)
                 self.evicted[group].append(block_hash)
 
     def start_promotion(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
@@ -248,9 +236,7 @@ class SlotTable:
                 continue  # a joined load still reads it: the last one settles it
             self._busy -= 1
             if entry.failed:
-                self._remove(entry)
-                self._policy.remove(entry.slot)
-                self._free_slots.append(entry.slot)
+                self._free(entry)
             else:
                 entry.ready = True
                 ready.append(block_hash)
@@ -258,11 +244,8 @@ class SlotTable:
 
     def mark_clean(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """The slower tiers hold these blocks: evicting them needs no spill."""
-        entries = self._by_group[group]
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None:
-                entry.clean = True
+        for _, entry in self._present(group, hashes):
+            entry.clean = True
 
     def take_evicted(self) -> tuple[list[BlockHash], ...]:
         """Per group, the blocks evicted or discarded since the last call, in that order."""
@@ -274,9 +257,7 @@ class SlotTable:
         """Drop every block that no transfer uses; True when the pool is empty after."""
         for entry in list(self._by_slot.values()):
             if entry.ready and entry.load_refs == 0:
-                self._remove(entry)
-                self._policy.remove(entry.slot)
-                self._free_slots.append(entry.slot)
+                self._free(entry)
                 self.evicted[entry.group].append(entry.block_hash)
         return not self._by_slot
 
@@ -295,6 +276,22 @@ class SlotTable:
                 self._policy.insert(slot, (entry.group, entry.block_hash))
             else:
                 self._policy.hit(slot)
+
+    def _present(
+        self, group: int, hashes: Sequence[BlockHash]
+    ) -> Iterator[tuple[BlockHash, _Slot]]:
+        """Each of `group`'s blocks in `hashes` that the pool holds (saved, or being saved)."""
+        entries = self._by_group[group]
+        for block_hash in hashes:
+            entry = entries.get(block_hash)
+            if entry is not None:
+                yield block_hash, entry
+
+    def _free(self, entry: _Slot) -> None:
+        """Forget `entry`: its slot leaves the policy and can be taken again."""
+        self._remove(entry)
+        self._policy.remove(entry.slot)
+        self._free_slots.append(entry.slot)
 
     def _remove(self, entry: _Slot) -> None:
         del self._by_group[entry.group][entry.block_hash]

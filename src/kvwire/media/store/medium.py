@@ -213,26 +213,8 @@ class StoreMedium(Medium, Generic[_Store]):
             int_key("io_threads", 4, minimum=1, maximum=64),
             int_key("batch_blocks", 8, minimum=1, maximum=4096),
             seconds_key("transfer_timeout_s", 30.0, maximum=24 * 3600),
-            ExtraConfigKey(
-                "entry_kv_heads",
-                None,
-                lambda value: (
-                    value
-                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
-                    else None
-                ),
-                "an integer >= 1 (KV heads per entry)",
-            ),
-            ExtraConfigKey(
-                "entry_layers",
-                None,
-                lambda value: (
-                    value
-                    if isinstance(value, int) and not isinstance(value, bool) and value > 0
-                    else None
-                ),
-                "an integer >= 1 (layers per entry)",
-            ),
+            int_key("entry_kv_heads", None, minimum=1, counts="KV heads per entry"),
+            int_key("entry_layers", None, minimum=1, counts="layers per entry"),
             ExtraConfigKey(
                 "mac_key_env",
                 None,
@@ -451,15 +433,13 @@ class StoreMedium(Medium, Generic[_Store]):
                 groups, self._layer_plans, self._own_entries, strict=True
             ):
                 for layers, heads in entries:
-                    names = group.layer_names[
-                        plan.local_layers(layers).start : plan.local_layers(layers).stop
-                    ]
+                    names = group.layer_names[plan.local(layers).start : plan.local(layers).stop]
                     memories.append(
                         BlockMemory(
                             {name: kv_caches[name] for name in names},
                             attrs.evolve(self._layout, num_layers=len(names)),
                             names,
-                            heads=self._heads.local_heads(heads),
+                            heads=self._heads.local(heads),
                         )
                     )
             keys = LayoutKeys(layouts, per_cache_group=len(own))

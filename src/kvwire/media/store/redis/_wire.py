@@ -27,7 +27,7 @@ import contextlib
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import redis
@@ -268,21 +268,12 @@ class RespStream:
         byte of it is read: it is drained through the scratch buffer (never
         held in memory) and `OVERSIZED` is returned.
         """
-        line = self._read_line()
-        kind = line[:1]
-        if kind == b"$":
-            length = _integer(line[1:])
-            if length < 0:
-                return None
-            if length > target.nbytes:
-                self._discard(length + 2)
-                return self.OVERSIZED
+
+        def receive(length: int, header: bytes) -> None:
             self._read_exact(target[:length])
             self._expect_crlf()
-            return length
-        if kind == b"-":
-            return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
-        raise redis.exceptions.InvalidResponse(f"unexpected reply type {kind!r} to GET")
+
+        return self._read_value(target.nbytes, receive)
 
     def read_into_ranges(
         self, ranges: Ranges, writes: CacheWrites | None = None
@@ -300,24 +291,37 @@ class RespStream:
         given up on) propagates: nothing more is written, and the stream is
         out of step.
         """
+        room = sum(view.nbytes for view in ranges)
+
+        def receive(length: int, header: bytes) -> None:
+            # The read that fills the last range (or the one for the CRLF)
+            # also takes this value's CRLF and a header as long as this one:
+            # the next value's, when it is as long (a run of blocks), which
+            # then lands in its ranges whole, none of it through scratch.
+            tail = len(header) + 4
+            covered = ranges if length == room else _first_bytes(ranges, length)
+            self._receive(covered, writes, tail)
+            self._expect_crlf(tail)
+
+        return self._read_value(room, receive)
+
+    def _read_value(
+        self, room: int, receive: Callable[[int, bytes], None]
+    ) -> int | redis.exceptions.ResponseError | None:
+        """The next `GET` reply, its value read by `receive(length, header)` if it fits in `room`.
+
+        A longer value is drained through the scratch buffer (`OVERSIZED`).
+        """
         line = self._read_line()
         kind = line[:1]
         if kind == b"$":
             length = _integer(line[1:])
             if length < 0:
                 return None
-            room = sum(view.nbytes for view in ranges)
             if length > room:
                 self._discard(length + 2)
                 return self.OVERSIZED
-            # The read that fills the last range (or the one for the CRLF)
-            # also takes this value's CRLF and a header as long as this one:
-            # the next value's, when it is as long (a run of blocks), which
-            # then lands in its ranges whole, none of it through scratch.
-            tail = len(line) + 4
-            covered = ranges if length == room else _first_bytes(ranges, length)
-            self._receive(covered, writes, tail)
-            self._expect_crlf(tail)
+            receive(length, line)
             return length
         if kind == b"-":
             return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
