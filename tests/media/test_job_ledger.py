@@ -475,3 +475,13 @@ def test_jobs_moving_names_the_jobs_with_a_piece_over_those_blocks() -> None:
     runner.end(load_job)
     ledger.poll()
     assert ledger.jobs_moving([2, 3]) == [1]
+
+
+def test_a_wait_past_its_until_still_asks_the_runner_whether_its_job_ended() -> None:
+    runner = _Runner()
+    ledger = _ledger(Counters())
+    _, runner_job_id = _delegate(ledger, runner, 1, SAVE, 4)
+    assert not ledger.wait([1], time.monotonic() - 1)
+    runner.end(runner_job_id)
+    assert ledger.wait([1], time.monotonic() - 1)
+    assert not ledger.is_running(1)

@@ -395,26 +395,21 @@ class JobLedger(Generic[PieceT]):
         """
         wanted = set(job_ids)
         while True:
+            # First, even past `until`: a runner tells whether its jobs ended.
+            self._wait_for_runners(wanted, until)
             self.give_up_overdue(wanted)
             with self._lock:
                 jobs = [job for job_id, job in self._running.items() if job_id in wanted]
                 futures = [p.future for job in jobs for p in job.running if p.future is not None]
-                delegated = [
-                    (runner_job_id, piece.runner)
-                    for runner_job_id, piece in self._delegated.items()
-                    if piece.job_id in wanted and piece.runner is not None
-                ]
+                on_runners = any(p.runner is not None for job in jobs for p in job.running)
             if not jobs:
                 return True
             now = time.monotonic()
             if until is not None and now >= until:
                 return False
-            if delegated:
-                runners = [runner for _, runner in delegated]
-                for runner in {id(runner): runner for runner in runners}.values():
-                    ids = [job_id for job_id, of in delegated if of is runner]
-                    runner.wait(ids, until)
-                self._collect_delegated(runners)
+            if on_runners:
+                # A runner's job ended, its result taken by another poll not settled
+                # yet: look again at once.
                 continue
             wake = min(job.deadline for job in jobs)
             if until is not None:
@@ -429,6 +424,21 @@ class JobLedger(Generic[PieceT]):
                 time.sleep(max(0.0, wake - now))
             # Otherwise the pieces seen above settled since: look again at once,
             # rather than sleep to a deadline for jobs that already ended.
+
+    def _wait_for_runners(self, job_ids: set[int], until: float | None) -> None:
+        """Wait for the runners of these jobs' delegated pieces (up to `until`), then poll them."""
+        with self._lock:
+            delegated = [
+                (runner_job_id, piece.runner)
+                for runner_job_id, piece in self._delegated.items()
+                if piece.job_id in job_ids and piece.runner is not None
+            ]
+        if not delegated:
+            return
+        runners = list({id(runner): runner for _, runner in delegated}.values())
+        for runner in runners:
+            runner.wait([job_id for job_id, of in delegated if of is runner], until)
+        self._collect_delegated(runners)
 
     def _left_thread_unended(self, job_ids: set[int]) -> bool:
         """Whether a piece of these jobs left its thread without settling (given up on, writing)."""
