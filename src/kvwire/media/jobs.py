@@ -408,8 +408,8 @@ class JobLedger(Generic[PieceT]):
             if until is not None and now >= until:
                 return False
             if on_runners:
-                # A runner's job ended, its result taken by another poll not settled
-                # yet: look again at once.
+                # Its runner said it ended, and another poll took its result and
+                # is settling it: look again at once.
                 continue
             wake = min(job.deadline for job in jobs)
             if until is not None:
@@ -536,9 +536,9 @@ class JobLedger(Generic[PieceT]):
         """Give up on every piece of `jobs` not settled: every block of it failed.
 
         A delegated piece is left to its runner, which gives it up at its own
-        deadline. Should `after_abandon` raise, every piece is still given up on, the
-        jobs stay running (their blocks kept) and the first error is raised;
-        a later call ends them.
+        deadline. Should `after_abandon` raise, every piece is still given up
+        on, the jobs stay running (their blocks kept) and the first error is
+        raised; a later call ends them.
         """
         for kind in TransferKind:
             with self._lock:

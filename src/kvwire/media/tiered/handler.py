@@ -90,6 +90,8 @@ class _Tier:
         self.number = number
         self.handler = handler
         self.counters = counters
+        # Every piece is delegated: the tier's handler gives it up at the tier's
+        # own deadline and counts it, so this ledger never counts nor warns.
         self.jobs: JobLedger[JobPiece] = JobLedger(
             counters=counters,
             warn=warn,
