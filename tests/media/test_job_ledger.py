@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,6 +23,7 @@ from kvwire.media import (
     JobPiece,
     JobResult,
     RateLimitedWarning,
+    TransferHandler,
     TransferJob,
     TransferKind,
 )
@@ -384,3 +385,103 @@ def test_a_wait_whose_jobs_end_while_it_looks_returns_without_sleeping_to_their_
 
     assert ledger.wait([9])
     assert ledger.poll() == [JobResult(9)]
+
+
+class _Runner(TransferHandler):
+    """Another handler, running the jobs handed to it until a test ends them."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, TransferJob] = {}
+        self.done: dict[int, threading.Event] = {}
+        self._ended: list[JobResult] = []
+        self._lock = threading.Lock()
+
+    def submit(self, job: TransferJob) -> None:
+        self.jobs[job.job_id] = job
+        self.done[job.job_id] = threading.Event()
+
+    def end(self, job_id: int, failed: frozenset[int] = frozenset()) -> None:
+        with self._lock:
+            self._ended.append(JobResult(job_id, failed))
+        self.done[job_id].set()
+
+    def poll(self) -> list[JobResult]:
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        limit = TEST_LIMIT_S if until is None else max(0.0, until - time.monotonic())
+        return all(self.done[job_id].wait(limit) for job_id in job_ids)
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _delegate(
+    ledger: JobLedger[JobPiece], runner: _Runner, job_id: int, kind: TransferKind, *blocks: int
+) -> tuple[JobPiece, int]:
+    """A job of one piece over `blocks`, delegated to `runner`; the piece, the runner's job id."""
+    piece = _piece(job_id, _begin(ledger, job_id, kind), *blocks)
+    ledger.delegate(piece, runner)
+    ledger.submitted(job_id)
+    (runner_job_id,) = [i for i, job in runner.jobs.items() if job.transfers == piece.transfers]
+    return piece, runner_job_id
+
+
+def test_a_delegated_piece_runs_as_the_runners_own_job_and_ends_when_the_runner_reports_it() -> (
+    None
+):
+    counters, runner = Counters(), _Runner()
+    ledger = _ledger(counters)
+    piece, runner_job_id = _delegate(ledger, runner, 1, LOAD, 4, 5, 6)
+    assert runner.jobs[runner_job_id].kind is LOAD
+    assert ledger.poll() == []
+    assert ledger.is_running(1)
+    runner.end(runner_job_id, frozenset({5}))
+    assert ledger.poll() == [JobResult(1, frozenset({5}))]
+    assert piece.ended and set(piece.failed) == {5}
+    assert ledger.idle()  # it never took a thread of this ledger's handler
+
+
+def test_a_delegated_piece_past_its_deadline_is_its_runners_to_give_up_not_the_ledgers() -> None:
+    counters, runner = Counters(), _Runner()
+    ledger = _ledger(counters, timeout_s=0.01)
+    _, runner_job_id = _delegate(ledger, runner, 1, SAVE, 4, 5)
+    time.sleep(0.02)
+    assert ledger.poll() == []  # past its deadline here, still running on its runner
+    assert ledger.is_running(1)
+    assert ledger.release_saves_reading(["r"], {4}) == []  # its runner releases it
+    assert not ledger.wait([1], time.monotonic() + 0.05)
+    assert counters.take() == {}  # the runner counts its own jobs
+    threading.Timer(0.05, runner.end, (runner_job_id,)).start()
+    assert returns_within(5, lambda: ledger.wait([1])) is True
+    assert ledger.poll() == [JobResult(1)]
+
+
+def test_jobs_moving_names_the_jobs_with_a_piece_over_those_blocks() -> None:
+    runner = _Runner()
+    ledger = _ledger(Counters())
+    _delegate(ledger, runner, 1, SAVE, 1, 2)
+    _, load_job = _delegate(ledger, runner, 2, LOAD, 2, 3)
+    assert sorted(ledger.jobs_moving([2])) == [1, 2]
+    assert ledger.jobs_moving([3, 9], LOAD) == [2]
+    assert ledger.jobs_moving([1], LOAD) == []
+    runner.end(load_job)
+    ledger.poll()
+    assert ledger.jobs_moving([2, 3]) == [1]
+
+
+def test_a_wait_past_its_until_still_asks_the_runner_whether_its_job_ended() -> None:
+    runner = _Runner()
+    ledger = _ledger(Counters())
+    _, runner_job_id = _delegate(ledger, runner, 1, SAVE, 4)
+    assert not ledger.wait([1], time.monotonic() - 1)
+    runner.end(runner_job_id)
+    assert ledger.wait([1], time.monotonic() - 1)
+    assert not ledger.is_running(1)

@@ -20,6 +20,15 @@ gate in `after_abandon` (which may raise, as
 `kvwire.media.LateWriteError` does; every piece is still
 given up on first, and a later call ends the job).
 
+A piece may also run on another handler: the ledger hands it to that
+handler (its runner) as a job of the runner's own
+(`kvwire.media.JobLedger.delegate`), and the runner moves its
+bytes on its own threads, drops or gives it up and counts it, as it does its
+other jobs. The ledger still tracks it as a piece of its job, and settles it
+when the runner reports that job ended: a medium built over another (the
+tiered medium over its tiers) tracks the jobs it hands over as it tracks its
+own, without a thread of its own waiting on each.
+
 Which request a job serves and which engine step waits for it is the
 connector's bookkeeping (`kvwire.connectors.offload.transfer_book`), over every
 handler's ledger alike.
@@ -28,6 +37,7 @@ handler's ledger alike.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +49,7 @@ import attrs
 from kvwire.blocks.transfers import BlockTransfer
 from kvwire.exceptions import JobAbandoned
 from kvwire.interface.counters import Counters
-from kvwire.media.base import JobResult, TransferJob, TransferKind
+from kvwire.media.base import JobResult, TransferHandler, TransferJob, TransferKind
 from kvwire.media.io_threads import IOThreads
 from kvwire.media.rate_limited import RateLimitedWarning
 
@@ -56,7 +66,8 @@ class JobPiece:
     piece's thread writes where the caller can see it only under `lock`
     after `check`, so once a give-up has returned, no such write is under way
     or starts. `failed` is a load piece's to set before it ends: the block
-    ids it did not load.
+    ids it did not load. `runner` is the handler running a delegated piece
+    (none for a piece on its ledger's own threads).
     """
 
     def __init__(self, job_id: int, transfers: Sequence[BlockTransfer], deadline: float) -> None:
@@ -73,6 +84,7 @@ class JobPiece:
         self.ended = False
         self.failed: Sequence[int] = ()
         self.future: Future[None] | None = None
+        self.runner: TransferHandler | None = None
 
     def check(self) -> None:
         """Raise `kvwire.exceptions.JobAbandoned` if given up on; hold `lock`."""
@@ -157,9 +169,10 @@ class JobLedger(Generic[PieceT]):
     piece the ledger stops tracking (ended, given up on, released), outside
     the ledger's lock: a handler frees what the piece held there.
 
-    A handler calls `begin` for each job, `start` for each piece, then
-    `submitted`; its pieces call `kvwire.media.JobPiece.end`
-    and count what they moved (`count_load`, `count_save`).
+    A handler calls `begin` for each job, `start` for each piece (or
+    `delegate`, for a piece another handler runs), then `submitted`; its
+    pieces call `kvwire.media.JobPiece.end` and count what
+    they moved (`count_load`, `count_save`).
     """
 
     def __init__(
@@ -183,6 +196,9 @@ class JobLedger(Generic[PieceT]):
         self._ended: list[JobResult] = []
         # Pieces on a thread, those given up on included.
         self._on_threads = 0
+        # Delegated pieces by their runner's id of their job (unique across runners).
+        self._delegated: dict[int, PieceT] = {}
+        self._runner_job_ids = itertools.count()
 
     # ------------------------------------------------------------ submitting
 
@@ -216,6 +232,30 @@ class JobLedger(Generic[PieceT]):
         # A piece cancelled while queued never runs `_run`.
         piece.future.add_done_callback(self._left_thread_if_cancelled)
 
+    def delegate(self, piece: PieceT, runner: TransferHandler) -> None:
+        """Have `runner`, another handler, run `piece` as a job of its own.
+
+        The runner moves its blocks on its own threads, and drops, releases,
+        gives up on and counts that job as any of its own, at its own
+        deadline; the ledger settles the piece (with the runner's `failed`)
+        once the runner reports the job ended, to `poll` or to `wait`, which
+        wait for the runner's jobs through its `wait`. Every result the
+        runner reports is this ledger's: nothing else submits to it or polls it.
+        """
+        with self._lock:
+            job = self._running[piece.job_id]
+            runner_job_id = next(self._runner_job_ids)
+            piece.runner = runner
+            job.running.add(piece)
+            self._delegated[runner_job_id] = piece
+        try:
+            runner.submit(TransferJob(runner_job_id, job.kind, piece.transfers))
+        except BaseException:
+            with self._lock:
+                job.running.discard(piece)
+                del self._delegated[runner_job_id]
+            raise
+
     def submitted(self, job_id: int) -> None:
         """Every piece of `job_id` is started: it ends once they all settled."""
         with self._lock:
@@ -242,6 +282,27 @@ class JobLedger(Generic[PieceT]):
                 self._settle([piece])
             with self._lock:
                 self._on_threads -= 1
+
+    def _collect_delegated(self, runners: Iterable[TransferHandler] | None = None) -> None:
+        """Settle the delegated pieces whose runners (`runners`, or all) report their jobs ended."""
+        with self._lock:
+            if runners is None:
+                runners = [p.runner for p in self._delegated.values() if p.runner is not None]
+            # Each runner once, by identity: a handler need not be hashable.
+            distinct = list({id(runner): runner for runner in runners}.values())
+        for runner in distinct:
+            results = runner.poll()
+            ended = []
+            with self._lock:
+                for result in results:
+                    piece = self._delegated.get(result.job_id)
+                    if piece is None or piece.runner is not runner:
+                        continue
+                    del self._delegated[result.job_id]
+                    piece.failed = tuple(result.failed)
+                    piece.end()  # never given up on here: its runner does that
+                    ended.append(piece)
+            self._settle(ended)
 
     def _left_thread_if_cancelled(self, future: Future[None]) -> None:
         if future.cancelled():
@@ -285,7 +346,12 @@ class JobLedger(Generic[PieceT]):
             return self._on_threads == 0
 
     def poll(self) -> list[JobResult]:
-        """The jobs ended since the last call, each once; those past their deadline end first."""
+        """The jobs ended since the last call, each once; those past their deadline end first.
+
+        Delegated pieces' runners are polled first (each gives up its own
+        jobs past their deadline then).
+        """
+        self._collect_delegated()
         self.give_up_overdue()
         with self._lock:
             ended, self._ended = self._ended, []
@@ -324,19 +390,27 @@ class JobLedger(Generic[PieceT]):
 
         A job still running at its deadline (or whose pieces never ran) is
         given up on then, and counts as ended; so does an id this ledger does
-        not track. Without `until` it still returns, by the last deadline.
+        not track. Without `until` it still returns, by the last deadline (a
+        delegated piece's: its runner's).
         """
         wanted = set(job_ids)
         while True:
+            # First, even past `until`: a runner tells whether its jobs ended.
+            self._wait_for_runners(wanted, until)
             self.give_up_overdue(wanted)
             with self._lock:
                 jobs = [job for job_id, job in self._running.items() if job_id in wanted]
                 futures = [p.future for job in jobs for p in job.running if p.future is not None]
+                on_runners = any(p.runner is not None for job in jobs for p in job.running)
             if not jobs:
                 return True
             now = time.monotonic()
             if until is not None and now >= until:
                 return False
+            if on_runners:
+                # Its runner said it ended, and another poll took its result and
+                # is settling it: look again at once.
+                continue
             wake = min(job.deadline for job in jobs)
             if until is not None:
                 wake = min(wake, until)
@@ -351,6 +425,21 @@ class JobLedger(Generic[PieceT]):
             # Otherwise the pieces seen above settled since: look again at once,
             # rather than sleep to a deadline for jobs that already ended.
 
+    def _wait_for_runners(self, job_ids: set[int], until: float | None) -> None:
+        """Wait for the runners of these jobs' delegated pieces (up to `until`), then poll them."""
+        with self._lock:
+            delegated = [
+                (runner_job_id, piece.runner)
+                for runner_job_id, piece in self._delegated.items()
+                if piece.job_id in job_ids and piece.runner is not None
+            ]
+        if not delegated:
+            return
+        runners = list({id(runner): runner for _, runner in delegated}.values())
+        for runner in runners:
+            runner.wait([job_id for job_id, of in delegated if of is runner], until)
+        self._collect_delegated(runners)
+
     def _left_thread_unended(self, job_ids: set[int]) -> bool:
         """Whether a piece of these jobs left its thread without settling (given up on, writing)."""
         with self._lock:
@@ -360,6 +449,17 @@ class JobLedger(Generic[PieceT]):
                 if job_id in job_ids
                 for piece in job.running
             )
+
+    def jobs_moving(self, block_ids: Iterable[int], kind: TransferKind | None = None) -> list[int]:
+        """The jobs in flight (of `kind`, or any) with a piece moving any of `block_ids`."""
+        blocks = set(block_ids)
+        with self._lock:
+            return [
+                job.job_id
+                for job in self._running.values()
+                if (kind is None or job.kind is kind)
+                and any(piece.reads(set(), blocks) for piece in job.running)
+            ]
 
     def save_jobs_of(self, request_ids: Iterable[str]) -> list[int]:
         """The save jobs in flight with a piece of any of `request_ids`."""
@@ -412,6 +512,7 @@ class JobLedger(Generic[PieceT]):
         `after_abandon`) returned. Returns the pieces this call stopped, not
         those that had ended or were given up on before; the handler counts
         them. Their blocks are not the job's failures: its result is a save's.
+        A delegated piece is its runner's to release.
         """
         requests, blocks = set(request_ids), set(block_ids)
         if not requests and not blocks:
@@ -422,7 +523,7 @@ class JobLedger(Generic[PieceT]):
                 for job in self._running.values()
                 if job.kind is TransferKind.SAVE
                 for piece in job.running
-                if piece.reads(requests, blocks)
+                if piece.runner is None and piece.reads(requests, blocks)
             ]
         stopped = [piece for piece in reading if piece.abandon(released=True)]
         error = self._call_after_abandon(stopped)
@@ -434,13 +535,16 @@ class JobLedger(Generic[PieceT]):
     def _give_up(self, jobs: Sequence[_JobInFlight[PieceT]]) -> None:
         """Give up on every piece of `jobs` not settled: every block of it failed.
 
-        Should `after_abandon` raise, every piece is still given up on, the
-        jobs stay running (their blocks kept) and the first error is raised;
-        a later call ends them.
+        A delegated piece is left to its runner, which gives it up at its own
+        deadline. Should `after_abandon` raise, every piece is still given up
+        on, the jobs stay running (their blocks kept) and the first error is
+        raised; a later call ends them.
         """
         for kind in TransferKind:
             with self._lock:
-                pieces = [p for job in jobs if job.kind is kind for p in job.running]
+                pieces = [
+                    p for job in jobs if job.kind is kind for p in job.running if p.runner is None
+                ]
             now_abandoned = [piece for piece in pieces if piece.abandon()]
             self._count_given_up(kind, now_abandoned)
             error = self._call_after_abandon(now_abandoned)

@@ -27,6 +27,11 @@ a block it reads was freed meanwhile (a sliding window moved on, a request
 was preempted) and given to a request that writes it this step. A released
 save copies nothing more and never commits: the scheduler half frees its
 slots (`saves_released` counts its blocks).
+
+A medium built on the pool (the tiered medium) holds one of these handlers
+and joins its copies through two hooks given at construction: one run before
+a save writes pool slots, one that fills a load's slots before they are
+copied into the cache.
 """
 
 from __future__ import annotations
@@ -68,12 +73,24 @@ _MIN_BLOCKS_PER_PIECE = 4
 _HEADER_ONLY_CHUNK_BYTES = 16 * 1024 * 1024
 
 
+SlotsFilled = tuple[BlockTransfer, list[int]]
+"""A load piece after its `fill_slots` hook: its blocks to copy from the pool, those failed."""
+
+
 class CPUPoolTransferHandler(TransferHandler):
     """Owns the pool tensor; copies blocks between it and the paged caches off the forward pass.
 
     `layouts` and `caches` have one item per KV cache group: a transfer of
     group `g` reads or writes group `g`'s layers, with its block ids, and
     its entries carry group `g`'s layout in their headers.
+
+    `before_writing_slots(slots, deadline)` runs on a copy thread before a
+    save writes `slots` (the piece's deadline): a medium built on the pool
+    waits there for its own users of them; raising fails the save's blocks.
+    `fill_slots(piece)` runs on a load thread before a load piece is
+    verified and copied: it may bring blocks into their slots from elsewhere,
+    and returns the piece's blocks to copy from the pool and the block ids
+    already failed (`SlotsFilled`), or None once the piece was given up on.
     """
 
     def __init__(
@@ -85,6 +102,8 @@ class CPUPoolTransferHandler(TransferHandler):
         io_threads: int,
         counters: Counters,
         transfer_timeout_s: float = 30.0,
+        before_writing_slots: Callable[[Sequence[int], float], None] | None = None,
+        fill_slots: Callable[[JobPiece], SlotsFilled | None] | None = None,
     ) -> None:
         if not layouts or len(layouts) != len(caches):
             raise ValueError(
@@ -98,6 +117,8 @@ class CPUPoolTransferHandler(TransferHandler):
         self.pool = PoolSlots(self._layout, num_slots)
         self._counters = counters
         self._io_threads = io_threads
+        self._before_writing_slots = before_writing_slots
+        self._fill_slots = fill_slots
         self._warn = RateLimitedWarning(logger)
         self._save_pool = IOThreads(io_threads, "kvwire-cpu-save", copy_on_this_thread_only)
         self._load_pool = IOThreads(io_threads, "kvwire-cpu-load", copy_on_this_thread_only)
@@ -161,9 +182,6 @@ class CPUPoolTransferHandler(TransferHandler):
         bounds = [count * i // pieces for i in range(pieces + 1)]
         return [part_of(transfer, start, end) for start, end in itertools.pairwise(bounds)]
 
-    def _before_writing_slots(self, slots: Sequence[int], deadline: float) -> None:
-        """Called on a copy thread before a save writes `slots`; a subclass waits for its users."""
-
     def _save(self, job: JobPiece) -> None:
         (transfer,) = job.transfers
         caches = self._caches[transfer.group]
@@ -171,7 +189,8 @@ class CPUPoolTransferHandler(TransferHandler):
         started = time.perf_counter()
         stored = 0
         try:
-            self._before_writing_slots(transfer.slots, job.deadline)
+            if self._before_writing_slots is not None:
+                self._before_writing_slots(transfer.slots, job.deadline)
             # Chunk by chunk, so each checksum (where the layout has one) reads
             # entries the copy has just written while they are still in the CPU
             # cache; under the job's lock, so that once abandoned it reads no
@@ -206,12 +225,18 @@ class CPUPoolTransferHandler(TransferHandler):
         """Verify and copy one piece into the cache; its failed block ids go to `job.failed`."""
         (transfer,) = job.transfers
         started = time.perf_counter()
-        failed = self._copy_into_cache(job, transfer)
-        if failed is None:
+        failed: list[int] = []
+        if self._fill_slots is not None:
+            filled = self._fill_slots(job)
+            if filled is None:
+                return  # its caller has reported every block of it failed
+            transfer, failed = filled
+        copy_failed = self._copy_into_cache(job, transfer)
+        if copy_failed is None:
             return  # its caller has reported every block of it failed
-        job.failed = failed
+        job.failed = failed + copy_failed
         if job.end():
-            loaded = len(job.block_ids) - len(failed)
+            loaded = len(job.block_ids) - len(job.failed)
             self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
 
     def _copy_into_cache(self, job: JobPiece, transfer: BlockTransfer) -> list[int] | None:
@@ -246,6 +271,17 @@ class CPUPoolTransferHandler(TransferHandler):
             logger.exception("CPU offload: load of request %r failed", transfer.request_id)
             failed = list(transfer.block_ids)
         return failed
+
+    @property
+    def layouts(self) -> tuple[BlockLayout, ...]:
+        """Each KV cache group's layout, as the pool's entries carry it."""
+        return self._layouts
+
+    def name_slots(
+        self, group: int, slots: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Name each slot's block of `group`, its payload written elsewhere (by a tier's load)."""
+        self._write_headers(self._layouts[group], slots, block_hashes)
 
     def _write_headers(
         self, layout: BlockLayout, slots: Sequence[int], block_hashes: Sequence[BlockHash]

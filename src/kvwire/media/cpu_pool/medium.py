@@ -58,8 +58,6 @@ from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 if TYPE_CHECKING:
     import torch
 
-    from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
-
 __all__ = ["CPUPoolMedium"]
 
 logger = logging.getLogger(__name__)
@@ -140,10 +138,11 @@ class CPUPoolMedium(Medium):
         )
         return handler
 
-    def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
+    def pool_handler(self, **arguments: Any) -> TransferHandler:
         """The worker half over the pool, from `build_handler`'s checked arguments.
 
-        A medium built on the pool (the tiered medium) returns its own handler class here.
+        A medium built on the pool (the tiered medium) returns its own handler
+        here, one holding a pool handler built from these arguments.
         """
         from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 

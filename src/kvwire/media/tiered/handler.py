@@ -1,17 +1,23 @@
 """The tiered medium's worker half: the CPU pool's copies, and the secondary tiers behind it.
 
-`TieredTransferHandler` is the CPU pool's handler with each secondary tier's
-own handler built over the pool's memory instead of the engine's cache
-(`pool_layer_views`: a tier's "block id" is a pool slot). A tier therefore
-moves blocks between its medium and the pool only, and its entries are the
-ones it would store from the engine's cache, byte for byte:
+`TieredTransferHandler` holds the CPU pool's handler and each secondary
+tier's own handler, built over the pool's memory instead of the engine's
+cache (`pool_layer_views`: a tier's "block id" is a pool slot), and uses each
+through its public calls. A tier therefore moves blocks between its medium
+and the pool only, and its entries are the ones it would store from the
+engine's cache, byte for byte. Every tier job (a promotion: tier to pool; a
+spill or a write-through: pool to tier) is a piece of a job of that tier's
+`JobLedger`, delegated to the tier's handler: the tier runs it on its own
+I/O threads, drops it (a store's `max_save_bytes_in_flight`), releases it,
+gives it up at its deadline and counts it as any job of its own; the ledger
+tracks which pool slots each tier job uses until the tier reports it ended.
 
 - a load's payload (`kvwire.media.tiered.index.TieredLoad`) says where each
   block is; the blocks found in a tier are read into their pool slots on the
-  pool's load thread (the tier's own threads do the I/O), one tier job per
-  `TierSpan` with the tier's own payload, their pool headers written once the
-  tier verified them, then copied into the cache with the pool's blocks; a
-  block the tier fails is a load error;
+  pool's load thread (the pool's `fill_slots` hook; the tier's own threads
+  do the I/O), one tier job per `TierSpan` with the tier's own payload, their
+  pool headers written once the tier verified them, then copied into the
+  cache with the pool's blocks; a block the tier fails is a load error;
 - a load of a block another load brings in (`Place.ARRIVING`: the scheduler
   half gave both the same slot) waits until that load's read of the slot
   ended, at most until its own deadline, then copies the slot as a pool
@@ -19,11 +25,12 @@ ones it would store from the engine's cache, byte for byte:
 - a step's spills (`begin_step` with `kvwire.media.tiered.index.Spills`) and
   a write-through (once a pool save job ended) write pool slots whose headers
   name their blocks to every tier;
-- nothing writes a pool slot while a tier job uses it: a pool save, or a
-  load into the slot, first waits for the tier jobs using it, at most
-  `TIER_WRITE_WAIT_S`; a tier write still running then is given up on
-  (the tier commits nothing of it: `tier<N>.writes_released`), so a slow
-  tier costs writes to it, never a stall of the pool.
+- nothing writes a pool slot while a tier job uses it: a pool save (the
+  pool's `before_writing_slots` hook), or a load into the slot, first waits
+  for the tier jobs using it, at most `TIER_WRITE_WAIT_S`; a tier write
+  still running then is given up on (the tier commits nothing of it:
+  `tier<N>.writes_released`), so a slow tier costs writes to it, never a
+  stall of the pool.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 
 import torch
 
@@ -44,8 +51,9 @@ from kvwire.exceptions import KVWireError
 from kvwire.interface.counters import Counters
 from kvwire.interface.types import BlockHash, KVCacheEvent
 from kvwire.media.base import JobResult, Medium, TransferHandler, TransferJob, TransferKind
-from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
-from kvwire.media.jobs import JobPiece
+from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler, SlotsFilled
+from kvwire.media.jobs import JobLedger, JobPiece
+from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
 from kvwire.media.tiered.index import Place, Spills, TieredLoad, TierSpan, tier_prefix
 
@@ -62,94 +70,71 @@ class _SlotsInUse(KVWireError, RuntimeError):
 
 
 class _Tier:
-    """One secondary tier: its handler over the pool, its counters, and the slots its jobs use.
+    """One secondary tier: its handler over the pool, its counters, and the ledger of its jobs.
 
-    Thread-safe: the engine's thread submits and polls, the pool's copy
-    threads wait for slots and run loads.
+    Each tier job is a ledger job of one piece, delegated to the tier's
+    handler; its blocks are pool slots, so the ledger knows which jobs use a
+    slot. Thread-safe: the engine's thread submits and polls, the pool's
+    copy threads wait for slots and run loads.
     """
 
-    def __init__(self, number: int, handler: TransferHandler, counters: Counters) -> None:
+    def __init__(
+        self,
+        number: int,
+        handler: TransferHandler,
+        counters: Counters,
+        *,
+        warn: RateLimitedWarning,
+        transfer_timeout_s: float,
+    ) -> None:
         self.number = number
         self.handler = handler
         self.counters = counters
+        # Every piece is delegated: the tier's handler gives it up at the tier's
+        # own deadline and counts it, so this ledger never counts nor warns.
+        self.jobs: JobLedger[JobPiece] = JobLedger(
+            counters=counters,
+            warn=warn,
+            label=f"tier {number}: ",
+            transfer_timeout_s=transfer_timeout_s,
+        )
         self._job_ids = itertools.count()
-        self._lock = threading.Lock()
-        self._users: dict[int, set[int]] = {}
-        self._slots_of: dict[int, tuple[int, ...]] = {}
-        self._load_results: dict[int, JobResult] = {}
-        self._loads: set[int] = set()
-        # Loads whose waiter stopped waiting: their results are dropped when they come.
-        self._unwaited: set[int] = set()
 
-    def submit(self, kind: TransferKind, transfers: tuple[BlockTransfer, ...]) -> int:
-        """Start a job over pool slots (the transfers' block ids); its id."""
-        job_id = next(self._job_ids)
-        slots = tuple(slot for transfer in transfers for slot in transfer.block_ids)
-        with self._lock:
-            self._slots_of[job_id] = slots
-            for slot in slots:
-                self._users.setdefault(slot, set()).add(job_id)
-            if kind is TransferKind.LOAD:
-                self._loads.add(job_id)
-        self.handler.submit(TransferJob(job_id, kind, transfers))
-        return job_id
-
-    def collect(self) -> None:
-        """Take the jobs that ended: their slots are free of them; loads' results are kept."""
-        with self._lock:
-            for result in self.handler.poll():
-                for slot in self._slots_of.pop(result.job_id, ()):
-                    users = self._users.get(slot)
-                    if users is not None:
-                        users.discard(result.job_id)
-                        if not users:
-                            del self._users[slot]
-                if result.job_id in self._loads:
-                    self._loads.discard(result.job_id)
-                    if result.job_id in self._unwaited:
-                        self._unwaited.discard(result.job_id)
-                    else:
-                        self._load_results[result.job_id] = result
-
-    def jobs_using(self, slots: Iterable[int]) -> set[int]:
-        with self._lock:
-            return self._jobs_using(slots)
-
-    def loads_using(self, slots: Iterable[int]) -> bool:
-        """Whether a load of this tier still writes one of `slots`."""
-        with self._lock:
-            return any(job_id in self._loads for job_id in self._jobs_using(slots))
-
-    def _jobs_using(self, slots: Iterable[int]) -> set[int]:
-        return {job_id for slot in slots for job_id in self._users.get(slot, ())}
+    def submit(self, kind: TransferKind, transfer: BlockTransfer) -> JobPiece:
+        """Start a job over pool slots (the transfer's block ids) on the tier; its one piece."""
+        job = TransferJob(next(self._job_ids), kind, (transfer,))
+        piece = JobPiece(job.job_id, job.transfers, self.jobs.begin(job))
+        try:
+            self.jobs.delegate(piece, self.handler)
+        finally:
+            self.jobs.submitted(job.job_id)
+        return piece
 
     def wait_for_slots(self, slots: Sequence[int], until: float) -> bool:
         """Wait until no job of this tier uses `slots`, or `until`; whether none does."""
-        job_ids = self.jobs_using(slots)
-        if not job_ids:
-            return True
-        ended = self.handler.wait(job_ids, until)
-        self.collect()
-        return ended
+        job_ids = self.jobs.jobs_moving(slots)
+        return not job_ids or self.jobs.wait(job_ids, until)
+
+    def loads_using(self, slots: Sequence[int]) -> bool:
+        """Whether a load of this tier still writes one of `slots`."""
+        return bool(self.jobs.jobs_moving(slots, TransferKind.LOAD))
 
     def load(self, transfer: BlockTransfer, until: float) -> set[int]:
         """Read `transfer`'s blocks into their slots (its block ids); the slots that failed."""
-        job_id = self.submit(TransferKind.LOAD, (transfer,))
-        ended = self.handler.wait([job_id], until)
-        self.collect()
-        with self._lock:
-            result = self._load_results.pop(job_id, None)
-            if result is None and job_id in self._loads:
-                self._unwaited.add(job_id)
-        if not ended or result is None:
+        piece = self.submit(TransferKind.LOAD, transfer)
+        if not self.jobs.wait([piece.job_id], until) or not piece.ended:
             # Still running: it may yet write the slots, which stay in use
             # until it ends; the blocks are load errors now.
             return set(transfer.block_ids)
-        return set(result.failed)
+        return set(piece.failed)
 
 
-class TieredTransferHandler(CPUPoolTransferHandler):
-    """The CPU pool's handler, with `tiers` (media) each built over the pool's memory."""
+class TieredTransferHandler(TransferHandler):
+    """The CPU pool's handler, with `tiers` (media) each built over the pool's memory.
+
+    The pool's arguments (`layouts` to `transfer_timeout_s`) are
+    `CPUPoolTransferHandler`'s.
+    """
 
     def __init__(
         self,
@@ -164,14 +149,18 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         groups: Sequence[CacheGroup],
         write_through: bool,
     ) -> None:
-        super().__init__(
+        self._pool = CPUPoolTransferHandler(
             layouts=layouts,
             caches=caches,
             num_slots=num_slots,
             io_threads=io_threads,
             counters=counters,
             transfer_timeout_s=transfer_timeout_s,
+            before_writing_slots=self._before_writing_slots,
+            fill_slots=self._fill_slots,
         )
+        self._layouts = self._pool.layouts
+        self._slots = self._pool.pool
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
@@ -179,17 +168,26 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         # event set once that read ended: a load sharing the block waits for it.
         self._arrivals: dict[int, threading.Event] = {}
         self._arrivals_lock = threading.Lock()
-        pool_caches = pool_layer_views(self.pool.payloads, self._layout.cache_layout, groups)
+        pool_caches = pool_layer_views(self._slots.payloads, self._layouts[0].cache_layout, groups)
+        warn = RateLimitedWarning(logger)
         self._tiers: list[_Tier] = []
         try:
             for number, medium in enumerate(tiers, 1):
-                counters = Counters()
-                handler = medium.build_handler(pool_caches, counters)
-                self._tiers.append(_Tier(number, handler, counters))
+                tier_counters = Counters()
+                handler = medium.build_handler(pool_caches, tier_counters)
+                self._tiers.append(
+                    _Tier(
+                        number,
+                        handler,
+                        tier_counters,
+                        warn=warn,
+                        transfer_timeout_s=transfer_timeout_s,
+                    )
+                )
         except BaseException:
             for tier in self._tiers:
                 tier.handler.close()
-            super().close()
+            self._pool.close()
             raise
 
     # ------------------------------------------------------------- the calls
@@ -200,7 +198,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         if job.kind is TransferKind.LOAD:
             # Before any piece runs: a piece sharing a block may run first.
             self._expect_arrivals(_tier_slots(job.transfers))
-        super().submit(job)
+        self._pool.submit(job)
 
     def _expect_arrivals(self, slots: Iterable[int]) -> None:
         with self._arrivals_lock:
@@ -225,8 +223,12 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             event.wait(max(0.0, deadline - time.monotonic()))
 
     def poll(self) -> list[JobResult]:
-        """The pool's ended jobs; a save's blocks then go to the tiers (`write_through`)."""
-        results = super().poll()
+        """The pool's ended jobs; a save's blocks then go to the tiers (`write_through`).
+
+        The tiers' jobs that ended free their slots; their results were read
+        by the loads that waited for them.
+        """
+        results = self._pool.poll()
         for result in results:
             transfers = self._saves.pop(result.job_id, None)
             for transfer in transfers or ():
@@ -238,8 +240,18 @@ class TieredTransferHandler(CPUPoolTransferHandler):
                     request_id=transfer.request_id,
                 )
         for tier in self._tiers:
-            tier.collect()
+            tier.jobs.poll()
         return results
+
+    def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
+        """Block until these pool jobs ended (given up on past their deadline), or `until`."""
+        return self._pool.wait(job_ids, until)
+
+    def release_saves_reading(
+        self, request_ids: Iterable[str], block_ids: Set[int]
+    ) -> list[BlockTransfer]:
+        """The pool's saves reading these (see `CPUPoolTransferHandler.release_saves_reading`)."""
+        return self._pool.release_saves_reading(request_ids, block_ids)
 
     def begin_step(self, payload: TransferPayload) -> None:
         """Write the step's spills (`Spills`) from their pool slots to the tiers; only submits."""
@@ -273,7 +285,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         )
         for tier in self._tiers:
             tier.counters.add(counter, len(slots))
-            tier.submit(TransferKind.SAVE, (write,))
+            tier.submit(TransferKind.SAVE, write)
 
     def _named_slots(
         self, group: int, slots: tuple[int, ...], hashes: tuple[BlockHash, ...]
@@ -285,7 +297,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         """
         layout = self._layouts[group]
         expected = headers_without_checksum(layout, hashes)
-        actual = self.pool.headers(slots)
+        actual = self._slots.headers(slots)
         if actual == expected:
             return slots, hashes
         kept = [
@@ -319,14 +331,12 @@ class TieredTransferHandler(CPUPoolTransferHandler):
                     "the slots are left as they are"
                 )
 
-    def _load(self, job: JobPiece) -> None:
-        """Bring in the piece's blocks found in tiers, then copy every block into the cache."""
+    def _fill_slots(self, job: JobPiece) -> SlotsFilled | None:
+        """Bring in the piece's blocks found in tiers; the blocks to copy from the pool."""
         (transfer,) = job.transfers
         payload = transfer.payload
         if not isinstance(payload, TieredLoad) or all(p is Place.POOL for p in payload.places):
-            super()._load(job)
-            return
-        started = time.perf_counter()
+            return transfer, []
         failed = [
             block_id
             for block_id, place in zip(transfer.block_ids, payload.places, strict=True)
@@ -337,7 +347,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         try:
             for span in payload.spans:
                 if job.abandoned:
-                    return
+                    return None
                 tier = self._tiers[span.tier - 1]
                 brought = self._bring_in(tier, transfer, span, job.deadline)
                 from_pool += brought
@@ -347,14 +357,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         finally:
             self._arrived(_tier_slots((transfer,)))
         self._wait_for_arrivals([transfer.slots[p] for p in arriving], job.deadline)
-        from_pool = sorted(from_pool + arriving)
-        copied = self._copy_into_cache(job, _positions_of(transfer, from_pool))
-        if copied is None:
-            return  # its caller has reported every block of it failed
-        job.failed = failed + copied
-        if job.end():
-            loaded = len(job.block_ids) - len(job.failed)
-            self._jobs.count_load(job, loaded, self._layout.payload_bytes, started)
+        return _positions_of(transfer, sorted(from_pool + arriving)), failed
 
     def _bring_in(
         self, tier: _Tier, transfer: BlockTransfer, span: TierSpan, deadline: float
@@ -369,7 +372,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
             logger.warning("tiered offload: not loading %d blocks: %s", len(slots), error)
             return []
         # Until the tier verified a block, its slot names none.
-        self.pool.clear_headers(slots)
+        self._slots.clear_headers(slots)
         failed = tier.load(
             BlockTransfer(
                 request_id=transfer.request_id,
@@ -382,9 +385,8 @@ class TieredTransferHandler(CPUPoolTransferHandler):
         )
         brought = [p for p, slot in zip(positions, slots, strict=True) if slot not in failed]
         if brought:
-            layout = self._layouts[transfer.group]
-            self._write_headers(
-                layout,
+            self._pool.name_slots(
+                transfer.group,
                 [transfer.slots[p] for p in brought],
                 [transfer.block_hashes[p] for p in brought],
             )
@@ -393,13 +395,13 @@ class TieredTransferHandler(CPUPoolTransferHandler):
     # ------------------------------------------------------------- reporting
 
     def take_events(self) -> list[KVCacheEvent]:
-        events = super().take_events()
+        events = self._pool.take_events()
         for tier in self._tiers:
             events += tier.handler.take_events()
         return events
 
     def take_counters(self) -> Mapping[str, float]:
-        counters = dict(super().take_counters())
+        counters = dict(self._pool.take_counters())
         for tier in self._tiers:
             prefix = tier_prefix(tier.number)
             counts = {**tier.counters.take(), **tier.handler.take_counters()}
@@ -410,7 +412,7 @@ class TieredTransferHandler(CPUPoolTransferHandler):
 
     def close(self, timeout_s: float = 30.0) -> None:
         """The pool's jobs end first (they may wait for the tiers), then each tier closes."""
-        steps = [("closing the pool", lambda: super(TieredTransferHandler, self).close(timeout_s))]
+        steps = [("closing the pool", lambda: self._pool.close(timeout_s))]
         steps += [(f"closing tier {tier.number}", tier.handler.close) for tier in self._tiers]
         close_in_steps(logger, "tiered offload: ", steps)
 

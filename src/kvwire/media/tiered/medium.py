@@ -57,7 +57,7 @@ histogram.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -67,12 +67,9 @@ from kvwire.config.extra_config import (
     ExtraConfigKey,
     ResolvedMedium,
 )
-from kvwire.media.base import Medium, MediumContext, MediumIndex
+from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
 from kvwire.media.tiered.index import TieredIndex
-
-if TYPE_CHECKING:
-    from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 
 __all__ = ["WRITE_POLICIES", "TieredMedium"]
 
@@ -169,7 +166,7 @@ class TieredMedium(CPUPoolMedium):
             admission=save_admission(options["save_threshold"], self.num_slots),
         )
 
-    def pool_handler(self, **arguments: Any) -> CPUPoolTransferHandler:
+    def pool_handler(self, **arguments: Any) -> TransferHandler:
         # Imported here: it needs torch, which the scheduler half never imports.
         from kvwire.media.tiered.handler import TieredTransferHandler
 
