@@ -132,11 +132,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run(args: argparse.Namespace) -> int:
     """Execute `kvwire replay`; the process exit status (2 when anything is refused)."""
+    out, err = sys.stdout, sys.stderr
     try:
         if args.generate is not None:
-            _generate(args, err)
+            _generate(args, out)
         else:
             _replay(args, out, err)
     except (_Refused, ValueError, MissingExtraError) as error:
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     return 0
 
 
-def _generate(args: argparse.Namespace, err: TextIO) -> None:
+def _generate(args: argparse.Namespace, out: TextIO) -> None:
     given = [
         option
         for option, value in (
@@ -180,7 +181,7 @@ def _generate(args: argparse.Namespace, err: TextIO) -> None:
     print(
         f"kvwire replay: wrote {requests} requests ({accesses} block accesses, {distinct} "
         f"distinct blocks) to {where}",
-        file=err,
+        file=out,
     )
 
 
