@@ -38,7 +38,8 @@ def test_generate_writes_a_trace_that_replays(
     # The default: 4 fractions of the distinct blocks, 3 policies, 2 save thresholds.
     rows = [line.split() for line in out.splitlines()[3:27]]
     assert [row[0] for row in rows] == [
-        str(round(fraction * _distinct(trace))) for fraction in (0.01, 0.02, 0.05, 0.1)
+        str(round(fraction * _distinct(trace)))
+        for fraction in (0.01, 0.02, 0.05, 0.1)
         for _ in range(6)
     ]
     assert {(row[1], row[2]) for row in rows} == {
@@ -54,11 +55,19 @@ def test_json_prints_one_object_per_configuration(
     assert cli.main([*arguments, "--policies", "lru,arc", "--save-thresholds", "2"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(row["pool_blocks"], row["policy"], row["save_threshold"]) for row in rows] == [
-        (32, "lru", 2), (32, "arc", 2), (64, "lru", 2), (64, "arc", 2)
+        (32, "lru", 2),
+        (32, "arc", 2),
+        (64, "lru", 2),
+        (64, "arc", 2),
     ]
     for row in rows:
         assert {
-            "policy", "save_threshold", "pool_blocks", "hit_rate", "belady_hit_rate", "ratio",
+            "policy",
+            "save_threshold",
+            "pool_blocks",
+            "hit_rate",
+            "belady_hit_rate",
+            "ratio",
             "blocks_written",
         } <= set(row)
         assert row["ratio"] == pytest.approx(row["hit_rate"] / row["belady_hit_rate"])
@@ -73,7 +82,9 @@ def test_plot_draws_a_png(trace: pathlib.Path, tmp_path: pathlib.Path) -> None:
 
 
 def test_plot_without_matplotlib_names_the_extra(
-    trace: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+    trace: pathlib.Path,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)

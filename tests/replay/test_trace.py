@@ -64,8 +64,7 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path: pathlib.Pat
         ({**GOOD, "timestamp": False}, "timestamp must be a number >= 0, got a bool"),
         (
             {key: value for key, value in GOOD.items() if key != "hash_ids"},
-            "no field 'hash_ids'; each line needs timestamp, input_length, output_length, "
-            "hash_ids",
+            "no field 'hash_ids'; each line needs timestamp, input_length, output_length, hash_ids",
         ),
         ([1, 2], "expected a JSON object, got a list"),
     ],
@@ -113,8 +112,7 @@ def test_a_directory_and_a_device_are_refused_before_anything_is_read(
         f"{tmp_path}: it is a directory, not a regular file; a trace is a regular JSONL file"
     )
     assert refusal(pathlib.Path("/dev/zero")) == (
-        "/dev/zero: it is a character device, not a regular file; "
-        "a trace is a regular JSONL file"
+        "/dev/zero: it is a character device, not a regular file; a trace is a regular JSONL file"
     )
 
 

@@ -125,9 +125,7 @@ def _cut_short(run: re.Match[str]) -> str:
     return shown(text)
 
 
-def build_parser(
-    *, wants_run: bool = False, wants_replay: bool = False
-) -> argparse.ArgumentParser:
+def build_parser(*, wants_run: bool = False, wants_replay: bool = False) -> argparse.ArgumentParser:
     """The argument parser; `kvwire.run` adds `run`'s options only when `wants_run`,
     `kvwire.replay` `replay`'s only when `wants_replay`."""
     parser = _Parser(

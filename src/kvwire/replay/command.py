@@ -86,7 +86,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--block-bytes",
         metavar="SIZE",
         type=_byte_count,
-        help="the bytes one block takes in the pool, for --bytes (kvwire check prints it)",
+        help="the bytes one block takes in the pool, for --bytes: K and V of every layer for "
+        "one block, plus a 128-byte header",
     )
     configurations = parser.add_argument_group("configurations")
     configurations.add_argument(
@@ -284,7 +285,10 @@ def _print_table(
         )
     widths = [max(len(line[column]) for line in table) for column in range(len(table[0]))]
     for line in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip(), file=out)
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip(),
+            file=out,
+        )
     print(file=out)
     print(
         "HIT RATE: blocks loaded from the pool (each request's prefix it held) over blocks "
@@ -386,4 +390,3 @@ def _policy_name(text: str) -> str:
 
 def _shown(text: str) -> str:
     return shown(text, limit=_LONGEST_ITEM)
-

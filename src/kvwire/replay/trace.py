@@ -115,9 +115,7 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceRequest]:
 def _request(record: dict[str, object], where: str, hashes: dict[int, BlockHash]) -> TraceRequest:
     missing = [field for field in FIELDS if field not in record]
     if missing:
-        raise ValueError(
-            f"{where}: no field {missing[0]!r}; each line needs {', '.join(FIELDS)}"
-        )
+        raise ValueError(f"{where}: no field {missing[0]!r}; each line needs {', '.join(FIELDS)}")
     timestamp = record["timestamp"]
     if (
         not isinstance(timestamp, int | float)
