@@ -58,7 +58,6 @@ from kvwire.replay.synthetic import TraceShape as SyntheticShape
 from kvwire.replay.synthetic import generate_trace as generate_trace
 
 
-
 @attrs.frozen
 class TraceShape(SyntheticShape):
     """The generated traffic, and the pool sizes measured on it (each on the same trace)."""

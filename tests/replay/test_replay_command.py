@@ -52,7 +52,7 @@ def test_json_prints_one_object_per_configuration(
 ) -> None:
     capsys.readouterr()
     arguments = ["replay", str(trace), "--json", "--bytes", "64MiB,32MiB", "--block-bytes", "1MiB"]
-    assert cli.main([*arguments, "--policies", "lru,arc", "--save-thresholds", "2"]) == 0
+    assert cli.main([*arguments, "--policies", "lru,arc,lru", "--save-thresholds", "2"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(row["pool_blocks"], row["policy"], row["save_threshold"]) for row in rows] == [
         (32, "lru", 2),

@@ -25,14 +25,15 @@ from kvwire.config.extra_config import parse_size
 from kvwire.exceptions import KVWireError, MissingExtraError
 from kvwire.interface.types import BlockHash
 from kvwire.registry import default_registry
+from kvwire.replay.plot import plot_hit_rates, require_matplotlib
 from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, SweepRow, sweep
 from kvwire.replay.synthetic import TraceShape, generate_requests
 from kvwire.replay.trace import TraceRequest, read_trace, write_trace
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1)
-# A pool past every block a trace can hold (MAX_TRACE_BYTES of ids) replays
-# like one that holds them all; the index keeps a list of its free slots.
-MAX_POOL_BLOCKS = 2**26
+# 16 Mi slots: a TiB of 64 KiB blocks. The index lists its free slots up
+# front, so a pool's size is bounded like any input that takes memory.
+MAX_POOL_BLOCKS = 2**24
 MAX_SIZES = 64
 MAX_GENERATED_REQUESTS = 1_000_000
 DEFAULT_GENERATED_REQUESTS = 6000
@@ -126,10 +127,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     generate.add_argument(
         "--requests",
         type=_count(MAX_GENERATED_REQUESTS),
+        metavar="N",
         help=f"requests of the generated trace (default: {DEFAULT_GENERATED_REQUESTS})",
     )
     generate.add_argument(
-        "--seed", type=_count(2**32, lowest=0), help="seed of the generated trace (default: 33)"
+        "--seed",
+        type=_count(2**32, lowest=0),
+        metavar="S",
+        help="seed of the generated trace (default: 33)",
     )
 
 
@@ -194,18 +199,23 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             raise _Refused(f"{option} applies to --generate only")
     if (args.bytes is None) != (args.block_bytes is None):
         raise _Refused("--bytes and --block-bytes go together: a pool's bytes over a block's")
-    _check_policies(args.policies)
+    policies = tuple(dict.fromkeys(args.policies))
+    _check_policies(policies)
+    if args.plot is not None:
+        # Before the replay, not after minutes of it.
+        require_matplotlib()
     requests = read_trace(args.trace)
     trace: list[Sequence[BlockHash]] = [request.block_hashes for request in requests]
     distinct = len({block for hashes in trace for block in hashes})
     sizes = _pool_sizes(args, distinct)
-    progress = _Progress(err, len(sizes) * len(args.policies) * len(args.save_thresholds))
+    save_thresholds = tuple(dict.fromkeys(args.save_thresholds))
+    progress = _Progress(err, len(sizes) * len(policies) * len(save_thresholds))
     try:
         rows = sweep(
             trace,
             sizes,
-            policies=args.policies,
-            save_thresholds=args.save_thresholds,
+            policies=policies,
+            save_thresholds=save_thresholds,
             on_replayed=progress.advance if err.isatty() else None,
         )
     finally:
@@ -231,7 +241,6 @@ def _check_policies(policies: Sequence[str]) -> None:
 
 
 def _plot(rows: Sequence[SweepRow], path: pathlib.Path, title: str) -> None:
-    from kvwire.replay.plot import plot_hit_rates
 
     try:
         plot_hit_rates(rows, path, title)

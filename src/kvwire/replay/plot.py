@@ -16,14 +16,21 @@ from kvwire.replay.sweep import SweepRow
 NEEDED_BY = "kvwire replay --plot"
 
 
-def plot_hit_rates(rows: Sequence[SweepRow], path: str | os.PathLike[str], title: str) -> None:
-    """Draw `rows` into the PNG file at `path`; `MissingExtraError` without matplotlib."""
+def require_matplotlib() -> None:
+    """`MissingExtraError` naming the `bench` extra when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ModuleNotFoundError as error:
         if error.name != "matplotlib":
             raise
         raise MissingExtraError(NEEDED_BY, "matplotlib", "bench") from None
+
+
+def plot_hit_rates(rows: Sequence[SweepRow], path: str | os.PathLike[str], title: str) -> None:
+    """Draw `rows` into the PNG file at `path`; `MissingExtraError` without matplotlib."""
+    require_matplotlib()
+    import matplotlib
+
     # No display is needed: the figure only goes to a file.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
