@@ -241,7 +241,6 @@ def _check_policies(policies: Sequence[str]) -> None:
 
 
 def _plot(rows: Sequence[SweepRow], path: pathlib.Path, title: str) -> None:
-
     try:
         plot_hit_rates(rows, path, title)
     except OSError as error:
