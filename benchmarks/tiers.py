@@ -1,14 +1,15 @@
 """How well the CPU pool decides what to keep, against the best any cache of its size could do.
 
 ``python -m benchmarks.tiers [--quick]``: a trace shaped like serving traffic
-is generated (seeded, so every run sees the same one): Zipf-popular system
-prompts and documents shared by many requests, multi-turn sessions whose
-prompt grows by a few blocks each turn, and one-off prompts mixed in, whose
-blocks are never asked for again. Its working set is several times the pool.
-Each request's block hashes go through the CPU pool's own index
-(`CPUPoolIndex` over `SlotTable`, built with the policy and admission its
-``eviction`` and ``save_threshold`` options name) as the offload connector
-drives it: a lookup of the held prefix, a load of it, a save of the rest.
+is generated (seeded, so every run sees the same one; `kvwire.replay.synthetic`):
+Zipf-popular system prompts and documents shared by many requests, multi-turn
+sessions whose prompt grows by a few blocks each turn, and one-off prompts
+mixed in, whose blocks are never asked for again. Its working set is several
+times the pool. Each request's block hashes go through the CPU pool's own
+index (`CPUPoolIndex` over `SlotTable`, built with the policy and admission
+its ``eviction`` and ``save_threshold`` options name) as the offload
+connector drives it: a lookup of the held prefix, a load of it, a save of the
+rest (`kvwire.replay.pool`, what ``kvwire replay`` runs on a user's trace).
 
 Beside each configuration's hit rate (blocks loaded from the pool over
 blocks asked for), the hit rate of Belady's offline optimum on the same
@@ -16,8 +17,8 @@ block accesses and pool size: on a miss it keeps the block whose next use is
 soonest, evicting the block used again farthest in the future, or not
 saving the new block when that block is the new one itself (an optimum that
 may refuse saves, as admission does). It counts every held block as a hit,
-the pool only a held prefix, so it bounds every policy from above. Each hit
-rate is reported as a ratio of it.
+the pool only a held prefix, so it bounds every policy from above
+(`kvwire.replay.belady`). Each hit rate is reported as a ratio of it.
 
 Then the same trace through the tiered medium's index (`TieredIndex`), a
 pool of each size in front of a disk that holds every block written to it:
@@ -32,12 +33,9 @@ is saved to both, nothing loaded from the disk enters the pool). Written to
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import pathlib
-import random
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,189 +49,38 @@ from kvwire.media.cpu_pool.index import CPUPoolIndex
 from kvwire.media.cpu_pool.medium import save_admission
 from kvwire.media.tiered.index import Place, Spills, TieredIndex, TieredLoad
 from kvwire.registry import default_registry
-
-Trace = list[list[bytes]]
-"""One list of block hashes per request, in arrival order."""
-
-POLICIES = ("lru", "s3fifo", "arc")
-THRESHOLDS = (1, 2)
+from kvwire.replay.belady import belady_hits as belady_hits
+from kvwire.replay.pool import replay_pool
+from kvwire.replay.sweep import POLICIES as POLICIES
+from kvwire.replay.sweep import SAVE_THRESHOLDS as THRESHOLDS
+from kvwire.replay.synthetic import Trace as Trace
+from kvwire.replay.synthetic import TraceShape as SyntheticShape
+from kvwire.replay.synthetic import generate_trace as generate_trace
 
 
 @attrs.frozen
-class TraceShape:
-    """What the generated traffic looks like; block counts are in blocks."""
+class TraceShape(SyntheticShape):
+    """The generated traffic, and the pool sizes measured on it (each on the same trace)."""
 
-    requests: int
-    capacities: tuple[int, ...]
-    """The pool sizes measured, each on the same trace."""
-    system_prompts: int = 30
-    system_prompt_blocks: int = 4
-    documents: int = 300
-    document_blocks: int = 12
-    zipf_s: float = 1.1
-    one_off_share: float = 0.35
-    new_session_share: float = 0.2
-    one_off_blocks: tuple[int, int] = (4, 16)
-    turn_blocks: tuple[int, int] = (2, 4)
-    session_end_chance: float = 0.25
-    active_sessions: int = 48
-    seed: int = 33
+    capacities: tuple[int, ...] = attrs.field(kw_only=True)
 
 
 FULL = TraceShape(requests=6000, capacities=(512, 1024, 2048))
 QUICK = TraceShape(requests=1200, capacities=(256,))
 
 
-class _Blocks:
-    """Block hashes chained as the engine's are: a block's hash names its whole prefix."""
-
-    def __init__(self) -> None:
-        self._ids: dict[tuple[int, object], int] = {}
-        self._fresh = itertools.count(1)
-
-    def extend(self, prefix: list[bytes], contents: Sequence[object]) -> list[bytes]:
-        hashes = list(prefix)
-        parent = int.from_bytes(hashes[-1], "big") if hashes else 0
-        for content in contents:
-            key = (parent, content)
-            block = self._ids.get(key)
-            if block is None:
-                block = self._ids[key] = next(self._fresh)
-            parent = block
-            hashes.append(block.to_bytes(8, "big"))
-        return hashes
-
-
-def _zipf_weights(count: int, s: float) -> list[float]:
-    return list(itertools.accumulate(1 / rank**s for rank in range(1, count + 1)))
-
-
-def generate_trace(shape: TraceShape) -> Trace:
-    """The requests' block hashes, seeded by `shape.seed`."""
-    rng = random.Random(shape.seed)
-    blocks = _Blocks()
-    unique = itertools.count()
-    system_weights = _zipf_weights(shape.system_prompts, shape.zipf_s)
-    document_weights = _zipf_weights(shape.documents, shape.zipf_s)
-
-    def shared_prefix(with_document: bool) -> list[bytes]:
-        system = rng.choices(range(shape.system_prompts), cum_weights=system_weights)[0]
-        prefix = blocks.extend(
-            [], [("system", system, i) for i in range(shape.system_prompt_blocks)]
-        )
-        if with_document:
-            document = rng.choices(range(shape.documents), cum_weights=document_weights)[0]
-            prefix = blocks.extend(
-                prefix, [("document", document, i) for i in range(shape.document_blocks)]
-            )
-        return prefix
-
-    def fresh(low_high: tuple[int, int]) -> list[object]:
-        return [("unique", next(unique)) for _ in range(rng.randint(*low_high))]
-
-    sessions: list[list[bytes]] = []
-    trace: Trace = []
-    for _ in range(shape.requests):
-        draw = rng.random()
-        if draw < shape.one_off_share:
-            trace.append(
-                blocks.extend(shared_prefix(rng.random() < 0.3), fresh(shape.one_off_blocks))
-            )
-            continue
-        if draw < shape.one_off_share + shape.new_session_share or not sessions:
-            prompt = blocks.extend(shared_prefix(rng.random() < 0.5), fresh(shape.turn_blocks))
-            if len(sessions) >= shape.active_sessions:
-                sessions.pop(rng.randrange(len(sessions)))
-            sessions.append(prompt)
-            trace.append(prompt)
-            continue
-        # The next turn: the last prompt, its answer and the next question.
-        position = rng.randrange(len(sessions))
-        prompt = blocks.extend(sessions[position], fresh(shape.turn_blocks))
-        trace.append(prompt)
-        if rng.random() < shape.session_end_chance:
-            sessions.pop(position)
-        else:
-            sessions[position] = prompt
-    return trace
-
-
-def belady_hits(accesses: Sequence[bytes], capacity: int) -> int:
-    """Hits of the offline optimum over `accesses` with `capacity` blocks (saves may be refused).
-
-    On a miss the cache keeps the `capacity` blocks used again soonest among
-    those it holds and the new one: it evicts the block whose next use is
-    farthest, or does not keep the new block when that is the new one.
-    """
-    never = len(accesses)
-    next_use = [never] * len(accesses)
-    last_seen: dict[bytes, int] = {}
-    for position in range(len(accesses) - 1, -1, -1):
-        block = accesses[position]
-        next_use[position] = last_seen.get(block, never)
-        last_seen[block] = position
-    held: dict[bytes, int] = {}
-    # Farthest next use first; entries whose block moved on are skipped when met.
-    farthest: list[tuple[int, bytes]] = []
-    hits = 0
-    for position, block in enumerate(accesses):
-        upcoming = next_use[position]
-        if block in held:
-            hits += 1
-        elif len(held) >= capacity:
-            while True:
-                negated, candidate = farthest[0]
-                if held.get(candidate) == -negated:
-                    break
-                heapq.heappop(farthest)
-            if -negated <= upcoming:
-                continue
-            heapq.heappop(farthest)
-            del held[candidate]
-        if upcoming == never:
-            held.pop(block, None)
-            continue
-        held[block] = upcoming
-        heapq.heappush(farthest, (-upcoming, block))
-    return hits
-
-
 def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) -> dict[str, Any]:
     """The trace through the CPU pool's index as the offload connector drives it."""
-    index = CPUPoolIndex(
-        capacity,
-        1,
-        "cpu",
-        policy=default_registry().eviction_policies.get_class(eviction)(capacity),
-        admission=save_admission(save_threshold, capacity),
-    )
-    asked = hits = saved = 0
-    counters: dict[str, int] = {}
-    started = time.perf_counter()
-    for hashes in trace:
-        asked += len(hashes)
-        held = index.count_held_prefix(0, hashes)
-        if held:
-            index.prepare_load(0, hashes[:held])
-            index.complete_load(0, hashes[:held], ())
-            hits += held
-        placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
-        if placed:
-            index.complete_save(0, placed, success=True)
-            saved += len(placed)
-        index.take_events()
-        for name, count in index.take_counters().items():
-            counters[name] = counters.get(name, 0) + count
-    seconds = time.perf_counter() - started
+    replay = replay_pool(trace, capacity, eviction, save_threshold)
     return {
         "eviction": eviction,
         "save_threshold": save_threshold,
-        "hit_rate": hits / asked,
-        "hit_blocks": hits,
-        "saved_blocks": saved,
-        "evicted_blocks": counters.get("evicted_blocks", 0),
-        "saves_not_admitted": counters.get("saves_not_admitted", 0),
-        "microseconds_per_block": seconds / asked * 1e6,
+        "hit_rate": replay.hit_rate,
+        "hit_blocks": replay.hit_blocks,
+        "saved_blocks": replay.saved_blocks,
+        "evicted_blocks": replay.evicted_blocks,
+        "saves_not_admitted": replay.saves_not_admitted,
+        "microseconds_per_block": replay.seconds / replay.asked_blocks * 1e6,
     }
 
 

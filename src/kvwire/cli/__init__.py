@@ -1,4 +1,4 @@
-"""The `kvwire` command: `check`, `connectors`, `profiles` and `run`.
+"""The `kvwire` command: `check`, `connectors`, `profiles`, `run` and `replay`.
 
 `kvwire check PROFILE` validates a profile, resolves its connector (with the
 constructor check), validates its `kv_connector_extra_config` through the
@@ -12,7 +12,8 @@ only profiles and plugins you trust. Nothing it prints shows a secret
 `--resolve` imports each one to say whether it supports HMA. `kvwire profiles`
 lists the profiles kvwire ships, which every command takes by name
 (`kvwire check redis`); `--show NAME` prints one, to copy and edit. `kvwire run`
-lives in its own package (`kvwire.run`), imported only when asked for.
+and `kvwire replay` live in their own packages (`kvwire.run`, `kvwire.replay`),
+each imported only when asked for.
 `--log-level` is accepted before or after the command; `--version` prints
 the installed version.
 """
@@ -59,6 +60,7 @@ from kvwire.registry import (
 )
 
 RUN_MODULE = "kvwire.run"
+REPLAY_MODULE = "kvwire.replay"
 # The shell's status for a program ended by SIGINT (128 + 2).
 INTERRUPTED = 130
 # And by SIGPIPE (128 + 13): what a writer into a closed pipe ends with.
@@ -72,7 +74,8 @@ _USER_ERRORS = (KVWireError, ValueError, TypeError, AttributeError, ImportError)
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvwire` console script; returns the exit status."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(wants_run=_first_command(arguments) == "run")
+    first = _first_command(arguments)
+    parser = build_parser(wants_run=first == "run", wants_replay=first == "replay")
     with_nul = _argument_with_nul(arguments)
     if with_nul is not None:
         # open() would only say "embedded null byte", naming nothing.
@@ -122,8 +125,9 @@ def _cut_short(run: re.Match[str]) -> str:
     return shown(text)
 
 
-def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
-    """The argument parser; `kvwire.run` adds `run`'s options only when `wants_run`."""
+def build_parser(*, wants_run: bool = False, wants_replay: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; `kvwire.run` adds `run`'s options only when `wants_run`,
+    `kvwire.replay` `replay`'s only when `wants_replay`."""
     parser = _Parser(
         prog="kvwire", description="Build and check KV-cache connectors for LLM inference engines."
     )
@@ -179,7 +183,13 @@ def build_parser(*, wants_run: bool = False) -> argparse.ArgumentParser:
         else:
             run_package.configure_parser(run)
             run.set_defaults(command=_run_command)
-    for command in (check, connectors, profiles, run):
+    replay = commands.add_parser(
+        "replay", help="size a CPU pool and pick its policy from a request trace"
+    )
+    if wants_replay:
+        importlib.import_module(REPLAY_MODULE).configure_parser(replay)
+        replay.set_defaults(command=_replay_command)
+    for command in (check, connectors, profiles, run, replay):
         # After the command too: its value, when given there, wins over one given before.
         _add_log_level(command, default=argparse.SUPPRESS)
     return parser
@@ -258,6 +268,11 @@ def _run_missing(args: argparse.Namespace) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     status: int = _run_module().run(args)
+    return status
+
+
+def _replay_command(args: argparse.Namespace) -> int:
+    status: int = importlib.import_module(REPLAY_MODULE).run(args)
     return status
 
 

@@ -7,7 +7,6 @@ each optionally with `"max_tokens"` and `"request_id"`.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Sequence
@@ -15,8 +14,9 @@ from collections.abc import Sequence
 import attrs
 from attrs import validators
 
-from kvwire.common.redaction import kind_of, shown
+from kvwire.common.redaction import shown
 from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
+from kvwire.config.json_lines import parse_json_object
 from kvwire.engine.engine import GenerationRequest
 
 # A prompts file is read whole: bounded so that a wrong path (a log, a disk
@@ -122,7 +122,7 @@ def load_prompts_jsonl(
             raise ValueError(f"{where}: not UTF-8 text ({error.reason})") from None
         if not line.strip():
             continue
-        record = _parse_record(line, where)
+        record = parse_json_object(line, where, "a prompt record")
         request = _request_from_record(
             record, where, len(requests), default_max_tokens, vocab_size, tokenizer
         )
@@ -132,34 +132,6 @@ def load_prompts_jsonl(
     if not requests:
         raise ValueError(f"{where_file}: no prompts in the file")
     return requests
-
-
-def _parse_record(line: str, where: str) -> dict[str, object]:
-    try:
-        record = json.loads(line, object_pairs_hook=_refusing_duplicates)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
-    except RecursionError:
-        raise ValueError(f"{where}: JSON nested too deep to be a prompt record") from None
-    except ValueError as error:
-        # json's own refusals that are not decode errors (an integer of more
-        # than Python's 4300 digits; a key given twice): the message names no value.
-        raise ValueError(f"{where}: {error}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {kind_of(record)}")
-    return record
-
-
-def _refusing_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    # json keeps the last of two equal keys; the first would be silently ignored.
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise ValueError(
-                f"the field {shown(key)} appears twice in one object; give each field once"
-            )
-        seen.add(key)
-    return dict(pairs)
 
 
 def _check_length(request: GenerationRequest, where: str, max_model_len: int) -> None:

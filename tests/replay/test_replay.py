@@ -1,0 +1,62 @@
+"""The replay through the CPU pool's index, counted by hand, and Belady's optimum above it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.interface.types import BlockHash
+from kvwire.replay.belady import belady_hits
+from kvwire.replay.pool import replay_pool
+from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, sweep
+from kvwire.replay.synthetic import TraceShape, generate_trace
+from kvwire.replay.trace import block_hash
+
+
+def requests(*ids: list[int]) -> list[list[BlockHash]]:
+    return [[block_hash(i) for i in request] for request in ids]
+
+
+# A pool of 3 blocks, LRU, every block saved. Loads and saves tell the policy a
+# prompt's last block first, so its first block is the most recently used.
+# (Least recently used first.)
+#   [1,2,3]  0 hits; saves 1 2 3                  order 3 2 1
+#   [1,2,4]  2 hits (1 2); saves 4, evicts 3      order 2 1 4
+#   [1,2,3]  2 hits (1 2); saves 3, evicts 4      order 2 1 3
+#   [5]      0 hits; saves 5, evicts 2            order 1 3 5
+#   [1,2]    1 hit (1); saves 2, evicts 3         order 5 1 2
+#   [1,3]    1 hit (1); saves 3, evicts 5         order 2 1 3
+HAND_MADE = requests([1, 2, 3], [1, 2, 4], [1, 2, 3], [5], [1, 2], [1, 3])
+
+
+def test_lru_hits_the_prefixes_counted_by_hand() -> None:
+    replay = replay_pool(HAND_MADE, 3, "lru", 1)
+    assert (replay.asked_blocks, replay.hit_blocks) == (14, 6)
+    assert (replay.saved_blocks, replay.evicted_blocks) == (8, 5)
+    assert replay.hit_rate == 6 / 14
+    assert replay.saves_not_admitted == 0
+
+
+def test_a_save_threshold_of_2_saves_a_block_the_second_time_it_is_offered() -> None:
+    # [1] offered: not saved. [1] again: saved. [1] a third time: a hit.
+    replay = replay_pool(requests([1], [1], [1]), 4, "lru", 2)
+    assert (replay.hit_blocks, replay.saved_blocks, replay.saves_not_admitted) == (1, 1, 1)
+
+
+def test_belady_bounds_every_policy_on_a_generated_trace() -> None:
+    trace = generate_trace(TraceShape(requests=400))
+    rows = sweep(trace, [16, 64, 256])
+    assert {(row.policy, row.save_threshold) for row in rows} == {
+        (policy, threshold) for policy in POLICIES for threshold in SAVE_THRESHOLDS
+    }
+    assert [row.pool_blocks for row in rows] == [16] * 6 + [64] * 6 + [256] * 6
+    accesses = [block for hashes in trace for block in hashes]
+    for row in rows:
+        assert row.belady_hit_rate == belady_hits(accesses, row.pool_blocks) / len(accesses)
+        assert 0 < row.hit_rate <= row.belady_hit_rate
+        assert row.ratio == pytest.approx(row.hit_rate / row.belady_hit_rate)
+        assert row.asked_blocks == len(accesses)
+
+
+def test_with_nothing_reused_the_ratio_is_none() -> None:
+    [row] = sweep(requests([1], [2]), [4], policies=["lru"], save_thresholds=[1])
+    assert (row.hit_rate, row.belady_hit_rate, row.ratio, row.blocks_written) == (0, 0, None, 2)
