@@ -42,7 +42,7 @@ _LONGEST_ITEM = 40
 _STATUS_REFUSED = 2
 
 
-class _Refused(Exception):
+class _Refused(KVWireError):
     """What the user asked for cannot be done; the message says why."""
 
 
