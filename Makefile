@@ -71,7 +71,7 @@ OTHER_PYTHONS := 310 312 313
 # The tests of the top-level modules and of the package as a whole: the other
 # directories' tests mostly import torch, through their conftests or helpers.
 TORCH_FREE_TESTS := $(addprefix tests/,cli common config container exceptions factory hma identity \
-	interface package registry replay)
+	interface package registry)
 PYENV_ROOT ?= $(HOME)/.pyenv
 python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bin/python3)),python3.$(1:3%=%))
 
