@@ -42,17 +42,16 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# Three jobs at a time on two cores: the two long suites (tests on a real vLLM
-# engine, the main suite) each keep about one core busy, so they run side by
-# side, and the third is the other Pythons' venvs and torch-free tests at the
-# lowest priority (nice), on what the suites leave idle (their engines start
-# processes, wait for deadlines and sockets) instead of after them. The vLLM
+# Two jobs at a time: the two long suites (tests on a real vLLM engine, the main
+# suite) each keep about one core busy, so they run side by side. The vLLM
 # venv's install comes first, beside the main venv's, lint and the site: the
 # suites and the other Pythons' installs wait for it (AFTER_VLLM_VENV, set only
 # here), since anything beside that install slows it and the vLLM suite after it
 # is the longest job. Each job's output is shown whole when it ends
-# (--output-sync), not interleaved. Longest first, so they start first.
-TEST_JOBS ?= 3
+# (--output-sync), not interleaved. Longest first, so they start first. (A third
+# job running the other Pythons niced beside the suites slowed both suites by
+# as much as it saved.)
+TEST_JOBS ?= 2
 test:
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=target \
 		AFTER_VLLM_VENV="$(if $(VLLM_PLATFORM),$(VLLM_NIXL))" \
@@ -76,21 +75,19 @@ OTHER_PYTHONS := 310 312 313
 TORCH_FREE_TESTS := $(addprefix tests/,cli common config container exceptions factory hma identity \
 	interface package registry)
 PYENV_ROOT ?= $(HOME)/.pyenv
-# The other Pythons' work yields the cores to the two suites (see `test`).
-NICE := nice -n 19
 python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bin/python3)),python3.$(1:3%=%))
 
 # Kept: make would delete a stamp reached only through test-py% as an intermediate.
 .PRECIOUS: .venv-py%/.kvwire-installed
 .venv-py%/.kvwire-installed: pyproject.toml | $(AFTER_VLLM_VENV)
 	@command -v $(call python_for,$*) >/dev/null || { echo "no Python 3.$(*:3%=%) for the torch-free tests: install it with pyenv, or put python3.$(*:3%=%) on PATH" >&2; exit 1; }
-	$(NICE) $(call python_for,$*) -m venv .venv-py$*
+	$(call python_for,$*) -m venv .venv-py$*
 	mkdir -p build
-	$(NICE) $(ONE_INSTALL) .venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
+	$(ONE_INSTALL) .venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
 	touch $@
 
 test-py%: .venv-py%/.kvwire-installed
-	$(NICE) .venv-py$*/bin/pytest $(TORCH_FREE_TESTS) -m "not torch" -q
+	.venv-py$*/bin/pytest $(TORCH_FREE_TESTS) -m "not torch" -q
 
 test-pythons: $(OTHER_PYTHONS:%=test-py%)
 

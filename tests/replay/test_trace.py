@@ -95,7 +95,7 @@ def test_a_huge_line_is_refused_before_it_is_parsed(tmp_path: pathlib.Path) -> N
     path = trace_file(tmp_path, GOOD, line)
     assert refusal(path) == (
         f"{path}:2: the line holds {len(line)} bytes, more than the {MAX_LINE_BYTES} "
-        "a request's line may"
+        "a line of a trace may"
     )
 
 

@@ -15,8 +15,8 @@ import attrs
 from attrs import validators
 
 from kvwire.common.redaction import shown
-from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
-from kvwire.config.json_lines import parse_json_object
+from kvwire.config.bounded_file import shown_path
+from kvwire.config.json_lines import json_records
 from kvwire.engine.engine import GenerationRequest
 
 # A prompts file is read whole: bounded so that a wrong path (a log, a disk
@@ -98,31 +98,17 @@ def load_prompts_jsonl(
     exceed it is refused by its line.
     """
     where_file = shown_path(path)
-    try:
-        content = read_regular_file(path, MAX_PROMPTS_BYTES)
-    except FileRefused as error:
-        raise ValueError(f"{where_file}: {error}; a prompts file is a regular JSONL file") from None
-    except OSError as error:
-        raise ValueError(f"{where_file}: cannot read it: {error.strerror}") from None
-    lines = content.split(b"\n")
-    if lines[-1] == b"":
-        lines.pop()  # what the last newline ends is no line
-    if len(lines) > MAX_PROMPTS_LINES:
-        raise ValueError(
-            f"{where_file}: more than {MAX_PROMPTS_LINES} lines; a prompts file holds at most "
-            f"{MAX_PROMPTS_LINES} prompts, one a line"
-        )
+    records = json_records(
+        path,
+        max_bytes=MAX_PROMPTS_BYTES,
+        max_lines=MAX_PROMPTS_LINES,
+        kind="prompts file",
+        items="prompts",
+        record="a prompt record",
+    )
     tokenizer = ByteTokenizer()
     requests: list[GenerationRequest] = []
-    for number, raw in enumerate(lines, start=1):
-        where = f"{where_file}:{number}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{where}: not UTF-8 text ({error.reason})") from None
-        if not line.strip():
-            continue
-        record = parse_json_object(line, where, "a prompt record")
+    for where, record in records:
         request = _request_from_record(
             record, where, len(requests), default_max_tokens, vocab_size, tokenizer
         )

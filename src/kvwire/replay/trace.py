@@ -24,8 +24,8 @@ from typing import TextIO
 import attrs
 
 from kvwire.common.redaction import kind_of
-from kvwire.config.bounded_file import FileRefused, read_regular_file, shown_path
-from kvwire.config.json_lines import parse_json_object
+from kvwire.config.bounded_file import shown_path
+from kvwire.config.json_lines import json_records
 from kvwire.interface.types import BlockHash
 
 # 256 MiB holds about 30 million block ids of six digits: a month of a busy
@@ -74,37 +74,19 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceRequest]:
     seen it. A `ValueError` names the file, the line and what was expected.
     """
     where_file = shown_path(path)
-    try:
-        content = read_regular_file(path, MAX_TRACE_BYTES)
-    except FileRefused as error:
-        raise ValueError(f"{where_file}: {error}; a trace is a regular JSONL file") from None
-    except OSError as error:
-        raise ValueError(f"{where_file}: cannot read it: {error.strerror}") from None
-    lines = content.split(b"\n")
-    if lines[-1] == b"":
-        lines.pop()  # what the last newline ends is no line
-    if len(lines) > MAX_TRACE_LINES:
-        raise ValueError(
-            f"{where_file}: more than {MAX_TRACE_LINES} lines; a trace holds at most "
-            f"{MAX_TRACE_LINES} requests, one a line"
-        )
+    records = json_records(
+        path,
+        max_bytes=MAX_TRACE_BYTES,
+        max_lines=MAX_TRACE_LINES,
+        kind="trace",
+        items="requests",
+        record="a trace record",
+        max_line_bytes=MAX_LINE_BYTES,
+    )
     # One bytes object per distinct id: the replay's lookups hash each once.
     hashes: dict[int, BlockHash] = {}
     requests: list[TraceRequest] = []
-    for number, raw in enumerate(lines, start=1):
-        where = f"{where_file}:{number}"
-        if len(raw) > MAX_LINE_BYTES:
-            raise ValueError(
-                f"{where}: the line holds {len(raw)} bytes, more than the {MAX_LINE_BYTES} "
-                "a request's line may"
-            )
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{where}: not UTF-8 text ({error.reason})") from None
-        if not line.strip():
-            continue
-        record = parse_json_object(line, where, "a trace record")
+    for where, record in records:
         requests.append(_request(record, where, hashes))
     if not requests:
         raise ValueError(f"{where_file}: no requests in the file; a trace has one a line")
