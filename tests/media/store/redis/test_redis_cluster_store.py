@@ -29,6 +29,10 @@ def make_cluster_store(
 
     def make(**settings: Any) -> RedisClusterBlockStore:
         settings.setdefault("url", redis_cluster.url)
+        # These tests are about what the store answers, not its deadlines (their
+        # own tests set them): at the default 1 s, a master slow to answer on a
+        # host running both suites turned a lookup into a miss (2 of 12 found).
+        settings.setdefault("lookup_timeout_s", 30.0)
         settings.setdefault("key_prefix", f"kvwire-test:{uuid.uuid4().hex[:12]}:")
         store = RedisClusterBlockStore(RedisStoreSettings(**settings))
         stores.append(store)
