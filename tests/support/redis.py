@@ -580,6 +580,9 @@ def make_redis_store(
 
     def make(**settings: Any) -> RedisBlockStore:
         settings.setdefault("url", redis_server.url)
+        # A generous lookup deadline where the deadline is not the subject: at the
+        # default 1 s, a server slow to answer on a loaded host turns a lookup into a miss.
+        settings.setdefault("lookup_timeout_s", 30.0)
         store = RedisBlockStore(RedisStoreSettings(key_prefix=key_prefix, **settings))
         stores.append(store)
         return store
