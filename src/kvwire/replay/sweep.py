@@ -12,7 +12,7 @@ from kvwire.registry import ConnectorRegistry
 from kvwire.replay.belady import belady_hits
 from kvwire.replay.pool import PoolReplay, replay_pool
 
-POLICIES = ("lru", "s3fifo", "arc")
+POLICIES = ("lru", "s3fifo", "arc", "kvfifo")
 SAVE_THRESHOLDS = (1, 2)
 
 
