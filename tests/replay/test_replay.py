@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kvwire.interface.types import BlockHash
 from kvwire.replay.belady import belady_hits
 from kvwire.replay.pool import replay_pool
 from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, sweep
-from kvwire.replay.synthetic import TraceShape, generate_trace
+from kvwire.replay.synthetic import SHAPES, generate_trace
 from kvwire.replay.trace import block_hash
 
 
@@ -42,13 +43,17 @@ def test_a_save_threshold_of_2_saves_a_block_the_second_time_it_is_offered() -> 
     assert (replay.hit_blocks, replay.saved_blocks, replay.saves_not_admitted) == (1, 1, 1)
 
 
-def test_belady_bounds_every_policy_on_a_generated_trace() -> None:
-    trace = generate_trace(TraceShape(requests=400))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_belady_bounds_every_policy_on_a_generated_trace(shape: str) -> None:
+    trace = generate_trace(attrs.evolve(SHAPES[shape], requests=300))
     rows = sweep(trace, [16, 64, 256])
     assert {(row.policy, row.save_threshold) for row in rows} == {
         (policy, threshold) for policy in POLICIES for threshold in SAVE_THRESHOLDS
     }
-    assert [row.pool_blocks for row in rows] == [16] * 6 + [64] * 6 + [256] * 6
+    configurations = len(POLICIES) * len(SAVE_THRESHOLDS)
+    assert [row.pool_blocks for row in rows] == [16] * configurations + [
+        64
+    ] * configurations + [256] * configurations
     accesses = [block for hashes in trace for block in hashes]
     for row in rows:
         assert row.belady_hit_rate == belady_hits(accesses, row.pool_blocks) / len(accesses)

@@ -316,7 +316,8 @@ class KVFIFOPolicy(EvictionPolicy):
     queue too short: the target grows (by the ratio of the ghost queues'
     lengths, at least 1, as ARC's). One the main queue's ghosts remember
     shrinks it the same way, down to a hundredth of the slots. Each ghost
-    queue keeps as many blocks as there are slots, each as a hash.
+    queue keeps twice as many blocks as there are slots, each as a hash: a
+    session's blocks come back after more traffic than the pool holds.
     """
 
     INITIAL_SMALL_SHARE = 0.1
@@ -324,9 +325,11 @@ class KVFIFOPolicy(EvictionPolicy):
     LEAST_SMALL_SHARE = 0.01
     """The least share the small queue is given."""
     MAX_USES = 3
+    GHOSTS_PER_SLOT = 2
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
+        self._ghost_limit = self.GHOSTS_PER_SLOT * capacity
         self._least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
         self._most_small = max(self._least_small, capacity - 1)
         self._small_target = max(self._least_small, int(capacity * self.INITIAL_SMALL_SHARE))
@@ -415,5 +418,5 @@ class KVFIFOPolicy(EvictionPolicy):
 
     def _remember(self, ghosts: OrderedDict[int, None], key: int) -> None:
         ghosts[key] = None
-        if len(ghosts) > self.capacity:
+        if len(ghosts) > self._ghost_limit:
             ghosts.popitem(last=False)
