@@ -148,6 +148,13 @@ class CPUPoolIndex(MediumIndex):
         """Whether the pool holds `group`'s block, ready or not (being saved or brought in)."""
         return self._index.holds(group, block_hash)
 
+    def ready(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether the pool holds `group`'s block saved and complete: a load may read it.
+
+        Unlike `count_held_prefix`, not a lookup of a prompt: no policy is told of it.
+        """
+        return self._index.count_ready_prefix(group, (block_hash,)) == 1
+
     def arriving(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s block is being brought in from a slower tier (`start_promotion`)."""
         return self._index.arriving(group, block_hash)

@@ -348,7 +348,7 @@ class TieredIndex(MediumIndex):
     def _where(self, group: int, block_hash: BlockHash, found_in: int | None) -> tuple[Place, int]:
         """Where a block to load is now, and the tier it comes from (0: the pool or none)."""
         pool = self.pool
-        if pool.count_held_prefix(group, (block_hash,)):
+        if pool.ready(group, block_hash):
             return Place.POOL, 0
         arriving_from = self._arriving_from.get((group, block_hash))
         if arriving_from is not None and pool.arriving(group, block_hash):
