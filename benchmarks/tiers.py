@@ -391,7 +391,7 @@ def _shapes_table(shapes: list[dict[str, Any]]) -> list[str]:
             f"| {shape['shape']} | {shape['requests']} | {shape['block_accesses']} | "
             f"{shape['distinct_blocks']} | " + " | ".join(f"{mean:.1f}" for mean in means) + " |"
         )
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -51,9 +51,9 @@ def test_belady_bounds_every_policy_on_a_generated_trace(shape: str) -> None:
         (policy, threshold) for policy in POLICIES for threshold in SAVE_THRESHOLDS
     }
     configurations = len(POLICIES) * len(SAVE_THRESHOLDS)
-    assert [row.pool_blocks for row in rows] == [16] * configurations + [
-        64
-    ] * configurations + [256] * configurations
+    assert [row.pool_blocks for row in rows] == [16] * configurations + [64] * configurations + [
+        256
+    ] * configurations
     accesses = [block for hashes in trace for block in hashes]
     for row in rows:
         assert row.belady_hit_rate == belady_hits(accesses, row.pool_blocks) / len(accesses)

@@ -46,9 +46,7 @@ def test_generate_writes_a_trace_that_replays(
         for _ in range(8)
     ]
     assert {(row[1], row[2]) for row in rows} == {
-        (policy, threshold)
-        for policy in ("lru", "s3fifo", "arc", "kvfifo")
-        for threshold in "12"
+        (policy, threshold) for policy in ("lru", "s3fifo", "arc", "kvfifo") for threshold in "12"
     }
 
 

@@ -123,9 +123,7 @@ def named_shape(name: str) -> TraceShape:
     """The shape `SHAPES` names; a `ValueError` lists the names accepted."""
     shape = SHAPES.get(name)
     if shape is None:
-        raise ValueError(
-            f"no trace shape named {name!r}; expected one of {', '.join(SHAPES)}"
-        )
+        raise ValueError(f"no trace shape named {name!r}; expected one of {', '.join(SHAPES)}")
     return shape
 
 
@@ -182,11 +180,16 @@ def generate_trace(shape: TraceShape) -> Trace:
         draw = rng.random()
         if draw < shape.one_off_share:
             trace.append(
-                blocks.extend(shared_prefix(rng.random() < shape.one_off_document_share), fresh(shape.one_off_blocks))
+                blocks.extend(
+                    shared_prefix(rng.random() < shape.one_off_document_share),
+                    fresh(shape.one_off_blocks),
+                )
             )
             continue
         if draw < shape.one_off_share + shape.new_session_share or not sessions:
-            prompt = blocks.extend(shared_prefix(rng.random() < shape.session_document_share), fresh(shape.turn_blocks))
+            prompt = blocks.extend(
+                shared_prefix(rng.random() < shape.session_document_share), fresh(shape.turn_blocks)
+            )
             if len(sessions) >= shape.active_sessions:
                 sessions.pop(rng.randrange(len(sessions)))
             sessions.append(prompt)

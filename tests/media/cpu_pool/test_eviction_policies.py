@@ -1,4 +1,4 @@
-"""Eviction policies: each one's order, scan resistance, the continuation hint, entries in use kept."""
+"""Eviction policies: each one's order, scan resistance, the continuation hint, pins kept."""
 
 from __future__ import annotations
 
