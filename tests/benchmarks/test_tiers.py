@@ -6,6 +6,7 @@ import json
 import pathlib
 
 from benchmarks import tiers
+from kvwire.replay.sweep import SAVE_THRESHOLDS
 from kvwire.replay.synthetic import SHAPES
 
 
@@ -65,7 +66,7 @@ def test_a_quick_run_measures_every_shape_at_a_fraction_of_its_blocks(
             (row["eviction"], row["save_threshold"]) for row in size["configurations"]
         }
         assert configurations == {
-            (policy, threshold) for policy in tiers.POLICIES for threshold in tiers.THRESHOLDS
+            (policy, threshold) for policy in tiers.POLICIES for threshold in SAVE_THRESHOLDS
         }
         for row in size["configurations"]:
             assert 0 < row["of_belady"] <= 1

@@ -252,7 +252,8 @@ def test_kvfifo_puts_a_continuing_entry_in_the_main_queue() -> None:
 
 
 def test_kvfifo_grows_the_small_queue_when_a_block_it_evicted_from_it_returns() -> None:
-    policy = filled(KVFIFOPolicy(100), 100)
+    policy = KVFIFOPolicy(100)
+    filled(policy, 100)
     assert policy.small_target == 10
     assert policy.victim(anything) == 0  # leaves the small queue, unused: a ghost
     policy.insert(0, ("block", 0))
