@@ -122,6 +122,10 @@ def test_plot_without_matplotlib_names_the_extra(
         (["{trace}", "--requests", "5"], "--requests applies to --generate only"),
         (["{trace}", "--shape", "rag"], "--shape applies to --generate only"),
         (
+            ["--generate", "{out}", "--jobs", "2"],
+            "--generate writes a trace and replays nothing, so --jobs does not apply; ",
+        ),
+        (
             ["{trace}", "--generate", "{out}"],
             "--generate writes a trace and replays nothing, so TRACE.jsonl does not apply; ",
         ),
@@ -161,6 +165,7 @@ def test_a_refusal_is_one_line_with_status_2(
         (["--blocks", "4,x"], "argument --blocks: expected a whole number from 1 to "),
         (["--blocks", "4", "--fractions", "0.5"], "not allowed with argument --blocks"),
         (["--block-bytes", "lots"], "argument --block-bytes: expected a size in bytes"),
+        (["--jobs", "0"], "argument --jobs: expected a whole number from 1 to 64, got '0'"),
         (
             ["--shape", "chat"],
             "argument --shape: expected a trace shape's name (mixed, conversation, agent, rag), "
@@ -207,3 +212,14 @@ def _accesses(trace: pathlib.Path) -> int:
 
 def _distinct(trace: pathlib.Path) -> int:
     return len({block for line in _lines(trace) for block in line["hash_ids"]})
+
+
+def test_jobs_replays_in_worker_processes_the_same_table(
+    trace: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    arguments = ["replay", str(trace), "--blocks", "16,64", "--policies", "lru,kvfifo"]
+    assert cli.main([*arguments, "--jobs", "1"]) == 0
+    alone = capsys.readouterr().out
+    assert cli.main([*arguments, "--jobs", "2"]) == 0
+    assert capsys.readouterr().out == alone

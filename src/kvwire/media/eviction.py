@@ -367,9 +367,11 @@ class KVFIFOPolicy(EvictionPolicy):
 
     def victim(self, evictable: Evictable) -> int | None:
         # As S3-FIFO's: every turn evicts, lowers a count, moves an entry from
-        # small to main, or passes over an entry in use.
+        # small to main, or passes over an entry in use. No turn changes how
+        # many entries there are but the one that evicts.
+        entries = len(self)
         passed_over = 0
-        while passed_over <= len(self):
+        while passed_over <= entries:
             if self._small and (len(self._small) >= self._small_target or not self._main):
                 slot, uses = next(iter(self._small.items()))
                 if not evictable(slot):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -37,6 +38,8 @@ MAX_POOL_BLOCKS = 2**24
 MAX_SIZES = 64
 MAX_GENERATED_REQUESTS = 1_000_000
 MAX_SAVE_THRESHOLD = 64
+# Each worker holds the whole trace: a bound on the memory they take.
+MAX_JOBS = 64
 _LONGEST_ITEM = 40
 _STATUS_REFUSED = 2
 
@@ -105,6 +108,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="save thresholds to replay: a block is saved once offered this many times "
         f"(default: {','.join(str(t) for t in SAVE_THRESHOLDS)})",
     )
+    configurations.add_argument(
+        "--jobs",
+        metavar="N",
+        type=_count(MAX_JOBS),
+        help="worker processes replaying configurations at once (default: the CPUs this "
+        "process may run on)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--json", action="store_true", help="print one JSON object per configuration"
@@ -169,6 +179,7 @@ def _generate(args: argparse.Namespace, out: TextIO) -> None:
             ("--bytes", args.bytes),
             ("--fractions", args.fractions),
             ("--block-bytes", args.block_bytes),
+            ("--jobs", args.jobs),
             ("--json", args.json or None),
             ("--plot", args.plot),
         )
@@ -231,6 +242,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             policies=policies,
             save_thresholds=save_thresholds,
             on_replayed=progress.advance if err.isatty() else None,
+            jobs=args.jobs or _usable_cpus(),
         )
     finally:
         progress.close()
@@ -242,6 +254,12 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             print(json.dumps(attrs.asdict(row)), file=out)
     else:
         _print_table(requests, distinct, rows, out)
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform says), at most MAX_JOBS."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(usable or 1, MAX_JOBS))
 
 
 def _check_policies(policies: Sequence[str]) -> None:
