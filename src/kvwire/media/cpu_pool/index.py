@@ -15,6 +15,7 @@ blocks brought in from slower tiers.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence, Set
 
@@ -259,10 +260,13 @@ class _Prompts:
     after the held prefix are `continuing` until saved or forgotten. Each
     group remembers at most `limit` ends and `limit` continuing blocks, the
     oldest forgotten first: memory of the pool's order, O(1) per block looked up.
+    Lookups may run on a lookup thread beside the scheduler's (a tiered
+    medium's): they change these under a lock.
     """
 
     def __init__(self, limit: int, num_groups: int) -> None:
         self._limit = limit
+        self._lock = threading.Lock()
         self._ends: tuple[OrderedDict[BlockHash, None], ...] = tuple(
             OrderedDict() for _ in range(num_groups)
         )
@@ -274,12 +278,14 @@ class _Prompts:
         if not block_hashes:
             return
         ends, continuing = self._ends[group], self.continuing[group]
-        if 0 < held < len(block_hashes) and block_hashes[held - 1] in ends:
-            for block_hash in block_hashes[held:]:
-                continuing[block_hash] = None
-            while len(continuing) > self._limit:
-                continuing.popitem(last=False)
-        ends[block_hashes[-1]] = None
-        ends.move_to_end(block_hashes[-1])
-        if len(ends) > self._limit:
-            ends.popitem(last=False)
+        with self._lock:
+            if 0 < held < len(block_hashes) and block_hashes[held - 1] in ends:
+                for block_hash in block_hashes[held:]:
+                    continuing[block_hash] = None
+                while len(continuing) > self._limit:
+                    continuing.popitem(last=False)
+            # The newest end goes last, forgotten last.
+            ends.pop(block_hashes[-1], None)
+            ends[block_hashes[-1]] = None
+            while len(ends) > self._limit:
+                ends.popitem(last=False)

@@ -32,7 +32,8 @@ index places nothing.
 
 Lookups may run on a lookup thread (`concurrent_lookups`): the pool's
 count only reads its slot table (a stale answer is caught when the load is
-prepared), and a tier whose own index does not allow it is left out of a
+prepared) and, for a policy that takes the hint, notes where the prompt
+ends under a lock of its own, and a tier whose own index does not allow it is left out of a
 lookup made off the scheduler's thread.
 """
 
