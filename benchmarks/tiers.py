@@ -1,11 +1,14 @@
 """How well the CPU pool decides what to keep, against the best any cache of its size could do.
 
-``python -m benchmarks.tiers [--quick]``: a trace shaped like serving traffic
-is generated (seeded, so every run sees the same one; `kvwire.replay.synthetic`):
-Zipf-popular system prompts and documents shared by many requests, multi-turn
-sessions whose prompt grows by a few blocks each turn, and one-off prompts
-mixed in, whose blocks are never asked for again. Its working set is several
-times the pool. Each request's block hashes go through the CPU pool's own
+``python -m benchmarks.tiers [--quick]``: traces shaped like serving traffic
+are generated (seeded, so every run sees the same ones; `kvwire.replay.synthetic`),
+one per named shape: `mixed` (Zipf-popular system prompts and documents
+shared by many requests, multi-turn sessions whose prompt grows by a few
+blocks each turn, and one-off prompts mixed in, whose blocks are never asked
+for again), `conversation` (production chat: long system prompts, most
+blocks used once), `agent` (long tool loops) and `rag` (documents). Each is
+replayed at pools of 1%, 2%, 5% and 10% of its distinct blocks, and `mixed`
+also at 512, 1,024 and 2,048 blocks. Each request's block hashes go through the CPU pool's own
 index (`CPUPoolIndex` over `SlotTable`, built with the policy and admission
 its ``eviction`` and ``save_threshold`` options name) as the offload
 connector drives it: a lookup of the held prefix, a load of it, a save of the
@@ -18,9 +21,11 @@ soonest, evicting the block used again farthest in the future, or not
 saving the new block when that block is the new one itself (an optimum that
 may refuse saves, as admission does). It counts every held block as a hit,
 the pool only a held prefix, so it bounds every policy from above
-(`kvwire.replay.belady`). Each hit rate is reported as a ratio of it.
+(`kvwire.replay.belady`). Each hit rate is reported as a ratio of it,
+with the microseconds each configuration took per block asked for (the
+index and its policy on the scheduler thread: noisy, compare within a run).
 
-Then the same trace through the tiered medium's index (`TieredIndex`), a
+Then the `mixed` trace through the tiered medium's index (`TieredIndex`), a
 pool of each size in front of a disk that holds every block written to it:
 hits of each tier, blocks computed (a miss of both), and blocks written to
 the disk, for each write policy (`write_through`, `spill`) and eviction
@@ -53,6 +58,7 @@ from kvwire.replay.belady import belady_hits as belady_hits
 from kvwire.replay.pool import replay_pool
 from kvwire.replay.sweep import POLICIES as POLICIES
 from kvwire.replay.sweep import SAVE_THRESHOLDS as THRESHOLDS
+from kvwire.replay.synthetic import SHAPES
 from kvwire.replay.synthetic import Trace as Trace
 from kvwire.replay.synthetic import TraceShape as SyntheticShape
 from kvwire.replay.synthetic import generate_trace as generate_trace
@@ -67,6 +73,12 @@ class TraceShape(SyntheticShape):
 
 FULL = TraceShape(requests=6000, capacities=(512, 1024, 2048))
 QUICK = TraceShape(requests=1200, capacities=(256,))
+
+FRACTIONS = (0.01, 0.02, 0.05, 0.1)
+"""Pool sizes measured on every shape: fractions of the trace's distinct blocks."""
+QUICK_FRACTIONS = (0.05,)
+QUICK_REQUESTS = 300
+"""Requests of each shape's trace in a quick run."""
 
 
 def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) -> dict[str, Any]:
@@ -205,12 +217,52 @@ TIERED = (
     ("arc", 1, "write_through"),
     ("arc", 1, "spill"),
     ("s3fifo", 1, "spill"),
+    ("kvfifo", 1, "spill"),
     ("arc", 2, "spill"),
 )
 """The tiered configurations measured: (eviction, save_threshold, write_policy)."""
 
 
+def measure_shapes(quick: bool) -> list[dict[str, Any]]:
+    """Every configuration on every named shape at `FRACTIONS` of its distinct blocks."""
+    fractions = QUICK_FRACTIONS if quick else FRACTIONS
+    measured = []
+    for name, named in SHAPES.items():
+        shape = attrs.evolve(named, requests=QUICK_REQUESTS) if quick else named
+        trace = generate_trace(shape)
+        accesses = [block for hashes in trace for block in hashes]
+        distinct = len(set(accesses))
+        sizes = []
+        for fraction in fractions:
+            capacity = max(1, round(fraction * distinct))
+            optimum = belady_hits(accesses, capacity) / len(accesses)
+            rows = []
+            for eviction, threshold in itertools.product(POLICIES, THRESHOLDS):
+                row = simulate(trace, capacity, eviction, threshold)
+                row["of_belady"] = row["hit_rate"] / optimum if optimum else None
+                rows.append(row)
+            sizes.append(
+                {
+                    "fraction": fraction,
+                    "capacity_blocks": capacity,
+                    "belady_hit_rate": optimum,
+                    "configurations": rows,
+                }
+            )
+        measured.append(
+            {
+                "shape": name,
+                "requests": shape.requests,
+                "block_accesses": len(accesses),
+                "distinct_blocks": distinct,
+                "sizes": sizes,
+            }
+        )
+    return measured
+
+
 def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+    shapes = measure_shapes(quick)
     shape = QUICK if quick else FULL
     trace = generate_trace(shape)
     accesses = [block for hashes in trace for block in hashes]
@@ -243,6 +295,7 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
         "distinct_blocks": len(set(accesses)),
         "reused_accesses": len(accesses) - len(set(accesses)),
         "pools": pools,
+        "shapes": shapes,
     }
     write_json(output_dir, "tiers.json", result)
     (output_dir / "tiers.md").write_text(_table(result))
@@ -253,9 +306,19 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The headline: per pool size, Belady's hit rate and each configuration's share of it.
 
     Then, per tiered configuration, its blocks computed and written to the
-    disk as ratios of the MultiConnector's.
+    disk as ratios of the MultiConnector's; then per shape and fraction of
+    its distinct blocks, each configuration's share of Belady's.
     """
-    headline: dict[str, Any] = {}
+    headline: dict[str, Any] = {
+        f"{shape['shape']} {size['fraction']:g}": {
+            f"{row['eviction']}_threshold_{row['save_threshold']}": (
+                None if row["of_belady"] is None else round(row["of_belady"], 3)
+            )
+            for row in size["configurations"]
+        }
+        for shape in result.get("shapes", ())
+        for size in shape["sizes"]
+    }
     for pool in result["pools"]:
         multi = pool["tiered"][0]
         headline[str(pool["capacity_blocks"])] = {
@@ -279,21 +342,76 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return headline
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _shapes_table(shapes: list[dict[str, Any]]) -> list[str]:
+    """Per shape and pool size, each configuration's share of Belady's; then µs per block."""
+    configurations = [f"{policy} {threshold}" for policy in POLICIES for threshold in THRESHOLDS]
+    lines = [
+        "Each configuration's hit rate as a share of Belady's, per trace shape and pool size "
+        "(a fraction of the trace's distinct blocks); column `eviction save_threshold`; the "
+        "highest of each row in bold.",
+        "",
+        "| shape | pool (blocks) | Belady | " + " | ".join(configurations) + " |",
+        "|---|---|---|" + "---|" * len(configurations),
+    ]
+    for shape in shapes:
+        for size in shape["sizes"]:
+            ratios = [row["of_belady"] for row in size["configurations"]]
+            best = max((ratio for ratio in ratios if ratio is not None), default=None)
+            cells = [
+                f"**{_ratio(ratio)}**"
+                if best is not None and ratio is not None and round(ratio, 2) == round(best, 2)
+                else _ratio(ratio)
+                for ratio in ratios
+            ]
+            lines.append(
+                f"| {shape['shape']} | {size['capacity_blocks']} ({size['fraction']:.0%}) | "
+                f"{size['belady_hit_rate']:.3f} | " + " | ".join(cells) + " |"
+            )
+    lines += [
+        "",
+        "Microseconds per block asked for, the mean over the shape's pool sizes "
+        "(the index, its policy and admission; noisy, compare within one run).",
+        "",
+        "| shape | requests | block accesses | distinct blocks | "
+        + " | ".join(configurations)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(configurations),
+    ]
+    for shape in shapes:
+        means = [
+            sum(size["configurations"][i]["microseconds_per_block"] for size in shape["sizes"])
+            / len(shape["sizes"])
+            for i in range(len(configurations))
+        ]
+        lines.append(
+            f"| {shape['shape']} | {shape['requests']} | {shape['block_accesses']} | "
+            f"{shape['distinct_blocks']} | " + " | ".join(f"{mean:.1f}" for mean in means) + " |"
+        )
+    return [*lines, ""]
+
+
 def _table(result: dict[str, Any]) -> str:
     lines = [
+        *_shapes_table(result.get("shapes", [])),
+        "The `mixed` shape at fixed pool sizes: "
         f"{result['requests']} requests, {result['block_accesses']} block accesses, "
         f"{result['distinct_blocks']} distinct blocks.",
         "",
         "| pool (blocks) | Belady | eviction | save_threshold | hit rate | of Belady "
-        "| blocks saved |",
-        "|---|---|---|---|---|---|---|",
+        "| blocks saved | µs per block |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for pool in result["pools"]:
         for row in pool["configurations"]:
             lines.append(
                 f"| {pool['capacity_blocks']} | {pool['belady_hit_rate']:.3f} | "
                 f"{row['eviction']} | {row['save_threshold']} | {row['hit_rate']:.3f} | "
-                f"{row['of_belady']:.2f} | {row['saved_blocks']} |"
+                f"{row['of_belady']:.2f} | {row['saved_blocks']} | "
+                f"{row['microseconds_per_block']:.1f} |"
             )
     lines += [
         "",

@@ -6,6 +6,8 @@ import json
 import pathlib
 
 from benchmarks import tiers
+from kvwire.replay.sweep import SAVE_THRESHOLDS
+from kvwire.replay.synthetic import SHAPES
 
 
 def blocks(text: str) -> list[bytes]:
@@ -48,6 +50,31 @@ def test_a_quick_run_reports_every_policy_below_the_optimum(tmp_path: pathlib.Pa
     assert headline == tiers.summary(result)
     assert headline["256"]["lru_threshold_1"] == round(rows[("lru", 1)]["of_belady"], 3)
     assert "| arc | 2 |" in (tmp_path / "tiers.md").read_text()
+
+
+def test_a_quick_run_measures_every_shape_at_a_fraction_of_its_blocks(
+    tmp_path: pathlib.Path,
+) -> None:
+    headline = tiers.run(tmp_path, quick=True)
+    result = json.loads((tmp_path / "tiers.json").read_text())
+    assert [shape["shape"] for shape in result["shapes"]] == list(SHAPES)
+    table = (tmp_path / "tiers.md").read_text()
+    for shape in result["shapes"]:
+        [size] = shape["sizes"]
+        assert size["capacity_blocks"] == round(tiers.QUICK_FRACTIONS[0] * shape["distinct_blocks"])
+        configurations = {
+            (row["eviction"], row["save_threshold"]) for row in size["configurations"]
+        }
+        assert configurations == {
+            (policy, threshold) for policy in tiers.POLICIES for threshold in SAVE_THRESHOLDS
+        }
+        for row in size["configurations"]:
+            assert 0 < row["of_belady"] <= 1
+            assert row["microseconds_per_block"] > 0
+        assert headline[f"{shape['shape']} 0.05"]["kvfifo_threshold_1"] == round(
+            size["configurations"][2 * tiers.POLICIES.index("kvfifo")]["of_belady"], 3
+        )
+        assert f"| {shape['shape']} | {size['capacity_blocks']} (5%) |" in table
 
 
 def test_the_trace_is_the_same_every_run() -> None:

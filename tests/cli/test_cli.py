@@ -212,13 +212,19 @@ def test_connectors_lists_the_eviction_policies_last(registry: ConnectorRegistry
 
     policies = out.getvalue().split("\n\n")[2].splitlines()
     assert policies[0].split() == ["EVICTION", "SOURCE", "MODULE"]
-    assert [line.split()[0] for line in policies[1:]] == ["lru", "s3fifo", "arc", "fifo"]
+    assert [line.split()[0] for line in policies[1:]] == [
+        "lru",
+        "s3fifo",
+        "arc",
+        "kvfifo",
+        "fifo",
+    ]
     assert policies[1].split(maxsplit=1)[1].split() == [
         "built",
         "in",
         "kvwire.media.eviction:LRUPolicy",
     ]
-    assert policies[4].endswith("registered at run time  fifo_policy:FIFOPolicy")
+    assert policies[5].endswith("registered at run time  fifo_policy:FIFOPolicy")
 
 
 def test_connectors_with_resolve_says_whether_each_supports_hma(

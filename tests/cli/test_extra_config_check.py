@@ -167,7 +167,7 @@ BAD_EXTRA_CONFIGS = [
         "CPUOffloadConnector",
         {"eviction": "S3FIFO"},
         "kv_connector_extra_config.eviction: unknown eviction policy 'S3FIFO'; expected one of "
-        "lru, s3fifo, arc, or a class as 'package.module:Class'; did you mean 's3fifo'?",
+        "lru, s3fifo, arc, kvfifo, or a class as 'package.module:Class'; did you mean 's3fifo'?",
         id="cpu-offload-eviction-name",
     ),
     pytest.param(

@@ -114,7 +114,7 @@ def test_the_check_resolves_the_policy_through_the_registry_it_checks_with() -> 
     with pytest.raises(
         ExtraConfigError,
         match=r"^kv_connector_extra_config\.eviction: unknown eviction policy 'fifo'; expected "
-        r"one of lru, s3fifo, arc, or a class as 'package\.module:Class'; did you mean "
+        r"one of lru, s3fifo, arc, kvfifo, or a class as 'package\.module:Class'; did you mean "
         r"'s3fifo'\?$",
     ):
         CPUOffloadConnector.validate_extra_config(transfer, ConnectorRegistry())

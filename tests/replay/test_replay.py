@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from kvwire.interface.types import BlockHash
+from kvwire.registry import ConnectorRegistry
 from kvwire.replay.belady import belady_hits
-from kvwire.replay.pool import replay_pool
+from kvwire.replay.pool import PoolReplay, replay_pool
 from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, sweep
-from kvwire.replay.synthetic import TraceShape, generate_trace
+from kvwire.replay.synthetic import SHAPES, generate_trace
 from kvwire.replay.trace import block_hash
 
 
@@ -42,13 +44,17 @@ def test_a_save_threshold_of_2_saves_a_block_the_second_time_it_is_offered() -> 
     assert (replay.hit_blocks, replay.saved_blocks, replay.saves_not_admitted) == (1, 1, 1)
 
 
-def test_belady_bounds_every_policy_on_a_generated_trace() -> None:
-    trace = generate_trace(TraceShape(requests=400))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_belady_bounds_every_policy_on_a_generated_trace(shape: str) -> None:
+    trace = generate_trace(attrs.evolve(SHAPES[shape], requests=300))
     rows = sweep(trace, [16, 64, 256])
     assert {(row.policy, row.save_threshold) for row in rows} == {
         (policy, threshold) for policy in POLICIES for threshold in SAVE_THRESHOLDS
     }
-    assert [row.pool_blocks for row in rows] == [16] * 6 + [64] * 6 + [256] * 6
+    configurations = len(POLICIES) * len(SAVE_THRESHOLDS)
+    assert [row.pool_blocks for row in rows] == [16] * configurations + [64] * configurations + [
+        256
+    ] * configurations
     accesses = [block for hashes in trace for block in hashes]
     for row in rows:
         assert row.belady_hit_rate == belady_hits(accesses, row.pool_blocks) / len(accesses)
@@ -60,3 +66,20 @@ def test_belady_bounds_every_policy_on_a_generated_trace() -> None:
 def test_with_nothing_reused_the_ratio_is_none() -> None:
     [row] = sweep(requests([1], [2]), [4], policies=["lru"], save_thresholds=[1])
     assert (row.hit_rate, row.belady_hit_rate, row.ratio, row.blocks_written) == (0, 0, None, 2)
+
+
+def test_worker_processes_give_the_rows_one_process_gives() -> None:
+    trace = generate_trace(attrs.evolve(SHAPES["conversation"], requests=60))
+    seen: list[PoolReplay] = []
+    rows = sweep(trace, [32, 128], policies=("lru", "kvfifo"), jobs=2, on_replayed=seen.append)
+    alone = sweep(trace, [32, 128], policies=("lru", "kvfifo"))
+    drop_seconds = [attrs.evolve(row, seconds=0.0) for row in rows]
+    assert drop_seconds == [attrs.evolve(row, seconds=0.0) for row in alone]
+    assert len(seen) == len(rows) == 8
+
+
+def test_a_sweep_in_workers_with_a_registry_of_its_own_is_refused() -> None:
+    with pytest.raises(ValueError, match="pass registry=None, or jobs=1 to use this registry"):
+        sweep([[b"a"]], [1], registry=ConnectorRegistry(), jobs=2)
+    with pytest.raises(ValueError, match=r"jobs is the number of worker processes, >= 1; got 0"):
+        sweep([[b"a"]], [1], jobs=0)

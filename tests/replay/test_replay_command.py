@@ -7,9 +7,12 @@ import pathlib
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from kvwire import cli
+from kvwire.replay.synthetic import SHAPES, TraceShape, generate_requests
+from kvwire.replay.trace import read_trace
 
 GOOD = {"timestamp": 0, "input_length": 32, "output_length": 8, "hash_ids": [1, 2]}
 
@@ -35,16 +38,31 @@ def test_generate_writes_a_trace_that_replays(
     assert out.startswith(
         f"300 requests, {_accesses(trace)} block accesses, {_distinct(trace)} distinct blocks\n"
     )
-    # The default: 4 fractions of the distinct blocks, 3 policies, 2 save thresholds.
-    rows = [line.split() for line in out.splitlines()[3:27]]
+    # The default: 4 fractions of the distinct blocks, 4 policies, 2 save thresholds.
+    rows = [line.split() for line in out.splitlines()[3:35]]
     assert [row[0] for row in rows] == [
         str(round(fraction * _distinct(trace)))
         for fraction in (0.01, 0.02, 0.05, 0.1)
-        for _ in range(6)
+        for _ in range(8)
     ]
     assert {(row[1], row[2]) for row in rows} == {
-        (policy, threshold) for policy in ("lru", "s3fifo", "arc") for threshold in "12"
+        (policy, threshold) for policy in ("lru", "s3fifo", "arc", "kvfifo") for threshold in "12"
     }
+
+
+@pytest.mark.parametrize("shape", ["mixed", "conversation", "agent", "rag"])
+def test_generate_writes_the_shape_named(tmp_path: pathlib.Path, shape: str) -> None:
+    path = tmp_path / f"{shape}.jsonl"
+    arguments = ["replay", "--generate", str(path), "--shape", shape, "--requests", "50"]
+    assert cli.main([*arguments, "--seed", "9"]) == 0
+    expected = generate_requests(attrs.evolve(SHAPES[shape], requests=50, seed=9))
+    assert read_trace(path) == expected
+
+
+def test_generate_without_a_shape_writes_the_tiers_benchmark_s(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "default.jsonl"
+    assert cli.main(["replay", "--generate", str(path), "--requests", "40"]) == 0
+    assert read_trace(path) == generate_requests(TraceShape(requests=40))
 
 
 def test_json_prints_one_object_per_configuration(
@@ -102,13 +120,18 @@ def test_plot_without_matplotlib_names_the_extra(
         ([], "give a trace to replay (TRACE.jsonl), or --generate OUT.jsonl to write one"),
         (["{trace}", "--bytes", "1GiB"], "--bytes and --block-bytes go together: "),
         (["{trace}", "--requests", "5"], "--requests applies to --generate only"),
+        (["{trace}", "--shape", "rag"], "--shape applies to --generate only"),
+        (
+            ["--generate", "{out}", "--jobs", "2"],
+            "--generate writes a trace and replays nothing, so --jobs does not apply; ",
+        ),
         (
             ["{trace}", "--generate", "{out}"],
             "--generate writes a trace and replays nothing, so TRACE.jsonl does not apply; ",
         ),
         (
             ["{trace}", "--policies", "lru,mru"],
-            "--policies: unknown eviction policy 'mru'; expected one of lru, s3fifo, arc",
+            "--policies: unknown eviction policy 'mru'; expected one of lru, s3fifo, arc, kvfifo",
         ),
         (
             ["{trace}", "--bytes", "1MiB", "--block-bytes", "2MiB"],
@@ -142,6 +165,12 @@ def test_a_refusal_is_one_line_with_status_2(
         (["--blocks", "4,x"], "argument --blocks: expected a whole number from 1 to "),
         (["--blocks", "4", "--fractions", "0.5"], "not allowed with argument --blocks"),
         (["--block-bytes", "lots"], "argument --block-bytes: expected a size in bytes"),
+        (["--jobs", "0"], "argument --jobs: expected a whole number from 1 to 64, got '0'"),
+        (
+            ["--shape", "chat"],
+            "argument --shape: expected a trace shape's name (mixed, conversation, agent, rag), "
+            "got 'chat'",
+        ),
     ],
 )
 def test_a_bad_option_is_a_usage_error(
@@ -183,3 +212,14 @@ def _accesses(trace: pathlib.Path) -> int:
 
 def _distinct(trace: pathlib.Path) -> int:
     return len({block for line in _lines(trace) for block in line["hash_ids"]})
+
+
+def test_jobs_replays_in_worker_processes_the_same_table(
+    trace: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    arguments = ["replay", str(trace), "--blocks", "16,64", "--policies", "lru,kvfifo"]
+    assert cli.main([*arguments, "--jobs", "1"]) == 0
+    alone = capsys.readouterr().out
+    assert cli.main([*arguments, "--jobs", "2"]) == 0
+    assert capsys.readouterr().out == alone

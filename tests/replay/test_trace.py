@@ -6,9 +6,16 @@ import io
 import json
 import pathlib
 
+import attrs
 import pytest
 
-from kvwire.replay.synthetic import TraceShape, generate_requests, generate_trace
+from kvwire.replay.synthetic import (
+    SHAPES,
+    TraceShape,
+    generate_requests,
+    generate_trace,
+    named_shape,
+)
 from kvwire.replay.trace import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_LINE_BYTES,
@@ -130,3 +137,37 @@ def test_the_generated_trace_round_trips_through_the_jsonl_form(tmp_path: pathli
     requests = read_trace(path)
     assert requests == generate_requests(shape)
     assert [list(request.block_hashes) for request in requests] == generate_trace(shape)
+
+
+def test_the_mixed_shape_is_the_default_traffic() -> None:
+    assert named_shape("mixed") == TraceShape(requests=6000)
+
+
+def test_an_unknown_shape_is_refused_with_the_names_accepted() -> None:
+    with pytest.raises(ValueError) as refused:
+        named_shape("chat")
+    assert str(refused.value) == (
+        "no trace shape named 'chat'; expected one of mixed, conversation, agent, rag"
+    )
+
+
+def _used_once_share(trace: list[list[bytes]]) -> float:
+    uses: dict[bytes, int] = {}
+    for hashes in trace:
+        for block in hashes:
+            uses[block] = uses.get(block, 0) + 1
+    return sum(1 for count in uses.values() if count == 1) / len(uses)
+
+
+def test_the_shapes_differ_as_their_traffic_does() -> None:
+    traces = {
+        name: generate_trace(attrs.evolve(shape, requests=600)) for name, shape in SHAPES.items()
+    }
+    # Production conversations: most blocks are used once, prompts are long.
+    assert _used_once_share(traces["conversation"]) > 0.6
+    # An agent's loop reuses most of what it sends: few blocks used once.
+    assert _used_once_share(traces["agent"]) < _used_once_share(traces["mixed"])
+    mean_blocks = {name: sum(map(len, trace)) / len(trace) for name, trace in traces.items()}
+    assert mean_blocks["conversation"] > 2 * mean_blocks["mixed"]
+    # Retrieval: almost every prompt carries a document after its system prompt.
+    assert mean_blocks["rag"] > mean_blocks["mixed"]

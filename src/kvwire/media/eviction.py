@@ -8,7 +8,7 @@ being loaded or still being saved): `victim` is given a test and passes them
 over. Every call costs O(1) amortized: an entry passed over is treated as
 used now, so that the next `victim` does not meet it again.
 
-Three policies ship, named in the CPU pool's `eviction` option:
+Four policies ship, named in the CPU pool's `eviction` option:
 
 - `lru` (`kvwire.media.eviction.LRUPolicy`): the least recently used entry.
 - `s3fifo` (`kvwire.media.eviction.S3FIFOPolicy`): S3-FIFO (Yang et al.,
@@ -22,6 +22,18 @@ Three policies ship, named in the CPU pool's `eviction` option:
   to what the ghosts of each list say was evicted too early. Blocks used
   once stay in the recency list, so a scan does not flush the blocks used
   again either.
+- `kvfifo` (`kvwire.media.eviction.KVFIFOPolicy`): S3-FIFO's queues with
+  what KV traffic says of its blocks. The small queue's share adapts as
+  ARC's recency list does, to what the ghosts of each queue say was evicted
+  too early; and a block that continues a prompt an earlier prompt ended
+  at (a conversation's next turn, an agent's next step: the cache tells it
+  through `insert_continuing`) enters the main queue at once, where a block
+  of a prompt that shared only a common prefix (likely a one-off) waits in
+  the small queue for a second use.
+
+The cache may tell a policy more than `insert`: `insert_continuing` marks
+a new entry whose prompt grows an earlier prompt. Its default is `insert`,
+so a policy that has no use for it needs nothing.
 
 A policy of one's own derives from
 `kvwire.media.eviction.EvictionPolicy` and is named by its
@@ -35,7 +47,7 @@ import abc
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "S3FIFOPolicy"]
+__all__ = ["ARCPolicy", "EvictionPolicy", "KVFIFOPolicy", "LRUPolicy", "S3FIFOPolicy"]
 
 Evictable = Callable[[int], bool]
 """Whether the entry of a slot may be evicted now."""
@@ -61,6 +73,16 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def insert(self, slot: int, block: Hashable) -> None:
         """`slot` now holds `block`, a new entry."""
+
+    def insert_continuing(self, slot: int, block: Hashable) -> None:
+        """`slot` now holds `block`, a new entry of a prompt that grows an earlier prompt.
+
+        The prompt's prefix held by the cache ended where an earlier prompt
+        ended: a conversation's next turn or an agent's next step, whose
+        blocks are likely asked for again when it goes on. A hint only: by
+        default the entry is inserted as any other.
+        """
+        self.insert(slot, block)
 
     @abc.abstractmethod
     def hit(self, slot: int) -> None:
@@ -274,3 +296,129 @@ class ARCPolicy(EvictionPolicy):
             recent_ghosts.popitem(last=False)
         while len(recent_ghosts) + len(frequent_ghosts) > self.capacity:
             (frequent_ghosts or recent_ghosts).popitem(last=False)
+
+
+class KVFIFOPolicy(EvictionPolicy):
+    """S3-FIFO's small, main and ghost queues, the small queue's share adapting as in ARC.
+
+    A new entry enters the small queue, unless a ghost queue remembers its
+    block (it was evicted, so it is used again) or its prompt continues an
+    earlier one (`insert_continuing`): those enter the main queue. Each
+    entry counts its uses, up to 3. The small queue gives up entries while
+    it holds its target share: its oldest entry moves to the main queue
+    (count back at 0) if it was used again, else it is evicted and its block
+    joins the small queue's ghosts. The main queue's oldest entry is evicted
+    if its count is 0 (its block joins the main queue's ghosts), else it
+    goes around once more with its count lowered by one.
+
+    The target share starts at a tenth of the slots. A new entry whose
+    block the small queue's ghosts remember was evicted too early by a small
+    queue too short: the target grows (by the ratio of the ghost queues'
+    lengths, at least 1, as ARC's). One the main queue's ghosts remember
+    shrinks it the same way, down to a hundredth of the slots. Each ghost
+    queue keeps twice as many blocks as there are slots, each as a hash: a
+    session's blocks come back after more traffic than the pool holds.
+    """
+
+    INITIAL_SMALL_SHARE = 0.1
+    """The share of the slots the small queue starts with."""
+    LEAST_SMALL_SHARE = 0.01
+    """The least share the small queue is given."""
+    MAX_USES = 3
+    GHOSTS_PER_SLOT = 2
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._ghost_limit = self.GHOSTS_PER_SLOT * capacity
+        self._least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
+        self._most_small = max(self._least_small, capacity - 1)
+        self._small_target = max(self._least_small, int(capacity * self.INITIAL_SMALL_SHARE))
+        # Oldest first; the value is the entry's use count.
+        self._small: OrderedDict[int, int] = OrderedDict()
+        self._main: OrderedDict[int, int] = OrderedDict()
+        self._blocks: dict[int, int] = {}
+        self._small_ghosts: OrderedDict[int, None] = OrderedDict()
+        self._main_ghosts: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    @property
+    def small_target(self) -> int:
+        """How many entries the small queue holds before it gives up its oldest."""
+        return self._small_target
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        if not self._returned(slot, block):
+            self._small[slot] = 0
+
+    def insert_continuing(self, slot: int, block: Hashable) -> None:
+        if not self._returned(slot, block):
+            self._main[slot] = 0
+
+    def hit(self, slot: int) -> None:
+        queue = self._small if slot in self._small else self._main
+        queue[slot] = min(queue[slot] + 1, self.MAX_USES)
+
+    def remove(self, slot: int) -> None:
+        if self._small.pop(slot, None) is None:
+            del self._main[slot]
+        del self._blocks[slot]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        # As S3-FIFO's: every turn evicts, lowers a count, moves an entry from
+        # small to main, or passes over an entry in use. No turn changes how
+        # many entries there are but the one that evicts.
+        entries = len(self)
+        passed_over = 0
+        while passed_over <= entries:
+            if self._small and (len(self._small) >= self._small_target or not self._main):
+                slot, uses = next(iter(self._small.items()))
+                if not evictable(slot):
+                    self._small.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    del self._small[slot]
+                    self._main[slot] = 0
+                else:
+                    del self._small[slot]
+                    self._remember(self._small_ghosts, self._blocks.pop(slot))
+                    return slot
+            elif self._main:
+                slot, uses = next(iter(self._main.items()))
+                if not evictable(slot):
+                    self._main.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    self._main.move_to_end(slot)
+                    self._main[slot] = uses - 1
+                else:
+                    del self._main[slot]
+                    self._remember(self._main_ghosts, self._blocks.pop(slot))
+                    return slot
+            else:
+                return None
+        return None
+
+    def _returned(self, slot: int, block: Hashable) -> bool:
+        """Record `slot`'s block; when a ghost queue remembers it, adapt and enter main."""
+        key = hash(block)
+        self._blocks[slot] = key
+        small_ghosts, main_ghosts = self._small_ghosts, self._main_ghosts
+        if key in small_ghosts:
+            grow = max(len(main_ghosts) // len(small_ghosts), 1)
+            self._small_target = min(self._most_small, self._small_target + grow)
+            del small_ghosts[key]
+        elif key in main_ghosts:
+            shrink = max(len(small_ghosts) // len(main_ghosts), 1)
+            self._small_target = max(self._least_small, self._small_target - shrink)
+            del main_ghosts[key]
+        else:
+            return False
+        self._main[slot] = 0
+        return True
+
+    def _remember(self, ghosts: OrderedDict[int, None], key: int) -> None:
+        ghosts[key] = None
+        if len(ghosts) > self._ghost_limit:
+            ghosts.popitem(last=False)

@@ -3,7 +3,7 @@
 An eviction policy (`kvwire.media.eviction.EvictionPolicy`)
 decides which entry a full CPU pool gives up; the pool's `eviction` option
 names it. Names come from the same three places as media's: the policies
-kvwire ships (`lru`, `s3fifo`, `arc`), the `kvwire.eviction_policies` entry-point
+kvwire ships (`lru`, `s3fifo`, `arc`, `kvfifo`), the `kvwire.eviction_policies` entry-point
 group of installed distributions (`name = package.module:Class`) and
 `EvictionPolicyRegistry.register_policy` at run time; a `package.module:Class`
 names a class directly. Every `kvwire.ConnectorRegistry`
@@ -27,6 +27,7 @@ BUILT_IN_EVICTION_POLICIES: dict[str, tuple[str, str]] = {
     "lru": ("kvwire.media.eviction", "LRUPolicy"),
     "s3fifo": ("kvwire.media.eviction", "S3FIFOPolicy"),
     "arc": ("kvwire.media.eviction", "ARCPolicy"),
+    "kvfifo": ("kvwire.media.eviction", "KVFIFOPolicy"),
 }
 """The eviction policies kvwire ships: name -> (module path, class name)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from kvwire.interface.types import BlockHash
 from kvwire.registry import default_registry
 from kvwire.replay.plot import plot_hit_rates, require_matplotlib
 from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, SweepRow, sweep
-from kvwire.replay.synthetic import TraceShape, generate_requests
+from kvwire.replay.synthetic import DEFAULT_SHAPE, SHAPES, generate_requests, named_shape
 from kvwire.replay.trace import TraceRequest, read_trace, write_trace
 
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1)
@@ -36,8 +37,9 @@ DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1)
 MAX_POOL_BLOCKS = 2**24
 MAX_SIZES = 64
 MAX_GENERATED_REQUESTS = 1_000_000
-DEFAULT_GENERATED_REQUESTS = 6000
 MAX_SAVE_THRESHOLD = 64
+# Each worker holds the whole trace: a bound on the memory they take.
+MAX_JOBS = 64
 _LONGEST_ITEM = 40
 _STATUS_REFUSED = 2
 
@@ -106,6 +108,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="save thresholds to replay: a block is saved once offered this many times "
         f"(default: {','.join(str(t) for t in SAVE_THRESHOLDS)})",
     )
+    configurations.add_argument(
+        "--jobs",
+        metavar="N",
+        type=_count(MAX_JOBS),
+        help="worker processes replaying configurations at once (default: the CPUs this "
+        "process may run on)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--json", action="store_true", help="print one JSON object per configuration"
@@ -122,13 +131,22 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--generate",
         metavar="OUT.jsonl",
         type=pathlib.Path,
-        help="write the tiers benchmark's synthetic trace to OUT.jsonl instead of replaying",
+        help="write a synthetic trace to OUT.jsonl instead of replaying",
+    )
+    generate.add_argument(
+        "--shape",
+        type=_shape_name,
+        metavar="NAME",
+        help=f"the traffic generated: {', '.join(SHAPES)} (default: {DEFAULT_SHAPE}, the "
+        "tiers benchmark's; see docs/tiers.md)",
     )
     generate.add_argument(
         "--requests",
         type=_count(MAX_GENERATED_REQUESTS),
         metavar="N",
-        help=f"requests of the generated trace (default: {DEFAULT_GENERATED_REQUESTS})",
+        help="requests of the generated trace (default: the shape's, "
+        + ", ".join(f"{name} {shape.requests}" for name, shape in SHAPES.items())
+        + ")",
     )
     generate.add_argument(
         "--seed",
@@ -161,6 +179,7 @@ def _generate(args: argparse.Namespace, out: TextIO) -> None:
             ("--bytes", args.bytes),
             ("--fractions", args.fractions),
             ("--block-bytes", args.block_bytes),
+            ("--jobs", args.jobs),
             ("--json", args.json or None),
             ("--plot", args.plot),
         )
@@ -171,10 +190,12 @@ def _generate(args: argparse.Namespace, out: TextIO) -> None:
             f"--generate writes a trace and replays nothing, so {given[0]} does not apply; "
             "replay the trace written in a second command"
         )
-    requests = args.requests or DEFAULT_GENERATED_REQUESTS
-    shape = TraceShape(requests=requests)
+    shape = named_shape(args.shape or DEFAULT_SHAPE)
+    if args.requests is not None:
+        shape = attrs.evolve(shape, requests=args.requests)
     if args.seed is not None:
         shape = attrs.evolve(shape, seed=args.seed)
+    requests = shape.requests
     generated = generate_requests(shape)
     where = shown_path(args.generate)
     try:
@@ -194,7 +215,11 @@ def _generate(args: argparse.Namespace, out: TextIO) -> None:
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     if args.trace is None:
         raise _Refused("give a trace to replay (TRACE.jsonl), or --generate OUT.jsonl to write one")
-    for option, value in (("--requests", args.requests), ("--seed", args.seed)):
+    for option, value in (
+        ("--shape", args.shape),
+        ("--requests", args.requests),
+        ("--seed", args.seed),
+    ):
         if value is not None:
             raise _Refused(f"{option} applies to --generate only")
     if (args.bytes is None) != (args.block_bytes is None):
@@ -217,6 +242,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             policies=policies,
             save_thresholds=save_thresholds,
             on_replayed=progress.advance if err.isatty() else None,
+            jobs=args.jobs or _usable_cpus(),
         )
     finally:
         progress.close()
@@ -228,6 +254,12 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
             print(json.dumps(attrs.asdict(row)), file=out)
     else:
         _print_table(requests, distinct, rows, out)
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform says), at most MAX_JOBS."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(usable or 1, MAX_JOBS))
 
 
 def _check_policies(policies: Sequence[str]) -> None:
@@ -391,7 +423,15 @@ def _fraction(text: str) -> float:
 def _policy_name(text: str) -> str:
     if not text or len(text) > 200:
         raise argparse.ArgumentTypeError(
-            f"expected an eviction policy's name (lru, s3fifo, arc), got {_shown(text)}"
+            f"expected an eviction policy's name (lru, s3fifo, arc, kvfifo), got {_shown(text)}"
+        )
+    return text
+
+
+def _shape_name(text: str) -> str:
+    if text not in SHAPES:
+        raise argparse.ArgumentTypeError(
+            f"expected a trace shape's name ({', '.join(SHAPES)}), got {_shown(text)}"
         )
     return text
 

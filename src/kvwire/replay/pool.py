@@ -59,7 +59,7 @@ def replay_pool(
     """Each request's block hashes, in order, through a pool of `pool_blocks` blocks.
 
     `eviction` names a policy of `registry.eviction_policies` (the default
-    registry's when None): `lru`, `s3fifo`, `arc` or a plug-in's.
+    registry's when None): `lru`, `s3fifo`, `arc`, `kvfifo` or a plug-in's.
     """
     registry = registry or default_registry()
     index = CPUPoolIndex(

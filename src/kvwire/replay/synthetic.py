@@ -1,9 +1,24 @@
-"""A synthetic trace shaped like serving traffic, to try a replay on (and the tiers benchmark's).
+"""Synthetic traces shaped like serving traffic, to try a replay on (and the tiers benchmark's).
 
-Seeded, so every run with the same shape sees the same trace: Zipf-popular
-system prompts and documents shared by many requests, multi-turn sessions
-whose prompt grows by a few blocks each turn, and one-off prompts mixed in,
-whose blocks are never asked for again.
+Seeded, so every run with the same shape sees the same trace. Every shape
+mixes the same parts in other proportions: Zipf-popular system prompts and
+documents shared by many requests, multi-turn sessions whose prompt grows
+by a few blocks each turn, and one-off prompts, whose own blocks are never
+asked for again. `SHAPES` names the shapes shipped:
+
+- `mixed`: the tiers benchmark's traffic: short system prompts, a third of
+  the prompts one-off, sessions of four turns on average, half of them
+  over a document;
+- `conversation`: shaped like public traces of production chat traffic:
+  long shared system prompts, half the prompts one-off and long, hundreds
+  of sessions open at once, each turn adding the last answer and the next
+  question; most blocks are used once;
+- `agent`: an agent's tool loop: few sessions of many turns (one in twelve
+  ends a turn), each adding a tool's output, over a long system prompt
+  listing the tools, and few one-off prompts;
+- `rag`: retrieval-augmented questions: most prompts a system prompt, a
+  document from a large Zipf-popular collection and a one-off question,
+  beside short sessions.
 """
 
 from __future__ import annotations
@@ -44,6 +59,72 @@ class TraceShape:
     session_end_chance: float = 0.25
     active_sessions: int = 48
     seed: int = 33
+    one_off_document_share: float = 0.3
+    """The share of one-off prompts that follow their system prompt with a document."""
+    session_document_share: float = 0.5
+    """The share of sessions whose first prompt follows its system prompt with a document."""
+
+
+SHAPES: dict[str, TraceShape] = {
+    "mixed": TraceShape(requests=6000),
+    "conversation": TraceShape(
+        requests=4000,
+        system_prompts=200,
+        system_prompt_blocks=24,
+        documents=2000,
+        document_blocks=16,
+        zipf_s=0.8,
+        one_off_share=0.5,
+        new_session_share=0.15,
+        one_off_blocks=(16, 120),
+        turn_blocks=(8, 40),
+        session_end_chance=0.3,
+        active_sessions=300,
+        one_off_document_share=0.1,
+        session_document_share=0.1,
+    ),
+    "agent": TraceShape(
+        requests=6000,
+        system_prompts=6,
+        system_prompt_blocks=60,
+        documents=100,
+        document_blocks=8,
+        one_off_share=0.1,
+        new_session_share=0.06,
+        one_off_blocks=(4, 24),
+        turn_blocks=(1, 8),
+        session_end_chance=0.08,
+        active_sessions=24,
+        one_off_document_share=0.0,
+        session_document_share=0.2,
+    ),
+    "rag": TraceShape(
+        requests=6000,
+        system_prompts=4,
+        system_prompt_blocks=8,
+        documents=3000,
+        document_blocks=24,
+        zipf_s=0.9,
+        one_off_share=0.6,
+        new_session_share=0.15,
+        one_off_blocks=(1, 4),
+        turn_blocks=(1, 3),
+        session_end_chance=0.4,
+        active_sessions=64,
+        one_off_document_share=1.0,
+        session_document_share=0.8,
+    ),
+}
+"""The shapes `kvwire replay --generate --shape NAME` writes (seed 33)."""
+DEFAULT_SHAPE = "mixed"
+
+
+def named_shape(name: str) -> TraceShape:
+    """The shape `SHAPES` names; a `ValueError` lists the names accepted."""
+    shape = SHAPES.get(name)
+    if shape is None:
+        raise ValueError(f"no trace shape named {name!r}; expected one of {', '.join(SHAPES)}")
+    return shape
 
 
 class _Blocks:
@@ -99,11 +180,16 @@ def generate_trace(shape: TraceShape) -> Trace:
         draw = rng.random()
         if draw < shape.one_off_share:
             trace.append(
-                blocks.extend(shared_prefix(rng.random() < 0.3), fresh(shape.one_off_blocks))
+                blocks.extend(
+                    shared_prefix(rng.random() < shape.one_off_document_share),
+                    fresh(shape.one_off_blocks),
+                )
             )
             continue
         if draw < shape.one_off_share + shape.new_session_share or not sessions:
-            prompt = blocks.extend(shared_prefix(rng.random() < 0.5), fresh(shape.turn_blocks))
+            prompt = blocks.extend(
+                shared_prefix(rng.random() < shape.session_document_share), fresh(shape.turn_blocks)
+            )
             if len(sessions) >= shape.active_sessions:
                 sessions.pop(rng.randrange(len(sessions)))
             sessions.append(prompt)

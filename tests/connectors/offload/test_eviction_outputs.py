@@ -25,7 +25,7 @@ def reference() -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("save_threshold", [1, 2])
-@pytest.mark.parametrize("eviction", ["s3fifo", "arc"])
+@pytest.mark.parametrize("eviction", ["s3fifo", "arc", "kvfifo"])
 def test_a_pool_evicting_by_a_scan_resistant_policy_serves_identical_outputs(
     reference, eviction, save_threshold
 ):

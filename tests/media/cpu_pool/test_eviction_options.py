@@ -15,7 +15,13 @@ from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import MediumContext
 from kvwire.media.cpu_pool import CPUPoolMedium
 from kvwire.media.cpu_pool.index import CPUPoolIndex
-from kvwire.media.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from kvwire.media.eviction import (
+    ARCPolicy,
+    EvictionPolicy,
+    KVFIFOPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
 from kvwire.registry import ConnectorRegistry, EvictionPolicyRegistry, default_registry
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
@@ -63,6 +69,7 @@ def test_the_pool_evicts_least_recently_used_and_saves_every_block_by_default() 
         ("lru", LRUPolicy),
         ("s3fifo", S3FIFOPolicy),
         ("arc", ARCPolicy),
+        ("kvfifo", KVFIFOPolicy),
         (f"{__name__}:FIFOPolicy", FIFOPolicy),
     ],
 )
@@ -82,7 +89,10 @@ def test_save_threshold_builds_a_sketch_sized_from_the_pool() -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("lfu", r"unknown eviction policy 'lfu'; expected one of lru, s3fifo, arc, or a class"),
+        (
+            "lfu",
+            r"unknown eviction policy 'lfu'; expected one of lru, s3fifo, arc, kvfifo, or a class",
+        ),
         ("LRU", r"did you mean 'lru'\?"),
         (3, r"3 is not accepted by TestConnector; expected an eviction policy's name"),
         ("", r"'' is not accepted"),
@@ -137,7 +147,7 @@ def test_a_registry_without_eviction_policies_is_refused_naming_the_key() -> Non
 
 def test_every_connector_registry_holds_the_built_in_policies() -> None:
     registry = ConnectorRegistry(entry_point_group=None)
-    assert registry.eviction_policies.names() == ["lru", "s3fifo", "arc"]
+    assert registry.eviction_policies.names() == ["lru", "s3fifo", "arc", "kvfifo"]
     assert registry.eviction_policies.get_class("s3fifo") is S3FIFOPolicy
 
 
@@ -194,5 +204,5 @@ def test_an_installed_distribution_names_a_policy_through_its_entry_point(
 ) -> None:
     monkeypatch.setattr("kvwire.registry.names.metadata", _InstalledPolicies)
     registry = EvictionPolicyRegistry()
-    assert registry.names() == ["lru", "s3fifo", "arc", "fifo"]
+    assert registry.names() == ["lru", "s3fifo", "arc", "kvfifo", "fifo"]
     assert registry.get_class("fifo") is FIFOPolicy

@@ -1,4 +1,4 @@
-"""Eviction policies: each one's order, S3-FIFO's scan resistance, and entries in use kept."""
+"""Eviction policies: each one's order, scan resistance, the continuation hint, pins kept."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ from collections.abc import Hashable
 import pytest
 
 from kvwire.media.cpu_pool._slot_table import SlotTable
-from kvwire.media.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from kvwire.media.cpu_pool.index import CPUPoolIndex
+from kvwire.media.eviction import (
+    ARCPolicy,
+    EvictionPolicy,
+    KVFIFOPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
 
-POLICIES = [LRUPolicy, S3FIFOPolicy, ARCPolicy]
+POLICIES = [LRUPolicy, S3FIFOPolicy, ARCPolicy, KVFIFOPolicy]
 
 
 def h(n: int) -> bytes:
@@ -131,7 +138,7 @@ def test_a_scan_of_one_off_blocks_flushes_the_hot_set_from_lru() -> None:
     assert hot_blocks_kept(LRUPolicy(20)) == 0
 
 
-@pytest.mark.parametrize("policy_class", [S3FIFOPolicy, ARCPolicy])
+@pytest.mark.parametrize("policy_class", [S3FIFOPolicy, ARCPolicy, KVFIFOPolicy])
 def test_a_scan_resistant_policy_keeps_the_hot_set_through_a_scan_of_one_off_blocks(
     policy_class: type[EvictionPolicy],
 ) -> None:
@@ -225,3 +232,107 @@ def test_arc_ghost_lists_are_bounded_by_the_slots() -> None:
             policy.hit(n % 8)
         assert policy.victim(anything) is not None
     assert len(policy._recent_ghosts) + len(policy._frequent_ghosts) <= 8
+
+
+def test_kvfifo_evicts_an_entry_used_once_before_one_used_again() -> None:
+    policy = filled(KVFIFOPolicy(10), 10)
+    policy.hit(0)
+    # Entry 0 was used again: it moves to the main queue; 1, never used again, leaves.
+    assert policy.victim(anything) == 1
+    assert _drained(policy) == [*range(2, 10), 0]
+
+
+def test_kvfifo_puts_a_continuing_entry_in_the_main_queue() -> None:
+    policy = KVFIFOPolicy(10)
+    policy.insert_continuing(0, "turn")
+    for slot in range(1, 10):
+        policy.insert(slot, ("one-off", slot))
+    # The next turn's block waits in the main queue; the small queue's one-off entries go first.
+    assert _drained(policy) == [*range(1, 10), 0]
+
+
+def test_kvfifo_grows_the_small_queue_when_a_block_it_evicted_from_it_returns() -> None:
+    policy = KVFIFOPolicy(100)
+    filled(policy, 100)
+    assert policy.small_target == 10
+    assert policy.victim(anything) == 0  # leaves the small queue, unused: a ghost
+    policy.insert(0, ("block", 0))
+    assert policy.small_target == 11
+    # It came back to the main queue: the small queue's entries still go first.
+    assert policy.victim(anything) == 1
+
+
+def test_kvfifo_shrinks_the_small_queue_when_a_block_it_evicted_from_main_returns() -> None:
+    policy = KVFIFOPolicy(100)
+    policy.insert_continuing(0, "main")
+    policy.insert(1, "small")
+    # The small queue holds less than its target: the main queue's oldest goes, unused.
+    assert policy.victim(anything) == 0
+    policy.insert(0, "main")  # back from the main queue's ghosts, into main
+    assert policy.small_target == 9
+    assert _drained(policy) == [0, 1]  # the small queue, below its target, goes last
+
+
+def test_kvfifo_small_queue_target_stays_within_its_bounds() -> None:
+    policy = KVFIFOPolicy(200)
+    for n in range(2000):
+        policy.insert(0, n % 3)
+        assert policy.victim(anything) == 0
+    assert 2 <= policy.small_target <= 199
+
+
+def test_kvfifo_ghost_queues_are_bounded_by_twice_the_slots() -> None:
+    policy = KVFIFOPolicy(8)
+    for n in range(1000):
+        policy.insert(n % 8, n)
+        if n % 3 == 0:
+            policy.hit(n % 8)
+        assert policy.victim(anything) is not None
+    assert len(policy._small_ghosts) <= 16
+    assert len(policy._main_ghosts) <= 16
+
+
+class _Continuing(LRUPolicy):
+    """Records which insertions came with the continuation hint."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.inserted: list[tuple[Hashable, bool]] = []
+
+    def insert(self, slot: int, block: Hashable) -> None:
+        self.inserted.append((block, False))
+        super().insert(slot, block)
+
+    def insert_continuing(self, slot: int, block: Hashable) -> None:
+        self.inserted.append((block, True))
+        super().insert(slot, block)
+
+
+def request(index: CPUPoolIndex, numbers: list[int]) -> None:
+    hashes = [h(n) for n in numbers]
+    held = index.count_held_prefix(0, hashes)
+    if held:
+        index.prepare_load(0, hashes[:held])
+        index.complete_load(0, hashes[:held], ())
+    placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
+    index.complete_save(0, placed, success=True)
+
+
+def test_the_pool_hints_the_blocks_of_a_prompt_that_grows_an_earlier_prompt() -> None:
+    policy = _Continuing(16)
+    index = CPUPoolIndex(16, 1, "cpu", policy=policy)
+    request(index, [1, 2, 3])  # a first turn
+    request(index, [1, 2, 4])  # shares 1 and 2, but no prompt ended at 2: not continuing
+    request(index, [1, 2, 3, 5, 6])  # the first turn's next turn
+    assert policy.inserted == [
+        ((0, h(n)), continuing)
+        for n, continuing in [(3, False), (2, False), (1, False), (4, False), (6, True), (5, True)]
+    ]
+
+
+def test_a_policy_without_the_hint_is_told_insert() -> None:
+    policy = _Recording(16)
+    index = CPUPoolIndex(16, 1, "cpu", policy=policy)
+    request(index, [1, 2])
+    request(index, [1, 2, 3])
+    assert policy.blocks == [(0, h(2)), (0, h(1)), (0, h(3))]

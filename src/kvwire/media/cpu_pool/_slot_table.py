@@ -124,12 +124,19 @@ class SlotTable:
                 if entry.load_refs == 0 and entry.ready:
                     self._busy -= 1
 
-    def prepare_save(self, group: int, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+    def prepare_save(
+        self,
+        group: int,
+        hashes: Sequence[BlockHash],
+        continuing: Set[BlockHash] = frozenset(),
+    ) -> list[tuple[BlockHash, int]]:
         """Slots for `group`'s blocks not saved yet, evicting old blocks as needed.
 
         Blocks already in the pool (or being saved) are only refreshed. When
         every slot is pinned, the remaining blocks are not saved (the pool is
-        a cache: skipping is correct, only less useful).
+        a cache: skipping is correct, only less useful). New blocks in
+        `continuing` continue an earlier prompt: the policy is told so
+        (`EvictionPolicy.insert_continuing`).
         """
         entries = self._by_group[group]
         placed: list[tuple[BlockHash, int]] = []
@@ -150,7 +157,7 @@ class SlotTable:
             placed.append((block_hash, slot))
             touched.append(slot)
             new_slots.add(slot)
-        self._touch_tail_first(touched, new_slots)
+        self._touch_tail_first(touched, new_slots, continuing)
         return placed
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -261,19 +268,28 @@ class SlotTable:
                 self.evicted[entry.group].append(entry.block_hash)
         return not self._by_slot
 
-    def _touch_tail_first(self, slots: Sequence[int], new_slots: Set[int] = frozenset()) -> None:
+    def _touch_tail_first(
+        self,
+        slots: Sequence[int],
+        new_slots: Set[int] = frozenset(),
+        continuing: Set[BlockHash] = frozenset(),
+    ) -> None:
         """Tell the policy these slots of one request were used, its last block first.
 
         A block is worth keeping only with every block before it (a lookup
         stops at the first one missing), so the first block of a prefix is
         told last: the most recently used, the last to go. The policy then
         evicts a prefix from its tail, as vLLM's own prefix cache does.
-        `new_slots` are inserted rather than hit.
+        `new_slots` are inserted rather than hit, those whose block is in
+        `continuing` as continuing an earlier prompt.
         """
         for slot in reversed(slots):
             if slot in new_slots:
                 entry = self._by_slot[slot]
-                self._policy.insert(slot, (entry.group, entry.block_hash))
+                if entry.block_hash in continuing:
+                    self._policy.insert_continuing(slot, (entry.group, entry.block_hash))
+                else:
+                    self._policy.insert(slot, (entry.group, entry.block_hash))
             else:
                 self._policy.hit(slot)
 

@@ -5,7 +5,9 @@ which block; this half adds what the offload connector expects of a medium:
 the KV cache events (one per KV cache group that changed, in the order the
 changes happened), the admission of saves (`SaveAdmission`: a block is saved
 once offered `save_threshold` times) and the counts of blocks evicted, of
-saves the pool had no room for and of saves not admitted. A tiered medium's
+saves the pool had no room for and of saves not admitted. For an eviction
+policy that takes the hint (`EvictionPolicy.insert_continuing`), it also
+tells which new blocks continue a prompt that an earlier prompt ended at. A tiered medium's
 index (`kvwire.media.tiered.index.TieredIndex`) keeps one as its pool and
 uses it through its public calls: those of any index, and the promotions of
 blocks brought in from slower tiers.
@@ -13,7 +15,9 @@ blocks brought in from slower tiers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence, Set
 
 from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash, BlockRemoved, BlockStored, KVCacheEvent
@@ -44,13 +48,22 @@ class CPUPoolIndex(MediumIndex):
     ) -> None:
         self._index = SlotTable(num_slots, num_groups, policy, on_evict)
         self._admission = admission
+        self._prompts = (
+            _Prompts(num_slots, num_groups)
+            if policy is not None
+            and type(policy).insert_continuing is not EvictionPolicy.insert_continuing
+            else None
+        )
         self._medium = medium
         self._events: list[KVCacheEvent] = []
         self._counters: dict[str, int] = {}
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
         """Blocks being saved count only once their save completed."""
-        return self._index.count_ready_prefix(group, block_hashes)
+        held = self._index.count_ready_prefix(group, block_hashes)
+        if self._prompts is not None:
+            self._prompts.looked_up(group, block_hashes, held)
+        return held
 
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         """Pin the blocks (no eviction until `complete_load`); their slots, in order."""
@@ -93,7 +106,10 @@ class CPUPoolIndex(MediumIndex):
         the blocks given a slot.
         """
         admitted = self._admitted(group, block_hashes)
-        placed = self._index.prepare_save(group, admitted)
+        continuing: Set[BlockHash] = (
+            self._prompts.continuing[group].keys() if self._prompts is not None else frozenset()
+        )
+        placed = self._index.prepare_save(group, admitted, continuing)
         placed_hashes = {block_hash for block_hash, _ in placed}
         skipped = sum(
             1
@@ -132,6 +148,13 @@ class CPUPoolIndex(MediumIndex):
     def holds(self, group: int, block_hash: BlockHash) -> bool:
         """Whether the pool holds `group`'s block, ready or not (being saved or brought in)."""
         return self._index.holds(group, block_hash)
+
+    def ready(self, group: int, block_hash: BlockHash) -> bool:
+        """Whether the pool holds `group`'s block saved and complete: a load may read it.
+
+        Unlike `count_held_prefix`, not a lookup of a prompt: no policy is told of it.
+        """
+        return self._index.count_ready_prefix(group, (block_hash,)) == 1
 
     def arriving(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s block is being brought in from a slower tier (`start_promotion`)."""
@@ -227,3 +250,42 @@ class CPUPoolIndex(MediumIndex):
                 )
                 count += len(evicted)
         return count
+
+
+class _Prompts:
+    """Where looked-up prompts ended, and the blocks of prompts that grow one: bounded.
+
+    A prompt whose held prefix ends at the last block of an earlier prompt
+    grows it (a conversation's next turn, an agent's next step): its blocks
+    after the held prefix are `continuing` until saved or forgotten. Each
+    group remembers at most `limit` ends and `limit` continuing blocks, the
+    oldest forgotten first: memory of the pool's order, O(1) per block looked up.
+    Lookups may run on a lookup thread beside the scheduler's (a tiered
+    medium's): they change these under a lock.
+    """
+
+    def __init__(self, limit: int, num_groups: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._ends: tuple[OrderedDict[BlockHash, None], ...] = tuple(
+            OrderedDict() for _ in range(num_groups)
+        )
+        self.continuing: tuple[OrderedDict[BlockHash, None], ...] = tuple(
+            OrderedDict() for _ in range(num_groups)
+        )
+
+    def looked_up(self, group: int, block_hashes: Sequence[BlockHash], held: int) -> None:
+        if not block_hashes:
+            return
+        ends, continuing = self._ends[group], self.continuing[group]
+        with self._lock:
+            if 0 < held < len(block_hashes) and block_hashes[held - 1] in ends:
+                for block_hash in block_hashes[held:]:
+                    continuing[block_hash] = None
+                while len(continuing) > self._limit:
+                    continuing.popitem(last=False)
+            # The newest end goes last, forgotten last.
+            ends.pop(block_hashes[-1], None)
+            ends[block_hashes[-1]] = None
+            while len(ends) > self._limit:
+                ends.popitem(last=False)

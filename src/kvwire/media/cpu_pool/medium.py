@@ -19,7 +19,9 @@ their block and layout, and nothing but kvwire writes this memory.
 - `eviction` (default `"lru"`): the eviction policy, a name registered in
   `registry.eviction_policies` (`lru`, least recently used; `s3fifo`,
   S3-FIFO, and `arc`, ARC, which both keep blocks reused often when one-off
-  prompts pass; see `kvwire.media.eviction`) or a policy class as
+  prompts pass; `kvfifo`, S3-FIFO adapting its queues and told which blocks
+  continue an earlier prompt; see `kvwire.media.eviction`) or a policy
+  class as
   `package.module:Class`. The container resolves it through its registry
   and hands the class in (`MediumContext.plugins["eviction"]`);
 - `save_threshold` (default 1): a block is saved only once it was offered
@@ -92,7 +94,7 @@ class CPUPoolMedium(Medium):
                 "eviction",
                 "lru",
                 _eviction_policy_name,
-                "an eviction policy's name (lru, s3fifo, arc, or another that kvwire "
+                "an eviction policy's name (lru, s3fifo, arc, kvfifo, or another that kvwire "
                 "connectors lists) or 'package.module:Class'",
                 plugin="eviction_policies",
             ),

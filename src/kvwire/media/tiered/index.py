@@ -32,7 +32,8 @@ index places nothing.
 
 Lookups may run on a lookup thread (`concurrent_lookups`): the pool's
 count only reads its slot table (a stale answer is caught when the load is
-prepared), and a tier whose own index does not allow it is left out of a
+prepared) and, for a policy that takes the hint, notes where the prompt
+ends under a lock of its own, and a tier whose own index does not allow it is left out of a
 lookup made off the scheduler's thread.
 """
 
@@ -348,7 +349,7 @@ class TieredIndex(MediumIndex):
     def _where(self, group: int, block_hash: BlockHash, found_in: int | None) -> tuple[Place, int]:
         """Where a block to load is now, and the tier it comes from (0: the pool or none)."""
         pool = self.pool
-        if pool.count_held_prefix(group, (block_hash,)):
+        if pool.ready(group, block_hash):
             return Place.POOL, 0
         arriving_from = self._arriving_from.get((group, block_hash))
         if arriving_from is not None and pool.arriving(group, block_hash):
