@@ -5,6 +5,7 @@ Start a peer engine process, have it generate, stop, kill or stall it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -87,8 +89,12 @@ def prompts(seed: int, num_requests: int = 4, prompt_len: int = 30) -> list[Gene
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Importing torch and starting NIXL on two loaded cores took over 120 s once, in a
 # make test run beside other work: the bound only keeps a stuck peer from hanging.
-_START_TIMEOUT_S = 300.0
-_REPLY_TIMEOUT_S = 300.0
+# Below pytest's own timeout (300 s), so that a peer past it is reported with
+# where each of its processes waited, not cut off by pytest without a word.
+_START_TIMEOUT_S = 240.0
+_REPLY_TIMEOUT_S = 240.0
+# How much of a peer's log a timeout shows: the tracebacks its processes printed.
+_LOG_TAIL_CHARS = 12_000
 
 
 class PeerProcess:
@@ -98,14 +104,21 @@ class PeerProcess:
         self.settings = settings
         # The tests' own path after the root's: the process imports the same kvwire as the tests.
         path = [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        # Fault handlers on: a SIGABRT makes every process of the peer (its engine's
+        # worker processes too) print where each of its threads is, into its log.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONFAULTHANDLER": "1"}
+        # Closed by stop(): it lives as long as the process, beyond any one block.
+        self._log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        # A session of its own: its worker processes are its process group, ended with it.
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tests.support.processes.peer", json.dumps(settings)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self._log,
             cwd=_ROOT,
             env=env,
             text=True,
+            start_new_session=True,
         )
         assert self._read(_START_TIMEOUT_S) == {"ready": True}
 
@@ -125,8 +138,10 @@ class PeerProcess:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.kill()
-                raise TimeoutError(f"the peer process said nothing within {timeout_s} s")
+                raise TimeoutError(
+                    f"the peer process said nothing within {timeout_s} s; its log (each "
+                    f"process's threads where they waited) ends:\n{self._abort()}"
+                )
             ready, _, _ = select.select([self._process.stdout], [], [], left)
             if ready:
                 line = self._process.stdout.readline()
@@ -154,13 +169,38 @@ class PeerProcess:
         os.kill(self._process.pid, signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL: no shutdown, its directory entries and record left behind."""
-        self._process.kill()
+        """SIGKILL, to it and its worker processes: no shutdown, its directory entries and
+        record left behind."""
+        self._signal_group(signal.SIGKILL)
         self._process.wait(30)
 
+    def log(self) -> str:
+        """What its processes wrote to stderr, the last `_LOG_TAIL_CHARS` of it."""
+        self._log.seek(0)
+        return self._log.read()[-_LOG_TAIL_CHARS:]
+
+    def _abort(self) -> str:
+        """Have every process of the peer print its threads' tracebacks and end; its log."""
+        self.resume()
+        self._signal_group(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(30)
+        self.kill()
+        return self.log()
+
+    def _signal_group(self, signum: int) -> None:
+        # ProcessLookupError: the whole group has ended already.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signum)
+
     def stop(self) -> None:
-        if self._process.poll() is not None:
-            return
+        try:
+            if self._process.poll() is None:
+                self._quit()
+        finally:
+            self._log.close()
+
+    def _quit(self) -> None:
         self.resume()
         assert self._process.stdin is not None
         try:
