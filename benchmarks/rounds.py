@@ -65,6 +65,11 @@ def interleaved(
     return rounds
 
 
+def rounds_label(repeats: int) -> str:
+    """``1 interleaved round``, ``3 interleaved rounds``: how a table names its rounds."""
+    return f"{repeats} interleaved round{'' if repeats == 1 else 's'}"
+
+
 def spread(values: Sequence[float | None]) -> dict[str, float] | None:
     """The median of the values and their range (``min``, ``max``), or None if there are none.
 

@@ -69,7 +69,15 @@ from typing import Any
 import attrs
 
 from benchmarks.common import MIB, pyplot, write_json
-from benchmarks.rounds import agreed, agreed_cell, default_repeats, interleaved, spread, spread_cell
+from benchmarks.rounds import (
+    agreed,
+    agreed_cell,
+    default_repeats,
+    interleaved,
+    rounds_label,
+    spread,
+    spread_cell,
+)
 
 # hidden 256 / 4 heads = heads of 64; KV per token: 2 x 16 layers x 4 heads x 64 x 4 bytes.
 MODEL_SHAPE = {
@@ -767,7 +775,7 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
 def table(summary: dict[str, Any]) -> str:
     """The README's table: the median over the rounds and its range; per-seed counts by round."""
     lines = [
-        f"{summary['repeats']} interleaved rounds (every configuration once a round on a fresh "
+        f"{rounds_label(summary['repeats'])} (every configuration once a round on a fresh "
         "server, the limit in each; round r uses seed r): the median over the rounds "
         "(min-max), each ratio against its own round's limit; computed prompt tokens of "
         "each round (`/` between); outputs = limit's checked in every round.",

@@ -75,7 +75,15 @@ import attrs
 
 from benchmarks import tiers
 from benchmarks.common import MIB, pyplot, write_json
-from benchmarks.rounds import agreed, agreed_cell, default_repeats, interleaved, spread, spread_cell
+from benchmarks.rounds import (
+    agreed,
+    agreed_cell,
+    default_repeats,
+    interleaved,
+    rounds_label,
+    spread,
+    spread_cell,
+)
 from benchmarks.serve import (
     CLIENT_FIGURES,
     MODEL_SHAPE,
@@ -901,7 +909,7 @@ def table(summary: dict[str, Any]) -> str:
         f"{facts['block_accesses']} block accesses, {facts['distinct_blocks']} distinct blocks "
         f"of {summary['block_size']} tokens; vLLM's cache {facts['vllm_cache_blocks']} blocks, "
         f"every CPU pool {summary['workload']['primary_blocks']} blocks "
-        f"({summary['primary_mib']:.0f} MiB). {repeats} interleaved rounds (every "
+        f"({summary['primary_mib']:.0f} MiB). {rounds_label(repeats)} (every "
         "configuration once a round, the limit in each); req/s and TTFT are the median "
         "over the rounds (min-max), each ratio against its own round's limit; counts "
         "are the same in every round unless marked. Hit rates are over every block asked "

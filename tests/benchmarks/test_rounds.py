@@ -12,6 +12,7 @@ from benchmarks.rounds import (
     default_repeats,
     interleaved,
     positive_int,
+    rounds_label,
     spread,
     spread_cell,
 )
@@ -45,6 +46,11 @@ def test_a_figure_that_must_not_move_is_shown_once_or_each_round_marked() -> Non
     assert agreed_cell(agreed([27684.0, 27684.0]), ".0f") == "27684"
     assert agreed_cell(agreed([27684.0, 26564.0]), ".0f") == "27684 / 26564 (differ)"
     assert agreed([{"CPU": 1}, {"CPU": 1}]) == {"same": True, "rounds": [{"CPU": 1}] * 2}
+
+
+def test_a_table_names_one_round_or_several() -> None:
+    assert rounds_label(1) == "1 interleaved round"
+    assert rounds_label(3) == "3 interleaved rounds"
 
 
 def test_repeats_default_to_three_full_and_two_quick_and_refuse_less_than_one() -> None:
