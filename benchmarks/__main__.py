@@ -13,6 +13,8 @@ import json
 import pathlib
 import sys
 
+from benchmarks.rounds import FULL_REPEATS, QUICK_REPEATS, positive_int
+
 BENCHMARKS = (
     "engine",
     "connectors",
@@ -32,6 +34,8 @@ BENCHMARKS = (
 )
 # These need vLLM, which lives in its own venv (.venv-vllm): run them by name there.
 NEEDS_VLLM = ("vllm", "serve", "serve-chunked", "serve-tp2", "serve-tiers")
+# These run their configurations in interleaved rounds (benchmarks.rounds): --repeats is theirs.
+INTERLEAVED = ("serve", "serve-chunked", "serve-tp2", "serve-tiers")
 DEFAULT_BENCHMARKS = tuple(
     name
     for name in BENCHMARKS
@@ -44,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(DEFAULT_BENCHMARKS))
     parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        help=(
+            f"rounds of every configuration in the serving benchmarks ({', '.join(INTERLEAVED)}); "
+            f"default {FULL_REPEATS}, {QUICK_REPEATS} with --quick"
+        ),
+    )
+    parser.add_argument(
         "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
     )
     args = parser.parse_args(argv)
@@ -52,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only:
         module = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
         print(f"== {name}", flush=True)
-        summary[name] = module.run(args.output_dir, args.quick)
+        if name in INTERLEAVED:
+            summary[name] = module.run(args.output_dir, args.quick, repeats=args.repeats)
+        else:
+            summary[name] = module.run(args.output_dir, args.quick)
     # A run of some benchmarks (--only, or vllm from its own venv) updates
     # their entries and keeps the others' from earlier runs.
     summary_path = args.output_dir / "summary.json"

@@ -20,17 +20,20 @@ Each server is driven by vLLM's own client, ``vllm bench serve`` (the code
 that command runs, ``vllm.benchmarks.serve``, in a process of its own), on
 its ``prefix_repetition`` dataset: ``num_prefixes`` prefixes of
 ``prefix_len`` tokens, each followed by a random suffix, shuffled, at a fixed
-concurrency, greedy. Each configuration runs ``RUNS`` times; run ``r`` uses
-seed ``r`` for every configuration, so every configuration gets the same
-requests in each run, and a run's prefixes are new to every server (nothing
-stored by the run before is reused). Every server gets the same core pinning:
+concurrency, greedy. The configurations run in interleaved rounds
+(:mod:`benchmarks.rounds`: ``--repeats``, 3 by default, 2 with ``--quick``),
+every configuration once a round, the limit among them, each on a fresh
+server over empty stores; round ``r`` uses seed ``r`` for every
+configuration, so every configuration gets the same requests in a round,
+and each is set against that round's limit. Every server gets the same core pinning:
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, the model on one core (without it, vLLM
 reserves a second core only when a connector is configured). Reported: the
 client's request and token throughput, mean / median / P99 TTFT and TPOT and
 failed requests; from each server's ``/metrics``, before and after each run,
 its prompt tokens by source (computed, local prefix cache, loaded by the
 connector) and kvwire's counters; each run's throughput and TTFT over the
-limit's in the same run; and whether its greedy outputs equal the limit's.
+limit's of the same round, and their median and range over the rounds; and
+whether its greedy outputs equal the limit's (checked in every round).
 
 The fleet: two servers, one core each (``VLLM_CPU_OMP_THREADS_BIND``), over
 one Redis server (and, separately, one shared-storage directory), the
@@ -66,6 +69,15 @@ from typing import Any
 import attrs
 
 from benchmarks.common import MIB, pyplot, write_json
+from benchmarks.rounds import (
+    agreed,
+    agreed_cell,
+    default_repeats,
+    interleaved,
+    rounds_label,
+    spread,
+    spread_cell,
+)
 
 # hidden 256 / 4 heads = heads of 64; KV per token: 2 x 16 layers x 4 heads x 64 x 4 bytes.
 MODEL_SHAPE = {
@@ -77,7 +89,6 @@ MODEL_SHAPE = {
     "num_key_value_heads": 4,
 }
 KV_BYTES_PER_TOKEN = 2 * 16 * 4 * 64 * 4
-RUNS = 2
 STARTUP_DEADLINE_S = 300
 CLIENT_DEADLINE_S = 900
 LIMIT = "the limit: vLLM, KV cache for everything"
@@ -122,9 +133,10 @@ class Workload:
     def prefix_kv_bytes(self) -> int:
         return self.num_prefixes * self.prefix_len * KV_BYTES_PER_TOKEN
 
-    def store_bytes(self, runs: int) -> int:
-        """Room for every block of ``runs`` runs, a quarter more for headers and rounding."""
-        return self.tokens_per_run * KV_BYTES_PER_TOKEN * runs * 5 // 4
+    @property
+    def store_bytes(self) -> int:
+        """Room for every block of one run, a quarter more for headers and rounding."""
+        return self.tokens_per_run * KV_BYTES_PER_TOKEN * 5 // 4
 
 
 # vLLM's cache (8192 tokens) holds the 4 requests running at once (4 x 1072 tokens) and
@@ -143,8 +155,11 @@ FULL = Workload(
 QUICK = attrs.evolve(FULL, num_prefixes=8, num_prompts=24, kv_cache_bytes=160 * MIB)
 
 
-def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
-    return measure_serving(output_dir, QUICK if quick else FULL, SINGLE, FLEET, "serve")
+def run(output_dir: pathlib.Path, quick: bool, repeats: int | None = None) -> dict[str, Any]:
+    workload = QUICK if quick else FULL
+    return measure_serving(
+        output_dir, workload, SINGLE, FLEET, "serve", default_repeats(quick, repeats)
+    )
 
 
 def measure_serving(
@@ -153,8 +168,10 @@ def measure_serving(
     single_names: Sequence[str],
     fleet_names: Sequence[str],
     name: str,
+    repeats: int,
 ) -> dict[str, Any]:
-    """Run each configuration named (the limit among them); write ``<name>.json/.md/.png``."""
+    """Run each configuration named (the limit among them) in ``repeats`` interleaved rounds;
+    write ``<name>.json/.md/.png``."""
     try:
         import vllm  # noqa: F401
     except ImportError as error:
@@ -176,11 +193,18 @@ def measure_serving(
         model = build_model(root / "model", MODEL_SHAPE)
         with redis_server() as redis_url:
             bench = Bench(model, workload, root, redis_url, client)
-            single = {config: bench.single(config) for config in single_names}
-            fleet = {config: bench.fleet(config) for config in fleet_names}
+
+            def measure(config: str, seed: int, _: Mapping[str, Any]) -> dict[str, Any]:
+                if config in fleet_names:
+                    return bench.fleet(config, seed)
+                return bench.single(config, seed)
+
+            rounds = interleaved([*single_names, *fleet_names], repeats, measure)
     finally:
         client.close()
         shutil.rmtree(scratch, ignore_errors=True)
+    single = {config: [results[config] for results in rounds] for config in single_names}
+    fleet = {config: [results[config] for results in rounds] for config in fleet_names}
     summary = summarize(workload, single, fleet)
     summary["seconds"] = round(time.monotonic() - started)
     write_json(output_dir, f"{name}.json", summary)
@@ -206,10 +230,11 @@ class Bench:
         self.scratch = scratch
         self.redis_url = redis_url
 
-    def single(self, name: str) -> list[dict[str, Any]]:
+    def single(self, name: str, seed: int) -> dict[str, Any]:
+        """One round of a configuration: a fresh server over empty stores, the round's seed."""
         print(f"  {name}", flush=True)
         kv_cache_bytes = (
-            self.workload.store_bytes(RUNS) if name == LIMIT else self.workload.kv_cache_bytes
+            self.workload.store_bytes if name == LIMIT else self.workload.kv_cache_bytes
         )
         transfer = self.transfer_config(name, name.replace(" ", "-").replace(":", ""))
         env = (
@@ -219,10 +244,14 @@ class Bench:
             else {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         )
         spec = ServerSpec(self.server_args(kv_cache_bytes, transfer), env, self.log(name))
-        with vllm_servers([spec]) as (url,):
-            return [self.measure(name, [url], url, seed) for seed in range(RUNS)]
+        try:
+            with vllm_servers([spec]) as (url,):
+                return self.measure(name, [url], url, seed)
+        finally:
+            self.empty_stores()
 
-    def fleet(self, name: str) -> list[dict[str, Any]]:
+    def fleet(self, name: str, seed: int) -> dict[str, Any]:
+        """One round of a fleet: fresh servers over empty stores, the round's seed."""
         print(f"  {name}", flush=True)
         medium = name.rpartition(", ")[2]
         transfer = None if name == FLEET_NONE else self.transfer_config(medium, "fleet")
@@ -235,8 +264,23 @@ class Bench:
             )
             for core in range(2)
         ]
-        with vllm_servers(specs) as urls, round_robin_proxy(urls) as proxy:
-            return [self.measure(name, urls, proxy, seed) for seed in range(RUNS)]
+        try:
+            with vllm_servers(specs) as urls, round_robin_proxy(urls) as proxy:
+                return self.measure(name, urls, proxy, seed)
+        finally:
+            self.empty_stores()
+
+    @property
+    def stores(self) -> pathlib.Path:
+        """Where every configuration's directory store lives, emptied after each server."""
+        return self.scratch / "stores"
+
+    def empty_stores(self) -> None:
+        """Nothing a round saved is found by the next: directories removed, Redis flushed."""
+        import redis
+
+        shutil.rmtree(self.stores, ignore_errors=True)
+        redis.Redis.from_url(self.redis_url).flushdb()
 
     def server_args(self, kv_cache_bytes: int, transfer: dict[str, Any] | None) -> list[str]:
         ranks = self.workload.tensor_parallel_size
@@ -262,13 +306,13 @@ class Bench:
                 "kv_connector": "ExampleConnector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"shared_storage_path": str(self.scratch / "example")},
+                "kv_connector_extra_config": {"shared_storage_path": str(self.stores / "example")},
             }
         import yaml
 
         from kvwire.config.profile import shipped_profile_path
 
-        store_mib = f"{-(-self.workload.store_bytes(RUNS) // MIB)}MiB"
+        store_mib = f"{-(-self.workload.store_bytes // MIB)}MiB"
         medium, _, variant = name.removeprefix("kvwire ").partition(", ")
         file = {"CPU offload": "cpu-offload", "shared storage": "shared-storage", "Redis": "redis"}
         profile = yaml.safe_load(shipped_profile_path(file[medium]).read_text())
@@ -280,7 +324,7 @@ class Bench:
         if medium == "CPU offload":
             options["cpu_pool_bytes"] = store_mib
         elif medium == "shared storage":
-            options["shared_storage_path"] = str(self.scratch / directory)
+            options["shared_storage_path"] = str(self.stores / directory)
         else:
             options["url"] = self.redis_url
             options["key_prefix"] = f"kvwire-{directory}:"
@@ -617,7 +661,8 @@ def summarize(
     single: Mapping[str, list[dict[str, Any]]],
     fleet: Mapping[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """Each configuration's runs, each run against the limit's run of the same seed."""
+    """Each configuration's rounds, each against the limit's round (the same seed), and the
+    median and range of the ratios over the rounds (``spread``)."""
     limit = single[LIMIT]
     configurations: dict[str, Any] = {}
     for name, runs in {**single, **fleet}.items():
@@ -664,62 +709,96 @@ def summarize(
             if medium in configurations:  # one server of the same medium, the same requests
                 one = configurations[medium][index]["computed_prompt_tokens"]
                 row["computed_vs_one_server"] = round(row["computed_prompt_tokens"] / one, 3)
+    spreads = {
+        name: {
+            key: spread([row[key] for row in rows])
+            for key in SPREAD_KEYS
+            if all(key in row for row in rows)
+        }
+        for name, rows in configurations.items()
+    }
+    checks = {
+        name: {"outputs_equal_limit": agreed([row["outputs_equal_limit"] for row in rows])}
+        for name, rows in configurations.items()
+    }
     return {
         "model": MODEL_SHAPE,
         "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
         "workload": attrs.asdict(workload),
         "prefix_kv_mib": workload.prefix_kv_bytes / MIB,
         "kv_cache_mib": workload.kv_cache_bytes / MIB,
-        "runs": RUNS,
+        "repeats": len(limit),
         "configurations": configurations,
+        "spread": spreads,
+        "checks": checks,
     }
 
 
+# Each round's figures whose median and range over the rounds are reported.
+SPREAD_KEYS = (
+    "request_throughput",
+    "total_token_throughput",
+    "throughput_vs_limit",
+    "mean_ttft_ms",
+    "mean_ttft_vs_limit",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "p99_ttft_vs_limit",
+    "mean_tpot_ms",
+    "p99_tpot_ms",
+    "throughput_vs_fleet_without_kvwire",
+)
+
+
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
-    """Per configuration: each run's req/s, mean TTFT and ratios to the limit, failures."""
+    """Per configuration: the median and range over the rounds of req/s, TTFT and the ratios
+    to the limit; each round's failures and computed tokens."""
     return {
-        name: [
-            {
-                key: row[key]
+        name: {
+            **{
+                key: summary["spread"][name][key]
                 for key in (
                     "request_throughput",
                     "mean_ttft_ms",
                     "p99_ttft_ms",
                     "throughput_vs_limit",
-                    "failed",
-                    "computed_prompt_tokens",
+                    "mean_ttft_vs_limit",
                 )
-            }
-            for row in rows
-        ]
+            },
+            "failed": [row["failed"] for row in rows],
+            "computed_prompt_tokens": [row["computed_prompt_tokens"] for row in rows],
+        }
         for name, rows in summary["configurations"].items()
     }
 
 
 def table(summary: dict[str, Any]) -> str:
-    """The README's table: each run's figures, ``/`` between runs."""
-
-    def runs(rows: list[dict[str, Any]], key: str, form: str) -> str:
-        return " / ".join(format(row[key], form) for row in rows)
-
+    """The README's table: the median over the rounds and its range; per-seed counts by round."""
     lines = [
-        "| configuration | req/s | tok/s | vs limit | mean TTFT ms | median | P99 | "
+        f"{rounds_label(summary['repeats'])} (every configuration once a round on a fresh "
+        "server, the limit in each; round r uses seed r): the median over the rounds "
+        "(min-max), each ratio against its own round's limit; computed prompt tokens of "
+        "each round (`/` between); outputs = limit's checked in every round.",
+        "",
+        "| configuration | req/s | tok/s | vs limit | mean TTFT ms | vs limit | median | P99 | "
         "mean TPOT ms | P99 TPOT | failed | computed prompt tokens | outputs = limit's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in summary["configurations"].items():
+        spreads = summary["spread"][name]
         cells = [
-            runs(rows, "request_throughput", ".2f"),
-            runs(rows, "total_token_throughput", ".0f"),
-            runs(rows, "throughput_vs_limit", ".2f"),
-            runs(rows, "mean_ttft_ms", ".0f"),
-            runs(rows, "median_ttft_ms", ".0f"),
-            runs(rows, "p99_ttft_ms", ".0f"),
-            runs(rows, "mean_tpot_ms", ".0f"),
-            runs(rows, "p99_tpot_ms", ".0f"),
-            runs(rows, "failed", "d"),
-            runs(rows, "computed_prompt_tokens", ".0f"),
-            " / ".join(row["outputs_equal_limit"] for row in rows),
+            spread_cell(spreads["request_throughput"], ".2f"),
+            spread_cell(spreads["total_token_throughput"], ".0f"),
+            spread_cell(spreads["throughput_vs_limit"], ".2f"),
+            spread_cell(spreads["mean_ttft_ms"], ".0f"),
+            spread_cell(spreads["mean_ttft_vs_limit"], ".2f"),
+            spread_cell(spreads["median_ttft_ms"], ".0f"),
+            spread_cell(spreads["p99_ttft_ms"], ".0f"),
+            spread_cell(spreads["mean_tpot_ms"], ".0f"),
+            spread_cell(spreads["p99_tpot_ms"], ".0f"),
+            " / ".join(format(row["failed"], "d") for row in rows),
+            " / ".join(format(row["computed_prompt_tokens"], ".0f") for row in rows),
+            agreed_cell(summary["checks"][name]["outputs_equal_limit"]),
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
@@ -731,23 +810,23 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
     names = list(configurations)
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.6))
     for axes, key, label in (
-        (throughput, "request_throughput", "requests/s (each run)"),
-        (ttft, "mean_ttft_ms", "mean TTFT, ms (each run)"),
+        (throughput, "request_throughput", "requests/s (median; ticks: each round)"),
+        (ttft, "mean_ttft_ms", "mean TTFT, ms (median; ticks: each round)"),
     ):
         for row_index, name in enumerate(names):
             values = [row[key] for row in configurations[name]]
             axes.barh(
                 row_index,
-                statistics.mean(values),
+                statistics.median(values),
                 color="#3f7fd9" if "kvwire" in name else "#999999",
             )
             axes.plot(values, [row_index] * len(values), "k|", markersize=12)
             axes.text(
                 max(values),
                 row_index,
-                f"  {statistics.mean(values):.2f}"
+                f"  {statistics.median(values):.2f}"
                 if key == "request_throughput"
-                else f"  {statistics.mean(values):.0f}",
+                else f"  {statistics.median(values):.0f}",
                 va="center",
                 fontsize=8,
             )

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from benchmarks.rounds import default_repeats
 from benchmarks.serve import ASYNC_LOAD, FULL, LIMIT, QUICK, measure_serving
 
 # vLLM's default for an online server (its --max-num-batched-tokens).
@@ -37,11 +38,13 @@ SINGLE = (
 )
 
 
-def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+def run(output_dir: pathlib.Path, quick: bool, repeats: int | None = None) -> dict[str, Any]:
     workload = attrs.evolve(
         QUICK if quick else FULL, max_num_batched_tokens=VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
     )
-    return measure_serving(output_dir, workload, SINGLE, (), "serve-chunked")
+    return measure_serving(
+        output_dir, workload, SINGLE, (), "serve-chunked", default_repeats(quick, repeats)
+    )
 
 
 if __name__ == "__main__":

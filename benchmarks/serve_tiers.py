@@ -75,6 +75,15 @@ import attrs
 
 from benchmarks import tiers
 from benchmarks.common import MIB, pyplot, write_json
+from benchmarks.rounds import (
+    agreed,
+    agreed_cell,
+    default_repeats,
+    interleaved,
+    rounds_label,
+    spread,
+    spread_cell,
+)
 from benchmarks.serve import (
     CLIENT_FIGURES,
     MODEL_SHAPE,
@@ -485,12 +494,14 @@ class Bench:
         self.client.close()
 
     def measure(self, config: Configuration) -> dict[str, Any]:
-        """One configuration: its figures, or ``status: failed`` and why."""
+        """One configuration on a fresh server and empty stores: its figures, or why it failed."""
         print(f"  {config.name}", flush=True)
         started = time.monotonic()
         log = self.scratch / f"server-{len(list(self.scratch.glob('server-*')))}.log"
         cache_blocks = self.limit_cache_blocks if config.kind == "limit" else self.vllm_cache_blocks
-        transfer = transfer_config(config, self.scratch, self.workload.primary_blocks)
+        # Each round starts from empty stores: nothing an earlier round saved is found.
+        stores = pathlib.Path(tempfile.mkdtemp(prefix="stores-", dir=self.scratch))
+        transfer = transfer_config(config, stores, self.workload.primary_blocks)
         spec = ServerSpec(
             server_args(self.model, cache_blocks, self.max_model_len, transfer),
             # The model on one core of its own, whatever the connector (as --only serve).
@@ -518,6 +529,8 @@ class Bench:
                 # The client may have been stopped (it overran) or be mid-run: a fresh one.
                 self.client.close()
                 self.client = BenchClient(self.scratch / f"client-{time.monotonic_ns()}.log")
+        finally:
+            shutil.rmtree(stores, ignore_errors=True)
         row["wall_seconds"] = round(time.monotonic() - started, 1)
         return row
 
@@ -604,16 +617,23 @@ def best_of(rows: Mapping[str, dict[str, Any]]) -> tuple[str, str] | None:
     return best["eviction"], best["write_policy"]
 
 
-def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+def run(output_dir: pathlib.Path, quick: bool, repeats: int | None = None) -> dict[str, Any]:
+    repeats = default_repeats(quick, repeats)
     if quick:
-        return measure_tiers(output_dir, QUICK, [c for c in CONFIGURATIONS if c.quick])
-    return measure_tiers(output_dir, FULL, CONFIGURATIONS)
+        return measure_tiers(output_dir, QUICK, [c for c in CONFIGURATIONS if c.quick], repeats)
+    return measure_tiers(output_dir, FULL, CONFIGURATIONS, repeats)
 
 
 def measure_tiers(
-    output_dir: pathlib.Path, workload: Workload, configurations: Sequence[Configuration]
+    output_dir: pathlib.Path,
+    workload: Workload,
+    configurations: Sequence[Configuration],
+    repeats: int,
 ) -> dict[str, Any]:
-    """Every configuration on the workload's trace; writes ``serve-tiers.json/.md/.png``."""
+    """Every configuration on the workload's trace, in ``repeats`` interleaved rounds.
+
+    Writes ``serve-tiers.json/.md/.png``.
+    """
     try:
         import vllm  # noqa: F401
     except ImportError as error:
@@ -643,31 +663,34 @@ def measure_tiers(
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"kvwire-bench-{NAME}-", dir=output_dir))
-    rows: dict[str, dict[str, Any]] = {}
+    by_name = {config.name: config for config in configurations}
     try:
         model = build_model(scratch / "model", SHAPE)
         dataset = scratch / "trace.jsonl"
         write_dataset(dataset, prompts, workload.output_len)
         check_tokenizer(model, prompts)
         bench = Bench(model, workload, dataset, scratch, facts)
+
+        def measure(name: str, _: int, earlier: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+            config = by_name[name]
+            if config.eviction == BEST:
+                picked = best_of(earlier)
+                if picked is None:
+                    return {
+                        "kind": config.kind,
+                        "status": "failed",
+                        "reason": "no save_threshold 1 tiered row ran to pick the best of",
+                    }
+                config = attrs.evolve(config, eviction=picked[0], write_policy=picked[1])
+            return bench.measure(config)
+
         try:
-            for config in configurations:
-                if config.eviction == BEST:
-                    picked = best_of(rows)
-                    if picked is None:
-                        rows[config.name] = {
-                            "kind": config.kind,
-                            "status": "failed",
-                            "reason": "no save_threshold 1 tiered row ran to pick the best of",
-                        }
-                        continue
-                    config = attrs.evolve(config, eviction=picked[0], write_policy=picked[1])
-                rows[config.name] = bench.measure(config)
+            rounds = interleaved(list(by_name), repeats, measure)
         finally:
             bench.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = summarize(workload, facts, rows)
+    summary = summarize(workload, facts, rounds)
     summary["seconds"] = round(time.monotonic() - started)
     write_json(output_dir, f"{NAME}.json", summary)
     (output_dir / f"{NAME}.md").write_text(table(summary))
@@ -713,9 +736,82 @@ def tier_hits(kind: str, by_tier: Mapping[str, Mapping[str, float]]) -> list[flo
 
 
 def summarize(
-    workload: Workload, facts: dict[str, Any], rows: Mapping[str, dict[str, Any]]
+    workload: Workload, facts: dict[str, Any], rounds: Sequence[Mapping[str, dict[str, Any]]]
 ) -> dict[str, Any]:
-    """Each configuration's figures, set against the limit's and Belady's."""
+    """Each configuration's figures over the rounds, set against the limit's and Belady's.
+
+    Every round's figures are kept (``rounds``); the ratios to the limit are
+    each round's against that round's limit, given as their median and range;
+    the figures that must not move between rounds (tokens, hits, bytes,
+    outputs) are checked (:func:`benchmarks.rounds.agreed`).
+    """
+    per_round = [summarize_round(facts, rows) for rows in rounds]
+    configurations = {
+        name: over_rounds([entries[name] for entries in per_round]) for name in per_round[0]
+    }
+    # The prompts line up with vLLM's blocks, and its cache is modelled right, when these
+    # measured counts equal the trace's.
+    for fact, name, key in (
+        ("limit_computed_tokens_measured", LIMIT, "computed_prompt_tokens"),
+        ("prompt_tokens_measured", LIMIT, "prompt_tokens"),
+        ("no_connector_computed_tokens_measured", NO_CONNECTOR, "computed_prompt_tokens"),
+    ):
+        measured = [entries[name][key] for entries in per_round if entries.get(name, {}).get(key)]
+        if measured:
+            facts[fact] = agreed(measured)
+    return {
+        "model": SHAPE,
+        "block_size": BLOCK_SIZE,
+        "kv_bytes_per_block": BLOCK_BYTES,
+        "workload": attrs.asdict(workload),
+        "primary_mib": pool_bytes(workload.primary_blocks) / MIB,
+        "repeats": len(rounds),
+        "trace": facts,
+        "configurations": configurations,
+    }
+
+
+# Ratios to the round's limit: their median and range over the rounds.
+SPREAD_KEYS = ("request_throughput_vs_limit", "output_throughput_vs_limit", "mean_ttft_vs_limit")
+# The client's own figures: their median and range over the rounds.
+CLIENT_SPREAD_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms")
+# Figures of the same trace on a fresh server that must be the same in every round.
+AGREED_KEYS = (
+    "computed_prompt_tokens",
+    "loaded_tokens",
+    "hit_blocks",
+    "mib_written",
+    "load_error_blocks",
+    "outputs_equal_limit",
+)
+
+
+def over_rounds(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rounds in one entry: the first good round's counters, the ratios'
+    median and range, the checks of what must agree, and every round as it was."""
+    good = [entry for entry in entries if entry["status"] == "ok"]
+    if not good:
+        return {**entries[0], "rounds": list(entries)}
+    combined = {
+        **good[0],
+        "failed_rounds": len(entries) - len(good),
+        "rounds": list(entries),
+    }
+    for key in SPREAD_KEYS:
+        combined[key] = spread([entry.get(key) for entry in good])
+    combined["client_spread"] = {
+        key: spread([entry["client"][key] for entry in good]) for key in CLIENT_SPREAD_KEYS
+    }
+    combined["checks"] = {
+        key: agreed([entry[key] for entry in good]) for key in AGREED_KEYS if key in good[0]
+    }
+    return combined
+
+
+def summarize_round(
+    facts: Mapping[str, Any], rows: Mapping[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """One round's configurations, each set against that round's limit and Belady's."""
     limit = rows.get(LIMIT, {})
     limit_ok = limit.get("status") == "ok"
     configurations: dict[str, Any] = {}
@@ -744,11 +840,15 @@ def summarize(
             )
             entry["outputs_equal_limit"] = f"{same}/{len(limit['generated_texts'])}"
         entry["computed_prompt_tokens"] = server.get("prompt_tokens_local_compute", 0)
+        entry["prompt_tokens"] = server.get("prompt_tokens", 0)
         entry["vllm_cache_hit_tokens"] = server.get("prompt_tokens_local_cache_hit", 0)
         entry["loaded_tokens"] = server.get("prompt_tokens_external_kv_transfer", 0)
         by_tier = tier_counters(server, row["kind"])
         entry["tiers"] = by_tier
         entry["hit_blocks"] = dict(zip(by_tier, tier_hits(row["kind"], by_tier), strict=True))
+        entry["mib_written"] = {
+            label: round(tier.get("bytes_saved", 0) / MIB, 1) for label, tier in by_tier.items()
+        }
         entry["load_error_blocks"] = sum(tier.get("load_errors", 0) for tier in by_tier.values())
         if row["kind"] in POOLED_KINDS:
             primary_hits = next(iter(entry["hit_blocks"].values()))
@@ -766,24 +866,7 @@ def summarize(
             / BLOCK_SIZE
             / facts["block_accesses"]
         )
-    # The prompts line up with vLLM's blocks, and its cache is modelled right, when these
-    # measured counts equal the trace's.
-    if limit_ok:
-        facts["limit_computed_tokens_measured"] = configurations[LIMIT]["computed_prompt_tokens"]
-        facts["prompt_tokens_measured"] = limit["server"].get("prompt_tokens", 0)
-    if rows.get(NO_CONNECTOR, {}).get("status") == "ok":
-        facts["no_connector_computed_tokens_measured"] = configurations[NO_CONNECTOR][
-            "computed_prompt_tokens"
-        ]
-    return {
-        "model": SHAPE,
-        "block_size": BLOCK_SIZE,
-        "kv_bytes_per_block": BLOCK_BYTES,
-        "workload": attrs.asdict(workload),
-        "primary_mib": pool_bytes(workload.primary_blocks) / MIB,
-        "trace": facts,
-        "configurations": configurations,
-    }
+    return configurations
 
 
 def ratio(ours: float, theirs: float) -> float | None:
@@ -791,7 +874,8 @@ def ratio(ours: float, theirs: float) -> float | None:
 
 
 def headline(summary: dict[str, Any]) -> dict[str, Any]:
-    """Per configuration: throughput over the limit's, computed tokens, primary over Belady."""
+    """Per configuration: throughput and TTFT over the limit's (median and range over the
+    rounds), computed tokens, primary over Belady."""
     return {
         name: (
             {
@@ -802,6 +886,7 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
                     "computed_prompt_tokens",
                     "primary_hit_rate",
                     "primary_of_belady",
+                    "failed_rounds",
                 )
             }
             if row["status"] == "ok"
@@ -815,54 +900,66 @@ def cell(value: Any, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
-def with_ratio(value: float, form: str, to_limit: float | None) -> str:
-    return f"{value:{form}} ({cell(to_limit, '.2f')})"
-
-
 def table(summary: dict[str, Any]) -> str:
-    """The README's table: one row a configuration, ratios to the limit in brackets."""
+    """The README's table: one row a configuration, the median over the rounds and its range."""
     facts = summary["trace"]
+    repeats = summary["repeats"]
     lines = [
         f"{facts['requests']} requests in the trace's order, one at a time; "
         f"{facts['block_accesses']} block accesses, {facts['distinct_blocks']} distinct blocks "
         f"of {summary['block_size']} tokens; vLLM's cache {facts['vllm_cache_blocks']} blocks, "
         f"every CPU pool {summary['workload']['primary_blocks']} blocks "
-        f"({summary['primary_mib']:.0f} MiB). Hit rates are over every block asked for: "
-        f"Belady's at the pool's size {facts['belady_primary_hit_rate']:.3f} on every block, "
-        f"{facts['belady_primary_behind_vllm_hit_rate']:.3f} on those vLLM's cache misses; "
-        f"vLLM's cache alone {facts['vllm_cache_hit_rate']:.3f}; every reuse "
+        f"({summary['primary_mib']:.0f} MiB). {rounds_label(repeats)} (every "
+        "configuration once a round, the limit in each); req/s and TTFT are the median "
+        "over the rounds (min-max), each ratio against its own round's limit; counts "
+        "are the same in every round unless marked. Hit rates are over every block asked "
+        f"for: Belady's at the pool's size {facts['belady_primary_hit_rate']:.3f} on every "
+        f"block, {facts['belady_primary_behind_vllm_hit_rate']:.3f} on those vLLM's cache "
+        f"misses; vLLM's cache alone {facts['vllm_cache_hit_rate']:.3f}; every reuse "
         f"{facts['reuse_hit_rate']:.3f}.",
         "",
-        "| configuration | req/s (vs limit) | output tok/s (vs limit) | mean TTFT ms (vs limit) "
+        "| configuration | req/s | vs limit | mean TTFT ms | vs limit "
         "| computed prompt tokens | loaded tokens | hit blocks: primary / tier 1 "
         "| primary hit rate | of Belady | of Belady behind vLLM's cache "
-        "| MiB written: primary / tier 1 | load errors (blocks) | outputs = limit's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MiB written: primary / tier 1 | load errors (blocks) | outputs = limit's "
+        "| failed rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["configurations"].items():
         if row["status"] != "ok":
             lines.append(f"| {name} | failed: {row.get('reason', '?')[:100]} |")
             continue
-        client = row["client"]
-        by_tier = list(row["tiers"].values())
-        hits = list(row["hit_blocks"].values())
-        written = [f"{tier.get('bytes_saved', 0) / MIB:.1f}" for tier in by_tier]
+        checks = row["checks"]
+        client = row["client_spread"]
         cells = [
-            with_ratio(client["request_throughput"], ".2f", row.get("request_throughput_vs_limit")),
-            with_ratio(client["output_throughput"], ".1f", row.get("output_throughput_vs_limit")),
-            with_ratio(client["mean_ttft_ms"], ".0f", row.get("mean_ttft_vs_limit")),
-            f"{row['computed_prompt_tokens']:.0f}",
-            f"{row['loaded_tokens']:.0f}",
-            " / ".join(f"{count:.0f}" for count in hits) or "-",
+            spread_cell(client["request_throughput"], ".2f"),
+            spread_cell(row.get("request_throughput_vs_limit"), ".2f"),
+            spread_cell(client["mean_ttft_ms"], ".0f"),
+            spread_cell(row.get("mean_ttft_vs_limit"), ".2f"),
+            agreed_cell(checks["computed_prompt_tokens"], ".0f"),
+            agreed_cell(checks["loaded_tokens"], ".0f"),
+            agreed_cell(tier_check(checks["hit_blocks"], ".0f")) or "-",
             cell(row.get("primary_hit_rate"), ".3f"),
             cell(row.get("primary_of_belady"), ".2f"),
             cell(row.get("primary_of_belady_behind_vllm"), ".2f"),
-            " / ".join(written) or "-",
-            f"{row['load_error_blocks']:.0f}",
-            row.get("outputs_equal_limit", "-"),
+            agreed_cell(tier_check(checks["mib_written"], ".1f")) or "-",
+            agreed_cell(checks["load_error_blocks"], ".0f"),
+            agreed_cell(checks["outputs_equal_limit"]) if "outputs_equal_limit" in checks else "-",
+            str(row["failed_rounds"]),
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
+
+
+def tier_check(check: Mapping[str, Any], form: str) -> dict[str, Any]:
+    """A check of per-tier figures as one of ``primary / tier 1`` strings per round."""
+    return {
+        "same": check["same"],
+        "rounds": [
+            " / ".join(format(value, form) for value in by_tier.values())
+            for by_tier in check["rounds"]
+        ],
+    }
 
 
 def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
@@ -879,7 +976,11 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
             "computed prompt tokens (dotted: the trace's distinct blocks)",
             [facts["limit_computed_tokens"]],
         ),
-        ("request_throughput_vs_limit", "requests/s over the limit's", [1.0]),
+        (
+            "request_throughput_vs_limit",
+            "requests/s over the limit's (median of the rounds; line: their range)",
+            [1.0],
+        ),
         (
             "primary_hit_rate",
             "CPU pool's hit rate (dotted: Belady's, behind vLLM's cache / on every block)",
@@ -889,6 +990,9 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
     for axes, (key, label, marks) in zip(panels, series, strict=True):
         for index, name in enumerate(names):
             value = rows[name].get(key)
+            if isinstance(value, dict):  # a ratio over rounds: its median, its range drawn
+                axes.plot([value["min"], value["max"]], [index, index], "k-", linewidth=1)
+                value = value["median"]
             if value is None:
                 continue
             tiered_row = rows[name]["kind"] == "tiered"

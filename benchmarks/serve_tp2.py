@@ -22,15 +22,18 @@ from typing import Any
 
 import attrs
 
+from benchmarks.rounds import default_repeats
 from benchmarks.serve import FULL, LIMIT, QUICK, measure_serving
 
 TENSOR_PARALLEL_SIZE = 2
 SINGLE = (LIMIT, "kvwire CPU offload", "kvwire shared storage", "kvwire Redis")
 
 
-def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
+def run(output_dir: pathlib.Path, quick: bool, repeats: int | None = None) -> dict[str, Any]:
     workload = attrs.evolve(QUICK if quick else FULL, tensor_parallel_size=TENSOR_PARALLEL_SIZE)
-    return measure_serving(output_dir, workload, SINGLE, (), "serve-tp2")
+    return measure_serving(
+        output_dir, workload, SINGLE, (), "serve-tp2", default_repeats(quick, repeats)
+    )
 
 
 if __name__ == "__main__":

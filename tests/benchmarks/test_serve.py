@@ -96,13 +96,30 @@ def test_a_fleet_is_set_against_one_server_of_its_kind_and_the_fleet_without_kvw
     assert [row["computed_vs_one_server"] for row in without] == [3.0, round(2800 / 900, 3)]
 
 
-def test_the_table_has_a_row_per_configuration_with_every_run() -> None:
+def test_the_table_gives_the_median_over_the_rounds_and_their_range() -> None:
     lines = serve.table(summary()).splitlines()
-    assert len(lines) == 2 + len(serve.SINGLE) + len(serve.FLEET)
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| config")]
+    assert len(rows) == len(serve.SINGLE) + len(serve.FLEET)
     redis = next(line for line in lines if line.startswith("| kvwire Redis |"))
-    assert "| 2.00 / 2.00 |" in redis
-    assert "| 0.50 / 0.40 |" in redis
-    assert "| 3/3 / 2/3 |" in redis
+    assert "| 2.00 (2.00-2.00) |" in redis
+    assert "| 0.45 (0.40-0.50) |" in redis
+    assert "| 1000 / 900 |" in redis
+    # Outputs must equal the limit's in every round: a round that differs shows.
+    assert "| 3/3 / 2/3 (differ) |" in redis
+    assert lines[0].startswith("2 interleaved rounds")
+
+
+def test_the_ratios_are_summed_up_by_their_median_and_range_each_round_kept() -> None:
+    result = summary()
+    redis = result["spread"]["kvwire Redis"]
+    assert redis["throughput_vs_limit"] == {"median": 0.45, "min": 0.4, "max": 0.5, "rounds": 2}
+    assert result["repeats"] == 2
+    assert len(result["configurations"]["kvwire Redis"]) == 2
+    assert result["checks"]["kvwire Redis"]["outputs_equal_limit"] == {
+        "same": False,
+        "rounds": ["3/3", "2/3"],
+    }
+    assert serve.headline(result)["kvwire Redis"]["throughput_vs_limit"]["median"] == 0.45
 
 
 def test_the_full_workload_does_not_fit_vllm_s_cache_but_its_running_requests_do() -> None:
@@ -124,7 +141,7 @@ def test_the_chunked_prefill_run_sets_the_media_against_its_own_limit_without_fl
     offload = summary["configurations"]["kvwire CPU offload"]
     assert [row["throughput_vs_limit"] for row in offload] == [0.75, 1.0]
     assert [row["mean_ttft_vs_limit"] for row in offload] == [1.2, 1.5]
-    assert len(serve.table(summary).splitlines()) == 2 + len(SINGLE)
+    assert len(serve.table(summary).splitlines()) == 4 + len(SINGLE)
 
 
 def a_bench(workload: serve.Workload, scratch: pathlib.Path) -> serve.Bench:

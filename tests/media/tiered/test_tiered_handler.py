@@ -197,8 +197,8 @@ def tiered(
         handler.close()
 
 
-def spill_of(block: int, slot: int) -> Spills:
-    return Spills((SpilledBlocks(0, (HASHES[block],), (slot,)),))
+def spill_of(block: int, slot: int, *, for_promotion: bool = False) -> Spills:
+    return Spills((SpilledBlocks(0, (HASHES[block],), (slot,), for_promotion),))
 
 
 def from_tier_1(*places: Place) -> TieredLoad:
@@ -239,12 +239,62 @@ def test_only_slots_whose_header_names_their_block_reach_a_tier(caches):
     with tiered(caches, write_through=True) as (handler, tier):
         handler.poll()  # block 1 is written through now
         # Slot 1 was never saved: its header names no block.
-        handler.begin_step(spill_of(block=3, slot=1))
+        handler.begin_step(spill_of(block=3, slot=1, for_promotion=True))
         deadline = time.monotonic() + 10
         while HASHES[1] not in tier.held and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.05)
         assert set(tier.held) == {HASHES[1]}
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+
+
+def test_a_spill_for_a_promotion_is_written_at_once_the_others_with_the_step_s_saves(caches):
+    with tiered(caches, write_through=False) as (handler, tier):
+        save(handler, 1, block=3, slot=1)
+        assert handler.wait([1], time.monotonic() + 10)
+        handler.begin_step(
+            Spills(
+                (
+                    SpilledBlocks(0, (HASHES[1],), (0,), for_promotion=False),
+                    SpilledBlocks(0, (HASHES[3],), (1,), for_promotion=True),
+                )
+            )
+        )
+        # Only the promotion's slot is written before the step's loads and forward pass.
+        assert [job.transfers[0].block_ids for job in tier._jobs.values()] == [(1,)]
+        save(handler, 2, block=2, slot=0)  # the step's save takes slot 0: its spill goes first
+        assert handler.wait([2], time.monotonic() + 10)
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert [job.transfers[0].block_ids for job in tier._jobs.values()] == [(1,), (0,)]
+
+
+def test_a_load_into_a_slot_a_held_spill_reads_submits_that_spill_first(caches):
+    with tiered(caches, write_through=False) as (handler, tier):
+        handler.begin_step(spill_of(block=1, slot=0))
+        assert not tier._jobs
+        # Block 1 comes back from the tier into slot 0, the slot its spill reads.
+        load = BlockTransfer(
+            request_id="r2",
+            block_ids=(5,),
+            block_hashes=(HASHES[1],),
+            slots=(0,),
+            payload=from_tier_1(Place.TIER),
+        )
+        handler.submit(TransferJob(7, TransferKind.LOAD, (load,)))
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = [r for r in handler.poll() if r.job_id == 7]
+        assert result.failed == frozenset()
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert same(block_of(caches, 5), block_of(caches, 1))
+
+
+def test_the_spills_held_are_written_when_the_next_step_begins(caches):
+    with tiered(caches, write_through=False) as (handler, tier):
+        handler.begin_step(spill_of(block=1, slot=0))
+        handler.begin_step(Spills(()))
+        deadline = time.monotonic() + 10
+        while HASHES[1] not in tier.held and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert same(tier.held[HASHES[1]], block_of(caches, 1))
 
 

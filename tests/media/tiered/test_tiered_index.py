@@ -132,6 +132,27 @@ def test_spill_writes_each_evicted_block_no_tier_holds_once():
     assert index.take_step_payload() is None
 
 
+def test_the_blocks_a_promotion_evicts_are_spilled_first_in_a_record_of_their_own():
+    tier = SetIndex(set(hashes(9)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
+    slot_of_1, slot_of_2 = saved(index, hashes(1)) + saved(index, hashes(2))
+    saved(index, hashes(3))  # evicts block 1 for a save
+    index.count_held_prefix(0, hashes(9))
+    spec = index.prepare_load(0, hashes(9))  # evicts block 2 to bring block 9 in
+    assert places(spec) == (TIER,)
+    assert spec.slots == (slot_of_2,)
+
+    # The promotion waits for the write of its own slot only: that write comes first.
+    assert index.take_step_payload() == Spills(
+        (
+            SpilledBlocks(0, tuple(hashes(2)), (slot_of_2,), for_promotion=True),
+            SpilledBlocks(0, tuple(hashes(1)), (slot_of_1,), for_promotion=False),
+        )
+    )
+    complete(index, spec, hashes(9))
+    assert index.take_step_payload() is None
+
+
 def test_write_through_marks_saved_blocks_held_by_the_tiers_so_eviction_spills_nothing():
     index = TieredIndex(2, 1, "cpu", tiers=[SetIndex(set())], write_through=True)
     saved(index, hashes(1, 2))

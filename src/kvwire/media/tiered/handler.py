@@ -24,7 +24,12 @@ tracks which pool slots each tier job uses until the tier reports it ended.
   block: verified by its header, so a read that failed fails this block too;
 - a step's spills (`begin_step` with `kvwire.media.tiered.index.Spills`) and
   a write-through (once a pool save job ended) write pool slots whose headers
-  name their blocks to every tier;
+  name their blocks to every tier. The spills of the slots the step's
+  promotions take are submitted at once, before the loads; the others are
+  held until a job that writes their slots is submitted (the step's saves,
+  after the forward pass) or the next step begins, so that their writes do
+  not contend with the step's loads and forward pass for the cores and the
+  GIL;
 - nothing writes a pool slot while a tier job uses it: a pool save (the
   pool's `before_writing_slots` hook), or a load into the slot, first waits
   for the tier jobs using it, at most `TIER_WRITE_WAIT_S`; a tier write
@@ -55,7 +60,14 @@ from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler, SlotsFilled
 from kvwire.media.jobs import JobLedger, JobPiece
 from kvwire.media.rate_limited import RateLimitedWarning
 from kvwire.media.shutdown import close_in_steps
-from kvwire.media.tiered.index import Place, Spills, TieredLoad, TierSpan, tier_prefix
+from kvwire.media.tiered.index import (
+    Place,
+    SpilledBlocks,
+    Spills,
+    TieredLoad,
+    TierSpan,
+    tier_prefix,
+)
 
 __all__ = ["TIER_WRITE_WAIT_S", "TieredTransferHandler"]
 
@@ -164,6 +176,8 @@ class TieredTransferHandler(TransferHandler):
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
+        # Spills not submitted yet: each before the next job that writes its slots.
+        self._held_spills: list[SpilledBlocks] = []
         # Pool slots a submitted load reads a tier's block into, each with an
         # event set once that read ended: a load sharing the block waits for it.
         self._arrivals: dict[int, threading.Event] = {}
@@ -193,6 +207,11 @@ class TieredTransferHandler(TransferHandler):
     # ------------------------------------------------------------- the calls
 
     def submit(self, job: TransferJob) -> None:
+        # A spill reads its slot before anything writes it again: submitted first.
+        if job.kind is TransferKind.SAVE:
+            self._submit_held_spills()
+        else:
+            self._submit_held_spills({slot for t in job.transfers for slot in t.slots})
         if self._write_through and job.kind is TransferKind.SAVE:
             self._saves[job.job_id] = job.transfers
         if job.kind is TransferKind.LOAD:
@@ -254,15 +273,35 @@ class TieredTransferHandler(TransferHandler):
         return self._pool.release_saves_reading(request_ids, block_ids)
 
     def begin_step(self, payload: TransferPayload) -> None:
-        """Write the step's spills (`Spills`) from their pool slots to the tiers; only submits."""
+        """Write the step's spills (`Spills`) from their pool slots to the tiers; only submits.
+
+        Those of the slots its promotions take go now; the others are held
+        until a job that writes their slots is submitted, or the next step.
+        """
         if not isinstance(payload, Spills):
             raise TypeError(
                 f"tiered offload: a step's payload is {type(payload).__name__}, expected Spills"
             )
+        self._submit_held_spills()
         for spilled in payload.groups:
-            self._write_to_tiers(
-                spilled.group, spilled.slots, spilled.block_hashes, "spilled_blocks"
-            )
+            if spilled.for_promotion:
+                self._spill(spilled)
+            else:
+                self._held_spills.append(spilled)
+
+    def _submit_held_spills(self, slots: Set[int] | None = None) -> None:
+        """Submit the held spills (those of any of `slots`; all when None), in order."""
+        if not self._held_spills:
+            return
+        held, self._held_spills = self._held_spills, []
+        for spilled in held:
+            if slots is None or not slots.isdisjoint(spilled.slots):
+                self._spill(spilled)
+            else:
+                self._held_spills.append(spilled)
+
+    def _spill(self, spilled: SpilledBlocks) -> None:
+        self._write_to_tiers(spilled.group, spilled.slots, spilled.block_hashes, "spilled_blocks")
 
     def _write_to_tiers(
         self,
@@ -412,7 +451,10 @@ class TieredTransferHandler(TransferHandler):
 
     def close(self, timeout_s: float = 30.0) -> None:
         """The pool's jobs end first (they may wait for the tiers), then each tier closes."""
-        steps = [("closing the pool", lambda: self._pool.close(timeout_s))]
+        steps = [
+            ("writing the spills held", self._submit_held_spills),
+            ("closing the pool", lambda: self._pool.close(timeout_s)),
+        ]
         steps += [(f"closing tier {tier.number}", tier.handler.close) for tier in self._tiers]
         close_in_steps(logger, "tiered offload: ", steps)
 

@@ -142,18 +142,29 @@ class TieredLoad(TransferPayload):
 
 @attrs.frozen
 class SpilledBlocks:
-    """Blocks of one KV cache group to write to the tiers, from their pool slots."""
+    """Blocks of one KV cache group to write to the tiers, from their pool slots.
+
+    `for_promotion`: evicted to give this step's promotions their slots, which
+    the step's loads write as soon as these writes have read them.
+    """
 
     group: int
     block_hashes: tuple[BlockHash, ...]
     slots: tuple[int, ...]
+    for_promotion: bool = False
 
 
 @attrs.frozen
 class Spills(TransferPayload):
-    """A step's payload: the blocks the pool evicted that no tier holds yet, one record per group.
+    """A step's payload: the blocks the pool evicted that no tier holds yet.
 
-    The worker writes each from its slot, before anything of the step writes the pool.
+    The worker writes each from its slot before anything writes that slot
+    again, one tier job per record, in order. The blocks evicted to give this
+    step's promotions their slots come first, each group's in a record of its
+    own (`for_promotion`), written before the step's loads: a promotion waits
+    for the writes of its own slots only, which the tiers start first. Then
+    one record per group of the others (slots the step's saves take), which
+    the worker writes when it submits those saves, after the forward pass.
     """
 
     groups: tuple[SpilledBlocks, ...]
@@ -220,12 +231,16 @@ class TieredIndex(MediumIndex):
         # Prepared loads not completed yet, by ticket: each block's tier (0: the pool;
         # None: missing).
         self._loads: dict[LoadTicket, tuple[int | None, ...]] = {}
+        # Blocks to spill (group, hash, slot): those evicted for a promotion, and the others.
+        self._promotion_spills: list[tuple[int, BlockHash, int]] = []
         self._spills: list[tuple[int, BlockHash, int]] = []
+        self._promoting = False
 
     def _evicted(self, group: int, block_hash: BlockHash, slot: int, clean: bool) -> None:
         """The pool's `on_evict`: with `spill`, a ready block no tier holds is written to them."""
         if not clean and not self._write_through:
-            self._spills.append((group, block_hash, slot))
+            spills = self._promotion_spills if self._promoting else self._spills
+            spills.append((group, block_hash, slot))
 
     # --------------------------------------------------------------- lookups
 
@@ -364,7 +379,12 @@ class TieredIndex(MediumIndex):
 
         Each run of blocks given a slot is one `TierSpan`, with its part of the tier's payload.
         """
-        taken = self.pool.start_promotion(group, span)
+        # Its evictions' spills are written first: this load waits for them (see Spills).
+        self._promoting = True
+        try:
+            taken = self.pool.start_promotion(group, span)
+        finally:
+            self._promoting = False
         spec = self._prepare_tier_load(number, group, span)
         if spec is None:
             self.pool.finish_promotion(
@@ -482,23 +502,18 @@ class TieredIndex(MediumIndex):
             self.pool.mark_clean(group, block_hashes)
 
     def take_step_payload(self) -> Spills | None:
-        """The blocks evicted that no tier holds, since the last call (`Spills`); None for none."""
-        if not self._spills:
+        """The blocks evicted that no tier holds, since the last call (`Spills`); None for none.
+
+        Those evicted for promotions first, in records of their own.
+        """
+        if not (self._promotion_spills or self._spills):
             return None
-        spills, self._spills = self._spills, []
-        by_group: dict[int, list[tuple[BlockHash, int]]] = {}
-        for group, block_hash, slot in spills:
-            by_group.setdefault(group, []).append((block_hash, slot))
-        return Spills(
-            tuple(
-                SpilledBlocks(
-                    group,
-                    tuple(block_hash for block_hash, _ in blocks),
-                    tuple(slot for _, slot in blocks),
-                )
-                for group, blocks in by_group.items()
-            )
+        records = (
+            *_by_group(self._promotion_spills, for_promotion=True),
+            *_by_group(self._spills, for_promotion=False),
         )
+        self._promotion_spills, self._spills = [], []
+        return Spills(records)
 
     # ------------------------------------------------------------- reporting
 
@@ -542,3 +557,21 @@ class TieredIndex(MediumIndex):
                 tier.close()
             except Exception:
                 logger.exception("tier %d: closing its index failed", number)
+
+
+def _by_group(
+    spills: Sequence[tuple[int, BlockHash, int]], *, for_promotion: bool
+) -> list[SpilledBlocks]:
+    """One record per group of these spills (group, hash, slot), in the order given."""
+    by_group: dict[int, list[tuple[BlockHash, int]]] = {}
+    for group, block_hash, slot in spills:
+        by_group.setdefault(group, []).append((block_hash, slot))
+    return [
+        SpilledBlocks(
+            group,
+            tuple(block_hash for block_hash, _ in blocks),
+            tuple(slot for _, slot in blocks),
+            for_promotion,
+        )
+        for group, blocks in by_group.items()
+    ]
