@@ -128,7 +128,85 @@ class LRUPolicy(EvictionPolicy):
         return None
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class _FIFOQueues(EvictionPolicy):
+    """What S3-FIFO and kvfifo share: a small and a main FIFO queue, each entry counting uses.
+
+    The small queue gives up entries while it holds `_small_target` or more:
+    its oldest entry moves to the main queue (count back at 0) if it was used
+    again, else it is evicted (`_evicted_from_small`). The main queue's
+    oldest entry is evicted if its count is 0 (`_evicted_from_main`), else
+    it goes around once more with its count lowered by one. Each policy
+    decides which queue a new entry enters, and what its ghosts remember.
+    """
+
+    MAX_USES = 3
+
+    def __init__(self, capacity: int, small_target: int) -> None:
+        super().__init__(capacity)
+        self._small_target = small_target
+        # Oldest first; the value is the entry's use count.
+        self._small: OrderedDict[int, int] = OrderedDict()
+        self._main: OrderedDict[int, int] = OrderedDict()
+        # Each slot's block, as its hash: what a ghost queue remembers of it.
+        self._blocks: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)
+
+    def hit(self, slot: int) -> None:
+        queue = self._small if slot in self._small else self._main
+        queue[slot] = min(queue[slot] + 1, self.MAX_USES)
+
+    def remove(self, slot: int) -> None:
+        if self._small.pop(slot, None) is None:
+            del self._main[slot]
+        del self._blocks[slot]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        # Every turn evicts, lowers a count (at most MAX_USES per entry), moves
+        # an entry from small to main (once per entry), or passes over an entry
+        # in use: bounded by the entries there are, which only an eviction changes.
+        entries = len(self)
+        passed_over = 0
+        while passed_over <= entries:
+            if self._small and (len(self._small) >= self._small_target or not self._main):
+                slot, uses = next(iter(self._small.items()))
+                if not evictable(slot):
+                    self._small.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    del self._small[slot]
+                    self._main[slot] = 0
+                else:
+                    del self._small[slot]
+                    self._evicted_from_small(self._blocks.pop(slot))
+                    return slot
+            elif self._main:
+                slot, uses = next(iter(self._main.items()))
+                if not evictable(slot):
+                    self._main.move_to_end(slot)
+                    passed_over += 1
+                elif uses > 0:
+                    self._main.move_to_end(slot)
+                    self._main[slot] = uses - 1
+                else:
+                    del self._main[slot]
+                    self._evicted_from_main(self._blocks.pop(slot))
+                    return slot
+            else:
+                return None
+        return None
+
+    @abc.abstractmethod
+    def _evicted_from_small(self, key: int) -> None:
+        """The block (its hash) of an entry the small queue evicted."""
+
+    @abc.abstractmethod
+    def _evicted_from_main(self, key: int) -> None:
+        """The block (its hash) of an entry the main queue evicted."""
+
+
+class S3FIFOPolicy(_FIFOQueues):
     """S3-FIFO: a small FIFO (a tenth of the slots), a main FIFO, and a ghost FIFO.
 
     A new entry enters the small queue, unless the ghost queue remembers its
@@ -145,20 +223,11 @@ class S3FIFOPolicy(EvictionPolicy):
 
     SMALL_SHARE = 0.1
     """The share of the slots the small queue holds before it gives up entries."""
-    MAX_USES = 3
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._small_target = max(1, int(capacity * self.SMALL_SHARE))
+        super().__init__(capacity, max(1, int(capacity * self.SMALL_SHARE)))
         self._ghost_limit = max(1, capacity - self._small_target)
-        # Oldest first; the value is the entry's use count.
-        self._small: OrderedDict[int, int] = OrderedDict()
-        self._main: OrderedDict[int, int] = OrderedDict()
-        self._blocks: dict[int, int] = {}
         self._ghost: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._small) + len(self._main)
 
     def insert(self, slot: int, block: Hashable) -> None:
         key = hash(block)
@@ -169,53 +238,13 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             self._small[slot] = 0
 
-    def hit(self, slot: int) -> None:
-        queue = self._small if slot in self._small else self._main
-        queue[slot] = min(queue[slot] + 1, self.MAX_USES)
-
-    def remove(self, slot: int) -> None:
-        if self._small.pop(slot, None) is None:
-            del self._main[slot]
-        del self._blocks[slot]
-
-    def victim(self, evictable: Evictable) -> int | None:
-        # Every turn either evicts, lowers a count (at most MAX_USES per entry),
-        # moves an entry from small to main (once per entry), or passes over an
-        # entry in use: bounded by the entries there are.
-        passed_over = 0
-        while passed_over <= len(self):
-            if self._small and (len(self._small) >= self._small_target or not self._main):
-                slot, uses = next(iter(self._small.items()))
-                if not evictable(slot):
-                    self._small.move_to_end(slot)
-                    passed_over += 1
-                elif uses > 0:
-                    del self._small[slot]
-                    self._main[slot] = 0
-                else:
-                    del self._small[slot]
-                    self._remember(self._blocks.pop(slot))
-                    return slot
-            elif self._main:
-                slot, uses = next(iter(self._main.items()))
-                if not evictable(slot):
-                    self._main.move_to_end(slot)
-                    passed_over += 1
-                elif uses > 0:
-                    self._main.move_to_end(slot)
-                    self._main[slot] = uses - 1
-                else:
-                    del self._main[slot]
-                    del self._blocks[slot]
-                    return slot
-            else:
-                return None
-        return None
-
-    def _remember(self, key: int) -> None:
+    def _evicted_from_small(self, key: int) -> None:
         self._ghost[key] = None
         if len(self._ghost) > self._ghost_limit:
             self._ghost.popitem(last=False)
+
+    def _evicted_from_main(self, key: int) -> None:
+        return None  # S3-FIFO's ghosts remember only what left the small queue
 
 
 class ARCPolicy(EvictionPolicy):
@@ -298,7 +327,7 @@ class ARCPolicy(EvictionPolicy):
             (frequent_ghosts or recent_ghosts).popitem(last=False)
 
 
-class KVFIFOPolicy(EvictionPolicy):
+class KVFIFOPolicy(_FIFOQueues):
     """S3-FIFO's small, main and ghost queues, the small queue's share adapting as in ARC.
 
     A new entry enters the small queue, unless a ghost queue remembers its
@@ -324,24 +353,16 @@ class KVFIFOPolicy(EvictionPolicy):
     """The share of the slots the small queue starts with."""
     LEAST_SMALL_SHARE = 0.01
     """The least share the small queue is given."""
-    MAX_USES = 3
     GHOSTS_PER_SLOT = 2
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+        least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
+        super().__init__(capacity, max(least_small, int(capacity * self.INITIAL_SMALL_SHARE)))
         self._ghost_limit = self.GHOSTS_PER_SLOT * capacity
-        self._least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
-        self._most_small = max(self._least_small, capacity - 1)
-        self._small_target = max(self._least_small, int(capacity * self.INITIAL_SMALL_SHARE))
-        # Oldest first; the value is the entry's use count.
-        self._small: OrderedDict[int, int] = OrderedDict()
-        self._main: OrderedDict[int, int] = OrderedDict()
-        self._blocks: dict[int, int] = {}
+        self._least_small = least_small
+        self._most_small = max(least_small, capacity - 1)
         self._small_ghosts: OrderedDict[int, None] = OrderedDict()
         self._main_ghosts: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._small) + len(self._main)
 
     @property
     def small_target(self) -> int:
@@ -355,50 +376,6 @@ class KVFIFOPolicy(EvictionPolicy):
     def insert_continuing(self, slot: int, block: Hashable) -> None:
         if not self._returned(slot, block):
             self._main[slot] = 0
-
-    def hit(self, slot: int) -> None:
-        queue = self._small if slot in self._small else self._main
-        queue[slot] = min(queue[slot] + 1, self.MAX_USES)
-
-    def remove(self, slot: int) -> None:
-        if self._small.pop(slot, None) is None:
-            del self._main[slot]
-        del self._blocks[slot]
-
-    def victim(self, evictable: Evictable) -> int | None:
-        # As S3-FIFO's: every turn evicts, lowers a count, moves an entry from
-        # small to main, or passes over an entry in use. No turn changes how
-        # many entries there are but the one that evicts.
-        entries = len(self)
-        passed_over = 0
-        while passed_over <= entries:
-            if self._small and (len(self._small) >= self._small_target or not self._main):
-                slot, uses = next(iter(self._small.items()))
-                if not evictable(slot):
-                    self._small.move_to_end(slot)
-                    passed_over += 1
-                elif uses > 0:
-                    del self._small[slot]
-                    self._main[slot] = 0
-                else:
-                    del self._small[slot]
-                    self._remember(self._small_ghosts, self._blocks.pop(slot))
-                    return slot
-            elif self._main:
-                slot, uses = next(iter(self._main.items()))
-                if not evictable(slot):
-                    self._main.move_to_end(slot)
-                    passed_over += 1
-                elif uses > 0:
-                    self._main.move_to_end(slot)
-                    self._main[slot] = uses - 1
-                else:
-                    del self._main[slot]
-                    self._remember(self._main_ghosts, self._blocks.pop(slot))
-                    return slot
-            else:
-                return None
-        return None
 
     def _returned(self, slot: int, block: Hashable) -> bool:
         """Record `slot`'s block; when a ghost queue remembers it, adapt and enter main."""
@@ -417,6 +394,12 @@ class KVFIFOPolicy(EvictionPolicy):
             return False
         self._main[slot] = 0
         return True
+
+    def _evicted_from_small(self, key: int) -> None:
+        self._remember(self._small_ghosts, key)
+
+    def _evicted_from_main(self, key: int) -> None:
+        self._remember(self._main_ghosts, key)
 
     def _remember(self, ghosts: OrderedDict[int, None], key: int) -> None:
         ghosts[key] = None
