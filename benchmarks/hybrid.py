@@ -30,7 +30,7 @@ turns, so a machine whose speed drifts weighs on all of them alike. Every
 output must equal the window-aware cold one.
 
 Figures, each against a bound computed from the model config in the same
-run (the issue's goal, (full-attention layers + window/prompt x sliding
+run (the goal, (full-attention layers + window/prompt x sliding
 layers) / all layers, a request's sliding layers moving at most the window):
 
 - ``saved_ratio``: bytes saved, window-aware over every block; the prompt
@@ -156,7 +156,7 @@ class Layers:
         return cls(model.num_layers - sliding, sliding, model.sliding_window, saved)
 
     def goal_ratio(self, tokens: Sequence[int]) -> float:
-        """The issue's goal, (full + window/tokens x sliding) / all layers.
+        """The goal, (full + window/tokens x sliding) / all layers.
 
         Over requests that move ``tokens`` each (new tokens for a save, the
         hit for a load): full-attention layers move them all, sliding

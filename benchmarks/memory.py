@@ -12,7 +12,7 @@ medium lives in the process (the CPU pool: it is the store, not staging), is
 the extra memory of the save and of the load; over the transfer's bytes it is
 the figure. The transfer size is the bound: a connector that stages the whole
 transfer shows about 1, one with no staging proportional to the transfer a
-small fraction (the issue's goal). Page cache and the Redis server's memory
+small fraction (the goal). Page cache and the Redis server's memory
 are outside the process and not counted.
 
 Each connector runs first with its default ``kv_connector_extra_config``.

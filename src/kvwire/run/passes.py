@@ -104,7 +104,7 @@ def compare_passes(
         "parallel": ranks,
         "hma": hma,
         "passes": figures,
-        # The goal figure: warm TTFT from the connector over TTFT with
+        # The goal figure: warm TTFT from the connector over TTFT with
         # the prefix in the engine's own cache (1.0 = the connector costs nothing).
         "warm_vs_local_ttft_p50": figures["warm"]["ttft_p50_vs_local"],
         "nothing_connected": nothing_connected,
