@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvwire.common.redaction import shown
+
 Result = TypeVar("Result")
 
 FULL_REPEATS = 3
@@ -40,7 +42,7 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(
-            f"--repeats takes a whole number of at least 1, got {text!r}"
+            f"--repeats takes a whole number of at least 1, got {shown(text, limit=40)}"
         )
     return value
 

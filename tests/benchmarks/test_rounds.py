@@ -69,3 +69,9 @@ def test_the_command_line_refuses_repeats_below_one(capsys: pytest.CaptureFixtur
         benchmarks_main.main(["--only", "serve", "--repeats", "0"])
 
     assert "--repeats takes a whole number of at least 1, got '0'" in capsys.readouterr().err
+
+
+def test_a_huge_repeats_argument_is_shown_cut() -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        positive_int("9" * 100_000 + "x")
+    assert len(str(refused.value)) < 200
