@@ -165,37 +165,41 @@ class _FIFOQueues(EvictionPolicy):
     def victim(self, evictable: Evictable) -> int | None:
         # Every turn evicts, lowers a count (at most MAX_USES per entry), moves
         # an entry from small to main (once per entry), or passes over an entry
-        # in use: bounded by the entries there are, which only an eviction changes.
-        entries = len(self)
-        passed_over = 0
-        while passed_over <= entries:
-            if self._small and (len(self._small) >= self._small_target or not self._main):
-                slot, uses = next(iter(self._small.items()))
+        # in use, which stays in use for the whole call: bounded. A queue whose
+        # every entry is in use is out of the call, so the other one gives the
+        # victim even where the small queue's share would pick this one.
+        small, main = self._small, self._main
+        in_use_small: set[int] = set()
+        in_use_main: set[int] = set()
+        while True:
+            small_open = len(in_use_small) < len(small)
+            main_open = len(in_use_main) < len(main)
+            if small_open and (len(small) >= self._small_target or not main_open):
+                slot, uses = next(iter(small.items()))
                 if not evictable(slot):
-                    self._small.move_to_end(slot)
-                    passed_over += 1
+                    small.move_to_end(slot)
+                    in_use_small.add(slot)
                 elif uses > 0:
-                    del self._small[slot]
-                    self._main[slot] = 0
+                    del small[slot]
+                    main[slot] = 0
                 else:
-                    del self._small[slot]
+                    del small[slot]
                     self._evicted_from_small(self._blocks.pop(slot))
                     return slot
-            elif self._main:
-                slot, uses = next(iter(self._main.items()))
+            elif main_open:
+                slot, uses = next(iter(main.items()))
                 if not evictable(slot):
-                    self._main.move_to_end(slot)
-                    passed_over += 1
+                    main.move_to_end(slot)
+                    in_use_main.add(slot)
                 elif uses > 0:
-                    self._main.move_to_end(slot)
-                    self._main[slot] = uses - 1
+                    main.move_to_end(slot)
+                    main[slot] = uses - 1
                 else:
-                    del self._main[slot]
+                    del main[slot]
                     self._evicted_from_main(self._blocks.pop(slot))
                     return slot
             else:
                 return None
-        return None
 
     @abc.abstractmethod
     def _evicted_from_small(self, key: int) -> None:
@@ -303,19 +307,20 @@ class ARCPolicy(EvictionPolicy):
         del self._blocks[slot]
 
     def victim(self, evictable: Evictable) -> int | None:
-        # An entry in use moves to its list's end: each is passed over once per pass.
-        for _ in range(len(self)):
-            if self._recent and (len(self._recent) > self._target or not self._frequent):
-                entries, ghosts = self._recent, self._recent_ghosts
-            else:
-                entries, ghosts = self._frequent, self._frequent_ghosts
-            slot = next(iter(entries))
-            if evictable(slot):
-                del entries[slot]
-                ghosts[self._blocks.pop(slot)] = None
-                self._trim_ghosts()
-                return slot
-            entries.move_to_end(slot)
+        # The list ARC's target picks first; when every entry there is in use,
+        # the other. An entry in use moves to its list's end: met once per call.
+        recent = (self._recent, self._recent_ghosts)
+        frequent = (self._frequent, self._frequent_ghosts)
+        picked_first = self._recent and (len(self._recent) > self._target or not self._frequent)
+        for entries, ghosts in (recent, frequent) if picked_first else (frequent, recent):
+            for _ in range(len(entries)):
+                slot = next(iter(entries))
+                if evictable(slot):
+                    del entries[slot]
+                    ghosts[self._blocks.pop(slot)] = None
+                    self._trim_ghosts()
+                    return slot
+                entries.move_to_end(slot)
         return None
 
     def _trim_ghosts(self) -> None:

@@ -100,6 +100,26 @@ def test_an_entry_in_use_is_passed_over(policy_class: type[EvictionPolicy]) -> N
     assert policy.victim(lambda slot: slot != 0) == 2
 
 
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_saves_in_flight_filling_the_new_entries_queue_leave_the_older_entries_evictable(
+    policy_class: type[EvictionPolicy],
+) -> None:
+    # Blocks 0-9 used twice sit in the queue of entries used again; the saves of
+    # blocks 100-109, not complete, fill the queue of new entries past its share:
+    # every entry there is in use, so the victim comes from the other queue.
+    table = SlotTable(20, policy=policy_class(20))
+    for _ in range(2):
+        for n in range(10):
+            access(table, [n])
+    in_flight = [h(n) for n in range(100, 110)]
+    assert len(table.prepare_save(0, in_flight)) == 10
+    placed = table.prepare_save(0, [h(200)])
+    assert [block for block, _ in placed] == [h(200)]
+    assert table.count_ready_prefix(0, [h(200)]) == 0  # being saved
+    (evicted,) = [blocks for blocks in table.take_evicted() if blocks]
+    assert evicted[0] in {h(n) for n in range(10)}
+
+
 def _drained(policy: EvictionPolicy) -> list[int]:
     order = []
     while (slot := policy.victim(anything)) is not None:
