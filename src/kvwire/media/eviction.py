@@ -328,7 +328,7 @@ class ARCPolicy(EvictionPolicy):
 
 
 class KVFIFOPolicy(_FIFOQueues):
-    """S3-FIFO's small, main and ghost queues, the small queue's share adapting as in ARC.
+    """S3-FIFO's small and ghost queues, a main queue in recency order, the small share adapting.
 
     A new entry enters the small queue, unless a ghost queue remembers its
     block (it was evicted, so it is used again) or its prompt continues an
@@ -336,29 +336,37 @@ class KVFIFOPolicy(_FIFOQueues):
     entry counts its uses, up to 3. The small queue gives up entries while
     it holds its target share: its oldest entry moves to the main queue
     (count back at 0) if it was used again, else it is evicted and its block
-    joins the small queue's ghosts. The main queue's oldest entry is evicted
-    if its count is 0 (its block joins the main queue's ghosts), else it
-    goes around once more with its count lowered by one.
+    joins the small queue's ghosts. An entry of the main queue used again
+    moves to its end, as in LRU: a prefix is hit from its last block to its
+    first, so the main queue gives up a prefix from its tail, where a FIFO
+    order would cut one in the middle. The main queue's oldest entry is
+    evicted if its count is 0 (its block joins the main queue's ghosts),
+    else it goes around once more with its count lowered by one.
 
-    The target share starts at a tenth of the slots. A new entry whose
+    The target share starts at three tenths of the slots. A new entry whose
     block the small queue's ghosts remember was evicted too early by a small
     queue too short: the target grows (by the ratio of the ghost queues'
     lengths, at least 1, as ARC's). One the main queue's ghosts remember
-    shrinks it the same way, down to a hundredth of the slots. Each ghost
-    queue keeps twice as many blocks as there are slots, each as a hash: a
-    session's blocks come back after more traffic than the pool holds.
+    shrinks it the same way, down to a hundredth of the slots. The small
+    queue's ghosts keep as many blocks as there are slots, the main
+    queue's half as many more (a block the main queue evicted was used
+    twice: it is worth remembering longer), each as a hash.
     """
 
-    INITIAL_SMALL_SHARE = 0.1
+    INITIAL_SMALL_SHARE = 0.3
     """The share of the slots the small queue starts with."""
     LEAST_SMALL_SHARE = 0.01
     """The least share the small queue is given."""
-    GHOSTS_PER_SLOT = 2
+    SMALL_GHOSTS_PER_SLOT = 1.0
+    """How many blocks evicted from the small queue are remembered, per slot."""
+    MAIN_GHOSTS_PER_SLOT = 1.5
+    """How many blocks evicted from the main queue are remembered, per slot."""
 
     def __init__(self, capacity: int) -> None:
         least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
         super().__init__(capacity, max(least_small, int(capacity * self.INITIAL_SMALL_SHARE)))
-        self._ghost_limit = self.GHOSTS_PER_SLOT * capacity
+        self._small_ghost_limit = max(1, int(capacity * self.SMALL_GHOSTS_PER_SLOT))
+        self._main_ghost_limit = max(1, int(capacity * self.MAIN_GHOSTS_PER_SLOT))
         self._least_small = least_small
         self._most_small = max(least_small, capacity - 1)
         self._small_ghosts: OrderedDict[int, None] = OrderedDict()
@@ -370,12 +378,23 @@ class KVFIFOPolicy(_FIFOQueues):
         return self._small_target
 
     def insert(self, slot: int, block: Hashable) -> None:
-        if not self._returned(slot, block):
+        # The cache may tell the same insertion twice (a slot taken and
+        # touched twice by one request): the entry is ordered once.
+        if slot not in self._blocks and not self._returned(slot, block):
             self._small[slot] = 0
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
-        if not self._returned(slot, block):
+        if slot not in self._blocks and not self._returned(slot, block):
             self._main[slot] = 0
+
+    def hit(self, slot: int) -> None:
+        small = self._small
+        if slot in small:
+            small[slot] = min(small[slot] + 1, self.MAX_USES)
+        else:
+            main = self._main
+            main.move_to_end(slot)
+            main[slot] = min(main[slot] + 1, self.MAX_USES)
 
     def _returned(self, slot: int, block: Hashable) -> bool:
         """Record `slot`'s block; when a ghost queue remembers it, adapt and enter main."""
@@ -396,12 +415,14 @@ class KVFIFOPolicy(_FIFOQueues):
         return True
 
     def _evicted_from_small(self, key: int) -> None:
-        self._remember(self._small_ghosts, key)
+        _remember(self._small_ghosts, key, self._small_ghost_limit)
 
     def _evicted_from_main(self, key: int) -> None:
-        self._remember(self._main_ghosts, key)
+        _remember(self._main_ghosts, key, self._main_ghost_limit)
 
-    def _remember(self, ghosts: OrderedDict[int, None], key: int) -> None:
-        ghosts[key] = None
-        if len(ghosts) > self._ghost_limit:
-            ghosts.popitem(last=False)
+
+def _remember(ghosts: OrderedDict[int, None], key: int, limit: int) -> None:
+    """`key` joins `ghosts`, which forget their oldest beyond `limit`."""
+    ghosts[key] = None
+    if len(ghosts) > limit:
+        ghosts.popitem(last=False)
