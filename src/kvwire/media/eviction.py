@@ -72,7 +72,11 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, slot: int, block: Hashable) -> None:
-        """`slot` now holds `block`, a new entry."""
+        """`slot` now holds `block`, a new entry.
+
+        The cache may tell the same insertion twice (one request whose blocks
+        took a slot and then touched it again): a policy orders the entry once.
+        """
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
         """`slot` now holds `block`, a new entry of a prompt that grows an earlier prompt.
@@ -230,6 +234,8 @@ class S3FIFOPolicy(_FIFOQueues):
         self._ghost: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, slot: int, block: Hashable) -> None:
+        if slot in self._blocks:
+            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         if key in self._ghost:
@@ -274,6 +280,8 @@ class ARCPolicy(EvictionPolicy):
         return len(self._recent) + len(self._frequent)
 
     def insert(self, slot: int, block: Hashable) -> None:
+        if slot in self._blocks:
+            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
@@ -378,8 +386,7 @@ class KVFIFOPolicy(_FIFOQueues):
         return self._small_target
 
     def insert(self, slot: int, block: Hashable) -> None:
-        # The cache may tell the same insertion twice (a slot taken and
-        # touched twice by one request): the entry is ordered once.
+        # Told twice (see `EvictionPolicy.insert`): ordered once.
         if slot not in self._blocks and not self._returned(slot, block):
             self._small[slot] = 0
 

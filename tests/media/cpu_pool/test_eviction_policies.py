@@ -305,7 +305,18 @@ def test_kvfifo_main_queue_moves_an_entry_used_again_to_its_end() -> None:
     assert _drained(policy) == [2, 1, 0]
 
 
-def test_kvfifo_orders_an_entry_told_inserted_twice_once() -> None:
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_an_entry_told_inserted_twice_is_ordered_once(policy_class: type[EvictionPolicy]) -> None:
+    policy = policy_class(10)
+    policy.insert(0, "a")
+    assert policy.victim(anything) == 0  # remembered by the policies with ghosts
+    policy.insert(0, "a")
+    policy.insert(0, "a")
+    assert len(policy) == 1
+    assert _drained(policy) == [0]
+
+
+def test_kvfifo_orders_an_entry_told_inserted_and_continuing_once() -> None:
     policy = KVFIFOPolicy(10)
     policy.insert_continuing(0, "turn")
     policy.insert(0, "turn")
