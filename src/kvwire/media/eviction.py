@@ -25,11 +25,12 @@ Four policies ship, named in the CPU pool's `eviction` option:
 - `kvfifo` (`kvwire.media.eviction.KVFIFOPolicy`): S3-FIFO's queues with
   what KV traffic says of its blocks. The small queue's share adapts as
   ARC's recency list does, to what the ghosts of each queue say was evicted
-  too early; and a block that continues a prompt an earlier prompt ended
+  too early; a block that continues a prompt an earlier prompt ended
   at (a conversation's next turn, an agent's next step: the cache tells it
   through `insert_continuing`) enters the main queue at once, where a block
   of a prompt that shared only a common prefix (likely a one-off) waits in
-  the small queue for a second use.
+  the small queue for a second use; and the main queue keeps its entries in
+  recency order, so that it gives up a prefix from its tail.
 
 The cache may tell a policy more than `insert`: `insert_continuing` marks
 a new entry whose prompt grows an earlier prompt. Its default is `insert`,
@@ -341,7 +342,9 @@ class KVFIFOPolicy(_FIFOQueues):
     A new entry enters the small queue, unless a ghost queue remembers its
     block (it was evicted, so it is used again) or its prompt continues an
     earlier one (`insert_continuing`): those enter the main queue. Each
-    entry counts its uses, up to 3. The small queue gives up entries while
+    entry counts its uses, up to 4 (one more than S3-FIFO's: a document or
+    system prompt many prompts share is kept through one more pass of the
+    main queue than a session's blocks). The small queue gives up entries while
     it holds its target share: its oldest entry moves to the main queue
     (count back at 0) if it was used again, else it is evicted and its block
     joins the small queue's ghosts. An entry of the main queue used again
@@ -361,6 +364,7 @@ class KVFIFOPolicy(_FIFOQueues):
     twice: it is worth remembering longer), each as a hash.
     """
 
+    MAX_USES = 4
     INITIAL_SMALL_SHARE = 0.3
     """The share of the slots the small queue starts with."""
     LEAST_SMALL_SHARE = 0.01
