@@ -342,10 +342,10 @@ class KVFIFOPolicy(_FIFOQueues):
     A new entry enters the small queue, unless a ghost queue remembers its
     block (it was evicted, so it is used again) or its prompt continues an
     earlier one (`insert_continuing`): those enter the main queue. Each
-    entry counts its uses, up to 4 (one more than S3-FIFO's: a document or
-    system prompt many prompts share is kept through one more pass of the
-    main queue than a session's blocks). The small queue gives up entries while
-    it holds its target share: its oldest entry moves to the main queue
+    entry counts its uses, up to 4 (one more than S3-FIFO's: a block many
+    prompts share, a system prompt or a popular document, outlives one more
+    pass of the main queue). The small queue gives up entries while it
+    holds its target share: its oldest entry moves to the main queue
     (count back at 0) if it was used again, else it is evicted and its block
     joins the small queue's ghosts. An entry of the main queue used again
     moves to its end, as in LRU: a prefix is hit from its last block to its
@@ -360,11 +360,12 @@ class KVFIFOPolicy(_FIFOQueues):
     lengths, at least 1, as ARC's). One the main queue's ghosts remember
     shrinks it the same way, down to a hundredth of the slots. The small
     queue's ghosts keep as many blocks as there are slots, the main
-    queue's half as many more (a block the main queue evicted was used
-    twice: it is worth remembering longer), each as a hash.
+    queue's half as many more (its blocks had earned their place there
+    once: they are remembered longer), each as a hash.
     """
 
     MAX_USES = 4
+    """The uses an entry counts: the passes of the main queue it may outlive."""
     INITIAL_SMALL_SHARE = 0.3
     """The share of the slots the small queue starts with."""
     LEAST_SMALL_SHARE = 0.01
