@@ -154,6 +154,9 @@ class _FIFOQueues(EvictionPolicy):
         self._main: OrderedDict[int, int] = OrderedDict()
         # Each slot's block, as its hash: what a ghost queue remembers of it.
         self._blocks: dict[int, int] = {}
+        # The entries a `victim` call passed over as in use, reused by every call.
+        self._in_use_small: set[int] = set()
+        self._in_use_main: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -174,8 +177,9 @@ class _FIFOQueues(EvictionPolicy):
         # every entry is in use is out of the call, so the other one gives the
         # victim even where the small queue's share would pick this one.
         small, main = self._small, self._main
-        in_use_small: set[int] = set()
-        in_use_main: set[int] = set()
+        in_use_small, in_use_main = self._in_use_small, self._in_use_main
+        in_use_small.clear()
+        in_use_main.clear()
         while True:
             small_open = len(in_use_small) < len(small)
             main_open = len(in_use_main) < len(main)
