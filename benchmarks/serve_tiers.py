@@ -160,7 +160,7 @@ class Configuration:
 
     name: str
     kind: str
-    eviction: str = "lru"
+    eviction: str = "kvfifo"
     save_threshold: int = 1
     write_policy: str = "write_through"
     quick: bool = False
@@ -191,8 +191,10 @@ CONFIGURATIONS = (
     tiered("lru", "write_through"),
     tiered("lru", "spill"),
     tiered("arc", "write_through"),
-    tiered("arc", "spill", quick=True),
+    tiered("arc", "spill"),
     tiered("s3fifo", "spill"),
+    # The tiered-disk profile's policies.
+    tiered("kvfifo", "spill", quick=True),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),
@@ -381,6 +383,7 @@ def transfer_config(
                             "kv_connector_extra_config": {
                                 "cpu_pool_bytes": pool_bytes(primary_blocks),
                                 "io_threads": 2,
+                                "eviction": "lru",
                             },
                         },
                         {

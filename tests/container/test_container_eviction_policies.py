@@ -22,7 +22,7 @@ from kvwire.connectors.multi import MultiConnector
 from kvwire.connectors.offload import CPUOffloadConnector
 from kvwire.container import container_for_profile
 from kvwire.media.cpu_pool.index import CPUPoolIndex
-from kvwire.media.eviction import EvictionPolicy, LRUPolicy, S3FIFOPolicy
+from kvwire.media.eviction import EvictionPolicy, KVFIFOPolicy, LRUPolicy, S3FIFOPolicy
 from kvwire.registry import ConnectorRegistry, default_registry
 from tests.support.pairs import cache_config_for, engine_config
 
@@ -79,11 +79,11 @@ def test_the_process_wide_registry_refuses_a_name_registered_on_a_copy_only() ->
 
 def test_a_policy_overridden_on_the_registry_copy_is_the_one_the_pool_uses() -> None:
     registry = default_registry().copy()
-    registry.eviction_policies.provider("lru").override(providers.Object(FIFOPolicy))
+    registry.eviction_policies.provider("kvfifo").override(providers.Object(FIFOPolicy))
     container = _container("CPUOffloadConnector", POOL, registry)
 
     assert type(_pool_policy(container.scheduler_connector())) is FIFOPolicy
-    assert default_registry().eviction_policies.get_class("lru") is LRUPolicy
+    assert default_registry().eviction_policies.get_class("kvfifo") is KVFIFOPolicy
     container.shutdown_resources()
 
 

@@ -108,7 +108,7 @@ def test_the_medium_declares_its_keys_and_sizes_its_pool_in_entries() -> None:
         "cpu_pool_bytes": 256 * 1024**2,
         "io_threads": 2,
         "transfer_timeout_s": 30.0,
-        "eviction": "lru",
+        "eviction": "kvfifo",
         "save_threshold": 1,
     }
     pool = medium(5)

@@ -57,9 +57,9 @@ def policy_of(index: CPUPoolIndex) -> EvictionPolicy:
     return policy
 
 
-def test_the_pool_evicts_least_recently_used_and_saves_every_block_by_default() -> None:
+def test_the_pool_evicts_with_kvfifo_and_saves_every_block_by_default() -> None:
     index = built_index()
-    assert type(policy_of(index)) is LRUPolicy
+    assert type(policy_of(index)) is KVFIFOPolicy
     assert index._admission is None
 
 
@@ -133,7 +133,7 @@ def test_a_context_built_by_hand_for_the_default_policy_needs_no_registry() -> N
     group = CacheGroup(0, ("layers.0", "layers.1"), LAYOUT.block_size)
     medium = CPUPoolMedium(MediumContext("TestConnector", options, (group,), LAYOUT))
     index = medium.build_index()
-    assert isinstance(index._index._policy, LRUPolicy)  # type: ignore[attr-defined]
+    assert isinstance(index._index._policy, KVFIFOPolicy)  # type: ignore[attr-defined]
 
 
 def test_a_registry_without_eviction_policies_is_refused_naming_the_key() -> None:
