@@ -162,5 +162,9 @@ def test_the_busy_count_is_every_slot_no_eviction_may_take_whatever_happens():
             index.clear()
         elif op == 6:
             index.discard(0, blocks)
-        busy = sum(1 for e in index._by_slot.values() if not e.ready or e.load_refs > 0)
+        busy = sum(
+            1
+            for block, slot in index._held[0].items()
+            if block not in index._ready[0] or index._load_refs[slot] > 0
+        )
         assert index.busy == busy

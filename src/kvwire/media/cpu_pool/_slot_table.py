@@ -21,35 +21,24 @@ tiers hold (`mark_clean`), and is told of each ready block evicted
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence, Set
-
-import attrs
+import itertools
+from collections.abc import Callable, Sequence, Set
+from typing import NoReturn
 
 from kvwire.interface.types import BlockHash
 from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 
 
-@attrs.define
-class _Slot:
-    slot: int
-    group: int
-    block_hash: BlockHash
-    ready: bool = False
-    load_refs: int = 0
-    # The slower tiers hold this block too: evicting it loses nothing.
-    clean: bool = False
-    # Being brought in, and a load using it failed: forgotten once no load uses it.
-    failed: bool = False
-
-
 class SlotTable:
     """`num_slots` pool slots, keyed by (group, block hash), evicted in `policy`'s order.
 
-    One dict per group finds an entry by its hash without building a key per
-    lookup; one policy over the slots orders all groups' entries for
-    eviction (an `LRUPolicy` when none is given). `on_evict` is called
-    with `(group, block_hash, slot, clean)` for each ready block the policy
-    evicts, before its slot is reused.
+    One dict per group finds an entry's slot by its hash without building a
+    key per lookup, and one more per group holds only the ready entries, so
+    that a lookup of a prefix runs in C; what else an entry is (being
+    loaded, clean, failed) is kept in lists indexed by slot. One policy over
+    the slots orders all groups' entries for eviction (an `LRUPolicy` when
+    none is given). `on_evict` is called with `(group, block_hash, slot,
+    clean)` for each ready block the policy evicts, before its slot is reused.
     """
 
     def __init__(
@@ -62,8 +51,24 @@ class SlotTable:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_slots = num_slots
-        self._by_group: tuple[dict[BlockHash, _Slot], ...] = tuple({} for _ in range(num_groups))
-        self._by_slot: dict[int, _Slot] = {}
+        # Per group, every entry's slot by its hash, and the ready entries' alone.
+        self._held: tuple[dict[BlockHash, int], ...] = tuple({} for _ in range(num_groups))
+        self._ready: tuple[dict[BlockHash, int], ...] = tuple({} for _ in range(num_groups))
+        # Per slot: what its entry is (meaningless while the slot is free).
+        self._block_of: list[BlockHash] = [b""] * num_slots
+        self._group_of = [0] * num_slots
+        self._load_refs = [0] * num_slots
+        # The slower tiers hold this block too: evicting it loses nothing.
+        self._clean = [False] * num_slots
+        # Being brought in, and a load using it failed: forgotten once no load uses it.
+        self._failed = [False] * num_slots
+        # Ready and read by no load: what the policy may evict. Its item getter is
+        # the test `victim` is given, a call into C rather than into Python.
+        self._evictable = [False] * num_slots
+        self._may_evict: Callable[[int], bool] = self._evictable.__getitem__
+        # When each entry was made: `clear` goes through them in that order.
+        self._made_at = [0] * num_slots
+        self._made = itertools.count()
         self._policy = LRUPolicy(num_slots) if policy is None else policy
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._on_evict = on_evict
@@ -73,7 +78,7 @@ class SlotTable:
         self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
 
     def __len__(self) -> int:
-        return len(self._by_slot)
+        return sum(len(held) for held in self._held)
 
     @property
     def busy(self) -> int:
@@ -82,46 +87,53 @@ class SlotTable:
 
     def holds(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is saved or being saved."""
-        return block_hash in self._by_group[group]
+        return block_hash in self._held[group]
+
+    def holder(self, group: int) -> Callable[[BlockHash], bool]:
+        """`holds` for `group`, as a test that runs in C (for a loop over many blocks)."""
+        return self._held[group].__contains__
 
     def arriving(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is being brought in (`start_promotion`)."""
-        entry = self._by_group[group].get(block_hash)
-        return entry is not None and not entry.ready and entry.load_refs > 0
+        slot = self._held[group].get(block_hash)
+        return (
+            slot is not None and block_hash not in self._ready[group] and self._load_refs[slot] > 0
+        )
 
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
         """How many of `group`'s `hashes`, from the first, are saved and complete."""
-        entries = self._by_group[group]
-        count = 0
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or not entry.ready:
-                break
-            count += 1
-        return count
+        return len(list(itertools.takewhile(self._ready[group].__contains__, hashes)))
 
     def start_load(self, group: int, hashes: Sequence[BlockHash]) -> list[int]:
         """Pin ready blocks for a load and mark them recently used; their slots."""
-        entries = self._by_group[group]
-        slots = []
-        for block_hash in hashes:
-            entry = entries[block_hash]
-            if not entry.ready:
-                raise KeyError(
-                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
-                )
-            if entry.load_refs == 0:
+        slots: list[int] | None
+        try:
+            slots = list(map(self._ready[group].__getitem__, hashes))
+        except KeyError:
+            slots = None
+        if slots is None:
+            self._refuse_load(group, hashes)
+        load_refs, evictable = self._load_refs, self._evictable
+        for slot in slots:
+            if evictable[slot]:
+                evictable[slot] = False
                 self._busy += 1
-            entry.load_refs += 1
-            slots.append(entry.slot)
-        self._touch_tail_first(slots)
+            load_refs[slot] += 1
+        hit = self._policy.hit
+        # The last block first, the first block told last: see _touch_tail_first.
+        for slot in reversed(slots):
+            hit(slot)
         return slots
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        for _, entry in self._present(group, hashes):
-            if entry.load_refs > 0:
-                entry.load_refs -= 1
-                if entry.load_refs == 0 and entry.ready:
+        held, ready = self._held[group], self._ready[group]
+        load_refs = self._load_refs
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and load_refs[slot] > 0:
+                load_refs[slot] -= 1
+                if load_refs[slot] == 0 and block_hash in ready:
+                    self._evictable[slot] = True
                     self._busy -= 1
 
     def prepare_save(
@@ -138,22 +150,19 @@ class SlotTable:
         `continuing` continue an earlier prompt: the policy is told so
         (`EvictionPolicy.insert_continuing`).
         """
-        entries = self._by_group[group]
+        held = self._held[group]
         placed: list[tuple[BlockHash, int]] = []
         touched: list[int] = []
         new_slots: set[int] = set()
         for block_hash in hashes:
-            existing = entries.get(block_hash)
-            if existing is not None:
-                touched.append(existing.slot)
+            slot = held.get(block_hash)
+            if slot is not None:
+                touched.append(slot)
                 continue
             slot = self._take_slot()
             if slot is None:
                 break
-            entry = _Slot(slot, group, block_hash)
-            entries[block_hash] = entry
-            self._by_slot[slot] = entry
-            self._busy += 1
+            self._make(slot, group, block_hash)
             placed.append((block_hash, slot))
             touched.append(slot)
             new_slots.add(slot)
@@ -162,27 +171,35 @@ class SlotTable:
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Mark `group`'s saved blocks ready for lookups; those that became ready."""
+        held, ready = self._held[group], self._ready[group]
+        load_refs = self._load_refs
         completed = []
-        for block_hash, entry in self._present(group, hashes):
-            if not entry.ready:
-                entry.ready = True
-                if entry.load_refs == 0:
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and block_hash not in ready:
+                ready[block_hash] = slot
+                if load_refs[slot] == 0:
+                    self._evictable[slot] = True
                     self._busy -= 1
                 completed.append(block_hash)
         return completed
 
     def abandon_save(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget `group`'s blocks whose save failed; their slots become free."""
-        for _, entry in self._present(group, hashes):
-            if not entry.ready and entry.load_refs == 0:
-                self._free(entry)
+        held, ready = self._held[group], self._ready[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and block_hash not in ready and self._load_refs[slot] == 0:
+                self._free(slot)
                 self._busy -= 1
 
     def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
-        for block_hash, entry in self._present(group, hashes):
-            if entry.ready and entry.load_refs == 0:
-                self._free(entry)
+        held = self._held[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and self._evictable[slot]:
+                self._free(slot)
                 self.evicted[group].append(block_hash)
 
     def start_promotion(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
@@ -192,15 +209,14 @@ class SlotTable:
         None, as does every block once every slot is pinned. The slots are
         pinned (`load_refs`) and not ready until `finish_promotion`.
         """
-        entries = self._by_group[group]
+        held = self._held[group]
         slots: list[int | None] = []
         for block_hash in hashes:
-            slot = None if block_hash in entries else self._take_slot()
+            slot = None if block_hash in held else self._take_slot()
             if slot is not None:
-                entry = _Slot(slot, group, block_hash, load_refs=1, clean=True)
-                entries[block_hash] = entry
-                self._by_slot[slot] = entry
-                self._busy += 1
+                self._make(slot, group, block_hash)
+                self._load_refs[slot] = 1
+                self._clean[slot] = True
                 self._policy.insert(slot, (group, block_hash))
             slots.append(slot)
         return slots
@@ -211,15 +227,14 @@ class SlotTable:
         The joining load reads the block from its slot once it arrived, and
         lets go of it with `finish_promotion` like the load bringing it in.
         """
-        entries = self._by_group[group]
         slots: list[int | None] = []
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or entry.ready or entry.load_refs == 0:
+            if not self.arriving(group, block_hash):
                 slots.append(None)  # not being brought in: absent, ready, or being saved
                 continue
-            entry.load_refs += 1
-            slots.append(entry.slot)
+            slot = self._held[group][block_hash]
+            self._load_refs[slot] += 1
+            slots.append(slot)
         return slots
 
     def finish_promotion(
@@ -230,29 +245,32 @@ class SlotTable:
         A block is settled when the last load using it lets go: ready, or
         forgotten (its slot freed) when any of those loads had it `failed`.
         """
-        entries = self._by_group[group]
         bad = set(failed)
         ready = []
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or entry.ready or entry.load_refs == 0:
+            if not self.arriving(group, block_hash):
                 continue
-            entry.load_refs -= 1
-            entry.failed = entry.failed or block_hash in bad
-            if entry.load_refs:
+            slot = self._held[group][block_hash]
+            self._load_refs[slot] -= 1
+            self._failed[slot] = self._failed[slot] or block_hash in bad
+            if self._load_refs[slot]:
                 continue  # a joined load still reads it: the last one settles it
             self._busy -= 1
-            if entry.failed:
-                self._free(entry)
+            if self._failed[slot]:
+                self._free(slot)
             else:
-                entry.ready = True
+                self._ready[group][block_hash] = slot
+                self._evictable[slot] = True
                 ready.append(block_hash)
         return ready
 
     def mark_clean(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """The slower tiers hold these blocks: evicting them needs no spill."""
-        for _, entry in self._present(group, hashes):
-            entry.clean = True
+        held = self._held[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None:
+                self._clean[slot] = True
 
     def take_evicted(self) -> tuple[list[BlockHash], ...]:
         """Per group, the blocks evicted or discarded since the last call, in that order."""
@@ -262,11 +280,13 @@ class SlotTable:
 
     def clear(self) -> bool:
         """Drop every block that no transfer uses; True when the pool is empty after."""
-        for entry in list(self._by_slot.values()):
-            if entry.ready and entry.load_refs == 0:
-                self._free(entry)
-                self.evicted[entry.group].append(entry.block_hash)
-        return not self._by_slot
+        slots = [slot for held in self._held for slot in held.values()]
+        for slot in sorted(slots, key=self._made_at.__getitem__):
+            if self._evictable[slot]:
+                group, block_hash = self._group_of[slot], self._block_of[slot]
+                self._free(slot)
+                self.evicted[group].append(block_hash)
+        return not any(self._held)
 
     def _touch_tail_first(
         self,
@@ -283,49 +303,68 @@ class SlotTable:
         `new_slots` are inserted rather than hit, those whose block is in
         `continuing` as continuing an earlier prompt.
         """
+        policy = self._policy
         for slot in reversed(slots):
             if slot in new_slots:
-                entry = self._by_slot[slot]
-                if entry.block_hash in continuing:
-                    self._policy.insert_continuing(slot, (entry.group, entry.block_hash))
+                block_hash = self._block_of[slot]
+                if block_hash in continuing:
+                    policy.insert_continuing(slot, (self._group_of[slot], block_hash))
                 else:
-                    self._policy.insert(slot, (entry.group, entry.block_hash))
+                    policy.insert(slot, (self._group_of[slot], block_hash))
             else:
-                self._policy.hit(slot)
+                policy.hit(slot)
 
-    def _present(
-        self, group: int, hashes: Sequence[BlockHash]
-    ) -> Iterator[tuple[BlockHash, _Slot]]:
-        """Each of `group`'s blocks in `hashes` that the pool holds (saved, or being saved)."""
-        entries = self._by_group[group]
+    def _refuse_load(self, group: int, hashes: Sequence[BlockHash]) -> NoReturn:
+        """Pin the blocks before the first one not ready, then raise the KeyError that names it.
+
+        An absent block raises the dict's own KeyError (its hash), one still
+        being saved or brought in says so.
+        """
+        ready = self._ready[group]
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None:
-                yield block_hash, entry
+            slot = self._held[group][block_hash]
+            if block_hash not in ready:
+                raise KeyError(
+                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
+                )
+            if self._evictable[slot]:
+                self._evictable[slot] = False
+                self._busy += 1
+            self._load_refs[slot] += 1
+        raise AssertionError("_refuse_load is called only when a block is not ready")
 
-    def _free(self, entry: _Slot) -> None:
-        """Forget `entry`: its slot leaves the policy and can be taken again."""
-        self._remove(entry)
-        self._policy.remove(entry.slot)
-        self._free_slots.append(entry.slot)
+    def _make(self, slot: int, group: int, block_hash: BlockHash) -> None:
+        """`slot` now holds `group`'s `block_hash`, not ready: being saved or brought in."""
+        self._held[group][block_hash] = slot
+        self._block_of[slot] = block_hash
+        self._group_of[slot] = group
+        self._load_refs[slot] = 0
+        self._clean[slot] = False
+        self._failed[slot] = False
+        self._made_at[slot] = next(self._made)
+        self._busy += 1
 
-    def _remove(self, entry: _Slot) -> None:
-        del self._by_group[entry.group][entry.block_hash]
-        del self._by_slot[entry.slot]
+    def _free(self, slot: int) -> None:
+        """Forget `slot`'s entry: the slot leaves the policy and can be taken again."""
+        self._remove(slot)
+        self._policy.remove(slot)
+        self._free_slots.append(slot)
 
-    def _evictable(self, slot: int) -> bool:
-        entry = self._by_slot[slot]
-        return entry.ready and entry.load_refs == 0
+    def _remove(self, slot: int) -> None:
+        group, block_hash = self._group_of[slot], self._block_of[slot]
+        del self._held[group][block_hash]
+        self._ready[group].pop(block_hash, None)
+        self._evictable[slot] = False
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        slot = self._policy.victim(self._evictable)
+        slot = self._policy.victim(self._may_evict)
         if slot is None:
             return None
-        entry = self._by_slot[slot]
-        self._remove(entry)
-        self.evicted[entry.group].append(entry.block_hash)
+        self._remove(slot)
+        group, block_hash = self._group_of[slot], self._block_of[slot]
+        self.evicted[group].append(block_hash)
         if self._on_evict is not None:
-            self._on_evict(entry.group, entry.block_hash, slot, entry.clean)
+            self._on_evict(group, block_hash, slot, self._clean[slot])
         return slot
