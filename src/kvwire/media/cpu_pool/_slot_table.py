@@ -114,11 +114,13 @@ class SlotTable:
         if slots is None:
             self._refuse_load(group, hashes)
         load_refs, evictable = self._load_refs, self._evictable
+        pinned = 0
         for slot in slots:
             if evictable[slot]:
                 evictable[slot] = False
-                self._busy += 1
+                pinned += 1
             load_refs[slot] += 1
+        self._busy += pinned
         hit = self._policy.hit
         # The last block first, the first block told last: see _touch_tail_first.
         for slot in reversed(slots):
@@ -127,14 +129,16 @@ class SlotTable:
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
         held, ready = self._held[group], self._ready[group]
-        load_refs = self._load_refs
+        load_refs, evictable = self._load_refs, self._evictable
+        unpinned = 0
         for block_hash in hashes:
             slot = held.get(block_hash)
             if slot is not None and load_refs[slot] > 0:
                 load_refs[slot] -= 1
                 if load_refs[slot] == 0 and block_hash in ready:
-                    self._evictable[slot] = True
-                    self._busy -= 1
+                    evictable[slot] = True
+                    unpinned += 1
+        self._busy -= unpinned
 
     def prepare_save(
         self,
@@ -150,38 +154,37 @@ class SlotTable:
         `continuing` continue an earlier prompt: the policy is told so
         (`EvictionPolicy.insert_continuing`).
         """
-        held = self._held[group]
+        held, place = self._held[group], self._place
         placed: list[tuple[BlockHash, int]] = []
         touched: list[int] = []
         new_slots: set[int] = set()
         for block_hash in hashes:
             slot = held.get(block_hash)
-            if slot is not None:
-                touched.append(slot)
-                continue
-            slot = self._take_slot()
             if slot is None:
-                break
-            self._make(slot, group, block_hash)
-            placed.append((block_hash, slot))
+                slot = place(group, block_hash)
+                if slot is None:
+                    break
+                placed.append((block_hash, slot))
+                new_slots.add(slot)
             touched.append(slot)
-            new_slots.add(slot)
         self._touch_tail_first(touched, new_slots, continuing)
         return placed
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Mark `group`'s saved blocks ready for lookups; those that became ready."""
         held, ready = self._held[group], self._ready[group]
-        load_refs = self._load_refs
+        load_refs, evictable = self._load_refs, self._evictable
         completed = []
+        unpinned = 0
         for block_hash in hashes:
             slot = held.get(block_hash)
             if slot is not None and block_hash not in ready:
                 ready[block_hash] = slot
                 if load_refs[slot] == 0:
-                    self._evictable[slot] = True
-                    self._busy -= 1
+                    evictable[slot] = True
+                    unpinned += 1
                 completed.append(block_hash)
+        self._busy -= unpinned
         return completed
 
     def abandon_save(self, group: int, hashes: Sequence[BlockHash]) -> None:
@@ -212,9 +215,8 @@ class SlotTable:
         held = self._held[group]
         slots: list[int | None] = []
         for block_hash in hashes:
-            slot = None if block_hash in held else self._take_slot()
+            slot = None if block_hash in held else self._place(group, block_hash)
             if slot is not None:
-                self._make(slot, group, block_hash)
                 self._load_refs[slot] = 1
                 self._clean[slot] = True
                 self._policy.insert(slot, (group, block_hash))
@@ -278,6 +280,14 @@ class SlotTable:
         self.evicted = tuple([] for _ in taken)
         return taken
 
+    def forget_evicted(self) -> int:
+        """Forget the blocks `take_evicted` would take (a caller that needs no list); how many."""
+        count = 0
+        for evicted in self.evicted:
+            count += len(evicted)
+            evicted.clear()
+        return count
+
     def clear(self) -> bool:
         """Drop every block that no transfer uses; True when the pool is empty after."""
         slots = [slot for held in self._held for slot in held.values()]
@@ -333,8 +343,27 @@ class SlotTable:
             self._load_refs[slot] += 1
         raise AssertionError("_refuse_load is called only when a block is not ready")
 
-    def _make(self, slot: int, group: int, block_hash: BlockHash) -> None:
-        """`slot` now holds `group`'s `block_hash`, not ready: being saved or brought in."""
+    def _place(self, group: int, block_hash: BlockHash) -> int | None:
+        """A slot for `group`'s `block_hash`, not ready: being saved or brought in.
+
+        A free slot, else the policy's victim, evicted; None when every slot
+        is pinned. One call per block saved, the eviction written out in it:
+        this is the scheduler's hot path.
+        """
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = self._policy.victim(self._may_evict)
+            if victim is None:
+                return None
+            slot = victim
+            evicted_group, evicted_hash = self._group_of[slot], self._block_of[slot]
+            del self._held[evicted_group][evicted_hash]
+            self._ready[evicted_group].pop(evicted_hash, None)
+            self._evictable[slot] = False
+            self.evicted[evicted_group].append(evicted_hash)
+            if self._on_evict is not None:
+                self._on_evict(evicted_group, evicted_hash, slot, self._clean[slot])
         self._held[group][block_hash] = slot
         self._block_of[slot] = block_hash
         self._group_of[slot] = group
@@ -343,6 +372,7 @@ class SlotTable:
         self._failed[slot] = False
         self._made_at[slot] = next(self._made)
         self._busy += 1
+        return slot
 
     def _free(self, slot: int) -> None:
         """Forget `slot`'s entry: the slot leaves the policy and can be taken again."""
@@ -355,16 +385,3 @@ class SlotTable:
         del self._held[group][block_hash]
         self._ready[group].pop(block_hash, None)
         self._evictable[slot] = False
-
-    def _take_slot(self) -> int | None:
-        if self._free_slots:
-            return self._free_slots.pop()
-        slot = self._policy.victim(self._may_evict)
-        if slot is None:
-            return None
-        self._remove(slot)
-        group, block_hash = self._group_of[slot], self._block_of[slot]
-        self.evicted[group].append(block_hash)
-        if self._on_evict is not None:
-            self._on_evict(group, block_hash, slot, self._clean[slot])
-        return slot
