@@ -113,18 +113,16 @@ class SlotTable:
             slots = None
         if slots is None:
             self._refuse_load(group, hashes)
-        load_refs, evictable = self._load_refs, self._evictable
+        load_refs, evictable, hit = self._load_refs, self._evictable, self._policy.hit
         pinned = 0
-        for slot in slots:
+        # The last block first, the first block told last: see _touch_tail_first.
+        for slot in reversed(slots):
             if evictable[slot]:
                 evictable[slot] = False
                 pinned += 1
             load_refs[slot] += 1
-        self._busy += pinned
-        hit = self._policy.hit
-        # The last block first, the first block told last: see _touch_tail_first.
-        for slot in reversed(slots):
             hit(slot)
+        self._busy += pinned
         return slots
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
