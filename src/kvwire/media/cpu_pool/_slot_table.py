@@ -57,11 +57,13 @@ class SlotTable:
         # Per slot: what its entry is (meaningless while the slot is free).
         self._block_of: list[BlockHash] = [b""] * num_slots
         self._group_of = [0] * num_slots
+        # Back at 0 and False whenever an entry leaves (no entry a load uses
+        # leaves; `_remove` clears `failed`), so a new entry needs not set them.
         self._load_refs = [0] * num_slots
-        # The slower tiers hold this block too: evicting it loses nothing.
-        self._clean = [False] * num_slots
         # Being brought in, and a load using it failed: forgotten once no load uses it.
         self._failed = [False] * num_slots
+        # The slower tiers hold this block too: evicting it loses nothing.
+        self._clean = [False] * num_slots
         # Ready and read by no load: what the policy may evict. Its item getter is
         # the test `victim` is given, a call into C rather than into Python.
         self._evictable = [False] * num_slots
@@ -344,9 +346,7 @@ class SlotTable:
     def _place(self, group: int, block_hash: BlockHash) -> int | None:
         """A slot for `group`'s `block_hash`, not ready: being saved or brought in.
 
-        A free slot, else the policy's victim, evicted; None when every slot
-        is pinned. One call per block saved, the eviction written out in it:
-        this is the scheduler's hot path.
+        A free slot, else the policy's victim, evicted; None when every slot is pinned.
         """
         if self._free_slots:
             slot = self._free_slots.pop()
@@ -355,22 +355,22 @@ class SlotTable:
             if victim is None:
                 return None
             slot = victim
-            evicted_group, evicted_hash = self._group_of[slot], self._block_of[slot]
-            del self._held[evicted_group][evicted_hash]
-            self._ready[evicted_group].pop(evicted_hash, None)
-            self._evictable[slot] = False
-            self.evicted[evicted_group].append(evicted_hash)
-            if self._on_evict is not None:
-                self._on_evict(evicted_group, evicted_hash, slot, self._clean[slot])
+            self._forget_victim(slot)
         self._held[group][block_hash] = slot
         self._block_of[slot] = block_hash
         self._group_of[slot] = group
-        self._load_refs[slot] = 0
         self._clean[slot] = False
-        self._failed[slot] = False
         self._made_at[slot] = next(self._made)
         self._busy += 1
         return slot
+
+    def _forget_victim(self, slot: int) -> None:
+        """The policy evicted `slot`'s entry: forget it, and tell `on_evict`."""
+        group, block_hash = self._group_of[slot], self._block_of[slot]
+        self._remove(slot)
+        self.evicted[group].append(block_hash)
+        if self._on_evict is not None:
+            self._on_evict(group, block_hash, slot, self._clean[slot])
 
     def _free(self, slot: int) -> None:
         """Forget `slot`'s entry: the slot leaves the policy and can be taken again."""
@@ -383,3 +383,4 @@ class SlotTable:
         del self._held[group][block_hash]
         self._ready[group].pop(block_hash, None)
         self._evictable[slot] = False
+        self._failed[slot] = False
