@@ -39,6 +39,12 @@ class SlotTable:
     the slots orders all groups' entries for eviction (an `LRUPolicy` when
     none is given). `on_evict` is called with `(group, block_hash, slot,
     clean)` for each ready block the policy evicts, before its slot is reused.
+
+    A load or a save tells the policy its blocks were used, the request's
+    last block first. A block is worth keeping only with every block before
+    it (a lookup stops at the first one missing), so the first block of a
+    prefix is told last: the most recently used, the last to go. The policy
+    then evicts a prefix from its tail, as vLLM's own prefix cache does.
     """
 
     def __init__(
@@ -58,7 +64,7 @@ class SlotTable:
         self._block_of: list[BlockHash] = [b""] * num_slots
         self._group_of = [0] * num_slots
         # Back at 0 and False whenever an entry leaves (no entry a load uses
-        # leaves; `_remove` clears `failed`), so a new entry needs not set them.
+        # leaves; `_remove` clears `failed`), so a new entry need not set them.
         self._load_refs = [0] * num_slots
         # Being brought in, and a load using it failed: forgotten once no load uses it.
         self._failed = [False] * num_slots
@@ -117,7 +123,7 @@ class SlotTable:
             self._refuse_load(group, hashes)
         load_refs, evictable, hit = self._load_refs, self._evictable, self._policy.hit
         pinned = 0
-        # The last block first, the first block told last: see _touch_tail_first.
+        # The last block first (see the class's docstring).
         for slot in reversed(slots):
             if evictable[slot]:
                 evictable[slot] = False
@@ -154,20 +160,54 @@ class SlotTable:
         `continuing` continue an earlier prompt: the policy is told so
         (`EvictionPolicy.insert_continuing`).
         """
-        held, place = self._held[group], self._place
+        # The scheduler's hot path: `_place` and `_forget_victim` written out,
+        # what the loop reads bound once.
+        held, free_slots, victim = self._held[group], self._free_slots, self._policy.victim
+        block_of, group_of, clean = self._block_of, self._group_of, self._clean
+        made_at, made, may_evict = self._made_at, self._made, self._may_evict
+        held_by_group, ready_by_group = self._held, self._ready
+        evictable, failed, on_evict = self._evictable, self._failed, self._on_evict
         placed: list[tuple[BlockHash, int]] = []
         touched: list[int] = []
         new_slots: set[int] = set()
         for block_hash in hashes:
             slot = held.get(block_hash)
             if slot is None:
-                slot = place(group, block_hash)
-                if slot is None:
-                    break
+                if free_slots:
+                    slot = free_slots.pop()
+                else:
+                    slot = victim(may_evict)
+                    if slot is None:
+                        break
+                    evicted_group, evicted_hash = group_of[slot], block_of[slot]
+                    del held_by_group[evicted_group][evicted_hash]
+                    ready_by_group[evicted_group].pop(evicted_hash, None)
+                    evictable[slot] = False
+                    failed[slot] = False
+                    self.evicted[evicted_group].append(evicted_hash)
+                    if on_evict is not None:
+                        on_evict(evicted_group, evicted_hash, slot, clean[slot])
+                held[block_hash] = slot
+                block_of[slot] = block_hash
+                group_of[slot] = group
+                clean[slot] = False
+                made_at[slot] = next(made)
                 placed.append((block_hash, slot))
                 new_slots.add(slot)
             touched.append(slot)
-        self._touch_tail_first(touched, new_slots, continuing)
+        self._busy += len(placed)
+        # The last block first (see the class's docstring); the new ones inserted.
+        policy = self._policy
+        hit, insert = policy.hit, policy.insert
+        for slot in reversed(touched):
+            if slot in new_slots:
+                block_hash = block_of[slot]
+                if block_hash in continuing:
+                    policy.insert_continuing(slot, (group, block_hash))
+                else:
+                    insert(slot, (group, block_hash))
+            else:
+                hit(slot)
         return placed
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
@@ -297,32 +337,6 @@ class SlotTable:
                 self._free(slot)
                 self.evicted[group].append(block_hash)
         return not any(self._held)
-
-    def _touch_tail_first(
-        self,
-        slots: Sequence[int],
-        new_slots: Set[int] = frozenset(),
-        continuing: Set[BlockHash] = frozenset(),
-    ) -> None:
-        """Tell the policy these slots of one request were used, its last block first.
-
-        A block is worth keeping only with every block before it (a lookup
-        stops at the first one missing), so the first block of a prefix is
-        told last: the most recently used, the last to go. The policy then
-        evicts a prefix from its tail, as vLLM's own prefix cache does.
-        `new_slots` are inserted rather than hit, those whose block is in
-        `continuing` as continuing an earlier prompt.
-        """
-        policy = self._policy
-        for slot in reversed(slots):
-            if slot in new_slots:
-                block_hash = self._block_of[slot]
-                if block_hash in continuing:
-                    policy.insert_continuing(slot, (self._group_of[slot], block_hash))
-                else:
-                    policy.insert(slot, (self._group_of[slot], block_hash))
-            else:
-                policy.hit(slot)
 
     def _refuse_load(self, group: int, hashes: Sequence[BlockHash]) -> NoReturn:
         """Pin the blocks before the first one not ready, then raise the KeyError that names it.
