@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pathlib
 
+import attrs
 import pytest
 
 from kvwire.config import EngineConfig
-from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
+from kvwire.engine import GenerationRequest
+from kvwire.testing import ConnectorConformanceSuite, Instruments, conformance_engine_config
 
 SMALL_POOL = {"cpu_pool_bytes": "4MiB"}
 # Each connector runs the suite with loads in the forward pass and in the background.
@@ -76,4 +78,30 @@ class TestTieredOffloadConnector(ConnectorConformanceSuite):
                 "eviction": "arc",
                 "tiers": [{"medium": "directory", "shared_storage_path": str(tmp_path)}],
             },
+        )
+
+    def test_hybrid_model_moves_only_blocks_inside_the_sliding_window(
+        self,
+        hybrid_config: EngineConfig,
+        long_distinct_prompts: list[GenerationRequest],
+        kvwire_instruments: Instruments,
+    ) -> None:
+        # The bytes saved with HMA on and off are compared: a pool of a few blocks
+        # saves what fits, and with HMA off (blocks of every layer) less fits, so
+        # the comparison gets a pool that holds the prompts either way. The
+        # class's other hybrid checks keep the small pool, which spills.
+        transfer = hybrid_config.kv_transfer_config
+        assert transfer is not None
+        roomy = attrs.evolve(
+            hybrid_config,
+            kv_transfer_config=attrs.evolve(
+                transfer,
+                kv_connector_extra_config={
+                    **transfer.kv_connector_extra_config,
+                    "cpu_pool_bytes": "256KiB",
+                },
+            ),
+        )
+        super().test_hybrid_model_moves_only_blocks_inside_the_sliding_window(
+            roomy, long_distinct_prompts, kvwire_instruments
         )

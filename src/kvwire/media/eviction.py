@@ -25,11 +25,12 @@ Four policies ship, named in the CPU pool's `eviction` option:
 - `kvfifo` (`kvwire.media.eviction.KVFIFOPolicy`): S3-FIFO's queues with
   what KV traffic says of its blocks. The small queue's share adapts as
   ARC's recency list does, to what the ghosts of each queue say was evicted
-  too early; and a block that continues a prompt an earlier prompt ended
+  too early; a block that continues a prompt an earlier prompt ended
   at (a conversation's next turn, an agent's next step: the cache tells it
   through `insert_continuing`) enters the main queue at once, where a block
   of a prompt that shared only a common prefix (likely a one-off) waits in
-  the small queue for a second use.
+  the small queue for a second use; and the main queue keeps its entries in
+  recency order, so that it gives up a prefix from its tail.
 
 The cache may tell a policy more than `insert`: `insert_continuing` marks
 a new entry whose prompt grows an earlier prompt. Its default is `insert`,
@@ -72,7 +73,11 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, slot: int, block: Hashable) -> None:
-        """`slot` now holds `block`, a new entry."""
+        """`slot` now holds `block`, a new entry.
+
+        The cache may tell the same insertion twice (one request whose blocks
+        took a slot and then touched it again): a policy orders the entry once.
+        """
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
         """`slot` now holds `block`, a new entry of a prompt that grows an earlier prompt.
@@ -149,6 +154,9 @@ class _FIFOQueues(EvictionPolicy):
         self._main: OrderedDict[int, int] = OrderedDict()
         # Each slot's block, as its hash: what a ghost queue remembers of it.
         self._blocks: dict[int, int] = {}
+        # The entries a `victim` call passed over as in use, reused by every call.
+        self._in_use_small: set[int] = set()
+        self._in_use_main: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
@@ -165,37 +173,42 @@ class _FIFOQueues(EvictionPolicy):
     def victim(self, evictable: Evictable) -> int | None:
         # Every turn evicts, lowers a count (at most MAX_USES per entry), moves
         # an entry from small to main (once per entry), or passes over an entry
-        # in use: bounded by the entries there are, which only an eviction changes.
-        entries = len(self)
-        passed_over = 0
-        while passed_over <= entries:
-            if self._small and (len(self._small) >= self._small_target or not self._main):
-                slot, uses = next(iter(self._small.items()))
+        # in use, which stays in use for the whole call: bounded. A queue whose
+        # every entry is in use is out of the call, so the other one gives the
+        # victim even where the small queue's share would pick this one.
+        small, main = self._small, self._main
+        in_use_small, in_use_main = self._in_use_small, self._in_use_main
+        in_use_small.clear()
+        in_use_main.clear()
+        while True:
+            small_open = len(in_use_small) < len(small)
+            main_open = len(in_use_main) < len(main)
+            if small_open and (len(small) >= self._small_target or not main_open):
+                slot, uses = next(iter(small.items()))
                 if not evictable(slot):
-                    self._small.move_to_end(slot)
-                    passed_over += 1
+                    small.move_to_end(slot)
+                    in_use_small.add(slot)
                 elif uses > 0:
-                    del self._small[slot]
-                    self._main[slot] = 0
+                    del small[slot]
+                    main[slot] = 0
                 else:
-                    del self._small[slot]
+                    del small[slot]
                     self._evicted_from_small(self._blocks.pop(slot))
                     return slot
-            elif self._main:
-                slot, uses = next(iter(self._main.items()))
+            elif main_open:
+                slot, uses = next(iter(main.items()))
                 if not evictable(slot):
-                    self._main.move_to_end(slot)
-                    passed_over += 1
+                    main.move_to_end(slot)
+                    in_use_main.add(slot)
                 elif uses > 0:
-                    self._main.move_to_end(slot)
-                    self._main[slot] = uses - 1
+                    main.move_to_end(slot)
+                    main[slot] = uses - 1
                 else:
-                    del self._main[slot]
+                    del main[slot]
                     self._evicted_from_main(self._blocks.pop(slot))
                     return slot
             else:
                 return None
-        return None
 
     @abc.abstractmethod
     def _evicted_from_small(self, key: int) -> None:
@@ -230,6 +243,8 @@ class S3FIFOPolicy(_FIFOQueues):
         self._ghost: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, slot: int, block: Hashable) -> None:
+        if slot in self._blocks:
+            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         if key in self._ghost:
@@ -274,6 +289,8 @@ class ARCPolicy(EvictionPolicy):
         return len(self._recent) + len(self._frequent)
 
     def insert(self, slot: int, block: Hashable) -> None:
+        if slot in self._blocks:
+            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
@@ -303,19 +320,20 @@ class ARCPolicy(EvictionPolicy):
         del self._blocks[slot]
 
     def victim(self, evictable: Evictable) -> int | None:
-        # An entry in use moves to its list's end: each is passed over once per pass.
-        for _ in range(len(self)):
-            if self._recent and (len(self._recent) > self._target or not self._frequent):
-                entries, ghosts = self._recent, self._recent_ghosts
-            else:
-                entries, ghosts = self._frequent, self._frequent_ghosts
-            slot = next(iter(entries))
-            if evictable(slot):
-                del entries[slot]
-                ghosts[self._blocks.pop(slot)] = None
-                self._trim_ghosts()
-                return slot
-            entries.move_to_end(slot)
+        # The list ARC's target picks first; when every entry there is in use,
+        # the other. An entry in use moves to its list's end: met once per call.
+        recent = (self._recent, self._recent_ghosts)
+        frequent = (self._frequent, self._frequent_ghosts)
+        picked_first = self._recent and (len(self._recent) > self._target or not self._frequent)
+        for entries, ghosts in (recent, frequent) if picked_first else (frequent, recent):
+            for _ in range(len(entries)):
+                slot = next(iter(entries))
+                if evictable(slot):
+                    del entries[slot]
+                    ghosts[self._blocks.pop(slot)] = None
+                    self._trim_ghosts()
+                    return slot
+                entries.move_to_end(slot)
         return None
 
     def _trim_ghosts(self) -> None:
@@ -328,37 +346,49 @@ class ARCPolicy(EvictionPolicy):
 
 
 class KVFIFOPolicy(_FIFOQueues):
-    """S3-FIFO's small, main and ghost queues, the small queue's share adapting as in ARC.
+    """S3-FIFO's small and ghost queues, a main queue in recency order, the small share adapting.
 
     A new entry enters the small queue, unless a ghost queue remembers its
     block (it was evicted, so it is used again) or its prompt continues an
     earlier one (`insert_continuing`): those enter the main queue. Each
-    entry counts its uses, up to 3. The small queue gives up entries while
-    it holds its target share: its oldest entry moves to the main queue
+    entry counts its uses, up to 4 (one more than S3-FIFO's: a block many
+    prompts share, a system prompt or a popular document, outlives one more
+    pass of the main queue). The small queue gives up entries while it
+    holds its target share: its oldest entry moves to the main queue
     (count back at 0) if it was used again, else it is evicted and its block
-    joins the small queue's ghosts. The main queue's oldest entry is evicted
-    if its count is 0 (its block joins the main queue's ghosts), else it
-    goes around once more with its count lowered by one.
+    joins the small queue's ghosts. An entry of the main queue used again
+    moves to its end, as in LRU: a prefix is hit from its last block to its
+    first, so the main queue gives up a prefix from its tail, where a FIFO
+    order would cut one in the middle. The main queue's oldest entry is
+    evicted if its count is 0 (its block joins the main queue's ghosts),
+    else it goes around once more with its count lowered by one.
 
-    The target share starts at a tenth of the slots. A new entry whose
+    The target share starts at three tenths of the slots. A new entry whose
     block the small queue's ghosts remember was evicted too early by a small
     queue too short: the target grows (by the ratio of the ghost queues'
     lengths, at least 1, as ARC's). One the main queue's ghosts remember
-    shrinks it the same way, down to a hundredth of the slots. Each ghost
-    queue keeps twice as many blocks as there are slots, each as a hash: a
-    session's blocks come back after more traffic than the pool holds.
+    shrinks it the same way, down to a hundredth of the slots. The small
+    queue's ghosts keep as many blocks as there are slots, the main
+    queue's half as many more (its blocks had earned their place there
+    once: they are remembered longer), each as a hash.
     """
 
-    INITIAL_SMALL_SHARE = 0.1
+    MAX_USES = 4
+    """The uses an entry counts: the passes of the main queue it may outlive."""
+    INITIAL_SMALL_SHARE = 0.3
     """The share of the slots the small queue starts with."""
     LEAST_SMALL_SHARE = 0.01
     """The least share the small queue is given."""
-    GHOSTS_PER_SLOT = 2
+    SMALL_GHOSTS_PER_SLOT = 1.0
+    """How many blocks evicted from the small queue are remembered, per slot."""
+    MAIN_GHOSTS_PER_SLOT = 1.5
+    """How many blocks evicted from the main queue are remembered, per slot."""
 
     def __init__(self, capacity: int) -> None:
         least_small = max(1, int(capacity * self.LEAST_SMALL_SHARE))
         super().__init__(capacity, max(least_small, int(capacity * self.INITIAL_SMALL_SHARE)))
-        self._ghost_limit = self.GHOSTS_PER_SLOT * capacity
+        self._small_ghost_limit = max(1, int(capacity * self.SMALL_GHOSTS_PER_SLOT))
+        self._main_ghost_limit = max(1, int(capacity * self.MAIN_GHOSTS_PER_SLOT))
         self._least_small = least_small
         self._most_small = max(least_small, capacity - 1)
         self._small_ghosts: OrderedDict[int, None] = OrderedDict()
@@ -370,12 +400,22 @@ class KVFIFOPolicy(_FIFOQueues):
         return self._small_target
 
     def insert(self, slot: int, block: Hashable) -> None:
-        if not self._returned(slot, block):
+        # Told twice (see `EvictionPolicy.insert`): ordered once.
+        if slot not in self._blocks and not self._returned(slot, block):
             self._small[slot] = 0
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
-        if not self._returned(slot, block):
+        if slot not in self._blocks and not self._returned(slot, block):
             self._main[slot] = 0
+
+    def hit(self, slot: int) -> None:
+        small = self._small
+        if slot in small:
+            small[slot] = min(small[slot] + 1, self.MAX_USES)
+        else:
+            main = self._main
+            main.move_to_end(slot)
+            main[slot] = min(main[slot] + 1, self.MAX_USES)
 
     def _returned(self, slot: int, block: Hashable) -> bool:
         """Record `slot`'s block; when a ghost queue remembers it, adapt and enter main."""
@@ -396,12 +436,14 @@ class KVFIFOPolicy(_FIFOQueues):
         return True
 
     def _evicted_from_small(self, key: int) -> None:
-        self._remember(self._small_ghosts, key)
+        _remember(self._small_ghosts, key, self._small_ghost_limit)
 
     def _evicted_from_main(self, key: int) -> None:
-        self._remember(self._main_ghosts, key)
+        _remember(self._main_ghosts, key, self._main_ghost_limit)
 
-    def _remember(self, ghosts: OrderedDict[int, None], key: int) -> None:
-        ghosts[key] = None
-        if len(ghosts) > self._ghost_limit:
-            ghosts.popitem(last=False)
+
+def _remember(ghosts: OrderedDict[int, None], key: int, limit: int) -> None:
+    """`key` joins `ghosts`, which forget their oldest beyond `limit`."""
+    ghosts[key] = None
+    if len(ghosts) > limit:
+        ghosts.popitem(last=False)

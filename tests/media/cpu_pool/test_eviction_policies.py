@@ -100,6 +100,26 @@ def test_an_entry_in_use_is_passed_over(policy_class: type[EvictionPolicy]) -> N
     assert policy.victim(lambda slot: slot != 0) == 2
 
 
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_saves_in_flight_filling_the_new_entries_queue_leave_the_older_entries_evictable(
+    policy_class: type[EvictionPolicy],
+) -> None:
+    # Blocks 0-9 used twice sit in the queue of entries used again; the saves of
+    # blocks 100-109, not complete, fill the queue of new entries past its share:
+    # every entry there is in use, so the victim comes from the other queue.
+    table = SlotTable(20, policy=policy_class(20))
+    for _ in range(2):
+        for n in range(10):
+            access(table, [n])
+    in_flight = [h(n) for n in range(100, 110)]
+    assert len(table.prepare_save(0, in_flight)) == 10
+    placed = table.prepare_save(0, [h(200)])
+    assert [block for block, _ in placed] == [h(200)]
+    assert table.count_ready_prefix(0, [h(200)]) == 0  # being saved
+    (evicted,) = [blocks for blocks in table.take_evicted() if blocks]
+    assert evicted[0] in {h(n) for n in range(10)}
+
+
 def _drained(policy: EvictionPolicy) -> list[int]:
     order = []
     while (slot := policy.victim(anything)) is not None:
@@ -236,10 +256,12 @@ def test_arc_ghost_lists_are_bounded_by_the_slots() -> None:
 
 def test_kvfifo_evicts_an_entry_used_once_before_one_used_again() -> None:
     policy = filled(KVFIFOPolicy(10), 10)
+    assert policy.small_target == 3
     policy.hit(0)
     # Entry 0 was used again: it moves to the main queue; 1, never used again, leaves.
     assert policy.victim(anything) == 1
-    assert _drained(policy) == [*range(2, 10), 0]
+    # The small queue gives up its entries down to its target, then the main queue goes.
+    assert _drained(policy) == [*range(2, 8), 0, 8, 9]
 
 
 def test_kvfifo_puts_a_continuing_entry_in_the_main_queue() -> None:
@@ -247,17 +269,18 @@ def test_kvfifo_puts_a_continuing_entry_in_the_main_queue() -> None:
     policy.insert_continuing(0, "turn")
     for slot in range(1, 10):
         policy.insert(slot, ("one-off", slot))
-    # The next turn's block waits in the main queue; the small queue's one-off entries go first.
-    assert _drained(policy) == [*range(1, 10), 0]
+    # The next turn's block waits in the main queue; the small queue's one-off entries go
+    # first, down to the small queue's target (3).
+    assert _drained(policy) == [*range(1, 8), 0, 8, 9]
 
 
 def test_kvfifo_grows_the_small_queue_when_a_block_it_evicted_from_it_returns() -> None:
     policy = KVFIFOPolicy(100)
     filled(policy, 100)
-    assert policy.small_target == 10
+    assert policy.small_target == 30
     assert policy.victim(anything) == 0  # leaves the small queue, unused: a ghost
     policy.insert(0, ("block", 0))
-    assert policy.small_target == 11
+    assert policy.small_target == 31
     # It came back to the main queue: the small queue's entries still go first.
     assert policy.victim(anything) == 1
 
@@ -269,7 +292,7 @@ def test_kvfifo_shrinks_the_small_queue_when_a_block_it_evicted_from_main_return
     # The small queue holds less than its target: the main queue's oldest goes, unused.
     assert policy.victim(anything) == 0
     policy.insert(0, "main")  # back from the main queue's ghosts, into main
-    assert policy.small_target == 9
+    assert policy.small_target == 29
     assert _drained(policy) == [0, 1]  # the small queue, below its target, goes last
 
 
@@ -281,15 +304,44 @@ def test_kvfifo_small_queue_target_stays_within_its_bounds() -> None:
     assert 2 <= policy.small_target <= 199
 
 
-def test_kvfifo_ghost_queues_are_bounded_by_twice_the_slots() -> None:
+def test_kvfifo_ghost_queues_are_bounded_by_the_slots_and_half_as_many_more() -> None:
     policy = KVFIFOPolicy(8)
     for n in range(1000):
         policy.insert(n % 8, n)
         if n % 3 == 0:
             policy.hit(n % 8)
         assert policy.victim(anything) is not None
-    assert len(policy._small_ghosts) <= 16
-    assert len(policy._main_ghosts) <= 16
+    assert len(policy._small_ghosts) <= 8
+    assert len(policy._main_ghosts) <= 12
+
+
+def test_kvfifo_main_queue_moves_an_entry_used_again_to_its_end() -> None:
+    policy = KVFIFOPolicy(3)
+    for slot in range(3):
+        policy.insert_continuing(slot, ("turn", slot))
+    policy.hit(1)
+    policy.hit(0)
+    # Both used again, 0 last: a FIFO order would still give up 0 before 1.
+    assert _drained(policy) == [2, 1, 0]
+
+
+@pytest.mark.parametrize("policy_class", POLICIES)
+def test_an_entry_told_inserted_twice_is_ordered_once(policy_class: type[EvictionPolicy]) -> None:
+    policy = policy_class(10)
+    policy.insert(0, "a")
+    assert policy.victim(anything) == 0  # remembered by the policies with ghosts
+    policy.insert(0, "a")
+    policy.insert(0, "a")
+    assert len(policy) == 1
+    assert _drained(policy) == [0]
+
+
+def test_kvfifo_orders_an_entry_told_inserted_and_continuing_once() -> None:
+    policy = KVFIFOPolicy(10)
+    policy.insert_continuing(0, "turn")
+    policy.insert(0, "turn")
+    assert len(policy) == 1
+    assert _drained(policy) == [0]
 
 
 class _Continuing(LRUPolicy):

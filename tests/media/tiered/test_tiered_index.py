@@ -74,6 +74,26 @@ def test_a_lookup_extends_the_pools_prefix_with_each_tier_in_turn():
     assert index.count_held_prefix(0, hashes(1, 7, 4)) == 1
 
 
+def test_a_block_the_pool_holds_after_a_tier_s_blocks_is_counted_and_the_lookup_goes_on():
+    # The pool holds blocks 1 and 3 (and is full); the tier 2 and 4: a lookup that
+    # stopped at block 3 would have vLLM compute blocks 3 and 4 again.
+    tier = SetIndex(set(hashes(2, 4)))
+    index = TieredIndex(4, 1, "cpu", tiers=[tier], write_through=False)
+    saved(index, hashes(1))
+    saved(index, hashes(3))
+    saved(index, hashes(8, 9))
+    wanted = hashes(1, 2, 3, 4)
+    assert index.count_held_prefix(0, wanted) == 4
+    # Block 3 is pinned before the promotions evict: they take blocks 8 and 9's slots.
+    spec = index.prepare_load(0, wanted)
+    assert places(spec) == (POOL, TIER, POOL, TIER)
+    assert "load_blocks_missing" not in index.take_counters()
+    complete(index, spec, wanted)
+    assert index.pool.count_held_prefix(0, wanted) == 4
+    # A block no tier holds ends the prefix after the pool's block, too.
+    assert index.count_held_prefix(0, hashes(1, 2, 3, 7)) == 3
+
+
 def test_a_load_pins_the_pools_blocks_and_brings_the_tiers_blocks_into_new_slots():
     tier = SetIndex(set(hashes(3, 4)))
     index = TieredIndex(8, 1, "cpu", tiers=[tier], write_through=False)

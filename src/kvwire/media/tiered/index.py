@@ -3,11 +3,14 @@
 `TieredIndex` is a CPU pool's index (`CPUPoolIndex`) and each secondary
 tier's own index, each used through its public calls. A lookup counts the
 blocks the pool holds, then asks each tier in turn for the blocks after
-them, and remembers which tier held each block (by group and hash, for a
-bounded number of blocks: requests that share a prefix share these records,
-whatever order their lookups and loads come in). When the load is prepared,
+them; a block the pool holds ready after those counts too, and the tiers
+are asked again for the blocks after it. It remembers which tier held each
+block (by group and hash, for a bounded number of blocks: requests that
+share a prefix share these records, whatever order their lookups and loads
+come in). When the load is prepared,
 each block is taken where it is now (`Place`): the pool's ready blocks are
-pinned as a CPU pool load pins them; a block another load is bringing in is
+pinned as a CPU pool load pins them, before any block is brought in (whose
+slot may come from evicting a block); a block another load is bringing in is
 shared with it (`CPUPoolIndex.join_promotion`: a lookup made before that
 load was prepared counted it, as `async_lookup` does); a block found in a
 tier gets a pool slot, pinned and not ready (`CPUPoolIndex.start_promotion`):
@@ -44,7 +47,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import attrs
@@ -245,28 +248,63 @@ class TieredIndex(MediumIndex):
     # --------------------------------------------------------------- lookups
 
     def count_held_prefix(self, group: int, block_hashes: Sequence[BlockHash]) -> int:
-        """The pool's ready prefix, extended by each secondary tier in turn."""
+        """The pool's ready prefix, extended by the tiers and the pool's ready blocks after it.
+
+        After the pool's prefix, each run of blocks the pool lacks is looked up
+        in each secondary tier in turn (the blocks after the ones the tier
+        before it holds); a block the pool holds ready in the middle of the
+        prompt is counted as the pool's, and the lookup goes on after it. The
+        prefix ends at a block no tier holds, or one the pool holds but cannot
+        give yet (still being saved, or brought in by another load: it can take
+        no slot to be brought in either).
+        """
         pool = self.pool
         held = pool.count_held_prefix(group, block_hashes)
-        # Blocks from the tiers each need a slot the load can take: no more than
-        # are neither busy nor this load's own (a block promised and then given
-        # no slot would be a load error, which costs vLLM a rescheduled request).
-        free = max(0, pool.num_slots - pool.busy_slots - held)
-        end = min(len(block_hashes), held + free)
-        # A block the pool holds but cannot give yet (still being saved, or brought in
-        # by another load) can take no slot to be brought in: the prefix ends there.
-        end = next((i for i in range(held, end) if pool.holds(group, block_hashes[i])), end)
+        # Blocks from the tiers each need a slot the load can take, and a ready block
+        # this load pins is one slot fewer to evict: no more than are neither busy
+        # nor this load's own (a block promised and then given no slot would be a
+        # load error, which costs vLLM a rescheduled request).
+        budget = max(0, pool.num_slots - pool.busy_slots - held)
         on_scheduler_thread = threading.get_ident() == self._scheduler_thread
+        while budget and held < len(block_hashes):
+            end = min(len(block_hashes), held + budget)
+            lacking_end = next(
+                (i for i in range(held, end) if pool.holds(group, block_hashes[i])), end
+            )
+            if lacking_end > held:
+                found = self._count_in_tiers(
+                    group, block_hashes, held, lacking_end, on_scheduler_thread
+                )
+                held += found
+                budget -= found
+                if held < lacking_end:
+                    break  # a block no tier holds
+            if held == end or not pool.ready(group, block_hashes[held]):
+                break
+            held += 1
+            budget -= 1
+        return held
+
+    def _count_in_tiers(
+        self,
+        group: int,
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        stop: int,
+        on_scheduler_thread: bool,
+    ) -> int:
+        """How many of `block_hashes[start:stop]`, from the first, the tiers hold in turn."""
+        held = start
         for number, tier in enumerate(self._tiers, 1):
-            if held >= end:
+            if held >= stop:
                 break
             if not (on_scheduler_thread or tier.concurrent_lookups):
                 continue
-            found = self._count_in_tier(number, tier, group, block_hashes[held:end])
+            found = self._count_in_tier(number, tier, group, block_hashes[held:stop])
             if found:
                 self._record_found(number, group, block_hashes[held : held + found])
                 held += found
-        return held
+        return held - start
 
     def _record_found(self, number: int, group: int, block_hashes: Sequence[BlockHash]) -> None:
         """Remember that tier `number` holds these blocks, for their loads."""
@@ -329,16 +367,19 @@ class TieredIndex(MediumIndex):
         with self._lock:
             found = [self._found_in.get((group, block_hash)) for block_hash in block_hashes]
         where = [self._where(group, h, tier) for h, tier in zip(block_hashes, found, strict=True)]
+        spans = list(_runs(where))
+        # The pool's ready blocks are pinned first: a promotion's evictions cannot take them.
+        pinned = {
+            start: self.pool.prepare_load(group, block_hashes[start:end]).slots
+            for start, end in spans
+            if where[start][0] is Place.POOL
+        }
         plan = _Plan()
-        position = 0
-        while position < len(block_hashes):
-            end = position + 1
-            while end < len(block_hashes) and where[end] == where[position]:
-                end += 1
+        for position, end in spans:
             span = block_hashes[position:end]
             place, number = where[position]
             if place is Place.POOL:
-                plan.slots += self.pool.prepare_load(group, span).slots
+                plan.slots += pinned[position]
                 plan.tiers += [0] * len(span)
                 plan.places += [Place.POOL] * len(span)
             elif place is Place.ARRIVING:
@@ -355,7 +396,6 @@ class TieredIndex(MediumIndex):
             else:
                 for _ in span:
                     self._missing(plan)
-            position = end
         ticket = LoadTicket(next(self._tickets))
         self._loads[ticket] = tuple(plan.tiers)
         payload = TieredLoad(ticket, tuple(plan.places), tuple(plan.spans))
@@ -575,3 +615,12 @@ def _by_group(
         )
         for group, blocks in by_group.items()
     ]
+
+
+def _runs(values: Sequence[object]) -> Iterator[tuple[int, int]]:
+    """The runs of equal neighbours in `values`, each as its (start, stop) positions."""
+    start = 0
+    for position in range(1, len(values) + 1):
+        if position == len(values) or values[position] != values[start]:
+            yield start, position
+            start = position
