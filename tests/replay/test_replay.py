@@ -7,7 +7,7 @@ import pytest
 
 from kvwire.interface.types import BlockHash
 from kvwire.registry import ConnectorRegistry
-from kvwire.replay.belady import belady_hits
+from kvwire.replay.belady import belady_hit_counts, belady_hits
 from kvwire.replay.pool import PoolReplay, replay_pool
 from kvwire.replay.sweep import POLICIES, SAVE_THRESHOLDS, sweep
 from kvwire.replay.synthetic import SHAPES, generate_trace
@@ -61,6 +61,14 @@ def test_belady_bounds_every_policy_on_a_generated_trace(shape: str) -> None:
         assert 0 < row.hit_rate <= row.belady_hit_rate
         assert row.ratio == pytest.approx(row.hit_rate / row.belady_hit_rate)
         assert row.asked_blocks == len(accesses)
+
+
+def test_belady_at_several_sizes_counted_by_hand() -> None:
+    # a b c a b c a. One block: a is kept for its next use (3, then 6), b and
+    # c are refused. Two: a and b kept, c refused, then a and b hit and a
+    # again. Three: every block from its second use.
+    accesses = [block_hash(ord(letter)) for letter in "abcabca"]
+    assert belady_hit_counts(accesses, [1, 2, 3]) == {1: 2, 2: 3, 3: 4}
 
 
 def test_with_nothing_reused_the_ratio_is_none() -> None:

@@ -68,25 +68,25 @@ def replay_pool(
         _MEDIUM,
         policy=registry.eviction_policies.get_class(eviction)(pool_blocks),
         admission=save_admission(save_threshold, pool_blocks),
+        # The replay has no use for them: the index does not make them.
+        keep_events=False,
     )
     asked = hits = saved = 0
-    counters: dict[str, int] = {}
     started = time.perf_counter()
     for hashes in trace:
         asked += len(hashes)
         held = index.count_held_prefix(0, hashes)
         if held:
-            index.prepare_load(0, hashes[:held])
-            index.complete_load(0, hashes[:held], ())
+            prefix = hashes[:held]
+            index.prepare_load(0, prefix)
+            index.complete_load(0, prefix, ())
             hits += held
         placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
         if placed:
             index.complete_save(0, placed, success=True)
             saved += len(placed)
-        # Drained each request, as the connector does each step: they would pile up.
-        index.take_events()
-        for name, count in index.take_counters().items():
-            counters[name] = counters.get(name, 0) + count
+    # The counts add up over the whole trace: taken once, at its end.
+    counters = index.take_counters()
     return PoolReplay(
         eviction=eviction,
         save_threshold=save_threshold,

@@ -16,7 +16,7 @@ import attrs
 
 from kvwire.interface.types import BlockHash
 from kvwire.registry import ConnectorRegistry
-from kvwire.replay.belady import belady_hits
+from kvwire.replay.belady import belady_hit_counts
 from kvwire.replay.pool import PoolReplay, replay_pool
 
 POLICIES = ("lru", "s3fifo", "arc", "kvfifo")
@@ -87,8 +87,8 @@ def sweep(
     else:
         _replay_in_workers(trace, configurations, min(jobs, len(configurations)), replayed)
     optima = {
-        pool_blocks: belady_hits(accesses, pool_blocks) / len(accesses) if accesses else 0.0
-        for pool_blocks in pool_sizes
+        pool_blocks: hits / len(accesses) if accesses else 0.0
+        for pool_blocks, hits in belady_hit_counts(accesses, pool_sizes).items()
     }
     return [_row(replay, optima[replay.pool_blocks]) for replay in replays if replay is not None]
 

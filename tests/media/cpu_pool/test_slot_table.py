@@ -162,5 +162,25 @@ def test_the_busy_count_is_every_slot_no_eviction_may_take_whatever_happens():
             index.clear()
         elif op == 6:
             index.discard(0, blocks)
-        busy = sum(1 for e in index._by_slot.values() if not e.ready or e.load_refs > 0)
+        busy = sum(
+            1
+            for block, slot in index._held[0].items()
+            if block not in index._ready[0] or index._load_refs[slot] > 0
+        )
         assert index.busy == busy
+
+
+def test_forgetting_the_evicted_blocks_counts_them_and_leaves_none_to_take():
+    index = SlotTable(1)
+    stored(index, 1)
+    stored(index, 2)
+    stored(index, 3)
+    assert index.forget_evicted() == 2
+    assert index.take_evicted() == ([],)
+
+
+def test_the_holder_of_a_group_tests_what_holds_tests():
+    index = SlotTable(2, num_groups=2)
+    index.prepare_save(1, [h(1)])
+    holds_1, holds_0 = index.holder(1), index.holder(0)
+    assert (holds_1(h(1)), holds_0(h(1)), holds_1(h(2))) == (True, False, False)

@@ -21,35 +21,30 @@ tiers hold (`mark_clean`), and is told of each ready block evicted
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence, Set
-
-import attrs
+import itertools
+from collections.abc import Callable, Sequence, Set
+from typing import NoReturn
 
 from kvwire.interface.types import BlockHash
 from kvwire.media.eviction import EvictionPolicy, LRUPolicy
 
 
-@attrs.define
-class _Slot:
-    slot: int
-    group: int
-    block_hash: BlockHash
-    ready: bool = False
-    load_refs: int = 0
-    # The slower tiers hold this block too: evicting it loses nothing.
-    clean: bool = False
-    # Being brought in, and a load using it failed: forgotten once no load uses it.
-    failed: bool = False
-
-
 class SlotTable:
     """`num_slots` pool slots, keyed by (group, block hash), evicted in `policy`'s order.
 
-    One dict per group finds an entry by its hash without building a key per
-    lookup; one policy over the slots orders all groups' entries for
-    eviction (an `LRUPolicy` when none is given). `on_evict` is called
-    with `(group, block_hash, slot, clean)` for each ready block the policy
-    evicts, before its slot is reused.
+    One dict per group finds an entry's slot by its hash without building a
+    key per lookup, and one more per group holds only the ready entries, so
+    that a lookup of a prefix runs in C; what else an entry is (being
+    loaded, clean, failed) is kept in lists indexed by slot. One policy over
+    the slots orders all groups' entries for eviction (an `LRUPolicy` when
+    none is given). `on_evict` is called with `(group, block_hash, slot,
+    clean)` for each ready block the policy evicts, before its slot is reused.
+
+    A load or a save tells the policy its blocks were used, the request's
+    last block first. A block is worth keeping only with every block before
+    it (a lookup stops at the first one missing), so the first block of a
+    prefix is told last: the most recently used, the last to go. The policy
+    then evicts a prefix from its tail, as vLLM's own prefix cache does.
     """
 
     def __init__(
@@ -62,8 +57,26 @@ class SlotTable:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.num_slots = num_slots
-        self._by_group: tuple[dict[BlockHash, _Slot], ...] = tuple({} for _ in range(num_groups))
-        self._by_slot: dict[int, _Slot] = {}
+        # Per group, every entry's slot by its hash, and the ready entries' alone.
+        self._held: tuple[dict[BlockHash, int], ...] = tuple({} for _ in range(num_groups))
+        self._ready: tuple[dict[BlockHash, int], ...] = tuple({} for _ in range(num_groups))
+        # Per slot: what its entry is (meaningless while the slot is free).
+        self._block_of: list[BlockHash] = [b""] * num_slots
+        self._group_of = [0] * num_slots
+        # Back at 0 and False whenever an entry leaves (no entry a load uses
+        # leaves; `_remove` clears `failed`), so a new entry need not set them.
+        self._load_refs = [0] * num_slots
+        # Being brought in, and a load using it failed: forgotten once no load uses it.
+        self._failed = [False] * num_slots
+        # The slower tiers hold this block too: evicting it loses nothing.
+        self._clean = [False] * num_slots
+        # Ready and read by no load: what the policy may evict. Its item getter is
+        # the test `victim` is given, a call into C rather than into Python.
+        self._evictable = [False] * num_slots
+        self._may_evict: Callable[[int], bool] = self._evictable.__getitem__
+        # When each entry was made: `clear` goes through them in that order.
+        self._made_at = [0] * num_slots
+        self._made = itertools.count()
         self._policy = LRUPolicy(num_slots) if policy is None else policy
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._on_evict = on_evict
@@ -73,7 +86,7 @@ class SlotTable:
         self.evicted: tuple[list[BlockHash], ...] = tuple([] for _ in range(num_groups))
 
     def __len__(self) -> int:
-        return len(self._by_slot)
+        return sum(len(held) for held in self._held)
 
     @property
     def busy(self) -> int:
@@ -82,47 +95,56 @@ class SlotTable:
 
     def holds(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is saved or being saved."""
-        return block_hash in self._by_group[group]
+        return block_hash in self._held[group]
+
+    def holder(self, group: int) -> Callable[[BlockHash], bool]:
+        """`holds` for `group`, as a test that runs in C (for a loop over many blocks)."""
+        return self._held[group].__contains__
 
     def arriving(self, group: int, block_hash: BlockHash) -> bool:
         """Whether `group`'s entry for `block_hash` is being brought in (`start_promotion`)."""
-        entry = self._by_group[group].get(block_hash)
-        return entry is not None and not entry.ready and entry.load_refs > 0
+        slot = self._held[group].get(block_hash)
+        return (
+            slot is not None and block_hash not in self._ready[group] and self._load_refs[slot] > 0
+        )
 
     def count_ready_prefix(self, group: int, hashes: Sequence[BlockHash]) -> int:
         """How many of `group`'s `hashes`, from the first, are saved and complete."""
-        entries = self._by_group[group]
-        count = 0
-        for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or not entry.ready:
-                break
-            count += 1
-        return count
+        return len(list(itertools.takewhile(self._ready[group].__contains__, hashes)))
 
     def start_load(self, group: int, hashes: Sequence[BlockHash]) -> list[int]:
         """Pin ready blocks for a load and mark them recently used; their slots."""
-        entries = self._by_group[group]
-        slots = []
-        for block_hash in hashes:
-            entry = entries[block_hash]
-            if not entry.ready:
-                raise KeyError(
-                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
-                )
-            if entry.load_refs == 0:
-                self._busy += 1
-            entry.load_refs += 1
-            slots.append(entry.slot)
-        self._touch_tail_first(slots)
+        slots: list[int] | None
+        try:
+            slots = list(map(self._ready[group].__getitem__, hashes))
+        except KeyError:
+            slots = None
+        if slots is None:
+            self._refuse_load(group, hashes)
+        load_refs, evictable, hit = self._load_refs, self._evictable, self._policy.hit
+        pinned = 0
+        # The last block first (see the class's docstring).
+        for slot in reversed(slots):
+            if evictable[slot]:
+                evictable[slot] = False
+                pinned += 1
+            load_refs[slot] += 1
+            hit(slot)
+        self._busy += pinned
         return slots
 
     def finish_load(self, group: int, hashes: Sequence[BlockHash]) -> None:
-        for _, entry in self._present(group, hashes):
-            if entry.load_refs > 0:
-                entry.load_refs -= 1
-                if entry.load_refs == 0 and entry.ready:
-                    self._busy -= 1
+        held, ready = self._held[group], self._ready[group]
+        load_refs, evictable = self._load_refs, self._evictable
+        unpinned = 0
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and load_refs[slot] > 0:
+                load_refs[slot] -= 1
+                if load_refs[slot] == 0 and block_hash in ready:
+                    evictable[slot] = True
+                    unpinned += 1
+        self._busy -= unpinned
 
     def prepare_save(
         self,
@@ -138,51 +160,89 @@ class SlotTable:
         `continuing` continue an earlier prompt: the policy is told so
         (`EvictionPolicy.insert_continuing`).
         """
-        entries = self._by_group[group]
+        # The scheduler's hot path: `_place` and `_forget_victim` written out,
+        # what the loop reads bound once.
+        held, free_slots, victim = self._held[group], self._free_slots, self._policy.victim
+        block_of, group_of, clean = self._block_of, self._group_of, self._clean
+        made_at, made, may_evict = self._made_at, self._made, self._may_evict
+        held_by_group, ready_by_group = self._held, self._ready
+        evictable, failed, on_evict = self._evictable, self._failed, self._on_evict
         placed: list[tuple[BlockHash, int]] = []
         touched: list[int] = []
         new_slots: set[int] = set()
         for block_hash in hashes:
-            existing = entries.get(block_hash)
-            if existing is not None:
-                touched.append(existing.slot)
-                continue
-            slot = self._take_slot()
+            slot = held.get(block_hash)
             if slot is None:
-                break
-            entry = _Slot(slot, group, block_hash)
-            entries[block_hash] = entry
-            self._by_slot[slot] = entry
-            self._busy += 1
-            placed.append((block_hash, slot))
+                if free_slots:
+                    slot = free_slots.pop()
+                else:
+                    slot = victim(may_evict)
+                    if slot is None:
+                        break
+                    evicted_group, evicted_hash = group_of[slot], block_of[slot]
+                    del held_by_group[evicted_group][evicted_hash]
+                    ready_by_group[evicted_group].pop(evicted_hash, None)
+                    evictable[slot] = False
+                    failed[slot] = False
+                    self.evicted[evicted_group].append(evicted_hash)
+                    if on_evict is not None:
+                        on_evict(evicted_group, evicted_hash, slot, clean[slot])
+                held[block_hash] = slot
+                block_of[slot] = block_hash
+                group_of[slot] = group
+                clean[slot] = False
+                made_at[slot] = next(made)
+                placed.append((block_hash, slot))
+                new_slots.add(slot)
             touched.append(slot)
-            new_slots.add(slot)
-        self._touch_tail_first(touched, new_slots, continuing)
+        self._busy += len(placed)
+        # The last block first (see the class's docstring); the new ones inserted.
+        policy = self._policy
+        hit, insert = policy.hit, policy.insert
+        for slot in reversed(touched):
+            if slot in new_slots:
+                block_hash = block_of[slot]
+                if block_hash in continuing:
+                    policy.insert_continuing(slot, (group, block_hash))
+                else:
+                    insert(slot, (group, block_hash))
+            else:
+                hit(slot)
         return placed
 
     def complete_save(self, group: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Mark `group`'s saved blocks ready for lookups; those that became ready."""
+        held, ready = self._held[group], self._ready[group]
+        load_refs, evictable = self._load_refs, self._evictable
         completed = []
-        for block_hash, entry in self._present(group, hashes):
-            if not entry.ready:
-                entry.ready = True
-                if entry.load_refs == 0:
-                    self._busy -= 1
+        unpinned = 0
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and block_hash not in ready:
+                ready[block_hash] = slot
+                if load_refs[slot] == 0:
+                    evictable[slot] = True
+                    unpinned += 1
                 completed.append(block_hash)
+        self._busy -= unpinned
         return completed
 
     def abandon_save(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget `group`'s blocks whose save failed; their slots become free."""
-        for _, entry in self._present(group, hashes):
-            if not entry.ready and entry.load_refs == 0:
-                self._free(entry)
+        held, ready = self._held[group], self._ready[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and block_hash not in ready and self._load_refs[slot] == 0:
+                self._free(slot)
                 self._busy -= 1
 
     def discard(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """Forget ready blocks found corrupt (unless a load still reads them); slots freed."""
-        for block_hash, entry in self._present(group, hashes):
-            if entry.ready and entry.load_refs == 0:
-                self._free(entry)
+        held = self._held[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None and self._evictable[slot]:
+                self._free(slot)
                 self.evicted[group].append(block_hash)
 
     def start_promotion(self, group: int, hashes: Sequence[BlockHash]) -> list[int | None]:
@@ -192,15 +252,13 @@ class SlotTable:
         None, as does every block once every slot is pinned. The slots are
         pinned (`load_refs`) and not ready until `finish_promotion`.
         """
-        entries = self._by_group[group]
+        held = self._held[group]
         slots: list[int | None] = []
         for block_hash in hashes:
-            slot = None if block_hash in entries else self._take_slot()
+            slot = None if block_hash in held else self._place(group, block_hash)
             if slot is not None:
-                entry = _Slot(slot, group, block_hash, load_refs=1, clean=True)
-                entries[block_hash] = entry
-                self._by_slot[slot] = entry
-                self._busy += 1
+                self._load_refs[slot] = 1
+                self._clean[slot] = True
                 self._policy.insert(slot, (group, block_hash))
             slots.append(slot)
         return slots
@@ -211,15 +269,14 @@ class SlotTable:
         The joining load reads the block from its slot once it arrived, and
         lets go of it with `finish_promotion` like the load bringing it in.
         """
-        entries = self._by_group[group]
         slots: list[int | None] = []
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or entry.ready or entry.load_refs == 0:
+            if not self.arriving(group, block_hash):
                 slots.append(None)  # not being brought in: absent, ready, or being saved
                 continue
-            entry.load_refs += 1
-            slots.append(entry.slot)
+            slot = self._held[group][block_hash]
+            self._load_refs[slot] += 1
+            slots.append(slot)
         return slots
 
     def finish_promotion(
@@ -230,29 +287,32 @@ class SlotTable:
         A block is settled when the last load using it lets go: ready, or
         forgotten (its slot freed) when any of those loads had it `failed`.
         """
-        entries = self._by_group[group]
         bad = set(failed)
         ready = []
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is None or entry.ready or entry.load_refs == 0:
+            if not self.arriving(group, block_hash):
                 continue
-            entry.load_refs -= 1
-            entry.failed = entry.failed or block_hash in bad
-            if entry.load_refs:
+            slot = self._held[group][block_hash]
+            self._load_refs[slot] -= 1
+            self._failed[slot] = self._failed[slot] or block_hash in bad
+            if self._load_refs[slot]:
                 continue  # a joined load still reads it: the last one settles it
             self._busy -= 1
-            if entry.failed:
-                self._free(entry)
+            if self._failed[slot]:
+                self._free(slot)
             else:
-                entry.ready = True
+                self._ready[group][block_hash] = slot
+                self._evictable[slot] = True
                 ready.append(block_hash)
         return ready
 
     def mark_clean(self, group: int, hashes: Sequence[BlockHash]) -> None:
         """The slower tiers hold these blocks: evicting them needs no spill."""
-        for _, entry in self._present(group, hashes):
-            entry.clean = True
+        held = self._held[group]
+        for block_hash in hashes:
+            slot = held.get(block_hash)
+            if slot is not None:
+                self._clean[slot] = True
 
     def take_evicted(self) -> tuple[list[BlockHash], ...]:
         """Per group, the blocks evicted or discarded since the last call, in that order."""
@@ -260,72 +320,81 @@ class SlotTable:
         self.evicted = tuple([] for _ in taken)
         return taken
 
+    def forget_evicted(self) -> int:
+        """Forget the blocks `take_evicted` would take (a caller that needs no list); how many."""
+        count = 0
+        for evicted in self.evicted:
+            count += len(evicted)
+            evicted.clear()
+        return count
+
     def clear(self) -> bool:
         """Drop every block that no transfer uses; True when the pool is empty after."""
-        for entry in list(self._by_slot.values()):
-            if entry.ready and entry.load_refs == 0:
-                self._free(entry)
-                self.evicted[entry.group].append(entry.block_hash)
-        return not self._by_slot
+        slots = [slot for held in self._held for slot in held.values()]
+        for slot in sorted(slots, key=self._made_at.__getitem__):
+            if self._evictable[slot]:
+                group, block_hash = self._group_of[slot], self._block_of[slot]
+                self._free(slot)
+                self.evicted[group].append(block_hash)
+        return not any(self._held)
 
-    def _touch_tail_first(
-        self,
-        slots: Sequence[int],
-        new_slots: Set[int] = frozenset(),
-        continuing: Set[BlockHash] = frozenset(),
-    ) -> None:
-        """Tell the policy these slots of one request were used, its last block first.
+    def _refuse_load(self, group: int, hashes: Sequence[BlockHash]) -> NoReturn:
+        """Pin the blocks before the first one not ready, then raise the KeyError that names it.
 
-        A block is worth keeping only with every block before it (a lookup
-        stops at the first one missing), so the first block of a prefix is
-        told last: the most recently used, the last to go. The policy then
-        evicts a prefix from its tail, as vLLM's own prefix cache does.
-        `new_slots` are inserted rather than hit, those whose block is in
-        `continuing` as continuing an earlier prompt.
+        An absent block raises the dict's own KeyError (its hash), one still
+        being saved or brought in says so.
         """
-        for slot in reversed(slots):
-            if slot in new_slots:
-                entry = self._by_slot[slot]
-                if entry.block_hash in continuing:
-                    self._policy.insert_continuing(slot, (entry.group, entry.block_hash))
-                else:
-                    self._policy.insert(slot, (entry.group, entry.block_hash))
-            else:
-                self._policy.hit(slot)
-
-    def _present(
-        self, group: int, hashes: Sequence[BlockHash]
-    ) -> Iterator[tuple[BlockHash, _Slot]]:
-        """Each of `group`'s blocks in `hashes` that the pool holds (saved, or being saved)."""
-        entries = self._by_group[group]
+        ready = self._ready[group]
         for block_hash in hashes:
-            entry = entries.get(block_hash)
-            if entry is not None:
-                yield block_hash, entry
+            slot = self._held[group][block_hash]
+            if block_hash not in ready:
+                raise KeyError(
+                    f"block {block_hash.hex()[:16]} of group {group} is not ready in the CPU pool"
+                )
+            if self._evictable[slot]:
+                self._evictable[slot] = False
+                self._busy += 1
+            self._load_refs[slot] += 1
+        raise AssertionError("_refuse_load is called only when a block is not ready")
 
-    def _free(self, entry: _Slot) -> None:
-        """Forget `entry`: its slot leaves the policy and can be taken again."""
-        self._remove(entry)
-        self._policy.remove(entry.slot)
-        self._free_slots.append(entry.slot)
+    def _place(self, group: int, block_hash: BlockHash) -> int | None:
+        """A slot for `group`'s `block_hash`, not ready: being saved or brought in.
 
-    def _remove(self, entry: _Slot) -> None:
-        del self._by_group[entry.group][entry.block_hash]
-        del self._by_slot[entry.slot]
-
-    def _evictable(self, slot: int) -> bool:
-        entry = self._by_slot[slot]
-        return entry.ready and entry.load_refs == 0
-
-    def _take_slot(self) -> int | None:
+        A free slot, else the policy's victim, evicted; None when every slot is pinned.
+        """
         if self._free_slots:
-            return self._free_slots.pop()
-        slot = self._policy.victim(self._evictable)
-        if slot is None:
-            return None
-        entry = self._by_slot[slot]
-        self._remove(entry)
-        self.evicted[entry.group].append(entry.block_hash)
-        if self._on_evict is not None:
-            self._on_evict(entry.group, entry.block_hash, slot, entry.clean)
+            slot = self._free_slots.pop()
+        else:
+            victim = self._policy.victim(self._may_evict)
+            if victim is None:
+                return None
+            slot = victim
+            self._forget_victim(slot)
+        self._held[group][block_hash] = slot
+        self._block_of[slot] = block_hash
+        self._group_of[slot] = group
+        self._clean[slot] = False
+        self._made_at[slot] = next(self._made)
+        self._busy += 1
         return slot
+
+    def _forget_victim(self, slot: int) -> None:
+        """The policy evicted `slot`'s entry: forget it, and tell `on_evict`."""
+        group, block_hash = self._group_of[slot], self._block_of[slot]
+        self._remove(slot)
+        self.evicted[group].append(block_hash)
+        if self._on_evict is not None:
+            self._on_evict(group, block_hash, slot, self._clean[slot])
+
+    def _free(self, slot: int) -> None:
+        """Forget `slot`'s entry: the slot leaves the policy and can be taken again."""
+        self._remove(slot)
+        self._policy.remove(slot)
+        self._free_slots.append(slot)
+
+    def _remove(self, slot: int) -> None:
+        group, block_hash = self._group_of[slot], self._block_of[slot]
+        del self._held[group][block_hash]
+        self._ready[group].pop(block_hash, None)
+        self._evictable[slot] = False
+        self._failed[slot] = False

@@ -33,7 +33,9 @@ class CPUPoolIndex(MediumIndex):
     `medium` names the pool in the KV cache events; `policy` orders its
     evictions (least recently used when None); `admission` decides which
     blocks offered for a save are saved (every one when None); `on_evict`
-    is told of each ready block the policy evicts (see `SlotTable`).
+    is told of each ready block the policy evicts (see `SlotTable`). With
+    `keep_events` False, no KV cache event is kept (`take_events` answers
+    none): for a caller that drops them, such as a replay of a trace.
     """
 
     def __init__(
@@ -45,8 +47,10 @@ class CPUPoolIndex(MediumIndex):
         policy: EvictionPolicy | None = None,
         admission: SaveAdmission | None = None,
         on_evict: Callable[[int, BlockHash, int, bool], None] | None = None,
+        keep_events: bool = True,
     ) -> None:
         self._index = SlotTable(num_slots, num_groups, policy, on_evict)
+        self._keep_events = keep_events
         self._admission = admission
         self._prompts = (
             _Prompts(num_slots, num_groups)
@@ -110,15 +114,13 @@ class CPUPoolIndex(MediumIndex):
             self._prompts.continuing[group].keys() if self._prompts is not None else frozenset()
         )
         placed = self._index.prepare_save(group, admitted, continuing)
-        placed_hashes = {block_hash for block_hash, _ in placed}
-        skipped = sum(
-            1
-            for block_hash in admitted
-            if block_hash not in placed_hashes and not self._index.holds(group, block_hash)
-        )
-        self._count("stores_skipped_pool_full", skipped)
+        if len(placed) < len(admitted):
+            # A placed block is being saved, so no eviction took it: every block
+            # the pool does not hold now is one it had no room for.
+            held = sum(map(self._index.holder(group), admitted))
+            self._count("stores_skipped_pool_full", len(admitted) - held)
         self._count("evicted_blocks", self._record_evictions())
-        return [(block_hash, slot) for block_hash, slot in placed]
+        return list(placed)
 
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
@@ -128,7 +130,7 @@ class CPUPoolIndex(MediumIndex):
             self._index.abandon_save(group, block_hashes)
             return
         completed = self._index.complete_save(group, block_hashes)
-        if completed:
+        if completed and self._keep_events:
             self._events.append(
                 BlockStored(block_hashes=tuple(completed), medium=self._medium, group=group)
             )
@@ -179,7 +181,7 @@ class CPUPoolIndex(MediumIndex):
         They get a stored event (see `SlotTable.finish_promotion` for those that failed).
         """
         ready = self._index.finish_promotion(group, block_hashes, failed)
-        if ready:
+        if ready and self._keep_events:
             self._events.append(
                 BlockStored(block_hashes=tuple(ready), medium=self._medium, group=group)
             )
@@ -222,12 +224,13 @@ class CPUPoolIndex(MediumIndex):
         """`block_hashes` up to the first block admission refuses; every new one is counted seen."""
         if self._admission is None:
             return block_hashes
+        holds, admit = self._index.holder(group), self._admission.admit
         refused_at: int | None = None
         not_admitted = 0
         for position, block_hash in enumerate(block_hashes):
-            if self._index.holds(group, block_hash):
+            if holds(block_hash):
                 continue
-            if not self._admission.admit(block_hash, group) and refused_at is None:
+            if not admit(block_hash, group) and refused_at is None:
                 refused_at = position
             if refused_at is not None:
                 not_admitted += 1
@@ -242,6 +245,10 @@ class CPUPoolIndex(MediumIndex):
 
     def _record_evictions(self) -> int:
         """A removed event per group whose blocks left the pool since the last call; how many."""
+        if not self._keep_events:
+            return self._index.forget_evicted()
+        if not any(self._index.evicted):
+            return 0
         count = 0
         for group, evicted in enumerate(self._index.take_evicted()):
             if evicted:
