@@ -29,6 +29,8 @@ from kvwire.interface.types import BlockHash
 __all__ = ["SaveAdmission"]
 
 _MAX_COUNT = 255
+# Each byte value to its half: the halving of a row, in C.
+_HALVED = bytes(value >> 1 for value in range(256))
 
 
 class SaveAdmission:
@@ -39,6 +41,7 @@ class SaveAdmission:
     """
 
     DEPTH = 4
+    """Rows of the sketch: `admit` is written out for exactly these four."""
 
     def __init__(self, threshold: int, width: int = 1 << 16) -> None:
         if threshold < 1:
@@ -47,7 +50,8 @@ class SaveAdmission:
             raise ValueError(f"the sketch width is a power of two, got {width}")
         self.threshold = threshold
         self.width = width
-        self._rows = [bytearray(width) for _ in range(self.DEPTH)]
+        self._mask = width - 1
+        self._rows = tuple(bytearray(width) for _ in range(self.DEPTH))
         self._sightings = 0
         self._halve_every = width
 
@@ -63,37 +67,52 @@ class SaveAdmission:
         """
         if self.threshold == 1:
             return True
-        count = self._add(self._positions(block_hash, group))
+        # The scheduler's hot path, once per block offered: `_positions` and a
+        # conservative update (only the counters at the least grow, so hashes
+        # sharing the others are overstated less) written out for four rows.
+        first, second = self._hashes(block_hash, group)
+        mask = self._mask
+        at0, at1, at2, at3 = (
+            first & mask,
+            (first + second) & mask,
+            (first + 2 * second) & mask,
+            (first + 3 * second) & mask,
+        )
+        row0, row1, row2, row3 = self._rows
+        least = min(row0[at0], row1[at1], row2[at2], row3[at3])
+        if least < _MAX_COUNT:
+            if row0[at0] == least:
+                row0[at0] = least + 1
+            if row1[at1] == least:
+                row1[at1] = least + 1
+            if row2[at2] == least:
+                row2[at2] = least + 1
+            if row3[at3] == least:
+                row3[at3] = least + 1
+            least += 1
         self._sightings += 1
         if self._sightings >= self._halve_every:
             self._halve()
-        return count >= self.threshold
+        return least >= self.threshold
 
     def count(self, block_hash: BlockHash, group: int = 0) -> int:
         """The sightings counted now: never fewer than there were since the last halving."""
         positions = self._positions(block_hash, group)
         return min(row[i] for row, i in zip(self._rows, positions, strict=True))
 
-    def _add(self, positions: list[int]) -> int:
-        least = min(row[i] for row, i in zip(self._rows, positions, strict=True))
-        if least < _MAX_COUNT:
-            # Conservative update: only the counters at the least grow, so
-            # hashes sharing the others are overstated less.
-            for row, i in zip(self._rows, positions, strict=True):
-                if row[i] == least:
-                    row[i] = least + 1
-            least += 1
-        return least
-
     def _positions(self, block_hash: BlockHash, group: int) -> list[int]:
+        first, second = self._hashes(block_hash, group)
+        return [(first + k * second) & self._mask for k in range(self.DEPTH)]
+
+    @staticmethod
+    def _hashes(block_hash: BlockHash, group: int) -> tuple[int, int]:
+        """The two hashes each row's position is made of (double hashing)."""
         # Block hashes may be short (tests, plug-ins): mixed first, whatever they are.
         digest = hashlib.blake2b(block_hash, digest_size=16).digest()
         first = int.from_bytes(digest[:8], "little") ^ (group * 0x9E3779B97F4A7C15)
-        second = int.from_bytes(digest[8:], "little") | 1
-        mask = self.width - 1
-        return [(first + k * second) & mask for k in range(self.DEPTH)]
+        return first, int.from_bytes(digest[8:], "little") | 1
 
     def _halve(self) -> None:
         self._sightings = 0
         for row in self._rows:
-            row[:] = bytes(value >> 1 for value in row)
+            row[:] = row.translate(_HALVED)
