@@ -56,6 +56,12 @@ def tiny_config() -> EngineConfig:
     return engines.tiny_config(block_size=BLOCK_SIZE)
 
 
+UNHURRIED_LOOKUPS = {"lookup_timeout_s": 30.0}
+"""Extra config for an engine test whose subject is not the lookup deadline: at the default
+1 s, a server slow to answer on a loaded host (the vLLM suite runs beside this one) is
+taken for down, its lookups miss, and an engine that should load finds nothing."""
+
+
 def with_redis(
     config: EngineConfig,
     url: str,
