@@ -73,11 +73,7 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def insert(self, slot: int, block: Hashable) -> None:
-        """`slot` now holds `block`, a new entry.
-
-        The cache may tell the same insertion twice (one request whose blocks
-        took a slot and then touched it again): a policy orders the entry once.
-        """
+        """`slot` now holds `block`, a new entry: told once, until `victim` or `remove` frees it."""
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
         """`slot` now holds `block`, a new entry of a prompt that grows an earlier prompt.
@@ -243,8 +239,6 @@ class S3FIFOPolicy(_FIFOQueues):
         self._ghost: OrderedDict[int, None] = OrderedDict()
 
     def insert(self, slot: int, block: Hashable) -> None:
-        if slot in self._blocks:
-            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         if key in self._ghost:
@@ -289,8 +283,6 @@ class ARCPolicy(EvictionPolicy):
         return len(self._recent) + len(self._frequent)
 
     def insert(self, slot: int, block: Hashable) -> None:
-        if slot in self._blocks:
-            return  # told twice: see `EvictionPolicy.insert`
         key = hash(block)
         self._blocks[slot] = key
         recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
@@ -400,12 +392,11 @@ class KVFIFOPolicy(_FIFOQueues):
         return self._small_target
 
     def insert(self, slot: int, block: Hashable) -> None:
-        # Told twice (see `EvictionPolicy.insert`): ordered once.
-        if slot not in self._blocks and not self._returned(slot, block):
+        if not self._returned(slot, block):
             self._small[slot] = 0
 
     def insert_continuing(self, slot: int, block: Hashable) -> None:
-        if slot not in self._blocks and not self._returned(slot, block):
+        if not self._returned(slot, block):
             self._main[slot] = 0
 
     def hit(self, slot: int) -> None:

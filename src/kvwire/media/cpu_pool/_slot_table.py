@@ -197,9 +197,15 @@ class SlotTable:
             touched.append(slot)
         self._busy += len(placed)
         # The last block first (see the class's docstring); the new ones inserted.
+        # A slot comes twice when this save evicted a block it touched, or was
+        # given a hash twice: the policy is told of its last entry only, once.
         policy = self._policy
         hit, insert = policy.hit, policy.insert
+        told: set[int] = set()
         for slot in reversed(touched):
+            if slot in told:
+                continue
+            told.add(slot)
             if slot in new_slots:
                 block_hash = block_of[slot]
                 if block_hash in continuing:
