@@ -2,12 +2,14 @@
 
 A host's speed drifts over minutes (other work, page cache, thermal state):
 running all of one configuration and then all of the next lets that drift
-pass for a difference between them. Rounds run A B C, A B C, ..., the limit
-among them, and each configuration is set against the limit of its own
-round; the median ratio over rounds, with its range, then says what is a
-difference and what is noise. Figures that must not move from round to round
-(computed tokens on the same requests, outputs equal to the limit's) are
-checked with :func:`agreed`, not averaged.
+pass for a difference between them. Rounds run A B C, C B A, A B C, ..., the
+limit among them: every configuration once a round, every other round in the
+reverse order, so that a drift through a round favours no place in it and a
+steady one cancels over each pair of rounds. Each configuration is set
+against the limit of its own round; the median ratio over rounds, with its
+range, then says what is a difference and what is noise. Figures that must
+not move from round to round (computed tokens on the same requests, outputs
+equal to the limit's) are checked with :func:`agreed`, not averaged.
 """
 
 from __future__ import annotations
@@ -52,18 +54,20 @@ def interleaved(
     repeats: int,
     measure: Callable[[str, int, Mapping[str, Result]], Result],
 ) -> list[dict[str, Result]]:
-    """Each round's result of every configuration, measured in the order named, round by round.
+    """Each round's result of every configuration, keyed in the order named.
 
-    ``measure(name, round_index, earlier)`` gets the round's results so far, for a
-    configuration chosen from those before it.
+    Even rounds (the first is 0) measure in the order named, odd rounds in
+    the reverse order. ``measure(name, round_index, earlier)`` gets the
+    round's results so far, for a configuration chosen from those before it.
     """
     rounds: list[dict[str, Result]] = []
     for round_index in range(repeats):
         print(f"  round {round_index + 1} of {repeats}", flush=True)
+        order = names if round_index % 2 == 0 else names[::-1]
         results: dict[str, Result] = {}
-        for name in names:
+        for name in order:
             results[name] = measure(name, round_index, results)
-        rounds.append(results)
+        rounds.append({name: results[name] for name in names})
     return rounds
 
 

@@ -181,8 +181,8 @@ def tiered(
     )
 
 
-# Run in this order: the limit first (every other row is set against it), a BEST row after
-# the rows it picks from.
+# Run in this order, and in reverse every other round (benchmarks.rounds): a BEST row after
+# the rows it picks from, or, in a reversed round, with the pick of the round before.
 CONFIGURATIONS = (
     Configuration(LIMIT, "limit", quick=True),
     Configuration(NO_CONNECTOR, "none", quick=True),
@@ -674,16 +674,20 @@ def measure_tiers(
         check_tokenizer(model, prompts)
         bench = Bench(model, workload, dataset, scratch, facts)
 
+        # A BEST row's pick, kept for a round run in reverse, where it comes before its rows.
+        picks: dict[str, tuple[str, str]] = {}
+
         def measure(name: str, _: int, earlier: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
             config = by_name[name]
             if config.eviction == BEST:
-                picked = best_of(earlier)
+                picked = best_of(earlier) or picks.get(name)
                 if picked is None:
                     return {
                         "kind": config.kind,
                         "status": "failed",
                         "reason": "no save_threshold 1 tiered row ran to pick the best of",
                     }
+                picks[name] = picked
                 config = attrs.evolve(config, eviction=picked[0], write_policy=picked[1])
             return bench.measure(config)
 

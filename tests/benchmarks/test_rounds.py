@@ -20,17 +20,24 @@ from benchmarks.rounds import (
 from benchmarks import __main__ as benchmarks_main
 
 
-def test_every_configuration_runs_once_a_round_in_the_order_named() -> None:
+def test_every_configuration_runs_once_a_round_every_other_round_in_reverse() -> None:
     order: list[tuple[str, int]] = []
 
     def measure(name: str, round_index: int, earlier: Mapping[str, str]) -> str:
         order.append((name, round_index))
         return f"{name}{round_index} after {','.join(earlier)}"
 
-    rounds = interleaved(["limit", "a", "b"], 2, measure)
+    rounds = interleaved(["limit", "a", "b"], 3, measure)
 
-    assert order == [("limit", 0), ("a", 0), ("b", 0), ("limit", 1), ("a", 1), ("b", 1)]
-    assert rounds[1] == {"limit": "limit1 after ", "a": "a1 after limit", "b": "b1 after limit,a"}
+    assert order == [
+        *[("limit", 0), ("a", 0), ("b", 0)],
+        *[("b", 1), ("a", 1), ("limit", 1)],
+        *[("limit", 2), ("a", 2), ("b", 2)],
+    ]
+    # Keyed in the order named, whatever order they ran in; each saw what ran before it.
+    assert list(rounds[1]) == ["limit", "a", "b"]
+    assert rounds[1] == {"limit": "limit1 after b,a", "a": "a1 after b", "b": "b1 after "}
+    assert rounds[2] == {"limit": "limit2 after ", "a": "a2 after limit", "b": "b2 after limit,a"}
 
 
 def test_a_spread_is_the_median_and_range_of_the_rounds_that_have_the_figure() -> None:
