@@ -43,8 +43,10 @@ mean TTFT, each over the limit's; from ``/metrics``, prompt tokens by source
 (computed, vLLM's prefix cache, loaded by the connector) and kvwire's
 counters by tier (a tiered connector's primary under the CPU pool's names,
 its secondary under ``tier1.``; a MultiConnector's under each child's name):
-bytes written and hit blocks per tier, load errors; the warnings the server
-logged while serving; and whether the greedy outputs equal the limit's. The
+bytes written and hit blocks per tier, load errors; the CPU seconds kvwire's
+own threads took while serving (:mod:`benchmarks.thread_cpu`: what its copies
+cost, which the host's noise moves little); the warnings the server logged
+while serving; and whether the greedy outputs equal the limit's. The
 CPU pool's hit rate (its hit blocks over every block of the trace) is set
 beside Belady's offline optimum (:func:`benchmarks.tiers.belady_hits`) for a
 cache of the pool's size, on every block of the trace, and on the blocks
@@ -93,6 +95,7 @@ from benchmarks.serve import (
     scrape,
     vllm_servers,
 )
+from benchmarks.thread_cpu import kvwire_cpu_seconds
 from kvwire.blocks.format import HEADER_SIZE
 
 NAME = "serve-tiers"
@@ -539,11 +542,14 @@ class Bench:
 
     def drive(self, url: str, log: pathlib.Path) -> dict[str, Any]:
         before = scrape(url)
+        port = int(url.rpartition(":")[2])
+        kvwire_cpu_before = kvwire_cpu_seconds(port)
         log_start = log.stat().st_size
         result_path = self.scratch / f"client-{time.monotonic_ns()}.json"
         self.client.run(client_args(self.model, url, self.dataset, self.workload, result_path))
         # The server counts a request's tokens once it ends: the client has seen every end.
         counters = difference(before, scrape(url))
+        kvwire_cpu_after = kvwire_cpu_seconds(port)
         result: dict[str, Any] = json.loads(result_path.read_text())
         errors = [error for error in result.get("errors", []) if error]
         print(
@@ -558,6 +564,11 @@ class Bench:
             "first_errors": [error[-300:] for error in errors[:3]],
             "generated_texts": result["generated_texts"],
             "server": counters,
+            "kvwire_cpu_seconds": (
+                None
+                if kvwire_cpu_before is None or kvwire_cpu_after is None
+                else round(kvwire_cpu_after - kvwire_cpu_before, 2)
+            ),
             # What the server warned of while it served the trace (not at its start).
             "log_warnings": log_warnings(log_since(log, log_start)),
         }
@@ -779,7 +790,13 @@ def summarize(
 
 
 # Ratios to the round's limit: their median and range over the rounds.
-SPREAD_KEYS = ("request_throughput_vs_limit", "output_throughput_vs_limit", "mean_ttft_vs_limit")
+SPREAD_KEYS = (
+    "request_throughput_vs_limit",
+    "output_throughput_vs_limit",
+    "mean_ttft_vs_limit",
+    # Not a ratio: the CPU seconds of kvwire's own threads, which the host's noise moves little.
+    "kvwire_cpu_seconds",
+)
 # The client's own figures: their median and range over the rounds.
 CLIENT_SPREAD_KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms")
 # Figures of the same trace on a fresh server that must be the same in every round.
@@ -928,9 +945,9 @@ def table(summary: dict[str, Any]) -> str:
         "| configuration | req/s | vs limit | mean TTFT ms | vs limit "
         "| computed prompt tokens | loaded tokens | hit blocks: primary / tier 1 "
         "| primary hit rate | of Belady | of Belady behind vLLM's cache "
-        "| MiB written: primary / tier 1 | load errors (blocks) | outputs = limit's "
-        "| failed rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MiB written: primary / tier 1 | kvwire threads' CPU s | load errors (blocks) "
+        "| outputs = limit's | failed rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["configurations"].items():
         if row["status"] != "ok":
@@ -950,6 +967,7 @@ def table(summary: dict[str, Any]) -> str:
             cell(row.get("primary_of_belady"), ".2f"),
             cell(row.get("primary_of_belady_behind_vllm"), ".2f"),
             agreed_cell(tier_check(checks["mib_written"], ".1f")) or "-",
+            spread_cell(row.get("kvwire_cpu_seconds"), ".2f"),
             agreed_cell(checks["load_error_blocks"], ".0f"),
             agreed_cell(checks["outputs_equal_limit"]) if "outputs_equal_limit" in checks else "-",
             str(row["failed_rounds"]),
