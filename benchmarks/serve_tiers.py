@@ -789,12 +789,12 @@ def summarize(
     }
 
 
-# Ratios to the round's limit: their median and range over the rounds.
+# Figures that move from round to round: their median and range over the rounds. The ratios
+# to the round's limit, and the CPU seconds of kvwire's own threads.
 SPREAD_KEYS = (
     "request_throughput_vs_limit",
     "output_throughput_vs_limit",
     "mean_ttft_vs_limit",
-    # Not a ratio: the CPU seconds of kvwire's own threads, which the host's noise moves little.
     "kvwire_cpu_seconds",
 )
 # The client's own figures: their median and range over the rounds.

@@ -14,6 +14,8 @@ from benchmarks.thread_cpu import (
     server_pid,
 )
 
+from kvwire.media.io_threads import IOThreads
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -69,18 +71,15 @@ def test_only_kvwire_s_threads_of_the_server_s_processes_count(tmp_path: pathlib
     assert cpu_seconds_of_threads([200], proc=tmp_path) == 0
 
 
-def test_this_process_s_named_threads_are_counted_from_the_real_proc() -> None:
+def test_kvwire_s_io_threads_are_counted_from_the_real_proc() -> None:
     done = threading.Event()
 
     def spin() -> None:
-        from kvwire.media.io_threads import _name_os_thread
-
-        _name_os_thread("kvwire-test-cpu")
         while not done.is_set():
             sum(range(1000))
 
-    thread = threading.Thread(target=spin)
-    thread.start()
+    threads = IOThreads(1, "kvwire-test-cpu")
+    running = threads.submit(spin)
     try:
         # A busy thread is given CPU time within seconds, counted in clock ticks.
         seconds = 0.0
@@ -91,5 +90,6 @@ def test_this_process_s_named_threads_are_counted_from_the_real_proc() -> None:
             time.sleep(0.05)
     finally:
         done.set()
-        thread.join(timeout=10)
+        running.result(timeout=10)
+        threads.shutdown()
     assert seconds > 0
