@@ -24,6 +24,12 @@ the pool only a held prefix, so it bounds every policy from above
 (`kvwire.replay.belady`). Each hit rate is reported as a ratio of it,
 with the microseconds each configuration took per block asked for (the
 index and its policy on the scheduler thread: noisy, compare within a run).
+Two references show what the gap to the optimum is made of: the best fixed
+content in hindsight (`fixed_best_hits`: a pool that knew how often each
+block is asked for, but not when), and `lru` and `kvfifo` with an admission
+that knows which blocks are asked for again (`saves_asked_again`: no save is
+wasted, so what is left is the order of the future uses, which only the
+optimum knows).
 
 Then the `mixed` trace through the tiered medium's index (`TieredIndex`), a
 pool of each size in front of a disk that holds every block written to it:
@@ -38,6 +44,7 @@ is saved to both, nothing loaded from the disk enters the pool). Written to
 
 from __future__ import annotations
 
+import collections
 import itertools
 import pathlib
 import sys
@@ -55,7 +62,7 @@ from kvwire.media.cpu_pool.medium import save_admission
 from kvwire.media.tiered.index import Place, Spills, TieredIndex, TieredLoad
 from kvwire.registry import default_registry
 from kvwire.replay.belady import belady_hits as belady_hits
-from kvwire.replay.pool import replay_pool
+from kvwire.replay.pool import SaveChoice, replay_pool
 from kvwire.replay.sweep import POLICIES as POLICIES
 from kvwire.replay.sweep import SAVE_THRESHOLDS as THRESHOLDS
 from kvwire.replay.synthetic import SHAPES
@@ -79,11 +86,20 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.1)
 QUICK_FRACTIONS = (0.05,)
 QUICK_REQUESTS = 300
 """Requests of each shape's trace in a quick run."""
+KNOWING_REUSE = ("lru", "kvfifo")
+"""The policies replayed with `saves_asked_again` on every shape: what knowing the
+future's reuse would buy them."""
 
 
-def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) -> dict[str, Any]:
+def simulate(
+    trace: Trace,
+    capacity: int,
+    eviction: str,
+    save_threshold: int,
+    choose_saves: SaveChoice | None = None,
+) -> dict[str, Any]:
     """The trace through the CPU pool's index as the offload connector drives it."""
-    replay = replay_pool(trace, capacity, eviction, save_threshold)
+    replay = replay_pool(trace, capacity, eviction, save_threshold, choose_saves=choose_saves)
     return {
         "eviction": eviction,
         "save_threshold": save_threshold,
@@ -94,6 +110,37 @@ def simulate(trace: Trace, capacity: int, eviction: str, save_threshold: int) ->
         "saves_not_admitted": replay.saves_not_admitted,
         "microseconds_per_block": replay.seconds / replay.asked_blocks * 1e6,
     }
+
+
+def saves_asked_again(trace: Trace) -> SaveChoice:
+    """An admission no pool can have: it saves a request's missed blocks up to the first
+    that no later request asks for (every block after it is asked for no more either:
+    a block names its whole prefix)."""
+    last_use: dict[BlockHash, int] = {}
+    for position, hashes in enumerate(trace):
+        for block in hashes:
+            last_use[block] = position
+
+    def choose(position: int, missed: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        for count, block in enumerate(missed):
+            if last_use[block] == position:
+                return missed[:count]
+        return missed
+
+    return choose
+
+
+def fixed_best_hits(accesses: Sequence[BlockHash], capacity: int) -> int:
+    """The hits of the best fixed content in hindsight: the `capacity` blocks asked for most.
+
+    Each misses its first use only. A block is asked for at most as often as
+    its prefix (every prompt that holds it holds the prefix), so these blocks
+    can always be chosen prefix by prefix and every one of their later uses
+    is a hit of a held prefix: what a pool that knew the trace's counts, but
+    not their order, would keep.
+    """
+    uses = sorted(collections.Counter(accesses).values(), reverse=True)[:capacity]
+    return sum(uses) - len(uses)
 
 
 class _SetTier(MediumIndex):
@@ -232,6 +279,7 @@ def measure_shapes(quick: bool) -> list[dict[str, Any]]:
         trace = generate_trace(shape)
         accesses = [block for hashes in trace for block in hashes]
         distinct = len(set(accesses))
+        choose_saves = saves_asked_again(trace)
         sizes = []
         for fraction in fractions:
             capacity = max(1, round(fraction * distinct))
@@ -241,12 +289,28 @@ def measure_shapes(quick: bool) -> list[dict[str, Any]]:
                 row = simulate(trace, capacity, eviction, threshold)
                 row["of_belady"] = row["hit_rate"] / optimum if optimum else None
                 rows.append(row)
+            references = {
+                "fixed_best": fixed_best_hits(accesses, capacity) / len(accesses),
+                **{
+                    f"{eviction}_knowing_reuse": simulate(
+                        trace, capacity, eviction, 1, choose_saves
+                    )["hit_rate"]
+                    for eviction in KNOWING_REUSE
+                },
+            }
             sizes.append(
                 {
                     "fraction": fraction,
                     "capacity_blocks": capacity,
                     "belady_hit_rate": optimum,
                     "configurations": rows,
+                    "references": {
+                        name: {
+                            "hit_rate": hit_rate,
+                            "of_belady": hit_rate / optimum if optimum else None,
+                        }
+                        for name, hit_rate in references.items()
+                    },
                 }
             )
         measured.append(
@@ -370,6 +434,33 @@ def _shapes_table(shapes: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"| {shape['shape']} | {size['capacity_blocks']} ({size['fraction']:.0%}) | "
                 f"{size['belady_hit_rate']:.3f} | " + " | ".join(cells) + " |"
+            )
+    lines += [
+        "",
+        "Beside the best configuration above, as shares of Belady's: the best fixed content in "
+        "hindsight (the blocks asked for most, each missing its first use) and `lru` and "
+        "`kvfifo` with an admission that knows which blocks are asked for again (it saves "
+        "none that no later request asks for): what knowing the trace's counts, or its reuse, "
+        "would reach.",
+        "",
+        "| shape | pool (blocks) | best above | fixed best | "
+        + " | ".join(f"{policy} knowing reuse" for policy in KNOWING_REUSE)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(KNOWING_REUSE),
+    ]
+    for shape in shapes:
+        for size in shape["sizes"]:
+            best = max(
+                (r["of_belady"] for r in size["configurations"] if r["of_belady"] is not None),
+                default=None,
+            )
+            references = [
+                size["references"][name]["of_belady"]
+                for name in ("fixed_best", *(f"{p}_knowing_reuse" for p in KNOWING_REUSE))
+            ]
+            lines.append(
+                f"| {shape['shape']} | {size['capacity_blocks']} ({size['fraction']:.0%}) | "
+                f"{_ratio(best)} | " + " | ".join(_ratio(r) for r in references) + " |"
             )
     lines += [
         "",

@@ -32,6 +32,21 @@ def test_belady_with_room_for_everything_misses_only_first_uses() -> None:
     assert tiers.belady_hits(trace, 4) == len(trace) - len(set(trace))
 
 
+def test_knowing_reuse_saves_a_prompt_up_to_its_first_block_never_asked_for_again() -> None:
+    a, b, c, d = blocks("abcd")
+    choose = tiers.saves_asked_again([[a, b], [a, c, d], [a, b]])
+    assert choose(0, [a, b]) == [a, b]
+    # c and d are not asked for after request 1: nothing of them is saved.
+    assert choose(1, [c, d]) == []
+    assert choose(2, [a, b]) == []
+
+
+def test_the_fixed_best_holds_the_blocks_asked_for_most_and_misses_their_first_use() -> None:
+    # a 3 uses, b 2, c 1: holding a and b hits 2 + 1.
+    assert tiers.fixed_best_hits(blocks("abcaba"), 2) == 3
+    assert tiers.fixed_best_hits(blocks("abcaba"), 10) == 6 - 3
+
+
 def test_a_quick_run_reports_every_policy_below_the_optimum(tmp_path: pathlib.Path) -> None:
     headline = tiers.run(tmp_path, quick=True)
     result = json.loads((tmp_path / "tiers.json").read_text())
@@ -71,10 +86,17 @@ def test_a_quick_run_measures_every_shape_at_a_fraction_of_its_blocks(
         for row in size["configurations"]:
             assert 0 < row["of_belady"] <= 1
             assert row["microseconds_per_block"] > 0
+        assert set(size["references"]) == {
+            "fixed_best",
+            *(f"{policy}_knowing_reuse" for policy in tiers.KNOWING_REUSE),
+        }
+        for reference in size["references"].values():
+            assert 0 < reference["of_belady"] <= 1
         assert headline[f"{shape['shape']} 0.05"]["kvfifo_threshold_1"] == round(
             size["configurations"][2 * tiers.POLICIES.index("kvfifo")]["of_belady"], 3
         )
         assert f"| {shape['shape']} | {size['capacity_blocks']} (5%) |" in table
+    assert "| lru knowing reuse | kvfifo knowing reuse |" in table
 
 
 def test_the_trace_is_the_same_every_run() -> None:

@@ -44,6 +44,20 @@ def test_a_save_threshold_of_2_saves_a_block_the_second_time_it_is_offered() -> 
     assert (replay.hit_blocks, replay.saved_blocks, replay.saves_not_admitted) == (1, 1, 1)
 
 
+def test_a_save_choice_offers_the_pool_only_the_blocks_it_picks() -> None:
+    # Only the first missed block is offered: [1, 2] saves 1; again, 1 hits and 2 is saved.
+    replay = replay_pool(
+        requests([1, 2], [1, 2]), 4, "lru", 1, choose_saves=lambda _, missed: missed[:1]
+    )
+    assert (replay.hit_blocks, replay.saved_blocks) == (1, 2)
+    assert replay_pool(requests([1, 2], [1, 2]), 4, "lru", 1).hit_blocks == 2
+
+
+def test_a_save_choice_that_is_not_a_prefix_is_refused_naming_the_request() -> None:
+    with pytest.raises(ValueError, match=r"request 1's saves must be a prefix of its 2 missed"):
+        replay_pool(requests([1], [2, 3]), 4, "lru", 1, choose_saves=lambda _, missed: missed[1:])
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_belady_bounds_every_policy_on_a_generated_trace(shape: str) -> None:
     trace = generate_trace(attrs.evolve(SHAPES[shape], requests=300))

@@ -11,7 +11,7 @@ measures what the pool keeps, not how fast it copies).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -22,6 +22,13 @@ from kvwire.registry import ConnectorRegistry, default_registry
 
 # The pool's own name in its KV cache events, which the replay drops.
 _MEDIUM = "cpu"
+
+SaveChoice = Callable[[int, Sequence[BlockHash]], Sequence[BlockHash]]
+"""Given a request's position in the trace and the blocks after its held prefix, those to save.
+
+A what-if for a replay (an admission that knows something the pool cannot):
+its result must be a prefix of the blocks it is given, as a save is.
+"""
 
 
 @attrs.frozen
@@ -55,11 +62,14 @@ def replay_pool(
     save_threshold: int,
     *,
     registry: ConnectorRegistry | None = None,
+    choose_saves: SaveChoice | None = None,
 ) -> PoolReplay:
     """Each request's block hashes, in order, through a pool of `pool_blocks` blocks.
 
     `eviction` names a policy of `registry.eviction_policies` (the default
     registry's when None): `lru`, `s3fifo`, `arc`, `kvfifo` or a plug-in's.
+    `choose_saves`, when given, picks which of each request's missed blocks
+    are offered to the pool (its admission still applies); all of them when None.
     """
     registry = registry or default_registry()
     index = CPUPoolIndex(
@@ -73,7 +83,7 @@ def replay_pool(
     )
     asked = hits = saved = 0
     started = time.perf_counter()
-    for hashes in trace:
+    for position, hashes in enumerate(trace):
         asked += len(hashes)
         held = index.count_held_prefix(0, hashes)
         if held:
@@ -81,7 +91,16 @@ def replay_pool(
             index.prepare_load(0, prefix)
             index.complete_load(0, prefix, ())
             hits += held
-        placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
+        missed = hashes[held:]
+        if choose_saves is not None:
+            chosen = choose_saves(position, missed)
+            if list(chosen) != list(missed[: len(chosen)]):
+                raise ValueError(
+                    f"choose_saves: request {position}'s saves must be a prefix of its "
+                    f"{len(missed)} missed blocks, as a save is"
+                )
+            missed = chosen
+        placed = [block for block, _ in index.prepare_save(0, missed)]
         if placed:
             index.complete_save(0, placed, success=True)
             saved += len(placed)
