@@ -73,10 +73,21 @@ def test_the_entry_size_the_pools_here_are_sized_by(tmp_path: pathlib.Path) -> N
         assert connector.medium.num_slots == 3  # type: ignore[attr-defined]
 
 
-def test_spill_sends_evicted_blocks_to_disk_and_brings_them_back_through_the_pool(
-    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+def test_a_spilling_pool_keeps_one_entry_in_sixteen_of_its_memory_as_a_spill_buffer(
+    tmp_path: pathlib.Path,
 ) -> None:
-    passes, stats = three_passes(tiered(tmp_path, pool_blocks=12, write_policy="spill"))
+    for policy, slots, buffers in (("spill", 30, 2), ("write_through", 32, 0)):
+        with LLMEngine(tiered(tmp_path / policy, pool_blocks=32, write_policy=policy)) as engine:
+            medium = engine.scheduler_connector.medium  # type: ignore[union-attr]
+            assert (medium.num_slots, medium.spill_buffers) == (slots, buffers)
+
+
+# 12 entries: no spill buffer, each promotion waits for its slot's spill; 24: one buffer.
+@pytest.mark.parametrize("pool_blocks", [12, 24])
+def test_spill_sends_evicted_blocks_to_disk_and_brings_them_back_through_the_pool(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]], pool_blocks: int
+) -> None:
+    passes, stats = three_passes(tiered(tmp_path, pool_blocks=pool_blocks, write_policy="spill"))
     for outputs in passes:
         assert tokens(outputs) == reference
     assert served(passes[1]) > 0

@@ -149,6 +149,8 @@ def handler_over(
     *,
     write_through: bool,
     io_threads: int = 1,
+    spill_buffers: int = 0,
+    counters: Counters | None = None,
 ) -> TieredTransferHandler:
     context = MediumContext("T", {}, (GROUP,), LAYOUT)
     return TieredTransferHandler(
@@ -156,10 +158,11 @@ def handler_over(
         caches=group_caches(caches, LAYOUT, (GROUP,)),
         num_slots=2,
         io_threads=io_threads,
-        counters=Counters(),
+        counters=counters or Counters(),
         tiers=[RecordingMedium(context)],
         groups=(GROUP,),
         write_through=write_through,
+        spill_buffers=spill_buffers,
     )
 
 
@@ -183,9 +186,13 @@ def tiered(
     caches: dict[str, torch.Tensor],
     *,
     write_through: bool,
+    spill_buffers: int = 0,
+    counters: Counters | None = None,
 ) -> Iterator[tuple[TieredTransferHandler, RecordingTier]]:
     """The handler over `caches` and its one tier, block 1 saved into slot 0."""
-    handler = handler_over(caches, write_through=write_through)
+    handler = handler_over(
+        caches, write_through=write_through, spill_buffers=spill_buffers, counters=counters
+    )
     tier = RecordingMedium.built
     assert tier is not None
     try:
@@ -372,3 +379,76 @@ def test_a_load_sharing_a_block_whose_read_failed_fails_it_too(caches):
         assert result.failed == frozenset({5, 6})
     finally:
         handler.close()
+
+
+def promote(handler: TieredTransferHandler, job_id: int, block: int, slot: int, into: int) -> None:
+    """A load of `block`, found in tier 1, through pool `slot` into cache block `into`."""
+    load = BlockTransfer(
+        request_id=f"r{job_id}",
+        block_ids=(into,),
+        block_hashes=(HASHES[block],),
+        slots=(slot,),
+        payload=from_tier_1(Place.TIER),
+    )
+    handler.submit(TransferJob(job_id, TransferKind.LOAD, (load,)))
+
+
+def written_slots(tier: RecordingTier) -> list[tuple[int, ...]]:
+    return [
+        job.transfers[0].block_ids for job in tier._jobs.values() if job.kind is TransferKind.SAVE
+    ]
+
+
+def test_a_promotion_s_slot_is_spilled_from_a_buffer_and_the_promotion_does_not_wait(caches):
+    with tiered(caches, write_through=False, spill_buffers=1) as (handler, tier):
+        tier.held[HASHES[3]] = block_of(caches, 3)
+        tier.gate.clear()  # the tier's writes wait
+        handler.begin_step(spill_of(block=1, slot=0, for_promotion=True))
+        promote(handler, 7, block=3, slot=0, into=5)
+        # The load ends while the spill's write still waits: it wrote slot 0 without
+        # giving that write up, which reads block 1 from the buffer (slot 2).
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = [r for r in handler.poll() if r.job_id == 7]
+        assert result.failed == frozenset()
+        assert same(block_of(caches, 5), block_of(caches, 3))
+        assert written_slots(tier) == [(2,)]
+        tier.gate.set()
+        deadline = time.monotonic() + 10
+        while HASHES[1] not in tier.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert tier.released == set()
+
+
+def test_a_slot_found_no_free_buffer_is_spilled_from_itself_and_a_buffer_is_reused(caches):
+    counters = Counters()
+    with tiered(caches, write_through=False, spill_buffers=1, counters=counters) as (
+        handler,
+        tier,
+    ):
+        save(handler, 1, block=2, slot=1)
+        assert handler.wait([1], time.monotonic() + 10)
+        tier.gate.clear()
+        handler.begin_step(
+            Spills((SpilledBlocks(0, (HASHES[1], HASHES[2]), (0, 1), for_promotion=True),))
+        )
+        # One buffer: block 1 through it, block 2 from its own slot.
+        assert written_slots(tier) == [(2,), (1,)]
+        assert counters.take()["spills_without_buffer"] == 1
+        tier.gate.set()
+        deadline = time.monotonic() + 10
+        while len(tier.held) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert same(tier.held[HASHES[1]], block_of(caches, 1))
+        assert same(tier.held[HASHES[2]], block_of(caches, 2))
+        # The buffer's write ended (a poll tells): the next promotion's spill takes it again.
+        while any(not done.is_set() for done in tier._done.values()):
+            time.sleep(0.01)
+        handler.poll()
+        handler.begin_step(spill_of(block=2, slot=1, for_promotion=True))
+        assert written_slots(tier)[-1] == (2,)
+
+
+def test_spill_buffers_are_a_number_of_entries(caches):
+    with pytest.raises(ValueError, match="spill_buffers is a number of entries, >= 0; got -1"):
+        handler_over(caches, write_through=False, spill_buffers=-1)

@@ -76,6 +76,12 @@ class PoolSlots:
         rows.copy_(self._raw[_index(slots), :HEADER_SIZE])
         return copied
 
+    def copy_entries(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copy each source slot's whole entry (header and payload) into its target slot."""
+        raw = self._raw
+        for source, target in zip(sources, targets, strict=True):
+            raw[target].copy_(raw[source])
+
     def payload(self, slot: int) -> torch.Tensor:
         """The payload of `slot` as a cross-layer tensor."""
         return self._payloads[slot]

@@ -25,11 +25,14 @@ tracks which pool slots each tier job uses until the tier reports it ended.
 - a step's spills (`begin_step` with `kvwire.media.tiered.index.Spills`) and
   a write-through (once a pool save job ended) write pool slots whose headers
   name their blocks to every tier. The spills of the slots the step's
-  promotions take are submitted at once, before the loads; the others are
-  held until a job that writes their slots is submitted (the step's saves,
-  after the forward pass) or the next step begins, so that their writes do
-  not contend with the step's loads and forward pass for the cores and the
-  GIL;
+  promotions take are submitted at once, before the loads, each first copied
+  into a spill buffer while one is free (`spill_buffers` entries after the
+  pool's slots, which the tiers' handlers see as slots too): the promotion
+  then writes its slot without waiting for the tier's write. The other
+  spills are held until a job that writes their slots is submitted (the
+  step's saves, after the forward pass) or the next step begins, so that
+  their writes do not contend with the step's loads and forward pass for
+  the cores and the GIL;
 - nothing writes a pool slot while a tier job uses it: a pool save (the
   pool's `before_writing_slots` hook), or a load into the slot, first waits
   for the tier jobs using it, at most `TIER_WRITE_WAIT_S`; a tier write
@@ -145,7 +148,8 @@ class TieredTransferHandler(TransferHandler):
     """The CPU pool's handler, with `tiers` (media) each built over the pool's memory.
 
     The pool's arguments (`layouts` to `transfer_timeout_s`) are
-    `CPUPoolTransferHandler`'s.
+    `CPUPoolTransferHandler`'s; `spill_buffers` entries more are allocated
+    after the pool's `num_slots` for the spills of promotions' slots.
     """
 
     def __init__(
@@ -160,11 +164,14 @@ class TieredTransferHandler(TransferHandler):
         tiers: Sequence[Medium],
         groups: Sequence[CacheGroup],
         write_through: bool,
+        spill_buffers: int = 0,
     ) -> None:
+        if spill_buffers < 0:
+            raise ValueError(f"spill_buffers is a number of entries, >= 0; got {spill_buffers}")
         self._pool = CPUPoolTransferHandler(
             layouts=layouts,
             caches=caches,
-            num_slots=num_slots,
+            num_slots=num_slots + spill_buffers,
             io_threads=io_threads,
             counters=counters,
             transfer_timeout_s=transfer_timeout_s,
@@ -173,6 +180,7 @@ class TieredTransferHandler(TransferHandler):
         )
         self._layouts = self._pool.layouts
         self._slots = self._pool.pool
+        self._counters = counters
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
@@ -182,6 +190,9 @@ class TieredTransferHandler(TransferHandler):
         # event set once that read ended: a load sharing the block waits for it.
         self._arrivals: dict[int, threading.Event] = {}
         self._arrivals_lock = threading.Lock()
+        # The spill buffers no tier write reads, and those the submitted writes read.
+        self._free_buffers = list(range(num_slots, num_slots + spill_buffers))
+        self._buffers_written: list[tuple[int, ...]] = []
         pool_caches = pool_layer_views(self._slots.payloads, self._layouts[0].cache_layout, groups)
         warn = RateLimitedWarning(logger)
         self._tiers: list[_Tier] = []
@@ -285,9 +296,47 @@ class TieredTransferHandler(TransferHandler):
         self._submit_held_spills()
         for spilled in payload.groups:
             if spilled.for_promotion:
-                self._spill(spilled)
+                self._spill_for_promotion(spilled)
             else:
                 self._held_spills.append(spilled)
+
+    def _spill_for_promotion(self, spilled: SpilledBlocks) -> None:
+        """Write blocks whose slots a promotion takes: through spill buffers while any is free.
+
+        Their slots are then free for the promotions' reads at once; the
+        blocks beyond the free buffers are written from their slots, which
+        their promotions wait for.
+        """
+        self._reclaim_buffers()
+        count = min(len(self._free_buffers), len(spilled.slots))
+        if count:
+            buffers = tuple(self._free_buffers[-count:])
+            del self._free_buffers[-count:]
+            self._slots.copy_entries(spilled.slots[:count], buffers)
+            self._buffers_written.append(buffers)
+            self._write_to_tiers(
+                spilled.group, buffers, spilled.block_hashes[:count], "spilled_blocks"
+            )
+        if count < len(spilled.slots):
+            self._counters.add("spills_without_buffer", len(spilled.slots) - count)
+            self._write_to_tiers(
+                spilled.group,
+                spilled.slots[count:],
+                spilled.block_hashes[count:],
+                "spilled_blocks",
+            )
+
+    def _reclaim_buffers(self) -> None:
+        """Free the spill buffers no tier job reads any more."""
+        written = self._buffers_written
+        if not written:
+            return
+        self._buffers_written = []
+        for buffers in written:
+            if any(tier.jobs.jobs_moving(buffers) for tier in self._tiers):
+                self._buffers_written.append(buffers)
+            else:
+                self._free_buffers += buffers
 
     def _submit_held_spills(self, slots: Set[int] | None = None) -> None:
         """Submit the held spills (those of any of `slots`; all when None), in order."""

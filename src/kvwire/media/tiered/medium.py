@@ -16,7 +16,12 @@ plug-in store, ...), reach the engine only through the pool:
   the tier see it at once: what a prefill engine that publishes wants);
   `spill` writes a block only when the pool evicts it and no secondary
   tier holds it yet, so blocks that stay hot in memory cost the tiers
-  nothing;
+  nothing. With `spill`, one entry in `SPILL_BUFFER_SHARE` of
+  `cpu_pool_bytes` (at most `MAX_SPILL_BUFFERS`; none in a pool of fewer
+  than `SPILL_BUFFER_SHARE` entries) is a spill buffer, not a slot of the
+  pool: a block evicted to make room for a promotion is copied into one,
+  and written to the tiers from there, so that the promotion reads its
+  block into the slot at once instead of waiting for that write;
 - a secondary tier that cannot keep up drops writes (its
   `max_save_bytes_in_flight`, counted as `tier<N>.saves_dropped`); a pool
   slot whose block is still being written waits for it before it is reused,
@@ -48,7 +53,9 @@ scheduler half adds per tier `tier<N>.lookup_hit_blocks`, the blocks it
 brought in (`tier<N>.promoted_blocks`); the worker half the blocks it asked
 each tier to write (`tier<N>.spilled_blocks`, `tier<N>.written_through_blocks`)
 and the writes given up on because their slot was needed
-(`tier<N>.writes_released`); and the lookup delay:
+(`tier<N>.writes_released`), and the blocks evicted for a promotion that
+found no spill buffer free (`spills_without_buffer`: their promotions
+waited for those writes); and the lookup delay:
 `tier<N>.lookup_microseconds` over `tier<N>.lookups`, and how many took at
 most 1, 10 and 100 ms (`tier<N>.lookups_le_1ms`, ...): the lookup delay's
 histogram.
@@ -56,6 +63,7 @@ histogram.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,10 +79,16 @@ from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandle
 from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
 from kvwire.media.tiered.index import TieredIndex
 
-__all__ = ["WRITE_POLICIES", "TieredMedium"]
+__all__ = ["MAX_SPILL_BUFFERS", "SPILL_BUFFER_SHARE", "WRITE_POLICIES", "TieredMedium"]
+
+logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "spill")
 """How blocks reach the secondary tiers (see the module)."""
+SPILL_BUFFER_SHARE = 16
+"""With `spill`, one entry of the pool's memory in this many is a spill buffer."""
+MAX_SPILL_BUFFERS = 64
+"""The most spill buffers a pool keeps; a step's promotions beyond them wait for their writes."""
 
 
 class TieredMedium(CPUPoolMedium):
@@ -94,6 +108,9 @@ class TieredMedium(CPUPoolMedium):
             _tier_medium(context, number, tier) for number, tier in enumerate(resolved, 1)
         )
         """The secondary tiers' media, first looked up first."""
+        self.spill_buffers = 0 if self.write_through else spill_buffer_count(self.num_slots)
+        """The entries of `cpu_pool_bytes` kept as spill buffers, out of the pool's slots."""
+        self.num_slots -= self.spill_buffers
 
     @classmethod
     def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
@@ -170,12 +187,24 @@ class TieredMedium(CPUPoolMedium):
         # Imported here: it needs torch, which the scheduler half never imports.
         from kvwire.media.tiered.handler import TieredTransferHandler
 
+        if self.spill_buffers:
+            logger.info(
+                "%s: %d more entries of the pool's memory are spill buffers",
+                self.context.connector_name,
+                self.spill_buffers,
+            )
         return TieredTransferHandler(
             **arguments,
             tiers=self.tiers,
             groups=self.context.groups,
             write_through=self.write_through,
+            spill_buffers=self.spill_buffers,
         )
+
+
+def spill_buffer_count(entries: int) -> int:
+    """How many of a spilling pool's `entries` are spill buffers (see the module)."""
+    return min(entries // SPILL_BUFFER_SHARE, MAX_SPILL_BUFFERS)
 
 
 def _tier_list(value: Any) -> tuple[dict[str, Any], ...] | None:
