@@ -360,7 +360,7 @@ class TieredIndex(MediumIndex):
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         """Take each block where it is now (see the module); every block's slot, and the payload.
 
-        A missing block gets an out-of-range slot the worker never reads.
+        A missing block gets a slot past the index's (`num_slots`), which the worker never reads.
         """
         if not block_hashes:
             return LoadSpec()
@@ -452,7 +452,7 @@ class TieredIndex(MediumIndex):
                 run_start = None
 
     def _missing(self, plan: _Plan) -> None:
-        """A block of the load no tier can give: an out-of-range slot the worker never reads."""
+        """A block of the load no tier can give: slot `num_slots`, which the worker never reads."""
         plan.slots.append(self.pool.num_slots)
         plan.tiers.append(None)
         plan.places.append(Place.MISSING)
