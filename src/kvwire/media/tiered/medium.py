@@ -189,7 +189,7 @@ class TieredMedium(CPUPoolMedium):
 
         if self.spill_buffers:
             logger.info(
-                "%s: %d more entries of the pool's memory are spill buffers",
+                "%s: and %d entries of cpu_pool_bytes are spill buffers",
                 self.context.connector_name,
                 self.spill_buffers,
             )
