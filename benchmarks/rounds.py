@@ -23,8 +23,11 @@ from kvwire.common.redaction import shown
 
 Result = TypeVar("Result")
 
+# Three rounds even for a quick run: the median of two is their mean, which one round
+# disturbed by other work on the host moves by half its disturbance; a median of three is
+# the undisturbed rounds' figure.
 FULL_REPEATS = 3
-QUICK_REPEATS = 2
+QUICK_REPEATS = 3
 
 
 def default_repeats(quick: bool, repeats: int | None) -> int:

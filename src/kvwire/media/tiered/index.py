@@ -193,6 +193,9 @@ class TieredIndex(MediumIndex):
     are the secondary tiers' indexes, first looked up first, each found by
     key. `write_through`: every block whose pool save is made is written to
     the tiers (else only those the pool evicts that no tier holds).
+    `spill_buffers`: the entries of the pool's memory after its slots, which
+    the worker spills through; a missing block's slot is past them too, so
+    that no entry of the memory stands for it.
     """
 
     concurrent_lookups: ClassVar[bool] = True
@@ -207,6 +210,7 @@ class TieredIndex(MediumIndex):
         write_through: bool,
         policy: EvictionPolicy | None = None,
         admission: SaveAdmission | None = None,
+        spill_buffers: int = 0,
     ) -> None:
         if not tiers:
             raise ValueError("TieredIndex: expected at least one secondary tier's index")
@@ -219,6 +223,8 @@ class TieredIndex(MediumIndex):
             on_evict=self._evicted,
         )
         """The primary tier's index."""
+        # The slot of a block no tier can give: one past every entry of the pool's memory.
+        self._missing_slot = num_slots + spill_buffers
         self._tiers = tuple(tiers)
         self._write_through = write_through
         self._scheduler_thread = threading.get_ident()
@@ -360,7 +366,7 @@ class TieredIndex(MediumIndex):
     def prepare_load(self, group: int, block_hashes: Sequence[BlockHash]) -> LoadSpec:
         """Take each block where it is now (see the module); every block's slot, and the payload.
 
-        A missing block gets a slot past the index's (`num_slots`), which the worker never reads.
+        A missing block gets a slot past the pool's memory, which the worker never reads.
         """
         if not block_hashes:
             return LoadSpec()
@@ -452,8 +458,8 @@ class TieredIndex(MediumIndex):
                 run_start = None
 
     def _missing(self, plan: _Plan) -> None:
-        """A block of the load no tier can give: slot `num_slots`, which the worker never reads."""
-        plan.slots.append(self.pool.num_slots)
+        """A block of the load no tier can give: a slot past the pool's memory, never read."""
+        plan.slots.append(self._missing_slot)
         plan.tiers.append(None)
         plan.places.append(Place.MISSING)
         self._count_many({"load_blocks_missing": 1})

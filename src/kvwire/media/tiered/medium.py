@@ -181,6 +181,7 @@ class TieredMedium(CPUPoolMedium):
             write_through=self.write_through,
             policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(options["save_threshold"], self.num_slots),
+            spill_buffers=self.spill_buffers,
         )
 
     def pool_handler(self, **arguments: Any) -> TransferHandler:
