@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         type=positive_int,
         help=(
             f"rounds of every configuration in the serving benchmarks ({', '.join(INTERLEAVED)}); "
-            f"default {FULL_REPEATS}, {QUICK_REPEATS} with --quick"
+            f"default {FULL_REPEATS} for a full run, {QUICK_REPEATS} with --quick"
         ),
     )
     parser.add_argument(

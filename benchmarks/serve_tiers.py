@@ -22,8 +22,10 @@ which ``--disable-shuffle`` keeps in the trace's order and
 ``--skip-chat-template`` as written; one request at a time, so a session's
 next turn comes after its last one's answer, as a user's would.
 
-Configurations (``CONFIGURATIONS``; one server each, the same trace, once;
-``--quick`` a smaller trace and one configuration of each kind): the limit
+Configurations (``CONFIGURATIONS``; one server each, the same trace, once a
+round; ``--quick`` a smaller trace and one configuration of each kind;
+``python -m benchmarks.serve_tiers --kinds none cpu`` only those kinds, and
+the limit): the limit
 (no connector, vLLM's KV cache holds every block of the trace); no connector
 on a small KV cache (about the longest prompt's blocks; the same for every
 connector, so what they keep matters); a MultiConnector of the CPU offload
@@ -82,6 +84,7 @@ from benchmarks.rounds import (
     agreed_cell,
     default_repeats,
     interleaved,
+    positive_int,
     rounds_label,
     spread,
     spread_cell,
@@ -631,11 +634,50 @@ def best_of(rows: Mapping[str, dict[str, Any]]) -> tuple[str, str] | None:
     return best["eviction"], best["write_policy"]
 
 
-def run(output_dir: pathlib.Path, quick: bool, repeats: int | None = None) -> dict[str, Any]:
+def run(
+    output_dir: pathlib.Path,
+    quick: bool,
+    repeats: int | None = None,
+    kinds: Sequence[str] = KINDS,
+) -> dict[str, Any]:
+    """Every configuration (one of each kind with ``quick``) of ``kinds``, the limit always."""
     repeats = default_repeats(quick, repeats)
-    if quick:
-        return measure_tiers(output_dir, QUICK, [c for c in CONFIGURATIONS if c.quick], repeats)
-    return measure_tiers(output_dir, FULL, CONFIGURATIONS, repeats)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"kinds: {unknown} are not configurations' kinds; expected of {KINDS}")
+    chosen = [
+        config
+        for config in CONFIGURATIONS
+        if (config.quick or not quick) and (config.kind in kinds or config.kind == "limit")
+    ]
+    return measure_tiers(output_dir, QUICK if quick else FULL, chosen, repeats)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.serve_tiers [--quick] [--repeats N] [--kinds KIND ...]``.
+
+    ``--kinds`` runs only those configurations (and the limit, which every
+    ratio needs): rounds of two configurations are what sets them apart.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_tiers")
+    parser.add_argument("--quick", action="store_true", help="the 100-request trace")
+    parser.add_argument("--repeats", type=positive_int, help="interleaved rounds (default 3)")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="the kinds of configuration to run (the limit always runs)",
+    )
+    parser.add_argument(
+        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    )
+    args = parser.parse_args(argv)
+    summary = run(args.output_dir, args.quick, args.repeats, args.kinds)
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def measure_tiers(
@@ -1070,6 +1112,4 @@ def plot(summary: dict[str, Any], path: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-    from benchmarks.common import main
-
-    sys.exit(main("python -m benchmarks.serve_tiers", run, sys.argv[1:]))
+    sys.exit(main())

@@ -140,6 +140,10 @@ def by_name(name: str) -> bench.Configuration:
     return next(config for config in bench.CONFIGURATIONS if config.name == name)
 
 
+def by_kind(kind: str) -> bench.Configuration:
+    return next(config for config in bench.CONFIGURATIONS if config.kind == kind)
+
+
 def test_every_kvwire_configuration_is_a_profile_kvwire_reads(tmp_path: pathlib.Path) -> None:
     for config in bench.CONFIGURATIONS:
         if config.eviction == bench.BEST:
@@ -204,6 +208,49 @@ def test_quick_runs_one_configuration_of_each_kind_the_limit_first() -> None:
     assert len(set(names)) == len(names)
     best = names.index(by_name("tiered: the best above, save_threshold 2").name)
     assert any(config.kind == "tiered" for config in bench.CONFIGURATIONS[:best])
+
+
+def chosen_by(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], tmp_path: pathlib.Path
+) -> tuple[bench.Workload, list[str], int]:
+    """What ``python -m benchmarks.serve_tiers ARGV`` would measure: workload, names, rounds."""
+    chosen: list[tuple[bench.Workload, list[str], int]] = []
+
+    def measure(
+        _: pathlib.Path, workload: bench.Workload, configs: list[bench.Configuration], repeats: int
+    ) -> dict[str, Any]:
+        chosen.append((workload, [config.name for config in configs], repeats))
+        return {}
+
+    monkeypatch.setattr(bench, "measure_tiers", measure)
+    assert bench.main([*argv, "--output-dir", str(tmp_path)]) == 0
+    return chosen[0]
+
+
+def test_kinds_choose_the_configurations_the_limit_always_among_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    workload, names, repeats = chosen_by(
+        monkeypatch, ["--quick", "--kinds", "cpu", "none", "--repeats", "5"], tmp_path
+    )
+    assert workload == bench.QUICK
+    assert names == [bench.LIMIT, bench.NO_CONNECTOR, by_kind("cpu").name]
+    assert repeats == 5
+
+    workload, names, repeats = chosen_by(monkeypatch, ["--kinds", "tiered"], tmp_path)
+    assert workload == bench.FULL
+    assert names == [bench.LIMIT] + [c.name for c in bench.CONFIGURATIONS if c.kind == "tiered"]
+    assert repeats == 3
+
+
+def test_an_unknown_kind_is_refused_naming_the_kinds_there_are(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        chosen_by(monkeypatch, ["--kinds", "tierd"], tmp_path)
+    assert "invalid choice: 'tierd'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\['tierd'\] are not configurations' kinds"):
+        bench.run(tmp_path, quick=True, kinds=["cpu", "tierd"])
 
 
 METRICS = """\
