@@ -201,6 +201,7 @@ CONFIGURATIONS = (
     tiered("s3fifo", "spill"),
     # The tiered-disk profile's policies.
     tiered("kvfifo", "spill", quick=True),
+    tiered("kvfifo", "write_through"),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),
