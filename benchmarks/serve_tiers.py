@@ -62,6 +62,7 @@ Writes ``serve-tiers.json``, ``serve-tiers.md`` (the README's table) and
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pathlib
@@ -80,6 +81,8 @@ import attrs
 from benchmarks import tiers
 from benchmarks.common import MIB, pyplot, write_json
 from benchmarks.rounds import (
+    FULL_REPEATS,
+    QUICK_REPEATS,
     agreed,
     agreed_cell,
     default_repeats,
@@ -660,11 +663,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``--kinds`` runs only those configurations (and the limit, which every
     ratio needs): rounds of two configurations are what sets them apart.
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_tiers")
     parser.add_argument("--quick", action="store_true", help="the 100-request trace")
-    parser.add_argument("--repeats", type=positive_int, help="interleaved rounds (default 3)")
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        help=f"interleaved rounds (default {FULL_REPEATS}; {QUICK_REPEATS} with --quick)",
+    )
     parser.add_argument(
         "--kinds",
         nargs="+",
