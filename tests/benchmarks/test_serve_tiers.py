@@ -329,6 +329,11 @@ def summary() -> dict[str, Any]:
     rounds[1]["tiered: lru spill, save_threshold 1"]["server"]["prompt_tokens_local_compute"] = (
         1600.0
     )
+    return summarized(rounds)
+
+
+def summarized(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds summarized over a trace of two requests of blocks a and b."""
     trace = [blocks("ab"), blocks("ab")]
     facts = bench.trace_facts(trace, 2, 5) | bench.server_sizes(bench.QUICK, trace, 10)
     return bench.summarize(bench.QUICK, facts, rounds)
@@ -369,10 +374,8 @@ def test_each_row_is_set_against_the_limit_and_the_pool_against_belady() -> None
 
 
 def test_each_row_is_set_against_no_connector_in_its_own_round() -> None:
-    rounds = [a_round(4.0, 3.0), a_round(4.0, 1.5)]
-    trace = [blocks("ab"), blocks("ab")]
-    facts = bench.trace_facts(trace, 2, 5) | bench.server_sizes(bench.QUICK, trace, 10)
-    rows = bench.summarize(bench.QUICK, facts, rounds)["configurations"]
+    summarized_rounds = summarized([a_round(4.0, 3.0), a_round(4.0, 1.5)])
+    rows = summarized_rounds["configurations"]
 
     tiered = rows["tiered: lru spill, save_threshold 1"]
     # No connector served 2.0 req/s in each round: 1.5 and 0.75 of it.
@@ -386,11 +389,11 @@ def test_each_row_is_set_against_no_connector_in_its_own_round() -> None:
     assert rows[bench.NO_CONNECTOR]["request_throughput_vs_no_connector"] is None
     row = next(
         line
-        for line in bench.table(bench.summarize(bench.QUICK, facts, rounds)).splitlines()
+        for line in bench.table(summarized_rounds).splitlines()
         if line.startswith("| tiered: lru spill")
     )
     assert "| 1.12 (0.75-1.50), 1 of 2 |" in row
-    headline = bench.headline(bench.summarize(bench.QUICK, facts, rounds))
+    headline = bench.headline(summarized_rounds)
     assert headline["tiered: lru spill, save_threshold 1"]["rounds_faster_than_no_connector"] == 1
 
 
