@@ -23,10 +23,18 @@ from kvwire.config import EngineConfig, KVRole, ParallelConfig
 from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import tiny_config, with_connector
+from tests.support.redis import UNHURRIED_LOOKUPS
 
 # Engines for the peer medium's tests: the tiny model, the peer medium's config, a workload.
 
 BLOCK_SIZE = 4
+
+UNHURRIED_DEADLINES = {**UNHURRIED_LOOKUPS, "transfer_timeout_s": 30.0}
+"""A peer engine's deadlines in a test whose subject is not a deadline. On a host loaded
+by the rest of ``make test`` (the vLLM suite beside this one, a split producer's and a
+split reader's worker processes), a fresh worker's first directory call has taken over
+the default 1 s and its pull over 5 s: the read then fails and is computed again, right
+for the engine and wrong for a test that means to see each rank pull its share."""
 
 
 def peer_config(
@@ -44,6 +52,9 @@ def peer_config(
     Split over ``tensor_parallel_size`` x ``pipeline_parallel_size`` worker
     processes when either is above 1 (the tiny model has two KV heads and
     two layers: one of each a rank at size 2).
+
+    Its deadlines are unhurried (``UNHURRIED_DEADLINES``): a test whose
+    subject is a deadline passes its own.
     """
     options: dict[str, Any] = {
         "medium": "peer",
@@ -51,8 +62,8 @@ def peer_config(
         "key_prefix": key_prefix,
         "cpu_pool_bytes": "4MiB",
         "staging_blocks": 8,
-        "transfer_timeout_s": 5,
         "peer_heartbeat_s": 1,
+        **UNHURRIED_DEADLINES,
         **extra,
     }
     if peer_name is not None:

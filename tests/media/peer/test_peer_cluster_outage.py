@@ -88,7 +88,11 @@ def test_a_cluster_gone_after_the_announcements_makes_misses_computed_identicall
         prefill = producer.generate([attrs.evolve(r, max_tokens=1) for r in requests])
         assert prefill["stats"]["blocks_saved"] > 0
         reader = peer_config(
-            fault_cluster.url, prefix, kv_role="kv_consumer", peer_name=f"{prefix}decode"
+            fault_cluster.url,
+            prefix,
+            kv_role="kv_consumer",
+            peer_name=f"{prefix}decode",
+            lookup_timeout_s=1,  # the default: the deadline this test bounds the run by
         )
         with LLMEngine(reader) as engine:
             # The reader has the slot map; then every node goes, replicas too.
