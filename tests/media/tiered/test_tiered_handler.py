@@ -449,6 +449,27 @@ def test_a_slot_found_no_free_buffer_is_spilled_from_itself_and_a_buffer_is_reus
         assert written_slots(tier)[-1] == (2,)
 
 
+def test_a_promotion_that_waits_for_its_slots_spill_counts_the_wait(caches):
+    counters = Counters()
+    with tiered(caches, write_through=False, counters=counters) as (handler, tier):
+        tier.held[HASHES[3]] = block_of(caches, 3)
+        counters.take()
+        tier.gate.clear()  # the spill's write waits
+        handler.begin_step(spill_of(block=1, slot=0, for_promotion=True))  # no buffer
+        promote(handler, 7, block=3, slot=0, into=5)
+        time.sleep(0.2)
+        assert not handler.wait([7], time.monotonic())  # reading into slot 0 must wait
+        tier.gate.set()
+        assert handler.wait([7], time.monotonic() + 10)
+        handler.poll()
+        assert same(block_of(caches, 5), block_of(caches, 3))
+        taken = counters.take()
+        # The load waited out the write (at least the 0.2 s above), within its promotion.
+        assert taken["promotion_wait_seconds"] >= 0.2
+        assert taken["promotion_seconds"] >= taken["promotion_wait_seconds"]
+        assert taken["spills_without_buffer"] == 1
+
+
 def test_spill_buffers_are_a_number_of_entries(caches):
     with pytest.raises(ValueError, match="spill_buffers is a number of entries, >= 0; got -1"):
         handler_over(caches, write_through=False, spill_buffers=-1)

@@ -432,6 +432,7 @@ class TieredTransferHandler(TransferHandler):
         ]
         from_pool = [p for p, place in enumerate(payload.places) if place is Place.POOL]
         arriving = [p for p, place in enumerate(payload.places) if place is Place.ARRIVING]
+        started = time.perf_counter()
         try:
             for span in payload.spans:
                 if job.abandoned:
@@ -445,6 +446,7 @@ class TieredTransferHandler(TransferHandler):
         finally:
             self._arrived(_tier_slots((transfer,)))
         self._wait_for_arrivals([transfer.slots[p] for p in arriving], job.deadline)
+        self._counters.add("promotion_seconds", time.perf_counter() - started)
         return _positions_of(transfer, sorted(from_pool + arriving)), failed
 
     def _bring_in(
@@ -454,11 +456,14 @@ class TieredTransferHandler(TransferHandler):
         positions = range(span.start, span.stop)
         slots = transfer.slots[span.start : span.stop]
         hashes = transfer.block_hashes[span.start : span.stop]
+        waited_from = time.perf_counter()
         try:
             self._before_writing_slots(slots, deadline)
         except _SlotsInUse as error:
             logger.warning("tiered offload: not loading %d blocks: %s", len(slots), error)
             return []
+        finally:
+            self._counters.add("promotion_wait_seconds", time.perf_counter() - waited_from)
         # Until the tier verified a block, its slot names none.
         self._slots.clear_headers(slots)
         failed = tier.load(
