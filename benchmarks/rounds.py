@@ -40,14 +40,14 @@ def default_repeats(quick: bool, repeats: int | None) -> int:
 
 
 def positive_int(text: str) -> int:
-    """``--repeats``: a whole number of rounds, at least 1."""
+    """``--repeats``, ``--passes``: a whole number, at least 1 (argparse names the flag)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(
-            f"--repeats takes a whole number of at least 1, got {shown(text, limit=40)}"
+            f"expected a whole number of at least 1, got {shown(text, limit=40)}"
         )
     return value
 

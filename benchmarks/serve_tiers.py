@@ -463,6 +463,25 @@ def server_args(
     return args
 
 
+def server_spec(
+    model: str,
+    config: Configuration,
+    sizes: Mapping[str, int],
+    transfer: dict[str, Any] | None,
+    log: pathlib.Path,
+) -> ServerSpec:
+    """A configuration's ``vllm serve`` (``server_sizes``): the limit's cache holds every block."""
+    cache_blocks = (
+        sizes["limit_cache_blocks"] if config.kind == "limit" else sizes["vllm_cache_blocks"]
+    )
+    return ServerSpec(
+        server_args(model, cache_blocks, sizes["max_model_len"], transfer),
+        # The model on one core of its own, whatever the connector (as --only serve).
+        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        log,
+    )
+
+
 def client_args(
     model: str, target: str, dataset: pathlib.Path, workload: Workload, result_path: pathlib.Path
 ) -> list[str]:
@@ -498,9 +517,7 @@ class Bench:
         self.workload = workload
         self.dataset = dataset
         self.scratch = scratch
-        self.max_model_len = sizes["max_model_len"]
-        self.vllm_cache_blocks = sizes["vllm_cache_blocks"]
-        self.limit_cache_blocks = sizes["limit_cache_blocks"]
+        self.sizes = sizes
         self.client = BenchClient(scratch / "client.log")
 
     def close(self) -> None:
@@ -511,16 +528,10 @@ class Bench:
         print(f"  {config.name}", flush=True)
         started = time.monotonic()
         log = self.scratch / f"server-{len(list(self.scratch.glob('server-*')))}.log"
-        cache_blocks = self.limit_cache_blocks if config.kind == "limit" else self.vllm_cache_blocks
         # Each round starts from empty stores: nothing an earlier round saved is found.
         stores = pathlib.Path(tempfile.mkdtemp(prefix="stores-", dir=self.scratch))
         transfer = transfer_config(config, stores, self.workload.primary_blocks)
-        spec = ServerSpec(
-            server_args(self.model, cache_blocks, self.max_model_len, transfer),
-            # The model on one core of its own, whatever the connector (as --only serve).
-            {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
-            log,
-        )
+        spec = server_spec(self.model, config, self.sizes, transfer, log)
         row: dict[str, Any] = {"kind": config.kind, "transfer_config": transfer}
         if config.kind == "tiered":
             row.update(

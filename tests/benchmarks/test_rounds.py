@@ -75,7 +75,10 @@ def test_the_command_line_refuses_repeats_below_one(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         benchmarks_main.main(["--only", "serve", "--repeats", "0"])
 
-    assert "--repeats takes a whole number of at least 1, got '0'" in capsys.readouterr().err
+    assert (
+        "argument --repeats: expected a whole number of at least 1, got '0'"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_huge_repeats_argument_is_shown_cut() -> None:

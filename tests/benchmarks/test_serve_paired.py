@@ -1,0 +1,74 @@
+"""The paired serving benchmark's pairing and arithmetic; its servers run only in the benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import rounds, serve_paired, serve_tiers
+
+
+def test_the_server_that_gets_a_request_first_alternates() -> None:
+    assert [serve_paired.order(index) for index in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
+
+
+def test_a_pass_sets_the_first_s_throughput_over_the_second_s_on_the_trace_and_each_half() -> None:
+    first = [0.1, 0.1, 0.2, 0.2]
+    second = [0.1, 0.1, 0.1, 0.1]
+
+    figures = serve_paired.pass_figures([first, second], [["a", "b", "c", "d"], list("abxd")])
+
+    assert figures["request_throughput"] == [6.667, 10.0]
+    # The first took 0.6 s where the second took 0.4: it served 0.667 of the second's req/s.
+    assert figures["first_over_second"] == pytest.approx(0.667)
+    assert figures["first_over_second_by_half"] == [1.0, 0.5]
+    assert figures["outputs_equal"] == 3
+
+
+def test_each_kind_is_the_serve_tiers_configuration_its_quick_run_serves() -> None:
+    tiered = serve_paired.configuration("tiered")
+
+    assert tiered.quick and tiered.kind == "tiered"
+    assert tiered in serve_tiers.CONFIGURATIONS
+    with pytest.raises(ValueError, match="kind 'disk' is not one of"):
+        serve_paired.configuration("disk")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tiered", "disk"], "argument KIND: invalid choice: 'disk'"),
+        (["tiered"], "the following arguments are required"),
+        (["tiered", "none", "--passes", "0"], "argument --passes: expected a whole number"),
+    ],
+)
+def test_the_command_line_refuses_a_pair_it_cannot_run(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        serve_paired.main(argv)
+
+    assert message in capsys.readouterr().err
+
+
+def test_the_table_gives_every_pass_and_the_median_with_its_range() -> None:
+    passes = [
+        {
+            "request_throughput": [9.41, 10.15],
+            "first_over_second": ratio,
+            "first_over_second_by_half": [ratio, ratio],
+            "outputs_equal": 100,
+            "idle_busy_share": 0.017,
+        }
+        for ratio in (0.926, 0.957, 0.94)
+    ]
+    summary = {
+        "configurations": ["tiered", "shared storage"],
+        "workload": {"trace": {"requests": 100}},
+        "passes": passes,
+        "first_over_second": rounds.spread([p["first_over_second"] for p in passes]),
+    }
+
+    table = serve_paired.table(summary)
+
+    assert "| 2 | 9.41 / 10.15 | 0.957 | 0.957, 0.957 | 100 | 0.017 |" in table
+    assert "| median (range) | | 0.940 (0.926-0.957) | | | |" in table
