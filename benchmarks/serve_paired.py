@@ -4,7 +4,8 @@ percent between them is, on a host whose speed moves more than that.
 ``.venv-vllm/bin/python -m benchmarks.serve_paired tiered shared-storage [--quick]
 [--passes N]``: the two configurations are :mod:`benchmarks.serve_tiers`' of those
 kinds (each kind's ``--quick`` one; the same kind twice measures the method's own
-noise). Each pass starts a server of each, fresh, over empty stores, both at once,
+noise). Each pass starts a server of each, fresh, over empty stores, both at once
+(the first of them first in even passes, the second in odd ones),
 and sends every request of ``serve-tiers``' trace to one and then the other, one
 request in flight at a time, the first of the two alternating (A B, B A, A B, ...),
 so that both meet the host in the same state to within a request. The rounds of
@@ -21,7 +22,8 @@ to its whole answer (two tokens, greedy); a server's throughput is its requests
 over the sum of its requests' times. Per pass: each configuration's req/s, the
 first's req/s over the second's (the second's time over the first's) on the whole
 trace and on each half of it, and the outputs the two give alike. Writes
-``serve-paired.json`` and ``serve-paired.md``.
+``serve-paired-FIRST-SECOND.json`` and ``.md`` (the two kinds) to ``--output-dir``,
+``benchmarks/results`` by default.
 
 The client here is a plain HTTP one, not vLLM's: vLLM's sends a dataset to one
 server, and the pairing needs each request sent to two.
@@ -67,6 +69,17 @@ def configuration(kind: str) -> serve_tiers.Configuration:
 def order(request_index: int) -> tuple[int, int]:
     """Which server gets a request first: the first, then the second, alternating."""
     return (0, 1) if request_index % 2 == 0 else (1, 0)
+
+
+def start_order(pass_index: int) -> tuple[int, int]:
+    """Which server starts first: the first in even passes, the second in odd ones.
+
+    Two servers of one configuration, always started in the same order,
+    differed by 1.5% in two passes: the order is alternated so that whatever
+    starting first does to a server (where the system places its threads,
+    its memory) falls on both configurations alike.
+    """
+    return order(pass_index)
 
 
 def pass_figures(
@@ -138,12 +151,15 @@ def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int
         for number in range(passes):
             print(f"  pass {number + 1} of {passes}", flush=True)
             specs = []
-            for side, config in enumerate(configs):
+            starting = start_order(number)
+            for side in starting:
                 stores = pathlib.Path(tempfile.mkdtemp(prefix="stores-", dir=scratch))
+                config = configs[side]
                 transfer = serve_tiers.transfer_config(config, stores, workload.primary_blocks)
                 log = scratch / f"server-{number}-{side}.log"
                 specs.append(serve_tiers.server_spec(model, config, sizes, transfer, log))
-            with vllm_servers(specs) as urls:
+            with vllm_servers(specs) as started_urls:
+                urls = [started_urls[starting.index(side)] for side in (0, 1)]
                 idle = host_busy_share(3.0)
                 if idle > IDLE_BUSY_WARNING:
                     print(f"    the idle servers kept {idle:.0%} of the host busy", flush=True)
@@ -166,8 +182,9 @@ def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int
         "first_over_second": spread([result["first_over_second"] for result in results]),
         "seconds": round(time.monotonic() - started),
     }
-    write_json(output_dir, f"{NAME}.json", summary)
-    (output_dir / f"{NAME}.md").write_text(table(summary))
+    stem = "-".join((NAME, *kinds))
+    write_json(output_dir, f"{stem}.json", summary)
+    (output_dir / f"{stem}.md").write_text(table(summary))
     return summary
 
 
@@ -199,7 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("kinds", nargs=2, choices=PAIRED_KINDS, metavar="KIND")
     parser.add_argument("--quick", action="store_true", help="the 100-request trace")
     parser.add_argument("--passes", type=positive_int, default=DEFAULT_PASSES)
-    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("results"))
+    parser.add_argument(
+        "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
+    )
     args = parser.parse_args(argv)
     summary = run(args.output_dir, args.kinds, args.quick, args.passes)
     print(table(summary))

@@ -11,6 +11,10 @@ def test_the_server_that_gets_a_request_first_alternates() -> None:
     assert [serve_paired.order(index) for index in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
 
 
+def test_the_server_that_starts_first_alternates_from_pass_to_pass() -> None:
+    assert [serve_paired.start_order(index) for index in range(3)] == [(0, 1), (1, 0), (0, 1)]
+
+
 def test_a_pass_sets_the_first_s_throughput_over_the_second_s_on_the_trace_and_each_half() -> None:
     first = [0.1, 0.1, 0.2, 0.2]
     second = [0.1, 0.1, 0.1, 0.1]
