@@ -74,10 +74,8 @@ def order(request_index: int) -> tuple[int, int]:
 def start_order(pass_index: int) -> tuple[int, int]:
     """Which server starts first: the first in even passes, the second in odd ones.
 
-    Two servers of one configuration, always started in the same order,
-    differed by 1.5% in two passes: the order is alternated so that whatever
-    starting first does to a server (where the system places its threads,
-    its memory) falls on both configurations alike.
+    Whatever starting first does to a server (where the system places its
+    threads and its memory) then falls on both configurations alike.
     """
     return order(pass_index)
 
