@@ -32,6 +32,7 @@ server, and the pairing needs each request sent to two.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -135,6 +136,11 @@ def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int
     """The two kinds' configurations side by side, ``passes`` times; writes the results."""
     configs = [configuration(kind) for kind in kinds]
     workload = serve_tiers.QUICK if quick else serve_tiers.FULL
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            f"the {NAME} benchmark runs in the vLLM venv: "
+            ".venv-vllm/bin/python -m benchmarks.serve_paired FIRST SECOND"
+        )
     from benchmarks.vllm import build_model
 
     started = time.monotonic()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from benchmarks import rounds, serve_paired, serve_tiers
@@ -76,3 +78,13 @@ def test_the_table_gives_every_pass_and_the_median_with_its_range() -> None:
 
     assert "| 2 | 9.41 / 10.15 | 0.957 | 0.957, 0.957 | 100 | 0.017 |" in table
     assert "| median (range) | | 0.940 (0.926-0.957) | | | |" in table
+
+
+def test_outside_the_vllm_venv_it_says_where_it_runs(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve_paired.importlib.util, "find_spec", lambda name: None)
+
+    with pytest.raises(SystemExit, match="runs in the vLLM venv"):
+        serve_paired.run(tmp_path, ["tiered", "none"], quick=True, passes=1)
+    assert not list(tmp_path.iterdir())
