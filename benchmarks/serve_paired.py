@@ -44,7 +44,7 @@ from typing import Any
 
 import attrs
 
-from benchmarks import serve_tiers, tiers
+from benchmarks import serve_tiers
 from benchmarks.common import write_json
 from benchmarks.rounds import positive_int, spread, spread_cell
 from benchmarks.serve import vllm_servers
@@ -144,9 +144,8 @@ def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int
     from benchmarks.vllm import build_model
 
     started = time.monotonic()
-    trace = tiers.generate_trace(workload.trace)
-    prompts = [serve_tiers.prompt_text(serve_tiers.prompt_tokens(hashes)) for hashes in trace]
-    sizes = serve_tiers.server_sizes(workload, trace, max(len(prompt) for prompt in prompts))
+    _, tokens, sizes = serve_tiers.served_trace(workload)
+    prompts = [serve_tiers.prompt_text(prompt) for prompt in tokens]
     output_dir.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"kvwire-bench-{NAME}-", dir=output_dir))
     results = []

@@ -357,6 +357,13 @@ def server_sizes(workload: Workload, trace: tiers.Trace, longest_chars: int) -> 
 # ------------------------------------------------------------------ the servers
 
 
+def served_trace(workload: Workload) -> tuple[tiers.Trace, list[list[int]], dict[str, int]]:
+    """The workload's trace, each request's prompt tokens, and the servers' sizes for them."""
+    trace = tiers.generate_trace(workload.trace)
+    prompts = [prompt_tokens(hashes) for hashes in trace]
+    return trace, prompts, server_sizes(workload, trace, max(map(len, map(prompt_text, prompts))))
+
+
 def pool_bytes(blocks: int) -> int:
     """``cpu_pool_bytes`` for a pool of exactly ``blocks`` slots."""
     # A slot holds a block of every layer and the entry's header.
@@ -723,9 +730,7 @@ def measure_tiers(
     from benchmarks.vllm import build_model
 
     started = time.monotonic()
-    trace = tiers.generate_trace(workload.trace)
-    prompts = [prompt_tokens(hashes) for hashes in trace]
-    sizes = server_sizes(workload, trace, max(len(prompt_text(t)) for t in prompts))
+    trace, prompts, sizes = served_trace(workload)
     facts = {**trace_facts(trace, workload.primary_blocks, sizes["vllm_cache_blocks"]), **sizes}
     print(
         f"  {facts['requests']} requests, {facts['block_accesses']} block accesses, "
