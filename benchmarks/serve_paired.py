@@ -4,8 +4,10 @@ percent between them is, on a host whose speed moves more than that.
 ``.venv-vllm/bin/python -m benchmarks.serve_paired tiered shared-storage [--quick]
 [--passes N]``: the two configurations are :mod:`benchmarks.serve_tiers`' of those
 kinds (each kind's ``--quick`` one; the same kind twice measures the method's own
-noise). Each pass starts a server of each, fresh, over empty stores, both at once
-(the first of them first in even passes, the second in odd ones),
+noise), or named by their labels (``Configuration.label``:
+``tiered-kvfifo-spill-promotion-never``). Each pass starts a server of each,
+fresh, over empty stores, both at once (the first of them first in even
+passes, the second in odd ones),
 and sends every request of ``serve-tiers``' trace to one and then the other, one
 request in flight at a time, the first of the two alternating (A B, B A, A B, ...),
 so that both meet the host in the same state to within a request. The rounds of
@@ -22,7 +24,7 @@ to its whole answer (two tokens, greedy); a server's throughput is its requests
 over the sum of its requests' times. Per pass: each configuration's req/s, the
 first's req/s over the second's (the second's time over the first's) on the whole
 trace and on each half of it, and the outputs the two give alike. Writes
-``serve-paired-FIRST-SECOND.json`` and ``.md`` (the two kinds) to ``--output-dir``,
+``serve-paired-FIRST-SECOND.json`` and ``.md`` (the two names) to ``--output-dir``,
 ``benchmarks/results`` by default.
 
 The client here is a plain HTTP one, not vLLM's: vLLM's sends a dataset to one
@@ -51,6 +53,14 @@ from benchmarks.serve import vllm_servers
 
 NAME = "serve-paired"
 PAIRED_KINDS = tuple(kind for kind in serve_tiers.KINDS if kind != "example")
+# Every configuration a pass can run, by label: a kind's quick one has its kind's too.
+PAIRED_LABELS = tuple(
+    config.label
+    for config in serve_tiers.CONFIGURATIONS
+    if config.kind in PAIRED_KINDS
+    and serve_tiers.BEST not in (config.eviction, config.write_policy)
+)
+PAIRED_NAMES = tuple(dict.fromkeys((*PAIRED_KINDS, *PAIRED_LABELS)))
 DEFAULT_PASSES = 3
 # A request of the quick trace takes about 0.1 s; one stalled this long is a broken server.
 REQUEST_TIMEOUT_S = 60.0
@@ -59,12 +69,17 @@ REQUEST_TIMEOUT_S = 60.0
 IDLE_BUSY_WARNING = 0.1
 
 
-def configuration(kind: str) -> serve_tiers.Configuration:
-    """``serve-tiers``' quick configuration of ``kind``."""
+def configuration(name: str) -> serve_tiers.Configuration:
+    """``serve-tiers``' quick configuration of kind ``name``, or its configuration so labelled."""
     for config in serve_tiers.CONFIGURATIONS:
-        if config.kind == kind and config.quick:
+        if config.kind == name and config.quick:
             return config
-    raise ValueError(f"kind {kind!r} is not one of {PAIRED_KINDS}")
+    for config in serve_tiers.CONFIGURATIONS:
+        if config.label == name and name in PAIRED_LABELS:
+            return config
+    raise ValueError(
+        f"{name!r} is not a kind nor a configuration's label: expected one of {PAIRED_NAMES}"
+    )
 
 
 def order(request_index: int) -> tuple[int, int]:
@@ -132,9 +147,9 @@ def complete(url: str, model: str, prompt: str, output_len: int) -> tuple[float,
     return time.perf_counter() - started, text
 
 
-def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int) -> dict[str, Any]:
-    """The two kinds' configurations side by side, ``passes`` times; writes the results."""
-    configs = [configuration(kind) for kind in kinds]
+def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int) -> dict[str, Any]:
+    """The two configurations (kinds or labels) side by side, ``passes`` times; writes results."""
+    configs = [configuration(name) for name in names]
     workload = serve_tiers.QUICK if quick else serve_tiers.FULL
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit(
@@ -185,7 +200,7 @@ def run(output_dir: pathlib.Path, kinds: Sequence[str], quick: bool, passes: int
         "first_over_second": spread([result["first_over_second"] for result in results]),
         "seconds": round(time.monotonic() - started),
     }
-    stem = "-".join((NAME, *kinds))
+    stem = "-".join((NAME, *names))
     write_json(output_dir, f"{stem}.json", summary)
     (output_dir / f"{stem}.md").write_text(table(summary))
     return summary
@@ -216,14 +231,21 @@ def table(summary: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.serve_paired FIRST SECOND [--quick] [--passes N]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_paired")
-    parser.add_argument("kinds", nargs=2, choices=PAIRED_KINDS, metavar="KIND")
+    parser.add_argument(
+        "names",
+        nargs=2,
+        choices=PAIRED_NAMES,
+        metavar="CONFIGURATION",
+        help="a kind (its quick configuration) or a configuration's label: "
+        + ", ".join(PAIRED_NAMES),
+    )
     parser.add_argument("--quick", action="store_true", help="the 100-request trace")
     parser.add_argument("--passes", type=positive_int, default=DEFAULT_PASSES)
     parser.add_argument(
         "--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks/results")
     )
     args = parser.parse_args(argv)
-    summary = run(args.output_dir, args.kinds, args.quick, args.passes)
+    summary = run(args.output_dir, args.names, args.quick, args.passes)
     print(table(summary))
     return 0
 

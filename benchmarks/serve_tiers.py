@@ -174,12 +174,31 @@ class Configuration:
     write_policy: str = "write_through"
     quick: bool = False
     """Whether --quick runs it too: one configuration of each kind keeps it short."""
+    promotion: str = "always"
+
+    @property
+    def label(self) -> str:
+        """A short name for command lines: the kind, and a tiered one's settings."""
+        if self.kind != "tiered":
+            return self.kind
+        label = f"tiered-{self.eviction}-{self.write_policy.replace('_', '-')}"
+        if self.promotion != "always":
+            label += f"-promotion-{self.promotion}"
+        if self.save_threshold != 1:
+            label += f"-threshold-{self.save_threshold}"
+        return label
 
 
 def tiered(
-    eviction: str, write_policy: str, save_threshold: int = 1, quick: bool = False
+    eviction: str,
+    write_policy: str,
+    save_threshold: int = 1,
+    quick: bool = False,
+    promotion: str = "always",
 ) -> Configuration:
     label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
+    if promotion != "always":
+        label += f", promotion {promotion}"
     return Configuration(
         f"tiered: {label}, save_threshold {save_threshold}",
         "tiered",
@@ -187,6 +206,7 @@ def tiered(
         save_threshold,
         write_policy,
         quick,
+        promotion,
     )
 
 
@@ -205,6 +225,8 @@ CONFIGURATIONS = (
     # The tiered-disk profile's policies.
     tiered("kvfifo", "spill", quick=True),
     tiered("kvfifo", "write_through"),
+    # Tier hits read straight into the cache: the pool keeps only the blocks saved.
+    tiered("kvfifo", "spill", promotion="never"),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),
@@ -431,6 +453,7 @@ def transfer_config(
                     "eviction": config.eviction,
                     "save_threshold": config.save_threshold,
                     "write_policy": config.write_policy,
+                    "promotion": config.promotion,
                     "tiers": [{"medium": "directory", **disk}],
                 },
             }
@@ -545,6 +568,7 @@ class Bench:
                 eviction=config.eviction,
                 save_threshold=config.save_threshold,
                 write_policy=config.write_policy,
+                promotion=config.promotion,
             )
         served = False
         try:

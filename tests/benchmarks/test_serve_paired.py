@@ -35,14 +35,32 @@ def test_each_kind_is_the_serve_tiers_configuration_its_quick_run_serves() -> No
 
     assert tiered.quick and tiered.kind == "tiered"
     assert tiered in serve_tiers.CONFIGURATIONS
-    with pytest.raises(ValueError, match="kind 'disk' is not one of"):
+    with pytest.raises(ValueError, match="'disk' is not a kind nor a configuration's label"):
         serve_paired.configuration("disk")
+
+
+def test_a_configuration_is_named_by_its_label_with_its_settings() -> None:
+    direct = serve_paired.configuration("tiered-kvfifo-spill-promotion-never")
+
+    assert (direct.kind, direct.eviction, direct.write_policy, direct.promotion) == (
+        "tiered",
+        "kvfifo",
+        "spill",
+        "never",
+    )
+    assert serve_paired.configuration("tiered-kvfifo-spill") == serve_paired.configuration("tiered")
+    # The best row is picked in a serve-tiers run; a pass has none to pick from.
+    assert not any("best" in name for name in serve_paired.PAIRED_NAMES)
+    options = serve_tiers.transfer_config(direct, pathlib.Path("/s"), 64)
+    assert options is not None
+    tiered_options = options["kv_connector_extra_config"]["kvwire"]["kv_transfer_config"]
+    assert tiered_options["kv_connector_extra_config"]["promotion"] == "never"
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["tiered", "disk"], "argument KIND: invalid choice: 'disk'"),
+        (["tiered", "disk"], "argument CONFIGURATION: invalid choice: 'disk'"),
         (["tiered"], "the following arguments are required"),
         (["tiered", "none", "--passes", "0"], "argument --passes: expected a whole number"),
     ],

@@ -124,6 +124,28 @@ def test_write_through_writes_every_block_saved_and_eviction_spills_none(
     assert stats["tier1.promoted_blocks"] > 0
 
 
+@pytest.mark.parametrize("write_policy", ["spill", "write_through"])
+def test_without_promotion_tier_blocks_are_read_into_the_cache_and_the_pool_keeps_its_own(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]], write_policy: str
+) -> None:
+    config = tiered(tmp_path, pool_blocks=12, write_policy=write_policy, promotion="never")
+    passes, stats = three_passes(config)
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    assert served(passes[1]) > 0
+    # Every block the tier gave went straight into the cache: none into the pool.
+    assert stats["tier1.blocks_loaded"] == stats["tier1.direct_blocks"] > 0
+    assert "tier1.promoted_blocks" not in stats
+    assert stats.get("load_errors", 0) == 0
+    # The pool still serves the blocks it saved and kept (every block loaded
+    # into the cache counts in blocks_loaded, the tier's too).
+    assert stats["blocks_loaded"] > stats["tier1.blocks_loaded"]
+    promoted = three_passes(tiered(tmp_path / "p", pool_blocks=12, write_policy=write_policy))[1]
+    # A block the pool does not take in is not lost: the tier still holds it.
+    assert stats["lookup_hit_blocks"] >= promoted["lookup_hit_blocks"]
+    assert stats["evicted_blocks"] < promoted["evicted_blocks"]
+
+
 def cold_pass_counts(config: EngineConfig) -> dict[str, Any]:
     with LLMEngine(config) as engine:
         engine.generate(workload())
@@ -152,14 +174,15 @@ class FailEveryLoad(FaultInjectingMedium):
     inner = DirectoryMedium
 
 
+@pytest.mark.parametrize("promotion", ["always", "never"])
 def test_a_tier_whose_loads_fail_costs_hits_never_outputs(
-    tmp_path: pathlib.Path, reference: list[tuple[int, ...]]
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]], promotion: str
 ) -> None:
     faulty = {
         "medium": f"{FailEveryLoad.__module__}:FailEveryLoad",
         "shared_storage_path": str(tmp_path),
     }
-    config = tiered(tmp_path, pool_blocks=12, write_policy="spill")
+    config = tiered(tmp_path, pool_blocks=12, write_policy="spill", promotion=promotion)
     assert config.kv_transfer_config is not None
     extra = {**config.kv_transfer_config.kv_connector_extra_config, "tiers": [faulty]}
     config = attrs.evolve(

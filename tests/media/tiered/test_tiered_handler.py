@@ -473,3 +473,83 @@ def test_a_promotion_that_waits_for_its_slots_spill_counts_the_wait(caches):
 def test_spill_buffers_are_a_number_of_entries(caches):
     with pytest.raises(ValueError, match="spill_buffers is a number of entries, >= 0; got -1"):
         handler_over(caches, write_through=False, spill_buffers=-1)
+
+
+def direct_handler(
+    caches: dict[str, torch.Tensor], *, pool_timeout_s: float, direct_timeout_s: float
+) -> tuple[TieredTransferHandler, RecordingTier, Counters]:
+    """A handler whose tier's blocks are read straight into `caches`; that tier's reads."""
+    counters = Counters()
+    options = {"transfer_timeout_s": direct_timeout_s}
+    handler = TieredTransferHandler(
+        layouts=(attrs.evolve(LAYOUT, payload_checksum=False),),
+        caches=group_caches(caches, LAYOUT, (GROUP,)),
+        num_slots=2,
+        io_threads=1,
+        counters=counters,
+        transfer_timeout_s=pool_timeout_s,
+        tiers=[RecordingMedium(MediumContext("T", {}, (GROUP,), LAYOUT))],
+        groups=(GROUP,),
+        write_through=False,
+        direct=([RecordingMedium(MediumContext("T", options, (GROUP,), LAYOUT))], caches),
+    )
+    direct = RecordingMedium.built  # the last built: over the engine's cache
+    assert direct is not None
+    return handler, direct, counters
+
+
+def read_direct(handler: TieredTransferHandler, job_id: int, *places: Place) -> None:
+    """A load into cache blocks 5, 6, ...: block 1 from pool slot 0, or blocks 3, 4, ... direct."""
+    direct = iter(HASHES[3:])
+    hashes = [HASHES[1] if place is Place.POOL else next(direct) for place in places]
+    spans = tuple(
+        TierSpan(1, position, position + 1, direct=True)
+        for position, place in enumerate(places)
+        if place is Place.DIRECT
+    )
+    load = BlockTransfer(
+        request_id=f"r{job_id}",
+        block_ids=tuple(range(5, 5 + len(places))),
+        block_hashes=tuple(hashes),
+        slots=tuple(0 if place is Place.POOL else 3 for place in places),
+        payload=TieredLoad(LoadTicket(0), places, spans),
+    )
+    handler.submit(TransferJob(job_id, TransferKind.LOAD, (load,)))
+
+
+def test_a_direct_span_is_read_into_the_cache_by_the_tier_never_through_the_pool(caches):
+    handler, direct, counters = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
+    try:
+        save(handler, 0, block=1, slot=0)
+        assert handler.wait([0], time.monotonic() + 10)
+        direct.held[HASHES[3]] = [block.clone() for block in block_of(caches, 3)]
+        read_direct(handler, 7, Place.POOL, Place.DIRECT, Place.DIRECT)  # HASHES[4]: nowhere
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = [r for r in handler.poll() if r.job_id == 7]
+        assert result.failed == frozenset({7})
+        assert same(block_of(caches, 5), block_of(caches, 1))
+        assert same(block_of(caches, 6), block_of(caches, 3))
+        # The tier read into cache blocks; nothing was read into a pool slot.
+        reads = [job.transfers[0].block_ids for job in direct._jobs.values()]
+        assert reads == [(6,), (7,)]
+        assert "direct_reads_too_late" not in counters.take()
+    finally:
+        handler.close()
+
+
+def test_a_direct_read_that_could_outlive_its_load_is_never_started(caches):
+    # The tier's deadline is as long as the pool's: its read could still write the
+    # cache after the load gave up on its blocks, so the block fails unread.
+    handler, direct, counters = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=10)
+    try:
+        direct.held[HASHES[3]] = [block.clone() for block in block_of(caches, 3)]
+        before = [block.clone() for block in block_of(caches, 5)]
+        read_direct(handler, 7, Place.DIRECT)
+        assert handler.wait([7], time.monotonic() + 10)
+        (result,) = [r for r in handler.poll() if r.job_id == 7]
+        assert result.failed == frozenset({5})
+        assert direct._jobs == {}
+        assert same(block_of(caches, 5), before)
+        assert counters.take()["direct_reads_too_late"] == 1
+    finally:
+        handler.close()

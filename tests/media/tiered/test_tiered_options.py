@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import io
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from kvwire.cli import check_profile
-from kvwire.config.extra_config import ResolvedMedium, plugin_classes
+from kvwire.config.extra_config import ExtraConfigKey, ResolvedMedium, plugin_classes
+from kvwire.interface.counters import Counters
+from kvwire.media.base import Medium, MediumIndex, TransferHandler
 from kvwire.media.store.directory.medium import DirectoryMedium
 from kvwire.media.tiered.medium import TieredMedium
 from kvwire.registry import default_registry
@@ -134,3 +138,49 @@ def test_a_long_medium_path_is_shown_bounded_in_every_message(tmp_path: pathlib.
     status, text = check(tmp_path, {"tiers": [{"medium": path, "fsink": True}]})
     assert status == 1
     assert f"tiers[0] ({path})" in text
+
+
+def test_promotion_is_always_or_never(tmp_path: pathlib.Path) -> None:
+    tiers = [{"medium": "directory", "shared_storage_path": str(tmp_path / "s")}]
+    for promotion in ("always", "never"):
+        status, text = check(tmp_path, {"tiers": tiers, "promotion": promotion})
+        assert status == 0, text
+    status, text = check(tmp_path, {"tiers": tiers, "promotion": "sometimes"})
+    assert status == 1
+    assert (
+        "kv_connector_extra_config.promotion: 'sometimes' is not accepted by "
+        "TieredOffloadConnector; expected 'always' or 'never'" in text
+    )
+
+
+class NoDeadlineMedium(Medium):
+    """A medium found by key with no transfer_timeout_s of its own."""
+
+    @classmethod
+    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
+        return ()
+
+    def build_index(self) -> MediumIndex:
+        raise NotImplementedError
+
+    def build_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
+    ) -> TransferHandler:
+        raise NotImplementedError
+
+
+def test_reading_tier_blocks_straight_into_the_cache_needs_a_tier_deadline(
+    tmp_path: pathlib.Path,
+) -> None:
+    tiers = [
+        {"medium": "directory", "shared_storage_path": str(tmp_path / "s")},
+        {"medium": f"{NoDeadlineMedium.__module__}:NoDeadlineMedium"},
+    ]
+    status, text = check(tmp_path, {"tiers": tiers, "promotion": "always"})
+    assert status == 0, text
+    status, text = check(tmp_path, {"tiers": tiers, "promotion": "never"})
+    assert status == 1
+    assert (
+        "kv_connector_extra_config.tiers[1].medium: 'tests.media.tiered.test_tiered_options:"
+        "NoDeadlineMedium' has no transfer_timeout_s, which promotion: never needs" in text
+    )

@@ -123,6 +123,7 @@ class CPUPoolMedium(Medium):
 
         context = self.context
         handler = self.pool_handler(
+            kv_caches,
             # Memory this process allocated and only kvwire writes: the
             # headers name each slot's block, a payload checksum would buy nothing.
             layouts=tuple(
@@ -144,14 +145,19 @@ class CPUPoolMedium(Medium):
         )
         return handler
 
-    def pool_handler(self, **arguments: Any) -> TransferHandler:
+    def pool_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], **arguments: Any
+    ) -> TransferHandler:
         """The worker half over the pool, from `build_handler`'s checked arguments.
 
         A medium built on the pool (the tiered medium) returns its own handler
-        here, one holding a pool handler built from these arguments.
+        here, one holding a pool handler built from these arguments;
+        `kv_caches` are the engine's caches as `build_handler` was given them,
+        which the pool's own handler takes grouped (`caches`).
         """
         from kvwire.media.cpu_pool.handler import CPUPoolTransferHandler
 
+        del kv_caches  # the pool's handler reads them through `caches`
         return CPUPoolTransferHandler(**arguments)
 
 

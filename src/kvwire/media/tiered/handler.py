@@ -18,6 +18,12 @@ tracks which pool slots each tier job uses until the tier reports it ended.
   do the I/O), one tier job per `TierSpan` with the tier's own payload, their
   pool headers written once the tier verified them, then copied into the
   cache with the pool's blocks; a block the tier fails is a load error;
+- a span read straight into the cache (`TierSpan.direct`: the medium does
+  not promote) is a job of the tier's second handler, built over the
+  engine's cache with a deadline at most half the pool's; it is submitted
+  only while that deadline falls before the load's own, and waited for until
+  it ended, so it writes nothing into the cache once the load gave up on
+  its blocks (a span too late for that is a load error, read from nowhere);
 - a load of a block another load brings in (`Place.ARRIVING`: the scheduler
   half gave both the same slot) waits until that load's read of the slot
   ended, at most until its own deadline, then copies the slot as a pool
@@ -134,8 +140,12 @@ class _Tier:
         """Whether a load of this tier still writes one of `slots`."""
         return bool(self.jobs.jobs_moving(slots, TransferKind.LOAD))
 
-    def load(self, transfer: BlockTransfer, until: float) -> set[int]:
-        """Read `transfer`'s blocks into their slots (its block ids); the slots that failed."""
+    def load(self, transfer: BlockTransfer, until: float | None) -> set[int]:
+        """Read `transfer`'s blocks into their slots (its block ids); the slots that failed.
+
+        Without `until`, it returns once the job ended or was given up on at
+        the tier's own deadline.
+        """
         piece = self.submit(TransferKind.LOAD, transfer)
         if not self.jobs.wait([piece.job_id], until) or not piece.ended:
             # Still running: it may yet write the slots, which stay in use
@@ -150,6 +160,10 @@ class TieredTransferHandler(TransferHandler):
     The pool's arguments (`layouts` to `transfer_timeout_s`) are
     `CPUPoolTransferHandler`'s; `spill_buffers` entries more are allocated
     after the pool's `num_slots` for the spills of promotions' slots.
+    `direct`: each tier's medium again (one per tier, in order) and the
+    engine's caches, when the tiers' blocks are read straight into the cache
+    (`TierSpan.direct`); the media's `transfer_timeout_s` is at most half the
+    pool's.
     """
 
     def __init__(
@@ -165,6 +179,7 @@ class TieredTransferHandler(TransferHandler):
         groups: Sequence[CacheGroup],
         write_through: bool,
         spill_buffers: int = 0,
+        direct: tuple[Sequence[Medium], Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         if spill_buffers < 0:
             raise ValueError(f"spill_buffers is a number of entries, >= 0; got {spill_buffers}")
@@ -196,6 +211,9 @@ class TieredTransferHandler(TransferHandler):
         pool_caches = pool_layer_views(self._slots.payloads, self._layouts[0].cache_layout, groups)
         warn = RateLimitedWarning(logger)
         self._tiers: list[_Tier] = []
+        # Each tier's handler over the engine's cache, for direct spans (else none).
+        self._direct: list[_Tier] = []
+        self._direct_timeout_s = 0.0
         try:
             for number, medium in enumerate(tiers, 1):
                 tier_counters = Counters()
@@ -209,8 +227,23 @@ class TieredTransferHandler(TransferHandler):
                         transfer_timeout_s=transfer_timeout_s,
                     )
                 )
+            if direct is not None:
+                media, kv_caches = direct
+                for tier, medium in zip(self._tiers, media, strict=True):
+                    timeout_s = float(medium.context.options["transfer_timeout_s"])
+                    self._direct_timeout_s = max(self._direct_timeout_s, timeout_s)
+                    handler = medium.build_handler(kv_caches, tier.counters)
+                    self._direct.append(
+                        _Tier(
+                            tier.number,
+                            handler,
+                            tier.counters,
+                            warn=warn,
+                            transfer_timeout_s=timeout_s,
+                        )
+                    )
         except BaseException:
-            for tier in self._tiers:
+            for tier in (*self._tiers, *self._direct):
                 tier.handler.close()
             self._pool.close()
             raise
@@ -269,7 +302,7 @@ class TieredTransferHandler(TransferHandler):
                     "written_through_blocks",
                     request_id=transfer.request_id,
                 )
-        for tier in self._tiers:
+        for tier in (*self._tiers, *self._direct):
             tier.jobs.poll()
         return results
 
@@ -437,6 +470,9 @@ class TieredTransferHandler(TransferHandler):
             for span in payload.spans:
                 if job.abandoned:
                     return None
+                if span.direct:
+                    failed += self._read_direct(self._direct[span.tier - 1], transfer, span, job)
+                    continue
                 tier = self._tiers[span.tier - 1]
                 brought = self._bring_in(tier, transfer, span, job.deadline)
                 from_pool += brought
@@ -448,6 +484,31 @@ class TieredTransferHandler(TransferHandler):
         self._wait_for_arrivals([transfer.slots[p] for p in arriving], job.deadline)
         self._counters.add("promotion_seconds", time.perf_counter() - started)
         return _positions_of(transfer, sorted(from_pool + arriving)), failed
+
+    def _read_direct(
+        self, tier: _Tier, transfer: BlockTransfer, span: TierSpan, job: JobPiece
+    ) -> list[int]:
+        """Read the span's blocks from `tier` straight into their cache blocks; the ids that failed.
+
+        Only while the tier's deadline falls before the load's: the wait
+        returns once the tier's job ended or was given up on (it then writes
+        nothing more), before the load itself is given up on.
+        """
+        block_ids = transfer.block_ids[span.start : span.stop]
+        if time.monotonic() + self._direct_timeout_s >= job.deadline:
+            self._counters.add("direct_reads_too_late", len(block_ids))
+            return list(block_ids)
+        failed = tier.load(
+            BlockTransfer(
+                request_id=transfer.request_id,
+                group=transfer.group,
+                block_ids=block_ids,
+                block_hashes=transfer.block_hashes[span.start : span.stop],
+                payload=span.payload,
+            ),
+            None,
+        )
+        return [block_id for block_id in block_ids if block_id in failed]
 
     def _bring_in(
         self, tier: _Tier, transfer: BlockTransfer, span: TierSpan, deadline: float
@@ -489,7 +550,7 @@ class TieredTransferHandler(TransferHandler):
 
     def take_events(self) -> list[KVCacheEvent]:
         events = self._pool.take_events()
-        for tier in self._tiers:
+        for tier in (*self._tiers, *self._direct):
             events += tier.handler.take_events()
         return events
 
@@ -497,11 +558,17 @@ class TieredTransferHandler(TransferHandler):
         counters = dict(self._pool.take_counters())
         for tier in self._tiers:
             prefix = tier_prefix(tier.number)
-            counts = {**tier.counters.take(), **tier.handler.take_counters()}
-            for name, amount in counts.items():
-                if amount:
-                    counters[prefix + name] = counters.get(prefix + name, 0) + amount
+            self._add_counts(counters, prefix, tier.counters.take())
+            self._add_counts(counters, prefix, tier.handler.take_counters())
+        for tier in self._direct:
+            self._add_counts(counters, tier_prefix(tier.number), tier.handler.take_counters())
         return counters
+
+    @staticmethod
+    def _add_counts(counters: dict[str, float], prefix: str, counts: Mapping[str, float]) -> None:
+        for name, amount in counts.items():
+            if amount:
+                counters[prefix + name] = counters.get(prefix + name, 0) + amount
 
     def close(self, timeout_s: float = 30.0) -> None:
         """The pool's jobs end first (they may wait for the tiers), then each tier closes."""
@@ -510,6 +577,10 @@ class TieredTransferHandler(TransferHandler):
             ("closing the pool", lambda: self._pool.close(timeout_s)),
         ]
         steps += [(f"closing tier {tier.number}", tier.handler.close) for tier in self._tiers]
+        steps += [
+            (f"closing tier {tier.number}'s reads into the cache", tier.handler.close)
+            for tier in self._direct
+        ]
         close_in_steps(logger, "tiered offload: ", steps)
 
 

@@ -15,11 +15,14 @@ shared with it (`CPUPoolIndex.join_promotion`: a lookup made before that
 load was prepared counted it, as `async_lookup` does); a block found in a
 tier gets a pool slot, pinned and not ready (`CPUPoolIndex.start_promotion`):
 the worker reads it from its tier into that slot, then copies the slots
-into the cache. A block that left the pool between the lookup and the load,
-or found no free slot to be brought into, is `Place.MISSING`: a load error,
+into the cache. An index that does not promote (`promotes=False`) gives a
+block found in a tier no slot (`Place.DIRECT`): the worker reads it from
+its tier straight into the cache, and the pool never holds it. A block that
+left the pool between the lookup and the load, or found no free slot to be
+brought into, is `Place.MISSING`: a load error,
 which the engine computes again (counted in `load_blocks_missing`). A lookup
 counts no more blocks from the tiers than the pool has slots to bring them
-into, so that this stays rare.
+into (when it promotes), so that this stays rare.
 
 The load's payload (`TieredLoad`) tells the worker half where each block is,
 and which spans of blocks each tier reads (with that tier's own payload);
@@ -94,6 +97,8 @@ class Place(enum.Enum):
     """Being brought into its slot by another load: copied once that read ended."""
     TIER = enum.auto()
     """In a secondary tier: read into its slot by this load (see `TierSpan`), then copied."""
+    DIRECT = enum.auto()
+    """In a secondary tier: read by this load straight into the cache (see `TierSpan`)."""
     MISSING = enum.auto()
     """Nowhere a load can read it from any more: the worker fails it, reading nothing."""
 
@@ -107,13 +112,17 @@ class LoadTicket:
 
 @attrs.frozen
 class TierSpan:
-    """Blocks `start:stop` of a load, read from secondary tier `tier` into their pool slots."""
+    """Blocks `start:stop` of a load, read from secondary tier `tier` into their pool slots.
+
+    `direct`: read into the load's cache blocks instead (`Place.DIRECT`).
+    """
 
     tier: int
     start: int
     stop: int
     payload: TransferPayload | None = None
     """The tier's own payload for these blocks (its index's `LoadSpec.payload`)."""
+    direct: bool = False
 
     def part(self, start: int, stop: int) -> TierSpan | None:
         """This span's blocks within the load's blocks `start:stop`, counted from `start`."""
@@ -123,7 +132,7 @@ class TierSpan:
         payload = self.payload
         if payload is not None:
             payload = payload.part(first - self.start, last - self.start)
-        return TierSpan(self.tier, first - start, last - start, payload)
+        return TierSpan(self.tier, first - start, last - start, payload, self.direct)
 
 
 @attrs.frozen
@@ -195,7 +204,9 @@ class TieredIndex(MediumIndex):
     the tiers (else only those the pool evicts that no tier holds).
     `spill_buffers`: the entries of the pool's memory after its slots, which
     the worker spills through; a missing block's slot is past them too, so
-    that no entry of the memory stands for it.
+    that no entry of the memory stands for it. `promotes`: whether a block
+    found in a tier is brought into the pool (else read straight into the
+    cache, `Place.DIRECT`).
     """
 
     concurrent_lookups: ClassVar[bool] = True
@@ -211,6 +222,7 @@ class TieredIndex(MediumIndex):
         policy: EvictionPolicy | None = None,
         admission: SaveAdmission | None = None,
         spill_buffers: int = 0,
+        promotes: bool = True,
     ) -> None:
         if not tiers:
             raise ValueError("TieredIndex: expected at least one secondary tier's index")
@@ -227,6 +239,7 @@ class TieredIndex(MediumIndex):
         self._missing_slot = num_slots + spill_buffers
         self._tiers = tuple(tiers)
         self._write_through = write_through
+        self._promotes = promotes
         self._scheduler_thread = threading.get_ident()
         self._warn = RateLimitedWarning(logger)
         self._tickets = itertools.count()
@@ -271,6 +284,8 @@ class TieredIndex(MediumIndex):
         # nor this load's own (a block promised and then given no slot would be a
         # load error, which costs vLLM a rescheduled request).
         budget = max(0, pool.num_slots - pool.busy_slots - held)
+        if not self._promotes:
+            budget = len(block_hashes)  # blocks read straight into the cache take no slot
         on_scheduler_thread = threading.get_ident() == self._scheduler_thread
         while budget and held < len(block_hashes):
             end = min(len(block_hashes), held + budget)
@@ -397,8 +412,10 @@ class TieredIndex(MediumIndex):
                         plan.slots.append(slot)
                         plan.tiers.append(number)
                         plan.places.append(Place.ARRIVING)
-            elif place is Place.TIER:
+            elif place is Place.TIER and self._promotes:
                 self._bring_in(number, group, span, plan)
+            elif place is Place.TIER:
+                self._read_direct(number, group, span, plan)
             else:
                 for _ in span:
                     self._missing(plan)
@@ -457,6 +474,23 @@ class TieredIndex(MediumIndex):
                 plan.spans.append(TierSpan(number, first + run_start, first + run_stop, payload))
                 run_start = None
 
+    def _read_direct(self, number: int, group: int, span: Sequence[BlockHash], plan: _Plan) -> None:
+        """`span`, found in tier `number`, read straight into the cache: one direct `TierSpan`.
+
+        Its blocks take no pool slot; each gets the missing block's, never read.
+        """
+        spec = self._prepare_tier_load(number, group, span)
+        if spec is None:
+            for _ in span:
+                self._missing(plan)
+            return
+        first = len(plan.places)
+        plan.slots += [self._missing_slot] * len(span)
+        plan.tiers += [None] * len(span)
+        plan.places += [Place.DIRECT] * len(span)
+        plan.spans.append(TierSpan(number, first, first + len(span), spec.payload, direct=True))
+        self._count_many({tier_prefix(number) + "direct_blocks": len(span)})
+
     def _missing(self, plan: _Plan) -> None:
         """A block of the load no tier can give: a slot past the pool's memory, never read."""
         plan.slots.append(self._missing_slot)
@@ -511,17 +545,18 @@ class TieredIndex(MediumIndex):
         self.pool.complete_load(group, in_pool, [h for h in in_pool if h in bad])
         for number, tier in enumerate(self._tiers, 1):
             positions = [i for i, where in enumerate(tiers) if where == number]
-            if not positions:
-                continue
             arriving = [block_hashes[i] for i in positions]
-            ready = self.pool.finish_promotion(group, arriving, [h for h in arriving if h in bad])
-            if ready:
-                self._count_many({tier_prefix(number) + "promoted_blocks": len(ready)})
+            if arriving:
+                bad_arriving = [h for h in arriving if h in bad]
+                ready = self.pool.finish_promotion(group, arriving, bad_arriving)
+                if ready:
+                    self._count_many({tier_prefix(number) + "promoted_blocks": len(ready)})
             for block_hash in arriving:
                 if not self.pool.arriving(group, block_hash):
                     self._arriving_from.pop((group, block_hash), None)
-            # Only the blocks this load read from the tier (not those it shared); the
-            # tier's handler judged its own entries as it read them.
+            # Only the blocks this load read from the tier (brought in or read
+            # straight into the cache; not those it shared); the tier's handler
+            # judged its own entries as it read them.
             for span in payload.spans:
                 if span.tier == number:
                     brought = block_hashes[span.start : span.stop]

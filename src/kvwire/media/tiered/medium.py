@@ -10,6 +10,11 @@ plug-in store, ...), reach the engine only through the pool:
   after those the tier before it holds;
 - a block found in a secondary tier is brought into a pool slot first
   (promotion: its next reuse is a memory copy), then copied into the cache;
+  with `promotion: never`, it is read from its tier straight into the
+  cache, as that tier alone would read it, and the pool holds only the
+  blocks this engine saved: where the tier is as fast as memory (a disk
+  whose entries are in the page cache), a promotion's read, its second
+  copy and the spill of the block it evicts buy nothing;
 - a secondary tier is written from the pool's memory, never by a second
   read of the engine's cache, as `write_policy` says: `write_through`
   writes each block once its pool save is made (the other engines sharing
@@ -32,6 +37,11 @@ plug-in store, ...), reach the engine only through the pool:
 `kvwire.media.cpu_pool.medium`), and
 
 - `write_policy` (default `"write_through"`): `write_through` or `spill`;
+- `promotion` (default `"always"`): `always` brings each block found in a
+  secondary tier into the pool; `never` reads it straight into the cache,
+  through a second handler of that tier built over the engine's cache, whose
+  `transfer_timeout_s` is at most half the pool's (`DIRECT_TIMEOUT_SHARE`)
+  so that it gives up on a read before the load that waits for it does;
 - `tiers` (required): a list of secondary tiers, first looked up first,
   each a mapping of `medium` (a registered medium's name other than
   `tiered`, found by key: not `cpu_pool` nor `peer`) and that medium's own keys:
@@ -65,7 +75,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -79,12 +89,27 @@ from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandle
 from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
 from kvwire.media.tiered.index import TieredIndex
 
-__all__ = ["MAX_SPILL_BUFFERS", "SPILL_BUFFER_SHARE", "WRITE_POLICIES", "TieredMedium"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DIRECT_TIMEOUT_SHARE",
+    "MAX_SPILL_BUFFERS",
+    "PROMOTIONS",
+    "SPILL_BUFFER_SHARE",
+    "WRITE_POLICIES",
+    "TieredMedium",
+]
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "spill")
 """How blocks reach the secondary tiers (see the module)."""
+PROMOTIONS = ("always", "never")
+"""Whether a block found in a secondary tier is brought into the pool (see the module)."""
+DIRECT_TIMEOUT_SHARE = 0.5
+"""A tier's reads straight into the cache get at most this share of the pool's
+`transfer_timeout_s`: none starts unless it would be given up on before its load is."""
 SPILL_BUFFER_SHARE = 16
 """With `spill`, one entry of the pool's memory in this many is a spill buffer."""
 MAX_SPILL_BUFFERS = 64
@@ -104,10 +129,13 @@ class TieredMedium(CPUPoolMedium):
                 "tier's medium, resolved); build the medium through kvwire's container, or pass "
                 "plugins=kvwire.config.extra_config.plugin_classes(keys, options, registry)"
             )
+        self._resolved_tiers = resolved
         self.tiers: tuple[Medium, ...] = tuple(
             _tier_medium(context, number, tier) for number, tier in enumerate(resolved, 1)
         )
         """The secondary tiers' media, first looked up first."""
+        if not self.promotes:
+            _check_direct_reads(resolved)
         self.spill_buffers = 0 if self.write_through else spill_buffer_count(self.num_slots)
         """The entries of `cpu_pool_bytes` kept as spill buffers, out of the pool's slots."""
         self.num_slots -= self.spill_buffers
@@ -122,6 +150,12 @@ class TieredMedium(CPUPoolMedium):
                 "write_through",
                 lambda value: value if value in WRITE_POLICIES else None,
                 " or ".join(repr(policy) for policy in WRITE_POLICIES),
+            ),
+            ExtraConfigKey(
+                "promotion",
+                "always",
+                lambda value: value if value in PROMOTIONS else None,
+                " or ".join(repr(promotion) for promotion in PROMOTIONS),
             ),
             ExtraConfigKey(
                 "tiers",
@@ -141,6 +175,11 @@ class TieredMedium(CPUPoolMedium):
                 "secondary tiers, each a mapping with 'medium' and that medium's keys"
             )
         return options
+
+    @property
+    def promotes(self) -> bool:
+        """Whether a block found in a secondary tier is brought into the pool (else read direct)."""
+        return bool(self.context.options["promotion"] == "always")
 
     @classmethod
     def check_plugins(cls, plugins: Mapping[str, Any]) -> None:
@@ -182,9 +221,12 @@ class TieredMedium(CPUPoolMedium):
             policy=eviction_policy(self.context, self.num_slots),
             admission=save_admission(options["save_threshold"], self.num_slots),
             spill_buffers=self.spill_buffers,
+            promotes=self.promotes,
         )
 
-    def pool_handler(self, **arguments: Any) -> TransferHandler:
+    def pool_handler(
+        self, kv_caches: Mapping[str, torch.Tensor], **arguments: Any
+    ) -> TransferHandler:
         # Imported here: it needs torch, which the scheduler half never imports.
         from kvwire.media.tiered.handler import TieredTransferHandler
 
@@ -200,7 +242,36 @@ class TieredMedium(CPUPoolMedium):
             groups=self.context.groups,
             write_through=self.write_through,
             spill_buffers=self.spill_buffers,
+            direct=None if self.promotes else (self._direct_media(), kv_caches),
         )
+
+    def _direct_media(self) -> tuple[Medium, ...]:
+        """Each tier's medium again, for reads straight into the cache (`promotion: never`).
+
+        Its `transfer_timeout_s` is at most `DIRECT_TIMEOUT_SHARE` of the
+        pool's: the pool's load gives up on a block at its own deadline, so a
+        read into the engine's cache must have been given up on before then.
+        """
+        timeout_s = DIRECT_TIMEOUT_SHARE * self.context.options["transfer_timeout_s"]
+        media = []
+        for number, tier in enumerate(self._resolved_tiers, 1):
+            assert isinstance(tier, ResolvedMedium)  # as __init__ checked
+            own = tier.options["transfer_timeout_s"]
+            options = {**tier.options, "transfer_timeout_s": min(own, timeout_s)}
+            media.append(_tier_medium(self.context, number, attrs.evolve(tier, options=options)))
+        return tuple(media)
+
+
+def _check_direct_reads(tiers: tuple[object, ...]) -> None:
+    """Every tier has a `transfer_timeout_s` that `promotion: never` can shorten."""
+    for position, tier in enumerate(tiers):
+        if isinstance(tier, ResolvedMedium) and "transfer_timeout_s" not in tier.options:
+            raise ExtraConfigError(
+                f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} has no "
+                "transfer_timeout_s, which promotion: never needs, to give up on a read into "
+                "the cache before its load does; expected a store medium (directory, redis, "
+                "...), or promotion: always"
+            )
 
 
 def spill_buffer_count(entries: int) -> int:
