@@ -175,6 +175,7 @@ class Configuration:
     quick: bool = False
     """Whether --quick runs it too: one configuration of each kind keeps it short."""
     promotion: str = "always"
+    write_around: bool = False
 
     @property
     def label(self) -> str:
@@ -186,6 +187,8 @@ class Configuration:
             label += f"-promotion-{self.promotion}"
         if self.save_threshold != 1:
             label += f"-threshold-{self.save_threshold}"
+        if self.write_around:
+            label += "-write-around"
         return label
 
 
@@ -195,10 +198,13 @@ def tiered(
     save_threshold: int = 1,
     quick: bool = False,
     promotion: str = "always",
+    write_around: bool = False,
 ) -> Configuration:
     label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
     if promotion != "always":
         label += f", promotion {promotion}"
+    if write_around:
+        label += ", write_around"
     return Configuration(
         f"tiered: {label}, save_threshold {save_threshold}",
         "tiered",
@@ -207,6 +213,7 @@ def tiered(
         write_policy,
         quick,
         promotion,
+        write_around,
     )
 
 
@@ -227,6 +234,8 @@ CONFIGURATIONS = (
     tiered("kvfifo", "write_through"),
     # Tier hits read straight into the cache: the pool keeps only the blocks saved.
     tiered("kvfifo", "spill", promotion="never"),
+    # The blocks seen once go to the disk alone: the pool copies only those seen again.
+    tiered("kvfifo", "spill", save_threshold=2, write_around=True),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),
@@ -454,6 +463,7 @@ def transfer_config(
                     "save_threshold": config.save_threshold,
                     "write_policy": config.write_policy,
                     "promotion": config.promotion,
+                    "write_around": config.write_around,
                     "tiers": [{"medium": "directory", **disk}],
                 },
             }
@@ -569,6 +579,7 @@ class Bench:
                 save_threshold=config.save_threshold,
                 write_policy=config.write_policy,
                 promotion=config.promotion,
+                write_around=config.write_around,
             )
         served = False
         try:

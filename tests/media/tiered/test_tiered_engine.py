@@ -146,6 +146,28 @@ def test_without_promotion_tier_blocks_are_read_into_the_cache_and_the_pool_keep
     assert stats["evicted_blocks"] < promoted["evicted_blocks"]
 
 
+@pytest.mark.parametrize("write_policy", ["spill", "write_through"])
+def test_write_around_sends_the_blocks_the_pool_refuses_to_the_tier_from_the_cache(
+    tmp_path: pathlib.Path, reference: list[tuple[int, ...]], write_policy: str
+) -> None:
+    def run(name: str, **extra: Any) -> tuple[list[list[RequestOutput]], dict[str, Any]]:
+        config = tiered(
+            tmp_path / name, pool_blocks=24, write_policy=write_policy, save_threshold=2, **extra
+        )
+        return three_passes(config)
+
+    passes, stats = run("around", write_around=True)
+    _, refused = run("dropped")
+    for outputs in passes:
+        assert tokens(outputs) == reference
+    # The blocks the pool refused on first sight reached the tier, and came back from it.
+    assert stats["tier1.written_around_blocks"] > 0
+    assert stats["saves_not_admitted"] == refused["saves_not_admitted"] > 0
+    assert stats["tier1.blocks_saved"] > refused.get("tier1.blocks_saved", 0)
+    assert stats["lookup_hit_blocks"] > refused["lookup_hit_blocks"]
+    assert stats.get("load_errors", 0) == 0
+
+
 def cold_pass_counts(config: EngineConfig) -> dict[str, Any]:
     with LLMEngine(config) as engine:
         engine.generate(workload())

@@ -178,9 +178,11 @@ def test_reading_tier_blocks_straight_into_the_cache_needs_a_tier_deadline(
     ]
     status, text = check(tmp_path, {"tiers": tiers, "promotion": "always"})
     assert status == 0, text
-    status, text = check(tmp_path, {"tiers": tiers, "promotion": "never"})
-    assert status == 1
+    for extra in ({"promotion": "never"}, {"write_around": True}):
+        status, text = check(tmp_path, {"tiers": tiers, **extra})
+        assert status == 1
     assert (
         "kv_connector_extra_config.tiers[1].medium: 'tests.media.tiered.test_tiered_options:"
-        "NoDeadlineMedium' has no transfer_timeout_s, which promotion: never needs" in text
+        "NoDeadlineMedium' has no transfer_timeout_s, which promotion: never and "
+        "write_around need" in text
     )

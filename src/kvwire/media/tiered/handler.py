@@ -28,6 +28,11 @@ tracks which pool slots each tier job uses until the tier reports it ended.
   half gave both the same slot) waits until that load's read of the slot
   ended, at most until its own deadline, then copies the slot as a pool
   block: verified by its header, so a read that failed fails this block too;
+- a save's blocks whose slot is the one past the pool's memory (the index
+  writes them around the pool: `TieredIndex`'s `write_around`) are written
+  to every tier straight from the cache, by the tiers' handlers built over
+  it; the save job ends once its pool part and those writes all ended, and
+  a release of blocks about to be written stops those writes too;
 - a step's spills (`begin_step` with `kvwire.media.tiered.index.Spills`) and
   a write-through (once a pool save job ended) write pool slots whose headers
   name their blocks to every tier. The spills of the slots the step's
@@ -55,6 +60,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence, Set
 
+import attrs
 import torch
 
 from kvwire.blocks.format import HEADER_SIZE, BlockLayout, headers_without_checksum
@@ -162,8 +168,8 @@ class TieredTransferHandler(TransferHandler):
     after the pool's `num_slots` for the spills of promotions' slots.
     `direct`: each tier's medium again (one per tier, in order) and the
     engine's caches, when the tiers' blocks are read straight into the cache
-    (`TierSpan.direct`); the media's `transfer_timeout_s` is at most half the
-    pool's.
+    (`TierSpan.direct`) or written straight from it (around the pool); the
+    media's `transfer_timeout_s` is at most half the pool's.
     """
 
     def __init__(
@@ -199,6 +205,11 @@ class TieredTransferHandler(TransferHandler):
         self._write_through = write_through
         # Each pool save job's transfers until it ended: then they are written through.
         self._saves: dict[int, tuple[BlockTransfer, ...]] = {}
+        # Saves written around the pool: each job's tier jobs, and its pool part's
+        # result until they all ended (a job with no pool part ended there at once).
+        self._around_slot = num_slots + spill_buffers
+        self._around_writes: dict[int, list[tuple[_Tier, int]]] = {}
+        self._around_results: dict[int, JobResult] = {}
         # Spills not submitted yet: each before the next job that writes its slots.
         self._held_spills: list[SpilledBlocks] = []
         # Pool slots a submitted load reads a tier's block into, each with an
@@ -251,6 +262,11 @@ class TieredTransferHandler(TransferHandler):
     # ------------------------------------------------------------- the calls
 
     def submit(self, job: TransferJob) -> None:
+        if job.kind is TransferKind.SAVE and self._direct:
+            pool_job = self._write_around(job)
+            if pool_job is None:
+                return
+            job = pool_job
         # A spill reads its slot before anything writes it again: submitted first.
         if job.kind is TransferKind.SAVE:
             self._submit_held_spills()
@@ -262,6 +278,37 @@ class TieredTransferHandler(TransferHandler):
             # Before any piece runs: a piece sharing a block may run first.
             self._expect_arrivals(_tier_slots(job.transfers))
         self._pool.submit(job)
+
+    def _write_around(self, job: TransferJob) -> TransferJob | None:
+        """Write the save's blocks the pool does not take to every tier; the pool's part.
+
+        None when the pool takes none of them.
+        """
+        around_slot = self._around_slot
+        if not any(around_slot in transfer.slots for transfer in job.transfers):
+            return job
+        in_pool: list[BlockTransfer] = []
+        writes: list[tuple[_Tier, int]] = []
+        for transfer in job.transfers:
+            positions = range(len(transfer.slots))
+            kept = [p for p in positions if transfer.slots[p] != around_slot]
+            if len(kept) == len(transfer.slots):
+                in_pool.append(transfer)
+                continue
+            if kept:
+                in_pool.append(_positions_of(transfer, kept))
+            around = attrs.evolve(
+                _positions_of(transfer, [p for p in positions if transfer.slots[p] == around_slot]),
+                slots=(),
+            )
+            for tier in self._direct:
+                tier.counters.add("written_around_blocks", len(around.block_ids))
+                writes.append((tier, tier.submit(TransferKind.SAVE, around).job_id))
+        self._around_writes[job.job_id] = writes
+        if not in_pool:
+            self._around_results[job.job_id] = JobResult(job.job_id)
+            return None
+        return TransferJob(job.job_id, job.kind, tuple(in_pool))
 
     def _expect_arrivals(self, slots: Iterable[int]) -> None:
         with self._arrivals_lock:
@@ -292,6 +339,8 @@ class TieredTransferHandler(TransferHandler):
         by the loads that waited for them.
         """
         results = self._pool.poll()
+        for tier in (*self._tiers, *self._direct):
+            tier.jobs.poll()
         for result in results:
             transfers = self._saves.pop(result.job_id, None)
             for transfer in transfers or ():
@@ -302,19 +351,46 @@ class TieredTransferHandler(TransferHandler):
                     "written_through_blocks",
                     request_id=transfer.request_id,
                 )
-        for tier in (*self._tiers, *self._direct):
-            tier.jobs.poll()
-        return results
+        if not self._around_writes:
+            return results
+        ended = []
+        for result in results:
+            if result.job_id in self._around_writes:
+                self._around_results[result.job_id] = result
+            else:
+                ended.append(result)
+        for job_id, result in list(self._around_results.items()):
+            if not any(tier.jobs.is_running(write) for tier, write in self._around_writes[job_id]):
+                del self._around_writes[job_id], self._around_results[job_id]
+                ended.append(result)
+        return ended
 
     def wait(self, job_ids: Iterable[int], until: float | None = None) -> bool:
-        """Block until these pool jobs ended (given up on past their deadline), or `until`."""
-        return self._pool.wait(job_ids, until)
+        """Block until these jobs ended (given up on past their deadline), or `until`.
+
+        A save's writes around the pool are waited for with its pool part.
+        """
+        job_ids = list(job_ids)
+        ended = self._pool.wait(job_ids, until)
+        for job_id in job_ids:
+            for tier, write in self._around_writes.get(job_id, ()):
+                ended = tier.jobs.wait([write], until) and ended
+        return ended
 
     def release_saves_reading(
         self, request_ids: Iterable[str], block_ids: Set[int]
     ) -> list[BlockTransfer]:
-        """The pool's saves reading these (see `CPUPoolTransferHandler.release_saves_reading`)."""
-        return self._pool.release_saves_reading(request_ids, block_ids)
+        """The saves reading these: the pool's (see `CPUPoolTransferHandler.release_saves_reading`),
+        and the writes around the pool."""
+        request_ids = list(request_ids)
+        stopped = self._pool.release_saves_reading(request_ids, block_ids)
+        # One write around the pool per tier, each of the same transfer: reported once.
+        around = {
+            id(transfer): transfer
+            for tier in self._direct
+            for transfer in tier.handler.release_saves_reading(request_ids, block_ids)
+        }
+        return stopped + list(around.values())
 
     def begin_step(self, payload: TransferPayload) -> None:
         """Write the step's spills (`Spills`) from their pool slots to the tiers; only submits.

@@ -32,7 +32,12 @@ Which blocks reach the secondary tiers: with `write_through`, every block
 whose pool save is made (the worker writes it once the pool's save job
 ended); with `spill`, each ready block the pool evicts while no tier holds
 it yet (`take_step_payload` gives them as `Spills`, which the worker writes
-from their slots before those slots are written again). Every tier is found
+from their slots before those slots are written again). With
+`write_around`, a block of a save that the pool does not take (its
+admission refused it, or every slot was pinned) and neither holds nor is
+writing around already gets the slot past the pool's memory: the worker
+writes it to the tiers straight from the cache, as a tier alone would
+(`complete_save` tells these blocks from the pool's by that record). Every tier is found
 by key (`Medium.found_by_key`): its worker half writes it on its own, and its
 index places nothing.
 
@@ -206,7 +211,8 @@ class TieredIndex(MediumIndex):
     the worker spills through; a missing block's slot is past them too, so
     that no entry of the memory stands for it. `promotes`: whether a block
     found in a tier is brought into the pool (else read straight into the
-    cache, `Place.DIRECT`).
+    cache, `Place.DIRECT`). `write_around`: a block the pool does not take
+    is written to the tiers from the cache (see the module).
     """
 
     concurrent_lookups: ClassVar[bool] = True
@@ -223,6 +229,7 @@ class TieredIndex(MediumIndex):
         admission: SaveAdmission | None = None,
         spill_buffers: int = 0,
         promotes: bool = True,
+        write_around: bool = False,
     ) -> None:
         if not tiers:
             raise ValueError("TieredIndex: expected at least one secondary tier's index")
@@ -240,6 +247,9 @@ class TieredIndex(MediumIndex):
         self._tiers = tuple(tiers)
         self._write_through = write_through
         self._promotes = promotes
+        self._write_around = write_around
+        # Blocks being written around the pool, by (group, hash): one save writes each.
+        self._around: set[tuple[int, BlockHash]] = set()
         self._scheduler_thread = threading.get_ident()
         self._warn = RateLimitedWarning(logger)
         self._tickets = itertools.count()
@@ -568,8 +578,23 @@ class TieredIndex(MediumIndex):
     def prepare_save(
         self, group: int, block_hashes: Sequence[BlockHash]
     ) -> list[tuple[BlockHash, int | None]]:
-        """The pool's places: the tiers are written from the pool."""
-        return self.pool.prepare_save(group, block_hashes)
+        """The pool's places; with `write_around`, the slot past its memory for the blocks it
+        does not take, which the worker writes to the tiers from the cache."""
+        if not self._write_around:
+            return self.pool.prepare_save(group, block_hashes)
+        # A block already being written around is offered to neither: each hash's
+        # complete_save is then the pool's or the tiers', never both.
+        offered = [h for h in block_hashes if (group, h) not in self._around]
+        placed = dict(self.pool.prepare_save(group, offered))
+        answer: list[tuple[BlockHash, int | None]] = []
+        for block_hash in offered:
+            slot = placed.get(block_hash)
+            if slot is None and not self.pool.holds(group, block_hash):
+                self._around.add((group, block_hash))
+                slot = self._missing_slot
+            if slot is not None:
+                answer.append((block_hash, slot))
+        return answer
 
     def complete_save(
         self, group: int, block_hashes: Sequence[BlockHash], *, success: bool
@@ -577,7 +602,13 @@ class TieredIndex(MediumIndex):
         """As the pool's; with `write_through`, the tiers hold the blocks too.
 
         The worker wrote them to the tiers once the pool's save job ended.
+        Blocks written around the pool are the tiers' alone: only forgotten here.
         """
+        if self._around:
+            around = self._around
+            in_pool = [h for h in block_hashes if (group, h) not in around]
+            around.difference_update((group, h) for h in block_hashes)
+            block_hashes = in_pool
         self.pool.complete_save(group, block_hashes, success=success)
         if success and self._write_through:
             self.pool.mark_clean(group, block_hashes)

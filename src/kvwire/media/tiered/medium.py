@@ -27,6 +27,12 @@ plug-in store, ...), reach the engine only through the pool:
   pool: a block evicted to make room for a promotion is copied into one,
   and written to the tiers from there, so that the promotion reads its
   block into the slot at once instead of waiting for that write;
+- with `write_around: true`, a block of a save that the pool does not take
+  (its admission refused it: `save_threshold`; or every slot was pinned)
+  is written to the tiers straight from the cache, as a tier alone would:
+  with a `save_threshold` above 1, the pool holds the blocks seen again and
+  every other block costs one write, where without it such a block reaches
+  no tier at all;
 - a secondary tier that cannot keep up drops writes (its
   `max_save_bytes_in_flight`, counted as `tier<N>.saves_dropped`); a pool
   slot whose block is still being written waits for it before it is reused,
@@ -42,6 +48,8 @@ plug-in store, ...), reach the engine only through the pool:
   through a second handler of that tier built over the engine's cache, whose
   `transfer_timeout_s` is at most half the pool's (`DIRECT_TIMEOUT_SHARE`)
   so that it gives up on a read before the load that waits for it does;
+- `write_around` (default false): write the blocks the pool does not take
+  to the tiers from the cache (through that same second handler);
 - `tiers` (required): a list of secondary tiers, first looked up first,
   each a mapping of `medium` (a registered medium's name other than
   `tiered`, found by key: not `cpu_pool` nor `peer`) and that medium's own keys:
@@ -84,6 +92,7 @@ from kvwire.config.extra_config import (
     ExtraConfigError,
     ExtraConfigKey,
     ResolvedMedium,
+    bool_key,
 )
 from kvwire.media.base import Medium, MediumContext, MediumIndex, TransferHandler
 from kvwire.media.cpu_pool.medium import CPUPoolMedium, eviction_policy, save_admission
@@ -134,7 +143,7 @@ class TieredMedium(CPUPoolMedium):
             _tier_medium(context, number, tier) for number, tier in enumerate(resolved, 1)
         )
         """The secondary tiers' media, first looked up first."""
-        if not self.promotes:
+        if self.reaches_cache:
             _check_direct_reads(resolved)
         self.spill_buffers = 0 if self.write_through else spill_buffer_count(self.num_slots)
         """The entries of `cpu_pool_bytes` kept as spill buffers, out of the pool's slots."""
@@ -151,6 +160,7 @@ class TieredMedium(CPUPoolMedium):
                 lambda value: value if value in WRITE_POLICIES else None,
                 " or ".join(repr(policy) for policy in WRITE_POLICIES),
             ),
+            bool_key("write_around", False),
             ExtraConfigKey(
                 "promotion",
                 "always",
@@ -175,6 +185,11 @@ class TieredMedium(CPUPoolMedium):
                 "secondary tiers, each a mapping with 'medium' and that medium's keys"
             )
         return options
+
+    @property
+    def reaches_cache(self) -> bool:
+        """Whether the tiers move blocks to and from the cache directly (else only the pool)."""
+        return not self.promotes or bool(self.context.options["write_around"])
 
     @property
     def promotes(self) -> bool:
@@ -222,6 +237,7 @@ class TieredMedium(CPUPoolMedium):
             admission=save_admission(options["save_threshold"], self.num_slots),
             spill_buffers=self.spill_buffers,
             promotes=self.promotes,
+            write_around=bool(options["write_around"]),
         )
 
     def pool_handler(
@@ -242,7 +258,7 @@ class TieredMedium(CPUPoolMedium):
             groups=self.context.groups,
             write_through=self.write_through,
             spill_buffers=self.spill_buffers,
-            direct=None if self.promotes else (self._direct_media(), kv_caches),
+            direct=(self._direct_media(), kv_caches) if self.reaches_cache else None,
         )
 
     def _direct_media(self) -> tuple[Medium, ...]:
@@ -263,14 +279,14 @@ class TieredMedium(CPUPoolMedium):
 
 
 def _check_direct_reads(tiers: tuple[object, ...]) -> None:
-    """Every tier has a `transfer_timeout_s` that `promotion: never` can shorten."""
+    """Every tier has a `transfer_timeout_s` that the reads into the cache can shorten."""
     for position, tier in enumerate(tiers):
         if isinstance(tier, ResolvedMedium) and "transfer_timeout_s" not in tier.options:
             raise ExtraConfigError(
                 f"kv_connector_extra_config.tiers[{position}].medium: {tier.name!r} has no "
-                "transfer_timeout_s, which promotion: never needs, to give up on a read into "
-                "the cache before its load does; expected a store medium (directory, redis, "
-                "...), or promotion: always"
+                "transfer_timeout_s, which promotion: never and write_around need, to give up "
+                "on a transfer with the cache before the pool's job does; expected a store "
+                "medium (directory, redis, ...), or promotion: always without write_around"
             )
 
 
