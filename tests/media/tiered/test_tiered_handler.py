@@ -553,3 +553,75 @@ def test_a_direct_read_that_could_outlive_its_load_is_never_started(caches):
         assert counters.take()["direct_reads_too_late"] == 1
     finally:
         handler.close()
+
+
+def around(handler: TieredTransferHandler, job_id: int, *pool_slots: int) -> None:
+    """A save of cache blocks 3, 4, ...: into `pool_slots`, then the rest around the pool."""
+    count = len(pool_slots) + 2
+    around_slot = 2  # the handler's two slots, no spill buffer: the slot past them
+    transfer = BlockTransfer(
+        request_id=f"r{job_id}",
+        block_ids=tuple(range(3, 3 + count)),
+        block_hashes=tuple(HASHES[3 : 3 + count]),
+        slots=(*pool_slots, around_slot, around_slot),
+    )
+    handler.submit(TransferJob(job_id, TransferKind.SAVE, (transfer,)))
+
+
+def test_a_save_s_blocks_around_the_pool_go_to_the_tier_from_the_cache_and_end_its_job(caches):
+    handler, direct, counters = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
+    try:
+        direct.gate.clear()  # the tier's writes wait
+        around(handler, 7, 0)
+        # The pool's part ended; the job waits for the writes around the pool.
+        assert not handler.wait([7], time.monotonic() + 0.3)
+        assert [r.job_id for r in handler.poll()] == []
+        direct.gate.set()
+        assert handler.wait([7], time.monotonic() + 10)
+        assert [r.job_id for r in handler.poll()] == [7]
+        # Blocks 4 and 5 from the cache, block 3 into pool slot 0 only.
+        assert sorted(direct.held) == [HASHES[4], HASHES[5]]
+        assert same(direct.held[HASHES[4]], block_of(caches, 4))
+        assert handler.take_counters()["tier1.written_around_blocks"] == 2
+        load = BlockTransfer(
+            request_id="r8",
+            block_ids=(6,),
+            block_hashes=(HASHES[3],),
+            slots=(0,),
+            payload=TieredLoad(LoadTicket(0), (Place.POOL,), ()),
+        )
+        handler.submit(TransferJob(8, TransferKind.LOAD, (load,)))
+        assert handler.wait([8], time.monotonic() + 10)
+        assert same(block_of(caches, 6), block_of(caches, 3))
+    finally:
+        direct.gate.set()
+        handler.close()
+
+
+def test_a_save_wholly_around_the_pool_ends_once_its_writes_did(caches):
+    handler, direct, _ = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
+    try:
+        around(handler, 7)
+        assert handler.wait([7], time.monotonic() + 10)
+        assert [r.job_id for r in handler.poll()] == [7]
+        assert sorted(direct.held) == [HASHES[3], HASHES[4]]
+    finally:
+        handler.close()
+
+
+def test_a_release_stops_the_writes_around_the_pool_reading_blocks_about_to_be_written(caches):
+    handler, direct, _ = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
+    try:
+        direct.gate.clear()
+        around(handler, 7)
+        stopped = handler.release_saves_reading((), frozenset({4}))
+        # Reported once, with its request and hashes: the scheduler never publishes them.
+        assert [(t.request_id, t.block_hashes) for t in stopped] == [("r7", (HASHES[3], HASHES[4]))]
+        assert handler.wait([7], time.monotonic() + 10)
+        assert [r.job_id for r in handler.poll()] == [7]
+        direct.gate.set()
+        time.sleep(0.1)
+        assert direct.held == {}  # a released write commits nothing
+    finally:
+        direct.gate.set()
+        handler.close()

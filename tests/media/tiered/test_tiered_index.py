@@ -10,10 +10,12 @@ import pytest
 
 from kvwire.blocks.transfers import TransferPayload
 from kvwire.interface.types import BlockHash, BlockStored
+from kvwire.media.admission import SaveAdmission
 from kvwire.media.base import LoadSpec, MediumIndex
 from kvwire.media.tiered.index import Place, SpilledBlocks, Spills, TieredIndex, TieredLoad
 
 POOL, ARRIVING, TIER, MISSING = Place.POOL, Place.ARRIVING, Place.TIER, Place.MISSING
+DIRECT = Place.DIRECT
 
 
 class SetIndex(MediumIndex):
@@ -394,3 +396,62 @@ def test_a_piece_of_a_load_carries_its_blocks_places_and_its_part_of_each_tiers_
     assert piece.places == (TIER, TIER)
     assert [(s.tier, s.start, s.stop) for s in piece.spans] == [(1, 0, 1), (2, 1, 2)]
     assert payload.part(0, 1).spans == ()
+
+
+def test_without_promotion_tier_blocks_take_no_slot_and_a_lookup_is_not_bounded_by_slots():
+    tier = SetIndex(set(hashes(2, 3, 4, 5, 6)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False, promotes=False)
+    saved(index, hashes(1))
+    # Two slots, yet every block the tier holds counts: none needs a slot.
+    assert index.count_held_prefix(0, hashes(1, 2, 3, 4, 5, 6)) == 6
+    spec = index.prepare_load(0, hashes(1, 2, 3, 4, 5, 6))
+    assert places(spec) == (POOL, DIRECT, DIRECT, DIRECT, DIRECT, DIRECT)
+    assert isinstance(spec.payload, TieredLoad)
+    (span,) = spec.payload.spans
+    assert (span.tier, span.start, span.stop, span.direct) == (1, 1, 6, True)
+    # The slot past the pool's memory: never read.
+    assert spec.slots[1:] == (2,) * 5
+    complete(index, spec, hashes(1, 2, 3, 4, 5, 6))
+    counters = index.take_counters()
+    assert counters["tier1.direct_blocks"] == 5
+    assert "tier1.promoted_blocks" not in counters
+    assert tier.completed == [tuple(hashes(2, 3, 4, 5, 6))]  # told its load ended
+    # The pool kept its own block and took in none of the tier's.
+    assert index.count_held_prefix(0, hashes(1)) == 1
+    assert not any(index.pool.holds(0, h) for h in hashes(2, 3, 4, 5, 6))
+
+
+def test_write_around_gives_the_blocks_the_pool_refuses_the_slot_past_its_memory():
+    tier = SetIndex(set())
+    index = TieredIndex(
+        4,
+        1,
+        "cpu",
+        tiers=[tier],
+        write_through=False,
+        admission=SaveAdmission(2, 1024),
+        write_around=True,
+    )
+    # First sight: the pool refuses all three; each is written around it (slot 4).
+    assert index.prepare_save(0, hashes(1, 2, 3)) == [(h, 4) for h in hashes(1, 2, 3)]
+    # Being written around: offered to neither again.
+    assert index.prepare_save(0, hashes(1, 2, 3)) == []
+    index.complete_save(0, hashes(1, 2, 3), success=True)
+    # The pool holds none of them: the tier does, by key.
+    assert not any(index.pool.holds(0, h) for h in hashes(1, 2, 3))
+    # Seen again: admitted into the pool's slots, nothing around it.
+    placed = index.prepare_save(0, hashes(1, 2))
+    assert [slot < 4 for _, slot in placed] == [True, True]
+    index.complete_save(0, hashes(1, 2), success=True)
+    assert index.count_held_prefix(0, hashes(1, 2)) == 2
+    # A write around the pool that failed is forgotten: offered again next time.
+    assert index.prepare_save(0, hashes(7)) == [(hashes(7)[0], 4)]
+    index.complete_save(0, hashes(7), success=False)
+    assert index.prepare_save(0, hashes(7)) != []
+
+
+def test_without_write_around_the_blocks_the_pool_refuses_are_saved_nowhere():
+    index = TieredIndex(
+        4, 1, "cpu", tiers=[SetIndex(set())], write_through=False, admission=SaveAdmission(2, 1024)
+    )
+    assert index.prepare_save(0, hashes(1, 2, 3)) == []
