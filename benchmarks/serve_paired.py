@@ -23,7 +23,8 @@ the figures understate a difference in such work by half. Each request's time is
 to its whole answer (two tokens, greedy); a server's throughput is its requests
 over the sum of its requests' times. Per pass: each configuration's req/s, the
 first's req/s over the second's (the second's time over the first's) on the whole
-trace and on each half of it, and the outputs the two give alike. Writes
+trace and on each half of it, the outputs the two give alike, and each
+server's prompt tokens computed and counters (``/metrics``, over the pass). Writes
 ``serve-paired-FIRST-SECOND.json`` and ``.md`` (the two names) to ``--output-dir``,
 ``benchmarks/results`` by default.
 
@@ -49,7 +50,7 @@ import attrs
 from benchmarks import serve_tiers
 from benchmarks.common import write_json
 from benchmarks.rounds import positive_int, spread, spread_cell
-from benchmarks.serve import vllm_servers
+from benchmarks.serve import difference, scrape, vllm_servers
 
 NAME = "serve-paired"
 PAIRED_KINDS = tuple(kind for kind in serve_tiers.KINDS if kind != "example")
@@ -179,6 +180,7 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
             with vllm_servers(specs) as started_urls:
                 urls = [started_urls[starting.index(side)] for side in (0, 1)]
                 idle = host_busy_share(3.0)
+                before = [scrape(url) for url in urls]
                 if idle > IDLE_BUSY_WARNING:
                     print(f"    the idle servers kept {idle:.0%} of the host busy", flush=True)
                 seconds: list[list[float]] = [[], []]
@@ -188,7 +190,15 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
                         took, text = complete(urls[side], model, prompt, workload.output_len)
                         seconds[side].append(took)
                         texts[side].append(text)
-            figures = {**pass_figures(seconds, texts), "idle_busy_share": idle}
+                counters = [difference(b, scrape(url)) for b, url in zip(before, urls, strict=True)]
+            figures = {
+                **pass_figures(seconds, texts),
+                "idle_busy_share": idle,
+                "computed_prompt_tokens": [
+                    round(server.get("prompt_tokens_local_compute", 0)) for server in counters
+                ],
+                "server_counters": counters,
+            }
             print(f"    {figures}", flush=True)
             results.append(figures)
     finally:
@@ -214,17 +224,20 @@ def table(summary: dict[str, Any]) -> str:
         f"{summary['workload']['trace']['requests']} requests a pass.",
         "",
         "| pass | req/s: first / second | first over second | by half of the trace "
-        "| outputs alike | idle servers' share of the host |",
-        "|---|---|---|---|---|---|",
+        "| outputs alike | prompt tokens computed: first / second "
+        "| idle servers' share of the host |",
+        "|---|---|---|---|---|---|---|",
     ]
     for number, result in enumerate(summary["passes"], 1):
         rates = " / ".join(f"{rate:.2f}" for rate in result["request_throughput"])
         halves = ", ".join(f"{value:.3f}" for value in result["first_over_second_by_half"])
+        computed = " / ".join(f"{tokens:,}" for tokens in result["computed_prompt_tokens"])
         lines.append(
             f"| {number} | {rates} | {result['first_over_second']:.3f} | {halves} "
-            f"| {result['outputs_equal']} | {result['idle_busy_share']:.3f} |"
+            f"| {result['outputs_equal']} | {computed} | {result['idle_busy_share']:.3f} |"
         )
-    lines.append(f"| median (range) | | {spread_cell(summary['first_over_second'], '.3f')} | | | |")
+    median = spread_cell(summary["first_over_second"], ".3f")
+    lines.append(f"| median (range) | | {median} | | | | |")
     return "\n".join(lines) + "\n"
 
 

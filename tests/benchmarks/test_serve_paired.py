@@ -81,6 +81,7 @@ def test_the_table_gives_every_pass_and_the_median_with_its_range() -> None:
             "first_over_second": ratio,
             "first_over_second_by_half": [ratio, ratio],
             "outputs_equal": 100,
+            "computed_prompt_tokens": [27684, 26564],
             "idle_busy_share": 0.017,
         }
         for ratio in (0.926, 0.957, 0.94)
@@ -94,8 +95,8 @@ def test_the_table_gives_every_pass_and_the_median_with_its_range() -> None:
 
     table = serve_paired.table(summary)
 
-    assert "| 2 | 9.41 / 10.15 | 0.957 | 0.957, 0.957 | 100 | 0.017 |" in table
-    assert "| median (range) | | 0.940 (0.926-0.957) | | | |" in table
+    assert "| 2 | 9.41 / 10.15 | 0.957 | 0.957, 0.957 | 100 | 27,684 / 26,564 | 0.017 |" in table
+    assert "| median (range) | | 0.940 (0.926-0.957) | | | | |" in table
 
 
 def test_outside_the_vllm_venv_it_says_where_it_runs(
