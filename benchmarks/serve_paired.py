@@ -35,6 +35,7 @@ server, and the pairing needs each request sent to two.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import pathlib
@@ -55,10 +56,11 @@ from benchmarks.serve import difference, scrape, vllm_servers
 NAME = "serve-paired"
 PAIRED_KINDS = tuple(kind for kind in serve_tiers.KINDS if kind != "example")
 # Every configuration a pass can run, by label: a kind's quick one has its kind's too.
+CONFIGURATIONS = (*serve_tiers.CONFIGURATIONS, *serve_tiers.REDIS_CONFIGURATIONS)
 PAIRED_LABELS = tuple(
     config.label
-    for config in serve_tiers.CONFIGURATIONS
-    if config.kind in PAIRED_KINDS
+    for config in CONFIGURATIONS
+    if config.kind in (*PAIRED_KINDS, "redis")
     and serve_tiers.BEST not in (config.eviction, config.write_policy)
 )
 PAIRED_NAMES = tuple(dict.fromkeys((*PAIRED_KINDS, *PAIRED_LABELS)))
@@ -75,12 +77,23 @@ def configuration(name: str) -> serve_tiers.Configuration:
     for config in serve_tiers.CONFIGURATIONS:
         if config.kind == name and config.quick:
             return config
-    for config in serve_tiers.CONFIGURATIONS:
+    for config in CONFIGURATIONS:
         if config.label == name and name in PAIRED_LABELS:
             return config
     raise ValueError(
         f"{name!r} is not a kind nor a configuration's label: expected one of {PAIRED_NAMES}"
     )
+
+
+def flush_redis(url: str) -> None:
+    """Drop every entry of the benchmark's own Redis server."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
 
 
 def order(request_index: int) -> tuple[int, int]:
@@ -165,7 +178,13 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
     output_dir.mkdir(parents=True, exist_ok=True)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix=f"kvwire-bench-{NAME}-", dir=output_dir))
     results = []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        redis_url = None
+        if any(serve_tiers.needs_redis(config) for config in configs):
+            from benchmarks.redis import redis_server
+
+            redis_url = stack.enter_context(redis_server())
         model = build_model(scratch / "model", serve_tiers.SHAPE)
         for number in range(passes):
             print(f"  pass {number + 1} of {passes}", flush=True)
@@ -174,7 +193,9 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
             for side in starting:
                 stores = pathlib.Path(tempfile.mkdtemp(prefix="stores-", dir=scratch))
                 config = configs[side]
-                transfer = serve_tiers.transfer_config(config, stores, workload.primary_blocks)
+                transfer = serve_tiers.transfer_config(
+                    config, stores, workload.primary_blocks, redis_url
+                )
                 log = scratch / f"server-{number}-{side}.log"
                 specs.append(serve_tiers.server_spec(model, config, sizes, transfer, log))
             with vllm_servers(specs) as started_urls:
@@ -199,10 +220,11 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
                 ],
                 "server_counters": counters,
             }
-            print(f"    {figures}", flush=True)
+            rates, ratio = figures["request_throughput"], figures["first_over_second"]
+            print(f"    req/s {rates}, first over second {ratio}", flush=True)
             results.append(figures)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            if redis_url is not None:
+                flush_redis(redis_url)  # each pass starts over empty stores
     summary = {
         "configurations": [config.name for config in configs],
         "workload": attrs.asdict(workload),

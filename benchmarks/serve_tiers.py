@@ -176,6 +176,8 @@ class Configuration:
     """Whether --quick runs it too: one configuration of each kind keeps it short."""
     promotion: str = "always"
     write_around: bool = False
+    tier: str = "disk"
+    """A tiered configuration's secondary tier: ``disk`` (a directory) or ``redis``."""
 
     @property
     def label(self) -> str:
@@ -183,6 +185,8 @@ class Configuration:
         if self.kind != "tiered":
             return self.kind
         label = f"tiered-{self.eviction}-{self.write_policy.replace('_', '-')}"
+        if self.tier != "disk":
+            label += f"-{self.tier}"
         if self.promotion != "always":
             label += f"-promotion-{self.promotion}"
         if self.save_threshold != 1:
@@ -199,8 +203,11 @@ def tiered(
     quick: bool = False,
     promotion: str = "always",
     write_around: bool = False,
+    tier: str = "disk",
 ) -> Configuration:
     label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
+    if tier == "redis":
+        label += ", Redis"
     if promotion != "always":
         label += f", promotion {promotion}"
     if write_around:
@@ -214,6 +221,7 @@ def tiered(
         quick,
         promotion,
         write_around,
+        tier,
     )
 
 
@@ -241,6 +249,15 @@ CONFIGURATIONS = (
     Configuration("vLLM ExampleConnector", "example", quick=True),
 )
 KINDS = ("limit", "none", "cpu", "multi", "tiered", "shared-storage", "example")
+# Configurations whose slow tier is Redis: a redis-server started for them. The
+# paired benchmark (benchmarks.serve_paired) runs them; these rounds do not.
+REDIS_CONFIGURATIONS = (
+    Configuration("kvwire Redis alone", "redis"),
+    # The tiered-redis profile's policies, and a pool spilling to Redis.
+    tiered("kvfifo", "write_through", tier="redis"),
+    tiered("kvfifo", "spill", tier="redis"),
+    tiered("kvfifo", "spill", save_threshold=2, write_around=True, tier="redis"),
+)
 # The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
 POOLED_KINDS = ("cpu", "multi", "tiered")
 # Each kind's tiers: a label and the prefix of its counters' names (as /metrics spells
@@ -401,13 +418,31 @@ def pool_bytes(blocks: int) -> int:
     return blocks * (BLOCK_BYTES + HEADER_SIZE)
 
 
+def needs_redis(config: Configuration) -> bool:
+    """Whether a configuration keeps blocks in Redis (``transfer_config`` needs a server)."""
+    return config.kind == "redis" or (config.kind == "tiered" and config.tier == "redis")
+
+
 def transfer_config(
-    config: Configuration, scratch: pathlib.Path, primary_blocks: int
+    config: Configuration,
+    scratch: pathlib.Path,
+    primary_blocks: int,
+    redis_url: str | None = None,
 ) -> dict[str, Any] | None:
-    """vLLM's ``kv_transfer_config`` for a configuration; each store in a directory of its own."""
+    """vLLM's ``kv_transfer_config`` for a configuration; each store in a directory of its own
+    (in Redis, under a key prefix of its own: ``redis_url`` is the server's)."""
     if config.kind in ("limit", "none"):
         return None
     directory = str(scratch / config.name.translate(str.maketrans(" :,()'", "------")))
+    redis: dict[str, Any] = {}
+    if needs_redis(config):
+        if redis_url is None:
+            raise ValueError(f"{config.name}: keeps blocks in Redis, and no redis_url was given")
+        # The tiered-redis profile's tier options; the server and a prefix of this store's.
+        redis = shipped_profile("tiered-redis")["kv_transfer_config"]["kv_connector_extra_config"][
+            "tiers"
+        ][0]
+        redis.update(url=redis_url, key_prefix=f"kvwire-{scratch.name}-{config.label}:")
     if config.kind == "example":
         return {
             "kv_connector": "ExampleConnector",
@@ -450,6 +485,10 @@ def transfer_config(
         profile = shipped_profile("shared-storage")
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]
         options["shared_storage_path"] = directory
+    elif config.kind == "redis":
+        profile = shipped_profile("redis")
+        options = profile["kv_transfer_config"]["kv_connector_extra_config"]
+        options.update((key, value) for key, value in redis.items() if key in options)
     elif config.kind == "tiered":
         profile = {
             "kv_transfer_config": {
@@ -464,7 +503,7 @@ def transfer_config(
                     "write_policy": config.write_policy,
                     "promotion": config.promotion,
                     "write_around": config.write_around,
-                    "tiers": [{"medium": "directory", **disk}],
+                    "tiers": [redis if redis else {"medium": "directory", **disk}],
                 },
             }
         }

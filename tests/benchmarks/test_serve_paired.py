@@ -107,3 +107,26 @@ def test_outside_the_vllm_venv_it_says_where_it_runs(
     with pytest.raises(SystemExit, match="runs in the vLLM venv"):
         serve_paired.run(tmp_path, ["tiered", "none"], quick=True, passes=1)
     assert not list(tmp_path.iterdir())
+
+
+def test_redis_configurations_pair_by_label_each_under_a_key_prefix_of_its_own() -> None:
+    alone = serve_paired.configuration("redis")
+    tiered = serve_paired.configuration("tiered-kvfifo-spill-redis")
+
+    assert serve_tiers.needs_redis(alone) and serve_tiers.needs_redis(tiered)
+    assert not serve_tiers.needs_redis(serve_paired.configuration("tiered"))
+    with pytest.raises(ValueError, match="keeps blocks in Redis, and no redis_url was given"):
+        serve_tiers.transfer_config(alone, pathlib.Path("/s"), 64)
+    url = "redis://127.0.0.1:6399/0"
+    prefixes = []
+    for config, path in ((alone, "/s1"), (tiered, "/s1"), (tiered, "/s2")):
+        transfer = serve_tiers.transfer_config(config, pathlib.Path(path), 64, url)
+        assert transfer is not None
+        options = transfer["kv_connector_extra_config"]["kvwire"]["kv_transfer_config"][
+            "kv_connector_extra_config"
+        ]
+        store = options["tiers"][0] if config.kind == "tiered" else options
+        assert store["url"] == url
+        prefixes.append(store["key_prefix"])
+    # Two servers of a pass, and two passes, never read each other's entries.
+    assert len(set(prefixes)) == 3
