@@ -33,8 +33,13 @@ connector and shared storage, every computed block written to both, LRU (the
 tiered-disk profile before the tiered connector); the tiered offload
 connector (``TieredOffloadConnector``: a CPU pool in front of a directory)
 under several eviction and write policies (``write_through``, ``spill``),
-then the one of those whose pool hit the most blocks again with
-``save_threshold`` 2; shared storage alone and vLLM's ExampleConnector. Every
+one that reads the disk's blocks straight into the cache
+(``promotion: never``), one whose pool takes only blocks saved twice and
+writes the others to the disk from the cache (``save_threshold`` 2,
+``write_around``), then the one of the first whose pool hit the most blocks
+again with ``save_threshold`` 2; shared storage alone and vLLM's
+ExampleConnector (``REDIS_CONFIGURATIONS``, over a redis-server, are
+:mod:`benchmarks.serve_paired`'s, not these rounds'). Every
 CPU pool holds ``Workload.primary_blocks`` blocks, a fraction of the trace's
 distinct blocks. A configuration whose server does not start, or whose
 client fails, is reported failed with the line of its log that says why; the
