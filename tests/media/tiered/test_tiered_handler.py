@@ -569,7 +569,7 @@ def around(handler: TieredTransferHandler, job_id: int, *pool_slots: int) -> Non
 
 
 def test_a_save_s_blocks_around_the_pool_go_to_the_tier_from_the_cache_and_end_its_job(caches):
-    handler, direct, counters = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
+    handler, direct, _ = direct_handler(caches, pool_timeout_s=10, direct_timeout_s=5)
     try:
         direct.gate.clear()  # the tier's writes wait
         around(handler, 7, 0)

@@ -68,12 +68,14 @@ kv_connector_extra_config:
 Counts: the pool's own under their names (`blocks_saved`, `evicted_blocks`,
 ...), each secondary tier's under `tier<N>.` (`tier1.bytes_saved`); the
 scheduler half adds per tier `tier<N>.lookup_hit_blocks`, the blocks it
-brought in (`tier<N>.promoted_blocks`); the worker half the blocks it asked
-each tier to write (`tier<N>.spilled_blocks`, `tier<N>.written_through_blocks`)
-and the writes given up on because their slot was needed
-(`tier<N>.writes_released`), and the blocks evicted for a promotion that
-found no spill buffer free (`spills_without_buffer`: their promotions
-waited for those writes); and the lookup delay:
+brought in (`tier<N>.promoted_blocks`) or had read straight into the cache
+(`tier<N>.direct_blocks`); the worker half the blocks it asked each tier to
+write (`tier<N>.spilled_blocks`, `tier<N>.written_through_blocks`,
+`tier<N>.written_around_blocks`) and the writes given up on because their
+slot was needed (`tier<N>.writes_released`), the blocks evicted for a
+promotion that found no spill buffer free (`spills_without_buffer`: their
+promotions waited for those writes), and the direct reads not started for
+lack of time (`direct_reads_too_late`); and the lookup delay:
 `tier<N>.lookup_microseconds` over `tier<N>.lookups`, and how many took at
 most 1, 10 and 100 ms (`tier<N>.lookups_le_1ms`, ...): the lookup delay's
 histogram.
