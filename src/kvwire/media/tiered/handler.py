@@ -633,9 +633,10 @@ class TieredTransferHandler(TransferHandler):
     def take_counters(self) -> Mapping[str, float]:
         counters = dict(self._pool.take_counters())
         for tier in self._tiers:
-            prefix = tier_prefix(tier.number)
-            self._add_counts(counters, prefix, tier.counters.take())
-            self._add_counts(counters, prefix, tier.handler.take_counters())
+            # The counters both of the tier's handlers add to, and the one over the
+            # pool's own, as one tier's.
+            counts = {**tier.counters.take(), **tier.handler.take_counters()}
+            self._add_counts(counters, tier_prefix(tier.number), counts)
         for tier in self._direct:
             self._add_counts(counters, tier_prefix(tier.number), tier.handler.take_counters())
         return counters
