@@ -151,6 +151,12 @@ def test_promotion_is_always_or_never(tmp_path: pathlib.Path) -> None:
         "kv_connector_extra_config.promotion: 'sometimes' is not accepted by "
         "TieredOffloadConnector; expected 'always' or 'never'" in text
     )
+    status, text = check(tmp_path, {"tiers": tiers, "write_around": "yes"})
+    assert status == 1
+    assert (
+        "kv_connector_extra_config.write_around: 'yes' is not accepted by "
+        "TieredOffloadConnector; expected true or false" in text
+    )
 
 
 class NoDeadlineMedium(Medium):
