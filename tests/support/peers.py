@@ -23,13 +23,13 @@ from kvwire.config import EngineConfig, KVRole, ParallelConfig
 from kvwire.engine.engine import GenerationRequest
 from kvwire.engine.workload import WorkloadSpec, synthetic_workload
 from tests.support.engines import tiny_config, with_connector
-from tests.support.redis import UNHURRIED_LOOKUPS
+from tests.support.redis import UNHURRIED_REDIS
 
 # Engines for the peer medium's tests: the tiny model, the peer medium's config, a workload.
 
 BLOCK_SIZE = 4
 
-UNHURRIED_DEADLINES = {**UNHURRIED_LOOKUPS, "transfer_timeout_s": 30.0}
+UNHURRIED_DEADLINES = {**UNHURRIED_REDIS, "transfer_timeout_s": 30.0}
 """A peer engine's deadlines in a test whose subject is not a deadline. On a host loaded
 by the rest of ``make test`` (the vLLM suite beside this one, a split producer's and a
 split reader's worker processes), a fresh worker's first directory call has taken over

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ParallelConformanceSuite, conformance_engine_config
-from tests.support.redis import UNHURRIED_LOOKUPS, LocalCluster, RedisServer
+from tests.support.redis import UNHURRIED_REDIS, LocalCluster, RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ class TestRedisConnectorAtTP2(ParallelConformanceSuite):
             extra_config={
                 "url": redis_server.url,
                 "key_prefix": key_prefix,
-                **UNHURRIED_LOOKUPS,
+                **UNHURRIED_REDIS,
                 "max_save_bytes_in_flight": "1MiB",
                 # One KV head an entry: TP=1 and TP=2 engines read each other's.
                 "entry_kv_heads": 1,
@@ -43,7 +43,7 @@ class TestRedisClusterConnectorAtTP2(ParallelConformanceSuite):
             extra_config={
                 "url": redis_cluster.url,
                 "key_prefix": key_prefix,
-                **UNHURRIED_LOOKUPS,
+                **UNHURRIED_REDIS,
                 "max_save_bytes_in_flight": "1MiB",
                 "entry_kv_heads": 1,
             },

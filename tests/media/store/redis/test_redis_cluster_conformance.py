@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
-from tests.support.redis import UNHURRIED_LOOKUPS, LocalCluster
+from tests.support.redis import UNHURRIED_REDIS, LocalCluster
 
 # Each needs the six-process local cluster (about 2 s to start): kept out of the fast loop.
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ class TestRedisClusterConnector(ConnectorConformanceSuite):
             extra_config={
                 "url": redis_cluster.url,
                 "key_prefix": key_prefix,
-                **UNHURRIED_LOOKUPS,
+                **UNHURRIED_REDIS,
                 "max_save_bytes_in_flight": "1MiB",
                 "async_load": request.param,
             },

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.config import EngineConfig
 from kvwire.testing import ConnectorConformanceSuite, conformance_engine_config
-from tests.support.redis import UNHURRIED_LOOKUPS, RedisServer
+from tests.support.redis import UNHURRIED_REDIS, RedisServer
 
 
 class TestRedisConnector(ConnectorConformanceSuite):
@@ -36,7 +36,7 @@ class TestRedisConnector(ConnectorConformanceSuite):
             extra_config={
                 "url": url,
                 "key_prefix": key_prefix,
-                **UNHURRIED_LOOKUPS,
+                **UNHURRIED_REDIS,
                 "max_save_bytes_in_flight": "1MiB",
                 "async_load": over_unix_socket_async,
             },
