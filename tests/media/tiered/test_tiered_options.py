@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import io
 import pathlib
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
 from kvwire.cli import check_profile
-from kvwire.config.extra_config import ExtraConfigKey, ResolvedMedium, plugin_classes
-from kvwire.interface.counters import Counters
-from kvwire.media.base import Medium, MediumIndex, TransferHandler
+from kvwire.config.extra_config import ResolvedMedium, plugin_classes
 from kvwire.media.store.directory.medium import DirectoryMedium
 from kvwire.media.tiered.medium import TieredMedium
 from kvwire.registry import default_registry
+from tests.media.tiered.test_tiered_handler import RecordingMedium
 
 
 def check(tmp_path: pathlib.Path, extra: dict[str, Any]) -> tuple[int, str]:
@@ -159,28 +156,13 @@ def test_promotion_is_always_or_never(tmp_path: pathlib.Path) -> None:
     )
 
 
-class NoDeadlineMedium(Medium):
-    """A medium found by key with no transfer_timeout_s of its own."""
-
-    @classmethod
-    def extra_config_keys(cls) -> tuple[ExtraConfigKey, ...]:
-        return ()
-
-    def build_index(self) -> MediumIndex:
-        raise NotImplementedError
-
-    def build_handler(
-        self, kv_caches: Mapping[str, torch.Tensor], counters: Counters
-    ) -> TransferHandler:
-        raise NotImplementedError
-
-
 def test_reading_tier_blocks_straight_into_the_cache_needs_a_tier_deadline(
     tmp_path: pathlib.Path,
 ) -> None:
     tiers = [
         {"medium": "directory", "shared_storage_path": str(tmp_path / "s")},
-        {"medium": f"{NoDeadlineMedium.__module__}:NoDeadlineMedium"},
+        # A medium found by key with no keys at all: no transfer_timeout_s.
+        {"medium": f"{RecordingMedium.__module__}:RecordingMedium"},
     ]
     status, text = check(tmp_path, {"tiers": tiers, "promotion": "always"})
     assert status == 0, text
@@ -188,7 +170,7 @@ def test_reading_tier_blocks_straight_into_the_cache_needs_a_tier_deadline(
         status, text = check(tmp_path, {"tiers": tiers, **extra})
         assert status == 1
     assert (
-        "kv_connector_extra_config.tiers[1].medium: 'tests.media.tiered.test_tiered_options:"
-        "NoDeadlineMedium' has no transfer_timeout_s, which promotion: never and "
+        "kv_connector_extra_config.tiers[1].medium: 'tests.media.tiered.test_tiered_handler:"
+        "RecordingMedium' has no transfer_timeout_s, which promotion: never and "
         "write_around need" in text
     )
