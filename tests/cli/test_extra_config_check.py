@@ -207,7 +207,7 @@ BAD_EXTRA_CONFIGS = [
         "keys are: allow_other_owner, async_load, async_lookup, batch_blocks, entry_kv_heads, "
         "entry_layers, file_mode, fsync, io_threads, load_failures_to_pause, load_pause_s, "
         "lookup_deadline_s, mac_key_env, "
-        "max_bytes, max_save_bytes_in_flight, medium, shared_storage_path, "
+        "max_bytes, max_save_bytes_in_flight, medium, page_cache, shared_storage_path, "
         "transfer_timeout_s",
         id="shared-storage-typo",
     ),

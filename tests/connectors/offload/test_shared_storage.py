@@ -19,6 +19,7 @@ from kvwire.interface.base import KVConnectorRole
 from kvwire.interface.types import KVCacheBlocks, SchedulerOutput
 from kvwire.media.store.directory import DirectoryMedium
 from kvwire.media.store.directory.block_store import DirectoryBlockStore
+from tests.support.page_cache import resident_pages
 from tests.support.pairs import (
     PairFactory,
     blocks_equal,
@@ -254,6 +255,25 @@ def test_fsync_mode_round_trips(shared_storage_pair: PairFactory):
     assert producer.worker.wait_for_pending_saves(30)
     consumer = shared_storage_pair()
     assert consumer.lookup(make_request("c", PROMPT, BLOCK)) == (16, False)
+
+
+def test_a_connector_with_page_cache_drop_saves_and_loads_around_the_page_cache(
+    shared_storage_pair: PairFactory, storage_dir: pathlib.Path
+):
+    producer = shared_storage_pair(seed=4, page_cache="drop")
+    producer.prefill(make_request("p", PROMPT, BLOCK), PRODUCER_BLOCKS)
+    assert producer.worker.wait_for_pending_saves(30)  # type: ignore[attr-defined]
+    files = [str(path) for path in entry_files(storage_dir)]
+    assert len(files) == 4
+    assert [resident_pages(path) for path in files] == [0] * 4
+
+    consumer = shared_storage_pair(page_cache="drop")
+    matched, is_async = consumer.prefill(make_request("c", PROMPT, BLOCK), CONSUMER_BLOCKS)
+
+    assert (matched, is_async) == (16, False)
+    assert consumer.load_errors == set()
+    assert blocks_equal(producer.caches, PRODUCER_BLOCKS[:4], consumer.caches, CONSUMER_BLOCKS[:4])
+    assert [resident_pages(path) for path in files] == [0] * 4
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,8 @@ class DirectoryBlockStore(BlockStore):
     it). `fsync` makes each entry durable before it becomes visible;
     `max_bytes` (0: no cap) bounds the bytes of kvwire's entries under
     `root`; `modes` are the permissions of the files and folders it creates.
+    `drop_from_page_cache`: each entry is written to the disk and its pages
+    dropped from the page cache once written, and again once read.
     """
 
     medium = "disk"
@@ -119,6 +121,7 @@ class DirectoryBlockStore(BlockStore):
         fsync: bool = False,
         max_bytes: int = 0,
         modes: FileModes = PRIVATE,
+        drop_from_page_cache: bool = False,
     ):
         self.root = os.fspath(root)
         # As errors and warnings show it: a root may be as long as the system allows.
@@ -132,6 +135,7 @@ class DirectoryBlockStore(BlockStore):
         self._fsync = fsync
         self._max_bytes = max_bytes
         self._modes = modes
+        self._drop_from_page_cache = drop_from_page_cache
         # Exact modes whatever the umask, at no cost per write when the umask
         # leaves them as they are (the usual case for owner-only files).
         self._chmod_entries = modes.entry & ~process_umask() != modes.entry
@@ -270,6 +274,8 @@ class DirectoryBlockStore(BlockStore):
                 self._discard_opened(key, info)
                 return None
             result = use(fd, info.st_size)
+            if self._drop_from_page_cache:
+                _drop_pages(fd)
             if result is not None and self._max_bytes:
                 # Reads refresh the entry, so eviction is least-recently-used.
                 # Best effort: a reader that may not (a read-only mount,
@@ -366,6 +372,11 @@ class DirectoryBlockStore(BlockStore):
                         batch = _after(batch, done)
                 if self._fsync:
                     os.fsync(fd)
+                if self._drop_from_page_cache:
+                    # Dirty pages cannot be dropped: written out first.
+                    if not self._fsync:
+                        os.fdatasync(fd)
+                    _drop_pages(fd)
             finally:
                 os.close(fd)
             if commit_gate is not None and not commit_gate.is_open():
@@ -567,6 +578,12 @@ class DirectoryBlockStore(BlockStore):
     ) -> int:
         stale = [file for file in contents.temporary_files if now - file.mtime > _STALE_TMP_S]
         return len(self._remove_scanned(shard, contents.folder, stale))
+
+
+def _drop_pages(fd: int) -> None:
+    """Ask the system to drop `fd`'s clean pages from the page cache (advice, never an error)."""
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _io_batches(ranges: Sequence[memoryview], size: int) -> list[list[memoryview]]:

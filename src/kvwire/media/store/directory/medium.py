@@ -14,6 +14,11 @@ blocks appear in KV cache events as medium `disk`.
   (with the folder mode of `file_mode`). It may hold other files: kvwire
   only ever removes its own entries and temporary files, in its own folders;
 - `fsync` (default false): make every entry durable before it is visible;
+- `page_cache` (default `keep`): `drop` keeps entries out of the host's page
+  cache: each is written to the disk (`fdatasync`) and its pages dropped
+  once written, and again once read. For a store much larger than memory,
+  or in a container whose page cache counts against its memory limit:
+  entries then cost the host no memory, and every read comes from the disk;
 - `max_bytes` (default 0, no cap): evict least recently used entries above it;
 - `file_mode` (default `private`): who may read the entries, which can
   reveal prompts. `private`: this user only (entries 0600, folders 0700);
@@ -90,6 +95,16 @@ def _file_mode_key(name: str) -> ExtraConfigKey:
     )
 
 
+def _page_cache_key(name: str) -> ExtraConfigKey:
+    return ExtraConfigKey(
+        name,
+        "keep",
+        lambda value: value if value in ("keep", "drop") else None,
+        '"keep" (entries stay in the page cache as the system decides) or "drop" '
+        "(written to the disk and dropped from the page cache after each write and read)",
+    )
+
+
 def _make_directory(path: str, modes: FileModes) -> None:
     """Create the directory `path` if missing (itself with `modes`, its parents as usual)."""
     if os.path.isdir(path):
@@ -128,6 +143,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
             size_key("max_bytes", 0, minimum=0),
             _file_mode_key("file_mode"),
             bool_key("allow_other_owner", False),
+            _page_cache_key("page_cache"),
         )
 
     def create_store(self, options: Mapping[str, Any]) -> BlockStore:
@@ -165,6 +181,7 @@ class DirectoryMedium(StoreMedium[BlockStore]):
             fsync=options["fsync"],
             max_bytes=options["max_bytes"],
             modes=modes,
+            drop_from_page_cache=options["page_cache"] == "drop",
         )
         return self._directory
 
