@@ -56,7 +56,11 @@ from benchmarks.serve import difference, scrape, vllm_servers
 NAME = "serve-paired"
 PAIRED_KINDS = tuple(kind for kind in serve_tiers.KINDS if kind != "example")
 # Every configuration a pass can run, by label: a kind's quick one has its kind's too.
-CONFIGURATIONS = (*serve_tiers.CONFIGURATIONS, *serve_tiers.REDIS_CONFIGURATIONS)
+CONFIGURATIONS = (
+    *serve_tiers.CONFIGURATIONS,
+    *serve_tiers.REDIS_CONFIGURATIONS,
+    *serve_tiers.COLD_DISK_CONFIGURATIONS,
+)
 PAIRED_LABELS = tuple(
     config.label
     for config in CONFIGURATIONS

@@ -183,12 +183,16 @@ class Configuration:
     write_around: bool = False
     tier: str = "disk"
     """A tiered configuration's secondary tier: ``disk`` (a directory) or ``redis``."""
+    page_cache: str = "keep"
+    """The directory's ``page_cache``: ``drop`` keeps its entries out of the page cache,
+    a disk whose every read comes from the device."""
 
     @property
     def label(self) -> str:
         """A short name for command lines: the kind, and a tiered one's settings."""
+        page_cache = "" if self.page_cache == "keep" else f"-page-cache-{self.page_cache}"
         if self.kind != "tiered":
-            return self.kind
+            return self.kind + page_cache
         label = f"tiered-{self.eviction}-{self.write_policy.replace('_', '-')}"
         if self.tier != "disk":
             label += f"-{self.tier}"
@@ -198,7 +202,7 @@ class Configuration:
             label += f"-threshold-{self.save_threshold}"
         if self.write_around:
             label += "-write-around"
-        return label
+        return label + page_cache
 
 
 def tiered(
@@ -209,6 +213,7 @@ def tiered(
     promotion: str = "always",
     write_around: bool = False,
     tier: str = "disk",
+    page_cache: str = "keep",
 ) -> Configuration:
     label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
     if tier == "redis":
@@ -217,6 +222,8 @@ def tiered(
         label += f", promotion {promotion}"
     if write_around:
         label += ", write_around"
+    if page_cache != "keep":
+        label += f", page_cache {page_cache}"
     return Configuration(
         f"tiered: {label}, save_threshold {save_threshold}",
         "tiered",
@@ -227,6 +234,7 @@ def tiered(
         promotion,
         write_around,
         tier,
+        page_cache,
     )
 
 
@@ -262,6 +270,15 @@ REDIS_CONFIGURATIONS = (
     tiered("kvfifo", "write_through", tier="redis"),
     tiered("kvfifo", "spill", tier="redis"),
     tiered("kvfifo", "spill", save_threshold=2, write_around=True, tier="redis"),
+)
+# Configurations whose disk keeps its entries out of the page cache, so that every read
+# comes from the device: the paired benchmark runs them; these rounds do not.
+COLD_DISK_CONFIGURATIONS = (
+    Configuration(
+        "kvwire shared storage alone, page_cache drop", "shared-storage", page_cache="drop"
+    ),
+    tiered("kvfifo", "spill", page_cache="drop"),
+    tiered("kvfifo", "spill", save_threshold=2, write_around=True, page_cache="drop"),
 )
 # The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
 POOLED_KINDS = ("cpu", "multi", "tiered")
@@ -455,8 +472,14 @@ def transfer_config(
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"shared_storage_path": directory},
         }
-    # The disk's options are the shipped profiles' (no fsync, 4 I/O threads) in every row.
-    disk = {"shared_storage_path": directory, "fsync": False, "io_threads": 4}
+    # The disk's options are the shipped profiles' (no fsync, 4 I/O threads) in every row;
+    # its page cache kept but where a configuration says drop.
+    disk = {
+        "shared_storage_path": directory,
+        "fsync": False,
+        "io_threads": 4,
+        "page_cache": config.page_cache,
+    }
     if config.kind == "multi":
         # A CPU pool and a disk composed by MultiConnector: what the tiered connector replaces.
         profile = {
@@ -489,7 +512,7 @@ def transfer_config(
     elif config.kind == "shared-storage":
         profile = shipped_profile("shared-storage")
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]
-        options["shared_storage_path"] = directory
+        options.update(shared_storage_path=directory, page_cache=config.page_cache)
     elif config.kind == "redis":
         profile = shipped_profile("redis")
         options = profile["kv_transfer_config"]["kv_connector_extra_config"]

@@ -130,3 +130,24 @@ def test_redis_configurations_pair_by_label_each_under_a_key_prefix_of_its_own()
         prefixes.append(store["key_prefix"])
     # Two servers of a pass, and two passes, never read each other's entries.
     assert len(set(prefixes)) == 3
+
+
+def test_cold_disk_configurations_keep_every_entry_out_of_the_page_cache() -> None:
+    alone = serve_paired.configuration("shared-storage-page-cache-drop")
+    tiered = serve_paired.configuration(
+        "tiered-kvfifo-spill-threshold-2-write-around-page-cache-drop"
+    )
+
+    assert (alone.kind, alone.page_cache) == ("shared-storage", "drop")
+    assert (tiered.save_threshold, tiered.write_around, tiered.page_cache) == (2, True, "drop")
+    stores = []
+    for config in (alone, tiered, serve_paired.configuration("shared-storage")):
+        transfer = serve_tiers.transfer_config(config, pathlib.Path("/s"), 64)
+        assert transfer is not None
+        options = transfer["kv_connector_extra_config"]["kvwire"]["kv_transfer_config"][
+            "kv_connector_extra_config"
+        ]
+        stores.append(options["tiers"][0] if config.kind == "tiered" else options)
+    assert [store["page_cache"] for store in stores] == ["drop", "drop", "keep"]
+    # Each in a directory of its own.
+    assert len({store["shared_storage_path"] for store in stores}) == 3
