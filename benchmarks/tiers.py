@@ -33,9 +33,11 @@ optimum knows).
 
 Then the `mixed` trace through the tiered medium's index (`TieredIndex`), a
 pool of each size in front of a disk that holds every block written to it:
-hits of each tier, blocks computed (a miss of both), and blocks written to
-the disk, for each write policy (`write_through`, `spill`) and eviction
-policy; beside it, a `MultiConnector` of a CPU pool and a disk, the
+hits of each tier, blocks computed (a miss of both), blocks written to
+the disk and blocks copied into the pool (saved there or promoted: on a
+disk as fast as memory, the tiered connector's cost over the disk alone),
+for each write policy (`write_through`, `spill`) and eviction policy, with
+`promotion: never` and with `write_around`; beside it, a `MultiConnector` of a CPU pool and a disk, the
 composition the tiered connector replaces (the first child with a hit loads, every computed block
 is saved to both, nothing loaded from the disk enters the pool). Written to
 ``tiers.json`` and ``tiers.md``; ``run`` returns the ratios, for
@@ -159,14 +161,24 @@ class _SetTier(MediumIndex):
 
 
 def simulate_tiered(
-    trace: Trace, capacity: int, eviction: str, save_threshold: int, write_policy: str
+    trace: Trace,
+    capacity: int,
+    eviction: str,
+    save_threshold: int,
+    write_policy: str,
+    *,
+    write_around: bool = False,
+    promotion: str = "always",
 ) -> dict[str, Any]:
     """The trace through the tiered medium's index: a pool of `capacity` in front of a disk.
 
     Hits are counted per tier; a block brought in from the disk is kept in
-    the pool (promotion). The disk is written what `write_policy` says: every
-    block saved in the pool (`write_through`), or each block the pool evicts
-    that the disk lacks (`spill`).
+    the pool (promotion), unless `promotion` is ``never``. The disk is
+    written what `write_policy` says: every block saved in the pool
+    (`write_through`), or each block the pool evicts that the disk lacks
+    (`spill`); with `write_around`, also each block the pool does not take.
+    Pool copies are the blocks copied into the pool: saved there, or brought
+    in from the disk.
     """
     disk = _SetTier()
     index = TieredIndex(
@@ -177,15 +189,18 @@ def simulate_tiered(
         write_through=write_policy == "write_through",
         policy=default_registry().eviction_policies.get_class(eviction)(capacity),
         admission=save_admission(save_threshold, capacity),
+        promotes=promotion == "always",
+        write_around=write_around,
     )
-    asked = pool_hits = disk_hits = written = 0
+    asked = pool_hits = disk_hits = written = pool_copies = 0
     for hashes in trace:
         asked += len(hashes)
         held = index.count_held_prefix(0, hashes)
         if held:
             payload = index.prepare_load(0, hashes[:held]).payload
             assert isinstance(payload, TieredLoad)
-            from_disk = sum(1 for place in payload.places if place is Place.TIER)
+            from_disk = sum(1 for place in payload.places if place in (Place.TIER, Place.DIRECT))
+            pool_copies += sum(1 for place in payload.places if place is Place.TIER)
             missing = [
                 h
                 for h, place in zip(hashes[:held], payload.places, strict=True)
@@ -195,21 +210,31 @@ def simulate_tiered(
             disk_hits += from_disk
             pool_hits += held - from_disk - len(missing)
             held -= len(missing)
-        placed = [block for block, _ in index.prepare_save(0, hashes[held:])]
-        if placed:
+        places = index.prepare_save(0, hashes[held:])
+        if places:
+            # A block the pool does not take has the slot past its memory: written around it.
+            around = [block for block, slot in places if slot is not None and slot >= capacity]
+            placed = [block for block, _ in places]
             index.complete_save(0, placed, success=True)
+            pool_copies += len(placed) - len(around)
+            written += len(around)
+            disk.held.update(around)
             if write_policy == "write_through":
-                written += len(placed)
-                disk.held.update(placed)
+                in_pool = set(placed).difference(around)
+                written += len(in_pool)
+                disk.held.update(in_pool)
         spills = index.take_step_payload()
         for spilled in spills.groups if isinstance(spills, Spills) else ():
             written += len(spilled.block_hashes)
             disk.held.update(spilled.block_hashes)
         index.take_events()
         index.take_counters()
-    return _tier_row(
-        f"tiered {eviction} {write_policy}", save_threshold, asked, pool_hits, disk_hits, written
-    )
+    name = f"tiered {eviction} {write_policy}"
+    if write_around:
+        name += " write_around"
+    if promotion != "always":
+        name += f" promotion {promotion}"
+    return _tier_row(name, save_threshold, asked, pool_hits, disk_hits, written, pool_copies)
 
 
 def simulate_multi_connector(trace: Trace, capacity: int) -> dict[str, Any]:
@@ -221,7 +246,7 @@ def simulate_multi_connector(trace: Trace, capacity: int) -> dict[str, Any]:
     """
     pool = CPUPoolIndex(capacity, 1, "cpu")
     disk: set[BlockHash] = set()
-    asked = pool_hits = disk_hits = written = 0
+    asked = pool_hits = disk_hits = written = pool_copies = 0
     for hashes in trace:
         asked += len(hashes)
         held = pool.count_held_prefix(0, hashes)
@@ -237,16 +262,25 @@ def simulate_multi_connector(trace: Trace, capacity: int) -> dict[str, Any]:
         placed = [block for block, _ in pool.prepare_save(0, computed)]
         if placed:
             pool.complete_save(0, placed, success=True)
+        pool_copies += len(placed)
         new = [block for block in computed if block not in disk]
         written += len(new)
         disk.update(new)
         pool.take_events()
         pool.take_counters()
-    return _tier_row("MultiConnector lru write-through", 1, asked, pool_hits, disk_hits, written)
+    return _tier_row(
+        "MultiConnector lru write-through", 1, asked, pool_hits, disk_hits, written, pool_copies
+    )
 
 
 def _tier_row(
-    name: str, save_threshold: int, asked: int, pool_hits: int, disk_hits: int, written: int
+    name: str,
+    save_threshold: int,
+    asked: int,
+    pool_hits: int,
+    disk_hits: int,
+    written: int,
+    pool_copies: int,
 ) -> dict[str, Any]:
     return {
         "configuration": name,
@@ -255,19 +289,22 @@ def _tier_row(
         "disk_hit_rate": disk_hits / asked,
         "computed_blocks": asked - pool_hits - disk_hits,
         "disk_blocks_written": written,
+        "pool_blocks_copied": pool_copies,
     }
 
 
-TIERED = (
-    ("lru", 1, "write_through"),
-    ("lru", 1, "spill"),
-    ("arc", 1, "write_through"),
-    ("arc", 1, "spill"),
-    ("s3fifo", 1, "spill"),
-    ("kvfifo", 1, "spill"),
-    ("arc", 2, "spill"),
+TIERED: tuple[tuple[str, int, str, dict[str, Any]], ...] = (
+    ("lru", 1, "write_through", {}),
+    ("lru", 1, "spill", {}),
+    ("arc", 1, "write_through", {}),
+    ("arc", 1, "spill", {}),
+    ("s3fifo", 1, "spill", {}),
+    ("kvfifo", 1, "spill", {}),
+    ("kvfifo", 1, "spill", {"promotion": "never"}),
+    ("arc", 2, "spill", {}),
+    ("kvfifo", 2, "spill", {"write_around": True}),
 )
-"""The tiered configurations measured: (eviction, save_threshold, write_policy)."""
+"""The tiered configurations measured: (eviction, save_threshold, write_policy, options)."""
 
 
 def measure_shapes(quick: bool) -> list[dict[str, Any]]:
@@ -340,8 +377,8 @@ def run(output_dir: pathlib.Path, quick: bool) -> dict[str, Any]:
             rows.append(row)
         tiered = [simulate_multi_connector(trace, capacity)]
         tiered += [
-            simulate_tiered(trace, capacity, eviction, threshold, write_policy)
-            for eviction, threshold, write_policy in TIERED
+            simulate_tiered(trace, capacity, eviction, threshold, write_policy, **options)
+            for eviction, threshold, write_policy, options in TIERED
         ]
         for row in tiered:
             row["pool_of_belady"] = row["pool_hit_rate"] / optimum
@@ -507,11 +544,11 @@ def _table(result: dict[str, Any]) -> str:
     lines += [
         "",
         "The pool in front of a disk that holds every block written to it: hits per tier, "
-        "blocks computed and blocks written to the disk.",
+        "blocks computed, blocks written to the disk and blocks copied into the pool.",
         "",
         "| pool (blocks) | configuration | save_threshold | pool hit rate | of Belady "
-        "| disk hit rate | blocks computed | blocks written to disk |",
-        "|---|---|---|---|---|---|---|---|",
+        "| disk hit rate | blocks computed | blocks written to disk | blocks copied into the pool |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for pool in result["pools"]:
         for row in pool["tiered"]:
@@ -519,7 +556,8 @@ def _table(result: dict[str, Any]) -> str:
                 f"| {pool['capacity_blocks']} | {row['configuration']} | "
                 f"{row['save_threshold']} | {row['pool_hit_rate']:.3f} | "
                 f"{row['pool_of_belady']:.2f} | {row['disk_hit_rate']:.3f} | "
-                f"{row['computed_blocks']} | {row['disk_blocks_written']} |"
+                f"{row['computed_blocks']} | {row['disk_blocks_written']} | "
+                f"{row['pool_blocks_copied']} |"
             )
     return "\n".join(lines) + "\n"
 

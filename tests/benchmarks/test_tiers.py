@@ -120,3 +120,33 @@ def test_the_tiered_medium_computes_each_block_about_once_and_spill_writes_no_mo
     # Promotion: the tiered pool hits more than the MultiConnector's, which never
     # keeps what it loaded from the disk.
     assert through["pool_hit_rate"] > multi["pool_hit_rate"]
+
+
+def test_written_around_the_pool_a_block_seen_once_reaches_the_disk_and_not_the_pool() -> None:
+    # Each prompt's first block is shared; a block is saved in the pool once offered twice.
+    trace = [blocks("ab"), blocks("ac"), blocks("ab"), blocks("ad")]
+    refused = tiers.simulate_tiered(trace, 4, "lru", 2, "spill")
+    around = tiers.simulate_tiered(trace, 4, "lru", 2, "spill", write_around=True)
+
+    assert around["configuration"] == "tiered lru spill write_around"
+    # Without it a refused block reaches no tier: "a" and "b" are computed twice each,
+    # saved in the pool at their second sight.
+    assert refused["disk_blocks_written"] == 0 and refused["computed_blocks"] == 6
+    # With it, "a", "b", "c" and "d" go to the disk at first sight and are computed
+    # once; the pool copies only the promoted "a" and "b".
+    assert around["disk_blocks_written"] == 4
+    assert around["computed_blocks"] == 4
+    assert around["pool_blocks_copied"] == 2
+
+
+def test_without_promotion_a_disk_hit_is_copied_into_no_pool_slot() -> None:
+    # Two slots: "c" and "d" push "a" and "b" out to the disk; the last prompt reads them.
+    trace = [blocks("ab"), blocks("cd"), blocks("ab")]
+    promoting = tiers.simulate_tiered(trace, 2, "lru", 1, "spill")
+    direct = tiers.simulate_tiered(trace, 2, "lru", 1, "spill", promotion="never")
+
+    assert direct["configuration"] == "tiered lru spill promotion never"
+    for row in (promoting, direct):
+        assert row["disk_hit_rate"] == 2 / 6 and row["computed_blocks"] == 4
+    assert promoting["pool_blocks_copied"] == 4 + 2
+    assert direct["pool_blocks_copied"] == 4
