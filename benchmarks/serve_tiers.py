@@ -278,6 +278,7 @@ COLD_DISK_CONFIGURATIONS = (
         "kvwire shared storage alone, page_cache drop", "shared-storage", page_cache="drop"
     ),
     tiered("kvfifo", "spill", page_cache="drop"),
+    tiered("kvfifo", "spill", promotion="never", page_cache="drop"),
     tiered("kvfifo", "spill", save_threshold=2, write_around=True, page_cache="drop"),
 )
 # The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
