@@ -236,10 +236,16 @@ def run(output_dir: pathlib.Path, names: Sequence[str], quick: bool, passes: int
         "first_over_second": spread([result["first_over_second"] for result in results]),
         "seconds": round(time.monotonic() - started),
     }
-    stem = "-".join((NAME, *names))
+    stem = result_stem(names, quick)
     write_json(output_dir, f"{stem}.json", summary)
     (output_dir / f"{stem}.md").write_text(table(summary))
     return summary
+
+
+def result_stem(names: Sequence[str], quick: bool) -> str:
+    """The results' file name without its suffix: the pair's names, and ``full`` for the
+    600-request trace, so that a full run of a pair never replaces its quick run."""
+    return "-".join((NAME, *(() if quick else ("full",)), *names))
 
 
 def table(summary: dict[str, Any]) -> str:

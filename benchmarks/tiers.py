@@ -37,9 +37,10 @@ hits of each tier, blocks computed (a miss of both), blocks written to
 the disk and blocks copied into the pool (saved there or promoted: on a
 disk as fast as memory, the tiered connector's cost over the disk alone),
 for each write policy (`write_through`, `spill`) and eviction policy, with
-`promotion: never` and with `write_around`; beside it, a `MultiConnector` of a CPU pool and a disk, the
-composition the tiered connector replaces (the first child with a hit loads, every computed block
-is saved to both, nothing loaded from the disk enters the pool). Written to
+`promotion: never` and with `write_around`; beside it, a `MultiConnector`
+of a CPU pool and a disk, the composition the tiered connector replaces
+(the first child with a hit loads, every computed block is saved to both,
+nothing loaded from the disk enters the pool). Written to
 ``tiers.json`` and ``tiers.md``; ``run`` returns the ratios, for
 ``summary.json``.
 """
@@ -547,7 +548,8 @@ def _table(result: dict[str, Any]) -> str:
         "blocks computed, blocks written to the disk and blocks copied into the pool.",
         "",
         "| pool (blocks) | configuration | save_threshold | pool hit rate | of Belady "
-        "| disk hit rate | blocks computed | blocks written to disk | blocks copied into the pool |",
+        "| disk hit rate | blocks computed | blocks written to disk "
+        "| blocks copied into the pool |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for pool in result["pools"]:

@@ -151,3 +151,10 @@ def test_cold_disk_configurations_keep_every_entry_out_of_the_page_cache() -> No
     assert [store["page_cache"] for store in stores] == ["drop", "drop", "keep"]
     # Each in a directory of its own.
     assert len({store["shared_storage_path"] for store in stores}) == 3
+
+
+def test_a_full_run_of_a_pair_is_written_beside_its_quick_run() -> None:
+    assert serve_paired.result_stem(["tiered", "limit"], quick=True) == "serve-paired-tiered-limit"
+    assert serve_paired.result_stem(["tiered", "limit"], quick=False) == (
+        "serve-paired-full-tiered-limit"
+    )
