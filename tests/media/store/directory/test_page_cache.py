@@ -10,6 +10,7 @@ as the system decides, which the first test shows the check can see.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 
@@ -90,3 +91,21 @@ def test_a_page_cache_other_than_keep_or_drop_is_named_with_what_is_accepted(
         'decides) or "drop" (written to the disk and dropped from the page cache after each '
         "write and read)"
     ) in str(raised.value)
+
+
+def test_an_entry_that_cannot_be_written_to_the_disk_is_not_published(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    def failing_fdatasync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing_fdatasync)
+    store = DirectoryBlockStore(tmp_path, entry_bytes=16, drop_from_page_cache=True)
+    key = f"{'0' * 32}/ab01"
+
+    assert store.put([key], [memoryview(bytes(16))]) == [False]
+
+    assert store.count_prefix([key]) == 0
+    # Neither the entry nor its temporary file is left behind.
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+    assert store.take_counters() == {"write_io_errors": 1}
