@@ -60,8 +60,8 @@ UNHURRIED_REDIS = {"lookup_timeout_s": 30.0, "connect_timeout_s": 30.0}
 """Extra config for an engine test whose subject is not Redis's deadlines: at the defaults
 (1 s a lookup, 2 s a connection's handshake), a server slow to answer on a loaded host
 (the vLLM suite runs beside this one) is taken for down, its lookups miss or its loads
-fail, and an engine that should load finds nothing. A TP=1 engine's load after a TP=2
-one's saves has failed so, its handshake past 2 s."""
+fail, and an engine that should load finds nothing (a TP=1 engine loading what a TP=2
+one saved is one such: its handshake can take over 2 s there)."""
 
 
 def with_redis(
