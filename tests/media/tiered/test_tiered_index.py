@@ -129,6 +129,20 @@ def test_a_block_brought_in_that_failed_is_forgotten_and_its_slot_freed():
     assert not index.pool.holds(0, hashes(4)[0])
 
 
+def test_the_blocks_a_promotion_evicts_count_as_evicted_and_a_failed_one_s_do_not():
+    tier = SetIndex(set(hashes(3, 4)))
+    index = TieredIndex(2, 1, "cpu", tiers=[tier], write_through=False)
+    saved(index, hashes(1, 2))
+    assert "evicted_blocks" not in index.take_counters()
+    wanted = hashes(3, 4)
+    index.count_held_prefix(0, wanted)
+    spec = index.prepare_load(0, wanted)  # evicts blocks 1 and 2 to bring 3 and 4 in
+    # Block 4 fails its read: forgotten, which is no eviction.
+    complete(index, spec, wanted, hashes(4))
+    assert index.take_counters()["evicted_blocks"] == 2
+    assert not index.pool.holds(0, hashes(4)[0])
+
+
 @pytest.mark.parametrize("spill_buffers", [0, 2])
 def test_a_block_that_left_the_pool_after_the_lookup_is_missing_not_an_error(
     spill_buffers: int,

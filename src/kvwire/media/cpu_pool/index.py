@@ -165,9 +165,13 @@ class CPUPoolIndex(MediumIndex):
     def start_promotion(self, group: int, block_hashes: Sequence[BlockHash]) -> list[int | None]:
         """A pinned slot for each block to bring in from a slower tier; None where none is free.
 
-        See `SlotTable.start_promotion`; `finish_promotion` lets go of them.
+        See `SlotTable.start_promotion`; `finish_promotion` lets go of them. The
+        blocks evicted to make room are reported and counted (`evicted_blocks`), as
+        a save's are.
         """
-        return self._index.start_promotion(group, block_hashes)
+        slots = self._index.start_promotion(group, block_hashes)
+        self._count("evicted_blocks", self._record_evictions())
+        return slots
 
     def join_promotion(self, group: int, block_hashes: Sequence[BlockHash]) -> list[int | None]:
         """Share the slots of blocks another load brings in; None for a block no load does."""
@@ -192,10 +196,10 @@ class CPUPoolIndex(MediumIndex):
         self._index.mark_clean(group, block_hashes)
 
     def record_evictions(self) -> None:
-        """Report the blocks evicted since the last report (removed events), not counted.
+        """Report the blocks removed since the last report (removed events), not counted.
 
-        Blocks a promotion's slot evicted are reported by the next call that
-        reports evictions; a tiered medium reports them once a load ended.
+        A tiered medium calls it once a load ended: the blocks of its promotions
+        that failed were forgotten, which is not an eviction.
         """
         self._record_evictions()
 
