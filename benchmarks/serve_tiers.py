@@ -250,13 +250,13 @@ CONFIGURATIONS = (
     tiered("arc", "write_through"),
     tiered("arc", "spill"),
     tiered("s3fifo", "spill"),
-    # The tiered-disk profile's policies.
-    tiered("kvfifo", "spill", quick=True),
+    tiered("kvfifo", "spill"),
     tiered("kvfifo", "write_through"),
     # Tier hits read straight into the cache: the pool keeps only the blocks saved.
     tiered("kvfifo", "spill", promotion="never"),
-    # The blocks seen once go to the disk alone: the pool copies only those seen again.
-    tiered("kvfifo", "spill", save_threshold=2, write_around=True),
+    # The tiered-disk profile's policies: the blocks seen once go to the disk alone, and
+    # the pool copies only those seen again.
+    tiered("kvfifo", "spill", save_threshold=2, write_around=True, quick=True),
     tiered(BEST, BEST, save_threshold=2),
     Configuration("kvwire shared storage alone", "shared-storage", quick=True),
     Configuration("vLLM ExampleConnector", "example", quick=True),

@@ -39,6 +39,19 @@ def test_each_kind_is_the_serve_tiers_configuration_its_quick_run_serves() -> No
         serve_paired.configuration("disk")
 
 
+def test_the_tiered_kind_runs_the_tiered_disk_profile_s_policies() -> None:
+    tiered = serve_paired.configuration("tiered")
+    shipped = serve_tiers.shipped_profile("tiered-disk")["kv_transfer_config"]
+    options = shipped["kv_connector_extra_config"]
+
+    assert (tiered.eviction, tiered.write_policy) == (options["eviction"], options["write_policy"])
+    assert (tiered.save_threshold, tiered.write_around) == (
+        options.get("save_threshold", 1),
+        options.get("write_around", False),
+    )
+    assert tiered.promotion == options.get("promotion", "always")
+
+
 def test_a_configuration_is_named_by_its_label_with_its_settings() -> None:
     direct = serve_paired.configuration("tiered-kvfifo-spill-promotion-never")
 
@@ -48,7 +61,9 @@ def test_a_configuration_is_named_by_its_label_with_its_settings() -> None:
         "spill",
         "never",
     )
-    assert serve_paired.configuration("tiered-kvfifo-spill") == serve_paired.configuration("tiered")
+    assert serve_paired.configuration("tiered-kvfifo-spill-threshold-2-write-around") == (
+        serve_paired.configuration("tiered")
+    )
     # The best row is picked in a serve-tiers run; a pass has none to pick from.
     assert not any("best" in name for name in serve_paired.PAIRED_NAMES)
     options = serve_tiers.transfer_config(direct, pathlib.Path("/s"), 64)

@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -115,6 +116,24 @@ def shared_prompts(count: int = 3, length: int = 300) -> list[dict[str, list[int
         {"prompt_token_ids": [(index * 7 + position) % 1000 + 3 for position in range(length)]}
         for index in range(count)
     ]
+
+
+def counters(
+    stats: Mapping[str, int | float], name: str, *, tiers: bool = False
+) -> list[int | float]:
+    """Every connector's value of counter ``name``: one per child of a MultiConnector, one for
+    any other connector.
+
+    A tiered connector's ``tier<N>.`` counters say again, tier by tier, what its
+    own count (a block promoted from its disk counts in ``blocks_loaded`` and in
+    ``tier1.blocks_loaded``): left out, but with ``tiers``.
+    """
+    values = []
+    for key, value in stats.items():
+        *scope, counter = key.split(".")
+        if counter == name and (tiers or not (scope and re.fullmatch(r"tier\d+", scope[-1]))):
+            values.append(value)
+    return values
 
 
 def with_redis_url(profile: dict[str, Any], url: str, key_prefix: str) -> dict[str, Any]:

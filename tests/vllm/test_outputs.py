@@ -11,6 +11,7 @@ import pytest
 import kvwire.vllm
 from tests.support.vllm import (
     BLOCK_SIZE,
+    counters,
     generate,
     kvwire_transfer_config,
     load_profile_mapping,
@@ -69,32 +70,38 @@ def test_outputs_equal_no_connector_and_warm_pass_loads_from_kvwire(
     assert cold == tokens_without_connector
     assert warm == tokens_without_connector
     assert cached == [LOADABLE_TOKENS] * len(PROMPTS)
-    loaded = sum(value for name, value in stats.items() if name.endswith("blocks_loaded"))
+    loaded = sum(counters(stats, "blocks_loaded"))
     assert loaded == len(PROMPTS) * LOADABLE_TOKENS // BLOCK_SIZE
     assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
     started = sum(value for name, value in stats.items() if name.endswith("lookups_started"))
     assert (started > 0) == bool(options.get("async_lookup"))
 
 
+EVERY_BLOCK_INTO_THE_POOL = {"save_threshold": 1, "write_around": False}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("profile", "write_policy"),
+    ("options", "why"),
     [
-        ("tiered-disk.yaml", "spill"),
-        ("tiered-disk.yaml", "write_through"),
+        # The profile as shipped: a block saved once is written around the pool.
+        ({}, "written_around_blocks"),
+        ({**EVERY_BLOCK_INTO_THE_POOL, "write_policy": "spill"}, "spilled_blocks"),
+        ({**EVERY_BLOCK_INTO_THE_POOL, "write_policy": "write_through"}, "written_through_blocks"),
     ],
+    ids=["tiered-disk.yaml", "spill", "write_through"],
 )
 def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
-    profile: str,
-    write_policy: str,
+    options: dict[str, Any],
+    why: str,
     tiny_model: str,
     tokens_without_connector: list[list[int]],
     tmp_path: pathlib.Path,
 ) -> None:
-    mapping = profile_with_directory(profile, tmp_path)
+    mapping = profile_with_directory("tiered-disk.yaml", tmp_path)
     extra = mapping["kv_transfer_config"]["kv_connector_extra_config"]
     # 12 slots of 32 KiB: one prompt's 9 blocks fit, the next one's evict them.
-    extra.update(cpu_pool_bytes="400KiB", write_policy=write_policy)
+    extra.update(cpu_pool_bytes="400KiB", **options)
     passes: list[list[list[int]]] = [[], []]
     with running_llm(tiny_model, kvwire_transfer_config(mapping)) as llm:
         for outputs in passes:
@@ -106,7 +113,6 @@ def test_a_tiered_pool_too_small_for_the_prompts_brings_them_back_from_its_tier(
         stats = kvwire.vllm.kvwire_stats(llm)
     assert passes == [tokens_without_connector, tokens_without_connector]
     assert stats["evicted_blocks"] > 0
-    why = "spilled_blocks" if write_policy == "spill" else "written_through_blocks"
     assert stats[f"tier1.{why}"] > 0
     assert stats["tier1.promoted_blocks"] == stats["tier1.blocks_loaded"] > 0
     assert not any(value for name, value in stats.items() if name.endswith("load_errors"))
