@@ -19,6 +19,7 @@ import pytest
 
 import kvwire.vllm
 from tests.support.vllm import (
+    counters,
     counting_recoveries,
     generate_within,
     kvwire_transfer_config,
@@ -53,7 +54,7 @@ def cold_pass(llm: Any, prompts: list[dict[str, list[int]]]) -> list[list[int]]:
 def counter(llm: Any, name: str) -> int:
     """kvwire's counter ``name`` (``loads_failed``: requests' loads that failed, once per try)."""
     stats = kvwire.vllm.kvwire_stats(llm)
-    return int(sum(value for key, value in stats.items() if key.split(".")[-1] == name))
+    return int(sum(counters(stats, name)))
 
 
 # ---------------------------------------------------------- loads past their deadline
