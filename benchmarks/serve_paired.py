@@ -60,6 +60,7 @@ CONFIGURATIONS = (
     *serve_tiers.CONFIGURATIONS,
     *serve_tiers.REDIS_CONFIGURATIONS,
     *serve_tiers.COLD_DISK_CONFIGURATIONS,
+    *serve_tiers.LIMIT_CACHE_CONFIGURATIONS,
 )
 PAIRED_LABELS = tuple(
     config.label

@@ -186,11 +186,17 @@ class Configuration:
     page_cache: str = "keep"
     """The directory's ``page_cache``: ``drop`` keeps its entries out of the page cache,
     a disk whose every read comes from the device."""
+    vllm_cache: str = "small"
+    """vLLM's own KV cache: ``small`` (``Workload.vllm_cache_blocks``), or ``limit``, the
+    limit's, which holds every block: the connector then loads nothing, and what it costs
+    beside the limit is its lookups, its saves and vLLM's connector calls."""
 
     @property
     def label(self) -> str:
         """A short name for command lines: the kind, and a tiered one's settings."""
         page_cache = "" if self.page_cache == "keep" else f"-page-cache-{self.page_cache}"
+        if self.vllm_cache != "small":
+            page_cache += f"-{self.vllm_cache}-cache"
         if self.kind != "tiered":
             return self.kind + page_cache
         label = f"tiered-{self.eviction}-{self.write_policy.replace('_', '-')}"
@@ -214,6 +220,7 @@ def tiered(
     write_around: bool = False,
     tier: str = "disk",
     page_cache: str = "keep",
+    vllm_cache: str = "small",
 ) -> Configuration:
     label = "the best above" if eviction == BEST else f"{eviction} {write_policy}"
     if tier == "redis":
@@ -224,6 +231,8 @@ def tiered(
         label += ", write_around"
     if page_cache != "keep":
         label += f", page_cache {page_cache}"
+    if vllm_cache != "small":
+        label += f", vLLM's cache the {vllm_cache}'s"
     return Configuration(
         f"tiered: {label}, save_threshold {save_threshold}",
         "tiered",
@@ -235,6 +244,7 @@ def tiered(
         write_around,
         tier,
         page_cache,
+        vllm_cache,
     )
 
 
@@ -280,6 +290,16 @@ COLD_DISK_CONFIGURATIONS = (
     tiered("kvfifo", "spill", page_cache="drop"),
     tiered("kvfifo", "spill", promotion="never", page_cache="drop"),
     tiered("kvfifo", "spill", save_threshold=2, write_around=True, page_cache="drop"),
+)
+# Configurations whose vLLM cache is the limit's, so that they load nothing: beside the
+# limit, what the connector costs without its loads. The paired benchmark runs them.
+LIMIT_CACHE_CONFIGURATIONS = (
+    Configuration(
+        "kvwire shared storage alone, vLLM's cache the limit's",
+        "shared-storage",
+        vllm_cache="limit",
+    ),
+    tiered("kvfifo", "spill", save_threshold=2, write_around=True, vllm_cache="limit"),
 )
 # The kinds whose primary tier is a CPU pool of Workload.primary_blocks.
 POOLED_KINDS = ("cpu", "multi", "tiered")
@@ -580,7 +600,9 @@ def server_spec(
 ) -> ServerSpec:
     """A configuration's ``vllm serve`` (``server_sizes``): the limit's cache holds every block."""
     cache_blocks = (
-        sizes["limit_cache_blocks"] if config.kind == "limit" else sizes["vllm_cache_blocks"]
+        sizes["limit_cache_blocks"]
+        if config.kind == "limit" or config.vllm_cache == "limit"
+        else sizes["vllm_cache_blocks"]
     )
     return ServerSpec(
         server_args(model, cache_blocks, sizes["max_model_len"], transfer),

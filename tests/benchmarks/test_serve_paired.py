@@ -168,6 +168,25 @@ def test_cold_disk_configurations_keep_every_entry_out_of_the_page_cache() -> No
     assert len({store["shared_storage_path"] for store in stores}) == 3
 
 
+def test_limit_cache_configurations_run_on_the_limit_s_vllm_cache_the_rest_on_the_small_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    sizes = {"max_model_len": 400, "vllm_cache_blocks": 48, "limit_cache_blocks": 1000}
+    tiered = serve_paired.configuration("tiered-kvfifo-spill-threshold-2-write-around-limit-cache")
+    alone = serve_paired.configuration("shared-storage-limit-cache")
+
+    def cache_blocks(config: serve_tiers.Configuration) -> int:
+        spec = serve_tiers.server_spec("m", config, sizes, None, tmp_path / "log")
+        memory = int(spec.args[spec.args.index("--kv-cache-memory-bytes") + 1])
+        return memory // serve_tiers.BLOCK_BYTES
+
+    assert (tiered.save_threshold, tiered.write_around, tiered.vllm_cache) == (2, True, "limit")
+    assert (alone.kind, alone.vllm_cache) == ("shared-storage", "limit")
+    assert cache_blocks(tiered) == cache_blocks(alone) == 1000
+    assert cache_blocks(serve_paired.configuration("tiered")) == 48
+    assert cache_blocks(serve_paired.configuration("limit")) == 1000
+
+
 def test_a_full_run_of_a_pair_is_written_beside_its_quick_run() -> None:
     assert serve_paired.result_stem(["tiered", "limit"], quick=True) == "serve-paired-tiered-limit"
     assert serve_paired.result_stem(["tiered", "limit"], quick=False) == (
