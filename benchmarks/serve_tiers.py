@@ -292,8 +292,10 @@ COLD_DISK_CONFIGURATIONS = (
     tiered("kvfifo", "spill", save_threshold=2, write_around=True, page_cache="drop"),
 )
 # Configurations whose vLLM cache is the limit's, so that they load nothing: beside the
-# limit, what the connector costs without its loads. The paired benchmark runs them.
+# limit, what the connector costs without its loads (the CPU pool's: its calls and its
+# copies into memory; a disk's: its writes too). The paired benchmark runs them.
 LIMIT_CACHE_CONFIGURATIONS = (
+    Configuration("kvwire CPU offload alone, vLLM's cache the limit's", "cpu", vllm_cache="limit"),
     Configuration(
         "kvwire shared storage alone, vLLM's cache the limit's",
         "shared-storage",

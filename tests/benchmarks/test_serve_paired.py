@@ -182,7 +182,8 @@ def test_limit_cache_configurations_run_on_the_limit_s_vllm_cache_the_rest_on_th
 
     assert (tiered.save_threshold, tiered.write_around, tiered.vllm_cache) == (2, True, "limit")
     assert (alone.kind, alone.vllm_cache) == ("shared-storage", "limit")
-    assert cache_blocks(tiered) == cache_blocks(alone) == 1000
+    pool = serve_paired.configuration("cpu-limit-cache")
+    assert cache_blocks(tiered) == cache_blocks(alone) == cache_blocks(pool) == 1000
     assert cache_blocks(serve_paired.configuration("tiered")) == 48
     assert cache_blocks(serve_paired.configuration("limit")) == 1000
 
