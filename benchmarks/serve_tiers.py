@@ -194,11 +194,12 @@ class Configuration:
     @property
     def label(self) -> str:
         """A short name for command lines: the kind, and a tiered one's settings."""
-        page_cache = "" if self.page_cache == "keep" else f"-page-cache-{self.page_cache}"
+        # What sets the configuration's surroundings apart: its disk's page cache, vLLM's cache.
+        surroundings = "" if self.page_cache == "keep" else f"-page-cache-{self.page_cache}"
         if self.vllm_cache != "small":
-            page_cache += f"-{self.vllm_cache}-cache"
+            surroundings += f"-{self.vllm_cache}-cache"
         if self.kind != "tiered":
-            return self.kind + page_cache
+            return self.kind + surroundings
         label = f"tiered-{self.eviction}-{self.write_policy.replace('_', '-')}"
         if self.tier != "disk":
             label += f"-{self.tier}"
@@ -208,7 +209,7 @@ class Configuration:
             label += f"-threshold-{self.save_threshold}"
         if self.write_around:
             label += "-write-around"
-        return label + page_cache
+        return label + surroundings
 
 
 def tiered(
