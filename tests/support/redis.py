@@ -508,11 +508,15 @@ class RedisServer:
         client.config_set("maxmemory-policy", policy)
         client.config_set("maxmemory", used + headroom_bytes)
 
-    def reset(self) -> None:
+    def lift_memory_cap(self) -> None:
+        """No memory limit again: from here on the server evicts nothing, whatever it serves."""
         client = self.client()
         client.config_set("maxmemory", 0)
         client.config_set("maxmemory-policy", "noeviction")
-        client.flushall()
+
+    def reset(self) -> None:
+        self.lift_memory_cap()
+        self.client().flushall()
 
     def _quiet_persistence(self) -> None:
         # No snapshots: a killed server must come back empty, and disk writes
