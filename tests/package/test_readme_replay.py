@@ -26,7 +26,6 @@ def fenced(section: str, language: str) -> str:
 
 @pytest.mark.slow
 def test_the_readme_replay_commands_print_the_rows_it_shows(tmp_path: pathlib.Path) -> None:
-    pytest.importorskip("matplotlib")
     section = readme_replay_section()
     commands = fenced(section, "sh").splitlines()
     assert [line.startswith(COMMAND) for line in commands] == [True, True]

@@ -93,7 +93,6 @@ def test_json_prints_one_object_per_configuration(
 
 
 def test_plot_draws_a_png(trace: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    pytest.importorskip("matplotlib")
     plot = tmp_path / "curve.png"
     assert cli.main(["replay", str(trace), "--blocks", "8,16", "--plot", str(plot)]) == 0
     assert plot.read_bytes().startswith(b"\x89PNG")
