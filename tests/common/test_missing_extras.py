@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from kvwire.common.extras import missing_extra
+from kvwire.common.extras import EXTRA_OF_MODULE, missing_extra
 from tests.support.blocked_imports import run_kvwire_without
 
 CPU_OFFLOAD = """\
@@ -49,16 +49,29 @@ def test_kvwire_run_without_torch_names_the_torch_extra() -> None:
     )
 
 
-def test_kvwire_check_without_xxhash_names_the_torch_extra(tmp_path: pathlib.Path) -> None:
-    result = run_kvwire_without(["xxhash"], ["check", profile(tmp_path, CPU_OFFLOAD)])
+def test_kvwire_check_without_torch_names_the_torch_extra(tmp_path: pathlib.Path) -> None:
+    result = run_kvwire_without(["torch"], ["check", profile(tmp_path, CPU_OFFLOAD)])
 
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.endswith(
         "error: Connector 'CPUOffloadConnector' "
-        "(kvwire.connectors.offload.presets:CPUOffloadConnector) needs xxhash, which is not "
+        "(kvwire.connectors.offload.presets:CPUOffloadConnector) needs torch, which is not "
         "installed: pip install 'kvwire[torch]'\n"
     )
+
+
+def test_kvwire_replay_needs_no_extra(tmp_path: pathlib.Path) -> None:
+    # An operator sizes a pool from a trace on any machine: no torch, no Redis client.
+    extras = sorted(EXTRA_OF_MODULE)
+    trace = str(tmp_path / "t.jsonl")
+    generated = run_kvwire_without(extras, ["replay", "--generate", trace])
+    assert generated.returncode == 0, generated.stderr
+
+    replayed = run_kvwire_without(extras, ["replay", trace, "--blocks", "64"])
+
+    assert (replayed.returncode, replayed.stderr) == (0, "")
+    assert "kvfifo" in replayed.stdout
 
 
 @pytest.mark.torch

@@ -30,7 +30,7 @@ from tests.support.pairs import cache_config_for, engine_config
 REPO = pathlib.Path(__file__).resolve().parents[2]
 POOL = {"cpu_pool_bytes": "1MiB"}
 
-# The offload connectors and their media need the torch extra (torch, xxhash).
+# The offload connectors and their media need the torch extra.
 pytestmark = pytest.mark.torch
 
 

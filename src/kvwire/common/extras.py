@@ -1,6 +1,6 @@
 """Which of kvwire's extras provides an optional dependency, so a missing one says what to install.
 
-kvwire's core needs only dependency-injector, attrs, cattrs and PyYAML; the
+kvwire's core needs only dependency-injector, attrs, cattrs, PyYAML and xxhash; the
 engine and the connectors' data path need the `torch` extra, the Redis
 medium the `redis` extra, the peer medium the `peer` extra (pyproject.toml).
 Where kvwire first imports one of them (`kvwire run`'s engine, the registries
@@ -17,7 +17,6 @@ from kvwire.exceptions import MissingExtraError
 EXTRA_OF_MODULE: dict[str, str] = {
     "torch": "torch",
     "numpy": "torch",
-    "xxhash": "torch",
     "redis": "redis",
     "hiredis": "redis",
     "nixl": "peer",
